@@ -1,0 +1,229 @@
+"""The Summation Service's state: one accumulator and one round number per partition key.
+
+Theory of operation. A key is ``(tensor name, partition index)``. In synchronous
+mode a worker pushes round ``r + 1`` of a key only after it received the sum of
+round ``r``, and the server sends that sum only once all ``n`` workers pushed
+round ``r``. Hence, for one key, the server only ever sees pushes of its current
+round, except when a round failed somewhere (a mismatch, a worker that gave
+up): then a push of a *later* round means its sender has moved on, and the
+current, incomplete round is abandoned (its waiters get an error). Rounds are
+never mixed: every push carries its round and is checked against the key's.
+
+Each push carries a descriptor (dtype, shape, partition offset/count, divisor,
+kind). A descriptor that differs from the round's first one fails the round for
+everyone who pushed it, with a message naming the tensor and both shapes.
+
+Summation runs in a thread pool (the kernels release the GIL), serialized per
+key by a lock; the first contribution of a round is adopted as the accumulator
+without a copy where its dtype needs no widening.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Callable, Final
+
+import numpy as np
+
+from protocol import dtypes
+from protocol.messages import Push
+
+from . import kernels
+
+log = logging.getLogger("bps.server.aggregator")
+
+# Partitions smaller than this are summed on the event loop; the thread hop costs more.
+INLINE_SUM_MAX_BYTES: Final = 256 * 1024
+
+Key = tuple[str, int]
+# reply(push, result bytes) on success; fail(push, message) on failure.
+ReplyFn = Callable[[Push, np.ndarray], None]
+FailFn = Callable[[Push, str], None]
+
+
+@dataclass(slots=True)
+class Contributor:
+    push: Push
+    reply: ReplyFn
+    fail: FailFn
+
+
+@dataclass(slots=True)
+class KeyState:
+    round: int
+    first: Push | None = None
+    acc: np.ndarray | None = None
+    added: int = 0
+    contributors: dict[int, Contributor] = field(default_factory=dict)
+    failed: str | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def describe(push: Push) -> str:
+    shape = "[" + ",".join(str(d) for d in push.shape) + "]"
+    extra = ""
+    if push.kind != "sum":
+        extra += f" ({push.kind})"
+    if push.divisor != 1:
+        extra += f" (average over {push.divisor})"
+    return f"{push.dtype}{shape}{extra}"
+
+
+def _descriptor(push: Push) -> tuple[object, ...]:
+    return (push.dtype, tuple(push.shape), push.offset, push.count, push.divisor, push.kind)
+
+
+@dataclass
+class Counters:
+    """Totals exposed through Stats (tests and metrics)."""
+
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    pushes: int = 0
+    rounds_completed: int = 0
+    rounds_failed: int = 0
+    bytes_by_worker: dict[int, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "bytes_received": self.bytes_received,
+            "bytes_sent": self.bytes_sent,
+            "pushes": self.pushes,
+            "rounds_completed": self.rounds_completed,
+            "rounds_failed": self.rounds_failed,
+            "bytes_by_worker": {str(k): v for k, v in self.bytes_by_worker.items()},
+        }
+
+
+class Aggregator:
+    """Sums the ``n_workers`` pushes of every key and round (see the module docstring)."""
+
+    def __init__(self, n_workers: int, executor: Executor | None = None) -> None:
+        self.n_workers = n_workers
+        self.executor = executor
+        self.keys: dict[Key, KeyState] = {}
+        self.lost_workers: set[int] = set()
+        self.counters = Counters()
+        self.started = time.monotonic()
+
+    # -- events ----------------------------------------------------------------------
+    async def push(self, push: Push, payload: np.ndarray, reply: ReplyFn, fail: FailFn) -> None:
+        """Add one worker's contribution; replies go through ``reply``/``fail`` callbacks."""
+        c = self.counters
+        c.pushes += 1
+        c.bytes_received += payload.nbytes
+        c.bytes_by_worker[push.worker] = c.bytes_by_worker.get(push.worker, 0) + payload.nbytes
+        key = (push.name, push.part)
+        st = self.keys.get(key)
+        if st is None:
+            st = self.keys[key] = KeyState(round=push.round)
+        if push.round < st.round:
+            fail(push, f"tensor {push.name!r} part {push.part}: stale round {push.round}, "
+                       f"the server is at round {st.round}")
+            return
+        if push.round > st.round:
+            if st.contributors and st.failed is None:
+                self._fail_round(key, st, f"tensor {push.name!r} round {st.round} abandoned: worker "
+                                          f"{push.worker} moved on to round {push.round}")
+            st = self.keys[key] = KeyState(round=push.round)
+        if push.worker in self.lost_workers:
+            fail(push, f"worker {push.worker} is marked disconnected")
+            return
+        if st.failed is not None:
+            fail(push, st.failed)
+            return
+        if push.worker in st.contributors:
+            fail(push, f"tensor {push.name!r} part {push.part}: worker {push.worker} pushed round "
+                       f"{push.round} twice")
+            return
+        missing = self.lost_workers - set(st.contributors)
+        if missing:
+            fail(push, f"worker {min(missing)} is disconnected; round {push.round} of {push.name!r} cannot complete")
+            return
+        if st.first is None:
+            st.first = push
+        elif _descriptor(st.first) != _descriptor(push):
+            st.contributors[push.worker] = Contributor(push, reply, fail)
+            self._fail_round(key, st, f"tensor {push.name!r} mismatch: worker {st.first.worker} pushed "
+                                      f"{describe(st.first)} but worker {push.worker} pushed {describe(push)}")
+            return
+        st.contributors[push.worker] = Contributor(push, reply, fail)
+        async with st.lock:
+            if self.keys.get(key) is not st or st.failed is not None:
+                return  # the round was abandoned or failed while we waited; waiters were told
+            await self._add(st, payload, push.dtype)
+            if self.keys.get(key) is not st or st.failed is not None:
+                return
+            st.added += 1
+            if st.added == self.n_workers:
+                await self._complete(key, st)
+
+    def abort(self, name: str, part: int, round_: int, worker: int, message: str) -> None:
+        """A worker gave up a round: fail it for every worker (now and for late pushes)."""
+        key = (name, part)
+        st = self.keys.get(key)
+        if st is None or round_ > st.round:
+            st = self.keys[key] = KeyState(round=round_)
+        if st.round == round_ and st.failed is None:
+            self._fail_round(key, st, f"tensor {name!r} round {round_} aborted by worker {worker}: {message}")
+
+    def worker_lost(self, worker: int) -> int:
+        """Fail every incomplete round still waiting for ``worker``'s push; return how many."""
+        self.lost_workers.add(worker)
+        failed = 0
+        for key, st in list(self.keys.items()):
+            if st.contributors and worker not in st.contributors and st.failed is None:
+                failed += 1
+                self._fail_round(key, st, f"worker {worker} disconnected before pushing round {st.round} "
+                                          f"of {key[0]!r}")
+        return failed
+
+    def worker_joined(self, worker: int) -> None:
+        self.lost_workers.discard(worker)
+
+    # -- internals -------------------------------------------------------------------
+    async def _add(self, st: KeyState, payload: np.ndarray, dtype: str) -> None:
+        if st.acc is None and dtype not in dtypes.HALF_TYPES:
+            st.acc = payload  # adopt the freshly received buffer: no copy
+            return
+        first = st.acc is None
+        if first:
+            st.acc = kernels.new_accumulator(dtype, payload.size)
+        acc = st.acc
+        if payload.nbytes < INLINE_SUM_MAX_BYTES or self.executor is None:
+            kernels.accumulate(acc, payload, dtype, first)
+        else:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self.executor, kernels.accumulate, acc, payload, dtype, first)
+
+    async def _complete(self, key: Key, st: KeyState) -> None:
+        first = st.first
+        assert first is not None and st.acc is not None  # set by the first add
+        acc = st.acc
+        if first.dtype in dtypes.HALF_TYPES or first.divisor != 1:
+            out = np.empty(acc.size, dtype=kernels.STORAGE[first.dtype])
+            if out.nbytes < INLINE_SUM_MAX_BYTES or self.executor is None:
+                kernels.finalize(out, acc, first.dtype, first.divisor)
+            else:
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(self.executor, kernels.finalize, out, acc, first.dtype, first.divisor)
+        else:
+            out = acc
+        # The next round starts from a fresh state; `out` stays alive as long as transports need it.
+        self.keys[key] = KeyState(round=st.round + 1)
+        self.counters.rounds_completed += 1
+        for contributor in st.contributors.values():
+            self.counters.bytes_sent += out.nbytes
+            contributor.reply(contributor.push, out)
+
+    def _fail_round(self, key: Key, st: KeyState, reason: str) -> None:
+        log.warning("%s", reason)
+        st.failed = reason
+        self.counters.rounds_failed += 1
+        for contributor in st.contributors.values():
+            contributor.fail(contributor.push, reason)
+        st.contributors.clear()

@@ -1,0 +1,224 @@
+"""The Summation Service daemon: a thin asyncio transport around :class:`Aggregator`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from protocol import PROTOCOL_VERSION
+from protocol.config import ClusterConfig
+from protocol.errors import ProtocolError
+from protocol.frames import FrameReader, encode_header
+from protocol.messages import (
+    ROLE_WORKER,
+    Abort,
+    Failure,
+    Hello,
+    Message,
+    Push,
+    Result,
+    Stats,
+    StatsRequest,
+    Welcome,
+    parse,
+    to_header,
+)
+
+from . import kernels
+from .aggregator import Aggregator
+
+log = logging.getLogger("bps.server")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything a Summation Service needs, built once from the cluster file and the command line."""
+
+    cluster: ClusterConfig
+    server_id: int
+    threads: int = 2
+    host: str | None = None  # overrides the address in the cluster file (bind address)
+    port: int | None = None
+
+    @property
+    def bind(self) -> tuple[str, int]:
+        spec = self.cluster.server(self.server_id)
+        return (self.host or spec.host, spec.port if self.port is None else self.port)
+
+
+class ServerConnection(asyncio.BufferedProtocol):
+    """One worker's TCP connection: handshake first, then pushes and aborts."""
+
+    def __init__(self, server: "SummationServer") -> None:
+        self.server = server
+        self.reader = FrameReader(max_payload_bytes=server.config.cluster.max_payload_bytes)
+        self.transport: asyncio.Transport | None = None
+        self.worker: int | None = None
+        self.peer = "?"
+        self.closed = False
+
+    # -- asyncio.BufferedProtocol ----------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.peer = str(transport.get_extra_info("peername"))
+        self.server.connections.add(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            for frame in self.reader.buffer_updated(nbytes):
+                message = parse(frame.header)
+                self.handle(message, frame.payload)
+        except ProtocolError as exc:
+            self.protocol_error(str(exc))
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        if self.worker is not None and self.server.links.get(self.worker) is self:
+            del self.server.links[self.worker]
+            if not self.server.stopping:
+                failed = self.server.aggregator.worker_lost(self.worker)
+                level = logging.WARNING if failed else logging.INFO
+                log.log(level, "worker %d (%s) disconnected; %d pending rounds failed", self.worker, self.peer, failed)
+
+    # -- messages --------------------------------------------------------------------
+    def handle(self, message: Message, payload: memoryview | None) -> None:
+        if self.worker is None:
+            self.handshake(message)
+            return
+        if isinstance(message, Push):
+            if message.payload_nbytes != (payload.nbytes if payload is not None else 0):
+                raise ProtocolError(
+                    f"push of {message.name!r} part {message.part} announces {message.count} {message.dtype} "
+                    f"elements but carries {0 if payload is None else payload.nbytes} bytes"
+                )
+            if message.worker != self.worker:
+                raise ProtocolError(f"worker {self.worker} pushed as worker {message.worker}")
+            total = 1
+            for d in message.shape:
+                total *= d
+            if message.offset + message.count > total:
+                raise ProtocolError(f"push of {message.name!r} part {message.part} exceeds its tensor's "
+                                    f"{total} elements")
+            data = (kernels.as_array(payload, message.dtype) if payload is not None
+                    else np.empty(0, dtype=kernels.STORAGE[message.dtype]))
+            self.server.spawn(self.server.aggregator.push(message, data, self.reply, self.fail))
+        elif isinstance(message, Abort):
+            self.server.aggregator.abort(message.name, message.part, message.round, self.worker, message.message)
+        elif isinstance(message, StatsRequest):
+            self.send(Stats(message.req, self.server.stats()))
+        else:
+            raise ProtocolError(f"unexpected {message.TYPE} message from worker {self.worker}")
+
+    def handshake(self, message: Message) -> None:
+        if not isinstance(message, Hello):
+            raise ProtocolError(f"expected hello, got {message.TYPE}")
+        if message.version != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {message.version} not supported (this server speaks "
+                                f"{PROTOCOL_VERSION})")
+        if message.role != ROLE_WORKER or not 0 <= message.id < self.server.config.cluster.workers:
+            raise ProtocolError(f"hello from {message.role} {message.id}: only workers "
+                                f"0..{self.server.config.cluster.workers - 1} may connect")
+        self.worker = message.id
+        old = self.server.links.get(message.id)
+        self.server.links[message.id] = self
+        if old is not None and not old.closed:
+            log.warning("worker %d reconnected from %s; closing its old connection", message.id, self.peer)
+            old.close()
+        self.server.aggregator.worker_joined(message.id)
+        log.info("worker %d connected from %s", message.id, self.peer)
+        self.send(Welcome(PROTOCOL_VERSION, worker=message.id, workers=self.server.config.cluster.workers))
+
+    # -- replies ---------------------------------------------------------------------
+    def reply(self, push: Push, out: np.ndarray) -> None:
+        self.send(Result(push.req, push.name, push.part, push.round), out)
+
+    def fail(self, push: Push, message: str) -> None:
+        self.send(Failure(push.req, message, code="round_failed"))
+
+    def send(self, message: Message, payload: np.ndarray | None = None) -> None:
+        if self.closed or self.transport is None or self.transport.is_closing():
+            return
+        nbytes = 0 if payload is None else payload.nbytes
+        head = encode_header(to_header(message), nbytes,
+                             max_payload_bytes=self.server.config.cluster.max_payload_bytes)
+        if payload is None or nbytes == 0:
+            self.transport.write(head)
+        else:
+            self.transport.writelines([head, memoryview(payload).cast("B")])
+
+    def protocol_error(self, reason: str) -> None:
+        who = f"worker {self.worker}" if self.worker is not None else "unidentified peer"
+        log.warning("dropping %s at %s: %s", who, self.peer, reason)
+        self.send(Failure(-1, reason, code="protocol_error"))
+        self.close()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+        self.closed = True
+
+
+class SummationServer:
+    """Server-wide state: the aggregator, live connections and tasks."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-sum")
+        self.aggregator = Aggregator(config.cluster.workers, self.executor)
+        self.connections: set[ServerConnection] = set()
+        self.links: dict[int, ServerConnection] = {}
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.stopping = False
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> tuple[str, int]:
+        """Listen; returns the bound (host, port)."""
+        host, port = self.config.bind
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: ServerConnection(self), host, port, reuse_address=True)
+        sockname = self._server.sockets[0].getsockname()
+        log.info("summation service %d listening on %s:%d (%d workers)", self.config.server_id,
+                 sockname[0], sockname[1], self.config.cluster.workers)
+        return sockname[0], sockname[1]
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("internal error in a push", exc_info=task.exception())
+
+    def stats(self) -> dict[str, Any]:
+        data = self.aggregator.counters.as_dict()
+        data["server"] = self.config.server_id
+        data["connections"] = len(self.connections)
+        data["keys"] = len(self.aggregator.keys)
+        return data
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight sums finish briefly, close every connection."""
+        self.stopping = True
+        if self._server is not None:
+            self._server.close()
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=2.0)
+        for conn in list(self.connections):
+            conn.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,50 @@
+"""What every daemon of the project needs: a uvloop loop, logging, systemd readiness, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from typing import Callable
+
+import uvloop
+
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+def setup_logging(level: str) -> None:
+    """Log to stderr (journald picks it up under systemd)."""
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=LOG_FORMAT, force=True)
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """The daemons' loop: uvloop, chosen by factory rather than a global policy."""
+    return uvloop.new_event_loop()
+
+
+def sd_notify(state: str, notify_socket: str | None) -> bool:
+    """Send ``state`` (e.g. ``READY=1``) to systemd's notify socket, if there is one."""
+    if not notify_socket:
+        return False
+    address = "\0" + notify_socket[1:] if notify_socket.startswith("@") else notify_socket
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.sendto(state.encode(), address)
+        return True
+    except OSError as exc:
+        logging.getLogger("bps").debug("cannot notify systemd at %s: %s", notify_socket, exc)
+        return False
+
+
+def install_stop_signals(loop: asyncio.AbstractEventLoop, stop: Callable[[], None]) -> None:
+    """SIGTERM and SIGINT ask the daemon to stop cleanly."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+
+
+def describe_bind_error(exc: OSError, what: str) -> str:
+    """A one-line reason for a failed bind/listen."""
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    return f"cannot listen on {what}: {reason}"

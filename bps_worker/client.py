@@ -1,0 +1,428 @@
+"""The client API for any framework (numpy arrays): ``import bps_worker.client as bps``.
+
+A training process connects to its machine's worker daemon over a Unix socket.
+Only control messages use the socket: each tensor name gets a shared-memory
+segment (created by the daemon, reused across rounds) that the tensor is
+copied into, and the daemon writes the result back into the same segment.
+
+Example::
+
+    import bps_worker.client as bps
+    bps.init()                       # BPS_SOCKET and BPS_LOCAL_RANK / LOCAL_RANK from the environment
+    g = bps.push_pull(grad, "layer1.weight")   # mean over all processes of the cluster
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket as _socket
+import threading
+import time
+from dataclasses import dataclass, field
+from math import prod
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any, Final
+
+import ml_dtypes
+import numpy as np
+
+from protocol import PROTOCOL_VERSION, dtypes
+from protocol.errors import ProtocolError
+from protocol.frames import FrameReader, encode_header
+from protocol.messages import (
+    KIND_BROADCAST,
+    KIND_SUM,
+    ROLE_CLIENT,
+    Alloc,
+    Allocated,
+    Done,
+    Failure,
+    Hello,
+    Message,
+    Op,
+    Welcome,
+    parse,
+    to_header,
+)
+
+from . import shm
+from .errors import BPSConnectionError, BPSError, BPSMismatchError, BPSTimeoutError
+
+__all__ = [
+    "BPSError", "BPSConnectionError", "BPSMismatchError", "BPSTimeoutError", "Handle",
+    "init", "shutdown", "rank", "size", "local_rank", "local_size",
+    "push_pull", "push_pull_async", "poll", "synchronize", "broadcast", "is_initialized",
+]
+
+DEFAULT_TIMEOUT_S: Final = 30.0
+CONNECT_RETRY_S: Final = 0.05
+
+NUMPY_DTYPES: Final[dict[str, np.dtype]] = {
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+}
+_NAME_OF: Final[dict[np.dtype, str]] = {v: k for k, v in NUMPY_DTYPES.items()}
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    try:
+        return _NAME_OF[np.dtype(dtype)]
+    except KeyError:
+        raise BPSError(f"unsupported dtype {np.dtype(dtype)}; supported: {', '.join(NUMPY_DTYPES)}") from None
+
+
+@dataclass(eq=False)
+class Handle:
+    """An operation in flight; pass it to :func:`poll` or :func:`synchronize`."""
+
+    req: int
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    out: np.ndarray | None
+    _segment: SharedMemory = field(repr=False)
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+    _error: BPSError | None = field(default=None, repr=False)
+    _consumed: bool = field(default=False, repr=False)
+
+    def _result_view(self) -> np.ndarray:
+        count = prod(self.shape)
+        return np.frombuffer(self._segment.buf, dtype=self.dtype, count=count).reshape(self.shape)
+
+
+class _Connection:
+    """The process's connection to its worker daemon (one per process)."""
+
+    def __init__(self, path: str, local_rank: int, timeout: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        self.sock = self._connect(path, timeout)
+        self.reader = FrameReader(max_payload_bytes=0)
+        self.send_lock = threading.Lock()
+        self.state_lock = threading.Lock()
+        self.reqs = itertools.count(1)
+        self.handles: dict[int, Handle] = {}
+        self.rpcs: dict[int, tuple[threading.Event, list[Message]]] = {}
+        self.inflight: dict[str, Handle] = {}
+        self.segments: dict[str, SharedMemory] = {}  # tensor name -> attached segment
+        self.broken: BPSError | None = None
+        welcome = self._handshake(local_rank)
+        self.rank, self.size = welcome.rank, welcome.size
+        self.local_rank, self.local_size = welcome.local_rank, welcome.local_size
+        self.worker = welcome.worker
+        self.thread = threading.Thread(target=self._read_loop, name="bps-client-reader", daemon=True)
+        self.thread.start()
+
+    # -- set-up ----------------------------------------------------------------------
+    @staticmethod
+    def _connect(path: str, timeout: float) -> _socket.socket:
+        deadline = time.monotonic() + timeout
+        while True:
+            sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+            try:
+                sock.connect(path)
+                return sock
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise BPSConnectionError(f"no worker daemon listens on {path} (waited {timeout:g} s): "
+                                             f"{exc.strerror}") from None
+                time.sleep(CONNECT_RETRY_S)
+            except OSError as exc:
+                sock.close()
+                raise BPSConnectionError(f"cannot connect to the worker daemon at {path}: {exc}") from None
+
+    def _handshake(self, local_rank: int) -> Welcome:
+        self.sock.settimeout(self.timeout)
+        try:
+            self._send(Hello(PROTOCOL_VERSION, ROLE_CLIENT, local_rank, os.getpid()))
+            while True:
+                data = self.sock.recv(65536)
+                if not data:
+                    raise BPSConnectionError(f"worker daemon at {self.path} closed the connection during the "
+                                             f"handshake")
+                frames = self.reader.receive_data(data)
+                if frames:
+                    break
+        except _socket.timeout:
+            self.sock.close()
+            raise BPSTimeoutError(f"worker daemon at {self.path} did not answer within {self.timeout:g} s") \
+                from None
+        except (OSError, ProtocolError) as exc:
+            self.sock.close()
+            raise BPSConnectionError(f"handshake with the worker daemon at {self.path} failed: {exc}") from None
+        self.sock.settimeout(None)
+        message = parse(frames[0].header)
+        if isinstance(message, Failure):
+            self.sock.close()
+            raise BPSError(f"worker daemon at {self.path} refused local rank {local_rank}: {message.message}")
+        if not isinstance(message, Welcome):
+            self.sock.close()
+            raise BPSConnectionError(f"worker daemon at {self.path} answered {message.TYPE} to hello")
+        return message
+
+    # -- I/O -------------------------------------------------------------------------
+    def _send(self, message: Message) -> None:
+        data = encode_header(to_header(message), 0)
+        with self.send_lock:
+            try:
+                self.sock.sendall(data)
+            except OSError as exc:
+                raise BPSConnectionError(f"lost the connection to the worker daemon at {self.path}: {exc}") \
+                    from None
+
+    def _read_loop(self) -> None:
+        reason = "the worker daemon closed the connection"
+        try:
+            while True:
+                buf = self.reader.get_buffer()
+                n = self.sock.recv_into(buf)
+                if n == 0:
+                    break
+                for frame in self.reader.buffer_updated(n):
+                    self._dispatch(parse(frame.header))
+        except ProtocolError as exc:
+            reason = f"the worker daemon sent a bad frame: {exc}"
+        except OSError as exc:
+            reason = f"connection to the worker daemon failed: {exc}"
+        except _FatalFailure as exc:
+            reason = f"the worker daemon dropped this process: {exc}"
+        self._fail_everything(BPSConnectionError(f"{reason} ({self.path})"))
+
+    def _dispatch(self, message: Message) -> None:
+        if isinstance(message, Failure) and message.req == -1:
+            raise _FatalFailure(message.message)
+        req = getattr(message, "req", None)
+        with self.state_lock:
+            handle = self.handles.pop(req, None) if isinstance(message, (Done, Failure)) else None
+            rpc = self.rpcs.pop(req, None) if handle is None else None
+        if handle is not None:
+            if isinstance(message, Failure):
+                cls = BPSMismatchError if message.code == "mismatch" else BPSError
+                handle._error = cls(message.message)
+            handle._done.set()
+        elif rpc is not None:
+            rpc[1].append(message)
+            rpc[0].set()
+
+    def _fail_everything(self, exc: BPSError) -> None:
+        with self.state_lock:
+            self.broken = exc
+            handles = list(self.handles.values())
+            self.handles.clear()
+            rpcs = list(self.rpcs.values())
+            self.rpcs.clear()
+        for h in handles:
+            h._error = exc
+            h._done.set()
+        for event, _ in rpcs:
+            event.set()
+
+    def check(self) -> None:
+        if self.broken is not None:
+            raise BPSConnectionError(str(self.broken))
+
+    def rpc(self, message: Alloc) -> Message:
+        event = threading.Event()
+        box: list[Message] = []
+        with self.state_lock:
+            self.check()
+            self.rpcs[message.req] = (event, box)
+        self._send(message)
+        if not event.wait(self.timeout):
+            with self.state_lock:
+                self.rpcs.pop(message.req, None)
+            raise BPSTimeoutError(f"worker daemon did not answer {message.TYPE} within {self.timeout:g} s")
+        self.check()
+        return box[0]
+
+    # -- segments --------------------------------------------------------------------
+    def segment_for(self, name: str, nbytes: int) -> SharedMemory:
+        seg = self.segments.get(name)
+        if seg is not None and seg.size >= nbytes:
+            return seg
+        reply = self.rpc(Alloc(next(self.reqs), name, nbytes))
+        if isinstance(reply, Failure):
+            raise BPSError(reply.message)
+        assert isinstance(reply, Allocated)
+        if seg is not None:
+            shm.release(seg, unlink=False)
+        try:
+            seg = shm.attach_segment(reply.segment)
+        except OSError as exc:
+            raise BPSError(f"cannot attach shared-memory segment {reply.segment!r} for {name!r}: {exc}") from None
+        self.segments[name] = seg
+        return seg
+
+    # -- operations ------------------------------------------------------------------
+    def start(self, array: np.ndarray, name: str, kind: str, *, average: bool, priority: int, root: int,
+              out: np.ndarray | None) -> Handle:
+        if not isinstance(name, str) or not name:
+            raise BPSError(f"tensor name must be a non-empty string, got {name!r}")
+        array = np.asarray(array)
+        dtype = dtype_name(array.dtype)
+        if average and dtype not in dtypes.FLOAT_TYPES:
+            raise BPSError(f"tensor {name!r}: average=True needs a floating dtype, got {dtype}; pass average=False")
+        if out is not None:
+            if not isinstance(out, np.ndarray) or out.shape != array.shape or out.dtype != array.dtype:
+                raise BPSError(f"tensor {name!r}: out must be a numpy array of shape {array.shape} and dtype "
+                               f"{array.dtype}")
+            if not out.flags.writeable:
+                raise BPSError(f"tensor {name!r}: out is read-only")
+        self.check()
+        if name in self.inflight:
+            raise BPSError(f"tensor {name!r} is already in flight in this process; synchronize it first")
+        seg = self.segment_for(name, array.nbytes)
+        view = np.frombuffer(seg.buf, dtype=array.dtype, count=array.size).reshape(array.shape)
+        np.copyto(view, array)
+        del view
+        handle = Handle(next(self.reqs), name, array.dtype, array.shape, out, seg)
+        op = Op(handle.req, name, kind, dtype, list(array.shape), seg.name, average=average, priority=priority,
+                root=root)
+        with self.state_lock:
+            self.check()
+            self.handles[handle.req] = handle
+            self.inflight[name] = handle
+        try:
+            self._send(op)
+        except BPSError:
+            with self.state_lock:
+                self.handles.pop(handle.req, None)
+                self.inflight.pop(name, None)
+            raise
+        return handle
+
+    def finish(self, handle: Handle, timeout: float | None) -> np.ndarray:
+        if handle._consumed:
+            raise BPSError(f"handle of {handle.name!r} was already synchronized")
+        if not handle._done.wait(timeout):
+            raise BPSTimeoutError(f"tensor {handle.name!r} did not complete within {timeout:g} s")
+        handle._consumed = True
+        with self.state_lock:
+            if self.inflight.get(handle.name) is handle:
+                del self.inflight[handle.name]
+        if handle._error is not None:
+            raise handle._error
+        view = handle._result_view()
+        if handle.out is not None:
+            np.copyto(handle.out, view)
+            return handle.out
+        return view.copy()
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(_socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self.thread.join(timeout=5.0)
+        for seg in self.segments.values():
+            shm.release(seg, unlink=False)
+        self.segments.clear()
+
+
+class _FatalFailure(Exception):
+    pass
+
+
+_conn: _Connection | None = None
+_lock = threading.Lock()
+
+
+def _connection() -> _Connection:
+    conn = _conn
+    if conn is None:
+        raise BPSError("bps_worker.client is not initialized; call init() first")
+    return conn
+
+
+def init(socket: str | None = None, local_rank: int | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Connect this process to its machine's worker daemon.
+
+    ``socket`` defaults to the environment variable ``BPS_SOCKET``; ``local_rank``
+    to ``BPS_LOCAL_RANK``, else ``LOCAL_RANK`` (as set by torchrun). ``timeout``
+    bounds the wait for the daemon and for its answers to control requests.
+    """
+    global _conn
+    with _lock:
+        if _conn is not None:
+            return
+        path = socket or os.environ.get("BPS_SOCKET")
+        if not path:
+            raise BPSError("no worker socket: pass init(socket=...) or set BPS_SOCKET")
+        if local_rank is None:
+            text = os.environ.get("BPS_LOCAL_RANK", os.environ.get("LOCAL_RANK"))
+            if text is None:
+                raise BPSError("no local rank: pass init(local_rank=...) or set BPS_LOCAL_RANK or LOCAL_RANK")
+            try:
+                local_rank = int(text)
+            except ValueError:
+                raise BPSError(f"local rank must be an integer, got {text!r}") from None
+        _conn = _Connection(path, local_rank, timeout)
+
+
+def is_initialized() -> bool:
+    return _conn is not None
+
+
+def shutdown() -> None:
+    """Disconnect; the daemon frees this process's shared memory. Safe to call twice."""
+    global _conn
+    with _lock:
+        if _conn is not None:
+            _conn.close()
+            _conn = None
+
+
+def rank() -> int:
+    """Global rank of this process (ranks are numbered worker by worker)."""
+    return _connection().rank
+
+
+def size() -> int:
+    """Training processes in the whole cluster."""
+    return _connection().size
+
+
+def local_rank() -> int:
+    return _connection().local_rank
+
+
+def local_size() -> int:
+    return _connection().local_size
+
+
+def push_pull_async(array: np.ndarray, name: str, *, average: bool = True, priority: int = 0,
+                    out: np.ndarray | None = None) -> Handle:
+    """Start summing ``array`` across every process of the cluster (the mean if ``average``)."""
+    return _connection().start(array, name, KIND_SUM, average=average, priority=priority, root=-1, out=out)
+
+
+def poll(handle: Handle) -> bool:
+    """True once the operation finished (successfully or not)."""
+    return handle._done.is_set()
+
+
+def synchronize(handle: Handle, timeout: float | None = None) -> np.ndarray:
+    """Wait for ``handle`` and return its result (``out`` if one was given); raise BPSError on failure."""
+    return _connection().finish(handle, timeout)
+
+
+def push_pull(array: np.ndarray, name: str, *, average: bool = True, priority: int = 0,
+              out: np.ndarray | None = None) -> np.ndarray:
+    """Sum (or mean over ``size()``) of ``array`` across every process; identical bytes everywhere."""
+    return synchronize(push_pull_async(array, name, average=average, priority=priority, out=out))
+
+
+def broadcast(array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
+    """``root_rank``'s ``array``, on every process."""
+    conn = _connection()
+    if not isinstance(root_rank, int) or not 0 <= root_rank < conn.size:
+        raise BPSError(f"root_rank must be in 0..{conn.size - 1}, got {root_rank!r}")
+    return conn.finish(conn.start(array, name, KIND_BROADCAST, average=False, priority=0, root=root_rank,
+                                  out=None), None)

@@ -1,0 +1,460 @@
+"""The Communication Service: one daemon per machine.
+
+Training processes connect over a Unix socket (control messages only). Their
+tensors live in shared-memory segments that this daemon creates for them. For
+each tensor name the daemon waits for all ``local_size`` processes (a *local
+round*), checks that they agree on the tensor, sums their contributions with
+the summation kernels, pushes the sum's partitions to the servers chosen by
+:mod:`bps_worker.placement`, receives the global sums in place, and copies the
+result into every process's segment before answering ``Done``.
+
+Every local round of a name consumes one round number, whether it succeeds or
+fails, so all workers agree on round numbers as long as every process issues
+each name once per round (the contract).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from math import prod
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any, Final
+
+import numpy as np
+
+from bps_server import kernels
+from protocol import PROTOCOL_VERSION, dtypes
+from protocol.config import ClusterConfig
+from protocol.errors import ProtocolError
+from protocol.frames import FrameReader, encode_header
+from protocol.messages import (
+    KIND_BROADCAST,
+    ROLE_CLIENT,
+    Alloc,
+    Allocated,
+    Done,
+    Failure,
+    Hello,
+    Message,
+    Op,
+    Welcome,
+    parse,
+    to_header,
+)
+
+from . import shm
+from .errors import BPSError
+from .links import ServerLink
+from .placement import Placement
+
+log = logging.getLogger("bps.worker")
+
+# Local sums and copies at least this large run in the thread pool, off the event loop.
+OFFLOAD_MIN_BYTES: Final = 1 << 20
+CLIENT_MAX_HEADER_BYTES: Final = 16 * 1024
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker daemon needs, built once from the cluster file and the command line."""
+
+    cluster: ClusterConfig
+    worker_id: int
+    socket_path: str | None = None  # overrides the path in the cluster file
+    socket_mode: int = 0o600
+    threads: int = 2
+
+    @property
+    def socket(self) -> str:
+        return self.socket_path or self.cluster.worker(self.worker_id).socket
+
+    @property
+    def local_size(self) -> int:
+        return self.cluster.worker(self.worker_id).local_size
+
+
+@dataclass
+class LocalRound:
+    """One name's round on this machine: the local processes' contributions so far."""
+
+    name: str
+    round: int
+    first: Op
+    first_rank: int
+    members: dict[int, tuple["ClientSession", Op]] = field(default_factory=dict)
+    started: bool = False
+
+
+def describe(op: Op) -> str:
+    text = f"{op.dtype}[{','.join(str(d) for d in op.shape)}]"
+    if op.kind == KIND_BROADCAST:
+        text += f" (broadcast from rank {op.root})"
+    elif op.average:
+        text += " (average)"
+    return text
+
+
+def _agree(a: Op, b: Op) -> bool:
+    return (a.kind, a.dtype, list(a.shape), a.average, a.root) == (b.kind, b.dtype, list(b.shape), b.average, b.root)
+
+
+class ClientSession(asyncio.BufferedProtocol):
+    """One training process's connection."""
+
+    def __init__(self, daemon: "WorkerDaemon") -> None:
+        self.daemon = daemon
+        self.reader = FrameReader(max_header_bytes=CLIENT_MAX_HEADER_BYTES, max_payload_bytes=0)
+        self.transport: asyncio.Transport | None = None
+        self.local_rank: int | None = None
+        self.pid = 0
+        self.segments: dict[str, SharedMemory] = {}
+        self.segment_of_name: dict[str, str] = {}
+        self.closed = False
+
+    @property
+    def rank(self) -> int:
+        return self.daemon.rank_offset + (self.local_rank or 0)
+
+    def __repr__(self) -> str:
+        return f"local rank {self.local_rank} (pid {self.pid})"
+
+    # -- asyncio ---------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.daemon.connections.add(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            for frame in self.reader.buffer_updated(nbytes):
+                self.handle(parse(frame.header))
+        except ProtocolError as exc:
+            log.warning("dropping client %r: %s", self, exc)
+            self.send(Failure(-1, str(exc), code="protocol_error"))
+            self.close()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.daemon.connections.discard(self)
+        self.daemon.session_lost(self)
+
+    # -- messages --------------------------------------------------------------------
+    def handle(self, message: Message) -> None:
+        if self.local_rank is None:
+            self.handshake(message)
+        elif isinstance(message, Alloc):
+            self.alloc(message)
+        elif isinstance(message, Op):
+            error = self.check_op(message)
+            if error:
+                self.send(Failure(message.req, error, code="bad_request"))
+            else:
+                self.daemon.submit(self, message)
+        else:
+            raise ProtocolError(f"unexpected {message.TYPE} message from a client")
+
+    def handshake(self, message: Message) -> None:
+        if not isinstance(message, Hello):
+            raise ProtocolError(f"expected hello, got {message.TYPE}")
+        if message.version != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {message.version} not supported (this worker speaks "
+                                f"{PROTOCOL_VERSION})")
+        local_size = self.daemon.config.local_size
+        if message.role != ROLE_CLIENT or not 0 <= message.id < local_size:
+            raise ProtocolError(f"local rank {message.id} is outside 0..{local_size - 1} of worker "
+                                f"{self.daemon.worker_id}")
+        other = self.daemon.sessions.get(message.id)
+        if other is not None and not other.closed:
+            raise ProtocolError(f"local rank {message.id} is already connected ({other!r})")
+        self.local_rank = message.id
+        self.pid = message.pid
+        self.daemon.sessions[message.id] = self
+        cfg = self.daemon.config.cluster
+        log.info("client %r connected", self)
+        self.send(Welcome(PROTOCOL_VERSION, rank=self.rank, size=cfg.size, local_rank=message.id,
+                          local_size=local_size, worker=self.daemon.worker_id, workers=cfg.workers))
+
+    def alloc(self, message: Alloc) -> None:
+        if message.nbytes > self.daemon.config.cluster.max_payload_bytes * 64:
+            self.send(Failure(message.req, f"tensor {message.name!r} of {message.nbytes} bytes is too large"))
+            return
+        old = self.segment_of_name.get(message.name)
+        if old is not None and self.segments[old].size >= message.nbytes:
+            self.send(Allocated(message.req, old, self.segments[old].size))
+            return
+        try:
+            seg = shm.create_segment(shm.segment_name(self.daemon.worker_id), message.nbytes)
+        except OSError as exc:
+            self.send(Failure(message.req, f"cannot allocate {message.nbytes} bytes of shared memory for "
+                                           f"{message.name!r}: {exc.strerror}"))
+            return
+        if old is not None:
+            shm.release(self.segments.pop(old), unlink=True)
+        self.segments[seg.name] = seg
+        self.segment_of_name[message.name] = seg.name
+        self.send(Allocated(message.req, seg.name, seg.size))
+
+    def check_op(self, op: Op) -> str | None:
+        seg = self.segments.get(op.segment)
+        if seg is None:
+            return f"tensor {op.name!r}: segment {op.segment!r} was not allocated by this connection"
+        nbytes = prod(op.shape) * dtypes.ITEMSIZE[op.dtype]
+        if nbytes > seg.size:
+            return f"tensor {op.name!r}: {describe(op)} needs {nbytes} bytes, its segment has {seg.size}"
+        if op.average and op.dtype not in dtypes.FLOAT_TYPES:
+            return f"tensor {op.name!r}: average=True needs a floating dtype, got {op.dtype}; pass average=False"
+        if op.kind == KIND_BROADCAST and not 0 <= op.root < self.daemon.config.cluster.size:
+            return f"tensor {op.name!r}: root rank {op.root} is outside 0..{self.daemon.config.cluster.size - 1}"
+        return None
+
+    # -- sending ---------------------------------------------------------------------
+    def send(self, message: Message) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(encode_header(to_header(message), 0))
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def release_segments(self) -> None:
+        for seg in self.segments.values():
+            shm.release(seg, unlink=True)
+        self.segments.clear()
+        self.segment_of_name.clear()
+
+
+class WorkerDaemon:
+    """Server-wide state of one worker daemon."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        cluster = config.cluster
+        self.worker_id = config.worker_id
+        self.rank_offset = cluster.rank_offset(config.worker_id)
+        self.placement = Placement(cluster)
+        per_link_credit = max(1 << 16, cluster.credit_bytes // len(cluster.servers))
+        self.links = {
+            s.id: ServerLink(s, config.worker_id, credit_bytes=per_link_credit, timeout=cluster.timeout,
+                             max_payload_bytes=cluster.max_payload_bytes)
+            for s in cluster.servers
+        }
+        self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-local")
+        self.sessions: dict[int, ClientSession] = {}
+        self.connections: set[ClientSession] = set()
+        self.open_rounds: dict[str, LocalRound] = {}
+        self.next_round: dict[str, int] = {}
+        self.staging: dict[str, np.ndarray] = {}
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self.stopping = False
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        path = self.config.socket
+        _claim_socket_path(path)
+        loop = asyncio.get_running_loop()
+        old_umask = os.umask(0o077)
+        try:
+            self._server = await loop.create_unix_server(lambda: ClientSession(self), path)
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, self.config.socket_mode)
+        log.info("worker %d serving %d local processes on %s (%d workers, %d servers)", self.worker_id,
+                 self.config.local_size, path, self.config.cluster.workers, len(self.links))
+
+    async def stop(self) -> None:
+        self.stopping = True
+        if self._server is not None:
+            self._server.close()
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=2.0)
+        for session in list(self.connections):
+            session.close()
+        for session in list(self.sessions.values()):
+            session.release_segments()
+        for link in self.links.values():
+            link.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+        try:
+            os.unlink(self.config.socket)
+        except FileNotFoundError:
+            pass
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("internal error", exc_info=task.exception())
+
+    # -- local rounds ----------------------------------------------------------------
+    def submit(self, session: ClientSession, op: Op) -> None:
+        assert session.local_rank is not None
+        lr = self.open_rounds.get(op.name)
+        if lr is None:
+            rnd = self.next_round.get(op.name, 0)
+            self.next_round[op.name] = rnd + 1
+            lr = self.open_rounds[op.name] = LocalRound(op.name, rnd, op, session.rank)
+        if session.local_rank in lr.members:
+            session.send(Failure(op.req, f"tensor {op.name!r} is already in flight for rank {session.rank}; "
+                                         f"synchronize it before pushing it again", code="bad_request"))
+            return
+        lr.members[session.local_rank] = (session, op)
+        if not _agree(lr.first, op):
+            self.fail_local_round(lr, f"tensor {op.name!r} mismatch: rank {lr.first_rank} has "
+                                      f"{describe(lr.first)} but rank {session.rank} has {describe(op)}",
+                                  code="mismatch")
+            return
+        if len(lr.members) == self.config.local_size:
+            lr.started = True
+            del self.open_rounds[op.name]
+            self.spawn(self.run_round(lr))
+
+    def fail_local_round(self, lr: LocalRound, reason: str, code: str = "error") -> None:
+        log.warning("%s", reason)
+        if self.open_rounds.get(lr.name) is lr:
+            del self.open_rounds[lr.name]
+        for session, op in lr.members.values():
+            session.send(Failure(op.req, reason, code=code))
+        # Peers on other machines wait for this round at the anchor server: tell them now.
+        anchor = self.placement.server_ids[self.placement.anchor(lr.name)]
+        self.links[anchor].abort(lr.name, 0, lr.round, reason)
+
+    def session_lost(self, session: ClientSession) -> None:
+        if session.local_rank is not None and self.sessions.get(session.local_rank) is session:
+            del self.sessions[session.local_rank]
+            if not self.stopping:
+                log.info("client %r disconnected", session)
+            for lr in list(self.open_rounds.values()):
+                if session.local_rank in lr.members:
+                    del lr.members[session.local_rank]
+                    self.fail_local_round(lr, f"tensor {lr.name!r}: rank {session.rank} (pid {session.pid}) "
+                                              f"disconnected during round {lr.round}")
+        session.release_segments()
+
+    async def run_round(self, lr: LocalRound) -> None:
+        op = lr.first
+        name = lr.name
+        count = prod(op.shape)
+        itemsize = dtypes.ITEMSIZE[op.dtype]
+        nbytes = count * itemsize
+        members = [lr.members[r] for r in sorted(lr.members)]
+        views = [kernels.as_array(s.segments[o.segment].buf, op.dtype)[:count] for s, o in members]
+        cluster = self.config.cluster
+        direct = len(views) == 1 and (op.kind != KIND_BROADCAST or self._root_local(op) is not None)
+        try:
+            if direct:
+                buf = views[0]
+            else:
+                buf = self._staging_buffer(name, nbytes, op.dtype, count)
+                await self._prepare(buf, views, op)
+            divisor = cluster.size if op.average else 1
+            raw = memoryview(buf).cast("B") if nbytes else memoryview(b"")
+            priority = max(o.priority for _, o in members)
+            futures = []
+            for piece in self.placement.split(name, count, itemsize):
+                lo, hi = piece.offset * itemsize, (piece.offset + piece.count) * itemsize
+                fields = dict(name=name, part=piece.part, round=lr.round, dtype=op.dtype, shape=list(op.shape),
+                              offset=piece.offset, count=piece.count, divisor=divisor, kind=op.kind)
+                futures.append((piece, self.links[piece.server].push(fields, raw[lo:hi], raw[lo:hi], priority)))
+            error = await self._wait_pieces(name, lr.round, futures)
+            if error is not None:
+                code = "mismatch" if "mismatch" in error else "error"
+                for session, o in members:
+                    session.send(Failure(o.req, error, code=code))
+                return
+            if not direct:
+                await self._hand_back(buf, [v for v in views], nbytes)
+            for session, o in members:
+                session.send(Done(o.req))
+        except Exception as exc:  # never leave the processes hanging
+            log.exception("round %d of %r failed", lr.round, name)
+            for session, o in members:
+                session.send(Failure(o.req, f"tensor {name!r}: internal error in the worker: {exc!r}"))
+
+    async def _wait_pieces(self, name: str, round_: int, futures: list[tuple[Any, asyncio.Future[None]]]
+                           ) -> str | None:
+        """Wait for every piece; on the first failure abandon the rest and return its message."""
+        pending = {f for _, f in futures}
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [f for f in done if f.exception() is not None]
+            if failed:
+                exc = failed[0].exception()
+                message = str(exc) if isinstance(exc, BPSError) else f"internal error: {exc!r}"
+                for piece, fut in futures:
+                    if fut in pending:
+                        link = self.links[piece.server]
+                        link.forget(fut)
+                        link.abort(name, piece.part, round_, message)
+                return message
+        return None
+
+    # -- helpers ---------------------------------------------------------------------
+    def _root_local(self, op: Op) -> int | None:
+        local = op.root - self.rank_offset
+        return local if 0 <= local < self.config.local_size else None
+
+    def _staging_buffer(self, name: str, nbytes: int, dtype: str, count: int) -> np.ndarray:
+        buf = self.staging.get(name)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self.staging[name] = np.empty(max(nbytes, 1), dtype=np.uint8)
+        return buf[:nbytes].view(kernels.STORAGE[dtype])[:count]
+
+    async def _prepare(self, buf: np.ndarray, views: list[np.ndarray], op: Op) -> None:
+        """Fill the staging buffer with this machine's contribution."""
+        if op.kind == KIND_BROADCAST:
+            root = self._root_local(op)
+            if root is not None:
+                await self._run(np.copyto, buf, views[root])
+            else:
+                # -0.0 is the exact identity of float addition (x + -0.0 == x for every x, even +0.0).
+                buf[...] = 0
+                if op.dtype in dtypes.FLOAT_TYPES:
+                    buf[...] = {2: 0x8000, 4: 0x80000000, 8: 0x8000000000000000}[buf.itemsize] \
+                        if op.dtype in dtypes.HALF_TYPES else -0.0
+            return
+        await self._run(kernels.sum_into, buf, views, op.dtype)
+
+    async def _hand_back(self, buf: np.ndarray, views: list[np.ndarray], nbytes: int) -> None:
+        for view in views:
+            await self._run(np.copyto, view, buf)
+
+    async def _run(self, fn: Any, *args: Any) -> None:
+        nbytes = args[0].nbytes if isinstance(args[0], np.ndarray) else 0
+        if nbytes >= OFFLOAD_MIN_BYTES:
+            await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        else:
+            fn(*args)
+
+
+def _claim_socket_path(path: str) -> None:
+    """Remove a stale socket file; refuse if a live daemon still listens there."""
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: a leftover from a crashed daemon
+        return
+    finally:
+        probe.close()
+    raise OSError(98, f"{path} is in use by another process")

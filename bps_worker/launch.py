@@ -1,0 +1,201 @@
+"""``bps-launch``: a whole single-host cluster plus the training processes of a script.
+
+For demos, tests and one-box users. Across machines use systemd units for the
+daemons (``configs/systemd``) and torchrun for the training processes.
+
+    bps-launch --config configs/local.toml -- python examples/train_digits.py --epochs 3
+
+Every daemon reports readiness over a private ``NOTIFY_SOCKET`` (the systemd
+protocol), so training starts only when the cluster is up. When every training
+process has exited the daemons are stopped with SIGTERM; if any process fails
+(or Ctrl-C arrives) everything is stopped and the launcher exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Final, Sequence
+
+from protocol.config import ClusterConfig, load_config
+from protocol.errors import ConfigError
+
+READY_TIMEOUT_S: Final = 60.0
+STOP_GRACE_S: Final = 10.0
+
+
+@dataclass
+class Child:
+    label: str
+    proc: subprocess.Popen[bytes]
+    daemon: bool
+
+
+class LaunchError(Exception):
+    pass
+
+
+class Cluster:
+    """The daemons of a one-box cluster; a context manager that always stops them."""
+
+    def __init__(self, config_path: str, *, log_level: str = "warning", log_dir: str | None = None,
+                 python: str = sys.executable) -> None:
+        self.config_path = config_path
+        self.config: ClusterConfig = load_config(config_path)
+        self.log_level = log_level
+        self.log_dir = log_dir
+        self.python = python
+        self.children: list[Child] = []
+        self._tmp = tempfile.TemporaryDirectory(prefix="bps-launch-")
+
+    def __enter__(self) -> "Cluster":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        notify_path = os.path.join(self._tmp.name, "notify")
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        notify.bind(notify_path)
+        try:
+            pending = {}
+            for spec in self.config.servers:
+                label = f"server-{spec.id}"
+                pending[self._spawn_daemon(label, "bps_server", spec.id, notify_path).pid] = label
+            for w in self.config.worker_specs:
+                label = f"worker-{w.id}"
+                pending[self._spawn_daemon(label, "bps_worker", w.id, notify_path).pid] = label
+            self._wait_ready(notify, pending)
+        finally:
+            notify.close()
+
+    def _spawn_daemon(self, label: str, module: str, ident: int, notify_path: str) -> subprocess.Popen[bytes]:
+        env = dict(os.environ, NOTIFY_SOCKET=notify_path)
+        out = None
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            out = open(os.path.join(self.log_dir, f"{label}.log"), "ab")
+        cmd = [self.python, "-m", module, "--config", self.config_path, "--id", str(ident),
+               "--log-level", self.log_level]
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=out or None)
+        if out is not None:
+            out.close()
+        self.children.append(Child(label, proc, daemon=True))
+        return proc
+
+    def _wait_ready(self, notify: socket.socket, pending: dict[int, str]) -> None:
+        # SCM_CREDENTIALS would name the sender; a per-daemon pid check on exit is enough here.
+        notify.settimeout(0.2)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        ready = 0
+        while ready < len(pending):
+            for child in self.children:
+                code = child.proc.poll()
+                if code is not None:
+                    raise LaunchError(f"{child.label} exited with status {code} during start-up")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the cluster was not ready within {READY_TIMEOUT_S:g} s")
+            try:
+                data = notify.recv(4096)
+            except socket.timeout:
+                continue
+            if b"READY=1" in data:
+                ready += 1
+
+    def env_for(self, worker_id: int, local_rank: int) -> dict[str, str]:
+        spec = self.config.worker(worker_id)
+        rank = self.config.rank_offset(worker_id) + local_rank
+        return dict(os.environ, BPS_SOCKET=spec.socket, BPS_LOCAL_RANK=str(local_rank), LOCAL_RANK=str(local_rank),
+                    BPS_RANK=str(rank), BPS_SIZE=str(self.config.size), BPS_WORKER_ID=str(worker_id),
+                    BPS_CONFIG=os.path.abspath(self.config_path))
+
+    def dead_daemon(self) -> Child | None:
+        for child in self.children:
+            if child.daemon and child.proc.poll() is not None:
+                return child
+        return None
+
+    def stop(self) -> None:
+        """Stop training processes, then workers, then servers (each layer drains into the next)."""
+        training = [c for c in self.children if not c.daemon]
+        workers = [c for c in self.children if c.daemon and c.label.startswith("worker")]
+        servers = [c for c in self.children if c.daemon and not c.label.startswith("worker")]
+        for group in (training, workers, servers):
+            for child in group:
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for child in group:
+                try:
+                    child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.proc.kill()
+                    child.proc.wait()
+        self.children.clear()
+        self._tmp.cleanup()
+
+
+def run_training(cluster: Cluster, command: Sequence[str]) -> int:
+    """Start ``command`` once per training process; return the first non-zero status, else 0."""
+    procs: list[Child] = []
+    for w in cluster.config.worker_specs:
+        for local in range(w.local_size):
+            env = cluster.env_for(w.id, local)
+            procs.append(Child(f"rank {env['BPS_RANK']}", subprocess.Popen(list(command), env=env), daemon=False))
+    cluster.children.extend(procs)
+    while True:
+        codes = [c.proc.poll() for c in procs]
+        failed = [(c, code) for c, code in zip(procs, codes) if code not in (None, 0)]
+        if failed:
+            child, code = failed[0]
+            print(f"bps-launch: {child.label} exited with status {code}; stopping the cluster", file=sys.stderr)
+            return code if isinstance(code, int) and code > 0 else 1
+        if all(code == 0 for code in codes):
+            return 0
+        dead = cluster.dead_daemon()
+        if dead is not None:
+            print(f"bps-launch: {dead.label} exited with status {dead.proc.returncode}; stopping", file=sys.stderr)
+            return 1
+        time.sleep(0.05)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bps-launch", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/local.toml", help="cluster TOML file (default: configs/local.toml)")
+    p.add_argument("--log-level", default="warning", help="daemons' log level (default: warning)")
+    p.add_argument("--log-dir", default=None, help="write each daemon's log to DIR/<name>.log instead of stderr")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="training command, after --")
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        p.error("no training command given (put it after --)")
+    try:
+        with Cluster(args.config, log_level=args.log_level, log_dir=args.log_dir) as cluster:
+            return run_training(cluster, command)
+    except ConfigError as exc:
+        print(f"bps-launch: {exc}", file=sys.stderr)
+        return 2
+    except LaunchError as exc:
+        print(f"bps-launch: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bps-launch: interrupted; cluster stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""The worker's TCP link to one Summation Service, with a priority send queue.
+
+Pushes wait in a heap ordered by (priority, sequence); they leave it while the
+transport's write buffer is under the link's credit (``cluster.credit_bytes``
+split over the links), so a huge tensor queued first cannot delay a small,
+higher-priority one by more than the credit. Credit is released as the kernel
+takes the bytes, not when the sum comes back: a round that waits for a slow
+peer therefore never blocks other tensors' pushes (no credit deadlock).
+
+Results are received straight into the destination the push named (a slice
+of the tensor's staging buffer or of the client's segment): no copy after the
+socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol import PROTOCOL_VERSION
+from protocol.config import ServerSpec
+from protocol.errors import ProtocolError
+from protocol.frames import FrameReader, encode_header
+from protocol.messages import ROLE_WORKER, Abort, Failure, Hello, Message, Push, Result, Stats, StatsRequest, \
+    Welcome, parse, to_header
+
+from .errors import BPSConnectionError, BPSError, BPSMismatchError
+
+log = logging.getLogger("bps.worker.link")
+
+RECONNECT_DELAY_S = 0.05
+RECONNECT_DELAY_MAX_S = 1.0
+
+
+@dataclass(order=True)
+class _Queued:
+    sort_key: tuple[int, int]
+    push: Push = field(compare=False)
+    payload: memoryview = field(compare=False)
+    dest: memoryview = field(compare=False)
+    future: asyncio.Future[None] = field(compare=False)
+
+
+class _LinkProtocol(asyncio.BufferedProtocol):
+    def __init__(self, link: "ServerLink") -> None:
+        self.link = link
+        self.reader = FrameReader(max_payload_bytes=link.max_payload_bytes, payload_sink=link.payload_destination)
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            for frame in self.reader.buffer_updated(nbytes):
+                self.link.on_message(self, parse(frame.header), frame.payload)
+        except ProtocolError as exc:
+            self.link.on_broken(self, f"server {self.link.spec.id} sent a bad frame: {exc}")
+
+    def pause_writing(self) -> None:
+        self.link.paused = True
+
+    def resume_writing(self) -> None:
+        self.link.paused = False
+        self.link.pump()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.link.on_broken(self, f"lost connection to server {self.link.spec.id} at {self.link.spec.address}"
+                                  + (f": {exc}" if exc else ""))
+
+
+class ServerLink:
+    """One reusable connection to server ``spec``; reconnects when needed."""
+
+    def __init__(self, spec: ServerSpec, worker_id: int, *, credit_bytes: int, timeout: float,
+                 max_payload_bytes: int) -> None:
+        self.spec = spec
+        self.worker_id = worker_id
+        self.credit_bytes = credit_bytes
+        self.timeout = timeout
+        self.max_payload_bytes = max_payload_bytes
+        self.paused = False
+        self._proto: _LinkProtocol | None = None
+        self._connecting: asyncio.Task[None] | None = None
+        self._welcome: asyncio.Future[None] | None = None
+        self._queue: list[_Queued] = []
+        self._seq = itertools.count()
+        self._req = itertools.count(1)
+        self._inflight: dict[int, _Queued] = {}
+        self._requests: dict[int, asyncio.Future[Any]] = {}
+        self.closed = False
+
+    # -- public ----------------------------------------------------------------------
+    def push(self, push_fields: dict[str, Any], payload: memoryview, dest: memoryview,
+             priority: int) -> asyncio.Future[None]:
+        """Queue a push; the future resolves once the sum was written into ``dest``."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        req = next(self._req)
+        push = Push(req=req, worker=self.worker_id, **push_fields)
+        heapq.heappush(self._queue, _Queued((-priority, next(self._seq)), push, payload, dest, future))
+        if self._proto is None:
+            self._ensure_connecting()
+        else:
+            self.pump()
+        return future
+
+    def forget(self, future: asyncio.Future[None]) -> None:
+        """Drop an abandoned push: a late result for it is discarded, not written to its destination."""
+        for req, item in list(self._inflight.items()):
+            if item.future is future:
+                del self._inflight[req]
+        if not future.done():
+            future.cancel()
+
+    def abort(self, name: str, part: int, round_: int, message: str) -> None:
+        """Tell the server that this worker gave up a round (best effort)."""
+        if self._proto is not None:
+            self._send(self._proto, Abort(name, part, round_, self.worker_id, message))
+
+    async def stats(self) -> dict[str, Any]:
+        await self.connected()
+        assert self._proto is not None
+        req = next(self._req)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._requests[req] = fut
+        self._send(self._proto, StatsRequest(req))
+        return await asyncio.wait_for(fut, self.timeout)
+
+    async def connected(self) -> None:
+        if self._proto is None:
+            self._ensure_connecting()
+            assert self._connecting is not None
+            await asyncio.shield(self._connecting)
+        if self._proto is None:
+            raise BPSConnectionError(f"server {self.spec.id} at {self.spec.address} is not reachable")
+
+    def close(self) -> None:
+        self.closed = True
+        if self._connecting is not None:
+            self._connecting.cancel()
+        if self._proto is not None and self._proto.transport is not None:
+            self._proto.transport.close()
+        self._fail_all(BPSConnectionError("worker daemon is stopping"))
+
+    # -- sending ---------------------------------------------------------------------
+    def pump(self) -> None:
+        proto = self._proto
+        if proto is None or proto.transport is None:
+            return
+        transport = proto.transport
+        while self._queue and not self.paused:
+            item = heapq.heappop(self._queue)
+            if item.future.done():  # the operation already failed elsewhere
+                continue
+            self._inflight[item.push.req] = item
+            self._send(proto, item.push, item.payload)
+            if transport.get_write_buffer_size() >= self.credit_bytes:
+                break
+
+    def _send(self, proto: _LinkProtocol, message: Message, payload: memoryview | None = None) -> None:
+        transport = proto.transport
+        if transport is None or transport.is_closing():
+            return
+        nbytes = 0 if payload is None else payload.nbytes
+        head = encode_header(to_header(message), nbytes, max_payload_bytes=self.max_payload_bytes)
+        if nbytes:
+            transport.writelines([head, payload])  # type: ignore[list-item]
+        else:
+            transport.write(head)
+
+    # -- receiving -------------------------------------------------------------------
+    def payload_destination(self, header: dict[str, Any], nbytes: int) -> memoryview:
+        req = header.get("req")
+        item = self._inflight.get(req) if isinstance(req, int) else None
+        if header.get("t") == Result.TYPE and item is not None:
+            if item.dest.nbytes != nbytes:
+                raise ProtocolError(f"result for {item.push.name!r} part {item.push.part} has {nbytes} bytes, "
+                                    f"expected {item.dest.nbytes}")
+            return item.dest
+        return memoryview(bytearray(nbytes))  # a late result of an abandoned push: discard
+
+    def on_message(self, proto: _LinkProtocol, message: Message, payload: memoryview | None) -> None:
+        if isinstance(message, Welcome):
+            if self._welcome is not None and not self._welcome.done():
+                self._welcome.set_result(None)
+            return
+        if isinstance(message, Result):
+            item = self._inflight.pop(message.req, None)
+            if item is not None and not item.future.done():
+                item.future.set_result(None)
+            return
+        if isinstance(message, Failure):
+            if message.req == -1:
+                self.on_broken(proto, f"server {self.spec.id} refused the connection: {message.message}")
+                return
+            item = self._inflight.pop(message.req, None)
+            if item is not None and not item.future.done():
+                cls = BPSMismatchError if "mismatch" in message.message else BPSError
+                item.future.set_exception(cls(f"server {self.spec.id}: {message.message}"))
+            return
+        if isinstance(message, Stats):
+            fut = self._requests.pop(message.req, None)
+            if fut is not None and not fut.done():
+                fut.set_result(message.stats)
+            return
+        raise ProtocolError(f"unexpected {message.TYPE} message from server {self.spec.id}")
+
+    def on_broken(self, proto: _LinkProtocol, reason: str) -> None:
+        if proto is not self._proto:
+            return
+        if not self.closed:
+            log.warning("%s", reason)
+        self._proto = None
+        self.paused = False
+        if self._welcome is not None and not self._welcome.done():
+            self._welcome.set_exception(ConnectionError(reason))
+        if proto.transport is not None:
+            proto.transport.close()
+        self._fail_all(BPSConnectionError(reason))
+
+    def _fail_all(self, exc: BPSError) -> None:
+        items = list(self._inflight.values()) + self._queue
+        self._inflight.clear()
+        self._queue = []
+        for item in items:
+            if not item.future.done():
+                item.future.set_exception(exc)
+        for fut in self._requests.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._requests.clear()
+
+    # -- connecting ------------------------------------------------------------------
+    def _ensure_connecting(self) -> None:
+        if self._connecting is None or self._connecting.done():
+            self._connecting = asyncio.ensure_future(self._connect())
+
+    async def _connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        delay = RECONNECT_DELAY_S
+        last_error = "no attempt"
+        while not self.closed:
+            try:
+                _, proto = await asyncio.wait_for(
+                    loop.create_connection(lambda: _LinkProtocol(self), self.spec.host, self.spec.port),
+                    timeout=max(0.1, deadline - loop.time()))
+                assert proto.transport is not None
+                proto.transport.set_write_buffer_limits(high=self.credit_bytes)
+                self._welcome = loop.create_future()
+                self._proto = proto
+                self._send(proto, Hello(PROTOCOL_VERSION, ROLE_WORKER, self.worker_id))
+                await asyncio.wait_for(asyncio.shield(self._welcome), timeout=max(0.1, deadline - loop.time()))
+                if self._proto is not proto:
+                    raise ConnectionError("connection closed during the handshake")
+                log.info("connected to server %d at %s", self.spec.id, self.spec.address)
+                self.pump()
+                return
+            except (OSError, asyncio.TimeoutError, ConnectionError) as exc:
+                last_error = str(exc) or exc.__class__.__name__
+                if self._proto is not None and self._proto.transport is not None:
+                    self._proto.transport.close()
+                self._proto = None
+            if loop.time() + delay > deadline:
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RECONNECT_DELAY_MAX_S)
+        self._fail_all(BPSConnectionError(
+            f"cannot reach server {self.spec.id} at {self.spec.address} within {self.timeout:g} s: {last_error}"))

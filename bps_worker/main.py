@@ -1,0 +1,68 @@
+"""``bps-worker --config FILE --id N``: run the worker daemon (Communication Service) of machine N."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from bps_server import kernels
+from bps_server.service import describe_bind_error, install_stop_signals, new_event_loop, sd_notify, setup_logging
+from protocol.config import load_config
+from protocol.errors import ConfigError
+
+from .daemon import WorkerConfig, WorkerDaemon
+
+log = logging.getLogger("bps.worker")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bps-worker", description="BytePS Communication Service (worker daemon)")
+    p.add_argument("--config", required=True, help="cluster TOML file")
+    p.add_argument("--id", type=int, required=True, help="id of the [[worker]] table to run")
+    p.add_argument("--socket", default=None, help="Unix socket path (default: the worker's `socket` key)")
+    p.add_argument("--socket-mode", default="600", help="octal permissions of the socket (default: 600)")
+    p.add_argument("--threads", type=int, default=2, help="threads for local sums and copies (default: 2)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+async def serve(config: WorkerConfig, notify_socket: str | None) -> int:
+    daemon = WorkerDaemon(config)
+    stop = asyncio.Event()
+    install_stop_signals(asyncio.get_running_loop(), stop.set)
+    try:
+        await daemon.start()
+    except OSError as exc:
+        print(f"bps-worker: {describe_bind_error(exc, config.socket)}", file=sys.stderr)
+        return 1
+    sd_notify("READY=1", notify_socket)
+    await stop.wait()
+    log.info("stopping")
+    sd_notify("STOPPING=1", notify_socket)
+    await daemon.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        cluster = load_config(args.config)
+        cluster.worker(args.id)
+        mode = int(args.socket_mode, 8)
+    except ConfigError as exc:
+        print(f"bps-worker: {exc}", file=sys.stderr)
+        return 2
+    except ValueError:
+        print(f"bps-worker: --socket-mode must be octal, got {args.socket_mode!r}", file=sys.stderr)
+        return 2
+    config = WorkerConfig(cluster, args.id, socket_path=args.socket, socket_mode=mode, threads=max(1, args.threads))
+    kernels.warm_up()
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(serve(config, os.environ.get("NOTIFY_SOCKET")))
+    finally:
+        loop.close()

@@ -1,0 +1,123 @@
+"""Which server sums which bytes: the paper's Theorem 1, split by bytes, deterministically.
+
+With ``n`` worker machines, each with one colocated server, and ``k`` CPU-only
+servers (``0 <= k <= n``), the optimal share of every round's bytes is
+
+    M_cpu = 2(n-1) / (n^2 + kn - 2k)   for each CPU-only server
+    M_gpu = (n-k)  / (n^2 + kn - 2k)   for each colocated server.
+
+Every tensor is cut into contiguous per-server ranges proportional to those
+shares (largest-remainder rounding to whole elements, ties broken by an
+order starting at the tensor's *anchor* server, chosen among the servers with
+a non-zero share by a stable hash of its name), and each range into partitions of at most ``partition_bytes``. A
+server's load therefore deviates from its target by less than one element per
+tensor, whatever the order in which names appear, and every worker computes the
+same pieces from the config and the tensor alone. Partition 0 always lives on
+the anchor server, even for an empty tensor, so processes that disagree about a
+tensor's shape always meet at one key and the server can tell them.
+
+Other layouts (``k > n``, several servers on one machine, workers without a
+colocated server) fall back to spreading evenly over the CPU-only servers if
+there are at least ``n`` of them, else over all servers.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from dataclasses import dataclass
+from fractions import Fraction
+
+from protocol.config import ClusterConfig
+
+log = logging.getLogger("bps.worker.placement")
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One partition of a tensor: ``count`` elements from ``offset``, summed by ``server``."""
+
+    part: int
+    server: int
+    offset: int
+    count: int
+
+
+def theorem1_shares(n: int, k: int) -> tuple[Fraction, Fraction]:
+    """(M_cpu, M_gpu) as fractions of M for ``n`` workers and ``k`` CPU-only servers, 0 <= k <= n."""
+    if n < 1 or not 0 <= k <= n:
+        raise ValueError(f"Theorem 1 needs n >= 1 and 0 <= k <= n, got n={n}, k={k}")
+    if n == 1:  # one machine: nothing crosses a network, sum next to the worker
+        return Fraction(0), Fraction(1)
+    denom = n * n + k * n - 2 * k
+    return Fraction(2 * (n - 1), denom), Fraction(n - k, denom)
+
+
+def server_shares(config: ClusterConfig) -> dict[int, Fraction]:
+    """Each server's share of every round's bytes (sums to 1)."""
+    n = config.workers
+    cpu = [s.id for s in config.servers if s.worker is None]
+    colocated: dict[int, list[int]] = {}
+    for s in config.servers:
+        if s.worker is not None:
+            colocated.setdefault(s.worker, []).append(s.id)
+    one_each = len(colocated) == n and all(len(v) == 1 for v in colocated.values())
+    if one_each and len(cpu) <= n:
+        m_cpu, m_gpu = theorem1_shares(n, len(cpu))
+        shares = {sid: m_cpu for sid in cpu}
+        shares.update({ids[0]: m_gpu for ids in colocated.values()})
+        return shares
+    if len(cpu) >= n:
+        if one_each:
+            log.info("%d CPU-only servers for %d workers (k > n): spreading evenly over the CPU-only servers",
+                     len(cpu), n)
+        chosen = cpu
+    else:
+        log.info("server layout is not one colocated server per worker plus k <= n CPU-only servers: "
+                 "spreading evenly over all %d servers", len(config.servers))
+        chosen = [s.id for s in config.servers]
+    shares = {s.id: Fraction(0) for s in config.servers}
+    shares.update({sid: Fraction(1, len(chosen)) for sid in chosen})
+    return shares
+
+
+class Placement:
+    """Cuts tensors into pieces for one cluster configuration."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.partition_bytes = config.partition_bytes
+        shares = server_shares(config)
+        self.server_ids = [s.id for s in config.servers]
+        self.shares = [shares[sid] for sid in self.server_ids]
+        self._active = [i for i, share in enumerate(self.shares) if share > 0]
+
+    def anchor(self, name: str) -> int:
+        """Index (into ``server_ids``) of the server that holds partition 0 of ``name``."""
+        return self._active[zlib.crc32(name.encode()) % len(self._active)]
+
+    def split(self, name: str, count: int, itemsize: int) -> list[Piece]:
+        """The pieces of a tensor of ``count`` elements of ``itemsize`` bytes."""
+        s = len(self.server_ids)
+        start = self.anchor(name)
+        order = [(start + i) % s for i in range(s)]
+        exact = [self.shares[i] * count for i in order]
+        alloc = [int(x) for x in exact]
+        left = count - sum(alloc)
+        # Largest remainder first; among equal remainders, the anchor's order decides.
+        by_remainder = sorted(range(s), key=lambda j: (-(exact[j] - alloc[j]), j))
+        for j in by_remainder[:left]:
+            alloc[j] += 1
+        per_part = max(1, self.partition_bytes // itemsize)
+        pieces: list[Piece] = []
+        offset = 0
+        for j, idx in enumerate(order):
+            remaining = alloc[j]
+            if remaining == 0 and j == 0:
+                pieces.append(Piece(0, self.server_ids[idx], offset, 0))
+                continue
+            while remaining > 0:
+                take = min(per_part, remaining)
+                pieces.append(Piece(len(pieces), self.server_ids[idx], offset, take))
+                offset += take
+                remaining -= take
+        return pieces

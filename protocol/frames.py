@@ -1,0 +1,222 @@
+"""Length-prefixed frames: a msgpack control header plus an optional raw payload.
+
+Layout on the wire (network byte order)::
+
+    u32 header_len | u64 payload_len | header (msgpack map) | payload (raw bytes)
+
+Tensor bytes only ever travel as the raw payload; they are never msgpack-encoded.
+
+Theory of operation of :class:`FrameReader` (sans-IO, shaped for
+``asyncio.BufferedProtocol`` and for ``socket.recv_into``):
+
+* The caller asks :meth:`FrameReader.get_buffer` where to put incoming bytes,
+  writes into it, and reports the count with :meth:`FrameReader.buffer_updated`,
+  which returns the frames completed by those bytes.
+* Headers are parsed out of an internal receive buffer. Once a header announces
+  a payload, the reader asks the optional ``payload_sink(header, nbytes)`` for a
+  destination (for example a slice of a tensor's staging buffer); without a sink
+  it allocates a ``bytearray``. Large payloads are then received *directly* into
+  that destination, so a tensor partition is not copied after the kernel wrote it.
+* Limits are checked as soon as the prefix is in, before anything is allocated.
+  Any violation raises :class:`ProtocolError`; afterwards the reader is in an
+  error state and refuses further use (the connection must be closed).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable, Final
+
+import msgpack
+
+from .errors import LocalProtocolError, ProtocolError
+
+PREFIX: Final = struct.Struct("!IQ")
+DEFAULT_MAX_HEADER_BYTES: Final = 64 * 1024
+DEFAULT_MAX_PAYLOAD_BYTES: Final = 1 << 30
+RECEIVE_BUFFER_BYTES: Final = 256 * 1024
+# Payload remainders at least this large are received straight into their destination.
+DIRECT_RECEIVE_MIN_BYTES: Final = 16 * 1024
+
+PayloadSink = Callable[[dict[str, Any], int], memoryview]
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One decoded frame: the header map and the payload (None when empty)."""
+
+    header: dict[str, Any]
+    payload: memoryview | None
+
+
+def encode_header(
+    header: dict[str, Any],
+    payload_nbytes: int = 0,
+    *,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+) -> bytes:
+    """Return prefix + encoded header; the caller sends ``payload_nbytes`` raw bytes after it.
+
+    Raises LocalProtocolError before anything is written if a limit would be exceeded.
+    """
+    body = msgpack.packb(header, use_bin_type=True)
+    if len(body) > max_header_bytes:
+        raise LocalProtocolError(
+            f"frame header of {len(body)} bytes exceeds the limit of {max_header_bytes} bytes"
+        )
+    if payload_nbytes < 0 or payload_nbytes > max_payload_bytes:
+        raise LocalProtocolError(
+            f"frame payload of {payload_nbytes} bytes exceeds the limit of {max_payload_bytes} bytes"
+        )
+    return PREFIX.pack(len(body), payload_nbytes) + body
+
+
+def decode_header(body: bytes | memoryview) -> dict[str, Any]:
+    """Decode a msgpack header map; anything but a map with a string ``t`` is a ProtocolError."""
+    try:
+        header = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises many unrelated types on garbage
+        raise ProtocolError(f"undecodable frame header: {exc.__class__.__name__}: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("t"), str):
+        raise ProtocolError("frame header is not a map with a string field 't'")
+    return header
+
+
+class FrameReader:
+    """Incremental frame parser (see the module docstring for the theory of operation)."""
+
+    def __init__(
+        self,
+        *,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        payload_sink: PayloadSink | None = None,
+    ) -> None:
+        self.max_header_bytes = max_header_bytes
+        self.max_payload_bytes = max_payload_bytes
+        self.payload_sink = payload_sink
+        self._buf = bytearray(max(RECEIVE_BUFFER_BYTES, PREFIX.size + max_header_bytes))
+        self._view = memoryview(self._buf)
+        self._start = 0  # first unparsed byte in _buf
+        self._end = 0  # one past the last received byte in _buf
+        self._header: dict[str, Any] | None = None  # header of the frame whose payload is pending
+        self._dest: memoryview | None = None
+        self._filled = 0
+        self._direct = False  # the last get_buffer() handed out the payload destination
+        self._error: ProtocolError | None = None
+
+    # -- receiving -------------------------------------------------------------------
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """Where the next received bytes must be written."""
+        self._check_usable()
+        if self._dest is not None and len(self._dest) - self._filled >= DIRECT_RECEIVE_MIN_BYTES \
+                and self._start == self._end:
+            self._direct = True
+            return self._dest[self._filled:]
+        self._direct = False
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif len(self._buf) - self._end < PREFIX.size + self.max_header_bytes:
+            # Compact so a whole header always fits after the unparsed bytes.
+            remaining = self._end - self._start
+            self._buf[:remaining] = self._buf[self._start:self._end]
+            self._start, self._end = 0, remaining
+        return self._view[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> list[Frame]:
+        """Account for ``nbytes`` written into the last buffer; return the completed frames."""
+        self._check_usable()
+        if self._direct:
+            self._direct = False
+            self._filled += nbytes
+            frames: list[Frame] = []
+            self._finish_payload_if_complete(frames)
+            return frames
+        self._end += nbytes
+        try:
+            return self._parse()
+        except ProtocolError as exc:
+            self._error = exc
+            raise
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        """Feed bytes that were received elsewhere (tests, fuzzers, simple transports)."""
+        frames: list[Frame] = []
+        data = memoryview(data).cast("B")
+        while data:
+            buf = self.get_buffer()
+            n = min(len(buf), len(data))
+            buf[:n] = data[:n]
+            data = data[n:]
+            frames.extend(self.buffer_updated(n))
+        return frames
+
+    @property
+    def payload_pending(self) -> bool:
+        """True while part of a frame has been received but not all of it."""
+        return self._header is not None or self._start != self._end
+
+    # -- internals -------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._error is not None:
+            raise ProtocolError(f"frame reader unusable after an earlier error: {self._error}")
+
+    def _parse(self) -> list[Frame]:
+        frames: list[Frame] = []
+        while True:
+            if self._dest is not None:
+                take = min(len(self._dest) - self._filled, self._end - self._start)
+                self._dest[self._filled:self._filled + take] = self._view[self._start:self._start + take]
+                self._filled += take
+                self._start += take
+                if not self._finish_payload_if_complete(frames):
+                    return frames
+                continue
+            available = self._end - self._start
+            if available < PREFIX.size:
+                return frames
+            header_len, payload_len = PREFIX.unpack_from(self._buf, self._start)
+            if header_len > self.max_header_bytes:
+                raise ProtocolError(
+                    f"frame header of {header_len} bytes exceeds the limit of {self.max_header_bytes} bytes"
+                )
+            if payload_len > self.max_payload_bytes:
+                raise ProtocolError(
+                    f"frame payload of {payload_len} bytes exceeds the limit of {self.max_payload_bytes} bytes"
+                )
+            if available < PREFIX.size + header_len:
+                return frames
+            body_start = self._start + PREFIX.size
+            header = decode_header(self._view[body_start:body_start + header_len])
+            self._start = body_start + header_len
+            if payload_len == 0:
+                frames.append(Frame(header, None))
+                continue
+            self._header = header
+            self._dest = self._destination(header, payload_len)
+            self._filled = 0
+
+    def _destination(self, header: dict[str, Any], nbytes: int) -> memoryview:
+        if self.payload_sink is None:
+            return memoryview(bytearray(nbytes))
+        try:
+            dest = self.payload_sink(header, nbytes)
+        except ProtocolError:
+            raise
+        except Exception as exc:
+            raise ProtocolError(f"no destination for a payload of {nbytes} bytes: {exc}") from None
+        if not isinstance(dest, memoryview) or dest.nbytes != nbytes or dest.readonly:
+            raise ProtocolError(f"payload sink gave a wrong destination for {nbytes} bytes")
+        return dest.cast("B") if dest.format != "B" or dest.ndim != 1 else dest
+
+    def _finish_payload_if_complete(self, frames: list[Frame]) -> bool:
+        assert self._dest is not None and self._header is not None  # internal invariant
+        if self._filled < len(self._dest):
+            return False
+        frames.append(Frame(self._header, self._dest))
+        self._header = None
+        self._dest = None
+        self._filled = 0
+        return True

@@ -1,0 +1,266 @@
+"""Typed control messages carried in frame headers.
+
+Each message is a small frozen dataclass; ``TYPE`` is its tag (the header's ``t``
+field). :func:`parse` validates a decoded header against the message's fields
+and raises :class:`ProtocolError` naming the offending field, so a daemon never
+touches an unvalidated value. :func:`to_header` turns a message back into a map.
+
+Connections (who sends what):
+
+* every connection starts with ``Hello`` from the connecting side, answered by
+  ``Welcome`` (or ``Failure`` and a close);
+* worker -> server: ``Push`` (+ payload) and ``Abort``; server -> worker:
+  ``Result`` (+ payload) or ``Failure``; ``StatsRequest``/``Stats`` on both links;
+* client -> worker (Unix socket, never a payload): ``Alloc``/``Allocated``,
+  ``Op``/``Done``/``Failure``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Final, get_type_hints
+
+from . import dtypes
+from .errors import ProtocolError
+
+MAX_NAME_CHARS: Final = 1024
+MAX_DIMS: Final = 32
+
+ROLE_WORKER: Final = "worker"
+ROLE_CLIENT: Final = "client"
+KIND_SUM: Final = "sum"
+KIND_BROADCAST: Final = "broadcast"
+
+
+def _check_shape(shape: list[Any]) -> None:
+    if len(shape) > MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ProtocolError(f"invalid shape {shape!r}: at most {MAX_DIMS} non-negative integers")
+
+
+def _check_name(name: str) -> None:
+    if not name or len(name) > MAX_NAME_CHARS:
+        raise ProtocolError(f"tensor name must have 1 to {MAX_NAME_CHARS} characters, got {len(name)}")
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in dtypes.ITEMSIZE:
+        raise ProtocolError(f"unsupported dtype {dtype!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+
+    def validate(self) -> None:
+        """Semantic checks beyond field types; raise ProtocolError."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    TYPE: ClassVar[str] = "hello"
+    version: int
+    role: str
+    id: int
+    pid: int = 0
+
+    def validate(self) -> None:
+        if self.role not in (ROLE_WORKER, ROLE_CLIENT):
+            raise ProtocolError(f"unknown role {self.role!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome(Message):
+    TYPE: ClassVar[str] = "welcome"
+    version: int
+    rank: int = -1
+    size: int = 0
+    local_rank: int = -1
+    local_size: int = 0
+    worker: int = -1
+    workers: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Failure(Message):
+    """An operation (``req``), or the connection itself (``req == -1``), failed."""
+
+    TYPE: ClassVar[str] = "failure"
+    req: int
+    message: str
+    code: str = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class Push(Message):
+    """One partition of a worker's (locally summed) tensor; payload: ``count`` elements."""
+
+    TYPE: ClassVar[str] = "push"
+    req: int
+    name: str
+    part: int
+    round: int
+    worker: int
+    dtype: str
+    shape: list[int]
+    offset: int  # first element of this partition within the flattened tensor
+    count: int
+    divisor: int = 1  # the server divides the final sum by this (average) before rounding
+    kind: str = KIND_SUM
+
+    def validate(self) -> None:
+        _check_name(self.name)
+        _check_dtype(self.dtype)
+        _check_shape(self.shape)
+        if min(self.part, self.round, self.offset, self.count, self.worker) < 0 or self.divisor < 1:
+            raise ProtocolError("push has a negative part, round, offset, count or worker, or divisor < 1")
+        if self.kind not in (KIND_SUM, KIND_BROADCAST):
+            raise ProtocolError(f"unknown operation kind {self.kind!r}")
+
+    @property
+    def payload_nbytes(self) -> int:
+        return self.count * dtypes.ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class Result(Message):
+    """The finished sum of one partition; payload: the sum in the tensor's dtype."""
+
+    TYPE: ClassVar[str] = "result"
+    req: int
+    name: str
+    part: int
+    round: int
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(Message):
+    """A worker gave up ``round`` of ``name``'s partition ``part``; the server fails it for all."""
+
+    TYPE: ClassVar[str] = "abort"
+    name: str
+    part: int
+    round: int
+    worker: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class StatsRequest(Message):
+    TYPE: ClassVar[str] = "stats_request"
+    req: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stats(Message):
+    TYPE: ClassVar[str] = "stats"
+    req: int
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Alloc(Message):
+    """Client asks the worker for a shared-memory segment of ``nbytes`` for tensor ``name``."""
+
+    TYPE: ClassVar[str] = "alloc"
+    req: int
+    name: str
+    nbytes: int
+
+    def validate(self) -> None:
+        _check_name(self.name)
+        if self.nbytes < 0:
+            raise ProtocolError("alloc of a negative size")
+
+
+@dataclass(frozen=True, slots=True)
+class Allocated(Message):
+    TYPE: ClassVar[str] = "allocated"
+    req: int
+    segment: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Op(Message):
+    """Client starts a collective on the tensor stored at the start of ``segment``."""
+
+    TYPE: ClassVar[str] = "op"
+    req: int
+    name: str
+    kind: str
+    dtype: str
+    shape: list[int]
+    segment: str
+    average: bool = False
+    priority: int = 0
+    root: int = -1
+
+    def validate(self) -> None:
+        _check_name(self.name)
+        _check_dtype(self.dtype)
+        _check_shape(self.shape)
+        if self.kind not in (KIND_SUM, KIND_BROADCAST):
+            raise ProtocolError(f"unknown operation kind {self.kind!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Done(Message):
+    """The result of operation ``req`` is in the client's segment."""
+
+    TYPE: ClassVar[str] = "done"
+    req: int
+
+
+MESSAGES: Final[dict[str, type[Message]]] = {
+    cls.TYPE: cls
+    for cls in (Hello, Welcome, Failure, Push, Result, Abort, StatsRequest, Stats, Alloc, Allocated, Op, Done)
+}
+
+_FIELDS: dict[type[Message], list[tuple[str, type, bool]]] = {}
+
+
+def _fields(cls: type[Message]) -> list[tuple[str, type, bool]]:
+    cached = _FIELDS.get(cls)
+    if cached is None:
+        hints = get_type_hints(cls)
+        cached = []
+        for f in dataclasses.fields(cls):
+            hint = hints[f.name]
+            origin = getattr(hint, "__origin__", hint)
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            cached.append((f.name, origin, required))
+        _FIELDS[cls] = cached
+    return cached
+
+
+def parse(header: dict[str, Any]) -> Message:
+    """Turn a decoded header into its message; ProtocolError names what is wrong."""
+    tag = header.get("t")
+    cls = MESSAGES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {tag!r}")
+    kwargs: dict[str, Any] = {}
+    for name, kind, required in _fields(cls):
+        if name not in header:
+            if required:
+                raise ProtocolError(f"{tag} message lacks field {name!r}")
+            continue
+        value = header[name]
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise ProtocolError(f"{tag} message field {name!r} must be {kind.__name__}, got {type(value).__name__}")
+        kwargs[name] = value
+    message = cls(**kwargs)
+    message.validate()
+    return message
+
+
+def to_header(message: Message) -> dict[str, Any]:
+    """The header map for ``message`` (its fields plus the ``t`` tag)."""
+    header: dict[str, Any] = {"t": message.TYPE}
+    for name, _, _ in _fields(type(message)):
+        header[name] = getattr(message, name)
+    return header
