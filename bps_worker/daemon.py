@@ -354,10 +354,11 @@ class WorkerDaemon:
         itemsize = dtypes.ITEMSIZE[op.dtype]
         nbytes = count * itemsize
         members = [lr.members[r] for r in sorted(lr.members)]
-        views = [kernels.as_array(s.segments[o.segment].buf, op.dtype)[:count] for s, o in members]
         cluster = self.config.cluster
-        direct = len(views) == 1 and (op.kind != KIND_BROADCAST or self._root_local(op) is not None)
         try:
+            storage = kernels.STORAGE[op.dtype]
+            views = [np.frombuffer(s.segments[o.segment].buf, dtype=storage, count=count) for s, o in members]
+            direct = len(views) == 1 and (op.kind != KIND_BROADCAST or self._root_local(op) is not None)
             if direct:
                 buf = views[0]
             else:

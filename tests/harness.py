@@ -1,0 +1,131 @@
+"""Real clusters for integration tests: config files with free ports, daemons, rank processes.
+
+Nothing here is mocked: the daemons are the real ``bps-server``/``bps-worker``
+processes, started by the project's launcher on loopback and temporary Unix
+sockets, and every rank is a separate process using the real client library.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from bps_worker.launch import Cluster
+
+SHM_DIR = Path("/dev/shm")
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def write_config(directory: Path, local_sizes: list[int], *, colocated: bool = True, cpu_servers: int = 1,
+                 extra_servers_per_worker: int = 0, cluster: dict[str, Any] | None = None) -> Path:
+    """A cluster file: ``len(local_sizes)`` workers, one colocated server each, plus CPU-only servers."""
+    directory.mkdir(parents=True, exist_ok=True)
+    n = len(local_sizes)
+    n_servers = (n * (1 + extra_servers_per_worker) if colocated else 0) + cpu_servers
+    ports = free_ports(n_servers)
+    lines = ["[cluster]", f"workers = {n}"]
+    for key, value in (cluster or {}).items():
+        lines.append(f"{key} = {value!r}" if not isinstance(value, str) else f'{key} = "{value}"')
+    sid = 0
+    if colocated:
+        for w in range(n):
+            for _ in range(1 + extra_servers_per_worker):
+                lines += ["", "[[server]]", f"id = {sid}", f'address = "127.0.0.1:{ports[sid]}"', f"worker = {w}"]
+                sid += 1
+    for _ in range(cpu_servers):
+        lines += ["", "[[server]]", f"id = {sid}", f'address = "127.0.0.1:{ports[sid]}"']
+        sid += 1
+    for w, local in enumerate(local_sizes):
+        lines += ["", "[[worker]]", f"id = {w}", f"local_size = {local}", f'socket = "{directory}/w{w}.sock"']
+    path = directory / "cluster.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def start_cluster(config_path: Path, log_dir: Path | None = None) -> Cluster:
+    cluster = Cluster(str(config_path), log_level="info", log_dir=str(log_dir or config_path.parent / "logs"))
+    cluster.start()
+    return cluster
+
+
+def daemon_logs(cluster: Cluster) -> str:
+    if not cluster.log_dir:
+        return ""
+    out = []
+    for name in sorted(os.listdir(cluster.log_dir)):
+        out.append(f"--- {name}\n" + Path(cluster.log_dir, name).read_text(errors="replace")[-4000:])
+    return "\n".join(out)
+
+
+def shm_segments() -> set[str]:
+    return {p.name for p in SHM_DIR.iterdir() if p.name.startswith("bps_")}
+
+
+def _rank_main(queue: Any, sock: str, local_rank: int, rank: int, target: Callable[..., Any],
+               args: tuple[Any, ...]) -> None:
+    import bps_worker.client as bps
+
+    try:
+        bps.init(socket=sock, local_rank=local_rank, timeout=20.0)
+        result = target(*args)
+        queue.put((rank, "ok", result))
+    except BaseException as exc:  # report everything to the test
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        bps.shutdown()
+
+
+def run_ranks(cluster: Cluster, target: Callable[..., Any], *args: Any, timeout: float = 60.0,
+              per_rank_args: Callable[[int], tuple[Any, ...]] | None = None) -> list[Any]:
+    """Run ``target(*args)`` in one process per rank (after ``init``); return the results in rank order."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = []
+    for w in cluster.config.worker_specs:
+        for local in range(w.local_size):
+            rank = cluster.config.rank_offset(w.id) + local
+            rank_args = per_rank_args(rank) if per_rank_args else args
+            p = ctx.Process(target=_rank_main, args=(queue, w.socket, local, rank, target, rank_args), daemon=True)
+            p.start()
+            procs.append(p)
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < len(procs):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"ranks {sorted(set(range(len(procs))) - set(results) - set(errors))} did not "
+                                   f"finish within {timeout:g} s\n{daemon_logs(cluster)}")
+            try:
+                rank, status, value = queue.get(timeout=min(remaining, 1.0))
+            except Exception:
+                if all(not p.is_alive() for p in procs) and queue.empty():
+                    raise RuntimeError(f"rank processes died without reporting\n{daemon_logs(cluster)}")
+                continue
+            (results if status == "ok" else errors)[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("rank failures:\n" + "\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
+    return [results[r] for r in sorted(results)]

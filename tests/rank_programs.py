@@ -1,0 +1,146 @@
+"""Programs that each rank process runs in the integration tests (top-level, so spawn can import them).
+
+Inputs are deterministic functions of (case seed, rank), so every rank can build
+the numpy reference of the whole cluster's sum by itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import numpy as np
+
+import bps_worker.client as bps
+from bps_worker.client import NUMPY_DTYPES
+
+
+def make_input(dtype: str, shape: tuple[int, ...], rank: int, seed: int) -> np.ndarray:
+    """Integer-valued data in [-8, 8]: every partial sum is exact in every dtype, even bfloat16."""
+    rng = np.random.default_rng(seed * 1000 + rank)
+    return rng.integers(-8, 9, size=shape).astype(NUMPY_DTYPES[dtype])
+
+
+def reference(dtype: str, shape: tuple[int, ...], size: int, seed: int, average: bool) -> np.ndarray:
+    acc_dtype = np.float32 if dtype in ("float16", "bfloat16") else NUMPY_DTYPES[dtype].type
+    total = np.zeros(shape, dtype=acc_dtype)
+    for r in range(size):
+        total = total + make_input(dtype, shape, r, seed).astype(acc_dtype)
+    if average:
+        total = total / acc_dtype(size)
+    return total.astype(NUMPY_DTYPES[dtype])
+
+
+def raw(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a).tobytes()
+
+
+def digest(a: np.ndarray) -> str:
+    return hashlib.sha256(raw(a)).hexdigest()
+
+
+def sum_cases(cases: list[tuple[str, str, tuple[int, ...], bool, int]], use_out: bool = False) -> list[dict[str, Any]]:
+    """Push-pull every case; report whether it equals the reference bit for bit, and its digest."""
+    rank, size = bps.rank(), bps.size()
+    report = []
+    for name, dtype, shape, average, seed in cases:
+        x = make_input(dtype, shape, rank, seed)
+        before = x.copy()
+        out = np.empty_like(x) if use_out else None
+        y = bps.push_pull(x, name, average=average, out=out)
+        ref = reference(dtype, shape, size, seed, average)
+        report.append({
+            "name": name,
+            "exact": bool(y.dtype == ref.dtype and y.shape == ref.shape
+                          and raw(y) == raw(ref)),
+            "input_unchanged": bool(raw(x) == raw(before)),
+            "is_out": out is None or y is out,
+            "digest": digest(y),
+            "shape": y.shape,
+            "dtype": str(y.dtype),
+        })
+    return report
+
+
+def float_noise(name: str, n: int) -> dict[str, Any]:
+    """Non-integer float32 data: close to numpy's sum, and identical bytes on every rank."""
+    rank, size = bps.rank(), bps.size()
+    xs = [np.random.default_rng(77 + r).standard_normal(n).astype(np.float32) for r in range(size)]
+    y = bps.push_pull(xs[rank], name, average=False)
+    return {"close": bool(np.allclose(y, np.sum(xs, axis=0), rtol=1e-5, atol=1e-5)), "digest": digest(y)}
+
+
+def many_rounds(rounds: int, names: int) -> dict[str, Any]:
+    """The same names round after round; each round's values differ so mixed rounds would show."""
+    rank, size = bps.rank(), bps.size()
+    wrong = 0
+    for rnd in range(rounds):
+        handles = []
+        for i in range(names):
+            x = np.full(17 + i, rnd * 100 + rank + i, dtype=np.int64)
+            handles.append((i, bps.push_pull_async(x, f"round.{i}", average=False)))
+        for i, h in handles:
+            expect = size * (rnd * 100 + i) + size * (size - 1) // 2
+            y = bps.synchronize(h)
+            wrong += int(not (y == expect).all())
+    return {"wrong": wrong}
+
+
+def out_of_order(names: int, elems: int) -> dict[str, Any]:
+    """Issue ``names`` tensors at once in a rank-specific order, synchronize in another order."""
+    rank, size = bps.rank(), bps.size()
+    rng = np.random.default_rng(1234 + rank)
+    order = rng.permutation(names)
+    handles = {}
+    for i in order:
+        handles[i] = bps.push_pull_async(np.full(elems + i, float(rank + i), np.float32), f"ooo.{i}",
+                                         average=False, priority=int(rng.integers(0, 3)))
+    wrong = 0
+    for i in rng.permutation(names):
+        y = bps.synchronize(handles[i], timeout=60)
+        wrong += int(not np.array_equal(y, np.full(elems + i, float(size * i + size * (size - 1) // 2), np.float32)))
+    return {"wrong": wrong, "order": [int(i) for i in order[:5]]}
+
+
+def broadcast_check(root: int) -> dict[str, Any]:
+    rank = bps.rank()
+    values = {
+        "f32": np.array([-0.0, 1.5, np.inf, -7.25], dtype=np.float32) * (1 if rank == root else 3),
+        "i64": np.arange(5, dtype=np.int64) + 10 * rank,
+        "bf16": (np.arange(6, dtype=np.float32) * 0.1 + rank).astype(NUMPY_DTYPES["bfloat16"]),
+        "scalar": np.array(float(rank), dtype=np.float64),
+    }
+    out = {}
+    for key, x in values.items():
+        y = bps.broadcast(x, root, f"bcast.{key}")
+        out[key] = digest(y)
+        if rank == root:
+            out[key + ".root_exact"] = bool(raw(y) == raw(x))
+    return out
+
+
+def mismatch(bad_rank: int, kind: str) -> dict[str, Any]:
+    """Every rank pushes 'bad'; ``bad_rank`` disagrees. Report the error and that 'good' still works."""
+    rank, size = bps.rank(), bps.size()
+    shape, dtype = (4, 3), np.float32
+    if rank == bad_rank:
+        if kind == "shape":
+            shape = (4, 5)
+        else:
+            dtype = np.float64
+    start = time.monotonic()
+    error = None
+    try:
+        bps.push_pull(np.ones(shape, dtype), "bad", average=False)
+    except bps.BPSError as exc:
+        error = str(exc)
+    elapsed = time.monotonic() - start
+    good = bps.push_pull(np.full(3, rank, np.int64), "good", average=False)
+    again = bps.push_pull(np.ones((4, 3), np.float32), "bad", average=False)  # the name is usable again
+    return {"error": error, "elapsed": elapsed, "good": good.tolist(), "again": again.tolist(),
+            "error_type": None if error is None else "BPSError", "size": size}
+
+
+def ranks_info() -> dict[str, int]:
+    return {"rank": bps.rank(), "size": bps.size(), "local_rank": bps.local_rank(), "local_size": bps.local_size()}
