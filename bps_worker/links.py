@@ -95,6 +95,7 @@ class ServerLink:
         self._req = itertools.count(1)
         self._inflight: dict[int, _Queued] = {}
         self._requests: dict[int, asyncio.Future[Any]] = {}
+        self._aborts: list[Abort] = []  # aborts waiting for a connection
         self.closed = False
 
     # -- public ----------------------------------------------------------------------
@@ -121,9 +122,13 @@ class ServerLink:
             future.cancel()
 
     def abort(self, name: str, part: int, round_: int, message: str) -> None:
-        """Tell the server that this worker gave up a round (best effort)."""
+        """Tell the server that this worker gave up a round (sent once connected, if need be)."""
+        abort = Abort(name, part, round_, self.worker_id, message[:4096])
         if self._proto is not None:
-            self._send(self._proto, Abort(name, part, round_, self.worker_id, message))
+            self._send(self._proto, abort)
+        else:
+            self._aborts.append(abort)
+            self._ensure_connecting()
 
     async def stats(self) -> dict[str, Any]:
         await self.connected()
@@ -262,6 +267,9 @@ class ServerLink:
                 if self._proto is not proto:
                     raise ConnectionError("connection closed during the handshake")
                 log.info("connected to server %d at %s", self.spec.id, self.spec.address)
+                aborts, self._aborts = self._aborts, []
+                for abort in aborts:
+                    self._send(proto, abort)
                 self.pump()
                 return
             except (OSError, asyncio.TimeoutError, ConnectionError) as exc:

@@ -144,3 +144,17 @@ def mismatch(bad_rank: int, kind: str) -> dict[str, Any]:
 
 def ranks_info() -> dict[str, int]:
     return {"rank": bps.rank(), "size": bps.size(), "local_rank": bps.local_rank(), "local_size": bps.local_size()}
+
+
+def mismatch_by_worker() -> dict[str, Any]:
+    rank = bps.rank()
+    n = 8 if rank < 2 else 9
+    start = time.monotonic()
+    error = None
+    try:
+        bps.push_pull(np.ones(n, np.float32), "w", average=False)
+    except bps.BPSError as exc:
+        error = str(exc)
+    elapsed = time.monotonic() - start
+    after = bps.push_pull(np.ones(1, np.float32), "w.after", average=False)
+    return {"error": error, "elapsed": elapsed, "after": float(after[0])}

@@ -1,0 +1,37 @@
+"""A tensor that processes disagree about fails everywhere, fast, and nothing else is harmed."""
+
+from __future__ import annotations
+
+import pytest
+
+import rank_programs as rp
+from harness import run_ranks
+
+
+@pytest.mark.parametrize(
+    "bad_rank,kind",
+    [(3, "shape"), (1, "shape"), (2, "dtype")],
+    ids=["shape-other-worker-local1", "shape-same-worker", "dtype-other-worker-local0"],
+)
+def test_mismatch_fails_every_process_and_names_both(cluster_2x2, bad_rank, kind):
+    results = run_ranks(cluster_2x2, rp.mismatch, bad_rank, kind, timeout=60)
+    for rank, r in enumerate(results):
+        assert r["error"] is not None, f"rank {rank} got no error"
+        assert "'bad'" in r["error"], r["error"]
+        if kind == "shape":
+            assert "[4,3]" in r["error"] and "[4,5]" in r["error"], r["error"]
+        else:
+            assert "float32" in r["error"] and "float64" in r["error"], r["error"]
+        assert r["elapsed"] < 10.0
+        assert r["good"] == [6, 6, 6]  # other names keep working: 0+1+2+3
+        assert r["again"] == [[4.0] * 3] * 4  # and the name itself is usable in the next round
+
+
+def test_mismatch_across_workers_only(cluster_2x2):
+    """Both processes of worker 1 agree with each other but not with worker 0: the server tells everyone."""
+    results = run_ranks(cluster_2x2, rp.mismatch_by_worker, timeout=60)
+    for r in results:
+        assert r["error"] is not None and "mismatch" in r["error"] and "'w'" in r["error"], r
+        assert "[8]" in r["error"] and "[9]" in r["error"], r["error"]
+        assert r["elapsed"] < 10.0
+        assert r["after"] == 4.0
