@@ -224,7 +224,7 @@ def _no_duplicates(values: list[Any], what: str, source: str) -> None:
 
 def _parse_address(address: str, key: str, source: str) -> tuple[str, int]:
     host, sep, port_text = address.rpartition(":")
-    if not sep or not host or not port_text.isdigit():
+    if not sep or not host or not (port_text.isascii() and port_text.isdigit()):
         raise ConfigError(f"{source}: {key} must be HOST:PORT, got {address!r}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

@@ -116,6 +116,8 @@ class Push(Message):
             raise ProtocolError("push has a negative part, round, offset, count or worker, or divisor < 1")
         if self.kind not in (KIND_SUM, KIND_BROADCAST):
             raise ProtocolError(f"unknown operation kind {self.kind!r}")
+        if self.divisor != 1 and self.dtype not in dtypes.FLOAT_TYPES:
+            raise ProtocolError(f"divisor {self.divisor} given for integer dtype {self.dtype}; averages need floats")
 
     @property
     def payload_nbytes(self) -> int:

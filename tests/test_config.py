@@ -1,0 +1,414 @@
+"""protocol.config: load_config/parse_config, defaults, helpers and every error."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from protocol.config import (
+    DEFAULT_CREDIT_BYTES,
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    DEFAULT_PARTITION_BYTES,
+    DEFAULT_TIMEOUT_S,
+    ClusterConfig,
+    ServerSpec,
+    WorkerSpec,
+    load_config,
+    parse_config,
+)
+from protocol.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+
+CLUSTER = """
+[cluster]
+workers = 2
+"""
+SERVERS = """
+[[server]]
+id = 0
+address = "127.0.0.1:9100"
+worker = 0
+
+[[server]]
+id = 1
+address = "127.0.0.1:9101"
+worker = 1
+"""
+WORKERS = """
+[[worker]]
+id = 0
+local_size = 2
+socket = "/tmp/w0.sock"
+
+[[worker]]
+id = 1
+local_size = 3
+socket = "/tmp/w1.sock"
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "cluster.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def config_error(tmp_path: Path, text: str) -> str:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert str(path) in message, message
+    return message
+
+
+# -- valid files ---------------------------------------------------------------------------
+
+def test_full_valid_file(tmp_path):
+    path = write(tmp_path, """
+        [cluster]
+        workers = 2
+        partition_bytes = 1048576
+        token_file = "/etc/bps/token"
+        timeout = 7.5
+        credit_bytes = 2097152
+        max_payload_bytes = 8388608
+
+        [[server]]
+        id = 1
+        address = "10.0.0.2:9000"
+        worker = 1
+
+        [[server]]
+        id = 0
+        address = "[::1]:9001"
+        worker = 0
+
+        [[server]]
+        id = 2
+        address = "cpu-box.example:9002"
+
+        [[worker]]
+        id = 1
+        local_size = 4
+        socket = "/run/bps/w1.sock"
+
+        [[worker]]
+        id = 0
+        local_size = 8
+        socket = "/run/bps/w0.sock"
+    """)
+    cfg = load_config(path)
+    assert cfg.source == str(path)
+    assert cfg.workers == 2
+    assert cfg.partition_bytes == 1048576
+    assert cfg.token_file == "/etc/bps/token"
+    assert cfg.timeout == 7.5
+    assert cfg.credit_bytes == 2097152
+    assert cfg.max_payload_bytes == 8388608
+    # sorted by id whatever the file order
+    assert cfg.servers == (
+        ServerSpec(0, "::1", 9001, 0),
+        ServerSpec(1, "10.0.0.2", 9000, 1),
+        ServerSpec(2, "cpu-box.example", 9002, None),
+    )
+    assert cfg.worker_specs == (WorkerSpec(0, 8, "/run/bps/w0.sock"), WorkerSpec(1, 4, "/run/bps/w1.sock"))
+    assert cfg.servers[0].address == "[::1]:9001"
+    assert cfg.servers[1].address == "10.0.0.2:9000"
+    assert cfg.server(2).host == "cpu-box.example"
+    assert cfg.worker(1).local_size == 4
+
+
+def test_load_config_accepts_str_path(tmp_path):
+    path = write(tmp_path, CLUSTER + SERVERS + WORKERS)
+    assert load_config(str(path)) == load_config(path)
+
+
+def test_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, CLUSTER + SERVERS + WORKERS))
+    assert cfg.partition_bytes == DEFAULT_PARTITION_BYTES == 4 * 1024 * 1024
+    assert cfg.timeout == DEFAULT_TIMEOUT_S == 30.0
+    assert isinstance(cfg.timeout, float)
+    assert cfg.credit_bytes == DEFAULT_CREDIT_BYTES == 64 * 1024 * 1024
+    assert cfg.max_payload_bytes == DEFAULT_MAX_PAYLOAD_BYTES == 1 << 30
+    assert cfg.token_file is None
+
+
+def test_integer_timeout_becomes_float(tmp_path):
+    cfg = load_config(write(tmp_path, CLUSTER + "timeout = 5\n" + SERVERS + WORKERS))
+    assert cfg.timeout == 5.0 and isinstance(cfg.timeout, float)
+
+
+def test_size_rank_offset_worker_of_rank(tmp_path):
+    cfg = load_config(write(tmp_path, CLUSTER + SERVERS + WORKERS))  # local sizes 2 and 3
+    assert cfg.size == 5
+    assert cfg.rank_offset(0) == 0
+    assert cfg.rank_offset(1) == 2
+    assert [cfg.worker_of_rank(r) for r in range(5)] == [0, 0, 1, 1, 1]
+    for rank in (-1, 5, 100):
+        with pytest.raises(ValueError, match=f"rank {rank} is outside 0..4"):
+            cfg.worker_of_rank(rank)
+
+
+def test_lookup_of_missing_ids_names_file(tmp_path):
+    path = write(tmp_path, CLUSTER + SERVERS + WORKERS)
+    cfg = load_config(path)
+    with pytest.raises(ConfigError, match=r"no \[\[worker\]\] with id = 7") as info:
+        cfg.worker(7)
+    assert str(path) in str(info.value)
+    with pytest.raises(ConfigError, match=r"no \[\[server\]\] with id = 9") as info:
+        cfg.server(9)
+    assert str(path) in str(info.value)
+
+
+def test_port_zero_allowed_and_not_a_duplicate(tmp_path):
+    cfg = load_config(write(tmp_path, CLUSTER + WORKERS + """
+        [[server]]
+        id = 0
+        address = "127.0.0.1:0"
+        [[server]]
+        id = 1
+        address = "127.0.0.1:0"
+    """))
+    assert [s.port for s in cfg.servers] == [0, 0]
+    assert [s.worker for s in cfg.servers] == [None, None]
+
+
+def test_repo_local_toml_loads():
+    path = REPO / "configs" / "local.toml"
+    cfg = load_config(path)
+    assert cfg.workers == 2
+    assert [w.local_size for w in cfg.worker_specs] == [2, 2]
+    assert cfg.size == 4
+    assert [s.id for s in cfg.servers] == [0, 1, 2]
+    assert [s.worker for s in cfg.servers] == [0, 1, None]  # server 2 is CPU-only
+    assert cfg.partition_bytes == 4 * 1024 * 1024
+    assert [cfg.worker_of_rank(r) for r in range(4)] == [0, 0, 1, 1]
+
+
+def test_parse_config_from_dict():
+    cfg = parse_config({
+        "cluster": {"workers": 1},
+        "server": [{"id": 0, "address": "h:1"}],
+        "worker": [{"id": 0, "local_size": 1, "socket": "s"}],
+    })
+    assert cfg.source == "<memory>"
+    assert cfg == ClusterConfig(1, (ServerSpec(0, "h", 1, None),), (WorkerSpec(0, 1, "s"),))
+
+
+# -- errors: each names the key and the file ---------------------------------------------------
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match="no such file") as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_directory_instead_of_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read") as info:
+        load_config(tmp_path)
+    assert str(tmp_path) in str(info.value)
+
+
+def test_invalid_toml(tmp_path):
+    assert "not valid TOML" in config_error(tmp_path, "[cluster\nworkers = 2\n")
+    assert "not valid TOML" in config_error(tmp_path, CLUSTER + "workers = 3\n")  # duplicate key
+
+
+def test_unknown_top_level_key(tmp_path):
+    msg = config_error(tmp_path, CLUSTER + SERVERS + WORKERS + "\n[servers]\nx = 1\n")
+    assert "unknown top-level key 'servers'" in msg
+
+
+def test_missing_cluster_table(tmp_path):
+    assert "missing required table [cluster]" in config_error(tmp_path, SERVERS + WORKERS)
+    assert "[cluster]" in config_error(tmp_path, "cluster = 3\n" + SERVERS + WORKERS)
+
+
+@pytest.mark.parametrize("where,extra", [
+    ("cluster", "partitions = 4\n"),
+    ("server[1]", None),
+    ("worker[0]", None),
+])
+def test_unknown_keys(tmp_path, where, extra):
+    if where == "cluster":
+        text = CLUSTER + extra + SERVERS + WORKERS
+        key = "cluster.partitions"
+    elif where.startswith("server"):
+        text = CLUSTER + SERVERS + "port = 9\n" + WORKERS
+        key = "server[1].port"
+    else:
+        text = CLUSTER + SERVERS + WORKERS.replace('socket = "/tmp/w0.sock"', 'socket = "/tmp/w0.sock"\nrank = 0')
+        key = "worker[0].rank"
+    msg = config_error(tmp_path, text)
+    assert f"unknown key {key}" in msg
+
+
+def test_missing_cluster_workers(tmp_path):
+    msg = config_error(tmp_path, "[cluster]\npartition_bytes = 1024\n" + SERVERS + WORKERS)
+    assert "missing required key cluster.workers" in msg
+
+
+@pytest.mark.parametrize("key", ["id", "address"])
+def test_missing_server_keys(tmp_path, key):
+    lines = [line for line in SERVERS.splitlines() if not line.startswith(f"{key} =")]
+    msg = config_error(tmp_path, CLUSTER + "\n".join(lines) + WORKERS)
+    assert f"missing required key server[0].{key}" in msg
+
+
+@pytest.mark.parametrize("key", ["id", "local_size", "socket"])
+def test_missing_worker_keys(tmp_path, key):
+    lines = [line for line in WORKERS.splitlines() if not line.startswith(f"{key} =")]
+    msg = config_error(tmp_path, CLUSTER + SERVERS + "\n".join(lines))
+    assert f"missing required key worker[0].{key}" in msg
+
+
+@pytest.mark.parametrize("old,new,key", [
+    ("workers = 2", 'workers = "2"', "cluster.workers"),
+    ("workers = 2", "workers = true", "cluster.workers"),
+    ("workers = 2", "workers = 2.0", "cluster.workers"),
+    ("workers = 2", "workers = 2\npartition_bytes = 1.5", "cluster.partition_bytes"),
+    ("workers = 2", 'workers = 2\ntimeout = "30s"', "cluster.timeout"),
+    ("workers = 2", "workers = 2\ntimeout = false", "cluster.timeout"),
+    ("workers = 2", "workers = 2\ntoken_file = 5", "cluster.token_file"),
+    ("workers = 2", "workers = 2\ncredit_bytes = [1]", "cluster.credit_bytes"),
+    ("workers = 2", "workers = 2\nmax_payload_bytes = true", "cluster.max_payload_bytes"),
+])
+def test_wrong_cluster_types(tmp_path, old, new, key):
+    msg = config_error(tmp_path, CLUSTER.replace(old, new) + SERVERS + WORKERS)
+    assert f"{key} must be" in msg
+
+
+@pytest.mark.parametrize("old,new,key", [
+    ("id = 0", 'id = "0"', "server[0].id"),
+    ('address = "127.0.0.1:9100"', "address = 9100", "server[0].address"),
+    ("worker = 0", 'worker = "0"', "server[0].worker"),
+    ("worker = 0", "worker = false", "server[0].worker"),
+])
+def test_wrong_server_types(tmp_path, old, new, key):
+    msg = config_error(tmp_path, CLUSTER + SERVERS.replace(old, new, 1) + WORKERS)
+    assert f"{key} must be" in msg
+
+
+@pytest.mark.parametrize("old,new,key", [
+    ("id = 0", "id = 0.0", "worker[0].id"),
+    ("local_size = 2", 'local_size = "2"', "worker[0].local_size"),
+    ("local_size = 2", "local_size = true", "worker[0].local_size"),
+    ('socket = "/tmp/w0.sock"', "socket = 1", "worker[0].socket"),
+])
+def test_wrong_worker_types(tmp_path, old, new, key):
+    msg = config_error(tmp_path, CLUSTER + SERVERS + WORKERS.replace(old, new, 1))
+    assert f"{key} must be" in msg
+
+
+@pytest.mark.parametrize("old,new,key", [
+    ("workers = 2", "workers = 0", "cluster.workers"),
+    ("workers = 2", "workers = 2\npartition_bytes = 0", "cluster.partition_bytes"),
+    ("workers = 2", "workers = 2\ntimeout = 0", "cluster.timeout"),
+    ("workers = 2", "workers = 2\ntimeout = -1.5", "cluster.timeout"),
+    ("workers = 2", "workers = 2\ntimeout = nan", "cluster.timeout"),
+    ("workers = 2", "workers = 2\ncredit_bytes = -5", "cluster.credit_bytes"),
+    ("workers = 2", "workers = 2\nmax_payload_bytes = 0", "cluster.max_payload_bytes"),
+    ("workers = 2", "workers = 2\npartition_bytes = 2048\nmax_payload_bytes = 1024", "cluster.max_payload_bytes"),
+])
+def test_out_of_range_cluster_values(tmp_path, old, new, key):
+    msg = config_error(tmp_path, CLUSTER.replace(old, new) + SERVERS + WORKERS)
+    assert key in msg
+
+
+def test_bad_worker_values(tmp_path):
+    assert "worker[0].local_size must be > 0" in config_error(
+        tmp_path, CLUSTER + SERVERS + WORKERS.replace("local_size = 2", "local_size = 0"))
+    assert "worker[0].id must be >= 0" in config_error(
+        tmp_path, CLUSTER + SERVERS + WORKERS.replace("id = 0", "id = -1", 1))
+    assert "worker[0].socket must not be empty" in config_error(
+        tmp_path, CLUSTER + SERVERS + WORKERS.replace('"/tmp/w0.sock"', '""'))
+    assert "duplicate worker socket '/tmp/w0.sock'" in config_error(
+        tmp_path, CLUSTER + SERVERS + WORKERS.replace('"/tmp/w1.sock"', '"/tmp/w0.sock"'))
+
+
+def test_negative_server_id(tmp_path):
+    assert "server[0].id must be >= 0" in config_error(
+        tmp_path, CLUSTER + SERVERS.replace("id = 0", "id = -1", 1) + WORKERS)
+
+
+def test_duplicate_worker_id(tmp_path):
+    msg = config_error(tmp_path, CLUSTER + SERVERS + WORKERS.replace("id = 1", "id = 0"))
+    assert "duplicate worker id 0" in msg
+
+
+def test_duplicate_server_id(tmp_path):
+    msg = config_error(tmp_path, CLUSTER + SERVERS.replace("id = 1", "id = 0") + WORKERS)
+    assert "duplicate server id 0" in msg
+
+
+def test_duplicate_server_address(tmp_path):
+    msg = config_error(tmp_path, CLUSTER + SERVERS.replace("9101", "9100") + WORKERS)
+    assert "duplicate server address" in msg and "9100" in msg
+
+
+def test_server_worker_names_no_worker(tmp_path):
+    msg = config_error(tmp_path, CLUSTER + SERVERS.replace("worker = 1", "worker = 5") + WORKERS)
+    assert "server[1].worker = 5 names no [[worker]] id" in msg
+
+
+@pytest.mark.parametrize("workers,ids", [(2, [0, 2]), (2, [1, 2]), (3, [0, 1])])
+def test_worker_ids_must_be_0_to_n_minus_1(tmp_path, workers, ids):
+    text = CLUSTER.replace("workers = 2", f"workers = {workers}") + "\n".join(
+        f'[[server]]\nid = {i}\naddress = "h:{9000 + i}"\n' for i in range(2))
+    text += "\n".join(f'[[worker]]\nid = {i}\nlocal_size = 1\nsocket = "/s{i}"\n' for i in ids)
+    msg = config_error(tmp_path, text)
+    assert f"cluster.workers = {workers} needs [[worker]] tables with ids 0..{workers - 1}" in msg
+    assert str(sorted(ids)) in msg
+
+
+def test_no_workers_at_all(tmp_path):
+    assert "cluster.workers = 2 needs [[worker]]" in config_error(tmp_path, CLUSTER + SERVERS)
+
+
+def test_no_servers(tmp_path):
+    assert "at least one [[server]] table is required" in config_error(tmp_path, CLUSTER + WORKERS)
+
+
+def test_server_not_an_array_of_tables(tmp_path):
+    msg = config_error(tmp_path, CLUSTER + WORKERS + '\n[server]\nid = 0\naddress = "h:1"\n')
+    assert "server must be an array of tables" in msg
+    msg = config_error(tmp_path, "server = [1, 2]\n" + CLUSTER + WORKERS)
+    assert "server[0] must be a table" in msg
+
+
+@pytest.mark.parametrize("address", [
+    "127.0.0.1", "127.0.0.1:", ":9100", "host:port", "host:-1", "host:9.5", "host:+80", "", "host: 80",
+])
+def test_bad_address_format(tmp_path, address):
+    msg = config_error(tmp_path, CLUSTER + SERVERS.replace("127.0.0.1:9100", address) + WORKERS)
+    assert "server[0].address must be HOST:PORT" in msg
+    assert repr(address) in msg
+
+
+@pytest.mark.parametrize("address", ["host:1\u00b2", "host:\u0663\u0660"])
+def test_non_ascii_digit_ports_are_config_errors(tmp_path, address):
+    """str.isdigit() accepts superscripts and other scripts' digits; they must not crash or pass."""
+    msg = config_error(tmp_path, CLUSTER + SERVERS.replace("127.0.0.1:9100", address) + WORKERS)
+    assert "server[0].address" in msg
+
+
+@pytest.mark.parametrize("port", [65536, 70000, 99999999])
+def test_port_out_of_range(tmp_path, port):
+    msg = config_error(tmp_path, CLUSTER + SERVERS.replace("9101", str(port)) + WORKERS)
+    assert f"server[1].address has port {port} outside 0..65535" in msg
+
+
+def test_port_65535_is_fine(tmp_path):
+    cfg = load_config(write(tmp_path, CLUSTER + SERVERS.replace("9101", "65535") + WORKERS))
+    assert cfg.server(1).port == 65535
+
+
+def test_ipv6_addresses(tmp_path):
+    cfg = load_config(write(tmp_path, CLUSTER + SERVERS.replace("127.0.0.1:9100", "[fe80::1]:80") + WORKERS))
+    assert (cfg.server(0).host, cfg.server(0).port) == ("fe80::1", 80)
+    assert cfg.server(0).address == "[fe80::1]:80"

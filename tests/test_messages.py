@@ -1,0 +1,262 @@
+"""protocol.messages: to_header/parse round trips and validation errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import pytest
+
+from protocol import messages as m
+from protocol.errors import ProtocolError
+from protocol.frames import FrameReader, encode_header
+
+# One fully populated instance per message type, with non-default values everywhere.
+SAMPLES: dict[str, m.Message] = {
+    "hello": m.Hello(version=1, role="worker", id=2, pid=4242),
+    "welcome": m.Welcome(version=1, rank=3, size=4, local_rank=1, local_size=2, worker=1, workers=2),
+    "failure": m.Failure(req=17, message="tensor 'w' has another shape", code="mismatch"),
+    "push": m.Push(req=5, name="layer1.weight", part=2, round=9, worker=1, dtype="bfloat16", shape=[64, 3, 3],
+                   offset=128, count=448, divisor=4, kind="sum"),
+    "result": m.Result(req=5, name="layer1.weight", part=2, round=9),
+    "abort": m.Abort(name="emb", part=0, round=3, worker=1, message="worker shutting down"),
+    "stats_request": m.StatsRequest(req=77),
+    "stats": m.Stats(req=77, stats={"bytes_in": 123, "rounds": {"emb": 3}, "ratio": 0.5}),
+    "alloc": m.Alloc(req=1, name="grad/fc", nbytes=1 << 20),
+    "allocated": m.Allocated(req=1, segment="bps-1234-0", nbytes=1 << 20),
+    "op": m.Op(req=8, name="grad/fc", kind="broadcast", dtype="float16", shape=[10, 20], segment="bps-1234-0",
+               average=True, priority=-3, root=2),
+    "done": m.Done(req=8),
+}
+
+VALID: dict[str, dict] = {t: m.to_header(msg) for t, msg in SAMPLES.items()}
+
+
+def header(t: str, **changes) -> dict:
+    h = dict(VALID[t])
+    h.update(changes)
+    return h
+
+
+def without(t: str, field: str) -> dict:
+    h = dict(VALID[t])
+    del h[field]
+    return h
+
+
+def test_samples_cover_every_message_type():
+    assert set(SAMPLES) == set(m.MESSAGES)
+    for t, msg in SAMPLES.items():
+        assert type(msg) is m.MESSAGES[t] and msg.TYPE == t
+
+
+@pytest.mark.parametrize("t", sorted(m.MESSAGES))
+def test_to_header_then_parse_round_trip(t):
+    msg = SAMPLES[t]
+    h = m.to_header(msg)
+    assert h["t"] == t
+    assert set(h) == {"t"} | {f.name for f in dataclasses.fields(msg)}
+    for f in dataclasses.fields(msg):
+        assert h[f.name] == getattr(msg, f.name)
+    assert m.parse(h) == msg
+
+
+@pytest.mark.parametrize("t", sorted(m.MESSAGES))
+def test_round_trip_through_the_wire(t):
+    """to_header -> encode_header -> FrameReader -> parse gives the same message back."""
+    msg = SAMPLES[t]
+    frames = FrameReader().receive_data(encode_header(m.to_header(msg)))
+    assert len(frames) == 1
+    assert m.parse(frames[0].header) == msg
+
+
+@pytest.mark.parametrize("t", sorted(m.MESSAGES))
+def test_optional_fields_take_their_defaults(t):
+    cls = m.MESSAGES[t]
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    h = {k: v for k, v in VALID[t].items() if k == "t" or k in required}
+    msg = m.parse(h)
+    for f in dataclasses.fields(cls):
+        if f.name in required:
+            assert getattr(msg, f.name) == VALID[t][f.name]
+        elif f.default is not dataclasses.MISSING:
+            assert getattr(msg, f.name) == f.default
+        else:
+            assert getattr(msg, f.name) == f.default_factory()
+
+
+def test_specific_defaults():
+    assert m.parse({"t": "hello", "version": 1, "role": "client", "id": 0}).pid == 0
+    push = m.parse(without("push", "divisor") | {"kind": "sum"})
+    assert push.divisor == 1 and push.kind == "sum"
+    op = m.parse({k: v for k, v in VALID["op"].items() if k not in ("average", "priority", "root")})
+    assert (op.average, op.priority, op.root) == (False, 0, -1)
+    assert m.parse({"t": "failure", "req": -1, "message": "bye"}).code == "error"
+    assert m.parse({"t": "stats", "req": 1}).stats == {}
+
+
+def test_unknown_extra_fields_are_ignored():
+    assert m.parse(header("done", extra="future")) == SAMPLES["done"]
+
+
+def test_push_payload_nbytes():
+    assert SAMPLES["push"].payload_nbytes == 448 * 2
+    assert m.parse(header("push", dtype="float64", count=10)).payload_nbytes == 80
+
+
+# -- errors ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tag", ["nope", "", "Hello", 5, None, b"hello"])
+def test_unknown_type_names_it(tag):
+    with pytest.raises(ProtocolError, match="unknown message type") as info:
+        m.parse({"t": tag})
+    assert repr(tag) in str(info.value)
+
+
+def test_missing_t_is_unknown_type():
+    with pytest.raises(ProtocolError, match="unknown message type None"):
+        m.parse({"req": 1})
+
+
+@pytest.mark.parametrize("t", sorted(m.MESSAGES))
+def test_every_missing_required_field_is_named(t):
+    cls = m.MESSAGES[t]
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    assert required  # every message has at least one required field
+    for name in required:
+        with pytest.raises(ProtocolError, match=rf"{t} message lacks field '{name}'"):
+            m.parse(without(t, name))
+
+
+WRONG_TYPES = [
+    ("done", "req", "8", "int", "str"),
+    ("done", "req", 8.0, "int", "float"),
+    ("done", "req", True, "int", "bool"),
+    ("done", "req", False, "int", "bool"),
+    ("done", "req", None, "int", "NoneType"),
+    ("hello", "version", True, "int", "bool"),
+    ("hello", "role", 1, "str", "int"),
+    ("welcome", "workers", [2], "int", "list"),
+    ("push", "name", b"layer1.weight", "str", "bytes"),
+    ("push", "shape", (1, 2), "list", "tuple"),
+    ("push", "shape", {"0": 1}, "list", "dict"),
+    ("push", "shape", 7, "list", "int"),
+    ("push", "divisor", True, "int", "bool"),
+    ("push", "count", 1.5, "int", "float"),
+    ("stats", "stats", [1, 2], "dict", "list"),
+    ("op", "average", 1, "bool", "int"),
+    ("op", "average", "yes", "bool", "str"),
+    ("op", "priority", True, "int", "bool"),
+    ("alloc", "nbytes", "10", "int", "str"),
+    ("failure", "message", None, "str", "NoneType"),
+]
+
+
+@pytest.mark.parametrize("t,field,value,want,got", WRONG_TYPES)
+def test_wrong_type_names_field_and_types(t, field, value, want, got):
+    with pytest.raises(ProtocolError) as info:
+        m.parse(header(t, **{field: value}))
+    assert str(info.value) == f"{t} message field {field!r} must be {want}, got {got}"
+
+
+@pytest.mark.parametrize("t", ["push", "op"])
+@pytest.mark.parametrize("shape", [
+    [-1],
+    [4, -2, 3],
+    [1.0, 2],
+    [True, 2],
+    ["3"],
+    [None],
+    [[2, 2]],
+    [1] * (m.MAX_DIMS + 1),
+])
+def test_invalid_shape_names_the_shape(t, shape):
+    with pytest.raises(ProtocolError, match="invalid shape") as info:
+        m.parse(header(t, shape=shape))
+    assert repr(shape) in str(info.value)
+
+
+@pytest.mark.parametrize("t", ["push", "op"])
+def test_shape_limits_that_are_valid(t):
+    assert m.parse(header(t, shape=[1] * m.MAX_DIMS)).shape == [1] * m.MAX_DIMS
+    assert m.parse(header(t, shape=[])).shape == []  # a scalar
+    assert m.parse(header(t, shape=[0, 5])).shape == [0, 5]  # an empty tensor
+
+
+@pytest.mark.parametrize("t", ["push", "op"])
+@pytest.mark.parametrize("dtype", ["complex64", "float8", "int8", "uint16", "FLOAT32", ""])
+def test_unknown_dtype_is_named(t, dtype):
+    with pytest.raises(ProtocolError, match="unsupported dtype") as info:
+        m.parse(header(t, dtype=dtype))
+    assert repr(dtype) in str(info.value)
+
+
+@pytest.mark.parametrize("t", ["push", "op"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32", "int64"])
+def test_every_wire_dtype_is_accepted(t, dtype):
+    assert m.parse(header(t, dtype=dtype)).dtype == dtype
+
+
+@pytest.mark.parametrize("role", ["admin", "", "Worker", "server"])
+def test_bad_role_is_named(role):
+    with pytest.raises(ProtocolError, match="unknown role") as info:
+        m.parse(header("hello", role=role))
+    assert repr(role) in str(info.value)
+
+
+def test_both_roles_accepted():
+    assert m.parse(header("hello", role=m.ROLE_CLIENT)).role == "client"
+    assert m.parse(header("hello", role=m.ROLE_WORKER)).role == "worker"
+
+
+@pytest.mark.parametrize("t", ["push", "op"])
+@pytest.mark.parametrize("kind", ["max", "", "SUM", "allreduce"])
+def test_bad_kind_is_named(t, kind):
+    with pytest.raises(ProtocolError, match="unknown operation kind") as info:
+        m.parse(header(t, kind=kind))
+    assert repr(kind) in str(info.value)
+
+
+@pytest.mark.parametrize("t", ["push", "op", "alloc"])
+def test_empty_name_rejected(t):
+    with pytest.raises(ProtocolError, match=r"tensor name must have 1 to \d+ characters, got 0"):
+        m.parse(header(t, name=""))
+
+
+@pytest.mark.parametrize("t", ["push", "op", "alloc"])
+def test_name_length_limit(t):
+    assert m.parse(header(t, name="n" * m.MAX_NAME_CHARS)).name == "n" * m.MAX_NAME_CHARS
+    with pytest.raises(ProtocolError, match=f"tensor name .* got {m.MAX_NAME_CHARS + 1}"):
+        m.parse(header(t, name="n" * (m.MAX_NAME_CHARS + 1)))
+
+
+@pytest.mark.parametrize("field", ["part", "round", "offset", "count", "worker"])
+def test_push_negative_numbers_rejected(field):
+    with pytest.raises(ProtocolError, match=field):
+        m.parse(header("push", **{field: -1}))
+    assert getattr(m.parse(header("push", **{field: 0})), field) == 0
+
+
+@pytest.mark.parametrize("divisor", [0, -1])
+def test_push_divisor_below_one_rejected(divisor):
+    with pytest.raises(ProtocolError, match="divisor < 1"):
+        m.parse(header("push", divisor=divisor))
+
+
+def test_alloc_negative_size_rejected():
+    with pytest.raises(ProtocolError, match="negative size"):
+        m.parse(header("alloc", nbytes=-1))
+    assert m.parse(header("alloc", nbytes=0)).nbytes == 0
+
+
+def test_parse_result_is_frozen():
+    msg = m.parse(VALID["done"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        msg.req = 3  # type: ignore[misc]
+
+
+def test_header_is_plain_msgpack_map():
+    body = msgpack.packb(m.to_header(SAMPLES["push"]), use_bin_type=True)
+    assert msgpack.unpackb(body, raw=False) == VALID["push"]
