@@ -196,7 +196,14 @@ def test_unknown_dtype_is_named(t, dtype):
 @pytest.mark.parametrize("t", ["push", "op"])
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32", "int64"])
 def test_every_wire_dtype_is_accepted(t, dtype):
-    assert m.parse(header(t, dtype=dtype)).dtype == dtype
+    extra = {"divisor": 1} if t == "push" else {}
+    assert m.parse(header(t, dtype=dtype, **extra)).dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+def test_push_cannot_ask_to_divide_an_integer_sum(dtype):
+    with pytest.raises(ProtocolError, match="averages need floats"):
+        m.parse(header("push", dtype=dtype, divisor=4))
 
 
 @pytest.mark.parametrize("role", ["admin", "", "Worker", "server"])
