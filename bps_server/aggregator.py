@@ -102,11 +102,15 @@ class Counters:
 class Aggregator:
     """Sums the ``n_workers`` pushes of every key and round (see the module docstring)."""
 
-    def __init__(self, n_workers: int, executor: Executor | None = None) -> None:
+    def __init__(self, n_workers: int, executor: Executor | None = None, lost_grace_s: float = 30.0) -> None:
         self.n_workers = n_workers
         self.executor = executor
+        self.lost_grace_s = lost_grace_s
         self.keys: dict[Key, KeyState] = {}
+        # Workers whose connection dropped and which did not come back within lost_grace_s:
+        # rounds that need them fail at once instead of waiting.
         self.lost_workers: set[int] = set()
+        self._gone: dict[int, object] = {}  # worker -> token of its latest disconnection
         self.counters = Counters()
         self.started = time.monotonic()
 
@@ -172,17 +176,33 @@ class Aggregator:
             self._fail_round(key, st, f"tensor {name!r} round {round_} aborted by worker {worker}: {message}")
 
     def worker_lost(self, worker: int) -> int:
-        """Fail every incomplete round still waiting for ``worker``'s push; return how many."""
-        self.lost_workers.add(worker)
+        """Fail every incomplete round still waiting for ``worker``'s push; return how many.
+
+        Rounds started later wait up to ``lost_grace_s`` for the worker to reconnect (a
+        restarted daemon); after that they fail at once until it is back.
+        """
+        token = object()
+        self._gone[worker] = token
+
+        def expire() -> None:
+            if self._gone.get(worker) is token:
+                self.lost_workers.add(worker)
+                self._fail_waiting_for(worker)
+
+        asyncio.get_running_loop().call_later(self.lost_grace_s, expire)
+        return self._fail_waiting_for(worker)
+
+    def _fail_waiting_for(self, worker: int) -> int:
         failed = 0
         for key, st in list(self.keys.items()):
             if st.contributors and worker not in st.contributors and st.failed is None:
                 failed += 1
-                self._fail_round(key, st, f"worker {worker} disconnected before pushing round {st.round} "
-                                          f"of {key[0]!r}")
+                self._fail_round(key, st, f"worker {worker} is disconnected; round {st.round} of {key[0]!r} "
+                                          f"cannot complete")
         return failed
 
     def worker_joined(self, worker: int) -> None:
+        self._gone.pop(worker, None)
         self.lost_workers.discard(worker)
 
     # -- internals -------------------------------------------------------------------

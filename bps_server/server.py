@@ -176,7 +176,7 @@ class SummationServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-sum")
-        self.aggregator = Aggregator(config.cluster.workers, self.executor)
+        self.aggregator = Aggregator(config.cluster.workers, self.executor, lost_grace_s=config.cluster.timeout)
         self.connections: set[ServerConnection] = set()
         self.links: dict[int, ServerConnection] = {}
         self.tasks: set[asyncio.Task[Any]] = set()

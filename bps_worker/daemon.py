@@ -310,6 +310,7 @@ class WorkerDaemon:
             rnd = self.next_round.get(op.name, 0)
             self.next_round[op.name] = rnd + 1
             lr = self.open_rounds[op.name] = LocalRound(op.name, rnd, op, session.rank)
+            self._watch(lr)
         if session.local_rank in lr.members:
             session.send(Failure(op.req, f"tensor {op.name!r} is already in flight for rank {session.rank}; "
                                          f"synchronize it before pushing it again", code="bad_request"))
@@ -324,6 +325,27 @@ class WorkerDaemon:
             lr.started = True
             del self.open_rounds[op.name]
             self.spawn(self.run_round(lr))
+
+    def _watch(self, lr: LocalRound) -> None:
+        """Fail an open round that waits for a process which is not even connected, after the timeout.
+
+        A connected process that is merely slow to push is not an error; a missing one is
+        (it died, or was never started), and must not make its peers hang.
+        """
+        timeout = self.config.cluster.timeout
+
+        def check() -> None:
+            if self.open_rounds.get(lr.name) is not lr:
+                return
+            absent = [r for r in range(self.config.local_size) if r not in lr.members and r not in self.sessions]
+            if absent:
+                ranks = ", ".join(str(self.rank_offset + r) for r in absent)
+                self.fail_local_round(lr, f"tensor {lr.name!r}: rank {ranks} of worker {self.worker_id} is not "
+                                          f"connected (waited {timeout:g} s)")
+            else:
+                asyncio.get_running_loop().call_later(timeout, check)
+
+        asyncio.get_running_loop().call_later(timeout, check)
 
     def fail_local_round(self, lr: LocalRound, reason: str, code: str = "error") -> None:
         log.warning("%s", reason)

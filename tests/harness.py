@@ -93,8 +93,12 @@ def _rank_main(queue: Any, sock: str, local_rank: int, rank: int, target: Callab
 
 
 def run_ranks(cluster: Cluster, target: Callable[..., Any], *args: Any, timeout: float = 60.0,
-              per_rank_args: Callable[[int], tuple[Any, ...]] | None = None) -> list[Any]:
-    """Run ``target(*args)`` in one process per rank (after ``init``); return the results in rank order."""
+              per_rank_args: Callable[[int], tuple[Any, ...]] | None = None,
+              may_die: frozenset[int] = frozenset()) -> list[Any]:
+    """Run ``target(*args)`` in one process per rank (after ``init``); return the results in rank order.
+
+    Ranks in ``may_die`` are expected to kill themselves; their result is None.
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = []
@@ -109,7 +113,7 @@ def run_ranks(cluster: Cluster, target: Callable[..., Any], *args: Any, timeout:
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout
     try:
-        while len(results) + len(errors) < len(procs):
+        while len(results) + len(errors) < len(procs) - len(may_die):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"ranks {sorted(set(range(len(procs))) - set(results) - set(errors))} did not "
@@ -128,4 +132,4 @@ def run_ranks(cluster: Cluster, target: Callable[..., Any], *args: Any, timeout:
                 p.kill()
     if errors:
         raise AssertionError("rank failures:\n" + "\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
-    return [results[r] for r in sorted(results)]
+    return [results.get(r) for r in range(len(procs))]

@@ -158,3 +158,24 @@ def mismatch_by_worker() -> dict[str, Any]:
     elapsed = time.monotonic() - start
     after = bps.push_pull(np.ones(1, np.float32), "w.after", average=False)
     return {"error": error, "elapsed": elapsed, "after": float(after[0])}
+
+
+def die_before_push(victim: int) -> dict[str, Any]:
+    """``victim`` is SIGKILLed after connecting; the others push a tensor it will never push."""
+    import os
+    import signal
+
+    rank = bps.rank()
+    x = np.ones(1000, np.float32)
+    if rank == victim:
+        bps.push_pull(x, "warmup", average=False)
+        os.kill(os.getpid(), signal.SIGKILL)
+    bps.push_pull(x, "warmup", average=False)
+    time.sleep(0.5 if rank % 2 else 0.0)  # some push before the death is noticed, some after
+    start = time.monotonic()
+    try:
+        bps.push_pull(x, "victim", average=False)
+        error = None
+    except bps.BPSError as exc:
+        error = str(exc)
+    return {"error": error, "elapsed": time.monotonic() - start}

@@ -1,0 +1,154 @@
+"""Bad peers and dying processes: each is dropped and logged, the daemons keep serving, nothing leaks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+import rank_programs as rp
+from harness import daemon_logs, run_ranks, shm_segments, start_cluster, write_config
+from protocol import PROTOCOL_VERSION
+from protocol.frames import PREFIX, FrameReader, encode_header
+from protocol.messages import ROLE_CLIENT, ROLE_WORKER, Alloc, Allocated, Failure, Hello, Op, Welcome, parse, to_header
+
+CASES = [("ok.f32", "float32", (70_001,), True, 3), ("ok.bf16", "bfloat16", (5,), False, 4)]
+
+
+def _frame(message) -> bytes:
+    return encode_header(to_header(message))
+
+
+def _exchange(sock: socket.socket, data: bytes, timeout: float = 5.0) -> tuple[list, bool]:
+    """Send ``data``; read until the peer closes or ``timeout``; return (messages, closed)."""
+    sock.settimeout(timeout)
+    try:
+        sock.sendall(data)
+    except OSError:
+        pass
+    reader = FrameReader()
+    messages, closed = [], False
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            chunk = sock.recv(65536)
+            if not chunk:
+                closed = True
+                break
+            messages += [parse(f.header) for f in reader.receive_data(chunk)]
+    except (socket.timeout, ConnectionResetError):
+        closed = closed or False
+    except OSError:
+        closed = True
+    return messages, closed
+
+
+def _assert_dropped(messages: list, closed: bool, text: str) -> None:
+    assert closed, "the daemon kept a bad connection open"
+    failures = [m for m in messages if isinstance(m, Failure)]
+    assert failures and text in failures[-1].message, messages
+
+
+def _sums_still_exact(cluster) -> None:
+    for reports in zip(*run_ranks(cluster, rp.sum_cases, CASES)):
+        assert all(r["exact"] for r in reports)
+        assert len({r["digest"] for r in reports}) == 1
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    before = shm_segments()
+    c = start_cluster(write_config(tmp_path, [2, 2], cpu_servers=1,
+                                   cluster={"partition_bytes": 65536, "timeout": 4.0, "max_payload_bytes": 1 << 22}))
+    try:
+        yield c
+    finally:
+        c.stop()
+    assert shm_segments() - before == set(), "shared-memory segments leaked"
+
+
+def test_server_drops_bad_frames_and_keeps_serving(cluster):
+    spec = cluster.config.servers[2]
+
+    def connect() -> socket.socket:
+        return socket.create_connection((spec.host, spec.port), timeout=5)
+
+    with connect() as s:  # random garbage
+        messages, closed = _exchange(s, os.urandom(4096))
+        assert closed
+    with connect() as s:  # a header longer than the limit: refused from the prefix alone
+        _assert_dropped(*_exchange(s, PREFIX.pack(10_000_000, 0)), "exceeds the limit")
+    with connect() as s:  # a payload longer than max_payload_bytes
+        _assert_dropped(*_exchange(s, PREFIX.pack(10, 1 << 40)), "exceeds the limit")
+    with connect() as s:  # wrong protocol version
+        _assert_dropped(*_exchange(s, _frame(Hello(PROTOCOL_VERSION + 41, ROLE_WORKER, 0))), "version")
+    with connect() as s:  # no handshake
+        _assert_dropped(*_exchange(s, _frame(Alloc(1, "x", 4))), "expected hello")
+    with connect() as s:  # a worker id the cluster does not have
+        _assert_dropped(*_exchange(s, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 7))), "only workers")
+    with connect() as s:  # not msgpack at all after a valid prefix
+        _assert_dropped(*_exchange(s, PREFIX.pack(4, 0) + b"\xc1\xc1\xc1\xc1"), "undecodable")
+    with connect() as s:  # valid hello as worker 1, then a push cut off in the middle of its payload
+        s.sendall(_frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 1)))
+        head = encode_header({"t": "push", "req": 1, "name": "cut", "part": 0, "round": 0, "worker": 1,
+                              "dtype": "float32", "shape": [1 << 18], "offset": 0, "count": 1 << 18}, 1 << 20)
+        s.sendall(head + b"\0" * (1 << 19))
+    _sums_still_exact(cluster)
+    log = daemon_logs(cluster)
+    assert "dropping" in log and "version" in log
+
+
+def test_worker_drops_bad_clients_and_keeps_serving(cluster):
+    path = cluster.config.worker_specs[0].socket
+
+    def connect() -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        return s
+
+    with connect() as s:
+        messages, closed = _exchange(s, os.urandom(4096))
+        assert closed
+    with connect() as s:
+        _assert_dropped(*_exchange(s, PREFIX.pack(1_000_000, 0)), "exceeds the limit")
+    with connect() as s:  # clients never send payloads
+        _assert_dropped(*_exchange(s, PREFIX.pack(8, 16)), "exceeds the limit")
+    with connect() as s:
+        _assert_dropped(*_exchange(s, _frame(Hello(PROTOCOL_VERSION - 1, ROLE_CLIENT, 0))), "version")
+    with connect() as s:
+        _assert_dropped(*_exchange(s, _frame(Hello(PROTOCOL_VERSION, ROLE_CLIENT, 5))), "outside")
+    with connect() as a, connect() as b:  # one local rank, two processes
+        messages, _ = _exchange(a, _frame(Hello(PROTOCOL_VERSION, ROLE_CLIENT, 0)), timeout=1.0)
+        assert isinstance(messages[0], Welcome)
+        _assert_dropped(*_exchange(b, _frame(Hello(PROTOCOL_VERSION, ROLE_CLIENT, 0))), "already connected")
+    segments_before = shm_segments()
+    with connect() as s:  # a client that allocates, then disconnects in the middle of an op frame
+        messages, _ = _exchange(s, _frame(Hello(PROTOCOL_VERSION, ROLE_CLIENT, 1)) + _frame(Alloc(1, "t", 1 << 20)),
+                                timeout=1.0)
+        allocated = [m for m in messages if isinstance(m, Allocated)]
+        assert allocated and allocated[0].segment in shm_segments()
+        op = _frame(Op(2, "t", "sum", "float32", [1 << 18], allocated[0].segment))
+        s.sendall(op[: len(op) // 2])
+    deadline = time.monotonic() + 5
+    while allocated[0].segment in shm_segments() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert allocated[0].segment not in shm_segments(), "the worker did not unlink a dropped client's segment"
+    assert shm_segments() - segments_before == set()
+    _sums_still_exact(cluster)
+
+
+def test_killed_client_fails_its_peers_fast_and_is_cleaned_up(cluster):
+    victim = 3
+    results = run_ranks(cluster, rp.die_before_push, victim, may_die=frozenset({victim}), timeout=60)
+    for rank, r in enumerate(results):
+        if rank == victim:
+            assert r is None
+            continue
+        assert r["error"] is not None, f"rank {rank} did not get an error"
+        assert "rank 3" in r["error"] or "aborted" in r["error"], r["error"]
+        assert r["elapsed"] < 10.0
+    # A new process may take the dead one's place; the cluster works as before.
+    _sums_still_exact(cluster)
