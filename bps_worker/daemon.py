@@ -67,6 +67,7 @@ class WorkerConfig:
     worker_id: int
     socket_path: str | None = None  # overrides the path in the cluster file
     socket_mode: int = 0o600
+    segment_mode: int = 0o600
     threads: int = 2
 
     @property
@@ -193,7 +194,8 @@ class ClientSession(asyncio.BufferedProtocol):
             self.send(Allocated(message.req, old, self.segments[old].size))
             return
         try:
-            seg = shm.create_segment(shm.segment_name(self.daemon.worker_id), message.nbytes)
+            seg = shm.create_segment(shm.segment_name(self.daemon.worker_id), message.nbytes,
+                                     self.daemon.config.segment_mode)
         except OSError as exc:
             self.send(Failure(message.req, f"cannot allocate {message.nbytes} bytes of shared memory for "
                                            f"{message.name!r}: {exc.strerror}"))

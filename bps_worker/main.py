@@ -24,6 +24,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--id", type=int, required=True, help="id of the [[worker]] table to run")
     p.add_argument("--socket", default=None, help="Unix socket path (default: the worker's `socket` key)")
     p.add_argument("--socket-mode", default="600", help="octal permissions of the socket (default: 600)")
+    p.add_argument("--shm-mode", default="600",
+                   help="octal permissions of shared-memory segments (default: 600; 660 to share with a group)")
     p.add_argument("--threads", type=int, default=2, help="threads for local sums and copies (default: 2)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
@@ -52,14 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster = load_config(args.config)
         cluster.worker(args.id)
-        mode = int(args.socket_mode, 8)
+        socket_mode = int(args.socket_mode, 8)
+        shm_mode = int(args.shm_mode, 8)
     except ConfigError as exc:
         print(f"bps-worker: {exc}", file=sys.stderr)
         return 2
     except ValueError:
-        print(f"bps-worker: --socket-mode must be octal, got {args.socket_mode!r}", file=sys.stderr)
+        print(f"bps-worker: --socket-mode and --shm-mode must be octal, got {args.socket_mode!r}, "
+              f"{args.shm_mode!r}", file=sys.stderr)
         return 2
-    config = WorkerConfig(cluster, args.id, socket_path=args.socket, socket_mode=mode, threads=max(1, args.threads))
+    config = WorkerConfig(cluster, args.id, socket_path=args.socket, socket_mode=socket_mode,
+                          segment_mode=shm_mode, threads=max(1, args.threads))
     kernels.warm_up()
     loop = new_event_loop()
     try:

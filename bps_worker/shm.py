@@ -30,9 +30,15 @@ def segment_name(worker_id: int) -> str:
     return f"{SEGMENT_PREFIX}w{worker_id}_{os.getpid()}_{secrets.token_hex(6)}"
 
 
-def create_segment(name: str, nbytes: int) -> SharedMemory:
-    """A new segment of at least ``nbytes`` (a zero-size segment cannot be mapped, so at least 1)."""
-    return SharedMemory(name=name, create=True, size=max(nbytes, 1))
+def create_segment(name: str, nbytes: int, mode: int = 0o600) -> SharedMemory:
+    """A new segment of at least ``nbytes`` (a zero-size segment cannot be mapped, so at least 1).
+
+    Created owner-only, then opened up to ``mode`` (e.g. 0o660 for a shared group).
+    """
+    seg = SharedMemory(name=name, create=True, size=max(nbytes, 1))
+    if mode != 0o600:
+        os.fchmod(seg._fd, mode)  # type: ignore[attr-defined]
+    return seg
 
 
 def attach_segment(name: str) -> SharedMemory:

@@ -1,0 +1,30 @@
+# Everything a fresh machine needs, from a fresh clone: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch (a plain `torch` requirement pulls a multi-GB CUDA build).
+# GPU users: `make install TORCH_SPEC=torch` or install their own torch into the venv first.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install demo test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[torch,examples,test]"
+	touch $@
+
+demo: install
+	$(VENV)/bin/bps-launch --config configs/local.toml -- $(PY) examples/train_digits.py
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(PY) benchmarks/push_pull_vs_gloo.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,152 @@
+"""The console scripts as users and systemd run them: exit codes, one-line reasons, readiness, signals."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import write_config
+
+PY = sys.executable
+
+
+def _run(args: list[str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PY, "-m", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _one_line(stderr: str) -> str:
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("module", ["bps_server", "bps_worker"])
+def test_bad_config_exits_2_naming_key_and_file(tmp_path, module):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[cluster]\nworkers = 1\nbogus = 3\n[[server]]\nid = 0\naddress = "127.0.0.1:1"\n'
+                   '[[worker]]\nid = 0\nlocal_size = 1\nsocket = "/tmp/x.sock"\n')
+    result = _run([module, "--config", str(bad), "--id", "0"])
+    assert result.returncode == 2
+    line = _one_line(result.stderr)
+    assert "cluster.bogus" in line and str(bad) in line
+
+
+def test_unknown_id_exits_2(tmp_path):
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    result = _run(["bps_server", "--config", str(config), "--id", "9"])
+    assert result.returncode == 2 and "id = 9" in _one_line(result.stderr)
+
+
+def test_busy_port_exits_1_with_one_line(tmp_path):
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        config.write_text(re.sub(r"127\.0\.0\.1:\d+", f"127.0.0.1:{port}", config.read_text()))
+        result = _run(["bps_server", "--config", str(config), "--id", "0"])
+    assert result.returncode == 1
+    reasons = [line for line in result.stderr.splitlines() if line.startswith("bps-server:")]
+    assert len(reasons) == 1 and "cannot listen" in reasons[0] and str(port) in reasons[0], result.stderr
+
+
+def _notify_socket(tmp_path: Path) -> tuple[socket.socket, str]:
+    path = str(tmp_path / "notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(30)
+    return sock, path
+
+
+@pytest.mark.parametrize("module", ["bps_server", "bps_worker"])
+def test_ready_notification_and_clean_sigterm(tmp_path, module):
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    notify, path = _notify_socket(tmp_path)
+    proc = subprocess.Popen([PY, "-m", module, "--config", str(config), "--id", "0"],
+                            env=dict(os.environ, NOTIFY_SOCKET=path), stderr=subprocess.PIPE, text=True)
+    try:
+        assert notify.recv(100) == b"READY=1"
+        if module == "bps_worker":
+            sock_path = str(tmp_path / "w0.sock")
+            assert os.stat(sock_path).st_mode & 0o777 == 0o600
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        notify.close()
+    if module == "bps_worker":
+        assert not os.path.exists(tmp_path / "w0.sock"), "socket file left behind"
+
+
+def test_worker_refuses_a_socket_in_use(tmp_path):
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    notify, path = _notify_socket(tmp_path)
+    first = subprocess.Popen([PY, "-m", "bps_worker", "--config", str(config), "--id", "0"],
+                             env=dict(os.environ, NOTIFY_SOCKET=path), stderr=subprocess.DEVNULL)
+    try:
+        assert notify.recv(100) == b"READY=1"
+        result = _run(["bps_worker", "--config", str(config), "--id", "0"])
+        assert result.returncode == 1
+        assert "in use" in [l for l in result.stderr.splitlines() if "bps-worker:" in l][0]
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=15)
+        notify.close()
+
+
+def test_stale_socket_file_is_replaced(tmp_path):
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(tmp_path / "w0.sock"))
+    stale.close()  # the file stays, nobody listens: what a crashed daemon leaves
+    notify, path = _notify_socket(tmp_path)
+    proc = subprocess.Popen([PY, "-m", "bps_worker", "--config", str(config), "--id", "0"],
+                            env=dict(os.environ, NOTIFY_SOCKET=path), stderr=subprocess.DEVNULL)
+    try:
+        assert notify.recv(100) == b"READY=1"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        notify.close()
+
+
+def test_launcher_runs_a_script_on_every_rank(tmp_path):
+    config = write_config(tmp_path, [2, 1], cpu_servers=1)
+    script = tmp_path / "job.py"
+    out = tmp_path / "out"
+    out.mkdir()
+    script.write_text(
+        "import os, numpy as np, bps_worker.client as bps\n"
+        "bps.init()\n"
+        "y = bps.push_pull(np.array([bps.rank() + 1.0]), 'x', average=False)\n"
+        f"open(os.path.join({str(out)!r}, str(bps.rank())), 'w').write(str(y[0]))\n"
+        "bps.shutdown()\n")
+    result = subprocess.run([PY, "-m", "bps_worker.launch", "--config", str(config), "--", PY, str(script)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert sorted(os.listdir(out)) == ["0", "1", "2"]
+    assert {(out / r).read_text() for r in "012"} == {"6.0"}
+
+
+def test_launcher_stops_everything_when_a_rank_fails(tmp_path):
+    config = write_config(tmp_path, [2], cpu_servers=0)
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['BPS_RANK'] == '1': sys.exit(3)\n"
+                      "time.sleep(60)\n")
+    start = time.monotonic()
+    result = subprocess.run([PY, "-m", "bps_worker.launch", "--config", str(config), "--", PY, str(script)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3
+    assert "rank 1 exited with status 3" in result.stderr
+    assert time.monotonic() - start < 30
+    assert not os.path.exists(tmp_path / "w0.sock")
