@@ -1,0 +1,155 @@
+"""The Summation Service's round logic, without sockets."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from bps_server.aggregator import Aggregator
+from protocol.messages import Push
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.results: dict[int, np.ndarray] = {}
+        self.failures: dict[int, str] = {}
+
+    def reply(self, push: Push, out: np.ndarray) -> None:
+        self.results[push.worker] = out.copy()
+
+    def fail(self, push: Push, message: str) -> None:
+        self.failures[push.worker] = message
+
+
+def _push(worker: int, data: np.ndarray, *, name: str = "t", rnd: int = 0, dtype: str = "float32",
+          shape: list[int] | None = None, divisor: int = 1, part: int = 0) -> tuple[Push, np.ndarray]:
+    shape = [data.size] if shape is None else shape
+    push = Push(req=worker, name=name, part=part, round=rnd, worker=worker, dtype=dtype, shape=shape, offset=0,
+                count=data.size, divisor=divisor)
+    storage = data.view(np.uint16) if dtype in ("float16", "bfloat16") else data
+    return push, storage.copy()
+
+
+async def _feed(agg: Aggregator, rec: Recorder, pushes: list[tuple[Push, np.ndarray]]) -> None:
+    await asyncio.gather(*(agg.push(p, d, rec.reply, rec.fail) for p, d in pushes))
+
+
+async def test_sum_is_sent_to_every_worker_once_all_pushed():
+    agg, rec = Aggregator(3), Recorder()
+    xs = [np.arange(5, dtype=np.float32) * (w + 1) for w in range(3)]
+    await _feed(agg, rec, [_push(w, xs[w]) for w in (2, 0)])
+    assert rec.results == {}  # two of three: nothing yet
+    await _feed(agg, rec, [_push(1, xs[1])])
+    assert sorted(rec.results) == [0, 1, 2]
+    for out in rec.results.values():
+        np.testing.assert_array_equal(out, np.arange(5, dtype=np.float32) * 6)
+    assert agg.keys[("t", 0)].round == 1 and agg.counters.rounds_completed == 1
+
+
+async def test_rounds_do_not_mix():
+    agg, rec = Aggregator(2), Recorder()
+    for rnd in range(5):
+        await _feed(agg, rec, [_push(w, np.full(3, rnd * 10 + w, np.int64), dtype="int64", rnd=rnd) for w in (1, 0)])
+        assert all((out == rnd * 20 + 1).all() for out in rec.results.values())
+        rec.results.clear()
+
+
+@pytest.mark.parametrize("dtype,np_dtype", [("float16", np.float16), ("bfloat16", ml_dtypes.bfloat16)])
+async def test_half_types_accumulate_in_float32_and_round_once(dtype, np_dtype):
+    # In 16 bits 2048 + 1 + 1 stays 2048 (each +1 rounds away); in float32 it is 2050, which float16 holds.
+    big = 2048.0 if dtype == "float16" else 256.0
+    agg, rec = Aggregator(3), Recorder()
+    xs = [np.array([big], np_dtype), np.array([1.0], np_dtype), np.array([1.0], np_dtype)]
+    await _feed(agg, rec, [_push(w, xs[w], dtype=dtype) for w in range(3)])
+    got = rec.results[0].view(np_dtype)
+    assert float(got[0]) == big + 2
+
+
+async def test_divisor_divides_in_float32_before_the_single_rounding():
+    agg, rec = Aggregator(2), Recorder()
+    xs = [np.array([1.0, 3.0], np.float16), np.array([2.0, 4.0], np.float16)]
+    await _feed(agg, rec, [_push(w, xs[w], dtype="float16", divisor=3) for w in range(2)])
+    expect = (np.array([3.0, 7.0], np.float32) / np.float32(3)).astype(np.float16)
+    assert rec.results[0].view(np.float16).tobytes() == expect.tobytes()
+
+
+async def test_large_partitions_are_summed_in_the_thread_pool():
+    with ThreadPoolExecutor(2) as pool:
+        agg, rec = Aggregator(2, pool), Recorder()
+        xs = [np.full(1 << 18, w + 0.5, np.float32) for w in range(2)]
+        await _feed(agg, rec, [_push(w, xs[w]) for w in range(2)])
+        assert (rec.results[1] == 2.0).all()
+
+
+async def test_shape_mismatch_fails_everyone_in_the_round_and_names_both():
+    agg, rec = Aggregator(3), Recorder()
+    await _feed(agg, rec, [_push(0, np.zeros(4, np.float32), shape=[2, 2])])
+    await _feed(agg, rec, [_push(1, np.zeros(4, np.float32), shape=[4])])
+    assert set(rec.failures) == {0, 1}
+    assert "'t'" in rec.failures[0] and "float32[2,2]" in rec.failures[0] and "float32[4]" in rec.failures[0]
+    await _feed(agg, rec, [_push(2, np.zeros(4, np.float32), shape=[2, 2])])  # late push of the failed round
+    assert "mismatch" in rec.failures[2]
+    rec.failures.clear()
+    await _feed(agg, rec, [_push(w, np.ones(4, np.float32), rnd=1) for w in range(3)])  # the next round works
+    assert rec.failures == {} and (rec.results[0] == 3).all()
+
+
+async def test_duplicate_push_fails_only_the_duplicate():
+    agg, rec = Aggregator(2), Recorder()
+    await _feed(agg, rec, [_push(0, np.ones(2, np.float32))])
+    await _feed(agg, rec, [_push(0, np.ones(2, np.float32))])
+    assert "twice" in rec.failures[0]
+    rec.failures.clear()
+    await _feed(agg, rec, [_push(1, np.ones(2, np.float32))])
+    assert (rec.results[1] == 2).all()
+
+
+async def test_stale_round_is_refused():
+    agg, rec = Aggregator(1), Recorder()
+    await _feed(agg, rec, [_push(0, np.ones(2, np.float32), rnd=3)])
+    await _feed(agg, rec, [_push(0, np.ones(2, np.float32), rnd=2)])
+    assert "stale round 2" in rec.failures[0]
+
+
+async def test_a_later_round_abandons_an_incomplete_one():
+    agg, rec = Aggregator(2), Recorder()
+    await _feed(agg, rec, [_push(0, np.ones(2, np.float32), rnd=0)])
+    await _feed(agg, rec, [_push(1, np.ones(2, np.float32), rnd=1)])
+    assert "abandoned" in rec.failures[0]
+    await _feed(agg, rec, [_push(0, np.ones(2, np.float32), rnd=1)])
+    assert (rec.results[0] == 2).all() and (rec.results[1] == 2).all()
+
+
+async def test_abort_fails_waiters_and_late_pushes():
+    agg, rec = Aggregator(3), Recorder()
+    await _feed(agg, rec, [_push(0, np.ones(2, np.float32))])
+    agg.abort("t", 0, 0, worker=2, message="local mismatch")
+    assert "aborted by worker 2: local mismatch" in rec.failures[0]
+    await _feed(agg, rec, [_push(1, np.ones(2, np.float32))])
+    assert "aborted" in rec.failures[1]
+
+
+async def test_lost_worker_fails_pending_rounds_at_once_and_later_ones_after_the_grace():
+    agg, rec = Aggregator(2, lost_grace_s=0.2), Recorder()
+    await _feed(agg, rec, [_push(0, np.ones(2, np.float32), name="pending")])
+    assert agg.worker_lost(1) == 1
+    assert "worker 1 is disconnected" in rec.failures.pop(0)
+    await _feed(agg, rec, [_push(0, np.ones(2, np.float32), name="later")])
+    assert rec.failures == {}  # within the grace period it may still come back
+    await asyncio.sleep(0.3)
+    assert "worker 1 is disconnected" in rec.failures.pop(0)
+    await _feed(agg, rec, [_push(0, np.ones(2, np.float32), name="after", rnd=0)])
+    assert "worker 1" in rec.failures.pop(0)  # past the grace: at once
+    agg.worker_joined(1)
+    await _feed(agg, rec, [_push(w, np.ones(2, np.float32), name="back") for w in range(2)])
+    assert rec.failures == {} and (rec.results[0] == 2).all()
+
+
+async def test_empty_partition_completes():
+    agg, rec = Aggregator(2), Recorder()
+    await _feed(agg, rec, [_push(w, np.zeros(0, np.float32), shape=[0, 3]) for w in range(2)])
+    assert rec.results[0].size == 0 and rec.failures == {}

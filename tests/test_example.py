@@ -1,0 +1,25 @@
+"""The README's main job, on a private copy of the one-box cluster: it trains and prints its summary."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from harness import write_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_digits_example_trains_on_a_one_box_cluster(tmp_path):
+    config = write_config(tmp_path, [2, 2], cpu_servers=1)
+    result = subprocess.run(
+        [sys.executable, "-m", "bps_worker.launch", "--config", str(config), "--",
+         sys.executable, str(ROOT / "examples" / "train_digits.py"), "--epochs", "3"],
+        capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "summary" in out and "4 processes on 2 workers" in out
+    accuracy = float(out.split("test accuracy:")[1].split()[0])
+    assert accuracy >= 0.85
+    assert "samples/s" in out

@@ -1,0 +1,120 @@
+"""ServerConnection driven through a fake transport: the protocol class without sockets."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from bps_server.server import ServerConfig, ServerConnection, SummationServer
+from protocol import PROTOCOL_VERSION
+from protocol.config import parse_config
+from protocol.frames import FrameReader, encode_header
+from protocol.messages import ROLE_WORKER, Failure, Hello, Push, Result, Stats, StatsRequest, Welcome, parse, to_header
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def writelines(self, chunks: list) -> None:
+        for c in chunks:
+            self.data += bytes(c)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_extra_info(self, name: str) -> object:
+        return ("127.0.0.1", 1)
+
+    def messages(self) -> list:
+        reader = FrameReader()
+        return [(parse(f.header), f.payload) for f in reader.receive_data(bytes(self.data))]
+
+
+def _server(workers: int = 2) -> SummationServer:
+    cluster = parse_config({
+        "cluster": {"workers": workers},
+        "server": [{"id": 0, "address": "127.0.0.1:0"}],
+        "worker": [{"id": w, "local_size": 1, "socket": f"/tmp/none{w}"} for w in range(workers)],
+    })
+    return SummationServer(ServerConfig(cluster, 0, threads=1))
+
+
+def _connect(server: SummationServer) -> tuple[ServerConnection, FakeTransport]:
+    conn, transport = ServerConnection(server), FakeTransport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    return conn, transport
+
+
+def _feed(conn: ServerConnection, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        buf = conn.get_buffer(-1)
+        n = min(len(buf), len(view))
+        buf[:n] = view[:n]
+        view = view[n:]
+        conn.buffer_updated(n)
+
+
+def _frame(message, payload: bytes = b"") -> bytes:
+    return encode_header(to_header(message), len(payload)) + payload
+
+
+async def test_handshake_push_result_and_stats():
+    server = _server()
+    conns = [_connect(server) for _ in range(2)]
+    for w, (conn, t) in enumerate(conns):
+        _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, w)))
+        assert isinstance(t.messages()[0][0], Welcome)
+    for w, (conn, _) in enumerate(conns):
+        data = np.full(4, w + 1, np.float32)
+        push = Push(req=10 + w, name="x", part=0, round=0, worker=w, dtype="float32", shape=[4], offset=0, count=4)
+        _feed(conn, _frame(push, data.tobytes()))
+    await asyncio.sleep(0.05)
+    for w, (_, t) in enumerate(conns):
+        result, payload = t.messages()[1]
+        assert isinstance(result, Result) and result.req == 10 + w
+        np.testing.assert_array_equal(np.frombuffer(payload, np.float32), [3, 3, 3, 3])
+    _feed(conns[0][0], _frame(StatsRequest(99)))
+    stats = conns[0][1].messages()[-1][0]
+    assert isinstance(stats, Stats) and stats.stats["bytes_received"] == 32 and stats.stats["rounds_completed"] == 1
+    await server.stop()
+
+
+async def test_payload_size_must_match_the_push():
+    server = _server()
+    conn, t = _connect(server)
+    _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0)))
+    push = Push(req=1, name="x", part=0, round=0, worker=0, dtype="float32", shape=[4], offset=0, count=4)
+    _feed(conn, _frame(push, b"\0" * 12))
+    failure = t.messages()[-1][0]
+    assert isinstance(failure, Failure) and "carries 12 bytes" in failure.message and t.closed
+    await server.stop()
+
+
+async def test_a_worker_cannot_push_for_another():
+    server = _server()
+    conn, t = _connect(server)
+    _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0)))
+    push = Push(req=1, name="x", part=0, round=0, worker=1, dtype="int32", shape=[1], offset=0, count=1)
+    _feed(conn, _frame(push, b"\0" * 4))
+    assert "pushed as worker 1" in t.messages()[-1][0].message and t.closed
+    await server.stop()
+
+
+async def test_push_outside_its_tensor_is_refused():
+    server = _server()
+    conn, t = _connect(server)
+    _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0)))
+    push = Push(req=1, name="x", part=1, round=0, worker=0, dtype="int32", shape=[4], offset=3, count=2)
+    _feed(conn, _frame(push, b"\0" * 8))
+    assert "exceeds its tensor" in t.messages()[-1][0].message and t.closed
+    await server.stop()
