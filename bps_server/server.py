@@ -15,8 +15,10 @@ from protocol.config import ClusterConfig
 from protocol.errors import ProtocolError
 from protocol.frames import FrameReader, encode_header
 from protocol.messages import (
+    MAX_BATCH_ITEMS,
     ROLE_WORKER,
     Abort,
+    Batch,
     Failure,
     Hello,
     Message,
@@ -25,7 +27,11 @@ from protocol.messages import (
     Stats,
     StatsRequest,
     Welcome,
+    BATCH_HEADER_BUDGET,
+    batch_header,
+    estimated_header_bytes,
     parse,
+    split_batch,
     to_header,
 )
 
@@ -33,6 +39,9 @@ from . import kernels
 from .aggregator import Aggregator
 
 log = logging.getLogger("bps.server")
+
+# Replies with payloads up to this size are coalesced into one Batch frame per loop iteration.
+BATCH_REPLY_MAX_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,8 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.worker: int | None = None
         self.peer = "?"
         self.closed = False
+        self._outbox: list[tuple[Message, np.ndarray | None]] = []
+        self._outbox_header_bytes = 0
 
     # -- asyncio.BufferedProtocol ----------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -97,7 +108,10 @@ class ServerConnection(asyncio.BufferedProtocol):
         if self.worker is None:
             self.handshake(message)
             return
-        if isinstance(message, Push):
+        if isinstance(message, Batch):
+            for item, item_payload in split_batch(message, payload):
+                self.handle(item, item_payload)
+        elif isinstance(message, Push):
             if message.payload_nbytes != (payload.nbytes if payload is not None else 0):
                 raise ProtocolError(
                     f"push of {message.name!r} part {message.part} announces {message.count} {message.dtype} "
@@ -150,6 +164,35 @@ class ServerConnection(asyncio.BufferedProtocol):
     def send(self, message: Message, payload: np.ndarray | None = None) -> None:
         if self.closed or self.transport is None or self.transport.is_closing():
             return
+        if isinstance(message, (Result, Failure)) and message.req >= 0 and \
+                (payload is None or payload.nbytes <= BATCH_REPLY_MAX_BYTES):
+            # Many small rounds complete in one loop iteration (thousands of tiny tensors):
+            # answer them in one frame.
+            if not self._outbox:
+                asyncio.get_running_loop().call_soon(self._flush)
+            self._outbox.append((message, payload))
+            self._outbox_header_bytes += estimated_header_bytes(message)
+            if len(self._outbox) >= MAX_BATCH_ITEMS or self._outbox_header_bytes >= BATCH_HEADER_BUDGET:
+                self._flush()
+            return
+        self._write(message, payload)
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        self._outbox_header_bytes = 0
+        if not outbox or self.closed or self.transport is None or self.transport.is_closing():
+            return
+        if len(outbox) == 1:
+            self._write(*outbox[0])
+            return
+        parts = [(m, 0 if p is None else p.nbytes) for m, p in outbox]
+        payload = b"".join(memoryview(p).cast("B") for _, p in outbox if p is not None and p.nbytes)
+        head = encode_header(batch_header(parts), len(payload),
+                             max_payload_bytes=self.server.config.cluster.max_payload_bytes)
+        self.transport.writelines([head, payload])
+
+    def _write(self, message: Message, payload: np.ndarray | None) -> None:
+        assert self.transport is not None
         nbytes = 0 if payload is None else payload.nbytes
         head = encode_header(to_header(message), nbytes,
                              max_payload_bytes=self.server.config.cluster.max_payload_bytes)

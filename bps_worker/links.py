@@ -25,8 +25,9 @@ from protocol import PROTOCOL_VERSION
 from protocol.config import ServerSpec
 from protocol.errors import ProtocolError
 from protocol.frames import FrameReader, encode_header
-from protocol.messages import ROLE_WORKER, Abort, Failure, Hello, Message, Push, Result, Stats, StatsRequest, \
-    Welcome, parse, to_header
+from protocol.messages import BATCH_HEADER_BUDGET, MAX_BATCH_ITEMS, ROLE_WORKER, Abort, Batch, Failure, Hello, \
+    Message, Push, Result, Stats, StatsRequest, Welcome, batch_header, estimated_header_bytes, parse, split_batch, \
+    to_header
 
 from .errors import BPSConnectionError, BPSError, BPSMismatchError
 
@@ -34,6 +35,9 @@ log = logging.getLogger("bps.worker.link")
 
 RECONNECT_DELAY_S = 0.05
 RECONNECT_DELAY_MAX_S = 1.0
+# Pushes up to this size leave in Batch frames, up to BATCH_MAX_BYTES of payload per frame.
+BATCH_ITEM_MAX_BYTES = 64 * 1024
+BATCH_MAX_BYTES = 1 << 20
 
 
 @dataclass(order=True)
@@ -166,9 +170,38 @@ class ServerLink:
             if item.future.done():  # the operation already failed elsewhere
                 continue
             self._inflight[item.push.req] = item
-            self._send(proto, item.push, item.payload)
+            if item.payload.nbytes <= BATCH_ITEM_MAX_BYTES and self._queue:
+                self._send_batch(proto, item)
+            else:
+                self._send(proto, item.push, item.payload)
             if transport.get_write_buffer_size() >= self.credit_bytes:
                 break
+
+    def _send_batch(self, proto: _LinkProtocol, first: _Queued) -> None:
+        """Send ``first`` together with the small pushes queued right behind it (in priority order)."""
+        items = [first]
+        nbytes = first.payload.nbytes
+        header_bytes = estimated_header_bytes(first.push)
+        while self._queue and len(items) < MAX_BATCH_ITEMS and header_bytes < BATCH_HEADER_BUDGET:
+            nxt = self._queue[0]
+            if nxt.payload.nbytes > BATCH_ITEM_MAX_BYTES or nbytes + nxt.payload.nbytes > BATCH_MAX_BYTES:
+                break
+            heapq.heappop(self._queue)
+            if nxt.future.done():
+                continue
+            self._inflight[nxt.push.req] = nxt
+            items.append(nxt)
+            nbytes += nxt.payload.nbytes
+            header_bytes += estimated_header_bytes(nxt.push)
+        if len(items) == 1:
+            self._send(proto, first.push, first.payload)
+            return
+        transport = proto.transport
+        if transport is None or transport.is_closing():
+            return
+        head = encode_header(batch_header([(i.push, i.payload.nbytes) for i in items]), nbytes,
+                             max_payload_bytes=self.max_payload_bytes)
+        transport.writelines([head, *(i.payload for i in items if i.payload.nbytes)])  # type: ignore[list-item]
 
     def _send(self, proto: _LinkProtocol, message: Message, payload: memoryview | None = None) -> None:
         transport = proto.transport
@@ -193,6 +226,10 @@ class ServerLink:
         return memoryview(bytearray(nbytes))  # a late result of an abandoned push: discard
 
     def on_message(self, proto: _LinkProtocol, message: Message, payload: memoryview | None) -> None:
+        if isinstance(message, Batch):
+            for item, item_payload in split_batch(message, payload):
+                self.on_message(proto, item, item_payload)
+            return
         if isinstance(message, Welcome):
             if self._welcome is not None and not self._welcome.done():
                 self._welcome.set_result(None)
@@ -200,6 +237,12 @@ class ServerLink:
         if isinstance(message, Result):
             item = self._inflight.pop(message.req, None)
             if item is not None and not item.future.done():
+                got = 0 if payload is None else payload.nbytes
+                if got != item.dest.nbytes:
+                    raise ProtocolError(f"result for {item.push.name!r} part {item.push.part} has {got} bytes, "
+                                        f"expected {item.dest.nbytes}")
+                if payload is not None and payload is not item.dest:  # a batched result: not received in place
+                    item.dest[:] = payload
                 item.future.set_result(None)
             return
         if isinstance(message, Failure):

@@ -6,10 +6,14 @@ servers (``0 <= k <= n``), the optimal share of every round's bytes is
     M_cpu = 2(n-1) / (n^2 + kn - 2k)   for each CPU-only server
     M_gpu = (n-k)  / (n^2 + kn - 2k)   for each colocated server.
 
-Every tensor is cut into contiguous per-server ranges proportional to those
-shares (largest-remainder rounding to whole elements, ties broken by an
-order starting at the tensor's *anchor* server, chosen among the servers with
-a non-zero share by a stable hash of its name), and each range into partitions of at most ``partition_bytes``. A
+A small tensor (at most ``partition_bytes / SMALL_TENSOR_FRACTION`` bytes)
+goes whole to its *anchor* server, chosen by a stable hash of its name with
+probability proportional to the servers' shares: splitting a bias over every
+server would cost a message per server for a few bytes, and the hash keeps the
+expected load on target (the deviation of many small tensors is far below one
+partition). Every larger tensor is cut into contiguous per-server ranges
+proportional to the shares (largest-remainder rounding to whole elements, ties broken by an
+order starting at the tensor's anchor server), and each range into partitions of at most ``partition_bytes``. A
 server's load therefore deviates from its target by less than one element per
 tensor, whatever the order in which names appear, and every worker computes the
 same pieces from the config and the tensor alone. Partition 0 always lives on
@@ -31,6 +35,9 @@ from fractions import Fraction
 from protocol.config import ClusterConfig
 
 log = logging.getLogger("bps.worker.placement")
+
+# Tensors of at most partition_bytes / SMALL_TENSOR_FRACTION bytes are not split across servers.
+SMALL_TENSOR_FRACTION = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,16 +96,30 @@ class Placement:
         shares = server_shares(config)
         self.server_ids = [s.id for s in config.servers]
         self.shares = [shares[sid] for sid in self.server_ids]
-        self._active = [i for i, share in enumerate(self.shares) if share > 0]
+        self.small_tensor_bytes = self.partition_bytes // SMALL_TENSOR_FRACTION
+        cumulative, total = [], Fraction(0)
+        for share in self.shares:
+            total += share
+            cumulative.append(total)
+        self._cumulative = cumulative
 
     def anchor(self, name: str) -> int:
-        """Index (into ``server_ids``) of the server that holds partition 0 of ``name``."""
-        return self._active[zlib.crc32(name.encode()) % len(self._active)]
+        """Index (into ``server_ids``) of the server that holds partition 0 of ``name``.
+
+        Chosen with probability proportional to the servers' shares (never a server without one).
+        """
+        u = Fraction(zlib.crc32(name.encode()), 1 << 32)
+        for i, bound in enumerate(self._cumulative):
+            if u < bound and self.shares[i] > 0:
+                return i
+        return max(i for i, share in enumerate(self.shares) if share > 0)
 
     def split(self, name: str, count: int, itemsize: int) -> list[Piece]:
         """The pieces of a tensor of ``count`` elements of ``itemsize`` bytes."""
         s = len(self.server_ids)
         start = self.anchor(name)
+        if count * itemsize <= self.small_tensor_bytes:
+            return [Piece(0, self.server_ids[start], 0, count)]
         order = [(start + i) % s for i in range(s)]
         exact = [self.shares[i] * count for i in order]
         alloc = [int(x) for x in exact]

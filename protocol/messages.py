@@ -214,9 +214,39 @@ class Done(Message):
     req: int
 
 
+MAX_BATCH_ITEMS: Final = 1024
+# Senders close a batch once its items' estimated header bytes reach this (well under the frame limit).
+BATCH_HEADER_BUDGET: Final = 32 * 1024
+
+
+def estimated_header_bytes(message: Message) -> int:
+    """An upper bound of a message's encoded header size, without encoding it."""
+    text = len(getattr(message, "name", "")) + len(getattr(message, "message", ""))
+    return 4 * text + 24 * len(getattr(message, "shape", ())) + 256
+
+
+@dataclass(frozen=True, slots=True)
+class Batch(Message):
+    """Several small messages in one frame: ``items`` are their headers, ``sizes`` their payload
+    lengths, and the frame's payload is their payloads back to back. Saves a frame, a syscall and
+    a wake-up per message when thousands of tiny tensors move at once."""
+
+    TYPE: ClassVar[str] = "batch"
+    items: list[Any]
+    sizes: list[int]
+
+    def validate(self) -> None:
+        if not 1 <= len(self.items) <= MAX_BATCH_ITEMS:
+            raise ProtocolError(f"batch of {len(self.items)} items; 1 to {MAX_BATCH_ITEMS} allowed")
+        if len(self.sizes) != len(self.items):
+            raise ProtocolError(f"batch has {len(self.items)} items but {len(self.sizes)} sizes")
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.sizes):
+            raise ProtocolError("batch sizes must be non-negative integers")
+
+
 MESSAGES: Final[dict[str, type[Message]]] = {
     cls.TYPE: cls
-    for cls in (Hello, Welcome, Failure, Push, Result, Abort, StatsRequest, Stats, Alloc, Allocated, Op, Done)
+    for cls in (Hello, Welcome, Failure, Push, Result, Abort, StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch)
 }
 
 _FIELDS: dict[type[Message], list[tuple[str, type, bool]]] = {}
@@ -266,3 +296,26 @@ def to_header(message: Message) -> dict[str, Any]:
     for name, _, _ in _fields(type(message)):
         header[name] = getattr(message, name)
     return header
+
+
+def batch_header(parts: list[tuple[Message, int]]) -> dict[str, Any]:
+    """The header of a Batch of ``(message, payload length)`` pairs."""
+    return to_header(Batch([to_header(m) for m, _ in parts], [n for _, n in parts]))
+
+
+def split_batch(batch: Batch, payload: memoryview | None) -> list[tuple[Message, memoryview | None]]:
+    """The messages of a batch, each with its slice of the payload; ProtocolError on any bad item."""
+    total = 0 if payload is None else payload.nbytes
+    if sum(batch.sizes) != total:
+        raise ProtocolError(f"batch sizes add up to {sum(batch.sizes)} bytes but the payload has {total}")
+    out: list[tuple[Message, memoryview | None]] = []
+    offset = 0
+    for item, size in zip(batch.items, batch.sizes):
+        if not isinstance(item, dict) or not isinstance(item.get("t"), str):
+            raise ProtocolError("batch item is not a map with a string field 't'")
+        message = parse(item)
+        if isinstance(message, Batch):
+            raise ProtocolError("batches may not nest")
+        out.append((message, payload[offset:offset + size] if payload is not None and size else None))
+        offset += size
+    return out

@@ -27,6 +27,8 @@ SAMPLES: dict[str, m.Message] = {
     "op": m.Op(req=8, name="grad/fc", kind="broadcast", dtype="float16", shape=[10, 20], segment="bps-1234-0",
                average=True, priority=-3, root=2),
     "done": m.Done(req=8),
+    "batch": m.Batch(items=[{"t": "done", "req": 1}, {"t": "result", "req": 2, "name": "b", "part": 0, "round": 1}],
+                     sizes=[0, 8]),
 }
 
 VALID: dict[str, dict] = {t: m.to_header(msg) for t, msg in SAMPLES.items()}
@@ -267,3 +269,34 @@ def test_parse_result_is_frozen():
 def test_header_is_plain_msgpack_map():
     body = msgpack.packb(m.to_header(SAMPLES["push"]), use_bin_type=True)
     assert msgpack.unpackb(body, raw=False) == VALID["push"]
+
+
+def test_split_batch_gives_each_item_its_payload_slice():
+    parts = [(m.Done(1), 0), (m.Result(2, "b", 0, 1), 8), (m.Result(3, "c", 1, 1), 4)]
+    batch = m.parse(m.batch_header(parts))
+    payload = memoryview(bytes(range(12)))
+    items = m.split_batch(batch, payload)
+    assert [type(i).__name__ for i, _ in items] == ["Done", "Result", "Result"]
+    assert items[0][1] is None and bytes(items[1][1]) == bytes(range(8)) and bytes(items[2][1]) == bytes(range(8, 12))
+
+
+@pytest.mark.parametrize("sizes,payload,match", [
+    ([4], 8, "add up to 4 bytes but the payload has 8"),
+    ([-1], 0, "non-negative"),
+    ([1, 2], 3, "1 items but 2 sizes"),
+])
+def test_bad_batches_are_protocol_errors(sizes, payload, match):
+    items = [{"t": "done", "req": 1}]
+    with pytest.raises(ProtocolError, match=match):
+        batch = m.parse({"t": "batch", "items": items, "sizes": sizes})
+        m.split_batch(batch, memoryview(bytes(payload)) if payload else None)
+
+
+def test_batches_do_not_nest_and_items_are_validated():
+    inner = {"t": "batch", "items": [{"t": "done", "req": 1}], "sizes": [0]}
+    with pytest.raises(ProtocolError, match="nest"):
+        m.split_batch(m.parse({"t": "batch", "items": [inner], "sizes": [0]}), None)
+    with pytest.raises(ProtocolError, match="lacks field 'req'"):
+        m.split_batch(m.parse({"t": "batch", "items": [{"t": "done"}], "sizes": [0]}), None)
+    with pytest.raises(ProtocolError, match="1 to 1024"):
+        m.parse({"t": "batch", "items": [], "sizes": []})
