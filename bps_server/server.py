@@ -16,6 +16,7 @@ from protocol.errors import ProtocolError
 from protocol.frames import FrameReader, encode_header
 from protocol.messages import (
     MAX_BATCH_ITEMS,
+    ROLE_OBSERVER,
     ROLE_WORKER,
     Abort,
     Batch,
@@ -68,6 +69,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.reader = FrameReader(max_payload_bytes=server.config.cluster.max_payload_bytes)
         self.transport: asyncio.Transport | None = None
         self.worker: int | None = None
+        self.observer = False
         self.peer = "?"
         self.closed = False
         self._outbox: list[tuple[Message, np.ndarray | None]] = []
@@ -105,6 +107,11 @@ class ServerConnection(asyncio.BufferedProtocol):
 
     # -- messages --------------------------------------------------------------------
     def handle(self, message: Message, payload: memoryview | None) -> None:
+        if self.observer:
+            if not isinstance(message, StatsRequest):
+                raise ProtocolError(f"an observer may only send stats requests, not {message.TYPE}")
+            self.send(Stats(message.req, self.server.stats()))
+            return
         if self.worker is None:
             self.handshake(message)
             return
@@ -141,6 +148,10 @@ class ServerConnection(asyncio.BufferedProtocol):
         if message.version != PROTOCOL_VERSION:
             raise ProtocolError(f"protocol version {message.version} not supported (this server speaks "
                                 f"{PROTOCOL_VERSION})")
+        if message.role == ROLE_OBSERVER:
+            self.observer = True
+            self.send(Welcome(PROTOCOL_VERSION, workers=self.server.config.cluster.workers))
+            return
         if message.role != ROLE_WORKER or not 0 <= message.id < self.server.config.cluster.workers:
             raise ProtocolError(f"hello from {message.role} {message.id}: only workers "
                                 f"0..{self.server.config.cluster.workers - 1} may connect")

@@ -86,13 +86,14 @@ class Handle:
     shape: tuple[int, ...]
     out: np.ndarray | None
     _segment: SharedMemory = field(repr=False)
+    _offset: int = field(repr=False)
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
     _error: BPSError | None = field(default=None, repr=False)
     _consumed: bool = field(default=False, repr=False)
 
     def _result_view(self) -> np.ndarray:
         count = prod(self.shape)
-        return np.frombuffer(self._segment.buf, dtype=self.dtype, count=count).reshape(self.shape)
+        return np.frombuffer(self._segment.buf, dtype=self.dtype, count=count, offset=self._offset).reshape(self.shape)
 
 
 class _Connection:
@@ -109,7 +110,8 @@ class _Connection:
         self.handles: dict[int, Handle] = {}
         self.rpcs: dict[int, tuple[threading.Event, list[Message]]] = {}
         self.inflight: dict[str, Handle] = {}
-        self.segments: dict[str, SharedMemory] = {}  # tensor name -> attached segment
+        self.attached: dict[str, SharedMemory] = {}  # segment name -> our mapping
+        self.slots: dict[str, tuple[SharedMemory, int, int]] = {}  # tensor name -> (segment, offset, capacity)
         self.broken: BPSError | None = None
         welcome = self._handshake(local_rank)
         self.rank, self.size = welcome.rank, welcome.size
@@ -242,22 +244,27 @@ class _Connection:
         return box[0]
 
     # -- segments --------------------------------------------------------------------
-    def segment_for(self, name: str, nbytes: int) -> SharedMemory:
-        seg = self.segments.get(name)
-        if seg is not None and seg.size >= nbytes:
-            return seg
+    def slot_for(self, name: str, nbytes: int) -> tuple[SharedMemory, int]:
+        """The shared memory where tensor ``name`` is handed over (asked of the daemon once per name)."""
+        slot = self.slots.get(name)
+        if slot is not None and slot[2] >= nbytes:
+            return slot[0], slot[1]
         reply = self.rpc(Alloc(next(self.reqs), name, nbytes))
         if isinstance(reply, Failure):
             raise BPSError(reply.message)
         assert isinstance(reply, Allocated)
-        if seg is not None:
-            shm.release(seg, unlink=False)
-        try:
-            seg = shm.attach_segment(reply.segment)
-        except OSError as exc:
-            raise BPSError(f"cannot attach shared-memory segment {reply.segment!r} for {name!r}: {exc}") from None
-        self.segments[name] = seg
-        return seg
+        seg = self.attached.get(reply.segment)
+        if seg is None:
+            try:
+                seg = self.attached[reply.segment] = shm.attach_segment(reply.segment)
+            except OSError as exc:
+                raise BPSError(f"cannot attach shared-memory segment {reply.segment!r} for {name!r}: {exc}") \
+                    from None
+        self.slots[name] = (seg, reply.offset, reply.nbytes)
+        if slot is not None and all(other[0] is not slot[0] for other in self.slots.values()):
+            del self.attached[slot[0].name]  # the daemon moved the tensor and freed its old segment
+            shm.release(slot[0], unlink=False)
+        return seg, reply.offset
 
     # -- operations ------------------------------------------------------------------
     def start(self, array: np.ndarray, name: str, kind: str, *, average: bool, priority: int, root: int,
@@ -277,13 +284,13 @@ class _Connection:
         self.check()
         if name in self.inflight:
             raise BPSError(f"tensor {name!r} is already in flight in this process; synchronize it first")
-        seg = self.segment_for(name, array.nbytes)
-        view = np.frombuffer(seg.buf, dtype=array.dtype, count=array.size).reshape(array.shape)
+        seg, offset = self.slot_for(name, array.nbytes)
+        view = np.frombuffer(seg.buf, dtype=array.dtype, count=array.size, offset=offset).reshape(array.shape)
         np.copyto(view, array)
         del view
-        handle = Handle(next(self.reqs), name, array.dtype, array.shape, out, seg)
+        handle = Handle(next(self.reqs), name, array.dtype, array.shape, out, seg, offset)
         op = Op(handle.req, name, kind, dtype, list(array.shape), seg.name, average=average, priority=priority,
-                root=root)
+                root=root, offset=offset)
         with self.state_lock:
             self.check()
             self.handles[handle.req] = handle
@@ -321,9 +328,10 @@ class _Connection:
             pass
         self.sock.close()
         self.thread.join(timeout=5.0)
-        for seg in self.segments.values():
+        for seg in self.attached.values():
             shm.release(seg, unlink=False)
-        self.segments.clear()
+        self.attached.clear()
+        self.slots.clear()
 
 
 class _FatalFailure(Exception):

@@ -57,6 +57,20 @@ log = logging.getLogger("bps.worker")
 # Local sums and copies at least this large run in the thread pool, off the event loop.
 OFFLOAD_MIN_BYTES: Final = 1 << 20
 CLIENT_MAX_HEADER_BYTES: Final = 16 * 1024
+# Tensors up to SLAB_ITEM_MAX_BYTES share SLAB_BYTES segments (one mapping and no fd for thousands of biases).
+SLAB_BYTES: Final = 4 << 20
+SLAB_ITEM_MAX_BYTES: Final = 64 << 10
+SLOT_ALIGN: Final = 64
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor name of one process lives in shared memory."""
+
+    segment: str
+    offset: int
+    capacity: int
+    dedicated: bool  # the segment holds only this tensor (freed when it moves)
 
 
 @dataclass(frozen=True)
@@ -114,7 +128,9 @@ class ClientSession(asyncio.BufferedProtocol):
         self.local_rank: int | None = None
         self.pid = 0
         self.segments: dict[str, SharedMemory] = {}
-        self.segment_of_name: dict[str, str] = {}
+        self.slots: dict[str, Slot] = {}  # tensor name -> where its data lives
+        self._slab: str | None = None  # segment that small tensors are carved from
+        self._slab_used = 0
         self.closed = False
 
     @property
@@ -186,33 +202,51 @@ class ClientSession(asyncio.BufferedProtocol):
                           local_size=local_size, worker=self.daemon.worker_id, workers=cfg.workers))
 
     def alloc(self, message: Alloc) -> None:
+        """Find (or make) room for tensor ``name``: small ones share slab segments, large ones get their own."""
         if message.nbytes > self.daemon.config.cluster.max_payload_bytes * 64:
             self.send(Failure(message.req, f"tensor {message.name!r} of {message.nbytes} bytes is too large"))
             return
-        old = self.segment_of_name.get(message.name)
-        if old is not None and self.segments[old].size >= message.nbytes:
-            self.send(Allocated(message.req, old, self.segments[old].size))
+        old = self.slots.get(message.name)
+        if old is not None and old.capacity >= message.nbytes:
+            self.send(Allocated(message.req, old.segment, old.capacity, old.offset))
             return
         try:
-            seg = shm.create_segment(shm.segment_name(self.daemon.worker_id), message.nbytes,
-                                     self.daemon.config.segment_mode)
+            if message.nbytes <= SLAB_ITEM_MAX_BYTES:
+                slot = self._carve(max(message.nbytes, 1))
+            else:
+                seg = self._new_segment(message.nbytes)
+                slot = Slot(seg.name, 0, seg.size, dedicated=True)
         except OSError as exc:
             self.send(Failure(message.req, f"cannot allocate {message.nbytes} bytes of shared memory for "
                                            f"{message.name!r}: {exc.strerror}"))
             return
-        if old is not None:
-            shm.release(self.segments.pop(old), unlink=True)
+        if old is not None and old.dedicated:
+            shm.release(self.segments.pop(old.segment), unlink=True)
+        self.slots[message.name] = slot
+        self.send(Allocated(message.req, slot.segment, slot.capacity, slot.offset))
+
+    def _new_segment(self, nbytes: int) -> SharedMemory:
+        seg = shm.create_segment(shm.segment_name(self.daemon.worker_id), nbytes, self.daemon.config.segment_mode)
         self.segments[seg.name] = seg
-        self.segment_of_name[message.name] = seg.name
-        self.send(Allocated(message.req, seg.name, seg.size))
+        return seg
+
+    def _carve(self, nbytes: int) -> Slot:
+        need = -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+        if self._slab is None or self._slab_used + need > SLAB_BYTES:
+            self._slab = self._new_segment(SLAB_BYTES).name
+            self._slab_used = 0
+        slot = Slot(self._slab, self._slab_used, need, dedicated=False)
+        self._slab_used += need
+        return slot
 
     def check_op(self, op: Op) -> str | None:
         seg = self.segments.get(op.segment)
         if seg is None:
             return f"tensor {op.name!r}: segment {op.segment!r} was not allocated by this connection"
         nbytes = prod(op.shape) * dtypes.ITEMSIZE[op.dtype]
-        if nbytes > seg.size:
-            return f"tensor {op.name!r}: {describe(op)} needs {nbytes} bytes, its segment has {seg.size}"
+        if op.offset + nbytes > seg.size:
+            return (f"tensor {op.name!r}: {describe(op)} needs {nbytes} bytes at offset {op.offset}, its segment "
+                    f"has {seg.size}")
         if op.average and op.dtype not in dtypes.FLOAT_TYPES:
             return f"tensor {op.name!r}: average=True needs a floating dtype, got {op.dtype}; pass average=False"
         if op.kind == KIND_BROADCAST and not 0 <= op.root < self.daemon.config.cluster.size:
@@ -232,7 +266,8 @@ class ClientSession(asyncio.BufferedProtocol):
         for seg in self.segments.values():
             shm.release(seg, unlink=True)
         self.segments.clear()
-        self.segment_of_name.clear()
+        self.slots.clear()
+        self._slab = None
 
 
 class WorkerDaemon:
@@ -381,7 +416,8 @@ class WorkerDaemon:
         cluster = self.config.cluster
         try:
             storage = kernels.STORAGE[op.dtype]
-            views = [np.frombuffer(s.segments[o.segment].buf, dtype=storage, count=count) for s, o in members]
+            views = [np.frombuffer(s.segments[o.segment].buf, dtype=storage, count=count, offset=o.offset)
+                     for s, o in members]
             direct = len(views) == 1 and (op.kind != KIND_BROADCAST or self._root_local(op) is not None)
             if direct:
                 buf = views[0]

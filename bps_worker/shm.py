@@ -38,12 +38,22 @@ def create_segment(name: str, nbytes: int, mode: int = 0o600) -> SharedMemory:
     seg = SharedMemory(name=name, create=True, size=max(nbytes, 1))
     if mode != 0o600:
         os.fchmod(seg._fd, mode)  # type: ignore[attr-defined]
+    _close_fd(seg)
     return seg
+
+
+def _close_fd(shm: SharedMemory) -> None:
+    """The mapping outlives the descriptor: close it, or thousands of segments exhaust the fd limit."""
+    fd = getattr(shm, "_fd", -1)
+    if fd >= 0:
+        os.close(fd)
+        shm._fd = -1  # type: ignore[attr-defined]
 
 
 def attach_segment(name: str) -> SharedMemory:
     shm = SharedMemory(name=name, create=False)
     _untrack(shm)
+    _close_fd(shm)
     return shm
 
 

@@ -29,6 +29,7 @@ MAX_DIMS: Final = 32
 
 ROLE_WORKER: Final = "worker"
 ROLE_CLIENT: Final = "client"
+ROLE_OBSERVER: Final = "observer"  # may only ask a server for its statistics (tests, monitoring)
 KIND_SUM: Final = "sum"
 KIND_BROADCAST: Final = "broadcast"
 
@@ -65,7 +66,7 @@ class Hello(Message):
     pid: int = 0
 
     def validate(self) -> None:
-        if self.role not in (ROLE_WORKER, ROLE_CLIENT):
+        if self.role not in (ROLE_WORKER, ROLE_CLIENT, ROLE_OBSERVER):
             raise ProtocolError(f"unknown role {self.role!r}")
 
 
@@ -180,12 +181,13 @@ class Allocated(Message):
     TYPE: ClassVar[str] = "allocated"
     req: int
     segment: str
-    nbytes: int
+    nbytes: int  # capacity of the slot
+    offset: int = 0  # the slot starts this many bytes into the segment
 
 
 @dataclass(frozen=True, slots=True)
 class Op(Message):
-    """Client starts a collective on the tensor stored at the start of ``segment``."""
+    """Client starts a collective on the tensor stored at ``offset`` in ``segment``."""
 
     TYPE: ClassVar[str] = "op"
     req: int
@@ -197,11 +199,14 @@ class Op(Message):
     average: bool = False
     priority: int = 0
     root: int = -1
+    offset: int = 0  # where the tensor starts in ``segment``
 
     def validate(self) -> None:
         _check_name(self.name)
         _check_dtype(self.dtype)
         _check_shape(self.shape)
+        if self.offset < 0:
+            raise ProtocolError(f"negative segment offset {self.offset}")
         if self.kind not in (KIND_SUM, KIND_BROADCAST):
             raise ProtocolError(f"unknown operation kind {self.kind!r}")
 

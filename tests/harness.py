@@ -74,8 +74,13 @@ def daemon_logs(cluster: Cluster) -> str:
     return "\n".join(out)
 
 
-def shm_segments() -> set[str]:
-    return {p.name for p in SHM_DIR.iterdir() if p.name.startswith("bps_")}
+def shm_segments(cluster: Cluster | None = None) -> set[str]:
+    """Our shared-memory segments; with ``cluster``, only those its worker daemons created."""
+    names = {p.name for p in SHM_DIR.iterdir() if p.name.startswith("bps_")}
+    if cluster is None:
+        return names
+    pids = {str(c.proc.pid) for c in cluster.children if c.daemon and c.label.startswith("worker")}
+    return {n for n in names if n.split("_")[2] in pids}
 
 
 def _rank_main(queue: Any, sock: str, local_rank: int, rank: int, target: Callable[..., Any],
@@ -133,3 +138,26 @@ def run_ranks(cluster: Cluster, target: Callable[..., Any], *args: Any, timeout:
     if errors:
         raise AssertionError("rank failures:\n" + "\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
     return [results.get(r) for r in range(len(procs))]
+
+
+def server_stats(cluster: Cluster) -> dict[int, dict[str, Any]]:
+    """Every server's counters, asked for over TCP as an observer."""
+    from protocol import PROTOCOL_VERSION
+    from protocol.frames import FrameReader, encode_header
+    from protocol.messages import ROLE_OBSERVER, Hello, Stats, StatsRequest, parse, to_header
+
+    out = {}
+    for spec in cluster.config.servers:
+        with socket.create_connection((spec.host, spec.port), timeout=10) as s:
+            s.sendall(encode_header(to_header(Hello(PROTOCOL_VERSION, ROLE_OBSERVER, 0)))
+                      + encode_header(to_header(StatsRequest(1))))
+            reader = FrameReader()
+            while True:
+                data = s.recv(65536)
+                if not data:
+                    raise ConnectionError(f"server {spec.id} closed the stats connection")
+                stats = [m for m in (parse(f.header) for f in reader.receive_data(data)) if isinstance(m, Stats)]
+                if stats:
+                    out[spec.id] = stats[0].stats
+                    break
+    return out

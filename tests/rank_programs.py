@@ -179,3 +179,51 @@ def die_before_push(victim: int) -> dict[str, Any]:
     except bps.BPSError as exc:
         error = str(exc)
     return {"error": error, "elapsed": time.monotonic() - start}
+
+
+def model_mix(seed: int, rounds: int) -> dict[str, Any]:
+    """A model-like mix of tensor sizes, pushed ``rounds`` times; exactness checked every round."""
+    rank, size = bps.rank(), bps.size()
+    rng = np.random.default_rng(seed)
+    counts = [int(c) for c in np.concatenate([rng.integers(1, 600, 30), rng.integers(1000, 60000, 20),
+                                              rng.integers(100_000, 400_000, 6)])]
+    wrong = 0
+    total_bytes = 0
+    for rnd in range(rounds):
+        handles = []
+        for i, c in enumerate(counts):
+            x = np.full(c, float(rank + rnd + i % 7), np.float32)
+            handles.append((i, c, bps.push_pull_async(x, f"mix.{i}", average=False, priority=-i)))
+        for i, c, h in handles:
+            y = bps.synchronize(h, timeout=60)
+            wrong += int(not (y == float(size * (rnd + i % 7) + size * (size - 1) // 2)).all())
+            total_bytes += c * 4
+    return {"wrong": wrong, "bytes_per_round": total_bytes // rounds, "counts": counts}
+
+
+def priority_race(big_elems: int) -> dict[str, Any]:
+    """A large low-priority tensor, then a small high-priority one: which finishes first?"""
+    big = bps.push_pull_async(np.ones(big_elems, np.float32), "race.big", average=False, priority=0)
+    small = bps.push_pull_async(np.ones(1000, np.float32), "race.small", average=False, priority=100)
+    done: dict[str, float] = {}
+    start = time.monotonic()
+    while len(done) < 2 and time.monotonic() - start < 60:
+        for label, h in (("big", big), ("small", small)):
+            if label not in done and bps.poll(h):
+                done[label] = time.monotonic() - start
+        time.sleep(0.0005)
+    ok = bool((bps.synchronize(big) == bps.size()).all() and (bps.synchronize(small) == bps.size()).all())
+    return {"done": done, "ok": ok}
+
+
+def tiny_tensors(n: int, rounds: int) -> dict[str, Any]:
+    rank, size = bps.rank(), bps.size()
+    wrong = 0
+    start = time.monotonic()
+    for rnd in range(rounds):
+        handles = [bps.push_pull_async(np.full(1 + i % 5, rank * 3 + rnd + i, np.int32), f"tiny.{i}", average=False)
+                   for i in range(n)]
+        for i, h in enumerate(handles):
+            y = bps.synchronize(h, timeout=120)
+            wrong += int(not (y == 3 * size * (size - 1) // 2 + size * (rnd + i)).all())
+    return {"wrong": wrong, "seconds": time.monotonic() - start}

@@ -60,14 +60,20 @@ def _sums_still_exact(cluster) -> None:
 
 @pytest.fixture
 def cluster(tmp_path: Path):
-    before = shm_segments()
     c = start_cluster(write_config(tmp_path, [2, 2], cpu_servers=1,
                                    cluster={"partition_bytes": 65536, "timeout": 4.0, "max_payload_bytes": 1 << 22}))
+    workers = [ch for ch in c.children if ch.label.startswith("worker")]
+    pids = {str(ch.proc.pid) for ch in workers}
     try:
         yield c
+        deadline = time.monotonic() + 5
+        while shm_segments(c) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert shm_segments(c) == set(), "segments outlived the processes that used them"
     finally:
         c.stop()
-    assert shm_segments() - before == set(), "shared-memory segments leaked"
+    leaked = {n for n in shm_segments() if n.split("_")[2] in pids}
+    assert leaked == set(), f"shared-memory segments leaked: {leaked}"
 
 
 def test_server_drops_bad_frames_and_keeps_serving(cluster):
@@ -124,7 +130,7 @@ def test_worker_drops_bad_clients_and_keeps_serving(cluster):
         messages, _ = _exchange(a, _frame(Hello(PROTOCOL_VERSION, ROLE_CLIENT, 0)), timeout=1.0)
         assert isinstance(messages[0], Welcome)
         _assert_dropped(*_exchange(b, _frame(Hello(PROTOCOL_VERSION, ROLE_CLIENT, 0))), "already connected")
-    segments_before = shm_segments()
+    segments_before = shm_segments(cluster)
     with connect() as s:  # a client that allocates, then disconnects in the middle of an op frame
         messages, _ = _exchange(s, _frame(Hello(PROTOCOL_VERSION, ROLE_CLIENT, 1)) + _frame(Alloc(1, "t", 1 << 20)),
                                 timeout=1.0)
@@ -136,7 +142,7 @@ def test_worker_drops_bad_clients_and_keeps_serving(cluster):
     while allocated[0].segment in shm_segments() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert allocated[0].segment not in shm_segments(), "the worker did not unlink a dropped client's segment"
-    assert shm_segments() - segments_before == set()
+    assert shm_segments(cluster) - segments_before == set()
     _sums_still_exact(cluster)
 
 

@@ -1,0 +1,59 @@
+"""Scale-out: every server sums its Theorem-1 share of the bytes; priorities; thousands of tiny tensors."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+import rank_programs as rp
+from bps_worker.placement import server_shares
+from harness import run_ranks, server_stats
+
+ROUNDS = 2
+
+
+@pytest.mark.parametrize("n,k", [(2, 0), (2, 1), (3, 1), (4, 2), (4, 4), (2, 3)])
+def test_each_server_receives_its_theorem1_share(make_cluster, n, k):
+    partition = 65536
+    cluster = make_cluster([1] * n, cpu_servers=k, cluster={"partition_bytes": partition})
+    results = run_ranks(cluster, rp.model_mix, 11, ROUNDS, timeout=100)
+    assert [r["wrong"] for r in results] == [0] * n
+    m = results[0]["bytes_per_round"]
+    shares = server_shares(cluster.config)
+    if k <= n:  # Theorem 1 proper
+        denom = n * n + k * n - 2 * k
+        for s in cluster.config.servers:
+            assert shares[s.id] == (Fraction(2 * (n - 1), denom) if s.worker is None else Fraction(n - k, denom))
+    stats = server_stats(cluster)
+    assert sum(st["bytes_received"] for st in stats.values()) == n * ROUNDS * m
+    for sid, st in stats.items():
+        per_worker_round = st["bytes_received"] / (n * ROUNDS)
+        target = float(shares[sid]) * m
+        assert abs(per_worker_round - target) <= partition, (sid, per_worker_round, target)
+        for w in range(n):  # every worker sends each server the same bytes
+            assert st["bytes_by_worker"].get(str(w), 0) == st["bytes_received"] // n
+        assert st["rounds_failed"] == 0
+
+
+def test_exact_sums_with_4_workers_and_6_servers(make_cluster):
+    cluster = make_cluster([2, 1, 1, 2], cpu_servers=2, cluster={"partition_bytes": 32768})
+    cases = [(f"six.{d}", d, (123_457,), avg, 17) for d in ("float32", "float64", "float16", "bfloat16")
+             for avg in (False, True)] + [("six.int64", "int64", (99_999,), False, 18)]
+    for reports in zip(*run_ranks(cluster, rp.sum_cases, cases, timeout=100)):
+        assert all(r["exact"] for r in reports), reports[0]["name"]
+        assert len({r["digest"] for r in reports}) == 1
+    stats = server_stats(cluster)
+    assert len(stats) == 6 and all(st["bytes_received"] > 0 for st in stats.values())
+
+
+def test_small_high_priority_tensor_overtakes_a_large_one(make_cluster):
+    cluster = make_cluster([1, 1], cpu_servers=1, cluster={"partition_bytes": 65536, "credit_bytes": 131072})
+    for r in run_ranks(cluster, rp.priority_race, 24 * 1024 * 1024, timeout=100):
+        assert r["ok"]
+        assert r["done"]["small"] < r["done"]["big"], r["done"]
+
+
+def test_5000_tiny_tensors_per_round(cluster_2x2):
+    results = run_ranks(cluster_2x2, rp.tiny_tensors, 5000, 2, timeout=110)
+    assert [r["wrong"] for r in results] == [0, 0, 0, 0]
