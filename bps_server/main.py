@@ -13,7 +13,8 @@ from protocol.errors import ConfigError
 
 from . import kernels
 from .server import ServerConfig, SummationServer
-from .service import describe_bind_error, install_stop_signals, new_event_loop, sd_notify, setup_logging
+from .service import (describe_bind_error, install_stop_signals, keep_freed_memory, new_event_loop, sd_notify,
+                      setup_logging)
 
 log = logging.getLogger("bps.server")
 
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bps-server: --threads must be >= 1", file=sys.stderr)
         return 2
     config = ServerConfig(cluster, args.id, threads=args.threads, host=args.bind)
+    keep_freed_memory()
     kernels.warm_up()  # compile before reporting ready, never on a job's first tensor
     loop = new_event_loop()
     try:

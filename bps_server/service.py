@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import os
 import signal
@@ -17,6 +19,33 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 def setup_logging(level: str) -> None:
     """Log to stderr (journald picks it up under systemd)."""
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=LOG_FORMAT, force=True)
+
+
+# glibc mallopt parameters.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit
+_TRIM_THRESHOLD = 2**31 - 1  # keep up to 2 GiB of freed heap instead of handing it back
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed memory instead of returning it to the kernel.
+
+    A daemon receives a partition into a fresh buffer and frees it a round later; by default glibc
+    gives that memory back and the next partition page-faults on every 4 KiB it receives (measured:
+    one fault per received page, half of the servers' system time). Keeping it costs RSS up to the
+    peak working set, which the daemon needs anyway. No-op where glibc's mallopt is missing.
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        return False
+    if mallopt is None:
+        return False
+    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
+    return mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1 and ok
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

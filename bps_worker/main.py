@@ -9,7 +9,8 @@ import os
 import sys
 
 from bps_server import kernels
-from bps_server.service import describe_bind_error, install_stop_signals, new_event_loop, sd_notify, setup_logging
+from bps_server.service import (describe_bind_error, install_stop_signals, keep_freed_memory, new_event_loop,
+                                sd_notify, setup_logging)
 from protocol.config import load_config
 from protocol.errors import ConfigError
 
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = WorkerConfig(cluster, args.id, socket_path=args.socket, socket_mode=socket_mode,
                           segment_mode=shm_mode, threads=max(1, args.threads))
+    keep_freed_memory()
     kernels.warm_up()
     loop = new_event_loop()
     try:
