@@ -1,0 +1,423 @@
+"""PyTorch integration: ``import bps_worker.torch as bps``.
+
+The same functions as :mod:`bps_worker.client` on ``torch.Tensor``, plus what
+Horovod users know::
+
+    bps.init()
+    model = Net()
+    optimizer = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    bps.broadcast_parameters(model.state_dict(), root_rank=0)
+    bps.broadcast_optimizer_state(optimizer, root_rank=0)
+
+``DistributedOptimizer`` starts the push_pull of each gradient from a
+post-accumulate-grad hook, as soon as backward has produced it, so
+communication overlaps the rest of backward; front layers get the highest
+priority so their sums come back first (the next forward pass needs them
+first). ``step()`` waits for all of them and writes the averages into ``.grad``.
+
+Parameters without a gradient: every step, the processes agree (one small
+push_pull of a presence vector) on which parameters got a gradient anywhere.
+A parameter that got one on some process but not on this one takes part with
+zeros, so every process applies the same averaged gradient; a parameter that
+got none anywhere keeps ``grad = None`` and is skipped by the optimizer on
+every process alike. Nothing hangs and nothing is skipped silently on only
+some processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from . import client as _client
+from .client import (  # re-exported: the same on every framework
+    BPSConnectionError,
+    BPSError,
+    BPSMismatchError,
+    BPSTimeoutError,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+)
+
+__all__ = [
+    "BPSError", "BPSConnectionError", "BPSMismatchError", "BPSTimeoutError", "Compression", "Handle",
+    "DistributedOptimizer", "broadcast", "broadcast_", "broadcast_optimizer_state", "broadcast_parameters",
+    "init", "is_initialized", "local_rank", "local_size", "poll", "push_pull", "push_pull_async", "rank",
+    "shutdown", "size", "synchronize",
+]
+
+_WIRE_TYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (bfloat16 through ml_dtypes); a host copy of a CUDA one."""
+    if t.device.type != "cpu":
+        t = t.detach().to("cpu")
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype not in _WIRE_TYPES:
+        raise BPSError(f"unsupported tensor dtype {t.dtype}; supported: float32, float64, float16, bfloat16, "
+                       f"int32, int64")
+    return t.numpy()
+
+
+def _from_numpy(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+@dataclass(eq=False)
+class Handle:
+    """A torch push_pull/broadcast in flight."""
+
+    inner: _client.Handle
+    output: torch.Tensor
+    staging: torch.Tensor | None  # the CPU tensor the result lands in, when it is not `output` itself
+
+
+def _start(tensor: torch.Tensor, name: str, *, average: bool, priority: int, out: torch.Tensor | None) -> Handle:
+    if not isinstance(tensor, torch.Tensor):
+        raise BPSError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    output = out if out is not None else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    if output.shape != tensor.shape or output.dtype != tensor.dtype:
+        raise BPSError(f"tensor {name!r}: out has shape {tuple(output.shape)} and dtype {output.dtype}, expected "
+                       f"{tuple(tensor.shape)} and {tensor.dtype}")
+    direct = output.device.type == "cpu" and output.is_contiguous()
+    staging = None if direct else torch.empty(tensor.shape, dtype=tensor.dtype)
+    target = output if staging is None else staging
+    inner = _client.push_pull_async(_to_numpy(tensor), name, average=average, priority=priority,
+                                    out=_to_numpy(target))
+    return Handle(inner, output, staging)
+
+
+def push_pull_async(tensor: torch.Tensor, name: str, *, average: bool = True, priority: int = 0,
+                    out: torch.Tensor | None = None) -> Handle:
+    """Start summing (averaging) ``tensor`` across every process; ``out`` may be ``tensor`` itself."""
+    return _start(tensor, name, average=average, priority=priority, out=out)
+
+
+def poll(handle: Handle) -> bool:
+    return _client.poll(handle.inner)
+
+
+def synchronize(handle: Handle, timeout: float | None = None) -> torch.Tensor:
+    """Wait for ``handle``; return its output tensor (on the input's device)."""
+    _client.synchronize(handle.inner, timeout)
+    if handle.staging is not None:
+        handle.output.copy_(handle.staging)
+    return handle.output
+
+
+class _PushPull(torch.autograd.Function):
+    """push_pull as a differentiable op: the gradient of a sum over processes is the sum of the gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str, average: bool, priority: int) -> torch.Tensor:
+        ctx.name, ctx.average, ctx.priority = name, average, priority
+        return synchronize(_start(tensor, name, average=average, priority=priority, out=None))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        handle = _start(grad.contiguous(), ctx.name + ".grad", average=ctx.average, priority=ctx.priority, out=None)
+        return synchronize(handle), None, None, None
+
+
+def push_pull(tensor: torch.Tensor, name: str, *, average: bool = True, priority: int = 0,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum (or mean over ``size()``) of ``tensor`` across every process; differentiable when it needs a grad."""
+    if out is None and tensor.requires_grad and torch.is_grad_enabled():
+        return _PushPull.apply(tensor, name, average, priority)
+    return synchronize(_start(tensor, name, average=average, priority=priority, out=out))
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str) -> torch.Tensor:
+    """``root_rank``'s value of ``tensor``, as a new tensor on every process."""
+    result = _client.broadcast(_to_numpy(tensor), root_rank, name)
+    return _from_numpy(result, tensor).to(tensor.device)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str) -> torch.Tensor:
+    """In-place broadcast: ``tensor`` takes ``root_rank``'s value."""
+    with torch.no_grad():
+        tensor.copy_(broadcast(tensor, root_rank, name))
+    return tensor
+
+
+# -- compression --------------------------------------------------------------------
+class _Compressor:
+    """Casts gradients for the wire and back; the error of a cast is bounded by its dtype's precision."""
+
+    wire_dtype: torch.dtype | None = None
+
+    def compress(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.wire_dtype is None or not tensor.is_floating_point() or tensor.dtype == self.wire_dtype:
+            return tensor
+        return tensor.to(self.wire_dtype)
+
+    def decompress(self, tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor.dtype == like.dtype else tensor.to(like.dtype)
+
+    def __repr__(self) -> str:
+        return f"Compression.{type(self).__name__.lower().lstrip('_')}"
+
+
+class _NoneCompressor(_Compressor):
+    pass
+
+
+class _FP16Compressor(_Compressor):
+    wire_dtype = torch.float16
+
+
+class _BF16Compressor(_Compressor):
+    wire_dtype = torch.bfloat16
+
+
+class Compression:
+    """Gradient compression for DistributedOptimizer (as in Horovod)."""
+
+    none: _Compressor = _NoneCompressor()
+    fp16: _Compressor = _FP16Compressor()
+    bf16: _Compressor = _BF16Compressor()
+
+
+# -- broadcasting state -------------------------------------------------------------
+def _named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(params, Mapping):
+        items = list(params.items())
+    elif isinstance(params, Iterable):
+        items = list(params)
+    else:
+        raise BPSError(f"params must be a state_dict() or named_parameters(), got {type(params).__name__}")
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            raise BPSError("params must hold (name, tensor) pairs, as state_dict().items() or named_parameters() do")
+    names = [n for n, _ in items]
+    if len(set(names)) != len(names):
+        raise BPSError("params has duplicate names")
+    return items
+
+
+def broadcast_parameters(params: Any, root_rank: int) -> None:
+    """Overwrite every tensor of ``params`` (state_dict() or named_parameters()) with ``root_rank``'s, in place."""
+    handles = []
+    for name, tensor in _named_tensors(params):
+        wire = tensor.detach()
+        if wire.dtype not in _WIRE_TYPES:  # bool, uint8, int8, int16 buffers travel exactly as int32
+            wire = wire.to(torch.int32)
+        data = _to_numpy(wire)
+        handles.append((tensor, wire, _client._connection().start(
+            data, f"bcast.param.{name}", "broadcast", average=False, priority=0, root=root_rank, out=None)))
+    with torch.no_grad():
+        for tensor, wire, handle in handles:
+            result = _client._connection().finish(handle, None)
+            tensor.copy_(_from_numpy(result, wire).to(device=tensor.device, dtype=tensor.dtype))
+
+
+def _broadcast_bytes(data: bytes, root_rank: int, name: str) -> bytes:
+    length = _client.broadcast(np.array([len(data)], np.int64), root_rank, f"{name}.length")
+    n = int(length[0])
+    words = (n + 3) // 4
+    buf = np.zeros(words, np.int32)
+    if _client.rank() == root_rank:
+        buf.view(np.uint8)[:n] = np.frombuffer(data, np.uint8)
+    out = _client.broadcast(buf, root_rank, f"{name}.bytes")
+    return out.view(np.uint8)[:n].tobytes()
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Give every process ``root_rank``'s optimizer state (moments, step counts, hyper-parameters)."""
+    inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
+    payload = b""
+    if _client.rank() == root_rank:
+        stream = io.BytesIO()
+        torch.save(inner.state_dict(), stream)
+        payload = stream.getvalue()
+    data = _broadcast_bytes(payload, root_rank, "bcast.optimizer_state")
+    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    inner.load_state_dict(state)
+
+
+# -- the optimizer ------------------------------------------------------------------
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer`` so that ``step()`` applies gradients averaged over every process.
+
+    ``named_parameters`` names the gradients on the wire (identical on every process); without
+    it parameters are named by their position in the optimizer's param groups.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, Any]] | None = None,
+                 compression: _Compressor = Compression.none, backward_passes_per_step: int = 1) -> None:
+        # The wrapped optimizer owns param_groups, state and defaults; we share them (no copy).
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise BPSError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise BPSError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+        if not isinstance(compression, _Compressor):
+            raise BPSError(f"compression must be one of Compression.none/fp16/bf16, got {compression!r}")
+        self.optimizer = optimizer
+        self.compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._names = self._resolve_names(named_parameters)
+        # Front layers come first in declaration order: the highest priority is theirs.
+        self._priority = {p: -i for i, p in enumerate(self._params)}
+        self._passes: dict[torch.Tensor, int] = {}
+        self._handles: dict[torch.Tensor, tuple[_client.Handle, torch.Tensor, np.ndarray]] = {}
+        self._synchronized = False
+        self._skip_sync = False
+        self._step = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
+                       for p in self._params if p.requires_grad]
+
+    # Optimizer API, delegated --------------------------------------------------------
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise BPSError("add_param_group() after wrapping is not supported: wrap the optimizer once it has all "
+                       "its parameters")
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r}, compression={self.compression!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else an optimizer offers (hooks, custom attributes) comes from the wrapped one.
+        if name == "optimizer":
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    # Gradients ----------------------------------------------------------------------
+    def _resolve_names(self, named_parameters: Iterable[tuple[str, Any]] | None) -> dict[torch.Tensor, str]:
+        if named_parameters is None:
+            return {p: f"grad.{i}" for i, p in enumerate(self._params)}
+        pairs = list(named_parameters)
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
+                raise BPSError("named_parameters must yield (name, parameter) pairs, as model.named_parameters() does")
+        names = [n for n, _ in pairs]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise BPSError(f"named_parameters has duplicate names: {', '.join(dup)}")
+        by_param = {p: f"grad.{n}" for n, p in pairs}
+        missing = [i for i, p in enumerate(self._params) if p not in by_param]
+        if missing:
+            shapes = ", ".join(f"#{i} {tuple(self._params[i].shape)}" for i in missing[:5])
+            raise BPSError(f"{len(missing)} optimizer parameters are missing from named_parameters ({shapes}); "
+                           f"pass the model's named_parameters() for every parameter the optimizer updates")
+        return {p: by_param[p] for p in self._params}
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        count = self._passes.get(p, 0) + 1
+        self._passes[p] = count
+        if count < self.backward_passes_per_step:
+            return
+        if p in self._handles:
+            raise BPSError(f"gradient {self._names[p]!r} was produced more than backward_passes_per_step = "
+                           f"{self.backward_passes_per_step} times before step(); call step() or synchronize()")
+        self._push(p, p.grad)
+        self._synchronized = False
+
+    def _push(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        wire = self.compression.compress(grad.detach())
+        if wire.device.type != "cpu":
+            wire = wire.to("cpu")
+        data = _to_numpy(wire.contiguous())
+        out = np.empty_like(data)
+        handle = _client.push_pull_async(data, self._names[p], average=True, priority=self._priority[p], out=out)
+        self._handles[p] = (handle, wire, out)
+
+    def synchronize(self) -> None:
+        """Wait for every gradient of this step and write the averages into ``.grad``."""
+        self._step += 1
+        # Which parameters got a gradient on any process? One small collective, every step.
+        local = np.array([1 if p in self._handles else 0 for p in self._params], dtype=np.int32)
+        anywhere = _client.push_pull(local, "grad.presence", average=False)
+        for p, present in zip(self._params, anywhere):
+            if present and p not in self._handles:  # others have one, this process does not: contribute zeros
+                self._push(p, torch.zeros_like(p))
+        try:
+            for p in self._params:
+                entry = self._handles.get(p)
+                if entry is None:
+                    continue
+                handle, wire, out = entry
+                _client.synchronize(handle)
+                result = _from_numpy(out, wire)
+                with torch.no_grad():
+                    grad = self.compression.decompress(result, p).to(p.device)
+                    if p.grad is None:
+                        p.grad = grad.clone()
+                    else:
+                        p.grad.copy_(grad)
+        finally:
+            self._handles.clear()
+            self._passes.clear()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` inside this block does not synchronize (you called ``synchronize()`` already)."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if not self._skip_sync:
+            self.synchronize()
+        elif not self._synchronized:
+            raise BPSError("step() inside skip_synchronize() without a synchronize() call before it")
+        self._synchronized = False
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._handles:
+            raise BPSError(f"zero_grad() while {len(self._handles)} gradients are being summed; call step() or "
+                           f"synchronize() first")
+        self.optimizer.zero_grad(set_to_none=set_to_none)
