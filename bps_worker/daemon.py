@@ -440,7 +440,7 @@ class WorkerDaemon:
                     session.send(Failure(o.req, error, code=code))
                 return
             if not direct:
-                await self._hand_back(buf, [v for v in views], nbytes)
+                await self._hand_back(buf, views)
             for session, o in members:
                 session.send(Done(o.req))
         except Exception as exc:  # never leave the processes hanging
@@ -492,7 +492,8 @@ class WorkerDaemon:
             return
         await self._run(kernels.sum_into, buf, views, op.dtype)
 
-    async def _hand_back(self, buf: np.ndarray, views: list[np.ndarray], nbytes: int) -> None:
+    async def _hand_back(self, buf: np.ndarray, views: list[np.ndarray]) -> None:
+        """Copy the global sum into every local process's slot."""
         for view in views:
             await self._run(np.copyto, view, buf)
 
