@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from protocol.config import load_config
+from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
 
 from . import kernels
@@ -53,13 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster = load_config(args.config)
         cluster.server(args.id)
+        token = read_token(cluster)
     except ConfigError as exc:
         print(f"bps-server: {exc}", file=sys.stderr)
         return 2
     if args.threads < 1:
         print("bps-server: --threads must be >= 1", file=sys.stderr)
         return 2
-    config = ServerConfig(cluster, args.id, threads=args.threads, host=args.bind)
+    config = ServerConfig(cluster, args.id, threads=args.threads, host=args.bind, token=token)
     keep_freed_memory()
     kernels.warm_up()  # compile before reporting ready, never on a job's first tensor
     loop = new_event_loop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -13,13 +14,18 @@ import numpy as np
 from protocol import PROTOCOL_VERSION
 from protocol.config import ClusterConfig
 from protocol.errors import ProtocolError
-from protocol.frames import FrameReader, encode_header
+from protocol.frames import DEFAULT_MAX_HEADER_BYTES, FrameReader, encode_header
+
+# Before the handshake a peer may send only a small header and no payload: nothing is
+# allocated for an unauthenticated peer.
+HANDSHAKE_MAX_HEADER_BYTES = 4096
 from protocol.messages import (
     MAX_BATCH_ITEMS,
     ROLE_OBSERVER,
     ROLE_WORKER,
     Abort,
     Batch,
+    Challenge,
     Failure,
     Hello,
     Message,
@@ -30,6 +36,7 @@ from protocol.messages import (
     Welcome,
     BATCH_HEADER_BUDGET,
     batch_header,
+    check_auth,
     estimated_header_bytes,
     parse,
     split_batch,
@@ -52,6 +59,7 @@ class ServerConfig:
     cluster: ClusterConfig
     server_id: int
     threads: int = 2
+    token: bytes | None = None  # from cluster.token_file
     host: str | None = None  # overrides the address in the cluster file (bind address)
     port: int | None = None
 
@@ -66,7 +74,8 @@ class ServerConnection(asyncio.BufferedProtocol):
 
     def __init__(self, server: "SummationServer") -> None:
         self.server = server
-        self.reader = FrameReader(max_payload_bytes=server.config.cluster.max_payload_bytes)
+        self.reader = FrameReader(max_header_bytes=HANDSHAKE_MAX_HEADER_BYTES, max_payload_bytes=0)
+        self.nonce = secrets.token_hex(16)
         self.transport: asyncio.Transport | None = None
         self.worker: int | None = None
         self.observer = False
@@ -80,6 +89,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.transport = transport  # type: ignore[assignment]
         self.peer = str(transport.get_extra_info("peername"))
         self.server.connections.add(self)
+        self.send(Challenge(self.nonce, PROTOCOL_VERSION))
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer(sizehint)
@@ -148,6 +158,12 @@ class ServerConnection(asyncio.BufferedProtocol):
         if message.version != PROTOCOL_VERSION:
             raise ProtocolError(f"protocol version {message.version} not supported (this server speaks "
                                 f"{PROTOCOL_VERSION})")
+        token = self.server.config.token
+        if token is not None and not check_auth(token, self.nonce, message):
+            raise ProtocolError(f"authentication failed for {message.role} {message.id}: "
+                                f"{'no' if not message.auth else 'a wrong'} proof of the cluster token")
+        self.reader.max_header_bytes = DEFAULT_MAX_HEADER_BYTES
+        self.reader.max_payload_bytes = self.server.config.cluster.max_payload_bytes
         if message.role == ROLE_OBSERVER:
             self.observer = True
             self.send(Welcome(PROTOCOL_VERSION, workers=self.server.config.cluster.workers))

@@ -82,6 +82,7 @@ class WorkerConfig:
     socket_path: str | None = None  # overrides the path in the cluster file
     socket_mode: int = 0o600
     segment_mode: int = 0o600
+    token: bytes | None = None  # from cluster.token_file
     threads: int = 2
 
     @property
@@ -282,7 +283,7 @@ class WorkerDaemon:
         per_link_credit = max(1 << 16, cluster.credit_bytes // len(cluster.servers))
         self.links = {
             s.id: ServerLink(s, config.worker_id, credit_bytes=per_link_credit, timeout=cluster.timeout,
-                             max_payload_bytes=cluster.max_payload_bytes)
+                             max_payload_bytes=cluster.max_payload_bytes, token=config.token)
             for s in cluster.servers
         }
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-local")
@@ -458,8 +459,11 @@ class WorkerDaemon:
             if failed:
                 exc = failed[0].exception()
                 message = str(exc) if isinstance(exc, BPSError) else f"internal error: {exc!r}"
+                # Tell every server that did not deliver this piece's sum: the peers waiting there
+                # must fail now, not at a timeout (the failing server itself may not know, e.g. when
+                # the connection broke before the push arrived).
                 for piece, fut in futures:
-                    if fut in pending:
+                    if fut in pending or fut.cancelled() or fut.exception() is not None:
                         link = self.links[piece.server]
                         link.forget(fut)
                         link.abort(name, piece.part, round_, message)

@@ -25,9 +25,9 @@ from protocol import PROTOCOL_VERSION
 from protocol.config import ServerSpec
 from protocol.errors import ProtocolError
 from protocol.frames import FrameReader, encode_header
-from protocol.messages import BATCH_HEADER_BUDGET, MAX_BATCH_ITEMS, ROLE_WORKER, Abort, Batch, Failure, Hello, \
-    Message, Push, Result, Stats, StatsRequest, Welcome, batch_header, estimated_header_bytes, parse, split_batch, \
-    to_header
+from protocol.messages import BATCH_HEADER_BUDGET, MAX_BATCH_ITEMS, ROLE_WORKER, Abort, Batch, Challenge, Failure, \
+    Hello, Message, Push, Result, Stats, StatsRequest, Welcome, auth_digest, batch_header, estimated_header_bytes, \
+    parse, split_batch, to_header
 
 from .errors import BPSConnectionError, BPSError, BPSMismatchError
 
@@ -84,16 +84,19 @@ class ServerLink:
     """One reusable connection to server ``spec``; reconnects when needed."""
 
     def __init__(self, spec: ServerSpec, worker_id: int, *, credit_bytes: int, timeout: float,
-                 max_payload_bytes: int) -> None:
+                 max_payload_bytes: int, token: bytes | None = None) -> None:
         self.spec = spec
+        self.token = token
         self.worker_id = worker_id
         self.credit_bytes = credit_bytes
         self.timeout = timeout
         self.max_payload_bytes = max_payload_bytes
         self.paused = False
         self._proto: _LinkProtocol | None = None
+        self._ready = False  # handshake complete: pushes may flow
         self._connecting: asyncio.Task[None] | None = None
         self._welcome: asyncio.Future[None] | None = None
+        self._challenge: asyncio.Future[str] | None = None
         self._queue: list[_Queued] = []
         self._seq = itertools.count()
         self._req = itertools.count(1)
@@ -128,7 +131,7 @@ class ServerLink:
     def abort(self, name: str, part: int, round_: int, message: str) -> None:
         """Tell the server that this worker gave up a round (sent once connected, if need be)."""
         abort = Abort(name, part, round_, self.worker_id, message[:4096])
-        if self._proto is not None:
+        if self._proto is not None and self._ready:
             self._send(self._proto, abort)
         else:
             self._aborts.append(abort)
@@ -162,7 +165,7 @@ class ServerLink:
     # -- sending ---------------------------------------------------------------------
     def pump(self) -> None:
         proto = self._proto
-        if proto is None or proto.transport is None:
+        if proto is None or proto.transport is None or not self._ready:
             return
         transport = proto.transport
         while self._queue and not self.paused:
@@ -230,6 +233,10 @@ class ServerLink:
             for item, item_payload in split_batch(message, payload):
                 self.on_message(proto, item, item_payload)
             return
+        if isinstance(message, Challenge):
+            if self._challenge is not None and not self._challenge.done():
+                self._challenge.set_result(message.nonce)
+            return
         if isinstance(message, Welcome):
             if self._welcome is not None and not self._welcome.done():
                 self._welcome.set_result(None)
@@ -267,9 +274,11 @@ class ServerLink:
         if not self.closed:
             log.warning("%s", reason)
         self._proto = None
+        self._ready = False
         self.paused = False
-        if self._welcome is not None and not self._welcome.done():
-            self._welcome.set_exception(ConnectionError(reason))
+        for waiter in (self._welcome, self._challenge):
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(ConnectionError(reason))
         if proto.transport is not None:
             proto.transport.close()
         self._fail_all(BPSConnectionError(reason))
@@ -298,6 +307,7 @@ class ServerLink:
         last_error = "no attempt"
         while not self.closed:
             try:
+                self._challenge = loop.create_future()
                 _, proto = await asyncio.wait_for(
                     loop.create_connection(lambda: _LinkProtocol(self), self.spec.host, self.spec.port),
                     timeout=max(0.1, deadline - loop.time()))
@@ -305,11 +315,15 @@ class ServerLink:
                 proto.transport.set_write_buffer_limits(high=self.credit_bytes)
                 self._welcome = loop.create_future()
                 self._proto = proto
-                self._send(proto, Hello(PROTOCOL_VERSION, ROLE_WORKER, self.worker_id))
+                nonce = await asyncio.wait_for(asyncio.shield(self._challenge),
+                                               timeout=max(0.1, deadline - loop.time()))
+                auth = auth_digest(self.token, nonce, ROLE_WORKER, self.worker_id) if self.token else ""
+                self._send(proto, Hello(PROTOCOL_VERSION, ROLE_WORKER, self.worker_id, auth=auth))
                 await asyncio.wait_for(asyncio.shield(self._welcome), timeout=max(0.1, deadline - loop.time()))
                 if self._proto is not proto:
                     raise ConnectionError("connection closed during the handshake")
                 log.info("connected to server %d at %s", self.spec.id, self.spec.address)
+                self._ready = True
                 aborts, self._aborts = self._aborts, []
                 for abort in aborts:
                     self._send(proto, abort)

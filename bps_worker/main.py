@@ -11,7 +11,7 @@ import sys
 from bps_server import kernels
 from bps_server.service import (describe_bind_error, install_stop_signals, keep_freed_memory, new_event_loop,
                                 sd_notify, setup_logging)
-from protocol.config import load_config
+from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
 
 from .daemon import WorkerConfig, WorkerDaemon
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster = load_config(args.config)
         cluster.worker(args.id)
+        token = read_token(cluster)
         socket_mode = int(args.socket_mode, 8)
         shm_mode = int(args.shm_mode, 8)
     except ConfigError as exc:
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.shm_mode!r}", file=sys.stderr)
         return 2
     config = WorkerConfig(cluster, args.id, socket_path=args.socket, socket_mode=socket_mode,
-                          segment_mode=shm_mode, threads=max(1, args.threads))
+                          segment_mode=shm_mode, threads=max(1, args.threads), token=token)
     keep_freed_memory()
     kernels.warm_up()
     loop = new_event_loop()

@@ -232,3 +232,22 @@ def _parse_address(address: str, key: str, source: str) -> tuple[str, int]:
     if port > 65535:
         raise ConfigError(f"{source}: {key} has port {port} outside 0..65535")
     return host, port
+
+
+MIN_TOKEN_BYTES: Final = 16
+
+
+def read_token(config: ClusterConfig) -> bytes | None:
+    """The cluster's shared secret (``cluster.token_file``), or None when the cluster has none."""
+    if config.token_file is None:
+        return None
+    try:
+        with open(config.token_file, "rb") as fh:
+            token = fh.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"{config.source}: cluster.token_file {config.token_file!r} cannot be read: "
+                          f"{exc.strerror}") from None
+    if len(token) < MIN_TOKEN_BYTES:
+        raise ConfigError(f"{config.source}: cluster.token_file {config.token_file!r} holds {len(token)} bytes; "
+                          f"at least {MIN_TOKEN_BYTES} are required")
+    return token

@@ -18,6 +18,8 @@ Connections (who sends what):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final, get_type_hints
 
@@ -58,12 +60,22 @@ class Message:
 
 
 @dataclass(frozen=True, slots=True)
+class Challenge(Message):
+    """A server's first frame: the nonce a peer signs with the cluster token (see :func:`auth_digest`)."""
+
+    TYPE: ClassVar[str] = "challenge"
+    nonce: str
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
 class Hello(Message):
     TYPE: ClassVar[str] = "hello"
     version: int
     role: str
     id: int
     pid: int = 0
+    auth: str = ""  # auth_digest(token, nonce, role, id) when the cluster has a token_file
 
     def validate(self) -> None:
         if self.role not in (ROLE_WORKER, ROLE_CLIENT, ROLE_OBSERVER):
@@ -251,7 +263,7 @@ class Batch(Message):
 
 MESSAGES: Final[dict[str, type[Message]]] = {
     cls.TYPE: cls
-    for cls in (Hello, Welcome, Failure, Push, Result, Abort, StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch)
+    for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch)
 }
 
 _FIELDS: dict[type[Message], list[tuple[str, type, bool]]] = {}
@@ -324,3 +336,15 @@ def split_batch(batch: Batch, payload: memoryview | None) -> list[tuple[Message,
         out.append((message, payload[offset:offset + size] if payload is not None and size else None))
         offset += size
     return out
+
+
+def auth_digest(token: bytes, nonce: str, role: str, ident: int) -> str:
+    """Proof of holding the cluster token for one connection: HMAC-SHA256 over the server's nonce.
+
+    The token never travels; a captured digest is useless on another connection (fresh nonce).
+    """
+    return hmac.new(token, f"bps-auth|{nonce}|{role}|{ident}".encode(), hashlib.sha256).hexdigest()
+
+
+def check_auth(token: bytes, nonce: str, hello: Hello) -> bool:
+    return hmac.compare_digest(auth_digest(token, nonce, hello.role, hello.id), hello.auth)

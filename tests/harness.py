@@ -143,21 +143,26 @@ def run_ranks(cluster: Cluster, target: Callable[..., Any], *args: Any, timeout:
 def server_stats(cluster: Cluster) -> dict[int, dict[str, Any]]:
     """Every server's counters, asked for over TCP as an observer."""
     from protocol import PROTOCOL_VERSION
+    from protocol.config import read_token
     from protocol.frames import FrameReader, encode_header
-    from protocol.messages import ROLE_OBSERVER, Hello, Stats, StatsRequest, parse, to_header
+    from protocol.messages import ROLE_OBSERVER, Challenge, Hello, Stats, StatsRequest, auth_digest, parse, to_header
 
+    token = read_token(cluster.config)
     out = {}
     for spec in cluster.config.servers:
         with socket.create_connection((spec.host, spec.port), timeout=10) as s:
-            s.sendall(encode_header(to_header(Hello(PROTOCOL_VERSION, ROLE_OBSERVER, 0)))
-                      + encode_header(to_header(StatsRequest(1))))
             reader = FrameReader()
-            while True:
+            sent = False
+            while spec.id not in out:
                 data = s.recv(65536)
                 if not data:
                     raise ConnectionError(f"server {spec.id} closed the stats connection")
-                stats = [m for m in (parse(f.header) for f in reader.receive_data(data)) if isinstance(m, Stats)]
-                if stats:
-                    out[spec.id] = stats[0].stats
-                    break
+                for message in (parse(f.header) for f in reader.receive_data(data)):
+                    if isinstance(message, Challenge) and not sent:
+                        auth = auth_digest(token, message.nonce, ROLE_OBSERVER, 0) if token else ""
+                        s.sendall(encode_header(to_header(Hello(PROTOCOL_VERSION, ROLE_OBSERVER, 0, auth=auth)))
+                                  + encode_header(to_header(StatsRequest(1))))
+                        sent = True
+                    elif isinstance(message, Stats):
+                        out[spec.id] = message.stats
     return out

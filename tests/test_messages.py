@@ -13,7 +13,8 @@ from protocol.frames import FrameReader, encode_header
 
 # One fully populated instance per message type, with non-default values everywhere.
 SAMPLES: dict[str, m.Message] = {
-    "hello": m.Hello(version=1, role="worker", id=2, pid=4242),
+    "challenge": m.Challenge(nonce="00ff" * 8, version=1),
+    "hello": m.Hello(version=1, role="worker", id=2, pid=4242, auth="ab" * 32),
     "welcome": m.Welcome(version=1, rank=3, size=4, local_rank=1, local_size=2, worker=1, workers=2),
     "failure": m.Failure(req=17, message="tensor 'w' has another shape", code="mismatch"),
     "push": m.Push(req=5, name="layer1.weight", part=2, round=9, worker=1, dtype="bfloat16", shape=[64, 3, 3],

@@ -158,3 +158,33 @@ def test_killed_client_fails_its_peers_fast_and_is_cleaned_up(cluster):
         assert r["elapsed"] < 10.0
     # A new process may take the dead one's place; the cluster works as before.
     _sums_still_exact(cluster)
+
+
+def test_token_cluster_works_and_refuses_strangers(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("a-long-enough-cluster-secret\n")
+    token_file.chmod(0o600)
+    c = start_cluster(write_config(tmp_path / "c", [1, 1], cpu_servers=1, cluster={"token_file": str(token_file)}))
+    try:
+        spec = c.config.servers[2]
+        with socket.create_connection((spec.host, spec.port), timeout=5) as s:
+            _assert_dropped(*_exchange(s, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, auth="00" * 32))),
+                            "authentication failed")
+        with socket.create_connection((spec.host, spec.port), timeout=5) as s:  # a payload before the hello
+            _assert_dropped(*_exchange(s, PREFIX.pack(20, 1 << 20)), "exceeds the limit of 0 bytes")
+        _sums_still_exact(c)
+        assert "authentication failed" in daemon_logs(c)
+    finally:
+        c.stop()
+
+
+def test_short_token_is_a_config_error(tmp_path):
+    import subprocess
+    import sys
+
+    token_file = tmp_path / "token"
+    token_file.write_text("short")
+    config = write_config(tmp_path, [1], cpu_servers=0, cluster={"token_file": str(token_file)})
+    result = subprocess.run([sys.executable, "-m", "bps_server", "--config", str(config), "--id", "0"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "token_file" in result.stderr and "at least 16" in result.stderr

@@ -10,7 +10,7 @@ from bps_server.server import ServerConfig, ServerConnection, SummationServer
 from protocol import PROTOCOL_VERSION
 from protocol.config import parse_config
 from protocol.frames import FrameReader, encode_header
-from protocol.messages import ROLE_WORKER, Failure, Hello, Push, Result, Stats, StatsRequest, Welcome, parse, to_header
+from protocol.messages import ROLE_WORKER, Challenge, Failure, Hello, Push, Result, Stats, StatsRequest, Welcome, auth_digest, parse, to_header
 
 
 class FakeTransport:
@@ -34,18 +34,19 @@ class FakeTransport:
     def get_extra_info(self, name: str) -> object:
         return ("127.0.0.1", 1)
 
-    def messages(self) -> list:
+    def messages(self, with_challenge: bool = False) -> list:
         reader = FrameReader()
-        return [(parse(f.header), f.payload) for f in reader.receive_data(bytes(self.data))]
+        out = [(parse(f.header), f.payload) for f in reader.receive_data(bytes(self.data))]
+        return out if with_challenge else [(m, p) for m, p in out if not isinstance(m, Challenge)]
 
 
-def _server(workers: int = 2) -> SummationServer:
+def _server(workers: int = 2, token: bytes | None = None) -> SummationServer:
     cluster = parse_config({
         "cluster": {"workers": workers},
         "server": [{"id": 0, "address": "127.0.0.1:0"}],
         "worker": [{"id": w, "local_size": 1, "socket": f"/tmp/none{w}"} for w in range(workers)],
     })
-    return SummationServer(ServerConfig(cluster, 0, threads=1))
+    return SummationServer(ServerConfig(cluster, 0, threads=1, token=token))
 
 
 def _connect(server: SummationServer) -> tuple[ServerConnection, FakeTransport]:
@@ -117,4 +118,33 @@ async def test_push_outside_its_tensor_is_refused():
     push = Push(req=1, name="x", part=1, round=0, worker=0, dtype="int32", shape=[4], offset=3, count=2)
     _feed(conn, _frame(push, b"\0" * 8))
     assert "exceeds its tensor" in t.messages()[-1][0].message and t.closed
+    await server.stop()
+
+
+async def test_the_first_frame_is_a_fresh_challenge_and_nothing_large_is_read_before_hello():
+    server = _server()
+    (c1, t1), (c2, t2) = _connect(server), _connect(server)
+    first1, first2 = t1.messages(True)[0][0], t2.messages(True)[0][0]
+    assert isinstance(first1, Challenge) and isinstance(first2, Challenge) and first1.nonce != first2.nonce
+    # a push-sized frame before the handshake is refused from its prefix alone
+    _feed(c1, encode_header({"t": "push"}, 1024))
+    assert "exceeds the limit of 0 bytes" in t1.messages()[-1][0].message and t1.closed
+    await server.stop()
+
+
+async def test_token_is_checked_before_anything_else():
+    token = b"s3cret-token-0123456789"
+    server = _server(token=token)
+    conn, t = _connect(server)
+    _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0)))  # no proof
+    assert "authentication failed" in t.messages()[-1][0].message and t.closed
+    conn, t = _connect(server)
+    nonce = t.messages(True)[0][0].nonce
+    _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, auth=auth_digest(b"wrong-token-0123456789", nonce,
+                                                                                "worker", 0))))
+    assert "a wrong proof" in t.messages()[-1][0].message and t.closed
+    conn, t = _connect(server)
+    nonce = t.messages(True)[0][0].nonce
+    _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, auth=auth_digest(token, nonce, "worker", 0))))
+    assert isinstance(t.messages()[-1][0], Welcome) and not t.closed
     await server.stop()
