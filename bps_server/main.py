@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -13,8 +12,7 @@ from protocol.errors import ConfigError
 
 from . import kernels
 from .server import ServerConfig, SummationServer
-from .service import (describe_bind_error, install_stop_signals, keep_freed_memory, new_event_loop, sd_notify,
-                      setup_logging)
+from .service import keep_freed_memory, new_event_loop, serve_until_signalled, setup_logging
 
 log = logging.getLogger("bps.server")
 
@@ -27,24 +25,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bind", default=None, help="bind to this host instead of the one in the cluster file")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
-
-
-async def serve(config: ServerConfig, notify_socket: str | None) -> int:
-    server = SummationServer(config)
-    stop = asyncio.Event()
-    install_stop_signals(asyncio.get_running_loop(), stop.set)
-    try:
-        await server.start()
-    except OSError as exc:
-        host, port = config.bind
-        print(f"bps-server: {describe_bind_error(exc, f'{host}:{port}')}", file=sys.stderr)
-        return 1
-    sd_notify("READY=1", notify_socket)
-    await stop.wait()
-    log.info("stopping")
-    sd_notify("STOPPING=1", notify_socket)
-    await server.stop()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     kernels.warm_up()  # compile before reporting ready, never on a job's first tensor
     loop = new_event_loop()
     try:
-        return loop.run_until_complete(serve(config, os.environ.get("NOTIFY_SOCKET")))
+        server = SummationServer(config)
+        host, port = config.bind
+        return loop.run_until_complete(serve_until_signalled(
+            server.start, server.stop, prog="bps-server", listen_on=f"{host}:{port}",
+            notify_socket=os.environ.get("NOTIFY_SOCKET")))
     finally:
         loop.close()

@@ -27,7 +27,6 @@ from protocol.messages import (
     Batch,
     Challenge,
     Failure,
-    Hello,
     Message,
     Push,
     Result,
@@ -38,6 +37,7 @@ from protocol.messages import (
     batch_header,
     check_auth,
     estimated_header_bytes,
+    expect_hello,
     parse,
     split_batch,
     to_header,
@@ -153,11 +153,7 @@ class ServerConnection(asyncio.BufferedProtocol):
             raise ProtocolError(f"unexpected {message.TYPE} message from worker {self.worker}")
 
     def handshake(self, message: Message) -> None:
-        if not isinstance(message, Hello):
-            raise ProtocolError(f"expected hello, got {message.TYPE}")
-        if message.version != PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {message.version} not supported (this server speaks "
-                                f"{PROTOCOL_VERSION})")
+        message = expect_hello(message, "server")
         token = self.server.config.token
         if token is not None and not check_auth(token, self.nonce, message):
             raise ProtocolError(f"authentication failed for {message.role} {message.id}: "

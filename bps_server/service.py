@@ -9,7 +9,8 @@ import logging
 import os
 import signal
 import socket
-from typing import Callable
+import sys
+from typing import Any, Awaitable, Callable
 
 import uvloop
 
@@ -77,3 +78,24 @@ def describe_bind_error(exc: OSError, what: str) -> str:
     """A one-line reason for a failed bind/listen."""
     reason = os.strerror(exc.errno) if exc.errno else str(exc)
     return f"cannot listen on {what}: {reason}"
+
+
+async def serve_until_signalled(start: Callable[[], Awaitable[Any]], stop: Callable[[], Awaitable[None]], *,
+                                prog: str, listen_on: str, notify_socket: str | None) -> int:
+    """Start a daemon, tell systemd it is ready, run until SIGTERM/SIGINT, stop it: the exit status.
+
+    A failure to listen is the one-line reason on stderr and status 1.
+    """
+    stopped = asyncio.Event()
+    install_stop_signals(asyncio.get_running_loop(), stopped.set)
+    try:
+        await start()
+    except OSError as exc:
+        print(f"{prog}: {describe_bind_error(exc, listen_on)}", file=sys.stderr)
+        return 1
+    sd_notify("READY=1", notify_socket)
+    await stopped.wait()
+    logging.getLogger("bps").info("%s stopping", prog)
+    sd_notify("STOPPING=1", notify_socket)
+    await stop()
+    return 0

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from math import prod
 from multiprocessing.shared_memory import SharedMemory
-from typing import Any, Final
+from typing import Final
 
 import ml_dtypes
 import numpy as np

@@ -39,10 +39,10 @@ from protocol.messages import (
     Allocated,
     Done,
     Failure,
-    Hello,
     Message,
     Op,
     Welcome,
+    expect_hello,
     parse,
     to_header,
 )
@@ -182,11 +182,7 @@ class ClientSession(asyncio.BufferedProtocol):
             raise ProtocolError(f"unexpected {message.TYPE} message from a client")
 
     def handshake(self, message: Message) -> None:
-        if not isinstance(message, Hello):
-            raise ProtocolError(f"expected hello, got {message.TYPE}")
-        if message.version != PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {message.version} not supported (this worker speaks "
-                                f"{PROTOCOL_VERSION})")
+        message = expect_hello(message, "worker")
         local_size = self.daemon.config.local_size
         if message.role != ROLE_CLIENT or not 0 <= message.id < local_size:
             raise ProtocolError(f"local rank {message.id} is outside 0..{local_size - 1} of worker "

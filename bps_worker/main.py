@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
 
 from bps_server import kernels
-from bps_server.service import (describe_bind_error, install_stop_signals, keep_freed_memory, new_event_loop,
-                                sd_notify, setup_logging)
+from bps_server.service import keep_freed_memory, new_event_loop, serve_until_signalled, setup_logging
 from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
 
@@ -30,23 +28,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="threads for local sums and copies (default: 2)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
-
-
-async def serve(config: WorkerConfig, notify_socket: str | None) -> int:
-    daemon = WorkerDaemon(config)
-    stop = asyncio.Event()
-    install_stop_signals(asyncio.get_running_loop(), stop.set)
-    try:
-        await daemon.start()
-    except OSError as exc:
-        print(f"bps-worker: {describe_bind_error(exc, config.socket)}", file=sys.stderr)
-        return 1
-    sd_notify("READY=1", notify_socket)
-    await stop.wait()
-    log.info("stopping")
-    sd_notify("STOPPING=1", notify_socket)
-    await daemon.stop()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     kernels.warm_up()
     loop = new_event_loop()
     try:
-        return loop.run_until_complete(serve(config, os.environ.get("NOTIFY_SOCKET")))
+        daemon = WorkerDaemon(config)
+        return loop.run_until_complete(serve_until_signalled(
+            daemon.start, daemon.stop, prog="bps-worker", listen_on=config.socket,
+            notify_socket=os.environ.get("NOTIFY_SOCKET")))
     finally:
         loop.close()

@@ -23,7 +23,7 @@ import hmac
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final, get_type_hints
 
-from . import dtypes
+from . import PROTOCOL_VERSION, dtypes
 from .errors import ProtocolError
 
 MAX_NAME_CHARS: Final = 1024
@@ -348,3 +348,13 @@ def auth_digest(token: bytes, nonce: str, role: str, ident: int) -> str:
 
 def check_auth(token: bytes, nonce: str, hello: Hello) -> bool:
     return hmac.compare_digest(auth_digest(token, nonce, hello.role, hello.id), hello.auth)
+
+
+def expect_hello(message: Message, who: str) -> Hello:
+    """The first message a daemon reads: a Hello of our protocol version, or a ProtocolError."""
+    if not isinstance(message, Hello):
+        raise ProtocolError(f"expected hello, got {message.TYPE}")
+    if message.version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {message.version} not supported (this {who} speaks "
+                            f"{PROTOCOL_VERSION})")
+    return message
