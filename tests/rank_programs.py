@@ -227,3 +227,17 @@ def tiny_tensors(n: int, rounds: int) -> dict[str, Any]:
             y = bps.synchronize(h, timeout=120)
             wrong += int(not (y == 3 * size * (size - 1) // 2 + size * (rnd + i)).all())
     return {"wrong": wrong, "seconds": time.monotonic() - start}
+
+
+def push_until_error(max_seconds: float) -> dict[str, Any]:
+    """Push round after round until an error (a peer died) or ``max_seconds``; report when it came."""
+    rank = bps.rank()
+    start = time.monotonic()
+    rounds = 0
+    while time.monotonic() - start < max_seconds:
+        try:
+            bps.push_pull(np.full(50_000, rank, np.float32), "steady", average=False)
+        except bps.BPSError as exc:
+            return {"error": str(exc), "at": time.time(), "rounds": rounds}
+        rounds += 1
+    return {"error": None, "at": time.time(), "rounds": rounds}
