@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from math import prod
 from multiprocessing.shared_memory import SharedMemory
-from typing import Final
+from typing import Callable, Final
 
 import ml_dtypes
 import numpy as np
@@ -269,27 +269,40 @@ class _Connection:
     # -- operations ------------------------------------------------------------------
     def start(self, array: np.ndarray, name: str, kind: str, *, average: bool, priority: int, root: int,
               out: np.ndarray | None) -> Handle:
+        """Copy ``array`` into its slot and start the operation."""
+        array = np.asarray(array)
+        return self.start_filled(name, kind, array.dtype, array.shape, lambda view: np.copyto(view, array),
+                                 average=average, priority=priority, root=root, out=out)
+
+    def start_filled(self, name: str, kind: str, dtype: np.dtype, shape: tuple[int, ...],
+                     fill: Callable[[np.ndarray], None], *, average: bool, priority: int, root: int,
+                     out: np.ndarray | None) -> Handle:
+        """Start an operation whose input ``fill(view)`` writes straight into the shared slot.
+
+        Framework layers use it to assemble an input in place (no staging copy).
+        """
         if not isinstance(name, str) or not name:
             raise BPSError(f"tensor name must be a non-empty string, got {name!r}")
-        array = np.asarray(array)
-        dtype = dtype_name(array.dtype)
-        if average and dtype not in dtypes.FLOAT_TYPES:
-            raise BPSError(f"tensor {name!r}: average=True needs a floating dtype, got {dtype}; pass average=False")
+        dtype = np.dtype(dtype)
+        wire = dtype_name(dtype)
+        shape = tuple(shape)
+        if average and wire not in dtypes.FLOAT_TYPES:
+            raise BPSError(f"tensor {name!r}: average=True needs a floating dtype, got {wire}; pass average=False")
         if out is not None:
-            if not isinstance(out, np.ndarray) or out.shape != array.shape or out.dtype != array.dtype:
-                raise BPSError(f"tensor {name!r}: out must be a numpy array of shape {array.shape} and dtype "
-                               f"{array.dtype}")
+            if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype:
+                raise BPSError(f"tensor {name!r}: out must be a numpy array of shape {shape} and dtype {dtype}")
             if not out.flags.writeable:
                 raise BPSError(f"tensor {name!r}: out is read-only")
         self.check()
         if name in self.inflight:
             raise BPSError(f"tensor {name!r} is already in flight in this process; synchronize it first")
-        seg, offset = self.slot_for(name, array.nbytes)
-        view = np.frombuffer(seg.buf, dtype=array.dtype, count=array.size, offset=offset).reshape(array.shape)
-        np.copyto(view, array)
+        count = prod(shape)
+        seg, offset = self.slot_for(name, count * dtype.itemsize)
+        view = np.frombuffer(seg.buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+        fill(view)
         del view
-        handle = Handle(next(self.reqs), name, array.dtype, array.shape, out, seg, offset)
-        op = Op(handle.req, name, kind, dtype, list(array.shape), seg.name, average=average, priority=priority,
+        handle = Handle(next(self.reqs), name, dtype, shape, out, seg, offset)
+        op = Op(handle.req, name, kind, wire, list(shape), seg.name, average=average, priority=priority,
                 root=root, offset=offset)
         with self.state_lock:
             self.check()
