@@ -141,7 +141,7 @@ class _PushPull(torch.autograd.Function):
 def push_pull(tensor: torch.Tensor, name: str, *, average: bool = True, priority: int = 0,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """Sum (or mean over ``size()``) of ``tensor`` across every process; differentiable when it needs a grad."""
-    if out is None and tensor.requires_grad and torch.is_grad_enabled():
+    if out is None and isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
         return _PushPull.apply(tensor, name, average, priority)
     return synchronize(_start(tensor, name, average=average, priority=priority, out=out))
 
