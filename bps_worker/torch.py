@@ -16,13 +16,14 @@ communication overlaps the rest of backward; front layers get the highest
 priority so their sums come back first (the next forward pass needs them
 first). ``step()`` waits for all of them and writes the averages into ``.grad``.
 
-Parameters without a gradient: every step, the processes agree (one small
-push_pull of a presence vector) on which parameters got a gradient anywhere.
-A parameter that got one on some process but not on this one takes part with
-zeros, so every process applies the same averaged gradient; a parameter that
-got none anywhere keeps ``grad = None`` and is skipped by the optimizer on
-every process alike. Nothing hangs and nothing is skipped silently on only
-some processes.
+Parameters without a gradient: every process pushes every parameter every
+step, with one extra element that says whether it had a gradient. A parameter
+that got one on some process but not on this one takes part with zeros, so
+every process applies the same averaged gradient; a parameter that got none
+anywhere keeps its ``grad`` (``None`` after ``zero_grad()``) and is skipped by
+the optimizer on every process alike. A gradient accumulated over fewer passes
+than ``backward_passes_per_step`` is pushed as it is at ``step()``. Nothing
+hangs and nothing is skipped silently on only some processes.
 """
 
 from __future__ import annotations
@@ -283,7 +284,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._handles: dict[torch.Tensor, tuple[_client.Handle, torch.Tensor, np.ndarray]] = {}
         self._synchronized = False
         self._skip_sync = False
-        self._step = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for p in self._params if p.requires_grad]
 
@@ -362,24 +362,45 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._push(p, p.grad)
         self._synchronized = False
 
-    def _push(self, p: torch.Tensor, grad: torch.Tensor) -> None:
-        wire = self.compression.compress(grad.detach())
-        if wire.device.type != "cpu":
-            wire = wire.to("cpu")
-        data = _to_numpy(wire.contiguous())
-        out = np.empty_like(data)
-        handle = _client.push_pull_async(data, self._names[p], average=True, priority=self._priority[p], out=out)
+    def _push(self, p: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """Start the push_pull of ``p``'s gradient (zeros when this process has none).
+
+        One extra element travels with it: 1 where a process has a gradient, 0 where not. Its
+        sum tells every process, without another collective, whether anyone had one.
+        """
+        if grad is None:
+            wire = self.compression.compress(torch.zeros(p.shape, dtype=p.dtype))
+            present = 0.0
+        else:
+            wire = self.compression.compress(grad.detach())
+            if wire.device.type != "cpu":
+                wire = wire.to("cpu")
+            present = 1.0
+        data = _to_numpy(wire.contiguous()).reshape(-1)
+        n = data.size
+
+        def fill(view: np.ndarray) -> None:
+            if present:
+                np.copyto(view[:n], data)
+            else:
+                view[:n] = 0
+            view[n] = present
+
+        out = np.empty(n + 1, dtype=data.dtype)
+        handle = _client._connection().start_filled(self._names[p], "sum", data.dtype, (n + 1,), fill,
+                                                    average=True, priority=self._priority[p], root=-1, out=out)
         self._handles[p] = (handle, wire, out)
 
     def synchronize(self) -> None:
-        """Wait for every gradient of this step and write the averages into ``.grad``."""
-        self._step += 1
-        # Which parameters got a gradient on any process? One small collective, every step.
-        local = np.array([1 if p in self._handles else 0 for p in self._params], dtype=np.int32)
-        anywhere = _client.push_pull(local, "grad.presence", average=False)
-        for p, present in zip(self._params, anywhere):
-            if present and p not in self._handles:  # others have one, this process does not: contribute zeros
-                self._push(p, torch.zeros_like(p))
+        """Wait for every gradient of this step and write the averages into ``.grad``.
+
+        Every process takes part for every parameter: one that this process has no gradient
+        for (or only a partly accumulated one) is pushed now, before any wait, so that no two
+        processes wait for each other.
+        """
+        for p in self._params:
+            if p not in self._handles and p.requires_grad:
+                self._push(p, p.grad if self._passes.get(p) else None)
         try:
             for p in self._params:
                 entry = self._handles.get(p)
@@ -387,7 +408,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     continue
                 handle, wire, out = entry
                 _client.synchronize(handle)
-                result = _from_numpy(out, wire)
+                if out[-1] == 0:
+                    continue  # no process had a gradient: leave .grad as it is (None after zero_grad)
+                result = _from_numpy(out[:-1], wire).reshape(wire.shape)
                 with torch.no_grad():
                     grad = self.compression.decompress(result, p).to(p.device)
                     if p.grad is None:

@@ -151,8 +151,6 @@ def test_unused_parameters_neither_hang_nor_are_skipped(unused_run):
     _same_everywhere(results, "final")
 
 
-@pytest.mark.xfail(strict=True, reason="bug: with backward_passes_per_step > 1 a gradient produced in fewer passes "
-                                       "than that is never pushed: replaced by zeros or applied locally")
 def test_partial_passes_are_averaged_like_any_gradient(unused_run):
     """backward_passes_per_step=2, head_a used in only some passes (torch_programs.partial_passes)."""
     for case in ("some", "all"):
