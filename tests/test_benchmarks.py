@@ -21,3 +21,18 @@ def test_push_pull_vs_gloo_quick_prints_its_table():
     assert sizes[:2] == ["4K", "64K"], result.stdout
     for row in rows[:2]:
         assert row.rstrip().endswith("yes"), row  # bps and gloo agree bit for bit
+
+
+def test_train_vs_ddp_quick_prints_its_tables():
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "train_vs_ddp.py"), "--quick"],
+                            capture_output=True, text=True, timeout=90, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    header = [line for line in lines if line.lstrip().startswith("model") and "ratio bps/ddp" in line]
+    assert len(header) == 1, result.stdout
+    rows = lines[lines.index(header[0]) + 2:]
+    models = [row.split()[0] for row in rows[:2]]
+    assert models == ["example", "wide"], result.stdout
+    for row in rows[:2]:
+        assert " yes (" in row, row  # weights agree with DDP's after the warm-up; bps replicas identical
+    assert any("hidden" in line and "exposed comm" in line for line in lines), result.stdout
