@@ -83,6 +83,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.closed = False
         self._outbox: list[tuple[Message, np.ndarray | None]] = []
         self._outbox_header_bytes = 0
+        self._outbox_payload_bytes = 0
 
     # -- asyncio.BufferedProtocol ----------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -191,10 +192,14 @@ class ServerConnection(asyncio.BufferedProtocol):
                 (payload is None or payload.nbytes <= BATCH_REPLY_MAX_BYTES):
             # Many small rounds complete in one loop iteration (thousands of tiny tensors):
             # answer them in one frame.
+            nbytes = 0 if payload is None else payload.nbytes
+            if self._outbox_payload_bytes + nbytes > self.server.config.cluster.max_payload_bytes:
+                self._flush()  # a batch is one frame: the peer's payload limit holds for it too
             if not self._outbox:
                 asyncio.get_running_loop().call_soon(self._flush)
             self._outbox.append((message, payload))
             self._outbox_header_bytes += estimated_header_bytes(message)
+            self._outbox_payload_bytes += nbytes
             if len(self._outbox) >= MAX_BATCH_ITEMS or self._outbox_header_bytes >= BATCH_HEADER_BUDGET:
                 self._flush()
             return
@@ -203,6 +208,7 @@ class ServerConnection(asyncio.BufferedProtocol):
     def _flush(self) -> None:
         outbox, self._outbox = self._outbox, []
         self._outbox_header_bytes = 0
+        self._outbox_payload_bytes = 0
         if not outbox or self.closed or self.transport is None or self.transport.is_closing():
             return
         if len(outbox) == 1:

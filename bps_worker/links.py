@@ -23,7 +23,7 @@ from typing import Any
 
 from protocol import PROTOCOL_VERSION
 from protocol.config import ServerSpec
-from protocol.errors import ProtocolError
+from protocol.errors import LocalProtocolError, ProtocolError
 from protocol.frames import FrameReader, encode_header
 from protocol.messages import BATCH_HEADER_BUDGET, MAX_BATCH_ITEMS, ROLE_WORKER, Abort, Batch, Challenge, Failure, \
     Hello, Message, Push, Result, Stats, StatsRequest, Welcome, auth_digest, batch_header, estimated_header_bytes, \
@@ -173,10 +173,15 @@ class ServerLink:
             if item.future.done():  # the operation already failed elsewhere
                 continue
             self._inflight[item.push.req] = item
-            if item.payload.nbytes <= BATCH_ITEM_MAX_BYTES and self._queue:
-                self._send_batch(proto, item)
-            else:
-                self._send(proto, item.push, item.payload)
+            try:
+                if item.payload.nbytes <= BATCH_ITEM_MAX_BYTES and self._queue:
+                    self._send_batch(proto, item)
+                else:
+                    self._send(proto, item.push, item.payload)
+            except LocalProtocolError as exc:  # a bug of ours: fail loudly, never leave a push unsent and waiting
+                log.error("cannot send to server %d: %s", self.spec.id, exc)
+                self.on_broken(proto, f"cannot send to server {self.spec.id}: {exc}")
+                return
             if transport.get_write_buffer_size() >= self.credit_bytes:
                 break
 
@@ -184,10 +189,11 @@ class ServerLink:
         """Send ``first`` together with the small pushes queued right behind it (in priority order)."""
         items = [first]
         nbytes = first.payload.nbytes
+        limit = min(BATCH_MAX_BYTES, self.max_payload_bytes)  # a batch is one frame: the peer's limit holds
         header_bytes = estimated_header_bytes(first.push)
         while self._queue and len(items) < MAX_BATCH_ITEMS and header_bytes < BATCH_HEADER_BUDGET:
             nxt = self._queue[0]
-            if nxt.payload.nbytes > BATCH_ITEM_MAX_BYTES or nbytes + nxt.payload.nbytes > BATCH_MAX_BYTES:
+            if nxt.payload.nbytes > BATCH_ITEM_MAX_BYTES or nbytes + nxt.payload.nbytes > limit:
                 break
             heapq.heappop(self._queue)
             if nxt.future.done():

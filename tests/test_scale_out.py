@@ -57,3 +57,14 @@ def test_small_high_priority_tensor_overtakes_a_large_one(make_cluster):
 def test_5000_tiny_tensors_per_round(cluster_2x2):
     results = run_ranks(cluster_2x2, rp.tiny_tensors, 5000, 2, timeout=110)
     assert [r["wrong"] for r in results] == [0, 0, 0, 0]
+
+
+def test_batches_respect_a_small_payload_limit(make_cluster):
+    """max_payload_bytes = partition_bytes: batched pushes and replies must stay within it."""
+    cluster = make_cluster([1, 1], cpu_servers=1,
+                           cluster={"partition_bytes": 65536, "max_payload_bytes": 65536})
+    results = run_ranks(cluster, rp.out_of_order, 50, 8000, timeout=60)  # 50 x 32 KiB at once: batches
+    assert [r["wrong"] for r in results] == [0, 0]
+    cases = [("limit.big", "float32", (1 << 20,), False, 3)]
+    for reports in zip(*run_ranks(cluster, rp.sum_cases, cases, timeout=60)):
+        assert all(r["exact"] for r in reports)
