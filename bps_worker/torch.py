@@ -226,10 +226,17 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
         data = _to_numpy(wire)
         handles.append((tensor, wire, _client._connection().start(
             data, f"bcast.param.{name}", "broadcast", average=False, priority=0, root=root_rank, out=None)))
+    first_error: BPSError | None = None
     with torch.no_grad():
         for tensor, wire, handle in handles:
-            result = _client._connection().finish(handle, None)
+            try:
+                result = _client._connection().finish(handle, None)
+            except BPSError as exc:  # drain the rest so no name stays in flight
+                first_error = first_error or exc
+                continue
             tensor.copy_(_from_numpy(result, wire).to(device=tensor.device, dtype=tensor.dtype))
+    if first_error is not None:
+        raise first_error
 
 
 def _broadcast_bytes(data: bytes, root_rank: int, name: str) -> bytes:
@@ -401,13 +408,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for p in self._params:
             if p not in self._handles and p.requires_grad:
                 self._push(p, p.grad if self._passes.get(p) else None)
+        first_error: BPSError | None = None
         try:
             for p in self._params:
                 entry = self._handles.get(p)
                 if entry is None:
                     continue
                 handle, wire, out = entry
-                _client.synchronize(handle)
+                try:
+                    _client.synchronize(handle)
+                except BPSError as exc:
+                    # Keep draining: every handle must be consumed, or its name stays "in flight"
+                    # and every later step fails. The first error is raised once all are done.
+                    first_error = first_error or exc
+                    continue
+                if first_error is not None:
+                    continue
                 if out[-1] == 0:
                     continue  # no process had a gradient: leave .grad as it is (None after zero_grad)
                 result = _from_numpy(out[:-1], wire).reshape(wire.shape)
@@ -420,6 +436,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._handles.clear()
             self._passes.clear()
+        if first_error is not None:
+            raise first_error
         self._synchronized = True
 
     @contextlib.contextmanager

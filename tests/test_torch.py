@@ -290,3 +290,10 @@ def test_torchrun_processes_find_their_worker(make_cluster, tmp_path):
         assert res == {"rank": r, "size": 2, "local_rank": r, "local_size": 2, "env_local_rank": str(r),
                        "sum": [3.0] * 4, "mean": [0.0, 1.5, 3.0]}
     assert elapsed < 30, f"torchrun took {elapsed:.1f} s"
+
+
+def test_a_failed_step_leaves_the_optimizer_usable(cluster_2x2):
+    results = run_ranks(cluster_2x2, tp.recover_after_mismatch, timeout=90)
+    for r in results:
+        assert r["error"] is not None and "mismatch" in r["error"], r
+    assert len({r["digest"] for r in results}) == 1

@@ -465,3 +465,30 @@ def scheduler_and_clip(steps: int = 8, batch: int = BATCH) -> dict[str, Any]:
     result["after_twice"] = digest(model.state_dict())
     result["errors"] = errors
     return result
+
+
+def recover_after_mismatch() -> dict[str, Any]:
+    """Step 1: rank 3's model has another shape for fc (a mismatch); step 2: everyone agrees again."""
+    _threads()
+    rank = bps.rank()
+
+    def make(width: int) -> tuple[nn.Module, bps.DistributedOptimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 2))
+        return model, bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                               named_parameters=model.named_parameters())
+
+    good, opt = make(6)
+    x, y = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank)), torch.tensor([0, 1, 0, 1, 1])
+    model, o = make(7) if rank == 3 else (good, opt)
+    F.cross_entropy(model(x), y).backward()
+    error = None
+    try:
+        o.step()
+    except bps.BPSError as exc:
+        error = str(exc)
+    opt.zero_grad()
+    F.cross_entropy(good(x), y).backward()
+    opt.step()  # must work: no name may be left "in flight" by the failed step
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in good.parameters())).hexdigest()
+    return {"error": error, "digest": digest}
