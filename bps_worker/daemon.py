@@ -102,8 +102,10 @@ class LocalRound:
     round: int
     first: Op
     first_rank: int
+    expected: set[int]  # local ranks that have not submitted yet
     members: dict[int, tuple["ClientSession", Op]] = field(default_factory=dict)
-    started: bool = False
+    failed: str | None = None  # why the round failed; late ranks still join it and get this error
+    code: str = "error"
 
 
 def describe(op: Op) -> str:
@@ -285,7 +287,10 @@ class WorkerDaemon:
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-local")
         self.sessions: dict[int, ClientSession] = {}
         self.connections: set[ClientSession] = set()
-        self.open_rounds: dict[str, LocalRound] = {}
+        # Per name, the rounds still collecting local processes, oldest first. A failed round stays
+        # until every local rank has submitted to it (or disconnected), so a late process gets the
+        # error for *its* round instead of starting the next one with stale data.
+        self.open_rounds: dict[str, list[LocalRound]] = {}
         self.next_round: dict[str, int] = {}
         self.staging: dict[str, np.ndarray] = {}
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -338,27 +343,44 @@ class WorkerDaemon:
 
     # -- local rounds ----------------------------------------------------------------
     def submit(self, session: ClientSession, op: Op) -> None:
-        assert session.local_rank is not None
-        lr = self.open_rounds.get(op.name)
+        rank = session.local_rank
+        assert rank is not None
+        rounds = self.open_rounds.setdefault(op.name, [])
+        lr = next((r for r in rounds if rank not in r.members), None)
         if lr is None:
+            if any(r.failed is None for r in rounds):
+                session.send(Failure(op.req, f"tensor {op.name!r} is already in flight for rank {session.rank}; "
+                                             f"synchronize it before pushing it again", code="bad_request"))
+                return
             rnd = self.next_round.get(op.name, 0)
             self.next_round[op.name] = rnd + 1
-            lr = self.open_rounds[op.name] = LocalRound(op.name, rnd, op, session.rank)
+            lr = LocalRound(op.name, rnd, op, session.rank, set(range(self.config.local_size)))
+            rounds.append(lr)
             self._watch(lr)
-        if session.local_rank in lr.members:
-            session.send(Failure(op.req, f"tensor {op.name!r} is already in flight for rank {session.rank}; "
-                                         f"synchronize it before pushing it again", code="bad_request"))
+        lr.members[rank] = (session, op)
+        lr.expected.discard(rank)
+        if lr.failed is not None:
+            session.send(Failure(op.req, lr.failed, code=lr.code))
+            self._retire(lr)
             return
-        lr.members[session.local_rank] = (session, op)
         if not _agree(lr.first, op):
             self.fail_local_round(lr, f"tensor {op.name!r} mismatch: rank {lr.first_rank} has "
                                       f"{describe(lr.first)} but rank {session.rank} has {describe(op)}",
                                   code="mismatch")
             return
-        if len(lr.members) == self.config.local_size:
-            lr.started = True
-            del self.open_rounds[op.name]
+        if not lr.expected:
+            self._retire(lr)
             self.spawn(self.run_round(lr))
+
+    def _retire(self, lr: LocalRound) -> None:
+        """Forget a round that starts now, or that failed and has heard from every local rank."""
+        if lr.expected:
+            return
+        rounds = self.open_rounds.get(lr.name, [])
+        if lr in rounds:
+            rounds.remove(lr)
+        if not rounds:
+            self.open_rounds.pop(lr.name, None)
 
     def _watch(self, lr: LocalRound) -> None:
         """Fail an open round that waits for a process which is not even connected, after the timeout.
@@ -369,9 +391,9 @@ class WorkerDaemon:
         timeout = self.config.cluster.timeout
 
         def check() -> None:
-            if self.open_rounds.get(lr.name) is not lr:
+            if lr.failed is not None or lr not in self.open_rounds.get(lr.name, []):
                 return
-            absent = [r for r in range(self.config.local_size) if r not in lr.members and r not in self.sessions]
+            absent = sorted(r for r in lr.expected if r not in self.sessions)
             if absent:
                 ranks = ", ".join(str(self.rank_offset + r) for r in absent)
                 self.fail_local_round(lr, f"tensor {lr.name!r}: rank {ranks} of worker {self.worker_id} is not "
@@ -382,25 +404,33 @@ class WorkerDaemon:
         asyncio.get_running_loop().call_later(timeout, check)
 
     def fail_local_round(self, lr: LocalRound, reason: str, code: str = "error") -> None:
+        if lr.failed is not None:
+            return
         log.warning("%s", reason)
-        if self.open_rounds.get(lr.name) is lr:
-            del self.open_rounds[lr.name]
+        lr.failed, lr.code = reason, code
         for session, op in lr.members.values():
             session.send(Failure(op.req, reason, code=code))
         # Peers on other machines wait for this round at the anchor server: tell them now.
         anchor = self.placement.server_ids[self.placement.anchor(lr.name)]
         self.links[anchor].abort(lr.name, 0, lr.round, reason)
+        self._retire(lr)
 
     def session_lost(self, session: ClientSession) -> None:
         if session.local_rank is not None and self.sessions.get(session.local_rank) is session:
             del self.sessions[session.local_rank]
             if not self.stopping:
                 log.info("client %r disconnected", session)
-            for lr in list(self.open_rounds.values()):
-                if session.local_rank in lr.members:
-                    del lr.members[session.local_rank]
-                    self.fail_local_round(lr, f"tensor {lr.name!r}: rank {session.rank} (pid {session.pid}) "
-                                              f"disconnected during round {lr.round}")
+            rank = session.local_rank
+            for rounds in list(self.open_rounds.values()):
+                for lr in list(rounds):
+                    involved = rank in lr.members or rank in lr.expected
+                    lr.members.pop(rank, None)  # its segments are about to go
+                    lr.expected.discard(rank)
+                    if involved and lr.failed is None:
+                        self.fail_local_round(lr, f"tensor {lr.name!r}: rank {session.rank} (pid {session.pid}) "
+                                                  f"disconnected during round {lr.round}")
+                    else:
+                        self._retire(lr)
         session.release_segments()
 
     async def run_round(self, lr: LocalRound) -> None:

@@ -241,3 +241,20 @@ def push_until_error(max_seconds: float) -> dict[str, Any]:
             return {"error": str(exc), "at": time.time(), "rounds": rounds}
         rounds += 1
     return {"error": None, "at": time.time(), "rounds": rounds}
+
+
+def late_rank_after_mismatch() -> dict[str, Any]:
+    """Rank 0 pushes a wrong shape at step 0 and rank 2 (same worker) comes 1 s late; step 1 is clean."""
+    rank, size = bps.rank(), bps.size()
+    out: dict[str, Any] = {}
+    for step in range(2):
+        shape = (5,) if (rank == 0 and step == 0) else (4,)
+        if rank == 2 and step == 0:
+            time.sleep(1.0)
+        try:
+            y = bps.push_pull(np.full(shape, 100.0 * step + rank, np.float32), "late", average=False)
+            out[f"step{step}"] = float(y[0])
+        except bps.BPSError as exc:
+            out[f"step{step}"] = f"error: {exc}"
+    out["expect1"] = float(sum(100.0 + r for r in range(size)))
+    return out

@@ -35,3 +35,12 @@ def test_mismatch_across_workers_only(cluster_2x2):
         assert "[8]" in r["error"] and "[9]" in r["error"], r["error"]
         assert r["elapsed"] < 10.0
         assert r["after"] == 4.0
+
+
+def test_a_late_rank_gets_the_error_of_its_own_round(make_cluster):
+    """local_size 3: a failed round waits for its late member instead of letting it start the next one."""
+    cluster = make_cluster([3, 1], cpu_servers=1)
+    results = run_ranks(cluster, rp.late_rank_after_mismatch, timeout=60)
+    for rank, r in enumerate(results):
+        assert str(r["step0"]).startswith("error:") and "mismatch" in r["step0"], (rank, r)
+        assert r["step1"] == r["expect1"], (rank, r)
