@@ -110,7 +110,8 @@ class Aggregator:
         # Workers whose connection dropped and which did not come back within lost_grace_s:
         # rounds that need them fail at once instead of waiting.
         self.lost_workers: set[int] = set()
-        self._gone: dict[int, object] = {}  # worker -> token of its latest disconnection
+        self._gone: dict[int, object] = {}  # worker -> token of its latest disconnection or reset
+        self._reset: set[int] = set()  # workers without training processes since their last push
         self.counters = Counters()
         self.started = time.monotonic()
 
@@ -134,9 +135,8 @@ class Aggregator:
                 self._fail_round(key, st, f"tensor {push.name!r} round {st.round} abandoned: worker "
                                           f"{push.worker} moved on to round {push.round}")
             st = self.keys[key] = KeyState(round=push.round)
-        if push.worker in self.lost_workers:
-            fail(push, f"worker {push.worker} is marked disconnected")
-            return
+        if push.worker in self._gone or push.worker in self._reset:
+            self.worker_joined(push.worker)  # a push means its processes are back
         if st.failed is not None:
             fail(push, st.failed)
             return
@@ -146,7 +146,8 @@ class Aggregator:
             return
         missing = self.lost_workers - set(st.contributors)
         if missing:
-            fail(push, f"worker {min(missing)} is disconnected; round {push.round} of {push.name!r} cannot complete")
+            fail(push, f"worker {min(missing)} is gone (disconnected, or no training processes for longer than "
+                       f"{self.lost_grace_s:g} s); round {push.round} of {push.name!r} cannot complete")
             return
         if st.first is None:
             st.first = push
@@ -176,34 +177,62 @@ class Aggregator:
             self._fail_round(key, st, f"tensor {name!r} round {round_} aborted by worker {worker}: {message}")
 
     def worker_lost(self, worker: int) -> int:
-        """Fail every incomplete round still waiting for ``worker``'s push; return how many.
+        """The worker daemon's connection dropped: fail every incomplete round still waiting for it.
 
-        Rounds started later wait up to ``lost_grace_s`` for the worker to reconnect (a
-        restarted daemon); after that they fail at once until it is back.
+        Rounds started later wait up to ``lost_grace_s`` for the worker to come back (a
+        restarted daemon); after that they fail at once until it pushes again. Returns how
+        many rounds failed now.
         """
+        self._mark_gone(worker, "is disconnected")
+        self._reset.add(worker)
+        return self._fail_waiting_for(worker, "is disconnected")
+
+    def worker_reset(self, worker: int) -> int:
+        """The worker has no training processes any more (its job ended or died).
+
+        Every incomplete round fails: none can complete as pushed. Later rounds that need
+        the worker wait up to ``lost_grace_s`` for a new job's processes. Once every worker
+        has reset, all key state is dropped, so the next job starts at round 0 on a clean
+        slate instead of meeting the last job's leftovers.
+        """
+        failed = 0
+        for key, st in list(self.keys.items()):
+            if st.contributors and st.failed is None:
+                failed += 1
+                self._fail_round(key, st, f"worker {worker} has no training processes left (they exited or "
+                                          f"died); round {st.round} of {key[0]!r} cannot complete")
+        self._mark_gone(worker, "has no training processes")
+        self._reset.add(worker)
+        if len(self._reset) == self.n_workers:
+            log.info("every worker reset: dropping the state of %d keys", len(self.keys))
+            self.keys.clear()
+            self._reset.clear()
+        return failed
+
+    def _mark_gone(self, worker: int, why: str) -> None:
         token = object()
         self._gone[worker] = token
 
         def expire() -> None:
             if self._gone.get(worker) is token:
                 self.lost_workers.add(worker)
-                self._fail_waiting_for(worker)
+                self._fail_waiting_for(worker, why)
 
         asyncio.get_running_loop().call_later(self.lost_grace_s, expire)
-        return self._fail_waiting_for(worker)
 
-    def _fail_waiting_for(self, worker: int) -> int:
+    def _fail_waiting_for(self, worker: int, why: str) -> int:
         failed = 0
         for key, st in list(self.keys.items()):
             if st.contributors and worker not in st.contributors and st.failed is None:
                 failed += 1
-                self._fail_round(key, st, f"worker {worker} is disconnected; round {st.round} of {key[0]!r} "
-                                          f"cannot complete")
+                self._fail_round(key, st, f"worker {worker} {why}; round {st.round} of {key[0]!r} cannot complete")
         return failed
 
     def worker_joined(self, worker: int) -> None:
+        """The worker is back (a hello, or a push after a reset)."""
         self._gone.pop(worker, None)
         self.lost_workers.discard(worker)
+        self._reset.discard(worker)
 
     # -- internals -------------------------------------------------------------------
     async def _add(self, st: KeyState, payload: np.ndarray, dtype: str) -> None:

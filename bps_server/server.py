@@ -29,6 +29,7 @@ from protocol.messages import (
     Failure,
     Message,
     Push,
+    Reset,
     Result,
     Stats,
     StatsRequest,
@@ -148,6 +149,11 @@ class ServerConnection(asyncio.BufferedProtocol):
             self.server.spawn(self.server.aggregator.push(message, data, self.reply, self.fail))
         elif isinstance(message, Abort):
             self.server.aggregator.abort(message.name, message.part, message.round, self.worker, message.message)
+        elif isinstance(message, Reset):
+            if message.worker != self.worker:
+                raise ProtocolError(f"worker {self.worker} sent a reset for worker {message.worker}")
+            failed = self.server.aggregator.worker_reset(self.worker)
+            log.info("worker %d has no training processes; %d pending rounds failed", self.worker, failed)
         elif isinstance(message, StatsRequest):
             self.send(Stats(message.req, self.server.stats()))
         else:

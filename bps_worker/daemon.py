@@ -431,7 +431,28 @@ class WorkerDaemon:
                                                   f"disconnected during round {lr.round}")
                     else:
                         self._retire(lr)
+            if not self.sessions and not self.stopping:
+                self._reset()
         session.release_segments()
+
+    def _reset(self) -> None:
+        """No training process is connected: the job ended or died. Start the next one clean.
+
+        Round numbers restart at 0 and staging buffers are freed; the servers drop what this
+        worker had pending (and all key state once every worker has reset), so a new job
+        never meets the old one's rounds, and the peers of a job whose processes here died
+        get an error instead of waiting for them.
+        """
+        log.info("no training processes connected: resetting rounds and freeing %d staging buffers",
+                 len(self.staging))
+        for rounds in list(self.open_rounds.values()):
+            for lr in list(rounds):
+                self.fail_local_round(lr, f"tensor {lr.name!r}: every process of worker {self.worker_id} left")
+        self.open_rounds.clear()
+        self.next_round.clear()
+        self.staging.clear()
+        for link in self.links.values():
+            link.reset()
 
     async def run_round(self, lr: LocalRound) -> None:
         op = lr.first

@@ -26,7 +26,7 @@ from protocol.config import ServerSpec
 from protocol.errors import LocalProtocolError, ProtocolError
 from protocol.frames import FrameReader, encode_header
 from protocol.messages import BATCH_HEADER_BUDGET, MAX_BATCH_ITEMS, ROLE_WORKER, Abort, Batch, Challenge, Failure, \
-    Hello, Message, Push, Result, Stats, StatsRequest, Welcome, auth_digest, batch_header, estimated_header_bytes, \
+    Hello, Message, Push, Reset, Result, Stats, StatsRequest, Welcome, auth_digest, batch_header, estimated_header_bytes, \
     parse, split_batch, to_header
 
 from .errors import BPSConnectionError, BPSError, BPSMismatchError
@@ -102,7 +102,7 @@ class ServerLink:
         self._req = itertools.count(1)
         self._inflight: dict[int, _Queued] = {}
         self._requests: dict[int, asyncio.Future[Any]] = {}
-        self._aborts: list[Abort] = []  # aborts waiting for a connection
+        self._control: list[Message] = []  # aborts and resets waiting for a connection
         self.closed = False
 
     # -- public ----------------------------------------------------------------------
@@ -130,11 +130,17 @@ class ServerLink:
 
     def abort(self, name: str, part: int, round_: int, message: str) -> None:
         """Tell the server that this worker gave up a round (sent once connected, if need be)."""
-        abort = Abort(name, part, round_, self.worker_id, message[:4096])
+        self._send_control(Abort(name, part, round_, self.worker_id, message[:4096]))
+
+    def reset(self) -> None:
+        """Tell the server that this worker has no training processes left (see Reset)."""
+        self._send_control(Reset(self.worker_id))
+
+    def _send_control(self, message: Message) -> None:
         if self._proto is not None and self._ready:
-            self._send(self._proto, abort)
+            self._send(self._proto, message)
         else:
-            self._aborts.append(abort)
+            self._control.append(message)
             self._ensure_connecting()
 
     async def stats(self) -> dict[str, Any]:
@@ -330,9 +336,9 @@ class ServerLink:
                     raise ConnectionError("connection closed during the handshake")
                 log.info("connected to server %d at %s", self.spec.id, self.spec.address)
                 self._ready = True
-                aborts, self._aborts = self._aborts, []
-                for abort in aborts:
-                    self._send(proto, abort)
+                control, self._control = self._control, []
+                for message in control:
+                    self._send(proto, message)
                 self.pump()
                 return
             except (OSError, asyncio.TimeoutError, ConnectionError) as exc:

@@ -9,7 +9,7 @@ Connections (who sends what):
 
 * every connection starts with ``Hello`` from the connecting side, answered by
   ``Welcome`` (or ``Failure`` and a close);
-* worker -> server: ``Push`` (+ payload) and ``Abort``; server -> worker:
+* worker -> server: ``Push`` (+ payload), ``Abort`` and ``Reset``; server -> worker:
   ``Result`` (+ payload) or ``Failure``; ``StatsRequest``/``Stats`` on both links;
 * client -> worker (Unix socket, never a payload): ``Alloc``/``Allocated``,
   ``Op``/``Done``/``Failure``.
@@ -161,6 +161,14 @@ class Abort(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Reset(Message):
+    """A worker lost all its training processes: its pending rounds are void, its rounds restart at 0."""
+
+    TYPE: ClassVar[str] = "reset"
+    worker: int
+
+
+@dataclass(frozen=True, slots=True)
 class StatsRequest(Message):
     TYPE: ClassVar[str] = "stats_request"
     req: int
@@ -263,7 +271,8 @@ class Batch(Message):
 
 MESSAGES: Final[dict[str, type[Message]]] = {
     cls.TYPE: cls
-    for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch)
+    for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, StatsRequest, Stats, Alloc,
+                Allocated, Op, Done, Batch)
 }
 
 _FIELDS: dict[type[Message], list[tuple[str, type, bool]]] = {}

@@ -258,3 +258,34 @@ def late_rank_after_mismatch() -> dict[str, Any]:
             out[f"step{step}"] = f"error: {exc}"
     out["expect1"] = float(sum(100.0 + r for r in range(size)))
     return out
+
+
+def die_after_one_round(victim: int) -> dict[str, Any]:
+    """``victim``'s process dies after one round; its worker daemon stays up. The others push on."""
+    import os
+    import signal
+
+    bps.push_pull(np.ones(10, np.float32), "steady", average=False)
+    if bps.rank() == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return push_until_error(30.0)
+
+
+def die_mid_job() -> None:
+    """Job 1 of the cross-job test: rank 0 pushes 'x' and dies; rank 1 dies without pushing."""
+    import os
+    import signal
+
+    if bps.rank() == 0:
+        bps.push_pull_async(np.full(4, 1000.0, np.float32), "x", average=False)
+        time.sleep(0.5)
+    else:
+        time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def clean_job(steps: int) -> list[float]:
+    """Job 2: x = 10 * step + rank, so every step's sum is known."""
+    rank = bps.rank()
+    return [float(bps.push_pull(np.full(4, 10.0 * s + rank, np.float32), "x", average=False)[0])
+            for s in range(steps)]

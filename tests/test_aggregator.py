@@ -153,3 +153,15 @@ async def test_empty_partition_completes():
     agg, rec = Aggregator(2), Recorder()
     await _feed(agg, rec, [_push(w, np.zeros(0, np.float32), shape=[0, 3]) for w in range(2)])
     assert rec.results[0].size == 0 and rec.failures == {}
+
+
+async def test_reset_fails_pending_rounds_and_clears_state_once_every_worker_reset():
+    agg, rec = Aggregator(2, lost_grace_s=10), Recorder()
+    await _feed(agg, rec, [_push(0, np.ones(2, np.float32), name="x", rnd=7)])
+    assert agg.worker_reset(1) == 1
+    assert "no training processes" in rec.failures.pop(0)
+    assert agg.keys  # worker 0 has not reset: state stays
+    agg.worker_reset(0)
+    assert agg.keys == {}  # both reset: the next job starts from round 0
+    await _feed(agg, rec, [_push(w, np.ones(2, np.float32), name="x", rnd=0) for w in range(2)])
+    assert rec.failures == {} and (rec.results[0] == 2).all()

@@ -34,3 +34,29 @@ def test_kill_9_of_a_worker_daemon_fails_every_process_fast(tmp_path):
         assert "worker daemon" in results[2]["error"], results[2]["error"]
     finally:
         cluster.stop()
+
+
+def test_dead_processes_behind_a_live_worker_daemon_fail_their_peers(tmp_path):
+    """All processes of machine 1 die but its daemon lives (systemd + torchrun): machine 0 must not hang."""
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))
+    try:
+        start = time.time()
+        results = run_ranks(cluster, rp.die_after_one_round, 1, may_die=frozenset({1}), timeout=60)
+        r = results[0]
+        assert r["error"] is not None, "rank 0 never noticed that rank 1 died"
+        assert "worker 1" in r["error"], r["error"]
+        assert r["at"] - start < TIMEOUT_S + 10
+    finally:
+        cluster.stop()
+
+
+def test_a_new_job_starts_clean_after_a_job_died_mid_round(tmp_path):
+    """Job 1 dies with a push half done; job 2 on the same daemons gets exact sums from its first step."""
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))
+    try:
+        run_ranks(cluster, rp.die_mid_job, may_die=frozenset({0, 1}), timeout=30)
+        time.sleep(0.5)  # let both worker daemons notice that their processes are gone
+        results = run_ranks(cluster, rp.clean_job, 3, timeout=60)
+        assert results == [[1.0, 21.0, 41.0]] * 2
+    finally:
+        cluster.stop()
