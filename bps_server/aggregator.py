@@ -171,6 +171,9 @@ class Aggregator:
         """A worker gave up a round: fail it for every worker (now and for late pushes)."""
         key = (name, part)
         st = self.keys.get(key)
+        if st is not None and round_ > st.round and st.contributors and st.failed is None:
+            self._fail_round(key, st, f"tensor {name!r} round {st.round} abandoned: worker {worker} aborted "
+                                      f"round {round_}")
         if st is None or round_ > st.round:
             st = self.keys[key] = KeyState(round=round_)
         if st.round == round_ and st.failed is None:

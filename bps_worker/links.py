@@ -25,7 +25,7 @@ from protocol import PROTOCOL_VERSION
 from protocol.config import ServerSpec
 from protocol.errors import LocalProtocolError, ProtocolError
 from protocol.frames import FrameReader, encode_header
-from protocol.messages import BATCH_HEADER_BUDGET, MAX_BATCH_ITEMS, ROLE_WORKER, Abort, Batch, Challenge, Failure, \
+from protocol.messages import BATCH_HEADER_BUDGET, MAX_BATCH_ITEMS, MAX_MESSAGE_CHARS, ROLE_WORKER, Abort, Batch, Challenge, Failure, \
     Hello, Message, Push, Reset, Result, Stats, StatsRequest, Welcome, auth_digest, batch_header, estimated_header_bytes, \
     parse, split_batch, to_header
 
@@ -125,12 +125,15 @@ class ServerLink:
         for req, item in list(self._inflight.items()):
             if item.future is future:
                 del self._inflight[req]
+                reader = self._proto.reader if self._proto is not None else None
+                if reader is not None and reader.pending_destination is item.dest:
+                    reader.discard_pending_payload()  # its result is arriving right now: not into dest
         if not future.done():
             future.cancel()
 
     def abort(self, name: str, part: int, round_: int, message: str) -> None:
         """Tell the server that this worker gave up a round (sent once connected, if need be)."""
-        self._send_control(Abort(name, part, round_, self.worker_id, message[:4096]))
+        self._send_control(Abort(name, part, round_, self.worker_id, message[:MAX_MESSAGE_CHARS]))
 
     def reset(self) -> None:
         """Tell the server that this worker has no training processes left (see Reset)."""

@@ -154,6 +154,18 @@ class FrameReader:
         return frames
 
     @property
+    def pending_destination(self) -> memoryview | None:
+        """Where the rest of the frame now being received will go (None between payloads)."""
+        return self._dest
+
+    def discard_pending_payload(self) -> None:
+        """Receive the rest of the current payload into scratch space, not its destination.
+
+        For a receiver that gave up on the frame (its destination is being reused)."""
+        if self._dest is not None:
+            self._dest = memoryview(bytearray(len(self._dest)))
+
+    @property
     def payload_pending(self) -> bool:
         """True while part of a frame has been received but not all of it."""
         return self._header is not None or self._start != self._end

@@ -28,6 +28,7 @@ from .errors import ProtocolError
 
 MAX_NAME_CHARS: Final = 1024
 MAX_DIMS: Final = 32
+MAX_MESSAGE_CHARS: Final = 4096
 
 ROLE_WORKER: Final = "worker"
 ROLE_CLIENT: Final = "client"
@@ -158,6 +159,11 @@ class Abort(Message):
     round: int
     worker: int
     message: str
+
+    def validate(self) -> None:
+        _check_name(self.name)
+        if len(self.message) > MAX_MESSAGE_CHARS:
+            raise ProtocolError(f"abort message of {len(self.message)} characters; at most {MAX_MESSAGE_CHARS}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -165,3 +165,10 @@ async def test_reset_fails_pending_rounds_and_clears_state_once_every_worker_res
     assert agg.keys == {}  # both reset: the next job starts from round 0
     await _feed(agg, rec, [_push(w, np.ones(2, np.float32), name="x", rnd=0) for w in range(2)])
     assert rec.failures == {} and (rec.results[0] == 2).all()
+
+
+async def test_abort_of_a_later_round_fails_the_waiting_one():
+    agg, rec = Aggregator(2), Recorder()
+    await _feed(agg, rec, [_push(0, np.ones(2, np.float32), rnd=3)])
+    agg.abort("t", 0, 4, worker=1, message="gave up")
+    assert "abandoned" in rec.failures[0]

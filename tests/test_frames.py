@@ -471,3 +471,17 @@ def test_random_bytes_only_ever_raise_protocol_error():
     # the generator really exercised both outcomes
     assert raised > 1000
     assert completed > 100
+
+
+def test_discarding_a_pending_payload_spares_its_destination():
+    dest = bytearray(64 * 1024)
+    reader = FrameReader(payload_sink=lambda header, n: memoryview(dest))
+    data = encode_header({"t": "result"}, len(dest)) + b"\x07" * len(dest)
+    half = len(data) // 2
+    reader.receive_data(data[:half])
+    assert reader.pending_destination is not None
+    reader.discard_pending_payload()
+    frames = reader.receive_data(data[half:])
+    assert len(frames) == 1 and frames[0].payload.nbytes == len(dest)  # the stream stays in step
+    assert dest[: len(dest) // 3] == b"\x07" * (len(dest) // 3)  # what came before stayed
+    assert dest[-(len(dest) // 3):] == bytes(len(dest) // 3)  # the rest never reached it
