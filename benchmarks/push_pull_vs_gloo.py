@@ -29,7 +29,6 @@ import platform
 import shlex
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -219,34 +218,10 @@ def machine() -> dict[str, str]:
 
 
 def run_ranks(cluster: Any, command: list[str], timeout: float) -> int:
-    """Like bps_worker.launch.run_training, but with a deadline."""
-    from bps_worker.launch import Child
+    """One rank process per training process, with a deadline (bps_worker.launch.run_training)."""
+    from bps_worker.launch import run_training
 
-    procs: list[Child] = []
-    for w in cluster.config.worker_specs:
-        for local in range(w.local_size):
-            env = cluster.env_for(w.id, local)
-            env.setdefault("OMP_NUM_THREADS", "1")
-            procs.append(Child(f"rank {env['BPS_RANK']}", subprocess.Popen(command, env=env), daemon=False))
-    cluster.children.extend(procs)
-    deadline = time.monotonic() + timeout
-    while True:
-        codes = [c.proc.poll() for c in procs]
-        failed = [(c, code) for c, code in zip(procs, codes) if code not in (None, 0)]
-        if failed:
-            child, code = failed[0]
-            print(f"push_pull_vs_gloo: {child.label} exited with status {code}", file=sys.stderr)
-            return 1
-        if all(code == 0 for code in codes):
-            return 0
-        dead = cluster.dead_daemon()
-        if dead is not None:
-            print(f"push_pull_vs_gloo: {dead.label} exited with status {dead.proc.returncode}", file=sys.stderr)
-            return 1
-        if time.monotonic() > deadline:
-            print(f"push_pull_vs_gloo: ranks did not finish within {timeout:g} s", file=sys.stderr)
-            return 1
-        time.sleep(0.05)
+    return run_training(cluster, command, timeout=timeout, env_defaults={"OMP_NUM_THREADS": "1"}, prog="push_pull_vs_gloo")
 
 
 def summarize(rows: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
@@ -360,7 +335,6 @@ def main(argv: list[str] | None = None) -> int:
             print("push_pull_vs_gloo: the rank programs failed", file=sys.stderr)
             return code or 1
         data = json.loads(result_file.read_text())
-        config_text = config.read_text()
     if args.json:
         Path(args.json).write_text(json.dumps({"date": started.isoformat(timespec="seconds"), "command": command_line,
                                                "machine": info, "ranks": n, "rows": data["rows"]}, indent=1) + "\n")

@@ -62,7 +62,6 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -325,34 +324,10 @@ def rank_program(args: argparse.Namespace) -> int:
 # driver
 # --------------------------------------------------------------------------------------------------------------
 def run_ranks(cluster: Any, command: list[str], timeout: float) -> int:
-    """Like bps_worker.launch.run_training, with a deadline."""
-    from bps_worker.launch import Child
+    """One rank process per training process, with a deadline (bps_worker.launch.run_training)."""
+    from bps_worker.launch import run_training
 
-    procs: list[Child] = []
-    for w in cluster.config.worker_specs:
-        for local in range(w.local_size):
-            env = cluster.env_for(w.id, local)
-            env.setdefault("OMP_NUM_THREADS", "1")
-            procs.append(Child(f"rank {env['BPS_RANK']}", subprocess.Popen(command, env=env), daemon=False))
-    cluster.children.extend(procs)
-    deadline = time.monotonic() + timeout
-    while True:
-        codes = [c.proc.poll() for c in procs]
-        failed = [(c, code) for c, code in zip(procs, codes) if code not in (None, 0)]
-        if failed:
-            child, code = failed[0]
-            print(f"{PROG}: {child.label} exited with status {code}", file=sys.stderr)
-            return 1
-        if all(code == 0 for code in codes):
-            return 0
-        dead = cluster.dead_daemon()
-        if dead is not None:
-            print(f"{PROG}: {dead.label} exited with status {dead.proc.returncode}", file=sys.stderr)
-            return 1
-        if time.monotonic() > deadline:
-            print(f"{PROG}: ranks did not finish within {timeout:g} s", file=sys.stderr)
-            return 1
-        time.sleep(0.05)
+    return run_training(cluster, command, timeout=timeout, env_defaults={"OMP_NUM_THREADS": "1"}, prog=PROG)
 
 
 def _stats(values: list[float]) -> tuple[float, float, float]:

@@ -148,26 +148,37 @@ class Cluster:
         self._tmp.cleanup()
 
 
-def run_training(cluster: Cluster, command: Sequence[str]) -> int:
-    """Start ``command`` once per training process; return the first non-zero status, else 0."""
+def run_training(cluster: Cluster, command: Sequence[str], *, timeout: float | None = None,
+                 env_defaults: dict[str, str] | None = None, prog: str = "bps-launch") -> int:
+    """Start ``command`` once per training process; return the first non-zero status, else 0.
+
+    A daemon that dies, or ranks still running after ``timeout`` seconds, make it return 1.
+    ``env_defaults`` are set in each rank's environment unless already there.
+    """
     procs: list[Child] = []
     for w in cluster.config.worker_specs:
         for local in range(w.local_size):
             env = cluster.env_for(w.id, local)
+            for key, value in (env_defaults or {}).items():
+                env.setdefault(key, value)
             procs.append(Child(f"rank {env['BPS_RANK']}", subprocess.Popen(list(command), env=env), daemon=False))
     cluster.children.extend(procs)
+    deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         codes = [c.proc.poll() for c in procs]
         failed = [(c, code) for c, code in zip(procs, codes) if code not in (None, 0)]
         if failed:
             child, code = failed[0]
-            print(f"bps-launch: {child.label} exited with status {code}; stopping the cluster", file=sys.stderr)
+            print(f"{prog}: {child.label} exited with status {code}; stopping the cluster", file=sys.stderr)
             return code if isinstance(code, int) and code > 0 else 1
         if all(code == 0 for code in codes):
             return 0
         dead = cluster.dead_daemon()
         if dead is not None:
-            print(f"bps-launch: {dead.label} exited with status {dead.proc.returncode}; stopping", file=sys.stderr)
+            print(f"{prog}: {dead.label} exited with status {dead.proc.returncode}; stopping", file=sys.stderr)
+            return 1
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"{prog}: ranks did not finish within {timeout:g} s; stopping", file=sys.stderr)
             return 1
         time.sleep(0.05)
 
