@@ -150,3 +150,28 @@ def test_launcher_stops_everything_when_a_rank_fails(tmp_path):
     assert "rank 1 exited with status 3" in result.stderr
     assert time.monotonic() - start < 30
     assert not os.path.exists(tmp_path / "w0.sock")
+
+
+def test_ctrl_c_stops_the_whole_cluster(tmp_path):
+    config = write_config(tmp_path, [2], cpu_servers=1)
+    script = tmp_path / "sleep.py"
+    script.write_text("import bps_worker.client as bps, time\nbps.init()\nprint('up', flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([PY, "-m", "bps_worker.launch", "--config", str(config), "--", PY, str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"  # the cluster is up and a rank connected
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        assert proc.wait(timeout=30) == 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not os.path.exists(tmp_path / "w0.sock")
+    leftovers = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read().decode(errors="replace")
+        except OSError:
+            continue
+        if str(config) in cmdline:
+            leftovers.append(entry)
+    assert leftovers == [], "daemons left running"
