@@ -28,6 +28,7 @@ from protocol.messages import (
     Challenge,
     Failure,
     Message,
+    Ping,
     Push,
     Reset,
     Result,
@@ -89,6 +90,7 @@ class ServerConnection(asyncio.BufferedProtocol):
     # -- asyncio.BufferedProtocol ----------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.last_seen = asyncio.get_running_loop().time()
         self.peer = str(transport.get_extra_info("peername"))
         self.server.connections.add(self)
         self.send(Challenge(self.nonce, PROTOCOL_VERSION))
@@ -97,6 +99,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         return self.reader.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.last_seen = asyncio.get_running_loop().time()
         try:
             for frame in self.reader.buffer_updated(nbytes):
                 message = parse(frame.header)
@@ -149,6 +152,8 @@ class ServerConnection(asyncio.BufferedProtocol):
             self.server.spawn(self.server.aggregator.push(message, data, self.reply, self.fail))
         elif isinstance(message, Abort):
             self.server.aggregator.abort(message.name, message.part, message.round, self.worker, message.message)
+        elif isinstance(message, Ping):
+            self.send(Ping(message.seq))
         elif isinstance(message, Reset):
             if message.worker != self.worker:
                 raise ProtocolError(f"worker {self.worker} sent a reset for worker {message.worker}")
@@ -260,6 +265,7 @@ class SummationServer:
         self.tasks: set[asyncio.Task[Any]] = set()
         self.stopping = False
         self._server: asyncio.AbstractServer | None = None
+        self._silence_watch: asyncio.Future[None] | None = None
 
     async def start(self) -> tuple[str, int]:
         """Listen; returns the bound (host, port)."""
@@ -269,7 +275,24 @@ class SummationServer:
         sockname = self._server.sockets[0].getsockname()
         log.info("summation service %d listening on %s:%d (%d workers)", self.config.server_id,
                  sockname[0], sockname[1], self.config.cluster.workers)
+        self._silence_watch = asyncio.ensure_future(self._watch_silence())
         return sockname[0], sockname[1]
+
+    async def _watch_silence(self) -> None:
+        """Drop a worker that has sent nothing (not even a ping) for ``cluster.timeout``: it died or
+        stalled without closing its connection, and the rounds waiting for it must fail, not hang."""
+        timeout = self.config.cluster.timeout
+        loop = asyncio.get_running_loop()
+        while not self.stopping:
+            await asyncio.sleep(timeout / 4)
+            now = loop.time()
+            for conn in list(self.links.values()):
+                if now - conn.last_seen > timeout and not conn.closed:
+                    log.warning("worker %s sent nothing for %.1f s (limit %g s): dropping it", conn.worker,
+                                now - conn.last_seen, timeout)
+                    if conn.transport is not None:
+                        conn.transport.abort()  # close() would wait to flush to a peer that reads nothing
+                    conn.connection_lost(None)
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -291,6 +314,8 @@ class SummationServer:
     async def stop(self) -> None:
         """Stop accepting, let in-flight sums finish briefly, close every connection."""
         self.stopping = True
+        if self._silence_watch is not None:
+            self._silence_watch.cancel()
         if self._server is not None:
             self._server.close()
         if self.tasks:

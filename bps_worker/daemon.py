@@ -295,6 +295,7 @@ class WorkerDaemon:
         self.staging: dict[str, np.ndarray] = {}
         self.tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.AbstractServer | None = None
+        self._heartbeat: asyncio.Future[None] | None = None
         self.stopping = False
 
     # -- lifecycle -------------------------------------------------------------------
@@ -308,11 +309,22 @@ class WorkerDaemon:
         finally:
             os.umask(old_umask)
         os.chmod(path, self.config.socket_mode)
+        self._heartbeat = asyncio.ensure_future(self._heartbeats())
         log.info("worker %d serving %d local processes on %s (%d workers, %d servers)", self.worker_id,
                  self.config.local_size, path, self.config.cluster.workers, len(self.links))
 
+    async def _heartbeats(self) -> None:
+        """Keep every server link provably alive, both ways (see ServerLink.heartbeat)."""
+        loop = asyncio.get_running_loop()
+        while not self.stopping:
+            await asyncio.sleep(self.config.cluster.timeout / 4)
+            for link in self.links.values():
+                link.heartbeat(loop.time())
+
     async def stop(self) -> None:
         self.stopping = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         if self._server is not None:
             self._server.close()
         if self.tasks:

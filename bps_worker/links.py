@@ -26,7 +26,7 @@ from protocol.config import ServerSpec
 from protocol.errors import LocalProtocolError, ProtocolError
 from protocol.frames import FrameReader, encode_header
 from protocol.messages import BATCH_HEADER_BUDGET, MAX_BATCH_ITEMS, MAX_MESSAGE_CHARS, ROLE_WORKER, Abort, Batch, Challenge, Failure, \
-    Hello, Message, Push, Reset, Result, Stats, StatsRequest, Welcome, auth_digest, batch_header, estimated_header_bytes, \
+    Hello, Message, Ping, Push, Reset, Result, Stats, StatsRequest, Welcome, auth_digest, batch_header, estimated_header_bytes, \
     parse, split_batch, to_header
 
 from .errors import BPSConnectionError, BPSError, BPSMismatchError
@@ -62,6 +62,7 @@ class _LinkProtocol(asyncio.BufferedProtocol):
         return self.reader.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.link.last_seen = asyncio.get_running_loop().time()
         try:
             for frame in self.reader.buffer_updated(nbytes):
                 self.link.on_message(self, parse(frame.header), frame.payload)
@@ -94,6 +95,8 @@ class ServerLink:
         self.paused = False
         self._proto: _LinkProtocol | None = None
         self._ready = False  # handshake complete: pushes may flow
+        self.last_seen = 0.0  # loop time of the last bytes from the server
+        self._pings = itertools.count()
         self._connecting: asyncio.Task[None] | None = None
         self._welcome: asyncio.Future[None] | None = None
         self._challenge: asyncio.Future[str] | None = None
@@ -134,6 +137,20 @@ class ServerLink:
     def abort(self, name: str, part: int, round_: int, message: str) -> None:
         """Tell the server that this worker gave up a round (sent once connected, if need be)."""
         self._send_control(Abort(name, part, round_, self.worker_id, message[:MAX_MESSAGE_CHARS]))
+
+    def heartbeat(self, now: float) -> None:
+        """Ping the server; drop a connection that has been silent for longer than the timeout
+        (a dead or stalled server that never closed it) so that what waits on it fails."""
+        proto = self._proto
+        if proto is None or not self._ready:
+            return
+        if now - self.last_seen > self.timeout:
+            if proto.transport is not None:
+                proto.transport.abort()
+            self.on_broken(proto, f"server {self.spec.id} at {self.spec.address} sent nothing for "
+                                  f"{now - self.last_seen:.1f} s (limit {self.timeout:g} s)")
+            return
+        self._send(proto, Ping(next(self._pings)))
 
     def reset(self) -> None:
         """Tell the server that this worker has no training processes left (see Reset)."""
@@ -248,6 +265,8 @@ class ServerLink:
             for item, item_payload in split_batch(message, payload):
                 self.on_message(proto, item, item_payload)
             return
+        if isinstance(message, Ping):
+            return  # the server's answer to our heartbeat: last_seen is already updated
         if isinstance(message, Challenge):
             if self._challenge is not None and not self._challenge.done():
                 self._challenge.set_result(message.nonce)
@@ -339,6 +358,7 @@ class ServerLink:
                     raise ConnectionError("connection closed during the handshake")
                 log.info("connected to server %d at %s", self.spec.id, self.spec.address)
                 self._ready = True
+                self.last_seen = loop.time()
                 control, self._control = self._control, []
                 for message in control:
                     self._send(proto, message)

@@ -175,6 +175,14 @@ class Reset(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Ping(Message):
+    """Liveness, both ways between a worker and a server: a silent peer is a dead (or stalled) one."""
+
+    TYPE: ClassVar[str] = "ping"
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
 class StatsRequest(Message):
     TYPE: ClassVar[str] = "stats_request"
     req: int
@@ -277,7 +285,7 @@ class Batch(Message):
 
 MESSAGES: Final[dict[str, type[Message]]] = {
     cls.TYPE: cls
-    for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, StatsRequest, Stats, Alloc,
+    for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, Ping, StatsRequest, Stats, Alloc,
                 Allocated, Op, Done, Batch)
 }
 

@@ -60,3 +60,28 @@ def test_a_new_job_starts_clean_after_a_job_died_mid_round(tmp_path):
         assert results == [[1.0, 21.0, 41.0]] * 2
     finally:
         cluster.stop()
+
+
+def test_a_stalled_worker_daemon_fails_its_peers_within_the_timeout(tmp_path):
+    """SIGSTOP (a hung machine that keeps its TCP connections open): heartbeats notice, nothing hangs."""
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))
+    victim = next(c for c in cluster.children if c.label == "worker-1")
+    stopped_at: list[float] = []
+
+    def stall() -> None:
+        time.sleep(2.5)
+        stopped_at.append(time.time())
+        victim.proc.send_signal(signal.SIGSTOP)
+        time.sleep(TIMEOUT_S + 8)
+        victim.proc.send_signal(signal.SIGCONT)
+
+    try:
+        threading.Thread(target=stall, daemon=True).start()
+        results = run_ranks(cluster, rp.push_until_error, 30.0, timeout=60)
+        r = results[0]
+        assert r["error"] is not None and r["rounds"] > 0, r
+        assert r["at"] - stopped_at[0] < TIMEOUT_S * 2 + 3, (r["at"] - stopped_at[0], r["error"])
+        assert "worker 1" in r["error"], r["error"]
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+        cluster.stop()

@@ -22,6 +22,7 @@ SAMPLES: dict[str, m.Message] = {
     "result": m.Result(req=5, name="layer1.weight", part=2, round=9),
     "abort": m.Abort(name="emb", part=0, round=3, worker=1, message="worker shutting down"),
     "reset": m.Reset(worker=1),
+    "ping": m.Ping(seq=12),
     "stats_request": m.StatsRequest(req=77),
     "stats": m.Stats(req=77, stats={"bytes_in": 123, "rounds": {"emb": 3}, "ratio": 0.5}),
     "alloc": m.Alloc(req=1, name="grad/fc", nbytes=1 << 20),
