@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Callable, Final
@@ -113,7 +112,6 @@ class Aggregator:
         self._gone: dict[int, object] = {}  # worker -> token of its latest disconnection or reset
         self._reset: set[int] = set()  # workers without training processes since their last push
         self.counters = Counters()
-        self.started = time.monotonic()
 
     # -- events ----------------------------------------------------------------------
     async def push(self, push: Push, payload: np.ndarray, reply: ReplyFn, fail: FailFn) -> None:

@@ -26,7 +26,7 @@ from protocol.config import ServerSpec
 from protocol.errors import LocalProtocolError, ProtocolError
 from protocol.frames import FrameReader, encode_header
 from protocol.messages import BATCH_HEADER_BUDGET, MAX_BATCH_ITEMS, MAX_MESSAGE_CHARS, ROLE_WORKER, Abort, Batch, Challenge, Failure, \
-    Hello, Message, Ping, Push, Reset, Result, Stats, StatsRequest, Welcome, auth_digest, batch_header, estimated_header_bytes, \
+    Hello, Message, Ping, Push, Reset, Result, Welcome, auth_digest, batch_header, estimated_header_bytes, \
     parse, split_batch, to_header
 
 from .errors import BPSConnectionError, BPSError, BPSMismatchError
@@ -104,7 +104,6 @@ class ServerLink:
         self._seq = itertools.count()
         self._req = itertools.count(1)
         self._inflight: dict[int, _Queued] = {}
-        self._requests: dict[int, asyncio.Future[Any]] = {}
         self._control: list[Message] = []  # aborts and resets waiting for a connection
         self.closed = False
 
@@ -162,23 +161,6 @@ class ServerLink:
         else:
             self._control.append(message)
             self._ensure_connecting()
-
-    async def stats(self) -> dict[str, Any]:
-        await self.connected()
-        assert self._proto is not None
-        req = next(self._req)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._requests[req] = fut
-        self._send(self._proto, StatsRequest(req))
-        return await asyncio.wait_for(fut, self.timeout)
-
-    async def connected(self) -> None:
-        if self._proto is None:
-            self._ensure_connecting()
-            assert self._connecting is not None
-            await asyncio.shield(self._connecting)
-        if self._proto is None:
-            raise BPSConnectionError(f"server {self.spec.id} at {self.spec.address} is not reachable")
 
     def close(self) -> None:
         self.closed = True
@@ -295,11 +277,6 @@ class ServerLink:
                 cls = BPSMismatchError if "mismatch" in message.message else BPSError
                 item.future.set_exception(cls(f"server {self.spec.id}: {message.message}"))
             return
-        if isinstance(message, Stats):
-            fut = self._requests.pop(message.req, None)
-            if fut is not None and not fut.done():
-                fut.set_result(message.stats)
-            return
         raise ProtocolError(f"unexpected {message.TYPE} message from server {self.spec.id}")
 
     def on_broken(self, proto: _LinkProtocol, reason: str) -> None:
@@ -324,10 +301,6 @@ class ServerLink:
         for item in items:
             if not item.future.done():
                 item.future.set_exception(exc)
-        for fut in self._requests.values():
-            if not fut.done():
-                fut.set_exception(exc)
-        self._requests.clear()
 
     # -- connecting ------------------------------------------------------------------
     def _ensure_connecting(self) -> None:
