@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Callable, Final
@@ -32,6 +33,7 @@ from protocol import dtypes
 from protocol.messages import Push
 
 from . import kernels
+from .metrics import Histogram
 
 log = logging.getLogger("bps.server.aggregator")
 
@@ -60,6 +62,7 @@ class KeyState:
     contributors: dict[int, Contributor] = field(default_factory=dict)
     failed: str | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    opened: float = field(default_factory=time.monotonic)  # when the round's first push arrived
 
 
 def describe(push: Push) -> str:
@@ -86,6 +89,7 @@ class Counters:
     rounds_completed: int = 0
     rounds_failed: int = 0
     bytes_by_worker: dict[int, int] = field(default_factory=dict)
+    round_seconds: Histogram = field(default_factory=Histogram)  # first push to sum sent
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -266,6 +270,7 @@ class Aggregator:
         # The next round starts from a fresh state; `out` stays alive as long as transports need it.
         self.keys[key] = KeyState(round=st.round + 1)
         self.counters.rounds_completed += 1
+        self.counters.round_seconds.observe(time.monotonic() - st.opened)
         for contributor in st.contributors.values():
             self.counters.bytes_sent += out.nbytes
             contributor.reply(contributor.push, out)

@@ -45,7 +45,7 @@ from protocol.messages import (
     to_header,
 )
 
-from . import kernels
+from . import kernels, metrics
 from .aggregator import Aggregator
 
 log = logging.getLogger("bps.server")
@@ -266,6 +266,7 @@ class SummationServer:
         self.stopping = False
         self._server: asyncio.AbstractServer | None = None
         self._silence_watch: asyncio.Future[None] | None = None
+        self._metrics: asyncio.AbstractServer | None = None
 
     async def start(self) -> tuple[str, int]:
         """Listen; returns the bound (host, port)."""
@@ -276,7 +277,32 @@ class SummationServer:
         log.info("summation service %d listening on %s:%d (%d workers)", self.config.server_id,
                  sockname[0], sockname[1], self.config.cluster.workers)
         self._silence_watch = asyncio.ensure_future(self._watch_silence())
+        spec = self.config.cluster.server(self.config.server_id)
+        if spec.metrics is not None:
+            self._metrics = await metrics.serve(*spec.metrics, self.metric_families)
         return sockname[0], sockname[1]
+
+    def metric_families(self) -> list[metrics.Family]:
+        c = self.aggregator.counters
+        label = {"server": str(self.config.server_id)}
+        per_worker = tuple(({**label, "worker": str(w)}, float(n)) for w, n in sorted(c.bytes_by_worker.items()))
+        return [
+            metrics.Family("bps_server_bytes_received_total", "counter", "Tensor bytes received in pushes",
+                           per_worker or ((label, 0.0),)),
+            metrics.Family("bps_server_bytes_sent_total", "counter", "Tensor bytes sent in results",
+                           ((label, float(c.bytes_sent)),)),
+            metrics.Family("bps_server_pushes_total", "counter", "Pushes received", ((label, float(c.pushes)),)),
+            metrics.Family("bps_server_rounds_completed_total", "counter", "Rounds summed and answered",
+                           ((label, float(c.rounds_completed)),)),
+            metrics.Family("bps_server_rounds_failed_total", "counter", "Rounds failed (mismatch, abort, lost worker)",
+                           ((label, float(c.rounds_failed)),)),
+            metrics.Family("bps_server_workers_connected", "gauge", "Worker connections",
+                           ((label, float(len(self.links))),)),
+            metrics.Family("bps_server_keys", "gauge", "Partition keys with state",
+                           ((label, float(len(self.aggregator.keys))),)),
+            metrics.Family("bps_server_round_seconds", "histogram", "From a round's first push to its sum being sent",
+                           ((label, c.round_seconds),)),
+        ]
 
     async def _watch_silence(self) -> None:
         """Drop a worker that has sent nothing (not even a ping) for ``cluster.timeout``: it died or
@@ -316,6 +342,8 @@ class SummationServer:
         self.stopping = True
         if self._silence_watch is not None:
             self._silence_watch.cancel()
+        if self._metrics is not None:
+            self._metrics.close()
         if self._server is not None:
             self._server.close()
         if self.tasks:

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from math import prod
@@ -27,7 +28,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from bps_server import kernels
+from bps_server import kernels, metrics
 from protocol import PROTOCOL_VERSION, dtypes
 from protocol.config import ClusterConfig
 from protocol.errors import ProtocolError
@@ -61,6 +62,17 @@ CLIENT_MAX_HEADER_BYTES: Final = 16 * 1024
 SLAB_BYTES: Final = 4 << 20
 SLAB_ITEM_MAX_BYTES: Final = 64 << 10
 SLOT_ALIGN: Final = 64
+
+
+@dataclass
+class WorkerCounters:
+    """What the worker exposes as metrics."""
+
+    ops: int = 0  # local rounds completed
+    ops_failed: int = 0
+    bytes_pushed: int = 0
+    bytes_pulled: int = 0
+    op_seconds: metrics.Histogram = field(default_factory=metrics.Histogram)  # all processes in -> all done
 
 
 @dataclass(frozen=True)
@@ -296,6 +308,8 @@ class WorkerDaemon:
         self.tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.AbstractServer | None = None
         self._heartbeat: asyncio.Future[None] | None = None
+        self._metrics: asyncio.AbstractServer | None = None
+        self.counters = WorkerCounters()
         self.stopping = False
 
     # -- lifecycle -------------------------------------------------------------------
@@ -310,8 +324,33 @@ class WorkerDaemon:
             os.umask(old_umask)
         os.chmod(path, self.config.socket_mode)
         self._heartbeat = asyncio.ensure_future(self._heartbeats())
+        spec = self.config.cluster.worker(self.worker_id)
+        if spec.metrics is not None:
+            self._metrics = await metrics.serve(*spec.metrics, self.metric_families)
         log.info("worker %d serving %d local processes on %s (%d workers, %d servers)", self.worker_id,
                  self.config.local_size, path, self.config.cluster.workers, len(self.links))
+
+    def metric_families(self) -> list[metrics.Family]:
+        c = self.counters
+        label = {"worker": str(self.worker_id)}
+        queued = sum(link.queued_bytes() for link in self.links.values())
+        return [
+            metrics.Family("bps_worker_ops_total", "counter", "Collective operations completed (one per local round)",
+                           ((label, float(c.ops)),)),
+            metrics.Family("bps_worker_ops_failed_total", "counter", "Collective operations that failed",
+                           ((label, float(c.ops_failed)),)),
+            metrics.Family("bps_worker_bytes_pushed_total", "counter", "Tensor bytes pushed to servers",
+                           ((label, float(c.bytes_pushed)),)),
+            metrics.Family("bps_worker_bytes_pulled_total", "counter", "Tensor bytes of sums pulled from servers",
+                           ((label, float(c.bytes_pulled)),)),
+            metrics.Family("bps_worker_processes_connected", "gauge", "Training processes connected",
+                           ((label, float(len(self.sessions))),)),
+            metrics.Family("bps_worker_send_backlog_bytes", "gauge",
+                           "Bytes queued or buffered towards servers (bounded by the credit)",
+                           ((label, float(queued)),)),
+            metrics.Family("bps_worker_op_seconds", "histogram",
+                           "From the last local process's request to the result handed back", ((label, c.op_seconds),)),
+        ]
 
     async def _heartbeats(self) -> None:
         """Keep every server link provably alive, both ways (see ServerLink.heartbeat)."""
@@ -325,6 +364,8 @@ class WorkerDaemon:
         self.stopping = True
         if self._heartbeat is not None:
             self._heartbeat.cancel()
+        if self._metrics is not None:
+            self._metrics.close()
         if self._server is not None:
             self._server.close()
         if self.tasks:
@@ -474,6 +515,7 @@ class WorkerDaemon:
         nbytes = count * itemsize
         members = [lr.members[r] for r in sorted(lr.members)]
         cluster = self.config.cluster
+        started = time.monotonic()
         try:
             storage = kernels.STORAGE[op.dtype]
             views = [np.frombuffer(s.segments[o.segment].buf, dtype=storage, count=count, offset=o.offset)
@@ -493,17 +535,23 @@ class WorkerDaemon:
                 fields = dict(name=name, part=piece.part, round=lr.round, dtype=op.dtype, shape=list(op.shape),
                               offset=piece.offset, count=piece.count, divisor=divisor, kind=op.kind)
                 futures.append((piece, self.links[piece.server].push(fields, raw[lo:hi], raw[lo:hi], priority)))
+            self.counters.bytes_pushed += nbytes
             error = await self._wait_pieces(name, lr.round, futures)
             if error is not None:
+                self.counters.ops_failed += 1
                 code = "mismatch" if "mismatch" in error else "error"
                 for session, o in members:
                     session.send(Failure(o.req, error, code=code))
                 return
+            self.counters.bytes_pulled += nbytes
             if not direct:
                 await self._hand_back(buf, views)
             for session, o in members:
                 session.send(Done(o.req))
+            self.counters.ops += 1
+            self.counters.op_seconds.observe(time.monotonic() - started)
         except Exception as exc:  # never leave the processes hanging
+            self.counters.ops_failed += 1
             log.exception("round %d of %r failed", lr.round, name)
             for session, o in members:
                 session.send(Failure(o.req, f"tensor {name!r}: internal error in the worker: {exc!r}"))

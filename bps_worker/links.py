@@ -25,9 +25,29 @@ from protocol import PROTOCOL_VERSION
 from protocol.config import ServerSpec
 from protocol.errors import LocalProtocolError, ProtocolError
 from protocol.frames import FrameReader, encode_header
-from protocol.messages import BATCH_HEADER_BUDGET, MAX_BATCH_ITEMS, MAX_MESSAGE_CHARS, ROLE_WORKER, Abort, Batch, Challenge, Failure, \
-    Hello, Message, Ping, Push, Reset, Result, Welcome, auth_digest, batch_header, estimated_header_bytes, \
-    parse, split_batch, to_header
+from protocol.messages import (
+    BATCH_HEADER_BUDGET,
+    MAX_BATCH_ITEMS,
+    MAX_MESSAGE_CHARS,
+    ROLE_WORKER,
+    Abort,
+    Batch,
+    Challenge,
+    Failure,
+    Hello,
+    Message,
+    Ping,
+    Push,
+    Reset,
+    Result,
+    Welcome,
+    auth_digest,
+    batch_header,
+    estimated_header_bytes,
+    parse,
+    split_batch,
+    to_header,
+)
 
 from .errors import BPSConnectionError, BPSError, BPSMismatchError
 
@@ -136,6 +156,13 @@ class ServerLink:
     def abort(self, name: str, part: int, round_: int, message: str) -> None:
         """Tell the server that this worker gave up a round (sent once connected, if need be)."""
         self._send_control(Abort(name, part, round_, self.worker_id, message[:MAX_MESSAGE_CHARS]))
+
+    def queued_bytes(self) -> int:
+        """Payload bytes waiting in the priority queue plus bytes in the transport's write buffer."""
+        buffered = 0
+        if self._proto is not None and self._proto.transport is not None:
+            buffered = self._proto.transport.get_write_buffer_size()
+        return buffered + sum(item.payload.nbytes for item in self._queue)
 
     def heartbeat(self, now: float) -> None:
         """Ping the server; drop a connection that has been silent for longer than the timeout

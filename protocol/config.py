@@ -27,8 +27,8 @@ _CLUSTER_KEYS: Final = {
     "credit_bytes": (int, False),
     "max_payload_bytes": (int, False),
 }
-_SERVER_KEYS: Final = {"id": (int, True), "address": (str, True), "worker": (int, False)}
-_WORKER_KEYS: Final = {"id": (int, True), "local_size": (int, True), "socket": (str, True)}
+_SERVER_KEYS: Final = {"id": (int, True), "address": (str, True), "worker": (int, False), "metrics": (str, False)}
+_WORKER_KEYS: Final = {"id": (int, True), "local_size": (int, True), "socket": (str, True), "metrics": (str, False)}
 _TOP_KEYS: Final = {"cluster", "server", "worker"}
 
 
@@ -40,6 +40,7 @@ class ServerSpec:
     host: str
     port: int
     worker: int | None  # the worker machine it shares a host with; None for a CPU-only machine
+    metrics: tuple[str, int] | None = None  # where it serves Prometheus metrics
 
     @property
     def address(self) -> str:
@@ -53,6 +54,7 @@ class WorkerSpec:
     id: int
     local_size: int
     socket: str
+    metrics: tuple[str, int] | None = None  # where it serves Prometheus metrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +146,8 @@ def parse_config(data: dict[str, Any], source: str = "<memory>") -> ClusterConfi
         _positive(w["local_size"], f"worker[{i}].local_size", source)
         if not w["socket"]:
             raise ConfigError(f"{source}: worker[{i}].socket must not be empty")
-        worker_specs.append(WorkerSpec(w["id"], w["local_size"], w["socket"]))
+        metrics = _parse_address(w["metrics"], f"worker[{i}].metrics", source) if "metrics" in w else None
+        worker_specs.append(WorkerSpec(w["id"], w["local_size"], w["socket"], metrics))
     ids = [w.id for w in worker_specs]
     _no_duplicates(ids, "worker id", source)
     _no_duplicates([w.socket for w in worker_specs], "worker socket", source)
@@ -162,7 +165,8 @@ def parse_config(data: dict[str, Any], source: str = "<memory>") -> ClusterConfi
         link = s.get("worker")
         if link is not None and link not in ids:
             raise ConfigError(f"{source}: server[{i}].worker = {link} names no [[worker]] id (ids: {sorted(ids)})")
-        servers.append(ServerSpec(s["id"], host, port, link))
+        metrics = _parse_address(s["metrics"], f"server[{i}].metrics", source) if "metrics" in s else None
+        servers.append(ServerSpec(s["id"], host, port, link, metrics))
     if not servers:
         raise ConfigError(f"{source}: at least one [[server]] table is required")
     _no_duplicates([s.id for s in servers], "server id", source)
