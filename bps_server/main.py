@@ -24,12 +24,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="summation threads (default: 2)")
     p.add_argument("--bind", default=None, help="bind to this host instead of the one in the cluster file")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-file", default=None, help="log to this file instead of stderr (reopened on SIGHUP)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_file)
     try:
         cluster = load_config(args.config)
         cluster.server(args.id)

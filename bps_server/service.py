@@ -17,9 +17,25 @@ import uvloop
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
-def setup_logging(level: str) -> None:
-    """Log to stderr (journald picks it up under systemd)."""
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=LOG_FORMAT, force=True)
+def setup_logging(level: str, log_file: str | None = None) -> None:
+    """Log to stderr (journald picks it up under systemd), or to ``log_file`` (reopened on SIGHUP)."""
+    handler: logging.Handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler], force=True)
+
+
+def reopen_log_files() -> None:
+    """SIGHUP: close and reopen every log file, so that logrotate can move them away."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler):
+            fresh = logging.FileHandler(handler.baseFilename)
+            fresh.setFormatter(handler.formatter)
+            fresh.setLevel(handler.level)
+            root.addHandler(fresh)
+            root.removeHandler(handler)
+            handler.close()
+    logging.getLogger("bps").info("log files reopened")
 
 
 # glibc mallopt parameters.
@@ -87,7 +103,9 @@ async def serve_until_signalled(start: Callable[[], Awaitable[Any]], stop: Calla
     A failure to listen is the one-line reason on stderr and status 1.
     """
     stopped = asyncio.Event()
-    install_stop_signals(asyncio.get_running_loop(), stopped.set)
+    loop = asyncio.get_running_loop()
+    install_stop_signals(loop, stopped.set)
+    loop.add_signal_handler(signal.SIGHUP, reopen_log_files)
     try:
         await start()
     except OSError as exc:

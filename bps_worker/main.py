@@ -27,12 +27,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="octal permissions of shared-memory segments (default: 600; 660 to share with a group)")
     p.add_argument("--threads", type=int, default=2, help="threads for local sums and copies (default: 2)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-file", default=None, help="log to this file instead of stderr (reopened on SIGHUP)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_file)
     try:
         cluster = load_config(args.config)
         cluster.worker(args.id)

@@ -175,3 +175,27 @@ def test_ctrl_c_stops_the_whole_cluster(tmp_path):
         if str(config) in cmdline:
             leftovers.append(entry)
     assert leftovers == [], "daemons left running"
+
+
+def test_sighup_reopens_the_log_file(tmp_path):
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    log_file = tmp_path / "server.log"
+    notify, path = _notify_socket(tmp_path)
+    proc = subprocess.Popen([PY, "-m", "bps_server", "--config", str(config), "--id", "0", "--log-file", str(log_file)],
+                            env=dict(os.environ, NOTIFY_SOCKET=path))
+    try:
+        assert notify.recv(100) == b"READY=1"
+        os.rename(log_file, tmp_path / "server.log.1")  # what logrotate does
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while not log_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "log files reopened" in log_file.read_text()
+        assert "listening" in (tmp_path / "server.log.1").read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        assert "stopping" in log_file.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        notify.close()
