@@ -180,10 +180,25 @@ class _Connection:
 
     def _read_loop(self) -> None:
         reason = "the worker daemon closed the connection"
+        # The daemon pings every second; silence for `timeout` while something is pending means it
+        # stalled (or its machine did), and the process must get an error, not wait for ever.
+        self.sock.settimeout(self.timeout)
         try:
             while True:
                 buf = self.reader.get_buffer()
-                n = self.sock.recv_into(buf)
+                try:
+                    n = self.sock.recv_into(buf)
+                except _socket.timeout:
+                    with self.state_lock:
+                        waiting = bool(self.handles or self.rpcs)
+                    if waiting:
+                        reason = f"the worker daemon sent nothing for {self.timeout:g} s"
+                        try:
+                            self.sock.shutdown(_socket.SHUT_RDWR)
+                        except OSError:
+                            pass
+                        break
+                    continue
                 if n == 0:
                     break
                 for frame in self.reader.buffer_updated(n):

@@ -42,6 +42,7 @@ from protocol.messages import (
     Failure,
     Message,
     Op,
+    Ping,
     Welcome,
     expect_hello,
     parse,
@@ -62,6 +63,8 @@ CLIENT_MAX_HEADER_BYTES: Final = 16 * 1024
 SLAB_BYTES: Final = 4 << 20
 SLAB_ITEM_MAX_BYTES: Final = 64 << 10
 SLOT_ALIGN: Final = 64
+# The daemon pings its training processes this often, so that they can tell a stalled daemon.
+CLIENT_PING_INTERVAL_S: Final = 1.0
 
 
 @dataclass
@@ -353,12 +356,21 @@ class WorkerDaemon:
         ]
 
     async def _heartbeats(self) -> None:
-        """Keep every server link provably alive, both ways (see ServerLink.heartbeat)."""
+        """Keep every server link provably alive, both ways (see ServerLink.heartbeat), and show the
+        training processes that this daemon is alive (a client gives up after its own timeout of silence)."""
         loop = asyncio.get_running_loop()
+        link_interval = self.config.cluster.timeout / 4
+        next_link_beat = loop.time() + link_interval
+        seq = 0
         while not self.stopping:
-            await asyncio.sleep(self.config.cluster.timeout / 4)
-            for link in self.links.values():
-                link.heartbeat(loop.time())
+            await asyncio.sleep(min(link_interval, CLIENT_PING_INTERVAL_S))
+            seq += 1
+            for session in list(self.sessions.values()):
+                session.send(Ping(seq))
+            if loop.time() >= next_link_beat:
+                next_link_beat = loop.time() + link_interval
+                for link in self.links.values():
+                    link.heartbeat(loop.time())
 
     async def stop(self) -> None:
         self.stopping = True

@@ -92,11 +92,11 @@ def shm_segments(cluster: Cluster | None = None) -> set[str]:
 
 
 def _rank_main(queue: Any, sock: str, local_rank: int, rank: int, target: Callable[..., Any],
-               args: tuple[Any, ...]) -> None:
+               args: tuple[Any, ...], client_timeout: float) -> None:
     import bps_worker.client as bps
 
     try:
-        bps.init(socket=sock, local_rank=local_rank, timeout=20.0)
+        bps.init(socket=sock, local_rank=local_rank, timeout=client_timeout)
         result = target(*args)
         queue.put((rank, "ok", result))
     except BaseException as exc:  # report everything to the test
@@ -107,7 +107,7 @@ def _rank_main(queue: Any, sock: str, local_rank: int, rank: int, target: Callab
 
 def run_ranks(cluster: Cluster, target: Callable[..., Any], *args: Any, timeout: float = 60.0,
               per_rank_args: Callable[[int], tuple[Any, ...]] | None = None,
-              may_die: frozenset[int] = frozenset()) -> list[Any]:
+              may_die: frozenset[int] = frozenset(), client_timeout: float = 20.0) -> list[Any]:
     """Run ``target(*args)`` in one process per rank (after ``init``); return the results in rank order.
 
     Ranks in ``may_die`` are expected to kill themselves; their result is None.
@@ -119,7 +119,8 @@ def run_ranks(cluster: Cluster, target: Callable[..., Any], *args: Any, timeout:
         for local in range(w.local_size):
             rank = cluster.config.rank_offset(w.id) + local
             rank_args = per_rank_args(rank) if per_rank_args else args
-            p = ctx.Process(target=_rank_main, args=(queue, w.socket, local, rank, target, rank_args), daemon=True)
+            p = ctx.Process(target=_rank_main, args=(queue, w.socket, local, rank, target, rank_args, client_timeout),
+                            daemon=True)
             p.start()
             procs.append(p)
     results: dict[int, Any] = {}

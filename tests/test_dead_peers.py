@@ -85,3 +85,28 @@ def test_a_stalled_worker_daemon_fails_its_peers_within_the_timeout(tmp_path):
     finally:
         victim.proc.send_signal(signal.SIGCONT)
         cluster.stop()
+
+
+def test_a_process_whose_own_worker_daemon_stalls_gets_an_error(tmp_path):
+    """The daemon pings its processes every second; a silent one fails their pending operations."""
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))
+    victim = next(c for c in cluster.children if c.label == "worker-0")
+    stopped_at: list[float] = []
+
+    def stall() -> None:
+        time.sleep(2.5)
+        stopped_at.append(time.time())
+        victim.proc.send_signal(signal.SIGSTOP)
+        time.sleep(12)
+        victim.proc.send_signal(signal.SIGCONT)
+
+    try:
+        threading.Thread(target=stall, daemon=True).start()
+        results = run_ranks(cluster, rp.push_until_error, 30.0, timeout=60, client_timeout=4.0)
+        r = results[0]  # rank 0 talks to the stalled daemon
+        assert r["error"] is not None and "sent nothing" in r["error"], r
+        assert r["at"] - stopped_at[0] < 4.0 + 3, r["at"] - stopped_at[0]
+        assert results[1]["error"] is not None  # its peer learns through the server
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+        cluster.stop()
