@@ -382,7 +382,8 @@ def init(socket: str | None = None, local_rank: int | None = None, timeout: floa
 
     ``socket`` defaults to the environment variable ``BPS_SOCKET``; ``local_rank``
     to ``BPS_LOCAL_RANK``, else ``LOCAL_RANK`` (as set by torchrun). ``timeout``
-    bounds the wait for the daemon and for its answers to control requests.
+    bounds the wait for the daemon to appear, for its answers to control requests, and
+    the silence of a daemon (it pings every second) while an operation is pending.
     """
     global _conn
     with _lock:
