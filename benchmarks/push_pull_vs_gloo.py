@@ -272,6 +272,23 @@ def markdown_table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def add_common_arguments(p: argparse.ArgumentParser, *, json_help: str, timeout: float, op_timeout: float) -> None:
+    """The options every benchmark driver shares, and the hidden ones of its rank processes."""
+    p.add_argument("--config", default=None, help="use this cluster file instead of a generated one")
+    p.add_argument("--write-results", action="store_true", help=f"append a dated section to {DEFAULT_RESULTS}")
+    p.add_argument("--output", default=None, help="append the dated section to this markdown file instead "
+                                                  "(implies --write-results)")
+    p.add_argument("--json", default=None, help=json_help)
+    p.add_argument("--timeout", type=float, default=timeout,
+                   help=f"seconds the ranks may take in all (default {timeout:g})")
+    p.add_argument("--log-level", default="warning", help="daemons' log level (default warning)")
+    # internal: what each rank process runs
+    p.add_argument("--rank-program", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--gloo-port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--result-file", help=argparse.SUPPRESS)
+    p.add_argument("--op-timeout", type=float, default=op_timeout, help=argparse.SUPPRESS)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=None, help=f"comma-separated byte counts (default {DEFAULT_SIZES})")
@@ -279,18 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds of each system per size (default 1; "
                                                       "the first also checks correctness)")
     p.add_argument("--quick", action="store_true", help=f"smoke test: sizes {QUICK_SIZES}, 2 reps")
-    p.add_argument("--config", default=None, help="use this cluster file instead of a generated one")
-    p.add_argument("--write-results", action="store_true", help=f"append a dated section to {DEFAULT_RESULTS}")
-    p.add_argument("--output", default=None, help="append the dated section to this markdown file instead "
-                                                  "(implies --write-results)")
-    p.add_argument("--json", default=None, help="also write the raw per-repetition times (max over ranks) here")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds the ranks may take in all (default 1800)")
-    p.add_argument("--log-level", default="warning", help="daemons' log level (default warning)")
-    # internal: what each rank process runs
-    p.add_argument("--rank-program", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--gloo-port", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--result-file", help=argparse.SUPPRESS)
-    p.add_argument("--op-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
+    add_common_arguments(p, json_help="also write the raw per-repetition times (max over ranks) here",
+                         timeout=1800.0, op_timeout=600.0)
     args = p.parse_args(argv)
     args.sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
     args.reps = args.reps if args.reps is not None else (2 if args.quick else 5)
