@@ -133,12 +133,10 @@ def pattern(n: int, rank: int, salt: int):  # -> np.ndarray
     return x
 
 
-def rank_program(args: argparse.Namespace) -> int:
-    import numpy as np
+def join_both(args: argparse.Namespace, bps: Any) -> tuple[int, int]:
+    """In a rank process: connect to the worker daemon and join the gloo group; (rank, size)."""
     import torch
     import torch.distributed as dist
-
-    import bps_worker.client as bps
 
     torch.set_num_threads(1)
     rank, size = int(os.environ["BPS_RANK"]), int(os.environ["BPS_SIZE"])
@@ -146,6 +144,17 @@ def rank_program(args: argparse.Namespace) -> int:
     assert (bps.rank(), bps.size()) == (rank, size), (bps.rank(), bps.size(), rank, size)
     dist.init_process_group("gloo", rank=rank, world_size=size, init_method=f"tcp://127.0.0.1:{args.gloo_port}",
                             timeout=_dt.timedelta(seconds=args.op_timeout))
+    return rank, size
+
+
+def rank_program(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import bps_worker.client as bps
+
+    rank, size = join_both(args, bps)
     results: list[dict[str, Any]] = []
     try:
         for index, nbytes in enumerate(parse_sizes(args.sizes)):

@@ -291,17 +291,11 @@ def run_model(name: str, args: argparse.Namespace, probe: Probe, rank: int, size
 
 
 def rank_program(args: argparse.Namespace) -> int:
-    import torch
     import torch.distributed as dist
 
     import bps_worker.torch as bps
 
-    torch.set_num_threads(1)
-    rank, size = int(os.environ["BPS_RANK"]), int(os.environ["BPS_SIZE"])
-    bps.init(timeout=60.0)
-    assert (bps.rank(), bps.size()) == (rank, size), (bps.rank(), bps.size(), rank, size)
-    dist.init_process_group("gloo", rank=rank, world_size=size, init_method=f"tcp://127.0.0.1:{args.gloo_port}",
-                            timeout=_dt.timedelta(seconds=args.op_timeout))
+    rank, size = bench.join_both(args, bps)
     probe = Probe()
     results = []
     try:

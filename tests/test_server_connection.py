@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from bps_server.server import ServerConfig, ServerConnection, SummationServer
 from protocol import PROTOCOL_VERSION
@@ -90,34 +91,21 @@ async def test_handshake_push_result_and_stats():
     await server.stop()
 
 
-async def test_payload_size_must_match_the_push():
+@pytest.mark.parametrize("push,payload,reason", [
+    (Push(req=1, name="x", part=0, round=0, worker=0, dtype="float32", shape=[4], offset=0, count=4),
+     b"\0" * 12, "carries 12 bytes"),
+    (Push(req=1, name="x", part=0, round=0, worker=1, dtype="int32", shape=[1], offset=0, count=1),
+     b"\0" * 4, "pushed as worker 1"),
+    (Push(req=1, name="x", part=1, round=0, worker=0, dtype="int32", shape=[4], offset=3, count=2),
+     b"\0" * 8, "exceeds its tensor"),
+], ids=["payload-size", "other-worker", "outside-tensor"])
+async def test_a_bad_push_drops_the_connection(push, payload, reason):
     server = _server()
     conn, t = _connect(server)
     _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0)))
-    push = Push(req=1, name="x", part=0, round=0, worker=0, dtype="float32", shape=[4], offset=0, count=4)
-    _feed(conn, _frame(push, b"\0" * 12))
+    _feed(conn, _frame(push, payload))
     failure = t.messages()[-1][0]
-    assert isinstance(failure, Failure) and "carries 12 bytes" in failure.message and t.closed
-    await server.stop()
-
-
-async def test_a_worker_cannot_push_for_another():
-    server = _server()
-    conn, t = _connect(server)
-    _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0)))
-    push = Push(req=1, name="x", part=0, round=0, worker=1, dtype="int32", shape=[1], offset=0, count=1)
-    _feed(conn, _frame(push, b"\0" * 4))
-    assert "pushed as worker 1" in t.messages()[-1][0].message and t.closed
-    await server.stop()
-
-
-async def test_push_outside_its_tensor_is_refused():
-    server = _server()
-    conn, t = _connect(server)
-    _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0)))
-    push = Push(req=1, name="x", part=1, round=0, worker=0, dtype="int32", shape=[4], offset=3, count=2)
-    _feed(conn, _frame(push, b"\0" * 8))
-    assert "exceeds its tensor" in t.messages()[-1][0].message and t.closed
+    assert isinstance(failure, Failure) and reason in failure.message and t.closed
     await server.stop()
 
 
