@@ -15,7 +15,16 @@ everyone who pushed it, with a message naming the tensor and both shapes.
 
 Summation runs in a thread pool (the kernels release the GIL), serialized per
 key by a lock; the first contribution of a round is adopted as the accumulator
-without a copy where its dtype needs no widening.
+without a copy where its dtype needs no widening (never a *borrowed* one: a
+view of the colocated worker's shared memory, which the worker owns).
+
+Deterministic mode (``cluster.deterministic``): floating-point addition is not
+associative, so the sum depends on the order in which pushes arrive. With it on,
+each key keeps every contribution of the round until the last one arrives and
+then adds them in worker-id order, so repeated runs give identical bytes. The
+cost is memory: up to ``n`` received partitions per key in flight instead of one
+accumulator (a borrowed shared-memory contribution costs nothing), and the sum
+starts only when the last push is in, so summing no longer overlaps receiving.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ class KeyState:
     acc: np.ndarray | None = None
     added: int = 0
     contributors: dict[int, Contributor] = field(default_factory=dict)
+    held: dict[int, tuple[np.ndarray, bool]] = field(default_factory=dict)  # deterministic: worker -> (data, borrowed)
     failed: str | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     opened: float = field(default_factory=time.monotonic)  # when the round's first push arrived
@@ -89,6 +99,7 @@ class Counters:
     rounds_completed: int = 0
     rounds_failed: int = 0
     bytes_by_worker: dict[int, int] = field(default_factory=dict)
+    bytes_shm: int = 0  # of bytes_received: read from the colocated worker's shared memory
     round_seconds: Histogram = field(default_factory=Histogram)  # first push to sum sent
 
     def as_dict(self) -> dict[str, object]:
@@ -99,14 +110,17 @@ class Counters:
             "rounds_completed": self.rounds_completed,
             "rounds_failed": self.rounds_failed,
             "bytes_by_worker": {str(k): v for k, v in self.bytes_by_worker.items()},
+            "bytes_shm": self.bytes_shm,
         }
 
 
 class Aggregator:
     """Sums the ``n_workers`` pushes of every key and round (see the module docstring)."""
 
-    def __init__(self, n_workers: int, executor: Executor | None = None, lost_grace_s: float = 30.0) -> None:
+    def __init__(self, n_workers: int, executor: Executor | None = None, lost_grace_s: float = 30.0,
+                 deterministic: bool = False) -> None:
         self.n_workers = n_workers
+        self.deterministic = deterministic
         self.executor = executor
         self.lost_grace_s = lost_grace_s
         self.keys: dict[Key, KeyState] = {}
@@ -118,12 +132,19 @@ class Aggregator:
         self.counters = Counters()
 
     # -- events ----------------------------------------------------------------------
-    async def push(self, push: Push, payload: np.ndarray, reply: ReplyFn, fail: FailFn) -> None:
-        """Add one worker's contribution; replies go through ``reply``/``fail`` callbacks."""
+    async def push(self, push: Push, payload: np.ndarray, reply: ReplyFn, fail: FailFn,
+                   borrowed: bool = False) -> None:
+        """Add one worker's contribution; replies go through ``reply``/``fail`` callbacks.
+
+        ``borrowed``: ``payload`` is memory the server does not own (the colocated worker's
+        shared memory): it is read, never adopted or written, and not kept past the round.
+        """
         c = self.counters
         c.pushes += 1
         c.bytes_received += payload.nbytes
         c.bytes_by_worker[push.worker] = c.bytes_by_worker.get(push.worker, 0) + payload.nbytes
+        if borrowed:
+            c.bytes_shm += payload.nbytes
         key = (push.name, push.part)
         st = self.keys.get(key)
         if st is None:
@@ -159,10 +180,23 @@ class Aggregator:
                                       f"{describe(st.first)} but worker {push.worker} pushed {describe(push)}")
             return
         st.contributors[push.worker] = Contributor(push, reply, fail)
+        if self.deterministic:
+            st.held[push.worker] = (payload, borrowed)
+            if len(st.held) < self.n_workers:
+                return
+            async with st.lock:
+                for worker in sorted(st.held):  # worker-id order, whatever the arrival order
+                    data, was_borrowed = st.held[worker]
+                    await self._add(st, data, push.dtype, was_borrowed)
+                    if self.keys.get(key) is not st or st.failed is not None:
+                        return
+                st.held.clear()
+                await self._complete(key, st)
+            return
         async with st.lock:
             if self.keys.get(key) is not st or st.failed is not None:
                 return  # the round was abandoned or failed while we waited; waiters were told
-            await self._add(st, payload, push.dtype)
+            await self._add(st, payload, push.dtype, borrowed)
             if self.keys.get(key) is not st or st.failed is not None:
                 return
             st.added += 1
@@ -240,8 +274,8 @@ class Aggregator:
         self._reset.discard(worker)
 
     # -- internals -------------------------------------------------------------------
-    async def _add(self, st: KeyState, payload: np.ndarray, dtype: str) -> None:
-        if st.acc is None and dtype not in dtypes.HALF_TYPES:
+    async def _add(self, st: KeyState, payload: np.ndarray, dtype: str, borrowed: bool = False) -> None:
+        if st.acc is None and dtype not in dtypes.HALF_TYPES and not borrowed:
             st.acc = payload  # adopt the freshly received buffer: no copy
             return
         first = st.acc is None
@@ -278,6 +312,7 @@ class Aggregator:
     def _fail_round(self, key: Key, st: KeyState, reason: str) -> None:
         log.warning("%s", reason)
         st.failed = reason
+        st.held.clear()
         self.counters.rounds_failed += 1
         for contributor in st.contributors.values():
             contributor.fail(contributor.push, reason)

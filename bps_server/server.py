@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from multiprocessing.shared_memory import SharedMemory
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from protocol.messages import (
     Message,
     Ping,
     Push,
+    Release,
     Reset,
     Result,
     Stats,
@@ -46,7 +48,8 @@ from protocol.messages import (
 )
 
 from . import kernels, metrics
-from .aggregator import Aggregator
+from .aggregator import INLINE_SUM_MAX_BYTES, Aggregator
+from .segments import attach_segment, release
 
 log = logging.getLogger("bps.server")
 
@@ -83,6 +86,8 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.observer = False
         self.peer = "?"
         self.closed = False
+        self.shm = False  # the worker shares this host and its memory (see Hello.shm)
+        self.segments: dict[str, SharedMemory] = {}  # the worker's segments this connection mapped
         self._outbox: list[tuple[Message, np.ndarray | None]] = []
         self._outbox_header_bytes = 0
         self._outbox_payload_bytes = 0
@@ -113,6 +118,7 @@ class ServerConnection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
+        self.unmap_all()
         if self.worker is not None and self.server.links.get(self.worker) is self:
             del self.server.links[self.worker]
             if not self.server.stopping:
@@ -133,6 +139,8 @@ class ServerConnection(asyncio.BufferedProtocol):
         if isinstance(message, Batch):
             for item, item_payload in split_batch(message, payload):
                 self.handle(item, item_payload)
+        elif isinstance(message, Push) and message.segment:
+            self.shm_push(message, payload)
         elif isinstance(message, Push):
             if message.payload_nbytes != (payload.nbytes if payload is not None else 0):
                 raise ProtocolError(
@@ -152,6 +160,10 @@ class ServerConnection(asyncio.BufferedProtocol):
             self.server.spawn(self.server.aggregator.push(message, data, self.reply, self.fail))
         elif isinstance(message, Abort):
             self.server.aggregator.abort(message.name, message.part, message.round, self.worker, message.message)
+        elif isinstance(message, Release):
+            seg = self.segments.pop(message.segment, None)
+            if seg is not None:
+                release(seg, unlink=False)
         elif isinstance(message, Ping):
             self.send(Ping(message.seq))
         elif isinstance(message, Reset):
@@ -163,6 +175,58 @@ class ServerConnection(asyncio.BufferedProtocol):
             self.send(Stats(message.req, self.server.stats()))
         else:
             raise ProtocolError(f"unexpected {message.TYPE} message from worker {self.worker}")
+
+    def shm_push(self, push: Push, payload: memoryview | None) -> None:
+        """A push whose partition lies in the colocated worker's shared memory."""
+        if not self.shm:
+            raise ProtocolError(f"push of {push.name!r} names shared memory, but this connection has none")
+        if payload is not None and payload.nbytes:
+            raise ProtocolError(f"push of {push.name!r} names shared memory and also carries a payload")
+        if push.worker != self.worker:
+            raise ProtocolError(f"worker {self.worker} pushed as worker {push.worker}")
+        if not push.segment.startswith(f"bps_w{self.worker}_"):
+            raise ProtocolError(f"push of {push.name!r} names segment {push.segment!r}, not one of worker "
+                                f"{self.worker}'s")
+        seg = self.segments.get(push.segment)
+        if seg is None:
+            try:
+                seg = self.segments[push.segment] = attach_segment(push.segment)
+            except OSError as exc:
+                self.fail(push, f"server cannot map shared memory {push.segment!r} of {push.name!r}: {exc}")
+                return
+        total = 1
+        for d in push.shape:
+            total *= d
+        if push.offset + push.count > total or push.seg_offset + push.payload_nbytes > seg.size:
+            raise ProtocolError(f"push of {push.name!r} part {push.part} exceeds its tensor or its segment")
+        data = np.frombuffer(seg.buf, dtype=kernels.STORAGE[push.dtype], count=push.count, offset=push.seg_offset)
+        self.server.spawn(self.server.aggregator.push(push, data, self.reply, self.fail, borrowed=True))
+
+    def unmap_all(self) -> None:
+        for seg in self.segments.values():
+            release(seg, unlink=False)
+        self.segments.clear()
+
+    def _accept_shm(self, hello: Message) -> bool:
+        """Whether the worker's shared-memory offer holds: it is our host's worker and we can read its probe."""
+        spec = self.server.config.cluster.server(self.server.config.server_id)
+        if not hello.shm or not self.server.config.cluster.colocated_shm or spec.worker != hello.id:
+            return False
+        if not hello.shm.startswith(f"bps_w{hello.id}_"):
+            return False
+        try:
+            probe = attach_segment(hello.shm)
+        except OSError as exc:
+            log.warning("worker %d offered shared memory %r but it cannot be mapped here (%s); using TCP",
+                        hello.id, hello.shm, exc)
+            return False
+        try:
+            ok = probe.size >= 32 and bytes(probe.buf[:32]).hex() == hello.shm_key
+        finally:
+            release(probe, unlink=False)
+        if not ok:
+            log.warning("worker %d offered shared memory %r with the wrong key; using TCP", hello.id, hello.shm)
+        return ok
 
     def handshake(self, message: Message) -> None:
         message = expect_hello(message, "server")
@@ -186,12 +250,30 @@ class ServerConnection(asyncio.BufferedProtocol):
             log.warning("worker %d reconnected from %s; closing its old connection", message.id, self.peer)
             old.close()
         self.server.aggregator.worker_joined(message.id)
-        log.info("worker %d connected from %s", message.id, self.peer)
-        self.send(Welcome(PROTOCOL_VERSION, worker=message.id, workers=self.server.config.cluster.workers))
+        self.shm = self._accept_shm(message)
+        log.info("worker %d connected from %s%s", message.id, self.peer, " (shared memory)" if self.shm else "")
+        self.send(Welcome(PROTOCOL_VERSION, worker=message.id, workers=self.server.config.cluster.workers,
+                          shm=self.shm))
 
     # -- replies ---------------------------------------------------------------------
     def reply(self, push: Push, out: np.ndarray) -> None:
-        self.send(Result(push.req, push.name, push.part, push.round), out)
+        if push.segment:
+            self.server.spawn(self._reply_in_place(push, out))
+        else:
+            self.send(Result(push.req, push.name, push.part, push.round), out)
+
+    async def _reply_in_place(self, push: Push, out: np.ndarray) -> None:
+        """Write the sum over the worker's pushed partition, then tell it."""
+        seg = self.segments.get(push.segment)
+        if seg is None or self.closed:
+            return  # the worker released the segment or left: nobody waits for this answer
+        dest = np.frombuffer(seg.buf, dtype=out.dtype, count=out.size, offset=push.seg_offset)
+        if out.nbytes >= INLINE_SUM_MAX_BYTES:
+            await asyncio.get_running_loop().run_in_executor(self.server.executor, np.copyto, dest, out)
+        else:
+            np.copyto(dest, out)
+        del dest
+        self.send(Result(push.req, push.name, push.part, push.round, inplace=True))
 
     def fail(self, push: Push, message: str) -> None:
         self.send(Failure(push.req, message, code="round_failed"))
@@ -259,7 +341,8 @@ class SummationServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-sum")
-        self.aggregator = Aggregator(config.cluster.workers, self.executor, lost_grace_s=config.cluster.timeout)
+        self.aggregator = Aggregator(config.cluster.workers, self.executor, lost_grace_s=config.cluster.timeout,
+                                     deterministic=config.cluster.deterministic)
         self.connections: set[ServerConnection] = set()
         self.links: dict[int, ServerConnection] = {}
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -289,6 +372,9 @@ class SummationServer:
         return [
             metrics.Family("bps_server_bytes_received_total", "counter", "Tensor bytes received in pushes",
                            per_worker or ((label, 0.0),)),
+            metrics.Family("bps_server_bytes_shared_memory_total", "counter",
+                           "Of the bytes received, those read from the colocated worker's shared memory",
+                           ((label, float(c.bytes_shm)),)),
             metrics.Family("bps_server_bytes_sent_total", "counter", "Tensor bytes sent in results",
                            ((label, float(c.bytes_sent)),)),
             metrics.Family("bps_server_pushes_total", "counter", "Pushes received", ((label, float(c.pushes)),)),

@@ -2,14 +2,22 @@
 
 A training process connects to its machine's worker daemon over a Unix socket.
 Only control messages use the socket: each tensor name gets a shared-memory
-segment (created by the daemon, reused across rounds) that the tensor is
-copied into, and the daemon writes the result back into the same segment.
+slot (created by the daemon, reused across rounds) that the tensor is copied
+into, and the daemon writes the result back into the same slot.
 
 Example::
 
     import bps_worker.client as bps
     bps.init()                       # BPS_SOCKET and BPS_LOCAL_RANK / LOCAL_RANK from the environment
     g = bps.push_pull(grad, "layer1.weight")   # mean over all processes of the cluster
+
+No copies at all: :func:`shared_array` returns the slot itself as an array. Fill
+it, and ``push_pull(a, name, out=a)`` sums it in place, without copying it in or
+out (the daemon reads and writes that very memory)::
+
+    g = bps.shared_array("layer1.weight", (256, 128), np.float32)
+    g[...] = compute_gradient()
+    bps.push_pull(g, "layer1.weight", out=g)
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ from .errors import BPSConnectionError, BPSError, BPSMismatchError, BPSTimeoutEr
 __all__ = [
     "BPSError", "BPSConnectionError", "BPSMismatchError", "BPSTimeoutError", "Handle",
     "init", "shutdown", "rank", "size", "local_rank", "local_size",
-    "push_pull", "push_pull_async", "poll", "synchronize", "broadcast", "is_initialized",
+    "push_pull", "push_pull_async", "poll", "synchronize", "broadcast", "is_initialized", "shared_array",
 ]
 
 DEFAULT_TIMEOUT_S: Final = 30.0
@@ -87,6 +95,7 @@ class Handle:
     out: np.ndarray | None
     _segment: SharedMemory = field(repr=False)
     _offset: int = field(repr=False)
+    _in_place: bool = field(default=False, repr=False)  # the input was the slot itself (a shared array)
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
     _error: BPSError | None = field(default=None, repr=False)
     _consumed: bool = field(default=False, repr=False)
@@ -284,10 +293,30 @@ class _Connection:
     # -- operations ------------------------------------------------------------------
     def start(self, array: np.ndarray, name: str, kind: str, *, average: bool, priority: int, root: int,
               out: np.ndarray | None) -> Handle:
-        """Copy ``array`` into its slot and start the operation."""
+        """Copy ``array`` into its slot (unless it is the slot: a shared array) and start the operation."""
         array = np.asarray(array)
-        return self.start_filled(name, kind, array.dtype, array.shape, lambda view: np.copyto(view, array),
-                                 average=average, priority=priority, root=root, out=out)
+
+        def fill(view: np.ndarray) -> None:
+            if not _same_memory(view, array):
+                np.copyto(view, array)
+
+        return self.start_filled(name, kind, array.dtype, array.shape, fill, average=average, priority=priority,
+                                 root=root, out=out)
+
+    def shared_array(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        if not isinstance(name, str) or not name:
+            raise BPSError(f"tensor name must be a non-empty string, got {name!r}")
+        dtype = np.dtype(dtype)
+        dtype_name(dtype)
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise BPSError(f"tensor {name!r}: negative dimension in shape {shape}")
+        count = prod(shape)
+        with self.state_lock:
+            if name in self.inflight:
+                raise BPSError(f"tensor {name!r} is in flight in this process; synchronize it first")
+        seg, offset = self.slot_for(name, count * dtype.itemsize)
+        return np.frombuffer(seg.buf, dtype=dtype, count=count, offset=offset).reshape(shape)
 
     def start_filled(self, name: str, kind: str, dtype: np.dtype, shape: tuple[int, ...],
                      fill: Callable[[np.ndarray], None], *, average: bool, priority: int, root: int,
@@ -315,8 +344,9 @@ class _Connection:
         seg, offset = self.slot_for(name, count * dtype.itemsize)
         view = np.frombuffer(seg.buf, dtype=dtype, count=count, offset=offset).reshape(shape)
         fill(view)
+        in_place = out is not None and _same_memory(view, out)
         del view
-        handle = Handle(next(self.reqs), name, dtype, shape, out, seg, offset)
+        handle = Handle(next(self.reqs), name, dtype, shape, out, seg, offset, _in_place=in_place)
         op = Op(handle.req, name, kind, wire, list(shape), seg.name, average=average, priority=priority,
                 root=root, offset=offset)
         with self.state_lock:
@@ -343,6 +373,9 @@ class _Connection:
                 del self.inflight[handle.name]
         if handle._error is not None:
             raise handle._error
+        if handle._in_place:  # `out` is the slot itself: the daemon already wrote the result there
+            assert handle.out is not None
+            return handle.out
         view = handle._result_view()
         if handle.out is not None:
             np.copyto(handle.out, view)
@@ -364,6 +397,12 @@ class _Connection:
 
 class _FatalFailure(Exception):
     pass
+
+
+def _same_memory(view: np.ndarray, array: np.ndarray) -> bool:
+    """Whether ``array`` is exactly ``view`` (same first byte, both contiguous, same size)."""
+    return (array.size == view.size and array.dtype == view.dtype and array.flags.c_contiguous
+            and (array.size == 0 or array.__array_interface__["data"][0] == view.__array_interface__["data"][0]))
 
 
 _conn: _Connection | None = None
@@ -432,6 +471,19 @@ def local_rank() -> int:
 
 def local_size() -> int:
     return _connection().local_size
+
+
+def shared_array(name: str, shape: tuple[int, ...], dtype: np.dtype = np.float32) -> np.ndarray:
+    """The shared-memory slot of tensor ``name`` as an array: use it to avoid every copy.
+
+    ``push_pull(a, name, out=a)`` on it sums in place: the worker daemon reads the
+    input from and writes the result into this memory. The same name always gives
+    the same memory while the size fits (it is reused across rounds); a larger size
+    moves the slot, and arrays from before no longer take part. Passed with another
+    (or no) ``out``, it is still the exchange buffer: it holds the result afterwards.
+    Valid until :func:`shutdown`.
+    """
+    return _connection().shared_array(name, tuple(shape), np.dtype(dtype))
 
 
 def push_pull_async(array: np.ndarray, name: str, *, average: bool = True, priority: int = 0,

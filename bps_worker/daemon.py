@@ -23,7 +23,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from math import prod
-from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Final
 
 import numpy as np
@@ -59,10 +58,6 @@ log = logging.getLogger("bps.worker")
 # Local sums and copies at least this large run in the thread pool, off the event loop.
 OFFLOAD_MIN_BYTES: Final = 1 << 20
 CLIENT_MAX_HEADER_BYTES: Final = 16 * 1024
-# Tensors up to SLAB_ITEM_MAX_BYTES share SLAB_BYTES segments (one mapping and no fd for thousands of biases).
-SLAB_BYTES: Final = 4 << 20
-SLAB_ITEM_MAX_BYTES: Final = 64 << 10
-SLOT_ALIGN: Final = 64
 # The daemon pings its training processes this often, so that they can tell a stalled daemon.
 CLIENT_PING_INTERVAL_S: Final = 1.0
 
@@ -76,16 +71,6 @@ class WorkerCounters:
     bytes_pushed: int = 0
     bytes_pulled: int = 0
     op_seconds: metrics.Histogram = field(default_factory=metrics.Histogram)  # all processes in -> all done
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where one tensor name of one process lives in shared memory."""
-
-    segment: str
-    offset: int
-    capacity: int
-    dedicated: bool  # the segment holds only this tensor (freed when it moves)
 
 
 @dataclass(frozen=True)
@@ -145,10 +130,7 @@ class ClientSession(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.local_rank: int | None = None
         self.pid = 0
-        self.segments: dict[str, SharedMemory] = {}
-        self.slots: dict[str, Slot] = {}  # tensor name -> where its data lives
-        self._slab: str | None = None  # segment that small tensors are carved from
-        self._slab_used = 0
+        self.arena = shm.Arena(daemon.worker_id, daemon.config.segment_mode)  # this process's tensors
         self.closed = False
 
     @property
@@ -220,41 +202,18 @@ class ClientSession(asyncio.BufferedProtocol):
         if message.nbytes > self.daemon.config.cluster.max_payload_bytes * 64:
             self.send(Failure(message.req, f"tensor {message.name!r} of {message.nbytes} bytes is too large"))
             return
-        old = self.slots.get(message.name)
-        if old is not None and old.capacity >= message.nbytes:
-            self.send(Allocated(message.req, old.segment, old.capacity, old.offset))
-            return
         try:
-            if message.nbytes <= SLAB_ITEM_MAX_BYTES:
-                slot = self._carve(max(message.nbytes, 1))
-            else:
-                seg = self._new_segment(message.nbytes)
-                slot = Slot(seg.name, 0, seg.size, dedicated=True)
+            slot, freed = self.arena.alloc(message.name, message.nbytes)
         except OSError as exc:
             self.send(Failure(message.req, f"cannot allocate {message.nbytes} bytes of shared memory for "
                                            f"{message.name!r}: {exc.strerror}"))
             return
-        if old is not None and old.dedicated:
-            shm.release(self.segments.pop(old.segment), unlink=True)
-        self.slots[message.name] = slot
+        if freed is not None:
+            self.daemon.segments_freed([freed])
         self.send(Allocated(message.req, slot.segment, slot.capacity, slot.offset))
 
-    def _new_segment(self, nbytes: int) -> SharedMemory:
-        seg = shm.create_segment(shm.segment_name(self.daemon.worker_id), nbytes, self.daemon.config.segment_mode)
-        self.segments[seg.name] = seg
-        return seg
-
-    def _carve(self, nbytes: int) -> Slot:
-        need = -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
-        if self._slab is None or self._slab_used + need > SLAB_BYTES:
-            self._slab = self._new_segment(SLAB_BYTES).name
-            self._slab_used = 0
-        slot = Slot(self._slab, self._slab_used, need, dedicated=False)
-        self._slab_used += need
-        return slot
-
     def check_op(self, op: Op) -> str | None:
-        seg = self.segments.get(op.segment)
+        seg = self.arena.segments.get(op.segment)
         if seg is None:
             return f"tensor {op.name!r}: segment {op.segment!r} was not allocated by this connection"
         nbytes = prod(op.shape) * dtypes.ITEMSIZE[op.dtype]
@@ -277,11 +236,7 @@ class ClientSession(asyncio.BufferedProtocol):
             self.transport.close()
 
     def release_segments(self) -> None:
-        for seg in self.segments.values():
-            shm.release(seg, unlink=True)
-        self.segments.clear()
-        self.slots.clear()
-        self._slab = None
+        self.daemon.segments_freed(self.arena.release_all())
 
 
 class WorkerDaemon:
@@ -294,9 +249,12 @@ class WorkerDaemon:
         self.rank_offset = cluster.rank_offset(config.worker_id)
         self.placement = Placement(cluster)
         per_link_credit = max(1 << 16, cluster.credit_bytes // len(cluster.servers))
+        # A server on this host (``worker = <our id>``) is offered shared memory (see ServerLink).
         self.links = {
             s.id: ServerLink(s, config.worker_id, credit_bytes=per_link_credit, timeout=cluster.timeout,
-                             max_payload_bytes=cluster.max_payload_bytes, token=config.token)
+                             max_payload_bytes=cluster.max_payload_bytes, token=config.token,
+                             shm_mode=config.segment_mode
+                             if cluster.colocated_shm and s.worker == config.worker_id else None)
             for s in cluster.servers
         }
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-local")
@@ -307,7 +265,9 @@ class WorkerDaemon:
         # error for *its* round instead of starting the next one with stale data.
         self.open_rounds: dict[str, list[LocalRound]] = {}
         self.next_round: dict[str, int] = {}
-        self.staging: dict[str, np.ndarray] = {}
+        # Per name, the machine's local sum, sent from and received into; in shared memory so that a
+        # colocated server reads and writes it in place.
+        self.staging = shm.Arena(config.worker_id, config.segment_mode)
         self.tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.AbstractServer | None = None
         self._heartbeat: asyncio.Future[None] | None = None
@@ -388,6 +348,7 @@ class WorkerDaemon:
             session.release_segments()
         for link in self.links.values():
             link.close()
+        self.staging.release_all()
         if self._server is not None:
             await self._server.wait_closed()
         try:
@@ -509,15 +470,21 @@ class WorkerDaemon:
         get an error instead of waiting for them.
         """
         log.info("no training processes connected: resetting rounds and freeing %d staging buffers",
-                 len(self.staging))
+                 len(self.staging.slots))
         for rounds in list(self.open_rounds.values()):
             for lr in list(rounds):
                 self.fail_local_round(lr, f"tensor {lr.name!r}: every process of worker {self.worker_id} left")
         self.open_rounds.clear()
         self.next_round.clear()
-        self.staging.clear()
+        self.segments_freed(self.staging.release_all())
         for link in self.links.values():
             link.reset()
+
+    def segments_freed(self, names: list[str]) -> None:
+        """Shared memory we unlinked: the colocated server must unmap it too, or it stays allocated."""
+        if names:
+            for link in self.links.values():
+                link.release_segments(names)
 
     async def run_round(self, lr: LocalRound) -> None:
         op = lr.first
@@ -530,13 +497,13 @@ class WorkerDaemon:
         started = time.monotonic()
         try:
             storage = kernels.STORAGE[op.dtype]
-            views = [np.frombuffer(s.segments[o.segment].buf, dtype=storage, count=count, offset=o.offset)
+            views = [np.frombuffer(s.arena.segments[o.segment].buf, dtype=storage, count=count, offset=o.offset)
                      for s, o in members]
             direct = len(views) == 1 and (op.kind != KIND_BROADCAST or self._root_local(op) is not None)
             if direct:
-                buf = views[0]
+                buf, segment, base = views[0], members[0][1].segment, members[0][1].offset
             else:
-                buf = self._staging_buffer(name, nbytes, op.dtype, count)
+                buf, segment, base = self._staging_buffer(name, nbytes, op.dtype, count)
                 await self._prepare(buf, views, op)
             divisor = cluster.size if op.average else 1
             raw = memoryview(buf).cast("B") if nbytes else memoryview(b"")
@@ -546,9 +513,10 @@ class WorkerDaemon:
                 lo, hi = piece.offset * itemsize, (piece.offset + piece.count) * itemsize
                 fields = dict(name=name, part=piece.part, round=lr.round, dtype=op.dtype, shape=list(op.shape),
                               offset=piece.offset, count=piece.count, divisor=divisor, kind=op.kind)
-                futures.append((piece, self.links[piece.server].push(fields, raw[lo:hi], raw[lo:hi], priority)))
+                futures.append((piece, self.links[piece.server].push(fields, raw[lo:hi], priority,
+                                                                     shm_ref=(segment, base + lo))))
             self.counters.bytes_pushed += nbytes
-            error = await self._wait_pieces(name, lr.round, futures)
+            error = await self._wait_pieces(name, lr.round, futures, staged=not direct)
             if error is not None:
                 self.counters.ops_failed += 1
                 code = "mismatch" if "mismatch" in error else "error"
@@ -568,8 +536,8 @@ class WorkerDaemon:
             for session, o in members:
                 session.send(Failure(o.req, f"tensor {name!r}: internal error in the worker: {exc!r}"))
 
-    async def _wait_pieces(self, name: str, round_: int, futures: list[tuple[Any, asyncio.Future[None]]]
-                           ) -> str | None:
+    async def _wait_pieces(self, name: str, round_: int, futures: list[tuple[Any, asyncio.Future[None]]],
+                           staged: bool) -> str | None:
         """Wait for every piece; on the first failure abandon the rest and return its message."""
         pending = {f for _, f in futures}
         while pending:
@@ -581,11 +549,21 @@ class WorkerDaemon:
                 # Tell every server that did not deliver this piece's sum: the peers waiting there
                 # must fail now, not at a timeout (the failing server itself may not know, e.g. when
                 # the connection broke before the push arrived).
+                answers = []
                 for piece, fut in futures:
                     if fut in pending or fut.cancelled() or fut.exception() is not None:
                         link = self.links[piece.server]
-                        link.forget(fut)
+                        if not link.forget(fut):
+                            answers.append(fut)  # in the server's hands, in our memory: wait for its answer
                         link.abort(name, piece.part, round_, message)
+                if answers:
+                    await asyncio.wait(answers)  # the server answers every push; a lost link fails them
+                # A server that went silent with our memory in hand might still write into it.
+                if staged and any(not f.cancelled() and getattr(f.exception(), "unanswered_shm", False)
+                                  for _, f in futures):
+                    freed = self.staging.abandon(name)
+                    if freed is not None:
+                        self.segments_freed([freed])
                 return message
         return None
 
@@ -594,11 +572,14 @@ class WorkerDaemon:
         local = op.root - self.rank_offset
         return local if 0 <= local < self.config.local_size else None
 
-    def _staging_buffer(self, name: str, nbytes: int, dtype: str, count: int) -> np.ndarray:
-        buf = self.staging.get(name)
-        if buf is None or buf.nbytes < nbytes:
-            buf = self.staging[name] = np.empty(max(nbytes, 1), dtype=np.uint8)
-        return buf[:nbytes].view(kernels.STORAGE[dtype])[:count]
+    def _staging_buffer(self, name: str, nbytes: int, dtype: str, count: int) -> tuple[np.ndarray, str, int]:
+        """The staging array of ``name``, its segment and its byte offset there."""
+        slot, freed = self.staging.alloc(name, nbytes)
+        if freed is not None:
+            self.segments_freed([freed])
+        buf = np.frombuffer(self.staging.segments[slot.segment].buf, dtype=kernels.STORAGE[dtype], count=count,
+                            offset=slot.offset)
+        return buf, slot.segment, slot.offset
 
     async def _prepare(self, buf: np.ndarray, views: list[np.ndarray], op: Op) -> None:
         """Fill the staging buffer with this machine's contribution."""
@@ -616,9 +597,8 @@ class WorkerDaemon:
         await self._run(kernels.sum_into, buf, views, op.dtype)
 
     async def _hand_back(self, buf: np.ndarray, views: list[np.ndarray]) -> None:
-        """Copy the global sum into every local process's slot."""
-        for view in views:
-            await self._run(np.copyto, view, buf)
+        """Copy the global sum into every local process's slot (large ones in parallel)."""
+        await asyncio.gather(*(self._run(np.copyto, view, buf) for view in views))
 
     async def _run(self, fn: Any, *args: Any) -> None:
         nbytes = args[0].nbytes if isinstance(args[0], np.ndarray) else 0

@@ -10,6 +10,15 @@ peer therefore never blocks other tensors' pushes (no credit deadlock).
 Results are received straight into the destination the push named (a slice
 of the tensor's staging buffer or of the client's segment): no copy after the
 socket.
+
+Shared memory: the link to the server on this worker's own host offers it the
+worker's segments at the handshake (a probe segment holding a random key). If
+the server can read the key, pushes name ``(segment, offset)`` instead of
+carrying bytes, and the server writes the sum back in place: no socket copies,
+no loopback TCP. Such a push stays in the server's hands until it answers it, so
+an abandoned one is never forgotten early (the server could still write into
+the memory); a lost connection fails it with ``unanswered_shm`` set, and the
+caller stops reusing that memory.
 """
 
 from __future__ import annotations
@@ -18,7 +27,10 @@ import asyncio
 import heapq
 import itertools
 import logging
+import dataclasses
+import os
 from dataclasses import dataclass, field
+from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 from protocol import PROTOCOL_VERSION
@@ -38,6 +50,7 @@ from protocol.messages import (
     Message,
     Ping,
     Push,
+    Release,
     Reset,
     Result,
     Welcome,
@@ -49,6 +62,7 @@ from protocol.messages import (
     to_header,
 )
 
+from . import shm
 from .errors import BPSConnectionError, BPSError, BPSMismatchError
 
 log = logging.getLogger("bps.worker.link")
@@ -64,9 +78,17 @@ BATCH_MAX_BYTES = 1 << 20
 class _Queued:
     sort_key: tuple[int, int]
     push: Push = field(compare=False)
-    payload: memoryview = field(compare=False)
-    dest: memoryview = field(compare=False)
+    payload: memoryview = field(compare=False)  # the partition's bytes; the sum is written over them
     future: asyncio.Future[None] = field(compare=False)
+    shm_ref: tuple[str, int] | None = field(compare=False, default=None)  # (segment, byte offset) of payload
+    via_shm: bool = field(compare=False, default=False)  # sent as a shared-memory reference
+
+    @property
+    def dest(self) -> memoryview:
+        return self.payload
+
+    def wire_nbytes(self, shm: bool) -> int:
+        return 0 if shm and self.shm_ref is not None else self.payload.nbytes
 
 
 class _LinkProtocol(asyncio.BufferedProtocol):
@@ -105,8 +127,11 @@ class ServerLink:
     """One reusable connection to server ``spec``; reconnects when needed."""
 
     def __init__(self, spec: ServerSpec, worker_id: int, *, credit_bytes: int, timeout: float,
-                 max_payload_bytes: int, token: bytes | None = None) -> None:
+                 max_payload_bytes: int, token: bytes | None = None,
+                 shm_mode: int | None = None) -> None:
         self.spec = spec
+        self.shm_mode = shm_mode  # offer shared memory (segments of this mode) to a server on this host
+        self.shm = False  # this connection's server accepted the offer
         self.token = token
         self.worker_id = worker_id
         self.credit_bytes = credit_bytes
@@ -118,7 +143,7 @@ class ServerLink:
         self.last_seen = 0.0  # loop time of the last bytes from the server
         self._pings = itertools.count()
         self._connecting: asyncio.Task[None] | None = None
-        self._welcome: asyncio.Future[None] | None = None
+        self._welcome: asyncio.Future[Welcome] | None = None
         self._challenge: asyncio.Future[str] | None = None
         self._queue: list[_Queued] = []
         self._seq = itertools.count()
@@ -128,30 +153,42 @@ class ServerLink:
         self.closed = False
 
     # -- public ----------------------------------------------------------------------
-    def push(self, push_fields: dict[str, Any], payload: memoryview, dest: memoryview,
-             priority: int) -> asyncio.Future[None]:
-        """Queue a push; the future resolves once the sum was written into ``dest``."""
+    def push(self, push_fields: dict[str, Any], payload: memoryview, priority: int,
+             shm_ref: tuple[str, int] | None = None) -> asyncio.Future[None]:
+        """Queue a push of ``payload``; the future resolves once the sum was written over it.
+
+        ``shm_ref`` locates ``payload`` in a shared-memory segment (name, byte offset), for a
+        server that shares this host.
+        """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         req = next(self._req)
         push = Push(req=req, worker=self.worker_id, **push_fields)
-        heapq.heappush(self._queue, _Queued((-priority, next(self._seq)), push, payload, dest, future))
+        heapq.heappush(self._queue, _Queued((-priority, next(self._seq)), push, payload, future, shm_ref))
         if self._proto is None:
             self._ensure_connecting()
         else:
             self.pump()
         return future
 
-    def forget(self, future: asyncio.Future[None]) -> None:
-        """Drop an abandoned push: a late result for it is discarded, not written to its destination."""
+    def forget(self, future: asyncio.Future[None]) -> bool:
+        """Drop an abandoned push: a late result for it is discarded, not written to its destination.
+
+        Returns False, and keeps the push, when it went as a shared-memory reference: the server
+        writes its answer straight into our memory, so the caller must wait for that answer (it
+        always comes: a result, a failure, or the loss of the connection) before reusing it.
+        """
         for req, item in list(self._inflight.items()):
             if item.future is future:
+                if item.via_shm and not future.done():
+                    return False
                 del self._inflight[req]
                 reader = self._proto.reader if self._proto is not None else None
                 if reader is not None and reader.pending_destination is item.dest:
                     reader.discard_pending_payload()  # its result is arriving right now: not into dest
         if not future.done():
             future.cancel()
+        return True
 
     def abort(self, name: str, part: int, round_: int, message: str) -> None:
         """Tell the server that this worker gave up a round (sent once connected, if need be)."""
@@ -162,7 +199,7 @@ class ServerLink:
         buffered = 0
         if self._proto is not None and self._proto.transport is not None:
             buffered = self._proto.transport.get_write_buffer_size()
-        return buffered + sum(item.payload.nbytes for item in self._queue)
+        return buffered + sum(item.wire_nbytes(self.shm) for item in self._queue)
 
     def heartbeat(self, now: float) -> None:
         """Ping the server; drop a connection that has been silent for longer than the timeout
@@ -181,6 +218,13 @@ class ServerLink:
     def reset(self) -> None:
         """Tell the server that this worker has no training processes left (see Reset)."""
         self._send_control(Reset(self.worker_id))
+
+    def release_segments(self, names: list[str]) -> None:
+        """Segments we unlinked: a server that maps our memory unmaps them (a new connection maps
+        nothing, so there is nothing to tell a server we are not connected to)."""
+        if self.shm and self._proto is not None and self._ready:
+            for name in names:
+                self._send(self._proto, Release(name))
 
     def _send_control(self, message: Message) -> None:
         if self._proto is not None and self._ready:
@@ -209,10 +253,10 @@ class ServerLink:
                 continue
             self._inflight[item.push.req] = item
             try:
-                if item.payload.nbytes <= BATCH_ITEM_MAX_BYTES and self._queue:
+                if item.wire_nbytes(self.shm) <= BATCH_ITEM_MAX_BYTES and self._queue:
                     self._send_batch(proto, item)
                 else:
-                    self._send(proto, item.push, item.payload)
+                    self._send(proto, *self._wire(item))
             except LocalProtocolError as exc:  # a bug of ours: fail loudly, never leave a push unsent and waiting
                 log.error("cannot send to server %d: %s", self.spec.id, exc)
                 self.on_broken(proto, f"cannot send to server {self.spec.id}: {exc}")
@@ -220,32 +264,42 @@ class ServerLink:
             if transport.get_write_buffer_size() >= self.credit_bytes:
                 break
 
+    def _wire(self, item: _Queued) -> tuple[Push, memoryview | None]:
+        """What goes on the wire for ``item``: the push and its bytes, or a shared-memory reference."""
+        if self.shm and item.shm_ref is not None:
+            item.via_shm = True
+            return dataclasses.replace(item.push, segment=item.shm_ref[0], seg_offset=item.shm_ref[1]), None
+        item.via_shm = False
+        return item.push, item.payload
+
     def _send_batch(self, proto: _LinkProtocol, first: _Queued) -> None:
         """Send ``first`` together with the small pushes queued right behind it (in priority order)."""
         items = [first]
-        nbytes = first.payload.nbytes
+        nbytes = first.wire_nbytes(self.shm)
         limit = min(BATCH_MAX_BYTES, self.max_payload_bytes)  # a batch is one frame: the peer's limit holds
         header_bytes = estimated_header_bytes(first.push)
         while self._queue and len(items) < MAX_BATCH_ITEMS and header_bytes < BATCH_HEADER_BUDGET:
             nxt = self._queue[0]
-            if nxt.payload.nbytes > BATCH_ITEM_MAX_BYTES or nbytes + nxt.payload.nbytes > limit:
+            size = nxt.wire_nbytes(self.shm)
+            if size > BATCH_ITEM_MAX_BYTES or nbytes + size > limit:
                 break
             heapq.heappop(self._queue)
             if nxt.future.done():
                 continue
             self._inflight[nxt.push.req] = nxt
             items.append(nxt)
-            nbytes += nxt.payload.nbytes
+            nbytes += size
             header_bytes += estimated_header_bytes(nxt.push)
         if len(items) == 1:
-            self._send(proto, first.push, first.payload)
+            self._send(proto, *self._wire(first))
             return
         transport = proto.transport
         if transport is None or transport.is_closing():
             return
-        head = encode_header(batch_header([(i.push, i.payload.nbytes) for i in items]), nbytes,
+        wires = [self._wire(i) for i in items]
+        head = encode_header(batch_header([(m, 0 if p is None else p.nbytes) for m, p in wires]), nbytes,
                              max_payload_bytes=self.max_payload_bytes)
-        transport.writelines([head, *(i.payload for i in items if i.payload.nbytes)])  # type: ignore[list-item]
+        transport.writelines([head, *(p for _, p in wires if p is not None and p.nbytes)])  # type: ignore[list-item]
 
     def _send(self, proto: _LinkProtocol, message: Message, payload: memoryview | None = None) -> None:
         transport = proto.transport
@@ -282,10 +336,17 @@ class ServerLink:
             return
         if isinstance(message, Welcome):
             if self._welcome is not None and not self._welcome.done():
-                self._welcome.set_result(None)
+                self._welcome.set_result(message)
             return
         if isinstance(message, Result):
             item = self._inflight.pop(message.req, None)
+            if message.inplace:
+                if item is not None and not item.via_shm:
+                    raise ProtocolError(f"server {self.spec.id} answered {item.push.name!r} part "
+                                        f"{item.push.part} in shared memory, but it was pushed over TCP")
+                if item is not None and not item.future.done():
+                    item.future.set_result(None)
+                return
             if item is not None and not item.future.done():
                 got = 0 if payload is None else payload.nbytes
                 if got != item.dest.nbytes:
@@ -313,6 +374,7 @@ class ServerLink:
             log.warning("%s", reason)
         self._proto = None
         self._ready = False
+        self.shm = False
         self.paused = False
         for waiter in (self._welcome, self._challenge):
             if waiter is not None and not waiter.done():
@@ -327,9 +389,28 @@ class ServerLink:
         self._queue = []
         for item in items:
             if not item.future.done():
-                item.future.set_exception(exc)
+                if item.via_shm:
+                    unanswered = type(exc)(str(exc))
+                    unanswered.unanswered_shm = True  # type: ignore[attr-defined]
+                    item.future.set_exception(unanswered)
+                else:
+                    item.future.set_exception(exc)
 
     # -- connecting ------------------------------------------------------------------
+    def _make_probe(self) -> tuple[SharedMemory, str] | None:
+        """The shared-memory offer of one handshake: a segment holding a random key that the server
+        must read back (proving it shares our host and may map our segments)."""
+        if self.shm_mode is None:
+            return None
+        try:
+            probe = shm.create_segment(shm.segment_name(self.worker_id), 32, self.shm_mode)
+        except OSError as exc:
+            log.warning("cannot create a shared-memory probe (%s); server %d gets TCP", exc, self.spec.id)
+            return None
+        key = os.urandom(32)
+        probe.buf[:32] = key
+        return probe, key.hex()
+
     def _ensure_connecting(self) -> None:
         if self._connecting is None or self._connecting.done():
             self._connecting = asyncio.ensure_future(self._connect())
@@ -352,11 +433,23 @@ class ServerLink:
                 nonce = await asyncio.wait_for(asyncio.shield(self._challenge),
                                                timeout=max(0.1, deadline - loop.time()))
                 auth = auth_digest(self.token, nonce, ROLE_WORKER, self.worker_id) if self.token else ""
-                self._send(proto, Hello(PROTOCOL_VERSION, ROLE_WORKER, self.worker_id, auth=auth))
-                await asyncio.wait_for(asyncio.shield(self._welcome), timeout=max(0.1, deadline - loop.time()))
+                probe = self._make_probe()
+                try:
+                    self._send(proto, Hello(PROTOCOL_VERSION, ROLE_WORKER, self.worker_id, auth=auth,
+                                            shm=probe[0].name if probe else "", shm_key=probe[1] if probe else ""))
+                    welcome = await asyncio.wait_for(asyncio.shield(self._welcome),
+                                                     timeout=max(0.1, deadline - loop.time()))
+                finally:
+                    if probe is not None:
+                        shm.release(probe[0], unlink=True)
                 if self._proto is not proto:
                     raise ConnectionError("connection closed during the handshake")
-                log.info("connected to server %d at %s", self.spec.id, self.spec.address)
+                self.shm = welcome.shm and probe is not None
+                log.info("connected to server %d at %s%s", self.spec.id, self.spec.address,
+                         " (shared memory)" if self.shm else "")
+                if probe is not None and not self.shm:
+                    log.warning("server %d shares this host but cannot map this worker's shared memory (other "
+                                "user? see --shm-mode, or colocated_shm = false); using TCP", self.spec.id)
                 self._ready = True
                 self.last_seen = loop.time()
                 control, self._control = self._control, []

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import os
 import secrets
-from multiprocessing import resource_tracker
+from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from typing import Final
 
+from bps_server.segments import attach_segment, close_fd, release
+
+__all__ = ["SEGMENT_PREFIX", "Arena", "Slot", "attach_segment", "create_segment", "release", "segment_name"]
+
 SEGMENT_PREFIX: Final = "bps_"
-
-
-def _untrack(shm: SharedMemory) -> None:
-    try:
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    except Exception:
-        pass
 
 
 def segment_name(worker_id: int) -> str:
@@ -38,33 +35,96 @@ def create_segment(name: str, nbytes: int, mode: int = 0o600) -> SharedMemory:
     seg = SharedMemory(name=name, create=True, size=max(nbytes, 1))
     if mode != 0o600:
         os.fchmod(seg._fd, mode)  # type: ignore[attr-defined]
-    _close_fd(seg)
+    close_fd(seg)
     return seg
 
 
-def _close_fd(shm: SharedMemory) -> None:
-    """The mapping outlives the descriptor: close it, or thousands of segments exhaust the fd limit."""
-    fd = getattr(shm, "_fd", -1)
-    if fd >= 0:
-        os.close(fd)
-        shm._fd = -1  # type: ignore[attr-defined]
+# Tensors up to SLAB_ITEM_MAX_BYTES share SLAB_BYTES segments (one mapping and no fd for thousands of biases).
+SLAB_BYTES: Final = 4 << 20
+SLAB_ITEM_MAX_BYTES: Final = 64 << 10
+SLOT_ALIGN: Final = 64
 
 
-def attach_segment(name: str) -> SharedMemory:
-    shm = SharedMemory(name=name, create=False)
-    _untrack(shm)
-    _close_fd(shm)
-    return shm
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor lives in shared memory."""
+
+    segment: str
+    offset: int
+    capacity: int
+    dedicated: bool  # the segment holds only this tensor (freed when it moves)
 
 
-def release(shm: SharedMemory, unlink: bool) -> None:
-    """Close our mapping (ignoring live exports) and optionally remove the name."""
-    try:
-        shm.close()
-    except BufferError:
-        pass  # a numpy view still references the mapping; it is freed with the view
-    if unlink:
-        try:
-            shm.unlink()
-        except FileNotFoundError:
-            pass
+class Arena:
+    """Shared-memory slots for named tensors, created by this process (the worker daemon).
+
+    Small tensors are carved from shared slabs, large ones get a segment of their own;
+    a name keeps its slot while it fits (so rounds reuse it), and a dedicated segment
+    outgrown by its tensor is freed at once. Everything goes with :meth:`release_all`.
+    """
+
+    def __init__(self, worker_id: int, mode: int = 0o600) -> None:
+        self.worker_id = worker_id
+        self.mode = mode
+        self.segments: dict[str, SharedMemory] = {}
+        self.slots: dict[str, Slot] = {}
+        self._slab: str | None = None
+        self._slab_used = 0
+
+    def alloc(self, name: str, nbytes: int) -> tuple[Slot, str | None]:
+        """The slot of ``name`` with room for ``nbytes``, and the segment freed to make it (or None).
+
+        Raises OSError when shared memory is exhausted.
+        """
+        old = self.slots.get(name)
+        if old is not None and old.capacity >= nbytes:
+            return old, None
+        if nbytes <= SLAB_ITEM_MAX_BYTES:
+            slot = self._carve(max(nbytes, 1))
+        else:
+            seg = self._new_segment(nbytes)
+            slot = Slot(seg.name, 0, seg.size, dedicated=True)
+        self.slots[name] = slot
+        freed = None
+        if old is not None and old.dedicated:
+            freed = old.segment
+            release(self.segments.pop(old.segment), unlink=True)
+        return slot, freed
+
+    def abandon(self, name: str) -> str | None:
+        """Give ``name`` a fresh slot on its next :meth:`alloc`: something may still write into the
+        current one (a stalled peer). A dedicated segment is unlinked (its memory lives on until the
+        last mapping goes); a slab slot is simply never reused. Returns the segment unlinked, if any."""
+        old = self.slots.pop(name, None)
+        if old is not None and old.dedicated:
+            release(self.segments.pop(old.segment), unlink=True)
+            return old.segment
+        return None
+
+    def view(self, slot: Slot) -> memoryview:
+        return self.segments[slot.segment].buf[slot.offset:slot.offset + slot.capacity]
+
+    def _new_segment(self, nbytes: int) -> SharedMemory:
+        seg = create_segment(segment_name(self.worker_id), nbytes, self.mode)
+        self.segments[seg.name] = seg
+        return seg
+
+    def _carve(self, nbytes: int) -> Slot:
+        need = -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+        if self._slab is None or self._slab_used + need > SLAB_BYTES:
+            self._slab = self._new_segment(SLAB_BYTES).name
+            self._slab_used = 0
+        slot = Slot(self._slab, self._slab_used, need, dedicated=False)
+        self._slab_used += need
+        return slot
+
+    def release_all(self) -> list[str]:
+        """Unlink every segment; returns their names."""
+        names = list(self.segments)
+        for seg in self.segments.values():
+            release(seg, unlink=True)
+        self.segments.clear()
+        self.slots.clear()
+        self._slab = None
+        self._slab_used = 0
+        return names

@@ -56,7 +56,7 @@ __all__ = [
     "BPSError", "BPSConnectionError", "BPSMismatchError", "BPSTimeoutError", "Compression", "Handle",
     "DistributedOptimizer", "broadcast", "broadcast_", "broadcast_optimizer_state", "broadcast_parameters",
     "init", "is_initialized", "local_rank", "local_size", "poll", "push_pull", "push_pull_async", "rank",
-    "shutdown", "size", "synchronize",
+    "shared_tensor", "shutdown", "size", "synchronize",
 ]
 
 _WIRE_TYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}
@@ -77,10 +77,24 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def _from_numpy(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+def _from_numpy(a: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
     if a.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
+
+
+_NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+             torch.bfloat16: ml_dtypes.bfloat16, torch.int32: np.int32, torch.int64: np.int64}
+
+
+def shared_tensor(name: str, shape: Iterable[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A CPU tensor whose storage is the shared-memory slot of ``name`` (see
+    :func:`bps_worker.client.shared_array`): ``push_pull(t, name, out=t)`` on it sums in place
+    with no copy in or out. Reused across rounds while the size fits; valid until ``shutdown()``."""
+    if dtype not in _NUMPY_OF:
+        raise BPSError(f"unsupported tensor dtype {dtype}; supported: float32, float64, float16, bfloat16, "
+                       f"int32, int64")
+    return _from_numpy(_client.shared_array(name, tuple(shape), _NUMPY_OF[dtype]))
 
 
 @dataclass(eq=False)

@@ -26,6 +26,8 @@ _CLUSTER_KEYS: Final = {
     "timeout": ((int, float), False),
     "credit_bytes": (int, False),
     "max_payload_bytes": (int, False),
+    "colocated_shm": (bool, False),
+    "deterministic": (bool, False),
 }
 _SERVER_KEYS: Final = {"id": (int, True), "address": (str, True), "worker": (int, False), "metrics": (str, False)}
 _WORKER_KEYS: Final = {"id": (int, True), "local_size": (int, True), "socket": (str, True), "metrics": (str, False)}
@@ -67,6 +69,8 @@ class ClusterConfig:
     timeout: float = DEFAULT_TIMEOUT_S
     credit_bytes: int = DEFAULT_CREDIT_BYTES
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    colocated_shm: bool = True  # a worker and the server on its host exchange partitions in shared memory
+    deterministic: bool = False  # servers add contributions in worker-id order (bitwise-repeatable sums)
     source: str = "<memory>"
 
     @property
@@ -181,6 +185,8 @@ def parse_config(data: dict[str, Any], source: str = "<memory>") -> ClusterConfi
         timeout=timeout,
         credit_bytes=credit_bytes,
         max_payload_bytes=max_payload,
+        colocated_shm=c.get("colocated_shm", True),
+        deterministic=c.get("deterministic", False),
         source=source,
     )
 
@@ -192,7 +198,7 @@ def _check_table(table: Any, keys: dict[str, tuple[Any, bool]], where: str, sour
         if key not in keys:
             raise ConfigError(f"{source}: unknown key {where}.{key} (allowed: {', '.join(keys)})")
         kind = keys[key][0]
-        if isinstance(value, bool) or not isinstance(value, kind):
+        if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
             names = " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
             raise ConfigError(f"{source}: {where}.{key} must be {names}, got {value!r}")
     for key, (_, required) in keys.items():

@@ -9,8 +9,9 @@ Connections (who sends what):
 
 * every connection starts with ``Hello`` from the connecting side, answered by
   ``Welcome`` (or ``Failure`` and a close);
-* worker -> server: ``Push`` (+ payload), ``Abort`` and ``Reset``; server -> worker:
-  ``Result`` (+ payload) or ``Failure``; ``StatsRequest``/``Stats`` on both links;
+* worker -> server: ``Push`` (+ payload, or a shared-memory reference to the server on
+  the worker's host), ``Abort``, ``Reset`` and ``Release``; server -> worker:
+  ``Result`` (+ payload, or written in place) or ``Failure``; ``StatsRequest``/``Stats`` on both links;
 * client -> worker (Unix socket, never a payload): ``Alloc``/``Allocated``,
   ``Op``/``Done``/``Failure``.
 """
@@ -29,6 +30,7 @@ from .errors import ProtocolError
 MAX_NAME_CHARS: Final = 1024
 MAX_DIMS: Final = 32
 MAX_MESSAGE_CHARS: Final = 4096
+MAX_SEGMENT_CHARS: Final = 200
 
 ROLE_WORKER: Final = "worker"
 ROLE_CLIENT: Final = "client"
@@ -77,10 +79,16 @@ class Hello(Message):
     id: int
     pid: int = 0
     auth: str = ""  # auth_digest(token, nonce, role, id) when the cluster has a token_file
+    # A worker offering shared memory to the server on its host: a segment it created holding ``shm_key``
+    # (hex). A server that can map it and read the key shares the host and the worker's user or group.
+    shm: str = ""
+    shm_key: str = ""
 
     def validate(self) -> None:
         if self.role not in (ROLE_WORKER, ROLE_CLIENT, ROLE_OBSERVER):
             raise ProtocolError(f"unknown role {self.role!r}")
+        if len(self.shm) > MAX_SEGMENT_CHARS or len(self.shm_key) > 128:
+            raise ProtocolError("hello: shared-memory probe name or key too long")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +101,7 @@ class Welcome(Message):
     local_size: int = 0
     worker: int = -1
     workers: int = 0
+    shm: bool = False  # the server accepted the worker's shared-memory offer: pushes may name segments
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,13 +130,21 @@ class Push(Message):
     count: int
     divisor: int = 1  # the server divides the final sum by this (average) before rounding
     kind: str = KIND_SUM
+    # Shared memory (colocated server only): the partition lies at byte ``seg_offset`` of the worker's
+    # segment ``segment`` instead of in the payload, and the server writes the sum back there.
+    segment: str = ""
+    seg_offset: int = 0
 
     def validate(self) -> None:
         _check_name(self.name)
         _check_dtype(self.dtype)
         _check_shape(self.shape)
-        if min(self.part, self.round, self.offset, self.count, self.worker) < 0 or self.divisor < 1:
-            raise ProtocolError("push has a negative part, round, offset, count or worker, or divisor < 1")
+        if min(self.part, self.round, self.offset, self.count, self.worker, self.seg_offset) < 0 \
+                or self.divisor < 1:
+            raise ProtocolError("push has a negative part, round, offset, count, worker or seg_offset, "
+                                "or divisor < 1")
+        if len(self.segment) > MAX_SEGMENT_CHARS:
+            raise ProtocolError(f"segment name of {len(self.segment)} characters; at most {MAX_SEGMENT_CHARS}")
         if self.kind not in (KIND_SUM, KIND_BROADCAST):
             raise ProtocolError(f"unknown operation kind {self.kind!r}")
         if self.divisor != 1 and self.dtype not in dtypes.FLOAT_TYPES:
@@ -140,13 +157,15 @@ class Push(Message):
 
 @dataclass(frozen=True, slots=True)
 class Result(Message):
-    """The finished sum of one partition; payload: the sum in the tensor's dtype."""
+    """The finished sum of one partition; payload: the sum in the tensor's dtype, or none when
+    ``inplace``: the server wrote it into the shared memory the push named."""
 
     TYPE: ClassVar[str] = "result"
     req: int
     name: str
     part: int
     round: int
+    inplace: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +191,18 @@ class Reset(Message):
 
     TYPE: ClassVar[str] = "reset"
     worker: int
+
+
+@dataclass(frozen=True, slots=True)
+class Release(Message):
+    """A worker freed shared-memory ``segment``: the server on its host unmaps it."""
+
+    TYPE: ClassVar[str] = "release"
+    segment: str
+
+    def validate(self) -> None:
+        if not self.segment or len(self.segment) > MAX_SEGMENT_CHARS:
+            raise ProtocolError(f"release of a segment name of {len(self.segment)} characters")
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,8 +316,8 @@ class Batch(Message):
 
 MESSAGES: Final[dict[str, type[Message]]] = {
     cls.TYPE: cls
-    for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, Ping, StatsRequest, Stats, Alloc,
-                Allocated, Op, Done, Batch)
+    for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, Release, Ping, StatsRequest, Stats,
+                Alloc, Allocated, Op, Done, Batch)
 }
 
 _FIELDS: dict[type[Message], list[tuple[str, type, bool]]] = {}

@@ -47,7 +47,8 @@ def write_config(directory: Path, local_sizes: list[int], *, colocated: bool = T
     metric_ports = iter(ports[n_servers:])
     lines = ["[cluster]", f"workers = {n}"]
     for key, value in (cluster or {}).items():
-        lines.append(f"{key} = {value!r}" if not isinstance(value, str) else f'{key} = "{value}"')
+        text = f'"{value}"' if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else repr(value)
+        lines.append(f"{key} = {text}")
     sid = 0
     if colocated:
         for w in range(n):

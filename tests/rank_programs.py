@@ -289,3 +289,56 @@ def clean_job(steps: int) -> list[float]:
     rank = bps.rank()
     return [float(bps.push_pull(np.full(4, 10.0 * s + rank, np.float32), "x", average=False)[0])
             for s in range(steps)]
+
+
+def shared_rounds(rounds: int, shape: tuple[int, ...], dtype: str) -> dict[str, Any]:
+    """Zero-copy arrays: fill the shared slot, sum in place; the slot stays put across rounds."""
+    rank, size = bps.rank(), bps.size()
+    a = bps.shared_array("shared.x", shape, NUMPY_DTYPES[dtype])
+    address = a.__array_interface__["data"][0]
+    exact, same_memory, returned_itself = [], [], []
+    for r in range(rounds):
+        a[...] = make_input(dtype, shape, rank, seed=r)
+        y = bps.push_pull(a, "shared.x", average=False, out=a)
+        returned_itself.append(y is a)
+        exact.append(raw(a) == raw(reference(dtype, shape, size, r, average=False)))
+        again = bps.shared_array("shared.x", shape, NUMPY_DTYPES[dtype])
+        same_memory.append(again.__array_interface__["data"][0] == address)
+    # Without out=: a new array comes back, and the shared array (the exchange buffer) holds it too.
+    a[...] = make_input(dtype, shape, rank, seed=99)
+    y = bps.push_pull(a, "shared.x", average=False)
+    ref = reference(dtype, shape, size, 99, average=False)
+    return {"exact": all(exact), "same_memory": all(same_memory), "returned_itself": all(returned_itself),
+            "copy_exact": raw(y) == raw(ref) and y is not a, "buffer_holds_result": raw(a) == raw(ref)}
+
+
+def shared_torch(rounds: int, n: int) -> dict[str, Any]:
+    """bps_worker.torch.shared_tensor: in-place push_pull on a tensor whose storage is the slot."""
+    import torch
+
+    import bps_worker.torch as bpt
+
+    rank, size = bps.rank(), bps.size()
+    t = bpt.shared_tensor("shared.t", (n,), torch.float32)
+    ptr = t.data_ptr()
+    ok = []
+    for r in range(rounds):
+        t.copy_(torch.from_numpy(make_input("float32", (n,), rank, seed=r)))
+        out = bpt.push_pull(t, "shared.t", average=False, out=t)
+        ok.append(out is t and t.data_ptr() == ptr
+                  and raw(t.numpy()) == raw(reference("float32", (n,), size, r, average=False)))
+    return {"ok": all(ok)}
+
+
+def ordered_sum(n: int, delay: float, seed: int) -> dict[str, Any]:
+    """Floats of very different magnitudes (so the order of additions shows in the bytes), pushed after
+    ``delay`` seconds: the test controls which worker's push reaches the servers first."""
+    rank, size = bps.rank(), bps.size()
+    xs = [(np.random.default_rng(seed + r).standard_normal(n) * 10.0 ** np.random.default_rng(seed + r)
+           .integers(-6, 7, n)).astype(np.float32) for r in range(size)]
+    time.sleep(delay)
+    y = bps.push_pull(xs[rank], "ordered", average=False)
+    in_rank_order = xs[0].copy()
+    for x in xs[1:]:
+        in_rank_order += x
+    return {"digest": digest(y), "rank_order": raw(y) == raw(in_rank_order)}

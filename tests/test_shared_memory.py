@@ -1,0 +1,114 @@
+"""Zero-copy paths: the colocated server over shared memory, shared arrays, deterministic sums."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import rank_programs as rp
+from harness import run_ranks, server_stats, shm_segments, start_cluster, write_config
+
+DTYPES = ["float32", "float64", "float16", "bfloat16", "int32", "int64"]
+# Several 256 KiB partitions per big tensor (placed on every server), slab-sized ones, 0-d and empty.
+SHAPES = [(), (0,), (5,), (70001,), (3, 100003)]
+
+
+def _cases() -> list[tuple[str, str, tuple[int, ...], bool, int]]:
+    return [(f"{d}.{i}", d, shape, d.startswith("float") and i % 2 == 1, 7 * i + len(d))
+            for d in DTYPES for i, shape in enumerate(SHAPES)]
+
+
+def _run(tmp_path, shm: bool) -> tuple[list, dict]:
+    path = write_config(tmp_path / ("shm" if shm else "tcp"), [2, 2],
+                        cluster={"partition_bytes": 256 * 1024, "colocated_shm": shm})
+    cluster = start_cluster(path)
+    try:
+        results = run_ranks(cluster, rp.sum_cases, _cases(), timeout=120)
+        stats = server_stats(cluster)
+        deadline = time.monotonic() + 10
+        while shm_segments(cluster) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert shm_segments(cluster) == set(), "staging or client segments outlived the job"
+        pids = {str(c.proc.pid) for c in cluster.children if c.daemon}
+    finally:
+        cluster.stop()
+    assert not {n for n in shm_segments() if n.split("_")[2] in pids}, "segments outlived the daemons"
+    return results, stats
+
+
+@pytest.mark.timeout(300)
+def test_colocated_shared_memory_gives_the_tcp_results(tmp_path):
+    by_shm, stats_shm = _run(tmp_path, shm=True)
+    by_tcp, stats_tcp = _run(tmp_path, shm=False)
+    for reports in (by_shm, by_tcp):
+        for case_reports in zip(*reports):
+            for r in case_reports:
+                assert r["exact"], f"{r['name']}: differs from the numpy reference"
+                assert r["input_unchanged"]
+            assert len({r["digest"] for r in case_reports}) == 1
+    assert [[r["digest"] for r in rank] for rank in by_shm] == [[r["digest"] for r in rank] for rank in by_tcp]
+    # Servers 0 and 1 share a host with workers 0 and 1: everything they got from that worker came
+    # through shared memory; server 2 (CPU-only) and every server of the TCP run got none that way.
+    for sid in (0, 1):
+        own = stats_shm[sid]["bytes_by_worker"][str(sid)]
+        assert own > 0 and stats_shm[sid]["bytes_shm"] == own
+    assert stats_shm[2]["bytes_shm"] == 0
+    assert all(s["bytes_shm"] == 0 for s in stats_tcp.values())
+    # Placement does not depend on the transport.
+    assert {k: s["bytes_received"] for k, s in stats_shm.items()} == \
+        {k: s["bytes_received"] for k, s in stats_tcp.items()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64"])
+def test_shared_arrays_sum_in_place_without_moving(tmp_path, dtype):
+    path = write_config(tmp_path, [2, 1], cluster={"partition_bytes": 64 * 1024})
+    cluster = start_cluster(path)
+    try:
+        results = run_ranks(cluster, rp.shared_rounds, 5, (300, 301), dtype)
+    finally:
+        cluster.stop()
+    for r in results:
+        assert r == {"exact": True, "same_memory": True, "returned_itself": True, "copy_exact": True,
+                     "buffer_holds_result": True}
+
+
+@pytest.mark.timeout(120)
+def test_shared_torch_tensors_sum_in_place(tmp_path):
+    pytest.importorskip("torch")
+    path = write_config(tmp_path, [1, 2])
+    cluster = start_cluster(path)
+    try:
+        results = run_ranks(cluster, rp.shared_torch, 4, 200_003)
+    finally:
+        cluster.stop()
+    assert all(r["ok"] for r in results)
+
+
+def _ordered(tmp_path, deterministic: bool, colocated: bool, delays: list[float]) -> list[dict]:
+    path = write_config(tmp_path / f"d{int(deterministic)}c{int(colocated)}{delays[0]}", [1, 1, 1],
+                        colocated=colocated, cpu_servers=0 if colocated else 1,
+                        cluster={"deterministic": deterministic, "partition_bytes": 1 << 20})
+    cluster = start_cluster(path)
+    try:
+        return run_ranks(cluster, rp.ordered_sum, per_rank_args=lambda r: (300_000, delays[r], 5))
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("colocated", [False, True], ids=["cpu-server", "colocated-shm"])
+def test_deterministic_sums_ignore_arrival_order(tmp_path, colocated):
+    first = _ordered(tmp_path, True, colocated, [0.0, 0.4, 0.8])
+    second = _ordered(tmp_path, True, colocated, [0.8, 0.4, 0.0])
+    assert len({r["digest"] for r in first + second}) == 1, "deterministic sums differ between arrival orders"
+    assert all(r["rank_order"] for r in first), "the sum is not the worker-id-order sum"
+
+
+@pytest.mark.timeout(300)
+def test_without_deterministic_the_order_shows(tmp_path):
+    """The control for the test above: its inputs and delays really do change the bytes."""
+    first = _ordered(tmp_path, False, False, [0.0, 0.4, 0.8])
+    second = _ordered(tmp_path, False, False, [0.8, 0.4, 0.0])
+    assert first[0]["digest"] != second[0]["digest"]
