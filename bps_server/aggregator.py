@@ -18,6 +18,17 @@ key by a lock; the first contribution of a round is adopted as the accumulator
 without a copy where its dtype needs no widening (never a *borrowed* one: a
 view of the colocated worker's shared memory, which the worker owns).
 
+A round that waits longer than ``lost_grace_s`` for a worker which is not even
+connected fails, naming it (a worker machine that never came, or died before a
+server restart): connected but slow workers are waited for.
+
+Server restarts. A restarted server knows nothing; the workers reconnect, replay
+the last finished sum of each key they got from its predecessor (``replay``) and
+push again what was in flight. A replayed sum answers the workers that pushed
+that round but never got its sum; a replayer's push of the next round waits
+until every worker has either replayed the round or been answered. So no round
+is lost or summed twice, and the bytes are those the predecessor computed.
+
 Deterministic mode (``cluster.deterministic``): floating-point addition is not
 associative, so the sum depends on the order in which pushes arrive. With it on,
 each key keeps every contribution of the round until the last one arrives and
@@ -34,7 +45,7 @@ import logging
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Callable, Final
+from typing import Any, Callable, Final
 
 import numpy as np
 
@@ -70,9 +81,15 @@ class KeyState:
     added: int = 0
     contributors: dict[int, Contributor] = field(default_factory=dict)
     held: dict[int, tuple[np.ndarray, bool]] = field(default_factory=dict)  # deterministic: worker -> (data, borrowed)
+    # After a restart: the round's sum as replayed by a worker that got it from our predecessor,
+    # the workers that replayed it, those answered with it, and next-round pushes of replayers.
+    result: np.ndarray | None = None
+    replayers: set[int] = field(default_factory=set)
+    answered: set[int] = field(default_factory=set)
+    held_next: list[tuple[Any, ...]] = field(default_factory=list)
     failed: str | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    opened: float = field(default_factory=time.monotonic)  # when the round's first push arrived
+    opened: float = 0.0  # time.monotonic() of the round's first push (or replay)
 
 
 def describe(push: Push) -> str:
@@ -98,6 +115,7 @@ class Counters:
     pushes: int = 0
     rounds_completed: int = 0
     rounds_failed: int = 0
+    rounds_replayed: int = 0  # rounds settled after a restart with a sum a worker replayed
     bytes_by_worker: dict[int, int] = field(default_factory=dict)
     bytes_shm: int = 0  # of bytes_received: read from the colocated worker's shared memory
     round_seconds: Histogram = field(default_factory=Histogram)  # first push to sum sent
@@ -109,6 +127,7 @@ class Counters:
             "pushes": self.pushes,
             "rounds_completed": self.rounds_completed,
             "rounds_failed": self.rounds_failed,
+            "rounds_replayed": self.rounds_replayed,
             "bytes_by_worker": {str(k): v for k, v in self.bytes_by_worker.items()},
             "bytes_shm": self.bytes_shm,
         }
@@ -118,9 +137,11 @@ class Aggregator:
     """Sums the ``n_workers`` pushes of every key and round (see the module docstring)."""
 
     def __init__(self, n_workers: int, executor: Executor | None = None, lost_grace_s: float = 30.0,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, connected: Callable[[int], bool] = lambda worker: True) -> None:
         self.n_workers = n_workers
         self.deterministic = deterministic
+        self.connected = connected
+        self._tasks: set[asyncio.Future[None]] = set()
         self.executor = executor
         self.lost_grace_s = lost_grace_s
         self.keys: dict[Key, KeyState] = {}
@@ -148,16 +169,19 @@ class Aggregator:
         key = (push.name, push.part)
         st = self.keys.get(key)
         if st is None:
-            st = self.keys[key] = KeyState(round=push.round)
+            st = self._open(key, push.round)
         if push.round < st.round:
             fail(push, f"tensor {push.name!r} part {push.part}: stale round {push.round}, "
                        f"the server is at round {st.round}")
             return
+        if push.round == st.round + 1 and push.worker in st.replayers and st.failed is None:
+            st.held_next.append((push, payload, reply, fail, borrowed))  # see "Server restarts"
+            return
         if push.round > st.round:
-            if st.contributors and st.failed is None:
+            if (st.contributors or st.replayers) and st.failed is None:
                 self._fail_round(key, st, f"tensor {push.name!r} round {st.round} abandoned: worker "
                                           f"{push.worker} moved on to round {push.round}")
-            st = self.keys[key] = KeyState(round=push.round)
+            st = self._open(key, push.round)
         if push.worker in self._gone or push.worker in self._reset:
             self.worker_joined(push.worker)  # a push means its processes are back
         if st.failed is not None:
@@ -174,12 +198,19 @@ class Aggregator:
             return
         if st.first is None:
             st.first = push
+            if not st.replayers:
+                st.opened = time.monotonic()
         elif _descriptor(st.first) != _descriptor(push):
             st.contributors[push.worker] = Contributor(push, reply, fail)
             self._fail_round(key, st, f"tensor {push.name!r} mismatch: worker {st.first.worker} pushed "
                                       f"{describe(st.first)} but worker {push.worker} pushed {describe(push)}")
             return
         st.contributors[push.worker] = Contributor(push, reply, fail)
+        if st.result is not None:  # the sum is known from a replay
+            st.answered.add(push.worker)
+            reply(push, st.result)
+            self._settle_replayed(key, st)
+            return
         if self.deterministic:
             st.held[push.worker] = (payload, borrowed)
             if len(st.held) < self.n_workers:
@@ -188,7 +219,7 @@ class Aggregator:
                 for worker in sorted(st.held):  # worker-id order, whatever the arrival order
                     data, was_borrowed = st.held[worker]
                     await self._add(st, data, push.dtype, was_borrowed)
-                    if self.keys.get(key) is not st or st.failed is not None:
+                    if self.keys.get(key) is not st or st.failed is not None or st.result is not None:
                         return
                 st.held.clear()
                 await self._complete(key, st)
@@ -197,11 +228,67 @@ class Aggregator:
             if self.keys.get(key) is not st or st.failed is not None:
                 return  # the round was abandoned or failed while we waited; waiters were told
             await self._add(st, payload, push.dtype, borrowed)
-            if self.keys.get(key) is not st or st.failed is not None:
+            if self.keys.get(key) is not st or st.failed is not None or st.result is not None:
                 return
             st.added += 1
             if st.added == self.n_workers:
                 await self._complete(key, st)
+
+    def replay(self, push: Push, data: np.ndarray) -> None:
+        """A worker's copy of a round's sum from this server's previous run (see "Server restarts")."""
+        key = (push.name, push.part)
+        st = self.keys.get(key)
+        if st is None:
+            st = self._open(key, push.round)
+        if push.round != st.round or st.failed is not None:
+            log.info("ignoring worker %d's replay of %r part %d round %d: the server is at round %d%s", push.worker,
+                     push.name, push.part, push.round, st.round, " (failed)" if st.failed else "")
+            return
+        if st.first is not None and _descriptor(st.first) != _descriptor(push):
+            log.warning("ignoring worker %d's replay of %r part %d: %s, but the round's pushes are %s", push.worker,
+                        push.name, push.part, describe(push), describe(st.first))
+            return
+        if st.result is None:
+            st.result = np.array(data, copy=True)  # `data` may be the worker's memory
+        if not st.replayers and st.first is None:
+            st.opened = time.monotonic()
+        st.replayers.add(push.worker)
+        for worker, contributor in list(st.contributors.items()):
+            if worker not in st.answered:
+                st.answered.add(worker)
+                contributor.reply(contributor.push, st.result)
+        self._settle_replayed(key, st)
+
+    def _settle_replayed(self, key: Key, st: KeyState) -> None:
+        """Once every worker replayed the round or got its replayed sum, move on and let the held
+        next-round pushes in."""
+        if len(st.replayers | st.answered) < self.n_workers or self.keys.get(key) is not st:
+            return
+        self._open(key, st.round + 1)
+        self.counters.rounds_replayed += 1
+        for args in st.held_next:
+            task = asyncio.ensure_future(self.push(*args))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _open(self, key: Key, round_: int) -> KeyState:
+        st = self.keys[key] = KeyState(round=round_)
+        return st
+
+    def sweep(self, now: float) -> int:
+        """Fail every round that has waited longer than ``lost_grace_s`` (since its first push) for a
+        worker that is not connected; the server calls this periodically. Returns how many failed."""
+        failed = 0
+        for key, st in list(self.keys.items()):
+            if st.failed is not None or not (st.contributors or st.replayers) or now - st.opened < self.lost_grace_s:
+                continue
+            waiting = set(range(self.n_workers)) - set(st.contributors) - st.replayers - st.answered
+            absent = sorted(w for w in waiting if not self.connected(w))
+            if absent:
+                failed += 1
+                self._fail_round(key, st, f"worker {absent[0]} is not connected to this server (waited "
+                                          f"{self.lost_grace_s:g} s); round {st.round} of {key[0]!r} cannot complete")
+        return failed
 
     def abort(self, name: str, part: int, round_: int, worker: int, message: str) -> None:
         """A worker gave up a round: fail it for every worker (now and for late pushes)."""
@@ -211,7 +298,7 @@ class Aggregator:
             self._fail_round(key, st, f"tensor {name!r} round {st.round} abandoned: worker {worker} aborted "
                                       f"round {round_}")
         if st is None or round_ > st.round:
-            st = self.keys[key] = KeyState(round=round_)
+            st = self._open(key, round_)
         if st.round == round_ and st.failed is None:
             self._fail_round(key, st, f"tensor {name!r} round {round_} aborted by worker {worker}: {message}")
 
@@ -302,7 +389,7 @@ class Aggregator:
         else:
             out = acc
         # The next round starts from a fresh state; `out` stays alive as long as transports need it.
-        self.keys[key] = KeyState(round=st.round + 1)
+        self._open(key, st.round + 1)
         self.counters.rounds_completed += 1
         self.counters.round_seconds.observe(time.monotonic() - st.opened)
         for contributor in st.contributors.values():
@@ -314,6 +401,10 @@ class Aggregator:
         st.failed = reason
         st.held.clear()
         self.counters.rounds_failed += 1
-        for contributor in st.contributors.values():
-            contributor.fail(contributor.push, reason)
+        for worker, contributor in st.contributors.items():
+            if worker not in st.answered:
+                contributor.fail(contributor.push, reason)
         st.contributors.clear()
+        held_next, st.held_next = st.held_next, []
+        for push, _, _, fail, _ in held_next:
+            fail(push, f"tensor {push.name!r} round {push.round} cannot start: round {st.round} failed: {reason}")

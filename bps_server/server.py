@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from multiprocessing.shared_memory import SharedMemory
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -157,7 +158,10 @@ class ServerConnection(asyncio.BufferedProtocol):
                                     f"{total} elements")
             data = (kernels.as_array(payload, message.dtype) if payload is not None
                     else np.empty(0, dtype=kernels.STORAGE[message.dtype]))
-            self.server.spawn(self.server.aggregator.push(message, data, self.reply, self.fail))
+            if message.replay:
+                self.server.aggregator.replay(message, data)
+            else:
+                self.server.spawn(self.server.aggregator.push(message, data, self.reply, self.fail))
         elif isinstance(message, Abort):
             self.server.aggregator.abort(message.name, message.part, message.round, self.worker, message.message)
         elif isinstance(message, Release):
@@ -184,23 +188,32 @@ class ServerConnection(asyncio.BufferedProtocol):
             raise ProtocolError(f"push of {push.name!r} names shared memory and also carries a payload")
         if push.worker != self.worker:
             raise ProtocolError(f"worker {self.worker} pushed as worker {push.worker}")
-        if not push.segment.startswith(f"bps_w{self.worker}_"):
-            raise ProtocolError(f"push of {push.name!r} names segment {push.segment!r}, not one of worker "
-                                f"{self.worker}'s")
-        seg = self.segments.get(push.segment)
-        if seg is None:
-            try:
-                seg = self.segments[push.segment] = attach_segment(push.segment)
-            except OSError as exc:
-                self.fail(push, f"server cannot map shared memory {push.segment!r} of {push.name!r}: {exc}")
-                return
         total = 1
         for d in push.shape:
             total *= d
-        if push.offset + push.count > total or push.seg_offset + push.payload_nbytes > seg.size:
-            raise ProtocolError(f"push of {push.name!r} part {push.part} exceeds its tensor or its segment")
-        data = np.frombuffer(seg.buf, dtype=kernels.STORAGE[push.dtype], count=push.count, offset=push.seg_offset)
-        self.server.spawn(self.server.aggregator.push(push, data, self.reply, self.fail, borrowed=True))
+        if push.offset + push.count > total:
+            raise ProtocolError(f"push of {push.name!r} part {push.part} exceeds its tensor's {total} elements")
+        segments = []
+        for name, offset in ((push.segment, push.seg_offset), (push.out_segment, push.out_offset)):
+            if not name.startswith(f"bps_w{self.worker}_"):
+                raise ProtocolError(f"push of {push.name!r} names segment {name!r}, not one of worker "
+                                    f"{self.worker}'s")
+            seg = self.segments.get(name)
+            if seg is None:
+                try:
+                    seg = self.segments[name] = attach_segment(name)
+                except OSError as exc:
+                    self.fail(push, f"server cannot map shared memory {name!r} of {push.name!r}: {exc}")
+                    return
+            if offset + push.payload_nbytes > seg.size:
+                raise ProtocolError(f"push of {push.name!r} part {push.part} runs past the end of segment {name!r}")
+            segments.append(seg)
+        data = np.frombuffer(segments[0].buf, dtype=kernels.STORAGE[push.dtype], count=push.count,
+                             offset=push.seg_offset)
+        if push.replay:
+            self.server.aggregator.replay(push, data)
+        else:
+            self.server.spawn(self.server.aggregator.push(push, data, self.reply, self.fail, borrowed=True))
 
     def unmap_all(self) -> None:
         for seg in self.segments.values():
@@ -253,7 +266,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.shm = self._accept_shm(message)
         log.info("worker %d connected from %s%s", message.id, self.peer, " (shared memory)" if self.shm else "")
         self.send(Welcome(PROTOCOL_VERSION, worker=message.id, workers=self.server.config.cluster.workers,
-                          shm=self.shm))
+                          shm=self.shm, incarnation=self.server.incarnation))
 
     # -- replies ---------------------------------------------------------------------
     def reply(self, push: Push, out: np.ndarray) -> None:
@@ -263,11 +276,11 @@ class ServerConnection(asyncio.BufferedProtocol):
             self.send(Result(push.req, push.name, push.part, push.round), out)
 
     async def _reply_in_place(self, push: Push, out: np.ndarray) -> None:
-        """Write the sum over the worker's pushed partition, then tell it."""
-        seg = self.segments.get(push.segment)
+        """Write the sum where the worker asked for it, then tell it."""
+        seg = self.segments.get(push.out_segment)
         if seg is None or self.closed:
             return  # the worker released the segment or left: nobody waits for this answer
-        dest = np.frombuffer(seg.buf, dtype=out.dtype, count=out.size, offset=push.seg_offset)
+        dest = np.frombuffer(seg.buf, dtype=out.dtype, count=out.size, offset=push.out_offset)
         if out.nbytes >= INLINE_SUM_MAX_BYTES:
             await asyncio.get_running_loop().run_in_executor(self.server.executor, np.copyto, dest, out)
         else:
@@ -340,11 +353,13 @@ class SummationServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        self.incarnation = secrets.token_hex(8)  # this run of the server: workers notice a restart by it
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-sum")
-        self.aggregator = Aggregator(config.cluster.workers, self.executor, lost_grace_s=config.cluster.timeout,
-                                     deterministic=config.cluster.deterministic)
-        self.connections: set[ServerConnection] = set()
         self.links: dict[int, ServerConnection] = {}
+        self.aggregator = Aggregator(config.cluster.workers, self.executor, lost_grace_s=config.cluster.timeout,
+                                     deterministic=config.cluster.deterministic,
+                                     connected=lambda w: w in self.links)
+        self.connections: set[ServerConnection] = set()
         self.tasks: set[asyncio.Task[Any]] = set()
         self.stopping = False
         self._server: asyncio.AbstractServer | None = None
@@ -392,7 +407,8 @@ class SummationServer:
 
     async def _watch_silence(self) -> None:
         """Drop a worker that has sent nothing (not even a ping) for ``cluster.timeout``: it died or
-        stalled without closing its connection, and the rounds waiting for it must fail, not hang."""
+        stalled without closing its connection, and the rounds waiting for it must fail, not hang.
+        Checks every ``timeout / 4``, so a round fails within 1.25 x the timeout."""
         timeout = self.config.cluster.timeout
         loop = asyncio.get_running_loop()
         while not self.stopping:
@@ -405,6 +421,9 @@ class SummationServer:
                     if conn.transport is not None:
                         conn.transport.abort()  # close() would wait to flush to a peer that reads nothing
                     conn.connection_lost(None)
+            # Rounds that wait for a worker which is not connected at all (never came, or did not
+            # come back after this server restarted) fail rather than wait for ever.
+            self.aggregator.sweep(time.monotonic())
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

@@ -265,9 +265,12 @@ class WorkerDaemon:
         # error for *its* round instead of starting the next one with stale data.
         self.open_rounds: dict[str, list[LocalRound]] = {}
         self.next_round: dict[str, int] = {}
-        # Per name, the machine's local sum, sent from and received into; in shared memory so that a
-        # colocated server reads and writes it in place.
+        # Per name, the machine's local sum (what is pushed) and the global sum (where results land),
+        # in shared memory so that a colocated server reads and writes them in place. Apart, so that
+        # a contribution stays intact until its result is complete (a restarted server gets it again),
+        # and a result stays intact until the next one (a restarted server may need it for a peer).
         self.staging = shm.Arena(config.worker_id, config.segment_mode)
+        self.results = shm.Arena(config.worker_id, config.segment_mode)
         self.tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.AbstractServer | None = None
         self._heartbeat: asyncio.Future[None] | None = None
@@ -349,6 +352,7 @@ class WorkerDaemon:
         for link in self.links.values():
             link.close()
         self.staging.release_all()
+        self.results.release_all()
         if self._server is not None:
             await self._server.wait_closed()
         try:
@@ -470,13 +474,13 @@ class WorkerDaemon:
         get an error instead of waiting for them.
         """
         log.info("no training processes connected: resetting rounds and freeing %d staging buffers",
-                 len(self.staging.slots))
+                 len(self.staging.slots) + len(self.results.slots))
         for rounds in list(self.open_rounds.values()):
             for lr in list(rounds):
                 self.fail_local_round(lr, f"tensor {lr.name!r}: every process of worker {self.worker_id} left")
         self.open_rounds.clear()
         self.next_round.clear()
-        self.segments_freed(self.staging.release_all())
+        self.segments_freed(self.staging.release_all() + self.results.release_all())
         for link in self.links.values():
             link.reset()
 
@@ -503,20 +507,23 @@ class WorkerDaemon:
             if direct:
                 buf, segment, base = views[0], members[0][1].segment, members[0][1].offset
             else:
-                buf, segment, base = self._staging_buffer(name, nbytes, op.dtype, count)
+                buf, segment, base = self._staging_buffer(self.staging, name, nbytes, op.dtype, count)
                 await self._prepare(buf, views, op)
+            out, out_segment, out_base = self._staging_buffer(self.results, name, nbytes, op.dtype, count)
             divisor = cluster.size if op.average else 1
             raw = memoryview(buf).cast("B") if nbytes else memoryview(b"")
+            out_raw = memoryview(out).cast("B") if nbytes else memoryview(b"")
             priority = max(o.priority for _, o in members)
             futures = []
             for piece in self.placement.split(name, count, itemsize):
                 lo, hi = piece.offset * itemsize, (piece.offset + piece.count) * itemsize
                 fields = dict(name=name, part=piece.part, round=lr.round, dtype=op.dtype, shape=list(op.shape),
                               offset=piece.offset, count=piece.count, divisor=divisor, kind=op.kind)
-                futures.append((piece, self.links[piece.server].push(fields, raw[lo:hi], priority,
-                                                                     shm_ref=(segment, base + lo))))
+                futures.append((piece, self.links[piece.server].push(
+                    fields, raw[lo:hi], out_raw[lo:hi], priority,
+                    shm_ref=(segment, base + lo), out_ref=(out_segment, out_base + lo))))
             self.counters.bytes_pushed += nbytes
-            error = await self._wait_pieces(name, lr.round, futures, staged=not direct)
+            error = await self._wait_pieces(name, lr.round, futures)
             if error is not None:
                 self.counters.ops_failed += 1
                 code = "mismatch" if "mismatch" in error else "error"
@@ -524,8 +531,7 @@ class WorkerDaemon:
                     session.send(Failure(o.req, error, code=code))
                 return
             self.counters.bytes_pulled += nbytes
-            if not direct:
-                await self._hand_back(buf, views)
+            await self._hand_back(out, views)
             for session, o in members:
                 session.send(Done(o.req))
             self.counters.ops += 1
@@ -536,8 +542,8 @@ class WorkerDaemon:
             for session, o in members:
                 session.send(Failure(o.req, f"tensor {name!r}: internal error in the worker: {exc!r}"))
 
-    async def _wait_pieces(self, name: str, round_: int, futures: list[tuple[Any, asyncio.Future[None]]],
-                           staged: bool) -> str | None:
+    async def _wait_pieces(self, name: str, round_: int, futures: list[tuple[Any, asyncio.Future[None]]]
+                           ) -> str | None:
         """Wait for every piece; on the first failure abandon the rest and return its message."""
         pending = {f for _, f in futures}
         while pending:
@@ -559,9 +565,8 @@ class WorkerDaemon:
                 if answers:
                     await asyncio.wait(answers)  # the server answers every push; a lost link fails them
                 # A server that went silent with our memory in hand might still write into it.
-                if staged and any(not f.cancelled() and getattr(f.exception(), "unanswered_shm", False)
-                                  for _, f in futures):
-                    freed = self.staging.abandon(name)
+                if any(not f.cancelled() and getattr(f.exception(), "unanswered_shm", False) for _, f in futures):
+                    freed = self.results.abandon(name)
                     if freed is not None:
                         self.segments_freed([freed])
                 return message
@@ -572,12 +577,13 @@ class WorkerDaemon:
         local = op.root - self.rank_offset
         return local if 0 <= local < self.config.local_size else None
 
-    def _staging_buffer(self, name: str, nbytes: int, dtype: str, count: int) -> tuple[np.ndarray, str, int]:
-        """The staging array of ``name``, its segment and its byte offset there."""
-        slot, freed = self.staging.alloc(name, nbytes)
+    def _staging_buffer(self, arena: shm.Arena, name: str, nbytes: int, dtype: str, count: int
+                        ) -> tuple[np.ndarray, str, int]:
+        """The array of ``name`` in ``arena``, its segment and its byte offset there."""
+        slot, freed = arena.alloc(name, nbytes)
         if freed is not None:
             self.segments_freed([freed])
-        buf = np.frombuffer(self.staging.segments[slot.segment].buf, dtype=kernels.STORAGE[dtype], count=count,
+        buf = np.frombuffer(arena.segments[slot.segment].buf, dtype=kernels.STORAGE[dtype], count=count,
                             offset=slot.offset)
         return buf, slot.segment, slot.offset
 

@@ -67,20 +67,39 @@ class Cluster:
         self.stop()
 
     def start(self) -> None:
-        notify_path = os.path.join(self._tmp.name, "notify")
+        self._launch([f"server-{spec.id}" for spec in self.config.servers]
+                     + [f"worker-{w.id}" for w in self.config.worker_specs])
+
+    def _launch(self, labels: list[str]) -> None:
+        """Start the daemons named ``server-N`` / ``worker-N`` and wait until they are all ready."""
+        notify_path = os.path.join(self._tmp.name, f"notify-{os.urandom(4).hex()}")
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         notify.bind(notify_path)
         try:
             pending = {}
-            for spec in self.config.servers:
-                label = f"server-{spec.id}"
-                pending[self._spawn_daemon(label, "bps_server", spec.id, notify_path).pid] = label
-            for w in self.config.worker_specs:
-                label = f"worker-{w.id}"
-                pending[self._spawn_daemon(label, "bps_worker", w.id, notify_path).pid] = label
+            for label in labels:
+                kind, ident = label.split("-")
+                module = "bps_server" if kind == "server" else "bps_worker"
+                pending[self._spawn_daemon(label, module, int(ident), notify_path).pid] = label
             self._wait_ready(notify, pending)
         finally:
             notify.close()
+            os.unlink(notify_path)
+
+    def kill(self, label: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to daemon ``label`` (e.g. ``server-2``) and, unless it is SIGSTOP, reap it."""
+        child = next(c for c in self.children if c.daemon and c.label == label)
+        child.proc.send_signal(sig)
+        if sig not in (signal.SIGSTOP, signal.SIGCONT):
+            child.proc.wait()
+
+    def restart(self, label: str) -> None:
+        """Start daemon ``label`` again after it died (as systemd's Restart=on-failure would)."""
+        old = next(c for c in self.children if c.daemon and c.label == label)
+        if old.proc.poll() is None:
+            raise LaunchError(f"{label} is still running")
+        self.children.remove(old)
+        self._launch([label])
 
     def _spawn_daemon(self, label: str, module: str, ident: int, notify_path: str) -> subprocess.Popen[bytes]:
         env = dict(os.environ, NOTIFY_SOCKET=notify_path)
@@ -103,7 +122,7 @@ class Cluster:
         ready = 0
         while ready < len(pending):
             for child in self.children:
-                code = child.proc.poll()
+                code = child.proc.poll() if child.proc.pid in pending else None
                 if code is not None:
                     raise LaunchError(f"{child.label} exited with status {code} during start-up")
             if time.monotonic() > deadline:

@@ -13,12 +13,22 @@ socket.
 
 Shared memory: the link to the server on this worker's own host offers it the
 worker's segments at the handshake (a probe segment holding a random key). If
-the server can read the key, pushes name ``(segment, offset)`` instead of
-carrying bytes, and the server writes the sum back in place: no socket copies,
-no loopback TCP. Such a push stays in the server's hands until it answers it, so
-an abandoned one is never forgotten early (the server could still write into
-the memory); a lost connection fails it with ``unanswered_shm`` set, and the
-caller stops reusing that memory.
+the server can read the key, pushes name ``(segment, offset)`` of the data and
+of the result instead of carrying bytes, and the server writes the sum in
+place: no socket copies, no loopback TCP. Such a push stays in the server's
+hands until it answers it, so an abandoned one is never forgotten early (the
+server could still write into the result memory); a lost connection fails it
+with ``unanswered_shm`` set, and the caller stops reusing that memory.
+
+Server restarts: every Welcome carries the server's *incarnation*, a random id
+of that run of it. When a connection breaks, what is in flight is held, not
+failed, while the link reconnects (for up to the timeout). If the server that
+answers is a new incarnation, its predecessor's state is lost: the link first
+*replays* the last finished sum of every partition key it got from that server
+(a peer may not have received it before the crash), then pushes again every
+partition still in flight (the contributions are intact: results land in a
+separate buffer). If it is the same incarnation (the connection alone broke,
+and the server already failed the rounds that needed us), the held pushes fail.
 """
 
 from __future__ import annotations
@@ -78,17 +88,16 @@ BATCH_MAX_BYTES = 1 << 20
 class _Queued:
     sort_key: tuple[int, int]
     push: Push = field(compare=False)
-    payload: memoryview = field(compare=False)  # the partition's bytes; the sum is written over them
+    payload: memoryview = field(compare=False)  # the partition's bytes
+    dest: memoryview = field(compare=False)  # where its sum goes
     future: asyncio.Future[None] = field(compare=False)
     shm_ref: tuple[str, int] | None = field(compare=False, default=None)  # (segment, byte offset) of payload
+    out_ref: tuple[str, int] | None = field(compare=False, default=None)  # (segment, byte offset) of dest
     via_shm: bool = field(compare=False, default=False)  # sent as a shared-memory reference
-
-    @property
-    def dest(self) -> memoryview:
-        return self.payload
+    held: bool = field(compare=False, default=False)  # sent on a connection that broke; awaiting the verdict
 
     def wire_nbytes(self, shm: bool) -> int:
-        return 0 if shm and self.shm_ref is not None else self.payload.nbytes
+        return 0 if shm and self.shm_ref is not None and self.out_ref is not None else self.payload.nbytes
 
 
 class _LinkProtocol(asyncio.BufferedProtocol):
@@ -150,21 +159,29 @@ class ServerLink:
         self._req = itertools.count(1)
         self._inflight: dict[int, _Queued] = {}
         self._control: list[Message] = []  # aborts and resets waiting for a connection
+        self.incarnation: str | None = None  # of the server run we last talked to
+        # The last answered push of every (name, part): its sum is replayed to a restarted server.
+        self._answered: dict[tuple[str, int], _Queued] = {}
+        self._broken_reason = ""
         self.closed = False
 
     # -- public ----------------------------------------------------------------------
-    def push(self, push_fields: dict[str, Any], payload: memoryview, priority: int,
-             shm_ref: tuple[str, int] | None = None) -> asyncio.Future[None]:
-        """Queue a push of ``payload``; the future resolves once the sum was written over it.
+    def push(self, push_fields: dict[str, Any], payload: memoryview, dest: memoryview, priority: int,
+             shm_ref: tuple[str, int] | None = None, out_ref: tuple[str, int] | None = None
+             ) -> asyncio.Future[None]:
+        """Queue a push of ``payload``; the future resolves once the sum was written into ``dest``.
 
-        ``shm_ref`` locates ``payload`` in a shared-memory segment (name, byte offset), for a
-        server that shares this host.
+        ``shm_ref`` and ``out_ref`` locate ``payload`` and ``dest`` in shared-memory segments
+        (name, byte offset), for a server that shares this host. ``payload`` must stay unchanged
+        until the future is done, and ``dest`` until the next push of the same partition is
+        answered (a restarted server may need them again).
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         req = next(self._req)
         push = Push(req=req, worker=self.worker_id, **push_fields)
-        heapq.heappush(self._queue, _Queued((-priority, next(self._seq)), push, payload, future, shm_ref))
+        heapq.heappush(self._queue, _Queued((-priority, next(self._seq)), push, payload, dest, future, shm_ref,
+                                            out_ref))
         if self._proto is None:
             self._ensure_connecting()
         else:
@@ -183,9 +200,15 @@ class ServerLink:
                 if item.via_shm and not future.done():
                     return False
                 del self._inflight[req]
+                self._answered.pop((item.push.name, item.push.part), None)
                 reader = self._proto.reader if self._proto is not None else None
                 if reader is not None and reader.pending_destination is item.dest:
                     reader.discard_pending_payload()  # its result is arriving right now: not into dest
+        for item in self._queue:
+            if item.future is future:
+                if item.held and item.via_shm and not future.done():
+                    return False  # the broken connection's server may still be alive and write
+                self._answered.pop((item.push.name, item.push.part), None)
         if not future.done():
             future.cancel()
         return True
@@ -217,6 +240,7 @@ class ServerLink:
 
     def reset(self) -> None:
         """Tell the server that this worker has no training processes left (see Reset)."""
+        self._answered.clear()  # the next job starts at round 0; the buffers are being freed
         self._send_control(Reset(self.worker_id))
 
     def release_segments(self, names: list[str]) -> None:
@@ -266,11 +290,21 @@ class ServerLink:
 
     def _wire(self, item: _Queued) -> tuple[Push, memoryview | None]:
         """What goes on the wire for ``item``: the push and its bytes, or a shared-memory reference."""
-        if self.shm and item.shm_ref is not None:
+        if self.shm and item.shm_ref is not None and item.out_ref is not None:
             item.via_shm = True
-            return dataclasses.replace(item.push, segment=item.shm_ref[0], seg_offset=item.shm_ref[1]), None
+            return dataclasses.replace(item.push, segment=item.shm_ref[0], seg_offset=item.shm_ref[1],
+                                       out_segment=item.out_ref[0], out_offset=item.out_ref[1]), None
         item.via_shm = False
         return item.push, item.payload
+
+    def _replay(self, proto: _LinkProtocol, item: _Queued) -> None:
+        """Give a restarted server the sum of ``item``'s round, which we got from its predecessor."""
+        push = dataclasses.replace(item.push, replay=True)
+        if self.shm and item.out_ref is not None:
+            self._send(proto, dataclasses.replace(push, segment=item.out_ref[0], seg_offset=item.out_ref[1],
+                                                  out_segment=item.out_ref[0], out_offset=item.out_ref[1]))
+        else:
+            self._send(proto, push, item.dest)
 
     def _send_batch(self, proto: _LinkProtocol, first: _Queued) -> None:
         """Send ``first`` together with the small pushes queued right behind it (in priority order)."""
@@ -346,6 +380,7 @@ class ServerLink:
                                         f"{item.push.part} in shared memory, but it was pushed over TCP")
                 if item is not None and not item.future.done():
                     item.future.set_result(None)
+                    self._answered[(item.push.name, item.push.part)] = item
                 return
             if item is not None and not item.future.done():
                 got = 0 if payload is None else payload.nbytes
@@ -355,12 +390,15 @@ class ServerLink:
                 if payload is not None and payload is not item.dest:  # a batched result: not received in place
                     item.dest[:] = payload
                 item.future.set_result(None)
+                self._answered[(item.push.name, item.push.part)] = item
             return
         if isinstance(message, Failure):
             if message.req == -1:
                 self.on_broken(proto, f"server {self.spec.id} refused the connection: {message.message}")
                 return
             item = self._inflight.pop(message.req, None)
+            if item is not None:
+                self._answered.pop((item.push.name, item.push.part), None)
             if item is not None and not item.future.done():
                 cls = BPSMismatchError if "mismatch" in message.message else BPSError
                 item.future.set_exception(cls(f"server {self.spec.id}: {message.message}"))
@@ -381,7 +419,16 @@ class ServerLink:
                 waiter.set_exception(ConnectionError(reason))
         if proto.transport is not None:
             proto.transport.close()
-        self._fail_all(BPSConnectionError(reason))
+        if self.incarnation is None or self.closed:
+            self._fail_all(BPSConnectionError(reason))
+            return
+        # The server may be restarting: hold what is in flight until we know (see the module docstring).
+        self._broken_reason = reason
+        for item in self._inflight.values():
+            item.held = True
+            heapq.heappush(self._queue, item)
+        self._inflight.clear()
+        self._ensure_connecting()
 
     def _fail_all(self, exc: BPSError) -> None:
         items = list(self._inflight.values()) + self._queue
@@ -397,6 +444,28 @@ class ServerLink:
                     item.future.set_exception(exc)
 
     # -- connecting ------------------------------------------------------------------
+    def _after_reconnect(self, proto: _LinkProtocol, restarted: bool) -> None:
+        """Settle the pushes held since the connection broke (see the module docstring)."""
+        held = [item for item in self._queue if item.held]
+        if restarted:
+            log.warning("server %d restarted (its state is lost): replaying %d finished sums, pushing %d "
+                        "partitions again", self.spec.id, len(self._answered), len(held))
+            for item in list(self._answered.values()):
+                self._replay(proto, item)
+            for item in held:
+                item.held = False
+            return
+        if held:
+            self._queue = [item for item in self._queue if not item.held]
+            heapq.heapify(self._queue)
+            for item in held:
+                item.held = False
+                if not item.future.done():
+                    exc = BPSConnectionError(self._broken_reason)
+                    if item.via_shm:
+                        exc.unanswered_shm = True  # type: ignore[attr-defined]
+                    item.future.set_exception(exc)
+
     def _make_probe(self) -> tuple[SharedMemory, str] | None:
         """The shared-memory offer of one handshake: a segment holding a random key that the server
         must read back (proving it shares our host and may map our segments)."""
@@ -447,6 +516,7 @@ class ServerLink:
                 self.shm = welcome.shm and probe is not None
                 log.info("connected to server %d at %s%s", self.spec.id, self.spec.address,
                          " (shared memory)" if self.shm else "")
+                previous, self.incarnation = self.incarnation, welcome.incarnation
                 if probe is not None and not self.shm:
                     log.warning("server %d shares this host but cannot map this worker's shared memory (other "
                                 "user? see --shm-mode, or colocated_shm = false); using TCP", self.spec.id)
@@ -455,6 +525,7 @@ class ServerLink:
                 control, self._control = self._control, []
                 for message in control:
                     self._send(proto, message)
+                self._after_reconnect(proto, restarted=previous is not None and previous != welcome.incarnation)
                 self.pump()
                 return
             except (OSError, asyncio.TimeoutError, ConnectionError) as exc:

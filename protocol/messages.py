@@ -102,6 +102,7 @@ class Welcome(Message):
     worker: int = -1
     workers: int = 0
     shm: bool = False  # the server accepted the worker's shared-memory offer: pushes may name segments
+    incarnation: str = ""  # a server's random id for this run of it: a new one means it restarted, state lost
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,20 +132,28 @@ class Push(Message):
     divisor: int = 1  # the server divides the final sum by this (average) before rounding
     kind: str = KIND_SUM
     # Shared memory (colocated server only): the partition lies at byte ``seg_offset`` of the worker's
-    # segment ``segment`` instead of in the payload, and the server writes the sum back there.
+    # segment ``segment`` instead of in the payload, and the server writes the sum to byte
+    # ``out_offset`` of segment ``out_segment``.
     segment: str = ""
     seg_offset: int = 0
+    out_segment: str = ""
+    out_offset: int = 0
+    # After a server restart: not a contribution but the finished sum of ``round``, which this worker
+    # received from the server's previous run; it answers the workers that did not (no reply to it).
+    replay: bool = False
 
     def validate(self) -> None:
         _check_name(self.name)
         _check_dtype(self.dtype)
         _check_shape(self.shape)
-        if min(self.part, self.round, self.offset, self.count, self.worker, self.seg_offset) < 0 \
+        if min(self.part, self.round, self.offset, self.count, self.worker, self.seg_offset, self.out_offset) < 0 \
                 or self.divisor < 1:
-            raise ProtocolError("push has a negative part, round, offset, count, worker or seg_offset, "
+            raise ProtocolError("push has a negative part, round, offset, count, worker, seg_offset or out_offset, "
                                 "or divisor < 1")
-        if len(self.segment) > MAX_SEGMENT_CHARS:
-            raise ProtocolError(f"segment name of {len(self.segment)} characters; at most {MAX_SEGMENT_CHARS}")
+        if max(len(self.segment), len(self.out_segment)) > MAX_SEGMENT_CHARS:
+            raise ProtocolError(f"segment name of more than {MAX_SEGMENT_CHARS} characters")
+        if bool(self.segment) != bool(self.out_segment):
+            raise ProtocolError("push names a shared-memory segment for its data or its result but not both")
         if self.kind not in (KIND_SUM, KIND_BROADCAST):
             raise ProtocolError(f"unknown operation kind {self.kind!r}")
         if self.divisor != 1 and self.dtype not in dtypes.FLOAT_TYPES:

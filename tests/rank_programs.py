@@ -342,3 +342,29 @@ def ordered_sum(n: int, delay: float, seed: int) -> dict[str, Any]:
     for x in xs[1:]:
         in_rank_order += x
     return {"digest": digest(y), "rank_order": raw(y) == raw(in_rank_order)}
+
+
+def steady_rounds(rounds: int, pause: float) -> dict[str, Any]:
+    """Training-like rounds: a big tensor over every server and a few small ones, each round's values
+    different (a lost, doubled or mixed round shows), checked bit for bit; errors are collected, not
+    raised, so the test sees how many rounds went wrong."""
+    rank, size = bps.rank(), bps.size()
+    tensors = {"big": (600_001,), "mid": (70_000,), "bias.0": (17,), "bias.1": (1,)}
+    exact = 0
+    errors: list[str] = []
+    started = time.monotonic()
+    for r in range(rounds):
+        handles = []
+        for i, (name, shape) in enumerate(tensors.items()):
+            x = make_input("float32", shape, rank, seed=r * 10 + i)
+            handles.append((name, shape, i, bps.push_pull_async(x, name, average=False)))
+        for name, shape, i, h in handles:
+            try:
+                y = bps.synchronize(h)
+            except bps.BPSError as exc:
+                errors.append(f"round {r} {name}: {exc}")
+                continue
+            exact += raw(y) == raw(reference("float32", shape, size, r * 10 + i, average=False))
+        time.sleep(pause)
+    return {"exact": exact, "expected": rounds * len(tensors), "errors": errors[:5],
+            "seconds": time.monotonic() - started}

@@ -172,3 +172,76 @@ async def test_abort_of_a_later_round_fails_the_waiting_one():
     await _feed(agg, rec, [_push(0, np.ones(2, np.float32), rnd=3)])
     agg.abort("t", 0, 4, worker=1, message="gave up")
     assert "abandoned" in rec.failures[0]
+
+
+# -- after a server restart: replayed sums ------------------------------------------------
+def _replay(worker: int, total: np.ndarray, rnd: int) -> tuple[Push, np.ndarray]:
+    import dataclasses
+
+    push, data = _push(worker, total, rnd=rnd)
+    return dataclasses.replace(push, replay=True), data
+
+
+async def test_a_replayed_sum_answers_the_workers_that_missed_it():
+    """Worker 0 got round 4's sum before the crash, workers 1 and 2 did not: they push round 4 again,
+    and get exactly the replayed bytes (not a new sum of what happens to arrive)."""
+    agg, rec = Aggregator(3), Recorder()
+    total = np.array([1.5, -2.25, 1e-8], dtype=np.float32)
+    await _feed(agg, rec, [_push(1, np.ones(3, np.float32), rnd=4)])
+    agg.replay(*_replay(0, total, 4))
+    assert sorted(rec.results) == [1]  # answered at once with the replayed sum
+    await _feed(agg, rec, [_push(2, np.full(3, 7, np.float32), rnd=4)])
+    for w in (1, 2):
+        np.testing.assert_array_equal(rec.results[w], total)
+    assert agg.keys[("t", 0)].round == 5 and agg.counters.rounds_replayed == 1
+    assert rec.failures == {}
+
+
+async def test_a_replayers_next_round_waits_for_the_replayed_round_to_settle():
+    agg, rec = Aggregator(2), Recorder()
+    total = np.full(4, 3.0, np.float32)
+    agg.replay(*_replay(0, total, 7))
+    await _feed(agg, rec, [_push(0, np.full(4, 1.0, np.float32), rnd=8)])  # worker 0 moved on: held, not abandoning
+    assert rec.results == {} and rec.failures == {} and agg.keys[("t", 0)].round == 7
+    await _feed(agg, rec, [_push(1, np.full(4, 9.0, np.float32), rnd=7)])  # worker 1 missed round 7's sum
+    np.testing.assert_array_equal(rec.results.pop(1), total)
+    await asyncio.sleep(0)  # the held round-8 push goes in
+    await _feed(agg, rec, [_push(1, np.full(4, 2.0, np.float32), rnd=8)])
+    for w in (0, 1):
+        np.testing.assert_array_equal(rec.results[w], np.full(4, 3.0, np.float32))  # round 8: 1 + 2
+    assert agg.keys[("t", 0)].round == 9 and rec.failures == {}
+
+
+async def test_when_everyone_replays_the_round_just_moves_on():
+    agg, rec = Aggregator(2), Recorder()
+    total = np.arange(3, dtype=np.float32)
+    for w in (1, 0):
+        agg.replay(*_replay(w, total, 2))
+    assert agg.keys[("t", 0)].round == 3 and rec.results == {}
+    await _feed(agg, rec, [_push(w, np.full(3, w + 1.0, np.float32), rnd=3) for w in (0, 1)])
+    np.testing.assert_array_equal(rec.results[0], np.full(3, 3.0, np.float32))
+
+
+async def test_stale_or_mismatched_replays_are_ignored():
+    agg, rec = Aggregator(2), Recorder()
+    await _feed(agg, rec, [_push(w, np.ones(2, np.float32), rnd=5) for w in (0, 1)])  # round 5 done here
+    agg.replay(*_replay(0, np.full(2, 9.0, np.float32), 4))  # older than the server's round: ignored
+    assert agg.keys[("t", 0)].round == 6 and not agg.keys[("t", 0)].replayers
+    await _feed(agg, rec, [_push(1, np.ones(2, np.float32), rnd=6)])
+    agg.replay(*_replay(0, np.full(3, 9.0, np.float32), 6))  # another shape than the round's pushes
+    assert agg.keys[("t", 0)].result is None
+
+
+async def test_a_round_waiting_for_a_worker_that_is_not_connected_fails_after_the_grace():
+    connected = {0, 1}
+    agg, rec = Aggregator(3, lost_grace_s=0.2, connected=lambda w: w in connected), Recorder()
+    await _feed(agg, rec, [_push(w, np.ones(2, np.float32)) for w in (0, 1)])
+    import time
+
+    assert agg.sweep(time.monotonic()) == 0  # too early
+    assert agg.sweep(time.monotonic() + 0.3) == 1
+    assert set(rec.failures) == {0, 1} and "worker 2 is not connected" in rec.failures[0]
+    # A connected but slow worker is waited for.
+    agg2, rec2 = Aggregator(3, lost_grace_s=0.2), Recorder()
+    await _feed(agg2, rec2, [_push(w, np.ones(2, np.float32)) for w in (0, 1)])
+    assert agg2.sweep(time.monotonic() + 10) == 0 and rec2.failures == {}

@@ -15,10 +15,12 @@ from protocol.frames import FrameReader, encode_header
 SAMPLES: dict[str, m.Message] = {
     "challenge": m.Challenge(nonce="00ff" * 8, version=1),
     "hello": m.Hello(version=1, role="worker", id=2, pid=4242, auth="ab" * 32, shm="bps_w2_1_ab", shm_key="cd" * 32),
-    "welcome": m.Welcome(version=1, rank=3, size=4, local_rank=1, local_size=2, worker=1, workers=2, shm=True),
+    "welcome": m.Welcome(version=1, rank=3, size=4, local_rank=1, local_size=2, worker=1, workers=2, shm=True,
+                         incarnation="0123abcd"),
     "failure": m.Failure(req=17, message="tensor 'w' has another shape", code="mismatch"),
     "push": m.Push(req=5, name="layer1.weight", part=2, round=9, worker=1, dtype="bfloat16", shape=[64, 3, 3],
-                   offset=128, count=448, divisor=4, kind="sum", segment="bps_w1_9_ff", seg_offset=4096),
+                   offset=128, count=448, divisor=4, kind="sum", segment="bps_w1_9_ff", seg_offset=4096,
+                   out_segment="bps_w1_9_ee", out_offset=64, replay=True),
     "result": m.Result(req=5, name="layer1.weight", part=2, round=9, inplace=True),
     "abort": m.Abort(name="emb", part=0, round=3, worker=1, message="worker shutting down"),
     "reset": m.Reset(worker=1),
@@ -245,7 +247,7 @@ def test_name_length_limit(t):
         m.parse(header(t, name="n" * (m.MAX_NAME_CHARS + 1)))
 
 
-@pytest.mark.parametrize("field", ["part", "round", "offset", "count", "worker", "seg_offset"])
+@pytest.mark.parametrize("field", ["part", "round", "offset", "count", "worker", "seg_offset", "out_offset"])
 def test_push_negative_numbers_rejected(field):
     with pytest.raises(ProtocolError, match=field):
         m.parse(header("push", **{field: -1}))
@@ -254,11 +256,13 @@ def test_push_negative_numbers_rejected(field):
 
 def test_segment_names_are_bounded():
     too_long = "s" * (m.MAX_SEGMENT_CHARS + 1)
-    for t, field in (("push", "segment"), ("hello", "shm"), ("release", "segment")):
+    for t, field in (("push", "segment"), ("push", "out_segment"), ("hello", "shm"), ("release", "segment")):
         with pytest.raises(ProtocolError, match="segment|shared-memory"):
             m.parse(header(t, **{field: too_long}))
     with pytest.raises(ProtocolError, match="release"):
         m.parse(header("release", segment=""))
+    with pytest.raises(ProtocolError, match="not both"):
+        m.parse(header("push", out_segment=""))
 
 
 @pytest.mark.parametrize("divisor", [0, -1])

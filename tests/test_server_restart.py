@@ -1,0 +1,60 @@
+"""A Summation Service killed (-9) and restarted mid-training: no error, no lost or doubled round."""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+import rank_programs as rp
+from harness import daemon_logs, run_ranks, server_stats, start_cluster, write_config
+
+ROUNDS = 100
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("victim", ["server-2", "server-0"], ids=["cpu-only-tcp", "colocated-shm"])
+def test_server_killed_and_restarted_mid_training(tmp_path, victim):
+    path = write_config(tmp_path, [2, 2], cluster={"partition_bytes": 256 * 1024, "timeout": 15.0})
+    cluster = start_cluster(path)
+    restarted = threading.Event()
+    failure: list[BaseException] = []
+
+    def kill_and_restart() -> None:
+        try:
+            time.sleep(1.5)  # well into the run
+            cluster.kill(victim, signal.SIGSTOP)  # freeze it first, so that pushes are surely in flight
+            time.sleep(0.5)
+            cluster.kill(victim)
+            time.sleep(0.3)  # systemd's RestartSec, shortened
+            cluster.restart(victim)
+            restarted.set()
+        except BaseException as exc:  # reported below
+            failure.append(exc)
+
+    chaos = threading.Thread(target=kill_and_restart)
+    try:
+        chaos.start()
+        results = run_ranks(cluster, rp.steady_rounds, ROUNDS, 0.0, timeout=180)
+        chaos.join()
+        assert not failure, failure
+        assert restarted.is_set()
+        logs = daemon_logs(cluster)
+        stats = server_stats(cluster)
+    finally:
+        chaos.join()
+        cluster.stop()
+    for r in results:
+        assert r["errors"] == [] and r["exact"] == r["expected"], (r, logs)
+    # The restart happened mid-run: the new server took part, but did not see the whole run.
+    sid = int(victim.split("-")[1])
+    completed = stats[sid]["rounds_completed"]
+    assert 0 < completed, stats[sid]
+    # Every worker met the new server with pushes in flight (it was frozen first) and pushed them again.
+    again = [int(n) for n in re.findall(r"restarted \(its state is lost\): replaying \d+ finished sums, pushing "
+                                        r"(\d+) partitions again", logs)]
+    assert len(again) == 2 and all(n > 0 for n in again), logs
+    assert results[0]["seconds"] > 2.0
