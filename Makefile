@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # GPU users: `make install TORCH_SPEC=torch` or install their own torch into the venv first.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench bench-paper clean
 
 install: $(VENV)/.installed
 
@@ -25,6 +25,11 @@ test: install
 
 bench: install
 	$(PY) benchmarks/push_pull_vs_gloo.py
+
+# The paper's experiment on emulated machines (network namespaces + tc; root only): table, RESULTS.md, PNG.
+bench-paper: install
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet -e ".[bench]"
+	$(PY) benchmarks/paper_vs_allreduce.py --write-results
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

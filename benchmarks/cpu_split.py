@@ -92,13 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         return rank_program(args)
 
     sys.path.insert(0, str(bench.REPO))
-    from bps_worker.launch import Child, Cluster
+    from bps_worker.launch import Child, Cluster, free_ports
 
     with tempfile.TemporaryDirectory(prefix="bps-cpu-") as tmp:
         config = bench.write_cluster_config(Path(tmp))
         result_file, pids_file = Path(tmp) / "result.json", Path(tmp) / "pids.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-program", "--size", str(args.size),
-               "--ops", str(args.ops), "--gloo-port", str(bench.free_ports(1)[0]), "--result-file",
+               "--ops", str(args.ops), "--gloo-port", str(free_ports(1)[0]), "--result-file",
                str(result_file), "--pids-file", str(pids_file)]
         with Cluster(str(config)) as cluster:
             pids = {c.label: c.proc.pid for c in cluster.children}

@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import statistics
 import sys
 import tempfile
@@ -89,33 +88,13 @@ def human(n: int) -> str:
     return f"{n}B"
 
 
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def write_cluster_config(directory: Path, workers: int = 2, local_size: int = 2, cpu_servers: int = 1,
                          partition_bytes: int = 4 << 20) -> Path:
     """configs/local.toml's shape with free ports and sockets under ``directory``."""
-    ports = free_ports(workers + cpu_servers)
-    lines = ["[cluster]", f"workers = {workers}", f"partition_bytes = {partition_bytes}"]
-    for sid, port in enumerate(ports):
-        lines += ["", "[[server]]", f"id = {sid}", f'address = "127.0.0.1:{port}"']
-        if sid < workers:
-            lines.append(f"worker = {sid}")
-    for w in range(workers):
-        lines += ["", "[[worker]]", f"id = {w}", f"local_size = {local_size}", f'socket = "{directory}/w{w}.sock"']
-    path = directory / "cluster.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    from bps_worker.launch import write_config
+
+    return write_config(directory, [local_size] * workers, cpu_servers=cpu_servers,
+                        cluster={"partition_bytes": partition_bytes})
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -323,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         return rank_program(args)
 
     sys.path.insert(0, str(REPO))
-    from bps_worker.launch import Cluster, LaunchError
+    from bps_worker.launch import Cluster, LaunchError, free_ports
     from protocol.errors import ConfigError
 
     command_line = shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))

@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         return rank_program(args)
 
     sys.path.insert(0, str(REPO))
-    from bps_worker.launch import Cluster, LaunchError
+    from bps_worker.launch import Cluster, LaunchError, free_ports
     from protocol.errors import ConfigError
 
     command_line = shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
@@ -467,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         result_file = Path(tmp) / "result.json"
         rank_cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-program", "--models", args.models,
                     "--blocks", str(args.blocks), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                    "--gloo-port", str(bench.free_ports(1)[0]), "--result-file", str(result_file)]
+                    "--gloo-port", str(free_ports(1)[0]), "--result-file", str(result_file)]
         if args.quick:
             rank_cmd.append("--quick")
         t0 = time.monotonic()

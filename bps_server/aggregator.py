@@ -29,6 +29,12 @@ that round but never got its sum; a replayer's push of the next round waits
 until every worker has either replayed the round or been answered. So no round
 is lost or summed twice, and the bytes are those the predecessor computed.
 
+A worker machine that comes back (its daemon restarted, or a new job's processes
+on it while other machines' processes keep training) numbers its local rounds
+from 0; before the first round of each name it asks the server holding that
+name's partition 0 which round that is (:meth:`round_for`) and offsets all its
+pushes of the name by the answer, so it joins the round the others are in.
+
 Deterministic mode (``cluster.deterministic``): floating-point addition is not
 associative, so the sum depends on the order in which pushes arrive. With it on,
 each key keeps every contribution of the round until the last one arrives and
@@ -88,6 +94,7 @@ class KeyState:
     answered: set[int] = field(default_factory=set)
     held_next: list[tuple[Any, ...]] = field(default_factory=list)
     failed: str | None = None
+    previous_failure: tuple[int, str] | None = None  # (round, why) of the round before, if it failed
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     opened: float = 0.0  # time.monotonic() of the round's first push (or replay)
 
@@ -150,6 +157,9 @@ class Aggregator:
         self.lost_workers: set[int] = set()
         self._gone: dict[int, object] = {}  # worker -> token of its latest disconnection or reset
         self._reset: set[int] = set()  # workers without training processes since their last push
+        self._epochs: dict[int, str] = {}  # each worker's round numbering (Hello.epoch, Reset.epoch)
+        # Workers whose numbering restarted while other workers were mid-job: they rejoin (round_for).
+        self._rejoining: set[int] = set()
         self.counters = Counters()
 
     # -- events ----------------------------------------------------------------------
@@ -171,8 +181,11 @@ class Aggregator:
         if st is None:
             st = self._open(key, push.round)
         if push.round < st.round:
-            fail(push, f"tensor {push.name!r} part {push.part}: stale round {push.round}, "
-                       f"the server is at round {st.round}")
+            if st.previous_failure is not None and st.previous_failure[0] == push.round:
+                fail(push, st.previous_failure[1])  # a late push to a failed round: tell it why
+            else:
+                fail(push, f"tensor {push.name!r} part {push.part}: stale round {push.round}, "
+                           f"the server is at round {st.round}")
             return
         if push.round == st.round + 1 and push.worker in st.replayers and st.failed is None:
             st.held_next.append((push, payload, reply, fail, borrowed))  # see "Server restarts"
@@ -181,7 +194,9 @@ class Aggregator:
             if (st.contributors or st.replayers) and st.failed is None:
                 self._fail_round(key, st, f"tensor {push.name!r} round {st.round} abandoned: worker "
                                           f"{push.worker} moved on to round {push.round}")
+            failed = (st.round, st.failed) if st.failed is not None else None
             st = self._open(key, push.round)
+            st.previous_failure = failed
         if push.worker in self._gone or push.worker in self._reset:
             self.worker_joined(push.worker)  # a push means its processes are back
         if st.failed is not None:
@@ -234,12 +249,30 @@ class Aggregator:
             if st.added == self.n_workers:
                 await self._complete(key, st)
 
+    def round_for(self, name: str, part: int, worker: int) -> int:
+        """The round ``worker``'s next push of key (name, part) belongs to, for a worker whose round
+        numbering starts afresh (see RoundQuery). 0 when no other worker was mid-job as the worker's
+        numbering started (every worker starts a job together); for a rejoining worker, the round the
+        others are in, or the next one if that one failed or already has the worker."""
+        st = self.keys.get((name, part))
+        if st is None or worker not in self._rejoining:
+            return 0
+        done = (st.failed is not None or worker in st.contributors or worker in st.replayers
+                or worker in st.answered)
+        return st.round + (1 if done else 0)
+
     def replay(self, push: Push, data: np.ndarray) -> None:
         """A worker's copy of a round's sum from this server's previous run (see "Server restarts")."""
         key = (push.name, push.part)
         st = self.keys.get(key)
         if st is None:
             st = self._open(key, push.round)
+        if push.round > st.round and st.failed is None and not st.contributors:
+            # A later round finished on our predecessor, so every worker pushed it, so nobody can
+            # still need this one: what was held for the later round waits there now.
+            held, st.held_next = st.held_next, []
+            st = self._open(key, push.round)
+            self._dispatch(held)  # they run once this replay is recorded
         if push.round != st.round or st.failed is not None:
             log.info("ignoring worker %d's replay of %r part %d round %d: the server is at round %d%s", push.worker,
                      push.name, push.part, push.round, st.round, " (failed)" if st.failed else "")
@@ -266,7 +299,11 @@ class Aggregator:
             return
         self._open(key, st.round + 1)
         self.counters.rounds_replayed += 1
-        for args in st.held_next:
+        self._dispatch(st.held_next)
+
+    def _dispatch(self, held: list[tuple[Any, ...]]) -> None:
+        """Push again, from the event loop, pushes that waited for a round to settle."""
+        for args in held:
             task = asyncio.ensure_future(self.push(*args))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -313,7 +350,29 @@ class Aggregator:
         self._reset.add(worker)
         return self._fail_waiting_for(worker, "is disconnected")
 
-    def worker_reset(self, worker: int) -> int:
+    def worker_hello(self, worker: int, epoch: str) -> None:
+        """A worker daemon connected, with its round numbering."""
+        self.worker_joined(worker)
+        previous = self._epochs.get(worker)
+        if epoch:
+            self._epochs[worker] = epoch
+        # A first hello is a job (or this server) starting, not a worker coming back: the workers of a
+        # job do not connect at the same instant, and must not line up with each other's first rounds.
+        if epoch and previous is not None and previous != epoch:
+            self._numbering_restarted(worker)
+            if worker in self._rejoining:
+                log.info("worker %d came back (a new daemon) while other workers are mid-job: it rejoins them",
+                         worker)
+
+    def _numbering_restarted(self, worker: int) -> None:
+        others_mid_job = any(w != worker and w not in self._reset and self.connected(w) for w in range(self.n_workers))
+        if self.keys and others_mid_job:
+            log.debug("worker %d starts its rounds again while other workers are mid-job: it rejoins them", worker)
+            self._rejoining.add(worker)
+        else:
+            self._rejoining.discard(worker)
+
+    def worker_reset(self, worker: int, epoch: str = "") -> int:
         """The worker has no training processes any more (its job ended or died).
 
         Every incomplete round fails: none can complete as pushed. Later rounds that need
@@ -329,10 +388,15 @@ class Aggregator:
                                           f"died); round {st.round} of {key[0]!r} cannot complete")
         self._mark_gone(worker, "has no training processes")
         self._reset.add(worker)
+        if epoch:
+            self._epochs[worker] = epoch
         if len(self._reset) == self.n_workers:
             log.info("every worker reset: dropping the state of %d keys", len(self.keys))
             self.keys.clear()
             self._reset.clear()
+            self._rejoining.clear()
+        else:
+            self._numbering_restarted(worker)
         return failed
 
     def _mark_gone(self, worker: int, why: str) -> None:

@@ -42,7 +42,10 @@ def release(seg: SharedMemory, unlink: bool) -> None:
     try:
         seg.close()
     except BufferError:
-        pass  # a numpy view still references the mapping; it is freed with the view
+        # A view still uses the mapping: drop our references, so the mapping goes with the last view
+        # (and SharedMemory.__del__ does not try, and fail, again).
+        seg._buf = None  # type: ignore[attr-defined]
+        seg._mmap = None  # type: ignore[attr-defined]
     if unlink:
         try:
             seg.unlink()

@@ -35,6 +35,8 @@ from protocol.messages import (
     Release,
     Reset,
     Result,
+    RoundInfo,
+    RoundQuery,
     Stats,
     StatsRequest,
     Welcome,
@@ -164,6 +166,8 @@ class ServerConnection(asyncio.BufferedProtocol):
                 self.server.spawn(self.server.aggregator.push(message, data, self.reply, self.fail))
         elif isinstance(message, Abort):
             self.server.aggregator.abort(message.name, message.part, message.round, self.worker, message.message)
+        elif isinstance(message, RoundQuery):
+            self.send(RoundInfo(message.req, self.server.aggregator.round_for(message.name, message.part, self.worker)))
         elif isinstance(message, Release):
             seg = self.segments.pop(message.segment, None)
             if seg is not None:
@@ -173,7 +177,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         elif isinstance(message, Reset):
             if message.worker != self.worker:
                 raise ProtocolError(f"worker {self.worker} sent a reset for worker {message.worker}")
-            failed = self.server.aggregator.worker_reset(self.worker)
+            failed = self.server.aggregator.worker_reset(self.worker, message.epoch)
             log.info("worker %d has no training processes; %d pending rounds failed", self.worker, failed)
         elif isinstance(message, StatsRequest):
             self.send(Stats(message.req, self.server.stats()))
@@ -262,7 +266,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         if old is not None and not old.closed:
             log.warning("worker %d reconnected from %s; closing its old connection", message.id, self.peer)
             old.close()
-        self.server.aggregator.worker_joined(message.id)
+        self.server.aggregator.worker_hello(message.id, message.epoch)
         self.shm = self._accept_shm(message)
         log.info("worker %d connected from %s%s", message.id, self.peer, " (shared memory)" if self.shm else "")
         self.send(Welcome(PROTOCOL_VERSION, worker=message.id, workers=self.server.config.cluster.workers,
@@ -294,7 +298,7 @@ class ServerConnection(asyncio.BufferedProtocol):
     def send(self, message: Message, payload: np.ndarray | None = None) -> None:
         if self.closed or self.transport is None or self.transport.is_closing():
             return
-        if isinstance(message, (Result, Failure)) and message.req >= 0 and \
+        if isinstance(message, (Result, Failure, RoundInfo)) and message.req >= 0 and \
                 (payload is None or payload.nbytes <= BATCH_REPLY_MAX_BYTES):
             # Many small rounds complete in one loop iteration (thousands of tiny tensors):
             # answer them in one frame.

@@ -10,7 +10,10 @@ result into every process's segment before answering ``Done``.
 
 Every local round of a name consumes one round number, whether it succeeds or
 fails, so all workers agree on round numbers as long as every process issues
-each name once per round (the contract).
+each name once per round (the contract). Local numbering starts at 0 with every
+job; before a name's first round the daemon asks the server holding the name's
+partition 0 which round that is on the servers (``RoundQuery``), so a machine
+that comes back joins the round the other machines are in.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -257,6 +261,7 @@ class WorkerDaemon:
                              if cluster.colocated_shm and s.worker == config.worker_id else None)
             for s in cluster.servers
         }
+        self._new_epoch()
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-local")
         self.sessions: dict[int, ClientSession] = {}
         self.connections: set[ClientSession] = set()
@@ -265,6 +270,8 @@ class WorkerDaemon:
         # error for *its* round instead of starting the next one with stale data.
         self.open_rounds: dict[str, list[LocalRound]] = {}
         self.next_round: dict[str, int] = {}
+        # Per name: what to add to our local round numbers to get the servers' (see RoundQuery).
+        self.round_base: dict[str, asyncio.Future[int]] = {}
         # Per name, the machine's local sum (what is pushed) and the global sum (where results land),
         # in shared memory so that a colocated server reads and writes them in place. Apart, so that
         # a contribution stays intact until its result is complete (a restarted server gets it again),
@@ -386,6 +393,7 @@ class WorkerDaemon:
             self.next_round[op.name] = rnd + 1
             lr = LocalRound(op.name, rnd, op, session.rank, set(range(self.config.local_size)))
             rounds.append(lr)
+            self._round_base(op.name, rnd)
             self._watch(lr)
         lr.members[rank] = (session, op)
         lr.expected.discard(rank)
@@ -441,9 +449,29 @@ class WorkerDaemon:
         for session, op in lr.members.values():
             session.send(Failure(op.req, reason, code=code))
         # Peers on other machines wait for this round at the anchor server: tell them now.
-        anchor = self.placement.server_ids[self.placement.anchor(lr.name)]
-        self.links[anchor].abort(lr.name, 0, lr.round, reason)
+        self.spawn(self._abort_at_anchor(lr.name, lr.round, reason))
         self._retire(lr)
+
+    async def _abort_at_anchor(self, name: str, local_round: int, reason: str) -> None:
+        base = self._round_base(name, local_round)
+        try:
+            offset = await base
+        except BPSError:
+            return  # the anchor is unreachable: the peers' rounds fail there anyway
+        anchor = self.placement.server_ids[self.placement.anchor(name)]
+        self.links[anchor].abort(name, 0, local_round + offset, reason)
+
+    def _round_base(self, name: str, local_round: int) -> asyncio.Future[int]:
+        """The offset from our round numbers of ``name`` to the servers' (asked once per job, and
+        again after a failed attempt)."""
+        base = self.round_base.get(name)
+        if base is None or (base.done() and (base.cancelled() or base.exception() is not None)):
+            base = self.round_base[name] = asyncio.ensure_future(self._ask_round(name, local_round))
+        return base
+
+    async def _ask_round(self, name: str, local_round: int) -> int:
+        anchor = self.placement.server_ids[self.placement.anchor(name)]
+        return await self.links[anchor].query_round(name, 0) - local_round
 
     def session_lost(self, session: ClientSession) -> None:
         if session.local_rank is not None and self.sessions.get(session.local_rank) is session:
@@ -480,9 +508,19 @@ class WorkerDaemon:
                 self.fail_local_round(lr, f"tensor {lr.name!r}: every process of worker {self.worker_id} left")
         self.open_rounds.clear()
         self.next_round.clear()
-        self.segments_freed(self.staging.release_all() + self.results.release_all())
+        for base in self.round_base.values():
+            base.cancel()
+        self.round_base.clear()
+        self._new_epoch()
         for link in self.links.values():
-            link.reset()
+            link.reset()  # drops its references into the buffers freed next
+        self.segments_freed(self.staging.release_all() + self.results.release_all())
+
+    def _new_epoch(self) -> None:
+        """Our round numbering (re)starts at 0: servers learn it from the epoch (see RoundQuery)."""
+        epoch = secrets.token_hex(8)
+        for link in self.links.values():
+            link.epoch = epoch
 
     def segments_freed(self, names: list[str]) -> None:
         """Shared memory we unlinked: the colocated server must unmap it too, or it stays allocated."""
@@ -500,6 +538,14 @@ class WorkerDaemon:
         cluster = self.config.cluster
         started = time.monotonic()
         try:
+            try:
+                server_round = lr.round + await self._round_base(name, lr.round)
+            except (BPSError, asyncio.CancelledError) as exc:
+                self.counters.ops_failed += 1
+                reason = f"tensor {name!r}: cannot learn its round from the servers: {exc or 'job reset'}"
+                for session, o in members:
+                    session.send(Failure(o.req, reason))
+                return
             storage = kernels.STORAGE[op.dtype]
             views = [np.frombuffer(s.arena.segments[o.segment].buf, dtype=storage, count=count, offset=o.offset)
                      for s, o in members]
@@ -517,13 +563,13 @@ class WorkerDaemon:
             futures = []
             for piece in self.placement.split(name, count, itemsize):
                 lo, hi = piece.offset * itemsize, (piece.offset + piece.count) * itemsize
-                fields = dict(name=name, part=piece.part, round=lr.round, dtype=op.dtype, shape=list(op.shape),
+                fields = dict(name=name, part=piece.part, round=server_round, dtype=op.dtype, shape=list(op.shape),
                               offset=piece.offset, count=piece.count, divisor=divisor, kind=op.kind)
                 futures.append((piece, self.links[piece.server].push(
                     fields, raw[lo:hi], out_raw[lo:hi], priority,
                     shm_ref=(segment, base + lo), out_ref=(out_segment, out_base + lo))))
             self.counters.bytes_pushed += nbytes
-            error = await self._wait_pieces(name, lr.round, futures)
+            error = await self._wait_pieces(name, server_round, futures)
             if error is not None:
                 self.counters.ops_failed += 1
                 code = "mismatch" if "mismatch" in error else "error"

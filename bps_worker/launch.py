@@ -22,13 +22,63 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Final, Sequence
+from pathlib import Path
+from typing import Any, Final, Sequence
 
 from protocol.config import ClusterConfig, load_config
 from protocol.errors import ConfigError
 
 READY_TIMEOUT_S: Final = 60.0
 STOP_GRACE_S: Final = 10.0
+
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def write_config(directory: Path, local_sizes: list[int], *, colocated: bool = True, cpu_servers: int = 1,
+                 extra_servers_per_worker: int = 0, cluster: dict[str, Any] | None = None,
+                 metrics: bool = False) -> Path:
+    """A one-box cluster file on free loopback ports: ``len(local_sizes)`` workers (sockets under
+    ``directory``), one colocated server each, plus ``cpu_servers`` CPU-only ones; ``cluster`` adds
+    ``[cluster]`` keys. With ``metrics`` every daemon also serves Prometheus metrics on a free port.
+    Used by the tests and the benchmarks."""
+    directory.mkdir(parents=True, exist_ok=True)
+    n = len(local_sizes)
+    n_servers = (n * (1 + extra_servers_per_worker) if colocated else 0) + cpu_servers
+    ports = free_ports(n_servers + (n_servers + n if metrics else 0))
+    metric_ports = iter(ports[n_servers:])
+    lines = ["[cluster]", f"workers = {n}"]
+    for key, value in (cluster or {}).items():
+        text = f'"{value}"' if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else repr(value)
+        lines.append(f"{key} = {text}")
+    sid = 0
+    if colocated:
+        for w in range(n):
+            for _ in range(1 + extra_servers_per_worker):
+                lines += ["", "[[server]]", f"id = {sid}", f'address = "127.0.0.1:{ports[sid]}"', f"worker = {w}"]
+                lines += [f'metrics = "127.0.0.1:{next(metric_ports)}"'] if metrics else []
+                sid += 1
+    for _ in range(cpu_servers):
+        lines += ["", "[[server]]", f"id = {sid}", f'address = "127.0.0.1:{ports[sid]}"']
+        lines += [f'metrics = "127.0.0.1:{next(metric_ports)}"'] if metrics else []
+        sid += 1
+    for w, local in enumerate(local_sizes):
+        lines += ["", "[[worker]]", f"id = {w}", f"local_size = {local}", f'socket = "{directory}/w{w}.sock"']
+        lines += [f'metrics = "127.0.0.1:{next(metric_ports)}"'] if metrics else []
+    path = directory / "cluster.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 @dataclass
@@ -149,22 +199,26 @@ class Cluster:
 
     def stop(self) -> None:
         """Stop training processes, then workers, then servers (each layer drains into the next)."""
-        training = [c for c in self.children if not c.daemon]
-        workers = [c for c in self.children if c.daemon and c.label.startswith("worker")]
-        servers = [c for c in self.children if c.daemon and not c.label.startswith("worker")]
-        for group in (training, workers, servers):
-            for child in group:
-                if child.proc.poll() is None:
-                    child.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + STOP_GRACE_S
-            for child in group:
-                try:
-                    child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    child.proc.kill()
-                    child.proc.wait()
+        stop_in_layers([[c.proc for c in self.children if not c.daemon],
+                        [c.proc for c in self.children if c.daemon and c.label.startswith("worker")],
+                        [c.proc for c in self.children if c.daemon and not c.label.startswith("worker")]])
         self.children.clear()
         self._tmp.cleanup()
+
+
+def stop_in_layers(layers: list[list[subprocess.Popen[Any]]], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM each layer of processes and wait for it (SIGKILL after ``grace_s``) before the next."""
+    for group in layers:
+        for proc in group:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in group:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def run_training(cluster: Cluster, command: Sequence[str], *, timeout: float | None = None,

@@ -63,6 +63,8 @@ from protocol.messages import (
     Release,
     Reset,
     Result,
+    RoundInfo,
+    RoundQuery,
     Welcome,
     auth_digest,
     batch_header,
@@ -158,8 +160,10 @@ class ServerLink:
         self._seq = itertools.count()
         self._req = itertools.count(1)
         self._inflight: dict[int, _Queued] = {}
-        self._control: list[Message] = []  # aborts and resets waiting for a connection
+        self._control: list[Message] = []  # aborts, resets and queries waiting for a connection
+        self._queries: dict[int, asyncio.Future[int]] = {}
         self.incarnation: str | None = None  # of the server run we last talked to
+        self.epoch = ""  # of this worker's round numbering (set by the daemon)
         # The last answered push of every (name, part): its sum is replayed to a restarted server.
         self._answered: dict[tuple[str, int], _Queued] = {}
         self._broken_reason = ""
@@ -213,6 +217,14 @@ class ServerLink:
             future.cancel()
         return True
 
+    def query_round(self, name: str, part: int = 0) -> asyncio.Future[int]:
+        """Ask the server which round our next push of (name, part) is (see RoundQuery)."""
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        req = next(self._req)
+        self._queries[req] = future
+        self._send_control(RoundQuery(req, name, part))
+        return future
+
     def abort(self, name: str, part: int, round_: int, message: str) -> None:
         """Tell the server that this worker gave up a round (sent once connected, if need be)."""
         self._send_control(Abort(name, part, round_, self.worker_id, message[:MAX_MESSAGE_CHARS]))
@@ -241,7 +253,7 @@ class ServerLink:
     def reset(self) -> None:
         """Tell the server that this worker has no training processes left (see Reset)."""
         self._answered.clear()  # the next job starts at round 0; the buffers are being freed
-        self._send_control(Reset(self.worker_id))
+        self._send_control(Reset(self.worker_id, self.epoch))
 
     def release_segments(self, names: list[str]) -> None:
         """Segments we unlinked: a server that maps our memory unmaps them (a new connection maps
@@ -392,6 +404,11 @@ class ServerLink:
                 item.future.set_result(None)
                 self._answered[(item.push.name, item.push.part)] = item
             return
+        if isinstance(message, RoundInfo):
+            query = self._queries.pop(message.req, None)
+            if query is not None and not query.done():
+                query.set_result(message.round)
+            return
         if isinstance(message, Failure):
             if message.req == -1:
                 self.on_broken(proto, f"server {self.spec.id} refused the connection: {message.message}")
@@ -417,12 +434,14 @@ class ServerLink:
         for waiter in (self._welcome, self._challenge):
             if waiter is not None and not waiter.done():
                 waiter.set_exception(ConnectionError(reason))
+                waiter.exception()  # retrieved here: the handshake may not be waiting on it yet
         if proto.transport is not None:
             proto.transport.close()
         if self.incarnation is None or self.closed:
             self._fail_all(BPSConnectionError(reason))
             return
         # The server may be restarting: hold what is in flight until we know (see the module docstring).
+        self._fail_queries(BPSConnectionError(reason))  # a restarted server would not know the answer
         self._broken_reason = reason
         for item in self._inflight.values():
             item.held = True
@@ -430,7 +449,15 @@ class ServerLink:
         self._inflight.clear()
         self._ensure_connecting()
 
+    def _fail_queries(self, exc: BPSError) -> None:
+        queries, self._queries = self._queries, {}
+        self._control = [m for m in self._control if not isinstance(m, RoundQuery)]
+        for query in queries.values():
+            if not query.done():
+                query.set_exception(exc)
+
     def _fail_all(self, exc: BPSError) -> None:
+        self._fail_queries(exc)
         items = list(self._inflight.values()) + self._queue
         self._inflight.clear()
         self._queue = []
@@ -505,7 +532,8 @@ class ServerLink:
                 probe = self._make_probe()
                 try:
                     self._send(proto, Hello(PROTOCOL_VERSION, ROLE_WORKER, self.worker_id, auth=auth,
-                                            shm=probe[0].name if probe else "", shm_key=probe[1] if probe else ""))
+                                            shm=probe[0].name if probe else "", shm_key=probe[1] if probe else "",
+                                            epoch=self.epoch))
                     welcome = await asyncio.wait_for(asyncio.shield(self._welcome),
                                                      timeout=max(0.1, deadline - loop.time()))
                 finally:

@@ -10,8 +10,8 @@ Connections (who sends what):
 * every connection starts with ``Hello`` from the connecting side, answered by
   ``Welcome`` (or ``Failure`` and a close);
 * worker -> server: ``Push`` (+ payload, or a shared-memory reference to the server on
-  the worker's host), ``Abort``, ``Reset`` and ``Release``; server -> worker:
-  ``Result`` (+ payload, or written in place) or ``Failure``; ``StatsRequest``/``Stats`` on both links;
+  the worker's host), ``Abort``, ``Reset``, ``Release`` and ``RoundQuery``; server -> worker:
+  ``Result`` (+ payload, or written in place), ``RoundInfo`` or ``Failure``; ``StatsRequest``/``Stats`` on both links;
 * client -> worker (Unix socket, never a payload): ``Alloc``/``Allocated``,
   ``Op``/``Done``/``Failure``.
 """
@@ -83,6 +83,8 @@ class Hello(Message):
     # (hex). A server that can map it and read the key shares the host and the worker's user or group.
     shm: str = ""
     shm_key: str = ""
+    # A worker's round numbering: a new epoch (its daemon restarted) means its rounds start again at 0.
+    epoch: str = ""
 
     def validate(self) -> None:
         if self.role not in (ROLE_WORKER, ROLE_CLIENT, ROLE_OBSERVER):
@@ -200,6 +202,7 @@ class Reset(Message):
 
     TYPE: ClassVar[str] = "reset"
     worker: int
+    epoch: str = ""  # the worker's new round numbering (see Hello.epoch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +215,31 @@ class Release(Message):
     def validate(self) -> None:
         if not self.segment or len(self.segment) > MAX_SEGMENT_CHARS:
             raise ProtocolError(f"release of a segment name of {len(self.segment)} characters")
+
+
+@dataclass(frozen=True, slots=True)
+class RoundQuery(Message):
+    """Worker -> the server holding partition 0 of ``name``: which round should my next push of it be?
+
+    Asked once per name whenever a worker's round numbering starts (daemon start, new job), so that
+    a worker machine that comes back joins the round the others are in."""
+
+    TYPE: ClassVar[str] = "round_query"
+    req: int
+    name: str
+    part: int = 0
+
+    def validate(self) -> None:
+        _check_name(self.name)
+        if self.part < 0:
+            raise ProtocolError("round query of a negative part")
+
+
+@dataclass(frozen=True, slots=True)
+class RoundInfo(Message):
+    TYPE: ClassVar[str] = "round_info"
+    req: int
+    round: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,8 +353,8 @@ class Batch(Message):
 
 MESSAGES: Final[dict[str, type[Message]]] = {
     cls.TYPE: cls
-    for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, Release, Ping, StatsRequest, Stats,
-                Alloc, Allocated, Op, Done, Batch)
+    for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, Release, RoundQuery, RoundInfo, Ping,
+                StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch)
 }
 
 _FIELDS: dict[type[Message], list[tuple[str, type, bool]]] = {}

@@ -15,57 +15,12 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from bps_worker.launch import Cluster
+from bps_worker.launch import Cluster, free_ports, write_config
+
+__all__ = ["SHM_DIR", "daemon_logs", "free_ports", "run_ranks", "server_stats", "shm_segments", "start_cluster",
+           "write_config"]
 
 SHM_DIR = Path("/dev/shm")
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def write_config(directory: Path, local_sizes: list[int], *, colocated: bool = True, cpu_servers: int = 1,
-                 extra_servers_per_worker: int = 0, cluster: dict[str, Any] | None = None,
-                 metrics: bool = False) -> Path:
-    """A cluster file: ``len(local_sizes)`` workers, one colocated server each, plus CPU-only servers.
-
-    With ``metrics`` every daemon also serves Prometheus metrics on a free port.
-    """
-    directory.mkdir(parents=True, exist_ok=True)
-    n = len(local_sizes)
-    n_servers = (n * (1 + extra_servers_per_worker) if colocated else 0) + cpu_servers
-    ports = free_ports(n_servers + (n_servers + n if metrics else 0))
-    metric_ports = iter(ports[n_servers:])
-    lines = ["[cluster]", f"workers = {n}"]
-    for key, value in (cluster or {}).items():
-        text = f'"{value}"' if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else repr(value)
-        lines.append(f"{key} = {text}")
-    sid = 0
-    if colocated:
-        for w in range(n):
-            for _ in range(1 + extra_servers_per_worker):
-                lines += ["", "[[server]]", f"id = {sid}", f'address = "127.0.0.1:{ports[sid]}"', f"worker = {w}"]
-                lines += [f'metrics = "127.0.0.1:{next(metric_ports)}"'] if metrics else []
-                sid += 1
-    for _ in range(cpu_servers):
-        lines += ["", "[[server]]", f"id = {sid}", f'address = "127.0.0.1:{ports[sid]}"']
-        lines += [f'metrics = "127.0.0.1:{next(metric_ports)}"'] if metrics else []
-        sid += 1
-    for w, local in enumerate(local_sizes):
-        lines += ["", "[[worker]]", f"id = {w}", f"local_size = {local}", f'socket = "{directory}/w{w}.sock"']
-        lines += [f'metrics = "127.0.0.1:{next(metric_ports)}"'] if metrics else []
-    path = directory / "cluster.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def start_cluster(config_path: Path, log_dir: Path | None = None) -> Cluster:

@@ -368,3 +368,40 @@ def steady_rounds(rounds: int, pause: float) -> dict[str, Any]:
         time.sleep(pause)
     return {"exact": exact, "expected": rounds * len(tensors), "errors": errors[:5],
             "seconds": time.monotonic() - started}
+
+
+def rejoin_loop(role: str, steps: int, max_seconds: float) -> dict[str, Any]:
+    """Two ranks, one per worker. Each pushes ``base(rank) + step``; the sum is ``base(0) + base(1) +
+    my step + the other's step``, so each side can read which step of the other it was summed with.
+
+    healthy: keeps training through errors until it has seen one and then ``steps`` successes;
+    victim: pushes until its worker daemon is killed; new: a restarted process, ``steps`` steps."""
+    rank = bps.rank()
+    n = 200_003
+    bases = [np.random.default_rng(500 + r).integers(-1000, 1000, n).astype(np.float64) for r in range(2)]
+    both = bases[0] + bases[1]
+    partner_steps: list[float] = []
+    errors: list[str] = []
+    deadline = time.monotonic() + max_seconds
+    step = 0
+    partner_steps_at_error = 0
+    while time.monotonic() < deadline:
+        try:
+            y = bps.push_pull(bases[rank] + step, "rejoin", average=False)
+        except bps.BPSError as exc:
+            errors.append(str(exc))
+            if role == "victim":
+                break
+            time.sleep(0.05)
+            step += 1
+            continue
+        other = y - both - step
+        partner_steps.append(float(other[0]) if (other == other[0]).all() else float("nan"))
+        step += 1
+        if role == "new" and len(partner_steps) == steps:
+            break
+        if role == "healthy" and errors and len(partner_steps) - partner_steps_at_error >= steps:
+            break
+        if role == "healthy" and not errors:
+            partner_steps_at_error = len(partner_steps)
+    return {"partner_steps": partner_steps, "errors": errors[:3], "error_count": len(errors), "steps": step}

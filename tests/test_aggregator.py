@@ -245,3 +245,20 @@ async def test_a_round_waiting_for_a_worker_that_is_not_connected_fails_after_th
     agg2, rec2 = Aggregator(3, lost_grace_s=0.2), Recorder()
     await _feed(agg2, rec2, [_push(w, np.ones(2, np.float32)) for w in (0, 1)])
     assert agg2.sweep(time.monotonic() + 10) == 0 and rec2.failures == {}
+
+
+async def test_a_later_replay_supersedes_an_earlier_one():
+    """Worker 1 got round 8's sum, worker 0 only round 7's (its round-8 sum was lost in the crash):
+    worker 0 replays 7 and pushes 8 again, worker 1 replays 8 and pushes 9."""
+    agg, rec = Aggregator(2), Recorder()
+    seven, eight = np.full(2, 7.0, np.float32), np.full(2, 8.0, np.float32)
+    agg.replay(*_replay(0, seven, 7))
+    await _feed(agg, rec, [_push(0, np.ones(2, np.float32), rnd=8)])  # held behind round 7
+    agg.replay(*_replay(1, eight, 8))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    np.testing.assert_array_equal(rec.results.pop(0), eight)  # worker 0 gets round 8's real sum
+    await _feed(agg, rec, [_push(w, np.full(2, w + 1.0, np.float32), rnd=9) for w in (1, 0)])
+    for w in (0, 1):
+        np.testing.assert_array_equal(rec.results[w], np.full(2, 3.0, np.float32))
+    assert rec.failures == {} and agg.keys[("t", 0)].round == 10

@@ -36,3 +36,16 @@ def test_train_vs_ddp_quick_prints_its_tables():
     for row in rows[:2]:
         assert " yes (" in row, row  # weights agree with DDP's after the warm-up; bps replicas identical
     assert any("hidden" in line and "exposed comm" in line for line in lines), result.stdout
+
+
+def test_soak_tiny_restarts_a_server_and_reports_no_wrong_or_failed_round():
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "soak.py"), "--rounds", "60", "--max-elems",
+                             "70000", "--max-seconds", "40"],
+                            capture_output=True, text=True, timeout=90, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = [line for line in result.stdout.splitlines() if line.startswith("summary:")]
+    assert len(summary) == 1, result.stdout
+    assert "rounds 60, wrong 0, failed 0 " in summary[0] and "restart yes" in summary[0], result.stdout
+    assert summary[0].endswith("PASS"), result.stdout
+    # the CPU-only server was killed and restarted, and its new process has its own RSS row
+    assert any(line.split()[:3] == ["server-2", "2nd", "life:"] for line in result.stdout.splitlines()), result.stdout

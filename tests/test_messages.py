@@ -14,7 +14,8 @@ from protocol.frames import FrameReader, encode_header
 # One fully populated instance per message type, with non-default values everywhere.
 SAMPLES: dict[str, m.Message] = {
     "challenge": m.Challenge(nonce="00ff" * 8, version=1),
-    "hello": m.Hello(version=1, role="worker", id=2, pid=4242, auth="ab" * 32, shm="bps_w2_1_ab", shm_key="cd" * 32),
+    "hello": m.Hello(version=1, role="worker", id=2, pid=4242, auth="ab" * 32, shm="bps_w2_1_ab", shm_key="cd" * 32,
+                     epoch="5eed"),
     "welcome": m.Welcome(version=1, rank=3, size=4, local_rank=1, local_size=2, worker=1, workers=2, shm=True,
                          incarnation="0123abcd"),
     "failure": m.Failure(req=17, message="tensor 'w' has another shape", code="mismatch"),
@@ -23,8 +24,10 @@ SAMPLES: dict[str, m.Message] = {
                    out_segment="bps_w1_9_ee", out_offset=64, replay=True),
     "result": m.Result(req=5, name="layer1.weight", part=2, round=9, inplace=True),
     "abort": m.Abort(name="emb", part=0, round=3, worker=1, message="worker shutting down"),
-    "reset": m.Reset(worker=1),
+    "reset": m.Reset(worker=1, epoch="beef"),
     "release": m.Release(segment="bps_w1_9_ff"),
+    "round_query": m.RoundQuery(req=3, name="layer1.weight", part=2),
+    "round_info": m.RoundInfo(req=3, round=41),
     "ping": m.Ping(seq=12),
     "stats_request": m.StatsRequest(req=77),
     "stats": m.Stats(req=77, stats={"bytes_in": 123, "rounds": {"emb": 3}, "ratio": 0.5}),

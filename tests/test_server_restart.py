@@ -25,7 +25,11 @@ def test_server_killed_and_restarted_mid_training(tmp_path, victim):
 
     def kill_and_restart() -> None:
         try:
-            time.sleep(1.5)  # well into the run
+            sid = int(victim.split("-")[1])
+            deadline = time.monotonic() + 60
+            while server_stats(cluster)[sid]["rounds_completed"] < 40:  # well into the run
+                assert time.monotonic() < deadline, "the job does not progress"
+                time.sleep(0.05)
             cluster.kill(victim, signal.SIGSTOP)  # freeze it first, so that pushes are surely in flight
             time.sleep(0.5)
             cluster.kill(victim)

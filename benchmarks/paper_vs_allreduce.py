@@ -1,0 +1,651 @@
+"""The paper's experiment on one box: BytePS against ring all-reduce on emulated machines with shaped links.
+
+    sudo .venv/bin/python benchmarks/paper_vs_allreduce.py                    # n = 4, k = 0,1,2,4, PS k = 2
+    sudo .venv/bin/python benchmarks/paper_vs_allreduce.py --write-results    # also RESULTS.md + a PNG plot
+    sudo .venv/bin/python benchmarks/paper_vs_allreduce.py --size 1M --reps 2 --ks 0,1 --ps-ks ""  # smoke
+
+Root only (network namespaces, veth pairs, tc). ``benchmarks/cluster`` emulates ``n`` worker machines plus
+up to ``max(k)`` CPU-only machines: one network namespace each, a veth pair to a private bridge, and a tbf
+shaper at ``--bandwidth`` B on both ends of every veth, so every machine has a full-duplex link of B
+(addresses 10.77.0.0/24 inside the namespaces only; everything is deleted at the end, also on failure).
+
+For each configuration a cluster file is generated, ``bps-server`` / ``bps-worker`` run inside the machines'
+namespaces, and one rank process per worker machine runs inside that machine's namespace. Each rank is a
+bps client (Unix socket to its machine's worker daemon) and a member of one gloo group over the shaped links
+(MASTER_ADDR = worker 0's address, GLOO_SOCKET_IFNAME = the machine's veth). Configurations:
+
+- ``k`` in ``--ks``: the unified architecture, one Summation Service colocated on every worker machine plus
+  ``k`` CPU-only machines (Theorem 1 split); theory ``t_opt = 2n(n-1)M / ((n^2 + kn - 2k) B)``.
+- ``PS k`` in ``--ps-ks``: a plain parameter server, servers only on ``k`` CPU-only machines (an even split);
+  theory ``max(M/B, nM/(kB))`` (PAPER.md).
+
+Per configuration: ``--warmup`` rounds of each system (the first checks that bps's sum is exact and equals
+gloo's), then ``--reps`` times ``barrier; bps push_pull(x, out=out); barrier; gloo all_reduce(t)``, alternating
+(../shared/MEASURING.md). Time of a repetition = max over ranks; reported: median (min-max). Gloo's theory is
+``2(n-1)M/(nB)``; its measured/theory ratio is the soundness check (within 15%: the cores are not the
+bottleneck and the links behave as B). Also measured per repetition: bytes on every machine's link (tc-side
+counters, headers included), CPU-seconds of every daemon, and how busy the box's cores were.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.append(str(REPO))  # benchmarks.cluster; bps_* come from the environment (PYTHONPATH, then the install)
+
+from push_pull_vs_gloo import ENV_PREFIXES, human, machine, parse_size, pattern  # noqa: E402
+
+DEFAULT_RESULTS = REPO / "benchmarks" / "RESULTS.md"
+DEFAULT_PLOT = REPO / "benchmarks" / "paper_vs_allreduce.png"
+SOUND_TOLERANCE = 0.15
+GLOO_PORT = 29500
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+RESULTS_HEADER = """
+## `paper_vs_allreduce.py`
+The paper's experiment (../shared/MEASURING.md, "The paper's experiment on one machine"): `n` worker machines
+and `k` CPU-only machines emulated by `benchmarks/cluster/` (one network namespace per machine, a veth pair to a
+private bridge, `tc tbf` at bandwidth `B` on both ends of every veth: full-duplex links of `B`). One rank
+process per worker machine, each a bps client of its machine's worker daemon and a gloo group member over the
+shaped links. Per configuration: warm-up (also checks bps's sum is exact and equals gloo's), then repetitions of
+`barrier; bps push_pull (float32, average=False, out=); barrier; gloo all_reduce`, alternating; the time of a
+repetition is the maximum over ranks; median (min-max). Theory (PAPER.md): ours `t_opt = 2n(n-1)M/((n^2+kn-2k)B)`
+(Theorem 1 split, one colocated server per worker machine plus `k` CPU-only ones), a plain PS with servers on
+`k` CPU-only machines only `max(M/B, nM/(kB))`, gloo (ring) `2(n-1)M/(nB)`. `B` counts whole frames, so headers
+cost about `(MTU+14)/(MTU-52) - 1` of it (0.7% at MTU 9000). Soundness: gloo's measured time must be within 15%
+of its theory, else `B` is too high for the cores.
+"""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# theory
+# --------------------------------------------------------------------------------------------------------------
+def t_opt(n: int, k: int, m: float, b: float) -> float:
+    """Theorem 1's communication time (seconds) for M bytes at B bytes/s."""
+    return 2 * n * (n - 1) * m / ((n * n + k * n - 2 * k) * b)
+
+
+def t_ps(n: int, k: int, m: float, b: float) -> float:
+    return max(m / b, n * m / (k * b))
+
+
+def t_ring(n: int, m: float, b: float) -> float:
+    return 2 * (n - 1) * m / (n * b)
+
+
+def expected_link_bytes(n: int, k: int, m: float, ps: bool) -> dict[str, tuple[float, float]]:
+    """Payload bytes each machine sends and receives per operation (tx, rx), by machine kind."""
+    if ps:
+        per_server = m / k
+        return {"worker": (m, m), "cpu": (n * per_server, n * per_server)}
+    denom = n * n + k * n - 2 * k
+    m_cpu, m_gpu = 2 * (n - 1) * m / denom, (n - k) * m / denom
+    gpu = (m - m_gpu) + (n - 1) * m_gpu   # pushes to the others + results of its own share to the others
+    return {"worker": (gpu, gpu), "cpu": (n * m_cpu, n * m_cpu)}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# rank program (inside a worker machine's namespace)
+# --------------------------------------------------------------------------------------------------------------
+def _proc_cpu(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def _box_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of all cores (/proc/stat)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]
+    return sum(values) - idle, sum(values)
+
+
+class Observer:
+    """Rank 0's view of the box: link counters (from the bridge namespace) and CPU, snapshot by snapshot."""
+
+    def __init__(self, bridge_ns: str, peers: dict[str, str], pids: dict[str, int]) -> None:
+        self.bridge_ns, self.peers, self.pids = bridge_ns, peers, pids
+
+    def snapshot(self) -> dict[str, Any]:
+        out = subprocess.run(["ip", "-n", self.bridge_ns, "-s", "-j", "link", "show"], capture_output=True,
+                             text=True).stdout
+        stats = {link["ifname"]: link.get("stats64", {}) for link in json.loads(out or "[]")}
+        links = {name: (stats.get(peer, {}).get("rx", {}).get("bytes", 0),
+                        stats.get(peer, {}).get("tx", {}).get("bytes", 0)) for name, peer in self.peers.items()}
+        return {"links": links, "cpu": {label: _proc_cpu(pid) for label, pid in self.pids.items()},
+                "box": _box_busy(), "t": time.monotonic()}
+
+
+    @staticmethod
+    def delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+        total = max(1, b["box"][1] - a["box"][1])
+        busy = (b["box"][0] - a["box"][0]) / total
+        cpu = {label: b["cpu"][label] - a["cpu"][label] for label in a["cpu"]}
+        ours = sum(cpu.values()) * CLK_TCK / total  # share of all cores' time used by our processes
+        return {"links": {m: (b["links"][m][0] - a["links"][m][0], b["links"][m][1] - a["links"][m][1])
+                          for m in a["links"]},
+                "cpu": cpu, "box_busy": busy, "ours_busy": ours, "wall": b["t"] - a["t"]}
+
+
+def code_version() -> str:
+    """The checkout's commit, and whether the daemons' code differs from it (read-only git commands)."""
+    def git(*argv: str) -> str:
+        try:
+            return subprocess.run(["git", "--no-optional-locks", *argv], cwd=REPO, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    head = git("rev-parse", "--short", "HEAD")
+    import importlib.util
+
+    spec = importlib.util.find_spec("bps_server")  # where the daemons will import it from (PYTHONPATH first)
+    where = Path(spec.origin).resolve().parent.parent if spec and spec.origin else None
+    if where is not None and where != REPO:
+        return f"bps_server, bps_worker, protocol from {where}, not from this checkout (at {head or 'unknown'})"
+    if not head:
+        return "unknown (no git)"
+    dirty = git("status", "--porcelain", "--", "bps_server", "bps_worker", "protocol")
+    changed = len(dirty.splitlines())
+    return head + (f" + uncommitted changes to {changed} files of bps_server/, bps_worker/, protocol/" if changed
+                   else " (clean)")
+
+
+def rank_program(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import bps_worker.client as bps
+
+    torch.set_num_threads(1)
+    rank, size = int(os.environ["BPS_RANK"]), int(os.environ["BPS_SIZE"])
+    bps.init(timeout=60.0)
+    dist.init_process_group("gloo", rank=rank, world_size=size, init_method=f"tcp://{args.gloo_addr}:{GLOO_PORT}",
+                            timeout=_dt.timedelta(seconds=args.op_timeout))
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(gathered, torch.tensor([os.getpid()], dtype=torch.int64))
+    observer = None
+    if rank == 0 and args.observe:
+        spec = json.loads(args.observe)
+        spec["pids"].update({f"rank-{r}": int(g.item()) for r, g in enumerate(gathered)})
+        observer = Observer(**spec)
+    windows: list[tuple[str, float, float]] = []  # (system, unix start, unix end after the closing barrier)
+    try:
+        nbytes = parse_size(args.size)
+        n = nbytes // 4
+        name = f"paper.{human(nbytes)}"
+        x = pattern(n, rank, 0)
+        out = np.zeros_like(x)
+        bps.push_pull(x, name, average=False, out=out)
+        xt = torch.from_numpy(x)
+        t = xt.clone()
+        dist.all_reduce(t)
+        step = max(1, n // 4099)
+        idx = np.arange(0, n, step)
+        expect = sum(((idx + 7 * r) % 13 - 6) for r in range(size)).astype(np.float32)
+        ok = torch.tensor([int(np.array_equal(out, t.numpy())), int(np.array_equal(out[idx], expect))],
+                          dtype=torch.int32)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        for _ in range(args.warmup - 1):
+            bps.push_pull(x, name, average=False, out=out)
+            dist.all_reduce(t)
+        bps_s, gloo_s, obs_bps, obs_gloo = [], [], [], []
+        for _ in range(args.reps):
+            t.copy_(xt)
+            s0 = observer.snapshot() if observer else None
+            dist.barrier()
+            w0, t0 = time.time(), time.perf_counter()
+            bps.push_pull(x, name, average=False, out=out)
+            bps_s.append(time.perf_counter() - t0)
+            dist.barrier()
+            windows.append(("ours", w0, time.time()))
+            s1 = observer.snapshot() if observer else None
+            dist.barrier()
+            w0, t0 = time.time(), time.perf_counter()
+            dist.all_reduce(t)
+            gloo_s.append(time.perf_counter() - t0)
+            dist.barrier()
+            windows.append(("gloo", w0, time.time()))
+            if observer:
+                s2 = observer.snapshot()
+                obs_bps.append(Observer.delta(s0, s1))
+                obs_gloo.append(Observer.delta(s1, s2))
+        times = torch.tensor([bps_s, gloo_s], dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            Path(args.result_file).write_text(json.dumps({
+                "bps_s": times[0].tolist(), "gloo_s": times[1].tolist(), "bps_equals_gloo": bool(ok[0]),
+                "exact": bool(ok[1]), "obs_bps": obs_bps, "obs_gloo": obs_gloo,
+                "windows": windows}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        bps.shutdown()
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# driver
+# --------------------------------------------------------------------------------------------------------------
+def run_config(net: Any, layout: Any, args: argparse.Namespace, tmp: Path, label: str) -> dict[str, Any]:
+    from benchmarks.cluster import Daemons
+
+    directory = tmp / label.replace(" ", "_")
+    result_file = directory / "result.json"
+    sampler = net.sample_links(str(directory / "links.txt")) if args.timeline else None
+    with Daemons(net, layout, directory, log_level=args.log_level, log_dir=directory / "logs") as cluster:
+        observe = json.dumps({"bridge_ns": net.bridge_ns,
+                              "peers": {m.name: m.peer for m in net.machines.values()},
+                              "pids": cluster.pids()})
+        for w, machine_name in enumerate(layout.workers):
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-program", "--size", args.size,
+                   "--reps", str(args.reps), "--warmup", str(args.warmup), "--result-file", str(result_file),
+                   "--gloo-addr", net.address(layout.workers[0]), "--op-timeout", str(args.op_timeout)]
+            if w == 0:
+                cmd += ["--observe", observe]
+            cluster.start_rank(w, 0, cmd, env={"GLOO_SOCKET_IFNAME": net.ifname(machine_name),
+                                               "MASTER_ADDR": net.address(layout.workers[0]),
+                                               "MASTER_PORT": str(GLOO_PORT), "OMP_NUM_THREADS": "1",
+                                               "TORCH_CPP_LOG_LEVEL": "ERROR"})
+        code = cluster.wait_ranks(args.timeout)
+        if code != 0 or not result_file.exists():
+            logs = "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-1500:]}"
+                           for p in sorted((directory / "logs").glob("*.log")))
+            raise RuntimeError(f"{label}: the rank programs failed (status {code}){logs}")
+    result = json.loads(result_file.read_text())
+    if sampler is not None:
+        sampler.terminate()
+        sampler.wait()
+        result["samples"] = [[float(v) for v in line.split()]
+                             for line in (directory / "links.txt").read_text().splitlines() if line.strip()]
+    return result
+
+
+def summarize(configs: list[dict[str, Any]], n: int, m: float, b: float) -> list[dict[str, Any]]:
+    rows = []
+    for c in configs:
+        r = c["result"]
+        ours, gloo = r["bps_s"], r["gloo_s"]
+        om, gm = statistics.median(ours), statistics.median(gloo)
+        theory = t_ps(n, c["k"], m, b) if c["ps"] else t_opt(n, c["k"], m, b)
+        ring = t_ring(n, m, b)
+        rows.append({"label": c["label"], "k": c["k"], "ps": c["ps"],
+                     "ours": (om, min(ours), max(ours)), "ours_theory": theory, "ours_ratio": om / theory,
+                     "gloo": (gm, min(gloo), max(gloo)), "gloo_theory": ring, "gloo_ratio": gm / ring,
+                     "speedup": gm / om, "speedup_theory": ring / theory,
+                     "ok": r["bps_equals_gloo"] and r["exact"]})
+    return rows
+
+
+HEADER = ["config", "k", "ours median s (min-max)", "ours theory s", "ours/theory", "gloo median s (min-max)",
+          "gloo theory s", "gloo/theory", "gloo/ours", "gloo/ours theory", "exact"]
+
+
+def _s(t: tuple[float, float, float]) -> str:
+    return f"{t[0]:.3f} ({t[1]:.3f}-{t[2]:.3f})"
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    return [[r["label"], str(r["k"]), _s(r["ours"]), f"{r['ours_theory']:.3f}", f"{r['ours_ratio']:.2f}",
+             _s(r["gloo"]), f"{r['gloo_theory']:.3f}", f"{r['gloo_ratio']:.2f}", f"{r['speedup']:.2f}",
+             f"{r['speedup_theory']:.2f}", "yes" if r["ok"] else "NO"] for r in rows]
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+DETAIL_HEADER = ["config", "system", "worker tx/rx MB per op (expected)", "CPU-only tx/rx MB per op (expected)",
+                 "servers CPU-s/op", "workers CPU-s/op", "ranks CPU-s/op", "cores busy: ours / others"]
+
+
+def detail_rows(configs: list[dict[str, Any]], n: int, m: float) -> list[list[str]]:
+    """Per configuration and system: link bytes per op by machine kind, daemon CPU, core utilization."""
+    out = []
+    for c in configs:
+        r = c["result"]
+        workers, cpus = c["workers"], c["cpu_machines"]
+        for system, obs in (("ours", r.get("obs_bps", [])), ("gloo", r.get("obs_gloo", []))):
+            if not obs:
+                continue
+
+            def mb(machines: list[str], which: int) -> str:
+                if not machines:
+                    return "-"
+                vals = [statistics.median(o["links"][name][which] for o in obs) / 1e6 for name in machines]
+                return f"{min(vals):.1f}-{max(vals):.1f}" if max(vals) - min(vals) >= 0.05 else f"{vals[0]:.1f}"
+
+            if system == "ours":
+                exp = expected_link_bytes(n, c["k"], m, c["ps"])
+                ew, ec = exp["worker"][0] / 1e6, exp["cpu"][0] / 1e6
+            else:
+                ew, ec = t_ring(n, m, 1.0) / 1e6, 0.0
+            w_cell = f"{mb(workers, 0)} / {mb(workers, 1)} ({ew:.1f})"
+            c_cell = f"{mb(cpus, 0)} / {mb(cpus, 1)} ({ec:.1f})" if cpus and system == "ours" else "-"
+            def cpu_s(prefix: str) -> float:
+                labels = [lab for lab in obs[0]["cpu"] if lab.startswith(prefix)]
+                return statistics.median(sum(o["cpu"][lab] for lab in labels) for o in obs)
+
+            ours_busy = statistics.median(o["ours_busy"] for o in obs)
+            others = statistics.median(max(0.0, o["box_busy"] - o["ours_busy"]) for o in obs)
+            out.append([c["label"], system, w_cell, c_cell, f"{cpu_s('server'):.2f}" if system == "ours" else "-",
+                        f"{cpu_s('worker'):.2f}" if system == "ours" else "-", f"{cpu_s('rank'):.2f}",
+                        f"{ours_busy:.0%} / {others:.0%}"])
+    return out
+
+
+def plot(rows: list[dict[str, Any]], n: int, m: float, b: float, path: Path, title: str) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install -e '.[bench]'): no plot"
+    ks = [i / 20 for i in range(20 * n + 1)]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(ks, [t_opt(n, k, m, b) for k in ks], "-", color="C0", label="ours, theory $t_{opt}$ (Theorem 1)")
+    uni = [r for r in rows if not r["ps"]]
+    ax.errorbar([r["k"] for r in uni], [r["ours"][0] for r in uni],
+                yerr=[[r["ours"][0] - r["ours"][1] for r in uni], [r["ours"][2] - r["ours"][0] for r in uni]],
+                fmt="o", color="C0", capsize=3, label="ours, measured (median, min-max)")
+    ax.axhline(t_ring(n, m, b), color="C1", linestyle="--", label="gloo ring all-reduce, theory")
+    ax.errorbar([r["k"] for r in rows], [r["gloo"][0] for r in rows],
+                yerr=[[r["gloo"][0] - r["gloo"][1] for r in rows], [r["gloo"][2] - r["gloo"][0] for r in rows]],
+                fmt="s", color="C1", capsize=3, label="gloo all_reduce, measured")
+    ps = [r for r in rows if r["ps"]]
+    if ps:
+        kps = [k for k in ks if k >= 1]
+        ax.plot(kps, [t_ps(n, k, m, b) for k in kps], ":", color="C2", label="plain PS, theory max(M/B, nM/kB)")
+        ax.errorbar([r["k"] for r in ps], [r["ours"][0] for r in ps],
+                    yerr=[[r["ours"][0] - r["ours"][1] for r in ps], [r["ours"][2] - r["ours"][0] for r in ps]],
+                    fmt="^", color="C2", capsize=3, label="plain PS (our servers), measured")
+    ax.set_xlabel("k (CPU-only machines)")
+    ax.set_ylabel("time of one sum (s)")
+    ax.set_title(title, fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def _rates(samples: list[list[float]], start: float, end: float, column: int, bin_s: float = 0.02
+           ) -> tuple[list[float], list[float]]:
+    """(bin start relative to ``start``, MB/s) of one counter column, binned, from ``start`` to ``end``."""
+    import bisect
+
+    times = [row[0] for row in samples]
+
+    def at(t: float) -> float:  # counter value at time t, linearly interpolated
+        i = bisect.bisect_left(times, t)
+        if i <= 0:
+            return samples[0][column]
+        if i >= len(samples):
+            return samples[-1][column]
+        (t0, v0), (t1, v1) = (times[i - 1], samples[i - 1][column]), (times[i], samples[i][column])
+        return v0 + (v1 - v0) * (t - t0) / max(1e-9, t1 - t0)
+
+    xs, ys = [], []
+    t = start
+    while t < end:
+        xs.append(t - start)
+        ys.append((at(t + bin_s) - at(t)) / bin_s / 1e6)
+        t += bin_s
+    return xs, ys
+
+
+def plot_timeline(configs: list[dict[str, Any]], machines: list[str], b: float, path: Path, title: str) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install -e '.[bench]'): no timeline"
+    panels = []
+    for c in configs:
+        r = c["result"]
+        if not r.get("samples"):
+            continue
+        for system in ("ours", "gloo") if c is configs[0] else ("ours",):
+            times = r["bps_s"] if system == "ours" else r["gloo_s"]
+            wins = [w for w in r["windows"] if w[0] == system]
+            rep = sorted(range(len(times)), key=times.__getitem__)[len(times) // 2]
+            label = f"{c['label']}: {'ours' if system == 'ours' else 'gloo all_reduce'}, rep {rep} ({times[rep]:.3f} s)"
+            panels.append((label, r["samples"], wins[rep][1], wins[rep][2], c["workers"] + c["cpu_machines"]))
+    if not panels:
+        return "no samples: no timeline"
+    fig, axes = plt.subplots(len(panels), 2, figsize=(11, 2.1 * len(panels)), sharex=True, squeeze=False)
+    for row, (label, samples, start, end, present) in enumerate(panels):
+        for col, (direction, offset) in enumerate((("uplink (sent)", 1), ("downlink (received)", 2))):
+            ax = axes[row][col]
+            for i, name in enumerate(machines):
+                if name not in present:
+                    continue
+                xs, ys = _rates(samples, start - 0.02, end + 0.05, 2 * i + offset)
+                style = "-" if name.startswith("w") else "--"
+                ax.plot([x - 0.02 for x in xs], ys, style, lw=1, label=name)
+            ax.axhline(b / 1e6, color="grey", lw=0.8, ls=":")
+            ax.axvline(end - start, color="black", lw=0.8, ls=":")
+            ax.set_ylim(0, b / 1e6 * 1.25)
+            ax.set_title(f"{label}: {direction}", fontsize=7)
+            ax.tick_params(labelsize=7)
+            if col == 0:
+                ax.set_ylabel("MB/s", fontsize=7)
+        axes[row][1].legend(fontsize=6, loc="upper right", ncol=2)
+    for ax in axes[-1]:
+        ax.set_xlabel("seconds from the start of the operation (dotted: end, after the closing barrier)", fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="16M", help="bytes summed per operation, float32 (default 16M)")
+    p.add_argument("--n", type=int, default=4, help="worker machines (default 4)")
+    p.add_argument("--ks", default="0,1,2,4", help="CPU-only machines of the unified configurations "
+                                                   "(default 0,1,2,4; each at most n)")
+    p.add_argument("--ps-ks", default="2", help="CPU-only machines of plain-PS configurations (default 2; "
+                                               "'' for none)")
+    p.add_argument("--bandwidth", default="200mbit", help="every machine's link, each direction (tc rate; "
+                                                          "default 200mbit)")
+    p.add_argument("--mtu", type=int, default=9000, help="MTU of the emulated links (default 9000)")
+    p.add_argument("--partition-bytes", type=parse_size, default=None,
+                   help="cluster partition_bytes (default: the daemons' default, 4 MiB)")
+    p.add_argument("--credit-bytes", type=parse_size, default=None,
+                   help="cluster credit_bytes (default: the daemons' default, 64 MiB)")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per configuration (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds of each system first (default 1)")
+    p.add_argument("--write-results", action="store_true", help=f"append a dated section to {DEFAULT_RESULTS} "
+                                                               f"and save the plot beside it")
+    p.add_argument("--output", default=None, help="append to this markdown file instead (implies --write-results)")
+    p.add_argument("--plot", default=None, help=f"save the plot here (default with --write-results: {DEFAULT_PLOT})")
+    p.add_argument("--json", default=None, help="also write the raw per-repetition data here")
+    p.add_argument("--timeline", default=None, metavar="PNG",
+                   help="sample every link's byte counters every 5 ms and plot each configuration's median "
+                        "repetition (per-machine uplink and downlink rate over time) to this file")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds the ranks of one configuration may take")
+    p.add_argument("--log-level", default="warning", help="daemons' log level (default warning)")
+    p.add_argument("--rank-program", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result-file", help=argparse.SUPPRESS)
+    p.add_argument("--gloo-addr", help=argparse.SUPPRESS)
+    p.add_argument("--observe", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--op-timeout", type=float, default=300.0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.reps < 1 or args.warmup < 1:
+        p.error("--reps and --warmup must be at least 1")
+    try:
+        nbytes = parse_size(args.size)
+    except argparse.ArgumentTypeError as exc:
+        p.error(str(exc))
+    if args.rank_program:
+        return rank_program(args)
+
+    from benchmarks.cluster import EmulatorError, Layout, Network, parse_rate, unavailable_reason
+
+    n = args.n
+    try:
+        ks = [int(k) for k in args.ks.split(",") if k.strip()]
+        ps_ks = [int(k) for k in args.ps_ks.split(",") if k.strip()]
+        rate = parse_rate(args.bandwidth)
+    except ValueError as exc:
+        p.error(str(exc))
+    if n < 2 or any(not 0 <= k <= n for k in ks) or any(not 1 <= k < n for k in ps_ks) or not (ks or ps_ks):
+        p.error("need n >= 2, 0 <= k <= n for --ks and 1 <= k < n for --ps-ks, and at least one configuration")
+    reason = unavailable_reason()
+    if reason:
+        print(f"paper_vs_allreduce: {reason}", file=sys.stderr)
+        return 2
+
+    b = rate / 8
+    m = float(nbytes)
+    command_line = shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
+    env_vars = {k: v for k, v in sorted(os.environ.items()) if k.startswith((*ENV_PREFIXES, "PYTHONPATH"))}
+    if env_vars:
+        command_line = shlex.join(f"{k}={v}" for k, v in env_vars.items()) + " " + command_line
+    started = _dt.datetime.now().astimezone()
+    info = machine()
+    max_k = max([*ks, *ps_ks])
+    workers = [f"w{i}" for i in range(n)]
+    cpus = [f"c{j}" for j in range(max_k)]
+    cluster_keys: dict[str, Any] = {"timeout": 60.0}
+    if args.partition_bytes:
+        cluster_keys["partition_bytes"] = args.partition_bytes
+        cluster_keys["max_payload_bytes"] = max(1 << 30, args.partition_bytes)
+    if args.credit_bytes:
+        cluster_keys["credit_bytes"] = args.credit_bytes
+    plan = [(f"k={k}", k, False) for k in ks] + [(f"PS k={k}", k, True) for k in ps_ks]
+    configs: list[dict[str, Any]] = []
+    t_start = time.monotonic()
+    try:
+        with tempfile.TemporaryDirectory(prefix="bps-paper-") as tmp, \
+                Network([*workers, *cpus], bandwidth=args.bandwidth, mtu=args.mtu) as net:
+            print(f"emulated: {n} worker + {len(cpus)} CPU-only machines, links {args.bandwidth} each way, "
+                  f"MTU {args.mtu}, namespaces {net.prefix}-*", file=sys.stderr)
+            for label, k, ps in plan:
+                layout = Layout(workers=workers, cpu_servers=cpus[:k], colocated=not ps, cluster=cluster_keys)
+                t0 = time.monotonic()
+                result = run_config(net, layout, args, Path(tmp), label)
+                configs.append({"label": label, "k": k, "ps": ps, "workers": workers, "cpu_machines": cpus[:k],
+                                "result": result})
+                print(f"[{label}] ours median {statistics.median(result['bps_s']):.3f} s, gloo median "
+                      f"{statistics.median(result['gloo_s']):.3f} s, exact: {result['exact']}, bps == gloo: "
+                      f"{result['bps_equals_gloo']} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+            drops = net.tc_drops()
+    except (EmulatorError, RuntimeError) as exc:
+        print(f"paper_vs_allreduce: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("paper_vs_allreduce: interrupted; the emulated machines were removed", file=sys.stderr)
+        return 130
+    elapsed = time.monotonic() - t_start
+
+    rows = summarize(configs, n, m, b)
+    table = table_rows(rows)
+    details = detail_rows(configs, n, m)
+    all_gloo = [t for c in configs for t in c["result"]["gloo_s"]]
+    gloo_ratio = statistics.median(all_gloo) / t_ring(n, m, b)
+    sound = abs(gloo_ratio - 1) <= SOUND_TOLERANCE
+    ok = all(r["ok"] for r in rows)
+    code_line = code_version()
+    machine_line = (f"nproc {info['nproc']}, CPU {info['cpu']}; Python {info['python']}, numpy {info['numpy']}, "
+                    f"torch {info['torch']}, Linux {info['kernel']}")
+    setup_line = (f"n = {n} worker machines x 1 process, k in {ks} (+ plain PS k in {ps_ks}); M = "
+                  f"{human(nbytes)} float32 ({nbytes} bytes); B = {args.bandwidth} ({b / 1e6:.2f} MB/s) each way, "
+                  f"tbf, MTU {args.mtu}; partition_bytes = "
+                  f"{args.partition_bytes or 'default (4194304)'}; credit_bytes = "
+                  f"{args.credit_bytes or 'default (67108864)'}")
+    sound_line = (f"soundness: gloo median over all {len(all_gloo)} repetitions {statistics.median(all_gloo):.3f} s = "
+                  f"{gloo_ratio:.2f} x its theory {t_ring(n, m, b):.3f} s: "
+                  + ("PASS (within 15%)" if sound else "FAIL (not within 15%: lower --bandwidth)")
+                  + f"; packets dropped by the shapers: {sum(drops.values())}")
+    print(f"date:    {started.isoformat(timespec='seconds')}")
+    print(f"command: {command_line}")
+    print(f"machine: {machine_line}")
+    print(f"code:    {code_line}")
+    print(f"setup:   {setup_line}")
+    print(f"reps:    {args.reps} after {args.warmup} warm-up per configuration; wall time {elapsed:.0f} s")
+    print()
+    print(text_table(HEADER, table))
+    print()
+    print(text_table(DETAIL_HEADER, details))
+    print()
+    print(sound_line)
+    if not ok:
+        print("\nERROR: a sum was not exact or differed from gloo's", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"date": started.isoformat(timespec="seconds"), "command": command_line,
+                                               "machine": info, "n": n, "bytes": nbytes, "bandwidth": args.bandwidth,
+                                               "mtu": args.mtu, "configs": configs, "drops": drops}, indent=1) + "\n")
+    plot_path = Path(args.plot) if args.plot else (
+        (Path(args.output).parent / DEFAULT_PLOT.name if args.output else DEFAULT_PLOT)
+        if (args.write_results or args.output) else None)
+    if plot_path:
+        title = f"n = {n}, M = {human(nbytes)}, B = {args.bandwidth}, {started.strftime('%Y-%m-%d %H:%M')}"
+        problem = plot(rows, n, m, b, plot_path, title)
+        print(f"\nplot: {problem or plot_path}")
+    if args.timeline:
+        title = (f"link rates, 20 ms bins; n = {n}, M = {human(nbytes)}, B = {args.bandwidth} "
+                 f"(grey: B); {started.strftime('%Y-%m-%d %H:%M')}")
+        problem = plot_timeline(configs, [*workers, *cpus], b, Path(args.timeline), title)
+        print(f"timeline: {problem or args.timeline}")
+    if args.write_results or args.output:
+        target = Path(args.output) if args.output else DEFAULT_RESULTS
+        text = target.read_text() if target.exists() else "# Benchmark results\n"
+        if "## `paper_vs_allreduce.py`" not in text:
+            text = text.rstrip("\n") + "\n" + RESULTS_HEADER
+            target.write_text(text)
+        section = [
+            "", f"### {started.strftime('%Y-%m-%d %H:%M %Z')}: BytePS vs gloo all-reduce on emulated machines", "",
+            f"- command: `{command_line}` (in `{os.getcwd()}`)",
+            f"- machine: {machine_line}",
+            f"- code: {code_line}",
+            f"- setup: {setup_line}",
+            f"- {args.reps} timed repetitions per configuration after {args.warmup} warm-up; wall time {elapsed:.0f} s",
+            f"- {sound_line}",
+            (f"- plot: `{plot_path.name}`" if plot_path else "- plot: none")
+            + (f"; link-rate timeline: `{Path(args.timeline).name}`" if args.timeline else ""),
+            "", markdown_table(HEADER, table), "",
+            "Per operation (median over repetitions): bytes on the links by machine kind, seen from the machine "
+            "(tx = its uplink / rx = its downlink, frames incl. headers; expected payload in parentheses), CPU-seconds "
+            "of all daemons together, share of the box's cores busy during the operation:", "",
+            markdown_table(DETAIL_HEADER, details), "",
+        ]
+        with target.open("a") as f:
+            f.write("\n".join(section))
+        print(f"appended to {target}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

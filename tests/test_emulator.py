@@ -1,0 +1,143 @@
+"""The cluster emulator (benchmarks/cluster): machines as network namespaces, shaped links, our daemons inside.
+
+Root only (it creates network namespaces, veth pairs and tc qdiscs); skipped elsewhere. Timings are never
+checked here (see ../shared/MEASURING.md): only that a sum crosses the emulated links exactly and that
+nothing the emulator created survives it, also on an exception or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
+
+from benchmarks.cluster import Daemons, Layout, Network, our_namespaces, unavailable_reason  # noqa: E402
+
+REASON = unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"cluster emulator unavailable: {REASON}")
+
+RANK = r"""
+import os, sys
+import numpy as np
+import bps_worker.client as bps
+
+bps.init(timeout=30.0)
+rank, size = bps.rank(), bps.size()
+n = 300_001                                   # 1.2 MB: split over all three servers, in several partitions
+x = (np.arange(n) % 13 + rank).astype(np.float32)
+out = np.zeros_like(x)
+bps.push_pull(x, "emulated.grad", average=False, out=out)
+expect = (size * (np.arange(n) % 13) + sum(range(size))).astype(np.float32)
+small = bps.push_pull(np.full(3, rank + 1.0, dtype=np.float32), "emulated.bias", average=False)
+bps.shutdown()
+ok = np.array_equal(out, expect) and np.array_equal(small, np.full(3, size * (size + 1) / 2, dtype=np.float32))
+print(f"rank {rank}: exact={ok}", flush=True)
+sys.exit(0 if ok else 3)
+"""
+
+
+def _leftovers(net_prefix: str, token_prefix: str) -> list[str]:
+    """Anything of one Network still visible from the host: namespaces, links, qdiscs."""
+    found = [ns for ns in our_namespaces(net_prefix)]
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    found += [line for line in listing.splitlines() if net_prefix in line]
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    found += [line for line in links.splitlines() if token_prefix in line]
+    qdiscs = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
+    found += [line for line in qdiscs.splitlines() if token_prefix in line]
+    return found
+
+
+@pytest.mark.timeout(90)
+def test_push_pull_across_namespaces_and_clean_teardown(tmp_path: Path) -> None:
+    with Network(["w0", "w1", "c0"], bandwidth="200mbit") as net:
+        prefix, token_prefix = net.prefix, f"bpe{net.token}"
+        assert sorted(our_namespaces(prefix)) == sorted(f"{prefix}-{x}" for x in ("br", "w0", "w1", "c0"))
+        shaped = "\n".join(net.qdiscs().values())
+        for m in net.machines.values():  # both directions of every link
+            assert "tbf" in shaped and f"dev {m.ifname} root" in shaped and f"dev {m.peer} root" in shaped, shaped
+        # the host's own namespace never sees our links
+        assert token_prefix not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+
+        layout = Layout(workers=["w0", "w1"], cpu_servers=["c0"], cluster={"partition_bytes": 262144, "timeout": 20.0})
+        before = net.link_counters()
+        with Daemons(net, layout, tmp_path / "cluster", log_level="info", log_dir=tmp_path / "logs") as cluster:
+            config = cluster.config_path.read_text()
+            assert f'address = "{net.address("c0")}:' in config and "worker = 1" in config
+            for w in range(2):
+                cluster.start_rank(w, 0, [sys.executable, "-c", RANK],
+                                   stdout=open(tmp_path / f"rank{w}.out", "w"), stderr=subprocess.STDOUT)
+            code = cluster.wait_ranks(timeout=60)
+        outputs = "\n".join((tmp_path / f"rank{w}.out").read_text() for w in range(2))
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((tmp_path / "logs").glob("*.log")))
+        assert code == 0, outputs + "\n" + logs
+        assert outputs.count("exact=True") == 2, outputs
+        after = net.link_counters()
+        # the sum crossed the emulated links: every worker sent about its pushes, the CPU-only machine got its share
+        for name in ("w0", "w1", "c0"):
+            assert after[name]["tx_bytes"] - before[name]["tx_bytes"] > 100_000, (name, before, after)
+            assert after[name]["rx_bytes"] - before[name]["rx_bytes"] > 100_000, (name, before, after)
+    assert _leftovers(prefix, token_prefix) == []
+
+
+@pytest.mark.timeout(30)
+def test_teardown_on_exception() -> None:
+    with pytest.raises(RuntimeError, match="boom"):
+        with Network(["a", "b"]) as net:
+            prefix, token_prefix = net.prefix, f"bpe{net.token}"
+            sleeper = net.popen("a", [sys.executable, "-c", "import time; time.sleep(60)"])
+            assert len(our_namespaces(prefix)) == 3
+            raise RuntimeError("boom")
+    assert sleeper.poll() is not None  # the processes inside were stopped
+    assert _leftovers(prefix, token_prefix) == []
+
+
+@pytest.mark.timeout(30)
+def test_teardown_on_sigterm(tmp_path: Path) -> None:
+    program = (f"import sys, time; sys.path.append({str(REPO)!r})\n"
+               "from benchmarks.cluster import Network\n"
+               "with Network(['a', 'b']) as net:\n"
+               "    print(net.prefix, net.token, flush=True)\n"
+               "    net.popen('b', [sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+               "    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    try:
+        prefix, token = proc.stdout.readline().split()  # type: ignore[union-attr]
+        assert len(our_namespaces(prefix)) == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert _leftovers(prefix, f"bpe{token}") == []
+
+
+@pytest.mark.timeout(150)
+def test_paper_vs_allreduce_smoke_prints_its_table() -> None:
+    cmd = [sys.executable, str(REPO / "benchmarks" / "paper_vs_allreduce.py"), "--size", "256K", "--reps", "2",
+           "--ks", "0,1", "--ps-ks", "", "--timeout", "100"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        stdout, stderr = proc.communicate(timeout=140)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # the benchmark tears its namespaces down on SIGTERM
+            proc.communicate(timeout=20)
+    assert proc.returncode == 0, stdout + stderr
+    lines = stdout.splitlines()
+    header = [line for line in lines if line.lstrip().startswith("config") and "gloo/ours theory" in line]
+    assert len(header) == 1, stdout
+    rows = lines[lines.index(header[0]) + 2:][:2]
+    assert [row.split()[0] for row in rows] == ["k=0", "k=1"], stdout
+    for row in rows:
+        assert row.rstrip().endswith("yes"), row  # exact, and equal to gloo's sum
+    assert any(line.startswith("soundness:") for line in lines), stdout
+    assert [ns for ns in our_namespaces() if ns.startswith(f"bpe-{proc.pid}-")] == []

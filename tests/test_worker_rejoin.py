@@ -1,0 +1,75 @@
+"""A worker machine dies mid-training and comes back: the others get errors naming it, then training
+goes on from the next round, with the restarted machine's new processes, without restarting anyone else."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+
+import rank_programs as rp
+from harness import _rank_main, daemon_logs, start_cluster, write_config
+
+STEPS = 12
+
+
+def _collect(queue, want: set[int], timeout: float, cluster) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    deadline = time.monotonic() + timeout
+    while want - set(out):
+        try:
+            rank, status, value = queue.get(timeout=max(0.1, deadline - time.monotonic()))
+        except Exception:
+            raise TimeoutError(f"ranks {sorted(want - set(out))} did not report\n{daemon_logs(cluster)}") from None
+        assert status == "ok", f"rank {rank}: {value}"
+        out[rank] = value
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_worker_machine_rejoins_the_running_job(tmp_path):
+    path = write_config(tmp_path, [1, 1], cluster={"timeout": 4.0, "partition_bytes": 256 * 1024})
+    cluster = start_cluster(path)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    sockets = [w.socket for w in cluster.config.worker_specs]
+    procs = []
+
+    def rank(worker: int, role: str, seconds: float) -> None:
+        p = ctx.Process(target=_rank_main, args=(queue, sockets[worker], 0, worker, rp.rejoin_loop,
+                                                 (role, STEPS, seconds), 10.0), daemon=True)
+        p.start()
+        procs.append(p)
+
+    try:
+        rank(0, "healthy", 120)
+        rank(1, "victim", 60)
+        time.sleep(2.0)
+        cluster.kill("worker-1")  # the machine's daemon dies; its process loses it and stops
+        victim = _collect(queue, {1}, 30, cluster)[1]
+        time.sleep(1.0)
+        cluster.restart("worker-1")
+        rank(1, "new", 60)  # the machine's training process, started again from scratch
+        results = _collect(queue, {0, 1}, 120, cluster)
+        logs = daemon_logs(cluster)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        cluster.stop()
+    healthy, new = results[0], results[1]
+    assert victim["error_count"] == 1 and victim["partner_steps"], victim
+    # Before the crash the two trained in lock step.
+    before = healthy["partner_steps"][:len(victim["partner_steps"])]
+    assert before == [float(s) for s in range(len(before))]
+    # The healthy process got errors, naming the missing worker, within the timeout each ...
+    assert healthy["error_count"] >= 1 and any("worker 1" in e for e in healthy["errors"]), healthy["errors"]
+    # ... and then summed with the new process's steps 0, 1, 2, ... in order: none lost, none doubled.
+    after = healthy["partner_steps"][len(victim["partner_steps"]):]
+    assert after[-STEPS:] == [float(s) for s in range(STEPS)], (healthy, logs)
+    # The new process saw the healthy process's steps consecutively too.
+    mine = new["partner_steps"]
+    assert new["error_count"] == 0 and len(mine) == STEPS, new
+    assert mine == [mine[0] + i for i in range(STEPS)] and mine[0] >= len(victim["partner_steps"]), new
