@@ -60,6 +60,7 @@ from protocol.messages import Push
 
 from . import kernels
 from .metrics import Histogram
+from .timeline import Timeline, now_us
 
 log = logging.getLogger("bps.server.aggregator")
 
@@ -97,6 +98,7 @@ class KeyState:
     previous_failure: tuple[int, str] | None = None  # (round, why) of the round before, if it failed
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     opened: float = 0.0  # time.monotonic() of the round's first push (or replay)
+    opened_us: int = 0  # the same, on the timeline's clock
 
 
 def describe(push: Push) -> str:
@@ -144,7 +146,9 @@ class Aggregator:
     """Sums the ``n_workers`` pushes of every key and round (see the module docstring)."""
 
     def __init__(self, n_workers: int, executor: Executor | None = None, lost_grace_s: float = 30.0,
-                 deterministic: bool = False, connected: Callable[[int], bool] = lambda worker: True) -> None:
+                 deterministic: bool = False, connected: Callable[[int], bool] = lambda worker: True,
+                 timeline: Timeline | None = None) -> None:
+        self.timeline = timeline
         self.n_workers = n_workers
         self.deterministic = deterministic
         self.connected = connected
@@ -215,6 +219,7 @@ class Aggregator:
             st.first = push
             if not st.replayers:
                 st.opened = time.monotonic()
+                st.opened_us = now_us()
         elif _descriptor(st.first) != _descriptor(push):
             st.contributors[push.worker] = Contributor(push, reply, fail)
             self._fail_round(key, st, f"tensor {push.name!r} mismatch: worker {st.first.worker} pushed "
@@ -242,7 +247,11 @@ class Aggregator:
         async with st.lock:
             if self.keys.get(key) is not st or st.failed is not None:
                 return  # the round was abandoned or failed while we waited; waiters were told
+            t_add = now_us() if self.timeline is not None else 0
             await self._add(st, payload, push.dtype, borrowed)
+            if self.timeline is not None:
+                self.timeline.span(f"{push.name} p{push.part}", f"add worker {push.worker}", t_add, now_us(),
+                                   round=push.round, bytes=payload.nbytes, shm=borrowed)
             if self.keys.get(key) is not st or st.failed is not None or st.result is not None:
                 return
             st.added += 1
@@ -456,6 +465,9 @@ class Aggregator:
         self._open(key, st.round + 1)
         self.counters.rounds_completed += 1
         self.counters.round_seconds.observe(time.monotonic() - st.opened)
+        if self.timeline is not None:
+            self.timeline.span(f"{key[0]} p{key[1]}", f"round {st.round}", st.opened_us, now_us(),
+                               bytes=out.nbytes, workers=sorted(st.contributors))
         for contributor in st.contributors.values():
             self.counters.bytes_sent += out.nbytes
             contributor.reply(contributor.push, out)

@@ -25,6 +25,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bind", default=None, help="bind to this host instead of the one in the cluster file")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-file", default=None, help="log to this file instead of stderr (reopened on SIGHUP)")
+    p.add_argument("--timeline", default=None,
+                   help="write a Chrome-trace timeline of every tensor's stages to this file (open in Perfetto)")
     return p.parse_args(argv)
 
 
@@ -41,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads < 1:
         print("bps-server: --threads must be >= 1", file=sys.stderr)
         return 2
-    config = ServerConfig(cluster, args.id, threads=args.threads, host=args.bind, token=token)
+    config = ServerConfig(cluster, args.id, threads=args.threads, host=args.bind, token=token,
+                          timeline=args.timeline)
     keep_freed_memory()
     kernels.warm_up()  # compile before reporting ready, never on a job's first tensor
     loop = new_event_loop()

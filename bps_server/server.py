@@ -52,6 +52,7 @@ from protocol.messages import (
 
 from . import kernels, metrics
 from .aggregator import INLINE_SUM_MAX_BYTES, Aggregator
+from .timeline import Timeline
 from .segments import attach_segment, release
 
 log = logging.getLogger("bps.server")
@@ -70,6 +71,7 @@ class ServerConfig:
     token: bytes | None = None  # from cluster.token_file
     host: str | None = None  # overrides the address in the cluster file (bind address)
     port: int | None = None
+    timeline: str | None = None  # Chrome-trace file of every partition's rounds (bps_server.timeline)
 
     @property
     def bind(self) -> tuple[str, int]:
@@ -360,9 +362,10 @@ class SummationServer:
         self.incarnation = secrets.token_hex(8)  # this run of the server: workers notice a restart by it
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-sum")
         self.links: dict[int, ServerConnection] = {}
+        self.timeline = Timeline(config.timeline, f"bps-server {config.server_id}") if config.timeline else None
         self.aggregator = Aggregator(config.cluster.workers, self.executor, lost_grace_s=config.cluster.timeout,
                                      deterministic=config.cluster.deterministic,
-                                     connected=lambda w: w in self.links)
+                                     connected=lambda w: w in self.links, timeline=self.timeline)
         self.connections: set[ServerConnection] = set()
         self.tasks: set[asyncio.Task[Any]] = set()
         self.stopping = False
@@ -462,3 +465,5 @@ class SummationServer:
         if self._server is not None:
             await self._server.wait_closed()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.timeline is not None:
+            self.timeline.close()

@@ -18,6 +18,10 @@ out (the daemon reads and writes that very memory)::
     g = bps.shared_array("layer1.weight", (256, 128), np.float32)
     g[...] = compute_gradient()
     bps.push_pull(g, "layer1.weight", out=g)
+
+Timeline: with ``BPS_TIMELINE=DIR`` (or ``FILE.json``) every process writes a Chrome trace of its
+operations (copy in, waiting for the daemon, copy out) to ``DIR/rank<N>.json`` (``FILE.rank<N>.json``);
+merge it with the daemons' (``--timeline``) using ``python -m bps_server.timeline merge``.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ from protocol.messages import (
     parse,
     to_header,
 )
+
+from bps_server.timeline import Timeline, now_us
 
 from . import shm
 from .errors import BPSConnectionError, BPSError, BPSMismatchError, BPSTimeoutError
@@ -96,6 +102,7 @@ class Handle:
     _segment: SharedMemory = field(repr=False)
     _offset: int = field(repr=False)
     _in_place: bool = field(default=False, repr=False)  # the input was the slot itself (a shared array)
+    _times: list[int] | None = field(default=None, repr=False)  # timeline: start, filled, done
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
     _error: BPSError | None = field(default=None, repr=False)
     _consumed: bool = field(default=False, repr=False)
@@ -126,6 +133,7 @@ class _Connection:
         self.rank, self.size = welcome.rank, welcome.size
         self.local_rank, self.local_size = welcome.local_rank, welcome.local_size
         self.worker = welcome.worker
+        self.timeline = _open_timeline(self.rank)
         self.thread = threading.Thread(target=self._read_loop, name="bps-client-reader", daemon=True)
         self.thread.start()
 
@@ -228,6 +236,8 @@ class _Connection:
             handle = self.handles.pop(req, None) if isinstance(message, (Done, Failure)) else None
             rpc = self.rpcs.pop(req, None) if handle is None else None
         if handle is not None:
+            if handle._times is not None:
+                handle._times[2] = now_us()
             if isinstance(message, Failure):
                 cls = BPSMismatchError if message.code == "mismatch" else BPSError
                 handle._error = cls(message.message)
@@ -341,12 +351,15 @@ class _Connection:
         if name in self.inflight:
             raise BPSError(f"tensor {name!r} is already in flight in this process; synchronize it first")
         count = prod(shape)
+        t_start = now_us() if self.timeline is not None else 0
         seg, offset = self.slot_for(name, count * dtype.itemsize)
         view = np.frombuffer(seg.buf, dtype=dtype, count=count, offset=offset).reshape(shape)
         fill(view)
         in_place = out is not None and _same_memory(view, out)
         del view
         handle = Handle(next(self.reqs), name, dtype, shape, out, seg, offset, _in_place=in_place)
+        if self.timeline is not None:
+            handle._times = [t_start, now_us(), 0]
         op = Op(handle.req, name, kind, wire, list(shape), seg.name, average=average, priority=priority,
                 root=root, offset=offset)
         with self.state_lock:
@@ -373,14 +386,23 @@ class _Connection:
                 del self.inflight[handle.name]
         if handle._error is not None:
             raise handle._error
+        t_copy = now_us() if handle._times is not None else 0
         if handle._in_place:  # `out` is the slot itself: the daemon already wrote the result there
             assert handle.out is not None
-            return handle.out
-        view = handle._result_view()
-        if handle.out is not None:
-            np.copyto(handle.out, view)
-            return handle.out
-        return view.copy()
+            result = handle.out
+        elif handle.out is not None:
+            np.copyto(handle.out, handle._result_view())
+            result = handle.out
+        else:
+            result = handle._result_view().copy()
+        if handle._times is not None and self.timeline is not None:
+            start, filled, done = handle._times
+            nbytes = prod(handle.shape) * handle.dtype.itemsize
+            self.timeline.span(handle.name, "push_pull", start, now_us(), bytes=nbytes, in_place=handle._in_place)
+            self.timeline.span(handle.name, "copy in", start, filled)
+            self.timeline.span(handle.name, "worker daemon", filled, done)
+            self.timeline.span(handle.name, "copy out", t_copy, now_us())
+        return result
 
     def close(self) -> None:
         try:
@@ -393,10 +415,21 @@ class _Connection:
             shm.release(seg, unlink=False)
         self.attached.clear()
         self.slots.clear()
+        if self.timeline is not None:
+            self.timeline.close()
 
 
 class _FatalFailure(Exception):
     pass
+
+
+def _open_timeline(rank: int) -> Timeline | None:
+    """The process's trace file if BPS_TIMELINE asks for one (a directory, or a FILE.json to number)."""
+    target = os.environ.get("BPS_TIMELINE")
+    if not target:
+        return None
+    path = f"{target[:-5]}.rank{rank}.json" if target.endswith(".json") else os.path.join(target, f"rank{rank}.json")
+    return Timeline(path, f"rank {rank} (pid {os.getpid()})")
 
 
 def _same_memory(view: np.ndarray, array: np.ndarray) -> bool:

@@ -32,6 +32,7 @@ from typing import Any, Final
 import numpy as np
 
 from bps_server import kernels, metrics
+from bps_server.timeline import Timeline, now_us
 from protocol import PROTOCOL_VERSION, dtypes
 from protocol.config import ClusterConfig
 from protocol.errors import ProtocolError
@@ -88,6 +89,7 @@ class WorkerConfig:
     segment_mode: int = 0o600
     token: bytes | None = None  # from cluster.token_file
     threads: int = 2
+    timeline: str | None = None  # Chrome-trace file of every tensor's stages (bps_server.timeline)
 
     @property
     def socket(self) -> str:
@@ -250,6 +252,7 @@ class WorkerDaemon:
         self.config = config
         cluster = config.cluster
         self.worker_id = config.worker_id
+        self.timeline = Timeline(config.timeline, f"bps-worker {config.worker_id}") if config.timeline else None
         self.rank_offset = cluster.rank_offset(config.worker_id)
         self.placement = Placement(cluster)
         per_link_credit = max(1 << 16, cluster.credit_bytes // len(cluster.servers))
@@ -258,7 +261,8 @@ class WorkerDaemon:
             s.id: ServerLink(s, config.worker_id, credit_bytes=per_link_credit, timeout=cluster.timeout,
                              max_payload_bytes=cluster.max_payload_bytes, token=config.token,
                              shm_mode=config.segment_mode
-                             if cluster.colocated_shm and s.worker == config.worker_id else None)
+                             if cluster.colocated_shm and s.worker == config.worker_id else None,
+                             timeline=self.timeline)
             for s in cluster.servers
         }
         self._new_epoch()
@@ -360,6 +364,8 @@ class WorkerDaemon:
             link.close()
         self.staging.release_all()
         self.results.release_all()
+        if self.timeline is not None:
+            self.timeline.close()
         if self._server is not None:
             await self._server.wait_closed()
         try:
@@ -448,18 +454,25 @@ class WorkerDaemon:
         lr.failed, lr.code = reason, code
         for session, op in lr.members.values():
             session.send(Failure(op.req, reason, code=code))
-        # Peers on other machines wait for this round at the anchor server: tell them now.
-        self.spawn(self._abort_at_anchor(lr.name, lr.round, reason))
+        # Peers on other machines wait for this round at the anchor server: tell them now (before
+        # anything else this daemon says, e.g. a Reset, so they learn the real reason).
+        base = self._round_base(lr.name, lr.round)
+        if base.done() and not base.cancelled() and base.exception() is None:
+            self._abort_at_anchor(lr.name, lr.round + base.result(), reason)
+        else:
+            self.spawn(self._abort_when_known(lr.name, lr.round, base, reason))
         self._retire(lr)
 
-    async def _abort_at_anchor(self, name: str, local_round: int, reason: str) -> None:
-        base = self._round_base(name, local_round)
+    def _abort_at_anchor(self, name: str, server_round: int, reason: str) -> None:
+        anchor = self.placement.server_ids[self.placement.anchor(name)]
+        self.links[anchor].abort(name, 0, server_round, reason)
+
+    async def _abort_when_known(self, name: str, local_round: int, base: asyncio.Future[int], reason: str) -> None:
         try:
             offset = await base
-        except BPSError:
-            return  # the anchor is unreachable: the peers' rounds fail there anyway
-        anchor = self.placement.server_ids[self.placement.anchor(name)]
-        self.links[anchor].abort(name, 0, local_round + offset, reason)
+        except (BPSError, asyncio.CancelledError):
+            return  # the anchor is unreachable, or the job is gone: the peers' rounds fail there anyway
+        self._abort_at_anchor(name, local_round + offset, reason)
 
     def _round_base(self, name: str, local_round: int) -> asyncio.Future[int]:
         """The offset from our round numbers of ``name`` to the servers' (asked once per job, and
@@ -550,11 +563,13 @@ class WorkerDaemon:
             views = [np.frombuffer(s.arena.segments[o.segment].buf, dtype=storage, count=count, offset=o.offset)
                      for s, o in members]
             direct = len(views) == 1 and (op.kind != KIND_BROADCAST or self._root_local(op) is not None)
+            t_sum = now_us()
             if direct:
                 buf, segment, base = views[0], members[0][1].segment, members[0][1].offset
             else:
                 buf, segment, base = self._staging_buffer(self.staging, name, nbytes, op.dtype, count)
                 await self._prepare(buf, views, op)
+            t_push = now_us()
             out, out_segment, out_base = self._staging_buffer(self.results, name, nbytes, op.dtype, count)
             divisor = cluster.size if op.average else 1
             raw = memoryview(buf).cast("B") if nbytes else memoryview(b"")
@@ -577,9 +592,17 @@ class WorkerDaemon:
                     session.send(Failure(o.req, error, code=code))
                 return
             self.counters.bytes_pulled += nbytes
+            t_back = now_us()
             await self._hand_back(out, views)
             for session, o in members:
                 session.send(Done(o.req))
+            if self.timeline is not None:
+                t_end = now_us()
+                self.timeline.span(name, f"round {server_round}", t_sum, t_end, bytes=nbytes, ranks=len(members))
+                if not direct:
+                    self.timeline.span(name, "local sum", t_sum, t_push)
+                self.timeline.span(name, "push-pull", t_push, t_back, pieces=len(futures))
+                self.timeline.span(name, "hand-back", t_back, t_end)
             self.counters.ops += 1
             self.counters.op_seconds.observe(time.monotonic() - started)
         except Exception as exc:  # never leave the processes hanging

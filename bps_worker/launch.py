@@ -96,7 +96,8 @@ class Cluster:
     """The daemons of a one-box cluster; a context manager that always stops them."""
 
     def __init__(self, config_path: str, *, log_level: str = "warning", log_dir: str | None = None,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, timeline_dir: str | None = None) -> None:
+        self.timeline_dir = timeline_dir  # every daemon writes DIR/<label>.json, every rank DIR/rank<N>.json
         self.config_path = config_path
         self.config: ClusterConfig = load_config(config_path)
         self.log_level = log_level
@@ -106,19 +107,20 @@ class Cluster:
         self._tmp = tempfile.TemporaryDirectory(prefix="bps-launch-")
 
     def __enter__(self) -> "Cluster":
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
+        self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def start(self) -> None:
-        self._launch([f"server-{spec.id}" for spec in self.config.servers]
-                     + [f"worker-{w.id}" for w in self.config.worker_specs])
+        """Start every daemon and wait until all are ready; on any failure stop those already started."""
+        try:
+            self._launch([f"server-{spec.id}" for spec in self.config.servers]
+                         + [f"worker-{w.id}" for w in self.config.worker_specs])
+        except BaseException:
+            self.stop()
+            raise
 
     def _launch(self, labels: list[str]) -> None:
         """Start the daemons named ``server-N`` / ``worker-N`` and wait until they are all ready."""
@@ -159,6 +161,8 @@ class Cluster:
             out = open(os.path.join(self.log_dir, f"{label}.log"), "ab")
         cmd = [self.python, "-m", module, "--config", self.config_path, "--id", str(ident),
                "--log-level", self.log_level]
+        if self.timeline_dir:
+            cmd += ["--timeline", os.path.join(self.timeline_dir, f"{label}.json")]
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=out or None)
         if out is not None:
             out.close()
@@ -187,9 +191,12 @@ class Cluster:
     def env_for(self, worker_id: int, local_rank: int) -> dict[str, str]:
         spec = self.config.worker(worker_id)
         rank = self.config.rank_offset(worker_id) + local_rank
-        return dict(os.environ, BPS_SOCKET=spec.socket, BPS_LOCAL_RANK=str(local_rank), LOCAL_RANK=str(local_rank),
-                    BPS_RANK=str(rank), BPS_SIZE=str(self.config.size), BPS_WORKER_ID=str(worker_id),
-                    BPS_CONFIG=os.path.abspath(self.config_path))
+        env = dict(os.environ, BPS_SOCKET=spec.socket, BPS_LOCAL_RANK=str(local_rank), LOCAL_RANK=str(local_rank),
+                   BPS_RANK=str(rank), BPS_SIZE=str(self.config.size), BPS_WORKER_ID=str(worker_id),
+                   BPS_CONFIG=os.path.abspath(self.config_path))
+        if self.timeline_dir:
+            env["BPS_TIMELINE"] = self.timeline_dir
+        return env
 
     def dead_daemon(self) -> Child | None:
         for child in self.children:
@@ -262,13 +269,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="configs/local.toml", help="cluster TOML file (default: configs/local.toml)")
     p.add_argument("--log-level", default="warning", help="daemons' log level (default: warning)")
     p.add_argument("--log-dir", default=None, help="write each daemon's log to DIR/<name>.log instead of stderr")
+    p.add_argument("--timeline", default=None, metavar="DIR",
+                   help="write Chrome-trace timelines of every daemon and rank into DIR (merge them with "
+                        "`python -m bps_server.timeline merge OUT DIR/*.json`, open in https://ui.perfetto.dev)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="training command, after --")
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         p.error("no training command given (put it after --)")
     try:
-        with Cluster(args.config, log_level=args.log_level, log_dir=args.log_dir) as cluster:
+        with Cluster(args.config, log_level=args.log_level, log_dir=args.log_dir,
+                     timeline_dir=os.path.abspath(args.timeline) if args.timeline else None) as cluster:
             return run_training(cluster, command)
     except ConfigError as exc:
         print(f"bps-launch: {exc}", file=sys.stderr)

@@ -74,6 +74,8 @@ from protocol.messages import (
     to_header,
 )
 
+from bps_server.timeline import Timeline, now_us
+
 from . import shm
 from .errors import BPSConnectionError, BPSError, BPSMismatchError
 
@@ -96,6 +98,7 @@ class _Queued:
     shm_ref: tuple[str, int] | None = field(compare=False, default=None)  # (segment, byte offset) of payload
     out_ref: tuple[str, int] | None = field(compare=False, default=None)  # (segment, byte offset) of dest
     via_shm: bool = field(compare=False, default=False)  # sent as a shared-memory reference
+    times: list[int] | None = field(compare=False, default=None)  # timeline: queued, sent, sum arriving
     held: bool = field(compare=False, default=False)  # sent on a connection that broke; awaiting the verdict
 
     def wire_nbytes(self, shm: bool) -> int:
@@ -139,7 +142,8 @@ class ServerLink:
 
     def __init__(self, spec: ServerSpec, worker_id: int, *, credit_bytes: int, timeout: float,
                  max_payload_bytes: int, token: bytes | None = None,
-                 shm_mode: int | None = None) -> None:
+                 shm_mode: int | None = None, timeline: Timeline | None = None) -> None:
+        self.timeline = timeline
         self.spec = spec
         self.shm_mode = shm_mode  # offer shared memory (segments of this mode) to a server on this host
         self.shm = False  # this connection's server accepted the offer
@@ -184,8 +188,10 @@ class ServerLink:
         future: asyncio.Future[None] = loop.create_future()
         req = next(self._req)
         push = Push(req=req, worker=self.worker_id, **push_fields)
-        heapq.heappush(self._queue, _Queued((-priority, next(self._seq)), push, payload, dest, future, shm_ref,
-                                            out_ref))
+        item = _Queued((-priority, next(self._seq)), push, payload, dest, future, shm_ref, out_ref)
+        if self.timeline is not None:
+            item.times = [now_us(), 0, 0]
+        heapq.heappush(self._queue, item)
         if self._proto is None:
             self._ensure_connecting()
         else:
@@ -302,6 +308,8 @@ class ServerLink:
 
     def _wire(self, item: _Queued) -> tuple[Push, memoryview | None]:
         """What goes on the wire for ``item``: the push and its bytes, or a shared-memory reference."""
+        if item.times is not None:
+            item.times[1] = now_us()
         if self.shm and item.shm_ref is not None and item.out_ref is not None:
             item.via_shm = True
             return dataclasses.replace(item.push, segment=item.shm_ref[0], seg_offset=item.shm_ref[1],
@@ -366,6 +374,8 @@ class ServerLink:
             if item.dest.nbytes != nbytes:
                 raise ProtocolError(f"result for {item.push.name!r} part {item.push.part} has {nbytes} bytes, "
                                     f"expected {item.dest.nbytes}")
+            if item.times is not None:
+                item.times[2] = now_us()
             return item.dest
         return memoryview(bytearray(nbytes))  # a late result of an abandoned push: discard
 
@@ -393,6 +403,7 @@ class ServerLink:
                 if item is not None and not item.future.done():
                     item.future.set_result(None)
                     self._answered[(item.push.name, item.push.part)] = item
+                    self._trace(item)
                 return
             if item is not None and not item.future.done():
                 got = 0 if payload is None else payload.nbytes
@@ -403,6 +414,7 @@ class ServerLink:
                     item.dest[:] = payload
                 item.future.set_result(None)
                 self._answered[(item.push.name, item.push.part)] = item
+                self._trace(item)
             return
         if isinstance(message, RoundInfo):
             query = self._queries.pop(message.req, None)
@@ -421,6 +433,19 @@ class ServerLink:
                 item.future.set_exception(cls(f"server {self.spec.id}: {message.message}"))
             return
         raise ProtocolError(f"unexpected {message.TYPE} message from server {self.spec.id}")
+
+    def _trace(self, item: _Queued) -> None:
+        """Timeline of one answered push: waiting in our queue, on the server, and its sum arriving."""
+        if self.timeline is None or item.times is None:
+            return
+        queued, sent, arriving = item.times
+        done = now_us()
+        lane = f"{item.push.name} p{item.push.part} (server {self.spec.id})"
+        args = {"round": item.push.round, "bytes": item.payload.nbytes, "shm": item.via_shm}
+        self.timeline.span(lane, "queued", queued, sent or done, **args)
+        self.timeline.span(lane, "push, server sum", sent or done, arriving or done, **args)
+        if arriving:
+            self.timeline.span(lane, "pull", arriving, done, **args)
 
     def on_broken(self, proto: _LinkProtocol, reason: str) -> None:
         if proto is not self._proto:

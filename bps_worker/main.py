@@ -28,6 +28,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="threads for local sums and copies (default: 2)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-file", default=None, help="log to this file instead of stderr (reopened on SIGHUP)")
+    p.add_argument("--timeline", default=None,
+                   help="write a Chrome-trace timeline of every tensor's stages to this file (open in Perfetto)")
     return p.parse_args(argv)
 
 
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.shm_mode!r}", file=sys.stderr)
         return 2
     config = WorkerConfig(cluster, args.id, socket_path=args.socket, socket_mode=socket_mode,
-                          segment_mode=shm_mode, threads=max(1, args.threads), token=token)
+                          segment_mode=shm_mode, threads=max(1, args.threads), token=token, timeline=args.timeline)
     keep_freed_memory()
     kernels.warm_up()
     loop = new_event_loop()

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from bps_worker.placement import Piece, Placement, server_shares, theorem1_shares
+from bps_worker.placement import MIN_PIPELINE_BYTES, PIPELINE_DEPTH, Piece, Placement, server_shares, theorem1_shares
 from protocol.config import ClusterConfig, parse_config
 
 MiB = 1024 * 1024
@@ -225,14 +225,28 @@ def test_single_element_goes_to_the_largest_share_when_split():
 
 def test_pieces_respect_partition_bytes():
     placement = Placement(make_config(2, 0, partition_bytes=4 * MiB))
-    pieces = check_pieces(placement, "big", 10 * MiB, 4)  # 40 MiB of float32
+    pieces = check_pieces(placement, "big", 40 * MiB, 4)  # 160 MiB of float32: 80 MiB a server
     assert max(p.count for p in pieces) == MiB  # 4 MiB / 4 bytes
-    assert sum(p.count for p in pieces) == 10 * MiB
+    assert sum(p.count for p in pieces) == 40 * MiB
     by_server = defaultdict(int)
     for p in pieces:
         by_server[p.server] += p.count
-    assert dict(by_server) == {0: 5 * MiB, 1: 5 * MiB}
-    assert len(pieces) == 10
+    assert dict(by_server) == {0: 20 * MiB, 1: 20 * MiB}
+    assert len(pieces) == 40
+
+
+def test_every_server_range_is_pipelined():
+    """At least PIPELINE_DEPTH partitions a server (so pushes, sums and pulls overlap on its link), but
+    none below MIN_PIPELINE_BYTES."""
+    placement = Placement(make_config(2, 0, partition_bytes=4 * MiB))
+    pieces = check_pieces(placement, "mid", 4 * MiB, 4)  # 16 MiB: 8 MiB a server
+    by_server = defaultdict(list)
+    for p in pieces:
+        by_server[p.server].append(p.count * 4)
+    assert {s: len(sizes) for s, sizes in by_server.items()} == {0: PIPELINE_DEPTH, 1: PIPELINE_DEPTH}
+    assert all(size == MiB for sizes in by_server.values() for size in sizes)
+    small = check_pieces(placement, "small", 256 * 1024, 4)  # 1 MiB: 512 KiB a server -> 2 x 256 KiB each
+    assert sorted(p.count * 4 for p in small) == [MIN_PIPELINE_BYTES] * 4
 
 
 def test_itemsize_larger_than_partition_still_progresses():
@@ -265,10 +279,13 @@ def test_split_known_values():
         Piece(0, 2, 0, 4), Piece(1, 2, 4, 1), Piece(2, 0, 5, 3), Piece(3, 1, 8, 2),
     ]
     placement = Placement(make_config(4, 2))  # gpu 1/10 each, cpu 3/10 each
-    assert placement.split("layer0.weight", 3_000_000, 4) == [
-        Piece(0, 5, 0, 900_000), Piece(1, 0, 900_000, 300_000), Piece(2, 1, 1_200_000, 300_000),
-        Piece(3, 2, 1_500_000, 300_000), Piece(4, 3, 1_800_000, 300_000), Piece(5, 4, 2_100_000, 900_000),
-    ]
+    # cpu servers: 900,000 floats in 8 parts of 112,500; gpu servers: 300,000 in parts of 65,536 (256 KiB)
+    pieces = placement.split("layer0.weight", 3_000_000, 4)
+    ranges = [(p.server, p.offset, p.count) for p in pieces]
+    assert ranges[:8] == [(5, i * 112_500, 112_500) for i in range(8)]
+    assert ranges[8:13] == [(0, 900_000 + i * 65_536, 65_536) for i in range(4)] + [(0, 1_162_144, 37_856)]
+    assert [r[0] for r in ranges[13:]] == [1] * 5 + [2] * 5 + [3] * 5 + [4] * 8
+    assert [p.part for p in pieces] == list(range(len(pieces)))
 
 
 def test_small_tensors_go_whole_to_their_anchor():
