@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from math import prod
 from multiprocessing.shared_memory import SharedMemory
-from typing import Callable, Final
+from typing import Any, Callable, Final
 
 import ml_dtypes
 import numpy as np
@@ -99,7 +99,7 @@ class Handle:
     dtype: np.dtype
     shape: tuple[int, ...]
     out: np.ndarray | None
-    _segment: SharedMemory = field(repr=False)
+    _segment: SharedMemory | None = field(repr=False)  # None: a CUDA tensor the daemon reads and writes itself
     _offset: int = field(repr=False)
     _in_place: bool = field(default=False, repr=False)  # the input was the slot itself (a shared array)
     _times: list[int] | None = field(default=None, repr=False)  # timeline: start, filled, done
@@ -360,20 +360,36 @@ class _Connection:
         handle = Handle(next(self.reqs), name, dtype, shape, out, seg, offset, _in_place=in_place)
         if self.timeline is not None:
             handle._times = [t_start, now_us(), 0]
-        op = Op(handle.req, name, kind, wire, list(shape), seg.name, average=average, priority=priority,
-                root=root, offset=offset)
+        return self._submit(handle, Op(handle.req, name, kind, wire, list(shape), seg.name, average=average,
+                                       priority=priority, root=root, offset=offset))
+
+    def _submit(self, handle: Handle, op: Op) -> Handle:
+        """Register ``handle`` and send its ``op``; undone if the send fails."""
         with self.state_lock:
             self.check()
             self.handles[handle.req] = handle
-            self.inflight[name] = handle
+            self.inflight[handle.name] = handle
         try:
             self._send(op)
         except BPSError:
             with self.state_lock:
                 self.handles.pop(handle.req, None)
-                self.inflight.pop(name, None)
+                self.inflight.pop(handle.name, None)
             raise
         return handle
+
+    def start_cuda(self, name: str, kind: str, wire: str, shape: tuple[int, ...], description: list[Any], *,
+                   average: bool, priority: int, root: int) -> Handle:
+        """Start an operation on a CUDA tensor that the daemon opens through CUDA IPC and writes in place
+        (``description`` from :func:`bps_worker.cuda.describe`); synchronize() returns None."""
+        if average and wire not in dtypes.FLOAT_TYPES:
+            raise BPSError(f"tensor {name!r}: average=True needs a floating dtype, got {wire}; pass average=False")
+        self.check()
+        if name in self.inflight:
+            raise BPSError(f"tensor {name!r} is already in flight in this process; synchronize it first")
+        handle = Handle(next(self.reqs), name, NUMPY_DTYPES[wire], tuple(shape), None, None, 0, _in_place=True)
+        return self._submit(handle, Op(handle.req, name, kind, wire, list(shape), "", average=average,
+                                       priority=priority, root=root, cuda=description))
 
     def finish(self, handle: Handle, timeout: float | None) -> np.ndarray:
         if handle._consumed:
@@ -387,8 +403,7 @@ class _Connection:
         if handle._error is not None:
             raise handle._error
         t_copy = now_us() if handle._times is not None else 0
-        if handle._in_place:  # `out` is the slot itself: the daemon already wrote the result there
-            assert handle.out is not None
+        if handle._in_place:  # `out` is the slot itself (or a CUDA tensor): the daemon wrote the result there
             result = handle.out
         elif handle.out is not None:
             np.copyto(handle.out, handle._result_view())

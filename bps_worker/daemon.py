@@ -53,7 +53,7 @@ from protocol.messages import (
     to_header,
 )
 
-from . import shm
+from . import cuda, shm
 from .errors import BPSError
 from .links import ServerLink
 from .placement import Placement
@@ -124,7 +124,8 @@ def describe(op: Op) -> str:
 
 
 def _agree(a: Op, b: Op) -> bool:
-    return (a.kind, a.dtype, list(a.shape), a.average, a.root) == (b.kind, b.dtype, list(b.shape), b.average, b.root)
+    return (a.kind, a.dtype, list(a.shape), a.average, a.root, bool(a.cuda)) == \
+        (b.kind, b.dtype, list(b.shape), b.average, b.root, bool(b.cuda))
 
 
 class ClientSession(asyncio.BufferedProtocol):
@@ -219,6 +220,11 @@ class ClientSession(asyncio.BufferedProtocol):
         self.send(Allocated(message.req, slot.segment, slot.capacity, slot.offset))
 
     def check_op(self, op: Op) -> str | None:
+        if op.cuda:
+            problem = cuda.check_description(op.cuda)
+            if problem is None and list(op.cuda[0]) != list(op.shape):
+                problem = f"its CUDA description has shape {op.cuda[0]}"
+            return f"tensor {op.name!r}: {problem}" if problem else None
         seg = self.arena.segments.get(op.segment)
         if seg is None:
             return f"tensor {op.name!r}: segment {op.segment!r} was not allocated by this connection"
@@ -288,6 +294,7 @@ class WorkerDaemon:
         self._metrics: asyncio.AbstractServer | None = None
         self.counters = WorkerCounters()
         self.stopping = False
+        self._cuda: cuda.CudaBridge | None = None  # made when the first CUDA tensor arrives
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -550,6 +557,8 @@ class WorkerDaemon:
         members = [lr.members[r] for r in sorted(lr.members)]
         cluster = self.config.cluster
         started = time.monotonic()
+        server_round: int | None = None
+        pushed = False
         try:
             try:
                 server_round = lr.round + await self._round_base(name, lr.round)
@@ -560,15 +569,29 @@ class WorkerDaemon:
                     session.send(Failure(o.req, reason))
                 return
             storage = kernels.STORAGE[op.dtype]
-            views = [np.frombuffer(s.arena.segments[o.segment].buf, dtype=storage, count=count, offset=o.offset)
-                     for s, o in members]
-            direct = len(views) == 1 and (op.kind != KIND_BROADCAST or self._root_local(op) is not None)
             t_sum = now_us()
-            if direct:
-                buf, segment, base = views[0], members[0][1].segment, members[0][1].offset
-            else:
+            gpu_tensors: list[Any] = []
+            if op.cuda:
+                views = []
+                direct = False
+                bridge = self._cuda_bridge()
+                gpu_tensors = [bridge.open(o.cuda) for _, o in members]
                 buf, segment, base = self._staging_buffer(self.staging, name, nbytes, op.dtype, count)
-                await self._prepare(buf, views, op)
+                root = self._root_local(op) if op.kind == KIND_BROADCAST else None
+                if op.kind == KIND_BROADCAST and root is None:
+                    await self._prepare(buf, [], op)  # the identity: this machine has no root
+                else:
+                    await asyncio.get_running_loop().run_in_executor(self.executor, bridge.sum_to_host, gpu_tensors,
+                                                                     buf, root)
+            else:
+                views = [np.frombuffer(s.arena.segments[o.segment].buf, dtype=storage, count=count, offset=o.offset)
+                         for s, o in members]
+                direct = len(views) == 1 and (op.kind != KIND_BROADCAST or self._root_local(op) is not None)
+                if direct:
+                    buf, segment, base = views[0], members[0][1].segment, members[0][1].offset
+                else:
+                    buf, segment, base = self._staging_buffer(self.staging, name, nbytes, op.dtype, count)
+                    await self._prepare(buf, views, op)
             t_push = now_us()
             out, out_segment, out_base = self._staging_buffer(self.results, name, nbytes, op.dtype, count)
             divisor = cluster.size if op.average else 1
@@ -583,6 +606,7 @@ class WorkerDaemon:
                 futures.append((piece, self.links[piece.server].push(
                     fields, raw[lo:hi], out_raw[lo:hi], priority,
                     shm_ref=(segment, base + lo), out_ref=(out_segment, out_base + lo))))
+            pushed = True
             self.counters.bytes_pushed += nbytes
             error = await self._wait_pieces(name, server_round, futures)
             if error is not None:
@@ -593,7 +617,11 @@ class WorkerDaemon:
                 return
             self.counters.bytes_pulled += nbytes
             t_back = now_us()
-            await self._hand_back(out, views)
+            if gpu_tensors:
+                await asyncio.get_running_loop().run_in_executor(self.executor, self._cuda_bridge().copy_back, out,
+                                                                 gpu_tensors)
+            else:
+                await self._hand_back(out, views)
             for session, o in members:
                 session.send(Done(o.req))
             if self.timeline is not None:
@@ -605,11 +633,18 @@ class WorkerDaemon:
                 self.timeline.span(name, "hand-back", t_back, t_end)
             self.counters.ops += 1
             self.counters.op_seconds.observe(time.monotonic() - started)
-        except Exception as exc:  # never leave the processes hanging
+        except Exception as exc:  # never leave the processes (or the peers) hanging
             self.counters.ops_failed += 1
-            log.exception("round %d of %r failed", lr.round, name)
+            if isinstance(exc, BPSError):
+                reason = f"tensor {name!r}: {exc}"
+                log.warning("%s", reason)
+            else:
+                reason = f"tensor {name!r}: internal error in the worker: {exc!r}"
+                log.exception("round %d of %r failed", lr.round, name)
             for session, o in members:
-                session.send(Failure(o.req, f"tensor {name!r}: internal error in the worker: {exc!r}"))
+                session.send(Failure(o.req, reason))
+            if server_round is not None and not pushed:
+                self._abort_at_anchor(name, server_round, reason)  # peers wait for our pushes there
 
     async def _wait_pieces(self, name: str, round_: int, futures: list[tuple[Any, asyncio.Future[None]]]
                            ) -> str | None:
@@ -642,6 +677,14 @@ class WorkerDaemon:
         return None
 
     # -- helpers ---------------------------------------------------------------------
+    def _cuda_bridge(self) -> cuda.CudaBridge:
+        if self._cuda is None:
+            self._cuda = cuda.CudaBridge()  # BPSError if this daemon cannot do CUDA
+            log.info("CUDA tensors from local processes: summing on the GPU, staging in page-locked memory")
+            for arena in (self.staging, self.results):
+                arena.before_release = self._cuda.unpin
+        return self._cuda
+
     def _root_local(self, op: Op) -> int | None:
         local = op.root - self.rank_offset
         return local if 0 <= local < self.config.local_size else None
@@ -652,8 +695,10 @@ class WorkerDaemon:
         slot, freed = arena.alloc(name, nbytes)
         if freed is not None:
             self.segments_freed([freed])
-        buf = np.frombuffer(arena.segments[slot.segment].buf, dtype=kernels.STORAGE[dtype], count=count,
-                            offset=slot.offset)
+        seg = arena.segments[slot.segment]
+        if self._cuda is not None:
+            self._cuda.pin(seg)  # copies from and to the GPU are DMA transfers
+        buf = np.frombuffer(seg.buf, dtype=kernels.STORAGE[dtype], count=count, offset=slot.offset)
         return buf, slot.segment, slot.offset
 
     async def _prepare(self, buf: np.ndarray, views: list[np.ndarray], op: Op) -> None:

@@ -14,7 +14,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
-from typing import Final
+from typing import Callable, Final
 
 from bps_server.segments import attach_segment, close_fd, release
 
@@ -70,6 +70,7 @@ class Arena:
         self.slots: dict[str, Slot] = {}
         self._slab: str | None = None
         self._slab_used = 0
+        self.before_release: Callable[[SharedMemory], None] | None = None  # e.g. undo cudaHostRegister
 
     def alloc(self, name: str, nbytes: int) -> tuple[Slot, str | None]:
         """The slot of ``name`` with room for ``nbytes``, and the segment freed to make it (or None).
@@ -88,7 +89,7 @@ class Arena:
         freed = None
         if old is not None and old.dedicated:
             freed = old.segment
-            release(self.segments.pop(old.segment), unlink=True)
+            self._release(self.segments.pop(old.segment))
         return slot, freed
 
     def abandon(self, name: str) -> str | None:
@@ -97,9 +98,14 @@ class Arena:
         last mapping goes); a slab slot is simply never reused. Returns the segment unlinked, if any."""
         old = self.slots.pop(name, None)
         if old is not None and old.dedicated:
-            release(self.segments.pop(old.segment), unlink=True)
+            self._release(self.segments.pop(old.segment))
             return old.segment
         return None
+
+    def _release(self, seg: SharedMemory) -> None:
+        if self.before_release is not None:
+            self.before_release(seg)
+        release(seg, unlink=True)
 
     def view(self, slot: Slot) -> memoryview:
         return self.segments[slot.segment].buf[slot.offset:slot.offset + slot.capacity]
@@ -122,7 +128,7 @@ class Arena:
         """Unlink every segment; returns their names."""
         names = list(self.segments)
         for seg in self.segments.values():
-            release(seg, unlink=True)
+            self._release(seg)
         self.segments.clear()
         self.slots.clear()
         self._slab = None

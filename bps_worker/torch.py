@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 
 from . import client as _client
+from . import cuda as _cuda
 from .client import (  # re-exported: the same on every framework
     BPSConnectionError,
     BPSError,
@@ -83,6 +85,11 @@ def _from_numpy(a: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor
     return torch.from_numpy(a)
 
 
+def _cuda_ipc() -> bool:
+    """CUDA tensors go to the worker daemon through CUDA IPC unless BPS_CUDA_IPC=0 (then through host copies)."""
+    return os.environ.get("BPS_CUDA_IPC", "1") != "0"
+
+
 _NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
              torch.bfloat16: ml_dtypes.bfloat16, torch.int32: np.int32, torch.int64: np.int64}
 
@@ -113,6 +120,18 @@ def _start(tensor: torch.Tensor, name: str, *, average: bool, priority: int, out
     if output.shape != tensor.shape or output.dtype != tensor.dtype:
         raise BPSError(f"tensor {name!r}: out has shape {tuple(output.shape)} and dtype {output.dtype}, expected "
                        f"{tuple(tensor.shape)} and {tensor.dtype}")
+    if output.device.type == "cuda" and output.is_contiguous() and _cuda_ipc():
+        # The worker daemon opens `output` through CUDA IPC, sums on the GPU and writes the result back:
+        # no host copy in this process (see bps_worker/cuda.py).
+        if output is not tensor:
+            with torch.no_grad():
+                output.copy_(tensor)
+        wire = _client.dtype_name(np.dtype(_NUMPY_OF[tensor.dtype])) if tensor.dtype in _NUMPY_OF else None
+        if wire is None:
+            raise BPSError(f"unsupported tensor dtype {tensor.dtype}")
+        inner = _client._connection().start_cuda(name, _client.KIND_SUM, wire, tuple(tensor.shape),
+                                                 _cuda.describe(output), average=average, priority=priority, root=-1)
+        return Handle(inner, output, None)
     direct = output.device.type == "cpu" and output.is_contiguous()
     staging = None if direct else torch.empty(tensor.shape, dtype=tensor.dtype)
     target = output if staging is None else staging

@@ -302,6 +302,8 @@ class Op(Message):
     priority: int = 0
     root: int = -1
     offset: int = 0  # where the tensor starts in ``segment``
+    # A CUDA tensor instead: its CUDA IPC description (bps_worker.cuda.describe); ``segment`` is empty.
+    cuda: list[Any] = field(default_factory=list)
 
     def validate(self) -> None:
         _check_name(self.name)

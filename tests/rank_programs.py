@@ -405,3 +405,40 @@ def rejoin_loop(role: str, steps: int, max_seconds: float) -> dict[str, Any]:
         if role == "healthy" and not errors:
             partner_steps_at_error = len(partner_steps)
     return {"partner_steps": partner_steps, "errors": errors[:3], "error_count": len(errors), "steps": step}
+
+
+def cuda_push_pulls(n: int) -> dict[str, Any]:
+    """CUDA tensors through CUDA IPC: sum, average, in place, float16 (integer values: exact)."""
+    import torch
+
+    import bps_worker.torch as bpt
+
+    rank, size = bps.rank(), bps.size()
+    ok = {}
+    x = torch.arange(n, dtype=torch.float32, device="cuda") + rank
+    y = bpt.push_pull(x, "cuda.sum", average=False)
+    want = torch.arange(n, dtype=torch.float32) * size + sum(range(size))
+    ok["sum"] = y.is_cuda and torch.equal(y.cpu(), want) and torch.equal(x.cpu(), torch.arange(n) + float(rank))
+    z = torch.full((n,), float(rank), device="cuda", dtype=torch.float16)
+    out = bpt.push_pull(z, "cuda.half", average=False, out=z)
+    ok["in_place_half"] = out is z and torch.equal(z.cpu(), torch.full((n,), float(sum(range(size))),
+                                                                         dtype=torch.float16))
+    a = bpt.push_pull(torch.ones(n, device="cuda"), "cuda.avg")
+    ok["average"] = torch.equal(a.cpu(), torch.ones(n))
+    return ok
+
+
+def cuda_description_errors() -> dict[str, str]:
+    """Without a GPU: a malformed CUDA description is refused; a well-formed one fails cleanly."""
+    conn = bps._connection()
+    out = {}
+    for label, desc in (("malformed", [1, 2, 3]),
+                        ("no_gpu", [[4], [1], 0, "float32", 0, b"h" * 64, 16, 0, b"r", 0, b"e" * 64, False])):
+        try:
+            bps.synchronize(conn.start_cuda(f"cuda.{label}", "sum", "float32", (4,), desc, average=False,
+                                            priority=0, root=-1), timeout=20)
+            out[label] = "no error"
+        except bps.BPSError as exc:
+            out[label] = str(exc)
+    bps.push_pull(np.ones(3, np.float32), "after")  # the connection still works
+    return out

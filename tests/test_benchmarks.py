@@ -38,6 +38,23 @@ def test_train_vs_ddp_quick_prints_its_tables():
     assert any("hidden" in line and "exposed comm" in line for line in lines), result.stdout
 
 
+def test_kernels_benchmark_tiny_prints_its_table():
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernels.py"), "--mib", "1", "--reps", "1"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    header = [line for line in lines if line.lstrip().startswith("dtype") and "ours/numpy" in line]
+    assert len(header) == 1, result.stdout
+    rows = [line.split() for line in lines[lines.index(header[0]) + 2:] if line.strip()]
+    kernels = {(row[0], " ".join(row[1:3]) if row[2] in ("/2", "/3", "2", "4") else row[1]) for row in rows}
+    for dtype in ("float32", "float64", "float16", "bfloat16", "int32", "int64"):
+        for kernel in ("accumulate", "first-push", "finalize", "sum_into 2", "sum_into 4"):
+            assert (dtype, kernel) in kernels, result.stdout
+    assert ("float16", "finalize /3") in kernels and ("int32", "finalize /2") not in kernels, result.stdout
+    for row in rows:
+        assert row[-1] == "yes", row  # ours equals numpy's result bit for bit
+
+
 def test_soak_tiny_restarts_a_server_and_reports_no_wrong_or_failed_round():
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "soak.py"), "--rounds", "60", "--max-elems",
                              "70000", "--max-seconds", "40"],

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ml_dtypes
+import numba
 import numpy as np
 import pytest
+from numba.core import event
 
 from bps_server import kernels as K
 from protocol import dtypes
@@ -28,10 +30,27 @@ def f32(bits) -> np.ndarray:
     return np.asarray(bits, dtype=np.uint32).view(np.float32)
 
 
-def finalize_bits(values_f32: np.ndarray, dtype: str, divisor: int = 1) -> np.ndarray:
+@numba.njit
+def _soft_round_f16(out, acc):  # type: ignore[no-untyped-def]
+    for i in range(out.size):
+        out[i] = K._soft_f32_to_f16(acc[i])
+
+
+@numba.njit
+def _soft_widen_f16(acc, x):  # type: ignore[no-untyped-def]
+    for i in range(acc.size):
+        acc[i] = K._soft_f16_to_f32(x[i])
+
+
+def finalize_bits(values_f32: np.ndarray, dtype: str, divisor: int = 1, impl: str = "kernel") -> np.ndarray:
+    """The half bits of ``values_f32 / divisor``: through finalize, or ("soft") the portable float16 rounding."""
     acc = np.ascontiguousarray(values_f32, dtype=np.float32).copy()
     out = np.empty(acc.size, dtype=np.uint16)
-    K.finalize(out, acc, dtype, divisor)
+    if impl == "soft":
+        assert dtype == "float16" and divisor == 1
+        _soft_round_f16(out, acc)
+    else:
+        K.finalize(out, acc, dtype, divisor)
     return out
 
 
@@ -71,12 +90,40 @@ def test_storage_and_accumulator_tables():
     assert K.ACCUMULATOR["float64"] == np.dtype(np.float64)
 
 
-def test_f16_widening_table_is_numpy_exact():
-    bits = np.arange(65536, dtype=np.uint16)
+# The float16 conversions use the CPU's instructions where LLVM has them (F16C on x86), else portable
+# bit arithmetic; both are checked on every machine ("kernel" is whichever this machine uses).
+F16_IMPLS = ["kernel", "soft"]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_widening_is_exact_for_every_bit_pattern(dtype):
+    """First contribution: every half value (NaN payloads, signalling NaNs included) as numpy/ml_dtypes widen it."""
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    want = bits.view(NUMPY_DTYPE[dtype]).astype(np.float32)
+    acc = np.full(bits.size, 7.0, np.float32)
+    K.accumulate(acc, bits, dtype, first=True)
+    assert_bits_equal(acc.view(np.uint32), want.view(np.uint32), want)
+
+
+def test_soft_f16_widening_is_exact_for_every_bit_pattern():
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
     want = bits.view(np.float16).astype(np.float32)
-    np.testing.assert_array_equal(K._F16_TO_F32.view(np.uint32)[~np.isnan(want)],
-                                  want.view(np.uint32)[~np.isnan(want)])
-    assert np.isnan(K._F16_TO_F32[np.isnan(want)]).all()
+    acc = np.empty(bits.size, np.float32)
+    _soft_widen_f16(acc, bits)
+    assert_bits_equal(acc.view(np.uint32), want.view(np.uint32), want)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_adding_every_bit_pattern(dtype):
+    """acc += x for every half x (NaNs too), on accumulators that are exact, rounded, subnormal, infinite and -0."""
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    x = bits.view(NUMPY_DTYPE[dtype]).astype(np.float32)
+    for start in (0.0, -0.0, 1.0, -3.25e-3, 1e-40, 7e4, np.inf, -np.inf):
+        acc = np.full(bits.size, start, np.float32)
+        with np.errstate(all="ignore"):
+            want = acc + x
+        K.accumulate(acc, bits, dtype, first=False)
+        assert_bits_equal(acc.view(np.uint32), want.view(np.uint32), want)  # a NaN x: quieted, payload kept
 
 
 def test_as_array_is_zero_copy():
@@ -99,22 +146,24 @@ def test_new_accumulator_dtype():
 
 # -- float16 rounding -----------------------------------------------------------------------------
 
-def test_f16_finalize_matches_numpy_on_1m_random_bit_patterns():
+@pytest.mark.parametrize("impl", F16_IMPLS)
+def test_f16_finalize_matches_numpy_on_1m_random_bit_patterns(impl):
     rng = np.random.default_rng(12345)
     bits = rng.integers(0, 1 << 32, size=1 << 20, dtype=np.uint64).astype(np.uint32)
     x = f32(bits)
     assert np.isnan(x).sum() > 1000 and np.isinf(ref_bits(x, "float16").view(np.float16)).sum() > 1000
-    assert_bits_equal(finalize_bits(x, "float16"), ref_bits(x, "float16"), x)  # NaN payloads included
+    assert_bits_equal(finalize_bits(x, "float16", impl=impl), ref_bits(x, "float16"), x)  # NaN payloads included
 
 
-def test_f16_finalize_matches_numpy_on_values_in_half_range():
+@pytest.mark.parametrize("impl", F16_IMPLS)
+def test_f16_finalize_matches_numpy_on_values_in_half_range(impl):
     """Random bit patterns are mostly outside float16's range; cover its exponents densely too."""
     rng = np.random.default_rng(7)
     sign = rng.integers(0, 2, size=1 << 19, dtype=np.uint32) << 31
     exp = rng.integers(0x66 - 1, 0x90 + 1, size=1 << 19, dtype=np.uint32) << 23  # 2^-26 .. 2^17
     mant = rng.integers(0, 1 << 23, size=1 << 19, dtype=np.uint32)
     x = f32(sign | exp | mant)
-    assert_bits_equal(finalize_bits(x, "float16"), ref_bits(x, "float16"), x)
+    assert_bits_equal(finalize_bits(x, "float16", impl=impl), ref_bits(x, "float16"), x)
 
 
 def _half_midpoints(dtype: str) -> np.ndarray:
@@ -131,10 +180,10 @@ def _half_midpoints(dtype: str) -> np.ndarray:
     return np.concatenate([allpts, -allpts])
 
 
-@pytest.mark.parametrize("dtype", HALF)
-def test_half_finalize_exhaustive_midpoints(dtype):
+@pytest.mark.parametrize("dtype,impl", [(d, "kernel") for d in HALF] + [("float16", "soft")])
+def test_half_finalize_exhaustive_midpoints(dtype, impl):
     x = _half_midpoints(dtype)
-    assert_bits_equal(finalize_bits(x, dtype), ref_bits(x, dtype), x)
+    assert_bits_equal(finalize_bits(x, dtype, impl=impl), ref_bits(x, dtype), x)
 
 
 F16_EDGES = [
@@ -173,17 +222,19 @@ F16_EDGES = [
 ]
 
 
+@pytest.mark.parametrize("impl", F16_IMPLS)
 @pytest.mark.parametrize("value,want", F16_EDGES)
-def test_f16_edge_cases(value, want):
+def test_f16_edge_cases(value, want, impl):
     x = np.float32([value])
-    got = finalize_bits(x, "float16")
+    got = finalize_bits(x, "float16", impl=impl)
     assert got[0] == want, f"{value!r}: got {got[0]:#06x} want {want:#06x}"
     assert got[0] == ref_bits(x, "float16")[0]
 
 
-def test_f16_nan_stays_nan():
-    x = f32([0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FBFFFFF, 0xFF802000])
-    got = finalize_bits(x, "float16")
+@pytest.mark.parametrize("impl", F16_IMPLS)
+def test_f16_nan_stays_nan(impl):
+    x = f32([0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FBFFFFF, 0xFF802000, 0x7F801FFF, 0xFFA00000])
+    got = finalize_bits(x, "float16", impl=impl)
     assert np.isnan(got.view(np.float16)).all()
     assert_bits_equal(got, ref_bits(x, "float16"), x)
 
@@ -322,6 +373,35 @@ def test_half_types_divide_before_rounding(dtype):
     np.testing.assert_array_equal(out, want.view(np.uint16))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("divisor", [2, 3, 4, 7, 8, 1024])
+def test_divisor_matches_numpy_division_on_random_bit_patterns(dtype, divisor):
+    """Averaging: powers of two multiply by the reciprocal, others divide; both must equal numpy's division.
+
+    Random bit patterns cover subnormal quotients, infinities and NaN payloads.
+    """
+    rng = np.random.default_rng(divisor)
+    acc_dtype = K.ACCUMULATOR[dtype]
+    bits = rng.integers(0, 1 << 64, size=1 << 18, dtype=np.uint64)
+    acc = (bits.astype(np.uint32) if acc_dtype.itemsize == 4 else bits).view(acc_dtype)
+    with np.errstate(all="ignore"):
+        quotient = acc / acc_dtype.type(divisor)
+        want = quotient.astype(NUMPY_DTYPE[dtype]) if dtype in HALF else quotient
+    out = np.empty(acc.size, K.STORAGE[dtype])
+    K.finalize(out, acc.copy(), dtype, divisor)
+    uint = np.dtype(f"u{out.itemsize}")
+    got, want = out.view(uint), np.ascontiguousarray(want).view(uint)
+    nan = np.isnan(quotient)
+    if dtype == "bfloat16":  # ml_dtypes makes every NaN its canonical one; ours keeps the payload (see above)
+        assert np.isnan(out[nan].view(ml_dtypes.bfloat16).astype(np.float32)).all()
+        got, want, acc = got[~nan], want[~nan], acc[~nan]
+    else:
+        assert nan.sum() > 50  # NaN payloads included
+    bad = np.nonzero(got != want)[0]
+    assert bad.size == 0, (f"{bad.size} mismatches; first: acc {acc[bad[0]]!r} / {divisor}: "
+                           f"got {got[bad[0]]:#x} want {want[bad[0]]:#x}")
+
+
 def test_accumulate_size_mismatch():
     with pytest.raises(ValueError, match="3 elements vs 4"):
         K.accumulate(np.zeros(3, np.float32), np.zeros(4, np.float32), "float32", True)
@@ -368,6 +448,77 @@ def test_sum_into_out_may_alias_first_input(dtype):
     np.testing.assert_array_equal(stored[0], want)
 
 
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("n_inputs", [1, 2, 4, 5])
+def test_sum_into_across_block_boundaries(dtype, n_inputs):
+    """Lengths around multiples of the kernels' block; the worker sums any number of local tensors."""
+    rng = np.random.default_rng([ALL_DTYPES.index(dtype), n_inputs])
+    for count in (K._BLOCK - 1, K._BLOCK, K._BLOCK + 1, 3 * K._BLOCK + 17):
+        divisor = 2 if dtype in dtypes.FLOAT_TYPES else 1
+        values = _int_inputs(rng, dtype, n_inputs, count) if dtype in dtypes.FLOAT_TYPES else \
+            _divisible_int_inputs(rng, dtype, n_inputs, count, divisor)
+        stored = [to_storage(v, dtype) for v in values]
+        out = np.empty(count, K.STORAGE[dtype])
+        K.sum_into(out, stored, dtype, divisor)
+        want = np.ascontiguousarray(_reference(values, dtype, divisor)).view(K.STORAGE[dtype])
+        np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("alias", [1, 2])
+def test_sum_into_out_may_alias_any_input(dtype, alias):
+    rng = np.random.default_rng(alias)
+    count = 2 * K._BLOCK + 5
+    values = _int_inputs(rng, dtype, 3, count) if dtype in dtypes.FLOAT_TYPES else \
+        _divisible_int_inputs(rng, dtype, 3, count, 1)
+    stored = [to_storage(v, dtype) for v in values]
+    K.sum_into(stored[alias], stored, dtype)
+    np.testing.assert_array_equal(stored[alias],
+                                  np.ascontiguousarray(_reference(values, dtype, 1)).view(K.STORAGE[dtype]))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("n_inputs", [2, 3])
+@pytest.mark.parametrize("divisor", [1, 2, 3])
+def test_sum_into_half_random_bit_patterns(dtype, n_inputs, divisor):
+    """Sums of arbitrary half values (subnormals, infinities, NaNs, overflow to inf) as numpy makes them."""
+    rng = np.random.default_rng([n_inputs, divisor, HALF.index(dtype)])
+    count = 2 * K._BLOCK + 3
+    stored = [rng.integers(0, 1 << 16, size=count, dtype=np.uint32).astype(np.uint16) for _ in range(n_inputs)]
+    with np.errstate(all="ignore"):
+        total = stored[0].view(NUMPY_DTYPE[dtype]).astype(np.float32)
+        for x in stored[1:]:
+            total = total + x.view(NUMPY_DTYPE[dtype]).astype(np.float32)
+        want = (total / np.float32(divisor) if divisor != 1 else total).astype(NUMPY_DTYPE[dtype]).view(np.uint16)
+    out = np.empty(count, np.uint16)
+    K.sum_into(out, stored, dtype, divisor)
+    nan = np.isnan(total)
+    assert_bits_equal(out[~nan], want[~nan], total[~nan])
+    assert np.isnan(out[nan].view(NUMPY_DTYPE[dtype]).astype(np.float32)).all()  # payload: either operand's
+
+
+def test_sum_into_sums_in_input_order():
+    """float32 addition is not associative: the sum is ((x0 + x1) + x2) + x3, as numpy's chain of adds."""
+    x = [np.float32([1e8, 1.0]), np.float32([1.0, 1e8]), np.float32([-1e8, -1e8]), np.float32([0.5, 0.5])]
+    out = np.empty(2, np.float32)
+    K.sum_into(out, x, "float32")
+    np.testing.assert_array_equal(out, ((x[0] + x[1]) + x[2]) + x[3])
+
+
+def test_sum_into_rejects_inputs_it_cannot_read():
+    out = np.zeros(8, np.float32)
+    with pytest.raises(ValueError, match="input of 7 float32"):
+        K.sum_into(out, [np.zeros(8, np.float32), np.zeros(7, np.float32)], "float32")
+    with pytest.raises(ValueError, match="input of 8 float64"):
+        K.sum_into(out, [np.zeros(8, np.float64)], "float32")
+    with pytest.raises(ValueError, match="contiguous: False"):
+        K.sum_into(out, [np.zeros(16, np.float32)[::2]], "float32")
+    with pytest.raises(ValueError, match="output must be contiguous"):
+        K.sum_into(np.zeros(16, np.float32)[::2], [np.zeros(8, np.float32)], "float32")
+    with pytest.raises(ValueError, match="scratch of 7"):
+        K.sum_into(np.zeros(8, np.uint16), [np.zeros(8, np.uint16)], "float16", scratch=np.zeros(7, np.float32))
+
+
 def test_sum_into_needs_inputs():
     with pytest.raises(ValueError, match="at least one input"):
         K.sum_into(np.zeros(2, np.float32), [], "float32")
@@ -408,6 +559,32 @@ def test_int_overflow_wraps_like_numpy(dtype):
 
 
 # -- warm-up -------------------------------------------------------------------------------------
+
+def test_nothing_compiles_after_warm_up():
+    """No job's first tensor pays for compilation: warm_up() leaves nothing to compile (or load from disk)."""
+    K.warm_up()
+    before = {name: list(d.signatures) for name, d in K._dispatchers().items()}
+    with event.install_recorder("numba:compile") as recorder:
+        for dtype in ALL_DTYPES:
+            storage, n = K.STORAGE[dtype], 1000
+            # what the daemons hand the kernels: received payloads (bytearray or memoryview slices; adopted as
+            # the accumulator for full types), shared-memory views (np.frombuffer), staging buffers (views of
+            # a uint8 buffer), results from np.empty
+            received = [K.as_array(memoryview(bytearray(n * storage.itemsize + 8))[8:], dtype) for _ in range(5)]
+            acc = received[0] if dtype not in dtypes.HALF_TYPES else K.new_accumulator(dtype, n)
+            K.accumulate(acc, received[1], dtype, first=True)
+            K.accumulate(acc, received[2], dtype, first=False)
+            divisors = [1, 2, 3, np.int64(4)] if dtype in dtypes.FLOAT_TYPES else [1]
+            for divisor in divisors:
+                K.finalize(np.empty(n, storage), acc, dtype, divisor)
+            staging = np.empty(n * storage.itemsize + 64, np.uint8)[:n * storage.itemsize].view(storage)
+            shm = [np.frombuffer(bytearray(n * storage.itemsize), dtype=storage, count=n) for _ in range(5)]
+            for k in (1, 2, 3, 5):
+                K.sum_into(staging, shm[:k], dtype)
+                K.sum_into(staging, received[:k], dtype, divisors[-1])
+    assert recorder.buffer == []
+    assert {name: list(d.signatures) for name, d in K._dispatchers().items()} == before
+
 
 def test_warm_up_runs_and_kernels_still_correct():
     K.warm_up()
