@@ -49,7 +49,9 @@ Measured as described in `../shared/MEASURING.md`: every number is a ratio again
 same run, on the same machine, in the same processes.
 
 ## `push_pull_vs_gloo.py`
-BytePS `push_pull` (float32, `average=False`, into a preallocated `out=` array) against
+BytePS `push_pull` (float32, `average=False`; by default in place in a `bps.shared_array`, the zero-copy API,
+as gloo's `all_reduce` is in place in its tensor; with `--copy` from a plain array into a preallocated `out=`
+array; both restore their input outside the timed region) against
 `torch.distributed.all_reduce` with the gloo backend. One cluster shaped like `configs/local.toml`:
 2 worker daemons x 2 training processes (N = 4 ranks), one Summation Service colocated with each worker
 plus one CPU-only Summation Service, 4 MiB partitions, all on loopback. Each rank process is a bps client and
@@ -141,8 +143,12 @@ def rank_program(args: argparse.Namespace) -> int:
             name = f"bench.{human(nbytes)}"
             # warm-up of both, which is also the correctness check on fresh content
             x = pattern(n, rank, index)
-            out = np.zeros_like(x)  # touched: no page faults in the timed region
-            bps.push_pull(x, name, average=False, out=out)
+            if args.copy:  # a plain array in, a preallocated array out: the client copies both ways
+                src, out = x, np.zeros_like(x)  # touched: no page faults in the timed region
+            else:  # in place in the tensor's shared-memory slot, as gloo's all_reduce is in place in its tensor
+                src = out = bps.shared_array(name, (n,), np.float32)
+                np.copyto(src, x)
+            bps.push_pull(src, name, average=False, out=out)
             xt = torch.from_numpy(x)
             t = xt.clone()
             dist.all_reduce(t)
@@ -154,15 +160,17 @@ def rank_program(args: argparse.Namespace) -> int:
             flags = torch.tensor([int(same), int(exact)], dtype=torch.int32)
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
             for _ in range(args.warmup - 1):
-                bps.push_pull(x, name, average=False, out=out)
+                np.copyto(src, x)
+                bps.push_pull(src, name, average=False, out=out)
                 dist.all_reduce(t)
 
             bps_s, gloo_s = [], []
             for _ in range(args.reps):
                 t.copy_(xt)
+                np.copyto(src, x)  # both restore their input outside the timed region
                 dist.barrier()
                 t0 = time.perf_counter()
-                bps.push_pull(x, name, average=False, out=out)
+                bps.push_pull(src, name, average=False, out=out)
                 bps_s.append(time.perf_counter() - t0)
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -178,7 +186,7 @@ def rank_program(args: argparse.Namespace) -> int:
                       f"gloo median {statistics.median(row['gloo_s']) * 1e3:9.3f} ms, "
                       f"bps == gloo: {row['bps_equals_gloo']}, exact: {row['exact']}", file=sys.stderr, flush=True)
                 Path(args.result_file).write_text(json.dumps({"size": size, "rows": results}))
-            del x, out, xt, t, idx, expect
+            del x, src, out, xt, t, idx, expect
             gc.collect()
         dist.barrier()
     finally:
@@ -284,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds of each system per size (default 1; "
                                                       "the first also checks correctness)")
     p.add_argument("--quick", action="store_true", help=f"smoke test: sizes {QUICK_SIZES}, 2 reps")
+    p.add_argument("--copy", action="store_true",
+                   help="push a plain array into a preallocated out= array (the client copies in and out) "
+                        "instead of summing in place in a bps.shared_array (the default, like gloo's in-place "
+                        "all_reduce)")
     add_common_arguments(p, json_help="also write the raw per-repetition times (max over ranks) here",
                          timeout=1800.0, op_timeout=600.0)
     args = p.parse_args(argv)
@@ -316,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         result_file = Path(tmp) / "result.json"
         rank_cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-program", "--sizes", args.sizes,
                     "--reps", str(args.reps), "--warmup", str(args.warmup), "--gloo-port", str(free_ports(1)[0]),
-                    "--result-file", str(result_file)]
+                    "--result-file", str(result_file)] + (["--copy"] if args.copy else [])
         t0 = time.monotonic()
         try:
             with Cluster(str(config), log_level=args.log_level) as cluster:
@@ -358,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         if not target.exists() or not target.read_text().strip():
             target.write_text(RESULTS_HEADER)
         section = [
-            "", f"### {started.strftime('%Y-%m-%d %H:%M %Z')}: push_pull vs gloo all_reduce", "",
+            "", f"### {started.strftime('%Y-%m-%d %H:%M %Z')}: push_pull vs gloo all_reduce"
+            f" ({'plain arrays, copied in and out' if args.copy else 'in place in a shared_array'})", "",
             f"- command: `{command_line}` (in `{os.getcwd()}`)",
             f"- machine: {machine_line}",
             f"- cluster: {cluster_line}" + ("" if args.config else " (generated, like `configs/local.toml`)"),

@@ -38,10 +38,14 @@ pushes of the name by the answer, so it joins the round the others are in.
 Deterministic mode (``cluster.deterministic``): floating-point addition is not
 associative, so the sum depends on the order in which pushes arrive. With it on,
 each key keeps every contribution of the round until the last one arrives and
-then adds them in worker-id order, so repeated runs give identical bytes. The
-cost is memory: up to ``n`` received partitions per key in flight instead of one
-accumulator (a borrowed shared-memory contribution costs nothing), and the sum
-starts only when the last push is in, so summing no longer overlaps receiving.
+then sums them in worker-id order in one pass (``kernels.sum_into``), so repeated
+runs give identical bytes. The cost is memory: up to ``n`` received partitions
+per key in flight instead of one accumulator (a borrowed shared-memory
+contribution costs nothing), and the sum starts only when the last push is in,
+so summing no longer overlaps receiving. float16 and bfloat16 always take this
+path: one pass that reads every half-precision input once, adds in float32
+registers and rounds once moves 3 bytes per 2-byte element for two workers,
+where a float32 accumulator moves 5 per input (and needs a rounding pass).
 """
 
 from __future__ import annotations
@@ -231,18 +235,30 @@ class Aggregator:
             reply(push, st.result)
             self._settle_replayed(key, st)
             return
-        if self.deterministic:
+        if self.deterministic or push.dtype in dtypes.HALF_TYPES:
+            # Keep every contribution, then one pass over all of them in worker-id order (see the module
+            # docstring): deterministic, and for half types cheaper than a float32 accumulator.
             st.held[push.worker] = (payload, borrowed)
             if len(st.held) < self.n_workers:
                 return
             async with st.lock:
-                for worker in sorted(st.held):  # worker-id order, whatever the arrival order
-                    data, was_borrowed = st.held[worker]
-                    await self._add(st, data, push.dtype, was_borrowed)
-                    if self.keys.get(key) is not st or st.failed is not None or st.result is not None:
-                        return
+                if self.keys.get(key) is not st or st.failed is not None or st.result is not None:
+                    return
+                inputs = [st.held[worker][0] for worker in sorted(st.held)]  # worker-id order
                 st.held.clear()
-                await self._complete(key, st)
+                out = np.empty(payload.size, dtype=kernels.STORAGE[push.dtype])
+                t_sum = now_us() if self.timeline is not None else 0
+                if out.nbytes * len(inputs) < INLINE_SUM_MAX_BYTES or self.executor is None:
+                    kernels.sum_into(out, inputs, push.dtype, push.divisor)
+                else:
+                    await asyncio.get_running_loop().run_in_executor(self.executor, kernels.sum_into, out, inputs,
+                                                                     push.dtype, push.divisor)
+                if self.timeline is not None:
+                    self.timeline.span(f"{push.name} p{push.part}", "sum", t_sum, now_us(), round=push.round,
+                                       inputs=len(inputs), bytes=out.nbytes)
+                if self.keys.get(key) is not st or st.failed is not None or st.result is not None:
+                    return
+                await self._complete(key, st, out)
             return
         async with st.lock:
             if self.keys.get(key) is not st or st.failed is not None:
@@ -448,11 +464,15 @@ class Aggregator:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self.executor, kernels.accumulate, acc, payload, dtype, first)
 
-    async def _complete(self, key: Key, st: KeyState) -> None:
+    async def _complete(self, key: Key, st: KeyState, out: np.ndarray | None = None) -> None:
+        """Answer every contributor with the round's sum (``out``, or made from the accumulator)."""
         first = st.first
-        assert first is not None and st.acc is not None  # set by the first add
-        acc = st.acc
-        if first.dtype in dtypes.HALF_TYPES or first.divisor != 1:
+        assert first is not None
+        if out is not None:
+            pass
+        elif first.dtype in dtypes.HALF_TYPES or first.divisor != 1:
+            acc = st.acc
+            assert acc is not None  # set by the first add
             out = np.empty(acc.size, dtype=kernels.STORAGE[first.dtype])
             if out.nbytes < INLINE_SUM_MAX_BYTES or self.executor is None:
                 kernels.finalize(out, acc, first.dtype, first.divisor)
@@ -460,7 +480,8 @@ class Aggregator:
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(self.executor, kernels.finalize, out, acc, first.dtype, first.divisor)
         else:
-            out = acc
+            out = st.acc
+            assert out is not None
         # The next round starts from a fresh state; `out` stays alive as long as transports need it.
         self._open(key, st.round + 1)
         self.counters.rounds_completed += 1

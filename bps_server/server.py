@@ -227,9 +227,9 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.segments.clear()
 
     def _accept_shm(self, hello: Message) -> bool:
-        """Whether the worker's shared-memory offer holds: it is our host's worker and we can read its probe."""
-        spec = self.server.config.cluster.server(self.server.config.server_id)
-        if not hello.shm or not self.server.config.cluster.colocated_shm or spec.worker != hello.id:
+        """Whether the worker's shared-memory offer holds: we can map its probe and read the key in it,
+        so we share its host (and may read its segments)."""
+        if not hello.shm or not self.server.config.cluster.colocated_shm:
             return False
         if not hello.shm.startswith(f"bps_w{hello.id}_"):
             return False
@@ -276,21 +276,27 @@ class ServerConnection(asyncio.BufferedProtocol):
 
     # -- replies ---------------------------------------------------------------------
     def reply(self, push: Push, out: np.ndarray) -> None:
-        if push.segment:
+        if push.segment and out.nbytes < INLINE_SUM_MAX_BYTES:
+            self._write_in_place(push, out)  # small: at once, no task
+        elif push.segment:
             self.server.spawn(self._reply_in_place(push, out))
         else:
             self.send(Result(push.req, push.name, push.part, push.round), out)
 
-    async def _reply_in_place(self, push: Push, out: np.ndarray) -> None:
-        """Write the sum where the worker asked for it, then tell it."""
+    def _write_in_place(self, push: Push, out: np.ndarray) -> None:
         seg = self.segments.get(push.out_segment)
         if seg is None or self.closed:
             return  # the worker released the segment or left: nobody waits for this answer
+        np.copyto(np.frombuffer(seg.buf, dtype=out.dtype, count=out.size, offset=push.out_offset), out)
+        self.send(Result(push.req, push.name, push.part, push.round, inplace=True))
+
+    async def _reply_in_place(self, push: Push, out: np.ndarray) -> None:
+        """Write a large sum where the worker asked for it (in a thread), then tell it."""
+        seg = self.segments.get(push.out_segment)
+        if seg is None or self.closed:
+            return
         dest = np.frombuffer(seg.buf, dtype=out.dtype, count=out.size, offset=push.out_offset)
-        if out.nbytes >= INLINE_SUM_MAX_BYTES:
-            await asyncio.get_running_loop().run_in_executor(self.server.executor, np.copyto, dest, out)
-        else:
-            np.copyto(dest, out)
+        await asyncio.get_running_loop().run_in_executor(self.server.executor, np.copyto, dest, out)
         del dest
         self.send(Result(push.req, push.name, push.part, push.round, inplace=True))
 

@@ -262,12 +262,14 @@ class WorkerDaemon:
         self.rank_offset = cluster.rank_offset(config.worker_id)
         self.placement = Placement(cluster)
         per_link_credit = max(1 << 16, cluster.credit_bytes // len(cluster.servers))
-        # A server on this host (``worker = <our id>``) is offered shared memory (see ServerLink).
+        # A server on this host is offered shared memory (see ServerLink): the one the config puts here
+        # (``worker = <our id>``), and any other whose address is one of this host's own.
         self.links = {
             s.id: ServerLink(s, config.worker_id, credit_bytes=per_link_credit, timeout=cluster.timeout,
                              max_payload_bytes=cluster.max_payload_bytes, token=config.token,
                              shm_mode=config.segment_mode
-                             if cluster.colocated_shm and s.worker == config.worker_id else None,
+                             if cluster.colocated_shm and (s.worker == config.worker_id or is_local_address(s.host))
+                             else None,
                              timeline=self.timeline)
             for s in cluster.servers
         }
@@ -726,6 +728,22 @@ class WorkerDaemon:
             await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
         else:
             fn(*args)
+
+
+def is_local_address(host: str) -> bool:
+    """Whether ``host`` is an address of this host (network namespace): one can bind to it."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind((address[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def _claim_socket_path(path: str) -> None:

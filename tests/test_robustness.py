@@ -154,7 +154,9 @@ def test_killed_client_fails_its_peers_fast_and_is_cleaned_up(cluster):
             assert r is None
             continue
         assert r["error"] is not None, f"rank {rank} did not get an error"
-        assert "rank 3" in r["error"] or "aborted" in r["error"], r["error"]
+        # the abort naming rank 3, or (if its machine's last process left first) the reset naming its worker
+        assert "rank 3" in r["error"] or "aborted" in r["error"] or "worker 1 has no training processes" in \
+            r["error"], r["error"]
         assert r["elapsed"] < 10.0
     # A new process may take the dead one's place; the cluster works as before.
     _sums_still_exact(cluster)
