@@ -373,7 +373,9 @@ class Aggregator:
         """
         self._mark_gone(worker, "is disconnected")
         self._reset.add(worker)
-        return self._fail_waiting_for(worker, "is disconnected")
+        failed = self._fail_waiting_for(worker, "is disconnected")
+        self._clear_if_all_reset()
+        return failed
 
     def worker_hello(self, worker: int, epoch: str) -> None:
         """A worker daemon connected, with its round numbering."""
@@ -415,14 +417,24 @@ class Aggregator:
         self._reset.add(worker)
         if epoch:
             self._epochs[worker] = epoch
-        if len(self._reset) == self.n_workers:
-            log.info("every worker reset: dropping the state of %d keys", len(self.keys))
-            self.keys.clear()
-            self._reset.clear()
-            self._rejoining.clear()
-        else:
+        if not self._clear_if_all_reset():
             self._numbering_restarted(worker)
         return failed
+
+    def _clear_if_all_reset(self) -> bool:
+        """No worker has training processes (or a connection): the job is over everywhere; the next one
+        starts at round 0 on a clean slate. Returns whether that happened."""
+        if len(self._reset) < self.n_workers:
+            return False
+        log.info("every worker reset: dropping the state of %d keys", len(self.keys))
+        self.keys.clear()
+        self._reset.clear()
+        self._rejoining.clear()
+        # The next job's workers are waited for afresh (a round fails only if one is still not connected
+        # after the timeout: sweep), not failed at once for having been gone from the last job.
+        self.lost_workers.clear()
+        self._gone.clear()
+        return True
 
     def _mark_gone(self, worker: int, why: str) -> None:
         token = object()

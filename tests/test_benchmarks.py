@@ -66,3 +66,22 @@ def test_soak_tiny_restarts_a_server_and_reports_no_wrong_or_failed_round():
     assert summary[0].endswith("PASS"), result.stdout
     # the CPU-only server was killed and restarted, and its new process has its own RSS row
     assert any(line.split()[:3] == ["server-2", "2nd", "life:"] for line in result.stdout.splitlines()), result.stdout
+
+
+def test_shm_vs_tcp_tiny_prints_its_table_and_each_cluster_takes_its_path():
+    import re
+
+    command = [sys.executable, str(REPO / "benchmarks" / "shm_vs_tcp.py"), "--sizes", "1M", "--reps", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=90, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    header = [line for line in lines if line.startswith("size") and "ratio tcp/shm" in line]
+    assert len(header) == 1, result.stdout
+    rows = [line.split() for line in lines[lines.index(header[0]) + 2:][:2]]
+    assert [row[:2] for row in rows] == [["1M", "shared"], ["1M", "plain"]], result.stdout
+    assert all(row[-1] == "yes" for row in rows), result.stdout  # every sum exact
+    # the servers' own counters: the shm cluster read pushes from shared memory, the tcp one never did
+    m = re.search(r"shm cluster (\d+) of (\d+) received; tcp cluster (\d+) of (\d+) received", result.stdout)
+    assert m, result.stdout
+    shm_via, shm_in, tcp_via, tcp_in = map(int, m.groups())
+    assert 0 < shm_via <= shm_in and tcp_via == 0 and tcp_in > 0, m.group(0)

@@ -6,10 +6,13 @@ import signal
 import threading
 import time
 
+import pytest
+
 import rank_programs as rp
-from harness import run_ranks, start_cluster, write_config
+from harness import run_ranks, server_stats, start_cluster, write_config
 
 TIMEOUT_S = 3.0
+TRIALS = 10
 
 
 def test_kill_9_of_a_worker_daemon_fails_every_process_fast(tmp_path):
@@ -109,4 +112,34 @@ def test_a_process_whose_own_worker_daemon_stalls_gets_an_error(tmp_path):
         assert results[1]["error"] is not None  # its peer learns through the server
     finally:
         victim.proc.send_signal(signal.SIGCONT)
+        cluster.stop()
+
+
+@pytest.mark.timeout(300)
+def test_kill_9_of_a_worker_daemon_mid_round_never_hangs_in_ten_trials(tmp_path):
+    """The issue's 10 trials: each a new job on the same servers; worker 1's daemon is killed once the
+    job is running, and restarted (as systemd would) for the next trial."""
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))
+    try:
+        for trial in range(TRIALS):
+            killed_at: list[float] = []
+            before = server_stats(cluster)[2]["rounds_completed"]
+
+            def kill() -> None:
+                deadline = time.monotonic() + 20
+                while server_stats(cluster)[2]["rounds_completed"] < before + 5 and time.monotonic() < deadline:
+                    time.sleep(0.02)  # mid-training: the job has run some rounds
+                killed_at.append(time.time())
+                cluster.kill("worker-1")
+
+            killer = threading.Thread(target=kill, daemon=True)
+            killer.start()
+            results = run_ranks(cluster, rp.push_until_error, 30.0, timeout=60)
+            killer.join(timeout=30)
+            assert killed_at, f"trial {trial}: no kill"
+            for rank, r in enumerate(results):
+                assert r["error"] is not None and r["rounds"] > 0, (trial, rank, r)
+                assert r["at"] - killed_at[0] < TIMEOUT_S + 5, (trial, rank, r["at"] - killed_at[0], r["error"])
+            cluster.restart("worker-1")
+    finally:
         cluster.stop()
