@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import push_pull_vs_gloo as bench  # noqa: E402
+from report import machine  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             print("cpu_split: the rank programs failed", file=sys.stderr)
             return 1
         result = json.loads(result_file.read_text())
-    info = bench.machine()
+    info = machine()
     print(f"size {bench.human(args.size)}, {args.ops} operations each; nproc {info['nproc']}, CPU {info['cpu']}")
     print(f"command: {' '.join(getattr(sys, 'orig_argv', sys.argv))}\n")
     labels = list(result["bps"]["cpu"])

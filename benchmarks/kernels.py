@@ -38,7 +38,6 @@ import argparse  # noqa: E402
 import datetime as _dt  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
-import platform  # noqa: E402
 import shlex  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -50,6 +49,7 @@ from typing import Callable  # noqa: E402
 
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
+from report import machine, markdown_table, text_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -214,35 +214,6 @@ def fmt(v: float) -> str:
     return f"{v:.2f}" if v < 100 else f"{v:.0f}"
 
 
-def machine() -> dict[str, str]:
-    model = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import llvmlite
-    import numba
-    return {"nproc": str(os.cpu_count()), "cpu": model, "python": platform.python_version(),
-            "numpy": np.__version__, "numba": numba.__version__, "llvmlite": llvmlite.__version__,
-            "ml_dtypes": ml_dtypes.__version__, "kernel": platform.release()}
-
-
-def text_table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(HEADER, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join(lines)
-
-
-def markdown_table(rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join(["---", "---"] + ["---:"] * (len(HEADER) - 2)) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=float, default=64.0, help="tensor size in MiB (default 64)")
@@ -268,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     env_vars = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("MALLOC_", "NUMBA_", "OMP_"))}
     command_line = shlex.join(f"{k}={v}" for k, v in env_vars.items()) + " " + command_line
     started = _dt.datetime.now().astimezone()
-    info = machine()
+    info = machine("numpy", "numba", "llvmlite", "ml_dtypes")
     K = load_kernels(args.kernels)
     K.warm_up()
     rng = np.random.default_rng(2026)
@@ -311,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"kernels: {module}; {size}; {args.reps} reps after {args.warmup} warm-up, alternating ours, numpy; "
           f"wall time {elapsed:.0f} s")
     print()
-    print(text_table(rows))
+    print(text_table(HEADER, rows))
     if not ok:
         print("\nERROR: a kernel's result differs from numpy's", file=sys.stderr)
 
@@ -325,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             f"- machine: {machine_line}",
             f"- kernels: `{module}`; {size}; {args.reps} timed repetitions after {args.warmup} warm-up, "
             f"alternating ours, numpy; wall time {elapsed:.0f} s",
-            "", markdown_table(rows), "",
+            "", markdown_table(HEADER, rows, left=2), "",
         ]
         with target.open("a") as f:
             f.write("\n".join(parts))

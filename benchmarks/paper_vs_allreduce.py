@@ -47,7 +47,8 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.append(str(REPO))  # benchmarks.cluster; bps_* come from the environment (PYTHONPATH, then the install)
 
-from push_pull_vs_gloo import ENV_PREFIXES, human, machine, parse_size, pattern  # noqa: E402
+from push_pull_vs_gloo import ENV_PREFIXES, human, parse_size, pattern  # noqa: E402
+from report import machine, markdown_table, text_table  # noqa: E402
 
 DEFAULT_RESULTS = REPO / "benchmarks" / "RESULTS.md"
 DEFAULT_PLOT = REPO / "benchmarks" / "paper_vs_allreduce.png"
@@ -308,19 +309,6 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
              f"{r['speedup_theory']:.2f}", "yes" if r["ok"] else "NO"] for r in rows]
 
 
-def text_table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join(lines)
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 DETAIL_HEADER = ["config", "system", "worker tx/rx MB per op (expected)", "CPU-only tx/rx MB per op (expected)",
                  "servers CPU-s/op", "workers CPU-s/op", "ranks CPU-s/op", "cores busy: ours / others"]
 
@@ -534,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     if env_vars:
         command_line = shlex.join(f"{k}={v}" for k, v in env_vars.items()) + " " + command_line
     started = _dt.datetime.now().astimezone()
-    info = machine()
+    info = machine("numpy", "torch")
     max_k = max([*ks, *ps_ks])
     workers = [f"w{i}" for i in range(n)]
     cpus = [f"c{j}" for j in range(max_k)]
@@ -635,11 +623,11 @@ def main(argv: list[str] | None = None) -> int:
             f"- {sound_line}",
             (f"- plot: `{plot_path.name}`" if plot_path else "- plot: none")
             + (f"; link-rate timeline: `{Path(args.timeline).name}`" if args.timeline else ""),
-            "", markdown_table(HEADER, table), "",
+            "", markdown_table(HEADER, table, left=1), "",
             "Per operation (median over repetitions): bytes on the links by machine kind, seen from the machine "
             "(tx = its uplink / rx = its downlink, frames incl. headers; expected payload in parentheses), CPU-seconds "
             "of all daemons together, share of the box's cores busy during the operation:", "",
-            markdown_table(DETAIL_HEADER, details), "",
+            markdown_table(DETAIL_HEADER, details, left=1), "",
         ]
         with target.open("a") as f:
             f.write("\n".join(section))

@@ -25,7 +25,6 @@ import datetime as _dt
 import gc
 import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -33,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from report import machine, markdown_table, text_table
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_RESULTS = REPO / "benchmarks" / "RESULTS.md"
@@ -198,21 +199,6 @@ def rank_program(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------------------------
 # driver
 # --------------------------------------------------------------------------------------------------------------
-def machine() -> dict[str, str]:
-    model = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import numpy
-    import torch
-    return {"nproc": str(os.cpu_count()), "cpu": model, "python": platform.python_version(),
-            "numpy": numpy.__version__, "torch": torch.__version__, "kernel": platform.release()}
-
-
 def run_ranks(cluster: Any, command: list[str], timeout: float) -> int:
     """One rank process per training process, with a deadline (bps_worker.launch.run_training)."""
     from bps_worker.launch import run_training
@@ -252,20 +238,6 @@ def table_rows(summary: list[dict[str, Any]]) -> list[list[str]]:
     return [[s["size"], _ms(s["bps_ms"]), _ms(s["gloo_ms"]), _gb(s['bps_algbw']), _gb(s['gloo_algbw']),
              _gb(s['bps_busbw']), _gb(s['gloo_busbw']), f"{s['ratio']:.2f}", "yes" if s["ok"] else "NO"]
             for s in summary]
-
-
-def text_table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(HEADER, widths)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join(lines)
-
-
-def markdown_table(rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join(["---"] + ["---:"] * (len(HEADER) - 1)) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def add_common_arguments(p: argparse.ArgumentParser, *, json_help: str, timeout: float, op_timeout: float) -> None:
@@ -322,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     if env_vars:  # settings that change what is measured belong to the command
         command_line = shlex.join(f"{k}={v}" for k, v in env_vars.items()) + " " + command_line
     started = _dt.datetime.now().astimezone()
-    info = machine()
+    info = machine("numpy", "torch")
     with tempfile.TemporaryDirectory(prefix="bps-bench-") as tmp:
         config = Path(args.config).resolve() if args.config else write_cluster_config(Path(tmp))
         result_file = Path(tmp) / "result.json"
@@ -361,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cluster: {cluster_line}")
     print(f"reps:    {args.reps} after {args.warmup} warm-up; time of a rep = max over ranks; wall time {elapsed:.0f} s")
     print()
-    print(text_table(rows))
+    print(text_table(HEADER, rows))
     if not ok:
         print("\nERROR: bps and gloo results differ (or a size is missing)", file=sys.stderr)
 
@@ -376,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             f"- machine: {machine_line}",
             f"- cluster: {cluster_line}" + ("" if args.config else " (generated, like `configs/local.toml`)"),
             f"- {args.reps} timed repetitions per size after {args.warmup} warm-up; wall time of the run {elapsed:.0f} s",
-            "", markdown_table(rows), "",
+            "", markdown_table(HEADER, rows, left=1), "",
         ]
         with target.open("a") as f:
             f.write("\n".join(section))

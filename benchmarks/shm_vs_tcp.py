@@ -71,6 +71,7 @@ for _path in (str(REPO), str(Path(__file__).resolve().parent)):
         sys.path.insert(0, _path)
 
 import push_pull_vs_gloo as ppg  # noqa: E402  (sizes, the exact-sum pattern)
+from report import markdown_table, text_table  # noqa: E402
 from soak import machine  # noqa: E402  (nproc, CPU model, versions, code revision)
 
 DEFAULT_RESULTS = REPO / "benchmarks" / "RESULTS.md"
@@ -458,22 +459,6 @@ def tables(sizes: list[int], outcome: dict[str, Any], n_ranks: int, ops_per_size
     return time_rows, evidence_rows
 
 
-def text_table(header: list[str], rows: list[list[str]], left: int = 2) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
-
-
-def markdown_table(header: list[str], rows: list[list[str]], left: int = 2) -> str:
-    lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join("---" if i < left else "---:" for i in range(len(header))) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -582,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cluster: {shape}")
     print(f"reps:    {runs_line}")
     print()
-    print(text_table(TIME_HEADER, time_rows))
+    print(text_table(TIME_HEADER, time_rows, left=2))
     print()
     print(text_table(EVIDENCE_HEADER, evidence_rows, left=3))
     for note in notes:
@@ -617,7 +602,8 @@ def main(argv: list[str] | None = None) -> int:
         if "code" in info:
             section.append(f"- code: {info['code']}")
         section += [f"- cluster: {shape}", f"- {runs_line}", f"- {path_line}", "",
-                    markdown_table(TIME_HEADER, time_rows), "", markdown_table(EVIDENCE_HEADER, evidence_rows, 3), ""]
+                    markdown_table(TIME_HEADER, time_rows, left=2), "",
+                    markdown_table(EVIDENCE_HEADER, evidence_rows, left=3), ""]
         section += [f"- {note}" for note in notes] + [""]
         with target.open("a") as f:
             f.write("\n".join(section))

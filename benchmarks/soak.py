@@ -40,7 +40,6 @@ import datetime as _dt
 import math
 import multiprocessing as mp
 import os
-import platform
 import queue as _queue
 import shlex
 import signal
@@ -51,6 +50,9 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+import report
+from report import markdown_table, text_table
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -234,22 +236,8 @@ def sample(cluster: Any) -> dict[str, dict[str, Any]]:
 
 
 def machine() -> dict[str, str]:
-    model = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import numpy
-    info = {"nproc": str(os.cpu_count()), "cpu": model, "python": platform.python_version(),
-            "numpy": numpy.__version__, "kernel": platform.release()}
-    for module in ("numba", "uvloop"):
-        try:
-            info[module] = __import__(module).__version__
-        except Exception:  # not installed: not reported
-            pass
+    """report.machine, and the code revision (with a note when the daemons' code has uncommitted changes)."""
+    info = report.machine("numpy", "numba", "uvloop")
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                                 timeout=10).stdout.strip()
@@ -336,15 +324,6 @@ def rss_rows(labels: list[str], victim: str | None, warm: dict[str, Any], end: d
     return out
 
 
-def text_table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths))),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-              for r in rows]
-    return "\n".join(lines)
-
-
 def series_rows(labels: list[str], series: list[tuple[int, dict[str, Any]]], kill_at: int | None,
                 victim: str | None) -> tuple[list[str], list[list[str]]]:
     """VmRSS and RssAnon (MiB) of every daemon at every checkpoint: a leak grows steadily, a high-water mark
@@ -356,12 +335,6 @@ def series_rows(labels: list[str], series: list[tuple[int, dict[str, Any]]], kil
         for key in ("VmRSS", "RssAnon"):
             rows.append([label, key] + [mib(s.get(label, {}).get(key)) for _, s in series])
     return header, rows
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|---|---|" + "|".join(["---:"] * (len(header) - 2)) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -476,12 +449,12 @@ def main(argv: list[str] | None = None) -> int:
     for line in outcome["restart_log"]:
         print(f"log:      {line}")
     print()
-    print(text_table(HEADER, rows))
+    print(text_table(HEADER, rows, left=2))
     s_header, s_rows = series_rows(labels, outcome["series"], outcome["kill_at"], victim)
     if outcome["series"]:
         print(f"\nRSS every {max(1, int(args.rounds * args.warmup_fraction))} rounds (MiB; * = after {victim}'s "
               f"restart, a new process):" if victim else "\nRSS over the run (MiB):")
-        print(text_table(s_header, s_rows))
+        print(text_table(s_header, s_rows, left=2))
     print()
     for rank, r in sorted(reports.items()):
         for e in r["errors"] + r["wrong_examples"]:
@@ -515,10 +488,10 @@ def main(argv: list[str] | None = None) -> int:
             f"(of {ops}); " + ("PASS" if ok else "FAIL: " + "; ".join(outcome["problem"] or ["see above"])),
         ]
         section += [f"- log: `{line}`" for line in outcome["restart_log"]]
-        section += ["", markdown_table(HEADER, rows), ""]
+        section += ["", markdown_table(HEADER, rows, left=2), ""]
         if outcome["series"]:
             section += ["RSS over the run (MiB, sampled after the round shown" + (f"; * = {victim} after its restart, "
-                        "a new process)" if victim else ")") + ":", "", markdown_table(s_header, s_rows), ""]
+                        "a new process)" if victim else ")") + ":", "", markdown_table(s_header, s_rows, left=2), ""]
         with target.open("a") as f:
             f.write("\n".join(section))
         print(f"\nappended to {target}")

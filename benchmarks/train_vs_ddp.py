@@ -69,7 +69,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import push_pull_vs_gloo as bench  # noqa: E402  (cluster file, free ports, machine description)
+import push_pull_vs_gloo as bench  # noqa: E402  (cluster file, free ports)
+from report import machine, markdown_table, text_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_RESULTS = REPO / "benchmarks" / "RESULTS.md"
@@ -405,19 +406,6 @@ def phase_rows(summaries: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def text_table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join(lines)
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 PHASE_NOTE = (
     "ms per step (mean over ranks, median over blocks). step (slowest) = slowest rank's block time / S. "
     "(push starts) = time in the hooks' starts of push_pulls during backward (copy into shared memory, send). "
@@ -461,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     if env_vars:
         command_line = shlex.join(f"{k}={v}" for k, v in env_vars.items()) + " " + command_line
     started = _dt.datetime.now().astimezone()
-    info = bench.machine()
+    info = machine("numpy", "torch")
     with tempfile.TemporaryDirectory(prefix="bps-bench-") as tmp:
         config = Path(args.config).resolve() if args.config else bench.write_cluster_config(Path(tmp))
         result_file = Path(tmp) / "result.json"
@@ -532,8 +520,8 @@ def main(argv: list[str] | None = None) -> int:
             f"- cluster: {cluster_line}" + ("" if args.config else " (generated, like `configs/local.toml`)"),
             f"- models: {model_line}",
             f"- {blocks_line}",
-            "", markdown_table(HEADER, rows), "",
-            PHASE_NOTE.rstrip(".") + ":", "", markdown_table(PHASE_HEADER, prows), "",
+            "", markdown_table(HEADER, rows, left=1), "",
+            PHASE_NOTE.rstrip(".") + ":", "", markdown_table(PHASE_HEADER, prows, left=1), "",
         ]
         with target.open("a") as f:
             f.write(("\n" if not text.endswith("\n") else "") + "\n".join(parts))

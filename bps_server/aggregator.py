@@ -89,6 +89,7 @@ class KeyState:
     round: int
     first: Push | None = None
     acc: np.ndarray | None = None
+    first_borrowed: np.ndarray | None = None  # a first push in the colocated worker's memory, not yet summed
     added: int = 0
     contributors: dict[int, Contributor] = field(default_factory=dict)
     held: dict[int, tuple[np.ndarray, bool]] = field(default_factory=dict)  # deterministic: worker -> (data, borrowed)
@@ -463,23 +464,35 @@ class Aggregator:
 
     # -- internals -------------------------------------------------------------------
     async def _add(self, st: KeyState, payload: np.ndarray, dtype: str, borrowed: bool = False) -> None:
-        if st.acc is None and dtype not in dtypes.HALF_TYPES and not borrowed:
-            st.acc = payload  # adopt the freshly received buffer: no copy
+        if st.acc is None and st.first_borrowed is None and dtype not in dtypes.HALF_TYPES:
+            if borrowed:
+                st.first_borrowed = payload  # the worker's memory: summed with the next push, never copied
+            else:
+                st.acc = payload  # adopt the freshly received buffer: no copy
+            return
+        if st.first_borrowed is not None:  # acc = first + this, in one pass (no copy of the first)
+            pair, st.first_borrowed = [st.first_borrowed, payload], None
+            st.acc = np.empty(payload.size, dtype=kernels.ACCUMULATOR[dtype])
+            await self._offload(kernels.sum_into, st.acc, pair, dtype, nbytes=2 * payload.nbytes)
             return
         first = st.acc is None
         if first:
             st.acc = kernels.new_accumulator(dtype, payload.size)
-        acc = st.acc
-        if payload.nbytes < INLINE_SUM_MAX_BYTES or self.executor is None:
-            kernels.accumulate(acc, payload, dtype, first)
+        await self._offload(kernels.accumulate, st.acc, payload, dtype, first, nbytes=payload.nbytes)
+
+    async def _offload(self, fn: Callable[..., None], *args: Any, nbytes: int) -> None:
+        """Run a kernel on the event loop if it is small, else in the summation threads."""
+        if nbytes < INLINE_SUM_MAX_BYTES or self.executor is None:
+            fn(*args)
         else:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self.executor, kernels.accumulate, acc, payload, dtype, first)
+            await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def _complete(self, key: Key, st: KeyState, out: np.ndarray | None = None) -> None:
         """Answer every contributor with the round's sum (``out``, or made from the accumulator)."""
         first = st.first
         assert first is not None
+        if st.first_borrowed is not None:  # a single worker: its own memory is the sum, copied once
+            st.acc, st.first_borrowed = st.first_borrowed.copy(), None
         if out is not None:
             pass
         elif first.dtype in dtypes.HALF_TYPES or first.divisor != 1:

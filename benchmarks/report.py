@@ -1,0 +1,46 @@
+"""What the benchmark scripts print about the machine, and their tables (plain text and markdown)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+from pathlib import Path
+
+
+def machine(*modules: str) -> dict[str, str]:
+    """nproc, CPU model, Python version, the versions of those of `modules` that import, and the Linux kernel."""
+    model = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"nproc": str(os.cpu_count()), "cpu": model, "python": platform.python_version()}
+    for name in modules:
+        try:
+            info[name] = importlib.import_module(name).__version__
+        except Exception:  # not installed: not reported
+            pass
+    info["kernel"] = platform.release()
+    return info
+
+
+def text_table(header: list[str], rows: list[list[str]], left: int = 0) -> str:
+    """Columns two spaces apart under a dashed rule; the first `left` columns left-aligned, the others right."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
+
+
+def markdown_table(header: list[str], rows: list[list[str]], left: int = 0) -> str:
+    """A markdown table; the first `left` columns left-aligned, the others right."""
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join("---" if i < left else "---:" for i in range(len(header))) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
