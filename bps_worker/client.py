@@ -391,7 +391,9 @@ class _Connection:
         return self._submit(handle, Op(handle.req, name, kind, wire, list(shape), "", average=average,
                                        priority=priority, root=root, cuda=description))
 
-    def finish(self, handle: Handle, timeout: float | None) -> np.ndarray:
+    def finish(self, handle: Handle, timeout: float | None, view: bool = False) -> np.ndarray:
+        """Wait for ``handle``; its result (``out``, a copy, or with ``view`` the shared slot itself,
+        valid until the next operation on the same name)."""
         if handle._consumed:
             raise BPSError(f"handle of {handle.name!r} was already synchronized")
         if not handle._done.wait(timeout):
@@ -408,6 +410,8 @@ class _Connection:
         elif handle.out is not None:
             np.copyto(handle.out, handle._result_view())
             result = handle.out
+        elif view:
+            result = handle._result_view()
         else:
             result = handle._result_view().copy()
         if handle._times is not None and self.timeline is not None:

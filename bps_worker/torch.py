@@ -426,10 +426,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 view[:n] = 0
             view[n] = present
 
-        out = np.empty(n + 1, dtype=data.dtype)
         handle = _client._connection().start_filled(self._names[p], "sum", data.dtype, (n + 1,), fill,
-                                                    average=True, priority=self._priority[p], root=-1, out=out)
-        self._handles[p] = (handle, wire, out)
+                                                    average=True, priority=self._priority[p], root=-1, out=None)
+        self._handles[p] = (handle, wire)
 
     def synchronize(self) -> None:
         """Wait for every gradient of this step and write the averages into ``.grad``.
@@ -447,9 +446,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 entry = self._handles.get(p)
                 if entry is None:
                     continue
-                handle, wire, out = entry
+                handle, wire = entry
                 try:
-                    _client.synchronize(handle)
+                    # the sum in the gradient's shared slot: read in place, copied once into .grad
+                    out = _client._connection().finish(handle, None, view=True)
                 except BPSError as exc:
                     # Keep draining: every handle must be consumed, or its name stays "in flight"
                     # and every later step fails. The first error is raised once all are done.
