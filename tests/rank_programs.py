@@ -400,8 +400,9 @@ def rejoin_loop(role: str, steps: int, max_seconds: float) -> dict[str, Any]:
         step += 1
         if role == "new" and len(partner_steps) == steps:
             break
-        if role == "healthy" and errors and len(partner_steps) - partner_steps_at_error >= steps:
-            break
+        if role == "healthy" and errors and partner_steps[-1] == steps - 1 \
+                and len(partner_steps) - partner_steps_at_error >= steps:
+            break  # summed with the new process's last step
         if role == "healthy" and not errors:
             partner_steps_at_error = len(partner_steps)
     return {"partner_steps": partner_steps, "errors": errors[:3], "error_count": len(errors), "steps": step}
