@@ -340,17 +340,19 @@ class Aggregator:
 
     def sweep(self, now: float) -> int:
         """Fail every round that has waited longer than ``lost_grace_s`` (since its first push) for a
-        worker that is not connected; the server calls this periodically. Returns how many failed."""
+        worker that is not connected or has no training processes (reset and not pushed since); the server
+        calls this periodically. Returns how many failed."""
         failed = 0
         for key, st in list(self.keys.items()):
             if st.failed is not None or not (st.contributors or st.replayers) or now - st.opened < self.lost_grace_s:
                 continue
             waiting = set(range(self.n_workers)) - set(st.contributors) - st.replayers - st.answered
-            absent = sorted(w for w in waiting if not self.connected(w))
+            absent = sorted(w for w in waiting if not self.connected(w) or w in self._reset)
             if absent:
                 failed += 1
-                self._fail_round(key, st, f"worker {absent[0]} is not connected to this server (waited "
-                                          f"{self.lost_grace_s:g} s); round {st.round} of {key[0]!r} cannot complete")
+                why = "has no training processes" if self.connected(absent[0]) else "is not connected to this server"
+                self._fail_round(key, st, f"worker {absent[0]} {why} (waited {self.lost_grace_s:g} s); round "
+                                          f"{st.round} of {key[0]!r} cannot complete")
         return failed
 
     def abort(self, name: str, part: int, round_: int, worker: int, message: str) -> None:
@@ -379,8 +381,10 @@ class Aggregator:
         return failed
 
     def worker_hello(self, worker: int, epoch: str) -> None:
-        """A worker daemon connected, with its round numbering."""
-        self.worker_joined(worker)
+        """A worker daemon connected, with its round numbering (a hello alone does not bring training
+        processes back: the worker stays reset until it pushes)."""
+        self._gone.pop(worker, None)
+        self.lost_workers.discard(worker)
         previous = self._epochs.get(worker)
         if epoch:
             self._epochs[worker] = epoch
@@ -429,10 +433,10 @@ class Aggregator:
             return False
         log.info("every worker reset: dropping the state of %d keys", len(self.keys))
         self.keys.clear()
-        self._reset.clear()
         self._rejoining.clear()
-        # The next job's workers are waited for afresh (a round fails only if one is still not connected
-        # after the timeout: sweep), not failed at once for having been gone from the last job.
+        # The next job's workers are waited for afresh (a round fails only if one has still neither
+        # connected nor pushed after the timeout: sweep), not failed at once for having been gone from the
+        # last job. They stay in _reset until they push.
         self.lost_workers.clear()
         self._gone.clear()
         return True

@@ -262,3 +262,15 @@ async def test_a_later_replay_supersedes_an_earlier_one():
     for w in (0, 1):
         np.testing.assert_array_equal(rec.results[w], np.full(2, 3.0, np.float32))
     assert rec.failures == {} and agg.keys[("t", 0)].round == 10
+
+
+async def test_a_round_waiting_for_a_worker_without_processes_fails_after_the_grace():
+    """Worker 1 is connected but its processes left (Reset): a round it never joins fails after the grace,
+    naming it; worker 0's next job must not wait for ever on a peer with nothing running."""
+    import time
+
+    agg, rec = Aggregator(2, lost_grace_s=0.2), Recorder()
+    agg.worker_reset(1)
+    await _feed(agg, rec, [_push(0, np.ones(2, np.float32))])
+    assert agg.sweep(time.monotonic() + 0.3) == 1
+    assert "worker 1 has no training processes" in rec.failures[0]
