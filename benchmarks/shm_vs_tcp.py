@@ -194,38 +194,10 @@ def rank_main(conn: Any, sock: str, local_rank: int, rank: int, size: int, clien
 # --------------------------------------------------------------------------------------------------------------
 # what the driver reads from outside the processes
 # --------------------------------------------------------------------------------------------------------------
-def server_stats(cluster: Any) -> dict[int, dict[str, Any]]:
-    """Every server's counters, asked for over TCP as an observer (as tests/harness.py does)."""
-    import socket
-
-    from protocol import PROTOCOL_VERSION
-    from protocol.config import read_token
-    from protocol.frames import FrameReader, encode_header
-    from protocol.messages import ROLE_OBSERVER, Challenge, Hello, Stats, StatsRequest, auth_digest, parse, to_header
-
-    token = read_token(cluster.config)
-    out = {}
-    for spec in cluster.config.servers:
-        with socket.create_connection((spec.host, spec.port), timeout=10) as s:
-            reader = FrameReader()
-            sent = False
-            while spec.id not in out:
-                data = s.recv(65536)
-                if not data:
-                    raise ConnectionError(f"server {spec.id} closed the stats connection")
-                for message in (parse(f.header) for f in reader.receive_data(data)):
-                    if isinstance(message, Challenge) and not sent:
-                        auth = auth_digest(token, message.nonce, ROLE_OBSERVER, 0) if token else ""
-                        s.sendall(encode_header(to_header(Hello(PROTOCOL_VERSION, ROLE_OBSERVER, 0, auth=auth)))
-                                  + encode_header(to_header(StatsRequest(1))))
-                        sent = True
-                    elif isinstance(message, Stats):
-                        out[spec.id] = message.stats
-    return out
-
-
 def received(cluster: Any) -> tuple[int, int]:
     """(bytes received in pushes, of which read from shared memory), summed over the cluster's servers."""
+    from bps_worker.launch import server_stats
+
     stats = server_stats(cluster)
     return sum(int(s["bytes_received"]) for s in stats.values()), sum(int(s["bytes_shm"]) for s in stats.values())
 

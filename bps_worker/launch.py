@@ -228,6 +228,34 @@ def stop_in_layers(layers: list[list[subprocess.Popen[Any]]], grace_s: float = S
                 proc.wait()
 
 
+def server_stats(cluster: "Cluster") -> dict[int, dict[str, Any]]:
+    """Every server's counters (Stats), asked for over TCP as an observer (tests, benchmarks)."""
+    from protocol import PROTOCOL_VERSION
+    from protocol.config import read_token
+    from protocol.frames import FrameReader, encode_header
+    from protocol.messages import ROLE_OBSERVER, Challenge, Hello, Stats, StatsRequest, auth_digest, parse, to_header
+
+    token = read_token(cluster.config)
+    out = {}
+    for spec in cluster.config.servers:
+        with socket.create_connection((spec.host, spec.port), timeout=10) as s:
+            reader = FrameReader()
+            sent = False
+            while spec.id not in out:
+                data = s.recv(65536)
+                if not data:
+                    raise ConnectionError(f"server {spec.id} closed the stats connection")
+                for message in (parse(f.header) for f in reader.receive_data(data)):
+                    if isinstance(message, Challenge) and not sent:
+                        auth = auth_digest(token, message.nonce, ROLE_OBSERVER, 0) if token else ""
+                        s.sendall(encode_header(to_header(Hello(PROTOCOL_VERSION, ROLE_OBSERVER, 0, auth=auth)))
+                                  + encode_header(to_header(StatsRequest(1))))
+                        sent = True
+                    elif isinstance(message, Stats):
+                        out[spec.id] = message.stats
+    return out
+
+
 def run_training(cluster: Cluster, command: Sequence[str], *, timeout: float | None = None,
                  env_defaults: dict[str, str] | None = None, prog: str = "bps-launch") -> int:
     """Start ``command`` once per training process; return the first non-zero status, else 0.

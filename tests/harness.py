@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from bps_worker.launch import Cluster, free_ports, write_config
+from bps_worker.launch import Cluster, free_ports, server_stats, write_config
 
 __all__ = ["SHM_DIR", "daemon_logs", "free_ports", "run_ranks", "server_stats", "shm_segments", "start_cluster",
            "write_config"]
@@ -103,31 +102,3 @@ def run_ranks(cluster: Cluster, target: Callable[..., Any], *args: Any, timeout:
     if errors:
         raise AssertionError("rank failures:\n" + "\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
     return [results.get(r) for r in range(len(procs))]
-
-
-def server_stats(cluster: Cluster) -> dict[int, dict[str, Any]]:
-    """Every server's counters, asked for over TCP as an observer."""
-    from protocol import PROTOCOL_VERSION
-    from protocol.config import read_token
-    from protocol.frames import FrameReader, encode_header
-    from protocol.messages import ROLE_OBSERVER, Challenge, Hello, Stats, StatsRequest, auth_digest, parse, to_header
-
-    token = read_token(cluster.config)
-    out = {}
-    for spec in cluster.config.servers:
-        with socket.create_connection((spec.host, spec.port), timeout=10) as s:
-            reader = FrameReader()
-            sent = False
-            while spec.id not in out:
-                data = s.recv(65536)
-                if not data:
-                    raise ConnectionError(f"server {spec.id} closed the stats connection")
-                for message in (parse(f.header) for f in reader.receive_data(data)):
-                    if isinstance(message, Challenge) and not sent:
-                        auth = auth_digest(token, message.nonce, ROLE_OBSERVER, 0) if token else ""
-                        s.sendall(encode_header(to_header(Hello(PROTOCOL_VERSION, ROLE_OBSERVER, 0, auth=auth)))
-                                  + encode_header(to_header(StatsRequest(1))))
-                        sent = True
-                    elif isinstance(message, Stats):
-                        out[spec.id] = message.stats
-    return out
