@@ -10,14 +10,16 @@ Horovod users know::
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
     bps.broadcast_optimizer_state(optimizer, root_rank=0)
 
-``DistributedOptimizer`` starts the push_pull of each gradient from a
-post-accumulate-grad hook, as soon as backward has produced it, so
-communication overlaps the rest of backward; front layers get the highest
-priority so their sums come back first (the next forward pass needs them
-first). ``step()`` waits for all of them and writes the averages into ``.grad``.
+``DistributedOptimizer`` packs gradients into buckets (4 MiB by default, in
+reverse declaration order) and starts the push_pull of a bucket from the
+post-accumulate-grad hook of its last gradient, as soon as backward has
+produced it, so communication overlaps the rest of backward; front layers get
+the highest priority so their sums come back first (the next forward pass
+needs them first). ``step()`` waits for all of them and writes the averages
+into ``.grad``.
 
 Parameters without a gradient: every process pushes every parameter every
-step, with one extra element that says whether it had a gradient. A parameter
+step, with one extra element per gradient that says whether it had one. A parameter
 that got one on some process but not on this one takes part with zeros, so
 every process applies the same averaged gradient; a parameter that got none
 anywhere keeps its ``grad`` (``None`` after ``zero_grad()``) and is skipped by
@@ -31,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
 import ml_dtypes
@@ -297,15 +299,51 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
 
 
 # -- the optimizer ------------------------------------------------------------------
+DEFAULT_BUCKET_BYTES = 4 << 20
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """Gradients pushed together as one tensor: their elements one after another, then one presence
+    flag per gradient (1 where this process has that gradient, 0 where not)."""
+
+    name: str
+    params: list[torch.Tensor]
+    offsets: list[int]  # element offset of each gradient in the flat tensor
+    numel: int  # elements of the gradients; the flags follow
+    dtype: torch.dtype  # on the wire
+    priority: int
+    filled: set[int] = field(default_factory=set)  # indexes of the gradients already in the slot
+    slot: torch.Tensor | None = None  # the flat shared slot while it is being filled
+    handle: _client.Handle | None = None
+
+    @property
+    def total(self) -> int:
+        return self.numel + len(self.params)
+
+
+def _no_fill(view: np.ndarray) -> None:
+    """The input is in the slot already."""
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer`` so that ``step()`` applies gradients averaged over every process.
 
     ``named_parameters`` names the gradients on the wire (identical on every process); without
     it parameters are named by their position in the optimizer's param groups.
+
+    Gradients travel in buckets (tensor fusion, as in Horovod and DDP): parameters are taken in
+    reverse declaration order (about the order backward produces their gradients) and packed into
+    buckets of at least ``bucket_bytes`` (on the wire); a bucket's push_pull starts as soon as its
+    last gradient is ready. Each gradient is copied into the bucket's shared-memory slot when it is
+    ready, and the average is copied from the slot into ``.grad``. ``bucket_bytes=0`` pushes every
+    gradient on its own. Every process must use the same ``bucket_bytes`` (a different one is a
+    mismatch error naming the bucket).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, Any]] | None = None,
-                 compression: _Compressor = Compression.none, backward_passes_per_step: int = 1) -> None:
+                 compression: _Compressor = Compression.none, backward_passes_per_step: int = 1, *,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         # The wrapped optimizer owns param_groups, state and defaults; we share them (no copy).
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise BPSError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -313,19 +351,63 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise BPSError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
         if not isinstance(compression, _Compressor):
             raise BPSError(f"compression must be one of Compression.none/fp16/bf16, got {compression!r}")
+        if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 0:
+            raise BPSError(f"bucket_bytes must be an integer >= 0, got {bucket_bytes!r}")
         self.optimizer = optimizer
         self.compression = compression
         self.backward_passes_per_step = backward_passes_per_step
+        self.bucket_bytes = bucket_bytes
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self._names = self._resolve_names(named_parameters)
-        # Front layers come first in declaration order: the highest priority is theirs.
-        self._priority = {p: -i for i, p in enumerate(self._params)}
+        self._buckets = self._make_buckets()
+        self._bucket_of = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._passes: dict[torch.Tensor, int] = {}
-        self._handles: dict[torch.Tensor, tuple[_client.Handle, torch.Tensor, np.ndarray]] = {}
         self._synchronized = False
         self._skip_sync = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for p in self._params if p.requires_grad]
+
+    def _wire_dtype(self, p: torch.Tensor) -> torch.dtype:
+        wire = self.compression.wire_dtype
+        dtype = wire if wire is not None and p.is_floating_point() else p.dtype
+        if dtype not in _NUMPY_OF:
+            raise BPSError(f"parameter {self._names[p]!r} has dtype {p.dtype}, which cannot be summed; supported: "
+                           f"float32, float64, float16, bfloat16")
+        return dtype
+
+    def _make_buckets(self) -> list[_Bucket]:
+        """Buckets in reverse declaration order; front layers get the highest priority (their sums come back
+        first, as the next forward pass needs them first)."""
+        position = {p: i for i, p in enumerate(self._params)}
+        buckets: list[_Bucket] = []
+        group: list[torch.Tensor] = []
+        nbytes = 0
+
+        def close() -> None:
+            nonlocal group, nbytes
+            if group:
+                offsets, numel = [], 0
+                for p in group:
+                    offsets.append(numel)
+                    numel += p.numel()
+                front = min(position[p] for p in group)
+                # Named after its first gradient: the same name with other contents on another process
+                # (a different bucket_bytes) is a mismatch error naming both sizes.
+                buckets.append(_Bucket(f"grad.{self._names[group[0]]}", group, offsets, numel,
+                                       self._wire_dtype(group[0]), -front))
+            group, nbytes = [], 0
+
+        for p in reversed(self._params):
+            if not p.requires_grad:
+                continue
+            if group and self._wire_dtype(p) != self._wire_dtype(group[0]):
+                close()
+            group.append(p)
+            nbytes += p.numel() * self._wire_dtype(p).itemsize
+            if nbytes >= self.bucket_bytes:
+                close()
+        close()
+        return buckets
 
     # Optimizer API, delegated --------------------------------------------------------
     @property  # type: ignore[override]
@@ -374,7 +456,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # Gradients ----------------------------------------------------------------------
     def _resolve_names(self, named_parameters: Iterable[tuple[str, Any]] | None) -> dict[torch.Tensor, str]:
         if named_parameters is None:
-            return {p: f"grad.{i}" for i, p in enumerate(self._params)}
+            return {p: str(i) for i, p in enumerate(self._params)}
         pairs = list(named_parameters)
         for pair in pairs:
             if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
@@ -383,7 +465,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise BPSError(f"named_parameters has duplicate names: {', '.join(dup)}")
-        by_param = {p: f"grad.{n}" for n, p in pairs}
+        by_param = {p: n for n, p in pairs}
         missing = [i for i, p in enumerate(self._params) if p not in by_param]
         if missing:
             shapes = ", ".join(f"#{i} {tuple(self._params[i].shape)}" for i in missing[:5])
@@ -396,82 +478,95 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes[p] = count
         if count < self.backward_passes_per_step:
             return
-        if p in self._handles:
+        bucket, index = self._bucket_of[p]
+        if count > self.backward_passes_per_step or bucket.handle is not None:
             raise BPSError(f"gradient {self._names[p]!r} was produced more than backward_passes_per_step = "
                            f"{self.backward_passes_per_step} times before step(); call step() or synchronize()")
-        self._push(p, p.grad)
+        self._fill(bucket, index, p.grad)
+        if len(bucket.filled) == len(bucket.params):
+            self._start(bucket)
         self._synchronized = False
 
-    def _push(self, p: torch.Tensor, grad: torch.Tensor | None) -> None:
-        """Start the push_pull of ``p``'s gradient (zeros when this process has none).
-
-        One extra element travels with it: 1 where a process has a gradient, 0 where not. Its
-        sum tells every process, without another collective, whether anyone had one.
-        """
-        if grad is None:
-            wire = self.compression.compress(torch.zeros(p.shape, dtype=p.dtype))
-            present = 0.0
-        else:
-            wire = self.compression.compress(grad.detach())
-            if wire.device.type != "cpu":
-                wire = wire.to("cpu")
-            present = 1.0
-        data = _to_numpy(wire.contiguous()).reshape(-1)
-        n = data.size
-
-        def fill(view: np.ndarray) -> None:
-            if present:
-                np.copyto(view[:n], data)
+    def _fill(self, bucket: _Bucket, index: int, grad: torch.Tensor | None) -> None:
+        """Copy one gradient (cast for the wire) into the bucket's slot, or zeros where this process has none."""
+        if bucket.slot is None:
+            view = _client._connection().shared_array(bucket.name, (bucket.total,), _NUMPY_OF[bucket.dtype])
+            bucket.slot = _from_numpy(view)
+        p = bucket.params[index]
+        part = bucket.slot[bucket.offsets[index]:bucket.offsets[index] + p.numel()]
+        with torch.no_grad():
+            if grad is None:
+                part.zero_()
             else:
-                view[:n] = 0
-            view[n] = present
+                part.copy_(grad.detach().reshape(-1))
+        bucket.slot[bucket.numel + index] = 0.0 if grad is None else 1.0
+        bucket.filled.add(index)
 
-        handle = _client._connection().start_filled(self._names[p], "sum", data.dtype, (n + 1,), fill,
-                                                    average=True, priority=self._priority[p], root=-1, out=None)
-        self._handles[p] = (handle, wire)
+    def _start(self, bucket: _Bucket) -> None:
+        bucket.slot = None  # no reference to the slot outlives the push (it may move, or close at shutdown)
+        bucket.handle = _client._connection().start_filled(
+            bucket.name, "sum", np.dtype(_NUMPY_OF[bucket.dtype]), (bucket.total,), _no_fill, average=True,
+            priority=bucket.priority, root=-1, out=None)
 
     def synchronize(self) -> None:
         """Wait for every gradient of this step and write the averages into ``.grad``.
 
-        Every process takes part for every parameter: one that this process has no gradient
-        for (or only a partly accumulated one) is pushed now, before any wait, so that no two
-        processes wait for each other.
+        Every process takes part for every parameter: buckets whose gradients this process does not
+        all have (or has only partly accumulated) are pushed now, before any wait, with zeros for the
+        missing ones, so that no two processes wait for each other.
         """
-        for p in self._params:
-            if p not in self._handles and p.requires_grad:
-                self._push(p, p.grad if self._passes.get(p) else None)
         first_error: BPSError | None = None
         try:
-            for p in self._params:
-                entry = self._handles.get(p)
-                if entry is None:
+            for bucket in self._buckets:
+                if bucket.handle is not None:
                     continue
-                handle, wire = entry
+                for index, p in enumerate(bucket.params):
+                    if index not in bucket.filled:
+                        self._fill(bucket, index, p.grad if self._passes.get(p) else None)
+                self._start(bucket)
+            for bucket in self._buckets:
+                handle, bucket.handle = bucket.handle, None
+                if handle is None:
+                    continue
                 try:
-                    # the sum in the gradient's shared slot: read in place, copied once into .grad
-                    out = _client._connection().finish(handle, None, view=True)
+                    # the sum in the bucket's shared slot: read in place, copied once into each .grad.
+                    # After an error (a mismatch: then other buckets may never complete), wait at most
+                    # the timeout for each of the rest.
+                    wait = None if first_error is None else _client._connection().timeout
+                    out = _client._connection().finish(handle, wait, view=True)
                 except BPSError as exc:
                     # Keep draining: every handle must be consumed, or its name stays "in flight"
                     # and every later step fails. The first error is raised once all are done.
                     first_error = first_error or exc
                     continue
-                if first_error is not None:
-                    continue
-                if out[-1] == 0:
-                    continue  # no process had a gradient: leave .grad as it is (None after zero_grad)
-                result = _from_numpy(out[:-1], wire).reshape(wire.shape)
-                with torch.no_grad():
-                    grad = self.compression.decompress(result, p).to(p.device)
-                    if p.grad is None:
-                        p.grad = grad.clone()
-                    else:
-                        p.grad.copy_(grad)
+                if first_error is None:
+                    self._write_grads(bucket, _from_numpy(out))
+                del out
         finally:
-            self._handles.clear()
+            for bucket in self._buckets:
+                bucket.filled.clear()
+                bucket.slot = None
+                if bucket.handle is not None:  # _start failed part-way: drain what did start
+                    with contextlib.suppress(BPSError):
+                        _client._connection().finish(bucket.handle, None)
+                    bucket.handle = None
             self._passes.clear()
         if first_error is not None:
             raise first_error
         self._synchronized = True
+
+    @staticmethod
+    def _write_grads(bucket: _Bucket, flat: torch.Tensor) -> None:
+        present = flat[bucket.numel:].tolist()
+        with torch.no_grad():
+            for index, p in enumerate(bucket.params):
+                if present[index] == 0:
+                    continue  # no process had this gradient: leave .grad as it is (None after zero_grad)
+                start = bucket.offsets[index]
+                average = flat[start:start + p.numel()].view(p.shape)
+                if p.grad is None:
+                    p.grad = torch.empty_like(p, memory_format=torch.contiguous_format)
+                p.grad.copy_(average)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -491,7 +586,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.optimizer.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._handles:
-            raise BPSError(f"zero_grad() while {len(self._handles)} gradients are being summed; call step() or "
+        busy = sum(len(b.filled) for b in self._buckets)
+        if busy:
+            raise BPSError(f"zero_grad() while {busy} gradients are being summed; call step() or "
                            f"synchronize() first")
         self.optimizer.zero_grad(set_to_none=set_to_none)

@@ -23,7 +23,9 @@ import torch_programs as tp
 from harness import run_ranks
 
 SIZE = 4  # cluster_2x2: 2 workers x 2 processes
-VARIANTS = [("none", 1), ("none", 2), ("fp16", 1), ("bf16", 1)]
+# (compression, backward passes per step, bucket_bytes: None for the default)
+VARIANTS = [("none", 1, None), ("none", 2, None), ("fp16", 1, None), ("bf16", 1, None), ("none", 1, 0),
+            ("none", 1, 512)]
 # Unit roundoff of the wire dtype (round to nearest): half the gap between 1 and the next value.
 UNIT_ROUNDOFF = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -9}
 
@@ -39,7 +41,8 @@ def _same_everywhere(results: list[dict], key: str) -> str:
 def cnn_runs(cluster_2x2) -> dict[str, list[dict]]:
     """train_cnn for every variant (20 steps, batch 8 per rank), by variant, in rank order."""
     per_rank = run_ranks(cluster_2x2, tp.train_variants, VARIANTS, timeout=100)
-    return {f"{c}/{p}": [r[f"{c}/{p}"] for r in per_rank] for c, p in VARIANTS}
+    keys = [tp.variant_key(*v) for v in VARIANTS]
+    return {k: [r[k] for r in per_rank] for k in keys}
 
 
 def _check_start_and_end(results: list[dict]) -> None:
@@ -58,6 +61,24 @@ def test_cnn_equals_single_process_on_the_whole_batch(cnn_runs):
     for r in results:
         assert r["max_diff"] < 1e-5, r
         assert not r["grads_on_wire_grid"], "float32 gradients all representable in float16? (check is vacuous)"
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 512])
+def test_cnn_with_other_bucket_sizes(cnn_runs, bucket_bytes):
+    """Gradients one per push (0), or in buckets of two gradients (512 bytes: fc, conv2, conv1, each weight with
+    its bias), train exactly like the default (the whole model in one bucket)."""
+    default = cnn_runs["none/1"][0]["buckets"]
+    assert len(default) == 1 and len(default[0]) == 6, default
+    results = cnn_runs[f"none/1/{bucket_bytes}"]
+    _check_start_and_end(results)
+    names = [[n.rsplit(".", 2)[-2:] for n in b] for b in results[0]["buckets"]]
+    if bucket_bytes == 0:
+        assert len(names) == 6 and all(len(b) == 1 for b in names), names
+    else:
+        assert names == [[["fc", "bias"], ["fc", "weight"]], [["conv2", "bias"], ["conv2", "weight"]],
+                         [["conv1", "bias"], ["conv1", "weight"]]], names
+    for r in results:
+        assert r["max_diff"] < 1e-5, r
 
 
 def test_cnn_backward_passes_per_step_2(cnn_runs):
@@ -187,6 +208,11 @@ def test_validation_errors_without_a_cluster():
          "compression must be one of Compression.none/fp16/bf16, got 'fp16'"),
         (lambda: bps.DistributedOptimizer(sgd, compression=torch.float16),
          "compression must be one of Compression.none/fp16/bf16"),
+        (lambda: bps.DistributedOptimizer(sgd, bucket_bytes=-1), "bucket_bytes must be an integer >= 0, got -1"),
+        (lambda: bps.DistributedOptimizer(sgd, bucket_bytes=True), "bucket_bytes must be an integer >= 0, got True"),
+        (lambda: bps.DistributedOptimizer(torch.optim.SGD([nn.Parameter(torch.ones(2, dtype=torch.complex64))],
+                                                          lr=0.1)),
+         "parameter '0' has dtype torch.complex64, which cannot be summed"),
         (lambda: bps.broadcast_parameters(42, 0), "params must be a state_dict() or named_parameters(), got int"),
         (lambda: bps.broadcast_parameters([("a", p0), ("a", p1)], 0), "params has duplicate names"),
         (lambda: bps.broadcast_parameters([p0, p1], 0), "params must hold (name, tensor) pairs"),

@@ -89,7 +89,7 @@ WIRE_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloa
 
 
 def train_cnn(compression: str = "none", passes: int = 1, steps: int = STEPS, batch: int = BATCH,
-              lr: float = 0.05, momentum: float = 0.9) -> dict[str, Any]:
+              lr: float = 0.05, momentum: float = 0.9, bucket_bytes: int | None = None) -> dict[str, Any]:
     """Data-parallel SGD(momentum) vs one process training on the concatenated batch.
 
     Step ``s`` uses the global batch ``X[s*G:(s+1)*G]`` with ``G = size * passes * batch``;
@@ -105,11 +105,12 @@ def train_cnn(compression: str = "none", passes: int = 1, steps: int = STEPS, ba
     after = digest(model.state_dict())
     initial = copy.deepcopy(model)
     reference = copy.deepcopy(model)
+    buckets = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
     opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
-                                   named_parameters=[(f"{compression}.{passes}.{n}", p)
+                                   named_parameters=[(f"{compression}.{passes}.{bucket_bytes}.{n}", p)
                                                      for n, p in model.named_parameters()],
                                    compression=getattr(bps.Compression, compression),
-                                   backward_passes_per_step=passes)
+                                   backward_passes_per_step=passes, **buckets)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr, momentum=momentum)
     g = size * passes * batch
     X, Y = dataset(steps * g)
@@ -139,15 +140,21 @@ def train_cnn(compression: str = "none", passes: int = 1, steps: int = STEPS, ba
         "moved": max_diff(reference, initial),  # how far training took the weights
         "grads_on_wire_grid": grads_on_wire_grid,
         "max_grad": max_grad,
+        "buckets": [[opt._names[p] for p in b.params] for b in opt._buckets],
         "steps": steps, "lr": lr, "momentum": momentum,
     }
 
 
-def train_variants(variants: list[tuple[str, int]]) -> dict[str, dict[str, Any]]:
-    """``train_cnn(compression, passes)`` for each variant, in one process (torch's first optimizer
-    costs seconds of imports per process); keyed ``"compression/passes"``."""
+def train_variants(variants: list[tuple[str, int, int | None]]) -> dict[str, dict[str, Any]]:
+    """``train_cnn(compression, passes, bucket_bytes=...)`` for each variant, in one process (torch's first
+    optimizer costs seconds of imports per process); keyed ``"compression/passes"``, plus ``"/bucket_bytes"``
+    where it is not the default."""
     _threads()
-    return {f"{c}/{p}": train_cnn(c, p) for c, p in variants}
+    return {variant_key(*v): train_cnn(v[0], v[1], bucket_bytes=v[2]) for v in variants}
+
+
+def variant_key(compression: str, passes: int, bucket_bytes: int | None) -> str:
+    return f"{compression}/{passes}" + ("" if bucket_bytes is None else f"/{bucket_bytes}")
 
 
 # -- 4: broadcast_parameters + broadcast_optimizer_state ------------------------------
