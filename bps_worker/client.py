@@ -102,6 +102,7 @@ class Handle:
     _segment: SharedMemory | None = field(repr=False)  # None: a CUDA tensor the daemon reads and writes itself
     _offset: int = field(repr=False)
     _in_place: bool = field(default=False, repr=False)  # the input was the slot itself (a shared array)
+    _result_at: tuple[str, int] | None = field(default=None, repr=False)  # the worker's segment holding the result
     _times: list[int] | None = field(default=None, repr=False)  # timeline: start, filled, done
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
     _error: BPSError | None = field(default=None, repr=False)
@@ -128,6 +129,7 @@ class _Connection:
         self.inflight: dict[str, Handle] = {}
         self.attached: dict[str, SharedMemory] = {}  # segment name -> our mapping
         self.slots: dict[str, tuple[SharedMemory, int, int]] = {}  # tensor name -> (segment, offset, capacity)
+        self.results: dict[str, str] = {}  # tensor name -> the worker's segment that held its last result
         self.broken: BPSError | None = None
         welcome = self._handshake(local_rank)
         self.rank, self.size = welcome.rank, welcome.size
@@ -238,6 +240,8 @@ class _Connection:
         if handle is not None:
             if handle._times is not None:
                 handle._times[2] = now_us()
+            if isinstance(message, Done) and message.segment:
+                handle._result_at = (message.segment, message.offset)
             if isinstance(message, Failure):
                 cls = BPSMismatchError if message.code == "mismatch" else BPSError
                 handle._error = cls(message.message)
@@ -287,18 +291,37 @@ class _Connection:
         if isinstance(reply, Failure):
             raise BPSError(reply.message)
         assert isinstance(reply, Allocated)
-        seg = self.attached.get(reply.segment)
+        seg = self._attach(reply.segment, name)
+        self.slots[name] = (seg, reply.offset, reply.nbytes)
+        if slot is not None:
+            self._release_unused(slot[0].name)  # the daemon moved the tensor and freed its old segment
+        return seg, reply.offset
+
+    def _attach(self, segment: str, name: str) -> SharedMemory:
+        seg = self.attached.get(segment)
         if seg is None:
             try:
-                seg = self.attached[reply.segment] = shm.attach_segment(reply.segment)
+                seg = self.attached[segment] = shm.attach_segment(segment)
             except OSError as exc:
-                raise BPSError(f"cannot attach shared-memory segment {reply.segment!r} for {name!r}: {exc}") \
-                    from None
-        self.slots[name] = (seg, reply.offset, reply.nbytes)
-        if slot is not None and all(other[0] is not slot[0] for other in self.slots.values()):
-            del self.attached[slot[0].name]  # the daemon moved the tensor and freed its old segment
-            shm.release(slot[0], unlink=False)
-        return seg, reply.offset
+                raise BPSError(f"cannot attach shared-memory segment {segment!r} for {name!r}: {exc}") from None
+        return seg
+
+    def _release_unused(self, segment: str) -> None:
+        """Unmap ``segment`` unless a slot or a last result still lives there."""
+        if segment in self.attached and all(s[0].name != segment for s in self.slots.values()) \
+                and segment not in self.results.values():
+            shm.release(self.attached.pop(segment), unlink=False)
+
+    def _result_segment(self, handle: Handle) -> None:
+        """Point ``handle`` at the worker's segment that holds its result (and forget the one of the last round
+        when the worker moved it: the worker has unlinked it, our mapping is all that keeps it)."""
+        assert handle._result_at is not None
+        segment, offset = handle._result_at
+        handle._segment, handle._offset = self._attach(segment, handle.name), offset
+        previous = self.results.get(handle.name)
+        self.results[handle.name] = segment
+        if previous is not None and previous != segment:
+            self._release_unused(previous)
 
     # -- operations ------------------------------------------------------------------
     def start(self, array: np.ndarray, name: str, kind: str, *, average: bool, priority: int, root: int,
@@ -361,7 +384,7 @@ class _Connection:
         if self.timeline is not None:
             handle._times = [t_start, now_us(), 0]
         return self._submit(handle, Op(handle.req, name, kind, wire, list(shape), seg.name, average=average,
-                                       priority=priority, root=root, offset=offset))
+                                       priority=priority, root=root, offset=offset, handback=in_place))
 
     def _submit(self, handle: Handle, op: Op) -> Handle:
         """Register ``handle`` and send its ``op``; undone if the send fails."""
@@ -392,8 +415,8 @@ class _Connection:
                                        priority=priority, root=root, cuda=description))
 
     def finish(self, handle: Handle, timeout: float | None, view: bool = False) -> np.ndarray:
-        """Wait for ``handle``; its result (``out``, a copy, or with ``view`` the shared slot itself,
-        valid until the next operation on the same name)."""
+        """Wait for ``handle``; its result (``out``, a copy, or with ``view`` the shared memory that holds it,
+        read-only and valid until the next operation on the same name)."""
         if handle._consumed:
             raise BPSError(f"handle of {handle.name!r} was already synchronized")
         if not handle._done.wait(timeout):
@@ -405,13 +428,15 @@ class _Connection:
         if handle._error is not None:
             raise handle._error
         t_copy = now_us() if handle._times is not None else 0
+        if handle._result_at is not None:
+            self._result_segment(handle)
         if handle._in_place:  # `out` is the slot itself (or a CUDA tensor): the daemon wrote the result there
             result = handle.out
         elif handle.out is not None:
             np.copyto(handle.out, handle._result_view())
             result = handle.out
         elif view:
-            result = handle._result_view()
+            result = handle._result_view()  # may be the worker's results segment: read it, never write it
         else:
             result = handle._result_view().copy()
         if handle._times is not None and self.timeline is not None:
@@ -434,6 +459,7 @@ class _Connection:
             shm.release(seg, unlink=False)
         self.attached.clear()
         self.slots.clear()
+        self.results.clear()
         if self.timeline is not None:
             self.timeline.close()
 
@@ -532,8 +558,7 @@ def shared_array(name: str, shape: tuple[int, ...], dtype: np.dtype = np.float32
     input from and writes the result into this memory. The same name always gives
     the same memory while the size fits (it is reused across rounds); a larger size
     moves the slot, and arrays from before no longer take part. Passed with another
-    (or no) ``out``, it is still the exchange buffer: it holds the result afterwards.
-    Valid until :func:`shutdown`.
+    (or no) ``out``, it is left unchanged like any input. Valid until :func:`shutdown`.
     """
     return _connection().shared_array(name, tuple(shape), np.dtype(dtype))
 

@@ -623,9 +623,14 @@ class WorkerDaemon:
                 await asyncio.get_running_loop().run_in_executor(self.executor, self._cuda_bridge().copy_back, out,
                                                                  gpu_tensors)
             else:
-                await self._hand_back(out, views)
+                # Only to the processes that want the result in their slot (a shared array); the others
+                # read it from our results segment (see Op.handback).
+                await self._hand_back(out, [v for v, (_, o) in zip(views, members) if o.handback])
             for session, o in members:
-                session.send(Done(o.req))
+                if o.handback or gpu_tensors:
+                    session.send(Done(o.req))
+                else:
+                    session.send(Done(o.req, out_segment, out_base))
             if self.timeline is not None:
                 t_end = now_us()
                 self.timeline.span(name, f"round {server_round}", t_sum, t_end, bytes=nbytes, ranks=len(members))

@@ -304,6 +304,10 @@ class Op(Message):
     offset: int = 0  # where the tensor starts in ``segment``
     # A CUDA tensor instead: its CUDA IPC description (bps_worker.cuda.describe); ``segment`` is empty.
     cuda: list[Any] = field(default_factory=list)
+    # True: the worker copies the result into the slot (``segment``/``offset``). False: it leaves the result
+    # in its own results segment and names it in ``Done``, for the client to read from there (one copy less
+    # when the client copies it elsewhere anyway).
+    handback: bool = True
 
     def validate(self) -> None:
         _check_name(self.name)
@@ -317,10 +321,19 @@ class Op(Message):
 
 @dataclass(frozen=True, slots=True)
 class Done(Message):
-    """The result of operation ``req`` is in the client's segment."""
+    """The result of operation ``req`` is in the client's slot, or, when ``segment`` is set (an ``Op`` with
+    ``handback`` false), at ``offset`` in that segment of the worker, until the next round of the same name."""
 
     TYPE: ClassVar[str] = "done"
     req: int
+    segment: str = ""
+    offset: int = 0
+
+    def validate(self) -> None:
+        if len(self.segment) > MAX_SEGMENT_CHARS:
+            raise ProtocolError(f"segment name of more than {MAX_SEGMENT_CHARS} characters")
+        if self.offset < 0:
+            raise ProtocolError(f"negative segment offset {self.offset}")
 
 
 MAX_BATCH_ITEMS: Final = 1024

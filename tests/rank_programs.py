@@ -304,12 +304,31 @@ def shared_rounds(rounds: int, shape: tuple[int, ...], dtype: str) -> dict[str, 
         exact.append(raw(a) == raw(reference(dtype, shape, size, r, average=False)))
         again = bps.shared_array("shared.x", shape, NUMPY_DTYPES[dtype])
         same_memory.append(again.__array_interface__["data"][0] == address)
-    # Without out=: a new array comes back, and the shared array (the exchange buffer) holds it too.
+    # Without out=: a new array comes back, and the shared array is left as it was, like any input.
     a[...] = make_input(dtype, shape, rank, seed=99)
     y = bps.push_pull(a, "shared.x", average=False)
     ref = reference(dtype, shape, size, 99, average=False)
     return {"exact": all(exact), "same_memory": all(same_memory), "returned_itself": all(returned_itself),
-            "copy_exact": raw(y) == raw(ref) and y is not a, "buffer_holds_result": raw(a) == raw(ref)}
+            "copy_exact": raw(y) == raw(ref) and y is not a,
+            "input_unchanged": raw(a) == raw(make_input(dtype, shape, rank, seed=99))}
+
+
+def results_in_place(sizes: list[int]) -> dict[str, Any]:
+    """Plain arrays read their sums from the worker's results segment (no hand-back into the slot). One name
+    grows, so the worker moves its results; the process must drop its mapping of the old segment."""
+    from bps_worker import client
+
+    rank, size = bps.rank(), bps.size()
+    conn = client._connection()
+    exact, segments, attached = [], [], []
+    for r, n in enumerate(sizes):
+        x = make_input("float32", (n,), rank, seed=r)
+        y = bps.push_pull(x, "grow", average=False)
+        exact.append(raw(y) == raw(reference("float32", (n,), size, r, average=False))
+                     and raw(x) == raw(make_input("float32", (n,), rank, seed=r)))
+        segments.append(conn.results.get("grow"))
+        attached.append(sorted(conn.attached))
+    return {"exact": exact, "segments": segments, "attached": attached}
 
 
 def shared_torch(rounds: int, n: int) -> dict[str, Any]:

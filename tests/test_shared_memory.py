@@ -77,7 +77,29 @@ def test_shared_arrays_sum_in_place_without_moving(tmp_path, dtype):
         cluster.stop()
     for r in results:
         assert r == {"exact": True, "same_memory": True, "returned_itself": True, "copy_exact": True,
-                     "buffer_holds_result": True}
+                     "input_unchanged": True}
+
+
+@pytest.mark.timeout(120)
+def test_results_are_read_from_the_workers_segment_and_released_when_it_moves(tmp_path):
+    """A plain array's sum is read where the server wrote it (the worker's results segment), not handed back
+    into the process's slot first. Sizes: in a slab, then segments of their own that grow (the worker moves the
+    results, unlinking the old segment: the process must unmap it, or the memory stays allocated)."""
+    path = write_config(tmp_path, [2, 1])
+    cluster = start_cluster(path)
+    sizes = [1000, 2_000_000, 3_000_000, 3_000_000, 5_000_000]
+    try:
+        results = run_ranks(cluster, rp.results_in_place, sizes)
+    finally:
+        cluster.stop()
+    for r in results:
+        assert all(r["exact"]), r["exact"]
+        segs = r["segments"]
+        assert all(segs), "no result was read from a worker's results segment"
+        assert len({segs[0], segs[1], segs[2], segs[4]}) == 4 and segs[3] == segs[2], segs
+        for i, attached in enumerate(r["attached"]):
+            assert segs[i] in attached
+            assert not set(segs[:i]) - {segs[i]} & set(attached), (i, attached)  # old results unmapped
 
 
 @pytest.mark.timeout(120)
