@@ -472,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="cluster partition_bytes (default: the daemons' default, 4 MiB)")
     p.add_argument("--credit-bytes", type=parse_size, default=None,
                    help="cluster credit_bytes (default: the daemons' default, 64 MiB)")
+    p.add_argument("--window-pieces", type=int, default=None,
+                   help="cluster window_pieces (default: the daemons' default, 3; 0: no pacing)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per configuration (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds of each system first (default 1)")
     p.add_argument("--write-results", action="store_true", help=f"append a dated section to {DEFAULT_RESULTS} "
@@ -532,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster_keys["max_payload_bytes"] = max(1 << 30, args.partition_bytes)
     if args.credit_bytes:
         cluster_keys["credit_bytes"] = args.credit_bytes
+    if args.window_pieces is not None:
+        cluster_keys["window_pieces"] = args.window_pieces
     plan = [(f"k={k}", k, False) for k in ks] + [(f"PS k={k}", k, True) for k in ps_ks]
     configs: list[dict[str, Any]] = []
     t_start = time.monotonic()
@@ -572,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{human(nbytes)} float32 ({nbytes} bytes); B = {args.bandwidth} ({b / 1e6:.2f} MB/s) each way, "
                   f"tbf, MTU {args.mtu}; partition_bytes = "
                   f"{args.partition_bytes or 'default (4194304)'}; credit_bytes = "
-                  f"{args.credit_bytes or 'default (67108864)'}")
+                  f"{args.credit_bytes or 'default (67108864)'}; window_pieces = "
+                  f"{'default (3)' if args.window_pieces is None else args.window_pieces}")
     sound_line = (f"soundness: gloo median over all {len(all_gloo)} repetitions {statistics.median(all_gloo):.3f} s = "
                   f"{gloo_ratio:.2f} x its theory {t_ring(n, m, b):.3f} s: "
                   + ("PASS (within 15%)" if sound else "FAIL (not within 15%: lower --bandwidth)")

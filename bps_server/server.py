@@ -88,6 +88,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.nonce = secrets.token_hex(16)
         self.transport: asyncio.Transport | None = None
         self.worker: int | None = None
+        self.stream = 0  # which of the worker's connections (Hello.stream)
         self.observer = False
         self.peer = "?"
         self.closed = False
@@ -124,6 +125,11 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.closed = True
         self.server.connections.discard(self)
         self.unmap_all()
+        if self.stream:
+            if self.server.streams.get((self.worker, self.stream)) is self:
+                del self.server.streams[(self.worker, self.stream)]
+                log.info("worker %d stream %d (%s) disconnected", self.worker, self.stream, self.peer)
+            return
         if self.worker is not None and self.server.links.get(self.worker) is self:
             del self.server.links[self.worker]
             if not self.server.stopping:
@@ -263,12 +269,19 @@ class ServerConnection(asyncio.BufferedProtocol):
             raise ProtocolError(f"hello from {message.role} {message.id}: only workers "
                                 f"0..{self.server.config.cluster.workers - 1} may connect")
         self.worker = message.id
-        old = self.server.links.get(message.id)
-        self.server.links[message.id] = self
+        self.stream = message.stream
+        if message.stream:
+            # An extra connection for pushes (see Hello.stream): the worker's state follows stream 0.
+            old = self.server.streams.get((message.id, message.stream))
+            self.server.streams[(message.id, message.stream)] = self
+        else:
+            old = self.server.links.get(message.id)
+            self.server.links[message.id] = self
         if old is not None and not old.closed:
             log.warning("worker %d reconnected from %s; closing its old connection", message.id, self.peer)
             old.close()
-        self.server.aggregator.worker_hello(message.id, message.epoch)
+        if not message.stream:
+            self.server.aggregator.worker_hello(message.id, message.epoch)
         self.shm = self._accept_shm(message)
         log.info("worker %d connected from %s%s", message.id, self.peer, " (shared memory)" if self.shm else "")
         self.send(Welcome(PROTOCOL_VERSION, worker=message.id, workers=self.server.config.cluster.workers,
@@ -367,7 +380,8 @@ class SummationServer:
         self.config = config
         self.incarnation = secrets.token_hex(8)  # this run of the server: workers notice a restart by it
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-sum")
-        self.links: dict[int, ServerConnection] = {}
+        self.links: dict[int, ServerConnection] = {}  # each worker's stream 0
+        self.streams: dict[tuple[int, int], ServerConnection] = {}  # (worker, stream) for streams 1, 2, ...
         self.timeline = Timeline(config.timeline, f"bps-server {config.server_id}") if config.timeline else None
         self.aggregator = Aggregator(config.cluster.workers, self.executor, lost_grace_s=config.cluster.timeout,
                                      deterministic=config.cluster.deterministic,
@@ -427,7 +441,7 @@ class SummationServer:
         while not self.stopping:
             await asyncio.sleep(timeout / 4)
             now = loop.time()
-            for conn in list(self.links.values()):
+            for conn in [*self.links.values(), *self.streams.values()]:
                 if now - conn.last_seen > timeout and not conn.closed:
                     log.warning("worker %s sent nothing for %.1f s (limit %g s): dropping it", conn.worker,
                                 now - conn.last_seen, timeout)
@@ -452,6 +466,7 @@ class SummationServer:
         data = self.aggregator.counters.as_dict()
         data["server"] = self.config.server_id
         data["connections"] = len(self.connections)
+        data["streams"] = len(self.streams)  # workers' extra connections (Hello.stream > 0)
         data["keys"] = len(self.aggregator.keys)
         return data
 

@@ -264,15 +264,22 @@ class WorkerDaemon:
         per_link_credit = max(1 << 16, cluster.credit_bytes // len(cluster.servers))
         # A server on this host is offered shared memory (see ServerLink): the one the config puts here
         # (``worker = <our id>``), and any other whose address is one of this host's own.
-        self.links = {
-            s.id: ServerLink(s, config.worker_id, credit_bytes=per_link_credit, timeout=cluster.timeout,
-                             max_payload_bytes=cluster.max_payload_bytes, token=config.token,
-                             shm_mode=config.segment_mode
-                             if cluster.colocated_shm and (s.worker == config.worker_id or is_local_address(s.host))
-                             else None,
-                             timeline=self.timeline)
+        # Each server gets placement.streams(id) connections (see bps_worker.placement); the first one also
+        # carries control messages (resets, aborts, round queries, releases) and alone may use shared memory.
+        self.streams = {
+            s.id: [ServerLink(s, config.worker_id, credit_bytes=per_link_credit, window_pieces=cluster.window_pieces,
+                              stream=stream, timeout=cluster.timeout,
+                              max_payload_bytes=cluster.max_payload_bytes, token=config.token,
+                              shm_mode=config.segment_mode
+                              if stream == 0 and cluster.colocated_shm
+                              and (s.worker == config.worker_id or is_local_address(s.host))
+                              else None,
+                              timeline=self.timeline)
+                   for stream in range(self.placement.streams(s.id))]
             for s in cluster.servers
         }
+        self.links = {sid: streams[0] for sid, streams in self.streams.items()}
+        self.all_links = [link for streams in self.streams.values() for link in streams]
         self._new_epoch()
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-local")
         self.sessions: dict[int, ClientSession] = {}
@@ -319,7 +326,7 @@ class WorkerDaemon:
     def metric_families(self) -> list[metrics.Family]:
         c = self.counters
         label = {"worker": str(self.worker_id)}
-        queued = sum(link.queued_bytes() for link in self.links.values())
+        queued = sum(link.queued_bytes() for link in self.all_links)
         return [
             metrics.Family("bps_worker_ops_total", "counter", "Collective operations completed (one per local round)",
                            ((label, float(c.ops)),)),
@@ -352,7 +359,7 @@ class WorkerDaemon:
                 session.send(Ping(seq))
             if loop.time() >= next_link_beat:
                 next_link_beat = loop.time() + link_interval
-                for link in self.links.values():
+                for link in self.all_links:
                     link.heartbeat(loop.time())
 
     async def stop(self) -> None:
@@ -369,7 +376,7 @@ class WorkerDaemon:
             session.close()
         for session in list(self.sessions.values()):
             session.release_segments()
-        for link in self.links.values():
+        for link in self.all_links:
             link.close()
         self.staging.release_all()
         self.results.release_all()
@@ -534,14 +541,14 @@ class WorkerDaemon:
             base.cancel()
         self.round_base.clear()
         self._new_epoch()
-        for link in self.links.values():
+        for link in self.all_links:
             link.reset()  # drops its references into the buffers freed next
         self.segments_freed(self.staging.release_all() + self.results.release_all())
 
     def _new_epoch(self) -> None:
         """Our round numbering (re)starts at 0: servers learn it from the epoch (see RoundQuery)."""
         epoch = secrets.token_hex(8)
-        for link in self.links.values():
+        for link in self.all_links:
             link.epoch = epoch
 
     def segments_freed(self, names: list[str]) -> None:
@@ -605,7 +612,7 @@ class WorkerDaemon:
                 lo, hi = piece.offset * itemsize, (piece.offset + piece.count) * itemsize
                 fields = dict(name=name, part=piece.part, round=server_round, dtype=op.dtype, shape=list(op.shape),
                               offset=piece.offset, count=piece.count, divisor=divisor, kind=op.kind)
-                futures.append((piece, self.links[piece.server].push(
+                futures.append((piece, self.streams[piece.server][piece.stream].push(
                     fields, raw[lo:hi], out_raw[lo:hi], priority,
                     shm_ref=(segment, base + lo), out_ref=(out_segment, out_base + lo))))
             pushed = True
@@ -669,10 +676,9 @@ class WorkerDaemon:
                 answers = []
                 for piece, fut in futures:
                     if fut in pending or fut.cancelled() or fut.exception() is not None:
-                        link = self.links[piece.server]
-                        if not link.forget(fut):
+                        if not self.streams[piece.server][piece.stream].forget(fut):
                             answers.append(fut)  # in the server's hands, in our memory: wait for its answer
-                        link.abort(name, piece.part, round_, message)
+                        self.links[piece.server].abort(name, piece.part, round_, message)
                 if answers:
                     await asyncio.wait(answers)  # the server answers every push; a lost link fails them
                 # A server that went silent with our memory in hand might still write into it.

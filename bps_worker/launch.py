@@ -48,10 +48,12 @@ def free_ports(n: int) -> list[int]:
 
 def write_config(directory: Path, local_sizes: list[int], *, colocated: bool = True, cpu_servers: int = 1,
                  extra_servers_per_worker: int = 0, cluster: dict[str, Any] | None = None,
-                 metrics: bool = False) -> Path:
+                 metrics: bool = False, separate_hosts: bool = False) -> Path:
     """A one-box cluster file on free loopback ports: ``len(local_sizes)`` workers (sockets under
     ``directory``), one colocated server each, plus ``cpu_servers`` CPU-only ones; ``cluster`` adds
     ``[cluster]`` keys. With ``metrics`` every daemon also serves Prometheus metrics on a free port.
+    With ``separate_hosts`` server ``i`` listens on 127.0.0.``i+1``: still this box, but the config looks
+    like servers on several hosts (the finer partitions and the streams of ``bps_worker.placement``).
     Used by the tests and the benchmarks."""
     directory.mkdir(parents=True, exist_ok=True)
     n = len(local_sizes)
@@ -62,15 +64,18 @@ def write_config(directory: Path, local_sizes: list[int], *, colocated: bool = T
     for key, value in (cluster or {}).items():
         text = f'"{value}"' if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else repr(value)
         lines.append(f"{key} = {text}")
+    def host(sid: int) -> str:
+        return f"127.0.0.{sid + 1}" if separate_hosts else "127.0.0.1"
+
     sid = 0
     if colocated:
         for w in range(n):
             for _ in range(1 + extra_servers_per_worker):
-                lines += ["", "[[server]]", f"id = {sid}", f'address = "127.0.0.1:{ports[sid]}"', f"worker = {w}"]
+                lines += ["", "[[server]]", f"id = {sid}", f'address = "{host(sid)}:{ports[sid]}"', f"worker = {w}"]
                 lines += [f'metrics = "127.0.0.1:{next(metric_ports)}"'] if metrics else []
                 sid += 1
     for _ in range(cpu_servers):
-        lines += ["", "[[server]]", f"id = {sid}", f'address = "127.0.0.1:{ports[sid]}"']
+        lines += ["", "[[server]]", f"id = {sid}", f'address = "{host(sid)}:{ports[sid]}"']
         lines += [f'metrics = "127.0.0.1:{next(metric_ports)}"'] if metrics else []
         sid += 1
     for w, local in enumerate(local_sizes):

@@ -5,7 +5,10 @@ transport's write buffer is under the link's credit (``cluster.credit_bytes``
 split over the links), so a huge tensor queued first cannot delay a small,
 higher-priority one by more than the credit. Credit is released as the kernel
 takes the bytes, not when the sum comes back: a round that waits for a slow
-peer therefore never blocks other tensors' pushes (no credit deadlock).
+peer therefore never blocks other tensors' pushes (no credit deadlock). Large
+TCP pushes are also paced by a window of unanswered pieces (see ``pump``), which
+opens after ``WINDOW_STALL_S`` without an answer for the same reason. A worker
+may open several links (streams) to one server, see ``bps_worker.placement``.
 
 Results are received straight into the destination the push named (a slice
 of the tensor's staging buffer or of the client's segment): no copy after the
@@ -86,6 +89,8 @@ RECONNECT_DELAY_MAX_S = 1.0
 # Pushes up to this size leave in Batch frames, up to BATCH_MAX_BYTES of payload per frame.
 BATCH_ITEM_MAX_BYTES = 64 * 1024
 BATCH_MAX_BYTES = 1 << 20
+# Pacing (see ServerLink.pump): after WINDOW_STALL_S without an answer the window opens until the next one.
+WINDOW_STALL_S = 0.25
 
 
 @dataclass(order=True)
@@ -100,6 +105,7 @@ class _Queued:
     via_shm: bool = field(compare=False, default=False)  # sent as a shared-memory reference
     times: list[int] | None = field(compare=False, default=None)  # timeline: queued, sent, sum arriving
     held: bool = field(compare=False, default=False)  # sent on a connection that broke; awaiting the verdict
+    paced: int = field(compare=False, default=0)  # bytes it counts against the link's window while unanswered
 
     def wire_nbytes(self, shm: bool) -> int:
         return 0 if shm and self.shm_ref is not None and self.out_ref is not None else self.payload.nbytes
@@ -141,6 +147,7 @@ class ServerLink:
     """One reusable connection to server ``spec``; reconnects when needed."""
 
     def __init__(self, spec: ServerSpec, worker_id: int, *, credit_bytes: int, timeout: float,
+                 window_pieces: int = 0, stream: int = 0,
                  max_payload_bytes: int, token: bytes | None = None,
                  shm_mode: int | None = None, timeline: Timeline | None = None) -> None:
         self.timeline = timeline
@@ -150,6 +157,8 @@ class ServerLink:
         self.token = token
         self.worker_id = worker_id
         self.credit_bytes = credit_bytes
+        self.window_pieces = window_pieces  # cluster.window_pieces; 0: no pacing
+        self.stream = stream  # which of our connections to this server (Hello.stream; 0 carries control)
         self.timeout = timeout
         self.max_payload_bytes = max_payload_bytes
         self.paused = False
@@ -172,6 +181,9 @@ class ServerLink:
         self._answered: dict[tuple[str, int], _Queued] = {}
         self._broken_reason = ""
         self.closed = False
+        self._paced = 0  # bytes of unanswered paced pushes (see pump)
+        self._window_open = False  # no answer for WINDOW_STALL_S: the window is ignored until the next one
+        self._stall: asyncio.TimerHandle | None = None
 
     # -- public ----------------------------------------------------------------------
     def push(self, push_fields: dict[str, Any], payload: memoryview, dest: memoryview, priority: int,
@@ -211,6 +223,7 @@ class ServerLink:
                     return False
                 del self._inflight[req]
                 self._answered.pop((item.push.name, item.push.part), None)
+                self._answered_one(item)
                 reader = self._proto.reader if self._proto is not None else None
                 if reader is not None and reader.pending_destination is item.dest:
                     reader.discard_pending_payload()  # its result is arriving right now: not into dest
@@ -259,7 +272,8 @@ class ServerLink:
     def reset(self) -> None:
         """Tell the server that this worker has no training processes left (see Reset)."""
         self._answered.clear()  # the next job starts at round 0; the buffers are being freed
-        self._send_control(Reset(self.worker_id, self.epoch))
+        if self.stream == 0:  # the server's state of this worker follows its first connection
+            self._send_control(Reset(self.worker_id, self.epoch))
 
     def release_segments(self, names: list[str]) -> None:
         """Segments we unlinked: a server that maps our memory unmaps them (a new connection maps
@@ -285,14 +299,38 @@ class ServerLink:
 
     # -- sending ---------------------------------------------------------------------
     def pump(self) -> None:
+        """Send queued pushes in priority order while the transport's buffer is under the credit.
+
+        Large TCP pushes (over ``BATCH_ITEM_MAX_BYTES``) are also paced by a window of unanswered
+        bytes: one leaves while this link's unanswered large pushes come to less than
+        ``window_pieces`` (``cluster.window_pieces``) times its size. A server answers
+        a partition only once every worker pushed it, so a worker whose flow to a server runs ahead of
+        the others' flows to it stops there, and its uplink carries its flows to the servers where it
+        is behind; all flows into a server progress together, and each partition's sum leaves as soon
+        as possible (measured on emulated links, ``benchmarks/RESULTS.md``). A round that waits for a
+        slow peer must not block other tensors for ever (names may come in different orders on
+        different processes), so after ``WINDOW_STALL_S`` without any answer the window opens until
+        the next answer comes.
+        """
         proto = self._proto
         if proto is None or proto.transport is None or not self._ready:
             return
         transport = proto.transport
         while self._queue and not self.paused:
-            item = heapq.heappop(self._queue)
+            item = self._queue[0]
             if item.future.done():  # the operation already failed elsewhere
+                heapq.heappop(self._queue)
                 continue
+            size = item.wire_nbytes(self.shm)
+            paced = size > BATCH_ITEM_MAX_BYTES and self.window_pieces > 0
+            if paced and self._paced and self._paced + size > self.window_pieces * size and not self._window_open:
+                if self._stall is None:
+                    self._stall = asyncio.get_running_loop().call_later(WINDOW_STALL_S, self._open_window)
+                break
+            heapq.heappop(self._queue)
+            if paced:
+                item.paced = size
+                self._paced += size
             self._inflight[item.push.req] = item
             try:
                 if item.wire_nbytes(self.shm) <= BATCH_ITEM_MAX_BYTES and self._queue:
@@ -305,6 +343,33 @@ class ServerLink:
                 return
             if transport.get_write_buffer_size() >= self.credit_bytes:
                 break
+
+    def _open_window(self) -> None:
+        self._stall = None
+        self._window_open = True
+        self.pump()
+
+    def _answered_one(self, item: _Queued | None) -> None:
+        """``item`` left the server's hands (answered, failed or abandoned): its bytes leave the window."""
+        if item is not None and item.paced:
+            self._paced -= item.paced
+            item.paced = 0
+        if item is not None:
+            self._window_open = False
+            if self._stall is not None:
+                self._stall.cancel()
+                self._stall = None
+            if self._queue and self._proto is not None:
+                self.pump()
+
+    def _reset_window(self) -> None:
+        self._paced = 0
+        self._window_open = False
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        for item in self._queue:
+            item.paced = 0
 
     def _wire(self, item: _Queued) -> tuple[Push, memoryview | None]:
         """What goes on the wire for ``item``: the push and its bytes, or a shared-memory reference."""
@@ -396,6 +461,7 @@ class ServerLink:
             return
         if isinstance(message, Result):
             item = self._inflight.pop(message.req, None)
+            self._answered_one(item)
             if message.inplace:
                 if item is not None and not item.via_shm:
                     raise ProtocolError(f"server {self.spec.id} answered {item.push.name!r} part "
@@ -426,6 +492,7 @@ class ServerLink:
                 self.on_broken(proto, f"server {self.spec.id} refused the connection: {message.message}")
                 return
             item = self._inflight.pop(message.req, None)
+            self._answered_one(item)
             if item is not None:
                 self._answered.pop((item.push.name, item.push.part), None)
             if item is not None and not item.future.done():
@@ -472,6 +539,7 @@ class ServerLink:
             item.held = True
             heapq.heappush(self._queue, item)
         self._inflight.clear()
+        self._reset_window()
         self._ensure_connecting()
 
     def _fail_queries(self, exc: BPSError) -> None:
@@ -486,6 +554,7 @@ class ServerLink:
         items = list(self._inflight.values()) + self._queue
         self._inflight.clear()
         self._queue = []
+        self._reset_window()
         for item in items:
             if not item.future.done():
                 if item.via_shm:
@@ -558,7 +627,7 @@ class ServerLink:
                 try:
                     self._send(proto, Hello(PROTOCOL_VERSION, ROLE_WORKER, self.worker_id, auth=auth,
                                             shm=probe[0].name if probe else "", shm_key=probe[1] if probe else "",
-                                            epoch=self.epoch))
+                                            epoch=self.epoch, stream=self.stream))
                     welcome = await asyncio.wait_for(asyncio.shield(self._welcome),
                                                      timeout=max(0.1, deadline - loop.time()))
                 finally:

@@ -17,7 +17,23 @@ order starting at the tensor's anchor server), and each range into partitions of
 and, for pipelining, into at least ``PIPELINE_DEPTH`` of them (none under ``MIN_PIPELINE_BYTES``): a
 server answers a partition only once every worker pushed it, so with one partition per server each
 link would carry all the pushes and then all the sums, never both at once (measured on emulated
-links: 2x the optimal time at 4 MiB partitions, 1.2-1.4x at 256 KiB, ``benchmarks/RESULTS.md``). A
+links: 2x the optimal time at 4 MiB partitions, ``benchmarks/RESULTS.md``). Where the servers are on
+several hosts (the network is the limit) the ranges are cut finer, into at least
+``NETWORK_PIPELINE_DEPTH`` partitions of at least ``NETWORK_MIN_PIPELINE_BYTES``: the worker's links
+pace their pushes by a window of a few partitions (``bps_worker.links``), so that every worker's flow
+into a server progresses at the same pace, and that needs many partitions per range. On one host
+(every server at the same address: a demo or a test, where memory bandwidth is the limit) each
+partition costs CPU that the pipelining does not win back, so the ranges are cut coarser.
+
+Streams: TCP shares a link fairly between its connections, but the Theorem 1 split gives a CPU-only
+server a larger share than a colocated one (``M_cpu / M_gpu = 2(n-1)/(n-k)``, 3 at n=4, k=2). With
+one connection each, a worker's flow to a CPU-only server would get the same part of its uplink as
+a flow to a colocated one and finish last, with the CPU-only machine's downlink idle part of the time
+(measured: 1.3x the optimal time at k=1, 2). So, where the servers are on several hosts, a worker
+opens ``streams(server)`` connections to each server, in proportion to its share (the smallest
+positive share gets one, at most ``MAX_STREAMS``), and the partitions of a server's range take them
+in turn: every flow on every link then carries about the same bytes, and fair sharing is the
+optimal split. A
 server's load therefore deviates from its target by less than one element per
 tensor, whatever the order in which names appear, and every worker computes the
 same pieces from the config and the tensor alone. Partition 0 always lives on
@@ -37,6 +53,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from protocol.config import ClusterConfig
+from protocol.messages import MAX_STREAMS
 
 log = logging.getLogger("bps.worker.placement")
 
@@ -46,6 +63,9 @@ SMALL_TENSOR_FRACTION = 64
 # (nor over partition_bytes), so that pushes, sums and pulls of one tensor overlap on every link.
 PIPELINE_DEPTH = 8
 MIN_PIPELINE_BYTES = 256 * 1024
+# Servers on several hosts: finer (measured on emulated links, benchmarks/RESULTS.md).
+NETWORK_PIPELINE_DEPTH = 32
+NETWORK_MIN_PIPELINE_BYTES = 128 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +76,7 @@ class Piece:
     server: int
     offset: int
     count: int
+    stream: int = 0  # which of the worker's connections to ``server`` carries it
 
 
 def theorem1_shares(n: int, k: int) -> tuple[Fraction, Fraction]:
@@ -101,6 +122,10 @@ class Placement:
 
     def __init__(self, config: ClusterConfig) -> None:
         self.partition_bytes = config.partition_bytes
+        if config.one_host:
+            self.depth, self.min_bytes = PIPELINE_DEPTH, MIN_PIPELINE_BYTES
+        else:
+            self.depth, self.min_bytes = NETWORK_PIPELINE_DEPTH, NETWORK_MIN_PIPELINE_BYTES
         shares = server_shares(config)
         self.server_ids = [s.id for s in config.servers]
         self.shares = [shares[sid] for sid in self.server_ids]
@@ -110,6 +135,15 @@ class Placement:
             total += share
             cumulative.append(total)
         self._cumulative = cumulative
+        positive = [share for share in self.shares if share > 0]
+        smallest_share = min(positive) if positive else Fraction(1)
+        self._streams = {sid: 1 if config.one_host or share == 0
+                         else max(1, min(MAX_STREAMS, round(share / smallest_share)))
+                         for sid, share in zip(self.server_ids, self.shares)}
+
+    def streams(self, server: int) -> int:
+        """How many connections a worker opens to ``server`` (see the module docstring)."""
+        return self._streams[server]
 
     def anchor(self, name: str) -> int:
         """Index (into ``server_ids``) of the server that holds partition 0 of ``name``.
@@ -137,7 +171,7 @@ class Placement:
         for j in by_remainder[:left]:
             alloc[j] += 1
         largest = max(1, self.partition_bytes // itemsize)
-        smallest = max(1, min(self.partition_bytes, MIN_PIPELINE_BYTES) // itemsize)
+        smallest = max(1, min(self.partition_bytes, self.min_bytes) // itemsize)
         pieces: list[Piece] = []
         offset = 0
         for j, idx in enumerate(order):
@@ -145,10 +179,13 @@ class Placement:
             if remaining == 0 and j == 0:
                 pieces.append(Piece(0, self.server_ids[idx], offset, 0))
                 continue
-            per_part = min(largest, max(smallest, -(-remaining // PIPELINE_DEPTH)))
+            per_part = min(largest, max(smallest, -(-remaining // self.depth)))
+            streams, turn = self._streams[self.server_ids[idx]], 0
             while remaining > 0:
                 take = min(per_part, remaining)
-                pieces.append(Piece(len(pieces), self.server_ids[idx], offset, take))
+                pieces.append(Piece(len(pieces), self.server_ids[idx], offset, take, turn % streams))
+                turn += 1
                 offset += take
                 remaining -= take
         return pieces
+

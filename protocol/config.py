@@ -18,6 +18,7 @@ DEFAULT_PARTITION_BYTES: Final = 4 * 1024 * 1024
 DEFAULT_TIMEOUT_S: Final = 30.0
 DEFAULT_CREDIT_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES: Final = 1 << 30
+DEFAULT_WINDOW_PIECES: Final = 3
 
 _CLUSTER_KEYS: Final = {
     "workers": (int, True),
@@ -28,6 +29,7 @@ _CLUSTER_KEYS: Final = {
     "max_payload_bytes": (int, False),
     "colocated_shm": (bool, False),
     "deterministic": (bool, False),
+    "window_pieces": (int, False),
 }
 _SERVER_KEYS: Final = {"id": (int, True), "address": (str, True), "worker": (int, False), "metrics": (str, False)}
 _WORKER_KEYS: Final = {"id": (int, True), "local_size": (int, True), "socket": (str, True), "metrics": (str, False)}
@@ -71,7 +73,13 @@ class ClusterConfig:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     colocated_shm: bool = True  # a worker and the server on its host exchange partitions in shared memory
     deterministic: bool = False  # servers add contributions in worker-id order (bitwise-repeatable sums)
+    window_pieces: int = DEFAULT_WINDOW_PIECES  # pacing of TCP pushes (bps_worker.links.ServerLink.pump); 0: off
     source: str = "<memory>"
+
+    @property
+    def one_host(self) -> bool:
+        """Every server has the same host address: the whole cluster is one machine (a demo or a test)."""
+        return len({s.host for s in self.servers}) == 1
 
     @property
     def size(self) -> int:
@@ -137,6 +145,8 @@ def parse_config(data: dict[str, Any], source: str = "<memory>") -> ClusterConfi
     _positive(credit_bytes, "cluster.credit_bytes", source)
     max_payload = c.get("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES)
     _positive(max_payload, "cluster.max_payload_bytes", source)
+    window_pieces = c.get("window_pieces", DEFAULT_WINDOW_PIECES)
+    _non_negative(window_pieces, "cluster.window_pieces", source)
     if max_payload < partition_bytes:
         raise ConfigError(
             f"{source}: cluster.max_payload_bytes ({max_payload}) is smaller than cluster.partition_bytes "
@@ -187,6 +197,7 @@ def parse_config(data: dict[str, Any], source: str = "<memory>") -> ClusterConfi
         max_payload_bytes=max_payload,
         colocated_shm=c.get("colocated_shm", True),
         deterministic=c.get("deterministic", False),
+        window_pieces=window_pieces,
         source=source,
     )
 

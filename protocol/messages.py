@@ -31,6 +31,7 @@ MAX_NAME_CHARS: Final = 1024
 MAX_DIMS: Final = 32
 MAX_MESSAGE_CHARS: Final = 4096
 MAX_SEGMENT_CHARS: Final = 200
+MAX_STREAMS: Final = 16  # TCP connections a worker may open to one server (Hello.stream)
 
 ROLE_WORKER: Final = "worker"
 ROLE_CLIENT: Final = "client"
@@ -85,10 +86,16 @@ class Hello(Message):
     shm_key: str = ""
     # A worker's round numbering: a new epoch (its daemon restarted) means its rounds start again at 0.
     epoch: str = ""
+    # Which of a worker's connections to this server (0: the one for control messages; others carry pushes
+    # only, see bps_worker.placement: a server with a larger share gets more, so TCP's fair sharing of a
+    # link gives it a proportionally larger part).
+    stream: int = 0
 
     def validate(self) -> None:
         if self.role not in (ROLE_WORKER, ROLE_CLIENT, ROLE_OBSERVER):
             raise ProtocolError(f"unknown role {self.role!r}")
+        if not 0 <= self.stream < MAX_STREAMS:
+            raise ProtocolError(f"hello: stream {self.stream} outside 0..{MAX_STREAMS - 1}")
         if len(self.shm) > MAX_SEGMENT_CHARS or len(self.shm_key) > 128:
             raise ProtocolError("hello: shared-memory probe name or key too long")
 

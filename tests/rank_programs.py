@@ -216,6 +216,25 @@ def priority_race(big_elems: int) -> dict[str, Any]:
     return {"done": done, "ok": ok}
 
 
+def crossed_large(n: int) -> dict[str, Any]:
+    """Two large tensors waited for in opposite orders: rank 0 pushes A then B and waits for B first; the
+    others push B, wait for it, and only then push A. Rank 0's pushes of A fill its links' windows (their
+    sums wait for the others' A), so B must get past them (see ServerLink.pump) or nothing completes."""
+    rank, size = bps.rank(), bps.size()
+    a, b = np.full(n, rank + 1, np.float32), np.full(n, 10 * (rank + 1), np.float32)
+    start = time.monotonic()
+    if rank == 0:
+        ha = bps.push_pull_async(a, "crossed.a", average=False)
+        hb = bps.push_pull_async(b, "crossed.b", average=False)
+        yb = bps.synchronize(hb, timeout=60)
+        ya = bps.synchronize(ha, timeout=60)
+    else:
+        yb = bps.push_pull(b, "crossed.b", average=False)
+        ya = bps.push_pull(a, "crossed.a", average=False)
+    total = size * (size + 1) // 2
+    return {"ok": bool((ya == total).all() and (yb == 10 * total).all()), "seconds": time.monotonic() - start}
+
+
 def tiny_tensors(n: int, rounds: int) -> dict[str, Any]:
     rank, size = bps.rank(), bps.size()
     wrong = 0

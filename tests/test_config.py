@@ -76,6 +76,7 @@ def test_full_valid_file(tmp_path):
         timeout = 7.5
         credit_bytes = 2097152
         max_payload_bytes = 8388608
+        window_pieces = 5
 
         [[server]]
         id = 1
@@ -109,6 +110,8 @@ def test_full_valid_file(tmp_path):
     assert cfg.timeout == 7.5
     assert cfg.credit_bytes == 2097152
     assert cfg.max_payload_bytes == 8388608
+    assert cfg.window_pieces == 5
+    assert not cfg.one_host  # servers on three hosts
     # sorted by id whatever the file order
     assert cfg.servers == (
         ServerSpec(0, "::1", 9001, 0),
@@ -134,7 +137,9 @@ def test_defaults(tmp_path):
     assert isinstance(cfg.timeout, float)
     assert cfg.credit_bytes == DEFAULT_CREDIT_BYTES == 64 * 1024 * 1024
     assert cfg.max_payload_bytes == DEFAULT_MAX_PAYLOAD_BYTES == 1 << 30
+    assert cfg.window_pieces == 3
     assert cfg.token_file is None
+    assert cfg.one_host  # both servers at 127.0.0.1
 
 
 def test_integer_timeout_becomes_float(tmp_path):
@@ -312,6 +317,7 @@ def test_wrong_worker_types(tmp_path, old, new, key):
     ("workers = 2", "workers = 2\ntimeout = -1.5", "cluster.timeout"),
     ("workers = 2", "workers = 2\ntimeout = nan", "cluster.timeout"),
     ("workers = 2", "workers = 2\ncredit_bytes = -5", "cluster.credit_bytes"),
+    ("workers = 2", "workers = 2\nwindow_pieces = -1", "cluster.window_pieces"),
     ("workers = 2", "workers = 2\nmax_payload_bytes = 0", "cluster.max_payload_bytes"),
     ("workers = 2", "workers = 2\npartition_bytes = 2048\nmax_payload_bytes = 1024", "cluster.max_payload_bytes"),
 ])

@@ -8,17 +8,28 @@ from fractions import Fraction
 
 import pytest
 
-from bps_worker.placement import MIN_PIPELINE_BYTES, PIPELINE_DEPTH, Piece, Placement, server_shares, theorem1_shares
+from bps_worker.placement import (
+    MIN_PIPELINE_BYTES,
+    NETWORK_MIN_PIPELINE_BYTES,
+    NETWORK_PIPELINE_DEPTH,
+    PIPELINE_DEPTH,
+    Piece,
+    Placement,
+    server_shares,
+    theorem1_shares,
+)
 from protocol.config import ClusterConfig, parse_config
 
 MiB = 1024 * 1024
 
 
 def make_config(n: int, k: int, *, partition_bytes: int = 4 * MiB, colocated: list[int | None] | None = None,
-                first_id: int = 0) -> ClusterConfig:
-    """n workers; servers linked to workers as in ``colocated`` (default: one per worker) + k CPU-only."""
+                first_id: int = 0, one_host: bool = True) -> ClusterConfig:
+    """n workers; servers linked to workers as in ``colocated`` (default: one per worker) + k CPU-only;
+    all on one host (ports 9000, 9001, ...) or each on a host of its own."""
     links = list(range(n)) if colocated is None else colocated
-    servers = [{"id": first_id + i, "address": f"10.0.0.{i}:9000"} | ({} if w is None else {"worker": w})
+    servers = [{"id": first_id + i, "address": f"127.0.0.1:{9000 + i}" if one_host else f"10.0.0.{i}:9000"}
+               | ({} if w is None else {"worker": w})
                for i, w in enumerate(links + [None] * k)]
     return parse_config({
         "cluster": {"workers": n, "partition_bytes": partition_bytes},
@@ -235,18 +246,23 @@ def test_pieces_respect_partition_bytes():
     assert len(pieces) == 40
 
 
-def test_every_server_range_is_pipelined():
+@pytest.mark.parametrize("one_host", [True, False], ids=["one-host", "network"])
+def test_every_server_range_is_pipelined(one_host):
     """At least PIPELINE_DEPTH partitions a server (so pushes, sums and pulls overlap on its link), but
-    none below MIN_PIPELINE_BYTES."""
-    placement = Placement(make_config(2, 0, partition_bytes=4 * MiB))
+    none below MIN_PIPELINE_BYTES; with servers on several hosts NETWORK_PIPELINE_DEPTH, none below
+    NETWORK_MIN_PIPELINE_BYTES."""
+    depth, smallest = ((PIPELINE_DEPTH, MIN_PIPELINE_BYTES) if one_host
+                       else (NETWORK_PIPELINE_DEPTH, NETWORK_MIN_PIPELINE_BYTES))
+    assert (depth, smallest) == ((8, 256 * 1024) if one_host else (32, 128 * 1024))
+    placement = Placement(make_config(2, 0, partition_bytes=4 * MiB, one_host=one_host))
     pieces = check_pieces(placement, "mid", 4 * MiB, 4)  # 16 MiB: 8 MiB a server
     by_server = defaultdict(list)
     for p in pieces:
         by_server[p.server].append(p.count * 4)
-    assert {s: len(sizes) for s, sizes in by_server.items()} == {0: PIPELINE_DEPTH, 1: PIPELINE_DEPTH}
-    assert all(size == MiB for sizes in by_server.values() for size in sizes)
+    assert {s: len(sizes) for s, sizes in by_server.items()} == {0: depth, 1: depth}
+    assert all(size == 8 * MiB // depth for sizes in by_server.values() for size in sizes)
     small = check_pieces(placement, "small", 256 * 1024, 4)  # 1 MiB: 512 KiB a server -> 2 x 256 KiB each
-    assert sorted(p.count * 4 for p in small) == [MIN_PIPELINE_BYTES] * 4
+    assert sorted(p.count * 4 for p in small) == [smallest] * (2 * 512 * 1024 // smallest)
 
 
 def test_itemsize_larger_than_partition_still_progresses():
@@ -347,3 +363,29 @@ def test_model_load_matches_theorem1_targets(n, k):
         assert deviation < len(tensors) * max_item + small, (s.id, float(deviation))
         if shares[s.id] == 0:
             assert load[s.id] == 0
+
+
+@pytest.mark.parametrize("k,cpu_streams", [(0, None), (1, 2), (2, 3), (3, 6), (4, 1)])
+def test_streams_in_proportion_to_the_shares(k, cpu_streams):
+    """Servers on several hosts: connections per server in proportion to its share (M_cpu / M_gpu =
+    2(n-1)/(n-k) for n = 4), so that every flow carries about the same bytes; partitions of a range take
+    the streams in turn. On one host: one connection each."""
+    n = 4
+    network = Placement(make_config(n, k, one_host=False))
+    for sid in range(n):
+        assert network.streams(sid) == 1
+    for sid in range(n, n + k):
+        assert network.streams(sid) == cpu_streams
+    pieces = check_pieces(network, "big", 16 * MiB // 4, 4)
+    for sid in range(n + k):
+        mine = [p for p in pieces if p.server == sid]
+        assert [p.stream for p in mine] == [i % network.streams(sid) for i in range(len(mine))]
+    # every flow carries about the same bytes (within a piece)
+    per_flow = defaultdict(int)
+    for p in pieces:
+        per_flow[(p.server, p.stream)] += p.count * 4
+    largest_piece = max(p.count * 4 for p in pieces)
+    assert max(per_flow.values()) - min(per_flow.values()) <= 2 * largest_piece, per_flow
+    one_host = Placement(make_config(n, k))
+    assert all(one_host.streams(sid) == 1 for sid in range(n + k))
+    assert {p.stream for p in check_pieces(one_host, "big", 16 * MiB // 4, 4)} == {0}

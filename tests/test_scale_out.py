@@ -54,6 +54,30 @@ def test_small_high_priority_tensor_overtakes_a_large_one(make_cluster):
         assert r["done"]["small"] < r["done"]["big"], r["done"]
 
 
+def test_paced_pushes_never_deadlock_on_names_in_opposite_orders(make_cluster):
+    """Over TCP (pushes paced by the window), 8 MiB tensors waited for in opposite orders complete, exact."""
+    cluster = make_cluster([1, 1], cpu_servers=1, cluster={"colocated_shm": False, "window_pieces": 1})
+    results = run_ranks(cluster, rp.crossed_large, 2 * 1024 * 1024, timeout=60)
+    assert all(r["ok"] for r in results), results
+    assert max(r["seconds"] for r in results) < 20, results
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm-stream-0"])
+def test_servers_on_several_hosts_use_streams_and_stay_exact(make_cluster, shm):
+    """Servers at 127.0.0.1/2/3 look like three hosts: finer partitions, paced pushes, and two connections
+    from each worker to the CPU-only server (its share is twice a colocated one's for n=2, k=1). Sums stay
+    exact, also for names issued in different orders; the CPU-only server saw one extra stream per worker."""
+    cluster = make_cluster([2, 1], cpu_servers=1, separate_hosts=True, cluster={"colocated_shm": shm})
+    cases = [(f"hosts.{d}", d, (3, 700_001), d == "float32", 5) for d in ("float32", "float16", "int64")]
+    for reports in zip(*run_ranks(cluster, rp.sum_cases, cases, timeout=100)):
+        assert all(r["exact"] for r in reports), reports
+    assert [r["wrong"] for r in run_ranks(cluster, rp.out_of_order, 12, 300_000, timeout=100)] == [0, 0, 0]
+    assert [r["ok"] for r in run_ranks(cluster, rp.crossed_large, 2 * 1024 * 1024, timeout=60)] == [True] * 3
+    stats = server_stats(cluster)
+    assert {sid: st["streams"] for sid, st in stats.items()} == {0: 0, 1: 0, 2: 2}, stats
+    assert all(st["bytes_received"] > 0 for st in stats.values())
+
+
 def test_5000_tiny_tensors_per_round(cluster_2x2):
     results = run_ranks(cluster_2x2, rp.tiny_tensors, 5000, 2, timeout=110)
     assert [r["wrong"] for r in results] == [0, 0, 0, 0]
