@@ -89,7 +89,9 @@ RECONNECT_DELAY_MAX_S = 1.0
 # Pushes up to this size leave in Batch frames, up to BATCH_MAX_BYTES of payload per frame.
 BATCH_ITEM_MAX_BYTES = 64 * 1024
 BATCH_MAX_BYTES = 1 << 20
-# Pacing (see ServerLink.pump): after WINDOW_STALL_S without an answer the window opens until the next one.
+# Pacing (see ServerLink.pump): TCP pushes over PACED_MIN_BYTES count against the window; after
+# WINDOW_STALL_S without an answer the window opens until the next one.
+PACED_MIN_BYTES = 16 * 1024
 WINDOW_STALL_S = 0.25
 
 
@@ -301,9 +303,9 @@ class ServerLink:
     def pump(self) -> None:
         """Send queued pushes in priority order while the transport's buffer is under the credit.
 
-        Large TCP pushes (over ``BATCH_ITEM_MAX_BYTES``) are also paced by a window of unanswered
-        bytes: one leaves while this link's unanswered large pushes come to less than
-        ``window_pieces`` (``cluster.window_pieces``) times its size. A server answers
+        TCP pushes over ``PACED_MIN_BYTES`` are also paced by a window of unanswered bytes: one
+        leaves while this link's unanswered paced pushes come to less than ``window_pieces``
+        (``cluster.window_pieces``) times its size. A server answers
         a partition only once every worker pushed it, so a worker whose flow to a server runs ahead of
         the others' flows to it stops there, and its uplink carries its flows to the servers where it
         is behind; all flows into a server progress together, and each partition's sum leaves as soon
@@ -322,18 +324,14 @@ class ServerLink:
                 heapq.heappop(self._queue)
                 continue
             size = item.wire_nbytes(self.shm)
-            paced = size > BATCH_ITEM_MAX_BYTES and self.window_pieces > 0
-            if paced and self._paced and self._paced + size > self.window_pieces * size and not self._window_open:
+            if self._window_blocks(size):
                 if self._stall is None:
                     self._stall = asyncio.get_running_loop().call_later(WINDOW_STALL_S, self._open_window)
                 break
             heapq.heappop(self._queue)
-            if paced:
-                item.paced = size
-                self._paced += size
-            self._inflight[item.push.req] = item
+            self._take(item, size)
             try:
-                if item.wire_nbytes(self.shm) <= BATCH_ITEM_MAX_BYTES and self._queue:
+                if size <= BATCH_ITEM_MAX_BYTES and self._queue:
                     self._send_batch(proto, item)
                 else:
                     self._send(proto, *self._wire(item))
@@ -343,6 +341,18 @@ class ServerLink:
                 return
             if transport.get_write_buffer_size() >= self.credit_bytes:
                 break
+
+    def _window_blocks(self, size: int) -> bool:
+        """Whether a push of ``size`` wire bytes must wait for answers (see pump)."""
+        return (size > PACED_MIN_BYTES and self.window_pieces > 0 and self._paced > 0
+                and self._paced + size > self.window_pieces * size and not self._window_open)
+
+    def _take(self, item: _Queued, size: int) -> None:
+        """``item`` (``size`` wire bytes) goes out now: in flight, and in the window if paced."""
+        if size > PACED_MIN_BYTES and self.window_pieces > 0:
+            item.paced = size
+            self._paced += size
+        self._inflight[item.push.req] = item
 
     def _open_window(self) -> None:
         self._stall = None
@@ -400,12 +410,12 @@ class ServerLink:
         while self._queue and len(items) < MAX_BATCH_ITEMS and header_bytes < BATCH_HEADER_BUDGET:
             nxt = self._queue[0]
             size = nxt.wire_nbytes(self.shm)
-            if size > BATCH_ITEM_MAX_BYTES or nbytes + size > limit:
+            if size > BATCH_ITEM_MAX_BYTES or nbytes + size > limit or self._window_blocks(size):
                 break
             heapq.heappop(self._queue)
             if nxt.future.done():
                 continue
-            self._inflight[nxt.push.req] = nxt
+            self._take(nxt, size)
             items.append(nxt)
             nbytes += size
             header_bytes += estimated_header_bytes(nxt.push)

@@ -19,7 +19,7 @@ server answers a partition only once every worker pushed it, so with one partiti
 link would carry all the pushes and then all the sums, never both at once (measured on emulated
 links: 2x the optimal time at 4 MiB partitions, ``benchmarks/RESULTS.md``). Where the servers are on
 several hosts (the network is the limit) the ranges are cut finer, into at least
-``NETWORK_PIPELINE_DEPTH`` partitions of at least ``NETWORK_MIN_PIPELINE_BYTES``: the worker's links
+``NETWORK_PIPELINE_DEPTH`` partitions per stream (below) of at least ``NETWORK_MIN_PIPELINE_BYTES``: the worker's links
 pace their pushes by a window of a few partitions (``bps_worker.links``), so that every worker's flow
 into a server progresses at the same pace, and that needs many partitions per range. On one host
 (every server at the same address: a demo or a test, where memory bandwidth is the limit) each
@@ -64,8 +64,8 @@ SMALL_TENSOR_FRACTION = 64
 PIPELINE_DEPTH = 8
 MIN_PIPELINE_BYTES = 256 * 1024
 # Servers on several hosts: finer (measured on emulated links, benchmarks/RESULTS.md).
-NETWORK_PIPELINE_DEPTH = 32
-NETWORK_MIN_PIPELINE_BYTES = 128 * 1024
+NETWORK_PIPELINE_DEPTH = 32  # per stream
+NETWORK_MIN_PIPELINE_BYTES = 32 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,8 +179,8 @@ class Placement:
             if remaining == 0 and j == 0:
                 pieces.append(Piece(0, self.server_ids[idx], offset, 0))
                 continue
-            per_part = min(largest, max(smallest, -(-remaining // self.depth)))
             streams, turn = self._streams[self.server_ids[idx]], 0
+            per_part = min(largest, max(smallest, -(-remaining // (self.depth * streams))))
             while remaining > 0:
                 take = min(per_part, remaining)
                 pieces.append(Piece(len(pieces), self.server_ids[idx], offset, take, turn % streams))

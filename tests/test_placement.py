@@ -253,7 +253,7 @@ def test_every_server_range_is_pipelined(one_host):
     NETWORK_MIN_PIPELINE_BYTES."""
     depth, smallest = ((PIPELINE_DEPTH, MIN_PIPELINE_BYTES) if one_host
                        else (NETWORK_PIPELINE_DEPTH, NETWORK_MIN_PIPELINE_BYTES))
-    assert (depth, smallest) == ((8, 256 * 1024) if one_host else (32, 128 * 1024))
+    assert (depth, smallest) == ((8, 256 * 1024) if one_host else (32, 32 * 1024))
     placement = Placement(make_config(2, 0, partition_bytes=4 * MiB, one_host=one_host))
     pieces = check_pieces(placement, "mid", 4 * MiB, 4)  # 16 MiB: 8 MiB a server
     by_server = defaultdict(list)
