@@ -20,7 +20,8 @@ bps client (Unix socket to its machine's worker daemon) and a member of one gloo
   theory ``max(M/B, nM/(kB))`` (PAPER.md).
 
 Per configuration: ``--warmup`` rounds of each system (the first checks that bps's sum is exact and equals
-gloo's), then ``--reps`` times ``barrier; bps push_pull(x, out=out); barrier; gloo all_reduce(t)``, alternating
+gloo's), then ``--reps`` times ``barrier; bps push_pull(a, out=a); barrier; gloo all_reduce(t)``, alternating,
+both in place (``a`` a ``bps.shared_array``; ``--copy``: a plain array and ``out=``)
 (../shared/MEASURING.md). Time of a repetition = max over ranks; reported: median (min-max). Gloo's theory is
 ``2(n-1)M/(nB)``; its measured/theory ratio is the soundness check (within 15%: the cores are not the
 bottleneck and the links behave as B). Also measured per repetition: bytes on every machine's link (tc-side
@@ -63,7 +64,9 @@ and `k` CPU-only machines emulated by `benchmarks/cluster/` (one network namespa
 private bridge, `tc tbf` at bandwidth `B` on both ends of every veth: full-duplex links of `B`). One rank
 process per worker machine, each a bps client of its machine's worker daemon and a gloo group member over the
 shaped links. Per configuration: warm-up (also checks bps's sum is exact and equals gloo's), then repetitions of
-`barrier; bps push_pull (float32, average=False, out=); barrier; gloo all_reduce`, alternating; the time of a
+`barrier; bps push_pull (float32, average=False, in place in a shared_array since 2026-11-30 03:40, as gloo's
+all_reduce is in its tensor; before, and with `--copy`: a plain array and `out=`); barrier; gloo all_reduce`,
+alternating; the time of a
 repetition is the maximum over ranks; median (min-max). Theory (PAPER.md): ours `t_opt = 2n(n-1)M/((n^2+kn-2k)B)`
 (Theorem 1 split, one colocated server per worker machine plus `k` CPU-only ones), a plain PS with servers on
 `k` CPU-only machines only `max(M/B, nM/(kB))`, gloo (ring) `2(n-1)M/(nB)`. `B` counts whole frames, so headers
@@ -193,8 +196,18 @@ def rank_program(args: argparse.Namespace) -> int:
         n = nbytes // 4
         name = f"paper.{human(nbytes)}"
         x = pattern(n, rank, 0)
-        out = np.zeros_like(x)
-        bps.push_pull(x, name, average=False, out=out)
+        # In place, as gloo's all_reduce is in its tensor: a shared array is the input and the output (reset
+        # before each repetition, outside the timing, like gloo's tensor); --copy: a plain array and out=.
+        shared = None if args.copy else bps.shared_array(name, (n,), np.float32)
+        src = x if shared is None else shared
+        out = np.zeros_like(x) if shared is None else shared
+
+        def reset() -> None:
+            if shared is not None:
+                shared[...] = x
+
+        reset()
+        bps.push_pull(src, name, average=False, out=out)
         xt = torch.from_numpy(x)
         t = xt.clone()
         dist.all_reduce(t)
@@ -205,15 +218,18 @@ def rank_program(args: argparse.Namespace) -> int:
                           dtype=torch.int32)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         for _ in range(args.warmup - 1):
-            bps.push_pull(x, name, average=False, out=out)
+            reset()
+            bps.push_pull(src, name, average=False, out=out)
+            t.copy_(xt)
             dist.all_reduce(t)
         bps_s, gloo_s, obs_bps, obs_gloo = [], [], [], []
         for _ in range(args.reps):
             t.copy_(xt)
+            reset()
             s0 = observer.snapshot() if observer else None
             dist.barrier()
             w0, t0 = time.time(), time.perf_counter()
-            bps.push_pull(x, name, average=False, out=out)
+            bps.push_pull(src, name, average=False, out=out)
             bps_s.append(time.perf_counter() - t0)
             dist.barrier()
             windows.append(("ours", w0, time.time()))
@@ -259,6 +275,8 @@ def run_config(net: Any, layout: Any, args: argparse.Namespace, tmp: Path, label
             cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-program", "--size", args.size,
                    "--reps", str(args.reps), "--warmup", str(args.warmup), "--result-file", str(result_file),
                    "--gloo-addr", net.address(layout.workers[0]), "--op-timeout", str(args.op_timeout)]
+            if args.copy:
+                cmd.append("--copy")
             if w == 0:
                 cmd += ["--observe", observe]
             cluster.start_rank(w, 0, cmd, env={"GLOO_SOCKET_IFNAME": net.ifname(machine_name),
@@ -475,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window-pieces", type=int, default=None,
                    help="cluster window_pieces (default: the daemons' default, 3; 0: no pacing)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per configuration (default 5)")
+    p.add_argument("--copy", action="store_true", help="bps on a plain array with out= (copied into and out of "
+                   "shared memory) instead of in place in a shared_array")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds of each system first (default 1)")
     p.add_argument("--write-results", action="store_true", help=f"append a dated section to {DEFAULT_RESULTS} "
                                                                f"and save the plot beside it")
@@ -577,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"tbf, MTU {args.mtu}; partition_bytes = "
                   f"{args.partition_bytes or 'default (4194304)'}; credit_bytes = "
                   f"{args.credit_bytes or 'default (67108864)'}; window_pieces = "
-                  f"{'default (3)' if args.window_pieces is None else args.window_pieces}")
+                  f"{'default (3)' if args.window_pieces is None else args.window_pieces}; bps "
+                  f"{'on a plain array with out= (--copy)' if args.copy else 'in place in a shared_array'}")
     sound_line = (f"soundness: gloo median over all {len(all_gloo)} repetitions {statistics.median(all_gloo):.3f} s = "
                   f"{gloo_ratio:.2f} x its theory {t_ring(n, m, b):.3f} s: "
                   + ("PASS (within 15%)" if sound else "FAIL (not within 15%: lower --bandwidth)")
