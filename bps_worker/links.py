@@ -305,14 +305,15 @@ class ServerLink:
 
         TCP pushes over ``PACED_MIN_BYTES`` are also paced by a window of unanswered bytes: one
         leaves while this link's unanswered paced pushes come to less than ``window_pieces``
-        (``cluster.window_pieces``) times its size. A server answers
-        a partition only once every worker pushed it, so a worker whose flow to a server runs ahead of
-        the others' flows to it stops there, and its uplink carries its flows to the servers where it
-        is behind; all flows into a server progress together, and each partition's sum leaves as soon
-        as possible (measured on emulated links, ``benchmarks/RESULTS.md``). A round that waits for a
-        slow peer must not block other tensors for ever (names may come in different orders on
-        different processes), so after ``WINDOW_STALL_S`` without any answer the window opens until
-        the next answer comes.
+        (``cluster.window_pieces``) times its size. A server answers a partition only once every
+        worker pushed it, so a worker whose flow to a server runs ahead of the others' flows to it
+        stops there, and its uplink carries its flows to the servers where it is behind; all flows
+        into a server progress together, and each partition's sum leaves as soon as possible
+        (measured on emulated links, ``benchmarks/RESULTS.md``). A round that waits for a slow peer
+        must not block other tensors for ever (names may come in different orders on different
+        processes), so after ``WINDOW_STALL_S`` without any answer the window opens until the next
+        answer comes. Shared-memory pushes (a few header bytes each) are held by neither: all of a
+        large tensor's go to the server at once, and priorities do not reorder them there.
         """
         proto = self._proto
         if proto is None or proto.transport is None or not self._ready:

@@ -15,7 +15,7 @@ from protocol.frames import FrameReader, encode_header
 SAMPLES: dict[str, m.Message] = {
     "challenge": m.Challenge(nonce="00ff" * 8, version=1),
     "hello": m.Hello(version=1, role="worker", id=2, pid=4242, auth="ab" * 32, shm="bps_w2_1_ab", shm_key="cd" * 32,
-                     epoch="5eed"),
+                     epoch="5eed", stream=2),
     "welcome": m.Welcome(version=1, rank=3, size=4, local_rank=1, local_size=2, worker=1, workers=2, shm=True,
                          incarnation="0123abcd"),
     "failure": m.Failure(req=17, message="tensor 'w' has another shape", code="mismatch"),
@@ -35,8 +35,8 @@ SAMPLES: dict[str, m.Message] = {
     "allocated": m.Allocated(req=1, segment="bps-1234-0", nbytes=1 << 20),
     "op": m.Op(req=8, name="grad/fc", kind="broadcast", dtype="float16", shape=[10, 20], segment="bps-1234-0",
                average=True, priority=-3, root=2, cuda=[[4, 5], [5, 1], 0, "float16", 1, b"h" * 64, 40, 0, b"r", 8,
-                                                        b"e" * 64, True]),
-    "done": m.Done(req=8),
+                                                        b"e" * 64, True], handback=False),
+    "done": m.Done(req=8, segment="bps_w1_9_aa", offset=4096),
     "batch": m.Batch(items=[{"t": "done", "req": 1}, {"t": "result", "req": 2, "name": "b", "part": 0, "round": 1}],
                      sizes=[0, 8]),
 }
@@ -223,6 +223,18 @@ def test_bad_role_is_named(role):
     with pytest.raises(ProtocolError, match="unknown role") as info:
         m.parse(header("hello", role=role))
     assert repr(role) in str(info.value)
+
+
+@pytest.mark.parametrize("stream", [-1, m.MAX_STREAMS])
+def test_hello_stream_out_of_range_is_named(stream):
+    with pytest.raises(ProtocolError, match=rf"stream {stream} outside 0\.\.{m.MAX_STREAMS - 1}"):
+        m.parse(header("hello", stream=stream))
+
+
+@pytest.mark.parametrize("field,value", [("segment", "x" * (m.MAX_SEGMENT_CHARS + 1)), ("offset", -1)])
+def test_done_with_a_bad_result_location_is_refused(field, value):
+    with pytest.raises(ProtocolError, match="segment"):
+        m.parse(header("done", **{field: value}))
 
 
 def test_both_roles_accepted():
