@@ -49,7 +49,7 @@ from typing import Callable  # noqa: E402
 
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
-from report import machine, markdown_table, text_table  # noqa: E402
+from report import append_section, machine, markdown_table, section_head, text_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -291,16 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         text = target.read_text() if target.exists() else ""
         parts = [] if "## `kernels.py`" in text else [SECTION.rstrip("\n")]
         parts += [
-            "", f"### {started.strftime('%Y-%m-%d %H:%M %Z')}: summation kernels vs numpy", "",
-            f"- command: `{command_line.strip()}` (in `{os.getcwd()}`)",
-            f"- machine: {machine_line}",
+            *section_head(started, "summation kernels vs numpy", command_line, machine_line),
             f"- kernels: `{module}`; {size}; {args.reps} timed repetitions after {args.warmup} warm-up, "
             f"alternating ours, numpy; wall time {elapsed:.0f} s",
             "", markdown_table(HEADER, rows, left=2), "",
         ]
-        with target.open("a") as f:
-            f.write("\n".join(parts))
-        print(f"\nappended to {target}")
+        append_section(target, parts)
     return 0 if ok else 1
 
 

@@ -49,7 +49,7 @@ sys.path.insert(0, str(HERE))
 sys.path.append(str(REPO))  # benchmarks.cluster; bps_* come from the environment (PYTHONPATH, then the install)
 
 from push_pull_vs_gloo import ENV_PREFIXES, human, parse_size, pattern  # noqa: E402
-from report import machine, markdown_table, text_table  # noqa: E402
+from report import append_section, machine, markdown_table, section_head, text_table  # noqa: E402
 
 DEFAULT_RESULTS = REPO / "benchmarks" / "RESULTS.md"
 DEFAULT_PLOT = REPO / "benchmarks" / "paper_vs_allreduce.png"
@@ -640,9 +640,7 @@ def main(argv: list[str] | None = None) -> int:
             text = text.rstrip("\n") + "\n" + RESULTS_HEADER
             target.write_text(text)
         section = [
-            "", f"### {started.strftime('%Y-%m-%d %H:%M %Z')}: BytePS vs gloo all-reduce on emulated machines", "",
-            f"- command: `{command_line}` (in `{os.getcwd()}`)",
-            f"- machine: {machine_line}",
+            *section_head(started, "BytePS vs gloo all-reduce on emulated machines", command_line, machine_line),
             f"- code: {code_line}",
             f"- setup: {setup_line}",
             f"- {args.reps} timed repetitions per configuration after {args.warmup} warm-up; wall time {elapsed:.0f} s",
@@ -655,9 +653,7 @@ def main(argv: list[str] | None = None) -> int:
             "of all daemons together, share of the box's cores busy during the operation:", "",
             markdown_table(DETAIL_HEADER, details, left=1), "",
         ]
-        with target.open("a") as f:
-            f.write("\n".join(section))
-        print(f"appended to {target}")
+        append_section(target, section)
     return 0 if ok else 1
 
 

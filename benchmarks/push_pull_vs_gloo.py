@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from report import machine, markdown_table, text_table
+from report import append_section, machine, markdown_table, section_head, text_table
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_RESULTS = REPO / "benchmarks" / "RESULTS.md"
@@ -342,17 +342,14 @@ def main(argv: list[str] | None = None) -> int:
         if not target.exists() or not target.read_text().strip():
             target.write_text(RESULTS_HEADER)
         section = [
-            "", f"### {started.strftime('%Y-%m-%d %H:%M %Z')}: push_pull vs gloo all_reduce"
-            f" ({'plain arrays, copied in and out' if args.copy else 'in place in a shared_array'})", "",
-            f"- command: `{command_line}` (in `{os.getcwd()}`)",
-            f"- machine: {machine_line}",
+            *section_head(started, "push_pull vs gloo all_reduce"
+                          f" ({'plain arrays, copied in and out' if args.copy else 'in place in a shared_array'})",
+                          command_line, machine_line),
             f"- cluster: {cluster_line}" + ("" if args.config else " (generated, like `configs/local.toml`)"),
             f"- {args.reps} timed repetitions per size after {args.warmup} warm-up; wall time of the run {elapsed:.0f} s",
             "", markdown_table(HEADER, rows, left=1), "",
         ]
-        with target.open("a") as f:
-            f.write("\n".join(section))
-        print(f"\nappended to {target}")
+        append_section(target, section)
     return 0 if ok else 1
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import platform
+from datetime import datetime
 from pathlib import Path
 
 
@@ -44,3 +45,17 @@ def markdown_table(header: list[str], rows: list[list[str]], left: int = 0) -> s
              "|" + "|".join("---" if i < left else "---:" for i in range(len(header))) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def section_head(started: datetime, title: str, command_line: str, machine_line: str) -> list[str]:
+    """The first lines of a dated RESULTS.md section: its heading, the command (and where it ran), the machine."""
+    return ["", f"### {started.strftime('%Y-%m-%d %H:%M %Z')}: {title}", "",
+            f"- command: `{command_line.strip()}` (in `{os.getcwd()}`)",
+            f"- machine: {machine_line}"]
+
+
+def append_section(target: Path, lines: list[str]) -> None:
+    """Append a section's lines to ``target`` (RESULTS.md or --output) and say so."""
+    with target.open("a") as f:
+        f.write("\n".join(lines))
+    print(f"\nappended to {target}")

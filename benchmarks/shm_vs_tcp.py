@@ -71,7 +71,7 @@ for _path in (str(REPO), str(Path(__file__).resolve().parent)):
         sys.path.insert(0, _path)
 
 import push_pull_vs_gloo as ppg  # noqa: E402  (sizes, the exact-sum pattern)
-from report import markdown_table, text_table  # noqa: E402
+from report import append_section, markdown_table, section_head, text_table  # noqa: E402
 from soak import machine  # noqa: E402  (nproc, CPU model, versions, code revision)
 
 DEFAULT_RESULTS = REPO / "benchmarks" / "RESULTS.md"
@@ -566,10 +566,8 @@ def main(argv: list[str] | None = None) -> int:
         text = target.read_text() if target.exists() else ""
         section = [] if "## `shm_vs_tcp.py`" in text else [RESULTS_SECTION_HEADER.rstrip("\n")]
         section += [
-            "", f"### {started.strftime('%Y-%m-%d %H:%M %Z')}: colocated shared memory vs loopback TCP (`shm_vs_tcp.py`)",
-            "",
-            f"- command: `{command_line}` (in `{os.getcwd()}`)",
-            f"- machine: {machine_line}",
+            *section_head(started, "colocated shared memory vs loopback TCP (`shm_vs_tcp.py`)", command_line,
+                          machine_line),
         ]
         if "code" in info:
             section.append(f"- code: {info['code']}")
@@ -577,9 +575,7 @@ def main(argv: list[str] | None = None) -> int:
                     markdown_table(TIME_HEADER, time_rows, left=2), "",
                     markdown_table(EVIDENCE_HEADER, evidence_rows, left=3), ""]
         section += [f"- {note}" for note in notes] + [""]
-        with target.open("a") as f:
-            f.write("\n".join(section))
-        print(f"\nappended to {target}")
+        append_section(target, section)
     return 0 if exact and paths_ok else 1
 
 

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import report
-from report import markdown_table, text_table
+from report import append_section, markdown_table, section_head, text_table
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -472,10 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         if "## `soak.py`" not in text:
             section.append(RESULTS_SECTION_HEADER.rstrip("\n"))
         section += [
-            "", f"### {started.strftime('%Y-%m-%d %H:%M %Z')}: soak, {rounds_run} rounds, {args.victim} server "
-                f"killed mid-run", "",
-            f"- command: `{command_line}` (in `{os.getcwd()}`)",
-            f"- machine: {machine_line}",
+            *section_head(started, f"soak, {rounds_run} rounds, {args.victim} server killed mid-run", command_line,
+                          machine_line),
         ]
         if "code" in info:
             section.append(f"- code: {info['code']}")
@@ -492,9 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         if outcome["series"]:
             section += ["RSS over the run (MiB, sampled after the round shown" + (f"; * = {victim} after its restart, "
                         "a new process)" if victim else ")") + ":", "", markdown_table(s_header, s_rows, left=2), ""]
-        with target.open("a") as f:
-            f.write("\n".join(section))
-        print(f"\nappended to {target}")
+        append_section(target, section)
     return 0 if ok else 1 if not outcome["hung"] else 2
 
 

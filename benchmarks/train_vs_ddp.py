@@ -70,7 +70,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import push_pull_vs_gloo as bench  # noqa: E402  (cluster file, free ports)
-from report import machine, markdown_table, text_table  # noqa: E402
+from report import append_section, machine, markdown_table, section_head, text_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_RESULTS = REPO / "benchmarks" / "RESULTS.md"
@@ -514,18 +514,14 @@ def main(argv: list[str] | None = None) -> int:
         if "## `train_vs_ddp.py`" not in text:
             parts.append(SECTION_INTRO)
         parts += [
-            "", f"### {started.strftime('%Y-%m-%d %H:%M %Z')}: training, bps DistributedOptimizer vs DDP (gloo)", "",
-            f"- command: `{command_line}` (in `{os.getcwd()}`)",
-            f"- machine: {machine_line}",
+            *section_head(started, "training, bps DistributedOptimizer vs DDP (gloo)", command_line, machine_line),
             f"- cluster: {cluster_line}" + ("" if args.config else " (generated, like `configs/local.toml`)"),
             f"- models: {model_line}",
             f"- {blocks_line}",
             "", markdown_table(HEADER, rows, left=1), "",
             PHASE_NOTE.rstrip(".") + ":", "", markdown_table(PHASE_HEADER, prows, left=1), "",
         ]
-        with target.open("a") as f:
-            f.write(("\n" if not text.endswith("\n") else "") + "\n".join(parts))
-        print(f"\nappended to {target}")
+        append_section(target, ([""] if not text.endswith("\n") else []) + parts)
     return 0 if ok else 1
 
 

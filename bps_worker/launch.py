@@ -46,6 +46,15 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def toml_value(value: Any) -> str:
+    """``value`` (bool, number or string) as a TOML value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def write_config(directory: Path, local_sizes: list[int], *, colocated: bool = True, cpu_servers: int = 1,
                  extra_servers_per_worker: int = 0, cluster: dict[str, Any] | None = None,
                  metrics: bool = False, separate_hosts: bool = False) -> Path:
@@ -61,9 +70,7 @@ def write_config(directory: Path, local_sizes: list[int], *, colocated: bool = T
     ports = free_ports(n_servers + (n_servers + n if metrics else 0))
     metric_ports = iter(ports[n_servers:])
     lines = ["[cluster]", f"workers = {n}"]
-    for key, value in (cluster or {}).items():
-        text = f'"{value}"' if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else repr(value)
-        lines.append(f"{key} = {text}")
+    lines += [f"{key} = {toml_value(value)}" for key, value in (cluster or {}).items()]
     def host(sid: int) -> str:
         return f"127.0.0.{sid + 1}" if separate_hosts else "127.0.0.1"
 

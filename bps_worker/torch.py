@@ -546,9 +546,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for bucket in self._buckets:
                 bucket.filled.clear()
                 bucket.slot = None
-                if bucket.handle is not None:  # _start failed part-way: drain what did start
+                if bucket.handle is not None:  # _start failed part-way: drain what did start (bounded)
                     with contextlib.suppress(BPSError):
-                        _client._connection().finish(bucket.handle, None)
+                        _client._connection().finish(bucket.handle, _client._connection().timeout)
                     bucket.handle = None
             self._passes.clear()
         if first_error is not None:
