@@ -267,7 +267,9 @@ def run_config(net: Any, layout: Any, args: argparse.Namespace, tmp: Path, label
     directory = tmp / label.replace(" ", "_")
     result_file = directory / "result.json"
     sampler = net.sample_links(str(directory / "links.txt")) if args.timeline else None
-    with Daemons(net, layout, directory, log_level=args.log_level, log_dir=directory / "logs") as cluster:
+    trace = Path(args.trace) / label.replace(" ", "_") if args.trace else None
+    with Daemons(net, layout, directory, log_level=args.log_level, log_dir=directory / "logs",
+                 timeline_dir=trace) as cluster:
         observe = json.dumps({"bridge_ns": net.bridge_ns,
                               "peers": {m.name: m.peer for m in net.machines.values()},
                               "pids": cluster.pids()})
@@ -504,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeline", default=None, metavar="PNG",
                    help="sample every link's byte counters every 5 ms and plot each configuration's median "
                         "repetition (per-machine uplink and downlink rate over time) to this file")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="every daemon writes a Chrome-trace timeline of every partition's stages to "
+                        "DIR/<config>/<daemon>.json (merge with python -m bps_server.timeline, open in Perfetto)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds the ranks of one configuration may take")
     p.add_argument("--log-level", default="warning", help="daemons' log level (default warning)")
     p.add_argument("--rank-program", action="store_true", help=argparse.SUPPRESS)

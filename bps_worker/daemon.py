@@ -56,7 +56,7 @@ from protocol.messages import (
 from . import cuda, shm
 from .errors import BPSError
 from .links import ServerLink
-from .placement import Placement
+from .placement import Placement, interleave
 
 log = logging.getLogger("bps.worker")
 
@@ -608,7 +608,7 @@ class WorkerDaemon:
             out_raw = memoryview(out).cast("B") if nbytes else memoryview(b"")
             priority = max(o.priority for _, o in members)
             futures = []
-            for piece in self.placement.split(name, count, itemsize):
+            for piece in interleave(self.placement.split(name, count, itemsize)):
                 lo, hi = piece.offset * itemsize, (piece.offset + piece.count) * itemsize
                 fields = dict(name=name, part=piece.part, round=server_round, dtype=op.dtype, shape=list(op.shape),
                               offset=piece.offset, count=piece.count, divisor=divisor, kind=op.kind)

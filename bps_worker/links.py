@@ -184,6 +184,7 @@ class ServerLink:
         self._broken_reason = ""
         self.closed = False
         self._paced = 0  # bytes of unanswered paced pushes (see pump)
+        self._unit = 0  # the largest of them since the window was last empty (see _window_blocks)
         self._window_open = False  # no answer for WINDOW_STALL_S: the window is ignored until the next one
         self._stall: asyncio.TimerHandle | None = None
 
@@ -304,15 +305,17 @@ class ServerLink:
         """Send queued pushes in priority order while the transport's buffer is under the credit.
 
         TCP pushes over ``PACED_MIN_BYTES`` are also paced by a window of unanswered bytes: one
-        leaves while this link's unanswered paced pushes come to less than ``window_pieces``
-        (``cluster.window_pieces``) times its size. A server answers a partition only once every
-        worker pushed it, so a worker whose flow to a server runs ahead of the others' flows to it
-        stops there, and its uplink carries its flows to the servers where it is behind; all flows
-        into a server progress together, and each partition's sum leaves as soon as possible
-        (measured on emulated links, ``benchmarks/RESULTS.md``). A round that waits for a slow peer
-        must not block other tensors for ever (names may come in different orders on different
-        processes), so after ``WINDOW_STALL_S`` without any answer the window opens until the next
-        answer comes. Shared-memory pushes (a few header bytes each) are held by neither: all of a
+        leaves while this link's unanswered paced pushes, with it, come to at most ``window_pieces``
+        (``cluster.window_pieces``) times the largest of them (a range's first and last pieces are
+        smaller, ``bps_worker.placement``; counted in their own size, they would shrink the window to a
+        piece or two and stall the flow at its end: measured 1.16x the optimal time at k=4). A server
+        answers a partition only once every worker pushed it, so a worker whose flow to a server runs
+        ahead of the others' flows to it stops there, and its uplink carries its flows to the servers
+        where it is behind; all flows into a server progress together, and each partition's sum
+        leaves as soon as possible (measured on emulated links, ``benchmarks/RESULTS.md``). A round
+        that waits for a slow peer must not block other tensors for ever (names may come in different
+        orders on different processes), so after ``WINDOW_STALL_S`` without any answer the window
+        opens until the next answer comes. Shared-memory pushes (a few header bytes each) are held by neither: all of a
         large tensor's go to the server at once, and priorities do not reorder them there.
         """
         proto = self._proto
@@ -346,13 +349,14 @@ class ServerLink:
     def _window_blocks(self, size: int) -> bool:
         """Whether a push of ``size`` wire bytes must wait for answers (see pump)."""
         return (size > PACED_MIN_BYTES and self.window_pieces > 0 and self._paced > 0
-                and self._paced + size > self.window_pieces * size and not self._window_open)
+                and self._paced + size > self.window_pieces * max(size, self._unit) and not self._window_open)
 
     def _take(self, item: _Queued, size: int) -> None:
         """``item`` (``size`` wire bytes) goes out now: in flight, and in the window if paced."""
         if size > PACED_MIN_BYTES and self.window_pieces > 0:
             item.paced = size
             self._paced += size
+            self._unit = max(self._unit, size)
         self._inflight[item.push.req] = item
 
     def _open_window(self) -> None:
@@ -365,6 +369,8 @@ class ServerLink:
         if item is not None and item.paced:
             self._paced -= item.paced
             item.paced = 0
+            if self._paced == 0:
+                self._unit = 0
         if item is not None:
             self._window_open = False
             if self._stall is not None:
@@ -375,6 +381,7 @@ class ServerLink:
 
     def _reset_window(self) -> None:
         self._paced = 0
+        self._unit = 0
         self._window_open = False
         if self._stall is not None:
             self._stall.cancel()

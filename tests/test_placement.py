@@ -15,6 +15,7 @@ from bps_worker.placement import (
     PIPELINE_DEPTH,
     Piece,
     Placement,
+    interleave,
     server_shares,
     theorem1_shares,
 )
@@ -246,23 +247,71 @@ def test_pieces_respect_partition_bytes():
     assert len(pieces) == 40
 
 
-@pytest.mark.parametrize("one_host", [True, False], ids=["one-host", "network"])
-def test_every_server_range_is_pipelined(one_host):
-    """At least PIPELINE_DEPTH partitions a server (so pushes, sums and pulls overlap on its link), but
-    none below MIN_PIPELINE_BYTES; with servers on several hosts NETWORK_PIPELINE_DEPTH, none below
-    NETWORK_MIN_PIPELINE_BYTES."""
-    depth, smallest = ((PIPELINE_DEPTH, MIN_PIPELINE_BYTES) if one_host
-                       else (NETWORK_PIPELINE_DEPTH, NETWORK_MIN_PIPELINE_BYTES))
-    assert (depth, smallest) == ((8, 256 * 1024) if one_host else (32, 32 * 1024))
-    placement = Placement(make_config(2, 0, partition_bytes=4 * MiB, one_host=one_host))
+def test_every_server_range_is_pipelined_on_one_host():
+    """At least PIPELINE_DEPTH partitions a server (so pushes, sums and pulls overlap on its link), of
+    equal size, but none below MIN_PIPELINE_BYTES."""
+    assert (PIPELINE_DEPTH, MIN_PIPELINE_BYTES) == (8, 256 * 1024)
+    placement = Placement(make_config(2, 0, partition_bytes=4 * MiB))
     pieces = check_pieces(placement, "mid", 4 * MiB, 4)  # 16 MiB: 8 MiB a server
     by_server = defaultdict(list)
     for p in pieces:
         by_server[p.server].append(p.count * 4)
-    assert {s: len(sizes) for s, sizes in by_server.items()} == {0: depth, 1: depth}
-    assert all(size == 8 * MiB // depth for sizes in by_server.values() for size in sizes)
+    assert by_server == {0: [MiB] * 8, 1: [MiB] * 8}
     small = check_pieces(placement, "small", 256 * 1024, 4)  # 1 MiB: 512 KiB a server -> 2 x 256 KiB each
-    assert sorted(p.count * 4 for p in small) == [smallest] * (2 * 512 * 1024 // smallest)
+    assert sorted(p.count * 4 for p in small) == [256 * 1024] * 4
+    # a range that does not divide evenly is cut into equal pieces (within an element), not a short last one
+    odd = check_pieces(placement, "odd", 2 * 1_000_003, 4)
+    for sid in (0, 1):
+        counts = [p.count for p in odd if p.server == sid]
+        assert len(counts) == 8 and max(counts) - min(counts) <= 1
+
+
+def test_network_ranges_ramp_up_and_down():
+    """Servers on several hosts: NETWORK_PIPELINE_DEPTH partitions per stream, and every stream's first
+    and last two pieces are a quarter and a half of the others (none under NETWORK_MIN_PIPELINE_BYTES),
+    so the pipeline fills and drains sooner."""
+    assert (NETWORK_PIPELINE_DEPTH, NETWORK_MIN_PIPELINE_BYTES) == (32, 32 * 1024)
+    placement = Placement(make_config(2, 0, partition_bytes=4 * MiB, one_host=False))
+    pieces = check_pieces(placement, "mid", 4 * MiB, 4)  # 16 MiB: 8 MiB a server, one stream each
+    for sid in (0, 1):
+        sizes = [p.count * 4 for p in pieces if p.server == sid]
+        assert sizes[:2] == [64 * 1024, 128 * 1024] and sizes[-2:] == [128 * 1024, 64 * 1024]
+        middle = sizes[2:-2]
+        assert len(middle) == 31 and sum(sizes) == 8 * MiB
+        assert all(0.95 * 256 * 1024 <= size <= 256 * 1024 for size in middle), middle
+    # several streams: each stream gets a quarter and a half piece first and last
+    three = Placement(make_config(4, 2, one_host=False))  # CPU-only servers: 3 streams each
+    assert three.streams(4) == 3
+    mine = [p for p in check_pieces(three, "big", 64 * MiB // 4, 4) if p.server == 4]  # 19.2 MiB
+    full = max(p.count for p in mine)
+    assert [round(4 * p.count / full) for p in mine[:6]] == [1, 1, 1, 2, 2, 2]
+    assert [round(4 * p.count / full) for p in mine[-6:]] == [2, 2, 2, 1, 1, 1]
+    assert [p.stream for p in mine[:6]] == [0, 1, 2, 0, 1, 2] and {p.stream for p in mine[-6:]} == {0, 1, 2}
+    # too small a range for a ramp: equal pieces of at least the minimum
+    small = check_pieces(placement, "small", 256 * 1024, 4)  # 512 KiB a server
+    assert sorted(p.count * 4 for p in small) == [32 * 1024] * 32
+
+
+def test_interleave_takes_every_flow_in_turn():
+    """A worker issues the first piece of every flow (server, stream), then the second, ...; each flow's
+    pieces keep their order."""
+    placement = Placement(make_config(4, 2, one_host=False))
+    pieces = check_pieces(placement, "big", 16 * MiB // 4, 4)
+    order = interleave(pieces)
+    assert sorted(order, key=lambda p: p.part) == pieces
+    flows = sorted({(p.server, p.stream) for p in pieces})
+    assert len(flows) == 4 * 1 + 2 * 3
+    assert sorted((p.server, p.stream) for p in order[:len(flows)]) == flows  # one piece of every flow first
+    for flow in flows:
+        mine = [p.part for p in order if (p.server, p.stream) == flow]
+        assert mine == sorted(mine)
+    depth: dict[tuple[int, int], int] = defaultdict(int)
+    rows = []  # the index of each issued piece within its flow: no flow gets its (i+1)-th before all i-th
+    for p in order:
+        rows.append(depth[(p.server, p.stream)])
+        depth[(p.server, p.stream)] += 1
+    assert rows == sorted(rows)
+    assert interleave([]) == []
 
 
 def test_itemsize_larger_than_partition_still_progresses():
@@ -292,14 +341,15 @@ def test_split_known_values():
     assert placement.anchor("grad") == 2
     # exact 5 / 2.5 / 2.5 in anchor order (2, 0, 1); the spare element goes to the first tie: server 0
     assert placement.split("grad", 10, 4) == [
-        Piece(0, 2, 0, 4), Piece(1, 2, 4, 1), Piece(2, 0, 5, 3), Piece(3, 1, 8, 2),
+        Piece(0, 2, 0, 3), Piece(1, 2, 3, 2), Piece(2, 0, 5, 3), Piece(3, 1, 8, 2),
     ]
     placement = Placement(make_config(4, 2))  # gpu 1/10 each, cpu 3/10 each
-    # cpu servers: 900,000 floats in 8 parts of 112,500; gpu servers: 300,000 in parts of 65,536 (256 KiB)
+    # cpu servers: 900,000 floats in 8 parts of 112,500; gpu servers: 300,000 in 5 equal parts of at least
+    # 65,536 (256 KiB)
     pieces = placement.split("layer0.weight", 3_000_000, 4)
     ranges = [(p.server, p.offset, p.count) for p in pieces]
     assert ranges[:8] == [(5, i * 112_500, 112_500) for i in range(8)]
-    assert ranges[8:13] == [(0, 900_000 + i * 65_536, 65_536) for i in range(4)] + [(0, 1_162_144, 37_856)]
+    assert ranges[8:13] == [(0, 900_000 + i * 60_000, 60_000) for i in range(5)]
     assert [r[0] for r in ranges[13:]] == [1] * 5 + [2] * 5 + [3] * 5 + [4] * 8
     assert [p.part for p in pieces] == list(range(len(pieces)))
 

@@ -105,7 +105,7 @@ class Daemons:
 
     def __init__(self, net: Network, layout: Layout, directory: Path, *, log_level: str = "warning",
                  log_dir: Path | None = None, python: str = sys.executable, port: int = DEFAULT_PORT,
-                 extra_args: Sequence[str] = ()) -> None:
+                 extra_args: Sequence[str] = (), timeline_dir: Path | None = None) -> None:
         self.net = net
         self.layout = layout
         self.directory = Path(directory)
@@ -113,6 +113,7 @@ class Daemons:
         self.log_dir = Path(log_dir) if log_dir else None
         self.python = python
         self.extra_args = list(extra_args)
+        self.timeline_dir = Path(timeline_dir) if timeline_dir else None
         self.config_path = write_config(net, layout, self.directory, port=port)
         self.daemons: list[Daemon] = []
         self.ranks: list[Daemon] = []
@@ -159,6 +160,9 @@ class Daemons:
         head = [str(script)] if script.exists() else [self.python, "-m", module]
         cmd = [*head, "--config", str(self.config_path), "--id", str(ident), "--log-level", self.log_level,
                *self.extra_args]
+        if self.timeline_dir:
+            self.timeline_dir.mkdir(parents=True, exist_ok=True)
+            cmd += ["--timeline", str(self.timeline_dir / f"{label}.json")]
         try:
             proc = self.net.popen(machine, cmd, env=env, stdout=out, stderr=out)
         finally:
