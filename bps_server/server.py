@@ -52,6 +52,7 @@ from protocol.messages import (
 
 from . import kernels, metrics
 from .aggregator import INLINE_SUM_MAX_BYTES, Aggregator
+from .lowat import ReceiveLowWater
 from .timeline import Timeline
 from .segments import attach_segment, release
 
@@ -87,6 +88,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.reader = FrameReader(max_header_bytes=HANDSHAKE_MAX_HEADER_BYTES, max_payload_bytes=0)
         self.nonce = secrets.token_hex(16)
         self.transport: asyncio.Transport | None = None
+        self.low_water: ReceiveLowWater | None = None
         self.worker: int | None = None
         self.stream = 0  # which of the worker's connections (Hello.stream)
         self.observer = False
@@ -103,6 +105,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.transport = transport  # type: ignore[assignment]
         self.last_seen = asyncio.get_running_loop().time()
         self.peer = str(transport.get_extra_info("peername"))
+        self.low_water = ReceiveLowWater(transport)
         self.server.connections.add(self)
         self.send(Challenge(self.nonce, PROTOCOL_VERSION))
 
@@ -117,6 +120,9 @@ class ServerConnection(asyncio.BufferedProtocol):
                 self.handle(message, frame.payload)
         except ProtocolError as exc:
             self.protocol_error(str(exc))
+            return
+        if self.low_water is not None:
+            self.low_water.follow(self.reader.payload_wanted)
 
     def eof_received(self) -> bool:
         return False

@@ -77,6 +77,7 @@ from protocol.messages import (
     to_header,
 )
 
+from bps_server.lowat import ReceiveLowWater
 from bps_server.timeline import Timeline, now_us
 
 from . import shm
@@ -118,9 +119,11 @@ class _LinkProtocol(asyncio.BufferedProtocol):
         self.link = link
         self.reader = FrameReader(max_payload_bytes=link.max_payload_bytes, payload_sink=link.payload_destination)
         self.transport: asyncio.Transport | None = None
+        self.low_water: ReceiveLowWater | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.low_water = ReceiveLowWater(transport)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer(sizehint)
@@ -132,6 +135,9 @@ class _LinkProtocol(asyncio.BufferedProtocol):
                 self.link.on_message(self, parse(frame.header), frame.payload)
         except ProtocolError as exc:
             self.link.on_broken(self, f"server {self.link.spec.id} sent a bad frame: {exc}")
+            return
+        if self.low_water is not None:
+            self.low_water.follow(self.reader.payload_wanted)
 
     def pause_writing(self) -> None:
         self.link.paused = True

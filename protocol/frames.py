@@ -166,6 +166,11 @@ class FrameReader:
             self._dest = memoryview(bytearray(len(self._dest)))
 
     @property
+    def payload_wanted(self) -> int:
+        """Bytes still to come of the payload now being received (0 between payloads)."""
+        return 0 if self._dest is None else len(self._dest) - self._filled
+
+    @property
     def payload_pending(self) -> bool:
         """True while part of a frame has been received but not all of it."""
         return self._header is not None or self._start != self._end
