@@ -412,8 +412,9 @@ def rejoin_loop(role: str, steps: int, max_seconds: float) -> dict[str, Any]:
     """Two ranks, one per worker. Each pushes ``base(rank) + step``; the sum is ``base(0) + base(1) +
     my step + the other's step``, so each side can read which step of the other it was summed with.
 
-    healthy: keeps training through errors until it has seen one and then ``steps`` successes;
-    victim: pushes until its worker daemon is killed; new: a restarted process, ``steps`` steps."""
+    healthy: keeps training through errors until it has been summed with a restarted partner's steps
+    0 .. ``steps`` - 1 (the partner's step going back marks the restart); victim: pushes until its
+    worker daemon is killed; new: a restarted process, ``steps`` steps."""
     rank = bps.rank()
     n = 200_003
     bases = [np.random.default_rng(500 + r).integers(-1000, 1000, n).astype(np.float64) for r in range(2)]
@@ -422,7 +423,7 @@ def rejoin_loop(role: str, steps: int, max_seconds: float) -> dict[str, Any]:
     errors: list[str] = []
     deadline = time.monotonic() + max_seconds
     step = 0
-    partner_steps_at_error = 0
+    restarted_at: int | None = None  # index in partner_steps of the restarted partner's first step
     while time.monotonic() < deadline:
         try:
             y = bps.push_pull(bases[rank] + step, "rejoin", average=False)
@@ -438,12 +439,13 @@ def rejoin_loop(role: str, steps: int, max_seconds: float) -> dict[str, Any]:
         step += 1
         if role == "new" and len(partner_steps) == steps:
             break
-        if role == "healthy" and errors and partner_steps[-1] == steps - 1 \
-                and len(partner_steps) - partner_steps_at_error >= steps:
-            break  # summed with the new process's last step
-        if role == "healthy" and not errors:
-            partner_steps_at_error = len(partner_steps)
-    return {"partner_steps": partner_steps, "errors": errors[:3], "error_count": len(errors), "steps": step}
+        if role == "healthy":
+            if restarted_at is None and len(partner_steps) > 1 and partner_steps[-1] < partner_steps[-2]:
+                restarted_at = len(partner_steps) - 1
+            if restarted_at is not None and len(partner_steps) - restarted_at >= steps:
+                break  # summed with the new process's last step
+    return {"partner_steps": partner_steps, "errors": errors[:3], "error_count": len(errors), "steps": step,
+            "restarted_at": restarted_at}
 
 
 def cuda_push_pulls(n: int) -> dict[str, Any]:

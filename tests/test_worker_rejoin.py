@@ -64,11 +64,16 @@ def test_a_killed_worker_machine_rejoins_the_running_job(tmp_path):
     # Before the crash the two trained in lock step.
     before = healthy["partner_steps"][:len(victim["partner_steps"])]
     assert before == [float(s) for s in range(len(before))]
-    # The healthy process got errors, naming the missing worker, within the timeout each ...
-    assert healthy["error_count"] >= 1 and any("worker 1" in e for e in healthy["errors"]), healthy["errors"]
+    # The healthy process got errors naming the missing worker, within the timeout each; or none, where
+    # its round waited at the servers for the machine to come back (within cluster.timeout) and the new
+    # process's first step completed it (about one run in ten) ...
+    assert healthy["error_count"] == 0 or any("worker 1" in e for e in healthy["errors"]), healthy["errors"]
     # ... and then summed with the new process's steps 0, 1, 2, ... in order: none lost, none doubled.
     after = healthy["partner_steps"][len(victim["partner_steps"]):]
     assert after[-STEPS:] == [float(s) for s in range(STEPS)], (healthy, logs)
+    assert healthy["restarted_at"] == len(healthy["partner_steps"]) - STEPS
+    # At most the round in flight at the kill completed without the victim seeing it.
+    assert len(victim["partner_steps"]) <= healthy["restarted_at"] <= len(victim["partner_steps"]) + 1
     # The new process saw the healthy process's steps consecutively too.
     mine = new["partner_steps"]
     assert new["error_count"] == 0 and len(mine) == STEPS, new
