@@ -607,32 +607,37 @@ class WorkerDaemon:
             raw = memoryview(buf).cast("B") if nbytes else memoryview(b"")
             out_raw = memoryview(out).cast("B") if nbytes else memoryview(b"")
             priority = max(o.priority for _, o in members)
+            # Only the processes that want the result in their slot (a shared array) get it copied there, a
+            # piece at a time as the sums arrive; the others read it from our results segment (Op.handback).
+            slots = [] if gpu_tensors else [v for v, (_, o) in zip(views, members) if o.handback]
             futures = []
             for piece in interleave(self.placement.split(name, count, itemsize)):
                 lo, hi = piece.offset * itemsize, (piece.offset + piece.count) * itemsize
                 fields = dict(name=name, part=piece.part, round=server_round, dtype=op.dtype, shape=list(op.shape),
                               offset=piece.offset, count=piece.count, divisor=divisor, kind=op.kind)
-                futures.append((piece, self.streams[piece.server][piece.stream].push(
+                future = self.streams[piece.server][piece.stream].push(
                     fields, raw[lo:hi], out_raw[lo:hi], priority,
-                    shm_ref=(segment, base + lo), out_ref=(out_segment, out_base + lo))))
+                    shm_ref=(segment, base + lo), out_ref=(out_segment, out_base + lo))
+                if slots and piece.count:
+                    future.add_done_callback(_HandBack(out, slots, piece.offset, piece.offset + piece.count))
+                futures.append((piece, future))
             pushed = True
             self.counters.bytes_pushed += nbytes
             error = await self._wait_pieces(name, server_round, futures)
             if error is not None:
                 self.counters.ops_failed += 1
                 code = "mismatch" if "mismatch" in error else "error"
+                summed = sum(1 for _, f in futures if f.done() and not f.cancelled() and f.exception() is None)
                 for session, o in members:
-                    session.send(Failure(o.req, error, code=code))
+                    note = (f" (the array pushed in place now holds the sums of {summed} of its {len(futures)} "
+                            f"partitions)" if summed and o.handback and slots else "")
+                    session.send(Failure(o.req, error + note, code=code))
                 return
             self.counters.bytes_pulled += nbytes
             t_back = now_us()
             if gpu_tensors:
                 await asyncio.get_running_loop().run_in_executor(self.executor, self._cuda_bridge().copy_back, out,
                                                                  gpu_tensors)
-            else:
-                # Only to the processes that want the result in their slot (a shared array); the others
-                # read it from our results segment (see Op.handback).
-                await self._hand_back(out, [v for v, (_, o) in zip(views, members) if o.handback])
             for session, o in members:
                 if o.handback or gpu_tensors:
                     session.send(Done(o.req))
@@ -729,16 +734,33 @@ class WorkerDaemon:
             return
         await self._run(kernels.sum_into, buf, views, op.dtype)
 
-    async def _hand_back(self, buf: np.ndarray, views: list[np.ndarray]) -> None:
-        """Copy the global sum into every local process's slot (large ones in parallel)."""
-        await asyncio.gather(*(self._run(np.copyto, view, buf) for view in views))
-
     async def _run(self, fn: Any, *args: Any) -> None:
         nbytes = args[0].nbytes if isinstance(args[0], np.ndarray) else 0
         if nbytes >= OFFLOAD_MIN_BYTES:
             await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
         else:
             fn(*args)
+
+
+class _HandBack:
+    """Done-callback of one piece's future: copy its sum into the slots of the processes that want it
+    there (a shared array pushed in place), while the other pieces are still on the network.
+
+    The piece's input, which may be the same slot, is no longer needed once its sum arrived. An
+    operation that fails leaves such a slot holding some pieces' sums (the error says so).
+    """
+
+    __slots__ = ("out", "slots", "lo", "hi")
+
+    def __init__(self, out: np.ndarray, slots: list[np.ndarray], lo: int, hi: int) -> None:
+        self.out, self.slots, self.lo, self.hi = out, slots, lo, hi
+
+    def __call__(self, future: asyncio.Future[None]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        part = self.out[self.lo:self.hi]
+        for slot in self.slots:
+            np.copyto(slot[self.lo:self.hi], part)
 
 
 def is_local_address(host: str) -> bool:
