@@ -20,9 +20,11 @@ bps client (Unix socket to its machine's worker daemon) and a member of one gloo
   theory ``max(M/B, nM/(kB))`` (PAPER.md).
 
 Per configuration: ``--warmup`` rounds of each system (the first checks that bps's sum is exact and equals
-gloo's), then ``--reps`` times ``barrier; bps push_pull(a, out=a); barrier; gloo all_reduce(t)``, alternating,
-both in place (``a`` a ``bps.shared_array``; ``--copy``: a plain array and ``out=``)
-(../shared/MEASURING.md). Time of a repetition = max over ranks; reported: median (min-max). Gloo's theory is
+gloo's), then ``--reps`` times ``start together; bps push_pull(a, out=a); start together; gloo
+all_reduce(t)``, alternating, both in place (``a`` a ``bps.shared_array``; ``--copy``: a plain array and
+``out=``) (../shared/MEASURING.md). Starting together: a barrier, then every rank waits for an instant that
+rank 0 broadcast (``start_together``). Time of a repetition = the last rank's end minus that instant;
+reported: median (min-max). Gloo's theory is
 ``2(n-1)M/(nB)``; its measured/theory ratio is the soundness check (within 15%: the cores are not the
 bottleneck and the links behave as B). Also measured per repetition: bytes on every machine's link (tc-side
 counters, headers included), CPU-seconds of every daemon, and how busy the box's cores were.
@@ -55,6 +57,7 @@ DEFAULT_RESULTS = REPO / "benchmarks" / "RESULTS.md"
 DEFAULT_PLOT = REPO / "benchmarks" / "paper_vs_allreduce.png"
 SOUND_TOLERANCE = 0.15
 GLOO_PORT = 29500
+START_AHEAD_S = 0.05  # see start_together
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 RESULTS_HEADER = """
@@ -66,8 +69,9 @@ process per worker machine, each a bps client of its machine's worker daemon and
 shaped links. Per configuration: warm-up (also checks bps's sum is exact and equals gloo's), then repetitions of
 `barrier; bps push_pull (float32, average=False, in place in a shared_array since 2026-11-30 03:40, as gloo's
 all_reduce is in its tensor; before, and with `--copy`: a plain array and `out=`); barrier; gloo all_reduce`,
-alternating; the time of a
-repetition is the maximum over ranks; median (min-max). Theory (PAPER.md): ours `t_opt = 2n(n-1)M/((n^2+kn-2k)B)`
+alternating; the time of a repetition is the maximum over ranks; median (min-max). Since 2026-11-30 05:00 each
+operation starts at a common instant instead of at each rank's exit from the barrier (rank 0 broadcasts an instant
+50 ms ahead; the barrier released ranks up to 15 ms apart), and its time is the last rank's end minus that instant. Theory (PAPER.md): ours `t_opt = 2n(n-1)M/((n^2+kn-2k)B)`
 (Theorem 1 split, one colocated server per worker machine plus `k` CPU-only ones), a plain PS with servers on
 `k` CPU-only machines only `max(M/B, nM/(kB))`, gloo (ring) `2(n-1)M/(nB)`. `B` counts whole frames, so headers
 cost about `(MTU+14)/(MTU-52) - 1` of it (0.7% at MTU 9000). Soundness: gloo's measured time must be within 15%
@@ -222,40 +226,62 @@ def rank_program(args: argparse.Namespace) -> int:
             bps.push_pull(src, name, average=False, out=out)
             t.copy_(xt)
             dist.all_reduce(t)
-        bps_s, gloo_s, obs_bps, obs_gloo = [], [], [], []
+        bps_s, gloo_s, obs_bps, obs_gloo, lateness = [], [], [], [], []
         for _ in range(args.reps):
             t.copy_(xt)
             reset()
             s0 = observer.snapshot() if observer else None
-            dist.barrier()
-            w0, t0 = time.time(), time.perf_counter()
+            w0, late = start_together(rank)
             bps.push_pull(src, name, average=False, out=out)
-            bps_s.append(time.perf_counter() - t0)
+            bps_s.append(time.time() - w0)
             dist.barrier()
             windows.append(("ours", w0, time.time()))
+            lateness.append(late)
             s1 = observer.snapshot() if observer else None
-            dist.barrier()
-            w0, t0 = time.time(), time.perf_counter()
+            w0, late = start_together(rank)
             dist.all_reduce(t)
-            gloo_s.append(time.perf_counter() - t0)
+            gloo_s.append(time.time() - w0)
             dist.barrier()
             windows.append(("gloo", w0, time.time()))
+            lateness.append(late)
             if observer:
                 s2 = observer.snapshot()
                 obs_bps.append(Observer.delta(s0, s1))
                 obs_gloo.append(Observer.delta(s1, s2))
-        times = torch.tensor([bps_s, gloo_s], dtype=torch.float64)
+        times = torch.tensor([bps_s, gloo_s, lateness[::2], lateness[1::2]], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         if rank == 0:
             Path(args.result_file).write_text(json.dumps({
                 "bps_s": times[0].tolist(), "gloo_s": times[1].tolist(), "bps_equals_gloo": bool(ok[0]),
                 "exact": bool(ok[1]), "obs_bps": obs_bps, "obs_gloo": obs_gloo,
+                "late_s": times[2:].flatten().tolist(),
                 "windows": windows}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
         bps.shutdown()
     return 0
+
+
+def start_together(rank: int) -> tuple[float, float]:
+    """Wait with every rank for a common start instant; returns it (unix time) and how late we woke.
+
+    ``dist.barrier`` releases the ranks up to 15 ms apart over the shaped links (measured with the
+    daemons' timelines), and a rank released early would count its wait for the others as part of the
+    operation. So rank 0 broadcasts an instant START_AHEAD_S ahead and every rank waits for it: all
+    ranks share the box's clock. The time of an operation is then the last rank's end minus that
+    instant, for both systems alike.
+    """
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    go = torch.tensor([time.time() + START_AHEAD_S if rank == 0 else 0.0], dtype=torch.float64)
+    dist.broadcast(go, 0)
+    start = float(go.item())
+    while (left := start - time.time()) > 0:
+        time.sleep(left)  # not a busy wait: the ranks would take the cores the daemons need at the start
+    return start, time.time() - start
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -284,7 +310,8 @@ def run_config(net: Any, layout: Any, args: argparse.Namespace, tmp: Path, label
             cluster.start_rank(w, 0, cmd, env={"GLOO_SOCKET_IFNAME": net.ifname(machine_name),
                                                "MASTER_ADDR": net.address(layout.workers[0]),
                                                "MASTER_PORT": str(GLOO_PORT), "OMP_NUM_THREADS": "1",
-                                               "TORCH_CPP_LOG_LEVEL": "ERROR"})
+                                               "TORCH_CPP_LOG_LEVEL": "ERROR",
+                                               **({"BPS_TIMELINE": str(trace)} if trace else {})})
         code = cluster.wait_ranks(args.timeout)
         if code != 0 or not result_file.exists():
             logs = "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-1500:]}"
@@ -507,8 +534,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="sample every link's byte counters every 5 ms and plot each configuration's median "
                         "repetition (per-machine uplink and downlink rate over time) to this file")
     p.add_argument("--trace", default=None, metavar="DIR",
-                   help="every daemon writes a Chrome-trace timeline of every partition's stages to "
-                        "DIR/<config>/<daemon>.json (merge with python -m bps_server.timeline, open in Perfetto)")
+                   help="every daemon and rank writes a Chrome-trace timeline of every partition's stages to "
+                        "DIR/<config>/<daemon>.json and rank<r>.json (merge with python -m bps_server.timeline "
+                        "merge, open in Perfetto)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds the ranks of one configuration may take")
     p.add_argument("--log-level", default="warning", help="daemons' log level (default warning)")
     p.add_argument("--rank-program", action="store_true", help=argparse.SUPPRESS)
@@ -591,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     table = table_rows(rows)
     details = detail_rows(configs, n, m)
     all_gloo = [t for c in configs for t in c["result"]["gloo_s"]]
+    late = [t for c in configs for t in c["result"].get("late_s", [0.0])]
     gloo_ratio = statistics.median(all_gloo) / t_ring(n, m, b)
     sound = abs(gloo_ratio - 1) <= SOUND_TOLERANCE
     ok = all(r["ok"] for r in rows)
@@ -607,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     sound_line = (f"soundness: gloo median over all {len(all_gloo)} repetitions {statistics.median(all_gloo):.3f} s = "
                   f"{gloo_ratio:.2f} x its theory {t_ring(n, m, b):.3f} s: "
                   + ("PASS (within 15%)" if sound else "FAIL (not within 15%: lower --bandwidth)")
-                  + f"; packets dropped by the shapers: {sum(drops.values())}")
+                  + f"; packets dropped by the shapers: {sum(drops.values())}; ranks started at most "
+                  f"{1000 * max(late):.1f} ms after the common instant")
     print(f"date:    {started.isoformat(timespec='seconds')}")
     print(f"command: {command_line}")
     print(f"machine: {machine_line}")
