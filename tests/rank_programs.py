@@ -248,6 +248,22 @@ def tiny_tensors(n: int, rounds: int) -> dict[str, Any]:
     return {"wrong": wrong, "seconds": time.monotonic() - start}
 
 
+def in_place_push_that_fails(n: int) -> dict[str, Any]:
+    """A shared array pushed in place while one server is frozen: the operation fails, and the array
+    holds the sums of the partitions that the live servers answered and its input elsewhere."""
+    rank, size = bps.rank(), bps.size()
+    a = bps.shared_array("inplace.partial", (n,), np.float32)
+    ramp = (np.arange(n) % 97).astype(np.float32)
+    a[...] = ramp + 1000 * (rank + 1)
+    total = size * ramp + 1000 * size * (size + 1) / 2
+    try:
+        bps.push_pull(a, "inplace.partial", average=False, out=a)
+    except bps.BPSError as exc:
+        return {"error": str(exc), "summed": int((a == total).sum()),
+                "kept": int((a == ramp + 1000 * (rank + 1)).sum())}
+    return {"error": None}
+
+
 def push_until_error(max_seconds: float) -> dict[str, Any]:
     """Push round after round until an error (a peer died) or ``max_seconds``; report when it came."""
     rank = bps.rank()

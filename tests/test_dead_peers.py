@@ -143,3 +143,23 @@ def test_kill_9_of_a_worker_daemon_mid_round_never_hangs_in_ten_trials(tmp_path)
             cluster.restart("worker-1")
     finally:
         cluster.stop()
+
+
+def test_a_failed_in_place_push_says_how_many_partitions_hold_sums(tmp_path):
+    """Sums land in a shared array pushed in place partition by partition, as they arrive: when the
+    operation then fails (here the CPU-only server is frozen), the error says how many partitions of
+    the array hold sums, and exactly those do; the rest still hold the input."""
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))
+    try:
+        cluster.kill("server-2", signal.SIGSTOP)  # servers 0 and 1 answer; server 2 never does
+        n = 1 << 20  # 4 MiB: 1 MiB on each colocated server, 2 MiB on the CPU-only one
+        results = run_ranks(cluster, rp.in_place_push_that_fails, n, timeout=60)
+        for rank, r in enumerate(results):
+            assert r["error"] is not None, f"rank {rank}: the push succeeded with a frozen server"
+            assert "now holds the sums of" in r["error"], r["error"]
+            held = int(r["error"].split("now holds the sums of ")[1].split()[0])
+            assert 0 < held, r["error"]
+            assert r["summed"] == n // 2 and r["kept"] == n // 2, r  # the colocated servers' half
+    finally:
+        cluster.kill("server-2", signal.SIGCONT)
+        cluster.stop()
