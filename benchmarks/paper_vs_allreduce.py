@@ -515,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bandwidth", default="200mbit", help="every machine's link, each direction (tc rate; "
                                                           "default 200mbit)")
     p.add_argument("--mtu", type=int, default=9000, help="MTU of the emulated links (default 9000)")
+    p.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                   help="a net.* sysctl set on every emulated machine (repeatable), e.g. "
+                        "net.ipv4.tcp_slow_start_after_idle=0")
     p.add_argument("--partition-bytes", type=parse_size, default=None,
                    help="cluster partition_bytes (default: the daemons' default, 4 MiB)")
     p.add_argument("--credit-bytes", type=parse_size, default=None,
@@ -594,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     try:
         with tempfile.TemporaryDirectory(prefix="bps-paper-") as tmp, \
-                Network([*workers, *cpus], bandwidth=args.bandwidth, mtu=args.mtu) as net:
+                Network([*workers, *cpus], bandwidth=args.bandwidth, mtu=args.mtu,
+                        sysctls=dict(kv.split("=", 1) for kv in args.sysctl)) as net:
             print(f"emulated: {n} worker + {len(cpus)} CPU-only machines, links {args.bandwidth} each way, "
                   f"MTU {args.mtu}, namespaces {net.prefix}-*", file=sys.stderr)
             for label, k, ps in plan:

@@ -189,12 +189,13 @@ class Network:
     least 32 KiB). ``queue_s``: how much the shaper may queue, in seconds at the rate (default 0.25 s:
     deep enough that several senders converging on one machine's downlink are queued, not dropped).
     ``mtu``: of every link (the shapers count whole frames, headers included: at 1500 about 4% of the rate
-    goes to Ethernet/IP/TCP headers, at 9000 under 1%).
+    goes to Ethernet/IP/TCP headers, at 9000 under 1%). ``sysctls``: set in every machine's namespace
+    (``net.*`` keys are per namespace), e.g. ``{"net.ipv4.tcp_slow_start_after_idle": "0"}``.
     """
 
     def __init__(self, machines: Sequence[str], *, bandwidth: str = DEFAULT_BANDWIDTH,
                  subnet: str = DEFAULT_SUBNET, burst: int | None = None, queue_s: float = 0.25,
-                 mtu: int = 1500) -> None:
+                 mtu: int = 1500, sysctls: Mapping[str, str] | None = None) -> None:
         require_available()
         if not machines:
             raise ValueError("at least one machine")
@@ -212,6 +213,10 @@ class Network:
         if not 576 <= mtu <= 65535:
             raise ValueError(f"mtu {mtu} out of range (576..65535)")
         self.mtu = mtu
+        self.sysctls = dict(sysctls or {})
+        for key in self.sysctls:
+            if not re.fullmatch(r"net(\.[A-Za-z0-9_]+)+", key):
+                raise ValueError(f"sysctl {key!r}: only net.* keys are per network namespace")
         self.rate_bps = parse_rate(bandwidth)
         self.bandwidth = bandwidth
         self.bytes_per_s = self.rate_bps / 8
@@ -262,6 +267,8 @@ class Network:
         for m in self.machines.values():
             self._add_ns(m.ns)
             self._ip(m.ns, "link", "set", "lo", "up")
+            for key, value in self.sysctls.items():
+                run(["ip", "netns", "exec", m.ns, "sysctl", "-q", "-w", f"{key}={value}"])
             # created inside the bridge namespace, the peer moved straight into the machine's: never on the host
             self._ip(self.bridge_ns, "link", "add", m.peer, "type", "veth", "peer", "name", m.ifname, "netns", m.ns)
             self._ip(self.bridge_ns, "link", "set", m.peer, "master", self.bridge)
