@@ -88,6 +88,20 @@ def test_push_pull_across_namespaces_and_clean_teardown(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_sysctls_apply_to_every_machine_only() -> None:
+    key = "net.ipv4.tcp_slow_start_after_idle"
+    host = Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle").read_text().strip()
+    with pytest.raises(ValueError, match="only net"):
+        Network(["a"], sysctls={"kernel.pid_max": "1"})
+    with Network(["a", "b"], sysctls={key: "0" if host == "1" else "1"}) as net:
+        for name in ("a", "b"):
+            out = subprocess.run([*net.exec_prefix(name), "sysctl", "-n", key], capture_output=True, text=True,
+                                 check=True).stdout.strip()
+            assert out == ("0" if host == "1" else "1")
+    assert Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle").read_text().strip() == host  # not the host's
+
+
+@pytest.mark.timeout(30)
 def test_teardown_on_exception() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         with Network(["a", "b"]) as net:
