@@ -27,9 +27,9 @@ partition costs CPU that the pipelining does not win back, so the ranges are cut
 several hosts, each stream's first two and last two pieces are also smaller, a quarter and a half
 of the others (``Placement._sizes``), and a worker issues the pieces of all its flows in turn
 (``interleave``): a server's first sum waits for every worker's first piece into it and its last
-sums for the last ones, so the pipeline fills and drains in a few milliseconds (measured on emulated
-links, 2026-11-30: a CPU-only server's first sum left 6-12 ms after the start instead of 35-75 ms,
-and k=4 went from 1.13x to 1.09x the optimal time).
+sums for the last ones, so the pipeline fills and drains sooner (measured on emulated
+links, 2026-11-30: a CPU-only server's first sum left 6-20 ms after the start instead of 35-75 ms,
+and k=4 went from 1.13x to 1.08-1.10x the optimal time).
 
 Streams: TCP shares a link fairly between its connections, but the Theorem 1 split gives a CPU-only
 server a larger share than a colocated one (``M_cpu / M_gpu = 2(n-1)/(n-k)``, 3 at n=4, k=2). With
@@ -130,7 +130,7 @@ def interleave(pieces: list[Piece]) -> list[Piece]:
     Issued in range order, the first flows' pieces fill the uplink's queue before the last flows get
     a byte out, and a server's first sum waits for every worker's first piece into it. Measured on
     emulated links (k=4, 2026-11-30): a CPU-only server's first sum left 35-75 ms after the start in
-    range order, 29-49 ms interleaved, and 6-12 ms with the smaller first pieces (``Placement._sizes``).
+    range order, 29-49 ms interleaved, and 6-20 ms with the smaller first pieces (``Placement._sizes``).
     """
     flows: dict[tuple[int, int], int] = {}
     rank: list[int] = []
