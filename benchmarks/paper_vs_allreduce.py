@@ -71,7 +71,8 @@ shaped links. Per configuration: warm-up (also checks bps's sum is exact and equ
 all_reduce is in its tensor; before, and with `--copy`: a plain array and `out=`); barrier; gloo all_reduce`,
 alternating; the time of a repetition is the maximum over ranks; median (min-max). Since 2026-11-30 05:00 each
 operation starts at a common instant instead of at each rank's exit from the barrier (rank 0 broadcasts an instant
-50 ms ahead; the barrier released ranks up to 15 ms apart), and its time is the last rank's end minus that instant. Theory (PAPER.md): ours `t_opt = 2n(n-1)M/((n^2+kn-2k)B)`
+50 ms ahead; the barrier released ranks up to 15 ms apart), and its time is the last rank's end minus that
+instant. Theory (PAPER.md): ours `t_opt = 2n(n-1)M/((n^2+kn-2k)B)`
 (Theorem 1 split, one colocated server per worker machine plus `k` CPU-only ones), a plain PS with servers on
 `k` CPU-only machines only `max(M/B, nM/(kB))`, gloo (ring) `2(n-1)M/(nB)`. `B` counts whole frames, so headers
 cost about `(MTU+14)/(MTU-52) - 1` of it (0.7% at MTU 9000). Soundness: gloo's measured time must be within 15%
@@ -226,7 +227,7 @@ def rank_program(args: argparse.Namespace) -> int:
             bps.push_pull(src, name, average=False, out=out)
             t.copy_(xt)
             dist.all_reduce(t)
-        bps_s, gloo_s, obs_bps, obs_gloo, lateness = [], [], [], [], []
+        bps_s, gloo_s, obs_bps, obs_gloo, bps_late, gloo_late = [], [], [], [], [], []
         for _ in range(args.reps):
             t.copy_(xt)
             reset()
@@ -236,19 +237,19 @@ def rank_program(args: argparse.Namespace) -> int:
             bps_s.append(time.time() - w0)
             dist.barrier()
             windows.append(("ours", w0, time.time()))
-            lateness.append(late)
+            bps_late.append(late)
             s1 = observer.snapshot() if observer else None
             w0, late = start_together(rank)
             dist.all_reduce(t)
             gloo_s.append(time.time() - w0)
             dist.barrier()
             windows.append(("gloo", w0, time.time()))
-            lateness.append(late)
+            gloo_late.append(late)
             if observer:
                 s2 = observer.snapshot()
                 obs_bps.append(Observer.delta(s0, s1))
                 obs_gloo.append(Observer.delta(s1, s2))
-        times = torch.tensor([bps_s, gloo_s, lateness[::2], lateness[1::2]], dtype=torch.float64)
+        times = torch.tensor([bps_s, gloo_s, bps_late, gloo_late], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         if rank == 0:
             Path(args.result_file).write_text(json.dumps({
@@ -290,10 +291,11 @@ def start_together(rank: int) -> tuple[float, float]:
 def run_config(net: Any, layout: Any, args: argparse.Namespace, tmp: Path, label: str) -> dict[str, Any]:
     from benchmarks.cluster import Daemons
 
-    directory = tmp / label.replace(" ", "_")
+    slug = label.replace(" ", "_")
+    directory = tmp / slug
     result_file = directory / "result.json"
     sampler = net.sample_links(str(directory / "links.txt")) if args.timeline else None
-    trace = Path(args.trace) / label.replace(" ", "_") if args.trace else None
+    trace = Path(args.trace) / slug if args.trace else None
     with Daemons(net, layout, directory, log_level=args.log_level, log_dir=directory / "logs",
                  timeline_dir=trace) as cluster:
         observe = json.dumps({"bridge_ns": net.bridge_ns,

@@ -321,8 +321,9 @@ class ServerLink:
         leaves as soon as possible (measured on emulated links, ``benchmarks/RESULTS.md``). A round
         that waits for a slow peer must not block other tensors for ever (names may come in different
         orders on different processes), so after ``WINDOW_STALL_S`` without any answer the window
-        opens until the next answer comes. Shared-memory pushes (a few header bytes each) are held by neither: all of a
-        large tensor's go to the server at once, and priorities do not reorder them there.
+        opens until the next answer comes. Shared-memory pushes (a few header bytes each) are held by
+        neither: all of a large tensor's go to the server at once, and priorities do not reorder them
+        there.
         """
         proto = self._proto
         if proto is None or proto.transport is None or not self._ready:

@@ -6,30 +6,28 @@ servers (``0 <= k <= n``), the optimal share of every round's bytes is
     M_cpu = 2(n-1) / (n^2 + kn - 2k)   for each CPU-only server
     M_gpu = (n-k)  / (n^2 + kn - 2k)   for each colocated server.
 
-A small tensor (at most ``partition_bytes / SMALL_TENSOR_FRACTION`` bytes)
-goes whole to its *anchor* server, chosen by a stable hash of its name with
-probability proportional to the servers' shares: splitting a bias over every
-server would cost a message per server for a few bytes, and the hash keeps the
-expected load on target (the deviation of many small tensors is far below one
-partition). Every larger tensor is cut into contiguous per-server ranges
-proportional to the shares (largest-remainder rounding to whole elements, ties broken by an
-order starting at the tensor's anchor server), and each range into partitions of at most ``partition_bytes``
-and, for pipelining, into at least ``PIPELINE_DEPTH`` of them (none under ``MIN_PIPELINE_BYTES``): a
-server answers a partition only once every worker pushed it, so with one partition per server each
-link would carry all the pushes and then all the sums, never both at once (measured on emulated
-links: 2x the optimal time at 4 MiB partitions, ``benchmarks/RESULTS.md``). Where the servers are on
-several hosts (the network is the limit) the ranges are cut finer, into at least
-``NETWORK_PIPELINE_DEPTH`` partitions per stream (below) of at least ``NETWORK_MIN_PIPELINE_BYTES``: the worker's links
-pace their pushes by a window of a few partitions (``bps_worker.links``), so that every worker's flow
-into a server progresses at the same pace, and that needs many partitions per range. On one host
-(every server at the same address: a demo or a test, where memory bandwidth is the limit) each
-partition costs CPU that the pipelining does not win back, so the ranges are cut coarser. On
-several hosts, each stream's first two and last two pieces are also smaller, a quarter and a half
-of the others (``Placement._sizes``), and a worker issues the pieces of all its flows in turn
-(``interleave``): a server's first sum waits for every worker's first piece into it and its last
-sums for the last ones, so the pipeline fills and drains sooner (measured on emulated
-links, 2026-11-30: a CPU-only server's first sum left 6-20 ms after the start instead of 35-75 ms,
-and k=4 went from 1.13x to 1.08-1.10x the optimal time).
+A small tensor (at most ``partition_bytes / SMALL_TENSOR_FRACTION`` bytes) goes whole to its *anchor*
+server, chosen by a stable hash of its name with probability proportional to the servers' shares:
+splitting a bias over every server would cost a message per server for a few bytes, and the hash keeps
+the expected load on target (the deviation of many small tensors is far below one partition). Every
+larger tensor is cut into contiguous per-server ranges proportional to the shares (largest-remainder
+rounding to whole elements, ties broken by an order starting at the tensor's anchor server), and each
+range into partitions of at most ``partition_bytes`` and, for pipelining, into at least
+``PIPELINE_DEPTH`` of them (none under ``MIN_PIPELINE_BYTES``): a server answers a partition only once
+every worker pushed it, so with one partition per server each link would carry all the pushes and then
+all the sums, never both at once (measured on emulated links: 2x the optimal time at 4 MiB partitions,
+``benchmarks/RESULTS.md``). Where the servers are on several hosts (the network is the limit) the ranges
+are cut finer, into at least ``NETWORK_PIPELINE_DEPTH`` partitions per stream (below) of at least
+``NETWORK_MIN_PIPELINE_BYTES``: the worker's links pace their pushes by a window of a few partitions
+(``bps_worker.links``), so that every worker's flow into a server progresses at the same pace, and that
+needs many partitions per range. On one host (every server at the same address: a demo or a test, where
+memory bandwidth is the limit) each partition costs CPU that the pipelining does not win back, so the
+ranges are cut coarser. On several hosts, each stream's first two and last two pieces are also smaller,
+a quarter and a half of the others (``Placement._sizes``), and a worker issues the pieces of all its
+flows in turn (``interleave``): a server's first sum waits for every worker's first piece into it and
+its last sums for the last ones, so the pipeline fills and drains sooner (measured on emulated links,
+2026-11-30: a CPU-only server's first sum left 6-20 ms after the start instead of 35-75 ms, and k=4 went
+from 1.13x to 1.08-1.10x the optimal time).
 
 Streams: TCP shares a link fairly between its connections, but the Theorem 1 split gives a CPU-only
 server a larger share than a colocated one (``M_cpu / M_gpu = 2(n-1)/(n-k)``, 3 at n=4, k=2). With
@@ -39,8 +37,9 @@ a flow to a colocated one and finish last, with the CPU-only machine's downlink 
 opens ``streams(server)`` connections to each server, in proportion to its share (the smallest
 positive share gets one, at most ``MAX_STREAMS``), and the partitions of a server's range take them
 in turn: every flow on every link then carries about the same bytes, and fair sharing is the
-optimal split. A
-server's load therefore deviates from its target by less than one element per
+optimal split.
+
+A server's load deviates from its target by less than one element per
 tensor, whatever the order in which names appear, and every worker computes the
 same pieces from the config and the tensor alone. Partition 0 always lives on
 the anchor server, even for an empty tensor, so processes that disagree about a

@@ -101,6 +101,7 @@ class Daemons:
 
     ``python``: the interpreter whose environment has the project (default: this one); daemons run as the
     ``bps-server`` / ``bps-worker`` scripts beside it (``python -m bps_server`` where they are missing).
+    ``timeline_dir``: every daemon writes its Chrome-trace timeline there (``<label>.json``, ``--timeline``).
     """
 
     def __init__(self, net: Network, layout: Layout, directory: Path, *, log_level: str = "warning",
