@@ -83,7 +83,7 @@ class Case:
 
 def load_kernels(path: str | None) -> ModuleType:
     if path is None:
-        from bps_server import kernels
+        from bps_runtime import kernels
         return kernels
     name = "bench_kernels_under_test"
     spec = importlib.util.spec_from_file_location(name, path)

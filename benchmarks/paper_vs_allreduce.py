@@ -540,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
                         "repetition (per-machine uplink and downlink rate over time) to this file")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="every daemon and rank writes a Chrome-trace timeline of every partition's stages to "
-                        "DIR/<config>/<daemon>.json and rank<r>.json (merge with python -m bps_server.timeline "
+                        "DIR/<config>/<daemon>.json and rank<r>.json (merge with python -m bps_runtime.timeline "
                         "merge, open in Perfetto)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds the ranks of one configuration may take")
     p.add_argument("--log-level", default="warning", help="daemons' log level (default warning)")

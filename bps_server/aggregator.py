@@ -62,9 +62,9 @@ import numpy as np
 from protocol import dtypes
 from protocol.messages import Push
 
-from . import kernels
-from .metrics import Histogram
-from .timeline import Timeline, now_us
+from bps_runtime import kernels
+from bps_runtime.metrics import Histogram
+from bps_runtime.timeline import Timeline, now_us
 
 log = logging.getLogger("bps.server.aggregator")
 

@@ -10,9 +10,9 @@ import sys
 from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
 
-from . import kernels
+from bps_runtime import kernels
 from .server import ServerConfig, SummationServer
-from .service import keep_freed_memory, new_event_loop, serve_until_signalled, setup_logging
+from bps_runtime.lifecycle import keep_freed_memory, new_event_loop, serve_until_signalled, setup_logging
 
 log = logging.getLogger("bps.server")
 

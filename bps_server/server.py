@@ -50,11 +50,11 @@ from protocol.messages import (
     to_header,
 )
 
-from . import kernels, metrics
+from bps_runtime import kernels, metrics
 from .aggregator import INLINE_SUM_MAX_BYTES, Aggregator
-from .lowat import ReceiveLowWater
-from .timeline import Timeline
-from .segments import attach_segment, release
+from bps_runtime.lowat import ReceiveLowWater
+from bps_runtime.timeline import Timeline
+from bps_runtime.segments import attach_segment, owned_by, release
 
 log = logging.getLogger("bps.server")
 
@@ -72,7 +72,7 @@ class ServerConfig:
     token: bytes | None = None  # from cluster.token_file
     host: str | None = None  # overrides the address in the cluster file (bind address)
     port: int | None = None
-    timeline: str | None = None  # Chrome-trace file of every partition's rounds (bps_server.timeline)
+    timeline: str | None = None  # Chrome-trace file of every partition's rounds (bps_runtime.timeline)
 
     @property
     def bind(self) -> tuple[str, int]:
@@ -213,7 +213,7 @@ class ServerConnection(asyncio.BufferedProtocol):
             raise ProtocolError(f"push of {push.name!r} part {push.part} exceeds its tensor's {total} elements")
         segments = []
         for name, offset in ((push.segment, push.seg_offset), (push.out_segment, push.out_offset)):
-            if not name.startswith(f"bps_w{self.worker}_"):
+            if not owned_by(name, self.worker):
                 raise ProtocolError(f"push of {push.name!r} names segment {name!r}, not one of worker "
                                     f"{self.worker}'s")
             seg = self.segments.get(name)
@@ -243,7 +243,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         so we share its host (and may read its segments)."""
         if not hello.shm or not self.server.config.cluster.colocated_shm:
             return False
-        if not hello.shm.startswith(f"bps_w{hello.id}_"):
+        if not owned_by(hello.shm, hello.id):
             return False
         try:
             probe = attach_segment(hello.shm)

@@ -21,7 +21,7 @@ out (the daemon reads and writes that very memory)::
 
 Timeline: with ``BPS_TIMELINE=DIR`` (or ``FILE.json``) every process writes a Chrome trace of its
 operations (copy in, waiting for the daemon, copy out) to ``DIR/rank<N>.json`` (``FILE.rank<N>.json``);
-merge it with the daemons' (``--timeline``) using ``python -m bps_server.timeline merge``.
+merge it with the daemons' (``--timeline``) using ``python -m bps_runtime.timeline merge``.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ from protocol.messages import (
     to_header,
 )
 
-from bps_server.timeline import Timeline, now_us
+from bps_runtime.timeline import Timeline, now_us
 
-from . import shm
+from bps_runtime import segments as shm
 from .errors import BPSConnectionError, BPSError, BPSMismatchError, BPSTimeoutError
 
 __all__ = [
@@ -404,7 +404,7 @@ class _Connection:
     def start_cuda(self, name: str, kind: str, wire: str, shape: tuple[int, ...], description: list[Any], *,
                    average: bool, priority: int, root: int) -> Handle:
         """Start an operation on a CUDA tensor that the daemon opens through CUDA IPC and writes in place
-        (``description`` from :func:`bps_worker.cuda.describe`); synchronize() returns None."""
+        (``description`` from :func:`bps_runtime.cuda.describe`); synchronize() returns None."""
         if average and wire not in dtypes.FLOAT_TYPES:
             raise BPSError(f"tensor {name!r}: average=True needs a floating dtype, got {wire}; pass average=False")
         self.check()

@@ -31,8 +31,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from bps_server import kernels, metrics
-from bps_server.timeline import Timeline, now_us
+from bps_runtime import kernels, metrics
+from bps_runtime.timeline import Timeline, now_us
 from protocol import PROTOCOL_VERSION, dtypes
 from protocol.config import ClusterConfig
 from protocol.errors import ProtocolError
@@ -53,7 +53,8 @@ from protocol.messages import (
     to_header,
 )
 
-from . import cuda, shm
+from bps_runtime import cuda
+from bps_runtime import segments as shm
 from .errors import BPSError
 from .links import ServerLink
 from .placement import Placement, interleave
@@ -89,7 +90,7 @@ class WorkerConfig:
     segment_mode: int = 0o600
     token: bytes | None = None  # from cluster.token_file
     threads: int = 2
-    timeline: str | None = None  # Chrome-trace file of every tensor's stages (bps_server.timeline)
+    timeline: str | None = None  # Chrome-trace file of every tensor's stages (bps_runtime.timeline)
 
     @property
     def socket(self) -> str:
@@ -697,7 +698,10 @@ class WorkerDaemon:
     # -- helpers ---------------------------------------------------------------------
     def _cuda_bridge(self) -> cuda.CudaBridge:
         if self._cuda is None:
-            self._cuda = cuda.CudaBridge()  # BPSError if this daemon cannot do CUDA
+            try:
+                self._cuda = cuda.CudaBridge()
+            except cuda.CudaUnavailableError as exc:
+                raise BPSError(str(exc)) from None
             log.info("CUDA tensors from local processes: summing on the GPU, staging in page-locked memory")
             for arena in (self.staging, self.results):
                 arena.before_release = self._cuda.unpin

@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", default=None, help="write each daemon's log to DIR/<name>.log instead of stderr")
     p.add_argument("--timeline", default=None, metavar="DIR",
                    help="write Chrome-trace timelines of every daemon and rank into DIR (merge them with "
-                        "`python -m bps_server.timeline merge OUT DIR/*.json`, open in https://ui.perfetto.dev)")
+                        "`python -m bps_runtime.timeline merge OUT DIR/*.json`, open in https://ui.perfetto.dev)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="training command, after --")
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

@@ -77,10 +77,10 @@ from protocol.messages import (
     to_header,
 )
 
-from bps_server.lowat import ReceiveLowWater
-from bps_server.timeline import Timeline, now_us
+from bps_runtime.lowat import ReceiveLowWater
+from bps_runtime.timeline import Timeline, now_us
 
-from . import shm
+from bps_runtime import segments as shm
 from .errors import BPSConnectionError, BPSError, BPSMismatchError
 
 log = logging.getLogger("bps.worker.link")

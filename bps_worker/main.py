@@ -7,8 +7,8 @@ import logging
 import os
 import sys
 
-from bps_server import kernels
-from bps_server.service import keep_freed_memory, new_event_loop, serve_until_signalled, setup_logging
+from bps_runtime import kernels
+from bps_runtime.lifecycle import keep_freed_memory, new_event_loop, serve_until_signalled, setup_logging
 from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
 

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from . import client as _client
-from . import cuda as _cuda
+from bps_runtime import cuda as _cuda
 from .client import (  # re-exported: the same on every framework
     BPSConnectionError,
     BPSError,

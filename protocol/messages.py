@@ -309,7 +309,7 @@ class Op(Message):
     priority: int = 0
     root: int = -1
     offset: int = 0  # where the tensor starts in ``segment``
-    # A CUDA tensor instead: its CUDA IPC description (bps_worker.cuda.describe); ``segment`` is empty.
+    # A CUDA tensor instead: its CUDA IPC description (bps_runtime.cuda.describe); ``segment`` is empty.
     cuda: list[Any] = field(default_factory=list)
     # True: the worker copies the result into the slot (``segment``/``offset``). False: it leaves the result
     # in its own results segment and names it in ``Done``, for the client to read from there (one copy less

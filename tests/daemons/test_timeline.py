@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from bps_server.timeline import Timeline, load, merge
+from bps_runtime.timeline import Timeline, load, merge
 from harness import write_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROGRAM = """
 import numpy as np, bps_worker.client as bps
 bps.init()

@@ -22,7 +22,11 @@ def test_kill_9_of_a_worker_daemon_fails_every_process_fast(tmp_path):
         killed_at: list[float] = []
 
         def kill() -> None:
-            time.sleep(2.5)  # let the ranks connect and run some rounds
+            # Mid-training: every rank connected and some rounds ran (a fixed sleep raced the ranks'
+            # start-up on a busy machine, and the daemon died before ranks 2 and 3 connected to it).
+            deadline = time.monotonic() + 30
+            while server_stats(cluster)[2]["rounds_completed"] < 5 and time.monotonic() < deadline:
+                time.sleep(0.02)
             killed_at.append(time.time())
             victim.proc.send_signal(signal.SIGKILL)
 

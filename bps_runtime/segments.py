@@ -1,11 +1,13 @@
-"""POSIX shared-memory segments owned by the worker daemon.
+"""POSIX shared-memory segments: created and owned by the worker daemon, attached by everyone else.
 
 The worker creates every segment (owner-only permissions) and unlinks it when
 the client that uses it disconnects, is killed, or the daemon stops; clients
 only attach. The worker's segments stay registered with Python's resource
 tracker, so even a SIGKILLed daemon's segments are unlinked by the tracker; a
 client unregisters what it attaches, or its tracker would unlink segments it
-does not own when it exits.
+does not own when it exits. The colocated Summation Service and the training
+processes only attach (:func:`attach_segment`), and close the descriptor at once
+(the mapping outlives it), or thousands of segments would exhaust the fd limit.
 """
 
 from __future__ import annotations
@@ -14,17 +16,63 @@ import os
 import secrets
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
+from multiprocessing import resource_tracker
 from typing import Callable, Final
 
-from bps_server.segments import attach_segment, close_fd, release
 
-__all__ = ["SEGMENT_PREFIX", "Arena", "Slot", "attach_segment", "create_segment", "release", "segment_name"]
+__all__ = ["SEGMENT_PREFIX", "Arena", "Slot", "attach_segment", "create_segment", "owned_by", "release",
+           "segment_name"]
 
 SEGMENT_PREFIX: Final = "bps_"
 
 
 def segment_name(worker_id: int) -> str:
+    """A fresh segment name of worker ``worker_id``'s daemon: ``bps_w{id}_{pid}_{random}``."""
     return f"{SEGMENT_PREFIX}w{worker_id}_{os.getpid()}_{secrets.token_hex(6)}"
+
+
+def owned_by(name: str, worker_id: int) -> bool:
+    """Whether ``name`` follows :func:`segment_name`'s rule for worker ``worker_id``."""
+    return name.startswith(f"{SEGMENT_PREFIX}w{worker_id}_")
+
+
+def untrack(seg: SharedMemory) -> None:
+    try:
+        resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception:
+        pass
+
+
+def close_fd(seg: SharedMemory) -> None:
+    """The mapping outlives the descriptor: close it."""
+    fd = getattr(seg, "_fd", -1)
+    if fd >= 0:
+        os.close(fd)
+        seg._fd = -1  # type: ignore[attr-defined]
+
+
+def attach_segment(name: str) -> SharedMemory:
+    """Map an existing segment (OSError if it is gone or not ours to read)."""
+    seg = SharedMemory(name=name, create=False)
+    untrack(seg)
+    close_fd(seg)
+    return seg
+
+
+def release(seg: SharedMemory, unlink: bool) -> None:
+    """Close our mapping (ignoring live exports) and optionally remove the name."""
+    try:
+        seg.close()
+    except BufferError:
+        # A view still uses the mapping: drop our references, so the mapping goes with the last view
+        # (and SharedMemory.__del__ does not try, and fail, again).
+        seg._buf = None  # type: ignore[attr-defined]
+        seg._mmap = None  # type: ignore[attr-defined]
+    if unlink:
+        try:
+            seg.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def create_segment(name: str, nbytes: int, mode: int = 0o600) -> SharedMemory:

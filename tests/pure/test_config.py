@@ -20,7 +20,7 @@ from protocol.config import (
 )
 from protocol.errors import ConfigError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 CLUSTER = """
 [cluster]

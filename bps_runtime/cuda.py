@@ -25,13 +25,16 @@ from typing import Any
 
 import numpy as np
 
-from .errors import BPSError
 
 log = logging.getLogger("bps.worker.cuda")
 
 # Fields of an IPC description, in order (see describe()).
 DESCRIPTION_FIELDS = ("size", "stride", "offset", "dtype", "device", "handle", "storage_bytes", "storage_offset",
                       "ref_handle", "ref_offset", "event_handle", "event_sync")
+
+
+class CudaUnavailableError(RuntimeError):
+    """This process cannot take CUDA tensors (no torch, or no device); the worker reports it as a BPSError."""
 
 
 def describe(tensor: Any) -> list[Any]:
@@ -69,9 +72,9 @@ class CudaBridge:
         try:
             import torch
         except ImportError:
-            raise BPSError("a process sent a CUDA tensor, but this worker daemon has no torch installed") from None
+            raise CudaUnavailableError("a process sent a CUDA tensor, but this worker daemon has no torch installed") from None
         if not torch.cuda.is_available():
-            raise BPSError("a process sent a CUDA tensor, but this worker daemon sees no CUDA device")
+            raise CudaUnavailableError("a process sent a CUDA tensor, but this worker daemon sees no CUDA device")
         self.torch = torch
         self._pinned: dict[int, int] = {}  # host address -> bytes registered with cudaHostRegister
 

@@ -1,4 +1,4 @@
-"""bps_server.kernels: bit-exact half rounding and summation against numpy/ml_dtypes references."""
+"""bps_runtime.kernels: bit-exact half rounding and summation against numpy/ml_dtypes references."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from numba.core import event
 
-from bps_server import kernels as K
+from bps_runtime import kernels as K
 from protocol import dtypes
 
 ALL_DTYPES = sorted(K.STORAGE)

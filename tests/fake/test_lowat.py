@@ -1,4 +1,4 @@
-"""The TCP receive low-water mark that follows the frame being received (bps_server.lowat)."""
+"""The TCP receive low-water mark that follows the frame being received (bps_runtime.lowat)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import socket
 
 import uvloop
 
-from bps_server.lowat import LOW_WATER_MAX_BYTES, ReceiveLowWater
+from bps_runtime.lowat import LOW_WATER_MAX_BYTES, ReceiveLowWater
 from protocol.frames import FrameReader, encode_header
 
 MiB = 1 << 20

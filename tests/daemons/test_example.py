@@ -8,7 +8,7 @@ from pathlib import Path
 
 from harness import write_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_digits_example_trains_on_a_one_box_cluster(tmp_path):

@@ -1,4 +1,4 @@
-"""CUDA tensors through CUDA IPC (bps_worker/cuda.py): run where a GPU exists, skipped elsewhere."""
+"""CUDA tensors through CUDA IPC (bps_runtime/cuda.py): run where a GPU exists, skipped elsewhere."""
 
 from __future__ import annotations
 

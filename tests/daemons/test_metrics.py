@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 
 import rank_programs as rp
-from bps_server.metrics import Family, Histogram, render
+from bps_runtime.metrics import Family, Histogram, render
 from harness import run_ranks, start_cluster, write_config
 
 

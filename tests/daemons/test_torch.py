@@ -305,7 +305,7 @@ def test_torchrun_processes_find_their_worker(make_cluster, tmp_path):
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("BPS_LOCAL_RANK", "LOCAL_RANK")}
     env.update(BPS_SOCKET=cluster.config.worker_specs[0].socket, OMP_NUM_THREADS="1")
-    script = Path(__file__).with_name("torchrun_push_pull.py")
+    script = Path(__file__).resolve().parents[1] / "torchrun_push_pull.py"
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
                            str(script), str(out)], env=env, capture_output=True, text=True, timeout=60)

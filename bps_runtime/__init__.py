@@ -1,0 +1,7 @@
+"""The runtime that both daemons and the client libraries stand on.
+
+``kernels`` (numba summation), ``segments`` (POSIX shared memory: the worker's arena, everyone else attaches),
+``cuda`` (CUDA IPC between training processes and the worker), ``lowat`` (the TCP receive low-water mark),
+``timeline`` (Chrome-trace timelines), ``metrics`` (Prometheus text format) and ``lifecycle`` (a daemon's
+logging, event loop, signals and systemd readiness). It imports only ``protocol``; importing it does nothing.
+"""

@@ -1,0 +1,129 @@
+"""Timelines of what happened to each tensor, as Chrome-trace JSON (open in https://ui.perfetto.dev).
+
+Both daemons (``--timeline FILE``) and the client library (``BPS_TIMELINE``) can
+record one; each writes its own file, and ``python -m bps_runtime.timeline merge
+OUT IN...`` puts several into one view (timestamps are wall-clock microseconds,
+comparable across the processes of one host).
+
+Lanes: one per tensor name for whole-tensor stages (the client's operation, the
+worker's local sum and hand-back), one per partition for the stages of each
+piece (worker: queued, push on the wire, waiting for the sum, pull; server:
+receiving the round's pushes and summing, answering). A slow step shows as a
+long bar; a gap between bars is time nobody worked on that tensor.
+
+The file is written as it goes in the Trace Event "JSON Array Format", whose
+closing bracket is optional, so a daemon that dies still leaves a readable trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from typing import Any, Final, TextIO
+
+# Bytes of events buffered before a write (a trace costs little when off and not much when on).
+FLUSH_BYTES: Final = 1 << 16
+
+
+def now_us() -> int:
+    """Wall-clock time in microseconds: the same clock in every process of a host."""
+    return time.time_ns() // 1000
+
+
+class Timeline:
+    """A trace file being written by one process; thread-safe."""
+
+    def __init__(self, path: str, process: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        self.pid = os.getpid()
+        self._file: TextIO | None = open(path, "w", encoding="utf-8")
+        self._lock = threading.Lock()
+        self._pending: list[str] = []
+        self._pending_bytes = 0
+        self._lanes: dict[str, int] = {}
+        self._file.write("[\n")
+        self._emit({"name": "process_name", "ph": "M", "pid": self.pid, "args": {"name": process}})
+
+    def lane(self, name: str) -> int:
+        """The thread id that shows as the lane called ``name``."""
+        tid = self._lanes.get(name)
+        if tid is None:
+            tid = self._lanes[name] = len(self._lanes) + 1
+            self._emit({"name": "thread_name", "ph": "M", "pid": self.pid, "tid": tid, "args": {"name": name}})
+            self._emit({"name": "thread_sort_index", "ph": "M", "pid": self.pid, "tid": tid,
+                        "args": {"sort_index": tid}})
+        return tid
+
+    def span(self, lane: str, name: str, start_us: int, end_us: int, **args: Any) -> None:
+        """A bar called ``name`` from ``start_us`` to ``end_us`` in lane ``lane``."""
+        event = {"name": name, "ph": "X", "ts": start_us, "dur": max(0, end_us - start_us), "pid": self.pid,
+                 "tid": self.lane(lane)}
+        if args:
+            event["args"] = args
+        self._emit(event)
+
+    def _emit(self, event: dict[str, Any]) -> None:
+        text = json.dumps(event, separators=(",", ":")) + ",\n"
+        with self._lock:
+            if self._file is None:
+                return
+            self._pending.append(text)
+            self._pending_bytes += len(text)
+            if self._pending_bytes >= FLUSH_BYTES:
+                self._flush_locked()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        if self._file is not None and self._pending:
+            self._file.write("".join(self._pending))
+            self._file.flush()
+        self._pending.clear()
+        self._pending_bytes = 0
+
+    def close(self) -> None:
+        with self._lock:
+            self._flush_locked()
+            if self._file is not None:
+                self._file.write("{}]\n")  # an empty event keeps the array valid after the trailing comma
+                self._file.close()
+                self._file = None
+
+
+def load(path: str) -> list[dict[str, Any]]:
+    """The events of a trace file, also of one whose writer died before closing it."""
+    text = open(path, encoding="utf-8").read().rstrip()
+    if not text.endswith("]"):
+        text = text.rstrip(",") + "]"
+    return [e for e in json.loads(text) if e]
+
+
+def merge(out: str, inputs: list[str]) -> int:
+    events: list[dict[str, Any]] = []
+    for path in inputs:
+        events.extend(load(path))
+    with open(out, "w", encoding="utf-8") as fh:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fh)
+    return len(events)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bps_runtime.timeline", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("merge", help="merge trace files into one (for Perfetto)")
+    m.add_argument("out")
+    m.add_argument("inputs", nargs="+")
+    args = p.parse_args(argv)
+    count = merge(args.out, args.inputs)
+    print(f"{args.out}: {count} events from {len(args.inputs)} files")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
