@@ -12,7 +12,9 @@ processes only attach (:func:`attach_segment`), and close the descriptor at once
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
@@ -20,10 +22,30 @@ from multiprocessing import resource_tracker
 from typing import Callable, Final
 
 
-__all__ = ["SEGMENT_PREFIX", "Arena", "Slot", "attach_segment", "create_segment", "owned_by", "release",
-           "segment_name"]
+__all__ = ["SEGMENT_PREFIX", "SHM_DIR", "Arena", "SegmentSpaceError", "Slot", "attach_segment", "create_segment",
+           "owned_by", "reclaim_dead", "release", "segment_name"]
 
 SEGMENT_PREFIX: Final = "bps_"
+SHM_DIR: Final = "/dev/shm"  # where Linux keeps POSIX shared memory (glibc's shm_open)
+
+
+class SegmentSpaceError(OSError):
+    """Shared memory cannot back a new segment: its file system (``/dev/shm``) has no room for it.
+
+    Raised when the segment is created, so that a full ``/dev/shm`` is an error naming the size, never a
+    SIGBUS in whichever process first touches a page that cannot be backed.
+    """
+
+    def __init__(self, nbytes: int, directory: str = SHM_DIR) -> None:
+        try:
+            st = os.statvfs(directory)
+            free = f"{st.f_bavail * st.f_frsize} of {st.f_blocks * st.f_frsize} bytes free"
+        except OSError:
+            free = "free space unknown"
+        super().__init__(errno.ENOSPC, f"no room for {nbytes} bytes of shared memory in {directory} ({free}); "
+                                       f"give the machine (or container: docker --shm-size) a larger {directory}")
+        self.nbytes = nbytes
+        self.directory = directory
 
 
 def segment_name(worker_id: int) -> str:
@@ -81,10 +103,53 @@ def create_segment(name: str, nbytes: int, mode: int = 0o600) -> SharedMemory:
     Created owner-only, then opened up to ``mode`` (e.g. 0o660 for a shared group).
     """
     seg = SharedMemory(name=name, create=True, size=max(nbytes, 1))
+    try:
+        # ftruncate alone makes a sparse file: its pages are found missing only when touched (SIGBUS).
+        os.posix_fallocate(seg._fd, 0, seg.size)  # type: ignore[attr-defined]
+    except OSError as exc:
+        release(seg, unlink=True)
+        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+            raise SegmentSpaceError(max(nbytes, 1)) from None
+        raise
     if mode != 0o600:
         os.fchmod(seg._fd, mode)  # type: ignore[attr-defined]
     close_fd(seg)
     return seg
+
+
+def reclaim_dead(worker_id: int, directory: str = SHM_DIR) -> list[str]:
+    """Unlink the segments of worker ``worker_id``'s daemons that are no longer alive; return their names.
+
+    A daemon killed together with its resource tracker (a process-group or cgroup kill) leaves its segments
+    behind; the next daemon of the same worker calls this at start-up. A segment whose creator's pid is
+    alive (even if the pid was reused) is left alone.
+    """
+    pattern = re.compile(rf"{SEGMENT_PREFIX}w{worker_id}_(\d+)_[0-9a-f]+")
+    reclaimed = []
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return []
+    for entry in sorted(entries):
+        match = pattern.fullmatch(entry)
+        if match is None or int(match.group(1)) == os.getpid() or _alive(int(match.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(directory, entry))
+        except OSError:
+            continue
+        reclaimed.append(entry)
+    return reclaimed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
 
 
 # Tensors up to SLAB_ITEM_MAX_BYTES share SLAB_BYTES segments (one mapping and no fd for thousands of biases).

@@ -1,0 +1,91 @@
+"""bps_runtime.segments: reserved pages, a clear error when /dev/shm is full, dead daemons' segments reclaimed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from bps_runtime import segments
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_new_segment_has_its_pages_reserved():
+    """Not sparse: every page is backed when the segment is made (a sparse one SIGBUSes when /dev/shm fills)."""
+    seg = segments.create_segment(segments.segment_name(901), (3 << 20) + 5)
+    try:
+        st = os.stat(os.path.join(segments.SHM_DIR, seg.name))
+        assert st.st_size == seg.size
+        assert st.st_blocks * 512 >= (3 << 20) + 5
+    finally:
+        segments.release(seg, unlink=True)
+
+
+def test_the_segment_name_rule_is_one_rule():
+    name = segments.segment_name(12)
+    assert segments.owned_by(name, 12)
+    assert not segments.owned_by(name, 1)
+    assert not segments.owned_by("bps_w1_2_ab", 12)
+    assert name.startswith(f"bps_w12_{os.getpid()}_")
+
+
+def test_dead_daemons_segments_are_reclaimed_and_live_ones_kept(tmp_path: Path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)
+    live_pid = os.getppid()  # alive for the whole test
+    names = {
+        f"bps_w3_{dead_pid}_0a1b2c": True,       # worker 3, dead creator: reclaimed
+        f"bps_w3_{live_pid}_0a1b2c": False,      # worker 3, live creator
+        f"bps_w3_{os.getpid()}_0a1b2c": False,   # our own
+        f"bps_w4_{dead_pid}_0a1b2c": False,      # another worker's
+        "unrelated_file": False,
+    }
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    reclaimed = segments.reclaim_dead(3, str(tmp_path))
+    assert reclaimed == [n for n, gone in names.items() if gone]
+    assert sorted(os.listdir(tmp_path)) == sorted(n for n, gone in names.items() if not gone)
+
+
+def test_reclaim_ignores_a_missing_directory(tmp_path: Path):
+    assert segments.reclaim_dead(0, str(tmp_path / "nope")) == []
+
+
+SMALL_SHM = textwrap.dedent("""
+    import errno, os, sys
+    sys.path.insert(0, sys.argv[1])
+    from bps_runtime import segments
+    arena = segments.Arena(5)
+    slot, _ = arena.alloc("fits", 2 << 20)
+    try:
+        arena.alloc("too-big", 20 << 20)
+    except segments.SegmentSpaceError as exc:
+        assert exc.errno == errno.ENOSPC and exc.nbytes == 20 << 20, exc
+        print("refused:", exc)
+    else:
+        raise SystemExit("a 20 MiB segment was made in an 8 MiB /dev/shm")
+    left = [n for n in os.listdir("/dev/shm") if n.startswith("bps_w5_")]
+    assert len(left) == 1, left  # the refused segment was removed, the first one is intact
+    arena.view(slot)[:] = b"\\1" * slot.capacity  # every page of the first one is backed: no SIGBUS
+    arena.release_all()
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+def test_a_full_dev_shm_is_an_error_naming_the_size_not_a_sigbus():
+    """A small /dev/shm (Docker's default is 64 MiB) in a private mount namespace."""
+    script = (f"mount -t tmpfs -o size=8m tmpfs {segments.SHM_DIR} && "
+              f"exec {sys.executable} -c '{SMALL_SHM}' {REPO}")
+    result = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"no room for {20 << 20} bytes of shared memory in /dev/shm" in result.stdout, result.stdout
+    assert result.stdout.strip().endswith("ok")
