@@ -1,4 +1,4 @@
-# Everything a fresh machine needs, from a fresh clone: `make demo` and `make test`.
+# Everything a fresh machine needs, from a fresh clone: `make demo` and `make test` (type check, then tests).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -21,6 +21,7 @@ demo: install
 	$(VENV)/bin/bps-launch --config configs/local.toml -- $(PY) examples/train_digits.py
 
 test: install
+	$(PY) -m mypy
 	$(PY) -m pytest
 
 bench: install

@@ -35,7 +35,7 @@ x86); on the server's 4 MiB partitions they run at memory speed (measurements:
 
 Kernels compile on first use and are cached on disk; daemons call
 :func:`warm_up` before they report ready, and it compiles every specialization
-the daemons use, so no job pays for compilation (``tests/test_kernels.py``
+the daemons use, so no job pays for compilation (``tests/pure/test_kernels.py``
 checks that nothing compiles after it).
 """
 
