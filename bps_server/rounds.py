@@ -1,0 +1,571 @@
+"""The Summation Service's round table: which round each partition key is in, and who waits on it.
+
+Theory of operation. A key is ``(tensor name, partition index)``. In synchronous
+mode a worker pushes round ``r + 1`` of a key only after it received the sum of
+round ``r``, and the server sends that sum only once all ``n`` workers pushed
+round ``r``. Hence, for one key, the server only ever sees pushes of its current
+round, except when a round failed somewhere (a mismatch, a worker that gave
+up): then a push of a *later* round means its sender has moved on, and the
+current, incomplete round is abandoned (its waiters get an error). Rounds are
+never mixed: every push carries its round and is checked against the key's.
+
+Each push carries a descriptor (dtype, shape, partition offset/count, divisor,
+kind). A descriptor that differs from the round's first one fails the round for
+everyone who pushed it, with a message naming the tensor and both shapes.
+
+A round that waits longer than ``lost_grace_s`` for a worker which is not even
+connected fails, naming it (a worker machine that never came, or died before a
+server restart): connected but slow workers are waited for.
+
+Server restarts. A restarted server knows nothing; the workers reconnect, replay
+the last finished sum of each key they got from its predecessor (``replay``) and
+push again what was in flight. A replayed sum answers the workers that pushed
+that round but never got its sum; a replayer's push of the next round waits
+until every worker has either replayed the round or been answered. So no round
+is lost or summed twice, and the bytes are those the predecessor computed.
+
+A worker machine that comes back (its daemon restarted, or a new job's processes
+on it while other machines' processes keep training) numbers its local rounds
+from 0; before the first round of each name it asks the server holding that
+name's partition 0 which round that is (:meth:`RoundTable.round_for`) and offsets
+all its pushes of the name by the answer, so it joins the round the others are in.
+
+Deterministic mode (``cluster.deterministic``): floating-point addition is not
+associative, so the sum depends on the order in which pushes arrive. With it on,
+each key keeps every contribution of the round until the last one arrives and
+then sums them in worker-id order in one pass (``kernels.sum_into``), so repeated
+runs give identical bytes. The cost is memory: up to ``n`` received partitions
+per key in flight instead of one accumulator (a borrowed shared-memory
+contribution costs nothing), and the sum starts only when the last push is in,
+so summing no longer overlaps receiving. float16 and bfloat16 always take this
+path: one pass that reads every half-precision input once, adds in float32
+registers and rounds once moves 3 bytes per 2-byte element for two workers,
+where a float32 accumulator moves 5 per input (and needs a rounding pass).
+
+The table and its driver. :class:`RoundTable` makes every one of these decisions
+and does nothing else: no asyncio, no locks, no threads, no clock (the caller
+passes ``now``), no logging. Each event method returns a list of *actions*
+(small frozen dataclasses below) that the driver (``bps_server.aggregator``)
+carries out in order: answer or fail waiters, add a payload to an accumulator,
+start a grace timer, push held pushes again, log a note. Waiters are opaque to
+the table (``W``: the driver's reply/fail callbacks).
+
+Summing takes time, and the driver awaits it; meanwhile the round may fail, be
+answered by a replay, or be superseded. So every :class:`Add` and :class:`SumAll`
+carries the round's :class:`Token`, and after any suspension the driver asks the
+table once: :meth:`RoundTable.current` before it starts, :meth:`RoundTable.added`
+after an addition, :meth:`RoundTable.complete` once the sum is ready. Each of
+those answers "nothing to do" for a token whose round is no longer the key's
+open one, so a stale sum is dropped without the driver knowing why.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Generic, TypeVar, Union
+
+import numpy as np
+
+from protocol import dtypes
+from protocol.messages import Push
+
+Key = tuple[str, int]
+W = TypeVar("W")
+
+
+def describe(push: Push) -> str:
+    """A push's descriptor as a reader knows it: ``float32[2,2] (average over 4)``."""
+    shape = "[" + ",".join(str(d) for d in push.shape) + "]"
+    extra = ""
+    if push.kind != "sum":
+        extra += f" ({push.kind})"
+    if push.divisor != 1:
+        extra += f" (average over {push.divisor})"
+    return f"{push.dtype}{shape}{extra}"
+
+
+def descriptor(push: Push) -> tuple[object, ...]:
+    """What every push of one round must agree on."""
+    return (push.dtype, tuple(push.shape), push.offset, push.count, push.divisor, push.kind)
+
+
+# -- what the table holds ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """Names one round of one key: ``gen`` is unique per round opened by this table."""
+
+    key: Key
+    round: int
+    gen: int
+
+
+@dataclass(frozen=True, slots=True)
+class Waiter(Generic[W]):
+    """A push waiting for its round's sum, with the driver's handle to answer it."""
+
+    push: Push
+    handle: W
+
+
+@dataclass(frozen=True, slots=True)
+class Held(Generic[W]):
+    """A replayer's push of the round after a replayed one, held until that round settles."""
+
+    push: Push
+    payload: np.ndarray
+    borrowed: bool
+    handle: W
+
+
+@dataclass(slots=True)
+class Restart(Generic[W]):
+    """A round's state after a server restart (see "Server restarts"): the sum a worker replayed,
+    who replayed it, who was answered with it, and the replayers' held next-round pushes."""
+
+    result: np.ndarray | None = None
+    replayers: set[int] = field(default_factory=set)
+    answered: set[int] = field(default_factory=set)
+    held_next: list[Held[W]] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class Round(Generic[W]):
+    """The open round of one key, as the table owns it. The accumulator is not here: it is the
+    driver's, and lives as long as one :class:`Token`."""
+
+    key: Key
+    round: int
+    gen: int
+    opened: float = 0.0  # the caller's clock at the round's first push (or replay)
+    first: Push | None = None  # the descriptor every later push must match
+    waiters: dict[int, Waiter[W]] = field(default_factory=dict)  # worker -> its push of this round
+    added: int = 0  # contributions the driver has summed into the accumulator
+    held: dict[int, tuple[np.ndarray, bool]] = field(default_factory=dict)  # one-pass sums: worker -> (data, borrowed)
+    failed: str | None = None
+    previous_failure: tuple[int, str] | None = None  # (round, why) of the round before, if it failed
+    restart: Restart[W] = field(default_factory=Restart)
+
+    @property
+    def token(self) -> Token:
+        return Token(self.key, self.round, self.gen)
+
+    @property
+    def busy(self) -> bool:
+        """Someone pushed or replayed this round and it has not failed."""
+        return bool(self.waiters or self.restart.replayers) and self.failed is None
+
+
+# -- what the table asks the driver to do --------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Fail(Generic[W]):
+    """Fail one push with ``reason`` (a stale or duplicate push, or one of a failed round)."""
+
+    push: Push
+    handle: W
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class FailRound(Generic[W]):
+    """A round failed: count and log it, then carry out ``fails`` (its waiters and held pushes)."""
+
+    key: Key
+    round: int
+    reason: str
+    fails: tuple[Fail[W], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Answer(Generic[W]):
+    """Answer these waiters with ``result`` (a sum replayed after a restart)."""
+
+    waiters: tuple[Waiter[W], ...]
+    result: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class Add:
+    """Add ``payload`` to the accumulator of round ``token``, then call :meth:`RoundTable.added`."""
+
+    token: Token
+    push: Push
+    payload: np.ndarray
+    borrowed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SumAll:
+    """Sum ``inputs`` (in this order: worker-id order) in one pass, then call :meth:`RoundTable.complete`."""
+
+    token: Token
+    push: Push  # the last push: dtype, divisor and count of the round
+    inputs: tuple[np.ndarray, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Complete(Generic[W]):
+    """Round ``round`` of ``key`` is summed: answer ``waiters`` with the sum (from :meth:`RoundTable.complete`)."""
+
+    key: Key
+    round: int
+    opened: float
+    waiters: tuple[Waiter[W], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """A round was settled with a replayed sum (every worker replayed it or was answered)."""
+
+    key: Key
+    round: int
+
+
+@dataclass(frozen=True, slots=True)
+class Redispatch(Generic[W]):
+    """Push these held pushes again, from the event loop, after the current event."""
+
+    held: tuple[Held[W], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StartGrace:
+    """In ``lost_grace_s``, call :meth:`RoundTable.grace_expired` with ``(worker, gone, why)``."""
+
+    worker: int
+    gone: int
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    """Every worker reset: the state of ``keys`` keys was dropped (drop any accumulators too)."""
+
+    keys: int
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """Something worth a log line at ``level`` that changes no round."""
+
+    level: int
+    message: str
+
+
+Action = Union[Fail[W], FailRound[W], Answer[W], Add, SumAll, Settled, Redispatch[W], StartGrace, Cleared, Note]
+
+
+class RoundTable(Generic[W]):
+    """Every decision about every key's rounds (see the module docstring); returns actions, does nothing.
+
+    ``connected(worker)``: whether the worker daemon holds a connection now (a query of the server's
+    state, asked only by :meth:`sweep` and when a worker's numbering restarts).
+    """
+
+    def __init__(self, n_workers: int, *, lost_grace_s: float = 30.0, deterministic: bool = False,
+                 connected: Callable[[int], bool] = lambda worker: True) -> None:
+        self.n_workers = n_workers
+        self.lost_grace_s = lost_grace_s
+        self.deterministic = deterministic
+        self.connected = connected
+        self.keys: dict[Key, Round[W]] = {}
+        self._gen = 0
+        # Workers whose connection dropped and which did not come back within lost_grace_s:
+        # rounds that need them fail at once instead of waiting.
+        self.lost_workers: set[int] = set()
+        self._gone: dict[int, int] = {}  # worker -> number of its latest disconnection or reset
+        self._gone_count = 0
+        self._reset: set[int] = set()  # workers without training processes since their last push
+        self._epochs: dict[int, str] = {}  # each worker's round numbering (Hello.epoch, Reset.epoch)
+        # Workers whose numbering restarted while other workers were mid-job: they rejoin (round_for).
+        self._rejoining: set[int] = set()
+
+    # -- a round's life --------------------------------------------------------------
+    def current(self, token: Token) -> bool:
+        """Whether ``token``'s round is still the key's open round and still needs its sum."""
+        st = self.keys.get(token.key)
+        return st is not None and st.gen == token.gen and st.failed is None and st.restart.result is None
+
+    def push(self, push: Push, payload: np.ndarray, handle: W, now: float, *,
+             borrowed: bool = False) -> list[Action[W]]:
+        """One worker's contribution to a round. ``borrowed``: ``payload`` is the colocated worker's
+        memory (it is only ever read, never kept past the round)."""
+        key = (push.name, push.part)
+        st = self.keys.get(key) or self._open(key, push.round)
+        if push.round < st.round:
+            if st.previous_failure is not None and st.previous_failure[0] == push.round:
+                return [Fail(push, handle, st.previous_failure[1])]  # a late push to a failed round: tell it why
+            return [Fail(push, handle, f"tensor {push.name!r} part {push.part}: stale round {push.round}, "
+                                       f"the server is at round {st.round}")]
+        if push.round == st.round + 1 and push.worker in st.restart.replayers and st.failed is None:
+            st.restart.held_next.append(Held(push, payload, borrowed, handle))  # see "Server restarts"
+            return []
+        actions: list[Action[W]] = []
+        if push.round > st.round:
+            if st.busy:
+                actions.append(self._fail_round(st, f"tensor {push.name!r} round {st.round} abandoned: worker "
+                                                    f"{push.worker} moved on to round {push.round}"))
+            failed = (st.round, st.failed) if st.failed is not None else None
+            st = self._open(key, push.round)
+            st.previous_failure = failed
+        if push.worker in self._gone or push.worker in self._reset:
+            self.worker_joined(push.worker)  # a push means its processes are back
+        refusal = self._refusal(st, push)
+        if refusal is not None:
+            return actions + [Fail(push, handle, refusal)]
+        if st.first is None:
+            st.first = push
+            if not st.restart.replayers:
+                st.opened = now
+        elif descriptor(st.first) != descriptor(push):
+            st.waiters[push.worker] = Waiter(push, handle)
+            return actions + [self._fail_round(st, f"tensor {push.name!r} mismatch: worker {st.first.worker} "
+                                                   f"pushed {describe(st.first)} but worker {push.worker} "
+                                                   f"pushed {describe(push)}")]
+        waiter = st.waiters[push.worker] = Waiter(push, handle)
+        if st.restart.result is not None:  # the sum is known from a replay
+            st.restart.answered.add(push.worker)
+            return actions + [Answer((waiter,), st.restart.result), *self._settle(st)]
+        if self.deterministic or push.dtype in dtypes.HALF_TYPES:
+            # Keep every contribution, then one pass over all of them in worker-id order (see the module
+            # docstring): deterministic, and for half types cheaper than a float32 accumulator.
+            st.held[push.worker] = (payload, borrowed)
+            if len(st.held) < self.n_workers:
+                return actions
+            inputs = tuple(st.held[worker][0] for worker in sorted(st.held))
+            st.held.clear()
+            return actions + [SumAll(st.token, push, inputs)]
+        return actions + [Add(st.token, push, payload, borrowed)]
+
+    def _refusal(self, st: Round[W], push: Push) -> str | None:
+        """Why a push of the key's open round cannot join it, if it cannot."""
+        if st.failed is not None:
+            return st.failed
+        if push.worker in st.waiters:
+            return f"tensor {push.name!r} part {push.part}: worker {push.worker} pushed round {push.round} twice"
+        missing = self.lost_workers - set(st.waiters)
+        if missing:
+            return (f"worker {min(missing)} is gone (disconnected, or no training processes for longer than "
+                    f"{self.lost_grace_s:g} s); round {push.round} of {push.name!r} cannot complete")
+        return None
+
+    def added(self, token: Token) -> bool:
+        """The driver summed one more contribution of ``token``'s round into its accumulator; whether
+        that was the last one (False, too, when the round is no longer current: drop the sum)."""
+        if not self.current(token):
+            return False
+        st = self.keys[token.key]
+        st.added += 1
+        return st.added == self.n_workers
+
+    def complete(self, token: Token) -> Complete[W] | None:
+        """The sum of ``token``'s round is ready: open the next round and say whom to answer;
+        None if the round failed or was superseded while the sum was being made."""
+        if not self.current(token):
+            return None
+        st = self.keys[token.key]
+        self._open(token.key, st.round + 1)
+        return Complete(token.key, st.round, st.opened, tuple(st.waiters.values()))
+
+    def round_for(self, name: str, part: int, worker: int) -> int:
+        """The round ``worker``'s next push of key (name, part) belongs to, for a worker whose round
+        numbering starts afresh (see RoundQuery). 0 when no other worker was mid-job as the worker's
+        numbering started (every worker starts a job together); for a rejoining worker, the round the
+        others are in, or the next one if that one failed or already has the worker."""
+        st = self.keys.get((name, part))
+        if st is None or worker not in self._rejoining:
+            return 0
+        done = (st.failed is not None or worker in st.waiters or worker in st.restart.replayers
+                or worker in st.restart.answered)
+        return st.round + (1 if done else 0)
+
+    def abort(self, name: str, part: int, round_: int, worker: int, message: str) -> list[Action[W]]:
+        """A worker gave up a round: fail it for every worker (now and for late pushes)."""
+        key = (name, part)
+        st = self.keys.get(key)
+        actions: list[Action[W]] = []
+        if st is not None and round_ > st.round and st.waiters and st.failed is None:
+            actions.append(self._fail_round(st, f"tensor {name!r} round {st.round} abandoned: worker {worker} "
+                                                f"aborted round {round_}"))
+        if st is None or round_ > st.round:
+            st = self._open(key, round_)
+        if st.round == round_ and st.failed is None:
+            actions.append(self._fail_round(st, f"tensor {name!r} round {round_} aborted by worker {worker}: "
+                                                f"{message}"))
+        return actions
+
+    # -- after a restart ---------------------------------------------------------------
+    def replay(self, push: Push, data: np.ndarray, now: float) -> list[Action[W]]:
+        """A worker's copy of a round's sum from this server's previous run (see "Server restarts")."""
+        key = (push.name, push.part)
+        st = self.keys.get(key) or self._open(key, push.round)
+        actions: list[Action[W]] = []
+        if push.round > st.round and st.failed is None and not st.waiters:
+            # A later round finished on our predecessor, so every worker pushed it, so nobody can
+            # still need this one: what was held for the later round waits there now.
+            held = st.restart.held_next
+            st = self._open(key, push.round)
+            actions.append(Redispatch(tuple(held)))  # they run once this replay is recorded
+        if push.round != st.round or st.failed is not None:
+            return actions + [Note(logging.INFO, f"ignoring worker {push.worker}'s replay of {push.name!r} part "
+                                                 f"{push.part} round {push.round}: the server is at round "
+                                                 f"{st.round}{' (failed)' if st.failed else ''}")]
+        if st.first is not None and descriptor(st.first) != descriptor(push):
+            return actions + [Note(logging.WARNING, f"ignoring worker {push.worker}'s replay of {push.name!r} "
+                                                    f"part {push.part}: {describe(push)}, but the round's pushes "
+                                                    f"are {describe(st.first)}")]
+        restart = st.restart
+        if restart.result is None:
+            restart.result = np.array(data, copy=True)  # `data` may be the worker's memory
+        if not restart.replayers and st.first is None:
+            st.opened = now
+        restart.replayers.add(push.worker)
+        unanswered = tuple(w for worker, w in st.waiters.items() if worker not in restart.answered)
+        restart.answered.update(w.push.worker for w in unanswered)
+        if unanswered:
+            actions.append(Answer(unanswered, restart.result))
+        return actions + self._settle(st)
+
+    def _settle(self, st: Round[W]) -> list[Action[W]]:
+        """Once every worker replayed the round or got its replayed sum, move on and let the held
+        next-round pushes in."""
+        if len(st.restart.replayers | st.restart.answered) < self.n_workers or self.keys.get(st.key) is not st:
+            return []
+        self._open(st.key, st.round + 1)
+        return [Settled(st.key, st.round), Redispatch(tuple(st.restart.held_next))]
+
+    # -- workers coming and going ------------------------------------------------------
+    def sweep(self, now: float) -> list[Action[W]]:
+        """Fail every round that has waited longer than ``lost_grace_s`` (since its first push) for a
+        worker that is not connected or has no training processes (reset and not pushed since); the
+        server calls this periodically."""
+        actions: list[Action[W]] = []
+        for st in list(self.keys.values()):
+            if not st.busy or now - st.opened < self.lost_grace_s:
+                continue
+            waiting = set(range(self.n_workers)) - set(st.waiters) - st.restart.replayers - st.restart.answered
+            absent = sorted(w for w in waiting if not self.connected(w) or w in self._reset)
+            if absent:
+                why = "has no training processes" if self.connected(absent[0]) else "is not connected to this server"
+                actions.append(self._fail_round(st, f"worker {absent[0]} {why} (waited {self.lost_grace_s:g} s); "
+                                                    f"round {st.round} of {st.key[0]!r} cannot complete"))
+        return actions
+
+    def worker_lost(self, worker: int) -> list[Action[W]]:
+        """The worker daemon's connection dropped: fail every incomplete round still waiting for it.
+
+        Rounds started later wait up to ``lost_grace_s`` for the worker to come back (a
+        restarted daemon); after that they fail at once until it pushes again.
+        """
+        actions: list[Action[W]] = [self._mark_gone(worker, "is disconnected")]
+        self._reset.add(worker)
+        actions += self._fail_waiting_for(worker, "is disconnected")
+        return actions + self._clear_if_all_reset()
+
+    def grace_expired(self, worker: int, gone: int, why: str) -> list[Action[W]]:
+        """``lost_grace_s`` passed since :class:`StartGrace` ``gone``: if the worker has not come back
+        since, it is lost, and every round waiting for it fails."""
+        if self._gone.get(worker) != gone:
+            return []
+        self.lost_workers.add(worker)
+        return self._fail_waiting_for(worker, why)
+
+    def worker_hello(self, worker: int, epoch: str) -> list[Action[W]]:
+        """A worker daemon connected, with its round numbering (a hello alone does not bring training
+        processes back: the worker stays reset until it pushes)."""
+        self._gone.pop(worker, None)
+        self.lost_workers.discard(worker)
+        previous = self._epochs.get(worker)
+        if epoch:
+            self._epochs[worker] = epoch
+        # A first hello is a job (or this server) starting, not a worker coming back: the workers of a
+        # job do not connect at the same instant, and must not line up with each other's first rounds.
+        if epoch and previous is not None and previous != epoch:
+            self._numbering_restarted(worker)
+            if worker in self._rejoining:
+                return [Note(logging.INFO, f"worker {worker} came back (a new daemon) while other workers are "
+                                           f"mid-job: it rejoins them")]
+        return []
+
+    def worker_reset(self, worker: int, epoch: str = "") -> list[Action[W]]:
+        """The worker has no training processes any more (its job ended or died).
+
+        Every incomplete round fails: none can complete as pushed. Later rounds that need
+        the worker wait up to ``lost_grace_s`` for a new job's processes. Once every worker
+        has reset, all key state is dropped, so the next job starts at round 0 on a clean
+        slate instead of meeting the last job's leftovers.
+        """
+        actions: list[Action[W]] = []
+        for st in list(self.keys.values()):
+            if st.waiters and st.failed is None:
+                actions.append(self._fail_round(st, f"worker {worker} has no training processes left (they "
+                                                    f"exited or died); round {st.round} of {st.key[0]!r} cannot "
+                                                    f"complete"))
+        actions.append(self._mark_gone(worker, "has no training processes"))
+        self._reset.add(worker)
+        if epoch:
+            self._epochs[worker] = epoch
+        cleared = self._clear_if_all_reset()
+        if not cleared:
+            self._numbering_restarted(worker)
+        return actions + cleared
+
+    def worker_joined(self, worker: int) -> None:
+        """The worker is back (a hello, or a push after a reset)."""
+        self._gone.pop(worker, None)
+        self.lost_workers.discard(worker)
+        self._reset.discard(worker)
+
+    def _numbering_restarted(self, worker: int) -> None:
+        others_mid_job = any(w != worker and w not in self._reset and self.connected(w) for w in range(self.n_workers))
+        if self.keys and others_mid_job:
+            self._rejoining.add(worker)
+        else:
+            self._rejoining.discard(worker)
+
+    def _clear_if_all_reset(self) -> list[Action[W]]:
+        """No worker has training processes (or a connection): the job is over everywhere; the next one
+        starts at round 0 on a clean slate."""
+        if len(self._reset) < self.n_workers:
+            return []
+        dropped = len(self.keys)
+        self.keys.clear()
+        self._rejoining.clear()
+        # The next job's workers are waited for afresh (a round fails only if one has still neither
+        # connected nor pushed after the timeout: sweep), not failed at once for having been gone from the
+        # last job. They stay in _reset until they push.
+        self.lost_workers.clear()
+        self._gone.clear()
+        return [Cleared(dropped)]
+
+    def _mark_gone(self, worker: int, why: str) -> StartGrace:
+        self._gone_count += 1
+        self._gone[worker] = self._gone_count
+        return StartGrace(worker, self._gone_count, why)
+
+    def _fail_waiting_for(self, worker: int, why: str) -> list[Action[W]]:
+        return [self._fail_round(st, f"worker {worker} {why}; round {st.round} of {st.key[0]!r} cannot complete")
+                for st in list(self.keys.values())
+                if st.waiters and worker not in st.waiters and st.failed is None]
+
+    # -- internals -----------------------------------------------------------------------
+    def _open(self, key: Key, round_: int) -> Round[W]:
+        self._gen += 1
+        st = self.keys[key] = Round(key, round_, self._gen)
+        return st
+
+    def _fail_round(self, st: Round[W], reason: str) -> FailRound[W]:
+        """Mark the round failed (late pushes of it get ``reason``) and say whom to tell."""
+        st.failed = reason
+        st.held.clear()
+        fails = [Fail(w.push, w.handle, reason) for worker, w in st.waiters.items()
+                 if worker not in st.restart.answered]
+        st.waiters.clear()
+        held_next, st.restart.held_next = st.restart.held_next, []
+        fails += [Fail(h.push, h.handle, f"tensor {h.push.name!r} round {h.push.round} cannot start: round "
+                                         f"{st.round} failed: {reason}") for h in held_next]
+        return FailRound(st.key, st.round, reason, tuple(fails))

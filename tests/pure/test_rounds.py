@@ -1,0 +1,283 @@
+"""The round table's decisions, without sockets, asyncio or a clock: events in, actions out."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+
+from bps_server.rounds import (
+    Add,
+    Answer,
+    Cleared,
+    Complete,
+    Fail,
+    FailRound,
+    Note,
+    Redispatch,
+    RoundTable,
+    Settled,
+    StartGrace,
+    SumAll,
+)
+from protocol.messages import Push
+
+
+def _push(worker: int, *, rnd: int = 0, name: str = "t", part: int = 0, shape: list[int] | None = None,
+          dtype: str = "float32", replay: bool = False) -> Push:
+    shape = [4] if shape is None else shape
+    count = int(np.prod(shape))
+    return Push(req=worker, name=name, part=part, round=rnd, worker=worker, dtype=dtype, shape=shape, offset=0,
+                count=count, replay=replay)
+
+
+def _data(value: float = 1.0) -> np.ndarray:
+    return np.full(4, value, np.float32)
+
+
+def _fails(actions: list) -> dict[str, str]:
+    """handle -> reason of every push failed by these actions (directly or through a failed round)."""
+    out: dict[str, str] = {}
+    for a in actions:
+        for f in (a.fails if isinstance(a, FailRound) else (a,) if isinstance(a, Fail) else ()):
+            out[f.handle] = f.reason
+    return out
+
+
+def _sum_round(table: RoundTable[str], rnd: int, workers: range, now: float = 0.0) -> Complete[str]:
+    """Push, add and complete one round the way the driver does."""
+    adds = [table.push(_push(w, rnd=rnd), _data(), f"w{w}", now) for w in workers]
+    tokens = [a[0].token for a in adds]
+    assert all(isinstance(a[0], Add) for a in adds)
+    assert [table.added(t) for t in tokens] == [False] * (len(tokens) - 1) + [True]
+    done = table.complete(tokens[-1])
+    assert done is not None
+    return done
+
+
+def test_a_round_completes_once_every_worker_added_and_opens_the_next():
+    table: RoundTable[str] = RoundTable(3)
+    done = _sum_round(table, 0, range(3), now=5.0)
+    assert done.round == 0 and done.opened == 5.0 and [w.handle for w in done.waiters] == ["w0", "w1", "w2"]
+    assert table.keys[("t", 0)].round == 1
+
+
+def test_a_stale_push_is_refused_naming_both_rounds():
+    table: RoundTable[str] = RoundTable(1)
+    _sum_round(table, 3, range(1))
+    assert _fails(table.push(_push(0, rnd=2), _data(), "late", 0.0)) == {
+        "late": "tensor 't' part 0: stale round 2, the server is at round 4"}
+
+
+def test_a_later_round_abandons_the_incomplete_one_and_late_pushes_learn_why():
+    table: RoundTable[str] = RoundTable(3)
+    table.push(_push(0, rnd=0), _data(), "w0r0", 0.0)
+    actions = table.push(_push(1, rnd=1), _data(), "w1r1", 0.0)
+    assert isinstance(actions[0], FailRound) and actions[0].round == 0
+    assert _fails(actions) == {"w0r0": "tensor 't' round 0 abandoned: worker 1 moved on to round 1"}
+    assert isinstance(actions[-1], Add) and actions[-1].token.round == 1
+    # a push of the abandoned round, after it: the round's own reason, not "stale"
+    assert _fails(table.push(_push(2, rnd=0), _data(), "w2r0", 0.0)) == {
+        "w2r0": "tensor 't' round 0 abandoned: worker 1 moved on to round 1"}
+
+
+def test_a_descriptor_mismatch_fails_the_round_naming_the_tensor_and_both_shapes():
+    table: RoundTable[str] = RoundTable(3)
+    first = table.push(_push(0, shape=[2, 2]), _data(), "a", 0.0)
+    actions = table.push(_push(1, shape=[4]), _data(), "b", 0.0)
+    why = "tensor 't' mismatch: worker 0 pushed float32[2,2] but worker 1 pushed float32[4]"
+    assert [type(a) for a in actions] == [FailRound] and _fails(actions) == {"a": why, "b": why}
+    assert not table.current(first[0].token)  # the driver drops worker 0's addition
+    assert table.added(first[0].token) is False and table.complete(first[0].token) is None
+    assert _fails(table.push(_push(2, shape=[2, 2]), _data(), "c", 0.0)) == {"c": why}
+    done = _sum_round(table, 1, range(3))  # the next round works
+    assert done.round == 1
+
+
+def test_a_duplicate_push_fails_only_itself():
+    table: RoundTable[str] = RoundTable(2)
+    table.push(_push(0), _data(), "first", 0.0)
+    assert _fails(table.push(_push(0), _data(), "again", 0.0)) == {
+        "again": "tensor 't' part 0: worker 0 pushed round 0 twice"}
+    assert isinstance(table.push(_push(1), _data(), "other", 0.0)[0], Add)
+
+
+def test_deterministic_rounds_hold_every_input_and_sum_them_in_worker_order():
+    table: RoundTable[str] = RoundTable(3, deterministic=True)
+    xs = {w: _data(w) for w in range(3)}
+    assert table.push(_push(2), xs[2], "w2", 0.0) == [] and table.push(_push(0), xs[0], "w0", 0.0) == []
+    (work,) = table.push(_push(1), xs[1], "w1", 0.0)
+    assert isinstance(work, SumAll) and [x[0] for x in work.inputs] == [0.0, 1.0, 2.0]
+    assert table.keys[("t", 0)].held == {}
+    done = table.complete(work.token)
+    assert done is not None and sorted(w.handle for w in done.waiters) == ["w0", "w1", "w2"]
+
+
+def test_half_types_take_the_one_pass_path_without_deterministic_mode():
+    table: RoundTable[str] = RoundTable(1)
+    (work,) = table.push(_push(0, dtype="float16"), np.zeros(4, np.uint16), "w0", 0.0)
+    assert isinstance(work, SumAll)
+
+
+def test_abort_fails_waiters_and_late_pushes():
+    table: RoundTable[str] = RoundTable(3)
+    table.push(_push(0), _data(), "w0", 0.0)
+    actions = table.abort("t", 0, 0, worker=2, message="local mismatch")
+    assert _fails(actions) == {"w0": "tensor 't' round 0 aborted by worker 2: local mismatch"}
+    assert _fails(table.push(_push(1), _data(), "w1", 0.0)) == {
+        "w1": "tensor 't' round 0 aborted by worker 2: local mismatch"}
+
+
+def test_a_replayed_sum_answers_who_missed_it_and_settles_the_round():
+    table: RoundTable[str] = RoundTable(3)
+    total = np.array([1.5, -2.25, 1e-8, 0], np.float32)
+    table.push(_push(1, rnd=4), _data(), "w1", 0.0)
+    actions = table.replay(_push(0, rnd=4, replay=True), total, 1.0)
+    (answer,) = actions
+    assert isinstance(answer, Answer) and [w.handle for w in answer.waiters] == ["w1"]
+    np.testing.assert_array_equal(answer.result, total)
+    actions = table.push(_push(2, rnd=4), _data(7), "w2", 2.0)
+    assert isinstance(actions[0], Answer) and actions[0].waiters[0].handle == "w2"
+    assert actions[1:] == [Settled(("t", 0), 4), Redispatch(())]
+    assert table.keys[("t", 0)].round == 5
+
+
+def test_a_replayers_next_round_is_held_until_the_replayed_round_settles():
+    table: RoundTable[str] = RoundTable(2)
+    table.replay(_push(0, rnd=7, replay=True), _data(3), 0.0)
+    assert table.push(_push(0, rnd=8), _data(1), "w0r8", 0.0) == []  # held, not abandoning round 7
+    assert table.keys[("t", 0)].round == 7
+    actions = table.push(_push(1, rnd=7), _data(9), "w1r7", 0.0)
+    assert isinstance(actions[0], Answer) and isinstance(actions[1], Settled)
+    (redispatch,) = actions[2:]
+    assert isinstance(redispatch, Redispatch) and [h.handle for h in redispatch.held] == ["w0r8"]
+    assert redispatch.held[0].push.round == 8 and table.keys[("t", 0)].round == 8
+
+
+def test_a_held_push_fails_with_its_round_when_the_replayed_round_fails():
+    table: RoundTable[str] = RoundTable(2)
+    table.replay(_push(0, rnd=7, replay=True), _data(3), 0.0)
+    table.push(_push(0, rnd=8), _data(1), "held", 0.0)
+    actions = table.abort("t", 0, 7, worker=1, message="gave up")
+    assert _fails(actions) == {"held": "tensor 't' round 8 cannot start: round 7 failed: tensor 't' round 7 "
+                                       "aborted by worker 1: gave up"}
+
+
+def test_when_everyone_replays_the_round_just_moves_on():
+    table: RoundTable[str] = RoundTable(2)
+    assert table.replay(_push(1, rnd=2, replay=True), _data(), 0.0) == []
+    assert table.replay(_push(0, rnd=2, replay=True), _data(), 0.0) == [Settled(("t", 0), 2), Redispatch(())]
+    assert table.keys[("t", 0)].round == 3
+
+
+def test_a_later_replay_supersedes_an_earlier_one_and_frees_what_was_held():
+    table: RoundTable[str] = RoundTable(2)
+    table.replay(_push(0, rnd=7, replay=True), _data(7), 0.0)
+    table.push(_push(0, rnd=8), _data(1), "w0r8", 0.0)
+    actions = table.replay(_push(1, rnd=8, replay=True), _data(8), 0.0)
+    assert isinstance(actions[0], Redispatch) and [h.handle for h in actions[0].held] == ["w0r8"]
+    assert table.keys[("t", 0)].round == 8 and table.keys[("t", 0)].restart.replayers == {1}
+
+
+def test_stale_or_mismatched_replays_are_ignored_with_a_note():
+    table: RoundTable[str] = RoundTable(2)
+    _sum_round(table, 5, range(2))
+    (note,) = table.replay(_push(0, rnd=4, replay=True), _data(9), 0.0)
+    assert isinstance(note, Note) and note.level == logging.INFO
+    assert note.message == "ignoring worker 0's replay of 't' part 0 round 4: the server is at round 6"
+    table.push(_push(1, rnd=6), _data(), "w1", 0.0)
+    (note,) = table.replay(_push(0, rnd=6, shape=[3], replay=True), np.zeros(3, np.float32), 0.0)
+    assert note.level == logging.WARNING and "float32[3], but the round's pushes are float32[4]" in note.message
+    assert table.keys[("t", 0)].restart.result is None
+
+
+def test_a_replay_during_an_addition_makes_the_addition_stale():
+    table: RoundTable[str] = RoundTable(2)
+    (add,) = table.push(_push(1, rnd=4), _data(), "w1", 0.0)
+    table.replay(_push(0, rnd=4, replay=True), _data(2), 0.0)
+    assert table.added(add.token) is False and table.complete(add.token) is None
+
+
+def test_sweep_fails_a_round_waiting_for_an_unconnected_worker_after_the_grace():
+    connected = {0, 1}
+    table: RoundTable[str] = RoundTable(3, lost_grace_s=10, connected=lambda w: w in connected)
+    for w in (0, 1):
+        table.push(_push(w), _data(), f"w{w}", 100.0)
+    assert table.sweep(109.0) == []  # too early
+    actions = table.sweep(110.5)
+    why = "worker 2 is not connected to this server (waited 10 s); round 0 of 't' cannot complete"
+    assert len(actions) == 1 and _fails(actions) == {"w0": why, "w1": why}
+    slow: RoundTable[str] = RoundTable(3, lost_grace_s=10)  # connected but slow: waited for
+    slow.push(_push(0), _data(), "w0", 100.0)
+    assert slow.sweep(1000.0) == []
+
+
+def test_sweep_fails_a_round_waiting_for_a_worker_without_processes():
+    table: RoundTable[str] = RoundTable(2, lost_grace_s=10)
+    table.worker_reset(1)
+    table.push(_push(0), _data(), "w0", 0.0)
+    assert _fails(table.sweep(11.0)) == {
+        "w0": "worker 1 has no training processes (waited 10 s); round 0 of 't' cannot complete"}
+
+
+def test_a_lost_worker_fails_pending_rounds_now_and_later_ones_once_its_grace_expires():
+    table: RoundTable[str] = RoundTable(2, lost_grace_s=5)
+    table.push(_push(0, name="pending"), _data(), "pending", 0.0)
+    actions = table.worker_lost(1)
+    assert actions[0] == StartGrace(1, actions[0].gone, "is disconnected")
+    assert _fails(actions) == {"pending": "worker 1 is disconnected; round 0 of 'pending' cannot complete"}
+    assert table.push(_push(0, name="later"), _data(), "later", 1.0)[0].__class__ is Add  # may come back
+    gone = actions[0].gone
+    assert _fails(table.grace_expired(1, gone, "is disconnected")) == {
+        "later": "worker 1 is disconnected; round 0 of 'later' cannot complete"}
+    assert "worker 1 is gone" in _fails(table.push(_push(0, name="after"), _data(), "after", 2.0))["after"]
+    table.worker_joined(1)
+    assert isinstance(table.push(_push(0, name="back"), _data(), "back", 3.0)[0], Add)
+
+
+def test_a_grace_timer_of_a_worker_that_came_back_changes_nothing():
+    table: RoundTable[str] = RoundTable(2, lost_grace_s=5)
+    (grace,) = table.worker_lost(1)
+    table.worker_hello(1, "")
+    table.push(_push(0), _data(), "w0", 0.0)
+    assert table.grace_expired(1, grace.gone, grace.why) == [] and not table.lost_workers
+
+
+def test_reset_fails_pending_rounds_and_once_every_worker_reset_clears_all_keys():
+    table: RoundTable[str] = RoundTable(2, lost_grace_s=10)
+    table.push(_push(0, name="x", rnd=7), _data(), "w0", 0.0)
+    actions = table.worker_reset(1)
+    assert _fails(actions) == {"w0": "worker 1 has no training processes left (they exited or died); round 7 "
+                                     "of 'x' cannot complete"}
+    assert not any(isinstance(a, Cleared) for a in actions) and table.keys
+    assert Cleared(1) in table.worker_reset(0)
+    assert table.keys == {}
+    assert isinstance(table.push(_push(0, name="x", rnd=0), _data(), "w0", 0.0)[0], Add)  # round 0 again
+
+
+def test_round_for_a_rejoining_worker_is_the_round_the_others_are_in():
+    table: RoundTable[str] = RoundTable(2)
+    for w in range(2):
+        table.worker_hello(w, f"epoch-{w}")
+    _sum_round(table, 0, range(2))
+    _sum_round(table, 1, range(2))
+    assert table.round_for("t", 0, 1) == 0  # not rejoining: every worker starts a job together
+    (note,) = table.worker_hello(1, "a-new-daemon")
+    assert note.message == "worker 1 came back (a new daemon) while other workers are mid-job: it rejoins them"
+    assert table.round_for("t", 0, 1) == 2
+    table.push(_push(0, rnd=2), _data(), "w0", 0.0)
+    assert table.round_for("t", 0, 1) == 2  # the others' round, still open for it
+    table.push(_push(1, rnd=2), _data(), "w1", 0.0)
+    assert table.round_for("t", 0, 1) == 3  # it already pushed this one
+    assert table.round_for("unknown", 0, 1) == 0
+
+
+def test_tokens_of_past_rounds_are_never_current():
+    table: RoundTable[str] = RoundTable(1)
+    (add,) = table.push(_push(0), _data(), "w0", 0.0)
+    assert table.current(add.token) and table.added(add.token)
+    assert table.complete(add.token) is not None
+    assert not table.current(add.token) and table.complete(add.token) is None
+    replaced = dataclasses.replace(add.token, round=1, gen=add.token.gen + 1)
+    assert table.current(replaced)  # the next round's generation, opened by complete
