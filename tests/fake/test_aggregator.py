@@ -226,10 +226,10 @@ async def test_stale_or_mismatched_replays_are_ignored():
     agg, rec = Aggregator(2), Recorder()
     await _feed(agg, rec, [_push(w, np.ones(2, np.float32), rnd=5) for w in (0, 1)])  # round 5 done here
     agg.replay(*_replay(0, np.full(2, 9.0, np.float32), 4))  # older than the server's round: ignored
-    assert agg.keys[("t", 0)].round == 6 and not agg.keys[("t", 0)].replayers
+    assert agg.keys[("t", 0)].round == 6 and not agg.keys[("t", 0)].restart.replayers
     await _feed(agg, rec, [_push(1, np.ones(2, np.float32), rnd=6)])
     agg.replay(*_replay(0, np.full(3, 9.0, np.float32), 6))  # another shape than the round's pushes
-    assert agg.keys[("t", 0)].result is None
+    assert agg.keys[("t", 0)].restart.result is None
 
 
 async def test_a_round_waiting_for_a_worker_that_is_not_connected_fails_after_the_grace():
