@@ -133,19 +133,19 @@ def make_model(c1: int, c2: int, hidden: int):  # -> torch.nn.Module
 class Probe:
     """Times, in this process, the starts of bps operations (copy into shared memory, send of the request).
 
-    It wraps the start methods of ``bps_worker.client._Connection`` (``start`` and, where the library has it,
-    ``start_filled``), so it sees the pushes of the DistributedOptimizer's hooks whichever one they use.
+    It wraps the start methods of ``bps_worker.client.operations.Operations`` (``start`` and ``start_filled``),
+    so it sees the pushes of the DistributedOptimizer's hooks whichever one they use.
     """
 
     def __init__(self) -> None:
-        from bps_worker import client
+        from bps_worker.client.operations import Operations
 
         self.start = 0.0
         self._depth = 0  # one may call the other (start -> start_filled): time the outermost call only
         for method in ("start", "start_filled"):
-            original = getattr(client._Connection, method, None)
+            original = getattr(Operations, method, None)
             if original is not None:
-                setattr(client._Connection, method, self._timed(original))
+                setattr(Operations, method, self._timed(original))
 
     def _timed(self, original):  # type: ignore[no-untyped-def]
         def timed(*args, **kwargs):  # type: ignore[no-untyped-def]

@@ -131,7 +131,7 @@ def _start(tensor: torch.Tensor, name: str, *, average: bool, priority: int, out
         wire = _client.dtype_name(np.dtype(_NUMPY_OF[tensor.dtype])) if tensor.dtype in _NUMPY_OF else None
         if wire is None:
             raise BPSError(f"unsupported tensor dtype {tensor.dtype}")
-        inner = _client._connection().start_cuda(name, _client.KIND_SUM, wire, tuple(tensor.shape),
+        inner = _client._operations().start_cuda(name, _client.KIND_SUM, wire, tuple(tensor.shape),
                                                  _cuda.describe(output), average=average, priority=priority, root=-1)
         return Handle(inner, output, None)
     direct = output.device.type == "cpu" and output.is_contiguous()
@@ -259,13 +259,13 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
         if wire.dtype not in _WIRE_TYPES:  # bool, uint8, int8, int16 buffers travel exactly as int32
             wire = wire.to(torch.int32)
         data = _to_numpy(wire)
-        handles.append((tensor, wire, _client._connection().start(
+        handles.append((tensor, wire, _client._operations().start(
             data, f"bcast.param.{name}", "broadcast", average=False, priority=0, root=root_rank, out=None)))
     first_error: BPSError | None = None
     with torch.no_grad():
         for tensor, wire, handle in handles:
             try:
-                result = _client._connection().finish(handle, None)
+                result = _client._operations().finish(handle, None)
             except BPSError as exc:  # drain the rest so no name stays in flight
                 first_error = first_error or exc
                 continue
@@ -490,7 +490,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _fill(self, bucket: _Bucket, index: int, grad: torch.Tensor | None) -> None:
         """Copy one gradient (cast for the wire) into the bucket's slot, or zeros where this process has none."""
         if bucket.slot is None:
-            view = _client._connection().shared_array(bucket.name, (bucket.total,), _NUMPY_OF[bucket.dtype])
+            view = _client._operations().shared_array(bucket.name, (bucket.total,), _NUMPY_OF[bucket.dtype])
             bucket.slot = _from_numpy(view)
         p = bucket.params[index]
         part = bucket.slot[bucket.offsets[index]:bucket.offsets[index] + p.numel()]
@@ -504,7 +504,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _start(self, bucket: _Bucket) -> None:
         bucket.slot = None  # no reference to the slot outlives the push (it may move, or close at shutdown)
-        bucket.handle = _client._connection().start_filled(
+        bucket.handle = _client._operations().start_filled(
             bucket.name, "sum", np.dtype(_NUMPY_OF[bucket.dtype]), (bucket.total,), _no_fill, average=True,
             priority=bucket.priority, root=-1, out=None)
 
@@ -532,8 +532,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     # the sum in the bucket's shared slot: read in place, copied once into each .grad.
                     # After an error (a mismatch: then other buckets may never complete), wait at most
                     # the timeout for each of the rest.
-                    wait = None if first_error is None else _client._connection().timeout
-                    out = _client._connection().finish(handle, wait, view=True)
+                    wait = None if first_error is None else _client._operations().timeout
+                    out = _client._operations().finish(handle, wait, view=True)
                 except BPSError as exc:
                     # Keep draining: every handle must be consumed, or its name stays "in flight"
                     # and every later step fails. The first error is raised once all are done.
@@ -548,7 +548,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 bucket.slot = None
                 if bucket.handle is not None:  # _start failed part-way: drain what did start (bounded)
                     with contextlib.suppress(BPSError):
-                        _client._connection().finish(bucket.handle, _client._connection().timeout)
+                        _client._operations().finish(bucket.handle, _client._operations().timeout)
                     bucket.handle = None
             self._passes.clear()
         if first_error is not None:

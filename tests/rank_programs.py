@@ -354,15 +354,15 @@ def results_in_place(sizes: list[int]) -> dict[str, Any]:
     from bps_worker import client
 
     rank, size = bps.rank(), bps.size()
-    conn = client._connection()
+    conn = client._operations()
     exact, segments, attached = [], [], []
     for r, n in enumerate(sizes):
         x = make_input("float32", (n,), rank, seed=r)
         y = bps.push_pull(x, "grow", average=False)
         exact.append(raw(y) == raw(reference("float32", (n,), size, r, average=False))
                      and raw(x) == raw(make_input("float32", (n,), rank, seed=r)))
-        segments.append(conn.results.get("grow"))
-        attached.append(sorted(conn.attached))
+        segments.append(conn.slots.results.get("grow"))
+        attached.append(sorted(conn.slots.attached))
     return {"exact": exact, "segments": segments, "attached": attached}
 
 
@@ -487,7 +487,7 @@ def cuda_push_pulls(n: int) -> dict[str, Any]:
 
 def cuda_description_errors() -> dict[str, str]:
     """Without a GPU: a malformed CUDA description is refused; a well-formed one fails cleanly."""
-    conn = bps._connection()
+    conn = bps._operations()
     out = {}
     for label, desc in (("malformed", [1, 2, 3]),
                         ("no_gpu", [[4], [1], 0, "float32", 0, b"h" * 64, 16, 0, b"r", 0, b"e" * 64, False])):

@@ -1,0 +1,160 @@
+"""The client API for any framework (numpy arrays): ``import bps_worker.client as bps``.
+
+A training process connects to its machine's worker daemon over a Unix socket.
+Only control messages use the socket: each tensor name gets a shared-memory
+slot (created by the daemon, reused across rounds) that the tensor is copied
+into, and the daemon writes the result back into the same slot.
+
+Example::
+
+    import bps_worker.client as bps
+    bps.init()                       # BPS_SOCKET and BPS_LOCAL_RANK / LOCAL_RANK from the environment
+    g = bps.push_pull(grad, "layer1.weight")   # mean over all processes of the cluster
+
+No copies at all: :func:`shared_array` returns the slot itself as an array. Fill
+it, and ``push_pull(a, name, out=a)`` sums it in place, without copying it in or
+out (the daemon reads and writes that very memory)::
+
+    g = bps.shared_array("layer1.weight", (256, 128), np.float32)
+    g[...] = compute_gradient()
+    bps.push_pull(g, "layer1.weight", out=g)
+
+Timeline: with ``BPS_TIMELINE=DIR`` (or ``FILE.json``) every process writes a Chrome trace of its
+operations (copy in, waiting for the daemon, copy out) to ``DIR/rank<N>.json`` (``FILE.rank<N>.json``);
+merge it with the daemons' (``--timeline``) using ``python -m bps_runtime.timeline merge``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from protocol.messages import KIND_BROADCAST, KIND_SUM
+
+from ..errors import BPSConnectionError, BPSError, BPSMismatchError, BPSTimeoutError
+from .arrays import NUMPY_DTYPES, dtype_name
+from .handle import Handle
+from .operations import Operations
+
+__all__ = [
+    "BPSError", "BPSConnectionError", "BPSMismatchError", "BPSTimeoutError", "Handle",
+    "init", "shutdown", "rank", "size", "local_rank", "local_size",
+    "push_pull", "push_pull_async", "poll", "synchronize", "broadcast", "is_initialized", "shared_array",
+]
+
+DEFAULT_TIMEOUT_S: Final = 30.0
+
+_conn: Operations | None = None
+_lock = threading.Lock()
+
+
+def _operations() -> Operations:
+    """The process's operations (the adapter's and the public functions' one way to them)."""
+    conn = _conn
+    if conn is None:
+        raise BPSError("bps_worker.client is not initialized; call init() first")
+    return conn
+
+
+def init(socket: str | None = None, local_rank: int | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Connect this process to its machine's worker daemon.
+
+    ``socket`` defaults to the environment variable ``BPS_SOCKET``; ``local_rank``
+    to ``BPS_LOCAL_RANK``, else ``LOCAL_RANK`` (as set by torchrun). ``timeout``
+    bounds the wait for the daemon to appear, for its answers to control requests, and
+    the silence of a daemon (it pings every second) while an operation is pending.
+    """
+    global _conn
+    with _lock:
+        if _conn is not None:
+            return
+        path = socket or os.environ.get("BPS_SOCKET")
+        if not path:
+            raise BPSError("no worker socket: pass init(socket=...) or set BPS_SOCKET")
+        if local_rank is None:
+            text = os.environ.get("BPS_LOCAL_RANK", os.environ.get("LOCAL_RANK"))
+            if text is None:
+                raise BPSError("no local rank: pass init(local_rank=...) or set BPS_LOCAL_RANK or LOCAL_RANK")
+            try:
+                local_rank = int(text)
+            except ValueError:
+                raise BPSError(f"local rank must be an integer, got {text!r}") from None
+        _conn = Operations(path, local_rank, timeout)
+
+
+def is_initialized() -> bool:
+    return _conn is not None
+
+
+def shutdown() -> None:
+    """Disconnect; the daemon frees this process's shared memory. Safe to call twice."""
+    global _conn
+    with _lock:
+        if _conn is not None:
+            _conn.close()
+            _conn = None
+
+
+def rank() -> int:
+    """Global rank of this process (ranks are numbered worker by worker)."""
+    return _operations().rank
+
+
+def size() -> int:
+    """Training processes in the whole cluster."""
+    return _operations().size
+
+
+def local_rank() -> int:
+    return _operations().local_rank
+
+
+def local_size() -> int:
+    return _operations().local_size
+
+
+def shared_array(name: str, shape: tuple[int, ...], dtype: npt.DTypeLike = np.float32) -> np.ndarray:
+    """The shared-memory slot of tensor ``name`` as an array: use it to avoid every copy.
+
+    ``push_pull(a, name, out=a)`` on it sums in place: the worker daemon reads the
+    input from and writes the result into this memory. The same name always gives
+    the same memory while the size fits (it is reused across rounds); a larger size
+    moves the slot, and arrays from before no longer take part. Passed with another
+    (or no) ``out``, it is left unchanged like any input. Valid until :func:`shutdown`.
+    """
+    return _operations().shared_array(name, tuple(shape), np.dtype(dtype))
+
+
+def push_pull_async(array: np.ndarray, name: str, *, average: bool = True, priority: int = 0,
+                    out: np.ndarray | None = None) -> Handle:
+    """Start summing ``array`` across every process of the cluster (the mean if ``average``)."""
+    return _operations().start(array, name, KIND_SUM, average=average, priority=priority, root=-1, out=out)
+
+
+def poll(handle: Handle) -> bool:
+    """True once the operation finished (successfully or not)."""
+    return handle.done()
+
+
+def synchronize(handle: Handle, timeout: float | None = None) -> np.ndarray:
+    """Wait for ``handle`` and return its result (``out`` if one was given); raise BPSError on failure."""
+    return _operations().finish(handle, timeout)
+
+
+def push_pull(array: np.ndarray, name: str, *, average: bool = True, priority: int = 0,
+              out: np.ndarray | None = None) -> np.ndarray:
+    """Sum (or mean over ``size()``) of ``array`` across every process; identical bytes everywhere."""
+    return synchronize(push_pull_async(array, name, average=average, priority=priority, out=out))
+
+
+def broadcast(array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
+    """``root_rank``'s ``array``, on every process."""
+    conn = _operations()
+    if not isinstance(root_rank, int) or not 0 <= root_rank < conn.size:
+        raise BPSError(f"root_rank must be in 0..{conn.size - 1}, got {root_rank!r}")
+    return conn.finish(conn.start(array, name, KIND_BROADCAST, average=False, priority=0, root=root_rank,
+                                  out=None), None)

@@ -1,0 +1,241 @@
+"""The process's Unix socket to its worker daemon: handshake, a reader thread, and the table of requests.
+
+Only control messages travel here (tensors are in shared memory or CUDA IPC). Two kinds of request wait
+for an answer, keyed by ``req``: operations (a :class:`Handle`, completed by ``Done`` or ``Failure``) and
+control requests (``Alloc``, answered by ``Allocated`` or ``Failure``; see :meth:`Connection.rpc`).
+
+One reader thread receives everything. When the connection breaks (the daemon closed it, sent a bad frame,
+dropped this process, or fell silent for ``timeout`` while something was pending) every waiting request
+fails with one :class:`BPSConnectionError`, and every later request is refused with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket as _socket
+import threading
+import time
+from typing import Final
+
+from protocol import PROTOCOL_VERSION
+from protocol.errors import ProtocolError
+from protocol.frames import FrameReader, encode_header
+from protocol.messages import ROLE_CLIENT, Alloc, Allocated, Done, Failure, Hello, Message, Welcome, parse, to_header
+
+from bps_runtime.timeline import now_us
+
+from ..errors import BPSConnectionError, BPSError, BPSMismatchError, BPSTimeoutError
+from .handle import Handle
+
+__all__ = ["CONNECT_RETRY_S", "Connection"]
+
+CONNECT_RETRY_S: Final = 0.05  # between attempts while the daemon's socket is not there yet
+
+
+class _FatalFailure(Exception):
+    """The daemon sent a Failure for no request (req -1): it dropped this process."""
+
+
+def failure_error(message: Failure) -> BPSError:
+    """The user's error for an operation's ``Failure`` (chosen by its code, never its text)."""
+    cls = BPSMismatchError if message.code == "mismatch" else BPSError
+    return cls(message.message)
+
+
+class Connection:
+    """The process's connection to its worker daemon (one per process)."""
+
+    def __init__(self, path: str, local_rank: int, timeout: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        self.sock = _connect(path, timeout)
+        self.reader = FrameReader(max_payload_bytes=0)
+        self.send_lock = threading.Lock()
+        self.lock = threading.Lock()  # guards handles, rpcs and broken
+        self.reqs = itertools.count(1)
+        self.handles: dict[int, Handle] = {}
+        self.rpcs: dict[int, tuple[threading.Event, list[Message]]] = {}
+        self.broken: BPSError | None = None
+        self.welcome = self._handshake(local_rank)
+        self.thread = threading.Thread(target=self._read_loop, name="bps-client-reader", daemon=True)
+        self.thread.start()
+
+    def next_req(self) -> int:
+        return next(self.reqs)
+
+    # -- set-up ----------------------------------------------------------------------
+    def _handshake(self, local_rank: int) -> Welcome:
+        """Hello -> Welcome (or a Failure naming why the daemon refuses this local rank)."""
+        self.sock.settimeout(self.timeout)
+        try:
+            self._send(Hello(PROTOCOL_VERSION, ROLE_CLIENT, local_rank, os.getpid()))
+            while True:
+                data = self.sock.recv(65536)
+                if not data:
+                    raise BPSConnectionError(f"worker daemon at {self.path} closed the connection during the "
+                                             f"handshake")
+                frames = self.reader.receive_data(data)
+                if frames:
+                    break
+        except _socket.timeout:
+            self.sock.close()
+            raise BPSTimeoutError(f"worker daemon at {self.path} did not answer within {self.timeout:g} s") \
+                from None
+        except (OSError, ProtocolError) as exc:
+            self.sock.close()
+            raise BPSConnectionError(f"handshake with the worker daemon at {self.path} failed: {exc}") from None
+        except BPSError:
+            self.sock.close()
+            raise
+        self.sock.settimeout(None)
+        message = parse(frames[0].header)
+        if isinstance(message, Failure):
+            self.sock.close()
+            raise BPSError(f"worker daemon at {self.path} refused local rank {local_rank}: {message.message}")
+        if not isinstance(message, Welcome):
+            self.sock.close()
+            raise BPSConnectionError(f"worker daemon at {self.path} answered {message.TYPE} to hello")
+        return message
+
+    # -- requests --------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise the connection's error if it broke."""
+        if self.broken is not None:
+            raise BPSConnectionError(str(self.broken))
+
+    def submit(self, handle: Handle, message: Message) -> None:
+        """Register ``handle`` and send its operation; undone if the send fails."""
+        with self.lock:
+            self.check()
+            self.handles[handle.req] = handle
+        try:
+            self._send(message)
+        except BPSError:
+            with self.lock:
+                self.handles.pop(handle.req, None)
+            raise
+
+    def rpc(self, message: Alloc) -> Message:
+        """Send a control request and wait (at most ``timeout``) for its answer."""
+        event = threading.Event()
+        box: list[Message] = []
+        with self.lock:
+            self.check()
+            self.rpcs[message.req] = (event, box)
+        self._send(message)
+        if not event.wait(self.timeout):
+            with self.lock:
+                self.rpcs.pop(message.req, None)
+            raise BPSTimeoutError(f"worker daemon did not answer {message.TYPE} within {self.timeout:g} s")
+        self.check()
+        return box[0]
+
+    def allocate(self, name: str, nbytes: int) -> tuple[str, int, int]:
+        """Ask the daemon for a slot of ``nbytes`` for tensor ``name``: (segment, offset, capacity)."""
+        reply = self.rpc(Alloc(self.next_req(), name, nbytes))
+        if isinstance(reply, Failure):
+            raise BPSError(reply.message)
+        assert isinstance(reply, Allocated)
+        return reply.segment, reply.offset, reply.nbytes
+
+    # -- I/O -------------------------------------------------------------------------
+    def _send(self, message: Message) -> None:
+        data = encode_header(to_header(message), 0)
+        with self.send_lock:
+            try:
+                self.sock.sendall(data)
+            except OSError as exc:
+                raise BPSConnectionError(f"lost the connection to the worker daemon at {self.path}: {exc}") \
+                    from None
+
+    def _read_loop(self) -> None:
+        reason = "the worker daemon closed the connection"
+        # The daemon pings every second; silence for `timeout` while something is pending means it
+        # stalled (or its machine did), and the process must get an error, not wait for ever.
+        self.sock.settimeout(self.timeout)
+        try:
+            while True:
+                buf = self.reader.get_buffer()
+                try:
+                    n = self.sock.recv_into(buf)
+                except _socket.timeout:
+                    with self.lock:
+                        waiting = bool(self.handles or self.rpcs)
+                    if waiting:
+                        reason = f"the worker daemon sent nothing for {self.timeout:g} s"
+                        try:
+                            self.sock.shutdown(_socket.SHUT_RDWR)
+                        except OSError:
+                            pass
+                        break
+                    continue
+                if n == 0:
+                    break
+                for frame in self.reader.buffer_updated(n):
+                    self._dispatch(parse(frame.header))
+        except ProtocolError as exc:
+            reason = f"the worker daemon sent a bad frame: {exc}"
+        except OSError as exc:
+            reason = f"connection to the worker daemon failed: {exc}"
+        except _FatalFailure as exc:
+            reason = f"the worker daemon dropped this process: {exc}"
+        self._fail_everything(BPSConnectionError(f"{reason} ({self.path})"))
+
+    def _dispatch(self, message: Message) -> None:
+        if isinstance(message, Failure) and message.req == -1:
+            raise _FatalFailure(message.message)
+        req: int = getattr(message, "req", -1)
+        with self.lock:
+            handle = self.handles.pop(req, None) if isinstance(message, (Done, Failure)) else None
+            rpc = self.rpcs.pop(req, None) if handle is None else None
+        if handle is not None:
+            now = now_us() if handle.times is not None else None
+            if isinstance(message, Failure):
+                handle.fail(failure_error(message), now)
+            else:
+                assert isinstance(message, Done)
+                handle.succeed((message.segment, message.offset) if message.segment else None, now)
+        elif rpc is not None:
+            rpc[1].append(message)
+            rpc[0].set()
+
+    def _fail_everything(self, exc: BPSError) -> None:
+        with self.lock:
+            self.broken = exc
+            handles = list(self.handles.values())
+            self.handles.clear()
+            rpcs = list(self.rpcs.values())
+            self.rpcs.clear()
+        for h in handles:
+            h.fail(exc)
+        for event, _ in rpcs:
+            event.set()
+
+    def close(self) -> None:
+        """Shut the socket and wait (briefly) for the reader thread."""
+        try:
+            self.sock.shutdown(_socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self.thread.join(timeout=5.0)
+
+
+def _connect(path: str, timeout: float) -> _socket.socket:
+    """A connected Unix socket; retries while the daemon's socket does not exist (yet) or refuses."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+            return sock
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise BPSConnectionError(f"no worker daemon listens on {path} (waited {timeout:g} s): "
+                                         f"{exc.strerror}") from None
+            time.sleep(CONNECT_RETRY_S)
+        except OSError as exc:
+            sock.close()
+            raise BPSConnectionError(f"cannot connect to the worker daemon at {path}: {exc}") from None

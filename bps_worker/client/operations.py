@@ -1,0 +1,195 @@
+"""Operations of one process: start (fill the name's slot, send the Op), finish (wait, hand the result back).
+
+:class:`Operations` is the state behind ``import bps_worker.client as bps``: the :class:`Connection`, the
+:class:`SlotMap`, the table of names in flight (a name is pushed at most once at a time per process) and the
+process's timeline. Framework layers reach it through :mod:`bps_worker.client.adapter`.
+
+An operation's life: ``start_filled`` gets the name's slot, lets the caller write the input straight into it,
+and submits the ``Op``; the reader thread completes the :class:`Handle`; ``finish`` waits for it and returns
+``out``, a copy of the result, or (``view``) the shared memory that holds it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from math import prod
+from typing import Any, Callable
+
+import numpy as np
+
+from protocol import dtypes
+from protocol.messages import Op
+
+from bps_runtime.timeline import Timeline, now_us
+
+from ..errors import BPSError, BPSTimeoutError
+from .arrays import NUMPY_DTYPES, dtype_name, same_memory, view_of
+from .connection import Connection
+from .handle import Handle
+from .slots import SlotMap
+
+__all__ = ["Fill", "Operations"]
+
+# Writes an operation's input into the view of its shared slot (framework layers assemble inputs in place).
+Fill = Callable[[np.ndarray], None]
+
+
+class Operations:
+    """The process's connection to its worker daemon and its operations (one per process)."""
+
+    def __init__(self, path: str, local_rank: int, timeout: float) -> None:
+        self.conn = Connection(path, local_rank, timeout)
+        self.timeout = timeout
+        welcome = self.conn.welcome
+        self.rank, self.size = welcome.rank, welcome.size
+        self.local_rank, self.local_size = welcome.local_rank, welcome.local_size
+        self.worker = welcome.worker
+        self.slots = SlotMap(self.conn.allocate)
+        self.lock = threading.Lock()  # guards inflight
+        self.inflight: dict[str, Handle] = {}
+        self.timeline = _open_timeline(self.rank)
+
+    # -- starting --------------------------------------------------------------------
+    def start(self, array: np.ndarray, name: str, kind: str, *, average: bool, priority: int, root: int,
+              out: np.ndarray | None) -> Handle:
+        """Copy ``array`` into its slot (unless it is the slot: a shared array) and start the operation."""
+        array = np.asarray(array)
+
+        def fill(view: np.ndarray) -> None:
+            if not same_memory(view, array):
+                np.copyto(view, array)
+
+        return self.start_filled(name, kind, array.dtype, array.shape, fill, average=average, priority=priority,
+                                 root=root, out=out)
+
+    def shared_array(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """The slot of ``name`` as an array of ``shape`` and ``dtype`` (see ``bps.shared_array``)."""
+        if not isinstance(name, str) or not name:
+            raise BPSError(f"tensor name must be a non-empty string, got {name!r}")
+        dtype = np.dtype(dtype)
+        dtype_name(dtype)
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise BPSError(f"tensor {name!r}: negative dimension in shape {shape}")
+        with self.lock:
+            if name in self.inflight:
+                raise BPSError(f"tensor {name!r} is in flight in this process; synchronize it first")
+        seg, offset = self.slots.slot_for(name, prod(shape) * dtype.itemsize)
+        return view_of(seg.buf, dtype, shape, offset)
+
+    def start_filled(self, name: str, kind: str, dtype: np.dtype, shape: tuple[int, ...], fill: Fill, *,
+                     average: bool, priority: int, root: int, out: np.ndarray | None) -> Handle:
+        """Start an operation whose input ``fill(view)`` writes straight into the shared slot.
+
+        Framework layers use it to assemble an input in place (no staging copy).
+        """
+        if not isinstance(name, str) or not name:
+            raise BPSError(f"tensor name must be a non-empty string, got {name!r}")
+        dtype = np.dtype(dtype)
+        wire = dtype_name(dtype)
+        shape = tuple(shape)
+        if average and wire not in dtypes.FLOAT_TYPES:
+            raise BPSError(f"tensor {name!r}: average=True needs a floating dtype, got {wire}; pass average=False")
+        if out is not None:
+            if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype:
+                raise BPSError(f"tensor {name!r}: out must be a numpy array of shape {shape} and dtype {dtype}")
+            if not out.flags.writeable:
+                raise BPSError(f"tensor {name!r}: out is read-only")
+        self.conn.check()
+        if name in self.inflight:
+            raise BPSError(f"tensor {name!r} is already in flight in this process; synchronize it first")
+        t_start = now_us() if self.timeline is not None else 0
+        seg, offset = self.slots.slot_for(name, prod(shape) * dtype.itemsize)
+        view = view_of(seg.buf, dtype, shape, offset)
+        fill(view)
+        in_place = out is not None and same_memory(view, out)
+        del view
+        handle = Handle(self.conn.next_req(), name, dtype, shape, out, seg, offset, in_place=in_place)
+        if self.timeline is not None:
+            handle.times = [t_start, now_us(), 0]
+        return self._submit(handle, Op(handle.req, name, kind, wire, list(shape), seg.name, average=average,
+                                       priority=priority, root=root, offset=offset, handback=in_place))
+
+    def start_cuda(self, name: str, kind: str, wire: str, shape: tuple[int, ...], description: list[Any], *,
+                   average: bool, priority: int, root: int) -> Handle:
+        """Start an operation on a CUDA tensor that the daemon opens through CUDA IPC and writes in place
+        (``description`` from :func:`bps_runtime.cuda.describe`); its result is the tensor itself."""
+        if average and wire not in dtypes.FLOAT_TYPES:
+            raise BPSError(f"tensor {name!r}: average=True needs a floating dtype, got {wire}; pass average=False")
+        self.conn.check()
+        if name in self.inflight:
+            raise BPSError(f"tensor {name!r} is already in flight in this process; synchronize it first")
+        handle = Handle(self.conn.next_req(), name, NUMPY_DTYPES[wire], tuple(shape), None, in_place=True)
+        return self._submit(handle, Op(handle.req, name, kind, wire, list(shape), "", average=average,
+                                       priority=priority, root=root, cuda=description))
+
+    def _submit(self, handle: Handle, op: Op) -> Handle:
+        """Register ``handle`` and send its ``op``; undone if the send fails."""
+        with self.lock:
+            self.inflight[handle.name] = handle
+        try:
+            self.conn.submit(handle, op)
+        except BPSError:
+            with self.lock:
+                self.inflight.pop(handle.name, None)
+            raise
+        return handle
+
+    # -- finishing -------------------------------------------------------------------
+    def finish(self, handle: Handle, timeout: float | None, view: bool = False) -> np.ndarray:
+        """Wait for ``handle``; its result (``out``, a copy, or with ``view`` the shared memory that holds it,
+        read-only and valid until the next operation on the same name)."""
+        if handle.consumed:
+            raise BPSError(f"handle of {handle.name!r} was already synchronized")
+        if not handle.wait(timeout):
+            raise BPSTimeoutError(f"tensor {handle.name!r} did not complete within {timeout:g} s")
+        handle.consumed = True
+        with self.lock:
+            if self.inflight.get(handle.name) is handle:
+                del self.inflight[handle.name]
+        if handle.error is not None:
+            raise handle.error
+        t_copy = now_us() if handle.times is not None else 0
+        if handle.result_at is not None:
+            segment, handle.offset = handle.result_at
+            handle.segment = self.slots.result_segment(handle.name, segment)
+        result: Any
+        if handle.in_place:  # `out` is the slot itself (or a CUDA tensor): the daemon wrote the result there
+            result = handle.out
+        elif handle.out is not None:
+            np.copyto(handle.out, handle.result_view())
+            result = handle.out
+        elif view:
+            result = handle.result_view()  # may be the worker's results segment: read it, never write it
+        else:
+            result = handle.result_view().copy()
+        if handle.times is not None and self.timeline is not None:
+            self._trace(handle, t_copy)
+        return result
+
+    def _trace(self, handle: Handle, t_copy: int) -> None:
+        """The operation's spans on the timeline: the whole, copy in, the daemon's part, copy out."""
+        assert self.timeline is not None and handle.times is not None
+        start, filled, done = handle.times
+        nbytes = prod(handle.shape) * handle.dtype.itemsize
+        self.timeline.span(handle.name, "push_pull", start, now_us(), bytes=nbytes, in_place=handle.in_place)
+        self.timeline.span(handle.name, "copy in", start, filled)
+        self.timeline.span(handle.name, "worker daemon", filled, done)
+        self.timeline.span(handle.name, "copy out", t_copy, now_us())
+
+    def close(self) -> None:
+        """Disconnect and unmap every segment; the daemon frees this process's shared memory."""
+        self.conn.close()
+        self.slots.close()
+        if self.timeline is not None:
+            self.timeline.close()
+
+
+def _open_timeline(rank: int) -> Timeline | None:
+    """The process's trace file if BPS_TIMELINE asks for one (a directory, or a FILE.json to number)."""
+    target = os.environ.get("BPS_TIMELINE")
+    if not target:
+        return None
+    path = f"{target[:-5]}.rank{rank}.json" if target.endswith(".json") else os.path.join(target, f"rank{rank}.json")
+    return Timeline(path, f"rank {rank} (pid {os.getpid()})")
