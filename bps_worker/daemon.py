@@ -57,7 +57,9 @@ from bps_runtime import cuda
 from bps_runtime import segments as shm
 from .errors import BPSError
 from .links import ServerLink
+from .local_rounds import agree, describe
 from .placement import Placement, interleave
+from .session import ClientSession
 
 log = logging.getLogger("bps.worker")
 
@@ -113,143 +115,6 @@ class LocalRound:
     members: dict[int, tuple["ClientSession", Op]] = field(default_factory=dict)
     failed: str | None = None  # why the round failed; late ranks still join it and get this error
     code: str = "error"
-
-
-def describe(op: Op) -> str:
-    text = f"{op.dtype}[{','.join(str(d) for d in op.shape)}]"
-    if op.kind == KIND_BROADCAST:
-        text += f" (broadcast from rank {op.root})"
-    elif op.average:
-        text += " (average)"
-    return text
-
-
-def _agree(a: Op, b: Op) -> bool:
-    return (a.kind, a.dtype, list(a.shape), a.average, a.root, bool(a.cuda)) == \
-        (b.kind, b.dtype, list(b.shape), b.average, b.root, bool(b.cuda))
-
-
-class ClientSession(asyncio.BufferedProtocol):
-    """One training process's connection."""
-
-    def __init__(self, daemon: "WorkerDaemon") -> None:
-        self.daemon = daemon
-        self.reader = FrameReader(max_header_bytes=CLIENT_MAX_HEADER_BYTES, max_payload_bytes=0)
-        self.transport: asyncio.Transport | None = None
-        self.local_rank: int | None = None
-        self.pid = 0
-        self.arena = shm.Arena(daemon.worker_id, daemon.config.segment_mode)  # this process's tensors
-        self.closed = False
-
-    @property
-    def rank(self) -> int:
-        return self.daemon.rank_offset + (self.local_rank or 0)
-
-    def __repr__(self) -> str:
-        return f"local rank {self.local_rank} (pid {self.pid})"
-
-    # -- asyncio ---------------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        self.daemon.connections.add(self)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.reader.get_buffer(sizehint)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        try:
-            for frame in self.reader.buffer_updated(nbytes):
-                self.handle(parse(frame.header))
-        except ProtocolError as exc:
-            log.warning("dropping client %r: %s", self, exc)
-            self.send(Failure(-1, str(exc), code="protocol_error"))
-            self.close()
-
-    def eof_received(self) -> bool:
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.daemon.connections.discard(self)
-        self.daemon.session_lost(self)
-
-    # -- messages --------------------------------------------------------------------
-    def handle(self, message: Message) -> None:
-        if self.local_rank is None:
-            self.handshake(message)
-        elif isinstance(message, Alloc):
-            self.alloc(message)
-        elif isinstance(message, Op):
-            error = self.check_op(message)
-            if error:
-                self.send(Failure(message.req, error, code="bad_request"))
-            else:
-                self.daemon.submit(self, message)
-        else:
-            raise ProtocolError(f"unexpected {message.TYPE} message from a client")
-
-    def handshake(self, message: Message) -> None:
-        message = expect_hello(message, "worker")
-        local_size = self.daemon.config.local_size
-        if message.role != ROLE_CLIENT or not 0 <= message.id < local_size:
-            raise ProtocolError(f"local rank {message.id} is outside 0..{local_size - 1} of worker "
-                                f"{self.daemon.worker_id}")
-        other = self.daemon.sessions.get(message.id)
-        if other is not None and not other.closed:
-            raise ProtocolError(f"local rank {message.id} is already connected ({other!r})")
-        self.local_rank = message.id
-        self.pid = message.pid
-        self.daemon.sessions[message.id] = self
-        cfg = self.daemon.config.cluster
-        log.info("client %r connected", self)
-        self.send(Welcome(PROTOCOL_VERSION, rank=self.rank, size=cfg.size, local_rank=message.id,
-                          local_size=local_size, worker=self.daemon.worker_id, workers=cfg.workers))
-
-    def alloc(self, message: Alloc) -> None:
-        """Find (or make) room for tensor ``name``: small ones share slab segments, large ones get their own."""
-        if message.nbytes > self.daemon.config.cluster.max_payload_bytes * 64:
-            self.send(Failure(message.req, f"tensor {message.name!r} of {message.nbytes} bytes is too large"))
-            return
-        try:
-            slot, freed = self.arena.alloc(message.name, message.nbytes)
-        except OSError as exc:
-            self.send(Failure(message.req, f"cannot allocate {message.nbytes} bytes of shared memory for "
-                                           f"{message.name!r}: {exc.strerror}"))
-            return
-        if freed is not None:
-            self.daemon.segments_freed([freed])
-        self.send(Allocated(message.req, slot.segment, slot.capacity, slot.offset))
-
-    def check_op(self, op: Op) -> str | None:
-        if op.cuda:
-            problem = cuda.check_description(op.cuda)
-            if problem is None and list(op.cuda[0]) != list(op.shape):
-                problem = f"its CUDA description has shape {op.cuda[0]}"
-            return f"tensor {op.name!r}: {problem}" if problem else None
-        seg = self.arena.segments.get(op.segment)
-        if seg is None:
-            return f"tensor {op.name!r}: segment {op.segment!r} was not allocated by this connection"
-        nbytes = prod(op.shape) * dtypes.ITEMSIZE[op.dtype]
-        if op.offset + nbytes > seg.size:
-            return (f"tensor {op.name!r}: {describe(op)} needs {nbytes} bytes at offset {op.offset}, its segment "
-                    f"has {seg.size}")
-        if op.average and op.dtype not in dtypes.FLOAT_TYPES:
-            return f"tensor {op.name!r}: average=True needs a floating dtype, got {op.dtype}; pass average=False"
-        if op.kind == KIND_BROADCAST and not 0 <= op.root < self.daemon.config.cluster.size:
-            return f"tensor {op.name!r}: root rank {op.root} is outside 0..{self.daemon.config.cluster.size - 1}"
-        return None
-
-    # -- sending ---------------------------------------------------------------------
-    def send(self, message: Message) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(encode_header(to_header(message), 0))
-
-    def close(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
-
-    def release_segments(self) -> None:
-        self.daemon.segments_freed(self.arena.release_all())
 
 
 class WorkerDaemon:
@@ -424,7 +289,7 @@ class WorkerDaemon:
             session.send(Failure(op.req, lr.failed, code=lr.code))
             self._retire(lr)
             return
-        if not _agree(lr.first, op):
+        if not agree(lr.first, op):
             self.fail_local_round(lr, f"tensor {op.name!r} mismatch: rank {lr.first_rank} has "
                                       f"{describe(lr.first)} but rank {session.rank} has {describe(op)}",
                                   code="mismatch")

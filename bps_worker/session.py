@@ -1,0 +1,192 @@
+"""One training process's connection to its worker daemon, over the daemon's Unix socket.
+
+The session is thin: it turns the bytes of the socket into messages (``protocol.frames``), checks the
+one message that comes first (the handshake: ``Hello`` -> ``Welcome``), and dispatches the others by
+type: ``Alloc`` (room for a tensor in this process's shared-memory arena) and ``Op`` (a collective on
+a tensor, checked against the arena and handed to the daemon's local rounds). It owns the process's
+arena, so the segments go when the process does. A peer that breaks the protocol gets one ``Failure``
+with code ``protocol_error`` and is disconnected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from math import prod
+from typing import TYPE_CHECKING, Any, Callable, Final, Protocol
+
+from bps_runtime import cuda
+from bps_runtime import segments as shm
+from protocol import PROTOCOL_VERSION, dtypes
+from protocol.errors import ProtocolError
+from protocol.frames import FrameReader, encode_header
+from protocol.messages import (
+    KIND_BROADCAST,
+    ROLE_CLIENT,
+    Alloc,
+    Allocated,
+    Failure,
+    Message,
+    Op,
+    Welcome,
+    expect_hello,
+    parse,
+    to_header,
+)
+
+from .local_rounds import describe
+
+if TYPE_CHECKING:
+    from .daemon import WorkerConfig
+
+log = logging.getLogger("bps.worker")
+
+CLIENT_MAX_HEADER_BYTES: Final = 16 * 1024
+# The largest tensor a process may allocate, in units of the cluster's max_payload_bytes.
+MAX_TENSOR_PAYLOADS: Final = 64
+
+
+class SessionHost(Protocol):
+    """What a session needs from its daemon."""
+
+    config: WorkerConfig
+    worker_id: int
+    rank_offset: int
+    sessions: dict[int, ClientSession]  # handshaken sessions by local rank
+    connections: set[ClientSession]  # every open connection, handshaken or not
+
+    def submit(self, session: ClientSession, op: Op) -> None: ...
+
+    def session_lost(self, session: ClientSession) -> None: ...
+
+    def segments_freed(self, names: list[str]) -> None: ...
+
+
+class ClientSession(asyncio.BufferedProtocol):
+    """One training process's connection: its handshake, its arena, and the dispatch of its messages."""
+
+    def __init__(self, daemon: SessionHost) -> None:
+        self.daemon = daemon
+        self.reader = FrameReader(max_header_bytes=CLIENT_MAX_HEADER_BYTES, max_payload_bytes=0)
+        self.transport: asyncio.Transport | None = None
+        self.local_rank: int | None = None  # set by the handshake
+        self.pid = 0
+        self.arena = shm.Arena(daemon.worker_id, daemon.config.segment_mode)  # this process's tensors
+        self.closed = False
+        self.handlers: dict[type[Message], Callable[[Any], None]] = {Alloc: self.alloc, Op: self.op}
+
+    @property
+    def rank(self) -> int:
+        return self.daemon.rank_offset + (self.local_rank or 0)
+
+    def __repr__(self) -> str:
+        return f"local rank {self.local_rank} (pid {self.pid})"
+
+    # -- asyncio ---------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # a Unix stream transport
+        self.daemon.connections.add(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            for frame in self.reader.buffer_updated(nbytes):
+                self.handle(parse(frame.header))
+        except ProtocolError as exc:
+            log.warning("dropping client %r: %s", self, exc)
+            self.send(Failure(-1, str(exc), code="protocol_error"))
+            self.close()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.daemon.connections.discard(self)
+        self.daemon.session_lost(self)
+
+    # -- messages --------------------------------------------------------------------
+    def handle(self, message: Message) -> None:
+        if self.local_rank is None:
+            self.handshake(message)
+            return
+        handler = self.handlers.get(type(message))
+        if handler is None:
+            raise ProtocolError(f"unexpected {message.TYPE} message from a client")
+        handler(message)
+
+    def handshake(self, message: Message) -> None:
+        """The first message: a client's ``Hello`` for a free local rank, answered by ``Welcome``."""
+        message = expect_hello(message, "worker")
+        local_size = self.daemon.config.local_size
+        if message.role != ROLE_CLIENT or not 0 <= message.id < local_size:
+            raise ProtocolError(f"local rank {message.id} is outside 0..{local_size - 1} of worker "
+                                f"{self.daemon.worker_id}")
+        other = self.daemon.sessions.get(message.id)
+        if other is not None and not other.closed:
+            raise ProtocolError(f"local rank {message.id} is already connected ({other!r})")
+        self.local_rank = message.id
+        self.pid = message.pid
+        self.daemon.sessions[message.id] = self
+        cfg = self.daemon.config.cluster
+        log.info("client %r connected", self)
+        self.send(Welcome(PROTOCOL_VERSION, rank=self.rank, size=cfg.size, local_rank=message.id,
+                          local_size=local_size, worker=self.daemon.worker_id, workers=cfg.workers))
+
+    def alloc(self, message: Alloc) -> None:
+        """Find (or make) room for tensor ``name``: small ones share slab segments, large ones get their own."""
+        if message.nbytes > self.daemon.config.cluster.max_payload_bytes * MAX_TENSOR_PAYLOADS:
+            self.send(Failure(message.req, f"tensor {message.name!r} of {message.nbytes} bytes is too large"))
+            return
+        try:
+            slot, freed = self.arena.alloc(message.name, message.nbytes)
+        except OSError as exc:
+            self.send(Failure(message.req, f"cannot allocate {message.nbytes} bytes of shared memory for "
+                                           f"{message.name!r}: {exc.strerror}"))
+            return
+        if freed is not None:
+            self.daemon.segments_freed([freed])
+        self.send(Allocated(message.req, slot.segment, slot.capacity, slot.offset))
+
+    def op(self, message: Op) -> None:
+        """A collective on one tensor: refused here if it does not fit its memory, else a local round's."""
+        error = self.check_op(message)
+        if error:
+            self.send(Failure(message.req, error, code="bad_request"))
+        else:
+            self.daemon.submit(self, message)
+
+    def check_op(self, op: Op) -> str | None:
+        """Why ``op`` cannot run as described (its memory, dtype or root), or None."""
+        if op.cuda:
+            problem = cuda.check_description(op.cuda)
+            if problem is None and list(op.cuda[0]) != list(op.shape):
+                problem = f"its CUDA description has shape {op.cuda[0]}"
+            return f"tensor {op.name!r}: {problem}" if problem else None
+        seg = self.arena.segments.get(op.segment)
+        if seg is None:
+            return f"tensor {op.name!r}: segment {op.segment!r} was not allocated by this connection"
+        nbytes = prod(op.shape) * dtypes.ITEMSIZE[op.dtype]
+        if op.offset + nbytes > seg.size:
+            return (f"tensor {op.name!r}: {describe(op)} needs {nbytes} bytes at offset {op.offset}, its segment "
+                    f"has {seg.size}")
+        if op.average and op.dtype not in dtypes.FLOAT_TYPES:
+            return f"tensor {op.name!r}: average=True needs a floating dtype, got {op.dtype}; pass average=False"
+        size = self.daemon.config.cluster.size
+        if op.kind == KIND_BROADCAST and not 0 <= op.root < size:
+            return f"tensor {op.name!r}: root rank {op.root} is outside 0..{size - 1}"
+        return None
+
+    # -- sending ---------------------------------------------------------------------
+    def send(self, message: Message) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(encode_header(to_header(message), 0))
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def release_segments(self) -> None:
+        self.daemon.segments_freed(self.arena.release_all())
