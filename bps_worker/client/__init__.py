@@ -19,16 +19,20 @@ out (the daemon reads and writes that very memory)::
     g[...] = compute_gradient()
     bps.push_pull(g, "layer1.weight", out=g)
 
-Timeline: with ``BPS_TIMELINE=DIR`` (or ``FILE.json``) every process writes a Chrome trace of its
-operations (copy in, waiting for the daemon, copy out) to ``DIR/rank<N>.json`` (``FILE.rank<N>.json``);
-merge it with the daemons' (``--timeline``) using ``python -m bps_runtime.timeline merge``.
+Timeline: with ``BPS_TIMELINE=DIR`` (or ``FILE.json``; or ``init(timeline=...)``) every process writes a
+Chrome trace of its operations (copy in, waiting for the daemon, copy out) to ``DIR/rank<N>.json``
+(``FILE.rank<N>.json``); merge it with the daemons' (``--timeline``) using ``python -m bps_runtime.timeline merge``.
+
+The package, one room each: ``settings`` (init()'s arguments and environment defaults), ``arrays`` (numpy
+dtypes, views of shared memory), ``connection`` (the socket: handshake, reader thread, requests), ``slots`` (the
+daemon's segments as this process maps them), ``handle``, ``operations`` (start and finish, names in flight,
+timeline), ``adapter`` (the one door for framework layers such as :mod:`bps_worker.torch`).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -39,14 +43,13 @@ from ..errors import BPSConnectionError, BPSError, BPSMismatchError, BPSTimeoutE
 from .arrays import NUMPY_DTYPES, dtype_name
 from .handle import Handle
 from .operations import Operations
+from .settings import DEFAULT_TIMEOUT_S, resolve
 
 __all__ = [
     "BPSError", "BPSConnectionError", "BPSMismatchError", "BPSTimeoutError", "Handle",
     "init", "shutdown", "rank", "size", "local_rank", "local_size",
     "push_pull", "push_pull_async", "poll", "synchronize", "broadcast", "is_initialized", "shared_array",
 ]
-
-DEFAULT_TIMEOUT_S: Final = 30.0
 
 _conn: Operations | None = None
 _lock = threading.Lock()
@@ -60,30 +63,24 @@ def _operations() -> Operations:
     return conn
 
 
-def init(socket: str | None = None, local_rank: int | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-    """Connect this process to its machine's worker daemon.
+def init(socket: str | None = None, local_rank: int | None = None, timeout: float = DEFAULT_TIMEOUT_S, *,
+         timeline: str | None = None, cuda_ipc: bool | None = None) -> None:
+    """Connect this process to its machine's worker daemon (a second call does nothing).
 
     ``socket`` defaults to the environment variable ``BPS_SOCKET``; ``local_rank``
     to ``BPS_LOCAL_RANK``, else ``LOCAL_RANK`` (as set by torchrun). ``timeout``
     bounds the wait for the daemon to appear, for its answers to control requests, and
     the silence of a daemon (it pings every second) while an operation is pending.
+    ``timeline`` (default ``BPS_TIMELINE``): a directory or ``FILE.json`` for this process's
+    Chrome trace. ``cuda_ipc`` (default: on unless ``BPS_CUDA_IPC=0``): framework layers hand
+    CUDA tensors to the daemon through CUDA IPC rather than host copies. This is the one place
+    the client reads the environment (see :mod:`bps_worker.client.settings`).
     """
     global _conn
     with _lock:
         if _conn is not None:
             return
-        path = socket or os.environ.get("BPS_SOCKET")
-        if not path:
-            raise BPSError("no worker socket: pass init(socket=...) or set BPS_SOCKET")
-        if local_rank is None:
-            text = os.environ.get("BPS_LOCAL_RANK", os.environ.get("LOCAL_RANK"))
-            if text is None:
-                raise BPSError("no local rank: pass init(local_rank=...) or set BPS_LOCAL_RANK or LOCAL_RANK")
-            try:
-                local_rank = int(text)
-            except ValueError:
-                raise BPSError(f"local rank must be an integer, got {text!r}") from None
-        _conn = Operations(path, local_rank, timeout)
+        _conn = Operations(resolve(socket, local_rank, timeout, timeline, cuda_ipc, os.environ))
 
 
 def is_initialized() -> bool:

@@ -4,6 +4,9 @@
 :class:`SlotMap`, the table of names in flight (a name is pushed at most once at a time per process) and the
 process's timeline. Framework layers reach it through :mod:`bps_worker.client.adapter`.
 
+The timeline (``init(timeline=...)``, default ``BPS_TIMELINE``) records each operation's spans: the whole,
+copy in, the daemon's part, copy out.
+
 An operation's life: ``start_filled`` gets the name's slot, lets the caller write the input straight into it,
 and submits the ``Op``; the reader thread completes the :class:`Handle`; ``finish`` waits for it and returns
 ``out``, a copy of the result, or (``view``) the shared memory that holds it.
@@ -27,6 +30,7 @@ from ..errors import BPSError, BPSTimeoutError
 from .arrays import NUMPY_DTYPES, dtype_name, same_memory, view_of
 from .connection import Connection
 from .handle import Handle
+from .settings import Settings, timeline_path
 from .slots import SlotMap
 
 __all__ = ["Fill", "Operations"]
@@ -38,9 +42,10 @@ Fill = Callable[[np.ndarray], None]
 class Operations:
     """The process's connection to its worker daemon and its operations (one per process)."""
 
-    def __init__(self, path: str, local_rank: int, timeout: float) -> None:
-        self.conn = Connection(path, local_rank, timeout)
-        self.timeout = timeout
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.conn = Connection(settings.socket, settings.local_rank, settings.timeout)
+        self.timeout = settings.timeout
         welcome = self.conn.welcome
         self.rank, self.size = welcome.rank, welcome.size
         self.local_rank, self.local_size = welcome.local_rank, welcome.local_size
@@ -48,7 +53,8 @@ class Operations:
         self.slots = SlotMap(self.conn.allocate)
         self.lock = threading.Lock()  # guards inflight
         self.inflight: dict[str, Handle] = {}
-        self.timeline = _open_timeline(self.rank)
+        self.timeline = None if settings.timeline is None else Timeline(
+            timeline_path(settings.timeline, self.rank), f"rank {self.rank} (pid {os.getpid()})")
 
     # -- starting --------------------------------------------------------------------
     def start(self, array: np.ndarray, name: str, kind: str, *, average: bool, priority: int, root: int,
@@ -185,11 +191,3 @@ class Operations:
         if self.timeline is not None:
             self.timeline.close()
 
-
-def _open_timeline(rank: int) -> Timeline | None:
-    """The process's trace file if BPS_TIMELINE asks for one (a directory, or a FILE.json to number)."""
-    target = os.environ.get("BPS_TIMELINE")
-    if not target:
-        return None
-    path = f"{target[:-5]}.rank{rank}.json" if target.endswith(".json") else os.path.join(target, f"rank{rank}.json")
-    return Timeline(path, f"rank {rank} (pid {os.getpid()})")

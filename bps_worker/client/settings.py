@@ -1,0 +1,71 @@
+"""The client's settings, resolved once by ``init()`` from its arguments and the environment's defaults.
+
+:func:`resolve` is pure: ``init()`` passes it ``os.environ`` (the one place the client reads the environment),
+tests pass a dict. An argument given to ``init()`` wins over the environment:
+
+==================  =========================================  ==============================================
+setting             environment default                        meaning
+==================  =========================================  ==============================================
+``socket``          ``BPS_SOCKET``                             the worker daemon's Unix socket
+``local_rank``      ``BPS_LOCAL_RANK``, else ``LOCAL_RANK``    this process's rank on its machine (torchrun
+                                                               sets ``LOCAL_RANK``)
+``timeline``        ``BPS_TIMELINE``                           a directory (``DIR/rank<N>.json``) or
+                                                               ``FILE.json`` (``FILE.rank<N>.json``) for the
+                                                               process's Chrome trace; unset: none
+``cuda_ipc``        ``BPS_CUDA_IPC`` (``0`` turns it off)      CUDA tensors reach the daemon through CUDA IPC
+                                                               (else through host copies)
+==================  =========================================  ==============================================
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Final, Mapping
+
+from ..errors import BPSError
+
+__all__ = ["DEFAULT_TIMEOUT_S", "Settings", "resolve", "timeline_path"]
+
+DEFAULT_TIMEOUT_S: Final = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What ``init()`` was asked for, with every default filled in."""
+
+    socket: str
+    local_rank: int
+    timeout: float  # seconds: the daemon's appearance, its answers, its silence while an operation is pending
+    timeline: str | None = None
+    cuda_ipc: bool = True
+
+
+def resolve(socket: str | None, local_rank: int | None, timeout: float, timeline: str | None,
+            cuda_ipc: bool | None, environ: Mapping[str, str]) -> Settings:
+    """The settings from ``init()``'s arguments, each missing one from ``environ``; BPSError naming what is
+    missing or malformed."""
+    path = socket or environ.get("BPS_SOCKET")
+    if not path:
+        raise BPSError("no worker socket: pass init(socket=...) or set BPS_SOCKET")
+    if local_rank is None:
+        text = environ.get("BPS_LOCAL_RANK", environ.get("LOCAL_RANK"))
+        if text is None:
+            raise BPSError("no local rank: pass init(local_rank=...) or set BPS_LOCAL_RANK or LOCAL_RANK")
+        try:
+            local_rank = int(text)
+        except ValueError:
+            raise BPSError(f"local rank must be an integer, got {text!r}") from None
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
+        raise BPSError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if timeline is None:
+        timeline = environ.get("BPS_TIMELINE") or None
+    if cuda_ipc is None:
+        cuda_ipc = environ.get("BPS_CUDA_IPC", "1") != "0"
+    return Settings(path, local_rank, float(timeout), timeline, bool(cuda_ipc))
+
+
+def timeline_path(target: str, rank: int) -> str:
+    """Where rank ``rank`` writes its trace: ``FILE.json`` is numbered, anything else is a directory."""
+    return f"{target[:-5]}.rank{rank}.json" if target.endswith(".json") else os.path.join(target, f"rank{rank}.json")

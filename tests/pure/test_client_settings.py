@@ -1,0 +1,53 @@
+"""bps_worker.client.settings: init()'s arguments and their environment defaults, resolved without a daemon."""
+
+from __future__ import annotations
+
+import pytest
+
+from bps_worker.client import BPSError
+from bps_worker.client.settings import DEFAULT_TIMEOUT_S, Settings, resolve, timeline_path
+
+
+def _resolve(environ: dict[str, str], **kwargs: object) -> Settings:
+    args: dict[str, object] = {"socket": None, "local_rank": None, "timeout": DEFAULT_TIMEOUT_S, "timeline": None,
+                               "cuda_ipc": None}
+    args.update(kwargs)
+    return resolve(environ=environ, **args)  # type: ignore[arg-type]
+
+
+def test_everything_from_the_environment() -> None:
+    s = _resolve({"BPS_SOCKET": "/run/w.sock", "BPS_LOCAL_RANK": "1", "BPS_TIMELINE": "/tmp/t",
+                  "BPS_CUDA_IPC": "0"})
+    assert s == Settings("/run/w.sock", 1, DEFAULT_TIMEOUT_S, "/tmp/t", False)
+
+
+def test_arguments_win_over_the_environment() -> None:
+    env = {"BPS_SOCKET": "/env.sock", "BPS_LOCAL_RANK": "1", "BPS_TIMELINE": "/env", "BPS_CUDA_IPC": "0"}
+    s = _resolve(env, socket="/arg.sock", local_rank=0, timeout=5, timeline="/arg", cuda_ipc=True)
+    assert s == Settings("/arg.sock", 0, 5.0, "/arg", True)
+
+
+def test_local_rank_falls_back_to_torchrun_and_defaults() -> None:
+    s = _resolve({"BPS_SOCKET": "/s", "LOCAL_RANK": "3"})
+    assert (s.local_rank, s.timeline, s.cuda_ipc) == (3, None, True)
+    assert _resolve({"BPS_SOCKET": "/s", "BPS_LOCAL_RANK": "2", "LOCAL_RANK": "3"}).local_rank == 2
+    assert _resolve({"BPS_SOCKET": "/s", "LOCAL_RANK": "0", "BPS_TIMELINE": ""}).timeline is None
+
+
+@pytest.mark.parametrize("environ, kwargs, message", [
+    ({}, {"local_rank": 0}, "no worker socket: pass init(socket=...) or set BPS_SOCKET"),
+    ({"BPS_SOCKET": "/s"}, {}, "no local rank: pass init(local_rank=...) or set BPS_LOCAL_RANK or LOCAL_RANK"),
+    ({"BPS_SOCKET": "/s", "LOCAL_RANK": "x"}, {}, "local rank must be an integer, got 'x'"),
+    ({"BPS_SOCKET": "/s"}, {"local_rank": 0, "timeout": 0}, "timeout must be a positive number of seconds, got 0"),
+    ({"BPS_SOCKET": "/s"}, {"local_rank": 0, "timeout": float("inf")}, "timeout must be a positive number"),
+])
+def test_missing_or_malformed_settings_name_what(environ: dict[str, str], kwargs: dict[str, object],
+                                                 message: str) -> None:
+    with pytest.raises(BPSError) as info:
+        _resolve(environ, **kwargs)
+    assert message in str(info.value)
+
+
+def test_timeline_paths() -> None:
+    assert timeline_path("/tmp/trace", 3) == "/tmp/trace/rank3.json"
+    assert timeline_path("/tmp/run.json", 3) == "/tmp/run.rank3.json"
