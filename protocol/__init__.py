@@ -1,10 +1,11 @@
 """The wire contract shared by bps-server, bps-worker and the client library.
 
 Nothing in this package performs I/O: it turns bytes into typed messages and back
-(``frames``, ``messages``), knows the supported tensor dtypes (``dtypes``) and
+(``frames``, ``messages``), runs the connection handshake of every transport as
+pure steps (``handshake``), knows the supported tensor dtypes (``dtypes``) and
 reads and validates the cluster configuration (``config``).
 """
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: mutual, field-binding handshake proofs; the placement digest
 
 __all__ = ["PROTOCOL_VERSION"]

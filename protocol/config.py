@@ -7,10 +7,14 @@ names the offending key and the file. Defaults are documented in
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
+import math
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Sequence
 
 from .errors import ConfigError
 
@@ -19,6 +23,13 @@ DEFAULT_TIMEOUT_S: Final = 30.0
 DEFAULT_CREDIT_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES: Final = 1 << 30
 DEFAULT_WINDOW_PIECES: Final = 3
+# cluster.timeout: both daemons check their peers every timeout / 4, so a tiny one is a busy loop; an
+# infinite (or huge) one means a dead peer is never reported, which the contract forbids.
+MIN_TIMEOUT_S: Final = 0.5
+MAX_TIMEOUT_S: Final = 24 * 3600.0
+MAX_HOST_CHARS: Final = 253  # a DNS name's limit
+# RFC 1123 labels (plus "_", which container runtimes use in names): letters, digits, "-" not at an end.
+_HOST_LABEL: Final = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
 
 _CLUSTER_KEYS: Final = {
     "workers": (int, True),
@@ -139,8 +150,9 @@ def parse_config(data: dict[str, Any], source: str = "<memory>") -> ClusterConfi
     partition_bytes = c.get("partition_bytes", DEFAULT_PARTITION_BYTES)
     _positive(partition_bytes, "cluster.partition_bytes", source)
     timeout = float(c.get("timeout", DEFAULT_TIMEOUT_S))
-    if not timeout > 0:
-        raise ConfigError(f"{source}: cluster.timeout must be > 0, got {timeout}")
+    if not (math.isfinite(timeout) and MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S):
+        raise ConfigError(f"{source}: cluster.timeout must be between {MIN_TIMEOUT_S:g} and {MAX_TIMEOUT_S:g} "
+                          f"seconds, got {timeout}")
     credit_bytes = c.get("credit_bytes", DEFAULT_CREDIT_BYTES)
     _positive(credit_bytes, "cluster.credit_bytes", source)
     max_payload = c.get("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES)
@@ -184,7 +196,7 @@ def parse_config(data: dict[str, Any], source: str = "<memory>") -> ClusterConfi
     if not servers:
         raise ConfigError(f"{source}: at least one [[server]] table is required")
     _no_duplicates([s.id for s in servers], "server id", source)
-    _no_duplicates([(s.host, s.port) for s in servers if s.port != 0], "server address", source)
+    _no_duplicates([(s.host, s.port) for s in servers], "server address", source)
 
     return ClusterConfig(
         workers=workers,
@@ -244,15 +256,43 @@ def _no_duplicates(values: list[Any], what: str, source: str) -> None:
 
 
 def _parse_address(address: str, key: str, source: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``[IPV6]:PORT``: the host a DNS name or an IP address, the port 1..65535.
+
+    Port 0 would bind a random port that no peer can know; a bare IPv6 address (``a:b:c:9000``) is
+    ambiguous and used to fail only at connect time, with the resolver's "Unknown error -2".
+    """
     host, sep, port_text = address.rpartition(":")
     if not sep or not host or not (port_text.isascii() and port_text.isdigit()):
         raise ConfigError(f"{source}: {key} must be HOST:PORT, got {address!r}")
+    port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{source}: {key} has port {port} outside 1..65535")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    port = int(port_text)
-    if port > 65535:
-        raise ConfigError(f"{source}: {key} has port {port} outside 0..65535")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(f"{source}: {key} has {host!r} in brackets, which is not an IPv6 address "
+                              f"(got {address!r})") from None
+        return host, port
+    if ":" in host:
+        raise ConfigError(f"{source}: {key} must be HOST:PORT with an IPv6 host in brackets "
+                          f"([fe80::1]:9000), got {address!r}")
+    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+    numeric = all(x.isascii() and x.isdigit() for x in labels)
+    if len(host) > MAX_HOST_CHARS or not host.isascii() or not all(_HOST_LABEL.fullmatch(x) for x in labels) \
+            or (numeric and not _is_ipv4(host)):
+        raise ConfigError(f"{source}: {key} has host {host!r}, which is neither a DNS name nor an IP address "
+                          f"(got {address!r})")
     return host, port
+
+
+def _is_ipv4(host: str) -> bool:
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return True
 
 
 MIN_TOKEN_BYTES: Final = 16
@@ -272,3 +312,48 @@ def read_token(config: ClusterConfig) -> bytes | None:
         raise ConfigError(f"{config.source}: cluster.token_file {config.token_file!r} holds {len(token)} bytes; "
                           f"at least {MIN_TOKEN_BYTES} are required")
     return token
+
+
+# -- the placement digest -------------------------------------------------------------------------
+# Every machine must read the same cluster: which server sums which bytes (bps_worker.placement uses
+# the worker count, every server's id, host and colocated worker, and partition_bytes), how ranks are
+# numbered (each worker's local_size: ranks, sizes and averages' divisors) and which address is which
+# server. A file that differs on one machine used to hang the job; the handshake now compares the
+# description below (Hello.config_items) and refuses a peer whose description differs, naming the
+# entries. Keys that only tune one machine (timeouts, credit, sockets, metrics, the token's path) are
+# left out: they may differ.
+
+def placement_items(config: ClusterConfig) -> tuple[str, ...]:
+    """The canonical description of what must agree across machines: ``key=value`` entries, in order."""
+    items = [f"workers={config.workers}", f"partition_bytes={config.partition_bytes}"]
+    items += [f"worker.{w.id}.local_size={w.local_size}" for w in config.worker_specs]
+    for s in config.servers:
+        items.append(f"server.{s.id}.address={s.address}")
+        items.append(f"server.{s.id}.worker={'none' if s.worker is None else s.worker}")
+    return tuple(items)
+
+
+def placement_digest(items: Sequence[str]) -> str:
+    """A short hash of a placement description (64 bits of SHA-256, hex): equal files, equal digests."""
+    return hashlib.sha256("\n".join(sorted(items)).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def placement_differences(ours: Sequence[str], theirs: Sequence[str], *, here: str = "here",
+                          there: str = "there") -> list[str]:
+    """What differs between two descriptions, one readable line per key (in our order, then theirs)."""
+    mine, other = _as_map(ours), _as_map(theirs)
+    keys = list(mine) + [k for k in other if k not in mine]
+    out = []
+    for key in keys:
+        a, b = mine.get(key), other.get(key)
+        if a != b:
+            out.append(f"{key} is {'absent' if a is None else a} {here}, {'absent' if b is None else b} {there}")
+    return out
+
+
+def _as_map(items: Sequence[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        out[key] = value
+    return out

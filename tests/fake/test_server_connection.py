@@ -7,7 +7,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from bps_server.server import ServerConfig, ServerConnection, SummationServer
+from bps_server.connection import ServerConnection
+from bps_server.server import ServerConfig, SummationServer
 from protocol import PROTOCOL_VERSION
 from protocol.config import parse_config
 from protocol.frames import FrameReader, encode_header
@@ -44,7 +45,7 @@ class FakeTransport:
 def _server(workers: int = 2, token: bytes | None = None) -> SummationServer:
     cluster = parse_config({
         "cluster": {"workers": workers},
-        "server": [{"id": 0, "address": "127.0.0.1:0"}],
+        "server": [{"id": 0, "address": "127.0.0.1:9"}],  # never bound: no socket here
         "worker": [{"id": w, "local_size": 1, "socket": f"/tmp/none{w}"} for w in range(workers)],
     })
     return SummationServer(ServerConfig(cluster, 0, threads=1, token=token))
@@ -135,4 +136,15 @@ async def test_token_is_checked_before_anything_else():
     nonce = t.messages(True)[0][0].nonce
     _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, auth=auth_digest(token, nonce, "worker", 0))))
     assert isinstance(t.messages()[-1][0], Welcome) and not t.closed
+    await server.stop()
+
+
+async def test_a_message_with_no_handler_after_the_handshake_drops_the_connection():
+    server = _server()
+    conn, t = _connect(server)
+    _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0)))
+    _feed(conn, _frame(Challenge("abc", PROTOCOL_VERSION)))  # a server's message, from a worker
+    failure = t.messages()[-1][0]
+    assert isinstance(failure, Failure) and "unexpected challenge message from worker 0" in failure.message
+    assert t.closed and Challenge not in ServerConnection.HANDLERS and ServerConnection.HANDLERS[Push]
     await server.stop()

@@ -12,11 +12,16 @@ from protocol.config import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_PARTITION_BYTES,
     DEFAULT_TIMEOUT_S,
+    MAX_TIMEOUT_S,
+    MIN_TIMEOUT_S,
     ClusterConfig,
     ServerSpec,
     WorkerSpec,
     load_config,
     parse_config,
+    placement_differences,
+    placement_digest,
+    placement_items,
 )
 from protocol.errors import ConfigError
 
@@ -169,17 +174,14 @@ def test_lookup_of_missing_ids_names_file(tmp_path):
     assert str(path) in str(info.value)
 
 
-def test_port_zero_allowed_and_not_a_duplicate(tmp_path):
-    cfg = load_config(write(tmp_path, CLUSTER + WORKERS + """
-        [[server]]
-        id = 0
-        address = "127.0.0.1:0"
-        [[server]]
-        id = 1
-        address = "127.0.0.1:0"
-    """))
-    assert [s.port for s in cfg.servers] == [0, 0]
-    assert [s.worker for s in cfg.servers] == [None, None]
+@pytest.mark.parametrize("address,key", [("127.0.0.1:0", "server[0].address"), ("127.0.0.1:0", "worker[0].metrics")])
+def test_port_zero_is_refused(tmp_path, address, key):
+    """Port 0 binds a random port that no peer can know."""
+    if key.startswith("server"):
+        text = CLUSTER + SERVERS.replace("127.0.0.1:9100", address) + WORKERS
+    else:
+        text = CLUSTER + SERVERS + WORKERS.replace('socket = "/tmp/w0.sock"', f'socket = "/tmp/w0.sock"\nmetrics = "{address}"')
+    assert f"{key} has port 0 outside 1..65535" in config_error(tmp_path, text)
 
 
 def test_repo_local_toml_loads():
@@ -406,7 +408,7 @@ def test_non_ascii_digit_ports_are_config_errors(tmp_path, address):
 @pytest.mark.parametrize("port", [65536, 70000, 99999999])
 def test_port_out_of_range(tmp_path, port):
     msg = config_error(tmp_path, CLUSTER + SERVERS.replace("9101", str(port)) + WORKERS)
-    assert f"server[1].address has port {port} outside 0..65535" in msg
+    assert f"server[1].address has port {port} outside 1..65535" in msg
 
 
 def test_port_65535_is_fine(tmp_path):
@@ -418,3 +420,136 @@ def test_ipv6_addresses(tmp_path):
     cfg = load_config(write(tmp_path, CLUSTER + SERVERS.replace("127.0.0.1:9100", "[fe80::1]:80") + WORKERS))
     assert (cfg.server(0).host, cfg.server(0).port) == ("fe80::1", 80)
     assert cfg.server(0).address == "[fe80::1]:80"
+
+
+@pytest.mark.parametrize("address,reason", [
+    ("a:b:c:9000", "with an IPv6 host in brackets"),
+    ("::1:9000", "with an IPv6 host in brackets"),
+    ("[a:b:c]:9000", "not an IPv6 address"),
+    ("[cpu-box]:9000", "not an IPv6 address"),
+    ("999.1.1.1:9000", "neither a DNS name nor an IP address"),
+    ("bad host:9000", "neither a DNS name nor an IP address"),
+    ("-box:9000", "neither a DNS name nor an IP address"),
+    ("box..example:9000", "neither a DNS name nor an IP address"),
+    ("b\u00f6x:9000", "neither a DNS name nor an IP address"),
+    (("x" * 254) + ":9000", "neither a DNS name nor an IP address"),
+])
+def test_bad_hosts(tmp_path, address, reason):
+    """These used to pass and fail only at connect time ("Unknown error -2")."""
+    msg = config_error(tmp_path, CLUSTER + SERVERS.replace("127.0.0.1:9100", address) + WORKERS)
+    assert "server[0].address" in msg and reason in msg and repr(address) in msg
+
+
+@pytest.mark.parametrize("address,host", [
+    ("localhost:1", "localhost"), ("cpu_box-2.example.org.:9000", "cpu_box-2.example.org."),
+    ("192.168.0.10:9000", "192.168.0.10"), ("[::ffff:10.0.0.1]:9000", "::ffff:10.0.0.1"), ("10gbe-node:9000", "10gbe-node"),
+])
+def test_good_hosts(tmp_path, address, host):
+    cfg = load_config(write(tmp_path, CLUSTER + SERVERS.replace("127.0.0.1:9100", address) + WORKERS))
+    assert cfg.server(0).host == host
+
+
+# -- timeout bounds --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["0.001", "0.49", "inf", "-inf", "86401", "1e300"])
+def test_timeout_out_of_bounds(tmp_path, value):
+    """0.001 made both idle daemons spin (they check every timeout / 4); inf never reports a dead peer."""
+    msg = config_error(tmp_path, CLUSTER + f"timeout = {value}\n" + SERVERS + WORKERS)
+    assert f"cluster.timeout must be between {MIN_TIMEOUT_S:g} and {MAX_TIMEOUT_S:g} seconds" in msg
+
+
+@pytest.mark.parametrize("value,expected", [("0.5", 0.5), ("86400", 86400.0), ("3", 3.0)])
+def test_timeout_bounds_are_inclusive(tmp_path, value, expected):
+    cfg = load_config(write(tmp_path, CLUSTER + f"timeout = {value}\n" + SERVERS + WORKERS))
+    assert cfg.timeout == expected and MIN_TIMEOUT_S == 0.5 and MAX_TIMEOUT_S == 86400.0
+
+
+# -- the placement digest --------------------------------------------------------------------------
+
+LAYOUT = CLUSTER + """
+partition_bytes = 1048576
+timeout = 4.0
+
+[[server]]
+id = 0
+address = "10.0.0.1:9000"
+worker = 0
+
+[[server]]
+id = 1
+address = "10.0.0.2:9000"
+worker = 1
+
+[[server]]
+id = 2
+address = "10.0.0.3:9000"
+
+[[server]]
+id = 3
+address = "10.0.0.4:9000"
+""" + WORKERS
+
+
+def layout(tmp_path, text: str = LAYOUT, name: str = "a.toml") -> ClusterConfig:
+    return load_config(write(tmp_path, text, name))
+
+
+def test_placement_items_describe_what_decides_placement(tmp_path):
+    assert placement_items(layout(tmp_path)) == (
+        "workers=2", "partition_bytes=1048576",
+        "worker.0.local_size=2", "worker.1.local_size=3",
+        "server.0.address=10.0.0.1:9000", "server.0.worker=0",
+        "server.1.address=10.0.0.2:9000", "server.1.worker=1",
+        "server.2.address=10.0.0.3:9000", "server.2.worker=none",
+        "server.3.address=10.0.0.4:9000", "server.3.worker=none",
+    )
+
+
+def test_same_config_same_digest_whatever_the_order_and_the_local_keys(tmp_path):
+    a = layout(tmp_path)
+    # Tables in another order, and keys that only tune one machine changed: the same placement.
+    reordered = CLUSTER + "partition_bytes = 1048576\ntimeout = 9.0\ncredit_bytes = 1024\nwindow_pieces = 0\n" \
+        + LAYOUT[LAYOUT.index("[[server]]\nid = 2"):LAYOUT.index("[[worker]]")] \
+        + LAYOUT[LAYOUT.index("[[server]]\nid = 0"):LAYOUT.index("[[server]]\nid = 2")] \
+        + WORKERS.replace("/tmp/w0.sock", "/run/other.sock")
+    b = layout(tmp_path, reordered, "b.toml")
+    assert placement_items(a) == placement_items(b)
+    digest = placement_digest(placement_items(a))
+    assert digest == placement_digest(placement_items(b)) and len(digest) == 16
+    assert int(digest, 16) >= 0
+    assert placement_differences(placement_items(a), placement_items(b)) == []
+
+
+def test_swapped_addresses_give_another_digest_and_name_what_differs(tmp_path):
+    """Issue 14 item 7: two CPU-only servers' addresses swapped on one machine."""
+    ours = placement_items(layout(tmp_path))
+    swapped = LAYOUT.replace("10.0.0.3:9000", "TMP").replace("10.0.0.4:9000", "10.0.0.3:9000") \
+        .replace("TMP", "10.0.0.4:9000")
+    theirs = placement_items(layout(tmp_path, swapped, "b.toml"))
+    assert placement_digest(ours) != placement_digest(theirs)
+    assert placement_differences(ours, theirs, here="at server 2", there="at worker 1") == [
+        "server.2.address is 10.0.0.3:9000 at server 2, 10.0.0.4:9000 at worker 1",
+        "server.3.address is 10.0.0.4:9000 at server 2, 10.0.0.3:9000 at worker 1",
+    ]
+
+
+@pytest.mark.parametrize("old,new,difference", [
+    ("partition_bytes = 1048576", "partition_bytes = 2097152", "partition_bytes is 1048576 here, 2097152 there"),
+    ("local_size = 3", "local_size = 4", "worker.1.local_size is 3 here, 4 there"),
+    ("worker = 1\n", "\n", "server.1.worker is 1 here, none there"),
+    ('address = "10.0.0.2:9000"', 'address = "10.0.0.2:9001"',
+     "server.1.address is 10.0.0.2:9000 here, 10.0.0.2:9001 there"),
+])
+def test_each_placement_entry_counts(tmp_path, old, new, difference):
+    ours = placement_items(layout(tmp_path))
+    theirs = placement_items(layout(tmp_path, LAYOUT.replace(old, new, 1), "b.toml"))
+    assert placement_digest(ours) != placement_digest(theirs)
+    assert placement_differences(ours, theirs) == [difference]
+
+
+def test_an_extra_server_is_named(tmp_path):
+    ours = placement_items(layout(tmp_path))
+    theirs = placement_items(layout(tmp_path, LAYOUT + '\n[[server]]\nid = 4\naddress = "10.0.0.5:9000"\n', "b.toml"))
+    assert placement_differences(ours, theirs) == ["server.4.address is absent here, 10.0.0.5:9000 there",
+                                                   "server.4.worker is absent here, none there"]
+    assert placement_differences(theirs, ours)[0] == "server.4.address is 10.0.0.5:9000 here, absent there"
