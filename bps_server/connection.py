@@ -1,0 +1,405 @@
+"""One worker's (or observer's) TCP connection to the Summation Service: a thin protocol class.
+
+Bytes go into a :class:`~protocol.frames.FrameReader`; each parsed message goes, after the
+handshake, to the handler its type names in :attr:`ServerConnection.HANDLERS`; pushes go to
+the server's :class:`~bps_server.aggregator.Aggregator` once :meth:`ServerConnection.push_data`
+has checked them (the one check of both push paths: payload and shared memory). Replies of
+up to ``BATCH_REPLY_MAX_BYTES`` that complete in one loop iteration leave in one Batch frame.
+Any :class:`ProtocolError` from the peer is answered with a ``Failure(-1)`` and a close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+from multiprocessing.shared_memory import SharedMemory
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Final
+
+import numpy as np
+
+from protocol import PROTOCOL_VERSION
+from protocol.errors import ProtocolError
+from protocol.frames import DEFAULT_MAX_HEADER_BYTES, FrameReader, encode_header
+from protocol.messages import (
+    BATCH_HEADER_BUDGET,
+    MAX_BATCH_ITEMS,
+    ROLE_OBSERVER,
+    ROLE_WORKER,
+    Abort,
+    Batch,
+    Challenge,
+    Failure,
+    Hello,
+    Message,
+    Ping,
+    Push,
+    Release,
+    Reset,
+    Result,
+    RoundInfo,
+    RoundQuery,
+    Stats,
+    StatsRequest,
+    Welcome,
+    batch_header,
+    check_auth,
+    estimated_header_bytes,
+    expect_hello,
+    parse,
+    split_batch,
+    to_header,
+)
+
+from bps_runtime import kernels
+from bps_runtime.lowat import ReceiveLowWater
+from bps_runtime.segments import attach_segment, owned_by, release
+
+from .aggregator import INLINE_SUM_MAX_BYTES
+
+if TYPE_CHECKING:
+    from .server import SummationServer
+
+log = logging.getLogger("bps.server")
+
+# Before the handshake a peer may send only a small header and no payload: nothing is
+# allocated for an unauthenticated peer.
+HANDSHAKE_MAX_HEADER_BYTES: Final = 4096
+# Replies with payloads up to this size are coalesced into one Batch frame per loop iteration.
+BATCH_REPLY_MAX_BYTES: Final = 64 * 1024
+
+def _mapped(seg: SharedMemory) -> memoryview:
+    """A mapped segment's memory (typeshed allows None: a closed segment, which is never kept)."""
+    buf = seg.buf
+    if buf is None:
+        raise ValueError(f"shared memory {seg.name!r} is closed")
+    return buf
+
+
+Handler = Callable[["ServerConnection", Any, "memoryview | None"], None]
+
+
+class ServerConnection(asyncio.BufferedProtocol):
+    """One worker's TCP connection: handshake first, then pushes, aborts and queries."""
+
+    HANDLERS: ClassVar[dict[type[Message], Handler]]  # message type -> handler, after the handshake
+
+    def __init__(self, server: SummationServer) -> None:
+        self.server = server
+        self.reader = FrameReader(max_header_bytes=HANDSHAKE_MAX_HEADER_BYTES, max_payload_bytes=0)
+        self.nonce = secrets.token_hex(16)
+        self.transport: asyncio.Transport | None = None
+        self.low_water: ReceiveLowWater | None = None
+        self.last_seen = 0.0  # loop time of the last bytes received (the server's silence watch)
+        self.worker: int | None = None
+        self.stream = 0  # which of the worker's connections (Hello.stream)
+        self.observer = False
+        self.peer = "?"
+        self.closed = False
+        self.shm = False  # the worker shares this host and its memory (see Hello.shm)
+        self.segments: dict[str, SharedMemory] = {}  # the worker's segments this connection mapped
+        self._outbox: list[tuple[Message, np.ndarray | None]] = []
+        self._outbox_header_bytes = 0
+        self._outbox_payload_bytes = 0
+
+    # -- asyncio.BufferedProtocol ----------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.last_seen = asyncio.get_running_loop().time()
+        self.peer = str(transport.get_extra_info("peername"))
+        self.low_water = ReceiveLowWater(transport)
+        self.server.connections.add(self)
+        self.send(Challenge(self.nonce, PROTOCOL_VERSION))
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.last_seen = asyncio.get_running_loop().time()
+        try:
+            for frame in self.reader.buffer_updated(nbytes):
+                message = parse(frame.header)
+                self.handle(message, frame.payload)
+        except ProtocolError as exc:
+            self.protocol_error(str(exc))
+            return
+        if self.low_water is not None:
+            self.low_water.follow(self.reader.payload_wanted)
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        self.unmap_all()
+        if self.worker is None:
+            return  # never got past the handshake
+        if self.stream:
+            if self.server.streams.get((self.worker, self.stream)) is self:
+                del self.server.streams[(self.worker, self.stream)]
+                log.info("worker %d stream %d (%s) disconnected", self.worker, self.stream, self.peer)
+            return
+        if self.server.links.get(self.worker) is self:
+            del self.server.links[self.worker]
+            if not self.server.stopping:
+                failed = self.server.aggregator.worker_lost(self.worker)
+                level = logging.WARNING if failed else logging.INFO
+                log.log(level, "worker %d (%s) disconnected; %d pending rounds failed", self.worker, self.peer, failed)
+
+    # -- messages --------------------------------------------------------------------
+    def handle(self, message: Message, payload: memoryview | None) -> None:
+        """One message from the peer: the handshake's, an observer's, or a worker's (see HANDLERS)."""
+        if self.observer:
+            if not isinstance(message, StatsRequest):
+                raise ProtocolError(f"an observer may only send stats requests, not {message.TYPE}")
+            self.on_stats_request(message, payload)
+            return
+        if self.worker is None:
+            self.handshake(message)
+            return
+        handler = self.HANDLERS.get(type(message))
+        if handler is None:
+            raise ProtocolError(f"unexpected {message.TYPE} message from worker {self.worker}")
+        handler(self, message, payload)
+
+    def on_batch(self, batch: Batch, payload: memoryview | None) -> None:
+        for item, item_payload in split_batch(batch, payload):
+            self.handle(item, item_payload)
+
+    def on_push(self, push: Push, payload: memoryview | None) -> None:
+        data = self.push_data(push, payload)
+        if data is None:
+            return  # answered already (a segment the server cannot map)
+        if push.replay:
+            self.server.aggregator.replay(push, data)
+        else:
+            self.server.spawn(self.server.aggregator.push(push, data, self.reply, self.fail,
+                                                          borrowed=bool(push.segment)))
+
+    def on_abort(self, abort: Abort, payload: memoryview | None) -> None:
+        assert self.worker is not None  # dispatched after the handshake only
+        self.server.aggregator.abort(abort.name, abort.part, abort.round, self.worker, abort.message)
+
+    def on_round_query(self, query: RoundQuery, payload: memoryview | None) -> None:
+        assert self.worker is not None
+        self.send(RoundInfo(query.req, self.server.aggregator.round_for(query.name, query.part, self.worker)))
+
+    def on_release(self, message: Release, payload: memoryview | None) -> None:
+        seg = self.segments.pop(message.segment, None)
+        if seg is not None:
+            release(seg, unlink=False)
+
+    def on_ping(self, ping: Ping, payload: memoryview | None) -> None:
+        self.send(Ping(ping.seq))
+
+    def on_reset(self, reset: Reset, payload: memoryview | None) -> None:
+        if reset.worker != self.worker:
+            raise ProtocolError(f"worker {self.worker} sent a reset for worker {reset.worker}")
+        failed = self.server.aggregator.worker_reset(reset.worker, reset.epoch)
+        log.info("worker %d has no training processes; %d pending rounds failed", reset.worker, failed)
+
+    def on_stats_request(self, request: StatsRequest, payload: memoryview | None) -> None:
+        self.send(Stats(request.req, self.server.stats()))
+
+    # -- pushes ----------------------------------------------------------------------
+    def push_data(self, push: Push, payload: memoryview | None) -> np.ndarray | None:
+        """The one check of a push against this connection, and its data: the payload, or a view of
+        the colocated worker's shared memory (``push.segment``). ProtocolError for a push no honest
+        worker sends; None when the push was failed (a segment this server cannot map)."""
+        if push.worker != self.worker:
+            raise ProtocolError(f"worker {self.worker} pushed as worker {push.worker}")
+        total = math.prod(push.shape)
+        if push.offset + push.count > total:
+            raise ProtocolError(f"push of {push.name!r} part {push.part} exceeds its tensor's {total} elements")
+        if push.segment:
+            return self._shm_data(push, payload)
+        if push.payload_nbytes != (payload.nbytes if payload is not None else 0):
+            raise ProtocolError(f"push of {push.name!r} part {push.part} announces {push.count} {push.dtype} "
+                                f"elements but carries {0 if payload is None else payload.nbytes} bytes")
+        if payload is None:
+            return np.empty(0, dtype=kernels.STORAGE[push.dtype])
+        return kernels.as_array(payload, push.dtype)
+
+    def _shm_data(self, push: Push, payload: memoryview | None) -> np.ndarray | None:
+        """A view of the push's partition in the worker's segment; both named segments mapped and
+        checked to be the worker's and large enough (the sum is written to the second)."""
+        if not self.shm:
+            raise ProtocolError(f"push of {push.name!r} names shared memory, but this connection has none")
+        if payload is not None and payload.nbytes:
+            raise ProtocolError(f"push of {push.name!r} names shared memory and also carries a payload")
+        segments = []
+        for name, offset in ((push.segment, push.seg_offset), (push.out_segment, push.out_offset)):
+            if not owned_by(name, push.worker):
+                raise ProtocolError(f"push of {push.name!r} names segment {name!r}, not one of worker "
+                                    f"{push.worker}'s")
+            seg = self.segments.get(name)
+            if seg is None:
+                try:
+                    seg = self.segments[name] = attach_segment(name)
+                except OSError as exc:
+                    self.fail(push, f"server cannot map shared memory {name!r} of {push.name!r}: {exc}")
+                    return None
+            if offset + push.payload_nbytes > seg.size:
+                raise ProtocolError(f"push of {push.name!r} part {push.part} runs past the end of segment {name!r}")
+            segments.append(seg)
+        return np.frombuffer(_mapped(segments[0]), dtype=kernels.STORAGE[push.dtype], count=push.count,
+                             offset=push.seg_offset)
+
+    def unmap_all(self) -> None:
+        for seg in self.segments.values():
+            release(seg, unlink=False)
+        self.segments.clear()
+
+    def _accept_shm(self, hello: Hello) -> bool:
+        """Whether the worker's shared-memory offer holds: we can map its probe and read the key in it,
+        so we share its host (and may read its segments)."""
+        if not hello.shm or not self.server.config.cluster.colocated_shm:
+            return False
+        if not owned_by(hello.shm, hello.id):
+            return False
+        try:
+            probe = attach_segment(hello.shm)
+        except OSError as exc:
+            log.warning("worker %d offered shared memory %r but it cannot be mapped here (%s); using TCP",
+                        hello.id, hello.shm, exc)
+            return False
+        try:
+            ok = probe.size >= 32 and bytes(_mapped(probe)[:32]).hex() == hello.shm_key
+        finally:
+            release(probe, unlink=False)
+        if not ok:
+            log.warning("worker %d offered shared memory %r with the wrong key; using TCP", hello.id, hello.shm)
+        return ok
+
+    def handshake(self, message: Message) -> None:
+        message = expect_hello(message, "server")
+        token = self.server.config.token
+        if token is not None and not check_auth(token, self.nonce, message):
+            raise ProtocolError(f"authentication failed for {message.role} {message.id}: "
+                                f"{'no' if not message.auth else 'a wrong'} proof of the cluster token")
+        self.reader.max_header_bytes = DEFAULT_MAX_HEADER_BYTES
+        self.reader.max_payload_bytes = self.server.config.cluster.max_payload_bytes
+        if message.role == ROLE_OBSERVER:
+            self.observer = True
+            self.send(Welcome(PROTOCOL_VERSION, workers=self.server.config.cluster.workers))
+            return
+        if message.role != ROLE_WORKER or not 0 <= message.id < self.server.config.cluster.workers:
+            raise ProtocolError(f"hello from {message.role} {message.id}: only workers "
+                                f"0..{self.server.config.cluster.workers - 1} may connect")
+        self.worker = message.id
+        self.stream = message.stream
+        if message.stream:
+            # An extra connection for pushes (see Hello.stream): the worker's state follows stream 0.
+            old = self.server.streams.get((message.id, message.stream))
+            self.server.streams[(message.id, message.stream)] = self
+        else:
+            old = self.server.links.get(message.id)
+            self.server.links[message.id] = self
+        if old is not None and not old.closed:
+            log.warning("worker %d reconnected from %s; closing its old connection", message.id, self.peer)
+            old.close()
+        if not message.stream:
+            self.server.aggregator.worker_hello(message.id, message.epoch)
+        self.shm = self._accept_shm(message)
+        log.info("worker %d connected from %s%s", message.id, self.peer, " (shared memory)" if self.shm else "")
+        self.send(Welcome(PROTOCOL_VERSION, worker=message.id, workers=self.server.config.cluster.workers,
+                          shm=self.shm, incarnation=self.server.incarnation))
+
+    # -- replies ---------------------------------------------------------------------
+    def reply(self, push: Push, out: np.ndarray) -> None:
+        if push.segment and out.nbytes < INLINE_SUM_MAX_BYTES:
+            self._write_in_place(push, out)  # small: at once, no task
+        elif push.segment:
+            self.server.spawn(self._reply_in_place(push, out))
+        else:
+            self.send(Result(push.req, push.name, push.part, push.round), out)
+
+    def _write_in_place(self, push: Push, out: np.ndarray) -> None:
+        seg = self.segments.get(push.out_segment)
+        if seg is None or self.closed:
+            return  # the worker released the segment or left: nobody waits for this answer
+        np.copyto(np.frombuffer(_mapped(seg), dtype=out.dtype, count=out.size, offset=push.out_offset), out)
+        self.send(Result(push.req, push.name, push.part, push.round, inplace=True))
+
+    async def _reply_in_place(self, push: Push, out: np.ndarray) -> None:
+        """Write a large sum where the worker asked for it (in a thread), then tell it."""
+        seg = self.segments.get(push.out_segment)
+        if seg is None or self.closed:
+            return
+        dest = np.frombuffer(_mapped(seg), dtype=out.dtype, count=out.size, offset=push.out_offset)
+        await asyncio.get_running_loop().run_in_executor(self.server.executor, np.copyto, dest, out)
+        del dest
+        self.send(Result(push.req, push.name, push.part, push.round, inplace=True))
+
+    def fail(self, push: Push, message: str) -> None:
+        self.send(Failure(push.req, message, code="round_failed"))
+
+    def send(self, message: Message, payload: np.ndarray | None = None) -> None:
+        if self.closed or self.transport is None or self.transport.is_closing():
+            return
+        if isinstance(message, (Result, Failure, RoundInfo)) and message.req >= 0 and \
+                (payload is None or payload.nbytes <= BATCH_REPLY_MAX_BYTES):
+            # Many small rounds complete in one loop iteration (thousands of tiny tensors):
+            # answer them in one frame.
+            nbytes = 0 if payload is None else payload.nbytes
+            if self._outbox_payload_bytes + nbytes > self.server.config.cluster.max_payload_bytes:
+                self._flush()  # a batch is one frame: the peer's payload limit holds for it too
+            if not self._outbox:
+                asyncio.get_running_loop().call_soon(self._flush)
+            self._outbox.append((message, payload))
+            self._outbox_header_bytes += estimated_header_bytes(message)
+            self._outbox_payload_bytes += nbytes
+            if len(self._outbox) >= MAX_BATCH_ITEMS or self._outbox_header_bytes >= BATCH_HEADER_BUDGET:
+                self._flush()
+            return
+        self._write(message, payload)
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        self._outbox_header_bytes = 0
+        self._outbox_payload_bytes = 0
+        if not outbox or self.closed or self.transport is None or self.transport.is_closing():
+            return
+        if len(outbox) == 1:
+            self._write(*outbox[0])
+            return
+        parts = [(m, 0 if p is None else p.nbytes) for m, p in outbox]
+        payload = b"".join(p.data.cast("B") for _, p in outbox if p is not None and p.nbytes)
+        head = encode_header(batch_header(parts), len(payload),
+                             max_payload_bytes=self.server.config.cluster.max_payload_bytes)
+        self.transport.writelines([head, payload])
+
+    def _write(self, message: Message, payload: np.ndarray | None) -> None:
+        assert self.transport is not None
+        nbytes = 0 if payload is None else payload.nbytes
+        head = encode_header(to_header(message), nbytes,
+                             max_payload_bytes=self.server.config.cluster.max_payload_bytes)
+        if payload is None or nbytes == 0:
+            self.transport.write(head)
+        else:
+            self.transport.writelines([head, payload.data.cast("B")])
+
+    def protocol_error(self, reason: str) -> None:
+        who = f"worker {self.worker}" if self.worker is not None else "unidentified peer"
+        log.warning("dropping %s at %s: %s", who, self.peer, reason)
+        self.send(Failure(-1, reason, code="protocol_error"))
+        self.close()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+        self.closed = True
+
+
+ServerConnection.HANDLERS = {
+    Batch: ServerConnection.on_batch,
+    Push: ServerConnection.on_push,
+    Abort: ServerConnection.on_abort,
+    RoundQuery: ServerConnection.on_round_query,
+    Release: ServerConnection.on_release,
+    Ping: ServerConnection.on_ping,
+    Reset: ServerConnection.on_reset,
+    StatsRequest: ServerConnection.on_stats_request,
+}
