@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
@@ -274,3 +274,61 @@ async def test_a_round_waiting_for_a_worker_without_processes_fails_after_the_gr
     await _feed(agg, rec, [_push(0, np.ones(2, np.float32))])
     assert agg.sweep(time.monotonic() + 0.3) == 1
     assert "worker 1 has no training processes" in rec.failures[0]
+
+
+class _HeldPool(Executor):
+    """A thread pool stand-in that runs each kernel only when the test says so."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[Future, object, tuple]] = []
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
+        future: Future = Future()
+        self.pending.append((future, fn, args))
+        return future
+
+    def run_pending(self) -> int:
+        pending, self.pending = self.pending, []
+        for future, fn, args in pending:
+            future.set_result(fn(*args))  # type: ignore[operator]
+        return len(pending)
+
+
+async def _turns(n: int = 5) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def test_a_round_that_fails_while_its_sum_is_being_finished_is_not_answered_nor_reopened():
+    """Both workers reset while the averaged sum is rounded in the pool: they get the failure, no sum, and
+    the key stays dropped (the next job starts at round 0), not reopened at round 1 by the late sum."""
+    pool = _HeldPool()
+    agg, rec = Aggregator(2, pool, lost_grace_s=10), Recorder()
+    size = 1 << 18  # 1 MiB of float32: added and finalized in the pool
+    task = asyncio.ensure_future(_feed(agg, rec, [_push(w, np.full(size, 1.0, np.float32), divisor=2)
+                                                  for w in range(2)]))
+    await _turns()
+    assert pool.run_pending() == 1  # the second worker's addition (the first one's buffer was adopted)
+    await _turns()
+    assert len(pool.pending) == 1  # the rounding of the averaged sum
+    agg.worker_reset(0)
+    agg.worker_reset(1)
+    assert set(rec.failures) == {0, 1} and "no training processes" in rec.failures[0]
+    pool.run_pending()
+    await task
+    assert rec.results == {} and agg.keys == {} and agg.counters.rounds_completed == 0
+
+
+async def test_a_round_that_fails_while_an_addition_is_in_the_pool_drops_the_addition():
+    pool = _HeldPool()
+    agg, rec = Aggregator(3, pool), Recorder()
+    size = 1 << 18
+    task = asyncio.ensure_future(_feed(agg, rec, [_push(w, np.full(size, 1.0, np.float32)) for w in range(2)]))
+    await _turns()
+    assert len(pool.pending) == 1  # worker 1's addition (worker 0's buffer was adopted)
+    agg.abort("t", 0, 0, worker=2, message="gave up")
+    pool.run_pending()
+    await task
+    assert set(rec.failures) == {0, 1} and rec.results == {}
+    await _feed(agg, rec, [_push(2, np.ones(4, np.float32))])  # a late push learns why
+    assert "aborted by worker 2: gave up" in rec.failures[2] and agg.keys[("t", 0)].round == 0
