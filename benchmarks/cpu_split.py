@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         return rank_program(args)
 
     sys.path.insert(0, str(bench.REPO))
-    from bps_worker.launch import Child, Cluster, free_ports
+    from bps_worker.cluster_file import free_ports
+    from bps_worker.supervise import Child, Cluster
 
     with tempfile.TemporaryDirectory(prefix="bps-cpu-") as tmp:
         config = bench.write_cluster_config(Path(tmp))

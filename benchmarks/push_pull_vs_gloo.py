@@ -94,7 +94,7 @@ def human(n: int) -> str:
 def write_cluster_config(directory: Path, workers: int = 2, local_size: int = 2, cpu_servers: int = 1,
                          partition_bytes: int = 4 << 20) -> Path:
     """configs/local.toml's shape with free ports and sockets under ``directory``."""
-    from bps_worker.launch import write_config
+    from bps_worker.cluster_file import write_config
 
     return write_config(directory, [local_size] * workers, cpu_servers=cpu_servers,
                         cluster={"partition_bytes": partition_bytes})
@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         return rank_program(args)
 
     sys.path.insert(0, str(REPO))
-    from bps_worker.launch import Cluster, LaunchError, free_ports
+    from bps_worker.cluster_file import free_ports
+    from bps_worker.supervise import Cluster, LaunchError
     from protocol.errors import ConfigError
 
     command_line = shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))

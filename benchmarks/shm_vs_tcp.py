@@ -196,7 +196,7 @@ def rank_main(conn: Any, sock: str, local_rank: int, rank: int, size: int, clien
 # --------------------------------------------------------------------------------------------------------------
 def received(cluster: Any) -> tuple[int, int]:
     """(bytes received in pushes, of which read from shared memory), summed over the cluster's servers."""
-    from bps_worker.launch import server_stats
+    from bps_worker.observer import server_stats
 
     stats = server_stats(cluster)
     return sum(int(s["bytes_received"]) for s in stats.values()), sum(int(s["bytes_shm"]) for s in stats.values())
@@ -339,7 +339,7 @@ def stop_ranks(side: Side) -> None:
 
 def write_configs(directory: Path, args: argparse.Namespace) -> dict[str, Path]:
     """The two cluster files: same shape, ``colocated_shm`` true / false, no port in common."""
-    from bps_worker.launch import write_config
+    from bps_worker.cluster_file import write_config
 
     from protocol.config import load_config
 
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     if not sizes:
         p.error("--sizes is empty")
 
-    from bps_worker.launch import Cluster, LaunchError
+    from bps_worker.supervise import Cluster, LaunchError
     from protocol.errors import ConfigError
 
     command_line = shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))

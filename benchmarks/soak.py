@@ -200,7 +200,7 @@ def rank_main(results: Any, control: Any, release: Any, sock: str, local_rank: i
 def write_cluster_config(directory: Path, partition_bytes: int, timeout: float, workers: int = 2,
                          local_size: int = 2, cpu_servers: int = 1) -> Path:
     """configs/local.toml's shape with free ports and sockets under ``directory``."""
-    from bps_worker.launch import write_config
+    from bps_worker.cluster_file import write_config
 
     return write_config(directory, [local_size] * workers, cpu_servers=cpu_servers,
                         cluster={"partition_bytes": partition_bytes, "timeout": timeout})
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.warmup_fraction < 0.5:
         p.error("--warmup-fraction must be in (0, 0.5)")
 
-    from bps_worker.launch import Cluster, LaunchError
+    from bps_worker.supervise import Cluster, LaunchError
     from protocol.errors import ConfigError
 
     command_line = shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))

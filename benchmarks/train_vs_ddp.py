@@ -441,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         return rank_program(args)
 
     sys.path.insert(0, str(REPO))
-    from bps_worker.launch import Cluster, LaunchError, free_ports
+    from bps_worker.cluster_file import free_ports
+    from bps_worker.supervise import Cluster, LaunchError
     from protocol.errors import ConfigError
 
     command_line = shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))

@@ -7,7 +7,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from bps_worker.launch import Cluster
+from bps_worker.supervise import Cluster
 from harness import start_cluster, write_config
 
 

@@ -1,8 +1,9 @@
 """Real clusters for integration tests: config files with free ports, daemons, rank processes.
 
 Nothing here is mocked: the daemons are the real ``bps-server``/``bps-worker``
-processes, started by the project's launcher on loopback and temporary Unix
-sockets, and every rank is a separate process using the real client library.
+processes, started by the launcher's supervision (``bps_worker.supervise.Cluster``)
+on loopback and temporary Unix sockets in files of ``bps_worker.cluster_file``,
+and every rank is a separate process using the real client library.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from bps_worker.launch import Cluster, free_ports, server_stats, write_config
+from bps_worker.cluster_file import free_ports, write_config
+from bps_worker.observer import server_stats
+from bps_worker.supervise import Cluster
 
 __all__ = ["SHM_DIR", "daemon_logs", "free_ports", "run_ranks", "server_stats", "shm_segments", "start_cluster",
            "write_config"]
@@ -74,7 +77,7 @@ def run_ranks(cluster: Cluster, target: Callable[..., Any], *args: Any, timeout:
         for local in range(w.local_size):
             rank = cluster.config.rank_offset(w.id) + local
             rank_args = per_rank_args(rank) if per_rank_args else args
-            p = ctx.Process(target=_rank_main, args=(queue, w.socket, local, rank, target, rank_args, client_timeout),
+            p = ctx.Process(target=_rank_main, args=(queue, cluster.socket_path(w.id), local, rank, target, rank_args, client_timeout),
                             daemon=True)
             p.start()
             procs.append(p)

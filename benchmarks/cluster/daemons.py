@@ -13,26 +13,24 @@ sockets and the readiness socket are files under ``directory``, which every name
 and ``/dev/shm`` do not depend on the network namespace), so rank processes inside a worker's namespace reach
 their worker daemon as on a real machine.
 
-Readiness is the daemons' systemd protocol (``READY=1`` on ``NOTIFY_SOCKET``), as in ``bps_worker.launch``.
+Readiness is the daemons' systemd protocol (``READY=1`` on ``NOTIFY_SOCKET``), awaited by
+``bps_worker.supervise``, as for ``bps-launch``.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from bps_worker.launch import toml_value
+from bps_worker.cluster_file import toml_value
+from bps_worker.supervise import Child, DaemonCommand, LaunchError, Supervisor, daemon_argv
 
 from .netns import EmulatorError, Network
 
-READY_TIMEOUT_S = 60.0
-STOP_GRACE_S = 10.0
 DEFAULT_PORT = 9100
 
 
@@ -70,7 +68,7 @@ class Layout:
 
 def write_config(net: Network, layout: Layout, directory: Path, *, port: int = DEFAULT_PORT) -> Path:
     """The cluster file for ``layout`` on ``net`` (see configs/README.md); returns its path."""
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     for machine in [*layout.workers, *layout.cpu_servers]:
         net.machine(machine)  # KeyError naming a machine the network lacks
     if len(set(layout.cpu_servers)) != len(layout.cpu_servers) or set(layout.cpu_servers) & set(layout.workers):
@@ -89,19 +87,14 @@ def write_config(net: Network, layout: Layout, directory: Path, *, port: int = D
     return path
 
 
-@dataclass
-class Daemon:
-    label: str
-    machine: str
-    proc: subprocess.Popen[bytes]
-
-
 class Daemons:
     """The servers and worker daemons of ``layout``, each inside its machine's namespace; a context manager.
 
     ``python``: the interpreter whose environment has the project (default: this one); daemons run as the
     ``bps-server`` / ``bps-worker`` scripts beside it (``python -m bps_server`` where they are missing).
     ``timeline_dir``: every daemon writes its Chrome-trace timeline there (``<label>.json``, ``--timeline``).
+    Spawning, readiness and the layered stop are :class:`bps_worker.supervise.Supervisor`'s, with
+    ``ip netns exec <machine>`` as the command prefix.
     """
 
     def __init__(self, net: Network, layout: Layout, directory: Path, *, log_level: str = "warning",
@@ -116,8 +109,15 @@ class Daemons:
         self.extra_args = list(extra_args)
         self.timeline_dir = Path(timeline_dir) if timeline_dir else None
         self.config_path = write_config(net, layout, self.directory, port=port)
-        self.daemons: list[Daemon] = []
-        self.ranks: list[Daemon] = []
+        self.supervisor = Supervisor(self.directory, env=self._env(), log_dir=self.log_dir)
+
+    @property
+    def daemons(self) -> list[Child]:
+        return [c for c in self.supervisor.children if c.daemon]
+
+    @property
+    def ranks(self) -> list[Child]:
+        return [c for c in self.supervisor.children if not c.daemon]
 
     def __enter__(self) -> "Daemons":
         try:
@@ -137,67 +137,25 @@ class Daemons:
         return dict(os.environ, PYTHONPATH=(path + os.pathsep if path else "") + repo, **extra)
 
     def start(self) -> None:
-        notify_path = self.directory / "notify.sock"
-        notify_path.unlink(missing_ok=True)
-        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        notify.bind(str(notify_path))
+        commands = [self._command(f"server-{sid}", machine, "bps_server", sid)
+                    for sid, machine, _ in self.layout.servers()]
+        commands += [self._command(f"worker-{w}", machine, "bps_worker", w)
+                     for w, machine in enumerate(self.layout.workers)]
         try:
-            env = self._env(NOTIFY_SOCKET=str(notify_path))
-            for sid, machine, _ in self.layout.servers():
-                self._spawn(f"server-{sid}", machine, "bps_server", sid, env)
-            for w, machine in enumerate(self.layout.workers):
-                self._spawn(f"worker-{w}", machine, "bps_worker", w, env)
-            self._wait_ready(notify)
-        finally:
-            notify.close()
-            notify_path.unlink(missing_ok=True)
+            self.supervisor.launch(commands)
+        except LaunchError as exc:
+            raise EmulatorError(str(exc) + (self.supervisor.log_tail(exc.label) if exc.label else "")) from exc
 
-    def _spawn(self, label: str, machine: str, module: str, ident: int, env: dict[str, str]) -> None:
-        out = None
-        if self.log_dir:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / f"{label}.log", "ab")
+    def _command(self, label: str, machine: str, module: str, ident: int) -> DaemonCommand:
         script = Path(self.python).parent / module.replace("_", "-")  # .venv/bin/bps-server, as installed
         head = [str(script)] if script.exists() else [self.python, "-m", module]
-        cmd = [*head, "--config", str(self.config_path), "--id", str(ident), "--log-level", self.log_level,
-               *self.extra_args]
+        timeline = None
         if self.timeline_dir:
             self.timeline_dir.mkdir(parents=True, exist_ok=True)
-            cmd += ["--timeline", str(self.timeline_dir / f"{label}.json")]
-        try:
-            proc = self.net.popen(machine, cmd, env=env, stdout=out, stderr=out)
-        finally:
-            if out is not None:
-                out.close()
-        self.daemons.append(Daemon(label, machine, proc))
-
-    def _wait_ready(self, notify: socket.socket) -> None:
-        notify.settimeout(0.2)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        ready = 0
-        while ready < len(self.daemons):
-            for d in self.daemons:
-                code = d.proc.poll()
-                if code is not None:
-                    raise EmulatorError(f"{d.label} on {d.machine} exited with status {code} during start-up"
-                                        + self._log_hint(d.label))
-            if time.monotonic() > deadline:
-                raise EmulatorError(f"the daemons were not ready within {READY_TIMEOUT_S:g} s")
-            try:
-                data = notify.recv(4096)
-            except socket.timeout:
-                continue
-            if b"READY=1" in data:
-                ready += 1
-
-    def _log_hint(self, label: str) -> str:
-        if not self.log_dir:
-            return ""
-        path = self.log_dir / f"{label}.log"
-        try:
-            return f"; its log ({path}):\n" + path.read_text(errors="replace")[-2000:]
-        except OSError:
-            return ""
+            timeline = self.timeline_dir / f"{label}.json"
+        argv = daemon_argv(head, self.config_path, ident, log_level=self.log_level, extra=self.extra_args,
+                           timeline=timeline)
+        return DaemonCommand(label, argv, prefix=tuple(self.net.exec_prefix(machine)), where=machine)
 
     def rank_env(self, worker: int, local_rank: int) -> dict[str, str]:
         """What ``bps-launch`` gives a training process (BPS_SOCKET, BPS_RANK, ...)."""
@@ -212,41 +170,23 @@ class Daemons:
         """Start one training process inside worker ``worker``'s machine."""
         full_env = self.rank_env(worker, local_rank)
         full_env.update(env or {})
-        proc = self.net.popen(self.layout.workers[worker], argv, env=full_env, **kwargs)
-        self.ranks.append(Daemon(f"rank {full_env['BPS_RANK']}", self.layout.workers[worker], proc))
+        machine = self.layout.workers[worker]
+        proc = self.net.popen(machine, argv, env=full_env, **kwargs)
+        self.supervisor.children.append(Child(f"rank {full_env['BPS_RANK']}", proc, daemon=False, where=machine))
         return proc
 
     def wait_ranks(self, timeout: float | None = None) -> int:
         """Wait for every started rank; the first non-zero status (a dead daemon or the deadline: 1)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            codes = [r.proc.poll() for r in self.ranks]
-            failed = [(r, c) for r, c in zip(self.ranks, codes) if c not in (None, 0)]
-            if failed:
-                r, code = failed[0]
-                print(f"{r.label} on {r.machine} exited with status {code}", file=sys.stderr)
-                return code if isinstance(code, int) and code > 0 else 1
-            if all(c == 0 for c in codes):
-                return 0
-            for d in self.daemons:
-                if d.proc.poll() is not None:
-                    print(f"{d.label} on {d.machine} exited with status {d.proc.returncode}"
-                          + self._log_hint(d.label), file=sys.stderr)
-                    return 1
-            if deadline is not None and time.monotonic() > deadline:
-                print(f"ranks did not finish within {timeout:g} s", file=sys.stderr)
-                return 1
-            time.sleep(0.05)
+        ending = self.supervisor.watch(self.ranks, timeout)
+        if ending.reason is not None:
+            culprit = ending.culprit
+            hint = self.supervisor.log_tail(culprit.label) if culprit is not None and culprit.daemon else ""
+            print(ending.reason + hint, file=sys.stderr)
+        return ending.code
 
     def pids(self) -> dict[str, int]:
         return {d.label: d.proc.pid for d in self.daemons}
 
     def stop(self) -> None:
         """Ranks, then workers, then servers: SIGTERM, then SIGKILL after a grace period."""
-        from bps_worker.launch import stop_in_layers
-
-        stop_in_layers([[d.proc for d in self.ranks],
-                        [d.proc for d in self.daemons if d.label.startswith("worker")],
-                        [d.proc for d in self.daemons if not d.label.startswith("worker")]], STOP_GRACE_S)
-        self.ranks.clear()
-        self.daemons.clear()
+        self.supervisor.stop()

@@ -1,0 +1,328 @@
+"""Daemon supervision: start ``bps-server`` / ``bps-worker`` processes, know when they are ready, stop them.
+
+Used by the launcher (``bps-launch``), the tests' and benchmarks' one-box clusters (:class:`Cluster`) and
+the emulator's daemons inside network namespaces (``benchmarks/cluster/daemons.py``, through
+:class:`Supervisor` with a command prefix).
+
+Theory of operation:
+
+- Readiness is the daemons' systemd protocol: a daemon sends ``READY=1`` to the datagram socket named by
+  ``NOTIFY_SOCKET`` once it serves. :meth:`Supervisor.launch` binds one such socket in a directory of its
+  owner's, starts a batch of daemons with it in their environment and counts ``READY=1`` datagrams until
+  every daemon of the batch is in. A daemon of the batch that exits first, or the deadline, is a
+  :class:`LaunchError` that names it. (``SCM_CREDENTIALS`` would name each sender; a count plus the
+  exit check of every pending daemon is enough, as each daemon sends ``READY=1`` once.)
+- :meth:`Supervisor.watch` waits for training processes: the first non-zero status ends the wait, so do a
+  dead daemon and the deadline (:func:`judge` is that decision, without processes).
+- :meth:`Supervisor.stop` sends SIGTERM layer by layer -- training processes, then worker daemons, then
+  servers -- waiting for each layer before the next, so that each drains into the next (a worker tells
+  the servers that its jobs ended before they stop), and SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Callable, Final, Mapping, Sequence
+
+from protocol.config import ClusterConfig, load_config
+
+__all__ = ["READY_TIMEOUT_S", "STOP_GRACE_S", "Child", "Cluster", "DaemonCommand", "Ending", "LaunchError",
+           "Supervisor", "daemon_argv", "judge", "stop_in_layers"]
+
+READY_TIMEOUT_S: Final = 60.0
+STOP_GRACE_S: Final = 10.0
+READY_POLL_S: Final = 0.2   # how often the readiness wait looks for exited daemons
+WATCH_POLL_S: Final = 0.05  # how often :meth:`Supervisor.watch` polls the training processes
+
+
+class LaunchError(Exception):
+    """Daemons that did not come up: one exited during start-up (``label`` names it) or the deadline passed."""
+
+    def __init__(self, message: str, label: str | None = None) -> None:
+        super().__init__(message)
+        self.label = label
+
+
+@dataclass(frozen=True)
+class DaemonCommand:
+    """How to start one daemon: ``argv`` after ``prefix`` (e.g. ``ip netns exec NS``); ``where`` for messages."""
+
+    label: str                      # server-N / worker-N
+    argv: tuple[str, ...]
+    prefix: tuple[str, ...] = ()
+    where: str = ""                 # the machine it runs on, if not this one
+
+
+@dataclass
+class Child:
+    """A process started for a cluster: a daemon (``server-N`` / ``worker-N``) or a training process."""
+
+    label: str
+    proc: subprocess.Popen[Any]
+    daemon: bool
+    where: str = ""
+    command: DaemonCommand | None = field(default=None, repr=False)  # how to start it again (daemons)
+
+    def describe(self) -> str:
+        return f"{self.label} on {self.where}" if self.where else self.label
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a wait for training processes ended: the status to return, and why when it is not "all done"."""
+
+    code: int
+    reason: str | None = None       # None: every process exited 0
+    culprit: Child | None = None    # the process that ended it, if one did
+
+
+def daemon_argv(program: Sequence[str], config_path: str | Path, ident: int, *, log_level: str,
+                extra: Sequence[str] = (), timeline: str | Path | None = None) -> tuple[str, ...]:
+    """``program --config FILE --id N --log-level L [extra] [--timeline FILE]``."""
+    argv = [*program, "--config", str(config_path), "--id", str(ident), "--log-level", log_level, *extra]
+    return tuple(argv + (["--timeline", str(timeline)] if timeline else []))
+
+
+def judge(ranks: Sequence[tuple[Child, int | None]], dead_daemon: Child | None, overdue: bool,
+          timeout: float | None) -> Ending | None:
+    """The end of a wait for ``ranks`` (each with its status, None while running), or None to go on.
+
+    The first failed rank wins (its status, 1 for a signal), then "all exited 0", then a dead daemon, then
+    the deadline.
+    """
+    for child, code in ranks:
+        if code is not None and code != 0:
+            return Ending(code if code > 0 else 1, f"{child.describe()} exited with status {code}", child)
+    if all(code == 0 for _, code in ranks):
+        return Ending(0)
+    if dead_daemon is not None:
+        return Ending(1, f"{dead_daemon.describe()} exited with status {dead_daemon.proc.returncode}", dead_daemon)
+    if overdue:
+        return Ending(1, f"ranks did not finish within {timeout:g} s")
+    return None
+
+
+def stop_in_layers(layers: list[list[subprocess.Popen[Any]]], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM each layer of processes and wait for it (SIGKILL after ``grace_s``) before the next."""
+    for group in layers:
+        for proc in group:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in group:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class Supervisor:
+    """The processes of one cluster: daemons started in batches and awaited, training processes, all stopped.
+
+    ``env``: the daemons' environment (default: ours), ``NOTIFY_SOCKET`` added. ``log_dir``: each daemon's
+    output goes to ``<label>.log`` there instead of our stderr. ``notify_dir``: where the readiness socket
+    is bound (a directory of ours). ``children`` is public: callers add their training processes to it.
+    """
+
+    def __init__(self, notify_dir: str | Path, *, env: Mapping[str, str] | None = None,
+                 log_dir: str | Path | None = None, ready_timeout_s: float = READY_TIMEOUT_S,
+                 grace_s: float = STOP_GRACE_S) -> None:
+        self.notify_dir = Path(notify_dir)
+        self.env = dict(os.environ if env is None else env)
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.ready_timeout_s = ready_timeout_s
+        self.grace_s = grace_s
+        self.children: list[Child] = []
+
+    def launch(self, commands: Sequence[DaemonCommand]) -> None:
+        """Start ``commands`` and return once every one has sent ``READY=1``; LaunchError if one exits first."""
+        notify_path = self.notify_dir / f"notify-{os.urandom(4).hex()}"
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        notify.bind(str(notify_path))
+        try:
+            env = dict(self.env, NOTIFY_SOCKET=str(notify_path))
+            pending = [self._spawn(command, env) for command in commands]
+            self._wait_ready(notify, pending)
+        finally:
+            notify.close()
+            notify_path.unlink(missing_ok=True)
+
+    def _spawn(self, command: DaemonCommand, env: Mapping[str, str]) -> Child:
+        out: IO[bytes] | None = None
+        if self.log_dir:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{command.label}.log", "ab")
+        try:
+            proc = subprocess.Popen([*command.prefix, *command.argv], env=env, stdout=out, stderr=out)
+        finally:
+            if out is not None:
+                out.close()
+        child = Child(command.label, proc, daemon=True, where=command.where, command=command)
+        self.children.append(child)
+        return child
+
+    def _wait_ready(self, notify: socket.socket, pending: list[Child]) -> None:
+        notify.settimeout(READY_POLL_S)
+        deadline = time.monotonic() + self.ready_timeout_s
+        ready = 0
+        while ready < len(pending):
+            for child in pending:
+                code = child.proc.poll()
+                if code is not None:
+                    raise LaunchError(f"{child.describe()} exited with status {code} during start-up", child.label)
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the cluster was not ready within {self.ready_timeout_s:g} s")
+            try:
+                data = notify.recv(4096)
+            except socket.timeout:
+                continue
+            if b"READY=1" in data:
+                ready += 1
+
+    def daemon(self, label: str) -> Child:
+        """The daemon called ``label`` (KeyError if there is none)."""
+        for child in self.children:
+            if child.daemon and child.label == label:
+                return child
+        raise KeyError(label)
+
+    def kill(self, label: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to daemon ``label`` (e.g. ``server-2``) and, unless it is SIGSTOP/SIGCONT, reap it."""
+        child = self.daemon(label)
+        child.proc.send_signal(sig)
+        if sig not in (signal.SIGSTOP, signal.SIGCONT):
+            child.proc.wait()
+
+    def restart(self, label: str) -> None:
+        """Start daemon ``label`` again after it died (as systemd's Restart=on-failure would)."""
+        old = self.daemon(label)
+        if old.proc.poll() is None:
+            raise LaunchError(f"{label} is still running", label)
+        if old.command is None:
+            raise LaunchError(f"{label} was not started by this supervisor", label)
+        self.children.remove(old)
+        self.launch([old.command])
+
+    def dead_daemon(self) -> Child | None:
+        """A daemon that has exited, if any."""
+        for child in self.children:
+            if child.daemon and child.proc.poll() is not None:
+                return child
+        return None
+
+    def watch(self, ranks: Sequence[Child], timeout: float | None = None) -> Ending:
+        """Wait until ``ranks`` have all exited 0, one failed, a daemon died or ``timeout`` passed (:func:`judge`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            statuses = [(child, child.proc.poll()) for child in ranks]
+            overdue = deadline is not None and time.monotonic() > deadline
+            ending = judge(statuses, self.dead_daemon(), overdue, timeout)
+            if ending is not None:
+                return ending
+            time.sleep(WATCH_POLL_S)
+
+    def log_tail(self, label: str, limit: int = 2000) -> str:
+        """The end of daemon ``label``'s log as a message suffix (empty without ``log_dir``)."""
+        if not self.log_dir:
+            return ""
+        path = self.log_dir / f"{label}.log"
+        try:
+            return f"; its log ({path}):\n" + path.read_text(errors="replace")[-limit:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """Stop training processes, then workers, then servers (each layer drains into the next)."""
+        stop_in_layers([[c.proc for c in self.children if not c.daemon],
+                        [c.proc for c in self.children if c.daemon and c.label.startswith("worker")],
+                        [c.proc for c in self.children if c.daemon and not c.label.startswith("worker")]],
+                       self.grace_s)
+        self.children.clear()
+
+
+class Cluster:
+    """The daemons of one cluster file, all on this box; a context manager that always stops them.
+
+    Daemons run as ``python -m bps_server`` / ``python -m bps_worker``; the readiness socket lives in a
+    private temporary directory. ``timeline_dir``: every daemon writes ``DIR/<label>.json``, every rank
+    ``DIR/rank<N>.json``.
+    """
+
+    def __init__(self, config_path: str, *, log_level: str = "warning", log_dir: str | None = None,
+                 python: str = sys.executable, timeline_dir: str | None = None) -> None:
+        self.timeline_dir = timeline_dir
+        self.config_path = config_path
+        self.config: ClusterConfig = load_config(config_path)
+        self.log_level = log_level
+        self.log_dir = log_dir
+        self.python = python
+        self._tmp = tempfile.TemporaryDirectory(prefix="bps-launch-")
+        self.supervisor = Supervisor(self._tmp.name, log_dir=log_dir)
+
+    @property
+    def children(self) -> list[Child]:
+        """Every process of the cluster (the supervisor's list: append training processes to it)."""
+        return self.supervisor.children
+
+    def __enter__(self) -> "Cluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start every daemon and wait until all are ready; on any failure stop those already started."""
+        try:
+            self.supervisor.launch([self.command(f"server-{spec.id}") for spec in self.config.servers]
+                                   + [self.command(f"worker-{w.id}") for w in self.config.worker_specs])
+        except BaseException:
+            self.stop()
+            raise
+
+    def command(self, label: str) -> DaemonCommand:
+        """How to start daemon ``server-N`` / ``worker-N`` of this cluster."""
+        kind, ident = label.split("-")
+        module = "bps_server" if kind == "server" else "bps_worker"
+        timeline = os.path.join(self.timeline_dir, f"{label}.json") if self.timeline_dir else None
+        return DaemonCommand(label, daemon_argv([self.python, "-m", module], self.config_path, int(ident),
+                                                log_level=self.log_level, timeline=timeline))
+
+    def kill(self, label: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to daemon ``label`` (e.g. ``server-2``) and, unless it is SIGSTOP/SIGCONT, reap it."""
+        self.supervisor.kill(label, sig)
+
+    def restart(self, label: str) -> None:
+        """Start daemon ``label`` again after it died (as systemd's Restart=on-failure would)."""
+        self.supervisor.restart(label)
+
+    def dead_daemon(self) -> Child | None:
+        return self.supervisor.dead_daemon()
+
+    def socket_path(self, worker_id: int) -> str:
+        """Where worker ``worker_id``'s daemon listens (the file's ``socket``)."""
+        return self.config.worker(worker_id).socket
+
+    def env_for(self, worker_id: int, local_rank: int) -> dict[str, str]:
+        """What a training process of worker ``worker_id`` gets: BPS_SOCKET, BPS_RANK, LOCAL_RANK, ..."""
+        rank = self.config.rank_offset(worker_id) + local_rank
+        env = dict(os.environ, BPS_SOCKET=self.socket_path(worker_id), BPS_LOCAL_RANK=str(local_rank),
+                   LOCAL_RANK=str(local_rank), BPS_RANK=str(rank), BPS_SIZE=str(self.config.size),
+                   BPS_WORKER_ID=str(worker_id), BPS_CONFIG=os.path.abspath(self.config_path))
+        if self.timeline_dir:
+            env["BPS_TIMELINE"] = self.timeline_dir
+        return env
+
+    def stop(self) -> None:
+        """Stop training processes, then workers, then servers (each layer drains into the next)."""
+        self.supervisor.stop()
+        self._tmp.cleanup()

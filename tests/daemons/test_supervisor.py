@@ -1,0 +1,127 @@
+"""bps_worker.supervise.Supervisor with stand-in daemons (small Python processes that speak the systemd
+readiness protocol): the wait for READY=1, a daemon that dies during start-up, restart, the command prefix,
+the wait for ranks, the layered stop."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bps_worker.supervise import Child, DaemonCommand, LaunchError, Supervisor
+
+PY = sys.executable
+# argv: log file, label, seconds before READY=1 (negative: never), exit status instead of READY (or "")
+STAND_IN = """
+import os, signal, socket, sys, time
+log, label, delay, status = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+def note(what):
+    with open(log, "a") as f:
+        f.write(f"{label} {what} {os.environ.get('STAND_IN_PREFIX', '-')}\\n")
+def term(*_):
+    note("term")
+    time.sleep(0.2)  # a drain: the next layer must not be signalled before this one is gone
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+if status:
+    sys.exit(int(status))
+if delay >= 0:
+    time.sleep(delay)
+    note("ready")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.sendto(b"READY=1", os.environ["NOTIFY_SOCKET"])
+while True:
+    time.sleep(1)
+"""
+
+
+def _command(log: Path, label: str, delay: float = 0.0, status: str = "", prefix: tuple[str, ...] = ()
+             ) -> DaemonCommand:
+    return DaemonCommand(label, (PY, "-c", STAND_IN, str(log), label, str(delay), status), prefix=prefix)
+
+
+def _notes(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.timeout(60)
+def test_launch_returns_once_every_daemon_is_ready_and_stop_goes_in_layers(tmp_path):
+    log = tmp_path / "notes"
+    sup = Supervisor(tmp_path)
+    try:
+        sup.launch([_command(log, "server-0", 0.3), _command(log, "worker-0", 0.6)])
+        assert sorted(_notes(log)) == ["server-0 ready -", "worker-0 ready -"]
+        rank = subprocess.Popen([PY, "-c", STAND_IN, str(log), "rank", "-1", ""])
+        sup.children.append(Child("rank 0", rank, daemon=False))
+        time.sleep(0.5)  # the rank has installed its SIGTERM handler
+    finally:
+        sup.stop()
+    assert [n for n in _notes(log) if "term" in n] == ["rank term -", "worker-0 term -", "server-0 term -"]
+    assert sup.children == []
+
+
+@pytest.mark.timeout(60)
+def test_a_daemon_that_exits_during_start_up_is_named(tmp_path):
+    sup = Supervisor(tmp_path, log_dir=tmp_path / "logs")
+    try:
+        with pytest.raises(LaunchError, match="worker-1 exited with status 3 during start-up") as info:
+            sup.launch([_command(tmp_path / "notes", "server-0", -1), _command(tmp_path / "notes", "worker-1",
+                                                                               status="3")])
+        assert info.value.label == "worker-1"
+        assert (tmp_path / "logs" / "worker-1.log").exists()
+        assert sup.log_tail("worker-1").startswith(f"; its log ({tmp_path / 'logs' / 'worker-1.log'})")
+    finally:
+        sup.stop()
+    assert list(tmp_path.glob("notify-*")) == []
+
+
+@pytest.mark.timeout(60)
+def test_not_ready_in_time(tmp_path):
+    sup = Supervisor(tmp_path, ready_timeout_s=0.5)
+    try:
+        with pytest.raises(LaunchError, match="not ready within 0.5 s"):
+            sup.launch([_command(tmp_path / "notes", "server-0", -1)])
+    finally:
+        sup.stop()
+
+
+@pytest.mark.timeout(60)
+def test_kill_and_restart_with_the_prefix(tmp_path):
+    log = tmp_path / "notes"
+    sup = Supervisor(tmp_path)
+    try:
+        sup.launch([_command(log, "server-2", prefix=("env", "STAND_IN_PREFIX=yes"))])
+        first = sup.daemon("server-2").proc.pid
+        with pytest.raises(LaunchError, match="still running"):
+            sup.restart("server-2")
+        sup.kill("server-2", signal.SIGKILL)
+        assert sup.dead_daemon() is sup.daemon("server-2")
+        sup.restart("server-2")
+        assert sup.daemon("server-2").proc.pid != first and sup.dead_daemon() is None
+        assert _notes(log) == ["server-2 ready yes", "server-2 ready yes"]
+    finally:
+        sup.stop()
+
+
+@pytest.mark.timeout(60)
+def test_watch_ends_at_the_first_failure_or_a_dead_daemon(tmp_path):
+    sup = Supervisor(tmp_path)
+    try:
+        ranks = [Child(f"rank {i}", subprocess.Popen([PY, "-c", f"import sys, time; time.sleep({i} * 0.3); "
+                                                               f"sys.exit({i})"]), daemon=False) for i in range(3)]
+        sup.children.extend(ranks)
+        ending = sup.watch(ranks, timeout=30)
+        assert (ending.code, ending.reason, ending.culprit) == (1, "rank 1 exited with status 1", ranks[1])
+        sup.launch([_command(tmp_path / "notes", "worker-0")])
+        sleeper = Child("rank 3", subprocess.Popen([PY, "-c", "import time; time.sleep(30)"]), daemon=False)
+        sup.children.append(sleeper)
+        assert sup.watch([sleeper], timeout=0.3).reason == "ranks did not finish within 0.3 s"
+        sup.kill("worker-0")
+        ending = sup.watch([sleeper], timeout=30)
+        assert ending.code == 1 and ending.culprit is sup.daemon("worker-0")
+    finally:
+        sup.stop()

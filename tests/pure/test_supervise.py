@@ -1,0 +1,65 @@
+"""bps_worker.supervise without processes: how a wait for ranks ends, the daemons' command lines."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from bps_worker.cluster_file import write_config
+from bps_worker.supervise import Child, Cluster, Ending, daemon_argv, judge
+
+
+@dataclass
+class Exited:
+    """What :func:`judge` reads of a process: its ``returncode``."""
+
+    returncode: int | None
+
+
+def _child(label: str, code: int | None = None, *, daemon: bool = False, where: str = "") -> Child:
+    return Child(label, Exited(code), daemon=daemon, where=where)  # type: ignore[arg-type]
+
+
+def test_every_rank_done_is_status_0():
+    assert judge([(_child("rank 0"), 0), (_child("rank 1"), 0)], None, False, None) == Ending(0)
+
+
+def test_still_running_goes_on():
+    assert judge([(_child("rank 0"), 0), (_child("rank 1"), None)], None, False, 5.0) is None
+
+
+def test_the_first_failed_rank_wins_over_a_dead_daemon_and_the_deadline():
+    rank1 = _child("rank 1", where="w0")
+    dead = _child("worker-0", 0, daemon=True)
+    ending = judge([(_child("rank 0"), None), (rank1, 3), (_child("rank 2"), 4)], dead, True, 5.0)
+    assert ending == Ending(3, "rank 1 on w0 exited with status 3", rank1)
+
+
+def test_a_rank_killed_by_a_signal_is_status_1():
+    rank = _child("rank 0")
+    assert judge([(rank, -2)], None, False, None) == Ending(1, "rank 0 exited with status -2", rank)
+
+
+def test_a_dead_daemon_then_the_deadline():
+    dead = _child("server-2", -9, daemon=True)
+    assert judge([(_child("rank 0"), None)], dead, True, 5.0) == Ending(1, "server-2 exited with status -9", dead)
+    assert judge([(_child("rank 0"), None)], None, True, 2.5) == Ending(1, "ranks did not finish within 2.5 s")
+
+
+def test_daemon_argv():
+    assert daemon_argv(["py", "-m", "bps_server"], Path("/c.toml"), 2, log_level="info") == (
+        "py", "-m", "bps_server", "--config", "/c.toml", "--id", "2", "--log-level", "info")
+    assert daemon_argv(["bps-worker"], "/c.toml", 0, log_level="warning", extra=["--threads", "1"],
+                       timeline="/t/worker-0.json")[-4:] == ("--threads", "1", "--timeline", "/t/worker-0.json")
+
+
+def test_a_cluster_runs_its_daemons_with_its_file(tmp_path):
+    cluster = Cluster(str(write_config(tmp_path, [1, 1], cpu_servers=0)), log_level="info")
+    try:
+        assert cluster.socket_path(1) == f"{tmp_path}/w1.sock"
+        assert cluster.env_for(1, 0)["BPS_SOCKET"] == f"{tmp_path}/w1.sock"
+        assert cluster.command("worker-1").argv == (sys.executable, "-m", "bps_worker", "--config",
+                                                    cluster.config_path, "--id", "1", "--log-level", "info")
+    finally:
+        cluster.stop()
