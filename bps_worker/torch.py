@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -40,8 +39,10 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from . import client as _client
 from bps_runtime import cuda as _cuda
+
+from . import client as _client
+from .client import adapter as _adapter
 from .client import (  # re-exported: the same on every framework
     BPSConnectionError,
     BPSError,
@@ -87,11 +88,6 @@ def _from_numpy(a: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor
     return torch.from_numpy(a)
 
 
-def _cuda_ipc() -> bool:
-    """CUDA tensors go to the worker daemon through CUDA IPC unless BPS_CUDA_IPC=0 (then through host copies)."""
-    return os.environ.get("BPS_CUDA_IPC", "1") != "0"
-
-
 _NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
              torch.bfloat16: ml_dtypes.bfloat16, torch.int32: np.int32, torch.int64: np.int64}
 
@@ -122,17 +118,18 @@ def _start(tensor: torch.Tensor, name: str, *, average: bool, priority: int, out
     if output.shape != tensor.shape or output.dtype != tensor.dtype:
         raise BPSError(f"tensor {name!r}: out has shape {tuple(output.shape)} and dtype {output.dtype}, expected "
                        f"{tuple(tensor.shape)} and {tensor.dtype}")
-    if output.device.type == "cuda" and output.is_contiguous() and _cuda_ipc():
+    if output.device.type == "cuda" and output.is_contiguous() and _adapter.settings().cuda_ipc:
         # The worker daemon opens `output` through CUDA IPC, sums on the GPU and writes the result back:
-        # no host copy in this process (see bps_worker/cuda.py).
+        # no host copy in this process (see bps_runtime/cuda.py). init(cuda_ipc=False) or BPS_CUDA_IPC=0:
+        # through host copies instead.
         if output is not tensor:
             with torch.no_grad():
                 output.copy_(tensor)
         wire = _client.dtype_name(np.dtype(_NUMPY_OF[tensor.dtype])) if tensor.dtype in _NUMPY_OF else None
         if wire is None:
             raise BPSError(f"unsupported tensor dtype {tensor.dtype}")
-        inner = _client._operations().start_cuda(name, _client.KIND_SUM, wire, tuple(tensor.shape),
-                                                 _cuda.describe(output), average=average, priority=priority, root=-1)
+        inner = _adapter.start_cuda(name, wire, tuple(tensor.shape), _cuda.describe(output), average=average,
+                                    priority=priority)
         return Handle(inner, output, None)
     direct = output.device.type == "cpu" and output.is_contiguous()
     staging = None if direct else torch.empty(tensor.shape, dtype=tensor.dtype)
@@ -259,13 +256,12 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
         if wire.dtype not in _WIRE_TYPES:  # bool, uint8, int8, int16 buffers travel exactly as int32
             wire = wire.to(torch.int32)
         data = _to_numpy(wire)
-        handles.append((tensor, wire, _client._operations().start(
-            data, f"bcast.param.{name}", "broadcast", average=False, priority=0, root=root_rank, out=None)))
+        handles.append((tensor, wire, _adapter.start_broadcast(data, f"bcast.param.{name}", root_rank)))
     first_error: BPSError | None = None
     with torch.no_grad():
         for tensor, wire, handle in handles:
             try:
-                result = _client._operations().finish(handle, None)
+                result = _client.synchronize(handle)
             except BPSError as exc:  # drain the rest so no name stays in flight
                 first_error = first_error or exc
                 continue
@@ -320,10 +316,6 @@ class _Bucket:
     @property
     def total(self) -> int:
         return self.numel + len(self.params)
-
-
-def _no_fill(view: np.ndarray) -> None:
-    """The input is in the slot already."""
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -410,7 +402,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return buckets
 
     # Optimizer API, delegated --------------------------------------------------------
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
@@ -418,7 +410,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = value
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         return self.optimizer.state
 
@@ -426,7 +418,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self.optimizer.state = value
 
-    @property  # type: ignore[override]
+    @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
@@ -490,7 +482,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _fill(self, bucket: _Bucket, index: int, grad: torch.Tensor | None) -> None:
         """Copy one gradient (cast for the wire) into the bucket's slot, or zeros where this process has none."""
         if bucket.slot is None:
-            view = _client._operations().shared_array(bucket.name, (bucket.total,), _NUMPY_OF[bucket.dtype])
+            view = _adapter.shared_slot(bucket.name, (bucket.total,), _NUMPY_OF[bucket.dtype])
             bucket.slot = _from_numpy(view)
         p = bucket.params[index]
         part = bucket.slot[bucket.offsets[index]:bucket.offsets[index] + p.numel()]
@@ -504,9 +496,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _start(self, bucket: _Bucket) -> None:
         bucket.slot = None  # no reference to the slot outlives the push (it may move, or close at shutdown)
-        bucket.handle = _client._operations().start_filled(
-            bucket.name, "sum", np.dtype(_NUMPY_OF[bucket.dtype]), (bucket.total,), _no_fill, average=True,
-            priority=bucket.priority, root=-1, out=None)
+        # the gradients are in the slot already (_fill wrote them through shared_slot)
+        bucket.handle = _adapter.start_filled(bucket.name, _NUMPY_OF[bucket.dtype], (bucket.total,), average=True,
+                                              priority=bucket.priority)
 
     def synchronize(self) -> None:
         """Wait for every gradient of this step and write the averages into ``.grad``.
@@ -532,8 +524,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     # the sum in the bucket's shared slot: read in place, copied once into each .grad.
                     # After an error (a mismatch: then other buckets may never complete), wait at most
                     # the timeout for each of the rest.
-                    wait = None if first_error is None else _client._operations().timeout
-                    out = _client._operations().finish(handle, wait, view=True)
+                    wait = None if first_error is None else _adapter.settings().timeout
+                    out = _adapter.finish_view(handle, wait)
                 except BPSError as exc:
                     # Keep draining: every handle must be consumed, or its name stays "in flight"
                     # and every later step fails. The first error is raised once all are done.
@@ -548,7 +540,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 bucket.slot = None
                 if bucket.handle is not None:  # _start failed part-way: drain what did start (bounded)
                     with contextlib.suppress(BPSError):
-                        _client._operations().finish(bucket.handle, _client._operations().timeout)
+                        _adapter.finish_view(bucket.handle, _adapter.settings().timeout)
                     bucket.handle = None
             self._passes.clear()
         if first_error is not None:
@@ -577,7 +569,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._skip_sync = False
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         if not self._skip_sync:
             self.synchronize()
         elif not self._synchronized:

@@ -487,13 +487,14 @@ def cuda_push_pulls(n: int) -> dict[str, Any]:
 
 def cuda_description_errors() -> dict[str, str]:
     """Without a GPU: a malformed CUDA description is refused; a well-formed one fails cleanly."""
-    conn = bps._operations()
+    from bps_worker.client import adapter
+
     out = {}
     for label, desc in (("malformed", [1, 2, 3]),
                         ("no_gpu", [[4], [1], 0, "float32", 0, b"h" * 64, 16, 0, b"r", 0, b"e" * 64, False])):
         try:
-            bps.synchronize(conn.start_cuda(f"cuda.{label}", "sum", "float32", (4,), desc, average=False,
-                                            priority=0, root=-1), timeout=20)
+            bps.synchronize(adapter.start_cuda(f"cuda.{label}", "float32", (4,), desc, average=False, priority=0),
+                            timeout=20)
             out[label] = "no error"
         except bps.BPSError as exc:
             out[label] = str(exc)

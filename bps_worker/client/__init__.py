@@ -150,8 +150,6 @@ def push_pull(array: np.ndarray, name: str, *, average: bool = True, priority: i
 
 def broadcast(array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
     """``root_rank``'s ``array``, on every process."""
-    conn = _operations()
-    if not isinstance(root_rank, int) or not 0 <= root_rank < conn.size:
-        raise BPSError(f"root_rank must be in 0..{conn.size - 1}, got {root_rank!r}")
-    return conn.finish(conn.start(array, name, KIND_BROADCAST, average=False, priority=0, root=root_rank,
-                                  out=None), None)
+    ops = _operations()
+    return ops.finish(ops.start(array, name, KIND_BROADCAST, average=False, priority=0,
+                                root=ops.check_root(root_rank), out=None), None)

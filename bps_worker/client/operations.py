@@ -57,6 +57,12 @@ class Operations:
             timeline_path(settings.timeline, self.rank), f"rank {self.rank} (pid {os.getpid()})")
 
     # -- starting --------------------------------------------------------------------
+    def check_root(self, root_rank: int) -> int:
+        """``root_rank`` if it names a process of the cluster."""
+        if not isinstance(root_rank, int) or not 0 <= root_rank < self.size:
+            raise BPSError(f"root_rank must be in 0..{self.size - 1}, got {root_rank!r}")
+        return root_rank
+
     def start(self, array: np.ndarray, name: str, kind: str, *, average: bool, priority: int, root: int,
               out: np.ndarray | None) -> Handle:
         """Copy ``array`` into its slot (unless it is the slot: a shared array) and start the operation."""

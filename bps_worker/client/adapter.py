@@ -1,0 +1,78 @@
+"""The one door for framework layers (:mod:`bps_worker.torch`, or a layer of your own) into the client.
+
+The public API takes numpy arrays and returns them. A framework layer needs a little more, and gets it here
+rather than from the client's internals:
+
+* :func:`settings`: what ``init()`` resolved (``cuda_ipc``: whether CUDA tensors may go by CUDA IPC;
+  ``timeout``: the bound for waits after a failure);
+* :func:`shared_slot` and :func:`start_filled`: assemble an input straight in the name's shared slot (a
+  gradient bucket filled piece by piece as backward produces it), then start the sum on it, no staging copy;
+* :func:`start_cuda`: start a sum on a CUDA tensor that the daemon opens through CUDA IPC and writes in place;
+* :func:`start_broadcast`: an asynchronous broadcast (``broadcast_parameters`` starts them all, then waits);
+* :func:`finish_view`: wait for a handle and read its result where it lies in shared memory, without the copy
+  that :func:`~bps_worker.client.synchronize` makes.
+
+Every function works on the process's connection (``init()`` first) and raises :class:`BPSError` like the
+public API. Handles are the public :class:`~bps_worker.client.Handle`: :func:`~bps_worker.client.poll` and
+:func:`~bps_worker.client.synchronize` take them too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from protocol.messages import KIND_BROADCAST, KIND_SUM
+
+from . import _operations
+from .handle import Handle
+from .operations import Fill
+from .settings import Settings
+
+__all__ = ["Fill", "finish_view", "settings", "shared_slot", "start_broadcast", "start_cuda", "start_filled"]
+
+
+def settings() -> Settings:
+    """The settings ``init()`` resolved from its arguments and the environment."""
+    return _operations().settings
+
+
+def shared_slot(name: str, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
+    """The shared slot of ``name`` as an array to fill in place (the memory :func:`shared_array` gives)."""
+    return _operations().shared_array(name, tuple(shape), np.dtype(dtype))
+
+
+def _already_filled(view: np.ndarray) -> None:
+    """The input is in the slot already (written through :func:`shared_slot`)."""
+
+
+def start_filled(name: str, dtype: npt.DTypeLike, shape: tuple[int, ...], fill: Fill | None = None, *,
+                 average: bool, priority: int = 0, out: np.ndarray | None = None) -> Handle:
+    """Start summing (averaging) ``name``'s slot: ``fill(view)`` writes the input into it first, or, with no
+    ``fill``, the slot already holds it. ``out`` as for ``push_pull_async``."""
+    return _operations().start_filled(name, KIND_SUM, np.dtype(dtype), tuple(shape), fill or _already_filled,
+                                      average=average, priority=priority, root=-1, out=out)
+
+
+def start_cuda(name: str, wire_dtype: str, shape: tuple[int, ...], description: list[Any], *, average: bool,
+               priority: int = 0) -> Handle:
+    """Start summing (averaging) a CUDA tensor in place; ``description`` from :func:`bps_runtime.cuda.describe`,
+    ``wire_dtype`` a wire dtype name (:func:`~bps_worker.client.dtype_name`). Its result is the tensor itself:
+    synchronize it, then read the tensor."""
+    return _operations().start_cuda(name, KIND_SUM, wire_dtype, tuple(shape), description, average=average,
+                                    priority=priority, root=-1)
+
+
+def start_broadcast(array: np.ndarray, name: str, root_rank: int) -> Handle:
+    """Start a broadcast of ``root_rank``'s ``array``; :func:`~bps_worker.client.synchronize` gives the result."""
+    ops = _operations()
+    return ops.start(array, name, KIND_BROADCAST, average=False, priority=0, root=ops.check_root(root_rank),
+                     out=None)
+
+
+def finish_view(handle: Handle, timeout: float | None = None) -> np.ndarray:
+    """Wait for ``handle`` and return its result in place: read-only, valid until the next operation on the
+    same name (``out``, if the operation had one)."""
+    return _operations().finish(handle, timeout, view=True)
