@@ -108,20 +108,24 @@ class Operations:
                 raise BPSError(f"tensor {name!r}: out must be a numpy array of shape {shape} and dtype {dtype}")
             if not out.flags.writeable:
                 raise BPSError(f"tensor {name!r}: out is read-only")
-        self.conn.check()
-        if name in self.inflight:
-            raise BPSError(f"tensor {name!r} is already in flight in this process; synchronize it first")
-        t_start = now_us() if self.timeline is not None else 0
-        seg, offset = self.slots.slot_for(name, prod(shape) * dtype.itemsize)
-        view = view_of(seg.buf, dtype, shape, offset)
-        fill(view)
-        in_place = out is not None and same_memory(view, out)
-        del view
-        handle = Handle(self.conn.next_req(), name, dtype, shape, out, seg, offset, in_place=in_place)
-        if self.timeline is not None:
-            handle.times = [t_start, now_us(), 0]
-        return self._submit(handle, Op(handle.req, name, kind, wire, list(shape), seg.name, average=average,
-                                       priority=priority, root=root, offset=offset, handback=in_place))
+        handle = Handle(self.conn.next_req(), name, dtype, shape, out)
+        self._reserve(handle)
+        try:
+            t_start = now_us() if self.timeline is not None else 0
+            seg, offset = self.slots.slot_for(name, prod(shape) * dtype.itemsize)
+            view = view_of(seg.buf, dtype, shape, offset)
+            fill(view)
+            handle.segment, handle.offset = seg, offset
+            handle.in_place = out is not None and same_memory(view, out)
+            del view
+            if self.timeline is not None:
+                handle.times = [t_start, now_us(), 0]
+            self.conn.submit(handle, Op(handle.req, name, kind, wire, list(shape), seg.name, average=average,
+                                        priority=priority, root=root, offset=offset, handback=handle.in_place))
+        except BaseException:
+            self._unreserve(handle)
+            raise
+        return handle
 
     def start_cuda(self, name: str, kind: str, wire: str, shape: tuple[int, ...], description: list[Any], *,
                    average: bool, priority: int, root: int) -> Handle:
@@ -129,24 +133,31 @@ class Operations:
         (``description`` from :func:`bps_runtime.cuda.describe`); its result is the tensor itself."""
         if average and wire not in dtypes.FLOAT_TYPES:
             raise BPSError(f"tensor {name!r}: average=True needs a floating dtype, got {wire}; pass average=False")
-        self.conn.check()
-        if name in self.inflight:
-            raise BPSError(f"tensor {name!r} is already in flight in this process; synchronize it first")
         handle = Handle(self.conn.next_req(), name, NUMPY_DTYPES[wire], tuple(shape), None, in_place=True)
-        return self._submit(handle, Op(handle.req, name, kind, wire, list(shape), "", average=average,
-                                       priority=priority, root=root, cuda=description))
-
-    def _submit(self, handle: Handle, op: Op) -> Handle:
-        """Register ``handle`` and send its ``op``; undone if the send fails."""
-        with self.lock:
-            self.inflight[handle.name] = handle
+        self._reserve(handle)
         try:
-            self.conn.submit(handle, op)
-        except BPSError:
-            with self.lock:
-                self.inflight.pop(handle.name, None)
+            self.conn.submit(handle, Op(handle.req, name, kind, wire, list(shape), "", average=average,
+                                        priority=priority, root=root, cuda=description))
+        except BaseException:
+            self._unreserve(handle)
             raise
         return handle
+
+    def _reserve(self, handle: Handle) -> None:
+        """Claim ``handle``'s name for it, before its slot is touched: one operation per name at a time in this
+        process, whichever thread starts it (a second thread would overwrite the first one's input in the
+        shared slot, and each would read the other's result)."""
+        with self.lock:
+            self.conn.check()
+            if handle.name in self.inflight:
+                raise BPSError(f"tensor {handle.name!r} is already in flight in this process; synchronize it first")
+            self.inflight[handle.name] = handle
+
+    def _unreserve(self, handle: Handle) -> None:
+        """Give the name back after a start that failed before its operation was sent."""
+        with self.lock:
+            if self.inflight.get(handle.name) is handle:
+                del self.inflight[handle.name]
 
     # -- finishing -------------------------------------------------------------------
     def finish(self, handle: Handle, timeout: float | None, view: bool = False) -> np.ndarray:
@@ -156,8 +167,10 @@ class Operations:
             raise BPSError(f"handle of {handle.name!r} was already synchronized")
         if not handle.wait(timeout):
             raise BPSTimeoutError(f"tensor {handle.name!r} did not complete within {timeout:g} s")
-        handle.consumed = True
-        with self.lock:
+        with self.lock:  # two threads may synchronize one handle: one gets the result
+            if handle.consumed:
+                raise BPSError(f"handle of {handle.name!r} was already synchronized")
+            handle.consumed = True
             if self.inflight.get(handle.name) is handle:
                 del self.inflight[handle.name]
         if handle.error is not None:

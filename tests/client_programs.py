@@ -1,0 +1,77 @@
+"""Programs for rank processes that exercise the client library itself (threads, argument checks).
+
+Top-level functions, so that ``harness.run_ranks`` can spawn them; each returns plain data for the test.
+They run on a one-process cluster, where a sum is the process's own input.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+import bps_worker.client as bps
+from bps_worker.client import adapter
+
+NAME = "threads.same"
+
+
+def _push(n: int, value: float, slow_fill: float) -> np.ndarray:
+    """One push of ``NAME`` holding ``value``; with ``slow_fill`` the input is written into the slot and the
+    thread then sleeps that long before the operation starts (so another thread surely starts meanwhile)."""
+    if not slow_fill:
+        return bps.push_pull(np.full(n, value, np.float32), NAME, average=False)
+
+    def fill(view: np.ndarray) -> None:
+        view[...] = value
+        time.sleep(slow_fill)
+
+    return bps.synchronize(adapter.start_filled(NAME, np.float32, (n,), fill, average=False))
+
+
+def same_name_from_two_threads(rounds: int, n: int, slow_fill: float) -> dict[str, Any]:
+    """Two threads push ``NAME`` at the same instant, ``rounds`` times. Each push must give back its own
+    thread's data, or fail fast with a BPSError naming the tensor: never the other thread's data."""
+    barrier = threading.Barrier(2)
+    outcomes: list[list[tuple[str, str, float]]] = [[], []]
+
+    def thread(t: int) -> None:
+        for r in range(rounds):
+            value = float(1 + t + 10 * r)
+            barrier.wait()
+            t0 = time.monotonic()
+            try:
+                result = _push(n, value, slow_fill)
+            except bps.BPSError as exc:
+                outcomes[t].append(("error", str(exc), time.monotonic() - t0))
+            else:
+                got = sorted(set(result.tolist()))
+                outcomes[t].append(("own" if got == [value] else "wrong", repr(got[:4]), time.monotonic() - t0))
+            barrier.wait()  # both pushes of this round are over before the next starts
+
+    threads = [threading.Thread(target=thread, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    after = bps.push_pull(np.arange(5, dtype=np.float32), "threads.after", average=False)
+    return {"outcomes": outcomes, "after": after.tolist()}
+
+
+def bad_arguments_then_a_push(cases: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Each case is (label, push_pull keyword arguments) that must fail with a BPSError; then an ordinary
+    push must still work on the same connection."""
+    errors: dict[str, str] = {}
+    for label, kwargs in cases:
+        args = {"array": np.ones(4, np.float32), "name": "args.ok", **kwargs}
+        try:
+            bps.push_pull(**args)
+            errors[label] = "no error"
+        except bps.BPSError as exc:
+            errors[label] = f"BPSError: {exc}"
+        except Exception as exc:  # the failure this program exists to catch
+            errors[label] = f"{type(exc).__name__}: {exc}"
+    after = bps.push_pull(np.arange(4, dtype=np.float32), "args.after", average=False)
+    return {"errors": errors, "after": after.tolist()}
