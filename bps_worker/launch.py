@@ -15,13 +15,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
-from typing import Sequence
+from types import FrameType
+from typing import Any, Callable, Sequence
 
 from protocol.errors import ConfigError
 
 from .supervise import Child, Cluster, LaunchError
+
+INTERRUPTED_STATUS = 128 + signal.SIGINT  # what a shell reports for a job stopped by Ctrl-C
+
 
 def run_training(cluster: Cluster, command: Sequence[str], *, timeout: float | None = None,
                  env_defaults: dict[str, str] | None = None, prog: str = "bps-launch") -> int:
@@ -45,6 +50,36 @@ def run_training(cluster: Cluster, command: Sequence[str], *, timeout: float | N
     return ending.code
 
 
+class SigintFlag:
+    """SIGINT recorded in a flag for as long as it is installed (a context manager), instead of a
+    ``KeyboardInterrupt`` raised wherever the main thread happens to be.
+
+    Why: a terminal's Ctrl-C reaches the launcher, its daemons and its ranks at once, so a rank or daemon
+    may be seen exiting from it before the launcher's own ``KeyboardInterrupt`` is raised: the status then
+    depended on that order (1 or 130), and an exception raised inside the stop could cut it short. With the
+    flag, the waits (:class:`~bps_worker.supervise.Supervisor`) end at their next poll, the stop always
+    runs whole, and the status is decided after it: 130 whenever SIGINT came, whoever exited first.
+    """
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None
+
+    def is_set(self) -> bool:
+        return self.received
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = True
+
+    def __enter__(self) -> "SigintFlag":
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:  # None: a handler not set from Python; ours stays (nothing to restore)
+            signal.signal(signal.SIGINT, self._previous)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bps-launch", description=(__doc__ or "").split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,19 +99,25 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         p.error("no training command given (put it after --)")
-    try:
-        with Cluster(args.config, log_level=args.log_level, log_dir=args.log_dir,
-                     timeline_dir=os.path.abspath(args.timeline) if args.timeline else None) as cluster:
-            return run_training(cluster, command)
-    except ConfigError as exc:
-        print(f"bps-launch: {exc}", file=sys.stderr)
-        return 2
-    except LaunchError as exc:
-        print(f"bps-launch: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bps-launch: interrupted; cluster stopped", file=sys.stderr)
-        return 130
+    failure: str | None = None
+    with SigintFlag() as interrupted:
+        try:
+            with Cluster(args.config, log_level=args.log_level, log_dir=args.log_dir,
+                         timeline_dir=os.path.abspath(args.timeline) if args.timeline else None,
+                         interrupted=interrupted.is_set) as cluster:
+                code = run_training(cluster, command)
+        except ConfigError as exc:
+            failure, code = str(exc), 2
+        except LaunchError as exc:
+            failure, code = str(exc), 1
+        except KeyboardInterrupt:
+            code = INTERRUPTED_STATUS
+        if interrupted.is_set():  # decided after the stop: whatever a rank or daemon did when Ctrl-C came
+            print("bps-launch: interrupted; cluster stopped", file=sys.stderr)
+            return INTERRUPTED_STATUS
+    if failure is not None:
+        print(f"bps-launch: {failure}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

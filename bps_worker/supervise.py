@@ -17,6 +17,9 @@ Theory of operation:
 - :meth:`Supervisor.stop` sends SIGTERM layer by layer -- training processes, then worker daemons, then
   servers -- waiting for each layer before the next, so that each drains into the next (a worker tells
   the servers that its jobs ended before they stop), and SIGKILL after a grace period.
+- ``interrupted``: a callable the launcher passes to learn of Ctrl-C from its own flag (see
+  ``bps_worker.launch``); both waits check it and raise :class:`KeyboardInterrupt`. Without it a Ctrl-C is
+  Python's ordinary ``KeyboardInterrupt``.
 """
 
 from __future__ import annotations
@@ -125,6 +128,10 @@ def stop_in_layers(layers: list[list[subprocess.Popen[Any]]], grace_s: float = S
                 proc.wait()
 
 
+def _never() -> bool:
+    return False
+
+
 class Supervisor:
     """The processes of one cluster: daemons started in batches and awaited, training processes, all stopped.
 
@@ -135,12 +142,13 @@ class Supervisor:
 
     def __init__(self, notify_dir: str | Path, *, env: Mapping[str, str] | None = None,
                  log_dir: str | Path | None = None, ready_timeout_s: float = READY_TIMEOUT_S,
-                 grace_s: float = STOP_GRACE_S) -> None:
+                 grace_s: float = STOP_GRACE_S, interrupted: Callable[[], bool] | None = None) -> None:
         self.notify_dir = Path(notify_dir)
         self.env = dict(os.environ if env is None else env)
         self.log_dir = Path(log_dir) if log_dir else None
         self.ready_timeout_s = ready_timeout_s
         self.grace_s = grace_s
+        self.interrupted = interrupted or _never
         self.children: list[Child] = []
 
     def launch(self, commands: Sequence[DaemonCommand]) -> None:
@@ -175,6 +183,8 @@ class Supervisor:
         deadline = time.monotonic() + self.ready_timeout_s
         ready = 0
         while ready < len(pending):
+            if self.interrupted():
+                raise KeyboardInterrupt
             for child in pending:
                 code = child.proc.poll()
                 if code is not None:
@@ -223,6 +233,8 @@ class Supervisor:
         """Wait until ``ranks`` have all exited 0, one failed, a daemon died or ``timeout`` passed (:func:`judge`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            if self.interrupted():
+                raise KeyboardInterrupt
             statuses = [(child, child.proc.poll()) for child in ranks]
             overdue = deadline is not None and time.monotonic() > deadline
             ending = judge(statuses, self.dead_daemon(), overdue, timeout)
@@ -254,11 +266,12 @@ class Cluster:
 
     Daemons run as ``python -m bps_server`` / ``python -m bps_worker``; the readiness socket lives in a
     private temporary directory. ``timeline_dir``: every daemon writes ``DIR/<label>.json``, every rank
-    ``DIR/rank<N>.json``.
+    ``DIR/rank<N>.json``. ``interrupted``: see the module.
     """
 
     def __init__(self, config_path: str, *, log_level: str = "warning", log_dir: str | None = None,
-                 python: str = sys.executable, timeline_dir: str | None = None) -> None:
+                 python: str = sys.executable, timeline_dir: str | None = None,
+                 interrupted: Callable[[], bool] | None = None) -> None:
         self.timeline_dir = timeline_dir
         self.config_path = config_path
         self.config: ClusterConfig = load_config(config_path)
@@ -266,7 +279,7 @@ class Cluster:
         self.log_dir = log_dir
         self.python = python
         self._tmp = tempfile.TemporaryDirectory(prefix="bps-launch-")
-        self.supervisor = Supervisor(self._tmp.name, log_dir=log_dir)
+        self.supervisor = Supervisor(self._tmp.name, log_dir=log_dir, interrupted=interrupted)
 
     @property
     def children(self) -> list[Child]:

@@ -177,6 +177,54 @@ def test_ctrl_c_stops_the_whole_cluster(tmp_path):
     assert leftovers == [], "daemons left running"
 
 
+def _pids_with(text: str) -> dict[int, str]:
+    """Running processes whose command line contains ``text``: pid -> command line."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        try:
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if entry.isdigit() and text in cmdline:
+            found[int(entry)] = cmdline
+    return found
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_seen_first_in_the_ranks_still_exits_130_and_stops_everything(tmp_path):
+    """The order a loaded box can give to one Ctrl-C: the launcher sees a rank exit from it first and only then
+    gets its own SIGINT, while it stops the cluster. Made deterministic here: the ranks get SIGINT first; once
+    the launcher has reported one, the whole group gets it, while a frozen server keeps the stop going for its
+    grace period. The status is 130 all the same, and the stop is not cut short (the frozen server is killed)."""
+    config = write_config(tmp_path, [2], cpu_servers=1)
+    script = tmp_path / "sleep.py"
+    script.write_text("import bps_worker.client as bps, time\nbps.init()\nprint('up', flush=True)\ntime.sleep(60)\n")
+    stderr_path = tmp_path / "launcher.err"
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen([PY, "-m", "bps_worker.launch", "--config", str(config), "--", PY, str(script)],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+    server = None
+    try:
+        assert [proc.stdout.readline().strip() for _ in range(2)] == ["up", "up"]  # both ranks connected
+        server = next(pid for pid, cmd in _pids_with(str(config)).items() if "bps_server" in cmd)
+        os.kill(server, signal.SIGSTOP)  # the stop waits its grace period for this one, then kills it
+        for rank in set(_pids_with(str(script))) - {proc.pid}:  # the launcher's own command line names it too
+            os.kill(rank, signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while "exited with status" not in stderr_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "bps-launch: rank" in stderr_path.read_text(), stderr_path.read_text()
+        os.killpg(proc.pid, signal.SIGINT)  # the launcher's own Ctrl-C, while it stops the cluster
+        assert proc.wait(timeout=60) == 130, stderr_path.read_text()
+        assert "interrupted; cluster stopped" in stderr_path.read_text()
+        assert _pids_with(str(config)) == {}, "daemons left running"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in _pids_with(str(config)):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_sighup_reopens_the_log_file(tmp_path):
     config = write_config(tmp_path, [1], cpu_servers=0)
     log_file = tmp_path / "server.log"

@@ -90,6 +90,18 @@ def test_not_ready_in_time(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_an_interrupt_ends_the_waits(tmp_path):
+    sup = Supervisor(tmp_path, interrupted=lambda: True)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sup.launch([_command(tmp_path / "notes", "server-0", -1)])
+        with pytest.raises(KeyboardInterrupt):
+            sup.watch([])
+    finally:
+        sup.stop()
+
+
+@pytest.mark.timeout(60)
 def test_kill_and_restart_with_the_prefix(tmp_path):
     log = tmp_path / "notes"
     sup = Supervisor(tmp_path)
