@@ -102,9 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     failure: str | None = None
     with SigintFlag() as interrupted:
         try:
-            with Cluster(args.config, log_level=args.log_level, log_dir=args.log_dir,
-                         timeline_dir=os.path.abspath(args.timeline) if args.timeline else None,
-                         interrupted=interrupted.is_set) as cluster:
+            cluster = Cluster(args.config, log_level=args.log_level, log_dir=args.log_dir,
+                              timeline_dir=os.path.abspath(args.timeline) if args.timeline else None,
+                              interrupted=interrupted.is_set)
+            for worker_id, problem in cluster.moved.items():
+                if problem.kind != "missing":
+                    print(f"bps-launch: worker {worker_id}'s socket directory "
+                          f"{os.path.dirname(cluster.config.worker(worker_id).socket)} {problem.text}; using "
+                          f"{cluster.socket_path(worker_id)}", file=sys.stderr)
+            with cluster:
                 code = run_training(cluster, command)
         except ConfigError as exc:
             failure, code = str(exc), 2

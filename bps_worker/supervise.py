@@ -37,6 +37,8 @@ from typing import IO, Any, Callable, Final, Mapping, Sequence
 
 from protocol.config import ClusterConfig, load_config
 
+from . import sockdir
+
 __all__ = ["READY_TIMEOUT_S", "STOP_GRACE_S", "Child", "Cluster", "DaemonCommand", "Ending", "LaunchError",
            "Supervisor", "daemon_argv", "judge", "stop_in_layers"]
 
@@ -264,9 +266,10 @@ class Supervisor:
 class Cluster:
     """The daemons of one cluster file, all on this box; a context manager that always stops them.
 
-    Daemons run as ``python -m bps_server`` / ``python -m bps_worker``; the readiness socket lives in a
-    private temporary directory. ``timeline_dir``: every daemon writes ``DIR/<label>.json``, every rank
-    ``DIR/rank<N>.json``. ``interrupted``: see the module.
+    Daemons run as ``python -m bps_server`` / ``python -m bps_worker``. Each worker's socket is where the
+    file says when that directory exists and is ours alone; else in this cluster's private run directory
+    (:func:`bps_worker.sockdir.launch_socket_path`; ``moved`` says which and why). ``timeline_dir``: every
+    daemon writes ``DIR/<label>.json``, every rank ``DIR/rank<N>.json``. ``interrupted``: see the module.
     """
 
     def __init__(self, config_path: str, *, log_level: str = "warning", log_dir: str | None = None,
@@ -278,7 +281,13 @@ class Cluster:
         self.log_level = log_level
         self.log_dir = log_dir
         self.python = python
-        self._tmp = tempfile.TemporaryDirectory(prefix="bps-launch-")
+        self._tmp = tempfile.TemporaryDirectory(prefix="bps-launch-", dir=sockdir.private_base())
+        self.sockets: dict[int, str] = {}
+        self.moved: dict[int, sockdir.Problem] = {}  # worker id -> why its socket is not where the file says
+        for spec in self.config.worker_specs:
+            self.sockets[spec.id], problem = sockdir.launch_socket_path(spec.socket, self._tmp.name, spec.id)
+            if problem is not None:
+                self.moved[spec.id] = problem
         self.supervisor = Supervisor(self._tmp.name, log_dir=log_dir, interrupted=interrupted)
 
     @property
@@ -306,9 +315,12 @@ class Cluster:
         """How to start daemon ``server-N`` / ``worker-N`` of this cluster."""
         kind, ident = label.split("-")
         module = "bps_server" if kind == "server" else "bps_worker"
+        extra: list[str] = []
+        if kind == "worker" and int(ident) in self.moved:
+            extra = ["--socket", self.sockets[int(ident)]]
         timeline = os.path.join(self.timeline_dir, f"{label}.json") if self.timeline_dir else None
         return DaemonCommand(label, daemon_argv([self.python, "-m", module], self.config_path, int(ident),
-                                                log_level=self.log_level, timeline=timeline))
+                                                log_level=self.log_level, extra=extra, timeline=timeline))
 
     def kill(self, label: str, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to daemon ``label`` (e.g. ``server-2``) and, unless it is SIGSTOP/SIGCONT, reap it."""
@@ -322,8 +334,8 @@ class Cluster:
         return self.supervisor.dead_daemon()
 
     def socket_path(self, worker_id: int) -> str:
-        """Where worker ``worker_id``'s daemon listens (the file's ``socket``)."""
-        return self.config.worker(worker_id).socket
+        """Where worker ``worker_id``'s daemon listens (the file's ``socket``, unless ``moved``)."""
+        return self.sockets[worker_id]
 
     def env_for(self, worker_id: int, local_rank: int) -> dict[str, str]:
         """What a training process of worker ``worker_id`` gets: BPS_SOCKET, BPS_RANK, LOCAL_RANK, ..."""

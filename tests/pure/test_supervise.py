@@ -1,10 +1,14 @@
-"""bps_worker.supervise without processes: how a wait for ranks ends, the daemons' command lines."""
+"""bps_worker.supervise without processes: how a wait for ranks ends, the daemons' command lines, and
+where a one-box cluster puts its worker sockets."""
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from bps_worker.cluster_file import write_config
 from bps_worker.supervise import Child, Cluster, Ending, daemon_argv, judge
@@ -54,12 +58,37 @@ def test_daemon_argv():
                        timeline="/t/worker-0.json")[-4:] == ("--threads", "1", "--timeline", "/t/worker-0.json")
 
 
-def test_a_cluster_runs_its_daemons_with_its_file(tmp_path):
+def test_a_cluster_keeps_sockets_in_a_private_directory_of_its_file(tmp_path):
     cluster = Cluster(str(write_config(tmp_path, [1, 1], cpu_servers=0)), log_level="info")
     try:
+        assert cluster.moved == {}
         assert cluster.socket_path(1) == f"{tmp_path}/w1.sock"
         assert cluster.env_for(1, 0)["BPS_SOCKET"] == f"{tmp_path}/w1.sock"
         assert cluster.command("worker-1").argv == (sys.executable, "-m", "bps_worker", "--config",
                                                     cluster.config_path, "--id", "1", "--log-level", "info")
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize("where", ["missing", "shared"])
+def test_a_cluster_moves_sockets_out_of_a_missing_or_shared_directory(tmp_path, where):
+    """The demo's /tmp/bps: missing on a fresh box, or pre-created by someone else (here: writable by all)."""
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    socket_dir = tmp_path / "bps"
+    if where == "shared":
+        socket_dir.mkdir()
+        os.chmod(socket_dir, 0o1777)
+    config.write_text(config.read_text().replace(f"{tmp_path}/w0.sock", f"{socket_dir}/worker-0.sock"))
+    cluster = Cluster(str(config))
+    try:
+        private = Path(cluster.socket_path(0)).parent
+        assert cluster.socket_path(0) == f"{private}/worker-0.sock" and private != socket_dir
+        assert os.stat(private).st_mode & 0o777 == 0o700 and os.stat(private).st_uid == os.geteuid()
+        assert cluster.moved[0].kind == where.replace("shared", "writable")
+        assert cluster.env_for(0, 0)["BPS_SOCKET"] == cluster.socket_path(0)
+        argv = cluster.command("worker-0").argv
+        assert argv[argv.index("--socket") + 1] == cluster.socket_path(0)
+        assert "--socket" not in cluster.command("server-0").argv
+    finally:
+        cluster.stop()
+    assert not private.exists()

@@ -1,0 +1,110 @@
+"""Whether a directory may hold a daemon's Unix socket, and where the launcher puts sockets instead.
+
+A Unix socket is found by its path, so whoever can write the directory that holds it can put their own
+socket there (before the daemon starts, or in place of a stale one) and receive the training processes'
+connections and shared-memory names. A worker daemon therefore uses a socket directory only when it is
+owned by us (or by root, who can do anything anyway) and writable by neither its group nor others; a
+directory that another user pre-created in ``/tmp``, or ``/tmp`` itself, is refused with one line.
+
+The launcher (``bps-launch``) keeps a worker's socket where the cluster file says when that directory
+already exists and passes the check; otherwise (the demo's ``/tmp/bps`` on a fresh box, or one squatted
+by someone else) it puts it in its own private run directory: under ``$XDG_RUNTIME_DIR`` where that is
+set and safe, else a fresh mode-700 directory of the system's temporary directory.
+
+Decisions only look at ``os.lstat``/``os.stat``; nothing here binds a socket.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from typing import Final, Literal, Mapping
+
+__all__ = ["Problem", "UnsafeSocketDirError", "ensure_socket_dir", "launch_socket_path", "private_base",
+           "socket_dir_problem"]
+
+#: Mode of a socket directory the worker daemon creates: others may reach the socket (its own mode,
+#: ``--socket-mode``, decides who may connect), nobody else may add or replace files.
+CREATE_MODE: Final = 0o755
+ROOT_UID: Final = 0
+
+ProblemKind = Literal["missing", "not_a_directory", "foreign_link", "foreign_owner", "writable"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a directory may not hold our socket: ``kind`` for code, ``text`` for the message."""
+
+    kind: ProblemKind
+    text: str
+
+
+class UnsafeSocketDirError(PermissionError):
+    """A socket directory that another user could write: the daemon refuses to listen there."""
+
+    def __init__(self, path: str, problem: Problem) -> None:
+        # no errno: lifecycle.describe_bind_error then shows this text rather than strerror(EACCES)
+        super().__init__(f"socket directory {path} {problem.text}")
+        self.path = path
+        self.problem = problem
+
+
+def socket_dir_problem(path: str, *, uid: int | None = None) -> Problem | None:
+    """None if ``path`` is a directory we may put a socket in; else what is wrong with it.
+
+    ``uid``: the user the socket is for (default: our effective uid). Owned by ``uid`` or root, and
+    writable by neither group nor others. A symbolic link is followed only if ``uid`` or root owns it
+    (a link in ``/tmp`` that someone else owns could be pointed elsewhere after the check).
+    """
+    me = os.geteuid() if uid is None else uid
+    trusted = (me, ROOT_UID)
+    try:
+        link = os.lstat(path)
+        st = os.stat(path)
+    except FileNotFoundError:
+        return Problem("missing", "does not exist")
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in trusted:
+        return Problem("foreign_link", f"is a symbolic link owned by uid {link.st_uid}, not by this user "
+                                       f"(uid {me})")
+    if not stat.S_ISDIR(st.st_mode):
+        return Problem("not_a_directory", "is not a directory")
+    if st.st_uid not in trusted:
+        return Problem("foreign_owner", f"is owned by uid {st.st_uid}, not by this user (uid {me}); another "
+                                        "user could replace the socket")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = "others" if st.st_mode & stat.S_IWOTH else "its group"
+        return Problem("writable", f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}); they could "
+                                   "replace the socket")
+    return None
+
+
+def ensure_socket_dir(path: str) -> None:
+    """Create socket directory ``path`` (mode 755) if it is missing; refuse it unless it is safe.
+
+    For the worker daemon before it binds its socket. Raises :class:`UnsafeSocketDirError`.
+    """
+    os.makedirs(path, mode=CREATE_MODE, exist_ok=True)
+    problem = socket_dir_problem(path)
+    if problem is not None:
+        raise UnsafeSocketDirError(path, problem)
+
+
+def private_base(environ: Mapping[str, str] = os.environ) -> str | None:
+    """``$XDG_RUNTIME_DIR`` where it is set and safe (the user's own, mode 700 by the spec), else None."""
+    runtime = environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime) and socket_dir_problem(runtime) is None:
+        return runtime
+    return None
+
+
+def launch_socket_path(configured: str, private_dir: str, worker_id: int) -> tuple[str, Problem | None]:
+    """Where the launcher puts the socket of worker ``worker_id`` that the cluster file places at ``configured``.
+
+    ``configured`` itself when its directory exists and is safe; else ``worker-<id>.sock`` in ``private_dir``
+    (the launcher's own, mode 700). The second value is the problem that moved it, or None.
+    """
+    problem = socket_dir_problem(os.path.dirname(os.path.abspath(configured)))
+    if problem is None:
+        return configured, None
+    return os.path.join(private_dir, f"worker-{worker_id}.sock"), problem

@@ -1,0 +1,108 @@
+"""bps_worker.sockdir: a socket directory that another user could write is refused; the launcher's way round it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from bps_worker import sockdir
+
+NOBODY = 65534
+ME = os.geteuid()
+
+
+def _dir(tmp_path: Path, name: str, mode: int = 0o700, owner: int | None = None) -> str:
+    path = tmp_path / name
+    path.mkdir()
+    os.chmod(path, mode)
+    if owner is not None:
+        os.chown(path, owner, -1)
+    return str(path)
+
+
+def test_a_private_directory_of_ours_is_accepted(tmp_path):
+    assert sockdir.socket_dir_problem(_dir(tmp_path, "mine", 0o700)) is None
+    assert sockdir.socket_dir_problem(_dir(tmp_path, "readable", 0o755)) is None  # others may reach, not replace
+    sockdir.ensure_socket_dir(str(tmp_path / "mine"))
+
+
+@pytest.mark.parametrize("mode,who", [(0o777, "others"), (0o1777, "others"), (0o770, "its group")])
+def test_a_directory_writable_by_others_is_refused(tmp_path, mode, who):
+    path = _dir(tmp_path, "shared", mode)
+    problem = sockdir.socket_dir_problem(path)
+    assert problem is not None and problem.kind == "writable"
+    assert f"writable by {who}" in problem.text and f"{mode:o}" in problem.text
+    with pytest.raises(sockdir.UnsafeSocketDirError) as info:
+        sockdir.ensure_socket_dir(path)
+    assert info.value.path == path and info.value.problem == problem
+    assert isinstance(info.value, OSError) and info.value.errno is None  # the daemon's one line shows this text
+    assert str(info.value) == f"socket directory {path} {problem.text}"
+
+
+@pytest.mark.skipif(ME != 0, reason="chown to another uid needs root")
+def test_a_directory_owned_by_another_user_is_refused(tmp_path):
+    """What the issue saw: another user pre-created the directory (here mode 755, so not writable by us either)."""
+    path = _dir(tmp_path, "squatted", 0o755, owner=NOBODY)
+    problem = sockdir.socket_dir_problem(path)
+    assert problem is not None and problem.kind == "foreign_owner"
+    assert f"uid {NOBODY}" in problem.text and f"uid {ME}" in problem.text
+    with pytest.raises(sockdir.UnsafeSocketDirError, match=f"{path} is owned by uid {NOBODY}"):
+        sockdir.ensure_socket_dir(path)
+
+
+@pytest.mark.skipif(ME != 0, reason="chown to another uid needs root")
+def test_the_owner_is_judged_for_the_uid_given(tmp_path):
+    path = _dir(tmp_path, "theirs", 0o700, owner=NOBODY)
+    assert sockdir.socket_dir_problem(path, uid=NOBODY) is None
+    assert sockdir.socket_dir_problem(str(tmp_path), uid=NOBODY) is None  # root's: trusted by everyone
+
+
+@pytest.mark.skipif(ME != 0, reason="lchown to another uid needs root")
+def test_a_symbolic_link_owned_by_another_user_is_refused_even_to_our_directory(tmp_path):
+    target = _dir(tmp_path, "target", 0o700)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    assert sockdir.socket_dir_problem(str(link)) is None  # our own link to our own directory
+    os.lchown(link, NOBODY, -1)
+    problem = sockdir.socket_dir_problem(str(link))
+    assert problem is not None and problem.kind == "foreign_link"
+
+
+def test_missing_and_not_a_directory(tmp_path):
+    missing = sockdir.socket_dir_problem(str(tmp_path / "nope"))
+    assert missing is not None and missing.kind == "missing"
+    (tmp_path / "file").write_text("")
+    not_dir = sockdir.socket_dir_problem(str(tmp_path / "file"))
+    assert not_dir is not None and not_dir.kind == "not_a_directory"
+
+
+def test_the_daemon_creates_a_missing_directory_not_writable_by_others(tmp_path):
+    path = str(tmp_path / "run" / "bps")
+    old = os.umask(0o002)  # a umask that would leave it group-writable
+    try:
+        sockdir.ensure_socket_dir(path)
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o777 == 0o755
+    assert sockdir.socket_dir_problem(path) is None
+
+
+def test_private_base_is_a_safe_xdg_runtime_dir_only(tmp_path):
+    safe = _dir(tmp_path, "runtime", 0o700)
+    assert sockdir.private_base({"XDG_RUNTIME_DIR": safe}) == safe
+    assert sockdir.private_base({"XDG_RUNTIME_DIR": _dir(tmp_path, "open", 0o777)}) is None
+    assert sockdir.private_base({"XDG_RUNTIME_DIR": "relative/dir"}) is None
+    assert sockdir.private_base({}) is None
+
+
+def test_the_launcher_keeps_a_safe_socket_and_moves_the_others(tmp_path):
+    private = _dir(tmp_path, "private", 0o700)
+    mine = _dir(tmp_path, "mine", 0o700)
+    assert sockdir.launch_socket_path(f"{mine}/w0.sock", private, 0) == (f"{mine}/w0.sock", None)
+    path, problem = sockdir.launch_socket_path(str(tmp_path / "missing" / "w1.sock"), private, 1)
+    assert path == f"{private}/worker-1.sock" and problem is not None and problem.kind == "missing"
+    shared = _dir(tmp_path, "shared", 0o1777)
+    path, problem = sockdir.launch_socket_path(f"{shared}/w0.sock", private, 0)
+    assert path == f"{private}/worker-0.sock" and problem is not None and problem.kind == "writable"
