@@ -1,9 +1,12 @@
 """Typed control messages carried in frame headers.
 
 Each message is a small frozen dataclass; ``TYPE`` is its tag (the header's ``t``
-field). :func:`parse` validates a decoded header against the message's fields
-and raises :class:`ProtocolError` naming the offending field, so a daemon never
-touches an unvalidated value. :func:`to_header` turns a message back into a map.
+field). A message checks itself when it is *built* (``__post_init__``: each field's
+type, then :meth:`Message.validate`), so a bad value is refused where it is made,
+with a :class:`LocalProtocolError` naming the field, before anything is sent.
+:func:`parse` turns a decoded header into its message and re-raises the same checks
+as :class:`RemoteProtocolError` (the peer's fault), so a daemon never touches an
+unvalidated value. :func:`to_header` turns a message back into a map.
 
 Connections (who sends what):
 
@@ -21,11 +24,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Final, get_type_hints
+from typing import Any, ClassVar, Final, Literal, NamedTuple, get_args, get_origin, get_type_hints
 
 from . import PROTOCOL_VERSION, dtypes
-from .errors import ProtocolError
+from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 
 MAX_NAME_CHARS: Final = 1024
 MAX_DIMS: Final = 32
@@ -38,48 +42,126 @@ ROLE_CLIENT: Final = "client"
 ROLE_OBSERVER: Final = "observer"  # may only ask a server for its statistics (tests, monitoring)
 KIND_SUM: Final = "sum"
 KIND_BROADCAST: Final = "broadcast"
+KINDS: Final = (KIND_SUM, KIND_BROADCAST)
+
+# Why an operation or a connection failed (Failure.code): a closed set, so that the receiving side picks a typed
+# error from the code (bps_worker.errors.error_from_failure), never from the message text.
+FailureCode = Literal[
+    "error",           # anything else; the message says what
+    "mismatch",        # processes disagree about a name (Failure.name, .ours, .theirs)
+    "round_failed",    # a server failed the round for every worker (aborted, a worker lost, ...)
+    "protocol_error",  # the peer broke the protocol; the connection closes after this Failure
+    "bad_request",     # a client asked for something not allowed (the name is already in flight, ...)
+    "timeout",         # something did not happen in time (Failure.what, .timeout_s)
+    "connection",      # a peer is unreachable or went away (Failure.peer)
+]
+FAILURE_CODES: Final[frozenset[str]] = frozenset(get_args(FailureCode))
 
 
+# -- checks shared by several messages' validate (each raises LocalProtocolError; parse re-raises it as remote) --
 def _check_shape(shape: list[Any]) -> None:
     if len(shape) > MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise ProtocolError(f"invalid shape {shape!r}: at most {MAX_DIMS} non-negative integers")
+        raise LocalProtocolError(f"invalid shape {shape!r}: at most {MAX_DIMS} non-negative integers",
+                                 what="shape", size=len(shape), limit=MAX_DIMS, unit="dimensions")
 
 
 def _check_name(name: str) -> None:
     if not name or len(name) > MAX_NAME_CHARS:
-        raise ProtocolError(f"tensor name must have 1 to {MAX_NAME_CHARS} characters, got {len(name)}")
+        raise LocalProtocolError(f"tensor name must have 1 to {MAX_NAME_CHARS} characters, got {len(name)}",
+                                 what="tensor name", size=len(name), limit=MAX_NAME_CHARS, unit="characters")
 
 
 def _check_dtype(dtype: str) -> None:
     if dtype not in dtypes.ITEMSIZE:
-        raise ProtocolError(f"unsupported dtype {dtype!r}")
+        raise LocalProtocolError(f"unsupported dtype {dtype!r}")
+
+
+def _check_tensor(name: str, dtype: str, shape: list[Any], kind: str) -> None:
+    """What Push and Op both say about a tensor: its name, dtype, shape and operation kind."""
+    _check_name(name)
+    _check_dtype(dtype)
+    _check_shape(shape)
+    if kind not in KINDS:
+        raise LocalProtocolError(f"unknown operation kind {kind!r}")
+
+
+def _check_segment(segment: str, *, required: bool = False, who: str = "segment name") -> None:
+    """A shared-memory segment's name: at most MAX_SEGMENT_CHARS, and not empty where ``required``."""
+    if len(segment) > MAX_SEGMENT_CHARS or (required and not segment):
+        least = 1 if required else 0
+        raise LocalProtocolError(f"{who} of {len(segment)} characters; {least} to {MAX_SEGMENT_CHARS} allowed",
+                                 what=who, size=len(segment), limit=MAX_SEGMENT_CHARS, unit="characters")
+
+
+def _check_offset(offset: int) -> None:
+    """Where a tensor or a result starts in a segment (Op, Done)."""
+    if offset < 0:
+        raise LocalProtocolError(f"negative segment offset {offset}")
+
+
+def _check_non_negative(tag: str, **values: int) -> None:
+    """Counters and indexes (part, round, worker, ...): the first negative one is named."""
+    for name, value in values.items():
+        if value < 0:
+            raise LocalProtocolError(f"{tag} has a negative {name}: {value}")
+
+
+def _check_text(tag: str, name: str, text: str, limit: int = MAX_MESSAGE_CHARS) -> None:
+    """A free-text field (a reason, a description) of at most ``limit`` characters."""
+    if len(text) > limit:
+        raise LocalProtocolError(f"{tag} {name} of {len(text)} characters; at most {limit}",
+                                 what=f"{tag} {name}", size=len(text), limit=limit, unit="characters")
 
 
 @dataclass(frozen=True, slots=True)
 class Message:
+    """Base of every message: built means checked (field types, then :meth:`validate`)."""
+
     TYPE: ClassVar[str] = ""
 
+    def __post_init__(self) -> None:
+        _check_types(self)
+        self.validate()
+
     def validate(self) -> None:
-        """Semantic checks beyond field types; raise ProtocolError."""
+        """Semantic checks beyond field types; raise LocalProtocolError."""
+
+
+# The handshake's fields (see protocol.handshake for the flow and what each proof covers).
+MAX_NONCE_CHARS: Final = 128
+MAX_PROOF_CHARS: Final = 128
+MAX_SHM_KEY_CHARS: Final = 128
+MAX_CONFIG_ITEMS: Final = 512  # Hello.config_items: 2 per server, 1 per worker, 2 more (protocol.config)
+MAX_CONFIG_ITEM_CHARS: Final = 300  # a key and a host name of up to 253 characters
 
 
 @dataclass(frozen=True, slots=True)
 class Challenge(Message):
-    """A server's first frame: the nonce a peer signs with the cluster token (see :func:`auth_digest`)."""
+    """An accepting side's first frame on TCP: its fresh nonce, which the connecting side's proof covers."""
 
     TYPE: ClassVar[str] = "challenge"
     nonce: str
     version: int
 
+    def validate(self) -> None:
+        if not 1 <= len(self.nonce) <= MAX_NONCE_CHARS:
+            raise LocalProtocolError(f"challenge nonce of {len(self.nonce)} characters; 1 to {MAX_NONCE_CHARS} "
+                                     f"allowed", what="challenge nonce", size=len(self.nonce),
+                                     limit=MAX_NONCE_CHARS, unit="characters")
+
 
 @dataclass(frozen=True, slots=True)
 class Hello(Message):
+    """The connecting side's first message (its answer to a Challenge on TCP)."""
+
     TYPE: ClassVar[str] = "hello"
     version: int
     role: str
     id: int
     pid: int = 0
-    auth: str = ""  # auth_digest(token, nonce, role, id) when the cluster has a token_file
+    # With a cluster token: HMAC-SHA256 over the challenge and every other field of this Hello
+    # (protocol.handshake.hello_proof), so it holds for this connection and these values only.
+    auth: str = ""
     # A worker offering shared memory to the server on its host: a segment it created holding ``shm_key``
     # (hex). A server that can map it and read the key shares the host and the worker's user or group.
     shm: str = ""
@@ -90,18 +172,37 @@ class Hello(Message):
     # only, see bps_worker.placement: a server with a larger share gets more, so TCP's fair sharing of a
     # link gives it a proportionally larger part).
     stream: int = 0
+    # The connecting side's fresh nonce: the accepting side's proof in Welcome.auth covers it.
+    nonce: str = ""
+    # A worker's description of the placement-relevant cluster file (protocol.config.placement_items); a
+    # server whose own differs refuses it, naming what differs.
+    config_items: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         if self.role not in (ROLE_WORKER, ROLE_CLIENT, ROLE_OBSERVER):
-            raise ProtocolError(f"unknown role {self.role!r}")
+            raise LocalProtocolError(f"unknown role {self.role!r}")
         if not 0 <= self.stream < MAX_STREAMS:
-            raise ProtocolError(f"hello: stream {self.stream} outside 0..{MAX_STREAMS - 1}")
-        if len(self.shm) > MAX_SEGMENT_CHARS or len(self.shm_key) > 128:
-            raise ProtocolError("hello: shared-memory probe name or key too long")
+            raise LocalProtocolError(f"hello: stream {self.stream} outside 0..{MAX_STREAMS - 1}")
+        for what, text, limit in (("shared-memory probe name", self.shm, MAX_SEGMENT_CHARS),
+                                  ("shared-memory key", self.shm_key, MAX_SHM_KEY_CHARS),
+                                  ("proof", self.auth, MAX_PROOF_CHARS), ("nonce", self.nonce, MAX_NONCE_CHARS)):
+            if len(text) > limit:
+                raise LocalProtocolError(f"hello: {what} of {len(text)} characters; at most {limit}",
+                                         what=f"hello {what}", size=len(text), limit=limit, unit="characters")
+        if len(self.config_items) > MAX_CONFIG_ITEMS:
+            raise LocalProtocolError(f"hello: {len(self.config_items)} config items; at most {MAX_CONFIG_ITEMS}",
+                                     what="hello config_items", size=len(self.config_items),
+                                     limit=MAX_CONFIG_ITEMS, unit="items")
+        for item in self.config_items:
+            if not isinstance(item, str) or "=" not in item or len(item) > MAX_CONFIG_ITEM_CHARS:
+                raise LocalProtocolError(f"hello: config item {item!r:.80} is not a 'key=value' string of at most "
+                                         f"{MAX_CONFIG_ITEM_CHARS} characters")
 
 
 @dataclass(frozen=True, slots=True)
 class Welcome(Message):
+    """The accepting side's answer to a Hello it accepts (a refusal is a Failure with ``req == -1``)."""
+
     TYPE: ClassVar[str] = "welcome"
     version: int
     rank: int = -1
@@ -112,16 +213,50 @@ class Welcome(Message):
     workers: int = 0
     shm: bool = False  # the server accepted the worker's shared-memory offer: pushes may name segments
     incarnation: str = ""  # a server's random id for this run of it: a new one means it restarted, state lost
+    # With a cluster token: HMAC-SHA256 over both nonces, the whole Hello and every other field of this
+    # Welcome (protocol.handshake.welcome_proof): the server holds the token, and answers this very Hello.
+    auth: str = ""
+    # The server's placement digest (protocol.config.placement_digest), when the Hello carried a description.
+    config_digest: str = ""
+
+    def validate(self) -> None:
+        for what, text, limit in (("proof", self.auth, MAX_PROOF_CHARS),
+                                  ("config digest", self.config_digest, MAX_PROOF_CHARS),
+                                  ("incarnation", self.incarnation, MAX_NONCE_CHARS)):
+            if len(text) > limit:
+                raise LocalProtocolError(f"welcome: {what} of {len(text)} characters; at most {limit}",
+                                         what=f"welcome {what}", size=len(text), limit=limit, unit="characters")
 
 
 @dataclass(frozen=True, slots=True)
 class Failure(Message):
-    """An operation (``req``), or the connection itself (``req == -1``), failed."""
+    """An operation (``req``), or the connection itself (``req == -1``), failed.
+
+    ``message`` is the whole story for a person (logs). ``code`` says what kind of failure it is, and the
+    structured fields below carry the facts for that code, so that the receiver builds a typed error from
+    them (``bps_worker.errors.error_from_failure``) without reading the text: ``name``/``ours``/``theirs``
+    for ``"mismatch"``, ``peer`` for ``"connection"``, ``what``/``timeout_s`` for ``"timeout"``; ``detail``
+    is what the typed error adds after the facts (e.g. how many partitions of an in-place array hold sums).
+    A frame from before these fields parses with their defaults.
+    """
 
     TYPE: ClassVar[str] = "failure"
     req: int
     message: str
-    code: str = "error"
+    code: FailureCode = "error"
+    name: str = ""  # the tensor the processes disagree about
+    ours: str = ""  # this side's description of it (dtype, shape, kind, root, ...)
+    theirs: str = ""  # the other side's
+    peer: str = ""  # who is unreachable, e.g. "server 2 at 10.0.0.5:9100"
+    what: str = ""  # what did not happen in time
+    timeout_s: float = 0.0  # and how long it was given
+    detail: str = ""
+
+    def validate(self) -> None:
+        for name in ("name", "ours", "theirs", "peer", "what", "detail"):
+            _check_text("failure", name, getattr(self, name))
+        if not (math.isfinite(self.timeout_s) and self.timeout_s >= 0):
+            raise LocalProtocolError(f"failure timeout_s must be finite and >= 0, got {self.timeout_s!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,25 +287,33 @@ class Push(Message):
     replay: bool = False
 
     def validate(self) -> None:
-        _check_name(self.name)
-        _check_dtype(self.dtype)
-        _check_shape(self.shape)
-        if min(self.part, self.round, self.offset, self.count, self.worker, self.seg_offset, self.out_offset) < 0 \
-                or self.divisor < 1:
-            raise ProtocolError("push has a negative part, round, offset, count, worker, seg_offset or out_offset, "
-                                "or divisor < 1")
-        if max(len(self.segment), len(self.out_segment)) > MAX_SEGMENT_CHARS:
-            raise ProtocolError(f"segment name of more than {MAX_SEGMENT_CHARS} characters")
+        _check_tensor(self.name, self.dtype, self.shape, self.kind)
+        _check_non_negative("push", part=self.part, round=self.round, offset=self.offset, count=self.count,
+                            worker=self.worker, seg_offset=self.seg_offset, out_offset=self.out_offset)
+        if self.divisor < 1:
+            raise LocalProtocolError(f"push has divisor < 1: {self.divisor}")
+        _check_segment(self.segment)
+        _check_segment(self.out_segment)
         if bool(self.segment) != bool(self.out_segment):
-            raise ProtocolError("push names a shared-memory segment for its data or its result but not both")
-        if self.kind not in (KIND_SUM, KIND_BROADCAST):
-            raise ProtocolError(f"unknown operation kind {self.kind!r}")
+            raise LocalProtocolError("push names a shared-memory segment for its data or its result but not both")
         if self.divisor != 1 and self.dtype not in dtypes.FLOAT_TYPES:
-            raise ProtocolError(f"divisor {self.divisor} given for integer dtype {self.dtype}; averages need floats")
+            raise LocalProtocolError(f"divisor {self.divisor} given for integer dtype {self.dtype}; "
+                                     f"averages need floats")
 
     @property
     def payload_nbytes(self) -> int:
         return self.count * dtypes.ITEMSIZE[self.dtype]
+
+    def check_extent(self) -> None:
+        """A received push's partition lies inside its tensor: ``offset + count`` at most the product of
+        ``shape``; RemoteProtocolError otherwise. The server's one check for both its push paths (payload and
+        shared memory). Not part of :meth:`validate`, which relates no field to another's product: pushes
+        built with a shape that only describes (tests, tools) stay buildable; the server that sums must check."""
+        total = math.prod(self.shape)
+        if self.offset + self.count > total:
+            raise RemoteProtocolError(f"push of {self.name!r} part {self.part} exceeds its tensor's {total} "
+                                      f"elements", what=f"push of {self.name!r}", size=self.offset + self.count,
+                                      limit=total, unit="elements")
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,8 +342,8 @@ class Abort(Message):
 
     def validate(self) -> None:
         _check_name(self.name)
-        if len(self.message) > MAX_MESSAGE_CHARS:
-            raise ProtocolError(f"abort message of {len(self.message)} characters; at most {MAX_MESSAGE_CHARS}")
+        _check_non_negative("abort", part=self.part, round=self.round, worker=self.worker)
+        _check_text("abort", "message", self.message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,8 +363,7 @@ class Release(Message):
     segment: str
 
     def validate(self) -> None:
-        if not self.segment or len(self.segment) > MAX_SEGMENT_CHARS:
-            raise ProtocolError(f"release of a segment name of {len(self.segment)} characters")
+        _check_segment(self.segment, required=True, who="released segment name")
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,8 +380,7 @@ class RoundQuery(Message):
 
     def validate(self) -> None:
         _check_name(self.name)
-        if self.part < 0:
-            raise ProtocolError("round query of a negative part")
+        _check_non_negative("round query", part=self.part)
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +423,7 @@ class Alloc(Message):
     def validate(self) -> None:
         _check_name(self.name)
         if self.nbytes < 0:
-            raise ProtocolError("alloc of a negative size")
+            raise LocalProtocolError(f"alloc of a negative size: {self.nbytes}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,13 +458,8 @@ class Op(Message):
     handback: bool = True
 
     def validate(self) -> None:
-        _check_name(self.name)
-        _check_dtype(self.dtype)
-        _check_shape(self.shape)
-        if self.offset < 0:
-            raise ProtocolError(f"negative segment offset {self.offset}")
-        if self.kind not in (KIND_SUM, KIND_BROADCAST):
-            raise ProtocolError(f"unknown operation kind {self.kind!r}")
+        _check_tensor(self.name, self.dtype, self.shape, self.kind)
+        _check_offset(self.offset)
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,10 +473,8 @@ class Done(Message):
     offset: int = 0
 
     def validate(self) -> None:
-        if len(self.segment) > MAX_SEGMENT_CHARS:
-            raise ProtocolError(f"segment name of more than {MAX_SEGMENT_CHARS} characters")
-        if self.offset < 0:
-            raise ProtocolError(f"negative segment offset {self.offset}")
+        _check_segment(self.segment)
+        _check_offset(self.offset)
 
 
 MAX_BATCH_ITEMS: Final = 1024
@@ -348,9 +482,15 @@ MAX_BATCH_ITEMS: Final = 1024
 BATCH_HEADER_BUDGET: Final = 32 * 1024
 
 
+_FREE_TEXT: Final = ("name", "message", "ours", "theirs", "peer", "what", "detail")
+
+
 def estimated_header_bytes(message: Message) -> int:
-    """An upper bound of a message's encoded header size, without encoding it."""
-    text = len(getattr(message, "name", "")) + len(getattr(message, "message", ""))
+    """An upper bound of a message's encoded header size, without encoding it.
+
+    Counts the fields whose length is not bounded by a small limit (names and free text, up to 4 bytes a
+    character in UTF-8) and the shape; 256 bytes cover the keys and the fixed-size values."""
+    text = sum(len(getattr(message, f, "")) for f in _FREE_TEXT)
     return 4 * text + 24 * len(getattr(message, "shape", ())) + 256
 
 
@@ -366,11 +506,12 @@ class Batch(Message):
 
     def validate(self) -> None:
         if not 1 <= len(self.items) <= MAX_BATCH_ITEMS:
-            raise ProtocolError(f"batch of {len(self.items)} items; 1 to {MAX_BATCH_ITEMS} allowed")
+            raise LocalProtocolError(f"batch of {len(self.items)} items; 1 to {MAX_BATCH_ITEMS} allowed",
+                                     what="batch", size=len(self.items), limit=MAX_BATCH_ITEMS, unit="items")
         if len(self.sizes) != len(self.items):
-            raise ProtocolError(f"batch has {len(self.items)} items but {len(self.sizes)} sizes")
+            raise LocalProtocolError(f"batch has {len(self.items)} items but {len(self.sizes)} sizes")
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.sizes):
-            raise ProtocolError("batch sizes must be non-negative integers")
+            raise LocalProtocolError("batch sizes must be non-negative integers")
 
 
 MESSAGES: Final[dict[str, type[Message]]] = {
@@ -379,52 +520,79 @@ MESSAGES: Final[dict[str, type[Message]]] = {
                 StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch)
 }
 
-_FIELDS: dict[type[Message], list[tuple[str, type, bool]]] = {}
+class _Field(NamedTuple):
+    name: str
+    kind: type  # what isinstance checks (list for list[int], str for a Literal of strings)
+    required: bool
+    choices: tuple[Any, ...] | None  # the allowed values of a Literal field
 
 
-def _fields(cls: type[Message]) -> list[tuple[str, type, bool]]:
+_FIELDS: dict[type[Message], list[_Field]] = {}
+
+
+def _fields(cls: type[Message]) -> list[_Field]:
     cached = _FIELDS.get(cls)
     if cached is None:
         hints = get_type_hints(cls)
         cached = []
         for f in dataclasses.fields(cls):
             hint = hints[f.name]
-            origin = getattr(hint, "__origin__", hint)
+            choices: tuple[Any, ...] | None = None
+            if get_origin(hint) is Literal:
+                choices = get_args(hint)
+                kind: type = type(choices[0])
+            else:
+                kind = getattr(hint, "__origin__", hint)
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            cached.append((f.name, origin, required))
+            cached.append(_Field(f.name, kind, required, choices))
         _FIELDS[cls] = cached
     return cached
 
 
+def _check_types(message: Message) -> None:
+    """Each field holds its declared type (an int is no bool; a float field takes an int), a Literal one of
+    its values; LocalProtocolError names the first field that does not."""
+    for f in _fields(type(message)):
+        value = getattr(message, f.name)
+        kind = f.kind
+        if kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if not ok:
+            raise LocalProtocolError(f"{message.TYPE} message field {f.name!r} must be {kind.__name__}, "
+                                     f"got {type(value).__name__}")
+        if f.choices is not None and value not in f.choices:
+            allowed = ", ".join(repr(c) for c in f.choices)
+            raise LocalProtocolError(f"{message.TYPE} message field {f.name!r} must be one of {allowed}, "
+                                     f"got {value!r}")
+
+
 def parse(header: dict[str, Any]) -> Message:
-    """Turn a decoded header into its message; ProtocolError names what is wrong."""
+    """Turn a decoded header into its message; RemoteProtocolError names what is wrong.
+
+    This is the receive boundary: the checks a message runs when built are the peer's fault here."""
     tag = header.get("t")
     cls = MESSAGES.get(tag) if isinstance(tag, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown message type {tag!r}")
+        raise RemoteProtocolError(f"unknown message type {tag!r}")
     kwargs: dict[str, Any] = {}
-    for name, kind, required in _fields(cls):
-        if name not in header:
-            if required:
-                raise ProtocolError(f"{tag} message lacks field {name!r}")
-            continue
-        value = header[name]
-        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
-        if not ok:
-            raise ProtocolError(f"{tag} message field {name!r} must be {kind.__name__}, got {type(value).__name__}")
-        kwargs[name] = value
-    message = cls(**kwargs)
-    message.validate()
-    return message
+    for f in _fields(cls):
+        if f.name in header:
+            kwargs[f.name] = header[f.name]
+        elif f.required:
+            raise RemoteProtocolError(f"{tag} message lacks field {f.name!r}")
+    try:
+        return cls(**kwargs)
+    except ProtocolError as exc:
+        raise RemoteProtocolError.from_error(exc) from None
 
 
 def to_header(message: Message) -> dict[str, Any]:
     """The header map for ``message`` (its fields plus the ``t`` tag)."""
     header: dict[str, Any] = {"t": message.TYPE}
-    for name, _, _ in _fields(type(message)):
-        header[name] = getattr(message, name)
+    for f in _fields(type(message)):
+        header[f.name] = getattr(message, f.name)
     return header
 
 
@@ -434,40 +602,45 @@ def batch_header(parts: list[tuple[Message, int]]) -> dict[str, Any]:
 
 
 def split_batch(batch: Batch, payload: memoryview | None) -> list[tuple[Message, memoryview | None]]:
-    """The messages of a batch, each with its slice of the payload; ProtocolError on any bad item."""
+    """The messages of a received batch, each with its slice of the payload; RemoteProtocolError on any bad
+    item."""
     total = 0 if payload is None else payload.nbytes
     if sum(batch.sizes) != total:
-        raise ProtocolError(f"batch sizes add up to {sum(batch.sizes)} bytes but the payload has {total}")
+        raise RemoteProtocolError(f"batch sizes add up to {sum(batch.sizes)} bytes but the payload has {total}")
     out: list[tuple[Message, memoryview | None]] = []
     offset = 0
     for item, size in zip(batch.items, batch.sizes):
         if not isinstance(item, dict) or not isinstance(item.get("t"), str):
-            raise ProtocolError("batch item is not a map with a string field 't'")
+            raise RemoteProtocolError("batch item is not a map with a string field 't'")
         message = parse(item)
         if isinstance(message, Batch):
-            raise ProtocolError("batches may not nest")
+            raise RemoteProtocolError("batches may not nest")
         out.append((message, payload[offset:offset + size] if payload is not None and size else None))
         offset += size
     return out
 
 
 def auth_digest(token: bytes, nonce: str, role: str, ident: int) -> str:
-    """Proof of holding the cluster token for one connection: HMAC-SHA256 over the server's nonce.
-
-    The token never travels; a captured digest is useless on another connection (fresh nonce).
+    """The version-1 proof (HMAC-SHA256 over the server's nonce, role and id only): kept while the
+    daemons still call it, and superseded by :mod:`protocol.handshake`, whose proofs cover every field
+    and both nonces and go both ways. It can be relayed: nothing binds it to the Hello's other fields.
     """
     return hmac.new(token, f"bps-auth|{nonce}|{role}|{ident}".encode(), hashlib.sha256).hexdigest()
 
 
 def check_auth(token: bytes, nonce: str, hello: Hello) -> bool:
+    """Whether ``hello`` carries the version-1 proof (see :func:`auth_digest`; superseded)."""
     return hmac.compare_digest(auth_digest(token, nonce, hello.role, hello.id), hello.auth)
 
 
 def expect_hello(message: Message, who: str) -> Hello:
-    """The first message a daemon reads: a Hello of our protocol version, or a ProtocolError."""
+    """The first message a daemon reads: a Hello of our protocol version, or a RemoteProtocolError.
+
+    (:class:`protocol.handshake.ServerHandshake` makes the same check, with the rest of the handshake.)
+    """
     if not isinstance(message, Hello):
-        raise ProtocolError(f"expected hello, got {message.TYPE}")
+        raise RemoteProtocolError(f"expected hello, got {message.TYPE}")
     if message.version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {message.version} not supported (this {who} speaks "
-                            f"{PROTOCOL_VERSION})")
+        raise RemoteProtocolError(f"protocol version {message.version} not supported (this {who} speaks "
+                                  f"{PROTOCOL_VERSION})")
     return message

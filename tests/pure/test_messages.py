@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import msgpack
+import numpy as np
 import pytest
 
 from protocol import messages as m
-from protocol.errors import ProtocolError
+from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from protocol.frames import FrameReader, encode_header
 
 # One fully populated instance per message type, with non-default values everywhere.
@@ -18,7 +19,9 @@ SAMPLES: dict[str, m.Message] = {
                      epoch="5eed", stream=2),
     "welcome": m.Welcome(version=1, rank=3, size=4, local_rank=1, local_size=2, worker=1, workers=2, shm=True,
                          incarnation="0123abcd"),
-    "failure": m.Failure(req=17, message="tensor 'w' has another shape", code="mismatch"),
+    "failure": m.Failure(req=17, message="tensor 'w' has another shape", code="mismatch", name="w",
+                         ours="sum float32[8]", theirs="sum float32[9]", peer="server 1 at 10.0.0.2:9100",
+                         what="tensor 'w'", timeout_s=2.5, detail="2 of 4 partitions hold sums"),
     "push": m.Push(req=5, name="layer1.weight", part=2, round=9, worker=1, dtype="bfloat16", shape=[64, 3, 3],
                    offset=128, count=448, divisor=4, kind="sum", segment="bps_w1_9_ff", seg_offset=4096,
                    out_segment="bps_w1_9_ee", out_offset=64, replay=True),
@@ -333,3 +336,115 @@ def test_batches_do_not_nest_and_items_are_validated():
         m.split_batch(m.parse({"t": "batch", "items": [{"t": "done"}], "sizes": [0]}), None)
     with pytest.raises(ProtocolError, match="1 to 1024"):
         m.parse({"t": "batch", "items": [], "sizes": []})
+
+
+# -- built means checked ------------------------------------------------------------------
+
+def _push(**changes) -> m.Push:
+    fields = dict(req=5, name="w", part=0, round=0, worker=0, dtype="float32", shape=[8], offset=0, count=8)
+    fields.update(changes)
+    return m.Push(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("build,match", [
+    (lambda: _push(name=""), "tensor name must have 1 to 1024 characters, got 0"),
+    (lambda: _push(dtype="complex64"), "unsupported dtype 'complex64'"),
+    (lambda: _push(shape=[4, -1]), r"invalid shape \[4, -1\]"),
+    (lambda: _push(kind="max"), "unknown operation kind 'max'"),
+    (lambda: _push(part=-1), "push has a negative part: -1"),
+    (lambda: _push(round=-2), "push has a negative round: -2"),
+    (lambda: _push(divisor=0), r"push has divisor < 1: 0"),
+    (lambda: _push(dtype="int32", divisor=2), "averages need floats"),
+    (lambda: _push(segment="bps_w0_1"), "not both"),
+    (lambda: _push(shape=(8,)), "push message field 'shape' must be list, got tuple"),
+    (lambda: _push(count=True), "push message field 'count' must be int, got bool"),
+    (lambda: _push(count=np.int64(8)), "push message field 'count' must be int, got int64"),
+    (lambda: m.Op(1, "w", "sum", "float32", [2], "seg", offset=-4), "negative segment offset -4"),
+    (lambda: m.Op(1, "w", "allreduce", "float32", [2], "seg"), "unknown operation kind 'allreduce'"),
+    (lambda: m.Done(1, "s" * (m.MAX_SEGMENT_CHARS + 1)), "segment name of 201 characters; 0 to 200 allowed"),
+    (lambda: m.Release(""), "released segment name of 0 characters; 1 to 200 allowed"),
+    (lambda: m.Alloc(1, "w", -1), "alloc of a negative size: -1"),
+    (lambda: m.RoundQuery(1, "w", part=-1), "round query has a negative part: -1"),
+    (lambda: m.Abort("w", 0, 0, 0, "x" * (m.MAX_MESSAGE_CHARS + 1)), "abort message of 4097 characters"),
+    (lambda: m.Abort("w", 0, -1, 0, "bye"), "abort has a negative round: -1"),
+    (lambda: m.Batch([], []), "batch of 0 items; 1 to 1024 allowed"),
+    (lambda: m.Failure(1, "x", code="oops"),  # type: ignore[arg-type]
+     "failure message field 'code' must be one of 'error', 'mismatch', 'round_failed', 'protocol_error', "
+     "'bad_request', 'timeout', 'connection', got 'oops'"),
+    (lambda: m.Failure(1, "x", code="timeout", timeout_s=-1.0), "timeout_s must be finite and >= 0, got -1.0"),
+    (lambda: m.Failure(1, "x", code="timeout", timeout_s=float("nan")), "timeout_s must be finite"),
+    (lambda: m.Failure(1, "x", ours="o" * (m.MAX_MESSAGE_CHARS + 1)), "failure ours of 4097 characters"),
+    (lambda: m.Failure(1, None), "failure message field 'message' must be str, got NoneType"),  # type: ignore
+    (lambda: m.Stats(1, [1]), "stats message field 'stats' must be dict, got list"),  # type: ignore[arg-type]
+])
+def test_a_bad_message_is_refused_where_it_is_built(build, match):
+    with pytest.raises(LocalProtocolError, match=match):
+        build()
+
+
+def test_replace_checks_too():
+    push = _push()
+    with pytest.raises(LocalProtocolError, match="negative offset"):
+        dataclasses.replace(push, offset=-1)
+    assert dataclasses.replace(push, replay=True).replay is True
+
+
+def test_a_received_bad_value_is_the_peers_fault():
+    for h in (header("push", part=-1), header("failure", code="nope"), header("done", req="1"), {"t": "x"},
+              without("push", "name"), header("batch", items=[])):
+        with pytest.raises(RemoteProtocolError):
+            m.parse(h)
+    with pytest.raises(RemoteProtocolError, match="nest"):
+        m.split_batch(m.parse({"t": "batch", "items": [VALID["batch"]], "sizes": [0]}), None)
+
+
+def test_a_failure_code_is_one_of_the_closed_set():
+    assert m.FAILURE_CODES == {"error", "mismatch", "round_failed", "protocol_error", "bad_request", "timeout",
+                               "connection"}
+    for code in sorted(m.FAILURE_CODES):
+        assert m.parse(header("failure", code=code)).code == code
+    with pytest.raises(RemoteProtocolError, match="field 'code' must be one of"):
+        m.parse(header("failure", code="Mismatch"))
+    with pytest.raises(RemoteProtocolError, match="field 'code' must be str, got int"):
+        m.parse(header("failure", code=3))
+
+
+def test_an_old_failure_frame_parses_with_empty_structured_fields():
+    old = m.parse({"t": "failure", "req": 3, "message": "tensor 'w' mismatch", "code": "mismatch"})
+    assert old == m.Failure(3, "tensor 'w' mismatch", code="mismatch")
+    assert (old.name, old.ours, old.theirs, old.peer, old.what, old.timeout_s, old.detail) == \
+        ("", "", "", "", "", 0.0, "")
+
+
+def test_a_float_field_takes_an_int():
+    assert m.parse(header("failure", timeout_s=30)).timeout_s == 30
+    assert m.Failure(1, "x", code="timeout", what="w", timeout_s=5).timeout_s == 5
+    with pytest.raises(LocalProtocolError, match="'timeout_s' must be float, got bool"):
+        m.Failure(1, "x", timeout_s=True)
+
+
+def test_push_extent_is_checked_by_the_receiver():
+    _push(offset=4, count=4).check_extent()
+    _push(shape=[], count=1).check_extent()  # a scalar
+    _push(shape=[0, 5], count=0).check_extent()  # an empty tensor
+    with pytest.raises(RemoteProtocolError, match="push of 'w' part 3 exceeds its tensor's 8 elements") as info:
+        _push(part=3, offset=4, count=5).check_extent()
+    assert (info.value.size, info.value.limit, info.value.unit) == (9, 8, "elements")
+
+
+def test_estimated_header_bytes_bounds_the_encoded_header():
+    for msg in list(SAMPLES.values()) + [m.Failure(1, "é" * 1000, code="mismatch", name="ü" * 1024, ours="o" * 4096,
+                                                   theirs="t" * 4096, detail="d" * 4096)]:
+        if isinstance(msg, (m.Batch, m.Stats, m.Op)):
+            continue  # these carry unbounded structures; no sender batches them
+        assert len(msgpack.packb(m.to_header(msg), use_bin_type=True)) <= m.estimated_header_bytes(msg)
+
+
+def test_estimated_header_bytes_of_pushes_and_results_is_unchanged():
+    """Batch boundaries depend on it: the estimate of what is batched today stays as it was."""
+    push = SAMPLES["push"]
+    assert m.estimated_header_bytes(push) == 4 * len(push.name) + 24 * len(push.shape) + 256
+    result = SAMPLES["result"]
+    assert m.estimated_header_bytes(result) == 4 * len(result.name) + 256
+    failure = m.Failure(1, "round 3 failed", code="round_failed")
+    assert m.estimated_header_bytes(failure) == 4 * len(failure.message) + 256
