@@ -18,19 +18,25 @@ Theory of operation of :class:`FrameReader` (sans-IO, shaped for
   it allocates a ``bytearray``. Large payloads are then received *directly* into
   that destination, so a tensor partition is not copied after the kernel wrote it.
 * Limits are checked as soon as the prefix is in, before anything is allocated.
-  Any violation raises :class:`ProtocolError`; afterwards the reader is in an
-  error state and refuses further use (the connection must be closed).
+  Any violation raises :class:`RemoteProtocolError` (with ``size`` and ``limit``);
+  afterwards the reader is in an error state and refuses further use with a
+  :class:`LocalProtocolError` (the connection must be closed).
+
+Sending is pure as well: :func:`encode_message` gives a message's prefix and header,
+:func:`encode_frame` the buffers of one whole frame, and :class:`BatchWriter` gathers
+small messages into one ``Batch`` frame. They return bytes; the caller writes them.
 """
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Final
+from typing import Any, Callable, Final, TypeAlias
 
 import msgpack
 
-from .errors import LocalProtocolError, ProtocolError
+from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from .messages import BATCH_HEADER_BUDGET, MAX_BATCH_ITEMS, Message, batch_header, estimated_header_bytes, to_header
 
 PREFIX: Final = struct.Struct("!IQ")
 DEFAULT_MAX_HEADER_BYTES: Final = 64 * 1024
@@ -39,7 +45,13 @@ RECEIVE_BUFFER_BYTES: Final = 256 * 1024
 # Payload remainders at least this large are received straight into their destination.
 DIRECT_RECEIVE_MIN_BYTES: Final = 16 * 1024
 
+# Payloads up to this size may travel inside a Batch frame (larger ones get a frame of their own).
+BATCH_ITEM_MAX_BYTES: Final = 64 * 1024
+
 PayloadSink = Callable[[dict[str, Any], int], memoryview]
+# What a sender hands over as a payload: anything with the buffer protocol, C-contiguous (bytes, bytearray,
+# memoryview, a numpy array); typing has no name for that before Python 3.12's collections.abc.Buffer.
+Payload: TypeAlias = Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,24 +75,136 @@ def encode_header(
     """
     body = msgpack.packb(header, use_bin_type=True)
     if len(body) > max_header_bytes:
-        raise LocalProtocolError(
-            f"frame header of {len(body)} bytes exceeds the limit of {max_header_bytes} bytes"
-        )
+        raise LocalProtocolError(what="frame header", size=len(body), limit=max_header_bytes)
     if payload_nbytes < 0 or payload_nbytes > max_payload_bytes:
-        raise LocalProtocolError(
-            f"frame payload of {payload_nbytes} bytes exceeds the limit of {max_payload_bytes} bytes"
-        )
+        raise LocalProtocolError(what="frame payload", size=payload_nbytes, limit=max_payload_bytes)
     return PREFIX.pack(len(body), payload_nbytes) + body
 
 
+def encode_message(
+    message: Message,
+    payload_nbytes: int = 0,
+    *,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+) -> bytes:
+    """Prefix + header of a frame carrying ``message``; ``payload_nbytes`` raw bytes follow it.
+
+    The same bytes as ``encode_header(to_header(message), payload_nbytes)``; LocalProtocolError on a limit."""
+    return encode_header(to_header(message), payload_nbytes,
+                         max_header_bytes=max_header_bytes, max_payload_bytes=max_payload_bytes)
+
+
+def _as_bytes_view(payload: Payload) -> memoryview:
+    view = memoryview(payload)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def encode_frame(
+    message: Message,
+    payload: Payload | None = None,
+    *,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+) -> list[bytes | memoryview]:
+    """The buffers of one frame, for ``transport.writelines``: the header, then the payload if it has bytes."""
+    view = None if payload is None else _as_bytes_view(payload)
+    nbytes = 0 if view is None else view.nbytes
+    head = encode_message(message, nbytes, max_header_bytes=max_header_bytes, max_payload_bytes=max_payload_bytes)
+    return [head, view] if view is not None and nbytes else [head]
+
+
+class BatchWriter:
+    """Gathers small messages and their payloads into one ``Batch`` frame (pure: it returns the bytes).
+
+    Many small rounds complete at once (thousands of tiny tensors): one frame for all of them saves a
+    frame, a system call and a wake-up each. The sender asks :meth:`fits` before it adds an item,
+    :meth:`add` says when the batch is full (send it now), and :meth:`flush` returns the frame's buffers and
+    empties the writer. One item leaves as a plain frame, several as a Batch whose payload is theirs back
+    to back. Limits:
+
+    * ``max_items`` items and about ``header_budget`` header bytes (estimated with
+      :func:`~protocol.messages.estimated_header_bytes`, well under the header limit);
+    * ``max_payload_bytes`` of payload in all (a batch is one frame: the peer's payload limit holds for it,
+      and a sender may keep it smaller still);
+    * items of at most ``item_max_bytes`` each (:meth:`batchable`).
+    """
+
+    __slots__ = ("max_items", "header_budget", "max_payload_bytes", "max_header_bytes", "item_max_bytes",
+                 "_items", "_header_bytes", "_payload_bytes")
+
+    def __init__(
+        self,
+        *,
+        max_items: int = MAX_BATCH_ITEMS,
+        header_budget: int = BATCH_HEADER_BUDGET,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        item_max_bytes: int = BATCH_ITEM_MAX_BYTES,
+    ) -> None:
+        self.max_items = max_items
+        self.header_budget = header_budget
+        self.max_payload_bytes = max_payload_bytes
+        self.max_header_bytes = max_header_bytes
+        self.item_max_bytes = item_max_bytes
+        self._items: list[tuple[Message, memoryview | None]] = []
+        self._header_bytes = 0
+        self._payload_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def payload_nbytes(self) -> int:
+        """Payload bytes gathered so far."""
+        return self._payload_bytes
+
+    @property
+    def full(self) -> bool:
+        """No further item may join: the item count or the header budget is reached."""
+        return len(self._items) >= self.max_items or self._header_bytes >= self.header_budget
+
+    def batchable(self, payload_nbytes: int) -> bool:
+        """Whether a payload this large may travel in a batch at all."""
+        return payload_nbytes <= self.item_max_bytes
+
+    def fits(self, payload_nbytes: int) -> bool:
+        """Whether an item with ``payload_nbytes`` may join this batch now (else flush first)."""
+        return (not self.full and self.batchable(payload_nbytes)
+                and self._payload_bytes + payload_nbytes <= self.max_payload_bytes)
+
+    def add(self, message: Message, payload: Payload | None = None) -> bool:
+        """Append one item; True when the batch is now full and should be flushed."""
+        view = None if payload is None else _as_bytes_view(payload)
+        self._items.append((message, view))
+        self._header_bytes += estimated_header_bytes(message)
+        self._payload_bytes += 0 if view is None else view.nbytes
+        return self.full
+
+    def flush(self) -> list[bytes | memoryview]:
+        """The buffers of the gathered frame (none when empty); the writer is empty afterwards."""
+        items, self._items = self._items, []
+        self._header_bytes = self._payload_bytes = 0
+        if not items:
+            return []
+        if len(items) == 1:
+            return encode_frame(*items[0], max_header_bytes=self.max_header_bytes,
+                                max_payload_bytes=self.max_payload_bytes)
+        parts = [(m, 0 if p is None else p.nbytes) for m, p in items]
+        payloads: list[bytes | memoryview] = [p for _, p in items if p is not None and p.nbytes]
+        head = encode_header(batch_header(parts), sum(n for _, n in parts), max_header_bytes=self.max_header_bytes,
+                             max_payload_bytes=self.max_payload_bytes)
+        return [head, *payloads]
+
+
 def decode_header(body: bytes | memoryview) -> dict[str, Any]:
-    """Decode a msgpack header map; anything but a map with a string ``t`` is a ProtocolError."""
+    """Decode a received msgpack header map; anything but a map with a string ``t`` is a RemoteProtocolError."""
     try:
         header = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises many unrelated types on garbage
-        raise ProtocolError(f"undecodable frame header: {exc.__class__.__name__}: {exc}") from None
+        raise RemoteProtocolError(f"undecodable frame header: {exc.__class__.__name__}: {exc}") from None
     if not isinstance(header, dict) or not isinstance(header.get("t"), str):
-        raise ProtocolError("frame header is not a map with a string field 't'")
+        raise RemoteProtocolError("frame header is not a map with a string field 't'")
     return header
 
 
@@ -178,7 +302,7 @@ class FrameReader:
     # -- internals -------------------------------------------------------------------
     def _check_usable(self) -> None:
         if self._error is not None:
-            raise ProtocolError(f"frame reader unusable after an earlier error: {self._error}")
+            raise LocalProtocolError(f"frame reader unusable after an earlier error: {self._error}")
 
     def _parse(self) -> list[Frame]:
         frames: list[Frame] = []
@@ -196,13 +320,9 @@ class FrameReader:
                 return frames
             header_len, payload_len = PREFIX.unpack_from(self._buf, self._start)
             if header_len > self.max_header_bytes:
-                raise ProtocolError(
-                    f"frame header of {header_len} bytes exceeds the limit of {self.max_header_bytes} bytes"
-                )
+                raise RemoteProtocolError(what="frame header", size=header_len, limit=self.max_header_bytes)
             if payload_len > self.max_payload_bytes:
-                raise ProtocolError(
-                    f"frame payload of {payload_len} bytes exceeds the limit of {self.max_payload_bytes} bytes"
-                )
+                raise RemoteProtocolError(what="frame payload", size=payload_len, limit=self.max_payload_bytes)
             if available < PREFIX.size + header_len:
                 return frames
             body_start = self._start + PREFIX.size
@@ -222,10 +342,10 @@ class FrameReader:
             dest = self.payload_sink(header, nbytes)
         except ProtocolError:
             raise
-        except Exception as exc:
-            raise ProtocolError(f"no destination for a payload of {nbytes} bytes: {exc}") from None
-        if not isinstance(dest, memoryview) or dest.nbytes != nbytes or dest.readonly:
-            raise ProtocolError(f"payload sink gave a wrong destination for {nbytes} bytes")
+        except Exception as exc:  # the peer sent a payload we have no place for (an unknown request, ...)
+            raise RemoteProtocolError(f"no destination for a payload of {nbytes} bytes: {exc}") from None
+        if not isinstance(dest, memoryview) or dest.nbytes != nbytes or dest.readonly:  # our sink's bug
+            raise LocalProtocolError(f"payload sink gave a wrong destination for {nbytes} bytes")
         return dest.cast("B") if dest.format != "B" or dest.ndim != 1 else dest
 
     def _finish_payload_if_complete(self, frames: list[Frame]) -> bool:

@@ -1,4 +1,4 @@
-"""protocol.frames: encode_header + FrameReader (pure, no sockets)."""
+"""protocol.frames: encode_header, the message encoder, the batch writer and FrameReader (pure, no sockets)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,21 @@ import msgpack
 import numpy as np
 import pytest
 
+from protocol import messages as m
 from protocol.errors import LocalProtocolError, ProtocolError
 from protocol.frames import (
+    BATCH_ITEM_MAX_BYTES,
     DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_MAX_PAYLOAD_BYTES,
     DIRECT_RECEIVE_MIN_BYTES,
     PREFIX,
     RECEIVE_BUFFER_BYTES,
+    BatchWriter,
     FrameReader,
     decode_header,
+    encode_frame,
     encode_header,
+    encode_message,
 )
 
 
@@ -485,3 +490,233 @@ def test_discarding_a_pending_payload_spares_its_destination():
     assert len(frames) == 1 and frames[0].payload.nbytes == len(dest)  # the stream stays in step
     assert dest[: len(dest) // 3] == b"\x07" * (len(dest) // 3)  # what came before stayed
     assert dest[-(len(dest) // 3):] == bytes(len(dest) // 3)  # the rest never reached it
+
+
+# -- the pure encoder and the batch writer --------------------------------------------------------------------
+
+
+def _result(i: int, name: str = "t") -> m.Result:
+    return m.Result(req=i, name=f"{name}{i}", part=0, round=3)
+
+
+_PATTERN = bytes(range(251)) * (300_000 // 251 + 2)
+
+
+def _payload(i: int, n: int) -> memoryview:
+    """``n`` bytes that differ from item to item (a slice of 0, 1, ... 250 starting at ``i % 251``)."""
+    return memoryview(_PATTERN)[i % 251:i % 251 + n]
+
+
+def test_encode_message_is_encode_header_of_to_header():
+    for msg, n in ((m.Ping(7), 0), (_result(1), 4096), (m.Failure(-1, "bye", code="protocol_error"), 0),
+                   (m.Push(3, "w", 1, 2, 0, "float16", [4, 4], 8, 8), 16)):
+        assert encode_message(msg, n) == encode_header(m.to_header(msg), n)
+        assert encode_message(msg, n, max_payload_bytes=1 << 20) == encode_header(m.to_header(msg), n)
+    with pytest.raises(LocalProtocolError, match="payload of 101 bytes exceeds the limit of 100"):
+        encode_message(m.Ping(1), 101, max_payload_bytes=100)
+    with pytest.raises(LocalProtocolError, match="header"):
+        encode_message(m.Failure(1, "x" * 200), max_header_bytes=100)
+
+
+def test_encode_frame_gives_the_buffers_the_transports_wrote():
+    """links._send / server._write: the header alone, or the header and then the payload."""
+    assert encode_frame(m.Ping(1)) == [encode_header(m.to_header(m.Ping(1)), 0)]
+    assert encode_frame(_result(1), memoryview(b"")) == [encode_header(m.to_header(_result(1)), 0)]
+    data = np.arange(6, dtype=np.float32)
+    head, body = encode_frame(_result(2), data)
+    assert head == encode_header(m.to_header(_result(2)), 24) and bytes(body) == data.tobytes()
+    frames = FrameReader().receive_data(b"".join(encode_frame(_result(2), data)))
+    assert m.parse(frames[0].header) == _result(2) and bytes(frames[0].payload) == data.tobytes()
+
+
+def _legacy_batch_frame(items: list[tuple[m.Message, memoryview | None]], max_payload_bytes: int) -> bytes:
+    """What links._send_batch / server._flush write for several items (as of 806b78e)."""
+    if len(items) == 1:
+        msg, p = items[0]
+        n = 0 if p is None else p.nbytes
+        return encode_header(m.to_header(msg), n, max_payload_bytes=max_payload_bytes) + (bytes(p) if n else b"")
+    parts = [(msg, 0 if p is None else p.nbytes) for msg, p in items]
+    payload = b"".join(bytes(p) for _, p in items if p is not None and p.nbytes)
+    return encode_header(m.batch_header(parts), len(payload), max_payload_bytes=max_payload_bytes) + payload
+
+
+def test_one_batch_is_byte_identical_to_batch_header_and_encode_header():
+    items = [(_result(0), _payload(0, 8)), (m.Done(1), None), (_result(2), memoryview(b"")),
+             (m.Failure(3, "round 3 failed", code="round_failed"), None), (_result(4), _payload(4, 100))]
+    writer = BatchWriter()
+    for msg, p in items:
+        assert writer.fits(0 if p is None else p.nbytes)
+        assert writer.add(msg, p) is False
+    assert len(writer) == 5 and writer.payload_nbytes == 108
+    buffers = writer.flush()
+    assert b"".join(buffers) == _legacy_batch_frame(items, DEFAULT_MAX_PAYLOAD_BYTES)
+    assert len(buffers) == 3  # the header, then only the payloads that have bytes, uncopied
+    assert len(writer) == 0 and writer.payload_nbytes == 0 and writer.flush() == []
+    batch = m.parse(FrameReader().receive_data(b"".join(buffers))[0].header)
+    assert isinstance(batch, m.Batch) and batch.sizes == [8, 0, 0, 0, 100]
+
+
+def test_one_item_leaves_as_a_plain_frame():
+    writer = BatchWriter()
+    writer.add(_result(1), _payload(1, 16))
+    assert b"".join(writer.flush()) == encode_header(m.to_header(_result(1)), 16) + bytes(_payload(1, 16))
+    writer.add(m.RoundInfo(2, 5))
+    assert writer.flush() == [encode_header(m.to_header(m.RoundInfo(2, 5)), 0)]
+
+
+def test_numpy_payloads_are_sent_as_their_bytes():
+    writer = BatchWriter()
+    a, b = np.arange(4, dtype=np.float64), np.array([[1, 2], [3, 4]], dtype=np.int32)
+    writer.add(_result(1), a)
+    writer.add(_result(2), b)
+    got = b"".join(writer.flush())
+    items = [(_result(1), memoryview(a.tobytes())), (_result(2), memoryview(b.tobytes()))]
+    assert got == _legacy_batch_frame(items, DEFAULT_MAX_PAYLOAD_BYTES)
+
+
+def test_limits_full_fits_and_batchable():
+    writer = BatchWriter(max_items=3, max_payload_bytes=100, item_max_bytes=40)
+    assert writer.batchable(40) and not writer.batchable(41)
+    assert writer.fits(40) and not writer.fits(41)
+    assert writer.add(_result(0), _payload(0, 40)) is False
+    assert writer.add(_result(1), _payload(1, 40)) is False
+    assert not writer.fits(21) and writer.fits(20)  # 80 + 21 > 100
+    assert writer.add(_result(2), _payload(2, 20)) is True  # the third item: full
+    assert writer.full and not writer.fits(0)
+    writer.flush()
+    budget = BatchWriter(header_budget=2 * m.estimated_header_bytes(_result(0)))
+    assert budget.add(_result(0)) is False and budget.add(_result(1)) is True and not budget.fits(0)
+    assert BATCH_ITEM_MAX_BYTES == 64 * 1024 and BatchWriter().max_items == m.MAX_BATCH_ITEMS
+    assert BatchWriter().header_budget == m.BATCH_HEADER_BUDGET
+
+
+def test_a_batch_too_large_for_the_frame_is_refused_before_anything_is_written():
+    writer = BatchWriter(max_payload_bytes=10)
+    writer.add(_result(0), _payload(0, 8))
+    writer.add(_result(1), _payload(1, 8))  # the caller skipped fits(): the encoder still refuses
+    with pytest.raises(LocalProtocolError, match="payload of 16 bytes exceeds the limit of 10"):
+        writer.flush()
+
+
+# The two senders' batching loops as they were (806b78e), over a stream of (message, payload) items, against
+# the same loops written with BatchWriter: the same frames, byte for byte.
+
+def _stream(seed: int) -> list[tuple[m.Message, memoryview | None]]:
+    rng = random.Random(seed)
+    out: list[tuple[m.Message, memoryview | None]] = []
+    for i in range(3000):
+        size = rng.choice([0, 0, 4, 64, 1000, 30_000, 64 * 1024, 64 * 1024 + 1, 200_000])
+        name = "n" * rng.choice([1, 10, 300, 1024])
+        if rng.random() < 0.1:
+            out.append((m.Failure(i, "f" * rng.randrange(0, 3000), code="round_failed"), None))
+        else:
+            out.append((m.Result(i, name, rng.randrange(8), 1), _payload(i, size) if size else None))
+    return out
+
+
+def _server_legacy(stream, max_payload: int) -> bytes:
+    """server.send/_flush: batch replies of at most 64 KiB; flush when the next would pass the payload limit,
+    and once MAX_BATCH_ITEMS or BATCH_HEADER_BUDGET is reached."""
+    wire, outbox, header_bytes, payload_bytes = [], [], 0, 0
+
+    def flush():
+        nonlocal outbox, header_bytes, payload_bytes
+        if outbox:
+            wire.append(_legacy_batch_frame(outbox, max_payload))
+        outbox, header_bytes, payload_bytes = [], 0, 0
+
+    for msg, p in stream:
+        n = 0 if p is None else p.nbytes
+        if n > 64 * 1024:  # written at once; the outbox waits for its flush
+            wire.append(_legacy_batch_frame([(msg, p)], max_payload))
+            continue
+        if payload_bytes + n > max_payload:
+            flush()
+        outbox.append((msg, p))
+        header_bytes += m.estimated_header_bytes(msg)
+        payload_bytes += n
+        if len(outbox) >= m.MAX_BATCH_ITEMS or header_bytes >= m.BATCH_HEADER_BUDGET:
+            flush()
+    flush()
+    return b"".join(wire)
+
+
+def _server_with_writer(stream, max_payload: int) -> bytes:
+    wire: list[bytes | memoryview] = []
+    writer = BatchWriter(max_payload_bytes=max_payload)
+    for msg, p in stream:
+        n = 0 if p is None else p.nbytes
+        if not writer.batchable(n):
+            wire += encode_frame(msg, p, max_payload_bytes=max_payload)
+            continue
+        if not writer.fits(n):
+            wire += writer.flush()
+        if writer.add(msg, p):
+            wire += writer.flush()
+    wire += writer.flush()
+    return b"".join(wire)
+
+
+def _link_legacy(stream, max_payload: int) -> bytes:
+    """links.pump/_send_batch: a small push with more queued behind it takes the following small ones while
+    the item count, the header budget and min(1 MiB, the payload limit) allow."""
+    limit = min(1 << 20, max_payload)
+    wire, i = [], 0
+    while i < len(stream):
+        first = stream[i]
+        i += 1
+        size = 0 if first[1] is None else first[1].nbytes
+        if not (size <= 64 * 1024 and i < len(stream)):
+            wire.append(_legacy_batch_frame([first], max_payload))
+            continue
+        items, nbytes, header_bytes = [first], size, m.estimated_header_bytes(first[0])
+        while i < len(stream) and len(items) < m.MAX_BATCH_ITEMS and header_bytes < m.BATCH_HEADER_BUDGET:
+            nxt = stream[i]
+            size = 0 if nxt[1] is None else nxt[1].nbytes
+            if size > 64 * 1024 or nbytes + size > limit:
+                break
+            i += 1
+            items.append(nxt)
+            nbytes += size
+            header_bytes += m.estimated_header_bytes(nxt[0])
+        wire.append(_legacy_batch_frame(items, max_payload))
+    return b"".join(wire)
+
+
+def _link_with_writer(stream, max_payload: int) -> bytes:
+    writer = BatchWriter(max_payload_bytes=min(1 << 20, max_payload))
+    wire: list[bytes | memoryview] = []
+    i = 0
+    while i < len(stream):
+        first = stream[i]
+        i += 1
+        size = 0 if first[1] is None else first[1].nbytes
+        if not (writer.batchable(size) and i < len(stream)):
+            wire += encode_frame(*first, max_payload_bytes=max_payload)
+            continue
+        writer.add(*first)
+        while i < len(stream) and writer.fits(0 if stream[i][1] is None else stream[i][1].nbytes):
+            writer.add(*stream[i])
+            i += 1
+        wire += writer.flush()
+    return b"".join(wire)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("max_payload", [DEFAULT_MAX_PAYLOAD_BYTES, 300_000])
+def test_the_server_batching_with_the_writer_is_byte_identical(seed, max_payload):
+    stream = _stream(seed)
+    legacy = _server_legacy(stream, max_payload)
+    assert _server_with_writer(stream, max_payload) == legacy
+    frames = FrameReader().receive_data(legacy)
+    assert sum(1 for f in frames if f.header["t"] == "batch") > 5  # the stream really made batches
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("max_payload", [DEFAULT_MAX_PAYLOAD_BYTES, 300_000])
+def test_the_link_batching_with_the_writer_is_byte_identical(seed, max_payload):
+    stream = _stream(seed)
+    legacy = _link_legacy(stream, max_payload)
+    assert _link_with_writer(stream, max_payload) == legacy
+    frames = FrameReader().receive_data(legacy)
+    assert sum(1 for f in frames if f.header["t"] == "batch") > 5
