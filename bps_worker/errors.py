@@ -1,17 +1,132 @@
-"""Errors a user of the worker daemon and its client libraries can meet."""
+"""Errors a user of the worker daemon and its client libraries can meet (nats-core ``errors.py`` model).
+
+Every failure the client API raises derives from :class:`BPSError`. The subclasses keep their facts as
+typed attributes and build their message from them, so code catches a class and reads attributes, never
+the text:
+
+* :class:`BPSMismatchError` (``name``, ``ours``, ``theirs``): processes disagree about a name;
+* :class:`BPSConnectionError` (``peer``): a daemon or peer is unreachable or went away;
+* :class:`BPSTimeoutError` (``what``, ``timeout_s``): something did not happen in time.
+
+Each also takes free text: as its whole message where the attributes are not known (the call style of
+code written before the attributes: ``BPSConnectionError("worker daemon is stopping")``), or as a detail
+after the message built from them. :func:`error_from_failure` turns a daemon's ``Failure`` into the
+matching subclass by its ``code``, filling the attributes from the structured fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protocol.messages import Failure
+
+__all__ = ["BPSError", "BPSMismatchError", "BPSConnectionError", "BPSTimeoutError", "error_from_failure"]
+
+
+def _join(head: str, detail: str) -> str:
+    return f"{head}: {detail}" if head and detail else head or detail
 
 
 class BPSError(RuntimeError):
     """Base class of every failure the client API raises."""
 
+    def _attributes(self) -> dict[str, Any]:
+        return {}
 
-class BPSConnectionError(BPSError):
-    """The worker daemon (or, through it, a peer) could not be reached or went away."""
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keep the attributes across pickling (an error handed from a worker process or thread pool).
+        return (_rebuild, (type(self), self.args, self._attributes()))
 
 
-class BPSTimeoutError(BPSError):
-    """An operation did not finish within its timeout."""
+def _rebuild(cls: type[BPSError], args: tuple[Any, ...], attributes: dict[str, Any]) -> BPSError:
+    error = cls.__new__(cls)
+    BPSError.__init__(error, *args)
+    error.__dict__.update(attributes)
+    return error
 
 
 class BPSMismatchError(BPSError):
-    """Processes disagreed about a tensor (shape, dtype or operation) for the same name."""
+    """Processes disagree about a tensor (shape, dtype or operation) for the same name.
+
+    ``name`` is the tensor; ``ours`` and ``theirs`` describe each side (dtype, shape, kind, root, and
+    offset/count where those differ): ``tensor 'w' mismatch: ours is float32[8], theirs is float32[9]``.
+    """
+
+    name: str
+    ours: str
+    theirs: str
+    detail: str
+
+    def __init__(self, detail: str = "", *, name: str = "", ours: str = "", theirs: str = "") -> None:
+        self.name, self.ours, self.theirs, self.detail = name, ours, theirs, detail
+        head = f"tensor {name!r} mismatch: ours is {ours}, theirs is {theirs}" if name else ""
+        super().__init__(_join(head, detail))
+
+    def _attributes(self) -> dict[str, Any]:
+        return {"name": self.name, "ours": self.ours, "theirs": self.theirs, "detail": self.detail}
+
+
+class BPSConnectionError(BPSError):
+    """The worker daemon (or, through it, a peer) could not be reached or went away.
+
+    ``peer`` says what it is, e.g. ``"server 2 at 10.0.0.5:9100"``, ``"worker 1"``, ``"the worker daemon
+    at /run/bps/worker-0.sock"``: ``connection to server 2 at 10.0.0.5:9100 failed: connection refused``.
+    """
+
+    peer: str
+    detail: str
+
+    def __init__(self, detail: str = "", *, peer: str = "") -> None:
+        self.peer, self.detail = peer, detail
+        super().__init__(_join(f"connection to {peer} failed" if peer else "", detail))
+
+    def _attributes(self) -> dict[str, Any]:
+        return {"peer": self.peer, "detail": self.detail}
+
+
+class BPSTimeoutError(BPSError):
+    """Something did not happen within its timeout.
+
+    ``what`` names it, ``timeout_s`` is how long it was given (None where unknown):
+    ``tensor 'w' timed out after 30 s``.
+    """
+
+    what: str
+    timeout_s: float | None
+    detail: str
+
+    def __init__(self, detail: str = "", *, what: str = "", timeout_s: float | None = None) -> None:
+        self.what, self.timeout_s, self.detail = what, timeout_s, detail
+        head = ""
+        if what:
+            head = f"{what} timed out" if timeout_s is None else f"{what} timed out after {timeout_s:g} s"
+        super().__init__(_join(head, detail))
+
+    def _attributes(self) -> dict[str, Any]:
+        return {"what": self.what, "timeout_s": self.timeout_s, "detail": self.detail}
+
+
+def error_from_failure(failure: Failure) -> BPSError:
+    """The typed error for a daemon's ``Failure``: the subclass by ``failure.code``, its attributes from the
+    structured fields (never from the message text).
+
+    Where the structured fields are set, the message is built from them plus ``failure.detail``; a Failure
+    without them (a sender that does not fill them yet) keeps its whole ``message`` as the error's text.
+    ``protocol_error`` means the daemon broke off the connection, so it is a connection error too.
+    """
+    match failure.code:
+        case "mismatch" if failure.name:
+            return BPSMismatchError(failure.detail, name=failure.name, ours=failure.ours, theirs=failure.theirs)
+        case "mismatch":
+            return BPSMismatchError(failure.message)
+        case "connection" | "protocol_error" if failure.peer:
+            return BPSConnectionError(failure.detail, peer=failure.peer)
+        case "connection" | "protocol_error":
+            return BPSConnectionError(failure.message)
+        case "timeout" if failure.what:
+            return BPSTimeoutError(failure.detail, what=failure.what, timeout_s=failure.timeout_s)
+        case "timeout":
+            return BPSTimeoutError(failure.message)
+        case "error" | "round_failed" | "bad_request":
+            return BPSError(failure.message)
+    raise AssertionError(f"unhandled failure code {failure.code!r}")  # FailureCode is closed: unreachable
