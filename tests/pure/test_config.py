@@ -180,7 +180,8 @@ def test_port_zero_is_refused(tmp_path, address, key):
     if key.startswith("server"):
         text = CLUSTER + SERVERS.replace("127.0.0.1:9100", address) + WORKERS
     else:
-        text = CLUSTER + SERVERS + WORKERS.replace('socket = "/tmp/w0.sock"', f'socket = "/tmp/w0.sock"\nmetrics = "{address}"')
+        text = CLUSTER + SERVERS + WORKERS.replace('socket = "/tmp/w0.sock"',
+                                                   f'socket = "/tmp/w0.sock"\nmetrics = "{address}"')
     assert f"{key} has port 0 outside 1..65535" in config_error(tmp_path, text)
 
 
@@ -442,7 +443,8 @@ def test_bad_hosts(tmp_path, address, reason):
 
 @pytest.mark.parametrize("address,host", [
     ("localhost:1", "localhost"), ("cpu_box-2.example.org.:9000", "cpu_box-2.example.org."),
-    ("192.168.0.10:9000", "192.168.0.10"), ("[::ffff:10.0.0.1]:9000", "::ffff:10.0.0.1"), ("10gbe-node:9000", "10gbe-node"),
+    ("192.168.0.10:9000", "192.168.0.10"), ("[::ffff:10.0.0.1]:9000", "::ffff:10.0.0.1"),
+    ("10gbe-node:9000", "10gbe-node"),
 ])
 def test_good_hosts(tmp_path, address, host):
     cfg = load_config(write(tmp_path, CLUSTER + SERVERS.replace("127.0.0.1:9100", address) + WORKERS))
