@@ -123,7 +123,7 @@ def shared_array(name: str, shape: tuple[int, ...], dtype: npt.DTypeLike = np.fl
     moves the slot, and arrays from before no longer take part. Passed with another
     (or no) ``out``, it is left unchanged like any input. Valid until :func:`shutdown`.
     """
-    return _operations().shared_array(name, tuple(shape), np.dtype(dtype))
+    return _operations().shared_array(name, shape, dtype)
 
 
 def push_pull_async(array: np.ndarray, name: str, *, average: bool = True, priority: int = 0,

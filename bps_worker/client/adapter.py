@@ -41,7 +41,7 @@ def settings() -> Settings:
 
 def shared_slot(name: str, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
     """The shared slot of ``name`` as an array to fill in place (the memory :func:`shared_array` gives)."""
-    return _operations().shared_array(name, tuple(shape), np.dtype(dtype))
+    return _operations().shared_array(name, shape, dtype)
 
 
 def _already_filled(view: np.ndarray) -> None:

@@ -17,17 +17,18 @@ from __future__ import annotations
 import os
 import threading
 from math import prod
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, SupportsIndex
 
 import numpy as np
+import numpy.typing as npt
 
-from protocol import dtypes
 from protocol.messages import Op
 
 from bps_runtime.timeline import Timeline, now_us
 
 from ..errors import BPSError, BPSTimeoutError
-from .arrays import NUMPY_DTYPES, dtype_name, same_memory, view_of
+from .arguments import check_average, check_dtype, check_name, check_out, check_priority, check_shape
+from .arrays import NUMPY_DTYPES, same_memory, view_of
 from .connection import Connection
 from .handle import Handle
 from .settings import Settings, timeline_path
@@ -75,15 +76,11 @@ class Operations:
         return self.start_filled(name, kind, array.dtype, array.shape, fill, average=average, priority=priority,
                                  root=root, out=out)
 
-    def shared_array(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    def shared_array(self, name: str, shape: Iterable[SupportsIndex], dtype: npt.DTypeLike) -> np.ndarray:
         """The slot of ``name`` as an array of ``shape`` and ``dtype`` (see ``bps.shared_array``)."""
-        if not isinstance(name, str) or not name:
-            raise BPSError(f"tensor name must be a non-empty string, got {name!r}")
-        dtype = np.dtype(dtype)
-        dtype_name(dtype)
-        shape = tuple(int(d) for d in shape)
-        if any(d < 0 for d in shape):
-            raise BPSError(f"tensor {name!r}: negative dimension in shape {shape}")
+        name = check_name(name)
+        dtype, _ = check_dtype(dtype)
+        shape = check_shape(name, shape, dtype)
         with self.lock:
             if name in self.inflight:
                 raise BPSError(f"tensor {name!r} is in flight in this process; synchronize it first")
@@ -94,20 +91,15 @@ class Operations:
                      average: bool, priority: int, root: int, out: np.ndarray | None) -> Handle:
         """Start an operation whose input ``fill(view)`` writes straight into the shared slot.
 
-        Framework layers use it to assemble an input in place (no staging copy).
+        Framework layers use it to assemble an input in place (no staging copy). Every argument is checked
+        before the slot is touched (:mod:`.arguments`).
         """
-        if not isinstance(name, str) or not name:
-            raise BPSError(f"tensor name must be a non-empty string, got {name!r}")
-        dtype = np.dtype(dtype)
-        wire = dtype_name(dtype)
-        shape = tuple(shape)
-        if average and wire not in dtypes.FLOAT_TYPES:
-            raise BPSError(f"tensor {name!r}: average=True needs a floating dtype, got {wire}; pass average=False")
-        if out is not None:
-            if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype:
-                raise BPSError(f"tensor {name!r}: out must be a numpy array of shape {shape} and dtype {dtype}")
-            if not out.flags.writeable:
-                raise BPSError(f"tensor {name!r}: out is read-only")
+        name = check_name(name)
+        dtype, wire = check_dtype(dtype)
+        shape = check_shape(name, shape, dtype)
+        average = check_average(name, average, wire)
+        priority = check_priority(name, priority)
+        out = check_out(name, out, shape, dtype)
         handle = Handle(self.conn.next_req(), name, dtype, shape, out)
         self._reserve(handle)
         try:
@@ -131,9 +123,13 @@ class Operations:
                    average: bool, priority: int, root: int) -> Handle:
         """Start an operation on a CUDA tensor that the daemon opens through CUDA IPC and writes in place
         (``description`` from :func:`bps_runtime.cuda.describe`); its result is the tensor itself."""
-        if average and wire not in dtypes.FLOAT_TYPES:
-            raise BPSError(f"tensor {name!r}: average=True needs a floating dtype, got {wire}; pass average=False")
-        handle = Handle(self.conn.next_req(), name, NUMPY_DTYPES[wire], tuple(shape), None, in_place=True)
+        name = check_name(name)
+        if wire not in NUMPY_DTYPES:
+            raise BPSError(f"tensor {name!r}: unsupported wire dtype {wire!r}; supported: {', '.join(NUMPY_DTYPES)}")
+        shape = check_shape(name, shape, NUMPY_DTYPES[wire])
+        average = check_average(name, average, wire)
+        priority = check_priority(name, priority)
+        handle = Handle(self.conn.next_req(), name, NUMPY_DTYPES[wire], shape, None, in_place=True)
         self._reserve(handle)
         try:
             self.conn.submit(handle, Op(handle.req, name, kind, wire, list(shape), "", average=average,
@@ -166,7 +162,7 @@ class Operations:
         if handle.consumed:
             raise BPSError(f"handle of {handle.name!r} was already synchronized")
         if not handle.wait(timeout):
-            raise BPSTimeoutError(f"tensor {handle.name!r} did not complete within {timeout:g} s")
+            raise BPSTimeoutError(what=f"tensor {handle.name!r}", timeout_s=timeout)
         with self.lock:  # two threads may synchronize one handle: one gets the result
             if handle.consumed:
                 raise BPSError(f"handle of {handle.name!r} was already synchronized")

@@ -1,0 +1,101 @@
+"""Checks of the user's arguments, before anything is sent (nats-core raises ``MaxPayloadError`` the same way).
+
+Pure: no socket, no state. A bad argument fails only its own call, with a :class:`BPSError` that names the
+argument and the limit. Let through, it would fail later and worse: a name the daemon's message checks refuse
+(more than ``MAX_NAME_CHARS`` characters) makes it drop the whole connection, so every later call fails; a
+name that UTF-8 cannot encode, or an integer msgpack cannot carry, raises a non-BPSError in the middle of a
+start. The limits are the protocol's (:mod:`protocol.messages`) and msgpack's integers.
+"""
+
+from __future__ import annotations
+
+import operator
+from math import prod
+from typing import Final, Iterable, SupportsIndex
+
+import numpy as np
+
+from protocol import dtypes
+from protocol.messages import MAX_DIMS, MAX_NAME_CHARS
+
+from ..errors import BPSError
+from .arrays import dtype_name
+
+__all__ = ["WIRE_INT_MAX", "WIRE_INT_MIN", "check_average", "check_dtype", "check_name", "check_out",
+           "check_priority", "check_shape"]
+
+# The integers a control message carries are msgpack's signed 64-bit ones (a larger one cannot be encoded).
+WIRE_INT_MIN: Final = -(1 << 63)
+WIRE_INT_MAX: Final = (1 << 63) - 1
+
+
+def check_name(name: object) -> str:
+    """``name`` if it can name a tensor on the wire: a non-empty str of at most ``MAX_NAME_CHARS`` characters
+    that UTF-8 can encode."""
+    if not isinstance(name, str) or not name:
+        raise BPSError(f"tensor name must be a non-empty string, got {name!r}")
+    if len(name) > MAX_NAME_CHARS:
+        raise BPSError(f"tensor name of {len(name)} characters is too long: at most {MAX_NAME_CHARS} "
+                       f"(it starts {name[:40]!r})")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BPSError(f"tensor name {name!r} cannot be encoded as UTF-8 ({exc.reason} at character "
+                       f"{exc.start}); use characters UTF-8 can encode") from None
+    return name
+
+
+def check_priority(name: str, priority: object) -> int:
+    """``priority`` as an int, if it is an integer msgpack can carry."""
+    try:
+        value = operator.index(priority)  # type: ignore[arg-type]
+    except TypeError:
+        raise BPSError(f"tensor {name!r}: priority must be an integer, got {priority!r}") from None
+    if not WIRE_INT_MIN <= value <= WIRE_INT_MAX:
+        raise BPSError(f"tensor {name!r}: priority {value} is out of range: {WIRE_INT_MIN}..{WIRE_INT_MAX}")
+    return value
+
+
+def check_average(name: str, average: object, wire: str) -> bool:
+    """``average`` as a bool; averaging needs a floating dtype (an integer mean would be rounded)."""
+    flag = bool(average)
+    if flag and wire not in dtypes.FLOAT_TYPES:
+        raise BPSError(f"tensor {name!r}: average=True needs a floating dtype, got {wire}; pass average=False")
+    return flag
+
+
+def check_shape(name: str, shape: Iterable[SupportsIndex], dtype: np.dtype) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints, if it has at most ``MAX_DIMS`` non-negative dimensions and its bytes fit
+    a wire integer."""
+    try:
+        dims = tuple(operator.index(d) for d in shape)
+    except TypeError:  # a float dimension, or a shape that is not iterable
+        raise BPSError(f"tensor {name!r}: shape must hold integers, got {shape!r}") from None
+    if any(d < 0 for d in dims):
+        raise BPSError(f"tensor {name!r}: negative dimension in shape {dims}")
+    if len(dims) > MAX_DIMS:
+        raise BPSError(f"tensor {name!r}: {len(dims)} dimensions; at most {MAX_DIMS}")
+    nbytes = prod(dims) * np.dtype(dtype).itemsize
+    if nbytes > WIRE_INT_MAX:
+        raise BPSError(f"tensor {name!r}: {nbytes} bytes; at most {WIRE_INT_MAX}")
+    return dims
+
+
+def check_out(name: str, out: object, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+    """``out`` if it is None or a writable numpy array of ``shape`` and ``dtype``."""
+    if out is None:
+        return None
+    if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype:
+        raise BPSError(f"tensor {name!r}: out must be a numpy array of shape {shape} and dtype {dtype}")
+    if not out.flags.writeable:
+        raise BPSError(f"tensor {name!r}: out is read-only")
+    return out
+
+
+def check_dtype(dtype: object) -> tuple[np.dtype, str]:
+    """The numpy dtype and its wire name, if the wire can carry it."""
+    try:
+        numpy_dtype = np.dtype(dtype)  # type: ignore[call-overload]
+    except TypeError:
+        raise BPSError(f"unsupported dtype {dtype!r}") from None
+    return numpy_dtype, dtype_name(numpy_dtype)

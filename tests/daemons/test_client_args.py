@@ -1,0 +1,35 @@
+"""Bad client arguments with real daemons: each call fails alone with a BPSError, and the connection lives on
+(issue 14 item 9: a name of 1,025 to 16K characters made the daemon drop the whole connection)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import client_programs as cp
+from bps_worker.supervise import Cluster
+from harness import run_ranks, start_cluster, write_config
+from protocol.messages import MAX_NAME_CHARS
+
+CASES = [
+    ("name_1025", {"name": "n" * (MAX_NAME_CHARS + 1)}),
+    ("name_16k", {"name": "n" * 16_000}),
+    ("name_70k", {"name": "n" * 70_000}),
+    ("surrogate", {"name": "bad\ud800"}),
+    ("priority", {"priority": 2 ** 70}),
+]
+
+
+def test_bad_arguments_fail_only_their_call(tmp_path: Path) -> None:
+    cluster: Cluster = start_cluster(write_config(tmp_path, [1], cpu_servers=0))
+    try:
+        (result,) = run_ranks(cluster, cp.bad_arguments_then_a_push, CASES, timeout=60)
+    finally:
+        cluster.stop()
+    errors = result["errors"]
+    assert set(errors) == {label for label, _ in CASES}
+    for label, text in errors.items():
+        assert text.startswith("BPSError: "), (label, text)
+    assert f"at most {MAX_NAME_CHARS}" in errors["name_1025"] and "1025 characters" in errors["name_1025"]
+    assert "cannot be encoded as UTF-8" in errors["surrogate"]
+    assert f"priority {2 ** 70} is out of range" in errors["priority"]
+    assert result["after"] == [0.0, 1.0, 2.0, 3.0]  # the connection still works
