@@ -25,7 +25,7 @@ from protocol.messages import ROLE_CLIENT, Alloc, Allocated, Done, Failure, Hell
 
 from bps_runtime.timeline import now_us
 
-from ..errors import BPSConnectionError, BPSError, BPSMismatchError, BPSTimeoutError
+from ..errors import BPSConnectionError, BPSError, BPSTimeoutError, error_from_failure
 from .handle import Handle
 
 __all__ = ["CONNECT_RETRY_S", "Connection"]
@@ -37,26 +37,21 @@ class _FatalFailure(Exception):
     """The daemon sent a Failure for no request (req -1): it dropped this process."""
 
 
-def failure_error(message: Failure) -> BPSError:
-    """The user's error for an operation's ``Failure`` (chosen by its code, never its text)."""
-    cls = BPSMismatchError if message.code == "mismatch" else BPSError
-    return cls(message.message)
-
-
 class Connection:
     """The process's connection to its worker daemon (one per process)."""
 
     def __init__(self, path: str, local_rank: int, timeout: float) -> None:
         self.path = path
+        self.peer = f"the worker daemon at {path}"  # BPSConnectionError.peer
         self.timeout = timeout
-        self.sock = _connect(path, timeout)
+        self.sock = _connect(path, self.peer, timeout)
         self.reader = FrameReader(max_payload_bytes=0)
         self.send_lock = threading.Lock()
         self.lock = threading.Lock()  # guards handles, rpcs and broken
         self.reqs = itertools.count(1)
         self.handles: dict[int, Handle] = {}
         self.rpcs: dict[int, tuple[threading.Event, list[Message]]] = {}
-        self.broken: BPSError | None = None
+        self.broken: BPSConnectionError | None = None
         self.welcome = self._handshake(local_rank)
         self.thread = threading.Thread(target=self._read_loop, name="bps-client-reader", daemon=True)
         self.thread.start()
@@ -73,18 +68,16 @@ class Connection:
             while True:
                 data = self.sock.recv(65536)
                 if not data:
-                    raise BPSConnectionError(f"worker daemon at {self.path} closed the connection during the "
-                                             f"handshake")
+                    raise BPSConnectionError("it closed the connection during the handshake", peer=self.peer)
                 frames = self.reader.receive_data(data)
                 if frames:
                     break
         except _socket.timeout:
             self.sock.close()
-            raise BPSTimeoutError(f"worker daemon at {self.path} did not answer within {self.timeout:g} s") \
-                from None
+            raise BPSTimeoutError(what=f"the handshake with {self.peer}", timeout_s=self.timeout) from None
         except (OSError, ProtocolError) as exc:
             self.sock.close()
-            raise BPSConnectionError(f"handshake with the worker daemon at {self.path} failed: {exc}") from None
+            raise BPSConnectionError(f"handshake failed: {exc}", peer=self.peer) from None
         except BPSError:
             self.sock.close()
             raise
@@ -92,17 +85,18 @@ class Connection:
         message = parse(frames[0].header)
         if isinstance(message, Failure):
             self.sock.close()
-            raise BPSError(f"worker daemon at {self.path} refused local rank {local_rank}: {message.message}")
+            raise BPSError(f"{self.peer} refused local rank {local_rank}: {message.message}")
         if not isinstance(message, Welcome):
             self.sock.close()
-            raise BPSConnectionError(f"worker daemon at {self.path} answered {message.TYPE} to hello")
+            raise BPSConnectionError(f"it answered {message.TYPE} to hello", peer=self.peer)
         return message
 
     # -- requests --------------------------------------------------------------------
     def check(self) -> None:
         """Raise the connection's error if it broke."""
-        if self.broken is not None:
-            raise BPSConnectionError(str(self.broken))
+        broken = self.broken
+        if broken is not None:
+            raise BPSConnectionError(broken.detail, peer=broken.peer)
 
     def submit(self, handle: Handle, message: Message) -> None:
         """Register ``handle`` and send its operation; undone if the send fails."""
@@ -127,7 +121,7 @@ class Connection:
         if not event.wait(self.timeout):
             with self.lock:
                 self.rpcs.pop(message.req, None)
-            raise BPSTimeoutError(f"worker daemon did not answer {message.TYPE} within {self.timeout:g} s")
+            raise BPSTimeoutError(what=f"the answer of {self.peer} to {message.TYPE}", timeout_s=self.timeout)
         self.check()
         return box[0]
 
@@ -135,7 +129,7 @@ class Connection:
         """Ask the daemon for a slot of ``nbytes`` for tensor ``name``: (segment, offset, capacity)."""
         reply = self.rpc(Alloc(self.next_req(), name, nbytes))
         if isinstance(reply, Failure):
-            raise BPSError(reply.message)
+            raise error_from_failure(reply)
         assert isinstance(reply, Allocated)
         return reply.segment, reply.offset, reply.nbytes
 
@@ -146,8 +140,7 @@ class Connection:
             try:
                 self.sock.sendall(data)
             except OSError as exc:
-                raise BPSConnectionError(f"lost the connection to the worker daemon at {self.path}: {exc}") \
-                    from None
+                raise BPSConnectionError(f"lost the connection: {exc}", peer=self.peer) from None
 
     def _read_loop(self) -> None:
         reason = "the worker daemon closed the connection"
@@ -177,10 +170,10 @@ class Connection:
         except ProtocolError as exc:
             reason = f"the worker daemon sent a bad frame: {exc}"
         except OSError as exc:
-            reason = f"connection to the worker daemon failed: {exc}"
+            reason = f"the socket failed: {exc}"
         except _FatalFailure as exc:
             reason = f"the worker daemon dropped this process: {exc}"
-        self._fail_everything(BPSConnectionError(f"{reason} ({self.path})"))
+        self._fail_everything(BPSConnectionError(reason, peer=self.peer))
 
     def _dispatch(self, message: Message) -> None:
         if isinstance(message, Failure) and message.req == -1:
@@ -192,7 +185,7 @@ class Connection:
         if handle is not None:
             now = now_us() if handle.times is not None else None
             if isinstance(message, Failure):
-                handle.fail(failure_error(message), now)
+                handle.fail(error_from_failure(message), now)
             else:
                 assert isinstance(message, Done)
                 handle.succeed((message.segment, message.offset) if message.segment else None, now)
@@ -200,7 +193,7 @@ class Connection:
             rpc[1].append(message)
             rpc[0].set()
 
-    def _fail_everything(self, exc: BPSError) -> None:
+    def _fail_everything(self, exc: BPSConnectionError) -> None:
         with self.lock:
             self.broken = exc
             handles = list(self.handles.values())
@@ -222,7 +215,7 @@ class Connection:
         self.thread.join(timeout=5.0)
 
 
-def _connect(path: str, timeout: float) -> _socket.socket:
+def _connect(path: str, peer: str, timeout: float) -> _socket.socket:
     """A connected Unix socket; retries while the daemon's socket does not exist (yet) or refuses."""
     deadline = time.monotonic() + timeout
     while True:
@@ -234,8 +227,8 @@ def _connect(path: str, timeout: float) -> _socket.socket:
             sock.close()
             if time.monotonic() >= deadline:
                 raise BPSConnectionError(f"no worker daemon listens on {path} (waited {timeout:g} s): "
-                                         f"{exc.strerror}") from None
+                                         f"{exc.strerror}", peer=peer) from None
             time.sleep(CONNECT_RETRY_S)
         except OSError as exc:
             sock.close()
-            raise BPSConnectionError(f"cannot connect to the worker daemon at {path}: {exc}") from None
+            raise BPSConnectionError(str(exc), peer=peer) from None
