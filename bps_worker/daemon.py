@@ -57,7 +57,7 @@ from bps_runtime import cuda
 from bps_runtime import segments as shm
 from .errors import BPSError
 from .links import ServerLink
-from .local_rounds import agree, describe
+from .local_rounds import Action, Failed, LocalRound, LocalRounds, Opened, Refused
 from .placement import Placement, interleave
 from .session import ClientSession
 
@@ -103,20 +103,6 @@ class WorkerConfig:
         return self.cluster.worker(self.worker_id).local_size
 
 
-@dataclass
-class LocalRound:
-    """One name's round on this machine: the local processes' contributions so far."""
-
-    name: str
-    round: int
-    first: Op
-    first_rank: int
-    expected: set[int]  # local ranks that have not submitted yet
-    members: dict[int, tuple["ClientSession", Op]] = field(default_factory=dict)
-    failed: str | None = None  # why the round failed; late ranks still join it and get this error
-    code: str = "error"
-
-
 class WorkerDaemon:
     """Server-wide state of one worker daemon."""
 
@@ -150,13 +136,10 @@ class WorkerDaemon:
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-local")
         self.sessions: dict[int, ClientSession] = {}
         self.connections: set[ClientSession] = set()
-        # Per name, the rounds still collecting local processes, oldest first. A failed round stays
-        # until every local rank has submitted to it (or disconnected), so a late process gets the
-        # error for *its* round instead of starting the next one with stale data.
-        self.open_rounds: dict[str, list[LocalRound]] = {}
-        self.next_round: dict[str, int] = {}
-        # Per name: what to add to our local round numbers to get the servers' (see RoundQuery).
-        self.round_base: dict[str, asyncio.Future[int]] = {}
+        # Per name, the local rounds still collecting local processes, and the round numbering.
+        self.rounds: LocalRounds[ClientSession] = LocalRounds(config.local_size, config.worker_id, self.rank_offset)
+        # Per name, the query of the servers' round number (RoundQuery) that learns the name's round base.
+        self.round_queries: dict[str, asyncio.Future[int]] = {}
         # Per name, the machine's local sum (what is pushed) and the global sum (where results land),
         # in shared memory so that a colocated server reads and writes them in place. Apart, so that
         # a contribution stays intact until its result is complete (a restarted server gets it again),
@@ -268,82 +251,50 @@ class WorkerDaemon:
 
     # -- local rounds ----------------------------------------------------------------
     def submit(self, session: ClientSession, op: Op) -> None:
-        rank = session.local_rank
-        assert rank is not None
-        rounds = self.open_rounds.setdefault(op.name, [])
-        lr = next((r for r in rounds if rank not in r.members), None)
-        if lr is None:
-            if any(r.failed is None for r in rounds):
-                session.send(Failure(op.req, f"tensor {op.name!r} is already in flight for rank {session.rank}; "
-                                             f"synchronize it before pushing it again", code="bad_request"))
-                return
-            rnd = self.next_round.get(op.name, 0)
-            self.next_round[op.name] = rnd + 1
-            lr = LocalRound(op.name, rnd, op, session.rank, set(range(self.config.local_size)))
-            rounds.append(lr)
-            self._round_base(op.name, rnd)
-            self._watch(lr)
-        lr.members[rank] = (session, op)
-        lr.expected.discard(rank)
-        if lr.failed is not None:
-            session.send(Failure(op.req, lr.failed, code=lr.code))
-            self._retire(lr)
-            return
-        if not agree(lr.first, op):
-            self.fail_local_round(lr, f"tensor {op.name!r} mismatch: rank {lr.first_rank} has "
-                                      f"{describe(lr.first)} but rank {session.rank} has {describe(op)}",
-                                  code="mismatch")
-            return
-        if not lr.expected:
-            self._retire(lr)
-            self.spawn(self.run_round(lr))
+        """A handshaken process asks for ``op`` (checked against its memory by the session)."""
+        assert session.local_rank is not None  # sessions submit only after their handshake
+        self._execute(self.rounds.submit(session, session.local_rank, op))
 
-    def _retire(self, lr: LocalRound) -> None:
-        """Forget a round that starts now, or that failed and has heard from every local rank."""
-        if lr.expected:
-            return
-        rounds = self.open_rounds.get(lr.name, [])
-        if lr in rounds:
-            rounds.remove(lr)
-        if not rounds:
-            self.open_rounds.pop(lr.name, None)
+    def _execute(self, actions: list[Action[ClientSession]]) -> None:
+        """Carry out the local rounds' decisions, in order."""
+        for action in actions:
+            if isinstance(action, Opened):
+                self._round_base(action.round.name, action.round.round)
+                self._watch(action.round)
+            elif isinstance(action, Refused):
+                action.member.send(Failure(action.op.req, action.reason, code=action.code))
+            elif isinstance(action, Failed):
+                self._failed(action)
+            else:
+                self.spawn(self.run_round(action.round))
 
-    def _watch(self, lr: LocalRound) -> None:
-        """Fail an open round that waits for a process which is not even connected, after the timeout.
+    def _failed(self, action: Failed[ClientSession]) -> None:
+        lr, reason = action.round, action.reason
+        log.warning("%s", reason)
+        for session, op in action.members:
+            session.send(Failure(op.req, reason, code=action.code))
+        # Peers on other machines wait for this round at the anchor server: tell them now (before
+        # anything else this daemon says, e.g. a Reset, so they learn the real reason).
+        if action.server_round is not None:
+            self._abort_at_anchor(lr.name, action.server_round, reason)
+        else:
+            self.spawn(self._abort_when_known(lr.name, lr.round, self._round_base(lr.name, lr.round), reason))
 
-        A connected process that is merely slow to push is not an error; a missing one is
-        (it died, or was never started), and must not make its peers hang.
-        """
+    def _watch(self, lr: LocalRound[ClientSession]) -> None:
+        """Look at an open round after every timeout: fail it if it waits for a process that is not
+        even connected (see LocalRounds.overdue)."""
         timeout = self.config.cluster.timeout
 
         def check() -> None:
-            if lr.failed is not None or lr not in self.open_rounds.get(lr.name, []):
+            actions = self.rounds.overdue(lr, self.sessions.keys(), timeout)
+            if actions is None:
                 return
-            absent = sorted(r for r in lr.expected if r not in self.sessions)
-            if absent:
-                ranks = ", ".join(str(self.rank_offset + r) for r in absent)
-                self.fail_local_round(lr, f"tensor {lr.name!r}: rank {ranks} of worker {self.worker_id} is not "
-                                          f"connected (waited {timeout:g} s)")
+            if actions:
+                self._execute(actions)
             else:
                 asyncio.get_running_loop().call_later(timeout, check)
 
         asyncio.get_running_loop().call_later(timeout, check)
-
-    def fail_local_round(self, lr: LocalRound, reason: str, code: str = "error") -> None:
-        if lr.failed is not None:
-            return
-        log.warning("%s", reason)
-        lr.failed, lr.code = reason, code
-        for session, op in lr.members.values():
-            session.send(Failure(op.req, reason, code=code))
-        # Peers on other machines wait for this round at the anchor server: tell them now (before
-        # anything else this daemon says, e.g. a Reset, so they learn the real reason).
-        base = self._round_base(lr.name, lr.round)
-        if base.done() and not base.cancelled() and base.exception() is None:
-            self._abort_at_anchor(lr.name, lr.round + base.result(), reason)
-        else:
-            self.spawn(self._abort_when_known(lr.name, lr.round, base, reason))
-        self._retire(lr)
 
     def _abort_at_anchor(self, name: str, server_round: int, reason: str) -> None:
         anchor = self.placement.server_ids[self.placement.anchor(name)]
@@ -359,31 +310,22 @@ class WorkerDaemon:
     def _round_base(self, name: str, local_round: int) -> asyncio.Future[int]:
         """The offset from our round numbers of ``name`` to the servers' (asked once per job, and
         again after a failed attempt)."""
-        base = self.round_base.get(name)
-        if base is None or (base.done() and (base.cancelled() or base.exception() is not None)):
-            base = self.round_base[name] = asyncio.ensure_future(self._ask_round(name, local_round))
-        return base
+        query = self.round_queries.get(name)
+        if query is None or (query.done() and (query.cancelled() or query.exception() is not None)):
+            query = self.round_queries[name] = asyncio.ensure_future(self._ask_round(name, local_round))
+        return query
 
     async def _ask_round(self, name: str, local_round: int) -> int:
         anchor = self.placement.server_ids[self.placement.anchor(name)]
-        return await self.links[anchor].query_round(name, 0) - local_round
+        server_round = await self.links[anchor].query_round(name, 0)
+        return self.rounds.numbers.learn(name, local_round, server_round)
 
     def session_lost(self, session: ClientSession) -> None:
         if session.local_rank is not None and self.sessions.get(session.local_rank) is session:
             del self.sessions[session.local_rank]
             if not self.stopping:
                 log.info("client %r disconnected", session)
-            rank = session.local_rank
-            for rounds in list(self.open_rounds.values()):
-                for lr in list(rounds):
-                    involved = rank in lr.members or rank in lr.expected
-                    lr.members.pop(rank, None)  # its segments are about to go
-                    lr.expected.discard(rank)
-                    if involved and lr.failed is None:
-                        self.fail_local_round(lr, f"tensor {lr.name!r}: rank {session.rank} (pid {session.pid}) "
-                                                  f"disconnected during round {lr.round}")
-                    else:
-                        self._retire(lr)
+            self._execute(self.rounds.leave(session.local_rank, session.pid))
             if not self.sessions and not self.stopping:
                 self._reset()
         session.release_segments()
@@ -398,14 +340,10 @@ class WorkerDaemon:
         """
         log.info("no training processes connected: resetting rounds and freeing %d staging buffers",
                  len(self.staging.slots) + len(self.results.slots))
-        for rounds in list(self.open_rounds.values()):
-            for lr in list(rounds):
-                self.fail_local_round(lr, f"tensor {lr.name!r}: every process of worker {self.worker_id} left")
-        self.open_rounds.clear()
-        self.next_round.clear()
-        for base in self.round_base.values():
-            base.cancel()
-        self.round_base.clear()
+        self._execute(self.rounds.reset())
+        for query in self.round_queries.values():
+            query.cancel()
+        self.round_queries.clear()
         self._new_epoch()
         for link in self.all_links:
             link.reset()  # drops its references into the buffers freed next
@@ -423,7 +361,7 @@ class WorkerDaemon:
             for link in self.links.values():
                 link.release_segments(names)
 
-    async def run_round(self, lr: LocalRound) -> None:
+    async def run_round(self, lr: LocalRound[ClientSession]) -> None:
         op = lr.first
         name = lr.name
         count = prod(op.shape)

@@ -1,8 +1,38 @@
-"""A tensor name's local rounds: what every local process asked for, and whether they agree."""
+"""A tensor name's local rounds on one machine, and their numbers: pure decisions, no I/O.
+
+Theory of operation. Each of a machine's ``local_size`` training processes issues an ``Op`` per tensor
+name per round. The ops of one name collect in a *local round* until every local rank submitted; then
+the round is ready (the daemon runs the operation, ``bps_worker.operation``). A round fails when two
+processes disagree about the tensor (the error names both ranks and both tensors), when a process
+leaves before the round completed, when a process it waits for is not even connected after the
+timeout, or when the job resets (every process left). A failed round stays open until every local
+rank has submitted to it or left, so that a late process gets the error of *its* round instead of
+starting the next one with stale data; a process that submits a name while its own op of that name
+is still collecting is refused (it must synchronize first), unless the rounds open are failed ones.
+
+Every local round of a name consumes one number, whether it succeeds or fails, so all workers agree
+on round numbers as long as every process issues each name once per round (the contract). Local
+numbering starts at 0 with every job; the servers' number of a round is the local one plus a *base*
+that the daemon learns once per name (``RoundQuery`` to the server of the name's partition 0), so that
+a machine that comes back joins the round the other machines are in (``RoundNumbers``).
+
+``LocalRounds`` only decides: each call returns the actions the daemon must carry out, in order
+(``Opened``, ``Refused``, ``Failed``, ``Ready``). It never sends, waits or reads the clock; the
+daemon passes in what it knows (which ranks are connected, how long it waited). A member is whatever
+the daemon uses to answer a process (its session); the rounds only keep it to hand it back.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Generic, Literal, TypeVar, Union
+
 from protocol.messages import KIND_BROADCAST, Op
+
+M = TypeVar("M")  # what the daemon answers a process through (its session)
+
+FailureCode = Literal["error", "mismatch", "bad_request"]
 
 
 def describe(op: Op) -> str:
@@ -19,3 +49,196 @@ def agree(a: Op, b: Op) -> bool:
     """Whether two processes asked for the same operation on the same tensor (dtype, shape, kind, root)."""
     return (a.kind, a.dtype, list(a.shape), a.average, a.root, bool(a.cuda)) == \
         (b.kind, b.dtype, list(b.shape), b.average, b.root, bool(b.cuda))
+
+
+@dataclass(eq=False)
+class LocalRound(Generic[M]):
+    """One name's round on this machine: the local processes' contributions so far."""
+
+    name: str
+    round: int  # our local number; the servers' is this plus the name's base
+    first: Op  # what every other op must agree with
+    first_rank: int  # the global rank that submitted ``first``
+    expected: set[int]  # local ranks that have not submitted yet
+    members: dict[int, tuple[M, Op]] = field(default_factory=dict)  # by local rank
+    failed: str | None = None  # why the round failed; late ranks still join it and get this error
+    code: FailureCode = "error"
+
+    def ordered(self) -> list[tuple[M, Op]]:
+        """The members in local-rank order (the order of the local sum)."""
+        return [self.members[r] for r in sorted(self.members)]
+
+
+@dataclass(frozen=True, eq=False)
+class Opened(Generic[M]):
+    """A new round: learn its name's round base from the servers and watch it for absent processes."""
+
+    round: LocalRound[M]
+
+
+@dataclass(frozen=True, eq=False)
+class Refused(Generic[M]):
+    """Answer this one op with a failure (a late op of a failed round, or an op already in flight)."""
+
+    member: M
+    op: Op
+    reason: str
+    code: FailureCode
+
+
+@dataclass(frozen=True, eq=False)
+class Failed(Generic[M]):
+    """The round failed: answer ``members`` with the failure, and abort the round at the anchor server
+    (the peers on other machines wait there), as ``server_round`` if its base was known, else once learned."""
+
+    round: LocalRound[M]
+    reason: str
+    code: FailureCode
+    members: tuple[tuple[M, Op], ...]
+    server_round: int | None
+
+
+@dataclass(frozen=True, eq=False)
+class Ready(Generic[M]):
+    """Every local process submitted and they agree: run the operation."""
+
+    round: LocalRound[M]
+
+
+Action = Union[Opened[M], Refused[M], Failed[M], Ready[M]]
+
+
+class RoundNumbers:
+    """Per name: the next local round number, and the base that turns ours into the servers'."""
+
+    __slots__ = ("_next", "_base")
+
+    def __init__(self) -> None:
+        self._next: dict[str, int] = {}
+        self._base: dict[str, int] = {}
+
+    def take(self, name: str) -> int:
+        """The number of a new local round of ``name`` (every round consumes one)."""
+        number = self._next.get(name, 0)
+        self._next[name] = number + 1
+        return number
+
+    def learn(self, name: str, local_round: int, server_round: int) -> int:
+        """The servers said that our round ``local_round`` of ``name`` is their ``server_round``:
+        remember and return the base (the offset from ours to theirs)."""
+        base = self._base[name] = server_round - local_round
+        return base
+
+    def base(self, name: str) -> int | None:
+        """The base of ``name`` if learned in this job."""
+        return self._base.get(name)
+
+    def server_round(self, name: str, local_round: int) -> int | None:
+        """The servers' number of our round ``local_round`` of ``name``, once its base is known."""
+        base = self._base.get(name)
+        return None if base is None else local_round + base
+
+    def reset(self) -> None:
+        """A new job: numbering starts at 0 again and every base must be learned again."""
+        self._next.clear()
+        self._base.clear()
+
+
+class LocalRounds(Generic[M]):
+    """Every name's open local rounds on one machine, oldest first, and their numbering."""
+
+    def __init__(self, local_size: int, worker_id: int, rank_offset: int) -> None:
+        self.local_size = local_size
+        self.worker_id = worker_id
+        self.rank_offset = rank_offset  # global rank of local rank 0
+        self.numbers = RoundNumbers()
+        # Per name, the rounds still collecting local processes (and failed ones waiting for late
+        # processes), oldest first.
+        self.open: dict[str, list[LocalRound[M]]] = {}
+
+    def is_open(self, lr: LocalRound[M]) -> bool:
+        return lr in self.open.get(lr.name, ())
+
+    def submit(self, member: M, local_rank: int, op: Op) -> list[Action[M]]:
+        """Local rank ``local_rank`` asks for ``op``: join the oldest round of its name that it is not in."""
+        rank = self.rank_offset + local_rank
+        rounds = self.open.setdefault(op.name, [])
+        lr = next((r for r in rounds if local_rank not in r.members), None)
+        actions: list[Action[M]] = []
+        if lr is None:
+            if any(r.failed is None for r in rounds):
+                return [Refused(member, op, f"tensor {op.name!r} is already in flight for rank {rank}; "
+                                            f"synchronize it before pushing it again", "bad_request")]
+            lr = LocalRound(op.name, self.numbers.take(op.name), op, rank, set(range(self.local_size)))
+            rounds.append(lr)
+            actions.append(Opened(lr))
+        lr.members[local_rank] = (member, op)
+        lr.expected.discard(local_rank)
+        if lr.failed is not None:
+            actions.append(Refused(member, op, lr.failed, lr.code))
+            self.retire(lr)
+        elif not agree(lr.first, op):
+            actions += self.fail(lr, f"tensor {op.name!r} mismatch: rank {lr.first_rank} has "
+                                     f"{describe(lr.first)} but rank {rank} has {describe(op)}", "mismatch")
+        elif not lr.expected:
+            self.retire(lr)
+            actions.append(Ready(lr))
+        return actions
+
+    def fail(self, lr: LocalRound[M], reason: str, code: FailureCode = "error") -> list[Action[M]]:
+        """Fail a round (once): its members so far get ``reason``, later ones too (see ``submit``)."""
+        if lr.failed is not None:
+            return []
+        lr.failed, lr.code = reason, code
+        self.retire(lr)
+        return [Failed(lr, reason, code, tuple(lr.members.values()), self.numbers.server_round(lr.name, lr.round))]
+
+    def retire(self, lr: LocalRound[M]) -> None:
+        """Forget a round that starts now, or that failed and has heard from every local rank."""
+        if lr.expected:
+            return
+        rounds = self.open.get(lr.name, [])
+        if lr in rounds:
+            rounds.remove(lr)
+        if not rounds:
+            self.open.pop(lr.name, None)
+
+    def leave(self, local_rank: int, pid: int) -> list[Action[M]]:
+        """Local rank ``local_rank`` (process ``pid``) disconnected: it drops out of every open round
+        (its memory is about to go), and each round it was part of or awaited by fails."""
+        rank = self.rank_offset + local_rank
+        actions: list[Action[M]] = []
+        for rounds in list(self.open.values()):
+            for lr in list(rounds):
+                involved = local_rank in lr.members or local_rank in lr.expected
+                lr.members.pop(local_rank, None)
+                lr.expected.discard(local_rank)
+                if involved and lr.failed is None:
+                    actions += self.fail(lr, f"tensor {lr.name!r}: rank {rank} (pid {pid}) disconnected during "
+                                             f"round {lr.round}")
+                else:
+                    self.retire(lr)
+        return actions
+
+    def overdue(self, lr: LocalRound[M], connected: Collection[int], waited_s: float) -> list[Action[M]] | None:
+        """The watch of an open round after ``waited_s``: None when there is nothing left to watch (the
+        round started, or failed), [] when every rank it waits for is connected (merely slow: look
+        again later), else its failure: a process that is not connected must not make its peers hang."""
+        if lr.failed is not None or not self.is_open(lr):
+            return None
+        absent = sorted(r for r in lr.expected if r not in connected)
+        if not absent:
+            return []
+        ranks = ", ".join(str(self.rank_offset + r) for r in absent)
+        return self.fail(lr, f"tensor {lr.name!r}: rank {ranks} of worker {self.worker_id} is not connected "
+                             f"(waited {waited_s:g} s)")
+
+    def reset(self) -> list[Action[M]]:
+        """Every process left: fail every open round, and start numbering at 0 again."""
+        actions: list[Action[M]] = []
+        for rounds in list(self.open.values()):
+            for lr in list(rounds):
+                actions += self.fail(lr, f"tensor {lr.name!r}: every process of worker {self.worker_id} left")
+        self.open.clear()
+        self.numbers.reset()
+        return actions

@@ -1,0 +1,229 @@
+"""A machine's local rounds and their numbering (``bps_worker.local_rounds``), without sockets or a loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bps_worker.local_rounds import Failed, LocalRound, LocalRounds, Opened, Ready, Refused, RoundNumbers, agree
+from protocol.messages import KIND_BROADCAST, Op
+
+WORKER = 1
+OFFSET = 3  # worker 1's local rank 0 is global rank 3 (worker 0 has 3 processes)
+
+
+def op(name: str = "w", req: int = 1, shape: tuple[int, ...] = (4, 3), dtype: str = "float32", **kw: Any) -> Op:
+    fields: dict[str, Any] = dict(req=req, name=name, kind="sum", segment="seg", offset=0, dtype=dtype,
+                                  shape=list(shape))
+    fields.update(kw)
+    return Op(**fields)
+
+
+def rounds(local_size: int = 3) -> LocalRounds[str]:
+    return LocalRounds(local_size, WORKER, OFFSET)
+
+
+def kinds(actions: list[Any]) -> list[str]:
+    return [type(a).__name__ for a in actions]
+
+
+def test_a_round_is_ready_once_every_local_rank_submitted_in_any_order():
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+        lr = rounds(3)
+        first = lr.submit(f"s{order[0]}", order[0], op(req=10 + order[0]))
+        assert kinds(first) == ["Opened"]
+        opened = first[0].round
+        assert (opened.round, opened.first_rank, opened.expected) == (0, OFFSET + order[0], set(order[1:]))
+        assert lr.submit(f"s{order[1]}", order[1], op(req=10 + order[1])) == []
+        last = lr.submit(f"s{order[2]}", order[2], op(req=10 + order[2]))
+        assert kinds(last) == ["Ready"] and last[0].round is opened
+        # the local sum runs in local-rank order, whatever the arrival order
+        assert [(m, o.req) for m, o in opened.ordered()] == [("s0", 10), ("s1", 11), ("s2", 12)]
+        assert lr.open == {}  # a round that starts is no longer open
+
+
+def test_one_process_is_ready_at_once():
+    lr = rounds(1)
+    assert kinds(lr.submit("s0", 0, op())) == ["Opened", "Ready"]
+
+
+def test_names_collect_independently():
+    lr = rounds(2)
+    lr.submit("s0", 0, op("a"))
+    lr.submit("s0", 0, op("b"))
+    assert sorted(lr.open) == ["a", "b"]
+    assert kinds(lr.submit("s1", 1, op("b"))) == ["Ready"]
+    assert list(lr.open) == ["a"]
+
+
+def test_a_mismatch_names_both_ranks_and_both_tensors_and_late_ranks_get_it_too():
+    lr = rounds(3)
+    lr.submit("s0", 0, op(req=1, shape=(4, 3)))
+    actions = lr.submit("s2", 2, op(req=2, shape=(4, 4)))
+    assert kinds(actions) == ["Failed"]
+    failed = actions[0]
+    assert failed.code == "mismatch"
+    assert failed.reason == "tensor 'w' mismatch: rank 3 has float32[4,3] but rank 5 has float32[4,4]"
+    assert [(m, o.req) for m, o in failed.members] == [("s0", 1), ("s2", 2)]
+    assert failed.server_round is None  # the base is not learned yet: the daemon aborts once it is
+    # rank 1 is late: it joins the failed round (not the next one) and gets the same error
+    late = lr.submit("s1", 1, op(req=3))
+    assert kinds(late) == ["Refused"]
+    assert (late[0].member, late[0].op.req, late[0].reason, late[0].code) == ("s1", 3, failed.reason, "mismatch")
+    assert lr.open == {}  # every rank heard of it: retired
+    # the next round of the name is round 1
+    assert lr.submit("s0", 0, op(req=4))[0].round.round == 1
+
+
+def test_every_field_of_the_agreement_counts():
+    base = op()
+    assert agree(base, op(req=9, segment="other", offset=64, priority=5))  # where it lives does not matter
+    for different in (op(dtype="float64"), op(shape=(3, 4)), op(shape=(12,)), op(average=True),
+                      op(kind=KIND_BROADCAST, root=0), op(cuda=[[4, 3], "x"])):
+        assert not agree(base, different)
+    lr = rounds(2)
+    lr.submit("s0", 0, op(kind=KIND_BROADCAST, root=0))
+    failed = lr.submit("s1", 1, op(kind=KIND_BROADCAST, root=4))[0]
+    assert failed.reason == ("tensor 'w' mismatch: rank 3 has float32[4,3] (broadcast from rank 0) but rank 4 "
+                             "has float32[4,3] (broadcast from rank 4)")
+    lr.submit("s0", 0, op("g", average=True))
+    failed = lr.submit("s1", 1, op("g", dtype="int32"))[0]
+    assert failed.reason == "tensor 'g' mismatch: rank 3 has float32[4,3] (average) but rank 4 has int32[4,3]"
+
+
+def test_an_op_in_flight_is_refused_until_its_round_completes():
+    lr = rounds(2)
+    lr.submit("s0", 0, op(req=1))
+    again = lr.submit("s0", 0, op(req=2))
+    assert kinds(again) == ["Refused"]
+    assert again[0].code == "bad_request" and again[0].op.req == 2
+    assert again[0].reason == ("tensor 'w' is already in flight for rank 3; synchronize it before pushing it "
+                               "again")
+    assert len(lr.open["w"]) == 1 and 0 in lr.open["w"][0].members  # the first op still waits for rank 1
+    assert kinds(lr.submit("s1", 1, op(req=3))) == ["Ready"]
+    assert lr.submit("s0", 0, op(req=4))[0].round.round == 1  # after it completed, the next round
+
+
+def test_a_fast_rank_starts_the_next_round_while_a_failed_one_waits_for_a_late_rank():
+    lr = rounds(3)
+    lr.submit("s0", 0, op(req=1))
+    lr.submit("s1", 1, op(req=2, dtype="int64"))  # round 0 fails; rank 2 has not submitted yet
+    nxt = lr.submit("s0", 0, op(req=3))  # rank 0 goes on: a new round, not "in flight"
+    assert kinds(nxt) == ["Opened"] and nxt[0].round.round == 1
+    late = lr.submit("s2", 2, op(req=4))  # rank 2's op belongs to round 0: it gets round 0's error
+    assert kinds(late) == ["Refused"] and late[0].code == "mismatch"
+    assert [r.round for r in lr.open["w"]] == [1]
+
+
+def test_a_rank_that_leaves_mid_round_fails_it_without_being_answered():
+    lr = rounds(3)
+    lr.submit("s0", 0, op(req=1))
+    lr.submit("s1", 1, op(req=2))
+    actions = lr.leave(1, pid=4242)
+    assert kinds(actions) == ["Failed"]
+    assert actions[0].reason == "tensor 'w': rank 4 (pid 4242) disconnected during round 0"
+    assert [m for m, _ in actions[0].members] == ["s0"]  # the leaver's memory is about to go: not a member
+    # rank 2 still joins round 0 and gets the error; then the round is gone
+    assert kinds(lr.submit("s2", 2, op(req=3))) == ["Refused"]
+    assert lr.open == {}
+
+
+def test_a_rank_that_leaves_fails_the_rounds_that_wait_for_it_and_not_finished_ones():
+    lr = rounds(2)
+    lr.submit("s1", 1, op("a"))
+    lr.submit("s0", 0, op("b"))
+    lr.submit("s1", 1, op("b"))  # ready: not open any more
+    actions = lr.leave(0, pid=7)
+    assert kinds(actions) == ["Failed"] and actions[0].round.name == "a"
+    assert actions[0].reason == "tensor 'a': rank 3 (pid 7) disconnected during round 0"
+    assert lr.open == {}  # the only other rank (1) is in it: heard from everyone left
+    assert lr.leave(1, pid=8) == []
+
+
+def test_a_leaver_of_a_failed_round_retires_it():
+    lr = rounds(3)
+    lr.submit("s0", 0, op(req=1))
+    lr.submit("s1", 1, op(req=2, shape=(1,)))
+    assert lr.leave(2, pid=9) == []  # already failed: no second failure, and no one left to hear it
+    assert lr.open == {}
+
+
+def test_every_round_consumes_a_number_success_or_failure():
+    lr = rounds(2)
+    numbers = []
+    for step, shape in enumerate([(2,), (2,), (3,), (2,), (5,)]):
+        opened = lr.submit("s0", 0, op(req=2 * step, shape=(2,)))
+        numbers.append(opened[0].round.round)
+        lr.submit("s1", 1, op(req=2 * step + 1, shape=shape))  # steps 2 and 4 mismatch
+    assert numbers == [0, 1, 2, 3, 4]
+    lr.submit("s0", 0, op(req=20))
+    assert kinds(lr.leave(1, pid=1)) == ["Failed"]  # round 5 fails by a departure
+    assert lr.submit("s0", 0, op(req=21))[0].round.round == 6
+    assert lr.submit("s0", 0, op("other", req=22))[0].round.round == 0  # per name
+
+
+def test_the_round_base_turns_our_numbers_into_the_servers():
+    numbers = RoundNumbers()
+    assert [numbers.take("w") for _ in range(3)] == [0, 1, 2]
+    assert numbers.base("w") is None and numbers.server_round("w", 2) is None
+    # we came back: the servers are at round 17 of "w" when we ask before our round 2
+    assert numbers.learn("w", 2, 17) == 15
+    assert numbers.server_round("w", 2) == 17 and numbers.server_round("w", 5) == 20
+    assert numbers.base("other") is None
+    numbers.reset()
+    assert numbers.base("w") is None and numbers.take("w") == 0
+
+
+def test_a_failure_after_the_base_is_known_names_the_servers_round():
+    lr = rounds(2)
+    first = lr.submit("s0", 0, op(req=1))[0].round
+    lr.numbers.learn("w", first.round, 40)
+    lr.submit("s1", 1, op(req=2))
+    lr.submit("s0", 0, op(req=3))  # round 1
+    failed = lr.submit("s1", 1, op(req=4, dtype="int32"))[0]
+    assert isinstance(failed, Failed) and failed.round.round == 1 and failed.server_round == 41
+
+
+def test_the_watch_fails_a_round_only_for_a_process_that_is_not_connected():
+    lr = rounds(3)
+    opened = lr.submit("s0", 0, op())[0].round
+    assert lr.overdue(opened, connected={0, 1, 2}, waited_s=5.0) == []  # slow, not absent: look again
+    actions = lr.overdue(opened, connected={0}, waited_s=5.0)
+    assert kinds(actions) == ["Failed"]
+    assert actions[0].reason == "tensor 'w': rank 4, 5 of worker 1 is not connected (waited 5 s)"
+    assert lr.overdue(opened, connected={0}, waited_s=5.0) is None  # failed: stop watching
+    ready = rounds(1).submit("s0", 0, op())
+    done = ready[0].round
+    assert rounds(1).overdue(done, connected=set(), waited_s=1.0) is None  # not open (it started)
+
+
+def test_reset_fails_every_open_round_and_numbering_starts_again():
+    lr = rounds(2)
+    lr.submit("s0", 0, op("a"))
+    lr.submit("s1", 1, op("b"))
+    lr.submit("s0", 0, op("b"))  # b round 0 ready
+    lr.submit("s0", 0, op("b"))  # b round 1 open
+    lr.numbers.learn("b", 1, 9)
+    actions = lr.reset()
+    assert kinds(actions) == ["Failed", "Failed"]
+    assert {a.reason for a in actions} == {"tensor 'a': every process of worker 1 left",
+                                           "tensor 'b': every process of worker 1 left"}
+    assert {a.round.name: a.server_round for a in actions} == {"a": None, "b": 9}  # known before the reset
+    assert lr.open == {} and lr.numbers.base("b") is None
+    assert lr.submit("s0", 0, op("b"))[0].round.round == 0
+
+
+def test_failing_twice_does_nothing_the_second_time():
+    lr = rounds(2)
+    opened: LocalRound[str] = lr.submit("s0", 0, op())[0].round
+    assert kinds(lr.fail(opened, "first")) == ["Failed"]
+    assert lr.fail(opened, "second") == [] and opened.failed == "first"
+
+
+def test_action_types_carry_the_round():
+    lr = rounds(1)
+    opened, ready = lr.submit("s0", 0, op())
+    assert isinstance(opened, Opened) and isinstance(ready, Ready) and opened.round is ready.round
+    lr2 = rounds(2)
+    lr2.submit("s0", 0, op())
+    refused = lr2.submit("s0", 0, op(req=5))[0]
+    assert isinstance(refused, Refused)
