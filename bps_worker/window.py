@@ -20,7 +20,8 @@ Theory of operation of :class:`SendWindow` (no asyncio, no sockets; the link doe
   to a piece or two and stall the flow at its end. A server answers a partition only once every
   worker pushed it, so a worker whose flow to a server runs ahead of the others' flows to it stops
   there, and its uplink carries its flows to the servers where it is behind: all flows into a
-  server progress together, and each partition's sum leaves as soon as possible.
+  server progress together, and each partition's sum leaves as soon as possible (measured on
+  emulated links, ``benchmarks/RESULTS.md``).
 * **Stall.** A round that waits for a slow peer must not block other tensors for ever (names may
   come in different orders on different processes): once a piece has waited ``stall_s`` for the
   window without any answer coming, the window opens until the next answer. The time is passed

@@ -1,0 +1,644 @@
+"""The worker's TCP link to one Summation Service: connecting, the handshake, writing and answers.
+
+What leaves next, and when, is decided by the link's :class:`~bps_worker.window.SendWindow` (the
+priority queue, credit, pacing window and batching, sans-IO); the link does the I/O around it. A
+worker may open several links (streams) to one server, see ``bps_worker.placement``.
+
+Results are received straight into the destination the push named (a slice of the tensor's
+staging buffer or of the client's segment): no copy after the socket.
+
+Shared memory: the link to the server on this worker's own host offers it the worker's segments at
+the handshake (a probe segment holding a random key). If the server can read the key, pushes name
+``(segment, offset)`` of the data and of the result instead of carrying bytes, and the server
+writes the sum in place: no socket copies, no loopback TCP. Such a push stays in the server's hands
+until it answers it, so an abandoned one is never forgotten early (the server could still write
+into the result memory); a lost connection fails it with ``unanswered_shm`` set, and the caller
+stops reusing that memory.
+
+Server restarts: every Welcome carries the server's *incarnation*, a random id of that run of it.
+When a connection breaks, what is in flight is held, not failed, while the link reconnects (for up
+to the timeout). If the server that answers is a new incarnation, its predecessor's state is lost:
+the link first *replays* the last finished sum of every partition key it got from that server (a
+peer may not have received it before the crash), then pushes again every partition still in
+flight (the contributions are intact: results land in a separate buffer). If it is the same
+incarnation (the connection alone broke, and the server already failed the rounds that needed
+us), the held pushes fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import os
+from dataclasses import dataclass
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any, Final, cast
+
+from protocol import PROTOCOL_VERSION
+from protocol.config import ServerSpec
+from protocol.errors import LocalProtocolError, ProtocolError
+from protocol.frames import FrameReader, encode_header
+from protocol.messages import (
+    MAX_MESSAGE_CHARS,
+    ROLE_WORKER,
+    Abort,
+    Batch,
+    Challenge,
+    Failure,
+    Hello,
+    Message,
+    Ping,
+    Push,
+    Release,
+    Reset,
+    Result,
+    RoundInfo,
+    RoundQuery,
+    Welcome,
+    auth_digest,
+    batch_header,
+    estimated_header_bytes,
+    parse,
+    split_batch,
+    to_header,
+)
+
+from bps_runtime import segments as shm
+from bps_runtime.lowat import ReceiveLowWater
+from bps_runtime.timeline import Timeline, now_us
+
+from .errors import BPSConnectionError, BPSError, BPSMismatchError
+from .window import BATCH_MAX_BYTES, Piece, SendWindow
+
+log = logging.getLogger("bps.worker.link")
+
+# Between connection attempts: doubling from the first to the last, until the link's timeout.
+RECONNECT_DELAY_S: Final = 0.05
+RECONNECT_DELAY_MAX_S: Final = 1.0
+
+Wire = tuple[Push, memoryview | None]  # a push as written: the message and its payload (None: by reference)
+
+
+@dataclass(slots=True, eq=False, kw_only=True)
+class OutgoingPush(Piece):
+    """One push on this link: the window's :class:`Piece` plus its bytes, its result's
+    destination and its caller's future (these the link owns)."""
+
+    push: Push
+    payload: memoryview  # the partition's bytes
+    dest: memoryview  # where its sum goes
+    future: asyncio.Future[None]
+    shm_ref: tuple[str, int] | None = None  # (segment, byte offset) of payload
+    out_ref: tuple[str, int] | None = None  # (segment, byte offset) of dest
+    via_shm: bool = False  # last sent as a shared-memory reference
+    times: list[int] | None = None  # timeline: queued, sent, sum arriving
+
+    def settled(self) -> bool:
+        return self.future.done()  # the operation already failed elsewhere, or gave the push up
+
+
+class ControlMessages:
+    """A link's messages other than pushes (aborts, resets, round queries) that wait for a ready
+    connection, and its round queries that wait for the server's RoundInfo."""
+
+    __slots__ = ("_waiting", "_queries")
+
+    def __init__(self) -> None:
+        self._waiting: list[Message] = []
+        self._queries: dict[int, asyncio.Future[int]] = {}
+
+    def keep(self, message: Message) -> None:
+        """``message`` goes once a connection is ready."""
+        self._waiting.append(message)
+
+    def take(self) -> list[Message]:
+        """A connection is ready: what waited for it, in order."""
+        waiting, self._waiting = self._waiting, []
+        return waiting
+
+    def ask(self, req: int) -> asyncio.Future[int]:
+        """A RoundQuery ``req`` goes out: the future of its answer."""
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._queries[req] = future
+        return future
+
+    def answer(self, info: RoundInfo) -> None:
+        future = self._queries.pop(info.req, None)
+        if future is not None and not future.done():
+            future.set_result(info.round)
+
+    def fail_queries(self, exc: BPSError) -> None:
+        """Fail every round query, sent or waiting (a restarted server would not know the answer)."""
+        self._waiting = [m for m in self._waiting if not isinstance(m, RoundQuery)]
+        queries, self._queries = self._queries, {}
+        for future in queries.values():
+            if not future.done():
+                future.set_exception(exc)
+
+
+class _LinkProtocol(asyncio.BufferedProtocol):
+    """One connection's transport callbacks (bytes into the frame reader, frames and flow control to
+    the link) and its own state: the handshake's two answers and when the server last sent bytes."""
+
+    def __init__(self, link: ServerLink) -> None:
+        self.link = link
+        self.reader = FrameReader(max_payload_bytes=link.max_payload_bytes, payload_sink=link.payload_destination)
+        self.transport: asyncio.Transport | None = None
+        self.low_water: ReceiveLowWater | None = None
+        loop = asyncio.get_running_loop()
+        self.challenge: asyncio.Future[str] = loop.create_future()  # the server's nonce
+        self.welcome: asyncio.Future[Welcome] = loop.create_future()
+        self.last_seen = loop.time()  # loop time of the last bytes from the server
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # create_connection's: a TCP transport
+        self.low_water = ReceiveLowWater(transport)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.last_seen = asyncio.get_running_loop().time()
+        try:
+            for frame in self.reader.buffer_updated(nbytes):
+                self.link.on_message(self, parse(frame.header), frame.payload)
+        except ProtocolError as exc:
+            self.link.on_broken(self, f"server {self.link.spec.id} sent a bad frame: {exc}")
+            return
+        if self.low_water is not None:
+            self.low_water.follow(self.reader.payload_wanted)
+
+    def pause_writing(self) -> None:
+        self.link.window.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.link.window.resume_writing()
+        self.link.pump()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.link.on_broken(self, f"lost connection to server {self.link.spec.id} at {self.link.spec.address}"
+                                  + (f": {exc}" if exc else ""))
+
+
+def write_message(transport: asyncio.Transport, message: Message, payload: memoryview | None,
+                  max_payload_bytes: int) -> None:
+    """Write one frame: ``message`` and its payload (nothing on a closing transport)."""
+    if transport.is_closing():
+        return
+    nbytes = 0 if payload is None else payload.nbytes
+    head = encode_header(to_header(message), nbytes, max_payload_bytes=max_payload_bytes)
+    if payload is not None and nbytes:
+        transport.writelines([head, payload])
+    else:
+        transport.write(head)
+
+
+def write_batch(transport: asyncio.Transport, wires: list[Wire], max_payload_bytes: int) -> None:
+    """Write several pushes as one Batch frame: their headers, then their payloads back to back."""
+    if transport.is_closing():
+        return
+    sizes: list[tuple[Message, int]] = [(push, 0 if payload is None else payload.nbytes) for push, payload in wires]
+    head = encode_header(batch_header(sizes), sum(n for _, n in sizes), max_payload_bytes=max_payload_bytes)
+    transport.writelines([head, *(payload for _, payload in wires if payload is not None and payload.nbytes)])
+
+
+def make_probe(worker_id: int, mode: int, server_id: int) -> tuple[SharedMemory, str] | None:
+    """The shared-memory offer of one handshake: a segment holding a random key that the server
+    must read back (proving it shares our host and may map our segments). None if none can be made."""
+    try:
+        probe = shm.create_segment(shm.segment_name(worker_id), 32, mode)
+    except OSError as exc:
+        log.warning("cannot create a shared-memory probe (%s); server %d gets TCP", exc, server_id)
+        return None
+    key = os.urandom(32)
+    probe.buf[:32] = key  # type: ignore[index]  # typeshed: buf is None only once closed
+    return probe, key.hex()
+
+
+def failure_error(server_id: int, failure: Failure) -> BPSError:
+    """The error a push's caller gets for the server's Failure."""
+    cls = BPSMismatchError if "mismatch" in failure.message else BPSError
+    return cls(f"server {server_id}: {failure.message}")
+
+
+def connection_error(reason: str, via_shm: bool) -> BPSConnectionError:
+    """The error of a push the connection's loss failed; ``unanswered_shm`` when the server may
+    still write its sum into our memory (the caller must not reuse it)."""
+    exc = BPSConnectionError(reason)
+    if via_shm:
+        exc.unanswered_shm = True  # type: ignore[attr-defined]
+    return exc
+
+
+class ServerLink:
+    """One reusable connection to server ``spec``; reconnects when needed (see the module docstring).
+
+    Who owns what: :attr:`window` every push from queued to answered (and the sums kept for
+    replays), :attr:`control` the other messages and the round queries, the current connection's
+    protocol object its handshake and liveness, this class the reconnects and the pushes' futures.
+    """
+
+    def __init__(self, spec: ServerSpec, worker_id: int, *, credit_bytes: int, timeout: float,
+                 window_pieces: int = 0, stream: int = 0,
+                 max_payload_bytes: int, token: bytes | None = None,
+                 shm_mode: int | None = None, timeline: Timeline | None = None) -> None:
+        self.timeline = timeline
+        self.spec = spec
+        self.shm_mode = shm_mode  # offer shared memory (segments of this mode) to a server on this host
+        self.token = token
+        self.worker_id = worker_id
+        self.credit_bytes = credit_bytes
+        self.stream = stream  # which of our connections to this server (Hello.stream; 0 carries control)
+        self.timeout = timeout
+        self.max_payload_bytes = max_payload_bytes
+        self.window: SendWindow[OutgoingPush] = SendWindow(
+            credit_bytes=credit_bytes, window_pieces=window_pieces,  # cluster.window_pieces; 0: no pacing
+            batch_max_bytes=min(BATCH_MAX_BYTES, max_payload_bytes))  # a batch is one frame: the peer's limit
+        self.control = ControlMessages()
+        self.incarnation: str | None = None  # of the server run we last talked to
+        self.epoch = ""  # of this worker's round numbering (set by the daemon)
+        self.closed = False
+        self._proto: _LinkProtocol | None = None
+        self._ready = False  # handshake complete: pushes may flow
+        self._connecting: asyncio.Task[None] | None = None
+        self._req = itertools.count(1)
+        self._pings = itertools.count()
+        self._broken_reason = ""
+        self._stall: asyncio.TimerHandle | None = None  # wakes the link at the window's stall deadline
+
+    @property
+    def shm(self) -> bool:
+        """This connection's server accepted the shared-memory offer (pushes go by reference)."""
+        return self.window.by_reference
+
+    # -- public ----------------------------------------------------------------------
+    def push(self, push_fields: dict[str, Any], payload: memoryview, dest: memoryview, priority: int,
+             shm_ref: tuple[str, int] | None = None, out_ref: tuple[str, int] | None = None
+             ) -> asyncio.Future[None]:
+        """Queue a push of ``payload``; the future resolves once the sum was written into ``dest``.
+
+        ``shm_ref`` and ``out_ref`` locate ``payload`` and ``dest`` in shared-memory segments
+        (name, byte offset), for a server that shares this host. ``payload`` must stay unchanged
+        until the future is done, and ``dest`` until the next push of the same partition is
+        answered (a restarted server may need them again).
+        """
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        push = Push(req=next(self._req), worker=self.worker_id, **push_fields)
+        item = OutgoingPush(req=push.req, key=(push.name, push.part), priority=priority, nbytes=payload.nbytes,
+                            header_bytes=estimated_header_bytes(push),
+                            in_segments=shm_ref is not None and out_ref is not None,
+                            push=push, payload=payload, dest=dest, future=future, shm_ref=shm_ref, out_ref=out_ref,
+                            times=[now_us(), 0, 0] if self.timeline is not None else None)
+        self.window.offer(item)
+        if self._proto is None:
+            self._ensure_connecting()
+        else:
+            self.pump()
+        return future
+
+    def forget(self, future: asyncio.Future[None]) -> bool:
+        """Drop an abandoned push: a late result for it is discarded, not written to its destination.
+
+        Returns False, and keeps the push, when it went as a shared-memory reference: the server
+        writes its answer straight into our memory, so the caller must wait for that answer (it
+        always comes: a result, a failure, or the loss of the connection) before reusing it. A held
+        push is still in the hands of the broken connection's server, which may be alive and write.
+        """
+        item = next((p for p in self.window.pieces() if p.future is future), None)
+        if item is not None:
+            in_flight = self.window.in_flight(item.req) is item
+            if item.via_shm and not future.done() and (in_flight or item.held):
+                return False
+            if self.window.abandon(item):
+                self._after_answer(item)
+                reader = self._proto.reader if self._proto is not None else None
+                if reader is not None and reader.pending_destination is item.dest:
+                    reader.discard_pending_payload()  # its result is arriving right now: not into dest
+        if not future.done():
+            future.cancel()
+        return True
+
+    def query_round(self, name: str, part: int = 0) -> asyncio.Future[int]:
+        """Ask the server which round our next push of (name, part) is (see RoundQuery)."""
+        req = next(self._req)
+        future = self.control.ask(req)
+        self._send_control(RoundQuery(req, name, part))
+        return future
+
+    def abort(self, name: str, part: int, round_: int, message: str) -> None:
+        """Tell the server that this worker gave up a round (sent once connected, if need be)."""
+        self._send_control(Abort(name, part, round_, self.worker_id, message[:MAX_MESSAGE_CHARS]))
+
+    def queued_bytes(self) -> int:
+        """Payload bytes waiting in the priority queue plus bytes in the transport's write buffer."""
+        buffered = 0
+        if self._proto is not None and self._proto.transport is not None:
+            buffered = self._proto.transport.get_write_buffer_size()
+        return buffered + self.window.queued_wire_bytes()
+
+    def heartbeat(self, now: float) -> None:
+        """Ping the server; drop a connection that has been silent for longer than the timeout
+        (a dead or stalled server that never closed it) so that what waits on it fails."""
+        proto = self._proto
+        if proto is None or not self._ready:
+            return
+        if now - proto.last_seen > self.timeout:
+            if proto.transport is not None:
+                proto.transport.abort()
+            self.on_broken(proto, f"server {self.spec.id} at {self.spec.address} sent nothing for "
+                                  f"{now - proto.last_seen:.1f} s (limit {self.timeout:g} s)")
+            return
+        self._send(proto, Ping(next(self._pings)))
+
+    def reset(self) -> None:
+        """Tell the server that this worker has no training processes left (see Reset)."""
+        self.window.drop_sums()  # the next job starts at round 0; the buffers are being freed
+        if self.stream == 0:  # the server's state of this worker follows its first connection
+            self._send_control(Reset(self.worker_id, self.epoch))
+
+    def release_segments(self, names: list[str]) -> None:
+        """Segments we unlinked: a server that maps our memory unmaps them (a new connection maps
+        nothing, so there is nothing to tell a server we are not connected to)."""
+        if self.shm and self._proto is not None and self._ready:
+            for name in names:
+                self._send(self._proto, Release(name))
+
+    def close(self) -> None:
+        self.closed = True
+        if self._connecting is not None:
+            self._connecting.cancel()
+        if self._proto is not None and self._proto.transport is not None:
+            self._proto.transport.close()
+        self._fail_all(BPSConnectionError("worker daemon is stopping"))
+
+    # -- sending ---------------------------------------------------------------------
+    def pump(self) -> None:
+        """Write the frames the window lets go now (see ``bps_worker.window``)."""
+        proto = self._proto
+        if proto is None or proto.transport is None or not self._ready:
+            return
+        transport = proto.transport
+        now = asyncio.get_running_loop().time()
+        while pieces := self.window.next_to_send(now, transport.get_write_buffer_size()):
+            try:
+                if len(pieces) == 1:
+                    self._send(proto, *self._wire(pieces[0]))
+                else:
+                    write_batch(transport, [self._wire(item) for item in pieces], self.max_payload_bytes)
+            except LocalProtocolError as exc:  # a bug of ours: fail loudly, never leave a push unsent and waiting
+                log.error("cannot send to server %d: %s", self.spec.id, exc)
+                self.on_broken(proto, f"cannot send to server {self.spec.id}: {exc}")
+                return
+        self._follow_stall()
+
+    def _follow_stall(self) -> None:
+        """Keep the wake-up at the window's stall deadline: armed while a piece waits for it."""
+        deadline = self.window.stall_deadline
+        if deadline is None:
+            if self._stall is not None:
+                self._stall.cancel()
+                self._stall = None
+        elif self._stall is None:
+            self._stall = asyncio.get_running_loop().call_at(deadline, self._stall_over)
+
+    def _stall_over(self) -> None:
+        self._stall = None
+        self.pump()  # the window opens now (or the wake-up is armed again, if the clock fired early)
+
+    def _after_answer(self, item: OutgoingPush | None) -> None:
+        """``item`` left the window (answered, failed or abandoned): what it held back may go."""
+        if item is None:
+            return
+        self._follow_stall()
+        if self.window.has_queued and self._proto is not None:
+            self.pump()
+
+    def _wire(self, item: OutgoingPush) -> Wire:
+        """What goes on the wire for ``item``: the push and its bytes, or a shared-memory reference."""
+        if item.times is not None:
+            item.times[1] = now_us()
+        if self.shm and item.shm_ref is not None and item.out_ref is not None:
+            item.via_shm = True
+            return dataclasses.replace(item.push, segment=item.shm_ref[0], seg_offset=item.shm_ref[1],
+                                       out_segment=item.out_ref[0], out_offset=item.out_ref[1]), None
+        item.via_shm = False
+        return item.push, item.payload
+
+    def _send(self, proto: _LinkProtocol, message: Message, payload: memoryview | None = None) -> None:
+        if proto.transport is not None:
+            write_message(proto.transport, message, payload, self.max_payload_bytes)
+
+    def _send_control(self, message: Message) -> None:
+        if self._proto is not None and self._ready:
+            self._send(self._proto, message)
+        else:
+            self.control.keep(message)
+            self._ensure_connecting()
+
+    # -- receiving -------------------------------------------------------------------
+    def payload_destination(self, header: dict[str, Any], nbytes: int) -> memoryview:
+        req = header.get("req")
+        item = self.window.in_flight(req) if isinstance(req, int) else None
+        if header.get("t") == Result.TYPE and item is not None:
+            if item.dest.nbytes != nbytes:
+                raise ProtocolError(f"result for {item.push.name!r} part {item.push.part} has {nbytes} bytes, "
+                                    f"expected {item.dest.nbytes}")
+            if item.times is not None:
+                item.times[2] = now_us()
+            return item.dest
+        return memoryview(bytearray(nbytes))  # a late result of an abandoned push: discard
+
+    def on_message(self, proto: _LinkProtocol, message: Message, payload: memoryview | None) -> None:
+        match message:
+            case Batch():
+                for inner, inner_payload in split_batch(message, payload):
+                    self.on_message(proto, inner, inner_payload)
+            case Ping():
+                pass  # the server's answer to our heartbeat: last_seen is already updated
+            case Challenge():
+                if not proto.challenge.done():
+                    proto.challenge.set_result(message.nonce)
+            case Welcome():
+                if not proto.welcome.done():
+                    proto.welcome.set_result(message)
+            case Result():
+                self._on_result(message, payload)
+            case RoundInfo():
+                self.control.answer(message)
+            case Failure():
+                self._on_failure(proto, message)
+            case _:
+                raise ProtocolError(f"unexpected {message.TYPE} message from server {self.spec.id}")
+
+    def _on_result(self, message: Result, payload: memoryview | None) -> None:
+        item = self.window.answered(message.req)
+        self._after_answer(item)
+        if item is None:
+            return  # an abandoned push
+        if message.inplace:
+            if not item.via_shm:
+                raise ProtocolError(f"server {self.spec.id} answered {item.push.name!r} part "
+                                    f"{item.push.part} in shared memory, but it was pushed over TCP")
+        elif not item.future.done():
+            got = 0 if payload is None else payload.nbytes
+            if got != item.dest.nbytes:
+                raise ProtocolError(f"result for {item.push.name!r} part {item.push.part} has {got} bytes, "
+                                    f"expected {item.dest.nbytes}")
+            if payload is not None and payload is not item.dest:  # a batched result: not received in place
+                item.dest[:] = payload
+        if not item.future.done():
+            item.future.set_result(None)
+            self.window.keep_sum(item)
+            self._trace(item)
+
+    def _on_failure(self, proto: _LinkProtocol, message: Failure) -> None:
+        if message.req == -1:
+            self.on_broken(proto, f"server {self.spec.id} refused the connection: {message.message}")
+            return
+        item = self.window.answered(message.req)
+        self._after_answer(item)
+        if item is not None:
+            self.window.drop_sum(item.key)
+            if not item.future.done():
+                item.future.set_exception(failure_error(self.spec.id, message))
+
+    def _trace(self, item: OutgoingPush) -> None:
+        """Timeline of one answered push: waiting in our queue, on the server, and its sum arriving."""
+        if self.timeline is None or item.times is None:
+            return
+        queued, sent, arriving = item.times
+        done = now_us()
+        lane = f"{item.push.name} p{item.push.part} (server {self.spec.id})"
+        args = {"round": item.push.round, "bytes": item.payload.nbytes, "shm": item.via_shm}
+        self.timeline.span(lane, "queued", queued, sent or done, **args)
+        self.timeline.span(lane, "push, server sum", sent or done, arriving or done, **args)
+        if arriving:
+            self.timeline.span(lane, "pull", arriving, done, **args)
+
+    # -- losing the connection -------------------------------------------------------
+    def on_broken(self, proto: _LinkProtocol, reason: str) -> None:
+        """``proto``'s connection is gone: hold what is in flight while reconnecting, or fail it."""
+        if proto is not self._proto:
+            return
+        if not self.closed:
+            log.warning("%s", reason)
+        self._proto = None
+        self._ready = False
+        self.window.by_reference = False
+        self.window.resume_writing()
+        for waiter in (proto.welcome, proto.challenge):
+            if not waiter.done():
+                waiter.set_exception(ConnectionError(reason))
+                waiter.exception()  # retrieved here: the handshake may not be waiting on it yet
+        if proto.transport is not None:
+            proto.transport.close()
+        if self.incarnation is None or self.closed:
+            self._fail_all(BPSConnectionError(reason))
+            return
+        # The server may be restarting: hold what is in flight until we know (see the module docstring).
+        self.control.fail_queries(BPSConnectionError(reason))  # a restarted server would not know the answer
+        self._broken_reason = reason
+        self.window.hold()
+        self._follow_stall()
+        self._ensure_connecting()
+
+    def _fail_all(self, exc: BPSConnectionError) -> None:
+        self.control.fail_queries(exc)
+        items = self.window.clear()
+        self._follow_stall()
+        for item in items:
+            if not item.future.done():
+                item.future.set_exception(connection_error(str(exc), True) if item.via_shm else exc)
+
+    # -- connecting ------------------------------------------------------------------
+    def _ensure_connecting(self) -> None:
+        if self._connecting is None or self._connecting.done():
+            self._connecting = asyncio.ensure_future(self._connect())
+
+    async def _connect(self) -> None:
+        """Connect (again), retrying with a doubling delay; fail everything after the timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        delay = RECONNECT_DELAY_S
+        last_error = "no attempt"
+        while not self.closed:
+            try:
+                await self._open(deadline)
+                return
+            except (OSError, asyncio.TimeoutError, ConnectionError) as exc:
+                last_error = str(exc) or exc.__class__.__name__
+                if self._proto is not None and self._proto.transport is not None:
+                    self._proto.transport.close()
+                self._proto = None
+            if loop.time() + delay > deadline:
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RECONNECT_DELAY_MAX_S)
+        self._fail_all(BPSConnectionError(
+            f"cannot reach server {self.spec.id} at {self.spec.address} within {self.timeout:g} s: {last_error}"))
+
+    async def _open(self, deadline: float) -> None:
+        """One attempt: the TCP connection, the handshake, then what waited for them."""
+        loop = asyncio.get_running_loop()
+        _, proto = await asyncio.wait_for(
+            loop.create_connection(lambda: _LinkProtocol(self), self.spec.host, self.spec.port),
+            timeout=max(0.1, deadline - loop.time()))
+        if proto.transport is None:
+            raise ConnectionError("connection closed as it opened")
+        proto.transport.set_write_buffer_limits(high=self.credit_bytes)
+        self._proto = proto
+        welcome = await self._handshake(proto, deadline)
+        log.info("connected to server %d at %s%s", self.spec.id, self.spec.address,
+                 " (shared memory)" if self.shm else "")
+        previous, self.incarnation = self.incarnation, welcome.incarnation
+        self._ready = True
+        proto.last_seen = loop.time()
+        for message in self.control.take():
+            self._send(proto, message)
+        self._settle_held(proto, restarted=previous is not None and previous != welcome.incarnation)
+        self.pump()
+
+    async def _handshake(self, proto: _LinkProtocol, deadline: float) -> Welcome:
+        """Challenge, Hello (with the shared-memory offer), Welcome; sets :attr:`shm` from the answer."""
+        loop = asyncio.get_running_loop()
+        nonce = await asyncio.wait_for(asyncio.shield(proto.challenge), timeout=max(0.1, deadline - loop.time()))
+        auth = auth_digest(self.token, nonce, ROLE_WORKER, self.worker_id) if self.token else ""
+        probe = make_probe(self.worker_id, self.shm_mode, self.spec.id) if self.shm_mode is not None else None
+        try:
+            self._send(proto, Hello(PROTOCOL_VERSION, ROLE_WORKER, self.worker_id, auth=auth,
+                                    shm=probe[0].name if probe else "", shm_key=probe[1] if probe else "",
+                                    epoch=self.epoch, stream=self.stream))
+            welcome = await asyncio.wait_for(asyncio.shield(proto.welcome), timeout=max(0.1, deadline - loop.time()))
+        finally:
+            if probe is not None:
+                shm.release(probe[0], unlink=True)
+        if self._proto is not proto:
+            raise ConnectionError("connection closed during the handshake")
+        self.window.by_reference = welcome.shm and probe is not None
+        if probe is not None and not self.shm:
+            log.warning("server %d shares this host but cannot map this worker's shared memory (other "
+                        "user? see --shm-mode, or colocated_shm = false); using TCP", self.spec.id)
+        return welcome
+
+    def _settle_held(self, proto: _LinkProtocol, restarted: bool) -> None:
+        """Settle the pushes held since the connection broke (see the module docstring)."""
+        if restarted:
+            log.warning("server %d restarted (its state is lost): replaying %d finished sums, pushing %d "
+                        "partitions again", self.spec.id, self.window.sums_kept, self.window.held_count)
+            for item in self.window.restarted():
+                self._replay(proto, item)
+            return
+        for item in self.window.resumed():
+            if not item.future.done():
+                item.future.set_exception(connection_error(self._broken_reason, item.via_shm))
+
+    def _replay(self, proto: _LinkProtocol, item: OutgoingPush) -> None:
+        """Give a restarted server the sum of ``item``'s round, which we got from its predecessor."""
+        push = dataclasses.replace(item.push, replay=True)
+        if self.shm and item.out_ref is not None:
+            self._send(proto, dataclasses.replace(push, segment=item.out_ref[0], seg_offset=item.out_ref[1],
+                                                  out_segment=item.out_ref[0], out_offset=item.out_ref[1]))
+        else:
+            self._send(proto, push, item.dest)
