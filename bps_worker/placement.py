@@ -25,9 +25,8 @@ memory bandwidth is the limit) each partition costs CPU that the pipelining does
 ranges are cut coarser. On several hosts, each stream's first two and last two pieces are also smaller,
 a quarter and a half of the others (``Placement._sizes``), and a worker issues the pieces of all its
 flows in turn (``interleave``): a server's first sum waits for every worker's first piece into it and
-its last sums for the last ones, so the pipeline fills and drains sooner (measured on emulated links,
-2026-11-30: a CPU-only server's first sum left 6-20 ms after the start instead of 35-75 ms, and k=4 went
-from 1.13x to 1.08-1.10x the optimal time).
+its last sums for the last ones, so the pipeline fills and drains sooner (measured on emulated links:
+the first sums leave sooner and k=4 comes closer to the optimal time, ``benchmarks/RESULTS.md``).
 
 Streams: TCP shares a link fairly between its connections, but the Theorem 1 split gives a CPU-only
 server a larger share than a colocated one (``M_cpu / M_gpu = 2(n-1)/(n-k)``, 3 at n=4, k=2). With
