@@ -137,7 +137,7 @@ def _never() -> bool:
 class Supervisor:
     """The processes of one cluster: daemons started in batches and awaited, training processes, all stopped.
 
-    ``env``: the daemons' environment (default: ours), ``NOTIFY_SOCKET`` added. ``log_dir``: each daemon's
+    ``env``: the daemons' environment (default: ours at each start), ``NOTIFY_SOCKET`` added. ``log_dir``: each daemon's
     output goes to ``<label>.log`` there instead of our stderr. ``notify_dir``: where the readiness socket
     is bound (a directory of ours). ``children`` is public: callers add their training processes to it.
     """
@@ -146,7 +146,7 @@ class Supervisor:
                  log_dir: str | Path | None = None, ready_timeout_s: float = READY_TIMEOUT_S,
                  grace_s: float = STOP_GRACE_S, interrupted: Callable[[], bool] | None = None) -> None:
         self.notify_dir = Path(notify_dir)
-        self.env = dict(os.environ if env is None else env)
+        self.env = dict(env) if env is not None else None  # None: ours as it is at each start
         self.log_dir = Path(log_dir) if log_dir else None
         self.ready_timeout_s = ready_timeout_s
         self.grace_s = grace_s
@@ -159,7 +159,7 @@ class Supervisor:
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         notify.bind(str(notify_path))
         try:
-            env = dict(self.env, NOTIFY_SOCKET=str(notify_path))
+            env = dict(os.environ if self.env is None else self.env, NOTIFY_SOCKET=str(notify_path))
             pending = [self._spawn(command, env) for command in commands]
             self._wait_ready(notify, pending)
         finally:
