@@ -6,7 +6,7 @@
 
 The driver writes a private cluster file shaped like configs/local.toml (2 workers x 2 processes, one
 colocated server per worker plus one CPU-only server, 4 MiB partitions) with free ports and sockets in a
-temporary directory, starts its daemons with ``bps_worker.launch.Cluster`` and runs this file with
+temporary directory, starts its daemons with ``bps_worker.supervise.Cluster`` and runs this file with
 ``--rank-program`` once per rank (the launcher's environment: BPS_SOCKET, BPS_RANK, ...).
 
 Every rank is both a bps client and a member of one gloo group, so the two systems run alternately in the

@@ -6,7 +6,7 @@
     .venv/bin/python benchmarks/shm_vs_tcp.py --count-copies           # also count np.copyto bytes (instrumented)
     .venv/bin/python benchmarks/shm_vs_tcp.py --write-results          # also append a dated section to RESULTS.md
 
-Two one-box clusters of the same shape run at the same time, written by ``bps_worker.launch.write_config`` and
+Two one-box clusters of the same shape run at the same time, written by ``bps_worker.cluster_file.write_config`` and
 identical except ``[cluster] colocated_shm``: ``true`` in cluster "shm" (a worker pushes the partitions of a
 server on its host as shared-memory references, and that server writes their sums back in place) and ``false`` in
 cluster "tcp" (the same partitions travel over loopback TCP). Which servers count as "on its host" is the worker

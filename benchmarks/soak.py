@@ -8,7 +8,7 @@
 The driver writes a private cluster file shaped like configs/local.toml (2 worker daemons x 2 training
 processes, one Summation Service colocated with each worker plus one CPU-only one) but with small partitions
 (``--partition-bytes``, 256 KiB) so most tensors span several servers, starts the daemons with
-``bps_worker.launch.Cluster`` and one rank process per training process (multiprocessing, spawn).
+``bps_worker.supervise.Cluster`` and one rank process per training process (multiprocessing, spawn).
 
 Every round each rank push_pulls ``--names`` tensors (float32, ``average=False``, all started, then all
 synchronized). Their sizes are drawn from one RNG seeded with ``--seed`` (the same on every rank, so the shapes

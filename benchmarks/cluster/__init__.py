@@ -5,7 +5,7 @@
 - :mod:`.daemons`: :class:`Layout` (which machine runs what), :func:`write_config` (the cluster TOML),
   :class:`Daemons` (``bps-server`` / ``bps-worker`` inside the namespaces, readiness over NOTIFY_SOCKET).
 
-Root only. Used by ``benchmarks/paper_vs_allreduce.py`` and ``tests/test_emulator.py``.
+Root only. Used by ``benchmarks/paper_vs_allreduce.py`` and ``tests/daemons/test_emulator.py``.
 """
 
 from .daemons import Daemons, Layout, write_config
