@@ -1,19 +1,18 @@
-"""The Communication Service: one daemon per machine.
+"""The Communication Service: one daemon per machine, and the wiring of its rooms.
 
-Training processes connect over a Unix socket (control messages only). Their
-tensors live in shared-memory segments that this daemon creates for them. For
-each tensor name the daemon waits for all ``local_size`` processes (a *local
-round*), checks that they agree on the tensor, sums their contributions with
-the summation kernels, pushes the sum's partitions to the servers chosen by
-:mod:`bps_worker.placement`, receives the global sums in place, and copies the
-result into every process's segment before answering ``Done``.
+Training processes connect over a Unix socket (control messages only), each as a
+:class:`~bps_worker.session.ClientSession`; their tensors live in shared-memory segments
+that this daemon creates for them. For each tensor name the daemon collects all
+``local_size`` processes' ops into a *local round* (:mod:`bps_worker.local_rounds`, which
+also numbers the rounds), then runs the round as an :mod:`bps_worker.operation`: local sum,
+pushes of the partitions chosen by :mod:`bps_worker.placement` on the server links
+(:mod:`bps_worker.links`), the global sums received in place and handed back.
 
-Every local round of a name consumes one round number, whether it succeeds or
-fails, so all workers agree on round numbers as long as every process issues
-each name once per round (the contract). Local numbering starts at 0 with every
-job; before a name's first round the daemon asks the server holding the name's
-partition 0 which round that is on the servers (``RoundQuery``), so a machine
-that comes back joins the round the other machines are in.
+``WorkerDaemon`` holds what these share: the config, the links, the sessions, the staging
+and results arenas, the heartbeats, the job's reset and epoch, the metrics, start and stop.
+It carries out the local rounds' decisions (``_execute``) and learns each name's round
+base from the servers (``RoundQuery``), so that a machine that comes back joins the round
+the other machines are in.
 """
 
 from __future__ import annotations
@@ -23,49 +22,27 @@ import logging
 import os
 import secrets
 import socket
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from math import prod
 from typing import Any, Final
 
 import numpy as np
 
-from bps_runtime import kernels, metrics
-from bps_runtime.timeline import Timeline, now_us
-from protocol import PROTOCOL_VERSION, dtypes
-from protocol.config import ClusterConfig
-from protocol.errors import ProtocolError
-from protocol.frames import FrameReader, encode_header
-from protocol.messages import (
-    KIND_BROADCAST,
-    ROLE_CLIENT,
-    Alloc,
-    Allocated,
-    Done,
-    Failure,
-    Message,
-    Op,
-    Ping,
-    Welcome,
-    expect_hello,
-    parse,
-    to_header,
-)
-
-from bps_runtime import cuda
+from bps_runtime import cuda, kernels, metrics
 from bps_runtime import segments as shm
+from bps_runtime.timeline import Timeline
+from protocol.config import ClusterConfig
+from protocol.messages import Failure, Op, Ping
+
 from .errors import BPSError
 from .links import ServerLink
-from .local_rounds import Action, Failed, LocalRound, LocalRounds, Opened, Refused
-from .placement import Placement, interleave
+from .local_rounds import Action, Failed, LocalRound, LocalRounds, Opened, Ready, Refused
+from .operation import run_operation, segment_buffer
+from .placement import Placement
 from .session import ClientSession
 
 log = logging.getLogger("bps.worker")
 
-# Local sums and copies at least this large run in the thread pool, off the event loop.
-OFFLOAD_MIN_BYTES: Final = 1 << 20
-CLIENT_MAX_HEADER_BYTES: Final = 16 * 1024
 # The daemon pings its training processes this often, so that they can tell a stalled daemon.
 CLIENT_PING_INTERVAL_S: Final = 1.0
 
@@ -259,16 +236,17 @@ class WorkerDaemon:
         """Carry out the local rounds' decisions, in order."""
         for action in actions:
             if isinstance(action, Opened):
-                self._round_base(action.round.name, action.round.round)
+                self.round_base(action.round.name, action.round.round)
                 self._watch(action.round)
             elif isinstance(action, Refused):
                 action.member.send(Failure(action.op.req, action.reason, code=action.code))
             elif isinstance(action, Failed):
                 self._failed(action)
-            else:
-                self.spawn(self.run_round(action.round))
+            elif isinstance(action, Ready):
+                self.spawn(run_operation(self, action.round))
 
     def _failed(self, action: Failed[ClientSession]) -> None:
+        """A local round failed: its members hear why, and so do the peers (at the anchor server)."""
         lr, reason = action.round, action.reason
         log.warning("%s", reason)
         for session, op in action.members:
@@ -276,9 +254,9 @@ class WorkerDaemon:
         # Peers on other machines wait for this round at the anchor server: tell them now (before
         # anything else this daemon says, e.g. a Reset, so they learn the real reason).
         if action.server_round is not None:
-            self._abort_at_anchor(lr.name, action.server_round, reason)
+            self.abort_at_anchor(lr.name, action.server_round, reason)
         else:
-            self.spawn(self._abort_when_known(lr.name, lr.round, self._round_base(lr.name, lr.round), reason))
+            self.spawn(self._abort_when_known(lr.name, lr.round, self.round_base(lr.name, lr.round), reason))
 
     def _watch(self, lr: LocalRound[ClientSession]) -> None:
         """Look at an open round after every timeout: fail it if it waits for a process that is not
@@ -296,7 +274,8 @@ class WorkerDaemon:
 
         asyncio.get_running_loop().call_later(timeout, check)
 
-    def _abort_at_anchor(self, name: str, server_round: int, reason: str) -> None:
+    def abort_at_anchor(self, name: str, server_round: int, reason: str) -> None:
+        """Fail round ``server_round`` of ``name`` at the server of its partition 0, where every peer meets."""
         anchor = self.placement.server_ids[self.placement.anchor(name)]
         self.links[anchor].abort(name, 0, server_round, reason)
 
@@ -305,9 +284,9 @@ class WorkerDaemon:
             offset = await base
         except (BPSError, asyncio.CancelledError):
             return  # the anchor is unreachable, or the job is gone: the peers' rounds fail there anyway
-        self._abort_at_anchor(name, local_round + offset, reason)
+        self.abort_at_anchor(name, local_round + offset, reason)
 
-    def _round_base(self, name: str, local_round: int) -> asyncio.Future[int]:
+    def round_base(self, name: str, local_round: int) -> asyncio.Future[int]:
         """The offset from our round numbers of ``name`` to the servers' (asked once per job, and
         again after a failed attempt)."""
         query = self.round_queries.get(name)
@@ -361,145 +340,9 @@ class WorkerDaemon:
             for link in self.links.values():
                 link.release_segments(names)
 
-    async def run_round(self, lr: LocalRound[ClientSession]) -> None:
-        op = lr.first
-        name = lr.name
-        count = prod(op.shape)
-        itemsize = dtypes.ITEMSIZE[op.dtype]
-        nbytes = count * itemsize
-        members = [lr.members[r] for r in sorted(lr.members)]
-        cluster = self.config.cluster
-        started = time.monotonic()
-        server_round: int | None = None
-        pushed = False
-        try:
-            try:
-                server_round = lr.round + await self._round_base(name, lr.round)
-            except (BPSError, asyncio.CancelledError) as exc:
-                self.counters.ops_failed += 1
-                reason = f"tensor {name!r}: cannot learn its round from the servers: {exc or 'job reset'}"
-                for session, o in members:
-                    session.send(Failure(o.req, reason))
-                return
-            storage = kernels.STORAGE[op.dtype]
-            t_sum = now_us()
-            gpu_tensors: list[Any] = []
-            if op.cuda:
-                views = []
-                direct = False
-                bridge = self._cuda_bridge()
-                gpu_tensors = [bridge.open(o.cuda) for _, o in members]
-                buf, segment, base = self._staging_buffer(self.staging, name, nbytes, op.dtype, count)
-                root = self._root_local(op) if op.kind == KIND_BROADCAST else None
-                if op.kind == KIND_BROADCAST and root is None:
-                    await self._prepare(buf, [], op)  # the identity: this machine has no root
-                else:
-                    await asyncio.get_running_loop().run_in_executor(self.executor, bridge.sum_to_host, gpu_tensors,
-                                                                     buf, root)
-            else:
-                views = [np.frombuffer(s.arena.segments[o.segment].buf, dtype=storage, count=count, offset=o.offset)
-                         for s, o in members]
-                direct = len(views) == 1 and (op.kind != KIND_BROADCAST or self._root_local(op) is not None)
-                if direct:
-                    buf, segment, base = views[0], members[0][1].segment, members[0][1].offset
-                else:
-                    buf, segment, base = self._staging_buffer(self.staging, name, nbytes, op.dtype, count)
-                    await self._prepare(buf, views, op)
-            t_push = now_us()
-            out, out_segment, out_base = self._staging_buffer(self.results, name, nbytes, op.dtype, count)
-            divisor = cluster.size if op.average else 1
-            raw = memoryview(buf).cast("B") if nbytes else memoryview(b"")
-            out_raw = memoryview(out).cast("B") if nbytes else memoryview(b"")
-            priority = max(o.priority for _, o in members)
-            # Only the processes that want the result in their slot (a shared array) get it copied there, a
-            # piece at a time as the sums arrive; the others read it from our results segment (Op.handback).
-            slots = [] if gpu_tensors else [v for v, (_, o) in zip(views, members) if o.handback]
-            futures = []
-            for piece in interleave(self.placement.split(name, count, itemsize)):
-                lo, hi = piece.offset * itemsize, (piece.offset + piece.count) * itemsize
-                fields = dict(name=name, part=piece.part, round=server_round, dtype=op.dtype, shape=list(op.shape),
-                              offset=piece.offset, count=piece.count, divisor=divisor, kind=op.kind)
-                future = self.streams[piece.server][piece.stream].push(
-                    fields, raw[lo:hi], out_raw[lo:hi], priority,
-                    shm_ref=(segment, base + lo), out_ref=(out_segment, out_base + lo))
-                if slots and piece.count:
-                    future.add_done_callback(_HandBack(out, slots, piece.offset, piece.offset + piece.count))
-                futures.append((piece, future))
-            pushed = True
-            self.counters.bytes_pushed += nbytes
-            error = await self._wait_pieces(name, server_round, futures)
-            if error is not None:
-                self.counters.ops_failed += 1
-                code = "mismatch" if "mismatch" in error else "error"
-                summed = sum(1 for _, f in futures if f.done() and not f.cancelled() and f.exception() is None)
-                for session, o in members:
-                    note = (f" (the array pushed in place now holds the sums of {summed} of its {len(futures)} "
-                            f"partitions)" if summed and o.handback and slots else "")
-                    session.send(Failure(o.req, error + note, code=code))
-                return
-            self.counters.bytes_pulled += nbytes
-            t_back = now_us()
-            if gpu_tensors:
-                await asyncio.get_running_loop().run_in_executor(self.executor, self._cuda_bridge().copy_back, out,
-                                                                 gpu_tensors)
-            for session, o in members:
-                if o.handback or gpu_tensors:
-                    session.send(Done(o.req))
-                else:
-                    session.send(Done(o.req, out_segment, out_base))
-            if self.timeline is not None:
-                t_end = now_us()
-                self.timeline.span(name, f"round {server_round}", t_sum, t_end, bytes=nbytes, ranks=len(members))
-                if not direct:
-                    self.timeline.span(name, "local sum", t_sum, t_push)
-                self.timeline.span(name, "push-pull", t_push, t_back, pieces=len(futures))
-                self.timeline.span(name, "hand-back", t_back, t_end)
-            self.counters.ops += 1
-            self.counters.op_seconds.observe(time.monotonic() - started)
-        except Exception as exc:  # never leave the processes (or the peers) hanging
-            self.counters.ops_failed += 1
-            if isinstance(exc, BPSError):
-                reason = f"tensor {name!r}: {exc}"
-                log.warning("%s", reason)
-            else:
-                reason = f"tensor {name!r}: internal error in the worker: {exc!r}"
-                log.exception("round %d of %r failed", lr.round, name)
-            for session, o in members:
-                session.send(Failure(o.req, reason))
-            if server_round is not None and not pushed:
-                self._abort_at_anchor(name, server_round, reason)  # peers wait for our pushes there
-
-    async def _wait_pieces(self, name: str, round_: int, futures: list[tuple[Any, asyncio.Future[None]]]
-                           ) -> str | None:
-        """Wait for every piece; on the first failure abandon the rest and return its message."""
-        pending = {f for _, f in futures}
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-            failed = [f for f in done if f.exception() is not None]
-            if failed:
-                exc = failed[0].exception()
-                message = str(exc) if isinstance(exc, BPSError) else f"internal error: {exc!r}"
-                # Tell every server that did not deliver this piece's sum: the peers waiting there
-                # must fail now, not at a timeout (the failing server itself may not know, e.g. when
-                # the connection broke before the push arrived).
-                answers = []
-                for piece, fut in futures:
-                    if fut in pending or fut.cancelled() or fut.exception() is not None:
-                        if not self.streams[piece.server][piece.stream].forget(fut):
-                            answers.append(fut)  # in the server's hands, in our memory: wait for its answer
-                        self.links[piece.server].abort(name, piece.part, round_, message)
-                if answers:
-                    await asyncio.wait(answers)  # the server answers every push; a lost link fails them
-                # A server that went silent with our memory in hand might still write into it.
-                if any(not f.cancelled() and getattr(f.exception(), "unanswered_shm", False) for _, f in futures):
-                    freed = self.results.abandon(name)
-                    if freed is not None:
-                        self.segments_freed([freed])
-                return message
-        return None
-
     # -- helpers ---------------------------------------------------------------------
-    def _cuda_bridge(self) -> cuda.CudaBridge:
+    def cuda_bridge(self) -> cuda.CudaBridge:
+        """The GPU side, made when the first CUDA tensor arrives (BPSError where this daemon has none)."""
         if self._cuda is None:
             try:
                 self._cuda = cuda.CudaBridge()
@@ -510,64 +353,17 @@ class WorkerDaemon:
                 arena.before_release = self._cuda.unpin
         return self._cuda
 
-    def _root_local(self, op: Op) -> int | None:
-        local = op.root - self.rank_offset
-        return local if 0 <= local < self.config.local_size else None
-
-    def _staging_buffer(self, arena: shm.Arena, name: str, nbytes: int, dtype: str, count: int
-                        ) -> tuple[np.ndarray, str, int]:
+    def staging_buffer(self, arena: shm.Arena, name: str, nbytes: int, dtype: str, count: int
+                       ) -> tuple[np.ndarray, str, int]:
         """The array of ``name`` in ``arena``, its segment and its byte offset there."""
         slot, freed = arena.alloc(name, nbytes)
         if freed is not None:
             self.segments_freed([freed])
-        seg = arena.segments[slot.segment]
         if self._cuda is not None:
-            self._cuda.pin(seg)  # copies from and to the GPU are DMA transfers
-        buf = np.frombuffer(seg.buf, dtype=kernels.STORAGE[dtype], count=count, offset=slot.offset)
+            self._cuda.pin(arena.segments[slot.segment])  # copies from and to the GPU are DMA transfers
+        buf = np.frombuffer(segment_buffer(arena, slot.segment), dtype=kernels.STORAGE[dtype], count=count,
+                            offset=slot.offset)
         return buf, slot.segment, slot.offset
-
-    async def _prepare(self, buf: np.ndarray, views: list[np.ndarray], op: Op) -> None:
-        """Fill the staging buffer with this machine's contribution."""
-        if op.kind == KIND_BROADCAST:
-            root = self._root_local(op)
-            if root is not None:
-                await self._run(np.copyto, buf, views[root])
-            else:
-                # -0.0 is the exact identity of float addition (x + -0.0 == x for every x, even +0.0).
-                buf[...] = 0
-                if op.dtype in dtypes.FLOAT_TYPES:
-                    buf[...] = {2: 0x8000, 4: 0x80000000, 8: 0x8000000000000000}[buf.itemsize] \
-                        if op.dtype in dtypes.HALF_TYPES else -0.0
-            return
-        await self._run(kernels.sum_into, buf, views, op.dtype)
-
-    async def _run(self, fn: Any, *args: Any) -> None:
-        nbytes = args[0].nbytes if isinstance(args[0], np.ndarray) else 0
-        if nbytes >= OFFLOAD_MIN_BYTES:
-            await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-        else:
-            fn(*args)
-
-
-class _HandBack:
-    """Done-callback of one piece's future: copy its sum into the slots of the processes that want it
-    there (a shared array pushed in place), while the other pieces are still on the network.
-
-    The piece's input, which may be the same slot, is no longer needed once its sum arrived. An
-    operation that fails leaves such a slot holding some pieces' sums (the error says so).
-    """
-
-    __slots__ = ("out", "slots", "lo", "hi")
-
-    def __init__(self, out: np.ndarray, slots: list[np.ndarray], lo: int, hi: int) -> None:
-        self.out, self.slots, self.lo, self.hi = out, slots, lo, hi
-
-    def __call__(self, future: asyncio.Future[None]) -> None:
-        if future.cancelled() or future.exception() is not None:
-            return
-        part = self.out[self.lo:self.hi]
-        for slot in self.slots:
-            np.copyto(slot[self.lo:self.hi], part)
 
 
 def is_local_address(host: str) -> bool:

@@ -26,13 +26,11 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Generic, Literal, TypeVar, Union
+from typing import Generic, TypeVar, Union
 
-from protocol.messages import KIND_BROADCAST, Op
+from protocol.messages import KIND_BROADCAST, FailureCode, Op
 
 M = TypeVar("M")  # what the daemon answers a process through (its session)
-
-FailureCode = Literal["error", "mismatch", "bad_request"]
 
 
 def describe(op: Op) -> str:

@@ -1,0 +1,390 @@
+"""One local round's collective operation on this machine, stage by stage.
+
+A round whose local processes all submitted and agree (``bps_worker.local_rounds``) runs as an
+``Operation``:
+
+1. *round*: the servers' number of the round (our local number plus the name's base, see RoundQuery);
+2. *gather*: this machine's contribution. The processes' tensors are summed into a staging buffer in
+   shared memory (a broadcast copies the root's tensor, or fills the identity where the root is on
+   another machine). A single process's own slot is pushed directly, with no copy. Where the tensors
+   live is a small strategy: ``CpuPath`` (the processes' shared-memory slots) or ``CudaPath`` (their
+   GPU tensors, opened by CUDA IPC, summed on the GPU and staged in page-locked memory);
+3. *scatter*: the contribution cut into pieces by ``bps_worker.placement`` and pushed on the links,
+   with the sums landing in the name's results buffer;
+4. *wait*: for every piece's sum; on the first failure the rest are abandoned and every server that
+   did not deliver its piece is told (the peers waiting there must fail now, not at a timeout);
+5. *hand back*: each piece's sum is copied into the slots of the processes that want it there (a
+   shared array pushed in place) as soon as it arrives, while the other pieces are still on the
+   network; CUDA results are copied back to the GPU tensors at the end;
+6. *reply*: ``Done`` to every member, or ``Failure`` (after some partitions, saying how many the
+   in-place arrays now hold). Whatever fails, every process gets an answer, and where we never pushed
+   the round is aborted at the anchor server, where the peers on other machines wait for us.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from math import prod
+from typing import TYPE_CHECKING, Any, Callable, Final, Protocol
+
+import numpy as np
+
+from bps_runtime import cuda, kernels
+from bps_runtime import segments as shm
+from bps_runtime.timeline import Timeline, now_us
+from protocol import dtypes
+from protocol.messages import KIND_BROADCAST, Done, Failure, FailureCode, Op
+
+from .errors import BPSError
+from .links import ServerLink
+from .local_rounds import LocalRound
+from .placement import Piece, Placement, interleave
+from .session import ClientSession
+
+if TYPE_CHECKING:
+    from .daemon import WorkerConfig, WorkerCounters
+
+log = logging.getLogger("bps.worker")
+
+# Local sums and copies at least this large run in the thread pool, off the event loop.
+OFFLOAD_MIN_BYTES: Final = 1 << 20
+
+Member = tuple[ClientSession, Op]
+
+
+class OperationHost(Protocol):
+    """What an operation needs from its daemon: the links, the arenas, the thread pool and the counters."""
+
+    config: WorkerConfig
+    counters: WorkerCounters
+    placement: Placement
+    streams: dict[int, list[ServerLink]]  # every server's links, by stream
+    links: dict[int, ServerLink]  # every server's stream 0 (control messages)
+    results: shm.Arena  # per name, where the global sums land
+    staging: shm.Arena  # per name, the machine's local sum
+    executor: ThreadPoolExecutor
+    timeline: Timeline | None
+    rank_offset: int
+
+    def round_base(self, name: str, local_round: int) -> asyncio.Future[int]: ...
+
+    def cuda_bridge(self) -> cuda.CudaBridge: ...
+
+    def staging_buffer(self, arena: shm.Arena, name: str, nbytes: int, dtype: str, count: int
+                       ) -> tuple[np.ndarray, str, int]: ...
+
+    def segments_freed(self, names: list[str]) -> None: ...
+
+    def abort_at_anchor(self, name: str, server_round: int, reason: str) -> None: ...
+
+
+@dataclass
+class Contribution:
+    """What this machine pushes: an array in shared memory, its segment and byte offset there."""
+
+    buf: np.ndarray
+    segment: str
+    base: int
+    direct: bool  # a process's own slot, pushed with no local sum
+
+
+@dataclass
+class Scattered:
+    """The pushes of one operation: each piece's future, and where the sums land."""
+
+    out: np.ndarray
+    out_segment: str
+    out_base: int
+    futures: list[tuple[Piece, asyncio.Future[None]]]
+    slots: list[np.ndarray]  # the slots that get each piece's sum as it arrives
+
+
+async def run_operation(host: OperationHost, lr: LocalRound[ClientSession]) -> None:
+    """Run a ready local round (see ``Operation``)."""
+    await Operation(host, lr).run()
+
+
+class Operation:
+    """One local round's collective, from the local processes' tensors to their answers."""
+
+    def __init__(self, host: OperationHost, lr: LocalRound[ClientSession]) -> None:
+        self.host = host
+        self.name = lr.name
+        self.local_round = lr.round
+        self.op = op = lr.first
+        self.members = lr.ordered()
+        self.count = prod(op.shape)
+        self.itemsize = dtypes.ITEMSIZE[op.dtype]
+        self.nbytes = self.count * self.itemsize
+        local = op.root - host.rank_offset
+        # A broadcast's root as a local rank, None where it is on another machine.
+        self.root = local if op.kind == KIND_BROADCAST and 0 <= local < host.config.local_size else None
+        self.path: CpuPath | CudaPath = CudaPath(self) if op.cuda else CpuPath(self)
+        self.server_round: int | None = None
+        self.pushed = False
+
+    async def run(self) -> None:
+        """The stages in turn; whatever fails, every member gets an answer (see the module docstring)."""
+        started = time.monotonic()
+        counters = self.host.counters
+        try:
+            server_round = await self.learn_round()
+            if server_round is None:
+                return
+            t_sum = now_us()
+            contribution = await self.path.gather()
+            t_push = now_us()
+            scattered = self.scatter(contribution, server_round)
+            error = await self.wait(scattered.futures, server_round)
+            if error is not None:
+                self.reply_failed(error, scattered)
+                return
+            counters.bytes_pulled += self.nbytes
+            t_back = now_us()
+            await self.path.copy_back(scattered.out)
+            self.reply_done(scattered)
+            self.trace(t_sum, t_push, t_back, contribution.direct, len(scattered.futures))
+            counters.ops += 1
+            counters.op_seconds.observe(time.monotonic() - started)
+        except Exception as exc:  # never leave the processes (or the peers) hanging
+            self.reply_error(exc)
+
+    # -- stages ----------------------------------------------------------------------
+    async def learn_round(self) -> int | None:
+        """The servers' number of this round; None (every member answered) if it cannot be learned."""
+        try:
+            self.server_round = self.local_round + await self.host.round_base(self.name, self.local_round)
+            return self.server_round
+        except (BPSError, asyncio.CancelledError) as exc:
+            self.host.counters.ops_failed += 1
+            reason = f"tensor {self.name!r}: cannot learn its round from the servers: {str(exc) or 'job reset'}"
+            for session, o in self.members:
+                session.send(Failure(o.req, reason))
+            return None
+
+    def scatter(self, contribution: Contribution, server_round: int) -> Scattered:
+        """Push every piece on its server's link; the sums land in the name's results buffer."""
+        host, op, name, itemsize = self.host, self.op, self.name, self.itemsize
+        out, out_segment, out_base = host.staging_buffer(host.results, name, self.nbytes, op.dtype, self.count)
+        divisor = host.config.cluster.size if op.average else 1
+        raw = contribution.buf.data.cast("B") if self.nbytes else memoryview(b"")
+        out_raw = out.data.cast("B") if self.nbytes else memoryview(b"")
+        priority = max(o.priority for _, o in self.members)
+        slots = self.path.handback_slots()
+        futures = []
+        for piece in interleave(host.placement.split(name, self.count, itemsize)):
+            lo, hi = piece.offset * itemsize, (piece.offset + piece.count) * itemsize
+            fields = dict(name=name, part=piece.part, round=server_round, dtype=op.dtype, shape=list(op.shape),
+                          offset=piece.offset, count=piece.count, divisor=divisor, kind=op.kind)
+            future = host.streams[piece.server][piece.stream].push(
+                fields, raw[lo:hi], out_raw[lo:hi], priority,
+                shm_ref=(contribution.segment, contribution.base + lo), out_ref=(out_segment, out_base + lo))
+            if slots and piece.count:
+                future.add_done_callback(HandBack(out, slots, piece.offset, piece.offset + piece.count))
+            futures.append((piece, future))
+        self.pushed = True
+        host.counters.bytes_pushed += self.nbytes
+        return Scattered(out, out_segment, out_base, futures, slots)
+
+    async def wait(self, futures: list[tuple[Piece, asyncio.Future[None]]], server_round: int) -> str | None:
+        """Wait for every piece; on the first failure abandon the rest and return its message."""
+        host = self.host
+        pending = {f for _, f in futures}
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [f for f in done if f.exception() is not None]
+            if failed:
+                exc = failed[0].exception()
+                message = str(exc) if isinstance(exc, BPSError) else f"internal error: {exc!r}"
+                # Tell every server that did not deliver this piece's sum: the peers waiting there
+                # must fail now, not at a timeout (the failing server itself may not know, e.g. when
+                # the connection broke before the push arrived).
+                answers = []
+                for piece, fut in futures:
+                    if fut in pending or fut.cancelled() or fut.exception() is not None:
+                        if not host.streams[piece.server][piece.stream].forget(fut):
+                            answers.append(fut)  # in the server's hands, in our memory: wait for its answer
+                        host.links[piece.server].abort(self.name, piece.part, server_round, message)
+                if answers:
+                    await asyncio.wait(answers)  # the server answers every push; a lost link fails them
+                # A server that went silent with our memory in hand might still write into it.
+                if any(not f.cancelled() and getattr(f.exception(), "unanswered_shm", False) for _, f in futures):
+                    freed = host.results.abandon(self.name)
+                    if freed is not None:
+                        host.segments_freed([freed])
+                return message
+        return None
+
+    # -- replies ---------------------------------------------------------------------
+    def reply_done(self, scattered: Scattered) -> None:
+        for session, o in self.members:
+            session.send(self.path.done(o, scattered.out_segment, scattered.out_base))
+
+    def reply_failed(self, error: str, scattered: Scattered) -> None:
+        """Some piece failed: every member hears why, and one whose array was pushed in place how many
+        partitions it now holds the sums of."""
+        self.host.counters.ops_failed += 1
+        code: FailureCode = "mismatch" if "mismatch" in error else "error"
+        futures = scattered.futures
+        summed = sum(1 for _, f in futures if f.done() and not f.cancelled() and f.exception() is None)
+        for session, o in self.members:
+            note = (f" (the array pushed in place now holds the sums of {summed} of its {len(futures)} "
+                    f"partitions)" if summed and o.handback and scattered.slots else "")
+            session.send(Failure(o.req, error + note, code=code))
+
+    def reply_error(self, exc: Exception) -> None:
+        """Any other failure: every member hears it, and the peers too where we never pushed."""
+        self.host.counters.ops_failed += 1
+        if isinstance(exc, BPSError):
+            reason = f"tensor {self.name!r}: {exc}"
+            log.warning("%s", reason)
+        else:
+            reason = f"tensor {self.name!r}: internal error in the worker: {exc!r}"
+            log.exception("round %d of %r failed", self.local_round, self.name)
+        for session, o in self.members:
+            session.send(Failure(o.req, reason))
+        if self.server_round is not None and not self.pushed:
+            self.host.abort_at_anchor(self.name, self.server_round, reason)  # peers wait for our pushes there
+
+    def trace(self, t_sum: int, t_push: int, t_back: int, direct: bool, pieces: int) -> None:
+        timeline = self.host.timeline
+        if timeline is None:
+            return
+        t_end = now_us()
+        timeline.span(self.name, f"round {self.server_round}", t_sum, t_end, bytes=self.nbytes,
+                      ranks=len(self.members))
+        if not direct:
+            timeline.span(self.name, "local sum", t_sum, t_push)
+        timeline.span(self.name, "push-pull", t_push, t_back, pieces=pieces)
+        timeline.span(self.name, "hand-back", t_back, t_end)
+
+    # -- memory ----------------------------------------------------------------------
+    def staging(self) -> tuple[np.ndarray, str, int]:
+        """The name's staging buffer: where the local sum goes."""
+        return self.host.staging_buffer(self.host.staging, self.name, self.nbytes, self.op.dtype, self.count)
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run a sum or copy over ``args[0]`` in the thread pool if it is large, else right here."""
+        nbytes = args[0].nbytes if isinstance(args[0], np.ndarray) else 0
+        if nbytes >= OFFLOAD_MIN_BYTES:
+            await asyncio.get_running_loop().run_in_executor(self.host.executor, fn, *args)
+        else:
+            fn(*args)
+
+    async def contribute(self, buf: np.ndarray, views: list[np.ndarray]) -> None:
+        """Fill the staging buffer with this machine's contribution from the processes' arrays."""
+        op = self.op
+        if op.kind != KIND_BROADCAST:
+            await self.off_loop(kernels.sum_into, buf, views, op.dtype)
+        elif self.root is not None:
+            await self.off_loop(np.copyto, buf, views[self.root])
+        else:
+            fill_identity(buf, op.dtype)
+
+
+class CpuPath:
+    """Tensors in the processes' shared-memory slots (``Op.segment``/``Op.offset``)."""
+
+    def __init__(self, operation: Operation) -> None:
+        self.operation = operation
+        self.views: list[np.ndarray] = []
+
+    async def gather(self) -> Contribution:
+        """The processes' arrays; one process's own slot is pushed as it is (the direct path)."""
+        o = self.operation
+        storage = kernels.STORAGE[o.op.dtype]
+        self.views = [np.frombuffer(segment_buffer(s.arena, m.segment), dtype=storage, count=o.count, offset=m.offset)
+                      for s, m in o.members]
+        if len(self.views) == 1 and (o.op.kind != KIND_BROADCAST or o.root is not None):
+            member = o.members[0][1]
+            return Contribution(self.views[0], member.segment, member.offset, direct=True)
+        buf, segment, base = o.staging()
+        await o.contribute(buf, self.views)
+        return Contribution(buf, segment, base, direct=False)
+
+    def handback_slots(self) -> list[np.ndarray]:
+        """Only the processes that want the result in their slot (a shared array) get it copied there, a
+        piece at a time as the sums arrive; the others read it from our results segment (Op.handback)."""
+        return [v for v, (_, m) in zip(self.views, self.operation.members) if m.handback]
+
+    async def copy_back(self, out: np.ndarray) -> None:
+        """Nothing left: the slots got their pieces as they arrived."""
+
+    def done(self, op: Op, out_segment: str, out_base: int) -> Done:
+        return Done(op.req) if op.handback else Done(op.req, out_segment, out_base)
+
+
+class CudaPath:
+    """Tensors on the processes' GPUs (``Op.cuda``): summed there into page-locked staging memory."""
+
+    def __init__(self, operation: Operation) -> None:
+        self.operation = operation
+        self.tensors: list[Any] = []
+
+    async def gather(self) -> Contribution:
+        o = self.operation
+        bridge = o.host.cuda_bridge()  # BPSError where this daemon cannot do CUDA
+        self.tensors = [bridge.open(m.cuda) for _, m in o.members]
+        buf, segment, base = o.staging()
+        if o.op.kind == KIND_BROADCAST and o.root is None:
+            await o.contribute(buf, [])  # the identity: this machine has no root
+        else:
+            await asyncio.get_running_loop().run_in_executor(o.host.executor, bridge.sum_to_host, self.tensors, buf,
+                                                             o.root)
+        return Contribution(buf, segment, base, direct=False)
+
+    def handback_slots(self) -> list[np.ndarray]:
+        return []  # the sums go back to the GPUs at the end (copy_back)
+
+    async def copy_back(self, out: np.ndarray) -> None:
+        o = self.operation
+        await asyncio.get_running_loop().run_in_executor(o.host.executor, o.host.cuda_bridge().copy_back, out,
+                                                         self.tensors)
+
+    def done(self, op: Op, out_segment: str, out_base: int) -> Done:
+        return Done(op.req)
+
+
+class HandBack:
+    """Done-callback of one piece's future: copy its sum into the slots of the processes that want it
+    there (a shared array pushed in place), while the other pieces are still on the network.
+
+    The piece's input, which may be the same slot, is no longer needed once its sum arrived. An
+    operation that fails leaves such a slot holding some pieces' sums (the error says so).
+    """
+
+    __slots__ = ("out", "slots", "lo", "hi")
+
+    def __init__(self, out: np.ndarray, slots: list[np.ndarray], lo: int, hi: int) -> None:
+        self.out, self.slots, self.lo, self.hi = out, slots, lo, hi
+
+    def __call__(self, future: asyncio.Future[None]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        part = self.out[self.lo:self.hi]
+        for slot in self.slots:
+            np.copyto(slot[self.lo:self.hi], part)
+
+
+def fill_identity(buf: np.ndarray, dtype: str) -> None:
+    """The contribution of a machine with no broadcast root: the identity of addition.
+
+    -0.0 is the exact identity of float addition (x + -0.0 == x for every x, even +0.0); half types
+    are stored as 16-bit integers, so their -0.0 is written as its bits.
+    """
+    buf[...] = 0
+    if dtype in dtypes.FLOAT_TYPES:
+        buf[...] = {2: 0x8000, 4: 0x80000000, 8: 0x8000000000000000}[buf.itemsize] \
+            if dtype in dtypes.HALF_TYPES else -0.0
+
+
+def segment_buffer(arena: shm.Arena, segment: str) -> memoryview:
+    """The memory of one of a process's segments (checked to exist when its Op arrived)."""
+    buf = arena.segments[segment].buf
+    if buf is None:
+        raise BPSError(f"segment {segment!r} is closed")
+    return buf
