@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import secrets
 from multiprocessing.shared_memory import SharedMemory
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Final
@@ -210,9 +209,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         worker sends; None when the push was failed (a segment this server cannot map)."""
         if push.worker != self.worker:
             raise ProtocolError(f"worker {self.worker} pushed as worker {push.worker}")
-        total = math.prod(push.shape)
-        if push.offset + push.count > total:
-            raise ProtocolError(f"push of {push.name!r} part {push.part} exceeds its tensor's {total} elements")
+        push.check_extent()
         if push.segment:
             return self._shm_data(push, payload)
         if push.payload_nbytes != (payload.nbytes if payload is not None else 0):
