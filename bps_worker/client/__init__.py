@@ -49,6 +49,7 @@ __all__ = [
     "BPSError", "BPSConnectionError", "BPSMismatchError", "BPSTimeoutError", "Handle",
     "init", "shutdown", "rank", "size", "local_rank", "local_size",
     "push_pull", "push_pull_async", "poll", "synchronize", "broadcast", "is_initialized", "shared_array",
+    "NUMPY_DTYPES", "dtype_name",
 ]
 
 _conn: Operations | None = None
@@ -84,6 +85,7 @@ def init(socket: str | None = None, local_rank: int | None = None, timeout: floa
 
 
 def is_initialized() -> bool:
+    """Whether :func:`init` connected this process (and :func:`shutdown` has not been called since)."""
     return _conn is not None
 
 
@@ -107,10 +109,12 @@ def size() -> int:
 
 
 def local_rank() -> int:
+    """Rank of this process on its machine (0 .. local_size() - 1)."""
     return _operations().local_rank
 
 
 def local_size() -> int:
+    """Training processes on this machine."""
     return _operations().local_size
 
 
