@@ -128,7 +128,7 @@ class CudaBridge:
     # -- page-locked shared memory --------------------------------------------------------
     def pin(self, seg: SharedMemory) -> None:
         """Page-lock a staging segment so that copies to and from the GPU are DMA transfers."""
-        address = ctypes.addressof(ctypes.c_char.from_buffer(seg.buf))
+        address = ctypes.addressof(ctypes.c_char.from_buffer(seg.buf))  # type: ignore[arg-type]  # open segment
         if address in self._pinned:
             return
         code = self.torch.cuda.cudart().cudaHostRegister(address, seg.size, 0)

@@ -213,7 +213,7 @@ def _cpu_converts_half() -> bool:
     """
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64", "i686", "x86"):
-        features = numba.config.CPU_FEATURES or codegen.get_host_cpu_features()
+        features = numba.config.CPU_FEATURES or codegen.get_host_cpu_features()  # type: ignore[attr-defined]
         return "+f16c" in features.split(",")
     return machine in ("aarch64", "arm64")
 
@@ -393,7 +393,7 @@ def _round_bf16(out, acc, divisor):  # type: ignore[no-untyped-def]
 @_jit
 def _block(address, lo, m, like):  # type: ignore[no-untyped-def]
     """Elements ``lo:lo+m`` of the contiguous array at ``address``, with ``like``'s dtype."""
-    return numba.carray(_voidptr(address + lo * like.itemsize), m, like.dtype)
+    return numba.carray(_voidptr(address + lo * like.itemsize), m, like.dtype)  # type: ignore[call-arg]
 
 
 @_jit

@@ -221,7 +221,9 @@ class Arena:
         release(seg, unlink=True)
 
     def view(self, slot: Slot) -> memoryview:
-        return self.segments[slot.segment].buf[slot.offset:slot.offset + slot.capacity]
+        buf = self.segments[slot.segment].buf
+        assert buf is not None  # typeshed: None only once closed, and the arena closes nothing it holds
+        return buf[slot.offset:slot.offset + slot.capacity]
 
     def _new_segment(self, nbytes: int) -> SharedMemory:
         seg = create_segment(segment_name(self.worker_id), nbytes, self.mode)
