@@ -144,27 +144,48 @@ def parse_config(data: dict[str, Any], source: str = "<memory>") -> ClusterConfi
     cluster = data.get("cluster")
     if not isinstance(cluster, dict):
         raise ConfigError(f"{source}: missing required table [cluster]")
-    c = _check_table(cluster, _CLUSTER_KEYS, "cluster", source)
-    workers = c["workers"]
-    _positive(workers, "cluster.workers", source)
-    partition_bytes = c.get("partition_bytes", DEFAULT_PARTITION_BYTES)
+    c = _parse_cluster_table(cluster, source)
+    worker_specs = _parse_workers(data, c["workers"], source)
+    servers = _parse_servers(data, [w.id for w in worker_specs], source)
+    return ClusterConfig(
+        workers=c["workers"],
+        servers=tuple(sorted(servers, key=lambda s: s.id)),
+        worker_specs=tuple(sorted(worker_specs, key=lambda w: w.id)),
+        partition_bytes=c["partition_bytes"],
+        token_file=c.get("token_file"),
+        timeout=c["timeout"],
+        credit_bytes=c["credit_bytes"],
+        max_payload_bytes=c["max_payload_bytes"],
+        colocated_shm=c.get("colocated_shm", True),
+        deterministic=c.get("deterministic", False),
+        window_pieces=c["window_pieces"],
+        source=source,
+    )
+
+
+def _parse_cluster_table(cluster: dict[str, Any], source: str) -> dict[str, Any]:
+    """The [cluster] table's keys, checked, with every default filled in."""
+    c = dict(_check_table(cluster, _CLUSTER_KEYS, "cluster", source))  # a copy: defaults go in, not the caller's
+    _positive(c["workers"], "cluster.workers", source)
+    partition_bytes = c.setdefault("partition_bytes", DEFAULT_PARTITION_BYTES)
     _positive(partition_bytes, "cluster.partition_bytes", source)
-    timeout = float(c.get("timeout", DEFAULT_TIMEOUT_S))
+    timeout = c["timeout"] = float(c.get("timeout", DEFAULT_TIMEOUT_S))
     if not (math.isfinite(timeout) and MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S):
         raise ConfigError(f"{source}: cluster.timeout must be between {MIN_TIMEOUT_S:g} and {MAX_TIMEOUT_S:g} "
                           f"seconds, got {timeout}")
-    credit_bytes = c.get("credit_bytes", DEFAULT_CREDIT_BYTES)
-    _positive(credit_bytes, "cluster.credit_bytes", source)
-    max_payload = c.get("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES)
+    _positive(c.setdefault("credit_bytes", DEFAULT_CREDIT_BYTES), "cluster.credit_bytes", source)
+    max_payload = c.setdefault("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES)
     _positive(max_payload, "cluster.max_payload_bytes", source)
-    window_pieces = c.get("window_pieces", DEFAULT_WINDOW_PIECES)
-    _non_negative(window_pieces, "cluster.window_pieces", source)
+    _non_negative(c.setdefault("window_pieces", DEFAULT_WINDOW_PIECES), "cluster.window_pieces", source)
     if max_payload < partition_bytes:
         raise ConfigError(
             f"{source}: cluster.max_payload_bytes ({max_payload}) is smaller than cluster.partition_bytes "
             f"({partition_bytes})"
         )
+    return c
 
+
+def _parse_workers(data: dict[str, Any], workers: int, source: str) -> list[WorkerSpec]:
     worker_specs = []
     for i, table in enumerate(_array_of_tables(data, "worker", source)):
         w = _check_table(table, _WORKER_KEYS, f"worker[{i}]", source)
@@ -182,36 +203,26 @@ def parse_config(data: dict[str, Any], source: str = "<memory>") -> ClusterConfi
             f"{source}: cluster.workers = {workers} needs [[worker]] tables with ids 0..{workers - 1}, "
             f"found ids {sorted(ids)}"
         )
+    return worker_specs
 
+
+def _parse_servers(data: dict[str, Any], worker_ids: list[int], source: str) -> list[ServerSpec]:
     servers = []
     for i, table in enumerate(_array_of_tables(data, "server", source)):
         s = _check_table(table, _SERVER_KEYS, f"server[{i}]", source)
         _non_negative(s["id"], f"server[{i}].id", source)
         host, port = _parse_address(s["address"], f"server[{i}].address", source)
         link = s.get("worker")
-        if link is not None and link not in ids:
-            raise ConfigError(f"{source}: server[{i}].worker = {link} names no [[worker]] id (ids: {sorted(ids)})")
+        if link is not None and link not in worker_ids:
+            raise ConfigError(f"{source}: server[{i}].worker = {link} names no [[worker]] id "
+                              f"(ids: {sorted(worker_ids)})")
         metrics = _parse_address(s["metrics"], f"server[{i}].metrics", source) if "metrics" in s else None
         servers.append(ServerSpec(s["id"], host, port, link, metrics))
     if not servers:
         raise ConfigError(f"{source}: at least one [[server]] table is required")
     _no_duplicates([s.id for s in servers], "server id", source)
     _no_duplicates([(s.host, s.port) for s in servers], "server address", source)
-
-    return ClusterConfig(
-        workers=workers,
-        servers=tuple(sorted(servers, key=lambda s: s.id)),
-        worker_specs=tuple(sorted(worker_specs, key=lambda w: w.id)),
-        partition_bytes=partition_bytes,
-        token_file=c.get("token_file"),
-        timeout=timeout,
-        credit_bytes=credit_bytes,
-        max_payload_bytes=max_payload,
-        colocated_shm=c.get("colocated_shm", True),
-        deterministic=c.get("deterministic", False),
-        window_pieces=window_pieces,
-        source=source,
-    )
+    return servers
 
 
 def _check_table(table: Any, keys: dict[str, tuple[Any, bool]], where: str, source: str) -> dict[str, Any]:
