@@ -126,9 +126,8 @@ def interleave(pieces: list[Piece]) -> list[Piece]:
     stream), then the second of every flow, and so on; each flow keeps its pieces' order.
 
     Issued in range order, the first flows' pieces fill the uplink's queue before the last flows get
-    a byte out, and a server's first sum waits for every worker's first piece into it. Measured on
-    emulated links (k=4, 2026-11-30): a CPU-only server's first sum left 35-75 ms after the start in
-    range order, 29-49 ms interleaved, and 6-20 ms with the smaller first pieces (``Placement._sizes``).
+    a byte out, and a server's first sum waits for every worker's first piece into it; interleaved,
+    every server gets its first piece at once (figures in benchmarks/RESULTS.md).
     """
     flows: dict[tuple[int, int], int] = {}
     rank: list[int] = []
