@@ -54,19 +54,21 @@ from .rounds import (
     StartGrace,
     SumAll,
     Token,
+    Why,
     describe,
 )
 
-__all__ = ["INLINE_SUM_MAX_BYTES", "Aggregator", "Contributor", "Counters", "FailFn", "Key", "ReplyFn", "describe"]
+__all__ = ["INLINE_SUM_MAX_BYTES", "Aggregator", "Contributor", "Counters", "FailFn", "Key", "ReplyFn", "Why",
+           "describe"]
 
 log = logging.getLogger("bps.server.aggregator")
 
 # Partitions smaller than this are summed on the event loop; the thread hop costs more.
 INLINE_SUM_MAX_BYTES: Final = 256 * 1024
 
-# reply(push, result bytes) on success; fail(push, message) on failure.
+# reply(push, result bytes) on success; fail(push, why) on failure (why: its text, code and facts).
 ReplyFn = Callable[[Push, np.ndarray], None]
-FailFn = Callable[[Push, str], None]
+FailFn = Callable[[Push, Why], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,13 +204,13 @@ class Aggregator:
         work: list[Add | SumAll] = []
         for action in actions:
             if isinstance(action, Fail):
-                action.handle.fail(action.push, action.reason)
+                action.handle.fail(action.push, action.why)
             elif isinstance(action, FailRound):
                 log.warning("%s", action.reason)
                 self.counters.rounds_failed += 1
                 self._drop_sum(action.key)
                 for f in action.fails:
-                    f.handle.fail(f.push, f.reason)
+                    f.handle.fail(f.push, f.why)
             elif isinstance(action, Answer):
                 for waiter in action.waiters:
                     waiter.handle.reply(waiter.push, action.result)

@@ -19,11 +19,9 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Final
 import numpy as np
 
 from protocol import PROTOCOL_VERSION
-from protocol.errors import ProtocolError
-from protocol.frames import DEFAULT_MAX_HEADER_BYTES, FrameReader, encode_header
+from protocol.errors import ProtocolError, RemoteProtocolError
+from protocol.frames import DEFAULT_MAX_HEADER_BYTES, BatchWriter, FrameReader, encode_frame
 from protocol.messages import (
-    BATCH_HEADER_BUDGET,
-    MAX_BATCH_ITEMS,
     ROLE_OBSERVER,
     ROLE_WORKER,
     Abort,
@@ -42,13 +40,10 @@ from protocol.messages import (
     Stats,
     StatsRequest,
     Welcome,
-    batch_header,
     check_auth,
-    estimated_header_bytes,
     expect_hello,
     parse,
     split_batch,
-    to_header,
 )
 
 from bps_runtime import kernels
@@ -56,6 +51,7 @@ from bps_runtime.lowat import ReceiveLowWater
 from bps_runtime.segments import attach_segment, owned_by, release
 
 from .aggregator import INLINE_SUM_MAX_BYTES
+from .rounds import Why
 
 if TYPE_CHECKING:
     from .server import SummationServer
@@ -98,9 +94,9 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.closed = False
         self.shm = False  # the worker shares this host and its memory (see Hello.shm)
         self.segments: dict[str, SharedMemory] = {}  # the worker's segments this connection mapped
-        self._outbox: list[tuple[Message, np.ndarray | None]] = []
-        self._outbox_header_bytes = 0
-        self._outbox_payload_bytes = 0
+        # Small replies of one loop iteration, sent as one Batch frame (see send).
+        self._outbox = BatchWriter(max_payload_bytes=server.config.cluster.max_payload_bytes,
+                                   item_max_bytes=BATCH_REPLY_MAX_BYTES)
 
     # -- asyncio.BufferedProtocol ----------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -152,7 +148,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         """One message from the peer: the handshake's, an observer's, or a worker's (see HANDLERS)."""
         if self.observer:
             if not isinstance(message, StatsRequest):
-                raise ProtocolError(f"an observer may only send stats requests, not {message.TYPE}")
+                raise RemoteProtocolError(f"an observer may only send stats requests, not {message.TYPE}")
             self.on_stats_request(message, payload)
             return
         if self.worker is None:
@@ -160,7 +156,7 @@ class ServerConnection(asyncio.BufferedProtocol):
             return
         handler = self.HANDLERS.get(type(message))
         if handler is None:
-            raise ProtocolError(f"unexpected {message.TYPE} message from worker {self.worker}")
+            raise RemoteProtocolError(f"unexpected {message.TYPE} message from worker {self.worker}")
         handler(self, message, payload)
 
     def on_batch(self, batch: Batch, payload: memoryview | None) -> None:
@@ -195,7 +191,7 @@ class ServerConnection(asyncio.BufferedProtocol):
 
     def on_reset(self, reset: Reset, payload: memoryview | None) -> None:
         if reset.worker != self.worker:
-            raise ProtocolError(f"worker {self.worker} sent a reset for worker {reset.worker}")
+            raise RemoteProtocolError(f"worker {self.worker} sent a reset for worker {reset.worker}")
         failed = self.server.aggregator.worker_reset(reset.worker, reset.epoch)
         log.info("worker %d has no training processes; %d pending rounds failed", reset.worker, failed)
 
@@ -205,16 +201,18 @@ class ServerConnection(asyncio.BufferedProtocol):
     # -- pushes ----------------------------------------------------------------------
     def push_data(self, push: Push, payload: memoryview | None) -> np.ndarray | None:
         """The one check of a push against this connection, and its data: the payload, or a view of
-        the colocated worker's shared memory (``push.segment``). ProtocolError for a push no honest
+        the colocated worker's shared memory (``push.segment``). RemoteProtocolError for a push no honest
         worker sends; None when the push was failed (a segment this server cannot map)."""
         if push.worker != self.worker:
-            raise ProtocolError(f"worker {self.worker} pushed as worker {push.worker}")
+            raise RemoteProtocolError(f"worker {self.worker} pushed as worker {push.worker}")
         push.check_extent()
         if push.segment:
             return self._shm_data(push, payload)
         if push.payload_nbytes != (payload.nbytes if payload is not None else 0):
-            raise ProtocolError(f"push of {push.name!r} part {push.part} announces {push.count} {push.dtype} "
-                                f"elements but carries {0 if payload is None else payload.nbytes} bytes")
+            raise RemoteProtocolError(f"push of {push.name!r} part {push.part} announces {push.count} {push.dtype} "
+                                      f"elements but carries {0 if payload is None else payload.nbytes} bytes",
+                                      what="push payload", size=0 if payload is None else payload.nbytes,
+                                      limit=push.payload_nbytes)
         if payload is None:
             return np.empty(0, dtype=kernels.STORAGE[push.dtype])
         return kernels.as_array(payload, push.dtype)
@@ -223,23 +221,25 @@ class ServerConnection(asyncio.BufferedProtocol):
         """A view of the push's partition in the worker's segment; both named segments mapped and
         checked to be the worker's and large enough (the sum is written to the second)."""
         if not self.shm:
-            raise ProtocolError(f"push of {push.name!r} names shared memory, but this connection has none")
+            raise RemoteProtocolError(f"push of {push.name!r} names shared memory, but this connection has none")
         if payload is not None and payload.nbytes:
-            raise ProtocolError(f"push of {push.name!r} names shared memory and also carries a payload")
+            raise RemoteProtocolError(f"push of {push.name!r} names shared memory and also carries a payload")
         segments = []
         for name, offset in ((push.segment, push.seg_offset), (push.out_segment, push.out_offset)):
             if not owned_by(name, push.worker):
-                raise ProtocolError(f"push of {push.name!r} names segment {name!r}, not one of worker "
-                                    f"{push.worker}'s")
+                raise RemoteProtocolError(f"push of {push.name!r} names segment {name!r}, not one of worker "
+                                          f"{push.worker}'s")
             seg = self.segments.get(name)
             if seg is None:
                 try:
                     seg = self.segments[name] = attach_segment(name)
                 except OSError as exc:
-                    self.fail(push, f"server cannot map shared memory {name!r} of {push.name!r}: {exc}")
+                    self.fail(push, Why(f"server cannot map shared memory {name!r} of {push.name!r}: {exc}"))
                     return None
             if offset + push.payload_nbytes > seg.size:
-                raise ProtocolError(f"push of {push.name!r} part {push.part} runs past the end of segment {name!r}")
+                raise RemoteProtocolError(f"push of {push.name!r} part {push.part} runs past the end of segment "
+                                          f"{name!r}", what=f"segment {name!r} extent",
+                                          size=offset + push.payload_nbytes, limit=seg.size)
             segments.append(seg)
         return np.frombuffer(_mapped(segments[0]), dtype=kernels.STORAGE[push.dtype], count=push.count,
                              offset=push.seg_offset)
@@ -330,53 +330,31 @@ class ServerConnection(asyncio.BufferedProtocol):
         del dest
         self.send(Result(push.req, push.name, push.part, push.round, inplace=True))
 
-    def fail(self, push: Push, message: str) -> None:
-        self.send(Failure(push.req, message, code="round_failed"))
+    def fail(self, push: Push, why: Why) -> None:
+        """Tell the push's sender that it failed: the text, code and facts of ``why``."""
+        self.send(why.for_push(push).failure(push.req))
 
     def send(self, message: Message, payload: np.ndarray | None = None) -> None:
         if self.closed or self.transport is None or self.transport.is_closing():
             return
-        if isinstance(message, (Result, Failure, RoundInfo)) and message.req >= 0 and \
-                (payload is None or payload.nbytes <= BATCH_REPLY_MAX_BYTES):
+        nbytes = 0 if payload is None else payload.nbytes
+        if isinstance(message, (Result, Failure, RoundInfo)) and message.req >= 0 and self._outbox.batchable(nbytes):
             # Many small rounds complete in one loop iteration (thousands of tiny tensors):
             # answer them in one frame.
-            nbytes = 0 if payload is None else payload.nbytes
-            if self._outbox_payload_bytes + nbytes > self.server.config.cluster.max_payload_bytes:
+            if not self._outbox.fits(nbytes):
                 self._flush()  # a batch is one frame: the peer's payload limit holds for it too
-            if not self._outbox:
+            if not len(self._outbox):
                 asyncio.get_running_loop().call_soon(self._flush)
-            self._outbox.append((message, payload))
-            self._outbox_header_bytes += estimated_header_bytes(message)
-            self._outbox_payload_bytes += nbytes
-            if len(self._outbox) >= MAX_BATCH_ITEMS or self._outbox_header_bytes >= BATCH_HEADER_BUDGET:
+            if self._outbox.add(message, payload):
                 self._flush()
             return
-        self._write(message, payload)
+        self.transport.writelines(encode_frame(message, payload,
+                                               max_payload_bytes=self.server.config.cluster.max_payload_bytes))
 
     def _flush(self) -> None:
-        outbox, self._outbox = self._outbox, []
-        self._outbox_header_bytes = 0
-        self._outbox_payload_bytes = 0
-        if not outbox or self.closed or self.transport is None or self.transport.is_closing():
-            return
-        if len(outbox) == 1:
-            self._write(*outbox[0])
-            return
-        parts = [(m, 0 if p is None else p.nbytes) for m, p in outbox]
-        payload = b"".join(p.data.cast("B") for _, p in outbox if p is not None and p.nbytes)
-        head = encode_header(batch_header(parts), len(payload),
-                             max_payload_bytes=self.server.config.cluster.max_payload_bytes)
-        self.transport.writelines([head, payload])
-
-    def _write(self, message: Message, payload: np.ndarray | None) -> None:
-        assert self.transport is not None
-        nbytes = 0 if payload is None else payload.nbytes
-        head = encode_header(to_header(message), nbytes,
-                             max_payload_bytes=self.server.config.cluster.max_payload_bytes)
-        if payload is None or nbytes == 0:
-            self.transport.write(head)
-        else:
-            self.transport.writelines([head, payload.data.cast("B")])
+        buffers = self._outbox.flush()
+        if buffers and not (self.closed or self.transport is None or self.transport.is_closing()):
+            self.transport.writelines(buffers)
 
     def protocol_error(self, reason: str) -> None:
         who = f"worker {self.worker}" if self.worker is not None else "unidentified peer"

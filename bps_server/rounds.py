@@ -62,13 +62,13 @@ open one, so a stale sum is dropped without the driver knowing why.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Generic, TypeVar, Union
 
 import numpy as np
 
 from protocol import dtypes
-from protocol.messages import Push
+from protocol.messages import Failure, FailureCode, Push
 
 Key = tuple[str, int]
 W = TypeVar("W")
@@ -88,6 +88,55 @@ def describe(push: Push) -> str:
 def descriptor(push: Push) -> tuple[object, ...]:
     """What every push of one round must agree on."""
     return (push.dtype, tuple(push.shape), push.offset, push.count, push.divisor, push.kind)
+
+
+# -- why a round failed --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Why:
+    """Why a push or a round failed: ``text`` for people and logs, and the ``code`` and facts of the
+    :class:`~protocol.messages.Failure` the worker builds its typed error from (never from the text).
+
+    ``detail`` is what that typed error says after its facts. A mismatch keeps the two pushes that
+    disagree (``sides``) so that each push's failure says ``ours`` (its own descriptor) and ``theirs``
+    (the other one): :meth:`for_push`.
+    """
+
+    text: str
+    code: FailureCode = "round_failed"
+    name: str = ""
+    ours: str = ""
+    theirs: str = ""
+    peer: str = ""
+    what: str = ""
+    timeout_s: float = 0.0
+    detail: str = ""
+    sides: tuple[Push, Push] | None = None
+
+    @classmethod
+    def mismatch(cls, first: Push, other: Push) -> Why:
+        detail = f"worker {first.worker} pushed {describe(first)} but worker {other.worker} pushed {describe(other)}"
+        return cls(f"tensor {first.name!r} mismatch: {detail}", "mismatch", name=first.name, detail=detail,
+                   sides=(first, other))
+
+    @classmethod
+    def worker_gone(cls, worker: int, text: str) -> Why:
+        """A worker that is needed left (disconnected, or its training processes did)."""
+        return cls(text, "connection", peer=f"worker {worker}", detail=text)
+
+    def for_push(self, push: Push) -> Why:
+        """This failure as ``push``'s sender hears it (a mismatch: its side is ``ours``)."""
+        if self.sides is None:
+            return self
+        first, other = self.sides
+        theirs = first if descriptor(push) != descriptor(first) else other
+        return replace(self, ours=describe(push), theirs=describe(theirs), sides=None)
+
+    def failure(self, req: int) -> Failure:
+        """The Failure that tells request ``req`` (the connection sends it)."""
+        return Failure(req, self.text, code=self.code, name=self.name, ours=self.ours, theirs=self.theirs,
+                       peer=self.peer, what=self.what, timeout_s=self.timeout_s, detail=self.detail)
 
 
 # -- what the table holds ------------------------------------------------------------
@@ -144,8 +193,8 @@ class Round(Generic[W]):
     waiters: dict[int, Waiter[W]] = field(default_factory=dict)  # worker -> its push of this round
     added: int = 0  # contributions the driver has summed into the accumulator
     held: dict[int, tuple[np.ndarray, bool]] = field(default_factory=dict)  # one-pass sums: worker -> (data, borrowed)
-    failed: str | None = None
-    previous_failure: tuple[int, str] | None = None  # (round, why) of the round before, if it failed
+    failed: Why | None = None
+    previous_failure: tuple[int, Why] | None = None  # (round, why) of the round before, if it failed
     restart: Restart[W] = field(default_factory=Restart)
 
     @property
@@ -163,11 +212,15 @@ class Round(Generic[W]):
 
 @dataclass(frozen=True, slots=True)
 class Fail(Generic[W]):
-    """Fail one push with ``reason`` (a stale or duplicate push, or one of a failed round)."""
+    """Fail one push because of ``why`` (a stale or duplicate push, or one of a failed round)."""
 
     push: Push
     handle: W
-    reason: str
+    why: Why
+
+    @property
+    def reason(self) -> str:
+        return self.why.text
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,8 +229,12 @@ class FailRound(Generic[W]):
 
     key: Key
     round: int
-    reason: str
+    why: Why
     fails: tuple[Fail[W], ...]
+
+    @property
+    def reason(self) -> str:
+        return self.why.text
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,17 +355,18 @@ class RoundTable(Generic[W]):
         st = self.keys.get(key) or self._open(key, push.round)
         if push.round < st.round:
             if st.previous_failure is not None and st.previous_failure[0] == push.round:
-                return [Fail(push, handle, st.previous_failure[1])]  # a late push to a failed round: tell it why
-            return [Fail(push, handle, f"tensor {push.name!r} part {push.part}: stale round {push.round}, "
-                                       f"the server is at round {st.round}")]
+                # a late push to a failed round: tell it why
+                return [Fail(push, handle, st.previous_failure[1].for_push(push))]
+            return [Fail(push, handle, Why(f"tensor {push.name!r} part {push.part}: stale round {push.round}, "
+                                           f"the server is at round {st.round}"))]
         if push.round == st.round + 1 and push.worker in st.restart.replayers and st.failed is None:
             st.restart.held_next.append(Held(push, payload, borrowed, handle))  # see "Server restarts"
             return []
         actions: list[Action[W]] = []
         if push.round > st.round:
             if st.busy:
-                actions.append(self._fail_round(st, f"tensor {push.name!r} round {st.round} abandoned: worker "
-                                                    f"{push.worker} moved on to round {push.round}"))
+                actions.append(self._fail_round(st, Why(f"tensor {push.name!r} round {st.round} abandoned: "
+                                                        f"worker {push.worker} moved on to round {push.round}")))
             failed = (st.round, st.failed) if st.failed is not None else None
             st = self._open(key, push.round)
             st.previous_failure = failed
@@ -323,9 +381,7 @@ class RoundTable(Generic[W]):
                 st.opened = now
         elif descriptor(st.first) != descriptor(push):
             st.waiters[push.worker] = Waiter(push, handle)
-            return actions + [self._fail_round(st, f"tensor {push.name!r} mismatch: worker {st.first.worker} "
-                                                   f"pushed {describe(st.first)} but worker {push.worker} "
-                                                   f"pushed {describe(push)}")]
+            return actions + [self._fail_round(st, Why.mismatch(st.first, push))]
         waiter = st.waiters[push.worker] = Waiter(push, handle)
         if st.restart.result is not None:  # the sum is known from a replay
             st.restart.answered.add(push.worker)
@@ -341,16 +397,17 @@ class RoundTable(Generic[W]):
             return actions + [SumAll(st.token, push, inputs)]
         return actions + [Add(st.token, push, payload, borrowed)]
 
-    def _refusal(self, st: Round[W], push: Push) -> str | None:
+    def _refusal(self, st: Round[W], push: Push) -> Why | None:
         """Why a push of the key's open round cannot join it, if it cannot."""
         if st.failed is not None:
-            return st.failed
+            return st.failed.for_push(push)
         if push.worker in st.waiters:
-            return f"tensor {push.name!r} part {push.part}: worker {push.worker} pushed round {push.round} twice"
+            return Why(f"tensor {push.name!r} part {push.part}: worker {push.worker} pushed round {push.round} twice")
         missing = self.lost_workers - set(st.waiters)
         if missing:
-            return (f"worker {min(missing)} is gone (disconnected, or no training processes for longer than "
-                    f"{self.lost_grace_s:g} s); round {push.round} of {push.name!r} cannot complete")
+            return Why.worker_gone(min(missing), f"worker {min(missing)} is gone (disconnected, or no training "
+                                                 f"processes for longer than {self.lost_grace_s:g} s); round "
+                                                 f"{push.round} of {push.name!r} cannot complete")
         return None
 
     def added(self, token: Token) -> bool:
@@ -389,13 +446,13 @@ class RoundTable(Generic[W]):
         st = self.keys.get(key)
         actions: list[Action[W]] = []
         if st is not None and round_ > st.round and st.waiters and st.failed is None:
-            actions.append(self._fail_round(st, f"tensor {name!r} round {st.round} abandoned: worker {worker} "
-                                                f"aborted round {round_}"))
+            actions.append(self._fail_round(st, Why(f"tensor {name!r} round {st.round} abandoned: worker "
+                                                    f"{worker} aborted round {round_}")))
         if st is None or round_ > st.round:
             st = self._open(key, round_)
         if st.round == round_ and st.failed is None:
-            actions.append(self._fail_round(st, f"tensor {name!r} round {round_} aborted by worker {worker}: "
-                                                f"{message}"))
+            actions.append(self._fail_round(st, Why(f"tensor {name!r} round {round_} aborted by worker {worker}: "
+                                                    f"{message}")))
         return actions
 
     # -- after a restart ---------------------------------------------------------------
@@ -451,8 +508,10 @@ class RoundTable(Generic[W]):
             absent = sorted(w for w in waiting if not self.connected(w) or w in self._reset)
             if absent:
                 why = "has no training processes" if self.connected(absent[0]) else "is not connected to this server"
-                actions.append(self._fail_round(st, f"worker {absent[0]} {why} (waited {self.lost_grace_s:g} s); "
-                                                    f"round {st.round} of {st.key[0]!r} cannot complete"))
+                text = (f"worker {absent[0]} {why} (waited {self.lost_grace_s:g} s); round {st.round} of "
+                        f"{st.key[0]!r} cannot complete")
+                actions.append(self._fail_round(st, Why(text, "timeout", what=f"round {st.round} of {st.key[0]!r}",
+                                                        timeout_s=self.lost_grace_s, detail=text)))
         return actions
 
     def worker_lost(self, worker: int) -> list[Action[W]]:
@@ -502,9 +561,9 @@ class RoundTable(Generic[W]):
         actions: list[Action[W]] = []
         for st in list(self.keys.values()):
             if st.waiters and st.failed is None:
-                actions.append(self._fail_round(st, f"worker {worker} has no training processes left (they "
-                                                    f"exited or died); round {st.round} of {st.key[0]!r} cannot "
-                                                    f"complete"))
+                actions.append(self._fail_round(st, Why.worker_gone(
+                    worker, f"worker {worker} has no training processes left (they exited or died); round "
+                            f"{st.round} of {st.key[0]!r} cannot complete")))
         actions.append(self._mark_gone(worker, "has no training processes"))
         self._reset.add(worker)
         if epoch:
@@ -548,7 +607,8 @@ class RoundTable(Generic[W]):
         return StartGrace(worker, self._gone_count, why)
 
     def _fail_waiting_for(self, worker: int, why: str) -> list[Action[W]]:
-        return [self._fail_round(st, f"worker {worker} {why}; round {st.round} of {st.key[0]!r} cannot complete")
+        return [self._fail_round(st, Why.worker_gone(worker, f"worker {worker} {why}; round {st.round} of "
+                                                             f"{st.key[0]!r} cannot complete"))
                 for st in list(self.keys.values())
                 if st.waiters and worker not in st.waiters and st.failed is None]
 
@@ -558,14 +618,14 @@ class RoundTable(Generic[W]):
         st = self.keys[key] = Round(key, round_, self._gen)
         return st
 
-    def _fail_round(self, st: Round[W], reason: str) -> FailRound[W]:
-        """Mark the round failed (late pushes of it get ``reason``) and say whom to tell."""
-        st.failed = reason
+    def _fail_round(self, st: Round[W], why: Why) -> FailRound[W]:
+        """Mark the round failed (late pushes of it get ``why``) and say whom to tell."""
+        st.failed = why
         st.held.clear()
-        fails = [Fail(w.push, w.handle, reason) for worker, w in st.waiters.items()
+        fails = [Fail(w.push, w.handle, why.for_push(w.push)) for worker, w in st.waiters.items()
                  if worker not in st.restart.answered]
         st.waiters.clear()
         held_next, st.restart.held_next = st.restart.held_next, []
-        fails += [Fail(h.push, h.handle, f"tensor {h.push.name!r} round {h.push.round} cannot start: round "
-                                         f"{st.round} failed: {reason}") for h in held_next]
-        return FailRound(st.key, st.round, reason, tuple(fails))
+        fails += [Fail(h.push, h.handle, Why(f"tensor {h.push.name!r} round {h.push.round} cannot start: round "
+                                             f"{st.round} failed: {why.text}")) for h in held_next]
+        return FailRound(st.key, st.round, why, tuple(fails))

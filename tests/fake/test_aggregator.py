@@ -9,20 +9,22 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from bps_server.aggregator import Aggregator
+from bps_server.aggregator import Aggregator, Why
 from protocol.messages import Push
 
 
 class Recorder:
     def __init__(self) -> None:
         self.results: dict[int, np.ndarray] = {}
-        self.failures: dict[int, str] = {}
+        self.failures: dict[int, str] = {}  # worker -> the text of its failure
+        self.whys: dict[int, Why] = {}  # worker -> its failure's code and facts
 
     def reply(self, push: Push, out: np.ndarray) -> None:
         self.results[push.worker] = out.copy()
 
-    def fail(self, push: Push, message: str) -> None:
-        self.failures[push.worker] = message
+    def fail(self, push: Push, why: Why) -> None:
+        self.failures[push.worker] = why.text
+        self.whys[push.worker] = why
 
 
 def _push(worker: int, data: np.ndarray, *, name: str = "t", rnd: int = 0, dtype: str = "float32",
@@ -91,6 +93,9 @@ async def test_shape_mismatch_fails_everyone_in_the_round_and_names_both():
     await _feed(agg, rec, [_push(1, np.zeros(4, np.float32), shape=[4])])
     assert set(rec.failures) == {0, 1}
     assert "'t'" in rec.failures[0] and "float32[2,2]" in rec.failures[0] and "float32[4]" in rec.failures[0]
+    # each side hears the facts from where it stands: its own descriptor is ours
+    assert [(rec.whys[w].code, rec.whys[w].name, rec.whys[w].ours, rec.whys[w].theirs) for w in (0, 1)] == [
+        ("mismatch", "t", "float32[2,2]", "float32[4]"), ("mismatch", "t", "float32[4]", "float32[2,2]")]
     await _feed(agg, rec, [_push(2, np.zeros(4, np.float32), shape=[2, 2])])  # late push of the failed round
     assert "mismatch" in rec.failures[2]
     rec.failures.clear()
@@ -137,6 +142,7 @@ async def test_lost_worker_fails_pending_rounds_at_once_and_later_ones_after_the
     agg, rec = Aggregator(2, lost_grace_s=0.2), Recorder()
     await _feed(agg, rec, [_push(0, np.ones(2, np.float32), name="pending")])
     assert agg.worker_lost(1) == 1
+    assert rec.whys[0].code == "connection" and rec.whys[0].peer == "worker 1"
     assert "worker 1 is disconnected" in rec.failures.pop(0)
     await _feed(agg, rec, [_push(0, np.ones(2, np.float32), name="later")])
     assert rec.failures == {}  # within the grace period it may still come back

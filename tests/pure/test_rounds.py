@@ -45,6 +45,16 @@ def _fails(actions: list) -> dict[str, str]:
     return out
 
 
+def _facts(actions: list) -> dict[str, tuple]:
+    """handle -> (code, name, ours, theirs, peer, what, timeout_s) of every push failed by these actions."""
+    out: dict[str, tuple] = {}
+    for a in actions:
+        for f in (a.fails if isinstance(a, FailRound) else (a,) if isinstance(a, Fail) else ()):
+            w = f.why
+            out[f.handle] = (w.code, w.name, w.ours, w.theirs, w.peer, w.what, w.timeout_s)
+    return out
+
+
 def _sum_round(table: RoundTable[str], rnd: int, workers: range, now: float = 0.0) -> Complete[str]:
     """Push, add and complete one round the way the driver does."""
     adds = [table.push(_push(w, rnd=rnd), _data(), f"w{w}", now) for w in workers]
@@ -90,7 +100,17 @@ def test_a_descriptor_mismatch_fails_the_round_naming_the_tensor_and_both_shapes
     assert [type(a) for a in actions] == [FailRound] and _fails(actions) == {"a": why, "b": why}
     assert not table.current(first[0].token)  # the driver drops worker 0's addition
     assert table.added(first[0].token) is False and table.complete(first[0].token) is None
-    assert _fails(table.push(_push(2, shape=[2, 2]), _data(), "c", 0.0)) == {"c": why}
+    late = table.push(_push(2, shape=[2, 2]), _data(), "c", 0.0)
+    assert _fails(late) == {"c": why}
+    # the code and facts a worker builds its BPSMismatchError from: each side's own descriptor is ours
+    assert actions[0].why.code == "mismatch"
+    assert _facts(actions) == {"a": ("mismatch", "t", "float32[2,2]", "float32[4]", "", "", 0.0),
+                               "b": ("mismatch", "t", "float32[4]", "float32[2,2]", "", "", 0.0)}
+    assert _facts(late) == {"c": ("mismatch", "t", "float32[2,2]", "float32[4]", "", "", 0.0)}
+    failure = actions[0].fails[1].why.failure(7)  # what the connection sends
+    assert (failure.req, failure.message, failure.code, failure.name, failure.ours, failure.theirs) == (
+        7, why, "mismatch", "t", "float32[4]", "float32[2,2]")
+    assert failure.detail == "worker 0 pushed float32[2,2] but worker 1 pushed float32[4]"
     done = _sum_round(table, 1, range(3))  # the next round works
     assert done.round == 1
 
@@ -208,6 +228,8 @@ def test_sweep_fails_a_round_waiting_for_an_unconnected_worker_after_the_grace()
     actions = table.sweep(110.5)
     why = "worker 2 is not connected to this server (waited 10 s); round 0 of 't' cannot complete"
     assert len(actions) == 1 and _fails(actions) == {"w0": why, "w1": why}
+    assert _facts(actions)["w0"] == ("timeout", "", "", "", "", "round 0 of 't'", 10)
+    assert actions[0].why.failure(0).detail == why
     slow: RoundTable[str] = RoundTable(3, lost_grace_s=10)  # connected but slow: waited for
     slow.push(_push(0), _data(), "w0", 100.0)
     assert slow.sweep(1000.0) == []
@@ -227,11 +249,14 @@ def test_a_lost_worker_fails_pending_rounds_now_and_later_ones_once_its_grace_ex
     actions = table.worker_lost(1)
     assert actions[0] == StartGrace(1, actions[0].gone, "is disconnected")
     assert _fails(actions) == {"pending": "worker 1 is disconnected; round 0 of 'pending' cannot complete"}
+    assert _facts(actions) == {"pending": ("connection", "", "", "", "worker 1", "", 0.0)}
     assert table.push(_push(0, name="later"), _data(), "later", 1.0)[0].__class__ is Add  # may come back
     gone = actions[0].gone
     assert _fails(table.grace_expired(1, gone, "is disconnected")) == {
         "later": "worker 1 is disconnected; round 0 of 'later' cannot complete"}
-    assert "worker 1 is gone" in _fails(table.push(_push(0, name="after"), _data(), "after", 2.0))["after"]
+    after = table.push(_push(0, name="after"), _data(), "after", 2.0)
+    assert "worker 1 is gone" in _fails(after)["after"]
+    assert _facts(after)["after"][0::4] == ("connection", "worker 1")
     table.worker_joined(1)
     assert isinstance(table.push(_push(0, name="back"), _data(), "back", 3.0)[0], Add)
 
@@ -250,6 +275,7 @@ def test_reset_fails_pending_rounds_and_once_every_worker_reset_clears_all_keys(
     actions = table.worker_reset(1)
     assert _fails(actions) == {"w0": "worker 1 has no training processes left (they exited or died); round 7 "
                                      "of 'x' cannot complete"}
+    assert _facts(actions)["w0"][0::4] == ("connection", "worker 1")
     assert not any(isinstance(a, Cleared) for a in actions) and table.keys
     assert Cleared(1) in table.worker_reset(0)
     assert table.keys == {}
@@ -281,3 +307,15 @@ def test_tokens_of_past_rounds_are_never_current():
     assert not table.current(add.token) and table.complete(add.token) is None
     replaced = dataclasses.replace(add.token, round=1, gen=add.token.gen + 1)
     assert table.current(replaced)  # the next round's generation, opened by complete
+
+
+def test_every_other_failure_is_round_failed_without_facts():
+    """Stale, duplicate, abandoned, aborted and held-behind-a-failed-round pushes: code round_failed, no facts."""
+    plain = ("round_failed", "", "", "", "", "", 0.0)
+    table: RoundTable[str] = RoundTable(3)
+    _sum_round(table, 0, range(3))
+    assert _facts(table.push(_push(0, rnd=0), _data(), "stale", 0.0)) == {"stale": plain}
+    table.push(_push(0, rnd=1), _data(), "w0", 0.0)
+    assert _facts(table.push(_push(0, rnd=1), _data(), "twice", 0.0)) == {"twice": plain}
+    assert _facts(table.push(_push(1, rnd=2), _data(), "w1", 0.0)) == {"w0": plain}  # abandoned
+    assert _facts(table.abort("t", 0, 2, 2, "local trouble")) == {"w1": plain}
