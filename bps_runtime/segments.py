@@ -16,14 +16,15 @@ import errno
 import os
 import re
 import secrets
+import stat
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from multiprocessing import resource_tracker
 from typing import Callable, Final
 
 
-__all__ = ["SEGMENT_PREFIX", "SHM_DIR", "Arena", "SegmentSpaceError", "Slot", "attach_segment", "create_segment",
-           "owned_by", "reclaim_dead", "release", "segment_name"]
+__all__ = ["SEGMENT_PREFIX", "SHM_DIR", "Arena", "SegmentOwnerError", "SegmentSpaceError", "Slot", "attach_owned",
+           "attach_segment", "create_segment", "owned_by", "reclaim_dead", "release", "segment_name"]
 
 SEGMENT_PREFIX: Final = "bps_"
 SHM_DIR: Final = "/dev/shm"  # where Linux keeps POSIX shared memory (glibc's shm_open)
@@ -46,6 +47,20 @@ class SegmentSpaceError(OSError):
                                        f"give the machine (or container: docker --shm-size) a larger {directory}")
         self.nbytes = nbytes
         self.directory = directory
+
+
+class SegmentOwnerError(PermissionError):
+    """A segment belongs to another user than the one it must belong to (``owner``, ``expected``: uids).
+
+    The colocated server maps only segments of the user whose probe proved the shared-memory offer, so
+    that a peer cannot make it read or write another user's memory (issue 14, item 2)."""
+
+    def __init__(self, name: str, owner: int, expected: int) -> None:
+        super().__init__(errno.EACCES, f"shared memory {name!r} belongs to uid {owner}, not to uid {expected} "
+                                       f"whose probe this connection offered")
+        self.segment = name
+        self.owner = owner
+        self.expected = expected
 
 
 def segment_name(worker_id: int) -> str:
@@ -73,11 +88,31 @@ def close_fd(seg: SharedMemory) -> None:
         seg._fd = -1  # type: ignore[attr-defined]
 
 
-def attach_segment(name: str) -> SharedMemory:
-    """Map an existing segment (OSError if it is gone or not ours to read)."""
+def attach_owned(name: str) -> tuple[SharedMemory, int]:
+    """Map an existing segment; with the uid of its owner, read with ``fstat`` on the descriptor the
+    mapping was made from (glibc's ``shm_open`` opens with ``O_NOFOLLOW``: a symlink is refused, and the
+    file checked is the file mapped). OSError if it is gone, not a regular file, or not ours to read."""
     seg = SharedMemory(name=name, create=False)
     untrack(seg)
+    try:
+        st = os.fstat(seg._fd)  # type: ignore[attr-defined]
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"shared memory {name!r} is not a regular file")
+    except BaseException:
+        close_fd(seg)
+        release(seg, unlink=False)
+        raise
     close_fd(seg)
+    return seg, st.st_uid
+
+
+def attach_segment(name: str, owner_uid: int | None = None) -> SharedMemory:
+    """Map an existing segment (OSError if it is gone or not ours to read); with ``owner_uid``, only one
+    that this uid owns (:class:`SegmentOwnerError`, nothing read or written, otherwise)."""
+    seg, owner = attach_owned(name)
+    if owner_uid is not None and owner != owner_uid:
+        release(seg, unlink=False)
+        raise SegmentOwnerError(name, owner, owner_uid)
     return seg
 
 

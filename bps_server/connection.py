@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from multiprocessing.shared_memory import SharedMemory
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Final
 
@@ -21,12 +20,12 @@ import numpy as np
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.frames import DEFAULT_MAX_HEADER_BYTES, BatchWriter, FrameReader, encode_frame
+from protocol.handshake import HANDSHAKE_MAX_HEADER_BYTES, ConfigMismatchError, ServerHandshake, ShmOffer
 from protocol.messages import (
     ROLE_OBSERVER,
     ROLE_WORKER,
     Abort,
     Batch,
-    Challenge,
     Failure,
     Hello,
     Message,
@@ -40,15 +39,13 @@ from protocol.messages import (
     Stats,
     StatsRequest,
     Welcome,
-    check_auth,
-    expect_hello,
     parse,
     split_batch,
 )
 
 from bps_runtime import kernels
 from bps_runtime.lowat import ReceiveLowWater
-from bps_runtime.segments import attach_segment, owned_by, release
+from bps_runtime.segments import attach_owned, attach_segment, owned_by, release
 
 from .aggregator import INLINE_SUM_MAX_BYTES
 from .rounds import Why
@@ -58,9 +55,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("bps.server")
 
-# Before the handshake a peer may send only a small header and no payload: nothing is
-# allocated for an unauthenticated peer.
-HANDSHAKE_MAX_HEADER_BYTES: Final = 4096
+# Before the handshake a peer may send only a small header (protocol.handshake.HANDSHAKE_MAX_HEADER_BYTES)
+# and no payload: nothing is allocated for an unauthenticated peer.
 # Replies with payloads up to this size are coalesced into one Batch frame per loop iteration.
 BATCH_REPLY_MAX_BYTES: Final = 64 * 1024
 
@@ -83,7 +79,11 @@ class ServerConnection(asyncio.BufferedProtocol):
     def __init__(self, server: SummationServer) -> None:
         self.server = server
         self.reader = FrameReader(max_header_bytes=HANDSHAKE_MAX_HEADER_BYTES, max_payload_bytes=0)
-        self.nonce = secrets.token_hex(16)
+        self.greeting = ServerHandshake(
+            peers={ROLE_WORKER: server.config.cluster.workers, ROLE_OBSERVER: None}, token=server.config.token,
+            config_items=server.placement_items, who=f"server {server.config.server_id}")
+        # HMAC key of this connection, for MACs on later frames (None without a token); see protocol.handshake.
+        self.session_key: bytes | None = None
         self.transport: asyncio.Transport | None = None
         self.low_water: ReceiveLowWater | None = None
         self.last_seen = 0.0  # loop time of the last bytes received (the server's silence watch)
@@ -94,6 +94,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.closed = False
         self.shm = False  # the worker shares this host and its memory (see Hello.shm)
         self.segments: dict[str, SharedMemory] = {}  # the worker's segments this connection mapped
+        self.shm_uid: int | None = None  # the owner of the worker's probe: every segment it names must be its
         # Small replies of one loop iteration, sent as one Batch frame (see send).
         self._outbox = BatchWriter(max_payload_bytes=server.config.cluster.max_payload_bytes,
                                    item_max_bytes=BATCH_REPLY_MAX_BYTES)
@@ -105,7 +106,9 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.peer = str(transport.get_extra_info("peername"))
         self.low_water = ReceiveLowWater(transport)
         self.server.connections.add(self)
-        self.send(Challenge(self.nonce, PROTOCOL_VERSION))
+        challenge = self.greeting.start()
+        assert challenge is not None  # a TCP handshake always starts with the server's challenge
+        self.send(challenge)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer(sizehint)
@@ -232,7 +235,7 @@ class ServerConnection(asyncio.BufferedProtocol):
             seg = self.segments.get(name)
             if seg is None:
                 try:
-                    seg = self.segments[name] = attach_segment(name)
+                    seg = self.segments[name] = attach_segment(name, owner_uid=self.shm_uid)
                 except OSError as exc:
                     self.fail(push, Why(f"server cannot map shared memory {name!r} of {push.name!r}: {exc}"))
                     return None
@@ -249,60 +252,77 @@ class ServerConnection(asyncio.BufferedProtocol):
             release(seg, unlink=False)
         self.segments.clear()
 
-    def _accept_shm(self, hello: Hello) -> bool:
-        """Whether the worker's shared-memory offer holds: we can map its probe and read the key in it,
-        so we share its host (and may read its segments)."""
-        if not hello.shm or not self.server.config.cluster.colocated_shm:
-            return False
-        if not owned_by(hello.shm, hello.id):
-            return False
+    def _accept_shm(self, offer: ShmOffer | None, worker: int, stream: int) -> int | None:
+        """The owner uid of the worker's shared-memory probe if its offer holds, else None.
+
+        It holds when shared memory is on, the offer comes on the worker's first connection (stream 0:
+        placement offers it on no other), the probe is named as the worker's, we can map it, and the key
+        is in it: we share the worker's host and may read its segments. Every segment a push names later
+        must belong to the probe's owner (issue 14, item 2): another local user who gets in as this worker
+        with a probe of its own can name only its own memory, never the real worker's."""
+        if offer is None or stream or not self.server.config.cluster.colocated_shm:
+            return None
+        if not owned_by(offer.segment, worker):
+            return None
         try:
-            probe = attach_segment(hello.shm)
+            probe, owner = attach_owned(offer.segment)
         except OSError as exc:
             log.warning("worker %d offered shared memory %r but it cannot be mapped here (%s); using TCP",
-                        hello.id, hello.shm, exc)
-            return False
+                        worker, offer.segment, exc)
+            return None
         try:
-            ok = probe.size >= 32 and bytes(_mapped(probe)[:32]).hex() == hello.shm_key
+            ok = probe.size >= 32 and bytes(_mapped(probe)[:32]).hex() == offer.key
         finally:
             release(probe, unlink=False)
         if not ok:
-            log.warning("worker %d offered shared memory %r with the wrong key; using TCP", hello.id, hello.shm)
-        return ok
+            log.warning("worker %d offered shared memory %r with the wrong key; using TCP", worker, offer.segment)
+        return owner if ok else None
 
     def handshake(self, message: Message) -> None:
-        message = expect_hello(message, "server")
-        token = self.server.config.token
-        if token is not None and not check_auth(token, self.nonce, message):
-            raise ProtocolError(f"authentication failed for {message.role} {message.id}: "
-                                f"{'no' if not message.auth else 'a wrong'} proof of the cluster token")
+        """The peer's Hello, checked by :class:`~protocol.handshake.ServerHandshake` (version, the token's
+        proof over both nonces and every field, role and id, the placement digest) before anything else;
+        then the registration and the signed Welcome. A HandshakeError is a ProtocolError (refused, closed);
+        another cluster file is refused with code ``mismatch`` and both digests (the worker stops retrying)."""
+        try:
+            hello = self.greeting.receive(message)
+        except ConfigMismatchError as exc:
+            log.warning("refusing %s: %s", self.peer, exc)
+            self.send(Failure(-1, str(exc), code="mismatch", name="the cluster file's placement digest",
+                              ours=exc.ours, theirs=exc.theirs))
+            self.close()
+            return
         self.reader.max_header_bytes = DEFAULT_MAX_HEADER_BYTES
         self.reader.max_payload_bytes = self.server.config.cluster.max_payload_bytes
-        if message.role == ROLE_OBSERVER:
+        workers = self.server.config.cluster.workers
+        if hello.role == ROLE_OBSERVER:
             self.observer = True
-            self.send(Welcome(PROTOCOL_VERSION, workers=self.server.config.cluster.workers))
+            self._welcome(Welcome(PROTOCOL_VERSION, workers=workers))
             return
-        if message.role != ROLE_WORKER or not 0 <= message.id < self.server.config.cluster.workers:
-            raise ProtocolError(f"hello from {message.role} {message.id}: only workers "
-                                f"0..{self.server.config.cluster.workers - 1} may connect")
-        self.worker = message.id
-        self.stream = message.stream
-        if message.stream:
+        self.worker = hello.id
+        self.stream = hello.stream
+        if hello.stream:
             # An extra connection for pushes (see Hello.stream): the worker's state follows stream 0.
-            old = self.server.streams.get((message.id, message.stream))
-            self.server.streams[(message.id, message.stream)] = self
+            old = self.server.streams.get((hello.id, hello.stream))
+            self.server.streams[(hello.id, hello.stream)] = self
         else:
-            old = self.server.links.get(message.id)
-            self.server.links[message.id] = self
+            old = self.server.links.get(hello.id)
+            self.server.links[hello.id] = self
         if old is not None and not old.closed:
-            log.warning("worker %d reconnected from %s; closing its old connection", message.id, self.peer)
+            log.warning("worker %d reconnected from %s; closing its old connection", hello.id, self.peer)
             old.close()
-        if not message.stream:
-            self.server.aggregator.worker_hello(message.id, message.epoch)
-        self.shm = self._accept_shm(message)
-        log.info("worker %d connected from %s%s", message.id, self.peer, " (shared memory)" if self.shm else "")
-        self.send(Welcome(PROTOCOL_VERSION, worker=message.id, workers=self.server.config.cluster.workers,
-                          shm=self.shm, incarnation=self.server.incarnation))
+        if not hello.stream:
+            self.server.aggregator.worker_hello(hello.id, hello.epoch)
+        self.shm_uid = self._accept_shm(self.greeting.shm_offer, hello.id, hello.stream)
+        self.shm = self.shm_uid is not None
+        log.info("worker %d connected from %s%s", hello.id, self.peer, " (shared memory)" if self.shm else "")
+        self._welcome(Welcome(PROTOCOL_VERSION, worker=hello.id, workers=workers, shm=self.shm,
+                              incarnation=self.server.incarnation))
+
+    def _welcome(self, welcome: Welcome) -> None:
+        """Send ``welcome``, signed by the handshake (its proof and our placement digest)."""
+        established = self.greeting.accept(welcome)
+        self.session_key = established.session_key
+        self.send(established.welcome)
 
     # -- replies ---------------------------------------------------------------------
     def reply(self, push: Push, out: np.ndarray) -> None:

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.config import ClusterConfig
+from protocol.config import ClusterConfig, placement_items
 
 from bps_runtime import metrics
 from bps_runtime.timeline import Timeline
@@ -55,6 +55,8 @@ class SummationServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.incarnation = secrets.token_hex(8)  # this run of the server: workers notice a restart by it
+        # What every connection's handshake compares a worker's cluster file with (issue 14, item 7).
+        self.placement_items = placement_items(config.cluster)
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-sum")
         self.links: dict[int, ServerConnection] = {}  # each worker's stream 0
         self.streams: dict[tuple[int, int], ServerConnection] = {}  # (worker, stream) for streams 1, 2, ...

@@ -31,7 +31,7 @@ import numpy as np
 from bps_runtime import cuda, kernels, metrics
 from bps_runtime import segments as shm
 from bps_runtime.timeline import Timeline
-from protocol.config import ClusterConfig
+from protocol.config import ClusterConfig, placement_items
 from protocol.messages import Failure, Op, Ping
 
 from .errors import BPSError
@@ -103,7 +103,7 @@ class WorkerDaemon:
                               if stream == 0 and cluster.colocated_shm
                               and (s.worker == config.worker_id or is_local_address(s.host))
                               else None,
-                              timeline=self.timeline)
+                              timeline=self.timeline, config_items=placement_items(cluster))
                    for stream in range(self.placement.streams(s.id))]
             for s in cluster.servers
         }

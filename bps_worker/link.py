@@ -23,6 +23,13 @@ peer may not have received it before the crash), then pushes again every partiti
 flight (the contributions are intact: results land in a separate buffer). If it is the same
 incarnation (the connection alone broke, and the server already failed the rounds that needed
 us), the held pushes fail.
+
+Authentication: every connection starts with :class:`protocol.handshake.ClientHandshake` (the Hello
+carries our cluster file's placement entries). With a cluster token the server must prove it on our
+nonce and this very Hello; a server that does not (a stranger on its port, a relay) is treated as a
+dead one: retried within the timeout, then every push fails with a BPSConnectionError naming it. Nothing
+is sent on an unproven connection: no push and no replay. A server that read another cluster file (or
+speaks another protocol version) fails the pushes at once: retrying cannot mend it.
 """
 
 from __future__ import annotations
@@ -34,12 +41,20 @@ import logging
 import os
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
-from typing import Any, Final, cast
+from typing import Any, Final, Sequence, cast
 
 from protocol import PROTOCOL_VERSION
 from protocol.config import ServerSpec
 from protocol.errors import LocalProtocolError, ProtocolError
 from protocol.frames import FrameReader, encode_header
+from protocol.handshake import (
+    ClientHandshake,
+    ConfigMismatchError,
+    Established,
+    HandshakeError,
+    HandshakeRefused,
+    VersionMismatchError,
+)
 from protocol.messages import (
     MAX_MESSAGE_CHARS,
     ROLE_WORKER,
@@ -57,7 +72,6 @@ from protocol.messages import (
     RoundInfo,
     RoundQuery,
     Welcome,
-    auth_digest,
     batch_header,
     estimated_header_bytes,
     parse,
@@ -148,8 +162,8 @@ class _LinkProtocol(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.low_water: ReceiveLowWater | None = None
         loop = asyncio.get_running_loop()
-        self.challenge: asyncio.Future[str] = loop.create_future()  # the server's nonce
-        self.welcome: asyncio.Future[Welcome] = loop.create_future()
+        self.challenge: asyncio.Future[Challenge] = loop.create_future()
+        self.welcome: asyncio.Future[Welcome | Failure] = loop.create_future()  # or the server's refusal
         self.last_seen = loop.time()  # loop time of the last bytes from the server
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -217,6 +231,13 @@ def make_probe(worker_id: int, mode: int, server_id: int) -> tuple[SharedMemory,
     return probe, key.hex()
 
 
+def _cannot_change(exc: HandshakeError) -> bool:
+    """A refusal that retrying within the timeout cannot mend: the two sides read different cluster
+    files or speak different protocol versions (the server says so with code ``mismatch``)."""
+    return isinstance(exc, (ConfigMismatchError, VersionMismatchError)) or \
+        (isinstance(exc, HandshakeRefused) and exc.code == "mismatch")
+
+
 def failure_error(server_id: int, failure: Failure) -> BPSError:
     """The error a push's caller gets for the server's Failure."""
     cls = BPSMismatchError if "mismatch" in failure.message else BPSError
@@ -243,8 +264,11 @@ class ServerLink:
     def __init__(self, spec: ServerSpec, worker_id: int, *, credit_bytes: int, timeout: float,
                  window_pieces: int = 0, stream: int = 0,
                  max_payload_bytes: int, token: bytes | None = None,
-                 shm_mode: int | None = None, timeline: Timeline | None = None) -> None:
+                 shm_mode: int | None = None, timeline: Timeline | None = None,
+                 config_items: Sequence[str] = ()) -> None:
         self.timeline = timeline
+        # Our cluster file's placement entries (protocol.config.placement_items): the server refuses other ones.
+        self.config_items = tuple(config_items)
         self.spec = spec
         self.shm_mode = shm_mode  # offer shared memory (segments of this mode) to a server on this host
         self.token = token
@@ -459,10 +483,12 @@ class ServerLink:
                 pass  # the server's answer to our heartbeat: last_seen is already updated
             case Challenge():
                 if not proto.challenge.done():
-                    proto.challenge.set_result(message.nonce)
+                    proto.challenge.set_result(message)
             case Welcome():
                 if not proto.welcome.done():
                     proto.welcome.set_result(message)
+            case Failure() if message.req == -1 and not self._ready and not proto.welcome.done():
+                proto.welcome.set_result(message)  # refused at the handshake: the handshake says why
             case Result():
                 self._on_result(message, payload)
             case RoundInfo():
@@ -525,7 +551,7 @@ class ServerLink:
         if not self.closed:
             log.warning("%s", reason)
         self._proto = None
-        self._ready = False
+        was_ready, self._ready = self._ready, False
         self.window.by_reference = False
         self.window.resume_writing()
         for waiter in (proto.welcome, proto.challenge):
@@ -534,6 +560,8 @@ class ServerLink:
                 waiter.exception()  # retrieved here: the handshake may not be waiting on it yet
         if proto.transport is not None:
             proto.transport.close()
+        if not was_ready and not self.closed:
+            return  # lost during the handshake: the connecting loop retries (see _connect), nothing was sent
         if self.incarnation is None or self.closed:
             self._fail_all(BPSConnectionError(reason))
             return
@@ -564,14 +592,23 @@ class ServerLink:
         delay = RECONNECT_DELAY_S
         last_error = "no attempt"
         while not self.closed:
+            permanent = False
             try:
                 await self._open(deadline)
                 return
+            except HandshakeError as exc:  # an unproven or refusing server: as a dead one, unless it cannot change
+                if str(exc) != last_error:
+                    log.warning("%s", exc)
+                last_error = str(exc)
+                permanent = _cannot_change(exc)
             except (OSError, asyncio.TimeoutError, ConnectionError) as exc:
                 last_error = str(exc) or exc.__class__.__name__
-                if self._proto is not None and self._proto.transport is not None:
-                    self._proto.transport.close()
-                self._proto = None
+            if self._proto is not None and self._proto.transport is not None:
+                self._proto.transport.close()
+            self._proto = None
+            if permanent:
+                self._fail_all(BPSConnectionError(last_error))
+                return
             if loop.time() + delay > deadline:
                 break
             await asyncio.sleep(delay)
@@ -589,7 +626,7 @@ class ServerLink:
             raise ConnectionError("connection closed as it opened")
         proto.transport.set_write_buffer_limits(high=self.credit_bytes)
         self._proto = proto
-        welcome = await self._handshake(proto, deadline)
+        welcome = (await self._handshake(proto, deadline)).welcome  # the server proved itself: now we may talk
         log.info("connected to server %d at %s%s", self.spec.id, self.spec.address,
                  " (shared memory)" if self.shm else "")
         previous, self.incarnation = self.incarnation, welcome.incarnation
@@ -600,27 +637,33 @@ class ServerLink:
         self._settle_held(proto, restarted=previous is not None and previous != welcome.incarnation)
         self.pump()
 
-    async def _handshake(self, proto: _LinkProtocol, deadline: float) -> Welcome:
-        """Challenge, Hello (with the shared-memory offer), Welcome; sets :attr:`shm` from the answer."""
+    async def _handshake(self, proto: _LinkProtocol, deadline: float) -> Established:
+        """Challenge, Hello (with the shared-memory offer), the Welcome verified by
+        :class:`~protocol.handshake.ClientHandshake`; sets :attr:`shm` from it. HandshakeError for a
+        server that does not prove the token (with one), refuses us, or read another cluster file:
+        nothing else is sent on such a connection (no replay, no push)."""
         loop = asyncio.get_running_loop()
-        nonce = await asyncio.wait_for(asyncio.shield(proto.challenge), timeout=max(0.1, deadline - loop.time()))
-        auth = auth_digest(self.token, nonce, ROLE_WORKER, self.worker_id) if self.token else ""
+        challenge = await asyncio.wait_for(asyncio.shield(proto.challenge), timeout=max(0.1, deadline - loop.time()))
         probe = make_probe(self.worker_id, self.shm_mode, self.spec.id) if self.shm_mode is not None else None
+        greeting = ClientHandshake(
+            Hello(PROTOCOL_VERSION, ROLE_WORKER, self.worker_id, shm=probe[0].name if probe else "",
+                  shm_key=probe[1] if probe else "", epoch=self.epoch, stream=self.stream,
+                  config_items=list(self.config_items)),
+            token=self.token, who=f"server {self.spec.id} at {self.spec.address}")
         try:
-            self._send(proto, Hello(PROTOCOL_VERSION, ROLE_WORKER, self.worker_id, auth=auth,
-                                    shm=probe[0].name if probe else "", shm_key=probe[1] if probe else "",
-                                    epoch=self.epoch, stream=self.stream))
-            welcome = await asyncio.wait_for(asyncio.shield(proto.welcome), timeout=max(0.1, deadline - loop.time()))
+            self._send(proto, greeting.receive(challenge))
+            answer = await asyncio.wait_for(asyncio.shield(proto.welcome), timeout=max(0.1, deadline - loop.time()))
         finally:
             if probe is not None:
                 shm.release(probe[0], unlink=True)
+        established = greeting.receive(answer)
         if self._proto is not proto:
             raise ConnectionError("connection closed during the handshake")
-        self.window.by_reference = welcome.shm and probe is not None
+        self.window.by_reference = established.welcome.shm and probe is not None
         if probe is not None and not self.shm:
             log.warning("server %d shares this host but cannot map this worker's shared memory (other "
                         "user? see --shm-mode, or colocated_shm = false); using TCP", self.spec.id)
-        return welcome
+        return established
 
     def _settle_held(self, proto: _LinkProtocol, restarted: bool) -> None:
         """Settle the pushes held since the connection broke (see the module docstring)."""

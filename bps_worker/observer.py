@@ -1,8 +1,10 @@
 """The stats observer: every server's counters (``Stats``), asked for over TCP, for tests and benchmarks.
 
 An observer is a peer with role ``ROLE_OBSERVER``: it answers the server's challenge like a worker (with
-the cluster token where there is one), sends one ``StatsRequest`` and reads the ``Stats`` reply. Servers
-never count it as a worker, so asking does not disturb a running job.
+the cluster token where there is one, :class:`protocol.handshake.ClientHandshake`), sends one
+``StatsRequest`` and reads the ``Stats`` reply, believed only once the server's Welcome proved it (with a
+token: a server that cannot prove the token is a ConnectionError naming it). Servers never count it as a
+worker, so asking does not disturb a running job.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Any, Final, Protocol
 from protocol import PROTOCOL_VERSION
 from protocol.config import ClusterConfig, read_token
 from protocol.frames import FrameReader, encode_header
-from protocol.messages import ROLE_OBSERVER, Challenge, Hello, Stats, StatsRequest, auth_digest, parse, to_header
+from protocol.handshake import ClientHandshake, HandshakeError
+from protocol.messages import ROLE_OBSERVER, Challenge, Failure, Hello, Stats, StatsRequest, Welcome, parse, to_header
 
 __all__ = ["STATS_TIMEOUT_S", "server_stats"]
 
@@ -34,18 +37,29 @@ def server_stats(cluster: HasConfig | ClusterConfig, *, timeout_s: float = STATS
     out = {}
     for spec in config.servers:
         with socket.create_connection((spec.host, spec.port), timeout=timeout_s) as s:
-            reader = FrameReader()
-            sent = False
-            while spec.id not in out:
-                data = s.recv(65536)
-                if not data:
-                    raise ConnectionError(f"server {spec.id} closed the stats connection")
-                for message in (parse(f.header) for f in reader.receive_data(data)):
-                    if isinstance(message, Challenge) and not sent:
-                        auth = auth_digest(token, message.nonce, ROLE_OBSERVER, 0) if token else ""
-                        s.sendall(encode_header(to_header(Hello(PROTOCOL_VERSION, ROLE_OBSERVER, 0, auth=auth)))
-                                  + encode_header(to_header(StatsRequest(1))))
-                        sent = True
-                    elif isinstance(message, Stats):
-                        out[spec.id] = message.stats
+            out[spec.id] = _ask(s, spec.id, token)
     return out
+
+
+def _ask(s: socket.socket, server_id: int, token: bytes | None) -> dict[str, Any]:
+    """One server's Stats on connected socket ``s``: the handshake, the request, the verified answer."""
+    who = f"server {server_id}"
+    greeting = ClientHandshake(Hello(PROTOCOL_VERSION, ROLE_OBSERVER, 0), token=token, who=who)
+    reader = FrameReader()
+    welcomed = False
+    while True:
+        data = s.recv(65536)
+        if not data:
+            raise ConnectionError(f"{who} closed the stats connection")
+        for message in (parse(f.header) for f in reader.receive_data(data)):
+            try:
+                if isinstance(message, Challenge) and greeting.state == "idle":
+                    s.sendall(encode_header(to_header(greeting.receive(message)))
+                              + encode_header(to_header(StatsRequest(1))))
+                elif isinstance(message, (Welcome, Failure)) and not welcomed:
+                    greeting.receive(message)
+                    welcomed = True
+            except HandshakeError as exc:
+                raise ConnectionError(str(exc)) from exc
+            if isinstance(message, Stats) and welcomed:
+                return message.stats

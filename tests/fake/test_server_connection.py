@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
 import pytest
@@ -10,9 +11,12 @@ import pytest
 from bps_server.connection import ServerConnection
 from bps_server.server import ServerConfig, SummationServer
 from protocol import PROTOCOL_VERSION
-from protocol.config import parse_config
+import dataclasses
+
+from protocol.config import parse_config, placement_items
 from protocol.frames import FrameReader, encode_header
-from protocol.messages import ROLE_WORKER, Challenge, Failure, Hello, Push, Result, Stats, StatsRequest, Welcome, auth_digest, parse, to_header
+from protocol.handshake import ClientHandshake, hello_proof
+from protocol.messages import ROLE_WORKER, Challenge, Failure, Hello, Push, Result, Stats, StatsRequest, Welcome, parse, to_header
 
 
 class FakeTransport:
@@ -42,13 +46,16 @@ class FakeTransport:
         return out if with_challenge else [(m, p) for m, p in out if not isinstance(m, Challenge)]
 
 
-def _server(workers: int = 2, token: bytes | None = None) -> SummationServer:
-    cluster = parse_config({
+def _cluster(workers: int = 2, address: str = "127.0.0.1:9"):
+    return parse_config({
         "cluster": {"workers": workers},
-        "server": [{"id": 0, "address": "127.0.0.1:9"}],  # never bound: no socket here
+        "server": [{"id": 0, "address": address}],  # never bound: no socket here
         "worker": [{"id": w, "local_size": 1, "socket": f"/tmp/none{w}"} for w in range(workers)],
     })
-    return SummationServer(ServerConfig(cluster, 0, threads=1, token=token))
+
+
+def _server(workers: int = 2, token: bytes | None = None) -> SummationServer:
+    return SummationServer(ServerConfig(_cluster(workers), 0, threads=1, token=token))
 
 
 def _connect(server: SummationServer) -> tuple[ServerConnection, FakeTransport]:
@@ -128,14 +135,85 @@ async def test_token_is_checked_before_anything_else():
     _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0)))  # no proof
     assert "authentication failed" in t.messages()[-1][0].message and t.closed
     conn, t = _connect(server)
-    nonce = t.messages(True)[0][0].nonce
-    _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, auth=auth_digest(b"wrong-token-0123456789", nonce,
-                                                                                "worker", 0))))
+    wrong = ClientHandshake(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0), token=b"wrong-token-0123456789")
+    _feed(conn, _frame(wrong.receive(t.messages(True)[0][0])))
     assert "a wrong proof" in t.messages()[-1][0].message and t.closed
     conn, t = _connect(server)
-    nonce = t.messages(True)[0][0].nonce
-    _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, auth=auth_digest(token, nonce, "worker", 0))))
-    assert isinstance(t.messages()[-1][0], Welcome) and not t.closed
+    right = ClientHandshake(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0), token=token, who="server 0")
+    _feed(conn, _frame(right.receive(t.messages(True)[0][0])))
+    welcome = t.messages()[-1][0]
+    assert isinstance(welcome, Welcome) and not t.closed
+    # the worker's side checks the server's proof in turn, and both hold the same session key
+    established = right.receive(welcome)
+    assert established.authenticated and established.session_key == conn.session_key
+    await server.stop()
+
+
+@pytest.mark.parametrize("change", [{"stream": 7}, {"shm": "bps_w0_1_attacker", "shm_key": "ab" * 32},
+                                    {"epoch": "other"}, {"id": 1}], ids=["stream", "shm-offer", "epoch", "id"])
+async def test_a_relayed_hello_with_any_field_changed_is_refused(change):
+    """A relay that rewrites what a worker said (its own probe, another stream) cannot keep the proof."""
+    token = b"s3cret-token-0123456789"
+    server = _server(token=token)
+    conn, t = _connect(server)
+    hello = ClientHandshake(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0), token=token).receive(t.messages(True)[0][0])
+    _feed(conn, _frame(dataclasses.replace(hello, **change)))
+    failure = t.messages()[-1][0]
+    assert isinstance(failure, Failure) and "authentication failed" in failure.message and t.closed
+    assert conn.worker is None and not server.links and not server.streams
+    await server.stop()
+
+
+async def test_a_hello_proved_for_another_connection_is_refused():
+    token = b"s3cret-token-0123456789"
+    server = _server(token=token)
+    (c1, t1), (c2, t2) = _connect(server), _connect(server)
+    hello = ClientHandshake(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0), token=token).receive(t1.messages(True)[0][0])
+    assert hello.auth == hello_proof(token, t1.messages(True)[0][0], dataclasses.replace(hello, auth=""))
+    _feed(c2, _frame(hello))  # connection 1's proof, on connection 2 (another challenge)
+    assert "authentication failed" in t2.messages()[-1][0].message and t2.closed
+    await server.stop()
+
+
+async def test_another_cluster_file_is_refused_with_both_digests():
+    server = _server()
+    conn, t = _connect(server)
+    theirs = placement_items(_cluster(address="127.0.0.1:10"))
+    hello = ClientHandshake(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, config_items=list(theirs)))
+    _feed(conn, _frame(hello.receive(t.messages(True)[0][0])))
+    failure = t.messages()[-1][0]
+    assert isinstance(failure, Failure) and failure.code == "mismatch" and t.closed and conn.worker is None
+    assert failure.ours and failure.theirs and failure.ours != failure.theirs
+    assert failure.ours in failure.message and failure.theirs in failure.message
+    assert "server.0.address is 127.0.0.1:9 at server 0, 127.0.0.1:10 at worker 0" in failure.message
+    # the same file: welcomed, with the server's digest for the worker to check
+    conn, t = _connect(server)
+    hello = ClientHandshake(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, config_items=list(server.placement_items)))
+    _feed(conn, _frame(hello.receive(t.messages(True)[0][0])))
+    welcome = t.messages()[-1][0]
+    assert isinstance(welcome, Welcome) and welcome.config_digest == failure.ours
+    assert hello.receive(welcome).welcome is welcome
+    await server.stop()
+
+
+async def test_no_shared_memory_on_an_extra_stream():
+    """Placement offers shared memory on stream 0 only; a probe on stream 7 is never even looked at."""
+    from bps_runtime.segments import create_segment, release, segment_name
+
+    server = _server()
+    probe = create_segment(segment_name(0), 32)
+    probe.buf[:32] = bytes(range(32))
+    try:
+        for stream, shared in ((7, False), (0, True)):
+            conn, t = _connect(server)
+            _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, stream=stream, shm=probe.name,
+                                     shm_key=bytes(range(32)).hex())))
+            welcome = t.messages()[-1][0]
+            assert isinstance(welcome, Welcome) and welcome.shm is shared and conn.shm is shared
+            assert conn.shm_uid == (os.getuid() if shared else None)
+    finally:
+        release(probe, unlink=False)
+        os.unlink(f"/dev/shm/{probe.name}")  # the server's attach (same process here) untracked it already
     await server.stop()
 
 
