@@ -11,7 +11,8 @@ the text:
 Each also takes free text: as its whole message where the attributes are not known (the call style of
 code written before the attributes: ``BPSConnectionError("worker daemon is stopping")``), or as a detail
 after the message built from them. :func:`error_from_failure` turns a daemon's ``Failure`` into the
-matching subclass by its ``code``, filling the attributes from the structured fields.
+matching subclass by its ``code``, filling the attributes from the structured fields;
+:func:`failure_from_error` is its inverse, for a daemon that hands an error on to its training processes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 
 from protocol.messages import Failure
 
-__all__ = ["BPSError", "BPSMismatchError", "BPSConnectionError", "BPSTimeoutError", "error_from_failure"]
+__all__ = ["BPSError", "BPSMismatchError", "BPSConnectionError", "BPSTimeoutError", "LinkBrokenError",
+           "error_from_failure", "failure_from_error"]
 
 
 def _join(head: str, detail: str) -> str:
@@ -84,6 +86,23 @@ class BPSConnectionError(BPSError):
         return {"peer": self.peer, "detail": self.detail}
 
 
+class LinkBrokenError(BPSConnectionError):
+    """A push lost with the worker daemon's connection to a server (raised inside the worker daemon).
+
+    ``unanswered_shm``: the push went as a shared-memory reference and its server never answered, so
+    that server may still write the sum into our memory: the caller must not reuse that memory.
+    """
+
+    unanswered_shm: bool
+
+    def __init__(self, detail: str = "", *, peer: str = "", unanswered_shm: bool = False) -> None:
+        super().__init__(detail, peer=peer)
+        self.unanswered_shm = unanswered_shm
+
+    def _attributes(self) -> dict[str, Any]:
+        return {**super()._attributes(), "unanswered_shm": self.unanswered_shm}
+
+
 class BPSTimeoutError(BPSError):
     """Something did not happen within its timeout.
 
@@ -130,3 +149,27 @@ def error_from_failure(failure: Failure) -> BPSError:
         case "error" | "round_failed" | "bad_request":
             return BPSError(failure.message)
     raise AssertionError(f"unhandled failure code {failure.code!r}")  # FailureCode is closed: unreachable
+
+
+def failure_from_error(req: int, error: BPSError, note: str = "") -> Failure:
+    """The ``Failure`` that hands ``error`` on (the worker daemon answering its training processes):
+    the code of its class and its attributes as the structured fields, so that :func:`error_from_failure`
+    on the other side rebuilds the same class with the same attributes. ``note`` is appended to the text
+    (and to the detail where the attributes are known)."""
+    message = f"{error}{note}"
+    match error:
+        case BPSMismatchError() if error.name:
+            return Failure(req, message, code="mismatch", name=error.name, ours=error.ours, theirs=error.theirs,
+                           detail=error.detail + note)
+        case BPSMismatchError():
+            return Failure(req, message, code="mismatch")
+        case BPSConnectionError() if error.peer:
+            return Failure(req, message, code="connection", peer=error.peer, detail=error.detail + note)
+        case BPSConnectionError():
+            return Failure(req, message, code="connection")
+        case BPSTimeoutError() if error.what:
+            return Failure(req, message, code="timeout", what=error.what, timeout_s=error.timeout_s or 0.0,
+                           detail=error.detail + note)
+        case BPSTimeoutError():
+            return Failure(req, message, code="timeout")
+    return Failure(req, message)

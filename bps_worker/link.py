@@ -12,8 +12,8 @@ the handshake (a probe segment holding a random key). If the server can read the
 ``(segment, offset)`` of the data and of the result instead of carrying bytes, and the server
 writes the sum in place: no socket copies, no loopback TCP. Such a push stays in the server's hands
 until it answers it, so an abandoned one is never forgotten early (the server could still write
-into the result memory); a lost connection fails it with ``unanswered_shm`` set, and the caller
-stops reusing that memory.
+into the result memory); a lost connection fails it with a :class:`~bps_worker.errors.LinkBrokenError`
+whose ``unanswered_shm`` is set, and the caller stops reusing that memory.
 
 Server restarts: every Welcome carries the server's *incarnation*, a random id of that run of it.
 When a connection breaks, what is in flight is held, not failed, while the link reconnects (for up
@@ -45,8 +45,8 @@ from typing import Any, Final, Sequence, cast
 
 from protocol import PROTOCOL_VERSION
 from protocol.config import ServerSpec
-from protocol.errors import LocalProtocolError, ProtocolError
-from protocol.frames import FrameReader, encode_header
+from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from protocol.frames import BatchWriter, FrameReader, encode_frame
 from protocol.handshake import (
     ClientHandshake,
     ConfigMismatchError,
@@ -72,18 +72,16 @@ from protocol.messages import (
     RoundInfo,
     RoundQuery,
     Welcome,
-    batch_header,
     estimated_header_bytes,
     parse,
     split_batch,
-    to_header,
 )
 
 from bps_runtime import segments as shm
 from bps_runtime.lowat import ReceiveLowWater
 from bps_runtime.timeline import Timeline, now_us
 
-from .errors import BPSConnectionError, BPSError, BPSMismatchError
+from .errors import BPSConnectionError, BPSError, LinkBrokenError, error_from_failure
 from .window import BATCH_MAX_BYTES, Piece, SendWindow
 
 log = logging.getLogger("bps.worker.link")
@@ -201,21 +199,18 @@ def write_message(transport: asyncio.Transport, message: Message, payload: memor
     """Write one frame: ``message`` and its payload (nothing on a closing transport)."""
     if transport.is_closing():
         return
-    nbytes = 0 if payload is None else payload.nbytes
-    head = encode_header(to_header(message), nbytes, max_payload_bytes=max_payload_bytes)
-    if payload is not None and nbytes:
-        transport.writelines([head, payload])
-    else:
-        transport.write(head)
+    transport.writelines(encode_frame(message, payload, max_payload_bytes=max_payload_bytes))
 
 
 def write_batch(transport: asyncio.Transport, wires: list[Wire], max_payload_bytes: int) -> None:
-    """Write several pushes as one Batch frame: their headers, then their payloads back to back."""
+    """Write several pushes as one Batch frame: their headers, then their payloads back to back (the
+    window already chose them within the batch limits)."""
     if transport.is_closing():
         return
-    sizes: list[tuple[Message, int]] = [(push, 0 if payload is None else payload.nbytes) for push, payload in wires]
-    head = encode_header(batch_header(sizes), sum(n for _, n in sizes), max_payload_bytes=max_payload_bytes)
-    transport.writelines([head, *(payload for _, payload in wires if payload is not None and payload.nbytes)])
+    batch = BatchWriter(max_payload_bytes=max_payload_bytes)
+    for push, payload in wires:
+        batch.add(push, payload)
+    transport.writelines(batch.flush())
 
 
 def make_probe(worker_id: int, mode: int, server_id: int) -> tuple[SharedMemory, str] | None:
@@ -239,18 +234,21 @@ def _cannot_change(exc: HandshakeError) -> bool:
 
 
 def failure_error(server_id: int, failure: Failure) -> BPSError:
-    """The error a push's caller gets for the server's Failure."""
-    cls = BPSMismatchError if "mismatch" in failure.message else BPSError
-    return cls(f"server {server_id}: {failure.message}")
+    """The error a push's caller gets for the server's Failure: the subclass its code names, with the
+    server's facts (:func:`~bps_worker.errors.error_from_failure`, never the text), saying which server."""
+    where = f"server {server_id}"
+    return error_from_failure(Failure(
+        failure.req, f"{where}: {failure.message}"[:MAX_MESSAGE_CHARS], code=failure.code, name=failure.name,
+        ours=failure.ours, theirs=failure.theirs, peer=failure.peer, what=failure.what, timeout_s=failure.timeout_s,
+        detail=(f"{where}: {failure.detail}" if failure.detail else where)[:MAX_MESSAGE_CHARS]))
 
 
-def connection_error(reason: str, via_shm: bool) -> BPSConnectionError:
-    """The error of a push the connection's loss failed; ``unanswered_shm`` when the server may
-    still write its sum into our memory (the caller must not reuse it)."""
-    exc = BPSConnectionError(reason)
-    if via_shm:
-        exc.unanswered_shm = True  # type: ignore[attr-defined]
-    return exc
+def connection_error(lost: BPSConnectionError | str, via_shm: bool) -> LinkBrokenError:
+    """The error of a push the connection's loss failed (``lost``: that loss); ``unanswered_shm`` when
+    it went by reference, so the server may still write its sum into our memory."""
+    if isinstance(lost, str):
+        return LinkBrokenError(lost, unanswered_shm=via_shm)
+    return LinkBrokenError(lost.detail, peer=lost.peer, unanswered_shm=via_shm)
 
 
 class ServerLink:
@@ -467,8 +465,9 @@ class ServerLink:
         item = self.window.in_flight(req) if isinstance(req, int) else None
         if header.get("t") == Result.TYPE and item is not None:
             if item.dest.nbytes != nbytes:
-                raise ProtocolError(f"result for {item.push.name!r} part {item.push.part} has {nbytes} bytes, "
-                                    f"expected {item.dest.nbytes}")
+                raise RemoteProtocolError(f"result for {item.push.name!r} part {item.push.part} has {nbytes} "
+                                          f"bytes, expected {item.dest.nbytes}", what="result payload", size=nbytes,
+                                          limit=item.dest.nbytes)
             if item.times is not None:
                 item.times[2] = now_us()
             return item.dest
@@ -496,7 +495,7 @@ class ServerLink:
             case Failure():
                 self._on_failure(proto, message)
             case _:
-                raise ProtocolError(f"unexpected {message.TYPE} message from server {self.spec.id}")
+                raise RemoteProtocolError(f"unexpected {message.TYPE} message from server {self.spec.id}")
 
     def _on_result(self, message: Result, payload: memoryview | None) -> None:
         item = self.window.answered(message.req)
@@ -505,13 +504,14 @@ class ServerLink:
             return  # an abandoned push
         if message.inplace:
             if not item.via_shm:
-                raise ProtocolError(f"server {self.spec.id} answered {item.push.name!r} part "
-                                    f"{item.push.part} in shared memory, but it was pushed over TCP")
+                raise RemoteProtocolError(f"server {self.spec.id} answered {item.push.name!r} part "
+                                          f"{item.push.part} in shared memory, but it was pushed over TCP")
         elif not item.future.done():
             got = 0 if payload is None else payload.nbytes
             if got != item.dest.nbytes:
-                raise ProtocolError(f"result for {item.push.name!r} part {item.push.part} has {got} bytes, "
-                                    f"expected {item.dest.nbytes}")
+                raise RemoteProtocolError(f"result for {item.push.name!r} part {item.push.part} has {got} bytes, "
+                                          f"expected {item.dest.nbytes}", what="result payload", size=got,
+                                          limit=item.dest.nbytes)
             if payload is not None and payload is not item.dest:  # a batched result: not received in place
                 item.dest[:] = payload
         if not item.future.done():
@@ -578,7 +578,7 @@ class ServerLink:
         self._follow_stall()
         for item in items:
             if not item.future.done():
-                item.future.set_exception(connection_error(str(exc), True) if item.via_shm else exc)
+                item.future.set_exception(connection_error(exc, True) if item.via_shm else exc)
 
     # -- connecting ------------------------------------------------------------------
     def _ensure_connecting(self) -> None:

@@ -37,9 +37,9 @@ from bps_runtime import cuda, kernels
 from bps_runtime import segments as shm
 from bps_runtime.timeline import Timeline, now_us
 from protocol import dtypes
-from protocol.messages import KIND_BROADCAST, Done, Failure, FailureCode, Op
+from protocol.messages import KIND_BROADCAST, Done, Failure, Op
 
-from .errors import BPSError
+from .errors import BPSError, LinkBrokenError, failure_from_error
 from .links import ServerLink
 from .local_rounds import LocalRound
 from .placement import Piece, Placement, interleave
@@ -190,8 +190,8 @@ class Operation:
         host.counters.bytes_pushed += self.nbytes
         return Scattered(out, out_segment, out_base, futures, slots)
 
-    async def wait(self, futures: list[tuple[Piece, asyncio.Future[None]]], server_round: int) -> str | None:
-        """Wait for every piece; on the first failure abandon the rest and return its message."""
+    async def wait(self, futures: list[tuple[Piece, asyncio.Future[None]]], server_round: int) -> BPSError | None:
+        """Wait for every piece; on the first failure abandon the rest and return its error."""
         host = self.host
         pending = {f for _, f in futures}
         while pending:
@@ -199,7 +199,8 @@ class Operation:
             failed = [f for f in done if f.exception() is not None]
             if failed:
                 exc = failed[0].exception()
-                message = str(exc) if isinstance(exc, BPSError) else f"internal error: {exc!r}"
+                error = exc if isinstance(exc, BPSError) else BPSError(f"internal error: {exc!r}")
+                message = str(error)
                 # Tell every server that did not deliver this piece's sum: the peers waiting there
                 # must fail now, not at a timeout (the failing server itself may not know, e.g. when
                 # the connection broke before the push arrived).
@@ -212,11 +213,12 @@ class Operation:
                 if answers:
                     await asyncio.wait(answers)  # the server answers every push; a lost link fails them
                 # A server that went silent with our memory in hand might still write into it.
-                if any(not f.cancelled() and getattr(f.exception(), "unanswered_shm", False) for _, f in futures):
+                if any(not f.cancelled() and isinstance(e := f.exception(), LinkBrokenError) and e.unanswered_shm
+                       for _, f in futures):
                     freed = host.results.abandon(self.name)
                     if freed is not None:
                         host.segments_freed([freed])
-                return message
+                return error
         return None
 
     # -- replies ---------------------------------------------------------------------
@@ -224,17 +226,17 @@ class Operation:
         for session, o in self.members:
             session.send(self.path.done(o, scattered.out_segment, scattered.out_base))
 
-    def reply_failed(self, error: str, scattered: Scattered) -> None:
-        """Some piece failed: every member hears why, and one whose array was pushed in place how many
-        partitions it now holds the sums of."""
+    def reply_failed(self, error: BPSError, scattered: Scattered) -> None:
+        """Some piece failed: every member hears why (the error's class and attributes travel as the
+        Failure's code and facts), and one whose array was pushed in place how many partitions it now
+        holds the sums of."""
         self.host.counters.ops_failed += 1
-        code: FailureCode = "mismatch" if "mismatch" in error else "error"
         futures = scattered.futures
         summed = sum(1 for _, f in futures if f.done() and not f.cancelled() and f.exception() is None)
         for session, o in self.members:
             note = (f" (the array pushed in place now holds the sums of {summed} of its {len(futures)} "
                     f"partitions)" if summed and o.handback and scattered.slots else "")
-            session.send(Failure(o.req, error + note, code=code))
+            session.send(failure_from_error(o.req, error, note))
 
     def reply_error(self, exc: Exception) -> None:
         """Any other failure: every member hears it, and the peers too where we never pushed."""

@@ -151,13 +151,16 @@ def mismatch_by_worker() -> dict[str, Any]:
     n = 8 if rank < 2 else 9
     start = time.monotonic()
     error = None
+    facts: dict[str, Any] = {}
     try:
         bps.push_pull(np.ones(n, np.float32), "w", average=False)
     except bps.BPSError as exc:
         error = str(exc)
+        facts = {"type": type(exc).__name__, "name": getattr(exc, "name", None),
+                 "ours": getattr(exc, "ours", None), "theirs": getattr(exc, "theirs", None)}
     elapsed = time.monotonic() - start
     after = bps.push_pull(np.ones(1, np.float32), "w.after", average=False)
-    return {"error": error, "elapsed": elapsed, "after": float(after[0])}
+    return {"error": error, "elapsed": elapsed, "after": float(after[0]), "facts": facts}
 
 
 def die_before_push(victim: int) -> dict[str, Any]:

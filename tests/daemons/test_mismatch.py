@@ -30,9 +30,12 @@ def test_mismatch_fails_every_process_and_names_both(cluster_2x2, bad_rank, kind
 def test_mismatch_across_workers_only(cluster_2x2):
     """Both processes of worker 1 agree with each other but not with worker 0: the server tells everyone."""
     results = run_ranks(cluster_2x2, rp.mismatch_by_worker, timeout=60)
-    for r in results:
+    for rank, r in enumerate(results):
         assert r["error"] is not None and "mismatch" in r["error"] and "'w'" in r["error"], r
         assert "[8]" in r["error"] and "[9]" in r["error"], r["error"]
+        # a BPSMismatchError whose facts came from the server, each side's own descriptor as ours
+        ours, theirs = ("float32[8]", "float32[9]") if rank < 2 else ("float32[9]", "float32[8]")
+        assert r["facts"] == {"type": "BPSMismatchError", "name": "w", "ours": ours, "theirs": theirs}, r
         assert r["elapsed"] < 10.0
         assert r["after"] == 4.0
 

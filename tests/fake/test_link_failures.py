@@ -1,0 +1,220 @@
+"""The worker's link to a server, through a fake transport: what a push's caller gets when the server
+fails it (the class its Failure's code names, with the server's facts) or when the connection is lost
+(a LinkBrokenError that says whether the server may still write into our memory), and the frames the
+link writes (protocol.frames' encoder and batch writer, byte for byte the old ones)."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+
+from bps_server.rounds import RoundTable
+from bps_worker.errors import (
+    BPSConnectionError,
+    BPSError,
+    BPSMismatchError,
+    BPSTimeoutError,
+    LinkBrokenError,
+    error_from_failure,
+    failure_from_error,
+)
+from bps_worker.link import ServerLink, _LinkProtocol, connection_error, failure_error, write_batch, write_message
+from protocol.config import ServerSpec
+from protocol.frames import FrameReader, encode_header
+from protocol.messages import Failure, Message, Push, batch_header, parse, to_header
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def writelines(self, chunks: list[Any]) -> None:
+        for c in chunks:
+            self.data += bytes(c)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def messages(self) -> list[tuple[Message, memoryview | None]]:
+        return [(parse(f.header), f.payload) for f in FrameReader().receive_data(bytes(self.data))]
+
+
+def _push(worker: int, n: int = 4, *, name: str = "w", req: int = 1) -> Push:
+    return Push(req=req, name=name, part=0, round=0, worker=worker, dtype="float32", shape=[n], offset=0, count=n)
+
+
+def _wire(failure: Failure) -> Failure:
+    """``failure`` after a trip over the wire."""
+    reader = FrameReader()
+    (frame,) = reader.receive_data(encode_header(to_header(failure), 0))
+    parsed = parse(frame.header)
+    assert isinstance(parsed, Failure)
+    return parsed
+
+
+# -- a server's Failure -> the caller's error, by code ------------------------------------
+
+
+def test_a_server_mismatch_becomes_a_mismatch_error_with_each_sides_facts():
+    table: RoundTable[str] = RoundTable(2)
+    table.push(_push(0, 8), np.zeros(8, np.float32), "w0", 0.0)
+    (failed,) = table.push(_push(1, 9), np.zeros(9, np.float32), "w1", 0.0)
+    errors = {f.handle: failure_error(3, _wire(f.why.failure(f.push.req))) for f in failed.fails}  # type: ignore[union-attr]
+    for handle, ours, theirs in (("w0", "float32[8]", "float32[9]"), ("w1", "float32[9]", "float32[8]")):
+        error = errors[handle]
+        assert isinstance(error, BPSMismatchError), error
+        assert (error.name, error.ours, error.theirs) == ("w", ours, theirs)
+        assert "server 3" in str(error) and "worker 0 pushed float32[8] but worker 1 pushed float32[9]" in str(error)
+        assert "mismatch" in str(error) and "'w'" in str(error)
+
+
+@pytest.mark.parametrize("failure,cls,attributes", [
+    (Failure(1, "worker 1 is disconnected; round 0 of 'w' cannot complete", code="connection", peer="worker 1",
+             detail="worker 1 is disconnected; round 0 of 'w' cannot complete"),
+     BPSConnectionError, {"peer": "worker 1"}),
+    (Failure(1, "worker 2 is not connected (waited 30 s)", code="timeout", what="round 4 of 'w'", timeout_s=30.0,
+             detail="worker 2 is not connected (waited 30 s)"),
+     BPSTimeoutError, {"what": "round 4 of 'w'", "timeout_s": 30.0}),
+    (Failure(1, "tensor 'w' round 0 aborted by worker 1: gone", code="round_failed"), BPSError, {}),
+    (Failure(1, "something", code="error"), BPSError, {}),
+    (Failure(1, "bad", code="bad_request"), BPSError, {}),
+    (Failure(1, "broke it", code="protocol_error"), BPSConnectionError, {}),
+    (Failure(1, "tensor 'w' mismatch: no facts", code="mismatch"), BPSMismatchError, {"name": ""}),
+])
+def test_each_failure_code_reaches_the_caller_as_its_class(failure, cls, attributes):
+    error = failure_error(0, _wire(failure))
+    assert type(error) is cls, error
+    assert {k: getattr(error, k) for k in attributes} == attributes
+    assert "server 0" in str(error)
+    assert failure.detail in str(error) if failure.detail else f"server 0: {failure.message}" == str(error)
+
+
+def test_the_text_is_never_read_for_the_class():
+    error = failure_error(0, Failure(1, "tensor 'mismatch' round 3 aborted", code="round_failed"))
+    assert type(error) is BPSError  # the word in the text does not make it a mismatch
+
+
+def test_a_long_server_message_still_makes_an_error():
+    error = failure_error(0, Failure(1, "x" * 4096, code="connection", peer="worker 1", detail="y" * 4096))
+    assert isinstance(error, BPSConnectionError) and error.peer == "worker 1"
+
+
+def test_errors_handed_on_to_training_processes_keep_class_and_attributes():
+    mismatch = BPSMismatchError("server 0: worker 0 pushed a", name="w", ours="float32[8]", theirs="float32[9]")
+    lost = LinkBrokenError("gone", peer="server 1 at h:1", unanswered_shm=True)
+    late = BPSTimeoutError("slow", what="round 2 of 'w'", timeout_s=5.0)
+    for error, cls in ((mismatch, BPSMismatchError), (lost, BPSConnectionError), (late, BPSTimeoutError),
+                       (BPSError("plain"), BPSError), (BPSConnectionError("no peer"), BPSConnectionError)):
+        again = error_from_failure(_wire(failure_from_error(5, error, " (a note)")))
+        assert type(again) is cls and str(again) == f"{error} (a note)"
+        for name in ("name", "ours", "theirs", "peer", "what", "timeout_s"):
+            if hasattr(error, name):
+                assert getattr(again, name) == getattr(error, name), name
+
+
+# -- a lost connection -> LinkBrokenError ------------------------------------------------
+
+
+def test_connection_error_says_whether_the_server_may_still_write_our_memory():
+    by_reference = connection_error(BPSConnectionError("lost it", peer="server 2 at h:9"), True)
+    assert isinstance(by_reference, LinkBrokenError) and isinstance(by_reference, BPSConnectionError)
+    assert by_reference.unanswered_shm and by_reference.peer == "server 2 at h:9"
+    assert str(by_reference) == "connection to server 2 at h:9 failed: lost it"
+    plain = connection_error("lost connection to server 2", False)
+    assert not plain.unanswered_shm and str(plain) == "lost connection to server 2"
+    assert pickle.loads(pickle.dumps(by_reference)).unanswered_shm
+
+
+def _link() -> tuple[ServerLink, _LinkProtocol, FakeTransport]:
+    link = ServerLink(ServerSpec(0, "127.0.0.1", 9, None), 0, credit_bytes=1 << 20, timeout=5.0,
+                      max_payload_bytes=1 << 20)
+    proto = _LinkProtocol(link)
+    transport = FakeTransport()
+    proto.connection_made(transport)  # type: ignore[arg-type]
+    link._proto, link._ready = proto, True  # as after a handshake
+    link.incarnation = "run-1"
+    return link, proto, transport
+
+
+async def test_the_link_fails_a_push_with_the_class_of_the_servers_failure():
+    link, proto, transport = _link()
+    future = link.push({"name": "w", "part": 0, "round": 0, "dtype": "float32", "shape": [2], "offset": 0,
+                        "count": 2}, memoryview(np.ones(2, np.float32)).cast("B"), memoryview(bytearray(8)), 0)
+    ((sent, _),) = transport.messages()
+    assert isinstance(sent, Push)
+    link.on_message(proto, Failure(sent.req, "tensor 'w' mismatch: ...", code="mismatch", name="w",
+                                   ours="float32[2]", theirs="float32[3]", detail="worker 0 pushed float32[2]"),
+                    None)
+    error = future.exception()
+    assert isinstance(error, BPSMismatchError) and (error.name, error.ours, error.theirs) == (
+        "w", "float32[2]", "float32[3]")
+    link.close()
+
+
+async def test_a_push_by_reference_lost_with_its_connection_is_unanswered_shm():
+    link, proto, transport = _link()
+    link.window.by_reference = True
+    fields = {"name": "w", "part": 0, "round": 0, "dtype": "float32", "shape": [2], "offset": 0, "count": 2}
+    by_ref = link.push(fields, memoryview(bytearray(8)), memoryview(bytearray(8)), 0,
+                       shm_ref=("bps-0-a", 0), out_ref=("bps-0-a", 8))
+    by_tcp = link.push({**fields, "name": "v"}, memoryview(bytearray(8)), memoryview(bytearray(8)), 0)
+    link.incarnation = None  # a first connection: what is in flight fails at once
+    link.on_broken(proto, "lost connection to server 0")
+    shm_error, tcp_error = by_ref.exception(), by_tcp.exception()
+    assert isinstance(shm_error, LinkBrokenError) and shm_error.unanswered_shm
+    assert isinstance(tcp_error, BPSConnectionError) and not getattr(tcp_error, "unanswered_shm", False)
+    assert "lost connection to server 0" in str(shm_error)
+    link.close()
+    await asyncio.sleep(0)
+
+
+# -- the frames the link writes ----------------------------------------------------------
+
+
+def test_write_message_and_write_batch_write_the_old_bytes():
+    payload = memoryview(np.arange(4, dtype=np.float32)).cast("B")
+    one = FakeTransport()
+    write_message(one, _push(0), payload, 1 << 20)  # type: ignore[arg-type]
+    assert bytes(one.data) == encode_header(to_header(_push(0)), 16) + bytes(payload)
+    empty = FakeTransport()
+    write_message(empty, _push(0, 0), None, 1 << 20)  # type: ignore[arg-type]
+    assert bytes(empty.data) == encode_header(to_header(_push(0, 0)), 0)
+    wires = [(_push(0, req=1), payload), (_push(0, name="ref", req=2), None), (_push(0, name="x", req=3), payload)]
+    batch = FakeTransport()
+    write_batch(batch, wires, 1 << 20)  # type: ignore[arg-type]
+    sizes = [(p, 0 if b is None else b.nbytes) for p, b in wires]
+    assert bytes(batch.data) == encode_header(batch_header(sizes), 32) + bytes(payload) + bytes(payload)
+    closing = FakeTransport()
+    closing.closed = True
+    write_message(closing, _push(0), payload, 1 << 20)  # type: ignore[arg-type]
+    write_batch(closing, wires, 1 << 20)  # type: ignore[arg-type]
+    assert closing.data == bytearray()
