@@ -1,0 +1,308 @@
+"""Issue 14, items 1, 2 and 7, against real daemons: a relayed handshake, a fake server, a cluster file that
+differs between machines, and a local user who makes the colocated server a deputy for shared memory.
+
+The strangers here (relay, fake server, the user 65534) are plain socket code in the test: they never read
+the token. Each test fails on the code before the mutual handshake (2c683a3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import encodings.idna  # noqa: F401  (the deputy child, as uid 65534, cannot read the stdlib to import it later)
+import multiprocessing as mp
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+import security_programs as sp
+from bps_worker.cluster_file import write_config
+from bps_worker.supervise import Cluster
+from harness import daemon_logs, run_ranks
+from protocol import PROTOCOL_VERSION
+from protocol.config import load_config, placement_digest, placement_items
+from protocol.frames import FrameReader, encode_header
+from protocol.messages import Batch, Challenge, Failure, Hello, Message, Push, Result, Welcome, parse, split_batch, \
+    to_header
+
+from bps_runtime.segments import create_segment, release, segment_name
+
+TOKEN = "a-long-enough-cluster-secret\n"
+
+
+def _frame(message: Message, payload: bytes = b"") -> bytes:
+    return encode_header(to_header(message), len(payload)) + payload
+
+
+def _read(sock: socket.socket, reader: FrameReader, timeout: float, until: Callable[[list[Message]], bool]
+          ) -> tuple[list[tuple[Message, bytes]], bool]:
+    """Messages (with payloads) from ``sock`` until ``until`` holds, the peer closes, or ``timeout``."""
+    out: list[tuple[Message, bytes]] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not until([m for m, _ in out]):
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            chunk = sock.recv(1 << 20)
+        except socket.timeout:
+            break
+        except OSError:
+            return out, True
+        if not chunk:
+            return out, True
+        out += [(parse(f.header), bytes(f.payload or b"")) for f in reader.receive_data(chunk)]
+    return out, False
+
+
+class Stranger(threading.Thread):
+    """Listens on a server's port (its real server is not running) and runs ``serve`` on each connection."""
+
+    def __init__(self, port: int, serve: Callable[[socket.socket], None]) -> None:
+        super().__init__(daemon=True)
+        self.listener = socket.create_server(("127.0.0.1", port), reuse_port=False)
+        self.listener.settimeout(0.2)
+        self.serve = serve
+        self.stopping = False
+        self.errors: list[BaseException] = []
+
+    def run(self) -> None:
+        while not self.stopping:
+            try:
+                conn, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                self.serve(conn)
+        except Exception as exc:  # reported by the test
+            self.errors.append(exc)
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.join(timeout=5)
+        self.listener.close()
+
+
+def _token_cluster(tmp_path: Path, **kwargs: Any) -> Path:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    cluster = {"token_file": str(token_file), "timeout": 3.0, "partition_bytes": 16384}
+    return write_config(tmp_path / "c", [1, 1], cpu_servers=1, cluster=cluster, **kwargs)
+
+
+def _start(path: Path, labels: list[str], replace: dict[str, tuple[str, str]] | None = None) -> Cluster:
+    """Cluster of ``path``, but only the daemons ``labels``; ``replace[label] = (old, new)`` in its argv."""
+    cluster = Cluster(str(path), log_level="info", log_dir=str(path.parent / "logs"))
+    commands = []
+    for label in labels:
+        command = cluster.command(label)
+        if replace and label in replace:
+            old, new = replace[label]
+            command = dataclasses.replace(command, argv=tuple(new if a == old else a for a in command.argv))
+        commands.append(command)
+    try:
+        cluster.supervisor.launch(commands)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def test_a_relayed_handshake_is_refused(tmp_path):
+    """Server 2's port is free; a relay there forwards a live server's Challenge to the worker and the
+    worker's Hello, with the attacker's own values (stream 7, its own shared-memory probe), to that server."""
+    path = _token_cluster(tmp_path)
+    config = load_config(path)
+    live, free = config.servers[0], config.servers[2]
+    rewrites = [{"stream": 7}, {"shm": "bps_w0_1_relay", "shm_key": "ab" * 32}]
+    relayed: list[tuple[Hello, dict[str, Any], list[Message], bool]] = []
+
+    def relay(worker: socket.socket) -> None:
+        rewrite = rewrites[len(relayed) % len(rewrites)]
+        with socket.create_connection((live.host, live.port), timeout=5) as up:
+            up_reader, down_reader = FrameReader(), FrameReader()
+            got, _ = _read(up, up_reader, 5, lambda ms: any(isinstance(m, Challenge) for m in ms))
+            worker.sendall(b"".join(_frame(m) for m, _ in got))
+            got, _ = _read(worker, down_reader, 5, lambda ms: any(isinstance(m, Hello) for m in ms))
+            hello = next(m for m, _ in got if isinstance(m, Hello))
+            up.sendall(_frame(dataclasses.replace(hello, **rewrite)))
+            answers, closed = _read(up, up_reader, 3, lambda ms: any(isinstance(m, (Welcome, Failure)) for m in ms))
+            if not closed:  # and then? (a refusal closes the connection)
+                rest, closed = _read(up, up_reader, 2, lambda ms: False)
+                answers += rest
+            relayed.append((hello, rewrite, [m for m, _ in answers], closed))
+
+    stranger = Stranger(free.port, relay)
+    stranger.start()
+    cluster = _start(path, ["server-0", "server-1", "worker-0", "worker-1"])
+    try:
+        results = run_ranks(cluster, sp.one_sum, 20_000, "relayed", timeout=60)
+        logs = daemon_logs(cluster)
+    finally:
+        cluster.stop()
+        stranger.stop()
+    assert not stranger.errors, stranger.errors
+    assert {tuple(r.items()) for _, r, _, _ in relayed} >= {tuple(r.items()) for r in rewrites}, relayed  # both were tried
+    for hello, rewrite, answers, closed in relayed:
+        assert hello.auth, "the worker sent no proof"
+        assert not any(isinstance(m, Welcome) for m in answers), (rewrite, answers)  # the relay never got in
+        failures = [m for m in answers if isinstance(m, Failure)]
+        assert closed and failures and "authentication failed" in failures[-1].message, (rewrite, answers)
+    assert "authentication failed" in logs
+    for r in results:  # the relay answers nothing: server 2 is unreachable, and says so
+        assert r["error"] is not None and "server 2" in r["error"], r
+
+
+def test_a_fake_server_is_refused_and_never_sent_sums(tmp_path):
+    """A stranger on server 2's port answers with a Challenge and a forged Welcome, then 666.0 for every push."""
+    path = _token_cluster(tmp_path)
+    free = load_config(path).servers[2]
+    pushes: list[Push] = []
+    refused: list[bool] = []
+
+    def fake(worker: socket.socket) -> None:
+        reader = FrameReader()
+        worker.sendall(_frame(Challenge("f00d" * 8, PROTOCOL_VERSION)))
+        got, _ = _read(worker, reader, 5, lambda ms: any(isinstance(m, Hello) for m in ms))
+        hello = next(m for m, _ in got if isinstance(m, Hello))
+        worker.sendall(_frame(Welcome(PROTOCOL_VERSION, worker=hello.id, workers=2, incarnation="fa4e" * 4,
+                                      auth="00" * 32, config_digest=placement_digest(hello.config_items))))
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            got, closed = _read(worker, reader, 0.5, lambda ms: bool(ms))
+            for message, payload in got:
+                items = split_batch(message, memoryview(payload)) if isinstance(message, Batch) else \
+                    [(message, memoryview(payload))]
+                for item, _ in items:
+                    if isinstance(item, Push):
+                        pushes.append(item)
+                        worker.sendall(_frame(Result(item.req, item.name, item.part, item.round),
+                                              np.full(item.count, 666.0, np.float32).tobytes()))
+            if closed:
+                refused.append(True)
+                return
+
+    stranger = Stranger(free.port, fake)
+    stranger.start()
+    cluster = _start(path, ["server-0", "server-1", "worker-0", "worker-1"])
+    try:
+        results = run_ranks(cluster, sp.one_sum, 20_000, "faked", timeout=60)
+        logs = daemon_logs(cluster)
+    finally:
+        cluster.stop()
+        stranger.stop()
+    assert not stranger.errors, stranger.errors
+    assert pushes == [], f"{len(pushes)} pushes went to the fake server"
+    assert refused, "the worker never hung up on the fake server"
+    for r in results:
+        assert r["error"] is not None and r.get("wrong") is None, r  # never a wrong sum
+        assert "server 2" in r["error"] and "prove" in r["error"], r
+        assert r["seconds"] < 15, r
+    assert "did not prove the cluster token" in logs
+
+
+def test_cluster_files_that_differ_fail_the_job_at_once(tmp_path):
+    """Worker 1's file swaps the two CPU-only servers' addresses (issue 14, item 7)."""
+    path = write_config(tmp_path / "c", [1, 1], cpu_servers=2, cluster={"timeout": 3.0, "partition_bytes": 16384})
+    config = load_config(path)
+    a, b = config.servers[2].address, config.servers[3].address
+    text = path.read_text()
+    skewed = path.parent / "skewed.toml"
+    skewed.write_text(text.replace(a, "@A@").replace(b, a).replace("@A@", b))
+    ours, theirs = (placement_digest(placement_items(load_config(p))) for p in (path, skewed))
+    assert ours != theirs
+    labels = [f"server-{s.id}" for s in config.servers] + ["worker-0", "worker-1"]
+    cluster = _start(path, labels, replace={"worker-1": (str(path), str(skewed))})
+    try:
+        results = run_ranks(cluster, sp.one_sum, 20_000, "skewed", timeout=30)
+        logs = daemon_logs(cluster)
+    finally:
+        cluster.stop()
+    skewed_rank = results[1]
+    assert skewed_rank["error"] is not None and ours in skewed_rank["error"] and theirs in skewed_rank["error"], \
+        skewed_rank
+    assert "server.2.address" in skewed_rank["error"] and skewed_rank["seconds"] < 3.0, skewed_rank
+    assert results[0]["error"] is not None and results[0]["seconds"] < 10, results[0]  # no hang for the other
+    assert "read another cluster file" in logs
+
+
+def _deputy(host: str, port: int, victim: str, report: Any) -> None:
+    """In a forked child, as uid 65534: worker 0's handshake with our own probe, then a push that reads
+    ``victim`` into our segment ``mine`` and one that writes our ``source`` (666.0) into ``victim``.
+    Sends what came back. (One worker in the cluster: each push is a whole round, summed at once.)"""
+    from bps_runtime.segments import untrack
+
+    out: dict[str, Any] = {}
+    try:
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+        out["uid"] = os.getuid()
+        probe, mine, source = (create_segment(segment_name(0), n) for n in (32, 4096, 4096))
+        for seg in (probe, mine, source):
+            untrack(seg)  # the root parent's tracker must not try to unlink them; we do
+        key = os.urandom(32)
+        probe.buf[:32] = key
+        np.frombuffer(mine.buf, np.float32)[:] = 666.0
+        np.frombuffer(source.buf, np.float32)[:] = 666.0
+        before = bytes(mine.buf)
+        reader = FrameReader()
+        with socket.create_connection((host, port), timeout=5) as s:
+            def answer() -> Message:
+                got, _ = _read(s, reader, 5, lambda ms: bool(ms))
+                return got[0][0]
+
+            out["challenge"] = type(answer()).__name__
+            s.sendall(_frame(Hello(PROTOCOL_VERSION, "worker", 0, shm=probe.name, shm_key=key.hex())))
+            welcome = answer()
+            out["shm"] = isinstance(welcome, Welcome) and welcome.shm
+            for i, (seg, dst) in enumerate(((victim, mine.name), (source.name, victim))):  # read it, write it
+                s.sendall(_frame(Push(req=i + 1, name=f"deputy{i}", part=0, round=0, worker=0, dtype="float32",
+                                      shape=[1024], offset=0, count=1024, segment=seg, out_segment=dst)))
+                reply = answer()
+                out[f"push{i}"] = [type(reply).__name__, getattr(reply, "message", "")]
+        out["mine_unchanged"] = bytes(mine.buf) == before
+        for seg in (probe, mine, source):
+            release(seg, unlink=True)
+    except BaseException as exc:  # reported to the test
+        out["error"] = repr(exc)
+    report.send(out)
+
+
+def test_a_local_user_cannot_make_the_server_touch_a_root_segment(tmp_path):
+    """As uid 65534, get in as worker 0 with a probe of its own, then name a root-owned segment of worker 0
+    in a push (to read it) and as the result's destination (to write it). No token in this cluster."""
+    path = write_config(tmp_path / "c", [1], cpu_servers=0)
+    spec = load_config(path).servers[0]
+    victim = create_segment(segment_name(0), 4096)  # owner-only, root's: named as worker 0's segments are
+    pattern = np.arange(1024, dtype=np.float32)
+    np.frombuffer(victim.buf, np.float32)[:] = pattern
+    cluster = _start(path, ["server-0"])
+    try:
+        ours, theirs = mp.get_context("fork").Pipe(duplex=False)
+        child = mp.get_context("fork").Process(target=_deputy, args=(spec.host, spec.port, victim.name, theirs))
+        child.start()
+        out = ours.recv() if ours.poll(30) else {"error": "no report from the child"}
+        child.join(timeout=10)
+        logs = daemon_logs(cluster)
+        alive = cluster.dead_daemon() is None
+    finally:
+        cluster.stop()
+        unchanged = bytes(victim.buf) == pattern.tobytes()
+        release(victim, unlink=True)
+    assert "error" not in out, out
+    assert out["uid"] == 65534 and out["challenge"] == "Challenge" and out["shm"] is True, out
+    assert unchanged, "the server wrote into root's segment for uid 65534"
+    assert out["mine_unchanged"], "the server copied root's segment into uid 65534's"
+    for i in range(2):
+        kind, message = out[f"push{i}"]
+        assert kind == "Failure" and "belongs to uid 0, not to uid 65534" in message, out
+    assert alive, logs
