@@ -22,13 +22,11 @@ Connections (who sends what):
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final, Literal, NamedTuple, get_args, get_origin, get_type_hints
 
-from . import PROTOCOL_VERSION, dtypes
+from . import dtypes
 from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 
 MAX_NAME_CHARS: Final = 1024
@@ -619,28 +617,3 @@ def split_batch(batch: Batch, payload: memoryview | None) -> list[tuple[Message,
         offset += size
     return out
 
-
-def auth_digest(token: bytes, nonce: str, role: str, ident: int) -> str:
-    """The version-1 proof (HMAC-SHA256 over the server's nonce, role and id only): kept while the
-    daemons still call it, and superseded by :mod:`protocol.handshake`, whose proofs cover every field
-    and both nonces and go both ways. It can be relayed: nothing binds it to the Hello's other fields.
-    """
-    return hmac.new(token, f"bps-auth|{nonce}|{role}|{ident}".encode(), hashlib.sha256).hexdigest()
-
-
-def check_auth(token: bytes, nonce: str, hello: Hello) -> bool:
-    """Whether ``hello`` carries the version-1 proof (see :func:`auth_digest`; superseded)."""
-    return hmac.compare_digest(auth_digest(token, nonce, hello.role, hello.id), hello.auth)
-
-
-def expect_hello(message: Message, who: str) -> Hello:
-    """The first message a daemon reads: a Hello of our protocol version, or a RemoteProtocolError.
-
-    (:class:`protocol.handshake.ServerHandshake` makes the same check, with the rest of the handshake.)
-    """
-    if not isinstance(message, Hello):
-        raise RemoteProtocolError(f"expected hello, got {message.TYPE}")
-    if message.version != PROTOCOL_VERSION:
-        raise RemoteProtocolError(f"protocol version {message.version} not supported (this {who} speaks "
-                                  f"{PROTOCOL_VERSION})")
-    return message
