@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any, Callable, Final, Protocol
 from bps_runtime import cuda
 from bps_runtime import segments as shm
 from protocol import PROTOCOL_VERSION, dtypes
-from protocol.errors import ProtocolError
+from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.frames import FrameReader, encode_header
+from protocol.handshake import ServerHandshake
 from protocol.messages import (
     KIND_BROADCAST,
     ROLE_CLIENT,
@@ -29,7 +30,6 @@ from protocol.messages import (
     Message,
     Op,
     Welcome,
-    expect_hello,
     parse,
     to_header,
 )
@@ -73,6 +73,10 @@ class ClientSession(asyncio.BufferedProtocol):
         self.pid = 0
         self.arena = shm.Arena(daemon.worker_id, daemon.config.segment_mode)  # this process's tensors
         self.closed = False
+        # The Unix-socket handshake: no token and no challenge (the client speaks first), only local
+        # ranks 0..local_size-1 (protocol.handshake).
+        self.handshaker = ServerHandshake(peers={ROLE_CLIENT: daemon.config.local_size}, challenge=False,
+                                          who=f"worker {daemon.worker_id}")
         self.handlers: dict[type[Message], Callable[[Any], None]] = {Alloc: self.alloc, Op: self.op}
 
     @property
@@ -118,22 +122,22 @@ class ClientSession(asyncio.BufferedProtocol):
         handler(message)
 
     def handshake(self, message: Message) -> None:
-        """The first message: a client's ``Hello`` for a free local rank, answered by ``Welcome``."""
-        message = expect_hello(message, "worker")
-        local_size = self.daemon.config.local_size
-        if message.role != ROLE_CLIENT or not 0 <= message.id < local_size:
-            raise ProtocolError(f"local rank {message.id} is outside 0..{local_size - 1} of worker "
-                                f"{self.daemon.worker_id}")
-        other = self.daemon.sessions.get(message.id)
+        """The first message: a client's ``Hello`` for a free local rank, answered by ``Welcome``.
+
+        The checks of what it is, its version, role and local rank are the handshake's
+        (``ServerHandshake``, its errors are RemoteProtocolErrors); whether the rank is free is ours."""
+        hello = self.handshaker.receive(message)
+        other = self.daemon.sessions.get(hello.id)
         if other is not None and not other.closed:
-            raise ProtocolError(f"local rank {message.id} is already connected ({other!r})")
-        self.local_rank = message.id
-        self.pid = message.pid
-        self.daemon.sessions[message.id] = self
+            raise RemoteProtocolError(f"local rank {hello.id} is already connected ({other!r})")
+        self.local_rank = hello.id
+        self.pid = hello.pid
+        self.daemon.sessions[hello.id] = self
         cfg = self.daemon.config.cluster
         log.info("client %r connected", self)
-        self.send(Welcome(PROTOCOL_VERSION, rank=self.rank, size=cfg.size, local_rank=message.id,
-                          local_size=local_size, worker=self.daemon.worker_id, workers=cfg.workers))
+        self.send(self.handshaker.accept(Welcome(PROTOCOL_VERSION, rank=self.rank, size=cfg.size, local_rank=hello.id,
+                                                 local_size=self.daemon.config.local_size,
+                                                 worker=self.daemon.worker_id, workers=cfg.workers)).welcome)
 
     def alloc(self, message: Alloc) -> None:
         """Find (or make) room for tensor ``name``: small ones share slab segments, large ones get their own."""

@@ -20,7 +20,8 @@ from typing import Final
 
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ProtocolError
-from protocol.frames import FrameReader, encode_header
+from protocol.frames import Frame, FrameReader, encode_header
+from protocol.handshake import ClientHandshake, Established, HandshakeRefused
 from protocol.messages import ROLE_CLIENT, Alloc, Allocated, Done, Failure, Hello, Message, Welcome, parse, to_header
 
 from bps_runtime.timeline import now_us
@@ -61,20 +62,30 @@ class Connection:
 
     # -- set-up ----------------------------------------------------------------------
     def _handshake(self, local_rank: int) -> Welcome:
-        """Hello -> Welcome (or a Failure naming why the daemon refuses this local rank)."""
+        """Hello -> Welcome (or a Failure naming why the daemon refuses this local rank), as the connecting
+        side of ``protocol.handshake`` without a challenge (the Unix socket has no token)."""
+        handshake = ClientHandshake(Hello(PROTOCOL_VERSION, ROLE_CLIENT, local_rank, os.getpid()), challenge=False,
+                                    who=self.peer)
         self.sock.settimeout(self.timeout)
         try:
-            self._send(Hello(PROTOCOL_VERSION, ROLE_CLIENT, local_rank, os.getpid()))
-            while True:
+            hello = handshake.start()
+            assert hello is not None  # without a challenge the client speaks first
+            self._send(hello)
+            frames: list[Frame] = []
+            while not frames:
                 data = self.sock.recv(65536)
                 if not data:
                     raise BPSConnectionError("it closed the connection during the handshake", peer=self.peer)
                 frames = self.reader.receive_data(data)
-                if frames:
-                    break
+            established = handshake.receive(parse(frames[0].header))
+            assert isinstance(established, Established)  # the Hello went first: what comes back ends it
+            welcome = established.welcome
         except _socket.timeout:
             self.sock.close()
             raise BPSTimeoutError(what=f"the handshake with {self.peer}", timeout_s=self.timeout) from None
+        except HandshakeRefused as exc:
+            self.sock.close()
+            raise BPSError(f"{self.peer} refused local rank {local_rank}: {exc.reason}") from None
         except (OSError, ProtocolError) as exc:
             self.sock.close()
             raise BPSConnectionError(f"handshake failed: {exc}", peer=self.peer) from None
@@ -82,14 +93,7 @@ class Connection:
             self.sock.close()
             raise
         self.sock.settimeout(None)
-        message = parse(frames[0].header)
-        if isinstance(message, Failure):
-            self.sock.close()
-            raise BPSError(f"{self.peer} refused local rank {local_rank}: {message.message}")
-        if not isinstance(message, Welcome):
-            self.sock.close()
-            raise BPSConnectionError(f"it answered {message.TYPE} to hello", peer=self.peer)
-        return message
+        return welcome
 
     # -- requests --------------------------------------------------------------------
     def check(self) -> None:
