@@ -118,7 +118,7 @@ class ClientSession(asyncio.BufferedProtocol):
             return
         handler = self.handlers.get(type(message))
         if handler is None:
-            raise ProtocolError(f"unexpected {message.TYPE} message from a client")
+            raise RemoteProtocolError(f"unexpected {message.TYPE} message from a client")
         handler(message)
 
     def handshake(self, message: Message) -> None:
