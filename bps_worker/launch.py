@@ -5,6 +5,10 @@ daemons (``configs/systemd``) and torchrun for the training processes.
 
     bps-launch --config configs/local.toml -- python examples/train_digits.py --epochs 3
 
+The cluster's token (``cluster.token_file``, ``~/.config/bps/token`` in ``configs/local.toml``) is made
+on the first start when that file does not exist yet (32 random bytes as hex, mode 600), and checked
+before any daemon starts; ``bps-launch --make-token PATH`` only makes one, to copy to every machine.
+
 Every daemon reports readiness over a private ``NOTIFY_SOCKET`` (the systemd
 protocol), so training starts only when the cluster is up. When every training
 process has exited the daemons are stopped with SIGTERM; if any process fails
@@ -21,9 +25,11 @@ import sys
 from types import FrameType
 from typing import Any, Callable, Sequence
 
+from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
 
 from .supervise import Child, Cluster, LaunchError
+from .token_file import ensure_token, make_token
 
 INTERRUPTED_STATUS = 128 + signal.SIGINT  # what a shell reports for a job stopped by Ctrl-C
 
@@ -89,19 +95,48 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", default=None, metavar="DIR",
                    help="write Chrome-trace timelines of every daemon and rank into DIR (merge them with "
                         "`python -m bps_runtime.timeline merge OUT DIR/*.json`, open in https://ui.perfetto.dev)")
+    p.add_argument("--make-token", default=None, metavar="PATH",
+                   help="write a new cluster token (32 random bytes as hex, mode 600) to PATH and exit; "
+                        "copy it to every machine and name it in cluster.token_file")
     p.add_argument("command", nargs=argparse.REMAINDER, help="training command, after --")
     return p
+
+
+def _prepare_token(config_path: str) -> None:
+    """Make the token the cluster file names on the first start, then check it as the daemons will
+    (ConfigError, before any daemon starts: one that others could read is refused here already)."""
+    config = load_config(config_path)
+    ensure_token(config)
+    read_token(config)
+
+
+def _make_token_only(path: str) -> int:
+    """``--make-token PATH``: 0 once a new token is there; 1, leaving it alone, if PATH exists."""
+    try:
+        made = make_token(path)
+    except OSError as exc:
+        print(f"bps-launch: cannot create token file {path}: {exc.strerror}", file=sys.stderr)
+        return 1
+    if not made:
+        print(f"bps-launch: {path} already exists; not replaced (remove it first to make a new token)",
+              file=sys.stderr)
+        return 1
+    print(f"bps-launch: wrote a new cluster token to {path} (mode 600); copy it to every machine", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.make_token is not None:
+        return _make_token_only(args.make_token)
     if not command:
         p.error("no training command given (put it after --)")
     failure: str | None = None
     with SigintFlag() as interrupted:
         try:
+            _prepare_token(args.config)
             cluster = Cluster(args.config, log_level=args.log_level, log_dir=args.log_dir,
                               timeline_dir=os.path.abspath(args.timeline) if args.timeline else None,
                               interrupted=interrupted.is_set)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import math
+import os
 import re
+import stat
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,7 @@ _CLUSTER_KEYS: Final = {
     "workers": (int, True),
     "partition_bytes": (int, False),
     "token_file": (str, False),
+    "token_group_readable": (bool, False),
     "timeout": ((int, float), False),
     "credit_bytes": (int, False),
     "max_payload_bytes": (int, False),
@@ -79,6 +82,7 @@ class ClusterConfig:
     worker_specs: tuple[WorkerSpec, ...]
     partition_bytes: int = DEFAULT_PARTITION_BYTES
     token_file: str | None = None
+    token_group_readable: bool = False  # the token file may be readable (never writable) by its group
     timeout: float = DEFAULT_TIMEOUT_S
     credit_bytes: int = DEFAULT_CREDIT_BYTES
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
@@ -153,6 +157,7 @@ def parse_config(data: dict[str, Any], source: str = "<memory>") -> ClusterConfi
         worker_specs=tuple(sorted(worker_specs, key=lambda w: w.id)),
         partition_bytes=c["partition_bytes"],
         token_file=c.get("token_file"),
+        token_group_readable=c.get("token_group_readable", False),
         timeout=c["timeout"],
         credit_bytes=c["credit_bytes"],
         max_payload_bytes=c["max_payload_bytes"],
@@ -307,21 +312,61 @@ def _is_ipv4(host: str) -> bool:
 
 
 MIN_TOKEN_BYTES: Final = 16
+ROOT_UID: Final = 0
+
+
+# -- the token file ---------------------------------------------------------------------------------
+# The token is the whole of the cluster's authentication (protocol.handshake): whoever reads it may join
+# as any worker or pose as any server. So a token file that another user could read or replace is refused,
+# as ssh refuses a private key with loose modes: owned by us (or root), a regular file, no access for
+# others, and none for its group unless ``cluster.token_group_readable`` says a group shares it (read
+# only: a group that may write it could replace the secret).
+
+def token_path(config: ClusterConfig) -> str | None:
+    """Where the cluster's token lives (``cluster.token_file`` with a leading ``~`` expanded), or None."""
+    return None if config.token_file is None else os.path.expanduser(config.token_file)
+
+
+def token_file_problem(mode: int, owner: int, *, uid: int, group_readable: bool = False) -> str | None:
+    """None if a token file of ``mode`` (``st_mode``) owned by ``owner`` may be trusted by user ``uid``;
+    else what is wrong, as the end of a sentence that starts with the file's name."""
+    if not stat.S_ISREG(mode):
+        return "is not a regular file"
+    if owner not in (uid, ROOT_UID):
+        return f"is owned by uid {owner}, not by this user (uid {uid}) or root: that user could change it"
+    allowed = stat.S_IRGRP if group_readable else 0
+    loose = stat.S_IMODE(mode) & (stat.S_IRWXG | stat.S_IRWXO) & ~allowed
+    if not loose:
+        return None
+    who = "others" if loose & stat.S_IRWXO else "its group"
+    fix = "chmod 640 (cluster.token_group_readable = true)" if group_readable else "chmod 600"
+    return f"is open to {who} (mode {stat.S_IMODE(mode):03o}); run `{fix}` on it"
 
 
 def read_token(config: ClusterConfig) -> bytes | None:
-    """The cluster's shared secret (``cluster.token_file``), or None when the cluster has none."""
-    if config.token_file is None:
+    """The cluster's shared secret (``cluster.token_file``), or None when the cluster has none.
+
+    ConfigError (one line naming the cluster file and the token file) when it cannot be read, holds fewer
+    than :data:`MIN_TOKEN_BYTES`, or fails :func:`token_file_problem` (checked on the opened file, so the
+    checked file is the one read).
+    """
+    path = token_path(config)
+    if path is None:
         return None
+    where = f"{config.source}: cluster.token_file {path!r}"
     try:
-        with open(config.token_file, "rb") as fh:
-            token = fh.read().strip()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)  # a FIFO must not hang us
     except OSError as exc:
-        raise ConfigError(f"{config.source}: cluster.token_file {config.token_file!r} cannot be read: "
-                          f"{exc.strerror}") from None
-    if len(token) < MIN_TOKEN_BYTES:
-        raise ConfigError(f"{config.source}: cluster.token_file {config.token_file!r} holds {len(token)} bytes; "
-                          f"at least {MIN_TOKEN_BYTES} are required")
+        hint = " (make one with `bps-launch --make-token PATH`)" if isinstance(exc, FileNotFoundError) else ""
+        raise ConfigError(f"{where} cannot be read: {exc.strerror}{hint}") from None
+    with open(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        token = fh.read().strip() if stat.S_ISREG(st.st_mode) else b""
+    if stat.S_ISREG(st.st_mode) and len(token) < MIN_TOKEN_BYTES:
+        raise ConfigError(f"{where} holds {len(token)} bytes; at least {MIN_TOKEN_BYTES} are required")
+    problem = token_file_problem(st.st_mode, st.st_uid, uid=os.geteuid(), group_readable=config.token_group_readable)
+    if problem is not None:
+        raise ConfigError(f"{where} {problem}")
     return token
 
 

@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -247,3 +248,55 @@ def test_sighup_reopens_the_log_file(tmp_path):
         if proc.poll() is None:
             proc.kill()
         notify.close()
+
+
+# -- a token by default (issue 14, item 2) ------------------------------------------------------------
+
+TOKEN_JOB = ("import numpy as np, bps_worker.client as bps\n"
+             "bps.init()\n"
+             "assert bps.push_pull(np.ones(3), 'x', average=False)[0] == bps.size()\n"
+             "bps.shutdown()\n")
+
+
+def test_launcher_makes_a_private_token_on_first_start_and_reuses_it(tmp_path):
+    token = tmp_path / "home" / ".config" / "bps" / "token"
+    config = write_config(tmp_path / "c", [1, 1], cpu_servers=1, cluster={"token_file": "~/.config/bps/token"})
+    script = tmp_path / "job.py"
+    script.write_text(TOKEN_JOB)
+    env = dict(os.environ, HOME=str(tmp_path / "home"))
+    seen = []
+    for _ in range(2):
+        result = subprocess.run([PY, "-m", "bps_worker.launch", "--config", str(config), "--", PY, str(script)],
+                                capture_output=True, text=True, timeout=90, env=env)
+        assert result.returncode == 0, result.stderr
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600 and stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+        seen.append(token.read_text())
+    assert seen[0] == seen[1] and len(seen[0].strip()) == 64
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640])
+def test_launcher_and_daemons_refuse_a_token_others_can_read(tmp_path, mode):
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef" * 4 + "\n")
+    token.chmod(mode)
+    config = write_config(tmp_path, [1], cpu_servers=0, cluster={"token_file": str(token)})
+    runs = [[PY, "-m", "bps_worker.launch", "--config", str(config), "--", PY, "-c", "pass"]]
+    runs += [[PY, "-m", module, "--config", str(config), "--id", "0"] for module in ("bps_server", "bps_worker")]
+    for argv in runs:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        line = _one_line(result.stderr)
+        assert result.returncode == 2, (argv, result.stderr)
+        assert str(token) in line and f"(mode {mode:03o})" in line and "chmod 600" in line, line
+
+
+def test_make_token_writes_a_new_token_and_never_replaces_one(tmp_path):
+    path = tmp_path / "etc" / "token"
+    result = subprocess.run([PY, "-m", "bps_worker.launch", "--make-token", str(path)], capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 0 and str(path) in result.stderr, result.stderr
+    first = path.read_text()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(first.strip()) == 64
+    again = subprocess.run([PY, "-m", "bps_worker.launch", "--make-token", str(path)], capture_output=True,
+                           text=True, timeout=30)
+    assert again.returncode == 1 and "already exists" in _one_line(again.stderr)
+    assert path.read_text() == first

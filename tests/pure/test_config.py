@@ -555,3 +555,92 @@ def test_an_extra_server_is_named(tmp_path):
     assert placement_differences(ours, theirs) == ["server.4.address is absent here, 10.0.0.5:9000 there",
                                                    "server.4.worker is absent here, none there"]
     assert placement_differences(theirs, ours)[0] == "server.4.address is 10.0.0.5:9000 here, absent there"
+
+
+# -- the token file (issue 14, item 2): refused when others could read or change it -------------------
+
+def _token_config(tmp_path: Path, mode: int, *, group_readable: bool = False, text: str = "s" * 32) -> ClusterConfig:
+    token = tmp_path / "token"
+    token.write_text(text)
+    token.chmod(mode)
+    extra = "\ntoken_group_readable = true" if group_readable else ""
+    return load_config(write(tmp_path, CLUSTER + f'token_file = "{token}"{extra}\n' + SERVERS + WORKERS))
+
+
+def test_a_private_token_is_read(tmp_path):
+    from protocol.config import read_token
+
+    assert read_token(_token_config(tmp_path, 0o600, text="  " + "s" * 32 + "\n")) == b"s" * 32
+    assert read_token(_token_config(tmp_path, 0o400)) == b"s" * 32
+
+
+@pytest.mark.parametrize("mode,who", [(0o644, "others"), (0o604, "others"), (0o640, "its group"),
+                                      (0o620, "its group"), (0o606, "others")])
+def test_a_token_open_to_group_or_others_is_refused_naming_file_mode_and_fix(tmp_path, mode, who):
+    from protocol.config import read_token
+
+    config = _token_config(tmp_path, mode)
+    with pytest.raises(ConfigError) as info:
+        read_token(config)
+    message = str(info.value)
+    assert str(tmp_path / "token") in message and str(tmp_path / "cluster.toml") in message
+    assert f"open to {who} (mode {mode:03o})" in message and "chmod 600" in message
+
+
+def test_token_group_readable_allows_group_read_only(tmp_path):
+    from protocol.config import read_token
+
+    assert read_token(_token_config(tmp_path, 0o640, group_readable=True)) == b"s" * 32
+    for mode in (0o660, 0o644):
+        with pytest.raises(ConfigError, match=f"mode {mode:03o}.*chmod 640"):
+            read_token(_token_config(tmp_path, mode, group_readable=True))
+
+
+def test_token_file_problem_decisions():
+    import stat
+
+    from protocol.config import token_file_problem
+
+    reg = stat.S_IFREG
+    assert token_file_problem(reg | 0o600, 1000, uid=1000) is None
+    assert token_file_problem(reg | 0o600, 0, uid=1000) is None  # root's: root could read it anyway
+    assert "owned by uid 1001, not by this user (uid 1000)" in token_file_problem(reg | 0o600, 1001, uid=1000)
+    assert token_file_problem(stat.S_IFDIR | 0o700, 1000, uid=1000) == "is not a regular file"
+    assert token_file_problem(stat.S_IFIFO | 0o600, 1000, uid=1000) == "is not a regular file"
+    assert token_file_problem(reg | 0o640, 1000, uid=1000, group_readable=True) is None
+    assert "open to its group" in token_file_problem(reg | 0o650, 1000, uid=1000, group_readable=True)
+
+
+def test_a_token_owned_by_another_user_is_refused(tmp_path):
+    import os
+
+    from protocol.config import read_token
+
+    config = _token_config(tmp_path, 0o600)
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the file away")
+    os.chown(tmp_path / "token", 65534, 65534)
+    with pytest.raises(ConfigError, match=r"token'? is owned by uid 65534, not by this user \(uid 0\) or root"):
+        read_token(config)
+
+
+def test_a_missing_token_says_how_to_make_one(tmp_path):
+    from protocol.config import read_token
+
+    config = load_config(write(tmp_path, CLUSTER + f'token_file = "{tmp_path}/nothing"\n' + SERVERS + WORKERS))
+    with pytest.raises(ConfigError, match="cannot be read: No such file or directory.*bps-launch --make-token"):
+        read_token(config)
+
+
+def test_token_path_expands_home(tmp_path, monkeypatch):
+    from protocol.config import token_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert token_path(load_config(write(tmp_path, CLUSTER + 'token_file = "~/.config/bps/token"\n' + SERVERS
+                                        + WORKERS))) == f"{tmp_path}/.config/bps/token"
+    assert token_path(load_config(write(tmp_path, CLUSTER + SERVERS + WORKERS))) is None
+
+
+def test_repo_local_toml_names_a_private_token():
+    cfg = load_config(REPO / "configs" / "local.toml")
+    assert cfg.token_file == "~/.config/bps/token" and not cfg.token_group_readable
