@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[torch,examples,test]"
 	touch $@
 
+# Authenticated: bps-launch makes configs/local.toml's token (~/.config/bps/token, mode 600) on the first run.
 demo: install
 	$(VENV)/bin/bps-launch --config configs/local.toml -- $(PY) examples/train_digits.py
 
