@@ -239,7 +239,7 @@ class WorkerDaemon:
                 self.round_base(action.round.name, action.round.round)
                 self._watch(action.round)
             elif isinstance(action, Refused):
-                action.member.send(Failure(action.op.req, action.reason, code=action.code))
+                action.member.send(action.failure())
             elif isinstance(action, Failed):
                 self._failed(action)
             elif isinstance(action, Ready):
@@ -250,7 +250,7 @@ class WorkerDaemon:
         lr, reason = action.round, action.reason
         log.warning("%s", reason)
         for session, op in action.members:
-            session.send(Failure(op.req, reason, code=action.code))
+            session.send(action.why.failure(op))
         # Peers on other machines wait for this round at the anchor server: tell them now (before
         # anything else this daemon says, e.g. a Reset, so they learn the real reason).
         if action.server_round is not None:

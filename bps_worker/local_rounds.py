@@ -25,10 +25,10 @@ the daemon uses to answer a process (its session); the rounds only keep it to ha
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar, Union
 
-from protocol.messages import KIND_BROADCAST, FailureCode, Op
+from protocol.messages import KIND_BROADCAST, Failure, FailureCode, Op
 
 M = TypeVar("M")  # what the daemon answers a process through (its session)
 
@@ -49,6 +49,48 @@ def agree(a: Op, b: Op) -> bool:
         (b.kind, b.dtype, list(b.shape), b.average, b.root, bool(b.cuda))
 
 
+@dataclass(frozen=True)
+class Why:
+    """Why a local round (or one op) failed: ``text`` for people and logs, and the ``code`` and facts of
+    the :class:`~protocol.messages.Failure` that a process builds its typed error from (never the text).
+
+    A mismatch keeps the two ops that disagree (``sides``), so that each process hears its own tensor as
+    ``ours`` and the other as ``theirs`` (:meth:`for_op`); ``detail`` is what the typed error says after
+    its facts (here: which ranks have which tensor).
+    """
+
+    text: str
+    code: FailureCode = "error"
+    name: str = ""
+    ours: str = ""
+    theirs: str = ""
+    peer: str = ""
+    what: str = ""
+    timeout_s: float = 0.0
+    detail: str = ""
+    sides: tuple[Op, Op] | None = None
+
+    @classmethod
+    def mismatch(cls, first: Op, first_rank: int, other: Op, other_rank: int) -> Why:
+        detail = f"rank {first_rank} has {describe(first)} but rank {other_rank} has {describe(other)}"
+        return cls(f"tensor {first.name!r} mismatch: {detail}", "mismatch", name=first.name, detail=detail,
+                   sides=(first, other))
+
+    def for_op(self, op: Op) -> Why:
+        """This failure as the process that sent ``op`` hears it (a mismatch: its tensor is ``ours``)."""
+        if self.sides is None:
+            return self
+        first, other = self.sides
+        theirs = first if not agree(op, first) else other
+        return replace(self, ours=describe(op), theirs=describe(theirs), sides=None)
+
+    def failure(self, op: Op) -> Failure:
+        """The Failure that answers ``op``."""
+        why = self.for_op(op)
+        return Failure(op.req, why.text, code=why.code, name=why.name, ours=why.ours, theirs=why.theirs,
+                       peer=why.peer, what=why.what, timeout_s=why.timeout_s, detail=why.detail)
+
+
 @dataclass(eq=False)
 class LocalRound(Generic[M]):
     """One name's round on this machine: the local processes' contributions so far."""
@@ -61,6 +103,7 @@ class LocalRound(Generic[M]):
     members: dict[int, tuple[M, Op]] = field(default_factory=dict)  # by local rank
     failed: str | None = None  # why the round failed; late ranks still join it and get this error
     code: FailureCode = "error"
+    why: Why | None = None  # the same, with its facts
 
     def ordered(self) -> list[tuple[M, Op]]:
         """The members in local-rank order (the order of the local sum)."""
@@ -82,6 +125,11 @@ class Refused(Generic[M]):
     op: Op
     reason: str
     code: FailureCode
+    why: Why | None = None  # the facts of the failure, where there are any
+
+    def failure(self) -> Failure:
+        """The Failure that answers the op."""
+        return (self.why or Why(self.reason, self.code)).failure(self.op)
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,6 +142,7 @@ class Failed(Generic[M]):
     code: FailureCode
     members: tuple[tuple[M, Op], ...]
     server_round: int | None
+    why: Why  # the code and facts; each member's Failure is ``why.failure(op)`` (its own side of a mismatch)
 
 
 @dataclass(frozen=True, eq=False)
@@ -173,23 +222,26 @@ class LocalRounds(Generic[M]):
         lr.members[local_rank] = (member, op)
         lr.expected.discard(local_rank)
         if lr.failed is not None:
-            actions.append(Refused(member, op, lr.failed, lr.code))
+            actions.append(Refused(member, op, lr.failed, lr.code, lr.why))
             self.retire(lr)
         elif not agree(lr.first, op):
-            actions += self.fail(lr, f"tensor {op.name!r} mismatch: rank {lr.first_rank} has "
-                                     f"{describe(lr.first)} but rank {rank} has {describe(op)}", "mismatch")
+            actions += self.fail(lr, Why.mismatch(lr.first, lr.first_rank, op, rank))
         elif not lr.expected:
             self.retire(lr)
             actions.append(Ready(lr))
         return actions
 
-    def fail(self, lr: LocalRound[M], reason: str, code: FailureCode = "error") -> list[Action[M]]:
-        """Fail a round (once): its members so far get ``reason``, later ones too (see ``submit``)."""
+    def fail(self, lr: LocalRound[M], reason: str | Why, code: FailureCode = "error") -> list[Action[M]]:
+        """Fail a round (once): its members so far get ``reason``, later ones too (see ``submit``).
+
+        ``reason``: the text (with ``code``), or a :class:`Why` with its code and facts."""
         if lr.failed is not None:
             return []
-        lr.failed, lr.code = reason, code
+        why = reason if isinstance(reason, Why) else Why(reason, code)
+        lr.failed, lr.code, lr.why = why.text, why.code, why
         self.retire(lr)
-        return [Failed(lr, reason, code, tuple(lr.members.values()), self.numbers.server_round(lr.name, lr.round))]
+        return [Failed(lr, why.text, why.code, tuple(lr.members.values()),
+                       self.numbers.server_round(lr.name, lr.round), why)]
 
     def retire(self, lr: LocalRound[M]) -> None:
         """Forget a round that starts now, or that failed and has heard from every local rank."""
@@ -212,8 +264,10 @@ class LocalRounds(Generic[M]):
                 lr.members.pop(local_rank, None)
                 lr.expected.discard(local_rank)
                 if involved and lr.failed is None:
-                    actions += self.fail(lr, f"tensor {lr.name!r}: rank {rank} (pid {pid}) disconnected during "
-                                             f"round {lr.round}")
+                    text = f"tensor {lr.name!r}: rank {rank} (pid {pid}) disconnected during round {lr.round}"
+                    actions += self.fail(lr, Why(text, "connection", peer=f"rank {rank} (pid {pid})",
+                                                 detail=f"it disconnected during round {lr.round} of "
+                                                        f"tensor {lr.name!r}"))
                 else:
                     self.retire(lr)
         return actions
@@ -228,8 +282,9 @@ class LocalRounds(Generic[M]):
         if not absent:
             return []
         ranks = ", ".join(str(self.rank_offset + r) for r in absent)
-        return self.fail(lr, f"tensor {lr.name!r}: rank {ranks} of worker {self.worker_id} is not connected "
-                             f"(waited {waited_s:g} s)")
+        absent_text = f"rank {ranks} of worker {self.worker_id} is not connected"
+        return self.fail(lr, Why(f"tensor {lr.name!r}: {absent_text} (waited {waited_s:g} s)", "timeout",
+                                 what=f"tensor {lr.name!r}", timeout_s=waited_s, detail=absent_text))
 
     def reset(self) -> list[Action[M]]:
         """Every process left: fail every open round, and start numbering at 0 again."""

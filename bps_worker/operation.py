@@ -27,7 +27,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from typing import TYPE_CHECKING, Any, Callable, Final, Protocol
 
@@ -163,7 +163,9 @@ class Operation:
             self.host.counters.ops_failed += 1
             reason = f"tensor {self.name!r}: cannot learn its round from the servers: {str(exc) or 'job reset'}"
             for session, o in self.members:
-                session.send(Failure(o.req, reason))
+                # The servers' error keeps its class and facts (a connection, a timeout); the text says why here.
+                failure = failure_from_error(o.req, exc) if isinstance(exc, BPSError) else Failure(o.req, reason)
+                session.send(replace(failure, message=reason))
             return None
 
     def scatter(self, contribution: Contribution, server_round: int) -> Scattered:
@@ -248,7 +250,9 @@ class Operation:
             reason = f"tensor {self.name!r}: internal error in the worker: {exc!r}"
             log.exception("round %d of %r failed", self.local_round, self.name)
         for session, o in self.members:
-            session.send(Failure(o.req, reason))
+            # A typed error keeps its class and facts (failure_from_error); the text names the tensor.
+            failure = failure_from_error(o.req, exc) if isinstance(exc, BPSError) else Failure(o.req, reason)
+            session.send(replace(failure, message=reason))
         if self.server_round is not None and not self.pushed:
             self.host.abort_at_anchor(self.name, self.server_round, reason)  # peers wait for our pushes there
 

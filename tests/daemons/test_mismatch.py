@@ -47,3 +47,21 @@ def test_a_late_rank_gets_the_error_of_its_own_round(make_cluster):
     for rank, r in enumerate(results):
         assert str(r["step0"]).startswith("error:") and "mismatch" in r["step0"], (rank, r)
         assert r["step1"] == r["expect1"], (rank, r)
+
+
+def test_a_mismatch_within_one_machine_is_a_mismatch_error_with_its_facts(cluster_2x2):
+    """Ranks 0 and 1 (worker 0) disagree: the worker's local rounds catch it, and both processes get a
+    BPSMismatchError whose name, ours (its own tensor) and theirs (the other's) came as the Failure's facts."""
+    import session_programs as sp
+
+    results = run_ranks(cluster_2x2, sp.local_mismatch, timeout=60)
+    for rank in (0, 1):
+        facts = results[rank]["facts"]
+        ours, theirs = ("float32[4]", "float32[5]") if rank == 0 else ("float32[5]", "float32[4]")
+        assert {k: facts.get(k) for k in ("type", "name", "ours", "theirs")} == \
+            {"type": "BPSMismatchError", "name": "w", "ours": ours, "theirs": theirs}, (rank, facts)
+        assert "rank 0 has float32[4] but rank 1 has float32[5]" in facts["text"], facts
+    for rank, r in enumerate(results):
+        assert r["facts"], f"rank {rank} got no error"  # worker 1 hears it through the anchor server
+        assert r["elapsed"] < 10.0
+        assert r["after"] == 4.0
