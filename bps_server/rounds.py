@@ -42,6 +42,11 @@ path: one pass that reads every half-precision input once, adds in float32
 registers and rounds once moves 3 bytes per 2-byte element for two workers,
 where a float32 accumulator moves 5 per input (and needs a rounding pass).
 
+Failures say why twice: in words for people and logs, and as a :class:`Why` with the protocol's
+failure code and facts (a mismatch's tensor and both descriptors, the worker that left, the round
+that timed out), which the connection sends in the ``Failure`` so that the worker raises the typed
+error without reading the text.
+
 The table and its driver. :class:`RoundTable` makes every one of these decisions
 and does nothing else: no asyncio, no locks, no threads, no clock (the caller
 passes ``now``), no logging. Each event method returns a list of *actions*
@@ -511,7 +516,8 @@ class RoundTable(Generic[W]):
                 text = (f"worker {absent[0]} {why} (waited {self.lost_grace_s:g} s); round {st.round} of "
                         f"{st.key[0]!r} cannot complete")
                 actions.append(self._fail_round(st, Why(text, "timeout", what=f"round {st.round} of {st.key[0]!r}",
-                                                        timeout_s=self.lost_grace_s, detail=text)))
+                                                        timeout_s=self.lost_grace_s,
+                                                        detail=f"worker {absent[0]} {why}")))
         return actions
 
     def worker_lost(self, worker: int) -> list[Action[W]]:
