@@ -40,6 +40,7 @@ from .local_rounds import Action, Failed, LocalRound, LocalRounds, Opened, Ready
 from .operation import run_operation, segment_buffer
 from .placement import Placement
 from .session import ClientSession
+from .sockdir import ensure_socket_dir
 
 log = logging.getLogger("bps.worker")
 
@@ -135,6 +136,11 @@ class WorkerDaemon:
     async def start(self) -> None:
         path = self.config.socket
         _claim_socket_path(path)
+        # A daemon of this worker killed with its resource tracker left its segments behind (issue 14, 12).
+        reclaimed = shm.reclaim_dead(self.worker_id)
+        if reclaimed:
+            log.warning("reclaimed %d shared-memory segments of dead daemons of worker %d: %s", len(reclaimed),
+                        self.worker_id, ", ".join(reclaimed))
         loop = asyncio.get_running_loop()
         old_umask = os.umask(0o077)
         try:
@@ -383,9 +389,10 @@ def is_local_address(host: str) -> bool:
 
 
 def _claim_socket_path(path: str) -> None:
-    """Remove a stale socket file; refuse if a live daemon still listens there."""
+    """Refuse a socket directory that another user could write (bps_worker.sockdir); remove a stale socket
+    file; refuse if a live daemon still listens there."""
+    ensure_socket_dir(os.path.dirname(os.path.abspath(path)))
     if not os.path.exists(path):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         return
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -120,6 +120,20 @@ def test_stale_socket_file_is_replaced(tmp_path):
         notify.close()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_worker_refuses_a_socket_directory_of_another_user(tmp_path):
+    """Issue 14, item 11: another user's directory could have its socket swapped; the daemon refuses it."""
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    squatted = tmp_path / "squatted"
+    squatted.mkdir(mode=0o755)
+    os.chown(squatted, 65534, -1)
+    result = _run(["bps_worker", "--config", str(config), "--id", "0", "--socket", str(squatted / "w0.sock")])
+    assert result.returncode == 1
+    line = [l for l in result.stderr.splitlines() if l.startswith("bps-worker:")][0]
+    assert str(squatted) in line and "owned by uid 65534" in line
+    assert not (squatted / "w0.sock").exists()
+
+
 def test_launcher_runs_a_script_on_every_rank(tmp_path):
     config = write_config(tmp_path, [2, 1], cpu_servers=1)
     script = tmp_path / "job.py"
