@@ -246,6 +246,10 @@ class Operation:
         if isinstance(exc, BPSError):
             reason = f"tensor {self.name!r}: {exc}"
             log.warning("%s", reason)
+        elif isinstance(exc, OSError):  # the arenas: no room in /dev/shm (SegmentSpaceError) or the like
+            reason = f"tensor {self.name!r}: {exc.strerror or exc}"
+            log.warning("%s", reason)
+            exc = BPSError(reason)
         else:
             reason = f"tensor {self.name!r}: internal error in the worker: {exc!r}"
             log.exception("round %d of %r failed", self.local_round, self.name)
