@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from math import prod
 from typing import TYPE_CHECKING, Any, Callable, Final, Protocol
 
@@ -26,6 +27,7 @@ from protocol.messages import (
     ROLE_CLIENT,
     Alloc,
     Allocated,
+    Done,
     Failure,
     Message,
     Op,
@@ -73,6 +75,10 @@ class ClientSession(asyncio.BufferedProtocol):
         self.pid = 0
         self.arena = shm.Arena(daemon.worker_id, daemon.config.segment_mode)  # this process's tensors
         self.closed = False
+        # This process's ops handed to the local rounds and not answered yet: req -> tensor name, and how
+        # many per name (an Alloc must not move the slot an op in flight reads).
+        self.inflight: dict[int, str] = {}
+        self.inflight_names: Counter[str] = Counter()
         # The Unix-socket handshake: no token and no challenge (the client speaks first), only local
         # ranks 0..local_size-1 (protocol.handshake).
         self.handshaker = ServerHandshake(peers={ROLE_CLIENT: daemon.config.local_size}, challenge=False,
@@ -141,6 +147,11 @@ class ClientSession(asyncio.BufferedProtocol):
 
     def alloc(self, message: Alloc) -> None:
         """Find (or make) room for tensor ``name``: small ones share slab segments, large ones get their own."""
+        if self.inflight_names[message.name]:
+            # Moving the slot would free the memory the op in flight reads (issue 14, item 13).
+            self.send(Failure(message.req, f"tensor {message.name!r} is in flight: synchronize it before "
+                                           f"allocating it again", code="bad_request"))
+            return
         if message.nbytes > self.daemon.config.cluster.max_payload_bytes * MAX_TENSOR_PAYLOADS:
             self.send(Failure(message.req, f"tensor {message.name!r} of {message.nbytes} bytes is too large"))
             return
@@ -157,9 +168,13 @@ class ClientSession(asyncio.BufferedProtocol):
     def op(self, message: Op) -> None:
         """A collective on one tensor: refused here if it does not fit its memory, else a local round's."""
         error = self.check_op(message)
+        if error is None and message.req in self.inflight:
+            error = f"tensor {message.name!r}: request {message.req} is already in flight"
         if error:
             self.send(Failure(message.req, error, code="bad_request"))
         else:
+            self.inflight[message.req] = message.name
+            self.inflight_names[message.name] += 1
             self.daemon.submit(self, message)
 
     def check_op(self, op: Op) -> str | None:
@@ -185,8 +200,17 @@ class ClientSession(asyncio.BufferedProtocol):
 
     # -- sending ---------------------------------------------------------------------
     def send(self, message: Message) -> None:
+        if isinstance(message, (Done, Failure)) and message.req in self.inflight:
+            self._answered(message.req)
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(encode_header(to_header(message), 0))
+
+    def _answered(self, req: int) -> None:
+        """An op of this process got its answer: its tensor's slot may move again."""
+        name = self.inflight.pop(req)
+        self.inflight_names[name] -= 1
+        if not self.inflight_names[name]:
+            del self.inflight_names[name]
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():

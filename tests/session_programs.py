@@ -28,21 +28,23 @@ def local_mismatch() -> dict[str, Any]:
 
 
 def alloc_while_in_flight() -> dict[str, Any]:
-    """Rank 0 starts an async push of 'x' (its peers do not push it yet), then pushes 'x' again four times
-    larger before synchronizing: that Alloc would move the slot of the op in flight and must be refused.
-    Then every rank pushes 'x' (rank 0's first push completes) and 'y'."""
+    """Rank 0 starts an async push of 'x' (1 MiB: a dedicated segment) that waits for rank 1, then asks its
+    daemon for a four times larger slot of 'x' before synchronizing (the client itself never does; here
+    through its connection): that Alloc would free the memory the op in flight reads, and must be refused.
+    Then both ranks' 'x' completes, and so does 'y'."""
     rank = bps.rank()
+    n = 1 << 18
     error: dict[str, Any] = {}
     if rank == 0:
-        handle = bps.push_pull_async(np.ones(1000, np.float32), "x", average=False)
+        handle = bps.push_pull_async(np.ones(n, np.float32), "x", average=False)
         try:
-            bps.push_pull_async(np.ones(4000, np.float32), "x", average=False)
+            bps._operations().conn.allocate("x", 4 * n * 4)
         except bps.BPSError as exc:
             error = {"type": type(exc).__name__, "text": str(exc)}
-        bps.barrier() if hasattr(bps, "barrier") else None
         first = bps.synchronize(handle)
     else:
-        time.sleep(1.0)  # rank 0's second push happens while its first waits for us
-        first = bps.push_pull(np.ones(1000, np.float32), "x", average=False)
+        time.sleep(1.0)  # rank 0's Alloc arrives while its op waits for ours
+        first = bps.push_pull(np.ones(n, np.float32), "x", average=False)
     then = bps.push_pull(np.full(10, float(rank), np.float32), "y", average=False)
-    return {"error": error, "first": float(np.asarray(first)[0]), "then": float(np.asarray(then)[0])}
+    return {"error": error, "first": float(np.asarray(first).min()), "first_max": float(np.asarray(first).max()),
+            "then": float(np.asarray(then)[0])}
