@@ -15,6 +15,19 @@ TIMEOUT_S = 3.0
 TRIALS = 10
 
 
+def _wait_until_running(cluster, rounds: int = 5, within_s: float = 30.0) -> None:
+    """Until the servers have completed ``rounds`` rounds between them: every rank connected and the job
+    running (a fixed sleep after start raced the ranks' start-up on a busy machine)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if sum(s["rounds_completed"] for s in server_stats(cluster).values()) >= rounds:
+                return
+        except OSError:
+            pass
+        time.sleep(0.02)
+
+
 def test_kill_9_of_a_worker_daemon_fails_every_process_fast(tmp_path):
     cluster = start_cluster(write_config(tmp_path, [2, 2], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))
     try:
@@ -76,7 +89,7 @@ def test_a_stalled_worker_daemon_fails_its_peers_within_the_timeout(tmp_path):
     stopped_at: list[float] = []
 
     def stall() -> None:
-        time.sleep(2.5)
+        _wait_until_running(cluster)
         stopped_at.append(time.time())
         victim.proc.send_signal(signal.SIGSTOP)
         time.sleep(TIMEOUT_S + 8)
@@ -101,7 +114,7 @@ def test_a_process_whose_own_worker_daemon_stalls_gets_an_error(tmp_path):
     stopped_at: list[float] = []
 
     def stall() -> None:
-        time.sleep(2.5)
+        _wait_until_running(cluster)
         stopped_at.append(time.time())
         victim.proc.send_signal(signal.SIGSTOP)
         time.sleep(12)
