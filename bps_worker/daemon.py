@@ -32,7 +32,7 @@ from bps_runtime import cuda, kernels, metrics
 from bps_runtime import segments as shm
 from bps_runtime.timeline import Timeline
 from protocol.config import ClusterConfig, placement_items
-from protocol.messages import Failure, Op, Ping
+from protocol.messages import Op, Ping
 
 from .errors import BPSError
 from .links import ServerLink

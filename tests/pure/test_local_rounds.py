@@ -227,3 +227,45 @@ def test_action_types_carry_the_round():
     lr2.submit("s0", 0, op())
     refused = lr2.submit("s0", 0, op(req=5))[0]
     assert isinstance(refused, Refused)
+
+
+def test_each_failure_carries_its_code_and_facts_for_the_typed_error():
+    """The Failure each process gets names its own tensor as ``ours`` (a mismatch), the process that left
+    as ``peer``, or what timed out and after how long: the client builds the typed error from these."""
+    from bps_worker.errors import BPSConnectionError, BPSMismatchError, BPSTimeoutError, error_from_failure
+
+    lr = rounds(3)
+    first, bad, late = op(req=1, shape=(4, 3)), op(req=2, shape=(4, 4)), op(req=3, shape=(4, 3))
+    lr.submit("s0", 0, first)
+    failed = lr.submit("s1", 1, bad)[0]
+    assert isinstance(failed, Failed)
+    answers = {o.req: failed.why.failure(o) for _, o in failed.members}
+    answers[3] = lr.submit("s2", 2, late)[0].failure()  # the late rank hears the same, from its side
+    for req, (ours, theirs) in {1: ("float32[4,3]", "float32[4,4]"), 2: ("float32[4,4]", "float32[4,3]"),
+                                3: ("float32[4,3]", "float32[4,4]")}.items():
+        f = answers[req]
+        assert (f.req, f.code, f.name, f.ours, f.theirs) == (req, "mismatch", "w", ours, theirs)
+        assert f.message == failed.reason  # the text is unchanged
+        error = error_from_failure(f)
+        assert isinstance(error, BPSMismatchError) and (error.name, error.ours, error.theirs) == ("w", ours, theirs)
+        assert "rank 3 has float32[4,3] but rank 4 has float32[4,4]" in str(error)
+
+    lr = rounds(2)
+    lr.submit("s0", 0, op(req=1))
+    lr.submit("s1", 1, op(req=2))  # ready: gone
+    lr.submit("s0", 0, op(req=3))
+    left = lr.leave(1, pid=77)[0]
+    assert isinstance(left, Failed)
+    f = left.why.failure(op(req=3))
+    assert (f.code, f.peer) == ("connection", "rank 4 (pid 77)")
+    assert isinstance(error_from_failure(f), BPSConnectionError) and error_from_failure(f).peer == "rank 4 (pid 77)"
+
+    lr = rounds(2)
+    opened = lr.submit("s0", 0, op(req=1))[0].round
+    overdue = lr.overdue(opened, connected={0}, waited_s=5.0)
+    assert overdue is not None and isinstance(overdue[0], Failed)
+    f = overdue[0].why.failure(op(req=1))
+    assert (f.code, f.what, f.timeout_s) == ("timeout", "tensor 'w'", 5.0)
+    error = error_from_failure(f)
+    assert isinstance(error, BPSTimeoutError) and (error.what, error.timeout_s) == ("tensor 'w'", 5.0)
+    assert str(error) == "tensor 'w' timed out after 5 s: rank 4 of worker 1 is not connected"
