@@ -93,8 +93,8 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.peer = "?"
         self.closed = False
         self.shm = False  # the worker shares this host and its memory (see Hello.shm)
+        self.shm_uid: int | None = None  # who owns the probe: every segment a push names must be owned by it
         self.segments: dict[str, SharedMemory] = {}  # the worker's segments this connection mapped
-        self.shm_uid: int | None = None  # the owner of the worker's probe: every segment it names must be its
         # Small replies of one loop iteration, sent as one Batch frame (see send).
         self._outbox = BatchWriter(max_payload_bytes=server.config.cluster.max_payload_bytes,
                                    item_max_bytes=BATCH_REPLY_MAX_BYTES)
@@ -283,6 +283,8 @@ class ServerConnection(asyncio.BufferedProtocol):
         proof over both nonces and every field, role and id, the placement digest) before anything else;
         then the registration and the signed Welcome. A HandshakeError is a ProtocolError (refused, closed);
         another cluster file is refused with code ``mismatch`` and both digests (the worker stops retrying)."""
+        if self.closed:
+            return  # refused already: the rest of what the peer sent in the same read is ignored
         try:
             hello = self.greeting.receive(message)
         except ConfigMismatchError as exc:

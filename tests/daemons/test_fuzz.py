@@ -6,10 +6,12 @@ import os
 import random
 import socket
 import time
+from typing import Callable
 
 import msgpack
 
 import rank_programs as rp
+from handshakes import hello_frame
 from harness import run_ranks, start_cluster, write_config
 from protocol import PROTOCOL_VERSION
 from protocol.frames import PREFIX, encode_header
@@ -49,16 +51,18 @@ def _mutate(rng: random.Random, frame: bytes) -> bytes:
     return bytes(data)
 
 
-def _blast(connect, role: str, hello: bytes, frames: int, seed: int) -> int:
-    """``frames`` connections, each a valid hello then one fuzzed frame; each is read to the daemon's
-    close, so every frame was really parsed (a daemon drops the rest of a stream after a bad frame)."""
+def _blast(connect, role: str, hello: Callable[[socket.socket], bytes], frames: int, seed: int) -> int:
+    """``frames`` connections, each a valid hello (``hello(sock)``: a server's is this connection's answer to
+    its challenge, with the token's proof where the cluster has one) then one fuzzed frame; each is read to
+    the daemon's close, so every frame was really parsed (a daemon drops the rest of a stream after a bad
+    frame)."""
     rng = random.Random(seed)
     valid = _valid_frames(role)
     for _ in range(frames):
         with connect() as s:
             s.settimeout(5)
             try:
-                s.sendall(hello + _mutate(rng, rng.choice(valid)))
+                s.sendall(hello(s) + _mutate(rng, rng.choice(valid)))
                 s.shutdown(socket.SHUT_WR)
                 while s.recv(65536):
                     pass
@@ -78,21 +82,24 @@ def test_fuzzed_frames_never_take_a_daemon_down(tmp_path):
         server = cluster.config.servers[2]
         worker = cluster.config.worker_specs[1]
         daemons = {c.label: c.proc for c in cluster.children}
-        _blast(lambda: socket.create_connection((server.host, server.port)), ROLE_WORKER,
-               encode_header(to_header(Hello(PROTOCOL_VERSION, ROLE_WORKER, 1))), 500, seed=0)  # warm up
+        def worker_hello(s: socket.socket) -> bytes:
+            return hello_frame(s, cluster.config, 1)
+
+        _blast(lambda: socket.create_connection((server.host, server.port)), ROLE_WORKER, worker_hello, 500,
+               seed=0)  # warm up
         rss_before = {label: _rss_kib(p.pid) for label, p in daemons.items()}
         start = time.monotonic()
         half = FRAMES // 2
-        sent = _blast(lambda: socket.create_connection((server.host, server.port)), ROLE_WORKER,
-                      encode_header(to_header(Hello(PROTOCOL_VERSION, ROLE_WORKER, 1))), half, seed=1)
+        sent = _blast(lambda: socket.create_connection((server.host, server.port)), ROLE_WORKER, worker_hello,
+                      half, seed=1)
 
         def unix() -> socket.socket:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.connect(worker.socket)
             return s
 
-        sent += _blast(unix, ROLE_CLIENT, encode_header(to_header(Hello(PROTOCOL_VERSION, ROLE_CLIENT, 0))),
-                       FRAMES - half, seed=2)
+        client_hello = encode_header(to_header(Hello(PROTOCOL_VERSION, ROLE_CLIENT, 0)))
+        sent += _blast(unix, ROLE_CLIENT, lambda s: client_hello, FRAMES - half, seed=2)
         assert sent >= FRAMES
         assert all(p.poll() is None for p in daemons.values()), "a daemon died"
         time.sleep(0.5)

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 import rank_programs as rp
-from harness import daemon_logs, run_ranks, shm_segments, start_cluster, write_config
+from handshakes import hello_frame
+from harness import daemon_logs, run_ranks, server_stats, shm_segments, start_cluster, write_config
 from protocol import PROTOCOL_VERSION
 from protocol.frames import PREFIX, FrameReader, encode_header
+from protocol.handshake import ClientHandshake
 from protocol.messages import ROLE_CLIENT, ROLE_WORKER, Alloc, Allocated, Failure, Hello, Op, Welcome, parse, to_header
 
 CASES = [("ok.f32", "float32", (70_001,), True, 3), ("ok.bf16", "bfloat16", (5,), False, 4)]
@@ -93,12 +95,12 @@ def test_server_drops_bad_frames_and_keeps_serving(cluster):
         _assert_dropped(*_exchange(s, _frame(Hello(PROTOCOL_VERSION + 41, ROLE_WORKER, 0))), "version")
     with connect() as s:  # no handshake
         _assert_dropped(*_exchange(s, _frame(Alloc(1, "x", 4))), "expected hello")
-    with connect() as s:  # a worker id the cluster does not have
-        _assert_dropped(*_exchange(s, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 7))), "only workers")
+    with connect() as s:  # a worker id the cluster does not have (proved with the token, where there is one)
+        _assert_dropped(*_exchange(s, hello_frame(s, cluster.config, 7)), "only workers")
     with connect() as s:  # not msgpack at all after a valid prefix
         _assert_dropped(*_exchange(s, PREFIX.pack(4, 0) + b"\xc1\xc1\xc1\xc1"), "undecodable")
     with connect() as s:  # valid hello as worker 1, then a push cut off in the middle of its payload
-        s.sendall(_frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 1)))
+        s.sendall(hello_frame(s, cluster.config, 1))
         head = encode_header({"t": "push", "req": 1, "name": "cut", "part": 0, "round": 0, "worker": 1,
                               "dtype": "float32", "shape": [1 << 18], "offset": 0, "count": 1 << 18}, 1 << 20)
         s.sendall(head + b"\0" * (1 << 19))
@@ -174,7 +176,13 @@ def test_token_cluster_works_and_refuses_strangers(tmp_path):
                             "authentication failed")
         with socket.create_connection((spec.host, spec.port), timeout=5) as s:  # a payload before the hello
             _assert_dropped(*_exchange(s, PREFIX.pack(20, 1 << 20)), "exceeds the limit of 0 bytes")
+        with socket.create_connection((spec.host, spec.port), timeout=5) as s:  # another token's proof
+            messages, _ = _exchange(s, b"", timeout=1.0)
+            stranger = ClientHandshake(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0), token=b"not-the-cluster-token")
+            _assert_dropped(*_exchange(s, _frame(stranger.receive(messages[0]))), "authentication failed")
         _sums_still_exact(c)
+        # an observer with the token gets in, and believes the counters only once the server proved it too
+        assert set(server_stats(c)) == {s.id for s in c.config.servers}
         assert "authentication failed" in daemon_logs(c)
     finally:
         c.stop()

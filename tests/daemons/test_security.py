@@ -281,7 +281,10 @@ def test_a_local_user_cannot_make_the_server_touch_a_root_segment(tmp_path):
     """As uid 65534, get in as worker 0 with a probe of its own, then name a root-owned segment of worker 0
     in a push (to read it) and as the result's destination (to write it). No token in this cluster."""
     path = write_config(tmp_path / "c", [1], cpu_servers=0)
+    path.write_text("".join(line for line in path.read_text().splitlines(keepends=True)
+                            if not line.startswith("token_file")))  # a cluster without a token
     spec = load_config(path).servers[0]
+    assert load_config(path).token_file is None
     victim = create_segment(segment_name(0), 4096)  # owner-only, root's: named as worker 0's segments are
     pattern = np.arange(1024, dtype=np.float32)
     np.frombuffer(victim.buf, np.float32)[:] = pattern
