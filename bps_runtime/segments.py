@@ -92,7 +92,10 @@ def attach_owned(name: str) -> tuple[SharedMemory, int]:
     """Map an existing segment; with the uid of its owner, read with ``fstat`` on the descriptor the
     mapping was made from (glibc's ``shm_open`` opens with ``O_NOFOLLOW``: a symlink is refused, and the
     file checked is the file mapped). OSError if it is gone, not a regular file, or not ours to read."""
-    seg = SharedMemory(name=name, create=False)
+    try:
+        seg = SharedMemory(name=name, create=False)
+    except ValueError:  # mmap refuses an empty file: a segment truncated to 0 bytes, or never sized
+        raise OSError(errno.EINVAL, f"shared memory {name!r} is empty") from None
     untrack(seg)
     try:
         st = os.fstat(seg._fd)  # type: ignore[attr-defined]

@@ -89,3 +89,15 @@ def test_a_full_dev_shm_is_an_error_naming_the_size_not_a_sigbus():
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"no room for {20 << 20} bytes of shared memory in /dev/shm" in result.stdout, result.stdout
     assert result.stdout.strip().endswith("ok")
+
+
+def test_an_empty_segment_is_an_oserror_naming_it():
+    """A push naming a 0-byte segment must fail that push (OSError), not drop the link (ValueError from mmap)."""
+    name = segments.segment_name(902)
+    fd = os.open(os.path.join(segments.SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.close(fd)
+    try:
+        with pytest.raises(OSError, match=f"shared memory '{name}' is empty"):
+            segments.attach_segment(name)
+    finally:
+        os.unlink(os.path.join(segments.SHM_DIR, name))
