@@ -14,9 +14,9 @@ from typing import Any, Final, Protocol
 
 from protocol import PROTOCOL_VERSION
 from protocol.config import ClusterConfig, read_token
-from protocol.frames import FrameReader, encode_header
+from protocol.frames import FrameReader, encode_message
 from protocol.handshake import ClientHandshake, HandshakeError
-from protocol.messages import ROLE_OBSERVER, Challenge, Failure, Hello, Stats, StatsRequest, Welcome, parse, to_header
+from protocol.messages import ROLE_OBSERVER, Challenge, Failure, Hello, Stats, StatsRequest, Welcome, parse
 
 __all__ = ["STATS_TIMEOUT_S", "server_stats"]
 
@@ -54,8 +54,7 @@ def _ask(s: socket.socket, server_id: int, token: bytes | None) -> dict[str, Any
         for message in (parse(f.header) for f in reader.receive_data(data)):
             try:
                 if isinstance(message, Challenge) and greeting.state == "idle":
-                    s.sendall(encode_header(to_header(greeting.receive(message)))
-                              + encode_header(to_header(StatsRequest(1))))
+                    s.sendall(encode_message(greeting.receive(message)) + encode_message(StatsRequest(1)))
                 elif isinstance(message, (Welcome, Failure)) and not welcomed:
                     greeting.receive(message)
                     welcomed = True
