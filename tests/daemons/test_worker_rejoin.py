@@ -9,7 +9,7 @@ import time
 import pytest
 
 import rank_programs as rp
-from harness import _rank_main, daemon_logs, start_cluster, write_config
+from harness import _rank_main, daemon_logs, server_stats, start_cluster, write_config
 
 STEPS = 12
 
@@ -45,7 +45,13 @@ def test_a_killed_worker_machine_rejoins_the_running_job(tmp_path):
     try:
         rank(0, "healthy", 120)
         rank(1, "victim", 60)
-        time.sleep(2.0)
+        # Mid-training: both ranks connected and their first round ran (a fixed 2 s alone raced the ranks'
+        # start-up on a busy machine: the victim had not connected when its daemon died). A round of the
+        # 1.6 MB tensor is 7 partitions of 256 KiB, each completed once on its server.
+        deadline = time.monotonic() + 60
+        while (sum(s["rounds_completed"] for s in server_stats(cluster).values()) < 7
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
         cluster.kill("worker-1")  # the machine's daemon dies; its process loses it and stops
         victim = _collect(queue, {1}, 30, cluster)[1]
         time.sleep(1.0)
@@ -70,7 +76,7 @@ def test_a_killed_worker_machine_rejoins_the_running_job(tmp_path):
     assert healthy["error_count"] == 0 or any("worker 1" in e for e in healthy["errors"]), healthy["errors"]
     # ... and then summed with the new process's steps 0, 1, 2, ... in order: none lost, none doubled.
     after = healthy["partner_steps"][len(victim["partner_steps"]):]
-    assert after[-STEPS:] == [float(s) for s in range(STEPS)], (healthy, logs)
+    assert after[-STEPS:] == [float(s) for s in range(STEPS)], (repr(healthy), repr(victim), repr(new), logs)
     assert healthy["restarted_at"] == len(healthy["partner_steps"]) - STEPS
     # At most the round in flight at the kill completed without the victim seeing it.
     assert len(victim["partner_steps"]) <= healthy["restarted_at"] <= len(victim["partner_steps"]) + 1
