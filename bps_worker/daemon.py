@@ -6,7 +6,7 @@ that this daemon creates for them. For each tensor name the daemon collects all
 ``local_size`` processes' ops into a *local round* (:mod:`bps_worker.local_rounds`, which
 also numbers the rounds), then runs the round as an :mod:`bps_worker.operation`: local sum,
 pushes of the partitions chosen by :mod:`bps_worker.placement` on the server links
-(:mod:`bps_worker.links`), the global sums received in place and handed back.
+(:mod:`bps_worker.link`), the global sums received in place and handed back.
 
 ``WorkerDaemon`` holds what these share: the config, the links, the sessions, the staging
 and results arenas, the heartbeats, the job's reset and epoch, the metrics, start and stop.
@@ -35,7 +35,7 @@ from protocol.config import ClusterConfig, placement_items
 from protocol.messages import Op, Ping
 
 from .errors import BPSError
-from .links import ServerLink
+from .link import ServerLink
 from .local_rounds import Action, Failed, LocalRound, LocalRounds, Opened, Ready, Refused
 from .operation import run_operation, segment_buffer
 from .placement import Placement

@@ -40,7 +40,7 @@ from protocol import dtypes
 from protocol.messages import KIND_BROADCAST, Done, Failure, Op
 
 from .errors import BPSError, LinkBrokenError, failure_from_error
-from .links import ServerLink
+from .link import ServerLink
 from .local_rounds import LocalRound
 from .placement import Piece, Placement, interleave
 from .session import ClientSession

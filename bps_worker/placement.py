@@ -19,7 +19,7 @@ all the sums, never both at once (measured on emulated links: 2x the optimal tim
 ``benchmarks/RESULTS.md``). Where the servers are on several hosts (the network is the limit) the ranges
 are cut finer, into at least ``NETWORK_PIPELINE_DEPTH`` partitions per stream (below) of at least
 ``NETWORK_MIN_PIPELINE_BYTES``: the worker's links pace their pushes by a window of a few partitions
-(``bps_worker.links``), so that every worker's flow into a server progresses at the same pace, and that
+(``bps_worker.window``), so that every worker's flow into a server progresses at the same pace, and that
 needs many partitions per range. On one host (every server at the same address: a demo or a test, where
 memory bandwidth is the limit) each partition costs CPU that the pipelining does not win back, so the
 ranges are cut coarser. On several hosts, each stream's first two and last two pieces are also smaller,

@@ -88,7 +88,7 @@ class ClusterConfig:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     colocated_shm: bool = True  # a worker and the server on its host exchange partitions in shared memory
     deterministic: bool = False  # servers add contributions in worker-id order (bitwise-repeatable sums)
-    window_pieces: int = DEFAULT_WINDOW_PIECES  # pacing of TCP pushes (bps_worker.links.ServerLink.pump); 0: off
+    window_pieces: int = DEFAULT_WINDOW_PIECES  # pacing of TCP pushes (bps_worker.window.SendWindow); 0: off
     source: str = "<memory>"
 
     @property

@@ -101,7 +101,7 @@ def test_imports_follow_the_data_path(path: Path):
     ("bps_worker.daemon", "bps_server.aggregator", False),
     ("bps_worker.daemon", "bps_runtime.kernels", True),
     ("bps_worker.client", "bps_worker.daemon", False),
-    ("bps_worker.client.connection", "bps_worker.links", False),
+    ("bps_worker.client.connection", "bps_worker.link", False),
     ("bps_worker.torch", "bps_worker.launch", False),
     ("bps_worker.torch", "bps_worker.client.adapter", True),
     ("bps_worker.torch", "bps_worker.errors", True),
