@@ -75,7 +75,12 @@ def test_a_new_job_starts_clean_after_a_job_died_mid_round(tmp_path):
     cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))
     try:
         run_ranks(cluster, rp.die_mid_job, may_die=frozenset({0, 1}), timeout=30)
-        time.sleep(0.5)  # let both worker daemons notice that their processes are gone
+        # Both worker daemons noticed that their processes are gone once the servers forgot job 1's keys
+        # (they do when every worker has reset); a fixed 0.5 s was too short on a busy machine.
+        deadline = time.monotonic() + 20
+        while sum(s["keys"] for s in server_stats(cluster).values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
         results = run_ranks(cluster, rp.clean_job, 3, timeout=60)
         assert results == [[1.0, 21.0, 41.0]] * 2
     finally:
