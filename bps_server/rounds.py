@@ -67,13 +67,13 @@ open one, so a stale sum is dropped without the driver knowing why.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Generic, TypeVar, Union
 
 import numpy as np
 
-from protocol import dtypes
-from protocol.messages import Failure, FailureCode, Push
+from protocol import dtypes, messages
+from protocol.messages import FailureCode, Push
 
 Key = tuple[str, int]
 W = TypeVar("W")
@@ -99,31 +99,15 @@ def descriptor(push: Push) -> tuple[object, ...]:
 
 
 @dataclass(frozen=True, slots=True)
-class Why:
-    """Why a push or a round failed: ``text`` for people and logs, and the ``code`` and facts of the
-    :class:`~protocol.messages.Failure` the worker builds its typed error from (never from the text).
+class Why(messages.Why):
+    """A server's failure (:class:`protocol.messages.Why`); ``round_failed`` unless it says otherwise."""
 
-    ``detail`` is what that typed error says after its facts. A mismatch keeps the two pushes that
-    disagree (``sides``) so that each push's failure says ``ours`` (its own descriptor) and ``theirs``
-    (the other one): :meth:`for_push`.
-    """
-
-    text: str
     code: FailureCode = "round_failed"
-    name: str = ""
-    ours: str = ""
-    theirs: str = ""
-    peer: str = ""
-    what: str = ""
-    timeout_s: float = 0.0
-    detail: str = ""
-    sides: tuple[Push, Push] | None = None
 
     @classmethod
-    def mismatch(cls, first: Push, other: Push) -> Why:
+    def pushes_disagree(cls, first: Push, other: Push) -> Why:
         detail = f"worker {first.worker} pushed {describe(first)} but worker {other.worker} pushed {describe(other)}"
-        return cls(f"tensor {first.name!r} mismatch: {detail}", "mismatch", name=first.name, detail=detail,
-                   sides=(first, other))
+        return cls.mismatch(first.name, describe(first), describe(other), detail)
 
     @classmethod
     def worker_gone(cls, worker: int, text: str) -> Why:
@@ -132,16 +116,7 @@ class Why:
 
     def for_push(self, push: Push) -> Why:
         """This failure as ``push``'s sender hears it (a mismatch: its side is ``ours``)."""
-        if self.sides is None:
-            return self
-        first, other = self.sides
-        theirs = first if descriptor(push) != descriptor(first) else other
-        return replace(self, ours=describe(push), theirs=describe(theirs), sides=None)
-
-    def failure(self, req: int) -> Failure:
-        """The Failure that tells request ``req`` (the connection sends it)."""
-        return Failure(req, self.text, code=self.code, name=self.name, ours=self.ours, theirs=self.theirs,
-                       peer=self.peer, what=self.what, timeout_s=self.timeout_s, detail=self.detail)
+        return self.heard_by(describe(push))
 
 
 # -- what the table holds ------------------------------------------------------------
@@ -386,7 +361,7 @@ class RoundTable(Generic[W]):
                 st.opened = now
         elif descriptor(st.first) != descriptor(push):
             st.waiters[push.worker] = Waiter(push, handle)
-            return actions + [self._fail_round(st, Why.mismatch(st.first, push))]
+            return actions + [self._fail_round(st, Why.pushes_disagree(st.first, push))]
         waiter = st.waiters[push.worker] = Waiter(push, handle)
         if st.restart.result is not None:  # the sum is known from a replay
             st.restart.answered.add(push.worker)

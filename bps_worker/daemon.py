@@ -256,7 +256,7 @@ class WorkerDaemon:
         lr, reason = action.round, action.reason
         log.warning("%s", reason)
         for session, op in action.members:
-            session.send(action.why.failure(op))
+            session.send(action.failure(op))
         # Peers on other machines wait for this round at the anchor server: tell them now (before
         # anything else this daemon says, e.g. a Reset, so they learn the real reason).
         if action.server_round is not None:

@@ -25,10 +25,10 @@ the daemon uses to answer a process (its session); the rounds only keep it to ha
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar, Union
 
-from protocol.messages import KIND_BROADCAST, Failure, FailureCode, Op
+from protocol.messages import KIND_BROADCAST, Failure, FailureCode, Op, Why
 
 M = TypeVar("M")  # what the daemon answers a process through (its session)
 
@@ -49,46 +49,15 @@ def agree(a: Op, b: Op) -> bool:
         (b.kind, b.dtype, list(b.shape), b.average, b.root, bool(b.cuda))
 
 
-@dataclass(frozen=True)
-class Why:
-    """Why a local round (or one op) failed: ``text`` for people and logs, and the ``code`` and facts of
-    the :class:`~protocol.messages.Failure` that a process builds its typed error from (never the text).
+def ops_disagree(first: Op, first_rank: int, other: Op, other_rank: int) -> Why:
+    """Ranks ``first_rank`` and ``other_rank`` asked for different operations on one tensor."""
+    detail = f"rank {first_rank} has {describe(first)} but rank {other_rank} has {describe(other)}"
+    return Why.mismatch(first.name, describe(first), describe(other), detail)
 
-    A mismatch keeps the two ops that disagree (``sides``), so that each process hears its own tensor as
-    ``ours`` and the other as ``theirs`` (:meth:`for_op`); ``detail`` is what the typed error says after
-    its facts (here: which ranks have which tensor).
-    """
 
-    text: str
-    code: FailureCode = "error"
-    name: str = ""
-    ours: str = ""
-    theirs: str = ""
-    peer: str = ""
-    what: str = ""
-    timeout_s: float = 0.0
-    detail: str = ""
-    sides: tuple[Op, Op] | None = None
-
-    @classmethod
-    def mismatch(cls, first: Op, first_rank: int, other: Op, other_rank: int) -> Why:
-        detail = f"rank {first_rank} has {describe(first)} but rank {other_rank} has {describe(other)}"
-        return cls(f"tensor {first.name!r} mismatch: {detail}", "mismatch", name=first.name, detail=detail,
-                   sides=(first, other))
-
-    def for_op(self, op: Op) -> Why:
-        """This failure as the process that sent ``op`` hears it (a mismatch: its tensor is ``ours``)."""
-        if self.sides is None:
-            return self
-        first, other = self.sides
-        theirs = first if not agree(op, first) else other
-        return replace(self, ours=describe(op), theirs=describe(theirs), sides=None)
-
-    def failure(self, op: Op) -> Failure:
-        """The Failure that answers ``op``."""
-        why = self.for_op(op)
-        return Failure(op.req, why.text, code=why.code, name=why.name, ours=why.ours, theirs=why.theirs,
-                       peer=why.peer, what=why.what, timeout_s=why.timeout_s, detail=why.detail)
+def failure_for(why: Why, op: Op) -> Failure:
+    """The Failure that answers ``op`` (a mismatch: the process hears its own tensor as ``ours``)."""
+    return why.heard_by(describe(op)).failure(op.req)
 
 
 @dataclass(eq=False)
@@ -101,9 +70,11 @@ class LocalRound(Generic[M]):
     first_rank: int  # the global rank that submitted ``first``
     expected: set[int]  # local ranks that have not submitted yet
     members: dict[int, tuple[M, Op]] = field(default_factory=dict)  # by local rank
-    failed: str | None = None  # why the round failed; late ranks still join it and get this error
-    code: FailureCode = "error"
-    why: Why | None = None  # the same, with its facts
+    why: Why | None = None  # why the round failed; late ranks still join it and get this error
+
+    @property
+    def failed(self) -> str | None:
+        return None if self.why is None else self.why.text
 
     def ordered(self) -> list[tuple[M, Op]]:
         """The members in local-rank order (the order of the local sum)."""
@@ -123,13 +94,19 @@ class Refused(Generic[M]):
 
     member: M
     op: Op
-    reason: str
-    code: FailureCode
-    why: Why | None = None  # the facts of the failure, where there are any
+    why: Why
+
+    @property
+    def reason(self) -> str:
+        return self.why.text
+
+    @property
+    def code(self) -> FailureCode:
+        return self.why.code
 
     def failure(self) -> Failure:
         """The Failure that answers the op."""
-        return (self.why or Why(self.reason, self.code)).failure(self.op)
+        return failure_for(self.why, self.op)
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,11 +115,21 @@ class Failed(Generic[M]):
     (the peers on other machines wait there), as ``server_round`` if its base was known, else once learned."""
 
     round: LocalRound[M]
-    reason: str
-    code: FailureCode
     members: tuple[tuple[M, Op], ...]
     server_round: int | None
-    why: Why  # the code and facts; each member's Failure is ``why.failure(op)`` (its own side of a mismatch)
+    why: Why
+
+    @property
+    def reason(self) -> str:
+        return self.why.text
+
+    @property
+    def code(self) -> FailureCode:
+        return self.why.code
+
+    def failure(self, op: Op) -> Failure:
+        """The Failure that answers member ``op`` (its own side of a mismatch)."""
+        return failure_for(self.why, op)
 
 
 @dataclass(frozen=True, eq=False)
@@ -214,18 +201,18 @@ class LocalRounds(Generic[M]):
         actions: list[Action[M]] = []
         if lr is None:
             if any(r.failed is None for r in rounds):
-                return [Refused(member, op, f"tensor {op.name!r} is already in flight for rank {rank}; "
-                                            f"synchronize it before pushing it again", "bad_request")]
+                return [Refused(member, op, Why(f"tensor {op.name!r} is already in flight for rank {rank}; "
+                                                f"synchronize it before pushing it again", "bad_request"))]
             lr = LocalRound(op.name, self.numbers.take(op.name), op, rank, set(range(self.local_size)))
             rounds.append(lr)
             actions.append(Opened(lr))
         lr.members[local_rank] = (member, op)
         lr.expected.discard(local_rank)
-        if lr.failed is not None:
-            actions.append(Refused(member, op, lr.failed, lr.code, lr.why))
+        if lr.why is not None:
+            actions.append(Refused(member, op, lr.why))
             self.retire(lr)
         elif not agree(lr.first, op):
-            actions += self.fail(lr, Why.mismatch(lr.first, lr.first_rank, op, rank))
+            actions += self.fail(lr, ops_disagree(lr.first, lr.first_rank, op, rank))
         elif not lr.expected:
             self.retire(lr)
             actions.append(Ready(lr))
@@ -235,13 +222,11 @@ class LocalRounds(Generic[M]):
         """Fail a round (once): its members so far get ``reason``, later ones too (see ``submit``).
 
         ``reason``: the text (with ``code``), or a :class:`Why` with its code and facts."""
-        if lr.failed is not None:
+        if lr.why is not None:
             return []
-        why = reason if isinstance(reason, Why) else Why(reason, code)
-        lr.failed, lr.code, lr.why = why.text, why.code, why
+        lr.why = reason if isinstance(reason, Why) else Why(reason, code)
         self.retire(lr)
-        return [Failed(lr, why.text, why.code, tuple(lr.members.values()),
-                       self.numbers.server_round(lr.name, lr.round), why)]
+        return [Failed(lr, tuple(lr.members.values()), self.numbers.server_round(lr.name, lr.round), lr.why)]
 
     def retire(self, lr: LocalRound[M]) -> None:
         """Forget a round that starts now, or that failed and has heard from every local rank."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Final, Literal, NamedTuple, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Final, Literal, NamedTuple, Self, get_args, get_origin, get_type_hints
 
 from . import dtypes
 from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
@@ -255,6 +255,46 @@ class Failure(Message):
             _check_text("failure", name, getattr(self, name))
         if not (math.isfinite(self.timeout_s) and self.timeout_s >= 0):
             raise LocalProtocolError(f"failure timeout_s must be finite and >= 0, got {self.timeout_s!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Why:
+    """Why an operation failed, said twice: ``text`` for people and logs, and the ``code`` and facts of the
+    :class:`Failure` that tells the other side (which builds its typed error from them, never from the text).
+
+    The server's round table and the worker's local rounds both decide failures as a Why. A mismatch keeps
+    the two sides' descriptions (``sides``) until it is addressed to one of them (:meth:`heard_by`): each
+    side hears its own description as ``ours`` and the other as ``theirs``.
+    """
+
+    text: str
+    code: FailureCode = "error"
+    name: str = ""
+    ours: str = ""
+    theirs: str = ""
+    peer: str = ""
+    what: str = ""
+    timeout_s: float = 0.0
+    detail: str = ""
+    sides: tuple[str, str] | None = None
+
+    @classmethod
+    def mismatch(cls, name: str, first: str, other: str, detail: str) -> Self:
+        """Two sides disagree about tensor ``name``: ``first`` and ``other`` describe what each asked for."""
+        return cls(f"tensor {name!r} mismatch: {detail}", "mismatch", name=name, detail=detail,
+                   sides=(first, other))
+
+    def heard_by(self, own: str) -> Self:
+        """This failure as the side whose tensor ``own`` describes hears it."""
+        if self.sides is None:
+            return self
+        first, other = self.sides
+        return dataclasses.replace(self, ours=own, theirs=other if own == first else first, sides=None)
+
+    def failure(self, req: int) -> Failure:
+        """The Failure that answers request ``req``."""
+        return Failure(req, self.text, code=self.code, name=self.name, ours=self.ours, theirs=self.theirs,
+                       peer=self.peer, what=self.what, timeout_s=self.timeout_s, detail=self.detail)
 
 
 @dataclass(frozen=True, slots=True)

@@ -239,7 +239,7 @@ def test_each_failure_carries_its_code_and_facts_for_the_typed_error():
     lr.submit("s0", 0, first)
     failed = lr.submit("s1", 1, bad)[0]
     assert isinstance(failed, Failed)
-    answers = {o.req: failed.why.failure(o) for _, o in failed.members}
+    answers = {o.req: failed.failure(o) for _, o in failed.members}
     answers[3] = lr.submit("s2", 2, late)[0].failure()  # the late rank hears the same, from its side
     for req, (ours, theirs) in {1: ("float32[4,3]", "float32[4,4]"), 2: ("float32[4,4]", "float32[4,3]"),
                                 3: ("float32[4,3]", "float32[4,4]")}.items():
@@ -256,7 +256,7 @@ def test_each_failure_carries_its_code_and_facts_for_the_typed_error():
     lr.submit("s0", 0, op(req=3))
     left = lr.leave(1, pid=77)[0]
     assert isinstance(left, Failed)
-    f = left.why.failure(op(req=3))
+    f = left.failure(op(req=3))
     assert (f.code, f.peer) == ("connection", "rank 4 (pid 77)")
     assert isinstance(error_from_failure(f), BPSConnectionError) and error_from_failure(f).peer == "rank 4 (pid 77)"
 
@@ -264,7 +264,7 @@ def test_each_failure_carries_its_code_and_facts_for_the_typed_error():
     opened = lr.submit("s0", 0, op(req=1))[0].round
     overdue = lr.overdue(opened, connected={0}, waited_s=5.0)
     assert overdue is not None and isinstance(overdue[0], Failed)
-    f = overdue[0].why.failure(op(req=1))
+    f = overdue[0].failure(op(req=1))
     assert (f.code, f.what, f.timeout_s) == ("timeout", "tensor 'w'", 5.0)
     error = error_from_failure(f)
     assert isinstance(error, BPSTimeoutError) and (error.what, error.timeout_s) == ("tensor 'w'", 5.0)
