@@ -20,7 +20,7 @@ from bps_runtime import cuda
 from bps_runtime import segments as shm
 from protocol import PROTOCOL_VERSION, dtypes
 from protocol.errors import ProtocolError, RemoteProtocolError
-from protocol.frames import FrameReader, encode_header
+from protocol.frames import FrameReader, encode_message
 from protocol.handshake import ServerHandshake
 from protocol.messages import (
     KIND_BROADCAST,
@@ -33,7 +33,6 @@ from protocol.messages import (
     Op,
     Welcome,
     parse,
-    to_header,
 )
 
 from .local_rounds import describe
@@ -203,7 +202,7 @@ class ClientSession(asyncio.BufferedProtocol):
         if isinstance(message, (Done, Failure)) and message.req in self.inflight:
             self._answered(message.req)
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(encode_header(to_header(message), 0))
+            self.transport.write(encode_message(message))
 
     def _answered(self, req: int) -> None:
         """An op of this process got its answer: its tensor's slot may move again."""

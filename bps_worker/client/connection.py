@@ -20,9 +20,9 @@ from typing import Final
 
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ProtocolError
-from protocol.frames import Frame, FrameReader, encode_header
+from protocol.frames import Frame, FrameReader, encode_message
 from protocol.handshake import ClientHandshake, Established, HandshakeRefused
-from protocol.messages import ROLE_CLIENT, Alloc, Allocated, Done, Failure, Hello, Message, Welcome, parse, to_header
+from protocol.messages import ROLE_CLIENT, Alloc, Allocated, Done, Failure, Hello, Message, Welcome, parse
 
 from bps_runtime.timeline import now_us
 
@@ -139,7 +139,7 @@ class Connection:
 
     # -- I/O -------------------------------------------------------------------------
     def _send(self, message: Message) -> None:
-        data = encode_header(to_header(message), 0)
+        data = encode_message(message)
         with self.send_lock:
             try:
                 self.sock.sendall(data)
