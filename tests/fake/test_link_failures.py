@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import pickle
-from typing import Any
 
 import numpy as np
 import pytest
@@ -25,47 +24,8 @@ from bps_worker.errors import (
 from bps_worker.link import ServerLink, _LinkProtocol, connection_error, failure_error, write_batch, write_message
 from protocol.config import ServerSpec
 from protocol.frames import FrameReader, encode_header
-from protocol.messages import Failure, Message, Push, batch_header, parse, to_header
-
-
-class FakeTransport:
-    def __init__(self) -> None:
-        self.data = bytearray()
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.data += data
-
-    def writelines(self, chunks: list[Any]) -> None:
-        for c in chunks:
-            self.data += bytes(c)
-
-    def close(self) -> None:
-        self.closed = True
-
-    def abort(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        pass
-
-    def get_extra_info(self, name: str, default: object = None) -> object:
-        return default
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def messages(self) -> list[tuple[Message, memoryview | None]]:
-        return [(parse(f.header), f.payload) for f in FrameReader().receive_data(bytes(self.data))]
+from protocol.messages import Failure, Push, batch_header, parse, to_header
+from fake_transport import FakeTransport
 
 
 def _push(worker: int, n: int = 4, *, name: str = "w", req: int = 1) -> Push:

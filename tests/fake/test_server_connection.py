@@ -14,36 +14,10 @@ from protocol import PROTOCOL_VERSION
 import dataclasses
 
 from protocol.config import parse_config, placement_items
-from protocol.frames import FrameReader, encode_header
+from protocol.frames import encode_header
 from protocol.handshake import ClientHandshake, hello_proof
-from protocol.messages import ROLE_WORKER, Challenge, Failure, Hello, Push, Result, Stats, StatsRequest, Welcome, parse, to_header
-
-
-class FakeTransport:
-    def __init__(self) -> None:
-        self.data = bytearray()
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.data += data
-
-    def writelines(self, chunks: list) -> None:
-        for c in chunks:
-            self.data += bytes(c)
-
-    def close(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def get_extra_info(self, name: str) -> object:
-        return ("127.0.0.1", 1)
-
-    def messages(self, with_challenge: bool = False) -> list:
-        reader = FrameReader()
-        out = [(parse(f.header), f.payload) for f in reader.receive_data(bytes(self.data))]
-        return out if with_challenge else [(m, p) for m, p in out if not isinstance(m, Challenge)]
+from protocol.messages import ROLE_WORKER, Challenge, Failure, Hello, Push, Result, Stats, StatsRequest, Welcome, to_header
+from fake_transport import FakeTransport
 
 
 def _cluster(workers: int = 2, address: str = "127.0.0.1:9"):

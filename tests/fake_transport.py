@@ -1,0 +1,51 @@
+"""A transport that keeps what a protocol class writes, for the fake-transport tier (no socket)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protocol.frames import FrameReader
+from protocol.messages import Challenge, parse
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def writelines(self, chunks: list[Any]) -> None:
+        for c in chunks:
+            self.data += bytes(c)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_write_buffer_size(self) -> int:
+        return 0  # the kernel takes every byte at once
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return ("127.0.0.1", 1) if name == "peername" else default  # no socket: no low-water mark
+
+    def messages(self, with_challenge: bool = False) -> list[Any]:
+        """(message, payload) of every frame written, without the server's Challenge unless asked."""
+        reader = FrameReader()
+        out = [(parse(f.header), f.payload) for f in reader.receive_data(bytes(self.data))]
+        return out if with_challenge else [(m, p) for m, p in out if not isinstance(m, Challenge)]
