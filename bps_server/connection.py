@@ -55,8 +55,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("bps.server")
 
-# Before the handshake a peer may send only a small header (protocol.handshake.HANDSHAKE_MAX_HEADER_BYTES)
-# and no payload: nothing is allocated for an unauthenticated peer.
 # Replies with payloads up to this size are coalesced into one Batch frame per loop iteration.
 BATCH_REPLY_MAX_BYTES: Final = 64 * 1024
 
@@ -78,6 +76,7 @@ class ServerConnection(asyncio.BufferedProtocol):
 
     def __init__(self, server: SummationServer) -> None:
         self.server = server
+        # Until the handshake, a small header and no payload: nothing is allocated for a stranger.
         self.reader = FrameReader(max_header_bytes=HANDSHAKE_MAX_HEADER_BYTES, max_payload_bytes=0)
         self.greeting = ServerHandshake(
             peers={ROLE_WORKER: server.config.cluster.workers, ROLE_OBSERVER: None}, token=server.config.token,
