@@ -9,9 +9,9 @@ from typing import Any
 
 from protocol import PROTOCOL_VERSION
 from protocol.config import ClusterConfig, read_token
-from protocol.frames import FrameReader, encode_header
+from protocol.frames import FrameReader, encode_message
 from protocol.handshake import ClientHandshake
-from protocol.messages import ROLE_WORKER, Challenge, Hello, parse, to_header
+from protocol.messages import ROLE_WORKER, Challenge, Hello, parse
 
 
 def read_challenge(sock: socket.socket, timeout: float = 5.0) -> Challenge:
@@ -33,4 +33,4 @@ def hello_frame(sock: socket.socket, config: ClusterConfig, ident: int, role: st
                 **fields: Any) -> bytes:
     """The frame of a Hello from ``role`` ``ident`` that answers this connection's Challenge."""
     greeting = ClientHandshake(Hello(PROTOCOL_VERSION, role, ident, **fields), token=read_token(config))
-    return encode_header(to_header(greeting.receive(read_challenge(sock))))
+    return encode_message(greeting.receive(read_challenge(sock)))

@@ -13,21 +13,17 @@ import time
 from pathlib import Path
 
 import rank_programs as rp
+from handshakes import read_challenge
 from harness import daemon_logs, run_ranks, start_cluster, write_config
 from protocol import PROTOCOL_VERSION
 from protocol.config import placement_items, read_token
-from protocol.frames import FrameReader, encode_header
+from protocol.frames import FrameReader, encode_message
 from protocol.handshake import ClientHandshake
-from protocol.messages import ROLE_WORKER, Challenge, Failure, Hello, Message, Welcome, parse, to_header
+from protocol.messages import ROLE_WORKER, Failure, Hello, Message, Welcome, parse
 
 
-def _send(sock: socket.socket, message: Message) -> None:
-    sock.sendall(encode_header(to_header(message)))
-
-
-def _replies(sock: socket.socket, reader: FrameReader, timeout: float = 5.0, *, first: bool = False
-             ) -> tuple[list[Message], bool]:
-    """Messages until the peer closes (True), a Welcome (or with ``first`` any message) or ``timeout``."""
+def _replies(sock: socket.socket, reader: FrameReader, timeout: float = 5.0) -> tuple[list[Message], bool]:
+    """Messages until the peer closes (True), a Welcome or ``timeout``."""
     out: list[Message] = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -41,7 +37,7 @@ def _replies(sock: socket.socket, reader: FrameReader, timeout: float = 5.0, *, 
         if not chunk:
             return out, True
         out += [parse(f.header) for f in reader.receive_data(chunk)]
-        if (first and out) or any(isinstance(m, Welcome) for m in out):
+        if any(isinstance(m, Welcome) for m in out):
             return out, False
     return out, False
 
@@ -49,11 +45,9 @@ def _replies(sock: socket.socket, reader: FrameReader, timeout: float = 5.0, *, 
 def _handshake(host: str, port: int, client: ClientHandshake | None, hello: Hello) -> tuple[list[Message], bool]:
     """Read the Challenge; answer with ``client``'s Hello (or ``hello`` as it is); what came back."""
     with socket.create_connection((host, port), timeout=5) as s:
-        reader = FrameReader()
-        greeting, _ = _replies(s, reader, first=True)
-        assert greeting and isinstance(greeting[0], Challenge), greeting
-        _send(s, client.receive(greeting[0]) if client is not None else hello)
-        return _replies(s, reader)
+        challenge = read_challenge(s)
+        s.sendall(encode_message(client.receive(challenge) if client is not None else hello))
+        return _replies(s, FrameReader())
 
 
 def test_a_generated_cluster_has_a_private_token_and_its_servers_refuse_hellos_without_it(tmp_path: Path):
