@@ -98,6 +98,21 @@ def _token_cluster(tmp_path: Path, **kwargs: Any) -> Path:
     return write_config(tmp_path / "c", [1, 1], cpu_servers=1, cluster=cluster, **kwargs)
 
 
+def _one_sum_beside(stranger: Stranger, path: Path, tag: str) -> tuple[list[Any], str]:
+    """Every rank's one_sum with ``stranger`` on server 2's port (servers 0 and 1 and both workers real);
+    the ranks' results and the daemons' logs. The stranger itself must have raised nothing."""
+    stranger.start()
+    cluster = _start(path, ["server-0", "server-1", "worker-0", "worker-1"])
+    try:
+        results = run_ranks(cluster, sp.one_sum, 20_000, tag, timeout=60)
+        logs = daemon_logs(cluster)
+    finally:
+        cluster.stop()
+        stranger.stop()
+    assert not stranger.errors, stranger.errors
+    return results, logs
+
+
 def _start(path: Path, labels: list[str], replace: dict[str, tuple[str, str]] | None = None) -> Cluster:
     """Cluster of ``path``, but only the daemons ``labels``; ``replace[label] = (old, new)`` in its argv."""
     cluster = Cluster(str(path), log_level="info", log_dir=str(path.parent / "logs"))
@@ -132,7 +147,9 @@ def test_a_relayed_handshake_is_refused(tmp_path):
             got, _ = _read(up, up_reader, 5, lambda ms: any(isinstance(m, Challenge) for m in ms))
             worker.sendall(b"".join(_frame(m) for m, _ in got))
             got, _ = _read(worker, down_reader, 5, lambda ms: any(isinstance(m, Hello) for m in ms))
-            hello = next(m for m, _ in got if isinstance(m, Hello))
+            hello = next((m for m, _ in got if isinstance(m, Hello)), None)
+            if hello is None:
+                return  # the worker hung up before its Hello: a reconnect cut short by the cluster's stop
             up.sendall(_frame(dataclasses.replace(hello, **rewrite)))
             answers, closed = _read(up, up_reader, 3, lambda ms: any(isinstance(m, (Welcome, Failure)) for m in ms))
             if not closed:  # and then? (a refusal closes the connection)
@@ -140,16 +157,7 @@ def test_a_relayed_handshake_is_refused(tmp_path):
                 answers += rest
             relayed.append((hello, rewrite, [m for m, _ in answers], closed))
 
-    stranger = Stranger(free.port, relay)
-    stranger.start()
-    cluster = _start(path, ["server-0", "server-1", "worker-0", "worker-1"])
-    try:
-        results = run_ranks(cluster, sp.one_sum, 20_000, "relayed", timeout=60)
-        logs = daemon_logs(cluster)
-    finally:
-        cluster.stop()
-        stranger.stop()
-    assert not stranger.errors, stranger.errors
+    results, logs = _one_sum_beside(Stranger(free.port, relay), path, "relayed")
     assert {tuple(r.items()) for _, r, _, _ in relayed} >= {tuple(r.items()) for r in rewrites}, relayed  # both were tried
     for hello, rewrite, answers, closed in relayed:
         assert hello.auth, "the worker sent no proof"
@@ -172,7 +180,9 @@ def test_a_fake_server_is_refused_and_never_sent_sums(tmp_path):
         reader = FrameReader()
         worker.sendall(_frame(Challenge("f00d" * 8, PROTOCOL_VERSION)))
         got, _ = _read(worker, reader, 5, lambda ms: any(isinstance(m, Hello) for m in ms))
-        hello = next(m for m, _ in got if isinstance(m, Hello))
+        hello = next((m for m, _ in got if isinstance(m, Hello)), None)
+        if hello is None:
+            return  # the worker hung up before its Hello: a reconnect cut short by the cluster's stop
         worker.sendall(_frame(Welcome(PROTOCOL_VERSION, worker=hello.id, workers=2, incarnation="fa4e" * 4,
                                       auth="00" * 32, config_digest=placement_digest(hello.config_items))))
         deadline = time.monotonic() + 8
@@ -190,16 +200,7 @@ def test_a_fake_server_is_refused_and_never_sent_sums(tmp_path):
                 refused.append(True)
                 return
 
-    stranger = Stranger(free.port, fake)
-    stranger.start()
-    cluster = _start(path, ["server-0", "server-1", "worker-0", "worker-1"])
-    try:
-        results = run_ranks(cluster, sp.one_sum, 20_000, "faked", timeout=60)
-        logs = daemon_logs(cluster)
-    finally:
-        cluster.stop()
-        stranger.stop()
-    assert not stranger.errors, stranger.errors
+    results, logs = _one_sum_beside(Stranger(free.port, fake), path, "faked")
     assert pushes == [], f"{len(pushes)} pushes went to the fake server"
     assert refused, "the worker never hung up on the fake server"
     for r in results:
