@@ -336,7 +336,7 @@ class WorkerDaemon:
 
     def _new_epoch(self) -> None:
         """Our round numbering (re)starts at 0: servers learn it from the epoch (see RoundQuery)."""
-        epoch = secrets.token_hex(8)
+        self.epoch = epoch = secrets.token_hex(8)
         for link in self.all_links:
             link.epoch = epoch
 

@@ -69,6 +69,7 @@ class OperationHost(Protocol):
     executor: ThreadPoolExecutor
     timeline: Timeline | None
     rank_offset: int
+    epoch: str  # of the round numbering: a new one after every reset (the job ended or died)
 
     def round_base(self, name: str, local_round: int) -> asyncio.Future[int]: ...
 
@@ -126,6 +127,12 @@ class Operation:
         self.path: CpuPath | CudaPath = CudaPath(self) if op.cuda else CpuPath(self)
         self.server_round: int | None = None
         self.pushed = False
+        self.epoch = host.epoch  # the job this operation belongs to
+
+    def _job_current(self) -> bool:
+        """Whether our job still runs here. After a reset its rounds are gone at the servers, and the
+        next job's rounds reuse their numbers: an abort of ours would fail one of those."""
+        return self.host.epoch == self.epoch
 
     async def run(self) -> None:
         """The stages in turn; whatever fails, every member gets an answer (see the module docstring)."""
@@ -211,7 +218,8 @@ class Operation:
                     if fut in pending or fut.cancelled() or fut.exception() is not None:
                         if not host.streams[piece.server][piece.stream].forget(fut):
                             answers.append(fut)  # in the server's hands, in our memory: wait for its answer
-                        host.links[piece.server].abort(self.name, piece.part, server_round, message)
+                        if self._job_current():
+                            host.links[piece.server].abort(self.name, piece.part, server_round, message)
                 if answers:
                     await asyncio.wait(answers)  # the server answers every push; a lost link fails them
                 # A server that went silent with our memory in hand might still write into it.
@@ -257,7 +265,7 @@ class Operation:
             # A typed error keeps its class and facts (failure_from_error); the text names the tensor.
             failure = failure_from_error(o.req, exc) if isinstance(exc, BPSError) else Failure(o.req, reason)
             session.send(replace(failure, message=reason))
-        if self.server_round is not None and not self.pushed:
+        if self.server_round is not None and not self.pushed and self._job_current():
             self.host.abort_at_anchor(self.name, self.server_round, reason)  # peers wait for our pushes there
 
     def trace(self, t_sum: int, t_push: int, t_back: int, direct: bool, pieces: int) -> None:

@@ -459,7 +459,8 @@ def rejoin_loop(role: str, steps: int, max_seconds: float) -> dict[str, Any]:
         if role == "new" and len(partner_steps) == steps:
             break
         if role == "healthy":
-            if restarted_at is None and len(partner_steps) > 1 and partner_steps[-1] < partner_steps[-2]:
+            if restarted_at is None and len(partner_steps) > 1 and partner_steps[-1] <= partner_steps[-2]:
+                # (equal where the victim ran only its step 0: partners' steps never repeat otherwise)
                 restarted_at = len(partner_steps) - 1
             if restarted_at is not None and len(partner_steps) - restarted_at >= steps:
                 break  # summed with the new process's last step
