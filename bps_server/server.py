@@ -20,10 +20,11 @@ from typing import Any
 from protocol.config import ClusterConfig, placement_items
 
 from bps_runtime import metrics
+from bps_runtime.admission import HANDSHAKE_DEADLINE_S, PENDING_PER_PEER, PENDING_TOTAL, Admission, LogLimit
 from bps_runtime.timeline import Timeline
 
 from .aggregator import Aggregator
-from .connection import BATCH_REPLY_MAX_BYTES, HANDSHAKE_MAX_HEADER_BYTES, ServerConnection
+from .connection import BATCH_REPLY_MAX_BYTES, HANDSHAKE_MAX_HEADER_BYTES, HOLDER_SILENCE_FRACTION, ServerConnection
 
 __all__ = ["BATCH_REPLY_MAX_BYTES", "HANDSHAKE_MAX_HEADER_BYTES", "ServerConfig", "ServerConnection",
            "SummationServer"]
@@ -42,6 +43,11 @@ class ServerConfig:
     host: str | None = None  # overrides the address in the cluster file (bind address)
     port: int | None = None
     timeline: str | None = None  # Chrome-trace file of every partition's rounds (bps_runtime.timeline)
+    # Connections that have not finished their handshake (bps_runtime.admission): per host, in all, and
+    # how long one may take (None: min(cluster.timeout, HANDSHAKE_DEADLINE_S)).
+    pending_per_host: int = PENDING_PER_PEER
+    pending_total: int = PENDING_TOTAL
+    handshake_deadline_s: float | None = None
 
     @property
     def bind(self) -> tuple[str, int]:
@@ -65,6 +71,10 @@ class SummationServer:
                                      deterministic=config.cluster.deterministic,
                                      connected=lambda w: w in self.links, timeline=self.timeline)
         self.connections: set[ServerConnection] = set()
+        deadline = config.handshake_deadline_s or min(config.cluster.timeout, HANDSHAKE_DEADLINE_S)
+        self.admission = Admission(log, f"server {config.server_id}", deadline_s=deadline,
+                                   per_peer=config.pending_per_host, total=config.pending_total)
+        self.refusals = LogLimit()  # of the lines about second daemons with a worker's id
         self.tasks: set[asyncio.Task[Any]] = set()
         self.stopping = False
         self._server: asyncio.AbstractServer | None = None
@@ -130,6 +140,16 @@ class SummationServer:
             # come back after this server restarted) fail rather than wait for ever.
             self.aggregator.sweep(time.monotonic())
 
+    def holder(self, worker: int, daemon: str) -> ServerConnection | None:
+        """A connection of ``worker`` from another daemon than ``daemon`` that still holds the worker id:
+        open and heard within HOLDER_SILENCE_FRACTION of the timeout (see ServerConnection.handshake)."""
+        now = asyncio.get_running_loop().time()
+        limit = self.config.cluster.timeout * HOLDER_SILENCE_FRACTION
+        for conn in [self.links.get(worker), *(c for (w, _), c in self.streams.items() if w == worker)]:
+            if conn is not None and not conn.closed and conn.daemon != daemon and now - conn.last_seen <= limit:
+                return conn
+        return None
+
     def spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
@@ -144,6 +164,8 @@ class SummationServer:
         data = self.aggregator.counters.as_dict()
         data["server"] = self.config.server_id
         data["connections"] = len(self.connections)
+        data["pending_connections"] = self.admission.pending  # not handshaken yet
+        data["refused_connections"] = self.admission.refused
         data["streams"] = len(self.streams)  # workers' extra connections (Hello.stream > 0)
         data["keys"] = len(self.aggregator.keys)
         return data

@@ -39,7 +39,7 @@ from .link import ServerLink
 from .local_rounds import Action, Failed, LocalRound, LocalRounds, Opened, Ready, Refused
 from .operation import run_operation, segment_buffer
 from .placement import Placement
-from .session import ClientSession
+from .session import ClientSession, client_admission
 from .sockdir import ensure_socket_dir
 
 log = logging.getLogger("bps.worker")
@@ -114,6 +114,7 @@ class WorkerDaemon:
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-local")
         self.sessions: dict[int, ClientSession] = {}
         self.connections: set[ClientSession] = set()
+        self.admission = client_admission(config.worker_id, cluster.timeout)  # connections before their Hello
         # Per name, the local rounds still collecting local processes, and the round numbering.
         self.rounds: LocalRounds[ClientSession] = LocalRounds(config.local_size, config.worker_id, self.rank_offset)
         # Per name, the query of the servers' round number (RoundQuery) that learns the name's round base.

@@ -138,9 +138,9 @@ def error_from_failure(failure: Failure) -> BPSError:
             return BPSMismatchError(failure.detail, name=failure.name, ours=failure.ours, theirs=failure.theirs)
         case "mismatch":
             return BPSMismatchError(failure.message)
-        case "connection" | "protocol_error" if failure.peer:
+        case "connection" | "protocol_error" | "duplicate" if failure.peer:
             return BPSConnectionError(failure.detail, peer=failure.peer)
-        case "connection" | "protocol_error":
+        case "connection" | "protocol_error" | "duplicate":
             return BPSConnectionError(failure.message)
         case "timeout" if failure.what:
             return BPSTimeoutError(failure.detail, what=failure.what, timeout_s=failure.timeout_s)

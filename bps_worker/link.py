@@ -30,6 +30,11 @@ nonce and this very Hello; a server that does not (a stranger on its port, a rel
 dead one: retried within the timeout, then every push fails with a BPSConnectionError naming it. Nothing
 is sent on an unproven connection: no push and no replay. A server that read another cluster file (or
 speaks another protocol version) fails the pushes at once: retrying cannot mend it.
+
+One daemon per worker id: every Hello carries this process's :func:`daemon_id`. A server that has a
+live connection of our worker id from another daemon refuses us with code ``duplicate`` (its message
+names the other daemon's address, id and epoch): the link logs it as an error, fails what waits at once
+with that message, and tries again only one timeout later, never in a storm.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import secrets
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Final, Sequence, cast
@@ -226,6 +232,23 @@ def make_probe(worker_id: int, mode: int, server_id: int) -> tuple[SharedMemory,
     return probe, key.hex()
 
 
+_daemon_id: tuple[int, str] | None = None  # (pid, id) of this process: see daemon_id
+
+
+def daemon_id() -> str:
+    """This process's random id for its run (Hello.daemon), the same on every link and across epochs;
+    a forked child gets its own."""
+    global _daemon_id
+    if _daemon_id is None or _daemon_id[0] != os.getpid():
+        _daemon_id = (os.getpid(), secrets.token_hex(8))
+    return _daemon_id[1]
+
+
+def _held_elsewhere(exc: HandshakeError) -> bool:
+    """The server refused us because another live daemon has our worker id (see the module docstring)."""
+    return isinstance(exc, HandshakeRefused) and exc.code == "duplicate"
+
+
 def _cannot_change(exc: HandshakeError) -> bool:
     """A refusal that retrying within the timeout cannot mend: the two sides read different cluster
     files or speak different protocol versions (the server says so with code ``mismatch``)."""
@@ -289,6 +312,8 @@ class ServerLink:
         self._pings = itertools.count()
         self._broken_reason = ""
         self._stall: asyncio.TimerHandle | None = None  # wakes the link at the window's stall deadline
+        # Refused because another daemon has our worker id: until when no attempt is made, and the error.
+        self._held_elsewhere: tuple[float, BPSConnectionError] | None = None
 
     @property
     def shm(self) -> bool:
@@ -588,6 +613,9 @@ class ServerLink:
     async def _connect(self) -> None:
         """Connect (again), retrying with a doubling delay; fail everything after the timeout."""
         loop = asyncio.get_running_loop()
+        if self._held_elsewhere is not None and loop.time() < self._held_elsewhere[0]:
+            self._fail_all(self._held_elsewhere[1])  # another daemon has our id: no attempt before then
+            return
         deadline = loop.time() + self.timeout
         delay = RECONNECT_DELAY_S
         last_error = "no attempt"
@@ -598,9 +626,11 @@ class ServerLink:
                 return
             except HandshakeError as exc:  # an unproven or refusing server: as a dead one, unless it cannot change
                 if str(exc) != last_error:
-                    log.warning("%s", exc)
+                    log.log(logging.ERROR if _held_elsewhere(exc) else logging.WARNING, "%s", exc)
                 last_error = str(exc)
-                permanent = _cannot_change(exc)
+                permanent = _cannot_change(exc) or _held_elsewhere(exc)
+                if _held_elsewhere(exc):
+                    self._held_elsewhere = (loop.time() + self.timeout, BPSConnectionError(last_error))
             except (OSError, asyncio.TimeoutError, ConnectionError) as exc:
                 last_error = str(exc) or exc.__class__.__name__
             if self._proto is not None and self._proto.transport is not None:
@@ -648,7 +678,7 @@ class ServerLink:
         greeting = ClientHandshake(
             Hello(PROTOCOL_VERSION, ROLE_WORKER, self.worker_id, shm=probe[0].name if probe else "",
                   shm_key=probe[1] if probe else "", epoch=self.epoch, stream=self.stream,
-                  config_items=list(self.config_items)),
+                  config_items=list(self.config_items), daemon=daemon_id()),
             token=self.token, who=f"server {self.spec.id} at {self.spec.address}")
         try:
             self._send(proto, greeting.receive(challenge))

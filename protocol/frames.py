@@ -217,11 +217,15 @@ class FrameReader:
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         payload_sink: PayloadSink | None = None,
+        buffer_bytes: int = RECEIVE_BUFFER_BYTES,
     ) -> None:
         self.max_header_bytes = max_header_bytes
         self.max_payload_bytes = max_payload_bytes
         self.payload_sink = payload_sink
-        self._buf = bytearray(max(RECEIVE_BUFFER_BYTES, PREFIX.size + max_header_bytes))
+        # The receive buffer. A header larger than it makes it grow, up to one whole header (get_buffer), so
+        # a reader for a peer that has not proved itself yet may start small (issue 14, item 5); set_limits
+        # makes it larger once the peer is known.
+        self._buf = bytearray(max(buffer_bytes, PREFIX.size + 1))
         self._view = memoryview(self._buf)
         self._start = 0  # first unparsed byte in _buf
         self._end = 0  # one past the last received byte in _buf
@@ -230,6 +234,20 @@ class FrameReader:
         self._filled = 0
         self._direct = False  # the last get_buffer() handed out the payload destination
         self._error: ProtocolError | None = None
+
+    def set_limits(self, *, max_header_bytes: int, max_payload_bytes: int,
+                   buffer_bytes: int = RECEIVE_BUFFER_BYTES) -> None:
+        """New limits (e.g. the larger ones of an authenticated peer); the receive buffer grows to
+        ``buffer_bytes``, keeping the bytes not parsed yet. It never shrinks."""
+        self.max_header_bytes = max_header_bytes
+        self.max_payload_bytes = max_payload_bytes
+        if buffer_bytes > len(self._buf):
+            self._grow(buffer_bytes)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The size of the receive buffer (what this reader holds between frames)."""
+        return len(self._buf)
 
     # -- receiving -------------------------------------------------------------------
     def get_buffer(self, sizehint: int = -1) -> memoryview:
@@ -243,10 +261,14 @@ class FrameReader:
         if self._start == self._end:
             self._start = self._end = 0
         elif len(self._buf) - self._end < PREFIX.size + self.max_header_bytes:
-            # Compact so a whole header always fits after the unparsed bytes.
+            # Compact so a whole header fits after the unparsed bytes, if the buffer can hold it; if they
+            # fill it, it grows (doubling, up to one whole header: more is never unparsed, see _parse).
             remaining = self._end - self._start
-            self._buf[:remaining] = self._buf[self._start:self._end]
-            self._start, self._end = 0, remaining
+            if remaining == len(self._buf):
+                self._grow(max(min(2 * len(self._buf), PREFIX.size + self.max_header_bytes), remaining + 1))
+            else:
+                self._buf[:remaining] = self._buf[self._start:self._end]
+                self._start, self._end = 0, remaining
         return self._view[self._end:]
 
     def buffer_updated(self, nbytes: int) -> list[Frame]:
@@ -303,6 +325,14 @@ class FrameReader:
     def _check_usable(self) -> None:
         if self._error is not None:
             raise LocalProtocolError(f"frame reader unusable after an earlier error: {self._error}")
+
+    def _grow(self, size: int) -> None:
+        """A receive buffer of ``size`` bytes, holding the unparsed bytes at its start."""
+        unparsed = self._end - self._start
+        grown = bytearray(size)
+        grown[:unparsed] = self._view[self._start:self._end]
+        self._buf, self._view = grown, memoryview(grown)
+        self._start, self._end = 0, unparsed
 
     def _parse(self) -> list[Frame]:
         frames: list[Frame] = []

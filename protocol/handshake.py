@@ -30,7 +30,7 @@ of everything said so far:
 
 So a proof holds for one connection (its two nonces) and one set of values: a relay that forwards a
 worker's Hello to another connection (another Ns), or changes ``stream``, ``shm``, ``shm_key``,
-``epoch``, ``id``, ``role`` or the config description on the way, is refused by the server; a fake
+``epoch``, ``daemon``, ``id``, ``role`` or the config description on the way, is refused by the server; a fake
 server (no token) or a replayed Welcome (another Nc) is refused by the worker before it sends anything
 else, so a restart replay never goes to an unproven server. The labels keep a Hello proof from ever
 passing for a Welcome proof.
@@ -59,7 +59,7 @@ How each of the five sites uses it
 * Server (``bps_server`` ServerConnection): ``hs = ServerHandshake(peers={ROLE_WORKER: workers,
   ROLE_OBSERVER: None}, token=token, config_items=placement_items(cluster), who=f"server {id}")``;
   in ``connection_made`` send ``hs.start()`` (the Challenge) and size the reader with
-  :data:`HANDSHAKE_MAX_HEADER_BYTES`; on the first message ``hello = hs.receive(message)``, then
+  :data:`HANDSHAKE_MAX_HEADER_BYTES` and :data:`HANDSHAKE_BUFFER_BYTES`; on the first message ``hello = hs.receive(message)``, then
   ``shm = self._accept_shm(hs.shm_offer, hello.id)`` (owner check, map, read the key), the
   registration (streams, links, epoch), and ``send(hs.accept(Welcome(PROTOCOL_VERSION, worker=...,
   workers=..., shm=shm, incarnation=...)).welcome)``; an observer gets ``hs.accept(Welcome(
@@ -67,7 +67,7 @@ How each of the five sites uses it
   ``Failure(-1, str(exc), code="protocol_error")`` and close. Keep ``.session_key`` for result MACs.
 * Worker link to a server (``bps_worker`` ServerLink._connect): ``hs = ClientHandshake(Hello(
   PROTOCOL_VERSION, ROLE_WORKER, worker_id, shm=probe_name, shm_key=key, epoch=epoch, stream=stream,
-  config_items=list(placement_items(cluster))), token=token, who=f"server {spec.id} at {address}")``;
+  config_items=list(placement_items(cluster)), daemon=daemon_id()), token=token, who=f"server {spec.id} at {address}")``;
   on the Challenge send ``hs.receive(challenge)`` (a Hello); on the Welcome (or a Failure during the
   handshake) ``est = hs.receive(message)`` (raises HandshakeRefused / AuthenticationError / ...:
   close and reconnect, or fail with the error's text); ``self.shm = est.welcome.shm``; the
@@ -104,6 +104,9 @@ from .messages import ROLE_WORKER, Challenge, Failure, Hello, Message, Welcome, 
 # The header limit an accepting side sets on its FrameReader until the handshake is done: a Hello with
 # the config description of a cluster of about 100 machines fits; nothing large is read from a stranger.
 HANDSHAKE_MAX_HEADER_BYTES: Final = 16 * 1024
+# The receive buffer an accepting side gives a peer until its Hello is verified: a small cluster's Hello
+# fits; a larger one grows it, up to the header limit (protocol.frames.FrameReader).
+HANDSHAKE_BUFFER_BYTES: Final = 4 * 1024
 NONCE_BYTES: Final = 16  # of randomness in each side's nonce (hex: 32 characters)
 SESSION_KEY_BYTES: Final = 32
 HELLO_CONTEXT: Final = f"bps-hello/{PROTOCOL_VERSION}"

@@ -167,6 +167,10 @@ FAILURES = [
     (m.Failure(-1, "bad frame", code="protocol_error", peer="the worker daemon at /tmp/w.sock"),
      BPSConnectionError, "connection to the worker daemon at /tmp/w.sock failed", {"peer": "the worker daemon at "
                                                                                            "/tmp/w.sock"}),
+    (m.Failure(-1, "worker 0 is already served by another daemon", code="duplicate",
+               peer="worker 0 from 10.0.0.7:41000 (daemon 5eed, epoch 0e0e)", detail="stop one of them"),
+     BPSConnectionError, "connection to worker 0 from 10.0.0.7:41000 (daemon 5eed, epoch 0e0e) failed: stop one of "
+                         "them", {"peer": "worker 0 from 10.0.0.7:41000 (daemon 5eed, epoch 0e0e)"}),
     (m.Failure(6, "tensor 'x' is already in flight", code="bad_request"),
      BPSError, "tensor 'x' is already in flight", {}),
     (m.Failure(7, "round 3 of 'x' aborted by worker 1", code="round_failed"),

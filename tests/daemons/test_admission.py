@@ -1,0 +1,175 @@
+"""Real daemons against strangers that never finish a handshake and a client that never reads (issue 14,
+item 5): the server and the worker daemon close them, bound what they hold, and keep serving."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+import rank_programs as rp
+from harness import daemon_logs, run_ranks, start_cluster, write_config
+from protocol import PROTOCOL_VERSION
+from protocol.frames import FrameReader, encode_message
+from protocol.messages import ROLE_CLIENT, Failure, Hello, Op, Ping, Welcome, parse
+
+TIMEOUT_S = 10.0  # the cluster's (generous: the ranks of a busy machine start slowly)
+DEADLINE_S = 5.0  # a connection must finish its handshake within min(timeout, 5 s)
+FLOOD = 1500  # idle TCP connections; before the bounds each took 256 KiB of the server's memory for ever
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
+
+
+def _pid(cluster, label: str) -> int:
+    return next(c.proc.pid for c in cluster.children if c.label == label)
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the peer closed ``sock`` (EOF or reset); what it sent before is read and dropped."""
+    try:
+        while True:
+            if not sock.recv(65536):
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _wait_closed(socks: list[socket.socket], timeout: float) -> list[socket.socket]:
+    """Those of ``socks`` still open after ``timeout`` (polled)."""
+    for s in socks:
+        s.setblocking(False)
+    deadline = time.monotonic() + timeout
+    open_ = list(socks)
+    while open_ and time.monotonic() < deadline:
+        open_ = [s for s in open_ if not _closed_by_peer(s)]
+        time.sleep(0.2)
+    return open_
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    c = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _sum_still_exact(cluster, tag: str) -> None:
+    for reports in zip(*run_ranks(cluster, rp.sum_cases, [(tag, "float32", (1000,), True, 1)])):
+        assert all(r["exact"] for r in reports)
+
+
+@pytest.mark.timeout(180)
+def test_a_flood_of_idle_connections_is_refused_and_dropped(cluster):
+    spec = cluster.config.servers[2]  # the CPU-only server
+    pid = _pid(cluster, "server-2")
+    rss_before = _rss_mib(pid)
+    socks = []
+    try:
+        for _ in range(FLOOD):
+            s = socket.create_connection((spec.host, spec.port), timeout=10)
+            try:
+                s.send(b"\0")  # a byte, so that the server reads (and, before the bounds, buffered) something
+            except OSError:
+                pass  # refused at once: it may already be reset
+            socks.append(s)
+        time.sleep(1.0)
+        grown = _rss_mib(pid) - rss_before
+        assert grown < 40, f"{FLOOD} idle connections took {grown:.0f} MiB of the server's memory"
+        # All are closed: most at once (over the bounds), the rest at the handshake deadline.
+        still_open = _wait_closed(socks, DEADLINE_S + 30)
+        assert not still_open, f"{len(still_open)} of {FLOOD} idle connections are still open"
+    finally:
+        for s in socks:
+            s.close()
+    log = Path(cluster.log_dir, "server-2.log").read_text(errors="replace")
+    assert re.search(r"server 2 refuses a connection from 127\.0\.0\.1:\d+: 64 connections from 127\.0\.0\.1 have "
+                     r"not finished their handshake \(at most 64 per peer\)", log), log[-3000:]
+    assert re.search(r"server 2 closes the connection from 127\.0\.0\.1:\d+: no handshake within 5 s", log)
+    lines = [line for line in log.splitlines() if "finished their handshake" in line or "no handshake" in line]
+    assert len(lines) < 60, f"{len(lines)} log lines for {FLOOD} connections: the flood flooded the log"
+    _sum_still_exact(cluster, "after.flood")
+
+
+@pytest.mark.timeout(120)
+def test_the_worker_socket_closes_a_connection_that_sends_no_hello(cluster):
+    path = cluster.socket_path(0)
+    socks = []
+    for _ in range(5):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        socks.append(s)
+    still_open = _wait_closed(socks, DEADLINE_S + 30)
+    for s in socks:
+        s.close()
+    assert not still_open, "the worker daemon keeps connections that never said hello"
+    log = Path(cluster.log_dir, "worker-0.log").read_text(errors="replace")
+    assert re.search(rf"worker 0's socket closes the connection from pid {os.getpid()} \(uid {os.getuid()}\): no "
+                     rf"handshake within 5 s", log), log[-3000:]
+    _sum_still_exact(cluster, "after.idle.unix")
+
+
+def _send_until_blocked(sock: socket.socket, chunk: bytes, cap: int, stuck_s: float) -> int:
+    """Send ``chunk`` again and again (non-blocking) until ``cap`` bytes went, or the socket stayed
+    unwritable for ``stuck_s`` (the daemon stopped reading); the bytes sent."""
+    sock.setblocking(False)
+    sent = 0
+    while sent < cap:
+        view = memoryview(chunk)[sent % len(chunk):]
+        try:
+            sent += sock.send(view)
+        except BlockingIOError:
+            _, writable, _ = select.select([], [sock], [], stuck_s)
+            if not writable:
+                return sent
+    return sent
+
+
+@pytest.mark.timeout(240)
+def test_a_client_that_never_reads_cannot_grow_the_daemon(cluster):
+    """A process that sends ops which fail at once and never reads the failures: the daemon stops reading
+    it once its answers pile up, instead of buffering them without limit; reading resumes it."""
+    pid = _pid(cluster, "worker-0")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(cluster.socket_path(0))
+    sock.settimeout(10)
+    sock.sendall(encode_message(Hello(PROTOCOL_VERSION, ROLE_CLIENT, 0, os.getpid())))
+    reader = FrameReader()
+    welcome = parse(reader.receive_data(sock.recv(65536))[0].header)
+    assert isinstance(welcome, Welcome)
+    op = encode_message(Op(7, "never.read", "sum", "float32", [4], "bps_w0_1_nonexistent"))
+    rss_before = _rss_mib(pid)
+    cap = 24 << 20
+    sent = _send_until_blocked(sock, op * 4096, cap, stuck_s=3.0)
+    grown = _rss_mib(pid) - rss_before
+    assert sent < cap, "the daemon read every op of a client that reads nothing"
+    assert grown < 16, f"a client that never reads took {grown:.0f} MiB of the worker daemon's memory"
+    # Reading again: the daemon resumes and answers every whole op it was sent.
+    sock.setblocking(True)
+    sock.settimeout(10)
+    want, failures = sent // len(op), 0
+    deadline = time.monotonic() + 90
+    while failures < want and time.monotonic() < deadline:
+        for frame in reader.receive_data(sock.recv(1 << 20)):
+            message = parse(frame.header)
+            if isinstance(message, Failure):
+                assert message.req == 7 and "was not allocated" in message.message, message
+                failures += 1
+            else:
+                assert isinstance(message, Ping), message
+    sock.close()
+    assert failures == want, f"{failures} answers for {want} ops"
+    logs = daemon_logs(cluster)
+    assert "Traceback" not in logs
+    _sum_still_exact(cluster, "after.never.read")
