@@ -35,6 +35,7 @@ from protocol.messages import Push
 
 from bps_runtime import kernels
 from bps_runtime.metrics import Histogram
+from bps_runtime.stalls import StallWatch
 from bps_runtime.timeline import Timeline, now_us
 
 from .rounds import (
@@ -129,6 +130,8 @@ class Aggregator:
         self.table: RoundTable[Contributor] = RoundTable(n_workers, lost_grace_s=lost_grace_s,
                                                          deterministic=deterministic, connected=connected)
         self.counters = Counters()
+        # Rounds that wait for workers whose processes have not pushed are logged (bps_runtime.stalls).
+        self.stalls: StallWatch[tuple[Key, int]] = StallWatch(warn_after_s=lost_grace_s)
         self._sums: dict[Key, _Sum] = {}  # each key's accumulator of its open round, once summing started
         self._tasks: set[asyncio.Future[None]] = set()
 
@@ -168,8 +171,22 @@ class Aggregator:
 
     def sweep(self, now: float) -> int:
         """Fail every round that waited longer than ``lost_grace_s`` for a worker that is not connected
-        or has no training processes (``now``: ``time.monotonic()``); returns how many failed."""
-        return self._run(self.table.sweep(now))
+        or has no training processes (``now``: ``time.monotonic()``); returns how many failed. Logs the
+        rounds that have waited ``lost_grace_s`` for connected workers (see :meth:`_warn_stalls`)."""
+        failed = self._run(self.table.sweep(now))
+        self._warn_stalls(now)
+        return failed
+
+    def _warn_stalls(self, now: float) -> None:
+        """A round waiting for a connected worker is not failed (its processes may be slow, not dead), but
+        said in the log after the grace, and again every grace: which workers pushed and which did not."""
+        waits = {(st.key, st.round): st.opened for st in self.table.keys.values()
+                 if st.busy and self.table.waiting_for(st)}
+        for (key, round_), waited in self.stalls.due(now, waits):
+            st = self.table.keys[key]
+            log.warning("stall: round %d of %r part %d has waited %.1f s for worker %s, whose processes have not "
+                        "pushed it (pushed by worker %s)", round_, key[0], key[1], waited,
+                        ", ".join(map(str, self.table.waiting_for(st))), ", ".join(map(str, sorted(st.waiters))))
 
     def abort(self, name: str, part: int, round_: int, worker: int, message: str) -> None:
         """A worker gave up a round: fail it for every worker (now and for late pushes)."""

@@ -475,6 +475,10 @@ class RoundTable(Generic[W]):
         self._open(st.key, st.round + 1)
         return [Settled(st.key, st.round), Redispatch(tuple(st.restart.held_next))]
 
+    def waiting_for(self, st: Round[W]) -> list[int]:
+        """The workers round ``st`` still waits for: neither pushed nor replayed it, nor got its sum."""
+        return sorted(set(range(self.n_workers)) - set(st.waiters) - st.restart.replayers - st.restart.answered)
+
     # -- workers coming and going ------------------------------------------------------
     def sweep(self, now: float) -> list[Action[W]]:
         """Fail every round that has waited longer than ``lost_grace_s`` (since its first push) for a
@@ -484,8 +488,7 @@ class RoundTable(Generic[W]):
         for st in list(self.keys.values()):
             if not st.busy or now - st.opened < self.lost_grace_s:
                 continue
-            waiting = set(range(self.n_workers)) - set(st.waiters) - st.restart.replayers - st.restart.answered
-            absent = sorted(w for w in waiting if not self.connected(w) or w in self._reset)
+            absent = [w for w in self.waiting_for(st) if not self.connected(w) or w in self._reset]
             if absent:
                 why = "has no training processes" if self.connected(absent[0]) else "is not connected to this server"
                 text = (f"worker {absent[0]} {why} (waited {self.lost_grace_s:g} s); round {st.round} of "

@@ -1,0 +1,44 @@
+"""The stall inspector's decision: which waits have gone on long enough to be logged, pure.
+
+A training process that never submits a tensor its peers did (a hang, a slow evaluation, a bug that
+skips a step) blocks them without any error: it is alive and connected, so no timeout fails the
+round. As Horovod's stall inspector does, the daemons say so in their logs instead: the worker daemon
+names the tensor and the local ranks that have and have not submitted it; a server names the
+workers it still waits for in a round. Nothing fails: the round completes if the process comes.
+
+Each time a daemon looks (a few times per timeout), it passes every wait going on (a key and when
+it began, on one clock) to :meth:`StallWatch.due`, which answers which to warn about now: a wait once
+it is ``warn_after_s`` old, then again every ``repeat_s`` while it lasts. Waits that ended are
+forgotten. Both daemons warn after ``cluster.timeout`` and repeat every timeout (Horovod: after 60 s,
+repeating): the one setting a user already chose for "too long".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+
+class StallWatch(Generic[K]):
+    """When each wait was last warned about (see the module docstring)."""
+
+    __slots__ = ("warn_after_s", "repeat_s", "_warned")
+
+    def __init__(self, *, warn_after_s: float, repeat_s: float | None = None) -> None:
+        self.warn_after_s = warn_after_s
+        self.repeat_s = warn_after_s if repeat_s is None else repeat_s
+        self._warned: dict[K, float] = {}  # key -> when it was last warned about
+
+    def due(self, now: float, waits: Mapping[K, float]) -> list[tuple[K, float]]:
+        """Of ``waits`` (key -> when it began), those to warn about at ``now``, each with how long it has
+        waited, oldest first; they count as warned. Keys not in ``waits`` ended: they are forgotten."""
+        self._warned = {key: at for key, at in self._warned.items() if key in waits}
+        due: list[tuple[K, float]] = []
+        for key, began in sorted(waits.items(), key=lambda item: item[1]):
+            last = self._warned.get(key)
+            if now - began >= self.warn_after_s and (last is None or now - last >= self.repeat_s):
+                self._warned[key] = now
+                due.append((key, now - began))
+        return due

@@ -1,0 +1,82 @@
+"""The worker daemon's stall inspector: the rounds that waited too long, in words for its log.
+
+A round waits first for its local ranks (open in :class:`~bps_worker.local_rounds.LocalRounds`),
+then, once every local rank submitted it, at the servers for the other machines' pushes (its
+partitions in the links' windows). The daemon says when each phase began (:meth:`WorkerStalls.began`)
+and asks a few times per timeout what to log (:meth:`WorkerStalls.warnings`); when is decided by
+:class:`bps_runtime.stalls.StallWatch` (after the timeout, then every timeout). A round is not
+followed to its end: once it is due, it is still waiting if it is open and not failed, or if a
+partition of it is still in a link's window; else it is forgotten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from bps_runtime.stalls import StallWatch
+
+from .link import ServerLink
+from .local_rounds import LocalRound, LocalRounds
+
+
+def _ranks(local: Sequence[int], rank_offset: int) -> str:
+    """``local ranks 0, 1 (ranks 4, 5)``."""
+    s = "s" if len(local) != 1 else ""
+    return (f"local rank{s} {', '.join(map(str, local))} "
+            f"(rank{s} {', '.join(str(rank_offset + r) for r in local)})")
+
+
+class WorkerStalls:
+    """When each round's current wait began, and the warnings about those that last (module docstring)."""
+
+    __slots__ = ("watch", "worker_id", "rank_offset", "_since")
+
+    def __init__(self, warn_after_s: float, worker_id: int, rank_offset: int) -> None:
+        self.watch: StallWatch[LocalRound[Any]] = StallWatch(warn_after_s=warn_after_s)
+        self.worker_id = worker_id
+        self.rank_offset = rank_offset
+        self._since: dict[LocalRound[Any], float] = {}
+
+    def began(self, lr: LocalRound[Any], now: float) -> None:
+        """``lr`` opened (it waits for local ranks) or started (it waits at the servers)."""
+        self._since[lr] = now
+
+    def warnings(self, now: float, rounds: LocalRounds[Any], links: Sequence[ServerLink]) -> list[str]:
+        """What to log now about the rounds that waited ``warn_after_s`` or more (and again later)."""
+        old = [(lr, began) for lr, began in self._since.items() if now - began >= self.watch.warn_after_s]
+        if not old:
+            return []  # the common case, checked in one pass: no window is looked at
+        pieces: dict[tuple[str, int], set[int]] = {}  # (name, server round) -> servers holding a part of it
+        for link in links:
+            for piece in link.window.pieces():
+                pieces.setdefault((piece.push.name, piece.push.round), set()).add(link.spec.id)
+        waits: dict[LocalRound[Any], float] = {}
+        where: dict[LocalRound[Any], list[int]] = {}
+        for lr, began in old:
+            at = self._at(lr, rounds, pieces)
+            if at is None:
+                del self._since[lr]  # it completed or failed
+            else:
+                waits[lr], where[lr] = began, at
+        return [self._text(lr, waited, where[lr]) for lr, waited in self.watch.due(now, waits)]
+
+    @staticmethod
+    def _at(lr: LocalRound[Any], rounds: LocalRounds[Any], pieces: dict[tuple[str, int], set[int]]
+            ) -> list[int] | None:
+        """Where ``lr`` waits: [] for local ranks, else the servers that hold its unanswered partitions
+        (``pieces``: the links' windows); None when it waits no more."""
+        if rounds.is_open(lr):
+            return [] if lr.failed is None else None
+        server_round = rounds.numbers.server_round(lr.name, lr.round)
+        servers = pieces.get((lr.name, server_round), set()) if server_round is not None else set()
+        return sorted(servers) or None
+
+    def _text(self, lr: LocalRound[Any], waited: float, servers: list[int]) -> str:
+        where = f"tensor {lr.name!r} (round {lr.round} on worker {self.worker_id}) has waited {waited:.1f} s"
+        if not servers:
+            return (f"stall: {where} for {_ranks(sorted(lr.expected), self.rank_offset)}, which did not submit it; "
+                    f"submitted by {_ranks(sorted(lr.members), self.rank_offset)}. Every process must push "
+                    f"every name once per round: is one stuck, or skipping it?")
+        return (f"stall: {where} at server{'s' if len(servers) > 1 else ''} {', '.join(map(str, servers))}: "
+                f"every local rank submitted it, other workers have not pushed it (the server's log names them)")

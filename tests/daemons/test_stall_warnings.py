@@ -1,0 +1,53 @@
+"""A training process that stalls (alive and connected, it never pushes a tensor its peers pushed) fails
+nothing, but the daemons say so in their logs after the timeout: the worker daemon names the tensor
+and the local ranks that did and did not submit it, and the server the workers it waits for."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import stall_programs as sp
+from harness import run_ranks, start_cluster, write_config
+
+TIMEOUT_S = 3.0
+LATE_S = 2.2 * TIMEOUT_S  # warned after the timeout, and again after two
+
+
+def _log(cluster, label: str) -> str:
+    return Path(cluster.log_dir, f"{label}.log").read_text(errors="replace")
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_never_submits_is_named_in_its_worker_daemons_log(tmp_path):
+    cluster = start_cluster(write_config(tmp_path, [2], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))
+    try:
+        results = run_ranks(cluster, sp.late_rank, 1, LATE_S, 1000, timeout=90)
+        log = _log(cluster, "worker-0")
+    finally:
+        cluster.stop()
+    assert all(r["exact"] for r in results), results  # a stall is not an error: the round completes
+    warnings = re.findall(r"WARNING stall: tensor 'late' \(round 1 on worker 0\) has waited [\d.]+ s for local "
+                          r"rank 1 \(rank 1\), which did not submit it; submitted by local rank 0 \(rank 0\)", log)
+    assert warnings, log
+    assert "tensor 'late' (round 0" not in log and "tensor 'late' (round 2" not in log, log  # on time
+
+
+@pytest.mark.timeout(120)
+def test_a_machine_whose_rank_never_submits_is_named_by_the_server(tmp_path):
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))
+    try:
+        results = run_ranks(cluster, sp.late_rank, 1, LATE_S, 1000, timeout=90)
+        worker_log = _log(cluster, "worker-0")
+        server_logs = "".join(_log(cluster, f"server-{sid}") for sid in range(3))
+    finally:
+        cluster.stop()
+    assert all(r["exact"] for r in results), results
+    # Worker 0's own rank submitted: its daemon says the round waits at a server, for other workers.
+    assert re.search(r"WARNING stall: tensor 'late' \(round 1 on worker 0\) has waited [\d.]+ s at server \d: "
+                     r"every local rank submitted it, other workers have not pushed it", worker_log), worker_log
+    # That server knows who: worker 1 (whose rank 1 is late) has not pushed, worker 0 has.
+    assert re.search(r"WARNING stall: round \d+ of 'late' part 0 has waited [\d.]+ s for worker 1, whose "
+                     r"processes have not pushed it \(pushed by worker 0\)", server_logs), server_logs

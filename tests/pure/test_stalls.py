@@ -1,0 +1,38 @@
+"""The stall inspector's decision (bps_runtime.stalls): when a wait is warned about, and again."""
+
+from __future__ import annotations
+
+import pytest
+
+from bps_runtime.stalls import StallWatch
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def test_a_wait_is_warned_about_once_it_is_old_enough_then_every_repeat():
+    watch: StallWatch[str] = StallWatch(warn_after_s=4.0)
+    waits = {"w": 10.0}
+    assert watch.due(13.9, waits) == []
+    assert watch.due(14.0, waits) == [("w", 4.0)]
+    assert watch.due(15.0, waits) == []  # just warned
+    assert watch.due(17.9, waits) == []
+    assert watch.due(18.0, waits) == [("w", 8.0)]  # repeats every warn_after_s by default
+    assert watch.due(18.5, waits) == []
+
+
+def test_a_wait_that_ended_is_forgotten_and_a_new_one_starts_over():
+    watch: StallWatch[str] = StallWatch(warn_after_s=4.0, repeat_s=10.0)
+    assert watch.due(5.0, {"w": 0.0}) == [("w", 5.0)]
+    assert watch.due(6.0, {}) == []  # the round completed
+    assert watch.due(9.0, {"w": 6.0}) == []  # the next round of the same key, only 3 s old
+    assert watch.due(10.0, {"w": 6.0}) == [("w", 4.0)]  # warned although the key was warned 5 s ago
+    assert watch.due(19.9, {"w": 6.0}) == []
+    assert watch.due(20.0, {"w": 6.0}) == [("w", 14.0)]
+
+
+def test_several_waits_come_oldest_first_each_on_its_own_clock():
+    watch: StallWatch[tuple[str, int]] = StallWatch(warn_after_s=2.0)
+    waits = {("b", 0): 3.0, ("a", 0): 1.0, ("c", 1): 4.5}
+    assert watch.due(5.0, waits) == [(("a", 0), 4.0), (("b", 0), 2.0)]
+    assert watch.due(6.5, waits) == [(("c", 1), 2.0)]
+    assert watch.due(7.0, waits) == [(("a", 0), 6.0), (("b", 0), 4.0)]

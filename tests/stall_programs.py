@@ -1,0 +1,50 @@
+"""Rank programs of the stall tests: a server that stalls under a push, a rank that comes late
+(top-level, so that spawn can import them)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+import bps_worker.client as bps
+
+WARM_UP_ROUNDS = 3
+
+
+def push_while_a_server_stalls(server_pid: int, resume_after_s: float | None, n: int) -> dict[str, Any]:
+    """A few rounds (every link connected and answering), then rank 0 stops the server (SIGSTOP: its TCP
+    connections stay up, nothing is answered) and resumes it after ``resume_after_s`` (None: never),
+    and every rank pushes once more. Reports that push's outcome and how long it took."""
+    rank = bps.rank()
+    data = np.full(n, rank + 1, np.float32)
+    for _ in range(WARM_UP_ROUNDS):
+        bps.push_pull(data, "stalled", average=False)
+    if rank == 0:
+        os.kill(server_pid, signal.SIGSTOP)
+        if resume_after_s is not None:
+            threading.Timer(resume_after_s, os.kill, (server_pid, signal.SIGCONT)).start()
+    start = time.monotonic()
+    try:
+        out = bps.push_pull(data, "stalled", average=False)
+    except bps.BPSError as exc:
+        return {"error": str(exc), "class": type(exc).__name__, "seconds": time.monotonic() - start}
+    total = sum(range(1, bps.size() + 1))
+    return {"error": None, "exact": bool((out == total).all()), "seconds": time.monotonic() - start}
+
+
+def late_rank(late: int, delay_s: float, n: int) -> dict[str, Any]:
+    """Three rounds of tensor "late" by every rank; rank ``late`` comes ``delay_s`` late to round 1 (it
+    stalls, alive). Round 0 connects every link (a worker connects to a server at its first push)."""
+    rank = bps.rank()
+    outs = []
+    for round_ in range(3):
+        if rank == late and round_ == 1:
+            time.sleep(delay_s)
+        outs.append(bps.push_pull(np.full(n, rank + 1, np.float32), "late", average=False))
+    total = sum(range(1, bps.size() + 1))
+    return {"exact": all(bool((out == total).all()) for out in outs)}
