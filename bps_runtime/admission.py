@@ -31,8 +31,11 @@ from .backpressure import BackPressure
 # At most this many pending connections from one peer (TCP host, or local uid), and in all.
 PENDING_PER_PEER: Final = 64
 PENDING_TOTAL: Final = 512
-# A connection must finish its handshake within min(cluster timeout, this) of opening.
-HANDSHAKE_DEADLINE_S: Final = 5.0
+# A connection must finish its handshake within this of opening: far longer than an honest one takes, even on
+# a machine so loaded that a reply waits seconds for the CPU (the cluster's timeout can be shorter: a stranger
+# is closed, never a worker failed, so the bound is not tied to it), and short enough that the places of a
+# flood free up soon.
+HANDSHAKE_DEADLINE_S: Final = 10.0
 # Of the lines about refused or overdue connections: at most LOG_BURST per LOG_INTERVAL_S.
 LOG_BURST: Final = 5
 LOG_INTERVAL_S: Final = 10.0
@@ -101,8 +104,8 @@ class Admission:
 
     __slots__ = ("log", "what", "per_peer", "total", "deadline_s", "counts", "refusals_log", "overdue_log", "refused")
 
-    def __init__(self, log: logging.Logger, what: str, *, deadline_s: float, per_peer: int = PENDING_PER_PEER,
-                 total: int = PENDING_TOTAL) -> None:
+    def __init__(self, log: logging.Logger, what: str, *, deadline_s: float = HANDSHAKE_DEADLINE_S,
+                 per_peer: int = PENDING_PER_PEER, total: int = PENDING_TOTAL) -> None:
         self.log = log
         self.what = what
         self.per_peer = per_peer

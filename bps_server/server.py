@@ -44,10 +44,10 @@ class ServerConfig:
     port: int | None = None
     timeline: str | None = None  # Chrome-trace file of every partition's rounds (bps_runtime.timeline)
     # Connections that have not finished their handshake (bps_runtime.admission): per host, in all, and
-    # how long one may take (None: min(cluster.timeout, HANDSHAKE_DEADLINE_S)).
+    # how long one may take.
     pending_per_host: int = PENDING_PER_PEER
     pending_total: int = PENDING_TOTAL
-    handshake_deadline_s: float | None = None
+    handshake_deadline_s: float = HANDSHAKE_DEADLINE_S
 
     @property
     def bind(self) -> tuple[str, int]:
@@ -71,8 +71,7 @@ class SummationServer:
                                      deterministic=config.cluster.deterministic,
                                      connected=lambda w: w in self.links, timeline=self.timeline)
         self.connections: set[ServerConnection] = set()
-        deadline = config.handshake_deadline_s or min(config.cluster.timeout, HANDSHAKE_DEADLINE_S)
-        self.admission = Admission(log, f"server {config.server_id}", deadline_s=deadline,
+        self.admission = Admission(log, f"server {config.server_id}", deadline_s=config.handshake_deadline_s,
                                    per_peer=config.pending_per_host, total=config.pending_total)
         self.refusals = LogLimit()  # of the lines about second daemons with a worker's id
         self.tasks: set[asyncio.Task[Any]] = set()

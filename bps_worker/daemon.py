@@ -115,7 +115,7 @@ class WorkerDaemon:
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-local")
         self.sessions: dict[int, ClientSession] = {}
         self.connections: set[ClientSession] = set()
-        self.admission = client_admission(config.worker_id, cluster.timeout)  # connections before their Hello
+        self.admission = client_admission(config.worker_id)  # connections before their Hello
         # Per name, the local rounds still collecting local processes, and the round numbering.
         self.rounds: LocalRounds[ClientSession] = LocalRounds(config.local_size, config.worker_id, self.rank_offset)
         # Rounds that wait for a stalled process are logged after the timeout, then every timeout (see .stalls).

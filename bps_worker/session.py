@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Final, Protocol, cast
 
 from bps_runtime import cuda
 from bps_runtime import segments as shm
-from bps_runtime.admission import HANDSHAKE_DEADLINE_S, Admission, AdmittedProtocol
+from bps_runtime.admission import Admission, AdmittedProtocol
 from protocol import PROTOCOL_VERSION, dtypes
 from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.frames import FrameReader, encode_message
@@ -252,7 +252,7 @@ def _peer(transport: asyncio.BaseTransport) -> tuple[str, str]:
     return f"uid {uid}", f"pid {pid} (uid {uid})"
 
 
-def client_admission(worker_id: int, timeout: float) -> Admission:
+def client_admission(worker_id: int) -> Admission:
     """The admission of worker ``worker_id``'s socket: bounded per uid and in all, and a Hello within
-    min(``timeout``, HANDSHAKE_DEADLINE_S) of connecting (see bps_runtime.admission)."""
-    return Admission(log, f"worker {worker_id}'s socket", deadline_s=min(timeout, HANDSHAKE_DEADLINE_S))
+    HANDSHAKE_DEADLINE_S of connecting (see bps_runtime.admission)."""
+    return Admission(log, f"worker {worker_id}'s socket")

@@ -19,7 +19,7 @@ from protocol.frames import FrameReader, encode_message
 from protocol.messages import ROLE_CLIENT, Failure, Hello, Op, Ping, Welcome, parse
 
 TIMEOUT_S = 10.0  # the cluster's (generous: the ranks of a busy machine start slowly)
-DEADLINE_S = 5.0  # a connection must finish its handshake within min(timeout, 5 s)
+DEADLINE_S = 10.0  # a connection must finish its handshake within this (bps_runtime.admission)
 FLOOD = 1500  # idle TCP connections; before the bounds each took 256 KiB of the server's memory for ever
 
 
@@ -96,7 +96,7 @@ def test_a_flood_of_idle_connections_is_refused_and_dropped(cluster):
     log = Path(cluster.log_dir, "server-2.log").read_text(errors="replace")
     assert re.search(r"server 2 refuses a connection from 127\.0\.0\.1:\d+: 64 connections from 127\.0\.0\.1 have "
                      r"not finished their handshake \(at most 64 per peer\)", log), log[-3000:]
-    assert re.search(r"server 2 closes the connection from 127\.0\.0\.1:\d+: no handshake within 5 s", log)
+    assert re.search(r"server 2 closes the connection from 127\.0\.0\.1:\d+: no handshake within 10 s", log)
     lines = [line for line in log.splitlines() if "finished their handshake" in line or "no handshake" in line]
     assert len(lines) < 60, f"{len(lines)} log lines for {FLOOD} connections: the flood flooded the log"
     _sum_still_exact(cluster, "after.flood")
@@ -116,7 +116,7 @@ def test_the_worker_socket_closes_a_connection_that_sends_no_hello(cluster):
     assert not still_open, "the worker daemon keeps connections that never said hello"
     log = Path(cluster.log_dir, "worker-0.log").read_text(errors="replace")
     assert re.search(rf"worker 0's socket closes the connection from pid {os.getpid()} \(uid {os.getuid()}\): no "
-                     rf"handshake within 5 s", log), log[-3000:]
+                     rf"handshake within 10 s", log), log[-3000:]
     _sum_still_exact(cluster, "after.idle.unix")
 
 
@@ -172,4 +172,18 @@ def test_a_client_that_never_reads_cannot_grow_the_daemon(cluster):
     assert failures == want, f"{failures} answers for {want} ops"
     logs = daemon_logs(cluster)
     assert "Traceback" not in logs
+    # The process is gone: worker 0 resets with every server (its links connect for that now, having
+    # carried nothing) before the next job starts, or that reset would fail the next job's first round.
+    _wait_for_log_lines(cluster, [f"server-{s.id}" for s in cluster.config.servers],
+                        "worker 0 has no training processes", within_s=60)
     _sum_still_exact(cluster, "after.never.read")
+
+
+def _wait_for_log_lines(cluster, labels: list[str], text: str, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    missing = labels
+    while missing and time.monotonic() < deadline:
+        missing = [label for label in labels
+                   if text not in Path(cluster.log_dir, f"{label}.log").read_text(errors="replace")]
+        time.sleep(0.2)
+    assert not missing, f"no {text!r} in the logs of {missing}"

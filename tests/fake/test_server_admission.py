@@ -134,9 +134,10 @@ async def test_a_connection_without_a_hello_is_closed_at_the_deadline(caplog):
     await server.stop()
 
 
-async def test_the_handshake_deadline_is_the_timeout_when_that_is_shorter():
-    assert _server(timeout=2.0).admission.deadline_s == 2.0
-    assert _server(timeout=30.0).admission.deadline_s == 5.0
+async def test_the_handshake_deadline_is_a_constant_whatever_the_timeout():
+    """A stranger is closed at the deadline, never a worker failed: a short cluster timeout on a loaded
+    machine must not cut an honest handshake short."""
+    assert _server(timeout=1.0).admission.deadline_s == _server(timeout=300.0).admission.deadline_s == 10.0
 
 
 async def test_reading_pauses_while_the_write_buffer_is_over_the_mark():
