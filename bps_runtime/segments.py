@@ -13,18 +13,21 @@ processes only attach (:func:`attach_segment`), and close the descriptor at once
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import re
 import secrets
 import stat
+import weakref
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from multiprocessing import resource_tracker
 from typing import Callable, Final
 
 
-__all__ = ["SEGMENT_PREFIX", "SHM_DIR", "Arena", "SegmentOwnerError", "SegmentSpaceError", "Slot", "attach_owned",
-           "attach_segment", "create_segment", "owned_by", "reclaim_dead", "release", "segment_name"]
+__all__ = ["SEGMENT_PREFIX", "SHM_DIR", "Arena", "ArenaFullError", "SegmentOwnerError", "SegmentSizeError",
+           "SegmentSpaceError", "Slot", "attach_owned", "attach_segment", "check_size", "create_segment",
+           "default_arena_bytes", "owned_by", "reclaim_dead", "release", "segment_name"]
 
 SEGMENT_PREFIX: Final = "bps_"
 SHM_DIR: Final = "/dev/shm"  # where Linux keeps POSIX shared memory (glibc's shm_open)
@@ -61,6 +64,74 @@ class SegmentOwnerError(PermissionError):
         self.segment = name
         self.owner = owner
         self.expected = expected
+
+
+class SegmentSizeError(OSError):
+    """A mapped segment is smaller now than an access needs: someone truncated (or replaced) it.
+
+    Every process that can write a segment can also shrink it (``ftruncate``), and touching a mapped
+    page past the end of the file is a SIGBUS. So the daemons check the size right before each access
+    of a segment (:func:`check_size`), and a shrunk segment fails that one operation (issue 14, item 3).
+    ``size`` is the file's size now (0 when it is gone or another file took its name)."""
+
+    def __init__(self, name: str, size: int, needed: int, tensor: str = "", replaced: bool = False) -> None:
+        state = "was removed or replaced" if replaced else f"has {size} bytes now"
+        of = f" of tensor {tensor!r}" if tensor else ""
+        super().__init__(errno.EFAULT, f"shared memory {name!r}{of} {state}; {needed} bytes are needed "
+                                       f"(a process truncated it?)")
+        self.segment = name
+        self.size = size
+        self.needed = needed
+        self.tensor = tensor
+
+
+class ArenaFullError(OSError):
+    """A tensor's shared memory cannot fit under its arena's cap (``arena_bytes``), even with every idle
+    tensor's memory freed: the tensor itself is larger than the cap, or the rest is in flight."""
+
+    def __init__(self, tensor: str, nbytes: int, held: int, cap: int) -> None:
+        why = "larger than the cap" if nbytes > cap else f"{held} bytes are held by tensors in flight"
+        super().__init__(errno.ENOSPC, f"tensor {tensor!r} needs {nbytes} bytes of shared memory in {SHM_DIR}, "
+                                       f"but its arena may hold {cap} bytes ({why}); raise cluster.arena_bytes")
+        self.tensor = tensor
+        self.nbytes = nbytes
+        self.held = held
+        self.cap = cap
+
+
+# The file each mapping was made from (st_dev, st_ino), read when it was mapped: check_size compares it with
+# what the name points at now, so that a segment replaced under its name is not taken for the one mapped.
+_IDENTITY: weakref.WeakKeyDictionary[SharedMemory, tuple[int, int]] = weakref.WeakKeyDictionary()
+
+
+def _remember(seg: SharedMemory, st: os.stat_result) -> None:
+    _IDENTITY[seg] = (st.st_dev, st.st_ino)
+
+
+def check_size(seg: SharedMemory, needed: int, tensor: str = "") -> None:
+    """Raise :class:`SegmentSizeError` unless the file ``seg`` maps still has ``needed`` bytes.
+
+    One ``stat`` of the name (about a microsecond), compared with the file mapped: call it once per
+    access of a segment per operation, right before it, never per element. It narrows the window in
+    which a shrinking process can crash a daemon to the time between this check and the access (a
+    process that truncates in that window still can: only a sealed memfd would close it)."""
+    try:
+        st = os.stat(os.path.join(SHM_DIR, seg.name))
+    except OSError:
+        raise SegmentSizeError(seg.name, 0, needed, tensor, replaced=True) from None
+    if _IDENTITY.get(seg, (st.st_dev, st.st_ino)) != (st.st_dev, st.st_ino):
+        raise SegmentSizeError(seg.name, 0, needed, tensor, replaced=True)
+    if st.st_size < needed:
+        raise SegmentSizeError(seg.name, st.st_size, needed, tensor)
+
+
+def default_arena_bytes(directory: str = SHM_DIR) -> int:
+    """The default cap of one arena: half the size of ``directory`` (1 GiB where it cannot be read)."""
+    try:
+        st = os.statvfs(directory)
+        return max(st.f_blocks * st.f_frsize // 2, SLAB_BYTES)
+    except OSError:
+        return 1 << 30
 
 
 def segment_name(worker_id: int) -> str:
@@ -105,6 +176,7 @@ def attach_owned(name: str) -> tuple[SharedMemory, int]:
         close_fd(seg)
         release(seg, unlink=False)
         raise
+    _remember(seg, st)
     close_fd(seg)
     return seg, st.st_uid
 
@@ -151,6 +223,7 @@ def create_segment(name: str, nbytes: int, mode: int = 0o600) -> SharedMemory:
         raise
     if mode != 0o600:
         os.fchmod(seg._fd, mode)  # type: ignore[attr-defined]
+    _remember(seg, os.fstat(seg._fd))  # type: ignore[attr-defined]
     close_fd(seg)
     return seg
 
@@ -212,42 +285,104 @@ class Arena:
     Small tensors are carved from shared slabs, large ones get a segment of their own;
     a name keeps its slot while it fits (so rounds reuse it), and a dedicated segment
     outgrown by its tensor is freed at once. Everything goes with :meth:`release_all`.
+
+    Bounded by ``cap_bytes`` (the sizes of its segments together; None: unbounded): a segment that
+    would take the arena over it first frees the least recently used segments none of whose tensors
+    is ``busy`` (in flight), and :class:`ArenaFullError` says so where that is not enough. Whoever
+    else maps a freed segment must be told (the caller gets the names), and only unmaps it: the
+    memory lives on until the last mapping goes.
     """
 
-    def __init__(self, worker_id: int, mode: int = 0o600) -> None:
+    def __init__(self, worker_id: int, mode: int = 0o600, cap_bytes: int | None = None) -> None:
         self.worker_id = worker_id
         self.mode = mode
+        self.cap_bytes = cap_bytes
         self.segments: dict[str, SharedMemory] = {}
         self.slots: dict[str, Slot] = {}
         self._slab: str | None = None
         self._slab_used = 0
+        self._used: dict[str, int] = {}  # tensor name -> when it was last allocated or touched
+        self._clock = itertools.count()
         self.before_release: Callable[[SharedMemory], None] | None = None  # e.g. undo cudaHostRegister
 
-    def alloc(self, name: str, nbytes: int) -> tuple[Slot, str | None]:
-        """The slot of ``name`` with room for ``nbytes``, and the segment freed to make it (or None).
+    @property
+    def held_bytes(self) -> int:
+        return sum(seg.size for seg in self.segments.values())
 
-        Raises OSError when shared memory is exhausted.
-        """
+    def alloc(self, name: str, nbytes: int, busy: Callable[[str], bool] | None = None) -> tuple[Slot, list[str]]:
+        """The slot of ``name`` with room for ``nbytes``, and the segments freed to make it.
+
+        ``busy(tensor)``: whether a tensor's memory is in use (never freed for room). Raises OSError
+        when shared memory is exhausted (:class:`ArenaFullError` at the cap)."""
         old = self.slots.get(name)
+        self._used[name] = next(self._clock)
         if old is not None and old.capacity >= nbytes:
-            return old, None
+            return old, []
+        freed = self.drop(name) if old is not None and old.dedicated else []
+        if old is not None:
+            self.slots.pop(name, None)  # a slab slot outgrown: never reused (its slab goes with its last slot)
         if nbytes <= SLAB_ITEM_MAX_BYTES:
-            slot = self._carve(max(nbytes, 1))
+            need = -(-max(nbytes, 1) // SLOT_ALIGN) * SLOT_ALIGN
+            if self._slab is None or self._slab_used + need > SLAB_BYTES:
+                freed += self._make_room(name, SLAB_BYTES, busy)
+                self._slab = self._new_segment(SLAB_BYTES).name
+                self._slab_used = 0
+            slot = Slot(self._slab, self._slab_used, need, dedicated=False)
+            self._slab_used += need
         else:
+            freed += self._make_room(name, nbytes, busy)
             seg = self._new_segment(nbytes)
             slot = Slot(seg.name, 0, seg.size, dedicated=True)
         self.slots[name] = slot
-        freed = None
-        if old is not None and old.dedicated:
-            freed = old.segment
-            self._release(self.segments.pop(old.segment))
+        self._used[name] = next(self._clock)
         return slot, freed
+
+    def touch(self, name: str) -> None:
+        """``name`` was used: it is the last to be freed for room."""
+        if name in self.slots:
+            self._used[name] = next(self._clock)
+
+    def drop(self, name: str) -> list[str]:
+        """Forget ``name``'s slot; its segment is freed (unlinked) once no slot lives in it: a dedicated one
+        at once, a slab with its last slot. Returns the segments freed."""
+        old = self.slots.pop(name, None)
+        self._used.pop(name, None)
+        if old is None or any(s.segment == old.segment for s in self.slots.values()):
+            return []
+        if old.segment == self._slab:
+            self._slab = None
+        self._release(self.segments.pop(old.segment))
+        return [old.segment]
+
+    def _make_room(self, name: str, nbytes: int, busy: Callable[[str], bool] | None) -> list[str]:
+        """Free least recently used idle segments until ``nbytes`` more fit under the cap."""
+        cap = self.cap_bytes
+        if cap is None or self.held_bytes + nbytes <= cap:
+            return []
+        if nbytes > cap:
+            raise ArenaFullError(name, nbytes, self.held_bytes, cap)
+        by_segment: dict[str, list[str]] = {}
+        for tensor, slot in self.slots.items():
+            by_segment.setdefault(slot.segment, []).append(tensor)
+        idle = sorted((max(self._used.get(t, -1) for t in tensors), seg, tensors)
+                      for seg, tensors in by_segment.items() if not (busy is not None and any(map(busy, tensors))))
+        in_use = self.held_bytes - sum(self.segments[seg].size for _, seg, _ in idle)
+        if in_use + nbytes > cap:
+            raise ArenaFullError(name, nbytes, in_use, cap)  # checked first: nothing is freed in vain
+        freed: list[str] = []
+        for _, seg, tensors in idle:
+            if self.held_bytes + nbytes <= cap:
+                break
+            for tensor in tensors:
+                freed += self.drop(tensor)
+        return freed
 
     def abandon(self, name: str) -> str | None:
         """Give ``name`` a fresh slot on its next :meth:`alloc`: something may still write into the
         current one (a stalled peer). A dedicated segment is unlinked (its memory lives on until the
         last mapping goes); a slab slot is simply never reused. Returns the segment unlinked, if any."""
         old = self.slots.pop(name, None)
+        self._used.pop(name, None)
         if old is not None and old.dedicated:
             self._release(self.segments.pop(old.segment))
             return old.segment
@@ -268,15 +403,6 @@ class Arena:
         self.segments[seg.name] = seg
         return seg
 
-    def _carve(self, nbytes: int) -> Slot:
-        need = -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
-        if self._slab is None or self._slab_used + need > SLAB_BYTES:
-            self._slab = self._new_segment(SLAB_BYTES).name
-            self._slab_used = 0
-        slot = Slot(self._slab, self._slab_used, need, dedicated=False)
-        self._slab_used += need
-        return slot
-
     def release_all(self) -> list[str]:
         """Unlink every segment; returns their names."""
         names = list(self.segments)
@@ -284,6 +410,7 @@ class Arena:
             self._release(seg)
         self.segments.clear()
         self.slots.clear()
+        self._used.clear()
         self._slab = None
         self._slab_used = 0
         return names

@@ -6,15 +6,6 @@ the server's :class:`~bps_server.aggregator.Aggregator` once :meth:`ServerConnec
 has checked them (the one check of both push paths: payload and shared memory). Replies of
 up to ``BATCH_REPLY_MAX_BYTES`` that complete in one loop iteration leave in one Batch frame.
 Any :class:`ProtocolError` from the peer is answered with a ``Failure(-1)`` and a close.
-
-Before its handshake a connection is a stranger's: it holds a place in the server's
-:class:`~bps_runtime.admission.Admission` (bounded per host and in all, closed at a deadline) and a
-receive buffer with room for the Hello alone; only a verified Hello makes it grow. While the write
-buffer is over :data:`WRITE_BUFFER_HIGH_BYTES` (or the cluster's credit, if larger) the connection
-stops reading the peer (:class:`~bps_runtime.backpressure.BackPressure`).
-
-One worker id, one daemon: see :meth:`ServerConnection.handshake` for how a reconnect of the daemon
-holding a worker id is told from a second daemon with the same id, which is refused.
 """
 
 from __future__ import annotations
@@ -22,22 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from multiprocessing.shared_memory import SharedMemory
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Final, cast
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Final
 
 import numpy as np
 
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.frames import DEFAULT_MAX_HEADER_BYTES, BatchWriter, FrameReader, encode_frame
-from protocol.handshake import (
-    HANDSHAKE_BUFFER_BYTES,
-    HANDSHAKE_MAX_HEADER_BYTES,
-    ConfigMismatchError,
-    ServerHandshake,
-    ShmOffer,
-)
+from protocol.handshake import HANDSHAKE_MAX_HEADER_BYTES, ConfigMismatchError, ServerHandshake, ShmOffer
 from protocol.messages import (
-    MAX_MESSAGE_CHARS,
     ROLE_OBSERVER,
     ROLE_WORKER,
     Abort,
@@ -48,6 +32,7 @@ from protocol.messages import (
     Ping,
     Push,
     Release,
+    Announce,
     Reset,
     Result,
     RoundInfo,
@@ -60,9 +45,8 @@ from protocol.messages import (
 )
 
 from bps_runtime import kernels
-from bps_runtime.admission import AdmittedProtocol
 from bps_runtime.lowat import ReceiveLowWater
-from bps_runtime.segments import attach_owned, attach_segment, owned_by, release
+from bps_runtime.segments import SegmentSizeError, attach_owned, attach_segment, check_size, owned_by, release
 
 from .aggregator import INLINE_SUM_MAX_BYTES
 from .rounds import Why
@@ -72,23 +56,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("bps.server")
 
+# The most segments a worker may have announced (and not released) on one connection: far more than its
+# arenas hold, so that only a peer that announces without end meets it.
+MAX_ANNOUNCED: Final = 1 << 18
 # Replies with payloads up to this size are coalesced into one Batch frame per loop iteration.
 BATCH_REPLY_MAX_BYTES: Final = 64 * 1024
-# Above this many bytes waiting to be written to a peer (or the cluster's credit_bytes, if larger: what an
-# honest worker may have in flight, so it never meets the mark) the server stops reading that peer.
-WRITE_BUFFER_HIGH_BYTES: Final = 16 * 1024 * 1024
-# A worker's connection silent for more than this fraction of the timeout no longer holds the worker id for
-# its daemon against another one (its daemon pings every timeout / 4): see ServerConnection.handshake.
-HOLDER_SILENCE_FRACTION: Final = 0.5
-
-
-def address(peername: object) -> str:
-    """``host:port`` of a socket's peer name (``[host]:port`` for IPv6); the text of anything else."""
-    if isinstance(peername, tuple) and len(peername) >= 2:
-        host, port = peername[0], peername[1]
-        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
-    return str(peername)
-
 
 def _mapped(seg: SharedMemory) -> memoryview:
     """A mapped segment's memory (typeshed allows None: a closed segment, which is never kept)."""
@@ -101,17 +73,15 @@ def _mapped(seg: SharedMemory) -> memoryview:
 Handler = Callable[["ServerConnection", Any, "memoryview | None"], None]
 
 
-class ServerConnection(AdmittedProtocol):
+class ServerConnection(asyncio.BufferedProtocol):
     """One worker's TCP connection: handshake first, then pushes, aborts and queries."""
 
     HANDLERS: ClassVar[dict[type[Message], Handler]]  # message type -> handler, after the handshake
 
     def __init__(self, server: SummationServer) -> None:
         self.server = server
-        # Until the handshake, a small header, no payload and a small buffer (it grows for a large Hello):
-        # next to nothing is allocated for a stranger.
-        self.reader = FrameReader(max_header_bytes=HANDSHAKE_MAX_HEADER_BYTES, max_payload_bytes=0,
-                                  buffer_bytes=HANDSHAKE_BUFFER_BYTES)
+        # Until the handshake, a small header and no payload: nothing is allocated for a stranger.
+        self.reader = FrameReader(max_header_bytes=HANDSHAKE_MAX_HEADER_BYTES, max_payload_bytes=0)
         self.greeting = ServerHandshake(
             peers={ROLE_WORKER: server.config.cluster.workers, ROLE_OBSERVER: None}, token=server.config.token,
             config_items=server.placement_items, who=f"server {server.config.server_id}")
@@ -121,8 +91,6 @@ class ServerConnection(AdmittedProtocol):
         self.low_water: ReceiveLowWater | None = None
         self.last_seen = 0.0  # loop time of the last bytes received (the server's silence watch)
         self.worker: int | None = None
-        self.daemon = ""  # the worker daemon's id for its run (Hello.daemon), and its round numbering:
-        self.epoch = ""   # the two say which daemon holds the worker id (see handshake)
         self.stream = 0  # which of the worker's connections (Hello.stream)
         self.observer = False
         self.peer = "?"
@@ -130,20 +98,16 @@ class ServerConnection(AdmittedProtocol):
         self.shm = False  # the worker shares this host and its memory (see Hello.shm)
         self.shm_uid: int | None = None  # who owns the probe: every segment a push names must be owned by it
         self.segments: dict[str, SharedMemory] = {}  # the worker's segments this connection mapped
+        self.announced: set[str] = set()  # the segments the worker announced on this connection (Announce)
         # Small replies of one loop iteration, sent as one Batch frame (see send).
         self._outbox = BatchWriter(max_payload_bytes=server.config.cluster.max_payload_bytes,
                                    item_max_bytes=BATCH_REPLY_MAX_BYTES)
 
     # -- asyncio.BufferedProtocol ----------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = tcp = cast(asyncio.Transport, transport)  # create_server's: a TCP transport
+        self.transport = transport  # type: ignore[assignment]
         self.last_seen = asyncio.get_running_loop().time()
-        peername = transport.get_extra_info("peername")
-        self.peer = address(peername)
-        host = str(peername[0]) if isinstance(peername, tuple) else self.peer
-        if not self.admit(tcp, self.server.admission, host, self.peer,
-                          max(WRITE_BUFFER_HIGH_BYTES, self.server.config.cluster.credit_bytes)):
-            return  # too many strangers from there, or in all (logged): nothing sent, nothing kept
+        self.peer = str(transport.get_extra_info("peername"))
         self.low_water = ReceiveLowWater(transport)
         self.server.connections.add(self)
         challenge = self.greeting.start()
@@ -170,7 +134,6 @@ class ServerConnection(AdmittedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.left()
         self.server.connections.discard(self)
         self.unmap_all()
         if self.worker is None:
@@ -225,7 +188,22 @@ class ServerConnection(AdmittedProtocol):
         assert self.worker is not None
         self.send(RoundInfo(query.req, self.server.aggregator.round_for(query.name, query.part, self.worker)))
 
+    def on_announce(self, message: Announce, payload: memoryview | None) -> None:
+        """Segments the worker's pushes on this connection will name: the only ones we map. An honest
+        worker announces only its own, and only where we accepted its shared memory."""
+        if not self.shm:
+            raise RemoteProtocolError(f"worker {self.worker} announced shared memory, but this connection has none")
+        for name in message.segments:
+            if not owned_by(name, self.worker if self.worker is not None else -1):
+                raise RemoteProtocolError(f"worker {self.worker} announced segment {name!r}, not one of its own")
+        if len(self.announced) + len(message.segments) > MAX_ANNOUNCED:
+            raise RemoteProtocolError(f"worker {self.worker} announced more than {MAX_ANNOUNCED} live segments",
+                                      what="announced segments", size=len(self.announced) + len(message.segments),
+                                      limit=MAX_ANNOUNCED)
+        self.announced.update(message.segments)
+
     def on_release(self, message: Release, payload: memoryview | None) -> None:
+        self.announced.discard(message.segment)
         seg = self.segments.pop(message.segment, None)
         if seg is not None:
             release(seg, unlink=False)
@@ -273,20 +251,40 @@ class ServerConnection(AdmittedProtocol):
             if not owned_by(name, push.worker):
                 raise RemoteProtocolError(f"push of {push.name!r} names segment {name!r}, not one of worker "
                                           f"{push.worker}'s")
-            seg = self.segments.get(name)
+            seg = self._segment(push, name, offset + push.payload_nbytes)
             if seg is None:
-                try:
-                    seg = self.segments[name] = attach_segment(name, owner_uid=self.shm_uid)
-                except OSError as exc:
-                    self.fail(push, Why(f"server cannot map shared memory {name!r} of {push.name!r}: {exc}"))
-                    return None
-            if offset + push.payload_nbytes > seg.size:
-                raise RemoteProtocolError(f"push of {push.name!r} part {push.part} runs past the end of segment "
-                                          f"{name!r}", what=f"segment {name!r} extent",
-                                          size=offset + push.payload_nbytes, limit=seg.size)
+                return None
             segments.append(seg)
         return np.frombuffer(_mapped(segments[0]), dtype=kernels.STORAGE[push.dtype], count=push.count,
                              offset=push.seg_offset)
+
+    def _segment(self, push: Push, name: str, needed: int) -> SharedMemory | None:
+        """Our mapping of segment ``name`` for ``push``, with ``needed`` bytes right now; None, and the push
+        failed, where the worker did not announce it on this connection, we cannot map it, or it is smaller
+        (a training process truncated it: a bad segment fails its one push, never the link or the server).
+
+        The size is checked with one ``stat`` here and again before the sum is written; a process that
+        truncates in between (or while the round waits for the other workers' pushes, holding this view)
+        can still make the server touch a missing page: only memory sealed against shrinking would not."""
+        if name not in self.announced:
+            self.fail(push, Why(f"push of {push.name!r} names shared memory {name!r}, which worker {push.worker} "
+                                f"did not announce on this connection"))
+            return None
+        seg = self.segments.get(name)
+        if seg is None:
+            try:
+                seg = self.segments[name] = attach_segment(name, owner_uid=self.shm_uid)
+            except OSError as exc:
+                self.fail(push, Why(f"server cannot map shared memory {name!r} of {push.name!r}: {exc}"))
+                return None
+        try:
+            if needed > seg.size:
+                raise SegmentSizeError(name, seg.size, needed, push.name)
+            check_size(seg, needed, push.name)
+        except SegmentSizeError as exc:
+            self.fail(push, Why(f"server {self.server.config.server_id}: {exc.strerror}"))
+            return None
+        return seg
 
     def unmap_all(self) -> None:
         for seg in self.segments.values():
@@ -323,20 +321,7 @@ class ServerConnection(AdmittedProtocol):
         """The peer's Hello, checked by :class:`~protocol.handshake.ServerHandshake` (version, the token's
         proof over both nonces and every field, role and id, the placement digest) before anything else;
         then the registration and the signed Welcome. A HandshakeError is a ProtocolError (refused, closed);
-        another cluster file is refused with code ``mismatch`` and both digests (the worker stops retrying).
-
-        One worker id, one daemon. Each worker daemon says in its Hello who it is for this run of it
-        (``Hello.daemon``: random, kept across its epochs, which change at every job reset) and each of its
-        connections has its own ``stream``. A Hello for a worker id is accepted, and replaces the old
-        connection of its (worker, stream), when it comes from the daemon that holds the id (the same
-        ``daemon``: a reconnect, whatever the epoch), or when no connection of that worker is alive and was
-        heard within :data:`HOLDER_SILENCE_FRACTION` of the timeout (the holder died, or its host did: a
-        live daemon pings every timeout / 4, so a silent connection is a dead one, which the silence watch
-        would drop anyway). Otherwise a second daemon runs with the same id (a stale service unit and a
-        manual start): it is refused with code ``duplicate``, naming the worker, both daemons' addresses,
-        ids and epochs, and the holder keeps its connections. The epoch alone cannot tell the two apart
-        (a reset daemon has a new one), and closing the old connection, as before, made the two daemons
-        take turns in a reconnect storm in which every operation failed."""
+        another cluster file is refused with code ``mismatch`` and both digests (the worker stops retrying)."""
         if self.closed:
             return  # refused already: the rest of what the peer sent in the same read is ignored
         try:
@@ -347,28 +332,15 @@ class ServerConnection(AdmittedProtocol):
                               ours=exc.ours, theirs=exc.theirs))
             self.close()
             return
-        holder = self.server.holder(hello.id, hello.daemon) if hello.role == ROLE_WORKER else None
-        if holder is not None:
-            self._refuse_second_daemon(hello, holder)
-            return
-        self.admitted()  # a proven peer (with a token): no longer a stranger
+        self.reader.max_header_bytes = DEFAULT_MAX_HEADER_BYTES
+        self.reader.max_payload_bytes = self.server.config.cluster.max_payload_bytes
         workers = self.server.config.cluster.workers
         if hello.role == ROLE_OBSERVER:
-            self.observer = True  # stats requests only: the small reader stays
+            self.observer = True
             self._welcome(Welcome(PROTOCOL_VERSION, workers=workers))
             return
-        self.reader.set_limits(max_header_bytes=DEFAULT_MAX_HEADER_BYTES,
-                               max_payload_bytes=self.server.config.cluster.max_payload_bytes)
-        self._register(hello)
-        self.shm_uid = self._accept_shm(self.greeting.shm_offer, hello.id, hello.stream)
-        self.shm = self.shm_uid is not None
-        log.info("worker %d connected from %s%s", hello.id, self.peer, " (shared memory)" if self.shm else "")
-        self._welcome(Welcome(PROTOCOL_VERSION, worker=hello.id, workers=workers, shm=self.shm,
-                              incarnation=self.server.incarnation))
-
-    def _register(self, hello: Hello) -> None:
-        """Make this the connection of (worker, stream), replacing (and closing) the daemon's old one."""
-        self.worker, self.stream, self.daemon, self.epoch = hello.id, hello.stream, hello.daemon, hello.epoch
+        self.worker = hello.id
+        self.stream = hello.stream
         if hello.stream:
             # An extra connection for pushes (see Hello.stream): the worker's state follows stream 0.
             old = self.server.streams.get((hello.id, hello.stream))
@@ -381,22 +353,11 @@ class ServerConnection(AdmittedProtocol):
             old.close()
         if not hello.stream:
             self.server.aggregator.worker_hello(hello.id, hello.epoch)
-
-    def describe_daemon(self) -> str:
-        """This worker connection's daemon, for the log and a refusal: where from, which run, which epoch."""
-        return f"from {self.peer} (daemon {self.daemon or '?'}, epoch {self.epoch or '?'})"
-
-    def _refuse_second_daemon(self, hello: Hello, holder: ServerConnection) -> None:
-        """Refuse ``hello``: worker ``hello.id`` is held by ``holder``'s daemon, alive (see handshake)."""
-        self.daemon, self.epoch = hello.daemon, hello.epoch
-        heard = asyncio.get_running_loop().time() - holder.last_seen
-        reason = (f"worker {hello.id} is already served by another daemon, connected {holder.describe_daemon()} "
-                  f"and heard {heard:.1f} s ago; refusing this second daemon of worker {hello.id} "
-                  f"{self.describe_daemon()}: stop one of them (a stale service unit beside a manual start?)")
-        self.server.refusals.log(log, logging.ERROR, "server %d: %s", self.server.config.server_id, reason)
-        self.send(Failure(-1, reason[:MAX_MESSAGE_CHARS], code="duplicate",
-                          peer=f"worker {hello.id} {holder.describe_daemon()}"[:MAX_MESSAGE_CHARS]))
-        self.close()
+        self.shm_uid = self._accept_shm(self.greeting.shm_offer, hello.id, hello.stream)
+        self.shm = self.shm_uid is not None
+        log.info("worker %d connected from %s%s", hello.id, self.peer, " (shared memory)" if self.shm else "")
+        self._welcome(Welcome(PROTOCOL_VERSION, worker=hello.id, workers=workers, shm=self.shm,
+                              incarnation=self.server.incarnation))
 
     def _welcome(self, welcome: Welcome) -> None:
         """Send ``welcome``, signed by the handshake (its proof and our placement digest)."""
@@ -417,18 +378,29 @@ class ServerConnection(AdmittedProtocol):
         seg = self.segments.get(push.out_segment)
         if seg is None or self.closed:
             return  # the worker released the segment or left: nobody waits for this answer
+        if not self._still_fits(push, seg, out.nbytes):
+            return
         np.copyto(np.frombuffer(_mapped(seg), dtype=out.dtype, count=out.size, offset=push.out_offset), out)
         self.send(Result(push.req, push.name, push.part, push.round, inplace=True))
 
     async def _reply_in_place(self, push: Push, out: np.ndarray) -> None:
         """Write a large sum where the worker asked for it (in a thread), then tell it."""
         seg = self.segments.get(push.out_segment)
-        if seg is None or self.closed:
+        if seg is None or self.closed or not self._still_fits(push, seg, out.nbytes):
             return
         dest = np.frombuffer(_mapped(seg), dtype=out.dtype, count=out.size, offset=push.out_offset)
         await asyncio.get_running_loop().run_in_executor(self.server.executor, np.copyto, dest, out)
         del dest
         self.send(Result(push.req, push.name, push.part, push.round, inplace=True))
+
+    def _still_fits(self, push: Push, seg: SharedMemory, nbytes: int) -> bool:
+        """Whether the push's result segment still has room for its sum (one ``stat``); else the push fails."""
+        try:
+            check_size(seg, push.out_offset + nbytes, push.name)
+        except SegmentSizeError as exc:
+            self.fail(push, Why(f"server {self.server.config.server_id}: {exc.strerror}"))
+            return False
+        return True
 
     def fail(self, push: Push, why: Why) -> None:
         """Tell the push's sender that it failed: the text, code and facts of ``why``."""
@@ -474,6 +446,7 @@ ServerConnection.HANDLERS = {
     Abort: ServerConnection.on_abort,
     RoundQuery: ServerConnection.on_round_query,
     Release: ServerConnection.on_release,
+    Announce: ServerConnection.on_announce,
     Ping: ServerConnection.on_ping,
     Reset: ServerConnection.on_reset,
     StatsRequest: ServerConnection.on_stats_request,

@@ -22,6 +22,7 @@ import logging
 import os
 import secrets
 import socket
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -39,9 +40,8 @@ from .link import ServerLink
 from .local_rounds import Action, Failed, LocalRound, LocalRounds, Opened, Ready, Refused
 from .operation import run_operation, segment_buffer
 from .placement import Placement
-from .session import ClientSession, client_admission
+from .session import ClientSession
 from .sockdir import ensure_socket_dir
-from .stalls import WorkerStalls
 
 log = logging.getLogger("bps.worker")
 
@@ -115,19 +115,19 @@ class WorkerDaemon:
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-local")
         self.sessions: dict[int, ClientSession] = {}
         self.connections: set[ClientSession] = set()
-        self.admission = client_admission(config.worker_id)  # connections before their Hello
         # Per name, the local rounds still collecting local processes, and the round numbering.
         self.rounds: LocalRounds[ClientSession] = LocalRounds(config.local_size, config.worker_id, self.rank_offset)
-        # Rounds that wait for a stalled process are logged after the timeout, then every timeout (see .stalls).
-        self.stalls = WorkerStalls(cluster.timeout, config.worker_id, self.rank_offset)
         # Per name, the query of the servers' round number (RoundQuery) that learns the name's round base.
         self.round_queries: dict[str, asyncio.Future[int]] = {}
         # Per name, the machine's local sum (what is pushed) and the global sum (where results land),
         # in shared memory so that a colocated server reads and writes them in place. Apart, so that
         # a contribution stays intact until its result is complete (a restarted server gets it again),
         # and a result stays intact until the next one (a restarted server may need it for a peer).
-        self.staging = shm.Arena(config.worker_id, config.segment_mode)
-        self.results = shm.Arena(config.worker_id, config.segment_mode)
+        # Each arena (these two, and every process's slots) is capped (cluster.arena_bytes), idle tensors freed.
+        self.arena_bytes = config.cluster.arena_bytes or shm.default_arena_bytes()
+        self.staging = shm.Arena(config.worker_id, config.segment_mode, self.arena_bytes)
+        self.results = shm.Arena(config.worker_id, config.segment_mode, self.arena_bytes)
+        self.running: Counter[str] = Counter()  # names whose operation runs: their buffers are not freed for room
         self.tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.AbstractServer | None = None
         self._heartbeat: asyncio.Future[None] | None = None
@@ -193,12 +193,10 @@ class WorkerDaemon:
             seq += 1
             for session in list(self.sessions.values()):
                 session.send(Ping(seq))
-            for text in self.stalls.warnings(loop.time(), self.rounds, self.all_links):
-                log.warning("%s", text)
             if loop.time() >= next_link_beat:
                 next_link_beat = loop.time() + link_interval
                 for link in self.all_links:
-                    link.heartbeat()
+                    link.heartbeat(loop.time())
 
     async def stop(self) -> None:
         self.stopping = True
@@ -247,8 +245,6 @@ class WorkerDaemon:
     def _execute(self, actions: list[Action[ClientSession]]) -> None:
         """Carry out the local rounds' decisions, in order."""
         for action in actions:
-            if isinstance(action, (Opened, Ready)):  # it waits for local ranks, or at the servers, from now
-                self.stalls.began(action.round, asyncio.get_running_loop().time())
             if isinstance(action, Opened):
                 self.round_base(action.round.name, action.round.round)
                 self._watch(action.round)
@@ -257,7 +253,20 @@ class WorkerDaemon:
             elif isinstance(action, Failed):
                 self._failed(action)
             elif isinstance(action, Ready):
-                self.spawn(run_operation(self, action.round))
+                self.spawn(self._run(action.round))
+
+    async def _run(self, lr: LocalRound[ClientSession]) -> None:
+        self.running[lr.name] += 1
+        try:
+            await run_operation(self, lr)
+        finally:
+            self.running[lr.name] -= 1
+            if not self.running[lr.name]:
+                del self.running[lr.name]
+
+    def _busy(self, name: str) -> bool:
+        """Whether ``name``'s staging and results buffers are in use (its operation runs, or its round is open)."""
+        return name in self.running or name in self.rounds.open
 
     def _failed(self, action: Failed[ClientSession]) -> None:
         """A local round failed: its members hear why, and so do the peers (at the anchor server)."""
@@ -370,11 +379,12 @@ class WorkerDaemon:
     def staging_buffer(self, arena: shm.Arena, name: str, nbytes: int, dtype: str, count: int
                        ) -> tuple[np.ndarray, str, int]:
         """The array of ``name`` in ``arena``, its segment and its byte offset there."""
-        slot, freed = arena.alloc(name, nbytes)
-        if freed is not None:
-            self.segments_freed([freed])
+        slot, freed = arena.alloc(name, nbytes, busy=self._busy)
+        self.segments_freed(freed)
         if self._cuda is not None:
             self._cuda.pin(arena.segments[slot.segment])  # copies from and to the GPU are DMA transfers
+        # A training process can shrink our segments too (same user): checked before every use (issue 14, 3).
+        shm.check_size(arena.segments[slot.segment], slot.offset + nbytes, name)
         buf = np.frombuffer(segment_buffer(arena, slot.segment), dtype=kernels.STORAGE[dtype], count=count,
                             offset=slot.offset)
         return buf, slot.segment, slot.offset

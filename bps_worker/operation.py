@@ -193,7 +193,8 @@ class Operation:
                 fields, raw[lo:hi], out_raw[lo:hi], priority,
                 shm_ref=(contribution.segment, contribution.base + lo), out_ref=(out_segment, out_base + lo))
             if slots and piece.count:
-                future.add_done_callback(HandBack(out, slots, piece.offset, piece.offset + piece.count))
+                future.add_done_callback(HandBack(out, slots, piece.offset, piece.offset + piece.count,
+                                                  self.path.intact))
             futures.append((piece, future))
         self.pushed = True
         host.counters.bytes_pushed += self.nbytes
@@ -315,6 +316,8 @@ class CpuPath:
         """The processes' arrays; one process's own slot is pushed as it is (the direct path)."""
         o = self.operation
         storage = kernels.STORAGE[o.op.dtype]
+        for s, m in o.members:  # a process may have shrunk its slot since its Op came (issue 14, item 3)
+            shm.check_size(s.arena.segments[m.segment], m.offset + o.nbytes, o.name)
         self.views = [np.frombuffer(segment_buffer(s.arena, m.segment), dtype=storage, count=o.count, offset=m.offset)
                       for s, m in o.members]
         if len(self.views) == 1 and (o.op.kind != KIND_BROADCAST or o.root is not None):
@@ -330,7 +333,27 @@ class CpuPath:
         return [v for v, (_, m) in zip(self.views, self.operation.members) if m.handback]
 
     async def copy_back(self, out: np.ndarray) -> None:
-        """Nothing left: the slots got their pieces as they arrived."""
+        """Nothing left: the slots got their pieces as they arrived (unless one shrank meanwhile: its error)."""
+        self.check_slots()
+
+    def check_slots(self) -> None:
+        """SegmentSizeError unless the slots that get the sum, and the results segment, still have their size."""
+        o = self.operation
+        for session, m in o.members:
+            if m.handback:
+                shm.check_size(session.arena.segments[m.segment], m.offset + o.nbytes, o.name)
+        slot = o.host.results.slots.get(o.name)
+        if slot is not None:
+            shm.check_size(o.host.results.segments[slot.segment], slot.offset + o.nbytes, o.name)
+
+    def intact(self) -> bool:
+        """Whether a piece's sum may be copied into the slots now (see check_slots)."""
+        try:
+            self.check_slots()
+        except OSError as exc:
+            log.warning("%s", exc)
+            return False
+        return True
 
     def done(self, op: Op, out_segment: str, out_base: int) -> Done:
         return Done(op.req) if op.handback else Done(op.req, out_segment, out_base)
@@ -358,6 +381,9 @@ class CudaPath:
     def handback_slots(self) -> list[np.ndarray]:
         return []  # the sums go back to the GPUs at the end (copy_back)
 
+    def intact(self) -> bool:
+        return True  # no slot gets a piece (handback_slots)
+
     async def copy_back(self, out: np.ndarray) -> None:
         o = self.operation
         await asyncio.get_running_loop().run_in_executor(o.host.executor, o.host.cuda_bridge().copy_back, out,
@@ -375,13 +401,15 @@ class HandBack:
     operation that fails leaves such a slot holding some pieces' sums (the error says so).
     """
 
-    __slots__ = ("out", "slots", "lo", "hi")
+    __slots__ = ("out", "slots", "lo", "hi", "intact")
 
-    def __init__(self, out: np.ndarray, slots: list[np.ndarray], lo: int, hi: int) -> None:
+    def __init__(self, out: np.ndarray, slots: list[np.ndarray], lo: int, hi: int,
+                 intact: Callable[[], bool]) -> None:
         self.out, self.slots, self.lo, self.hi = out, slots, lo, hi
+        self.intact = intact  # whether the memory still has its size (a process may truncate it, issue 14 item 3)
 
     def __call__(self, future: asyncio.Future[None]) -> None:
-        if future.cancelled() or future.exception() is not None:
+        if future.cancelled() or future.exception() is not None or not self.intact():
             return
         part = self.out[self.lo:self.hi]
         for slot in self.slots:

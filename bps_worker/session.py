@@ -6,31 +6,22 @@ type: ``Alloc`` (room for a tensor in this process's shared-memory arena) and ``
 a tensor, checked against the arena and handed to the daemon's local rounds). It owns the process's
 arena, so the segments go when the process does. A peer that breaks the protocol gets one ``Failure``
 with code ``protocol_error`` and is disconnected.
-
-Until its Hello a connection is a stranger's, bounded by the daemon's
-:class:`~bps_runtime.admission.Admission` (per local uid and in all, and a deadline) with a receive
-buffer for the Hello alone. A process that sends but never reads is no longer read while more than
-:data:`CLIENT_WRITE_BUFFER_HIGH_BYTES` wait to be written to it
-(:class:`~bps_runtime.backpressure.BackPressure`), so its answers cannot pile up without bound.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
-import struct
 from collections import Counter
 from math import prod
-from typing import TYPE_CHECKING, Any, Callable, Final, Protocol, cast
+from typing import TYPE_CHECKING, Any, Callable, Final, Protocol
 
 from bps_runtime import cuda
 from bps_runtime import segments as shm
-from bps_runtime.admission import Admission, AdmittedProtocol
 from protocol import PROTOCOL_VERSION, dtypes
 from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.frames import FrameReader, encode_message
-from protocol.handshake import HANDSHAKE_BUFFER_BYTES, ServerHandshake
+from protocol.handshake import ServerHandshake
 from protocol.messages import (
     KIND_BROADCAST,
     ROLE_CLIENT,
@@ -40,7 +31,6 @@ from protocol.messages import (
     Failure,
     Message,
     Op,
-    Ping,
     Welcome,
     parse,
 )
@@ -53,11 +43,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("bps.worker")
 
 CLIENT_MAX_HEADER_BYTES: Final = 16 * 1024
-# Above this many bytes waiting to be written to a training process (answers are small control messages:
-# thousands of them) the daemon stops reading it until they drain (bps_runtime.backpressure).
-CLIENT_WRITE_BUFFER_HIGH_BYTES: Final = 256 * 1024
 # The largest tensor a process may allocate, in units of the cluster's max_payload_bytes.
 MAX_TENSOR_PAYLOADS: Final = 64
+
+
+def _kept(name: str) -> bool:
+    return True
 
 
 class SessionHost(Protocol):
@@ -66,9 +57,9 @@ class SessionHost(Protocol):
     config: WorkerConfig
     worker_id: int
     rank_offset: int
+    arena_bytes: int  # the cap of each process's arena (cluster.arena_bytes)
     sessions: dict[int, ClientSession]  # handshaken sessions by local rank
     connections: set[ClientSession]  # every open connection, handshaken or not
-    admission: Admission  # of the connections that have not sent their Hello yet
 
     def submit(self, session: ClientSession, op: Op) -> None: ...
 
@@ -77,18 +68,16 @@ class SessionHost(Protocol):
     def segments_freed(self, names: list[str]) -> None: ...
 
 
-class ClientSession(AdmittedProtocol):
+class ClientSession(asyncio.BufferedProtocol):
     """One training process's connection: its handshake, its arena, and the dispatch of its messages."""
 
     def __init__(self, daemon: SessionHost) -> None:
         self.daemon = daemon
-        # Until the Hello, a small buffer (it grows for a large frame); the full one after the handshake.
-        self.reader = FrameReader(max_header_bytes=CLIENT_MAX_HEADER_BYTES, max_payload_bytes=0,
-                                  buffer_bytes=HANDSHAKE_BUFFER_BYTES)
+        self.reader = FrameReader(max_header_bytes=CLIENT_MAX_HEADER_BYTES, max_payload_bytes=0)
         self.transport: asyncio.Transport | None = None
         self.local_rank: int | None = None  # set by the handshake
         self.pid = 0
-        self.arena = shm.Arena(daemon.worker_id, daemon.config.segment_mode)  # this process's tensors
+        self.arena = shm.Arena(daemon.worker_id, daemon.config.segment_mode, daemon.arena_bytes)  # its tensors
         self.closed = False
         # This process's ops handed to the local rounds and not answered yet: req -> tensor name, and how
         # many per name (an Alloc must not move the slot an op in flight reads).
@@ -109,9 +98,8 @@ class ClientSession(AdmittedProtocol):
 
     # -- asyncio ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = unix = cast(asyncio.Transport, transport)  # a Unix stream transport
-        if self.admit(unix, self.daemon.admission, *_peer(transport), CLIENT_WRITE_BUFFER_HIGH_BYTES):
-            self.daemon.connections.add(self)  # else: too many connections without a Hello (logged), closed
+        self.transport = transport  # type: ignore[assignment]  # a Unix stream transport
+        self.daemon.connections.add(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer(sizehint)
@@ -130,7 +118,6 @@ class ClientSession(AdmittedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.left()
         self.daemon.connections.discard(self)
         self.daemon.session_lost(self)
 
@@ -156,16 +143,22 @@ class ClientSession(AdmittedProtocol):
         self.local_rank = hello.id
         self.pid = hello.pid
         self.daemon.sessions[hello.id] = self
-        self.admitted()
-        self.reader.set_limits(max_header_bytes=CLIENT_MAX_HEADER_BYTES, max_payload_bytes=0)
         cfg = self.daemon.config.cluster
         log.info("client %r connected", self)
         self.send(self.handshaker.accept(Welcome(PROTOCOL_VERSION, rank=self.rank, size=cfg.size, local_rank=hello.id,
                                                  local_size=self.daemon.config.local_size,
-                                                 worker=self.daemon.worker_id, workers=cfg.workers)).welcome)
+                                                 worker=self.daemon.worker_id, workers=cfg.workers,
+                                                 arena_bytes=self.daemon.arena_bytes)).welcome)
 
     def alloc(self, message: Alloc) -> None:
-        """Find (or make) room for tensor ``name``: small ones share slab segments, large ones get their own."""
+        """Find (or make) room for tensor ``name``: small ones share slab segments, large ones get their own.
+
+        The slots the process gives up (``Alloc.free``) go first, whatever else the answer is: it forgot them."""
+        freed = []
+        for name in message.free:
+            if not self.inflight_names[name]:
+                freed += self.arena.drop(name)
+        self.daemon.segments_freed(freed)
         if self.inflight_names[message.name]:
             # Moving the slot would free the memory the op in flight reads (issue 14, item 13).
             self.send(Failure(message.req, f"tensor {message.name!r} is in flight: synchronize it before "
@@ -175,13 +168,13 @@ class ClientSession(AdmittedProtocol):
             self.send(Failure(message.req, f"tensor {message.name!r} of {message.nbytes} bytes is too large"))
             return
         try:
-            slot, freed = self.arena.alloc(message.name, message.nbytes)
+            # Only the process frees its slots (Alloc.free): it knows which one a thread is about to fill.
+            slot, more = self.arena.alloc(message.name, message.nbytes, busy=_kept)
         except OSError as exc:
             self.send(Failure(message.req, f"cannot allocate {message.nbytes} bytes of shared memory for "
                                            f"{message.name!r}: {exc.strerror}"))
             return
-        if freed is not None:
-            self.daemon.segments_freed([freed])
+        self.daemon.segments_freed(more)
         self.send(Allocated(message.req, slot.segment, slot.capacity, slot.offset))
 
     def op(self, message: Op) -> None:
@@ -221,8 +214,6 @@ class ClientSession(AdmittedProtocol):
     def send(self, message: Message) -> None:
         if isinstance(message, (Done, Failure)) and message.req in self.inflight:
             self._answered(message.req)
-        if isinstance(message, Ping) and self.flow is not None and self.flow.paused:
-            return  # the process reads nothing: a heartbeat would only add to what waits for it
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(encode_message(message))
 
@@ -239,20 +230,3 @@ class ClientSession(AdmittedProtocol):
 
     def release_segments(self) -> None:
         self.daemon.segments_freed(self.arena.release_all())
-
-
-def _peer(transport: asyncio.BaseTransport) -> tuple[str, str]:
-    """Who is on the other end of a Unix-socket connection: its admission key (its uid) and a label
-    (pid and uid), from SO_PEERCRED; ("local", "a local process") where the system does not say."""
-    sock = transport.get_extra_info("socket")
-    try:
-        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    except (AttributeError, OSError, struct.error):
-        return "local", "a local process"
-    return f"uid {uid}", f"pid {pid} (uid {uid})"
-
-
-def client_admission(worker_id: int) -> Admission:
-    """The admission of worker ``worker_id``'s socket: bounded per uid and in all, and a Hello within
-    HANDSHAKE_DEADLINE_S of connecting (see bps_runtime.admission)."""
-    return Admission(log, f"worker {worker_id}'s socket")

@@ -44,6 +44,7 @@ _CLUSTER_KEYS: Final = {
     "colocated_shm": (bool, False),
     "deterministic": (bool, False),
     "window_pieces": (int, False),
+    "arena_bytes": (int, False),
 }
 _SERVER_KEYS: Final = {"id": (int, True), "address": (str, True), "worker": (int, False), "metrics": (str, False)}
 _WORKER_KEYS: Final = {"id": (int, True), "local_size": (int, True), "socket": (str, True), "metrics": (str, False)}
@@ -89,6 +90,9 @@ class ClusterConfig:
     colocated_shm: bool = True  # a worker and the server on its host exchange partitions in shared memory
     deterministic: bool = False  # servers add contributions in worker-id order (bitwise-repeatable sums)
     window_pieces: int = DEFAULT_WINDOW_PIECES  # pacing of TCP pushes (bps_worker.window.SendWindow); 0: off
+    # The most shared memory (bytes) of each arena of a worker daemon: each training process's slots, the
+    # staging and the results buffers; least recently used idle tensors are freed for room. 0: half of /dev/shm.
+    arena_bytes: int = 0
     source: str = "<memory>"
 
     @property
@@ -164,6 +168,7 @@ def parse_config(data: dict[str, Any], source: str = "<memory>") -> ClusterConfi
         colocated_shm=c.get("colocated_shm", True),
         deterministic=c.get("deterministic", False),
         window_pieces=c["window_pieces"],
+        arena_bytes=c["arena_bytes"],
         source=source,
     )
 
@@ -182,6 +187,7 @@ def _parse_cluster_table(cluster: dict[str, Any], source: str) -> dict[str, Any]
     max_payload = c.setdefault("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES)
     _positive(max_payload, "cluster.max_payload_bytes", source)
     _non_negative(c.setdefault("window_pieces", DEFAULT_WINDOW_PIECES), "cluster.window_pieces", source)
+    _non_negative(c.setdefault("arena_bytes", 0), "cluster.arena_bytes", source)
     if max_payload < partition_bytes:
         raise ConfigError(
             f"{source}: cluster.max_payload_bytes ({max_payload}) is smaller than cluster.partition_bytes "

@@ -13,7 +13,7 @@ Connections (who sends what):
 * every connection starts with ``Hello`` from the connecting side, answered by
   ``Welcome`` (or ``Failure`` and a close);
 * worker -> server: ``Push`` (+ payload, or a shared-memory reference to the server on
-  the worker's host), ``Abort``, ``Reset``, ``Release`` and ``RoundQuery``; server -> worker:
+  the worker's host), ``Abort``, ``Reset``, ``Announce``, ``Release`` and ``RoundQuery``; server -> worker:
   ``Result`` (+ payload, or written in place), ``RoundInfo`` or ``Failure``; ``StatsRequest``/``Stats`` on both links;
 * client -> worker (Unix socket, never a payload): ``Alloc``/``Allocated``,
   ``Op``/``Done``/``Failure``.
@@ -52,7 +52,6 @@ FailureCode = Literal[
     "bad_request",     # a client asked for something not allowed (the name is already in flight, ...)
     "timeout",         # something did not happen in time (Failure.what, .timeout_s)
     "connection",      # a peer is unreachable or went away (Failure.peer)
-    "duplicate",       # refused: another daemon holds this worker id (Failure.peer: where it connects from)
 ]
 FAILURE_CODES: Final[frozenset[str]] = frozenset(get_args(FailureCode))
 
@@ -176,9 +175,6 @@ class Hello(Message):
     # A worker's description of the placement-relevant cluster file (protocol.config.placement_items); a
     # server whose own differs refuses it, naming what differs.
     config_items: list[str] = field(default_factory=list)
-    # A worker daemon's random id for this run of it (kept across its epochs): a server tells a reconnect
-    # of the daemon that holds a worker id from a second daemon with the same id (bps_server.connection).
-    daemon: str = ""
 
     def validate(self) -> None:
         if self.role not in (ROLE_WORKER, ROLE_CLIENT, ROLE_OBSERVER):
@@ -187,8 +183,7 @@ class Hello(Message):
             raise LocalProtocolError(f"hello: stream {self.stream} outside 0..{MAX_STREAMS - 1}")
         for what, text, limit in (("shared-memory probe name", self.shm, MAX_SEGMENT_CHARS),
                                   ("shared-memory key", self.shm_key, MAX_SHM_KEY_CHARS),
-                                  ("proof", self.auth, MAX_PROOF_CHARS), ("nonce", self.nonce, MAX_NONCE_CHARS),
-                                  ("daemon id", self.daemon, MAX_NONCE_CHARS), ("epoch", self.epoch, MAX_NONCE_CHARS)):
+                                  ("proof", self.auth, MAX_PROOF_CHARS), ("nonce", self.nonce, MAX_NONCE_CHARS)):
             if len(text) > limit:
                 raise LocalProtocolError(f"hello: {what} of {len(text)} characters; at most {limit}",
                                          what=f"hello {what}", size=len(text), limit=limit, unit="characters")
@@ -221,6 +216,9 @@ class Welcome(Message):
     auth: str = ""
     # The server's placement digest (protocol.config.placement_digest), when the Hello carried a description.
     config_digest: str = ""
+    # To a training process: the most bytes of shared-memory slots it may hold (cluster.arena_bytes); it frees
+    # its least recently used idle slots (Alloc.free) to stay under it.
+    arena_bytes: int = 0
 
     def validate(self) -> None:
         for what, text, limit in (("proof", self.auth, MAX_PROOF_CHARS),
@@ -409,6 +407,29 @@ class Release(Message):
         _check_segment(self.segment, required=True, who="released segment name")
 
 
+MAX_ANNOUNCED_SEGMENTS: Final = 64  # segment names in one Announce
+
+
+@dataclass(frozen=True, slots=True)
+class Announce(Message):
+    """A worker will name shared-memory ``segments`` in pushes on this connection: the server on its host
+    maps only segments this connection announced (issue 14, item 2), and forgets one at its ``Release``.
+    Sent on the connection, before the first push that names them."""
+
+    TYPE: ClassVar[str] = "announce"
+    segments: list[str]
+
+    def validate(self) -> None:
+        if not 1 <= len(self.segments) <= MAX_ANNOUNCED_SEGMENTS:
+            raise LocalProtocolError(f"announce of {len(self.segments)} segments; 1 to {MAX_ANNOUNCED_SEGMENTS}",
+                                     what="announced segments", size=len(self.segments),
+                                     limit=MAX_ANNOUNCED_SEGMENTS, unit="names")
+        for name in self.segments:
+            if not isinstance(name, str):
+                raise LocalProtocolError(f"announce holds a {type(name).__name__}, not a segment name")
+            _check_segment(name, required=True, who="announced segment name")
+
+
 @dataclass(frozen=True, slots=True)
 class RoundQuery(Message):
     """Worker -> the server holding partition 0 of ``name``: which round should my next push of it be?
@@ -462,11 +483,21 @@ class Alloc(Message):
     req: int
     name: str
     nbytes: int
+    # Tensors whose slots the client gives up first (idle ones, to stay under Welcome.arena_bytes).
+    free: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         _check_name(self.name)
         if self.nbytes < 0:
             raise LocalProtocolError(f"alloc of a negative size: {self.nbytes}")
+        if len(self.free) > MAX_BATCH_ITEMS:
+            raise LocalProtocolError(f"alloc frees {len(self.free)} slots; at most {MAX_BATCH_ITEMS}",
+                                     what="alloc free list", size=len(self.free), limit=MAX_BATCH_ITEMS,
+                                     unit="names")
+        for name in self.free:
+            if not isinstance(name, str):
+                raise LocalProtocolError(f"alloc free list holds a {type(name).__name__}, not a name")
+            _check_name(name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -559,8 +590,8 @@ class Batch(Message):
 
 MESSAGES: Final[dict[str, type[Message]]] = {
     cls.TYPE: cls
-    for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, Release, RoundQuery, RoundInfo, Ping,
-                StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch)
+    for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, Announce, Release, RoundQuery,
+                RoundInfo, Ping, StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch)
 }
 
 class _Field(NamedTuple):

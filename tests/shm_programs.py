@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -18,3 +19,56 @@ def big_then_small(big_elems: int, small_elems: int) -> dict[str, Any]:
         error = f"{type(exc).__name__}: {exc}"
     small = bps.push_pull(np.full(small_elems, bps.rank() + 1, np.float32), "small", average=False)
     return {"error": error, "small": small.tolist()}
+
+
+def truncate_own_slot(elems: int) -> dict[str, Any]:
+    """Rank 0 truncates its shared array's segment to 0 bytes between two rounds (as a buggy or hostile training
+    process could): that round must fail with an error naming the tensor, the segment and both sizes, and
+    nothing may die; a fresh name must then be summed as usual."""
+    a = bps.shared_array("victim", (elems,), np.float32)
+    a[:] = bps.rank() + 1
+    first = bps.push_pull(a, "victim", average=False, out=a)
+    first_ends = [float(first[0]), float(first[-1])]
+    segment = _slot_segment("victim")
+    if bps.rank() == 0:
+        os.truncate(os.path.join("/dev/shm", segment), 0)
+    error = None
+    try:
+        bps.push_pull(a, "victim", average=False, out=a)  # the slot itself: this process never touches it
+    except bps.BPSError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    fresh = bps.push_pull(np.full(elems, bps.rank() + 1, np.float32), "fresh", average=False)
+    return {"first": first_ends, "segment": segment, "error": error,
+            "fresh": [float(fresh.min()), float(fresh.max())]}
+
+
+def _slot_segment(name: str) -> str:
+    """The name of the segment that holds ``name``'s slot in this process (the client's own table)."""
+    ops = bps._operations()  # type: ignore[attr-defined]  # the process's client state, for a test
+    return ops.slots.slots[name][0].name
+
+
+def many_names(count: int, elems: int) -> dict[str, Any]:
+    """``count`` distinct names of ``elems`` float32 each, once each: every sum right, and after each one the
+    shared memory of our worker daemon (its files in /dev/shm) and this process's mappings noted."""
+    ops = bps._operations()  # type: ignore[attr-defined]
+    wrong = []
+    daemon_bytes = mapped_bytes = 0
+    for i in range(count):
+        out = bps.push_pull(np.full(elems, bps.rank() + i, np.float32), f"name-{i}", average=False)
+        expected = sum(r + i for r in range(bps.size()))
+        if not (out.min() == out.max() == expected):
+            wrong.append((i, float(out.min()), float(out.max()), expected))
+        pid = next(iter(ops.slots.attached)).split("_")[2]
+        prefix = f"bps_w{ops.worker}_{pid}_"
+        files = [e for e in os.scandir("/dev/shm") if e.name.startswith(prefix)]
+        total = 0
+        for entry in files:
+            try:
+                total += entry.stat().st_blocks * 512
+            except FileNotFoundError:
+                pass  # freed while we looked
+        daemon_bytes = max(daemon_bytes, total)
+        mapped_bytes = max(mapped_bytes, sum(seg.size for seg in ops.slots.attached.values()))
+    return {"wrong": wrong, "daemon_bytes": daemon_bytes, "mapped_bytes": mapped_bytes,
+            "cap": ops.slots.cap_bytes}

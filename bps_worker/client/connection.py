@@ -16,7 +16,7 @@ import os
 import socket as _socket
 import threading
 import time
-from typing import Final
+from typing import Final, Sequence
 
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ProtocolError
@@ -129,9 +129,10 @@ class Connection:
         self.check()
         return box[0]
 
-    def allocate(self, name: str, nbytes: int) -> tuple[str, int, int]:
-        """Ask the daemon for a slot of ``nbytes`` for tensor ``name``: (segment, offset, capacity)."""
-        reply = self.rpc(Alloc(self.next_req(), name, nbytes))
+    def allocate(self, name: str, nbytes: int, free: Sequence[str] = ()) -> tuple[str, int, int]:
+        """Ask the daemon for a slot of ``nbytes`` for tensor ``name``, giving up the slots of ``free``
+        first: (segment, offset, capacity)."""
+        reply = self.rpc(Alloc(self.next_req(), name, nbytes, list(free)))
         if isinstance(reply, Failure):
             raise error_from_failure(reply)
         assert isinstance(reply, Allocated)

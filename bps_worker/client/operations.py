@@ -51,9 +51,10 @@ class Operations:
         self.rank, self.size = welcome.rank, welcome.size
         self.local_rank, self.local_size = welcome.local_rank, welcome.local_size
         self.worker = welcome.worker
-        self.slots = SlotMap(self.conn.allocate)
         self.lock = threading.Lock()  # guards inflight
         self.inflight: dict[str, Handle] = {}
+        # Names in flight keep their slots when others are given up for room (cluster.arena_bytes).
+        self.slots = SlotMap(self.conn.allocate, welcome.arena_bytes, self.inflight.__contains__)
         self.timeline = None if settings.timeline is None else Timeline(
             timeline_path(settings.timeline, self.rank), f"rank {self.rank} (pid {os.getpid()})")
 

@@ -5,15 +5,25 @@ is handed over (asked of the daemon once per name, reused while the size fits). 
 instead lie in the worker's results segment (named in ``Done``); the last one per name stays mapped, because
 the worker unlinks a segment it moved away from, and our mapping is then all that keeps it.
 
+Bounded: the daemon lets a process hold at most ``cap_bytes`` of slots (``Welcome.arena_bytes``, the cluster's
+``arena_bytes``). Before asking for a slot that would take us over it, we give up the least recently used
+slots of names not in flight (``busy``), whole segments at a time, in the same ``Alloc`` (``free``); the
+daemon frees them, and refuses (a BPSError naming the tensor and the cap) what still does not fit. Only this
+process chooses, because only it knows which slot a thread is about to fill. Result segments the daemon
+freed (its results arena is capped too) are unmapped here once noticed: every time the mappings doubled,
+one ``stat`` per result segment tells which names are gone.
+
 A segment is unmapped once no slot and no last result lives in it. One lock guards the three tables, so
 operations on different names may run on different threads.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 from multiprocessing.shared_memory import SharedMemory
-from typing import Callable
+from typing import Callable, Final, Sequence
 
 from bps_runtime import segments as shm
 
@@ -21,34 +31,58 @@ from ..errors import BPSError
 
 __all__ = ["Allocate", "SlotMap"]
 
-# Asks the daemon for ``nbytes`` for tensor ``name``: (segment name, offset, capacity).
-Allocate = Callable[[str, int], tuple[str, int, int]]
+# Asks the daemon for ``nbytes`` for tensor ``name``, giving up the slots of the names in the sequence first:
+# (segment name, offset, capacity).
+Allocate = Callable[[str, int, Sequence[str]], tuple[str, int, int]]
+
+# The most names one Alloc frees, and their characters together: the Alloc stays a small frame.
+FREE_MAX_NAMES: Final = 256
+FREE_MAX_CHARS: Final = 8 * 1024
+
+
+def _never(name: str) -> bool:
+    return False
 
 
 class SlotMap:
     """Segments mapped in this process, each name's slot, and each name's last result segment."""
 
-    __slots__ = ("_allocate", "_lock", "attached", "slots", "results")
+    __slots__ = ("_allocate", "_allocating", "_lock", "_busy", "_clock", "_slab", "_swept_at", "attached", "cap_bytes",
+                 "results", "slots", "used")
 
-    def __init__(self, allocate: Allocate) -> None:
+    def __init__(self, allocate: Allocate, cap_bytes: int = 0, busy: Callable[[str], bool] = _never) -> None:
         self._allocate = allocate
         self._lock = threading.Lock()
+        self._allocating = threading.Lock()  # one allocation at a time: each sees what the last one holds
+        self._busy = busy  # whether a name is in flight (or about to be): its slot is never given up
+        self.cap_bytes = cap_bytes  # 0: no cap (a daemon that sets none)
         self.attached: dict[str, SharedMemory] = {}  # segment name -> our mapping
         self.slots: dict[str, tuple[SharedMemory, int, int]] = {}  # tensor name -> (segment, offset, capacity)
         self.results: dict[str, str] = {}  # tensor name -> the worker's segment that held its last result
+        self.used: dict[str, int] = {}  # tensor name -> when its slot was last used
+        self._clock = itertools.count()
+        self._slab: tuple[str, int] | None = None  # the daemon's slab for our small tensors, and its end
+        self._swept_at = 1  # how many segments were mapped at the last sweep of freed result segments
 
     def slot_for(self, name: str, nbytes: int) -> tuple[SharedMemory, int]:
         """The shared memory where tensor ``name`` is handed over (asked of the daemon once per name)."""
         with self._lock:
             slot = self.slots.get(name)
-        if slot is not None and slot[2] >= nbytes:
-            return slot[0], slot[1]
-        segment, offset, capacity = self._allocate(name, nbytes)
-        with self._lock:
-            seg = self._attach(segment, name)
-            self.slots[name] = (seg, offset, capacity)
-            if slot is not None:
-                self._release_unused(slot[0].name)  # the daemon moved the tensor and freed its old segment
+            self.used[name] = next(self._clock)
+            if slot is not None and slot[2] >= nbytes:
+                return slot[0], slot[1]
+        with self._allocating:
+            with self._lock:
+                free = self._give_up(name, nbytes)
+            segment, offset, capacity = self._allocate(name, nbytes, free)
+            with self._lock:
+                seg = self._attach(segment, name)
+                slot = self.slots.get(name)
+                self.slots[name] = (seg, offset, capacity)
+                if nbytes <= shm.SLAB_ITEM_MAX_BYTES:
+                    self._slab = (segment, offset + capacity)
+                if slot is not None:
+                    self._release_unused(slot[0].name)  # the daemon moved the tensor and freed its old segment
         return seg, offset
 
     def result_segment(self, name: str, segment: str) -> SharedMemory:
@@ -70,7 +104,54 @@ class SlotMap:
             self.attached.clear()
             self.slots.clear()
             self.results.clear()
+            self.used.clear()
+            self._slab = None
 
+    # -- the cap ---------------------------------------------------------------------
+    def _new_bytes(self, nbytes: int) -> int:
+        """The bytes of the segment the daemon makes for a new slot of ``nbytes`` (0: it fits its slab)."""
+        if nbytes > shm.SLAB_ITEM_MAX_BYTES:
+            return nbytes
+        need = -(-max(nbytes, 1) // shm.SLOT_ALIGN) * shm.SLOT_ALIGN
+        if self._slab is not None and self._slab[0] in self.attached and self._slab[1] + need <= shm.SLAB_BYTES:
+            return 0
+        return shm.SLAB_BYTES
+
+    def _give_up(self, name: str, nbytes: int) -> list[str]:
+        """The least recently used idle slots to give up so that ``name``'s new one fits under the cap
+        (none if it fits, or if even all of them would not make room: the daemon then says so)."""
+        if not self.cap_bytes:
+            return []
+        by_segment: dict[str, list[str]] = {}
+        for tensor, (seg, _, _) in self.slots.items():
+            by_segment.setdefault(seg.name, []).append(tensor)
+        old = self.slots.get(name)
+        if old is not None:  # the daemon frees the slot it replaces, and its segment if nothing else lives there
+            by_segment[old[0].name].remove(name)
+        held = sum(self.attached[s].size for s, tensors in by_segment.items() if tensors)
+        room = self.cap_bytes - self._new_bytes(nbytes)
+        if held <= room:
+            return []
+        idle = sorted((max(self.used.get(t, -1) for t in tensors), s, tensors) for s, tensors in by_segment.items()
+                      if tensors and not any(map(self._busy, tensors)))
+        free: list[str] = []
+        chars = 0
+        for _, s, tensors in idle:
+            if held <= room or len(free) + len(tensors) > FREE_MAX_NAMES or \
+                    chars + sum(map(len, tensors)) > FREE_MAX_CHARS:
+                break
+            held -= self.attached[s].size
+            free += tensors
+            chars += sum(map(len, tensors))
+        if held > room:
+            return []  # not enough idle memory: give up nothing, the daemon refuses with the cap
+        for tensor in free:
+            seg, _, _ = self.slots.pop(tensor)
+            self.used.pop(tensor, None)
+            self._release_unused(seg.name)
+        return free
+
+    # -- mappings --------------------------------------------------------------------
     def _attach(self, segment: str, name: str) -> SharedMemory:
         seg = self.attached.get(segment)
         if seg is None:
@@ -78,7 +159,18 @@ class SlotMap:
                 seg = self.attached[segment] = shm.attach_segment(segment)
             except OSError as exc:
                 raise BPSError(f"cannot attach shared-memory segment {segment!r} for {name!r}: {exc}") from None
+            if len(self.attached) >= 2 * self._swept_at:
+                self._sweep()
         return seg
+
+    def _sweep(self) -> None:
+        """Unmap the result segments the daemon freed (for room) that no slot of ours lives in."""
+        slotted = {seg.name for seg, _, _ in self.slots.values()}
+        for tensor, segment in list(self.results.items()):
+            if segment not in slotted and not os.path.exists(os.path.join(shm.SHM_DIR, segment)):
+                del self.results[tensor]
+                self._release_unused(segment)
+        self._swept_at = max(len(self.attached), 1)
 
     def _release_unused(self, segment: str) -> None:
         """Unmap ``segment`` unless a slot or a last result still lives there."""

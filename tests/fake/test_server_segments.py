@@ -1,0 +1,125 @@
+"""ServerConnection and shared memory, through a fake transport (issue 14, items 2 and 3): a push may name only
+segments its connection announced, and a segment truncated under the server fails that one push (with the
+tensor, the segment and both sizes), never the connection; the sum is not written into a shrunk segment."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from bps_runtime.segments import create_segment, release, segment_name
+from bps_server.connection import ServerConnection
+from protocol import PROTOCOL_VERSION
+from protocol.frames import encode_message
+from protocol.messages import ROLE_WORKER, Announce, Failure, Hello, Push, Result, Welcome
+
+from fake_transport import FakeTransport
+from test_server_connection import _connect, _feed, _server
+
+NBYTES = 4096
+
+
+@pytest.fixture
+def segments():
+    made = [create_segment(segment_name(0), NBYTES) for _ in range(3)]
+    made[0].buf[:32] = bytes(range(32))  # the probe
+    yield made
+    for seg in made:
+        release(seg, unlink=False)
+        os.unlink(f"/dev/shm/{seg.name}")  # the server's attach (same process here) untracked it already
+
+
+def _shm_worker(server, probe) -> tuple[ServerConnection, FakeTransport]:
+    conn, t = _connect(server)
+    _feed(conn, encode_message(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, shm=probe.name,
+                                     shm_key=bytes(range(32)).hex())))
+    welcome = t.messages()[-1][0]
+    assert isinstance(welcome, Welcome) and welcome.shm
+    return conn, t
+
+
+def _announced(segments):
+    """A server, and worker 0's shared-memory connection that announced the data and result segments."""
+    server = _server(workers=1)
+    probe, data, out = segments
+    conn, t = _shm_worker(server, probe)
+    _feed(conn, encode_message(Announce([data.name, out.name])))
+    return server, conn, t
+
+
+async def _answer(t: FakeTransport):
+    """The last answer to a push (replies leave in a batch at the end of the loop iteration)."""
+    for _ in range(200):
+        answers = [m for m, _ in t.messages() if isinstance(m, (Failure, Result))]
+        if answers:
+            return answers[-1]
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no answer: {t.messages()}")
+
+
+def _push(data, out) -> Push:
+    return Push(req=1, name="w", part=0, round=0, worker=0, dtype="float32", shape=[NBYTES // 4], offset=0,
+                count=NBYTES // 4, segment=data.name, out_segment=out.name)
+
+
+@pytest.mark.timeout(30)
+async def test_a_push_naming_an_unannounced_segment_fails_alone(segments):
+    server = _server(workers=1)
+    probe, data, out = segments
+    conn, t = _shm_worker(server, probe)
+    _feed(conn, encode_message(_push(data, out)))
+    failure = await _answer(t)
+    assert isinstance(failure, Failure) and failure.req == 1 and not t.closed
+    assert data.name in failure.message and "did not announce" in failure.message
+    assert data.name not in conn.segments  # never mapped
+    np.frombuffer(data.buf, np.float32)[:] = 2.0
+    _feed(conn, encode_message(Announce([data.name, out.name])))
+    _feed(conn, encode_message(_push(data, out)))
+    for _ in range(200):
+        if any(isinstance(m, Result) for m, _ in t.messages()):
+            break
+        await asyncio.sleep(0.01)
+    assert any(isinstance(m, Result) and m.inplace for m, _ in t.messages()), t.messages()
+    assert np.frombuffer(out.buf, np.float32).tolist() == [2.0] * (NBYTES // 4)
+    await server.stop()
+
+
+@pytest.mark.timeout(30)
+async def test_an_announce_of_another_workers_segment_is_a_protocol_error(segments):
+    server = _server(workers=2)
+    probe = segments[0]
+    conn, t = _shm_worker(server, probe)
+    _feed(conn, encode_message(Announce([segment_name(1)])))
+    failure = t.messages()[-1][0]
+    assert isinstance(failure, Failure) and failure.code == "protocol_error" and t.closed
+    await server.stop()
+
+
+@pytest.mark.timeout(30)
+async def test_a_truncated_segment_fails_its_push_and_the_connection_stays(segments):
+    server, conn, t = _announced(segments)
+    _, data, out = segments
+    assert conn.push_data(_push(data, out), None) is not None  # mapped, as for a first round
+    os.truncate(f"/dev/shm/{data.name}", 0)  # as a training process could, under the server
+    assert conn.push_data(_push(data, out), None) is None  # reading it now would be a SIGBUS
+    failure = await _answer(t)
+    assert isinstance(failure, Failure) and failure.req == 1 and not t.closed
+    assert f"{data.name!r} of tensor 'w' has 0 bytes now; {NBYTES} bytes are needed" in failure.message
+    await server.stop()
+
+
+@pytest.mark.timeout(30)
+async def test_no_sum_is_written_into_a_result_segment_that_shrank(segments):
+    server, conn, t = _announced(segments)
+    _, data, out = segments
+    push = _push(data, out)
+    assert conn.push_data(push, None) is not None  # both mapped and checked
+    os.truncate(f"/dev/shm/{out.name}", 0)
+    conn.reply(push, np.ones(NBYTES // 4, np.float32))  # would be a SIGBUS in np.copyto without the check
+    failure = await _answer(t)
+    assert isinstance(failure, Failure) and failure.req == 1 and "has 0 bytes now" in failure.message
+    assert not t.closed
+    await server.stop()

@@ -1,0 +1,107 @@
+"""The capped arena (bps_runtime.segments.Arena, cluster.arena_bytes) and the client's side of it
+(bps_worker.client.slots.SlotMap): least recently used idle tensors go first, busy ones never, a tensor
+that cannot fit is an ArenaFullError naming it and the cap; and check_size sees a shrunk or replaced segment."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bps_runtime import segments
+from bps_runtime.segments import Arena, ArenaFullError, SegmentSizeError
+from bps_worker.client.slots import SlotMap
+
+BIG = 256 << 10  # above the slab item size: a segment of its own
+
+
+@pytest.fixture
+def arena():
+    a = Arena(902, cap_bytes=3 * BIG)
+    yield a
+    a.release_all()
+
+
+def test_the_least_recently_used_idle_tensor_is_freed_for_room(arena: Arena):
+    for name in "abc":
+        arena.alloc(name, BIG)
+    arena.touch("a")  # b is now the least recently used
+    slot_b = arena.slots["b"]
+    _, freed = arena.alloc("d", BIG)
+    assert freed == [slot_b.segment] and set(arena.slots) == {"a", "c", "d"}
+    assert not os.path.exists(os.path.join(segments.SHM_DIR, slot_b.segment))
+    assert arena.held_bytes == 3 * BIG
+
+
+def test_busy_tensors_are_never_freed_and_the_error_names_the_cap(arena: Arena):
+    for name in "abc":
+        arena.alloc(name, BIG)
+    _, freed = arena.alloc("d", BIG, busy=lambda t: t != "c")  # only c is idle
+    assert len(freed) == 1 and "c" not in arena.slots
+    with pytest.raises(ArenaFullError) as info:
+        arena.alloc("e", BIG, busy=lambda t: True)
+    assert info.value.tensor == "e" and info.value.cap == 3 * BIG and info.value.held == 3 * BIG
+    assert set(arena.slots) == {"a", "b", "d"}  # nothing freed in vain
+    with pytest.raises(ArenaFullError, match=r"'huge' needs 786433 bytes .* may hold 786432 bytes"):
+        arena.alloc("huge", 3 * BIG + 1)
+
+
+def test_a_slab_goes_with_its_last_slot():
+    arena = Arena(903, cap_bytes=segments.SLAB_BYTES)
+    try:
+        slot_a, _ = arena.alloc("a", 100)
+        arena.alloc("b", 100)
+        assert arena.drop("a") == []  # b still lives in the slab
+        assert arena.drop("b") == [slot_a.segment] and arena.held_bytes == 0
+        arena.alloc("c", 100)  # a new slab
+        assert arena.held_bytes == segments.SLAB_BYTES
+    finally:
+        arena.release_all()
+
+
+def test_check_size_sees_a_truncated_or_replaced_segment():
+    seg = segments.create_segment(segments.segment_name(904), 8192)
+    path = os.path.join(segments.SHM_DIR, seg.name)
+    try:
+        segments.check_size(seg, 8192)
+        os.truncate(path, 100)
+        with pytest.raises(SegmentSizeError) as info:
+            segments.check_size(seg, 8192, "t")
+        assert (info.value.size, info.value.needed, info.value.segment) == (100, 8192, seg.name)
+        assert f"{seg.name!r} of tensor 't' has 100 bytes now; 8192 bytes are needed" in str(info.value)
+        os.unlink(path)
+        with open(path, "wb") as f:  # another file under the same name: not the one mapped
+            f.write(b"\0" * 8192)
+        with pytest.raises(SegmentSizeError, match="was removed or replaced"):
+            segments.check_size(seg, 8192)
+    finally:
+        segments.release(seg, unlink=True)
+
+
+def test_the_client_gives_up_its_least_recently_used_idle_slots_under_the_cap():
+    arena = Arena(905, cap_bytes=3 * BIG)
+    asked: list[tuple[str, list[str]]] = []
+
+    def allocate(name: str, nbytes: int, free) -> tuple[str, int, int]:
+        asked.append((name, list(free)))
+        for tensor in free:
+            arena.drop(tensor)
+        slot, _ = arena.alloc(name, nbytes, busy=lambda t: True)  # as the daemon: only the client frees
+        return slot.segment, slot.offset, slot.capacity
+
+    busy = {"a"}
+    slots = SlotMap(allocate, cap_bytes=3 * BIG, busy=busy.__contains__)
+    try:
+        for name in "abc":
+            slots.slot_for(name, BIG)
+        slots.slot_for("b", BIG)  # used again: c is now the least recently used idle one
+        slots.slot_for("d", BIG)
+        assert asked[-1] == ("d", ["c"]) and set(slots.slots) == {"a", "b", "d"}
+        assert len(slots.attached) == 3
+        busy.update("bd")
+        with pytest.raises(Exception, match="may hold"):  # nothing idle: the daemon refuses, nothing given up
+            slots.slot_for("e", BIG)
+        assert asked[-1] == ("e", []) and set(slots.slots) == {"a", "b", "d"}
+    finally:
+        slots.close()
+        arena.release_all()
