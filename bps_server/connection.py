@@ -6,6 +6,15 @@ the server's :class:`~bps_server.aggregator.Aggregator` once :meth:`ServerConnec
 has checked them (the one check of both push paths: payload and shared memory). Replies of
 up to ``BATCH_REPLY_MAX_BYTES`` that complete in one loop iteration leave in one Batch frame.
 Any :class:`ProtocolError` from the peer is answered with a ``Failure(-1)`` and a close.
+
+Before its handshake a connection is a stranger's: it holds a place in the server's
+:class:`~bps_runtime.admission.Admission` (bounded per host and in all, closed at a deadline) and a
+receive buffer with room for the Hello alone; only a verified Hello makes it grow. While the write
+buffer is over :data:`WRITE_BUFFER_HIGH_BYTES` (or the cluster's credit, if larger) the connection
+stops reading the peer (:class:`~bps_runtime.backpressure.BackPressure`).
+
+One worker id, one daemon: see :meth:`ServerConnection.handshake` for how a reconnect of the daemon
+holding a worker id is told from a second daemon with the same id, which is refused.
 """
 
 from __future__ import annotations
@@ -13,15 +22,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from multiprocessing.shared_memory import SharedMemory
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Final
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Final, cast
 
 import numpy as np
 
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.frames import DEFAULT_MAX_HEADER_BYTES, BatchWriter, FrameReader, encode_frame
-from protocol.handshake import HANDSHAKE_MAX_HEADER_BYTES, ConfigMismatchError, ServerHandshake, ShmOffer
+from protocol.handshake import (
+    HANDSHAKE_BUFFER_BYTES,
+    HANDSHAKE_MAX_HEADER_BYTES,
+    ConfigMismatchError,
+    ServerHandshake,
+    ShmOffer,
+)
 from protocol.messages import (
+    MAX_MESSAGE_CHARS,
     ROLE_OBSERVER,
     ROLE_WORKER,
     Abort,
@@ -45,6 +61,7 @@ from protocol.messages import (
 )
 
 from bps_runtime import kernels
+from bps_runtime.admission import AdmittedProtocol
 from bps_runtime.lowat import ReceiveLowWater
 from bps_runtime.segments import SegmentSizeError, attach_owned, attach_segment, check_size, owned_by, release
 
@@ -61,6 +78,21 @@ log = logging.getLogger("bps.server")
 MAX_ANNOUNCED: Final = 1 << 18
 # Replies with payloads up to this size are coalesced into one Batch frame per loop iteration.
 BATCH_REPLY_MAX_BYTES: Final = 64 * 1024
+# Above this many bytes waiting to be written to a peer (or the cluster's credit_bytes, if larger: what an
+# honest worker may have in flight, so it never meets the mark) the server stops reading that peer.
+WRITE_BUFFER_HIGH_BYTES: Final = 16 * 1024 * 1024
+# A worker's connection silent for more than this fraction of the timeout no longer holds the worker id for
+# its daemon against another one (its daemon pings every timeout / 4): see ServerConnection.handshake.
+HOLDER_SILENCE_FRACTION: Final = 0.5
+
+
+def address(peername: object) -> str:
+    """``host:port`` of a socket's peer name (``[host]:port`` for IPv6); the text of anything else."""
+    if isinstance(peername, tuple) and len(peername) >= 2:
+        host, port = peername[0], peername[1]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(peername)
+
 
 def _mapped(seg: SharedMemory) -> memoryview:
     """A mapped segment's memory (typeshed allows None: a closed segment, which is never kept)."""
@@ -73,15 +105,17 @@ def _mapped(seg: SharedMemory) -> memoryview:
 Handler = Callable[["ServerConnection", Any, "memoryview | None"], None]
 
 
-class ServerConnection(asyncio.BufferedProtocol):
+class ServerConnection(AdmittedProtocol):
     """One worker's TCP connection: handshake first, then pushes, aborts and queries."""
 
     HANDLERS: ClassVar[dict[type[Message], Handler]]  # message type -> handler, after the handshake
 
     def __init__(self, server: SummationServer) -> None:
         self.server = server
-        # Until the handshake, a small header and no payload: nothing is allocated for a stranger.
-        self.reader = FrameReader(max_header_bytes=HANDSHAKE_MAX_HEADER_BYTES, max_payload_bytes=0)
+        # Until the handshake, a small header, no payload and a small buffer (it grows for a large Hello):
+        # next to nothing is allocated for a stranger.
+        self.reader = FrameReader(max_header_bytes=HANDSHAKE_MAX_HEADER_BYTES, max_payload_bytes=0,
+                                  buffer_bytes=HANDSHAKE_BUFFER_BYTES)
         self.greeting = ServerHandshake(
             peers={ROLE_WORKER: server.config.cluster.workers, ROLE_OBSERVER: None}, token=server.config.token,
             config_items=server.placement_items, who=f"server {server.config.server_id}")
@@ -91,6 +125,8 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.low_water: ReceiveLowWater | None = None
         self.last_seen = 0.0  # loop time of the last bytes received (the server's silence watch)
         self.worker: int | None = None
+        self.daemon = ""  # the worker daemon's id for its run (Hello.daemon), and its round numbering:
+        self.epoch = ""   # the two say which daemon holds the worker id (see handshake)
         self.stream = 0  # which of the worker's connections (Hello.stream)
         self.observer = False
         self.peer = "?"
@@ -105,9 +141,14 @@ class ServerConnection(asyncio.BufferedProtocol):
 
     # -- asyncio.BufferedProtocol ----------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = tcp = cast(asyncio.Transport, transport)  # create_server's: a TCP transport
         self.last_seen = asyncio.get_running_loop().time()
-        self.peer = str(transport.get_extra_info("peername"))
+        peername = transport.get_extra_info("peername")
+        self.peer = address(peername)
+        host = str(peername[0]) if isinstance(peername, tuple) else self.peer
+        if not self.admit(tcp, self.server.admission, host, self.peer,
+                          max(WRITE_BUFFER_HIGH_BYTES, self.server.config.cluster.credit_bytes)):
+            return  # too many strangers from there, or in all (logged): nothing sent, nothing kept
         self.low_water = ReceiveLowWater(transport)
         self.server.connections.add(self)
         challenge = self.greeting.start()
@@ -134,6 +175,7 @@ class ServerConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.left()
         self.server.connections.discard(self)
         self.unmap_all()
         if self.worker is None:
@@ -321,7 +363,20 @@ class ServerConnection(asyncio.BufferedProtocol):
         """The peer's Hello, checked by :class:`~protocol.handshake.ServerHandshake` (version, the token's
         proof over both nonces and every field, role and id, the placement digest) before anything else;
         then the registration and the signed Welcome. A HandshakeError is a ProtocolError (refused, closed);
-        another cluster file is refused with code ``mismatch`` and both digests (the worker stops retrying)."""
+        another cluster file is refused with code ``mismatch`` and both digests (the worker stops retrying).
+
+        One worker id, one daemon. Each worker daemon says in its Hello who it is for this run of it
+        (``Hello.daemon``: random, kept across its epochs, which change at every job reset) and each of its
+        connections has its own ``stream``. A Hello for a worker id is accepted, and replaces the old
+        connection of its (worker, stream), when it comes from the daemon that holds the id (the same
+        ``daemon``: a reconnect, whatever the epoch), or when no connection of that worker is alive and was
+        heard within :data:`HOLDER_SILENCE_FRACTION` of the timeout (the holder died, or its host did: a
+        live daemon pings every timeout / 4, so a silent connection is a dead one, which the silence watch
+        would drop anyway). Otherwise a second daemon runs with the same id (a stale service unit and a
+        manual start): it is refused with code ``duplicate``, naming the worker, both daemons' addresses,
+        ids and epochs, and the holder keeps its connections. The epoch alone cannot tell the two apart
+        (a reset daemon has a new one), and closing the old connection, as before, made the two daemons
+        take turns in a reconnect storm in which every operation failed."""
         if self.closed:
             return  # refused already: the rest of what the peer sent in the same read is ignored
         try:
@@ -332,15 +387,28 @@ class ServerConnection(asyncio.BufferedProtocol):
                               ours=exc.ours, theirs=exc.theirs))
             self.close()
             return
-        self.reader.max_header_bytes = DEFAULT_MAX_HEADER_BYTES
-        self.reader.max_payload_bytes = self.server.config.cluster.max_payload_bytes
+        holder = self.server.holder(hello.id, hello.daemon) if hello.role == ROLE_WORKER else None
+        if holder is not None:
+            self._refuse_second_daemon(hello, holder)
+            return
+        self.admitted()  # a proven peer (with a token): no longer a stranger
         workers = self.server.config.cluster.workers
         if hello.role == ROLE_OBSERVER:
-            self.observer = True
+            self.observer = True  # stats requests only: the small reader stays
             self._welcome(Welcome(PROTOCOL_VERSION, workers=workers))
             return
-        self.worker = hello.id
-        self.stream = hello.stream
+        self.reader.set_limits(max_header_bytes=DEFAULT_MAX_HEADER_BYTES,
+                               max_payload_bytes=self.server.config.cluster.max_payload_bytes)
+        self._register(hello)
+        self.shm_uid = self._accept_shm(self.greeting.shm_offer, hello.id, hello.stream)
+        self.shm = self.shm_uid is not None
+        log.info("worker %d connected from %s%s", hello.id, self.peer, " (shared memory)" if self.shm else "")
+        self._welcome(Welcome(PROTOCOL_VERSION, worker=hello.id, workers=workers, shm=self.shm,
+                              incarnation=self.server.incarnation))
+
+    def _register(self, hello: Hello) -> None:
+        """Make this the connection of (worker, stream), replacing (and closing) the daemon's old one."""
+        self.worker, self.stream, self.daemon, self.epoch = hello.id, hello.stream, hello.daemon, hello.epoch
         if hello.stream:
             # An extra connection for pushes (see Hello.stream): the worker's state follows stream 0.
             old = self.server.streams.get((hello.id, hello.stream))
@@ -353,11 +421,22 @@ class ServerConnection(asyncio.BufferedProtocol):
             old.close()
         if not hello.stream:
             self.server.aggregator.worker_hello(hello.id, hello.epoch)
-        self.shm_uid = self._accept_shm(self.greeting.shm_offer, hello.id, hello.stream)
-        self.shm = self.shm_uid is not None
-        log.info("worker %d connected from %s%s", hello.id, self.peer, " (shared memory)" if self.shm else "")
-        self._welcome(Welcome(PROTOCOL_VERSION, worker=hello.id, workers=workers, shm=self.shm,
-                              incarnation=self.server.incarnation))
+
+    def describe_daemon(self) -> str:
+        """This worker connection's daemon, for the log and a refusal: where from, which run, which epoch."""
+        return f"from {self.peer} (daemon {self.daemon or '?'}, epoch {self.epoch or '?'})"
+
+    def _refuse_second_daemon(self, hello: Hello, holder: ServerConnection) -> None:
+        """Refuse ``hello``: worker ``hello.id`` is held by ``holder``'s daemon, alive (see handshake)."""
+        self.daemon, self.epoch = hello.daemon, hello.epoch
+        heard = asyncio.get_running_loop().time() - holder.last_seen
+        reason = (f"worker {hello.id} is already served by another daemon, connected {holder.describe_daemon()} "
+                  f"and heard {heard:.1f} s ago; refusing this second daemon of worker {hello.id} "
+                  f"{self.describe_daemon()}: stop one of them (a stale service unit beside a manual start?)")
+        self.server.refusals.log(log, logging.ERROR, "server %d: %s", self.server.config.server_id, reason)
+        self.send(Failure(-1, reason[:MAX_MESSAGE_CHARS], code="duplicate",
+                          peer=f"worker {hello.id} {holder.describe_daemon()}"[:MAX_MESSAGE_CHARS]))
+        self.close()
 
     def _welcome(self, welcome: Welcome) -> None:
         """Send ``welcome``, signed by the handshake (its proof and our placement digest)."""

@@ -40,8 +40,9 @@ from .link import ServerLink
 from .local_rounds import Action, Failed, LocalRound, LocalRounds, Opened, Ready, Refused
 from .operation import run_operation, segment_buffer
 from .placement import Placement
-from .session import ClientSession
+from .session import ClientSession, client_admission
 from .sockdir import ensure_socket_dir
+from .stalls import WorkerStalls
 
 log = logging.getLogger("bps.worker")
 
@@ -115,8 +116,11 @@ class WorkerDaemon:
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-local")
         self.sessions: dict[int, ClientSession] = {}
         self.connections: set[ClientSession] = set()
+        self.admission = client_admission(config.worker_id)  # connections before their Hello
         # Per name, the local rounds still collecting local processes, and the round numbering.
         self.rounds: LocalRounds[ClientSession] = LocalRounds(config.local_size, config.worker_id, self.rank_offset)
+        # Rounds that wait for a stalled process are logged after the timeout, then every timeout (see .stalls).
+        self.stalls = WorkerStalls(cluster.timeout, config.worker_id, self.rank_offset)
         # Per name, the query of the servers' round number (RoundQuery) that learns the name's round base.
         self.round_queries: dict[str, asyncio.Future[int]] = {}
         # Per name, the machine's local sum (what is pushed) and the global sum (where results land),
@@ -193,10 +197,12 @@ class WorkerDaemon:
             seq += 1
             for session in list(self.sessions.values()):
                 session.send(Ping(seq))
+            for text in self.stalls.warnings(loop.time(), self.rounds, self.all_links):
+                log.warning("%s", text)
             if loop.time() >= next_link_beat:
                 next_link_beat = loop.time() + link_interval
                 for link in self.all_links:
-                    link.heartbeat(loop.time())
+                    link.heartbeat()
 
     async def stop(self) -> None:
         self.stopping = True
@@ -245,6 +251,8 @@ class WorkerDaemon:
     def _execute(self, actions: list[Action[ClientSession]]) -> None:
         """Carry out the local rounds' decisions, in order."""
         for action in actions:
+            if isinstance(action, (Opened, Ready)):  # it waits for local ranks, or at the servers, from now
+                self.stalls.began(action.round, asyncio.get_running_loop().time())
             if isinstance(action, Opened):
                 self.round_base(action.round.name, action.round.round)
                 self._watch(action.round)

@@ -15,14 +15,22 @@ until it answers it, so an abandoned one is never forgotten early (the server co
 into the result memory); a lost connection fails it with a :class:`~bps_worker.errors.LinkBrokenError`
 whose ``unanswered_shm`` is set, and the caller stops reusing that memory.
 
+Liveness: the daemon pings every server a few times per timeout (:meth:`ServerLink.heartbeat`), and
+any bytes from it are a sign of life. A connection silent for the timeout (a stalled or vanished
+server that never closed it) is dropped, and the reconnect window runs from the same last sign of
+life, not from the drop: a stalled server fails what waits on it about one timeout after it went
+quiet (not after a silence window plus a full reconnect window). The silence is not cut shorter to
+start reconnecting early: a connection we drop makes a same-run server fail the rounds that needed
+us anyway, so an early drop would only turn a pause shorter than the timeout into errors.
+
 Server restarts: every Welcome carries the server's *incarnation*, a random id of that run of it.
-When a connection breaks, what is in flight is held, not failed, while the link reconnects (for up
-to the timeout). If the server that answers is a new incarnation, its predecessor's state is lost:
-the link first *replays* the last finished sum of every partition key it got from that server (a
-peer may not have received it before the crash), then pushes again every partition still in
-flight (the contributions are intact: results land in a separate buffer). If it is the same
-incarnation (the connection alone broke, and the server already failed the rounds that needed
-us), the held pushes fail.
+When a connection breaks, what is in flight is held, not failed, while the link reconnects (until
+the timeout after the server's last sign of life: a closed connection is one). If the server that
+answers is a new incarnation, its predecessor's state is lost: the link first *replays* the last
+finished sum of every partition key it got from that server (a peer may not have received it
+before the crash), then pushes again every partition still in flight (the contributions are
+intact: results land in a separate buffer). If it is the same incarnation (the connection alone
+broke, and the server already failed the rounds that needed us), the held pushes fail.
 
 Authentication: every connection starts with :class:`protocol.handshake.ClientHandshake` (the Hello
 carries our cluster file's placement entries). With a cluster token the server must prove it on our
@@ -30,6 +38,11 @@ nonce and this very Hello; a server that does not (a stranger on its port, a rel
 dead one: retried within the timeout, then every push fails with a BPSConnectionError naming it. Nothing
 is sent on an unproven connection: no push and no replay. A server that read another cluster file (or
 speaks another protocol version) fails the pushes at once: retrying cannot mend it.
+
+One daemon per worker id: every Hello carries this process's :func:`daemon_id`. A server that has a
+live connection of our worker id from another daemon refuses us with code ``duplicate`` (its message
+names the other daemon's address, id and epoch): the link logs it as an error, fails what waits at once
+with that message, and tries again only one timeout later, never in a storm.
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import secrets
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Final, Sequence, cast
@@ -228,6 +242,23 @@ def make_probe(worker_id: int, mode: int, server_id: int) -> tuple[SharedMemory,
     return probe, key.hex()
 
 
+_daemon_id: tuple[int, str] | None = None  # (pid, id) of this process: see daemon_id
+
+
+def daemon_id() -> str:
+    """This process's random id for its run (Hello.daemon), the same on every link and across epochs;
+    a forked child gets its own."""
+    global _daemon_id
+    if _daemon_id is None or _daemon_id[0] != os.getpid():
+        _daemon_id = (os.getpid(), secrets.token_hex(8))
+    return _daemon_id[1]
+
+
+def _held_elsewhere(exc: HandshakeError) -> bool:
+    """The server refused us because another live daemon has our worker id (see the module docstring)."""
+    return isinstance(exc, HandshakeRefused) and exc.code == "duplicate"
+
+
 def _cannot_change(exc: HandshakeError) -> bool:
     """A refusal that retrying within the timeout cannot mend: the two sides read different cluster
     files or speak different protocol versions (the server says so with code ``mismatch``)."""
@@ -291,6 +322,9 @@ class ServerLink:
         self._pings = itertools.count()
         self._broken_reason = ""
         self._stall: asyncio.TimerHandle | None = None  # wakes the link at the window's stall deadline
+        # Refused because another daemon has our worker id: until when no attempt is made, and the error.
+        self._held_elsewhere: tuple[float, BPSConnectionError] | None = None
+        self._silence: asyncio.TimerHandle | None = None  # fires once the connection was silent for the timeout
 
     @property
     def shm(self) -> bool:
@@ -362,19 +396,31 @@ class ServerLink:
             buffered = self._proto.transport.get_write_buffer_size()
         return buffered + self.window.queued_wire_bytes()
 
-    def heartbeat(self, now: float) -> None:
-        """Ping the server; drop a connection that has been silent for longer than the timeout
-        (a dead or stalled server that never closed it) so that what waits on it fails."""
+    def heartbeat(self) -> None:
+        """Ping the server, so that a live one shows it (its answer; see :meth:`_watch_silence`)."""
         proto = self._proto
-        if proto is None or not self._ready:
+        if proto is not None and self._ready:
+            self._send(proto, Ping(next(self._pings)))
+
+    def _watch_silence(self, proto: _LinkProtocol) -> None:
+        """Wake up once ``proto``'s connection will have been silent for the timeout (module docstring)."""
+        if self._silence is not None:
+            self._silence.cancel()
+        self._silence = asyncio.get_running_loop().call_at(proto.last_seen + self.timeout, self._silence_over,
+                                                           proto, proto.last_seen)
+
+    def _silence_over(self, proto: _LinkProtocol, armed_at: float) -> None:
+        self._silence = None
+        if proto is not self._proto or not self._ready:
             return
-        if now - proto.last_seen > self.timeout:
-            if proto.transport is not None:
-                proto.transport.abort()
-            self.on_broken(proto, f"server {self.spec.id} at {self.spec.address} sent nothing for "
-                                  f"{now - proto.last_seen:.1f} s (limit {self.timeout:g} s)")
+        if proto.last_seen != armed_at:  # bytes came since: the deadline moved
+            self._watch_silence(proto)
             return
-        self._send(proto, Ping(next(self._pings)))
+        silent = asyncio.get_running_loop().time() - proto.last_seen
+        if proto.transport is not None:
+            proto.transport.abort()  # close() would wait to flush to a peer that reads nothing
+        self.on_broken(proto, f"server {self.spec.id} at {self.spec.address} sent nothing for {silent:.1f} s "
+                              f"(limit {self.timeout:g} s)", since=proto.last_seen)
 
     def reset(self) -> None:
         """Tell the server that this worker has no training processes left (see Reset)."""
@@ -392,6 +438,8 @@ class ServerLink:
 
     def close(self) -> None:
         self.closed = True
+        if self._silence is not None:
+            self._silence.cancel()
         if self._connecting is not None:
             self._connecting.cancel()
         if self._proto is not None and self._proto.transport is not None:
@@ -558,10 +606,16 @@ class ServerLink:
             self.timeline.span(lane, "pull", arriving, done, **args)
 
     # -- losing the connection -------------------------------------------------------
-    def on_broken(self, proto: _LinkProtocol, reason: str) -> None:
-        """``proto``'s connection is gone: hold what is in flight while reconnecting, or fail it."""
+    def on_broken(self, proto: _LinkProtocol, reason: str, since: float | None = None) -> None:
+        """``proto``'s connection is gone: hold what is in flight while reconnecting, or fail it.
+
+        ``since``: the server's last sign of life (default: now, as for a closed connection); the
+        reconnect window ends one timeout after it."""
         if proto is not self._proto:
             return
+        if self._silence is not None:
+            self._silence.cancel()
+            self._silence = None
         if not self.closed:
             log.warning("%s", reason)
         self._proto = None
@@ -584,7 +638,8 @@ class ServerLink:
         self._broken_reason = reason
         self.window.hold()
         self._follow_stall()
-        self._ensure_connecting()
+        loop = asyncio.get_running_loop()
+        self._ensure_connecting((loop.time() if since is None else since) + self.timeout, reason)
 
     def _fail_all(self, exc: BPSConnectionError) -> None:
         self.control.fail_queries(exc)
@@ -595,26 +650,33 @@ class ServerLink:
                 item.future.set_exception(connection_error(exc, True) if item.via_shm else exc)
 
     # -- connecting ------------------------------------------------------------------
-    def _ensure_connecting(self) -> None:
+    def _ensure_connecting(self, deadline: float | None = None, why: str = "no attempt") -> None:
         if self._connecting is None or self._connecting.done():
-            self._connecting = asyncio.ensure_future(self._connect())
+            self._connecting = asyncio.ensure_future(self._connect(deadline, why))
 
-    async def _connect(self) -> None:
-        """Connect (again), retrying with a doubling delay; fail everything after the timeout."""
+    async def _connect(self, deadline: float | None, why: str) -> None:
+        """Connect (again), retrying with a doubling delay until ``deadline`` (None: the timeout from
+        now); then fail everything, saying ``why`` if no attempt got further."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout
+        if self._held_elsewhere is not None and loop.time() < self._held_elsewhere[0]:
+            self._fail_all(self._held_elsewhere[1])  # another daemon has our id: no attempt before then
+            return
+        if deadline is None:
+            deadline = loop.time() + self.timeout
         delay = RECONNECT_DELAY_S
-        last_error = "no attempt"
-        while not self.closed:
+        last_error = why
+        while not self.closed and loop.time() < deadline:
             permanent = False
             try:
                 await self._open(deadline)
                 return
             except HandshakeError as exc:  # an unproven or refusing server: as a dead one, unless it cannot change
                 if str(exc) != last_error:
-                    log.warning("%s", exc)
+                    log.log(logging.ERROR if _held_elsewhere(exc) else logging.WARNING, "%s", exc)
                 last_error = str(exc)
-                permanent = _cannot_change(exc)
+                permanent = _cannot_change(exc) or _held_elsewhere(exc)
+                if _held_elsewhere(exc):
+                    self._held_elsewhere = (loop.time() + self.timeout, BPSConnectionError(last_error))
             except (OSError, asyncio.TimeoutError, ConnectionError) as exc:
                 last_error = str(exc) or exc.__class__.__name__
             if self._proto is not None and self._proto.transport is not None:
@@ -646,6 +708,7 @@ class ServerLink:
         previous, self.incarnation = self.incarnation, welcome.incarnation
         self._ready = True
         proto.last_seen = loop.time()
+        self._watch_silence(proto)
         for message in self.control.take():
             self._send(proto, message)
         self._settle_held(proto, restarted=previous is not None and previous != welcome.incarnation)
@@ -662,7 +725,7 @@ class ServerLink:
         greeting = ClientHandshake(
             Hello(PROTOCOL_VERSION, ROLE_WORKER, self.worker_id, shm=probe[0].name if probe else "",
                   shm_key=probe[1] if probe else "", epoch=self.epoch, stream=self.stream,
-                  config_items=list(self.config_items)),
+                  config_items=list(self.config_items), daemon=daemon_id()),
             token=self.token, who=f"server {self.spec.id} at {self.spec.address}")
         try:
             self._send(proto, greeting.receive(challenge))

@@ -6,22 +6,31 @@ type: ``Alloc`` (room for a tensor in this process's shared-memory arena) and ``
 a tensor, checked against the arena and handed to the daemon's local rounds). It owns the process's
 arena, so the segments go when the process does. A peer that breaks the protocol gets one ``Failure``
 with code ``protocol_error`` and is disconnected.
+
+Until its Hello a connection is a stranger's, bounded by the daemon's
+:class:`~bps_runtime.admission.Admission` (per local uid and in all, and a deadline) with a receive
+buffer for the Hello alone. A process that sends but never reads is no longer read while more than
+:data:`CLIENT_WRITE_BUFFER_HIGH_BYTES` wait to be written to it
+(:class:`~bps_runtime.backpressure.BackPressure`), so its answers cannot pile up without bound.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import struct
 from collections import Counter
 from math import prod
-from typing import TYPE_CHECKING, Any, Callable, Final, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Final, Protocol, cast
 
 from bps_runtime import cuda
 from bps_runtime import segments as shm
+from bps_runtime.admission import Admission, AdmittedProtocol
 from protocol import PROTOCOL_VERSION, dtypes
 from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.frames import FrameReader, encode_message
-from protocol.handshake import ServerHandshake
+from protocol.handshake import HANDSHAKE_BUFFER_BYTES, ServerHandshake
 from protocol.messages import (
     KIND_BROADCAST,
     ROLE_CLIENT,
@@ -31,6 +40,7 @@ from protocol.messages import (
     Failure,
     Message,
     Op,
+    Ping,
     Welcome,
     parse,
 )
@@ -43,6 +53,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("bps.worker")
 
 CLIENT_MAX_HEADER_BYTES: Final = 16 * 1024
+# Above this many bytes waiting to be written to a training process (answers are small control messages:
+# thousands of them) the daemon stops reading it until they drain (bps_runtime.backpressure).
+CLIENT_WRITE_BUFFER_HIGH_BYTES: Final = 256 * 1024
 # The largest tensor a process may allocate, in units of the cluster's max_payload_bytes.
 MAX_TENSOR_PAYLOADS: Final = 64
 
@@ -60,6 +73,7 @@ class SessionHost(Protocol):
     arena_bytes: int  # the cap of each process's arena (cluster.arena_bytes)
     sessions: dict[int, ClientSession]  # handshaken sessions by local rank
     connections: set[ClientSession]  # every open connection, handshaken or not
+    admission: Admission  # of the connections that have not sent their Hello yet
 
     def submit(self, session: ClientSession, op: Op) -> None: ...
 
@@ -68,12 +82,14 @@ class SessionHost(Protocol):
     def segments_freed(self, names: list[str]) -> None: ...
 
 
-class ClientSession(asyncio.BufferedProtocol):
+class ClientSession(AdmittedProtocol):
     """One training process's connection: its handshake, its arena, and the dispatch of its messages."""
 
     def __init__(self, daemon: SessionHost) -> None:
         self.daemon = daemon
-        self.reader = FrameReader(max_header_bytes=CLIENT_MAX_HEADER_BYTES, max_payload_bytes=0)
+        # Until the Hello, a small buffer (it grows for a large frame); the full one after the handshake.
+        self.reader = FrameReader(max_header_bytes=CLIENT_MAX_HEADER_BYTES, max_payload_bytes=0,
+                                  buffer_bytes=HANDSHAKE_BUFFER_BYTES)
         self.transport: asyncio.Transport | None = None
         self.local_rank: int | None = None  # set by the handshake
         self.pid = 0
@@ -98,8 +114,9 @@ class ClientSession(asyncio.BufferedProtocol):
 
     # -- asyncio ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # a Unix stream transport
-        self.daemon.connections.add(self)
+        self.transport = unix = cast(asyncio.Transport, transport)  # a Unix stream transport
+        if self.admit(unix, self.daemon.admission, *_peer(transport), CLIENT_WRITE_BUFFER_HIGH_BYTES):
+            self.daemon.connections.add(self)  # else: too many connections without a Hello (logged), closed
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer(sizehint)
@@ -118,6 +135,7 @@ class ClientSession(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.left()
         self.daemon.connections.discard(self)
         self.daemon.session_lost(self)
 
@@ -143,6 +161,8 @@ class ClientSession(asyncio.BufferedProtocol):
         self.local_rank = hello.id
         self.pid = hello.pid
         self.daemon.sessions[hello.id] = self
+        self.admitted()
+        self.reader.set_limits(max_header_bytes=CLIENT_MAX_HEADER_BYTES, max_payload_bytes=0)
         cfg = self.daemon.config.cluster
         log.info("client %r connected", self)
         self.send(self.handshaker.accept(Welcome(PROTOCOL_VERSION, rank=self.rank, size=cfg.size, local_rank=hello.id,
@@ -214,6 +234,8 @@ class ClientSession(asyncio.BufferedProtocol):
     def send(self, message: Message) -> None:
         if isinstance(message, (Done, Failure)) and message.req in self.inflight:
             self._answered(message.req)
+        if isinstance(message, Ping) and self.flow is not None and self.flow.paused:
+            return  # the process reads nothing: a heartbeat would only add to what waits for it
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(encode_message(message))
 
@@ -230,3 +252,20 @@ class ClientSession(asyncio.BufferedProtocol):
 
     def release_segments(self) -> None:
         self.daemon.segments_freed(self.arena.release_all())
+
+
+def _peer(transport: asyncio.BaseTransport) -> tuple[str, str]:
+    """Who is on the other end of a Unix-socket connection: its admission key (its uid) and a label
+    (pid and uid), from SO_PEERCRED; ("local", "a local process") where the system does not say."""
+    sock = transport.get_extra_info("socket")
+    try:
+        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except (AttributeError, OSError, struct.error):
+        return "local", "a local process"
+    return f"uid {uid}", f"pid {pid} (uid {uid})"
+
+
+def client_admission(worker_id: int) -> Admission:
+    """The admission of worker ``worker_id``'s socket: bounded per uid and in all, and a Hello within
+    HANDSHAKE_DEADLINE_S of connecting (see bps_runtime.admission)."""
+    return Admission(log, f"worker {worker_id}'s socket")

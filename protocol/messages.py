@@ -52,6 +52,7 @@ FailureCode = Literal[
     "bad_request",     # a client asked for something not allowed (the name is already in flight, ...)
     "timeout",         # something did not happen in time (Failure.what, .timeout_s)
     "connection",      # a peer is unreachable or went away (Failure.peer)
+    "duplicate",       # refused: another daemon holds this worker id (Failure.peer: where it connects from)
 ]
 FAILURE_CODES: Final[frozenset[str]] = frozenset(get_args(FailureCode))
 
@@ -175,6 +176,9 @@ class Hello(Message):
     # A worker's description of the placement-relevant cluster file (protocol.config.placement_items); a
     # server whose own differs refuses it, naming what differs.
     config_items: list[str] = field(default_factory=list)
+    # A worker daemon's random id for this run of it (kept across its epochs): a server tells a reconnect
+    # of the daemon that holds a worker id from a second daemon with the same id (bps_server.connection).
+    daemon: str = ""
 
     def validate(self) -> None:
         if self.role not in (ROLE_WORKER, ROLE_CLIENT, ROLE_OBSERVER):
@@ -183,7 +187,8 @@ class Hello(Message):
             raise LocalProtocolError(f"hello: stream {self.stream} outside 0..{MAX_STREAMS - 1}")
         for what, text, limit in (("shared-memory probe name", self.shm, MAX_SEGMENT_CHARS),
                                   ("shared-memory key", self.shm_key, MAX_SHM_KEY_CHARS),
-                                  ("proof", self.auth, MAX_PROOF_CHARS), ("nonce", self.nonce, MAX_NONCE_CHARS)):
+                                  ("proof", self.auth, MAX_PROOF_CHARS), ("nonce", self.nonce, MAX_NONCE_CHARS),
+                                  ("daemon id", self.daemon, MAX_NONCE_CHARS), ("epoch", self.epoch, MAX_NONCE_CHARS)):
             if len(text) > limit:
                 raise LocalProtocolError(f"hello: {what} of {len(text)} characters; at most {limit}",
                                          what=f"hello {what}", size=len(text), limit=limit, unit="characters")

@@ -371,7 +371,7 @@ def _push(**changes) -> m.Push:
     (lambda: m.Batch([], []), "batch of 0 items; 1 to 1024 allowed"),
     (lambda: m.Failure(1, "x", code="oops"),  # type: ignore[arg-type]
      "failure message field 'code' must be one of 'error', 'mismatch', 'round_failed', 'protocol_error', "
-     "'bad_request', 'timeout', 'connection', got 'oops'"),
+     "'bad_request', 'timeout', 'connection', 'duplicate', got 'oops'"),
     (lambda: m.Failure(1, "x", code="timeout", timeout_s=-1.0), "timeout_s must be finite and >= 0, got -1.0"),
     (lambda: m.Failure(1, "x", code="timeout", timeout_s=float("nan")), "timeout_s must be finite"),
     (lambda: m.Failure(1, "x", ours="o" * (m.MAX_MESSAGE_CHARS + 1)), "failure ours of 4097 characters"),
@@ -401,7 +401,7 @@ def test_a_received_bad_value_is_the_peers_fault():
 
 def test_a_failure_code_is_one_of_the_closed_set():
     assert m.FAILURE_CODES == {"error", "mismatch", "round_failed", "protocol_error", "bad_request", "timeout",
-                               "connection"}
+                               "connection", "duplicate"}
     for code in sorted(m.FAILURE_CODES):
         assert m.parse(header("failure", code=code)).code == code
     with pytest.raises(RemoteProtocolError, match="field 'code' must be one of"):
