@@ -508,7 +508,8 @@ def sum_into(out: np.ndarray, inputs: Sequence[np.ndarray], dtype: str, divisor:
 
     Inputs: contiguous, ``out``'s length and storage dtype, summed in their order; ``out`` may be
     one of them. For half types the float32 sum is also written to ``scratch`` if one is given
-    (it is not needed: the sum is made in cache-sized blocks).
+    (it is not needed: the sum is made in cache-sized blocks). The sum of one input, undivided, is a copy
+    of its bytes in every dtype (a broadcast's result): a float32 round trip would quiet a signalling NaN.
     """
     if not inputs:
         raise ValueError("sum_into needs at least one input")
@@ -517,6 +518,9 @@ def sum_into(out: np.ndarray, inputs: Sequence[np.ndarray], dtype: str, divisor:
     _check_inputs(inputs, out)
     divisor = int(divisor)
     k = len(inputs)
+    if k == 1 and divisor == 1 and scratch is None:
+        np.copyto(out, inputs[0])
+        return
     if dtype in dtypes.HALF_TYPES:
         if scratch is not None and (scratch.size != out.size or scratch.dtype != np.float32):
             raise ValueError(f"sum_into: scratch of {scratch.size} {scratch.dtype} for {out.size} elements")

@@ -10,8 +10,16 @@ current, incomplete round is abandoned (its waiters get an error). Rounds are
 never mixed: every push carries its round and is checked against the key's.
 
 Each push carries a descriptor (dtype, shape, partition offset/count, divisor,
-kind). A descriptor that differs from the round's first one fails the round for
-everyone who pushed it, with a message naming the tensor and both shapes.
+kind, a broadcast's root, and the layout a framework layer gives a fused tensor:
+a digest of a gradient bucket's parameters). A descriptor that differs from the
+round's first one fails the round for everyone who pushed it, with a message
+naming the tensor and both descriptors.
+
+Broadcasts. A broadcast round is a copy, not a sum: the push of the worker whose
+machine holds the root (``Push.holds_root``) is kept until every worker pushed,
+and its bytes are the result, bit for bit (a sum with -0.0 quiets a signalling
+NaN). The other workers' data is ignored. A round in which no worker, or two,
+hold the root fails (the workers' cluster files disagree about the ranks).
 
 A round that waits longer than ``lost_grace_s`` for a worker which is not even
 connected fails, naming it (a worker machine that never came, or died before a
@@ -73,7 +81,7 @@ from typing import Callable, Generic, TypeVar, Union
 import numpy as np
 
 from protocol import dtypes, messages
-from protocol.messages import FailureCode, Push
+from protocol.messages import KIND_BROADCAST, KIND_SUM, FailureCode, Push
 
 Key = tuple[str, int]
 W = TypeVar("W")
@@ -83,16 +91,20 @@ def describe(push: Push) -> str:
     """A push's descriptor as a reader knows it: ``float32[2,2] (average over 4)``."""
     shape = "[" + ",".join(str(d) for d in push.shape) + "]"
     extra = ""
-    if push.kind != "sum":
+    if push.kind == KIND_BROADCAST:
+        extra += f" (broadcast from rank {push.root})"
+    elif push.kind != KIND_SUM:
         extra += f" ({push.kind})"
     if push.divisor != 1:
         extra += f" (average over {push.divisor})"
+    if push.layout:
+        extra += f" (layout {push.layout})"
     return f"{push.dtype}{shape}{extra}"
 
 
 def descriptor(push: Push) -> tuple[object, ...]:
     """What every push of one round must agree on."""
-    return (push.dtype, tuple(push.shape), push.offset, push.count, push.divisor, push.kind)
+    return (push.dtype, tuple(push.shape), push.offset, push.count, push.divisor, push.kind, push.root, push.layout)
 
 
 # -- why a round failed --------------------------------------------------------------
@@ -172,7 +184,8 @@ class Round(Generic[W]):
     first: Push | None = None  # the descriptor every later push must match
     waiters: dict[int, Waiter[W]] = field(default_factory=dict)  # worker -> its push of this round
     added: int = 0  # contributions the driver has summed into the accumulator
-    held: dict[int, tuple[np.ndarray, bool]] = field(default_factory=dict)  # one-pass sums: worker -> (data, borrowed)
+    # one-pass sums (and a broadcast's root): worker -> (data, borrowed)
+    held: dict[int, tuple[np.ndarray, bool]] = field(default_factory=dict)
     failed: Why | None = None
     previous_failure: tuple[int, Why] | None = None  # (round, why) of the round before, if it failed
     restart: Restart[W] = field(default_factory=Restart)
@@ -237,7 +250,8 @@ class Add:
 
 @dataclass(frozen=True, slots=True)
 class SumAll:
-    """Sum ``inputs`` (in this order: worker-id order) in one pass, then call :meth:`RoundTable.complete`."""
+    """Sum ``inputs`` (in this order: worker-id order) in one pass, then call :meth:`RoundTable.complete`.
+    A broadcast's one input is the root's data: its sum is a copy, bit for bit (``kernels.sum_into``)."""
 
     token: Token
     push: Push  # the last push: dtype, divisor and count of the round
@@ -366,6 +380,8 @@ class RoundTable(Generic[W]):
         if st.restart.result is not None:  # the sum is known from a replay
             st.restart.answered.add(push.worker)
             return actions + [Answer((waiter,), st.restart.result), *self._settle(st)]
+        if push.kind == KIND_BROADCAST:
+            return actions + self._broadcast(st, push, payload, borrowed)
         if self.deterministic or push.dtype in dtypes.HALF_TYPES:
             # Keep every contribution, then one pass over all of them in worker-id order (see the module
             # docstring): deterministic, and for half types cheaper than a float32 accumulator.
@@ -376,6 +392,23 @@ class RoundTable(Generic[W]):
             st.held.clear()
             return actions + [SumAll(st.token, push, inputs)]
         return actions + [Add(st.token, push, payload, borrowed)]
+
+    def _broadcast(self, st: Round[W], push: Push, payload: np.ndarray, borrowed: bool) -> list[Action[W]]:
+        """One worker's push of a broadcast round: keep the root's data; once every worker pushed, its copy
+        is the result (see "Broadcasts")."""
+        if push.holds_root:
+            if st.held:
+                return [self._fail_round(st, Why(f"tensor {push.name!r}: workers {min(st.held)} and {push.worker} "
+                                                 f"both hold broadcast root rank {push.root}"))]
+            st.held[push.worker] = (payload, borrowed)
+        if len(st.waiters) < self.n_workers:
+            return []
+        if not st.held:
+            return [self._fail_round(st, Why(f"tensor {push.name!r}: no worker holds broadcast root rank "
+                                             f"{push.root}"))]
+        ((data, _),) = st.held.values()
+        st.held.clear()
+        return [SumAll(st.token, push, (data,))]
 
     def _refusal(self, st: Round[W], push: Push) -> Why | None:
         """Why a push of the key's open round cannot join it, if it cannot."""
@@ -429,7 +462,9 @@ class RoundTable(Generic[W]):
             actions.append(self._fail_round(st, Why(f"tensor {name!r} round {st.round} abandoned: worker "
                                                     f"{worker} aborted round {round_}")))
         if st is None or round_ > st.round:
+            failed = (st.round, st.failed) if st is not None and st.failed is not None else None
             st = self._open(key, round_)
+            st.previous_failure = failed  # a late push of the failed round still hears why
         if st.round == round_ and st.failed is None:
             actions.append(self._fail_round(st, Why(f"tensor {name!r} round {round_} aborted by worker {worker}: "
                                                     f"{message}")))

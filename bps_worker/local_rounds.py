@@ -40,13 +40,16 @@ def describe(op: Op) -> str:
         text += f" (broadcast from rank {op.root})"
     elif op.average:
         text += " (average)"
+    if op.layout:
+        text += f" (layout {op.layout})"
     return text
 
 
 def agree(a: Op, b: Op) -> bool:
-    """Whether two processes asked for the same operation on the same tensor (dtype, shape, kind, root)."""
-    return (a.kind, a.dtype, list(a.shape), a.average, a.root, bool(a.cuda)) == \
-        (b.kind, b.dtype, list(b.shape), b.average, b.root, bool(b.cuda))
+    """Whether two processes asked for the same operation on the same tensor (dtype, shape, kind, root, and
+    the layout a framework layer gave it)."""
+    return (a.kind, a.dtype, list(a.shape), a.average, a.root, bool(a.cuda), a.layout) == \
+        (b.kind, b.dtype, list(b.shape), b.average, b.root, bool(b.cuda), b.layout)
 
 
 def ops_disagree(first: Op, first_rank: int, other: Op, other_rank: int) -> Why:

@@ -5,8 +5,9 @@ A round whose local processes all submitted and agree (``bps_worker.local_rounds
 
 1. *round*: the servers' number of the round (our local number plus the name's base, see RoundQuery);
 2. *gather*: this machine's contribution. The processes' tensors are summed into a staging buffer in
-   shared memory (a broadcast copies the root's tensor, or fills the identity where the root is on
-   another machine). A single process's own slot is pushed directly, with no copy. Where the tensors
+   shared memory. A single process's own slot is pushed directly, with no copy, and so is a broadcast
+   root's: the servers copy the root's bytes (a machine without the root pushes any slot of its own,
+   whose data the servers ignore), so a broadcast is bit-exact. Where the tensors
    live is a small strategy: ``CpuPath`` (the processes' shared-memory slots) or ``CudaPath`` (their
    GPU tensors, opened by CUDA IPC, summed on the GPU and staged in page-locked memory);
 3. *scatter*: the contribution cut into pieces by ``bps_worker.placement`` and pushed on the links,
@@ -184,11 +185,14 @@ class Operation:
         out_raw = out.data.cast("B") if self.nbytes else memoryview(b"")
         priority = max(o.priority for _, o in self.members)
         slots = self.path.handback_slots()
+        # The servers compare a broadcast's root, and copy the data of the machine that holds it.
+        broadcast = dict(root=op.root, holds_root=self.root is not None) if op.kind == KIND_BROADCAST else {}
         futures = []
         for piece in interleave(host.placement.split(name, self.count, itemsize)):
             lo, hi = piece.offset * itemsize, (piece.offset + piece.count) * itemsize
             fields = dict(name=name, part=piece.part, round=server_round, dtype=op.dtype, shape=list(op.shape),
-                          offset=piece.offset, count=piece.count, divisor=divisor, kind=op.kind)
+                          offset=piece.offset, count=piece.count, divisor=divisor, kind=op.kind, layout=op.layout,
+                          **broadcast)
             future = host.streams[piece.server][piece.stream].push(
                 fields, raw[lo:hi], out_raw[lo:hi], priority,
                 shm_ref=(contribution.segment, contribution.base + lo), out_ref=(out_segment, out_base + lo))
@@ -294,15 +298,6 @@ class Operation:
         else:
             fn(*args)
 
-    async def contribute(self, buf: np.ndarray, views: list[np.ndarray]) -> None:
-        """Fill the staging buffer with this machine's contribution from the processes' arrays."""
-        op = self.op
-        if op.kind != KIND_BROADCAST:
-            await self.off_loop(kernels.sum_into, buf, views, op.dtype)
-        elif self.root is not None:
-            await self.off_loop(np.copyto, buf, views[self.root])
-        else:
-            fill_identity(buf, op.dtype)
 
 
 class CpuPath:
@@ -313,18 +308,20 @@ class CpuPath:
         self.views: list[np.ndarray] = []
 
     async def gather(self) -> Contribution:
-        """The processes' arrays; one process's own slot is pushed as it is (the direct path)."""
+        """The processes' arrays, summed; one process's own slot is pushed as it is (the direct path), and so
+        is a broadcast root's (or, on a machine without the root, any slot: the servers ignore its data)."""
         o = self.operation
         storage = kernels.STORAGE[o.op.dtype]
         for s, m in o.members:  # a process may have shrunk its slot since its Op came (issue 14, item 3)
             shm.check_size(s.arena.segments[m.segment], m.offset + o.nbytes, o.name)
         self.views = [np.frombuffer(segment_buffer(s.arena, m.segment), dtype=storage, count=o.count, offset=m.offset)
                       for s, m in o.members]
-        if len(self.views) == 1 and (o.op.kind != KIND_BROADCAST or o.root is not None):
-            member = o.members[0][1]
-            return Contribution(self.views[0], member.segment, member.offset, direct=True)
+        if len(self.views) == 1 or o.op.kind == KIND_BROADCAST:
+            index = o.root or 0
+            member = o.members[index][1]
+            return Contribution(self.views[index], member.segment, member.offset, direct=True)
         buf, segment, base = o.staging()
-        await o.contribute(buf, self.views)
+        await o.off_loop(kernels.sum_into, buf, self.views, o.op.dtype)
         return Contribution(buf, segment, base, direct=False)
 
     def handback_slots(self) -> list[np.ndarray]:
@@ -371,9 +368,7 @@ class CudaPath:
         bridge = o.host.cuda_bridge()  # BPSError where this daemon cannot do CUDA
         self.tensors = [bridge.open(m.cuda) for _, m in o.members]
         buf, segment, base = o.staging()
-        if o.op.kind == KIND_BROADCAST and o.root is None:
-            await o.contribute(buf, [])  # the identity: this machine has no root
-        else:
+        if o.op.kind != KIND_BROADCAST or o.root is not None:  # without the root, the servers ignore our data
             await asyncio.get_running_loop().run_in_executor(o.host.executor, bridge.sum_to_host, self.tensors, buf,
                                                              o.root)
         return Contribution(buf, segment, base, direct=False)
@@ -414,18 +409,6 @@ class HandBack:
         part = self.out[self.lo:self.hi]
         for slot in self.slots:
             np.copyto(slot[self.lo:self.hi], part)
-
-
-def fill_identity(buf: np.ndarray, dtype: str) -> None:
-    """The contribution of a machine with no broadcast root: the identity of addition.
-
-    -0.0 is the exact identity of float addition (x + -0.0 == x for every x, even +0.0); half types
-    are stored as 16-bit integers, so their -0.0 is written as its bits.
-    """
-    buf[...] = 0
-    if dtype in dtypes.FLOAT_TYPES:
-        buf[...] = {2: 0x8000, 4: 0x80000000, 8: 0x8000000000000000}[buf.itemsize] \
-            if dtype in dtypes.HALF_TYPES else -0.0
 
 
 def segment_buffer(arena: shm.Arena, segment: str) -> memoryview:

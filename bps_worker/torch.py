@@ -31,7 +31,9 @@ hangs and nothing is skipped silently on only some processes.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
+import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -309,6 +311,8 @@ class _Bucket:
     numel: int  # elements of the gradients; the flags follow
     dtype: torch.dtype  # on the wire
     priority: int
+    layout: str  # what every process's bucket of this name must hold (_bucket_layout)
+    names: list[str]  # of the parameters
     filled: set[int] = field(default_factory=set)  # indexes of the gradients already in the slot
     slot: torch.Tensor | None = None  # the flat shared slot while it is being filled
     handle: _client.Handle | None = None
@@ -316,6 +320,29 @@ class _Bucket:
     @property
     def total(self) -> int:
         return self.numel + len(self.params)
+
+
+def _bucket_layout(names: list[str], params: list[torch.Tensor]) -> str:
+    """A bucket's ``Op.layout``: its number of parameters and a digest of their names, shapes and dtypes in
+    order, so that two processes whose buckets of one name hold anything else disagree."""
+    described = json.dumps([[n, list(p.shape), str(p.dtype)] for n, p in zip(names, params)])
+    return f"{len(params)} params {hashlib.blake2b(described.encode(), digest_size=8).hexdigest()}"
+
+
+_LISTED_PARAMS = 8  # a bucket mismatch names this many of the bucket's parameters
+
+
+def _bucket_error(bucket: _Bucket, error: BPSError) -> BPSError:
+    """A mismatch about ``bucket`` that also names this process's parameters in it: the digest alone does not
+    say which differ, and each process's error lists its own, so the user can compare two processes' errors."""
+    if not isinstance(error, BPSMismatchError) or error.name != bucket.name:
+        return error
+    listed = ", ".join(f"{n!r} {p.dtype} {tuple(p.shape)}"
+                       for n, p in zip(bucket.names[:_LISTED_PARAMS], bucket.params))
+    more = len(bucket.names) - _LISTED_PARAMS
+    listed += f" and {more} more" if more > 0 else ""
+    detail = f"{error.detail}; this process's bucket {bucket.name!r} holds {listed}"
+    return BPSMismatchError(detail, name=error.name, ours=error.ours, theirs=error.theirs)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -383,10 +410,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     offsets.append(numel)
                     numel += p.numel()
                 front = min(position[p] for p in group)
-                # Named after its first gradient: the same name with other contents on another process
-                # (a different bucket_bytes) is a mismatch error naming both sizes.
-                buckets.append(_Bucket(f"grad.{self._names[group[0]]}", group, offsets, numel,
-                                       self._wire_dtype(group[0]), -front))
+                # Named after its first gradient. The same name with other contents on another process (other
+                # parameters, shapes or dtypes, in another order, or a different bucket_bytes) is a mismatch
+                # error: the daemons compare the layout, a digest of the contents.
+                names = [self._names[p] for p in group]
+                buckets.append(_Bucket(f"grad.{names[0]}", group, offsets, numel, self._wire_dtype(group[0]),
+                                       -front, _bucket_layout(names, group), names))
             group, nbytes = [], 0
 
         for p in reversed(self._params):
@@ -498,7 +527,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket.slot = None  # no reference to the slot outlives the push (it may move, or close at shutdown)
         # the gradients are in the slot already (_fill wrote them through shared_slot)
         bucket.handle = _adapter.start_filled(bucket.name, _NUMPY_OF[bucket.dtype], (bucket.total,), average=True,
-                                              priority=bucket.priority)
+                                              priority=bucket.priority, layout=bucket.layout)
 
     def synchronize(self) -> None:
         """Wait for every gradient of this step and write the averages into ``.grad``.
@@ -529,7 +558,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 except BPSError as exc:
                     # Keep draining: every handle must be consumed, or its name stays "in flight"
                     # and every later step fails. The first error is raised once all are done.
-                    first_error = first_error or exc
+                    first_error = first_error or _bucket_error(bucket, exc)
                     continue
                 if first_error is None:
                     self._write_grads(bucket, _from_numpy(out))

@@ -6,6 +6,6 @@ pure steps (``handshake``), knows the supported tensor dtypes (``dtypes``) and
 reads and validates the cluster configuration (``config``).
 """
 
-PROTOCOL_VERSION = 2  # 2: mutual, field-binding handshake proofs; the placement digest
+PROTOCOL_VERSION = 3  # 2: mutual handshake proofs, placement digest; 3: Push/Op broadcast root and layout
 
 __all__ = ["PROTOCOL_VERSION"]

@@ -34,6 +34,7 @@ MAX_DIMS: Final = 32
 MAX_MESSAGE_CHARS: Final = 4096
 MAX_SEGMENT_CHARS: Final = 200
 MAX_STREAMS: Final = 16  # TCP connections a worker may open to one server (Hello.stream)
+MAX_LAYOUT_CHARS: Final = 64  # Op.layout, Push.layout: a digest and a count, not a list
 
 ROLE_WORKER: Final = "worker"
 ROLE_CLIENT: Final = "client"
@@ -82,6 +83,12 @@ def _check_tensor(name: str, dtype: str, shape: list[Any], kind: str) -> None:
     _check_shape(shape)
     if kind not in KINDS:
         raise LocalProtocolError(f"unknown operation kind {kind!r}")
+
+
+def _check_layout(tag: str, layout: str) -> None:
+    if len(layout) > MAX_LAYOUT_CHARS:
+        raise LocalProtocolError(f"{tag} layout of {len(layout)} characters; at most {MAX_LAYOUT_CHARS}",
+                                 what=f"{tag} layout", size=len(layout), limit=MAX_LAYOUT_CHARS, unit="characters")
 
 
 def _check_segment(segment: str, *, required: bool = False, who: str = "segment name") -> None:
@@ -331,9 +338,21 @@ class Push(Message):
     # After a server restart: not a contribution but the finished sum of ``round``, which this worker
     # received from the server's previous run; it answers the workers that did not (no reply to it).
     replay: bool = False
+    # A broadcast's root (a global rank; -1 for a sum): every push of a round must name the same one.
+    root: int = -1
+    # This worker's machine holds the broadcast's root: its data is the round's result, copied bit for bit;
+    # the other workers' data is ignored.
+    holds_root: bool = False
+    # What the tensor holds beyond its dtype and shape, as Op.layout: every push of a round must agree.
+    layout: str = ""
 
     def validate(self) -> None:
         _check_tensor(self.name, self.dtype, self.shape, self.kind)
+        if self.kind == KIND_BROADCAST and self.root < 0:
+            raise LocalProtocolError(f"broadcast push of {self.name!r} has no root (root {self.root})")
+        if self.kind != KIND_BROADCAST and (self.root != -1 or self.holds_root):
+            raise LocalProtocolError(f"{self.kind} push of {self.name!r} names a broadcast root")
+        _check_layout("push", self.layout)
         _check_non_negative("push", part=self.part, round=self.round, offset=self.offset, count=self.count,
                             worker=self.worker, seg_offset=self.seg_offset, out_offset=self.out_offset)
         if self.divisor < 1:
@@ -535,10 +554,15 @@ class Op(Message):
     # in its own results segment and names it in ``Done``, for the client to read from there (one copy less
     # when the client copies it elsewhere anyway).
     handback: bool = True
+    # What the tensor holds beyond its dtype and shape, set by a framework layer: a fused gradient bucket's
+    # digest of its parameters' names, shapes and dtypes (bps_worker.torch). Every process's op of a round,
+    # on every machine, must carry the same (the workers and the servers compare it).
+    layout: str = ""
 
     def validate(self) -> None:
         _check_tensor(self.name, self.dtype, self.shape, self.kind)
         _check_offset(self.offset)
+        _check_layout("op", self.layout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -561,7 +585,7 @@ MAX_BATCH_ITEMS: Final = 1024
 BATCH_HEADER_BUDGET: Final = 32 * 1024
 
 
-_FREE_TEXT: Final = ("name", "message", "ours", "theirs", "peer", "what", "detail")
+_FREE_TEXT: Final = ("name", "message", "ours", "theirs", "peer", "what", "detail", "layout")
 
 
 def estimated_header_bytes(message: Message) -> int:

@@ -49,11 +49,13 @@ def _already_filled(view: np.ndarray) -> None:
 
 
 def start_filled(name: str, dtype: npt.DTypeLike, shape: tuple[int, ...], fill: Fill | None = None, *,
-                 average: bool, priority: int = 0, out: np.ndarray | None = None) -> Handle:
+                 average: bool, priority: int = 0, out: np.ndarray | None = None, layout: str = "") -> Handle:
     """Start summing (averaging) ``name``'s slot: ``fill(view)`` writes the input into it first, or, with no
-    ``fill``, the slot already holds it. ``out`` as for ``push_pull_async``."""
+    ``fill``, the slot already holds it. ``out`` as for ``push_pull_async``. ``layout``: what a fused tensor
+    holds (at most ``protocol.messages.MAX_LAYOUT_CHARS`` characters, e.g. a digest of a gradient bucket's
+    parameters): every process's must be the same, or each gets a :class:`BPSMismatchError` naming both."""
     return _operations().start_filled(name, KIND_SUM, np.dtype(dtype), tuple(shape), fill or _already_filled,
-                                      average=average, priority=priority, root=-1, out=out)
+                                      average=average, priority=priority, root=-1, out=out, layout=layout)
 
 
 def start_cuda(name: str, wire_dtype: str, shape: tuple[int, ...], description: list[Any], *, average: bool,

@@ -16,13 +16,13 @@ from typing import Final, Iterable, SupportsIndex
 import numpy as np
 
 from protocol import dtypes
-from protocol.messages import MAX_DIMS, MAX_NAME_CHARS
+from protocol.messages import MAX_DIMS, MAX_LAYOUT_CHARS, MAX_NAME_CHARS
 
 from ..errors import BPSError
 from .arrays import dtype_name
 
-__all__ = ["WIRE_INT_MAX", "WIRE_INT_MIN", "check_average", "check_dtype", "check_name", "check_out",
-           "check_priority", "check_shape"]
+__all__ = ["WIRE_INT_MAX", "WIRE_INT_MIN", "check_average", "check_dtype", "check_layout", "check_name",
+           "check_out", "check_priority", "check_shape"]
 
 # The integers a control message carries are msgpack's signed 64-bit ones (a larger one cannot be encoded).
 WIRE_INT_MIN: Final = -(1 << 63)
@@ -43,6 +43,15 @@ def check_name(name: object) -> str:
         raise BPSError(f"tensor name {name!r} cannot be encoded as UTF-8 ({exc.reason} at character "
                        f"{exc.start}); use characters UTF-8 can encode") from None
     return name
+
+
+def check_layout(name: str, layout: object) -> str:
+    """A framework layer's ``layout`` (see ``protocol.messages.Op.layout``): a str of at most
+    ``MAX_LAYOUT_CHARS`` characters."""
+    if not isinstance(layout, str) or len(layout) > MAX_LAYOUT_CHARS:
+        raise BPSError(f"tensor {name!r}: layout must be a string of at most {MAX_LAYOUT_CHARS} characters, "
+                       f"got {layout!r:.80}")
+    return layout
 
 
 def check_priority(name: str, priority: object) -> int:

@@ -27,7 +27,7 @@ from protocol.messages import Op
 from bps_runtime.timeline import Timeline, now_us
 
 from ..errors import BPSError, BPSTimeoutError
-from .arguments import check_average, check_dtype, check_name, check_out, check_priority, check_shape
+from .arguments import check_average, check_dtype, check_layout, check_name, check_out, check_priority, check_shape
 from .arrays import NUMPY_DTYPES, same_memory, view_of
 from .connection import Connection
 from .handle import Handle
@@ -89,11 +89,11 @@ class Operations:
         return view_of(seg.buf, dtype, shape, offset)
 
     def start_filled(self, name: str, kind: str, dtype: np.dtype, shape: tuple[int, ...], fill: Fill, *,
-                     average: bool, priority: int, root: int, out: np.ndarray | None) -> Handle:
+                     average: bool, priority: int, root: int, out: np.ndarray | None, layout: str = "") -> Handle:
         """Start an operation whose input ``fill(view)`` writes straight into the shared slot.
 
-        Framework layers use it to assemble an input in place (no staging copy). Every argument is checked
-        before the slot is touched (:mod:`.arguments`).
+        Framework layers use it to assemble an input in place (no staging copy), and give a fused tensor its
+        ``layout`` (``Op.layout``). Every argument is checked before the slot is touched (:mod:`.arguments`).
         """
         name = check_name(name)
         dtype, wire = check_dtype(dtype)
@@ -101,6 +101,7 @@ class Operations:
         average = check_average(name, average, wire)
         priority = check_priority(name, priority)
         out = check_out(name, out, shape, dtype)
+        layout = check_layout(name, layout)
         handle = Handle(self.conn.next_req(), name, dtype, shape, out)
         self._reserve(handle)
         try:
@@ -114,7 +115,8 @@ class Operations:
             if self.timeline is not None:
                 handle.times = [t_start, now_us(), 0]
             self.conn.submit(handle, Op(handle.req, name, kind, wire, list(shape), seg.name, average=average,
-                                        priority=priority, root=root, offset=offset, handback=handle.in_place))
+                                        priority=priority, root=root, offset=offset, handback=handle.in_place,
+                                        layout=layout))
         except BaseException:
             self._unreserve(handle)
             raise

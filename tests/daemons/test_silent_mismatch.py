@@ -1,0 +1,94 @@
+"""Mismatches the server could not see, now errors on every process (issue 14 item 4).
+
+Before: a broadcast whose root differed between machines (each machine's ranks agreeing) returned the sum of
+the two machines' arrays on every rank, and a DistributedOptimizer whose processes named (or shaped) the
+parameters of a bucket differently averaged one process's ``a`` with another's ``b``: a bucket's wire name
+is its first parameter's name, and its size was all that was compared. Now the root and a digest of the
+bucket's parameters (names, shapes, dtypes) travel with every op and push, and the worker's local rounds and
+the servers compare them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import silent_programs as sp
+from harness import run_ranks
+
+SIZE = 4  # cluster_2x2: ranks 0, 1 on worker 0; 2, 3 on worker 1
+
+
+@pytest.mark.timeout(120)
+def test_broadcast_roots_that_differ_between_machines_are_a_mismatch_everywhere(cluster_2x2: Any) -> None:
+    results = run_ranks(cluster_2x2, sp.root_by_worker, [0, 2], timeout=90)
+    for rank, r in enumerate(results):
+        error = r["error"]
+        assert error is not None, f"rank {rank} got {r.get('value')} and no error"
+        assert error["type"] == "BPSMismatchError" and error["name"] == "b", (rank, error)
+        mine, other = (0, 2) if rank < 2 else (2, 0)
+        assert error["ours"] == f"float32[3] (broadcast from rank {mine})", (rank, error)
+        assert error["theirs"] == f"float32[3] (broadcast from rank {other})", (rank, error)
+        assert r["elapsed"] < 15.0, (rank, r["elapsed"])
+        assert r["again"] == [1.0, 1.0]  # the name works again: rank 1's value
+        assert r["other"] == [4.0, 4.0]
+
+
+def _case(tag: str, names: tuple[str, str] = ("a", "w"), sizes: tuple[int, int] = (3, 3)) -> tuple[list[str], list[int]]:
+    return [f"{tag}.{n}" for n in names], list(sizes)
+
+
+def _cases(rank: int) -> tuple[Any, ...]:
+    """Per rank: agreeing, rank 1's names differ (one machine), worker 1's names differ, worker 1's shapes
+    differ (the same total), agreeing again. In every bucket the first parameter (``w``) is the same."""
+    cases = [
+        _case("agree"),
+        _case("local", ("b", "w")) if rank == 1 else _case("local"),
+        _case("remote", ("b", "w")) if rank >= 2 else _case("remote"),
+        _case("shape", sizes=(2, 4)) if rank >= 2 else _case("shape"),
+        _case("again"),
+    ]
+    return (cases, 2)
+
+
+@pytest.fixture(scope="module")
+def optimizer_runs(cluster_2x2: Any) -> list[list[dict[str, Any]]]:
+    return run_ranks(cluster_2x2, sp.optimizer_cases, per_rank_args=_cases, timeout=110)
+
+
+@pytest.mark.timeout(130)
+def test_optimizer_buckets_that_agree_average_as_before(optimizer_runs: list[list[dict[str, Any]]]) -> None:
+    mean = sum(1 + r for r in range(SIZE)) / SIZE
+    for rank, cases in enumerate(optimizer_runs):
+        for index in (0, 4):
+            for outcome in cases[index]["outcomes"]:
+                assert outcome == {"grads": [[mean] * 3, [100 * mean] * 3]}, (rank, index, outcome)
+
+
+@pytest.mark.timeout(130)
+@pytest.mark.parametrize("index,tag,pair", [(1, "local", (0, 1)), (2, "remote", (0, 1, 2, 3)),
+                                            (3, "shape", (0, 1, 2, 3))],
+                         ids=["names-within-a-machine", "names-between-machines", "shapes-between-machines"])
+def test_optimizer_buckets_whose_parameters_differ_fail_on_every_process(
+        optimizer_runs: list[list[dict[str, Any]]], index: int, tag: str, pair: tuple[int, ...]) -> None:
+    bucket = f"grad.{tag}.w"
+    for rank, cases in enumerate(optimizer_runs):
+        for step, outcome in enumerate(cases[index]["outcomes"]):
+            error = outcome.get("error")
+            assert error is not None, f"rank {rank} step {step} of {tag!r} averaged {outcome} with no error"
+            assert outcome["elapsed"] < 15.0, (rank, step, outcome["elapsed"])
+            assert bucket in error["text"], (rank, step, error)
+            if rank not in pair:
+                continue  # a machine that agrees within itself hears of it through the anchor server
+            assert error["type"] == "BPSMismatchError" and error["name"] == bucket, (rank, step, error)
+            assert error["ours"] != error["theirs"], error
+            # the process's own parameters in that bucket are named: the user can compare two processes' errors
+            names = sp_names(rank, tag)
+            assert all(f"{n!r}" in error["text"] for n in names), (rank, names, error["text"])
+
+
+def sp_names(rank: int, tag: str) -> list[str]:
+    cases, _ = _cases(rank)
+    index = {"local": 1, "remote": 2, "shape": 3}[tag]
+    return list(cases[index][0])
