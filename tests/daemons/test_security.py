@@ -27,8 +27,8 @@ from harness import daemon_logs, run_ranks
 from protocol import PROTOCOL_VERSION
 from protocol.config import load_config, placement_digest, placement_items
 from protocol.frames import FrameReader, encode_header
-from protocol.messages import Batch, Challenge, Failure, Hello, Message, Push, Result, Welcome, parse, split_batch, \
-    to_header
+from protocol.messages import Announce, Batch, Challenge, Failure, Hello, Message, Push, Result, Welcome, parse, \
+    split_batch, to_header
 
 from bps_runtime.segments import create_segment, release, segment_name
 
@@ -265,11 +265,15 @@ def _deputy(host: str, port: int, victim: str, report: Any) -> None:
             s.sendall(_frame(Hello(PROTOCOL_VERSION, "worker", 0, shm=probe.name, shm_key=key.hex())))
             welcome = answer()
             out["shm"] = isinstance(welcome, Welcome) and welcome.shm
-            for i, (seg, dst) in enumerate(((victim, mine.name), (source.name, victim))):  # read it, write it
-                s.sendall(_frame(Push(req=i + 1, name=f"deputy{i}", part=0, round=0, worker=0, dtype="float32",
-                                      shape=[1024], offset=0, count=1024, segment=seg, out_segment=dst)))
-                reply = answer()
-                out[f"push{i}"] = [type(reply).__name__, getattr(reply, "message", "")]
+            for announced in (False, True):  # unannounced segments are refused; announced ones must be its own
+                if announced:
+                    s.sendall(_frame(Announce([victim, mine.name, source.name])))
+                for i, (seg, dst) in enumerate(((victim, mine.name), (source.name, victim))):  # read it, write it
+                    s.sendall(_frame(Push(req=i + 1, name=f"deputy{i}", part=0, round=0, worker=0, dtype="float32",
+                                          shape=[1024], offset=0, count=1024, segment=seg, out_segment=dst)))
+                    reply = answer()
+                    out[f"push{i}" if announced else f"unannounced{i}"] = [type(reply).__name__,
+                                                                          getattr(reply, "message", "")]
         out["mine_unchanged"] = bytes(mine.buf) == before
         for seg in (probe, mine, source):
             release(seg, unlink=True)
@@ -307,6 +311,8 @@ def test_a_local_user_cannot_make_the_server_touch_a_root_segment(tmp_path):
     assert unchanged, "the server wrote into root's segment for uid 65534"
     assert out["mine_unchanged"], "the server copied root's segment into uid 65534's"
     for i in range(2):
+        kind, message = out[f"unannounced{i}"]
+        assert kind == "Failure" and "did not announce" in message, out
         kind, message = out[f"push{i}"]
         assert kind == "Failure" and "belongs to uid 0, not to uid 65534" in message, out
     assert alive, logs
