@@ -49,3 +49,15 @@ def test_no_dated_notes_in_package_docstrings():
             if "2026-" in line or "2025-" in line:
                 bad.append(f"{path.relative_to(REPO)}:{lineno}: {line.strip()}")
     assert not bad, "\n".join(bad)
+
+
+def test_test_files_have_distinct_names():
+    """The tiers have no ``__init__.py`` (pytest's rootdir imports): two test files of one basename in two
+    tiers stop the whole run at collection ("import file mismatch")."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(REPO)} and {path.relative_to(REPO)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, clashes
