@@ -129,6 +129,8 @@ class SummationServer:
             await asyncio.sleep(timeout / 4)
             now = loop.time()
             for conn in [*self.links.values(), *self.streams.values()]:
+                if conn.flow is not None and conn.flow.draining():
+                    conn.last_seen = now  # we stopped reading it, and it reads what we send: alive
                 if now - conn.last_seen > timeout and not conn.closed:
                     log.warning("worker %s sent nothing for %.1f s (limit %g s): dropping it", conn.worker,
                                 now - conn.last_seen, timeout)

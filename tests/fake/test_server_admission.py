@@ -200,3 +200,32 @@ async def test_a_silent_holder_gives_the_worker_id_up():
     again, _ = _connect(server, port=50003)
     assert isinstance(_hello(again, 1, daemon="dddd"), Welcome)
     await server.stop()
+
+
+class _SlowReader(FakeTransport):
+    """A peer that reads our writes slowly: ``waiting`` bytes are still in the write buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = 0
+
+    def get_write_buffer_size(self) -> int:
+        return self.waiting
+
+
+def test_a_paused_peer_that_drains_is_alive_and_one_that_takes_nothing_is_not():
+    """While reading is paused the peer's pings wait unread: what tells the silence watch it lives is
+    that our write buffer shrinks (a worker on a slow link taking a backlog of sums)."""
+    from bps_runtime.backpressure import BackPressure
+
+    t = _SlowReader()
+    flow = BackPressure(t, high_bytes=1 << 20)
+    t.waiting = 3 << 20
+    flow.pause_writing()
+    assert not flow.draining()  # nothing taken yet
+    t.waiting = 2 << 20
+    assert flow.draining()  # it took 1 MiB
+    assert not flow.draining()  # and nothing since
+    flow.resume_writing()
+    t.waiting = 0
+    assert not flow.draining()  # not paused: its own bytes are read, the usual watch judges it
