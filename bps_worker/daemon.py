@@ -132,7 +132,6 @@ class WorkerDaemon:
         self.staging = shm.Arena(config.worker_id, config.segment_mode, self.arena_bytes)
         self.results = shm.Arena(config.worker_id, config.segment_mode, self.arena_bytes)
         self.running: Counter[str] = Counter()  # names whose operation runs: their buffers are not freed for room
-        self.finished: dict[str, float] = {}  # names whose operation finished lately (loop time): see _result_busy
         self.tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.AbstractServer | None = None
         self._heartbeat: asyncio.Future[None] | None = None
@@ -272,21 +271,10 @@ class WorkerDaemon:
             self.running[lr.name] -= 1
             if not self.running[lr.name]:
                 del self.running[lr.name]
-            self.finished[lr.name] = asyncio.get_running_loop().time()
 
     def _busy(self, name: str) -> bool:
         """Whether ``name``'s staging and results buffers are in use (its operation runs, or its round is open)."""
         return name in self.running or name in self.rounds.open
-
-    def _result_busy(self, name: str) -> bool:
-        """Whether ``name``'s results buffer is in use: as :meth:`_busy`, and for two timeouts after its
-        operation finished. Its processes map the sum when they synchronize, after our Done, and the links
-        keep it to replay to a restarted server (a peer waits for that sum at most one timeout)."""
-        finished = self.finished.get(name)
-        if finished is not None and asyncio.get_running_loop().time() - finished >= 2 * self.config.cluster.timeout:
-            del self.finished[name]
-            finished = None
-        return self._busy(name) or finished is not None
 
     def _failed(self, action: Failed[ClientSession]) -> None:
         """A local round failed: its members hear why, and so do the peers (at the anchor server)."""
@@ -369,7 +357,6 @@ class WorkerDaemon:
         self._new_epoch()
         for link in self.all_links:
             link.reset()  # drops its references into the buffers freed next
-        self.finished.clear()
         self.segments_freed(self.staging.release_all() + self.results.release_all())
 
     def _new_epoch(self) -> None:
@@ -400,7 +387,7 @@ class WorkerDaemon:
     def staging_buffer(self, arena: shm.Arena, name: str, nbytes: int, dtype: str, count: int
                        ) -> tuple[np.ndarray, str, int]:
         """The array of ``name`` in ``arena``, its segment and its byte offset there."""
-        slot, freed = arena.alloc(name, nbytes, busy=self._result_busy if arena is self.results else self._busy)
+        slot, freed = arena.alloc(name, nbytes, busy=self._busy)
         self.segments_freed(freed)
         if self._cuda is not None:
             self._cuda.pin(arena.segments[slot.segment])  # copies from and to the GPU are DMA transfers

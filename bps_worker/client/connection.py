@@ -16,7 +16,8 @@ import os
 import socket as _socket
 import threading
 import time
-from typing import Final, Sequence
+from multiprocessing.shared_memory import SharedMemory
+from typing import Callable, Final, Sequence
 
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ProtocolError
@@ -53,6 +54,9 @@ class Connection:
         self.handles: dict[int, Handle] = {}
         self.rpcs: dict[int, tuple[threading.Event, list[Message]]] = {}
         self.broken: BPSConnectionError | None = None
+        # Maps a Done's results segment (tensor name, segment) as the Done arrives, not at synchronize: the
+        # daemon may free that segment for room once it is no longer busy, and a mapping keeps it alive.
+        self.map_result: Callable[[str, str], SharedMemory] | None = None
         self.welcome = self._handshake(local_rank)
         self.thread = threading.Thread(target=self._read_loop, name="bps-client-reader", daemon=True)
         self.thread.start()
@@ -193,6 +197,13 @@ class Connection:
                 handle.fail(error_from_failure(message), now)
             else:
                 assert isinstance(message, Done)
+                if message.segment and self.map_result is not None:
+                    try:
+                        self.map_result(handle.name, message.segment)  # finish() finds it mapped
+                    except OSError as exc:
+                        handle.fail(BPSError(f"cannot map the result of {handle.name!r} ({message.segment}): "
+                                             f"{exc}"), now)
+                        return
                 handle.succeed((message.segment, message.offset) if message.segment else None, now)
         elif rpc is not None:
             rpc[1].append(message)

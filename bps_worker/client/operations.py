@@ -55,6 +55,7 @@ class Operations:
         self.inflight: dict[str, Handle] = {}
         # Names in flight keep their slots when others are given up for room (cluster.arena_bytes).
         self.slots = SlotMap(self.conn.allocate, welcome.arena_bytes, self.inflight.__contains__)
+        self.conn.map_result = self.slots.result_segment
         self.timeline = None if settings.timeline is None else Timeline(
             timeline_path(settings.timeline, self.rank), f"rank {self.rank} (pid {os.getpid()})")
 
@@ -175,7 +176,7 @@ class Operations:
         if handle.error is not None:
             raise handle.error
         t_copy = now_us() if handle.times is not None else 0
-        if handle.result_at is not None:
+        if handle.result_at is not None:  # mapped as the Done arrived (Connection.map_result)
             segment, handle.offset = handle.result_at
             handle.segment = self.slots.result_segment(handle.name, segment)
         result: Any
