@@ -6,6 +6,8 @@ pure steps (``handshake``), knows the supported tensor dtypes (``dtypes``) and
 reads and validates the cluster configuration (``config``).
 """
 
-PROTOCOL_VERSION = 3  # 2: mutual handshake proofs, placement digest; 3: Push/Op broadcast root and layout
+# 2: mutual handshake proofs, placement digest. 3: Push/Op root and layout, Push.holds_root, Hello.daemon,
+# Announce, Alloc.free, Welcome.arena_bytes.
+PROTOCOL_VERSION = 3
 
 __all__ = ["PROTOCOL_VERSION"]
