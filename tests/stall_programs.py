@@ -16,15 +16,23 @@ import bps_worker.client as bps
 WARM_UP_ROUNDS = 3
 
 
-def push_while_a_server_stalls(server_pid: int, resume_after_s: float | None, n: int) -> dict[str, Any]:
+def push_while_a_server_stalls(server_pid: int, resume_after_s: float | None, n: int, flags: str
+                               ) -> dict[str, Any]:
     """A few rounds (every link connected and answering), then rank 0 stops the server (SIGSTOP: its TCP
     connections stay up, nothing is answered) and resumes it after ``resume_after_s`` (None: never),
-    and every rank pushes once more. Reports that push's outcome and how long it took."""
+    and every rank pushes once more. Reports that push's outcome and how long it took. Rank 0 stops the
+    server only once every rank has its last warm-up sum (a file in ``flags`` each): stopped earlier, the
+    server could hold another rank's warm-up result, and that rank failed in its warm-up."""
     rank = bps.rank()
     data = np.full(n, rank + 1, np.float32)
     for _ in range(WARM_UP_ROUNDS):
         bps.push_pull(data, "stalled", average=False)
+    open(os.path.join(flags, f"warm-{rank}"), "w").close()
     if rank == 0:
+        deadline = time.monotonic() + 60
+        while (not all(os.path.exists(os.path.join(flags, f"warm-{r}")) for r in range(bps.size()))
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
         os.kill(server_pid, signal.SIGSTOP)
         if resume_after_s is not None:
             threading.Timer(resume_after_s, os.kill, (server_pid, signal.SIGCONT)).start()

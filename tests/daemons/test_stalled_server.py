@@ -24,7 +24,8 @@ def test_a_stalled_server_fails_the_push_within_about_one_timeout(tmp_path):
     cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))
     victim = _server_2(cluster)
     try:
-        results = run_ranks(cluster, sp.push_while_a_server_stalls, victim.proc.pid, None, N, timeout=90)
+        results = run_ranks(cluster, sp.push_while_a_server_stalls, victim.proc.pid, None, N, str(tmp_path),
+                            timeout=90)
         logs = daemon_logs(cluster)
     finally:
         victim.proc.send_signal(signal.SIGCONT)
@@ -44,7 +45,7 @@ def test_a_server_that_pauses_for_less_than_the_timeout_fails_nothing(tmp_path):
     victim = _server_2(cluster)
     try:
         results = run_ranks(cluster, sp.push_while_a_server_stalls, victim.proc.pid, 0.4 * TIMEOUT_S, N,
-                            timeout=90)
+                            str(tmp_path), timeout=90)
         logs = daemon_logs(cluster)
     finally:
         victim.proc.send_signal(signal.SIGCONT)
