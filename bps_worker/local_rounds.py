@@ -91,12 +91,9 @@ class Opened(Generic[M]):
     round: LocalRound[M]
 
 
-@dataclass(frozen=True, eq=False)
-class Refused(Generic[M]):
-    """Answer this one op with a failure (a late op of a failed round, or an op already in flight)."""
+class _Answered:
+    """What a refusal or a failure says, read from its :class:`~protocol.messages.Why`."""
 
-    member: M
-    op: Op
     why: Why
 
     @property
@@ -106,6 +103,15 @@ class Refused(Generic[M]):
     @property
     def code(self) -> FailureCode:
         return self.why.code
+
+
+@dataclass(frozen=True, eq=False)
+class Refused(_Answered, Generic[M]):
+    """Answer this one op with a failure (a late op of a failed round, or an op already in flight)."""
+
+    member: M
+    op: Op
+    why: Why
 
     def failure(self) -> Failure:
         """The Failure that answers the op."""
@@ -113,7 +119,7 @@ class Refused(Generic[M]):
 
 
 @dataclass(frozen=True, eq=False)
-class Failed(Generic[M]):
+class Failed(_Answered, Generic[M]):
     """The round failed: answer ``members`` with the failure, and abort the round at the anchor server
     (the peers on other machines wait there), as ``server_round`` if its base was known, else once learned."""
 
@@ -121,14 +127,6 @@ class Failed(Generic[M]):
     members: tuple[tuple[M, Op], ...]
     server_round: int | None
     why: Why
-
-    @property
-    def reason(self) -> str:
-        return self.why.text
-
-    @property
-    def code(self) -> FailureCode:
-        return self.why.code
 
     def failure(self, op: Op) -> Failure:
         """The Failure that answers member ``op`` (its own side of a mismatch)."""

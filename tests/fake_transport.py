@@ -49,3 +49,14 @@ class FakeTransport:
         reader = FrameReader()
         out = [(parse(f.header), f.payload) for f in reader.receive_data(bytes(self.data))]
         return out if with_challenge else [(m, p) for m, p in out if not isinstance(m, Challenge)]
+
+
+def feed(protocol: Any, data: bytes) -> None:
+    """Hand ``data`` to a buffered protocol as the event loop would, in buffers of the size it offers."""
+    view = memoryview(data)
+    while view:
+        buf = protocol.get_buffer(-1)
+        n = min(len(buf), len(view))
+        buf[:n] = view[:n]
+        view = view[n:]
+        protocol.buffer_updated(n)

@@ -8,7 +8,7 @@ import logging
 
 from bps_server.connection import HOLDER_SILENCE_FRACTION, WRITE_BUFFER_HIGH_BYTES, ServerConnection
 from bps_server.server import ServerConfig, SummationServer
-from fake_transport import FakeTransport
+from fake_transport import FakeTransport, feed as _feed
 from protocol import PROTOCOL_VERSION
 from protocol.config import parse_config
 from protocol.frames import RECEIVE_BUFFER_BYTES, encode_message
@@ -56,16 +56,6 @@ def _connect(server: SummationServer, host: str = "10.0.0.1", port: int = 40000)
     conn, transport = ServerConnection(server), Transport(host, port)
     conn.connection_made(transport)  # type: ignore[arg-type]
     return conn, transport
-
-
-def _feed(conn: ServerConnection, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        buf = conn.get_buffer(-1)
-        n = min(len(buf), len(view))
-        buf[:n] = view[:n]
-        view = view[n:]
-        conn.buffer_updated(n)
 
 
 def _hello(conn: ServerConnection, worker: int = 0, **fields) -> object:

@@ -17,7 +17,7 @@ from protocol.config import parse_config, placement_items
 from protocol.frames import encode_header
 from protocol.handshake import ClientHandshake, hello_proof
 from protocol.messages import ROLE_WORKER, Challenge, Failure, Hello, Push, Result, Stats, StatsRequest, Welcome, to_header
-from fake_transport import FakeTransport
+from fake_transport import FakeTransport, feed as _feed
 
 
 def _cluster(workers: int = 2, address: str = "127.0.0.1:9"):
@@ -36,16 +36,6 @@ def _connect(server: SummationServer) -> tuple[ServerConnection, FakeTransport]:
     conn, transport = ServerConnection(server), FakeTransport()
     conn.connection_made(transport)  # type: ignore[arg-type]
     return conn, transport
-
-
-def _feed(conn: ServerConnection, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        buf = conn.get_buffer(-1)
-        n = min(len(buf), len(view))
-        buf[:n] = view[:n]
-        view = view[n:]
-        conn.buffer_updated(n)
 
 
 def _frame(message, payload: bytes = b"") -> bytes:
