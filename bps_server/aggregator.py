@@ -47,6 +47,7 @@ from .rounds import (
     FailRound,
     Held,
     Key,
+    Lease,
     Note,
     Redispatch,
     Round,
@@ -88,6 +89,7 @@ class _Sum:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     acc: np.ndarray | None = None
     first_borrowed: np.ndarray | None = None  # a first push in the colocated worker's memory, not yet summed
+    first_lease: Lease | None = None  # first_borrowed's: checked right before it is read
 
 
 @dataclass
@@ -142,17 +144,19 @@ class Aggregator:
 
     # -- events ----------------------------------------------------------------------
     async def push(self, push: Push, payload: np.ndarray, reply: ReplyFn, fail: FailFn,
-                   borrowed: bool = False) -> None:
+                   borrowed: Lease | None = None) -> None:
         """Add one worker's contribution; replies go through ``reply``/``fail`` callbacks.
 
         ``borrowed``: ``payload`` is memory the server does not own (the colocated worker's
-        shared memory): it is read, never adopted or written, and not kept past the round.
+        shared memory), and its lease (``rounds.Lease``): it is read, never adopted or written, and not
+        kept past the round; the lease is checked right before every read, and a failed check fails the
+        round (see :meth:`_leases_hold`).
         """
         c = self.counters
         c.pushes += 1
         c.bytes_received += payload.nbytes
         c.bytes_by_worker[push.worker] = c.bytes_by_worker.get(push.worker, 0) + payload.nbytes
-        if borrowed:
+        if borrowed is not None:
             c.bytes_shm += payload.nbytes
         actions = self.table.push(push, payload, Contributor(reply, fail), time.monotonic(), borrowed=borrowed)
         for work in self._execute(actions):
@@ -277,11 +281,13 @@ class Aggregator:
         async with s.lock:
             if not self.table.current(work.token):
                 return  # the round failed, was answered or moved on while we waited; waiters were told
+            if not self._leases_hold(work.token, push, (work.borrowed, s.first_lease)):
+                return
             t_add = now_us() if self.timeline is not None else 0
             await self._accumulate(s, work.payload, push.dtype, work.borrowed)
             if self.timeline is not None:
                 self.timeline.span(f"{push.name} p{push.part}", f"add worker {push.worker}", t_add, now_us(),
-                                   round=push.round, bytes=work.payload.nbytes, shm=work.borrowed)
+                                   round=push.round, bytes=work.payload.nbytes, shm=work.borrowed is not None)
             if self.table.added(work.token):
                 out = await self._finish(s, push)
                 self._complete(work.token, out)
@@ -289,6 +295,8 @@ class Aggregator:
     async def _sum_all(self, work: SumAll) -> None:
         """One pass over every contribution, in the order given (deterministic, half types)."""
         push = work.push
+        if not self._leases_hold(work.token, push, work.leases):
+            return
         out = np.empty(push.count, dtype=kernels.STORAGE[push.dtype])
         t_sum = now_us() if self.timeline is not None else 0
         inputs = list(work.inputs)
@@ -299,15 +307,31 @@ class Aggregator:
                                inputs=len(inputs), bytes=out.nbytes)
         self._complete(work.token, out)
 
-    async def _accumulate(self, s: _Sum, payload: np.ndarray, dtype: str, borrowed: bool) -> None:
+    def _leases_hold(self, token: Token, push: Push, leases: tuple[Lease | None, ...]) -> bool:
+        """Check every borrowed view the next read touches (``None``: not borrowed). One that shrank fails
+        the round for every worker, naming the segment and both sizes, and the server reads nothing of it:
+        a bad segment fails its operation, never the server (issue 14, item 3)."""
+        try:
+            for lease in leases:
+                if lease is not None:
+                    lease()
+        except OSError as exc:
+            self._drop_sum(token.key)
+            self._run(self.table.fail(token, Why(f"tensor {push.name!r} round {push.round} cannot be summed: "
+                                                 f"{exc.strerror or exc}")))
+            return False
+        return True
+
+    async def _accumulate(self, s: _Sum, payload: np.ndarray, dtype: str, borrowed: Lease | None) -> None:
         if s.acc is None and s.first_borrowed is None and dtype not in dtypes.HALF_TYPES:
-            if borrowed:
-                s.first_borrowed = payload  # the worker's memory: summed with the next push, never copied
+            if borrowed is not None:
+                # the worker's memory: summed with the next push, never copied
+                s.first_borrowed, s.first_lease = payload, borrowed
             else:
                 s.acc = payload  # adopt the freshly received buffer: no copy
             return
         if s.first_borrowed is not None:  # acc = first + this, in one pass (no copy of the first)
-            pair, s.first_borrowed = [s.first_borrowed, payload], None
+            pair, s.first_borrowed, s.first_lease = [s.first_borrowed, payload], None, None
             s.acc = np.empty(payload.size, dtype=kernels.ACCUMULATOR[dtype])
             await self._offload(kernels.sum_into, s.acc, pair, dtype, nbytes=2 * payload.nbytes)
             return
@@ -320,7 +344,8 @@ class Aggregator:
         """The round's sum from its full accumulator: the accumulator itself where it is in the tensor's
         dtype and needs no division, else rounded (and divided) into a new array."""
         if s.first_borrowed is not None:  # a single worker: its own memory is the sum, copied once
-            s.acc, s.first_borrowed = s.first_borrowed.copy(), None
+            # (its lease was checked by _add in this same step of the loop, with no suspension since)
+            s.acc, s.first_borrowed, s.first_lease = s.first_borrowed.copy(), None, None
         acc = s.acc
         assert acc is not None  # set by the first add
         if push.dtype not in dtypes.HALF_TYPES and push.divisor == 1:

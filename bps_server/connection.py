@@ -66,7 +66,7 @@ from bps_runtime.lowat import ReceiveLowWater
 from bps_runtime.segments import SegmentSizeError, attach_owned, attach_segment, check_size, owned_by, release
 
 from .aggregator import INLINE_SUM_MAX_BYTES
-from .rounds import Why
+from .rounds import Lease, Why
 
 if TYPE_CHECKING:
     from .server import SummationServer
@@ -219,8 +219,8 @@ class ServerConnection(AdmittedProtocol):
         if push.replay:
             self.server.aggregator.replay(push, data)
         else:
-            self.server.spawn(self.server.aggregator.push(push, data, self.reply, self.fail,
-                                                          borrowed=bool(push.segment)))
+            lease = self._lease(push) if push.segment else None
+            self.server.spawn(self.server.aggregator.push(push, data, self.reply, self.fail, borrowed=lease))
 
     def on_abort(self, abort: Abort, payload: memoryview | None) -> None:
         assert self.worker is not None  # dispatched after the handshake only
@@ -300,14 +300,21 @@ class ServerConnection(AdmittedProtocol):
         return np.frombuffer(_mapped(segments[0]), dtype=kernels.STORAGE[push.dtype], count=push.count,
                              offset=push.seg_offset)
 
+    def _lease(self, push: Push) -> Lease:
+        """The check the aggregator makes right before each read of this push's view (``rounds.Lease``):
+        its data segment is still the file we mapped, and still large enough."""
+        seg, needed, tensor = self.segments[push.segment], push.seg_offset + push.payload_nbytes, push.name
+        return lambda: check_size(seg, needed, tensor)
+
     def _segment(self, push: Push, name: str, needed: int) -> SharedMemory | None:
         """Our mapping of segment ``name`` for ``push``, with ``needed`` bytes right now; None, and the push
         failed, where the worker did not announce it on this connection, we cannot map it, or it is smaller
         (a training process truncated it: a bad segment fails its one push, never the link or the server).
 
-        The size is checked with one ``stat`` here and again before the sum is written; a process that
-        truncates in between (or while the round waits for the other workers' pushes, holding this view)
-        can still make the server touch a missing page: only memory sealed against shrinking would not."""
+        The size is checked with one ``stat`` here, again right before each read of the view (the push's
+        lease: a round may hold it while it waits for the other workers' pushes) and before the sum is
+        written; a process that truncates in the microseconds between a check and its access can still
+        make the server touch a missing page: only memory sealed against shrinking would not."""
         if name not in self.announced:
             self.fail(push, Why(f"push of {push.name!r} names shared memory {name!r}, which worker {push.worker} "
                                 f"did not announce on this connection"))

@@ -86,6 +86,13 @@ from protocol.messages import KIND_BROADCAST, KIND_SUM, FailureCode, Push
 Key = tuple[str, int]
 W = TypeVar("W")
 
+# A borrowed payload's lease: the payload is a view of memory a worker owns (its shared memory), and this
+# raises an OSError (``bps_runtime.segments.SegmentSizeError``) unless that memory is still whole. The
+# driver calls it right before every read of the view, not only when the push arrived: a round can hold
+# a borrowed view while it waits for the other workers, and a segment truncated meanwhile would make
+# the read a SIGBUS. ``None``: the payload is the server's own (received over TCP).
+Lease = Callable[[], None]
+
 
 def describe(push: Push) -> str:
     """A push's descriptor as a reader knows it: ``float32[2,2] (average over 4)``."""
@@ -157,7 +164,7 @@ class Held(Generic[W]):
 
     push: Push
     payload: np.ndarray
-    borrowed: bool
+    borrowed: Lease | None
     handle: W
 
 
@@ -184,8 +191,8 @@ class Round(Generic[W]):
     first: Push | None = None  # the descriptor every later push must match
     waiters: dict[int, Waiter[W]] = field(default_factory=dict)  # worker -> its push of this round
     added: int = 0  # contributions the driver has summed into the accumulator
-    # one-pass sums (and a broadcast's root): worker -> (data, borrowed)
-    held: dict[int, tuple[np.ndarray, bool]] = field(default_factory=dict)
+    # one-pass sums (and a broadcast's root): worker -> (data, its lease if borrowed)
+    held: dict[int, tuple[np.ndarray, Lease | None]] = field(default_factory=dict)
     failed: Why | None = None
     previous_failure: tuple[int, Why] | None = None  # (round, why) of the round before, if it failed
     restart: Restart[W] = field(default_factory=Restart)
@@ -245,7 +252,7 @@ class Add:
     token: Token
     push: Push
     payload: np.ndarray
-    borrowed: bool
+    borrowed: Lease | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +263,7 @@ class SumAll:
     token: Token
     push: Push  # the last push: dtype, divisor and count of the round
     inputs: tuple[np.ndarray, ...]
+    leases: tuple[Lease, ...] = ()  # of the borrowed inputs: each checked right before the pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,9 +350,9 @@ class RoundTable(Generic[W]):
         return st is not None and st.gen == token.gen and st.failed is None and st.restart.result is None
 
     def push(self, push: Push, payload: np.ndarray, handle: W, now: float, *,
-             borrowed: bool = False) -> list[Action[W]]:
+             borrowed: Lease | None = None) -> list[Action[W]]:
         """One worker's contribution to a round. ``borrowed``: ``payload`` is the colocated worker's
-        memory (it is only ever read, never kept past the round)."""
+        memory (it is only ever read, never kept past the round), with its :data:`Lease`."""
         key = (push.name, push.part)
         st = self.keys.get(key) or self._open(key, push.round)
         if push.round < st.round:
@@ -389,11 +397,13 @@ class RoundTable(Generic[W]):
             if len(st.held) < self.n_workers:
                 return actions
             inputs = tuple(st.held[worker][0] for worker in sorted(st.held))
+            leases = tuple(lease for _, lease in st.held.values() if lease is not None)
             st.held.clear()
-            return actions + [SumAll(st.token, push, inputs)]
+            return actions + [SumAll(st.token, push, inputs, leases)]
         return actions + [Add(st.token, push, payload, borrowed)]
 
-    def _broadcast(self, st: Round[W], push: Push, payload: np.ndarray, borrowed: bool) -> list[Action[W]]:
+    def _broadcast(self, st: Round[W], push: Push, payload: np.ndarray,
+                   borrowed: Lease | None) -> list[Action[W]]:
         """One worker's push of a broadcast round: keep the root's data; once every worker pushed, its copy
         is the result (see "Broadcasts")."""
         if push.holds_root:
@@ -406,9 +416,9 @@ class RoundTable(Generic[W]):
         if not st.held:
             return [self._fail_round(st, Why(f"tensor {push.name!r}: no worker holds broadcast root rank "
                                              f"{push.root}"))]
-        ((data, _),) = st.held.values()
+        ((data, lease),) = st.held.values()
         st.held.clear()
-        return [SumAll(st.token, push, (data,))]
+        return [SumAll(st.token, push, (data,), () if lease is None else (lease,))]
 
     def _refusal(self, st: Round[W], push: Push) -> Why | None:
         """Why a push of the key's open round cannot join it, if it cannot."""
@@ -452,6 +462,13 @@ class RoundTable(Generic[W]):
         done = (st.failed is not None or worker in st.waiters or worker in st.restart.replayers
                 or worker in st.restart.answered)
         return st.round + (1 if done else 0)
+
+    def fail(self, token: Token, why: Why) -> list[Action[W]]:
+        """The driver could not sum round ``token`` (a borrowed contribution's memory shrank): fail it
+        for every worker, now and for late pushes. Nothing to do where the round is gone already."""
+        if not self.current(token):
+            return []
+        return [self._fail_round(self.keys[token.key], why)]
 
     def abort(self, name: str, part: int, round_: int, worker: int, message: str) -> list[Action[W]]:
         """A worker gave up a round: fail it for every worker (now and for late pushes)."""

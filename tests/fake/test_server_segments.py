@@ -5,6 +5,7 @@ tensor, the segment and both sizes), never the connection; the sum is not writte
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 
 import numpy as np
@@ -122,4 +123,59 @@ async def test_no_sum_is_written_into_a_result_segment_that_shrank(segments):
     failure = await _answer(t)
     assert isinstance(failure, Failure) and failure.req == 1 and "has 0 bytes now" in failure.message
     assert not t.closed
+    await server.stop()
+
+
+def _two_workers(segments):
+    """A two-worker server: worker 0 on shared memory (data and result segments announced), worker 1 on TCP."""
+    server = _server(workers=2)
+    probe, data, out = segments
+    conn0, t0 = _shm_worker(server, probe)
+    _feed(conn0, encode_message(Announce([data.name, out.name])))
+    conn1, t1 = _connect(server)
+    _feed(conn1, encode_message(Hello(PROTOCOL_VERSION, ROLE_WORKER, 1)))
+    assert isinstance(t1.messages()[-1][0], Welcome)
+    return server, (conn0, t0), (conn1, t1)
+
+
+def _tcp_push(dtype: str, round_: int, value: float) -> tuple[Push, bytes]:
+    count = NBYTES // np.dtype(dtype).itemsize
+    push = Push(req=2 + round_, name="w", part=0, round=round_, worker=1, dtype=dtype, shape=[count], offset=0,
+                count=count)
+    return push, np.full(count, value, dtype).tobytes()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])  # an accumulator's first view; a one-pass sum's input
+async def test_a_held_borrowed_push_whose_segment_shrank_fails_the_round_not_the_server(segments, dtype):
+    """Worker 0's push is a view of its memory, held (not copied) until worker 1 pushes; the segment is
+    truncated in that wait. Before, the sum read the view: a SIGBUS of the server. Now the round fails for
+    both workers, naming the segment and both sizes, and the next round is summed."""
+    server, (conn0, t0), (conn1, t1) = _two_workers(segments)
+    _, data, out = segments
+    count = NBYTES // np.dtype(dtype).itemsize
+    data.buf[:NBYTES] = np.full(count, 2.0, dtype).tobytes()
+    push0 = dataclasses.replace(_push(data, out), dtype=dtype, shape=[count], count=count)
+    _feed(conn0, encode_message(push0))
+    await asyncio.sleep(0.05)  # the push is in, held as a view of the worker's memory
+    assert not [m for m, _ in t0.messages() if isinstance(m, (Failure, Result))]
+    os.truncate(f"/dev/shm/{data.name}", 0)
+    push1, payload = _tcp_push(dtype, 0, 3.0)
+    _feed(conn1, encode_message(push1, len(payload)) + payload)
+    for t, req in ((t0, 1), (t1, push1.req)):
+        failure = await _answer(t)
+        assert isinstance(failure, Failure) and failure.req == req, failure
+        assert f"{data.name!r} of tensor 'w' has 0 bytes now; {NBYTES} bytes are needed" in failure.message
+        assert not t.closed
+    assert server.aggregator.counters.rounds_failed == 1
+    # the server keeps serving: round 1, both on TCP now (worker 0's segment is gone)
+    t0.data.clear(), t1.data.clear()
+    push0b, payload0 = _tcp_push(dtype, 1, 2.0)
+    _feed(conn0, encode_message(dataclasses.replace(push0b, worker=0, req=10), len(payload0)) + payload0)
+    push1b, payload1 = _tcp_push(dtype, 1, 3.0)
+    _feed(conn1, encode_message(push1b, len(payload1)) + payload1)
+    for t in (t0, t1):
+        result = await _answer(t)
+        assert isinstance(result, Result), result
+    assert [np.frombuffer(p, dtype).tolist() for m, p in t1.messages() if isinstance(m, Result)] == [[5.0] * count]
     await server.stop()

@@ -20,6 +20,7 @@ from bps_server.rounds import (
     Settled,
     StartGrace,
     SumAll,
+    Why,
 )
 from protocol.messages import Push
 
@@ -138,6 +139,30 @@ def test_half_types_take_the_one_pass_path_without_deterministic_mode():
     table: RoundTable[str] = RoundTable(1)
     (work,) = table.push(_push(0, dtype="float16"), np.zeros(4, np.uint16), "w0", 0.0)
     assert isinstance(work, SumAll)
+
+
+def test_a_one_pass_sum_carries_the_leases_of_its_borrowed_inputs():
+    table: RoundTable[str] = RoundTable(3, deterministic=True)
+
+    def lease() -> None:
+        pass
+
+    table.push(_push(0), _data(), "w0", 0.0, borrowed=lease)
+    table.push(_push(1), _data(), "w1", 0.0)
+    (work,) = table.push(_push(2), _data(), "w2", 0.0, borrowed=lease)
+    assert isinstance(work, SumAll) and work.leases == (lease, lease)
+    (add,) = RoundTable(2).push(_push(0), _data(), "w0", 0.0, borrowed=lease)
+    assert isinstance(add, Add) and add.borrowed is lease
+
+
+def test_the_driver_fails_a_round_it_cannot_sum_for_everyone_and_late_pushes_hear_why():
+    table: RoundTable[str] = RoundTable(3)
+    (add,) = table.push(_push(0), _data(), "w0", 0.0)
+    table.push(_push(1), _data(), "w1", 0.0)
+    why = Why("shared memory 'x' has 0 bytes now")
+    assert _fails(table.fail(add.token, why)) == {"w0": why.text, "w1": why.text}
+    assert not table.current(add.token) and table.fail(add.token, why) == []  # once
+    assert _fails(table.push(_push(2), _data(), "w2", 0.0)) == {"w2": why.text}
 
 
 def test_abort_fails_waiters_and_late_pushes():
