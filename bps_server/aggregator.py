@@ -26,7 +26,7 @@ import logging
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Final
+from typing import Any, Callable, Coroutine, Final, Iterator, NamedTuple
 
 import numpy as np
 
@@ -92,6 +92,17 @@ class _Sum:
     first_lease: Lease | None = None  # first_borrowed's: checked right before it is read
 
 
+class _Kernel(NamedTuple):
+    """One kernel call of the summing work, over ``nbytes`` of memory (which decides where it runs)."""
+
+    fn: Callable[..., None]
+    args: tuple[Any, ...]
+    nbytes: int
+
+    def run(self) -> None:
+        self.fn(*self.args)
+
+
 @dataclass
 class Counters:
     """Totals exposed through Stats (tests and metrics)."""
@@ -152,6 +163,16 @@ class Aggregator:
         kept past the round; the lease is checked right before every read, and a failed check fails the
         round (see :meth:`_leases_hold`).
         """
+        later = self.submit(push, payload, reply, fail, borrowed)
+        if later is not None:
+            await later
+
+    def submit(self, push: Push, payload: np.ndarray, reply: ReplyFn, fail: FailFn,
+               borrowed: Lease | None = None) -> Coroutine[Any, Any, None] | None:
+        """:meth:`push` without a task where it can: the summing work that needs no wait (its round's lock
+        is free and its kernels are small enough to run on the event loop, as most partitions' are) is done
+        here and now; what is left comes back as a coroutine for the caller to run as a task (None: all done).
+        A task per push cost more than the push itself (issue 13's parity)."""
         c = self.counters
         c.pushes += 1
         c.bytes_received += payload.nbytes
@@ -159,11 +180,33 @@ class Aggregator:
         if borrowed is not None:
             c.bytes_shm += payload.nbytes
         actions = self.table.push(push, payload, Contributor(reply, fail), time.monotonic(), borrowed=borrowed)
-        for work in self._execute(actions):
-            if isinstance(work, Add):
-                await self._add(work)
+        work = self._execute(actions)
+        while work and self._now(work[0]):
+            work.pop(0)
+        return self._later(work) if work else None
+
+    async def _later(self, work: list[Add | SumAll]) -> None:
+        """The summing work :meth:`submit` could not do at once, in order."""
+        for item in work:
+            if isinstance(item, Add):
+                await self._add(item)
             else:
-                await self._sum_all(work)
+                await self._sum_all(item)
+
+    def _now(self, work: Add | SumAll) -> bool:
+        """Do ``work`` now, without a suspension, if it needs none: True when done (False: nothing done)."""
+        if isinstance(work, Add):
+            s = self._sum_of(work.token)
+            if s.lock.locked() or not self._inline(2 * work.payload.nbytes):  # a pair's sum reads two
+                return False
+            for kernel in self._add_steps(s, work):
+                kernel.run()
+            return True
+        if not self._inline(work.push.payload_nbytes * len(work.inputs)):
+            return False
+        for kernel in self._sum_all_steps(work):
+            kernel.run()
+        return True
 
     def replay(self, push: Push, data: np.ndarray) -> None:
         """A worker's copy of a round's sum from this server's previous run (see "Server restarts")."""
@@ -275,33 +318,48 @@ class Aggregator:
         return s
 
     # -- summing ---------------------------------------------------------------------
+    # Each kind of work is written once, as steps that yield the kernels to run (_add_steps,
+    # _sum_all_steps); the async drivers (_add, _sum_all) run each kernel inline or in the summation
+    # threads and may wait for the round's lock, while _now runs them all inline when nothing must wait.
     async def _add(self, work: Add) -> None:
         """Add one contribution to its round's accumulator; complete the round after the last."""
-        s, push = self._sum_of(work.token), work.push
+        s = self._sum_of(work.token)
         async with s.lock:
-            if not self.table.current(work.token):
-                return  # the round failed, was answered or moved on while we waited; waiters were told
-            if not self._leases_hold(work.token, push, (work.borrowed, s.first_lease)):
-                return
-            t_add = now_us() if self.timeline is not None else 0
-            await self._accumulate(s, work.payload, push.dtype, work.borrowed)
-            if self.timeline is not None:
-                self.timeline.span(f"{push.name} p{push.part}", f"add worker {push.worker}", t_add, now_us(),
-                                   round=push.round, bytes=work.payload.nbytes, shm=work.borrowed is not None)
-            if self.table.added(work.token):
-                out = await self._finish(s, push)
-                self._complete(work.token, out)
+            for kernel in self._add_steps(s, work):
+                await self._offload(kernel)
+
+    def _add_steps(self, s: _Sum, work: Add) -> Iterator[_Kernel]:
+        push = work.push
+        if not self.table.current(work.token):
+            return  # the round failed, was answered or moved on while we waited; waiters were told
+        if not self._leases_hold(work.token, push, (work.borrowed, s.first_lease)):
+            return
+        t_add = now_us() if self.timeline is not None else 0
+        kernel = self._accumulate(s, work.payload, push.dtype, work.borrowed)
+        if kernel is not None:
+            yield kernel
+        if self.timeline is not None:
+            self.timeline.span(f"{push.name} p{push.part}", f"add worker {push.worker}", t_add, now_us(),
+                               round=push.round, bytes=work.payload.nbytes, shm=work.borrowed is not None)
+        if self.table.added(work.token):
+            out, kernel = self._finish(s, push)
+            if kernel is not None:
+                yield kernel
+            self._complete(work.token, out)
 
     async def _sum_all(self, work: SumAll) -> None:
         """One pass over every contribution, in the order given (deterministic, half types)."""
+        for kernel in self._sum_all_steps(work):
+            await self._offload(kernel)
+
+    def _sum_all_steps(self, work: SumAll) -> Iterator[_Kernel]:
         push = work.push
         if not self._leases_hold(work.token, push, work.leases):
             return
         out = np.empty(push.count, dtype=kernels.STORAGE[push.dtype])
         t_sum = now_us() if self.timeline is not None else 0
         inputs = list(work.inputs)
-        await self._offload(kernels.sum_into, out, inputs, push.dtype, push.divisor,
-                            nbytes=out.nbytes * len(inputs))
+        yield _Kernel(kernels.sum_into, (out, inputs, push.dtype, push.divisor), out.nbytes * len(inputs))
         if self.timeline is not None:
             self.timeline.span(f"{push.name} p{push.part}", "sum", t_sum, now_us(), round=push.round,
                                inputs=len(inputs), bytes=out.nbytes)
@@ -322,44 +380,47 @@ class Aggregator:
             return False
         return True
 
-    async def _accumulate(self, s: _Sum, payload: np.ndarray, dtype: str, borrowed: Lease | None) -> None:
+    def _accumulate(self, s: _Sum, payload: np.ndarray, dtype: str, borrowed: Lease | None) -> _Kernel | None:
+        """Take one contribution into ``s``: the kernel that adds it, or None where it is kept as it is."""
         if s.acc is None and s.first_borrowed is None and dtype not in dtypes.HALF_TYPES:
             if borrowed is not None:
                 # the worker's memory: summed with the next push, never copied
                 s.first_borrowed, s.first_lease = payload, borrowed
             else:
                 s.acc = payload  # adopt the freshly received buffer: no copy
-            return
+            return None
         if s.first_borrowed is not None:  # acc = first + this, in one pass (no copy of the first)
             pair, s.first_borrowed, s.first_lease = [s.first_borrowed, payload], None, None
             s.acc = np.empty(payload.size, dtype=kernels.ACCUMULATOR[dtype])
-            await self._offload(kernels.sum_into, s.acc, pair, dtype, nbytes=2 * payload.nbytes)
-            return
+            return _Kernel(kernels.sum_into, (s.acc, pair, dtype), 2 * payload.nbytes)
         first = s.acc is None
         if first:
             s.acc = kernels.new_accumulator(dtype, payload.size)
-        await self._offload(kernels.accumulate, s.acc, payload, dtype, first, nbytes=payload.nbytes)
+        return _Kernel(kernels.accumulate, (s.acc, payload, dtype, first), payload.nbytes)
 
-    async def _finish(self, s: _Sum, push: Push) -> np.ndarray:
+    def _finish(self, s: _Sum, push: Push) -> tuple[np.ndarray, _Kernel | None]:
         """The round's sum from its full accumulator: the accumulator itself where it is in the tensor's
-        dtype and needs no division, else rounded (and divided) into a new array."""
+        dtype and needs no division, else a new array, with the kernel that rounds (and divides) into it."""
         if s.first_borrowed is not None:  # a single worker: its own memory is the sum, copied once
-            # (its lease was checked by _add in this same step of the loop, with no suspension since)
+            # (its lease was checked by _add_steps in this same step of the loop, with no suspension since)
             s.acc, s.first_borrowed, s.first_lease = s.first_borrowed.copy(), None, None
         acc = s.acc
         assert acc is not None  # set by the first add
         if push.dtype not in dtypes.HALF_TYPES and push.divisor == 1:
-            return acc
+            return acc, None
         out = np.empty(acc.size, dtype=kernels.STORAGE[push.dtype])
-        await self._offload(kernels.finalize, out, acc, push.dtype, push.divisor, nbytes=out.nbytes)
-        return out
+        return out, _Kernel(kernels.finalize, (out, acc, push.dtype, push.divisor), out.nbytes)
 
-    async def _offload(self, fn: Callable[..., None], *args: Any, nbytes: int) -> None:
+    def _inline(self, nbytes: int) -> bool:
+        """Whether a kernel over ``nbytes`` runs on the event loop (small: the thread hop costs more)."""
+        return nbytes < INLINE_SUM_MAX_BYTES or self.executor is None
+
+    async def _offload(self, kernel: _Kernel) -> None:
         """Run a kernel on the event loop if it is small, else in the summation threads."""
-        if nbytes < INLINE_SUM_MAX_BYTES or self.executor is None:
-            fn(*args)
+        if self._inline(kernel.nbytes):
+            kernel.run()
         else:
-            await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+            await asyncio.get_running_loop().run_in_executor(self.executor, kernel.fn, *kernel.args)
 
     def _complete(self, token: Token, out: np.ndarray) -> None:
         """Answer every contributor with the round's sum, unless the round failed or was superseded

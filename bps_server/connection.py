@@ -220,7 +220,13 @@ class ServerConnection(AdmittedProtocol):
             self.server.aggregator.replay(push, data)
         else:
             lease = self._lease(push) if push.segment else None
-            self.server.spawn(self.server.aggregator.push(push, data, self.reply, self.fail, borrowed=lease))
+            try:
+                later = self.server.aggregator.submit(push, data, self.reply, self.fail, borrowed=lease)
+            except Exception:  # a bug of ours: logged as a push task's would be; the connection stays
+                log.exception("internal error in a push")
+                return
+            if later is not None:
+                self.server.spawn(later)
 
     def on_abort(self, abort: Abort, payload: memoryview | None) -> None:
         assert self.worker is not None  # dispatched after the handshake only

@@ -338,3 +338,23 @@ async def test_a_round_that_fails_while_an_addition_is_in_the_pool_drops_the_add
     assert set(rec.failures) == {0, 1} and rec.results == {}
     await _feed(agg, rec, [_push(2, np.ones(4, np.float32))])  # a late push learns why
     assert "aborted by worker 2: gave up" in rec.failures[2] and agg.keys[("t", 0)].round == 0
+
+
+async def test_a_small_push_is_summed_and_answered_at_once_without_a_task():
+    """submit() does what needs no wait in the call itself: no task per push (issue 13's parity)."""
+    agg, rec = Aggregator(2), Recorder()
+    xs = [np.full(1024, w + 1, np.float32) for w in range(2)]
+    assert agg.submit(*_push(0, xs[0]), rec.reply, rec.fail) is None and rec.results == {}
+    assert agg.submit(*_push(1, xs[1]), rec.reply, rec.fail) is None
+    assert sorted(rec.results) == [0, 1] and all((out == 3.0).all() for out in rec.results.values())
+
+
+async def test_a_large_push_is_left_to_a_task_that_sums_it_in_the_pool():
+    with ThreadPoolExecutor(1) as pool:
+        agg, rec = Aggregator(2, executor=pool), Recorder()
+        n = 1 << 17  # 512 KiB of float32: over INLINE_SUM_MAX_BYTES
+        for w in range(2):
+            later = agg.submit(*_push(w, np.full(n, w + 1.0, np.float32)), rec.reply, rec.fail)
+            assert later is not None and rec.results == {}
+            await later
+        assert sorted(rec.results) == [0, 1] and all((out == 3.0).all() for out in rec.results.values())
