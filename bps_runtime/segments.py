@@ -18,7 +18,6 @@ import os
 import re
 import secrets
 import stat
-import weakref
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from multiprocessing import resource_tracker
@@ -99,13 +98,14 @@ class ArenaFullError(OSError):
         self.cap = cap
 
 
-# The file each mapping was made from (st_dev, st_ino), read when it was mapped: check_size compares it with
-# what the name points at now, so that a segment replaced under its name is not taken for the one mapped.
-_IDENTITY: weakref.WeakKeyDictionary[SharedMemory, tuple[int, int]] = weakref.WeakKeyDictionary()
+# The file each mapping was made from (st_dev, st_ino), read when it was mapped, and its path: check_size
+# compares the identity with what the name points at now, so that a segment replaced under its name is not
+# taken for the one mapped. Kept on the mapping object itself (check_size runs per piece on the hot path).
+_IDENTITY_ATTR: Final = "_bps_identity"
 
 
 def _remember(seg: SharedMemory, st: os.stat_result) -> None:
-    _IDENTITY[seg] = (st.st_dev, st.st_ino)
+    setattr(seg, _IDENTITY_ATTR, (os.path.join(SHM_DIR, seg.name), st.st_dev, st.st_ino))
 
 
 def check_size(seg: SharedMemory, needed: int, tensor: str = "") -> None:
@@ -115,11 +115,12 @@ def check_size(seg: SharedMemory, needed: int, tensor: str = "") -> None:
     access of a segment per operation, right before it, never per element. It narrows the window in
     which a shrinking process can crash a daemon to the time between this check and the access (a
     process that truncates in that window still can: only a sealed memfd would close it)."""
+    identity = getattr(seg, _IDENTITY_ATTR, None)
     try:
-        st = os.stat(os.path.join(SHM_DIR, seg.name))
+        st = os.stat(identity[0] if identity is not None else os.path.join(SHM_DIR, seg.name))
     except OSError:
         raise SegmentSizeError(seg.name, 0, needed, tensor, replaced=True) from None
-    if _IDENTITY.get(seg, (st.st_dev, st.st_ino)) != (st.st_dev, st.st_ino):
+    if identity is not None and (identity[1] != st.st_dev or identity[2] != st.st_ino):
         raise SegmentSizeError(seg.name, 0, needed, tensor, replaced=True)
     if st.st_size < needed:
         raise SegmentSizeError(seg.name, st.st_size, needed, tensor)
