@@ -339,6 +339,23 @@ def test_batches_do_not_nest_and_items_are_validated():
         m.parse({"t": "batch", "items": [], "sizes": []})
 
 
+def test_a_header_with_a_field_we_do_not_know_parses_to_the_fields_we_know():
+    """A newer peer's extra field (or a non-string key) is ignored, as before the fast path of parse."""
+    header = m.to_header(m.Done(7))
+    assert m.parse({**header, "from_the_future": [1, 2]}) == m.Done(7)
+    assert m.parse({**header, 5: "x"}) == m.Done(7)
+    with pytest.raises(ProtocolError, match="lacks field 'req'") as info:
+        m.parse({"t": "done", "from_the_future": 1})
+    assert isinstance(info.value, RemoteProtocolError)
+
+
+def test_to_header_lists_every_field_after_the_tag():
+    push = m.Push(req=5, name="w", part=1, round=2, worker=3, dtype="float32", shape=[8], offset=0, count=8)
+    header = m.to_header(push)
+    assert list(header) == ["t"] + [f.name for f in dataclasses.fields(m.Push)]
+    assert header["t"] == "push" and m.parse(header) == push
+
+
 # -- built means checked ------------------------------------------------------------------
 
 def _push(**changes) -> m.Push:
