@@ -37,7 +37,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
-import ml_dtypes
 import numpy as np
 import torch
 
@@ -77,7 +76,7 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     if not t.is_contiguous():
         t = t.contiguous()
     if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.view(torch.int16).numpy().view(_client.NUMPY_DTYPES["bfloat16"])
     if t.dtype not in _WIRE_TYPES:
         raise BPSError(f"unsupported tensor dtype {t.dtype}; supported: float32, float64, float16, bfloat16, "
                        f"int32, int64")
@@ -85,13 +84,19 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def _from_numpy(a: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
-    if a.dtype == ml_dtypes.bfloat16:
+    if a.dtype.name == "bfloat16":  # ml_dtypes' (only ml_dtypes makes a numpy bfloat16)
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
 
 
 _NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-             torch.bfloat16: ml_dtypes.bfloat16, torch.int32: np.int32, torch.int64: np.int64}
+             torch.bfloat16: "bfloat16", torch.int32: np.int32, torch.int64: np.int64}  # bfloat16: see _numpy_of
+
+
+def _numpy_of(dtype: torch.dtype) -> Any:
+    """The numpy dtype of a wire torch dtype (bfloat16 through ml_dtypes, imported only when used)."""
+    np_dtype = _NUMPY_OF[dtype]
+    return _client.NUMPY_DTYPES["bfloat16"] if np_dtype == "bfloat16" else np_dtype
 
 
 def shared_tensor(name: str, shape: Iterable[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -101,7 +106,7 @@ def shared_tensor(name: str, shape: Iterable[int], dtype: torch.dtype = torch.fl
     if dtype not in _NUMPY_OF:
         raise BPSError(f"unsupported tensor dtype {dtype}; supported: float32, float64, float16, bfloat16, "
                        f"int32, int64")
-    return _from_numpy(_client.shared_array(name, tuple(shape), _NUMPY_OF[dtype]))
+    return _from_numpy(_client.shared_array(name, tuple(shape), _numpy_of(dtype)))
 
 
 @dataclass(eq=False)
@@ -127,7 +132,7 @@ def _start(tensor: torch.Tensor, name: str, *, average: bool, priority: int, out
         if output is not tensor:
             with torch.no_grad():
                 output.copy_(tensor)
-        wire = _client.dtype_name(np.dtype(_NUMPY_OF[tensor.dtype])) if tensor.dtype in _NUMPY_OF else None
+        wire = _client.dtype_name(np.dtype(_numpy_of(tensor.dtype))) if tensor.dtype in _NUMPY_OF else None
         if wire is None:
             raise BPSError(f"unsupported tensor dtype {tensor.dtype}")
         inner = _adapter.start_cuda(name, wire, tuple(tensor.shape), _cuda.describe(output), average=average,
@@ -511,7 +516,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _fill(self, bucket: _Bucket, index: int, grad: torch.Tensor | None) -> None:
         """Copy one gradient (cast for the wire) into the bucket's slot, or zeros where this process has none."""
         if bucket.slot is None:
-            view = _adapter.shared_slot(bucket.name, (bucket.total,), _NUMPY_OF[bucket.dtype])
+            view = _adapter.shared_slot(bucket.name, (bucket.total,), _numpy_of(bucket.dtype))
             bucket.slot = _from_numpy(view)
         p = bucket.params[index]
         part = bucket.slot[bucket.offsets[index]:bucket.offsets[index] + p.numel()]
@@ -526,7 +531,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _start(self, bucket: _Bucket) -> None:
         bucket.slot = None  # no reference to the slot outlives the push (it may move, or close at shutdown)
         # the gradients are in the slot already (_fill wrote them through shared_slot)
-        bucket.handle = _adapter.start_filled(bucket.name, _NUMPY_OF[bucket.dtype], (bucket.total,), average=True,
+        bucket.handle = _adapter.start_filled(bucket.name, _numpy_of(bucket.dtype), (bucket.total,), average=True,
                                               priority=bucket.priority, layout=bucket.layout)
 
     def synchronize(self) -> None:

@@ -6,33 +6,70 @@ dtypes (bfloat16 through ``ml_dtypes``); :func:`dtype_name` goes back and refuse
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from math import prod
-from typing import Final
+from typing import Any, Final
 
-import ml_dtypes
 import numpy as np
 
 from ..errors import BPSError
 
-__all__ = ["NUMPY_DTYPES", "dtype_name", "same_memory", "view_of"]
+__all__ = ["NUMPY_DTYPES", "bfloat16", "dtype_name", "same_memory", "view_of"]
 
-NUMPY_DTYPES: Final[dict[str, np.dtype]] = {
-    "float32": np.dtype(np.float32),
-    "float64": np.dtype(np.float64),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "int32": np.dtype(np.int32),
-    "int64": np.dtype(np.int64),
-}
-_NAME_OF: Final[dict[np.dtype, str]] = {v: k for k, v in NUMPY_DTYPES.items()}
+_WIRE_NAMES: Final = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 
 
-def dtype_name(dtype: np.dtype) -> str:
+def bfloat16() -> np.dtype:
+    """numpy's bfloat16, from ``ml_dtypes``, imported on first use: the import costs more than a second of
+    CPU (all its float8 and int4 types and their ufunc loops), which every training process paid at
+    ``import bps_worker.client`` whether it used bfloat16 or not."""
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+class _Dtypes(Mapping[str, np.dtype]):
+    """The wire's dtype names to numpy dtypes, read-only; bfloat16 is resolved on first access."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, np.dtype] = {name: np.dtype(name) for name in _WIRE_NAMES if name != "bfloat16"}
+
+    def __getitem__(self, name: str) -> np.dtype:
+        if name == "bfloat16" and name not in self._known:
+            self._known[name] = bfloat16()
+        return self._known[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_WIRE_NAMES)
+
+    def __len__(self) -> int:
+        return len(_WIRE_NAMES)
+
+    def __contains__(self, name: object) -> bool:
+        return name in _WIRE_NAMES
+
+    def __repr__(self) -> str:
+        return f"NUMPY_DTYPES({', '.join(_WIRE_NAMES)})"
+
+
+NUMPY_DTYPES: Final[Mapping[str, np.dtype]] = _Dtypes()
+_NAME_OF: Final[dict[np.dtype, str]] = {NUMPY_DTYPES[name]: name for name in _WIRE_NAMES if name != "bfloat16"}
+
+
+def dtype_name(dtype: Any) -> str:
     """The wire's name of ``dtype``; BPSError naming the supported ones if the wire cannot carry it."""
     try:
-        return _NAME_OF[np.dtype(dtype)]
-    except KeyError:
-        raise BPSError(f"unsupported dtype {np.dtype(dtype)}; supported: {', '.join(NUMPY_DTYPES)}") from None
+        dt = np.dtype(dtype)
+    except TypeError:
+        if dtype != "bfloat16":  # a name numpy knows only once ml_dtypes is imported
+            raise
+        dt = bfloat16()
+    name = _NAME_OF.get(dt)
+    if name is not None:
+        return name
+    if dt.name == "bfloat16" and dt == bfloat16():  # such an array means ml_dtypes is imported already
+        return "bfloat16"
+    raise BPSError(f"unsupported dtype {dt}; supported: {', '.join(NUMPY_DTYPES)}")
 
 
 def view_of(buf: memoryview | None, dtype: np.dtype, shape: tuple[int, ...], offset: int) -> np.ndarray:
