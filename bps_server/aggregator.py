@@ -373,8 +373,7 @@ class Aggregator:
             for lease in leases:
                 if lease is not None:
                     lease()
-        except OSError as exc:
-            self._drop_sum(token.key)
+        except OSError as exc:  # the FailRound drops the round's accumulator (only if it is still current)
             self._run(self.table.fail(token, Why(f"tensor {push.name!r} round {push.round} cannot be summed: "
                                                  f"{exc.strerror or exc}")))
             return False
