@@ -231,6 +231,8 @@ class Welcome(Message):
     # To a training process: the most bytes of shared-memory slots it may hold (cluster.arena_bytes); it frees
     # its least recently used idle slots (Alloc.free) to stay under it.
     arena_bytes: int = 0
+    # To a training process: sums of at most this many bytes may go in an OpBatch (0: none; issue 16).
+    fusion_bytes: int = 0
 
     def validate(self) -> None:
         for what, text, limit in (("proof", self.auth, MAX_PROOF_CHARS),
@@ -581,6 +583,221 @@ class Done(Message):
         _check_offset(self.offset)
 
 
+# -- fusion (issue 16): many small sums in one message at every hop -------------------------------------------
+MAX_FUSED_ENTRIES: Final = 4096  # tensors named in one OpBatch, DoneBatch, FuseReady, FuseAbort or FusePlan
+# Senders close a fused message once its names (in UTF-8, bounded) reach this, well under every header limit.
+FUSED_NAMES_BUDGET: Final = 24 * 1024
+# The prefix of the names the worker gives its fused tensors (one per server, lane and dtype); a training
+# process may not use it (the session refuses it).
+FUSED_PREFIX: Final = "\x00fused/"
+
+# A fused tensor's spec on the wire: [dtype, shape, average, layout] (a sum: fusion never carries a broadcast).
+Spec = tuple[str, tuple[int, ...], bool, str]
+
+
+def check_spec(spec: Any) -> Spec:
+    """A wire spec as a hashable tuple; LocalProtocolError names what is wrong with it."""
+    if not isinstance(spec, (list, tuple)) or len(spec) != 4:
+        raise LocalProtocolError(f"a fused spec is [dtype, shape, average, layout], got {spec!r:.80}")
+    dtype, shape, average, layout = spec
+    if not isinstance(dtype, str) or not isinstance(shape, (list, tuple)) or not isinstance(average, bool) \
+            or not isinstance(layout, str):
+        raise LocalProtocolError(f"a fused spec is [str, list, bool, str], got {spec!r:.80}")
+    _check_dtype(dtype)
+    _check_shape(list(shape))
+    _check_layout("fused spec", layout)
+    if average and dtype not in dtypes.FLOAT_TYPES:
+        raise LocalProtocolError(f"a fused spec averages {dtype}, not a floating dtype")
+    return dtype, tuple(shape), average, layout
+
+
+def fused_chunks(names: list[str]) -> list[tuple[int, int]]:
+    """``names`` cut into runs (start, stop) of at most MAX_FUSED_ENTRIES names and FUSED_NAMES_BUDGET bytes
+    of UTF-8 (plus 16 a name for the other columns): what one fused message may carry."""
+    chunks, start, used = [], 0, 0
+    for i, name in enumerate(names):
+        size = (len(name) if name.isascii() else len(name.encode())) + 16
+        if i > start and (used + size > FUSED_NAMES_BUDGET or i - start >= MAX_FUSED_ENTRIES):
+            chunks.append((start, i))
+            start, used = i, 0
+        used += size
+    if start < len(names):
+        chunks.append((start, len(names)))
+    return chunks
+
+
+def describe_spec(spec: Spec) -> str:
+    """A fused tensor as a mismatch names it (as ``bps_worker.local_rounds.describe`` names an Op's)."""
+    dtype, shape, average, layout = spec
+    text = f"{dtype}[{','.join(str(d) for d in shape)}]"
+    if average:
+        text += " (average)"
+    if layout:
+        text += f" (layout {layout})"
+    return text
+
+
+def _check_fused_names(tag: str, names: list[Any]) -> None:
+    if not 1 <= len(names) <= MAX_FUSED_ENTRIES:
+        raise LocalProtocolError(f"{tag} of {len(names)} tensors; 1 to {MAX_FUSED_ENTRIES} allowed", what=tag,
+                                 size=len(names), limit=MAX_FUSED_ENTRIES, unit="tensors")
+    for name in names:
+        if not isinstance(name, str):
+            raise LocalProtocolError(f"{tag} names a {type(name).__name__}, not a tensor name")
+        if not 0 < len(name) <= MAX_NAME_CHARS:
+            _check_name(name)
+
+
+def _check_indexes(tag: str, what: str, values: list[Any], count: int, bound: int | None = None) -> None:
+    """``values`` has ``count`` non-negative ints (each under ``bound`` if given)."""
+    if len(values) != count:
+        raise LocalProtocolError(f"{tag} has {count} tensors but {len(values)} {what}")
+    for v in values:
+        if v.__class__ is not int or v < 0 or (bound is not None and v >= bound):
+            limit = "a non-negative int" if bound is None else f"an int in 0..{bound - 1}"
+            raise LocalProtocolError(f"{tag} {what} must each be {limit}, got {v!r:.40}")
+
+
+@dataclass(frozen=True, slots=True)
+class OpBatch(Message):
+    """Small sums one process issued close together (the client's fusion): tensor ``names[i]`` is request
+    ``reqs[i]``, of spec ``specs[spec[i]]``, at byte ``offsets[i]`` of segment ``segments[seg[i]]``, with
+    priority ``priority[i]``. The worker sums each with the same name of the other processes, copies the
+    sum back into the slot and answers with DoneBatch (or a Failure per request)."""
+
+    TYPE: ClassVar[str] = "op_batch"
+    reqs: list[int]
+    names: list[str]
+    specs: list[Any]
+    spec: list[int]
+    segments: list[str]
+    seg: list[int]
+    offsets: list[int]
+    priority: list[int]
+
+    def validate(self) -> None:
+        _check_fused_names("op batch", self.names)
+        n = len(self.names)
+        _check_indexes("op batch", "requests", self.reqs, n)
+        _check_indexes("op batch", "spec indexes", self.spec, n, len(self.specs))
+        _check_indexes("op batch", "segment indexes", self.seg, n, len(self.segments))
+        _check_indexes("op batch", "offsets", self.offsets, n)
+        if len(self.priority) != n or not all(p.__class__ is int for p in self.priority):
+            raise LocalProtocolError(f"op batch has {n} tensors but priorities {self.priority!r:.80}")
+        if len(self.specs) > n or len(self.segments) > n:
+            raise LocalProtocolError("op batch has more specs or segments than tensors")
+        for spec in self.specs:
+            check_spec(spec)
+        for segment in self.segments:
+            _check_segment(segment, required=True)
+
+
+@dataclass(frozen=True, slots=True)
+class DoneBatch(Message):
+    """The sums of requests ``reqs`` are in their slots (the answer to OpBatch entries)."""
+
+    TYPE: ClassVar[str] = "done_batch"
+    reqs: list[int]
+
+    def validate(self) -> None:
+        if not 1 <= len(self.reqs) <= MAX_FUSED_ENTRIES:
+            raise LocalProtocolError(f"done batch of {len(self.reqs)} requests; 1 to {MAX_FUSED_ENTRIES} allowed")
+        _check_indexes("done batch", "requests", self.reqs, len(self.reqs))
+
+
+@dataclass(frozen=True, slots=True)
+class FuseReady(Message):
+    """Worker to the anchor server of ``names``: every local process issued these small sums (tensor
+    ``names[i]`` of spec ``specs[spec[i]]``). The server plans them (FusePlan) once every worker did."""
+
+    TYPE: ClassVar[str] = "fuse_ready"
+    names: list[str]
+    specs: list[Any]
+    spec: list[int]
+    # Per name, how many plans this worker daemon ran it in (its fused rounds so far): a server that restarted
+    # tells from it who missed a plan (see FuseRunning).
+    counts: list[int] = field(default_factory=list)
+
+    def validate(self) -> None:
+        _check_fused_names("fuse ready", self.names)
+        if self.counts:
+            _check_indexes("fuse ready", "counts", self.counts, len(self.names))
+        _check_indexes("fuse ready", "spec indexes", self.spec, len(self.names), len(self.specs))
+        if len(self.specs) > len(self.names):
+            raise LocalProtocolError("fuse ready has more specs than tensors")
+        for spec in self.specs:
+            check_spec(spec)
+
+
+@dataclass(frozen=True, slots=True)
+class FuseAbort(Message):
+    """Worker to the anchor server: these fused sums failed here (``message``, ``code``); fail them for every
+    worker, those that reported them already and those that will."""
+
+    TYPE: ClassVar[str] = "fuse_abort"
+    names: list[str]
+    message: str
+    code: FailureCode = "round_failed"
+
+    def validate(self) -> None:
+        _check_fused_names("fuse abort", self.names)
+        _check_text("fuse abort", "message", self.message)
+
+
+@dataclass(frozen=True, slots=True)
+class FusePlan(Message):
+    """Server to every worker: plan ``seq`` of this server sums ``names`` (in this order, grouped by dtype
+    and average) as one fused tensor per group, pushed to this server (see bps_worker.fusion)."""
+
+    TYPE: ClassVar[str] = "fuse_plan"
+    seq: int
+    names: list[str]
+
+    def validate(self) -> None:
+        _check_non_negative("fuse plan", seq=self.seq)
+        _check_fused_names("fuse plan", self.names)
+
+
+@dataclass(frozen=True, slots=True)
+class FuseRunning(Message):
+    """Worker to a server that restarted: plan ``seq`` of its previous run is running here (``counts``: as in
+    FuseReady, this plan included). A worker that reports these names one round behind lost the plan when
+    the server died, and gets it again."""
+
+    TYPE: ClassVar[str] = "fuse_running"
+    seq: int
+    names: list[str]
+    counts: list[int]
+
+    def validate(self) -> None:
+        _check_non_negative("fuse running", seq=self.seq)
+        _check_fused_names("fuse running", self.names)
+        _check_indexes("fuse running", "counts", self.counts, len(self.names))
+
+
+@dataclass(frozen=True, slots=True)
+class FuseFailed(Message):
+    """Server to a worker: fused tensor ``name`` failed at its meeting point (the fields as in Failure)."""
+
+    TYPE: ClassVar[str] = "fuse_failed"
+    name: str
+    message: str
+    code: FailureCode = "round_failed"
+    ours: str = ""
+    theirs: str = ""
+    peer: str = ""
+    detail: str = ""
+
+    def validate(self) -> None:
+        _check_name(self.name)
+        for name in ("message", "ours", "theirs", "peer", "detail"):
+            _check_text("fuse failed", name, getattr(self, name))
+
+    def why(self) -> Why:
+        return Why(self.message, self.code, name=self.name, ours=self.ours, theirs=self.theirs, peer=self.peer,
+                   detail=self.detail)
+
+
 MAX_BATCH_ITEMS: Final = 1024
 # Senders close a batch once its items' estimated header bytes reach this (well under the frame limit).
 BATCH_HEADER_BUDGET: Final = 32 * 1024
@@ -621,7 +838,8 @@ class Batch(Message):
 MESSAGES: Final[dict[str, type[Message]]] = {
     cls.TYPE: cls
     for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, Announce, Release, RoundQuery,
-                RoundInfo, Ping, StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch)
+                RoundInfo, Ping, StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch, OpBatch, DoneBatch,
+                FuseReady, FuseAbort, FusePlan, FuseRunning, FuseFailed)
 }
 
 class _Field(NamedTuple):

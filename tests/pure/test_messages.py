@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import msgpack
 import numpy as np
@@ -41,6 +42,17 @@ SAMPLES: dict[str, m.Message] = {
                average=True, priority=-3, root=2, cuda=[[4, 5], [5, 1], 0, "float16", 1, b"h" * 64, 40, 0, b"r", 8,
                                                         b"e" * 64, True], handback=False),
     "done": m.Done(req=8, segment="bps_w1_9_aa", offset=4096),
+    "op_batch": m.OpBatch(reqs=[4, 5, 6], names=["a", "b", "c"], specs=[["float32", [4], False, ""],
+                                                                      ["float16", [2, 2], True, "x:1"]],
+                          spec=[0, 1, 0], segments=["bps_w1_9_aa", "bps_w1_9_ab"], seg=[0, 0, 1],
+                          offsets=[0, 64, 128], priority=[0, -1, 3]),
+    "done_batch": m.DoneBatch(reqs=[4, 5, 6]),
+    "fuse_ready": m.FuseReady(names=["a", "b"], specs=[["int64", [3], False, ""]], spec=[0, 0], counts=[3, 0]),
+    "fuse_running": m.FuseRunning(seq=4, names=["a", "b"], counts=[4, 1]),
+    "fuse_abort": m.FuseAbort(names=["a"], message="rank 1 disconnected", code="connection"),
+    "fuse_plan": m.FusePlan(seq=7, names=["b", "a"]),
+    "fuse_failed": m.FuseFailed(name="a", message="tensor 'a' mismatch", code="mismatch", ours="float32[4]",
+                                theirs="float16[4]", peer="worker 1", detail="worker 0 has float32[4]"),
     "batch": m.Batch(items=[{"t": "done", "req": 1}, {"t": "result", "req": 2, "name": "b", "part": 0, "round": 1}],
                      sizes=[0, 8]),
 }
@@ -466,3 +478,46 @@ def test_estimated_header_bytes_of_pushes_and_results_is_unchanged():
     assert m.estimated_header_bytes(result) == 4 * len(result.name) + 256
     failure = m.Failure(1, "round 3 failed", code="round_failed")
     assert m.estimated_header_bytes(failure) == 4 * len(failure.message) + 256
+
+
+def _op_batch(**changes) -> dict:
+    return header("op_batch", **changes)
+
+
+@pytest.mark.parametrize("changes, says", [
+    (dict(spec=[0, 2, 0]), "spec indexes must each be an int in 0..1"),
+    (dict(seg=[0, 0]), "has 3 tensors but 2 segment indexes"),
+    (dict(offsets=[0, -1, 0]), "offsets must each be a non-negative int"),
+    (dict(reqs=[1, 2, True]), "requests must each be a non-negative int"),
+    (dict(names=["a", "", "c"]), "tensor name must have 1 to"),
+    (dict(names=["a", 3, "c"]), "names a int, not a tensor name"),
+    (dict(specs=[["float32", [4], False, ""], ["complex", [2], False, ""]]), "unsupported dtype"),
+    (dict(specs=[["int32", [4], True, ""], ["float16", [2, 2], True, ""]]), "averages int32"),
+    (dict(specs=[["float32", [4]], ["float16", [2, 2], True, ""]]), "a fused spec is [dtype, shape, average, layout]"),
+    (dict(priority=[0, 1]), "has 3 tensors but priorities"),
+    (dict(segments=["", "x"]), "segment name of 0 characters"),
+])
+def test_a_bad_op_batch_is_a_protocol_error_naming_the_column(changes, says):
+    with pytest.raises(RemoteProtocolError, match=re.escape(says)):
+        m.parse(_op_batch(**changes))
+
+
+def test_fused_messages_are_bounded():
+    names = [f"n{i}" for i in range(m.MAX_FUSED_ENTRIES + 1)]
+    with pytest.raises(LocalProtocolError, match="1 to 4096 allowed"):
+        m.FusePlan(1, names)
+    with pytest.raises(LocalProtocolError, match="1 to 4096 allowed"):
+        m.FuseReady([], [], [])
+    chunks = m.fused_chunks(["x" * 1000] * 60 + ["y"] * 5000)
+    assert chunks[0][0] == 0 and chunks[-1][1] == 5060
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))  # contiguous, every name once
+    for start, stop in chunks:
+        assert stop - start <= m.MAX_FUSED_ENTRIES
+        assert stop - start == 1 or sum(len(n) + 16 for n in (["x" * 1000] * 60 + ["y"] * 5000)[start:stop]) \
+            <= m.FUSED_NAMES_BUDGET
+
+
+def test_a_fused_spec_reads_as_a_hashable_tuple_and_is_described_as_an_op():
+    spec = m.check_spec(["float16", [2, 3], True, "fused:ab:2"])
+    assert spec == ("float16", (2, 3), True, "fused:ab:2") and hash(spec)
+    assert m.describe_spec(spec) == "float16[2,3] (average) (layout fused:ab:2)"

@@ -1,0 +1,209 @@
+"""The meeting point of fused small sums on their anchor server: pure decisions, no I/O (issue 16).
+
+Each worker reports the small tensors that all its local processes issued (``FuseReady``, see
+``bps_worker.fusion``). A name is *planned* once every worker reported it with the same spec: the names
+planned in one pass of the event loop go out as one ``FusePlan`` to every worker, in one order, and each
+worker sums them as fused tensors pushed to this server (ordinary rounds from then on). A worker reports a
+name again only after it has the sum of its planned round, so a name waits here at most once per worker.
+
+A name fails here, for every worker, when two workers report different specs (a mismatch: each side hears
+its own as ``ours``), when a worker aborts it (its processes disagreed, or one left), when a worker resets
+(its processes are gone: the job is dying) or when its connection drops. The workers that reported it hear
+at once (``FuseFailed``); those that did not yet hear when they report it. A reset worker's future reports
+are not waited for by failures it caused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bps_runtime.stalls import StallWatch
+from protocol.messages import Spec, Why, describe_spec, fused_chunks
+
+__all__ = ["Failed", "Planner", "Resend"]
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """Tell ``worker`` that fused tensor ``name`` failed, as its side hears it."""
+
+    worker: int
+    name: str
+    why: Why
+
+
+@dataclass(frozen=True, slots=True)
+class Resend:
+    """``worker`` lost plan ``seq`` (of our previous run) when we died: send it again."""
+
+    worker: int
+    seq: int
+    names: list[str]
+
+
+@dataclass(slots=True, eq=False)
+class _Waiting:
+    spec: Spec
+    first: int  # the worker that reported first (what the others must agree with)
+    workers: set[int] = field(default_factory=set)
+    counts: dict[int, int] = field(default_factory=dict)  # each reporter's count of the name's plans so far
+    opened: float = 0.0  # when the first report came (time.monotonic())
+
+
+class Planner:
+    """The fused names this server is the anchor of, from report to plan."""
+
+    def __init__(self, workers: int, warn_after_s: float = 30.0) -> None:
+        self.workers = workers
+        self.stalls: StallWatch[str] = StallWatch(warn_after_s=warn_after_s)
+        self.waiting: dict[str, _Waiting] = {}
+        self.ready: list[str] = []  # reported by every worker, not yet in a plan
+        # Failed while some workers had not reported it: those still to hear why, when they do.
+        self.failed: dict[str, tuple[Why, set[int]]] = {}
+        self.seq = 0  # of the next plan
+        # Plans of our previous run (we restarted) that a worker still runs (FuseRunning): name -> (seq, count
+        # that plan brought the name to), and seq -> names, for the workers that lost them (see running).
+        self.running_names: dict[str, tuple[int, int]] = {}
+        self.running_plans: dict[int, list[str]] = {}
+        self.resends: list[Resend] = []
+        self.plans = 0
+        self.planned = 0  # names, over all plans
+
+    def report(self, worker: int, names: list[str], specs: list[Spec], counts: list[int] | None = None,
+               now: float = 0.0) -> list[Failed]:
+        """``worker``'s processes all issued ``names`` (spec ``specs[i]`` each; ``counts[i]``: how many plans
+        the worker ran the name in so far). One round behind a plan of our previous run that another worker
+        still runs: the worker lost that plan, and gets it again (``resends``)."""
+        out: list[Failed] = []
+        waiting, failed, ready, everyone = self.waiting, self.failed, self.ready, self.workers
+        counts = counts or [0] * len(names)
+        running = self.running_names
+        lost: set[int] = set()
+        for name, spec, count in zip(names, specs, counts):
+            if running:
+                run = running.get(name)
+                if run is not None and count == run[1] - 1:
+                    lost.add(run[0])
+                    continue
+            if failed:
+                gone = failed.get(name)
+                if gone is not None and worker in gone[1]:
+                    why, left = gone
+                    left.discard(worker)
+                    if not left:
+                        del failed[name]
+                    out.append(Failed(worker, name, why.heard_by(describe_spec(spec))))
+                    continue
+            w = waiting.get(name)
+            if w is None:
+                if everyone == 1:
+                    ready.append(name)
+                else:
+                    waiting[name] = _Waiting(spec, worker, {worker}, {worker: count}, now)
+            elif worker in w.workers:
+                continue  # reported again (a reconnect): nothing new
+            elif spec != w.spec:
+                detail = (f"worker {w.first} has {describe_spec(w.spec)} but worker {worker} has "
+                          f"{describe_spec(spec)}")
+                w.workers.add(worker)
+                why = Why.mismatch(name, describe_spec(w.spec), describe_spec(spec), detail)
+                out += self._fail(name, w, why, specs={w.first: w.spec, worker: spec})
+            else:
+                w.workers.add(worker)
+                w.counts[worker] = count
+                if len(w.workers) == everyone:
+                    del waiting[name]
+                    ready.append(name)
+        self.resends += [Resend(worker, seq, self.running_plans[seq]) for seq in sorted(lost)]
+        return out
+
+    def running(self, worker: int, seq: int, names: list[str], counts: list[int]) -> None:
+        """``worker`` still runs plan ``seq`` of our previous run: the workers that reported its names one
+        round behind lost it (now or when they report them, see ``report``)."""
+        self.running_plans[seq] = list(names)
+        lost: set[int] = set()
+        for name, count in zip(names, counts):
+            self.running_names[name] = (seq, count)
+            w = self.waiting.get(name)
+            if w is None:
+                continue
+            behind = {r for r, c in w.counts.items() if c == count - 1}
+            lost |= behind
+            w.workers -= behind
+            for r in behind:
+                del w.counts[r]
+            if not w.workers:
+                del self.waiting[name]
+        self.resends += [Resend(r, seq, self.running_plans[seq]) for r in sorted(lost)]
+
+    def stall_warnings(self, now: float) -> list[str]:
+        """The names that waited ``warn_after_s`` (and again every ``warn_after_s``) for workers whose processes
+        have not issued them, in words for the log (as the round table's stalls are said)."""
+        old = {name: w.opened for name, w in self.waiting.items() if now - w.opened >= self.stalls.warn_after_s}
+        texts = []
+        for name, waited in self.stalls.due(now, old):
+            w = self.waiting[name]
+            missing = ", ".join(str(r) for r in range(self.workers) if r not in w.workers)
+            texts.append(f"stall: round {w.counts.get(w.first, 0)} of {name!r} part 0 has waited {waited:.1f} s for "
+                         f"worker {missing}, whose processes have not pushed it (pushed by worker "
+                         f"{', '.join(map(str, sorted(w.workers)))})")
+        return texts
+
+    def take_resends(self) -> list[Resend]:
+        resends, self.resends = self.resends, []
+        return resends
+
+    def take_plans(self) -> list[tuple[int, list[str]]]:
+        """The names ready since the last call, as plans that fit a message (``fused_chunks``): (seq, names)."""
+        plans = []
+        ready = self.ready
+        if self.running_names:  # a name planned anew is past the plans of our previous run
+            for name in ready:
+                self.running_names.pop(name, None)
+        for start, stop in fused_chunks(ready):
+            plans.append((self.seq, ready[start:stop]))
+            self.seq += 1
+        self.plans += len(plans)
+        self.planned += len(ready)
+        self.ready = []
+        return plans
+
+    def abort(self, worker: int, names: list[str], why: Why) -> list[Failed]:
+        """``worker`` gave these names up (see ``FuseAbort``): fail them for every worker."""
+        out: list[Failed] = []
+        for name in names:
+            w = self.waiting.get(name)
+            if w is not None:
+                out += self._fail(name, w, why, skip=worker)
+            elif name in self.ready:
+                self.ready.remove(name)
+                out += [Failed(other, name, why) for other in range(self.workers) if other != worker]
+            elif name not in self.failed:
+                self.failed[name] = (why, set(range(self.workers)) - {worker})
+        return out
+
+    def worker_gone(self, worker: int, why: Why) -> list[Failed]:
+        """``worker``'s processes are gone (a reset) or its connection dropped: every name waiting here
+        fails, since it waits for that worker or for what it reported; the failures it caused no longer
+        wait for it."""
+        out: list[Failed] = []
+        for name, w in list(self.waiting.items()):
+            out += self._fail(name, w, why, skip=worker)
+        for name in list(self.failed):
+            left = self.failed[name][1]
+            left.discard(worker)
+            if not left:
+                del self.failed[name]
+        return out
+
+    def _fail(self, name: str, w: _Waiting, why: Why, *, skip: int = -1,
+              specs: dict[int, Spec] | None = None) -> list[Failed]:
+        """Fail waiting name ``name``: its reporters hear now, the other workers when they report it."""
+        del self.waiting[name]
+        specs = specs or {}
+        told = [Failed(r, name, why.heard_by(describe_spec(specs.get(r, w.spec))))
+                for r in sorted(w.workers) if r != skip]
+        left = set(range(self.workers)) - w.workers - {skip}
+        if left:
+            self.failed[name] = (why, left)
+        return told

@@ -1,0 +1,266 @@
+"""Fused small sums on one machine: which local processes issued which small tensors, pure decisions, no I/O.
+
+Theory of operation (issue 16). A training process issues thousands of small sums per step; one message,
+one local round and one push per tensor would cost far more than the bytes. So small sums (at most
+``Welcome.fusion_bytes``) travel fused at every hop:
+
+1. the client packs the ones issued close together into one ``OpBatch`` (its fusion buffer and cycle time);
+2. this room collects each tensor's entries from the ``local_size`` processes, like a local round
+   (``bps_worker.local_rounds``) but in bulk: a :class:`FusedRound` per name, no message per entry;
+3. a round complete here is *reported* to the name's anchor server (``FuseReady``, one message per server
+   and pass of the event loop), which plans the names every worker reported (``bps_server.fusion``);
+4. a ``FusePlan`` names tensors in one order for every worker: the daemon sums each tensor's processes into
+   one fused tensor per dtype, pushes it to that server as an ordinary tensor (``bps_worker.operation``'s
+   ``FusedOperation``), copies each sum back into the processes' slots and answers with one ``DoneBatch``
+   per process.
+
+Failures keep the local rounds' rules: a process that submits a name it has in flight is refused; processes
+that disagree about a name fail that name (only), for every process here and, through the anchor server
+(``FuseAbort``), on every machine; a failed round stays until every local rank has submitted to it or
+left, so a late process gets its round's error; a process that leaves fails every round it is part of or
+awaited by; a reset fails everything.
+
+``FusedRounds`` only decides: its calls return what the daemon must send. A member is whatever the daemon
+answers a process through (its session).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from protocol.messages import Failure, Spec, Why, describe_spec
+
+M = TypeVar("M")
+
+
+@dataclass(slots=True, eq=False)
+class Entry(Generic[M]):
+    """One process's part of a fused round: its request and where its tensor is."""
+
+    member: M
+    req: int
+    spec: Spec
+    segment: str
+    offset: int
+    priority: int
+
+
+@dataclass(slots=True, eq=False)
+class FusedRound(Generic[M]):
+    """One small tensor's round on this machine."""
+
+    name: str
+    spec: Spec
+    first_rank: int  # the global rank whose entry came first (what the others must agree with)
+    entries: list[Entry[M] | None]  # by local rank
+    count: int = 1  # local ranks that submitted (or left a failed round)
+    why: Why | None = None  # the round failed: late ranks still join it and get this
+    server: int = -1  # the anchor server it was reported to
+    opened: float = 0.0  # when its first entry came (the daemon's clock)
+    generation: int = 0  # of the connection to its anchor it was reported on (bps_worker.fused_driver)
+    reported_at: float = 0.0  # when every local rank had submitted it
+
+    def members(self) -> list[Entry[M]]:
+        """The entries in local-rank order (the order of the local sum)."""
+        return [e for e in self.entries if e is not None]
+
+
+@dataclass
+class Decisions(Generic[M]):
+    """What one call decided: answers to send, rounds ready to report, names to abort at their anchors."""
+
+    answers: list[tuple[M, Failure]] = field(default_factory=list)
+    ready: list[FusedRound[M]] = field(default_factory=list)
+    aborts: list[tuple[str, Why]] = field(default_factory=list)
+
+    def fail(self, fr: FusedRound[M], why: Why) -> None:
+        """Answer every entry of ``fr`` so far with ``why`` (each side of a mismatch hears its own tensor)."""
+        for e in fr.entries:
+            if e is not None:
+                self.answers.append((e.member, why.heard_by(describe_spec(e.spec)).failure(e.req)))
+
+
+def spec_mismatch(name: str, first: Spec, first_rank: int, other: Spec, other_rank: int) -> Why:
+    detail = f"rank {first_rank} has {describe_spec(first)} but rank {other_rank} has {describe_spec(other)}"
+    return Why.mismatch(name, describe_spec(first), describe_spec(other), detail)
+
+
+class FusedRounds(Generic[M]):
+    """Every small tensor's fused round on one machine: collecting, reported (awaiting a plan), failed."""
+
+    def __init__(self, local_size: int, worker_id: int, rank_offset: int) -> None:
+        self.local_size = local_size
+        self.worker_id = worker_id
+        self.rank_offset = rank_offset
+        self.collecting: dict[str, FusedRound[M]] = {}  # not every local rank submitted yet
+        self.reported: dict[str, FusedRound[M]] = {}  # complete here, told to the anchor, awaiting its plan
+        self.failed: dict[str, FusedRound[M]] = {}  # failed; waiting for the local ranks that did not submit
+        # Reported rounds that failed here: a plan already on its way may still name them (see ``planned``).
+        self.abandoned: dict[str, Spec] = {}
+        # Per name, how many plans named it (its fused rounds in this daemon's life): reported with it, so that
+        # a server that restarted tells a worker that lost a plan from one that ran it (FuseRunning).
+        self.counts: dict[str, int] = {}
+
+    def busy(self, name: str) -> bool:
+        """Whether ``name`` has a fused round open here (an unfused op of it now would be a mismatch)."""
+        return name in self.collecting or name in self.reported
+
+    def submit(self, member: M, local_rank: int, entries: list[tuple[int, str, Spec, str, int, int]],
+               now: float = 0.0) -> Decisions[M]:
+        """Local rank ``local_rank`` issued ``entries``: (req, name, spec, segment, offset, priority) each, at
+        ``now`` (the daemon's clock)."""
+        out: Decisions[M] = Decisions()
+        rank = self.rank_offset + local_rank
+        collecting, size = self.collecting, self.local_size
+        failed = self.failed
+        for req, name, spec, segment, offset, priority in entries:
+            entry = Entry(member, req, spec, segment, offset, priority)
+            if failed and self._late(name, local_rank, entry, out):
+                continue  # its oldest round, a failed one, is the one it joins
+            fr = collecting.get(name)
+            if fr is None:
+                if name in self.reported:
+                    out.answers.append((member, Why(
+                        f"tensor {name!r} is already in flight for rank {rank}; synchronize it before pushing it "
+                        f"again", "bad_request").failure(req)))
+                    continue
+                fr = FusedRound(name, spec, rank, [None] * size, opened=now, reported_at=now)
+                fr.entries[local_rank] = entry
+                if size == 1:
+                    self.reported[name] = fr
+                    out.ready.append(fr)
+                else:
+                    collecting[name] = fr
+                continue
+            if fr.entries[local_rank] is not None:
+                out.answers.append((member, Why(f"tensor {name!r} is already in flight for rank {rank}; synchronize "
+                                                f"it before pushing it again", "bad_request").failure(req)))
+                continue
+            fr.entries[local_rank] = entry
+            fr.count += 1
+            if spec != fr.spec:
+                self._fail(fr, spec_mismatch(name, fr.spec, fr.first_rank, spec, rank), out)
+            elif fr.count == size:
+                fr.reported_at = now
+                del collecting[name]
+                self.reported[name] = fr
+                out.ready.append(fr)
+        return out
+
+    def _late(self, name: str, local_rank: int, entry: Entry[M], out: Decisions[M]) -> bool:
+        """An entry for a name whose round failed before this rank submitted to it: it gets that round's error
+        (and not the next round's data); False where there is no such round."""
+        failed = self.failed.get(name)
+        if failed is None or failed.entries[local_rank] is not None:
+            return False
+        assert failed.why is not None
+        failed.entries[local_rank] = entry
+        failed.count += 1
+        out.answers.append((entry.member, failed.why.heard_by(describe_spec(entry.spec)).failure(entry.req)))
+        if failed.count >= self.local_size:
+            del self.failed[name]
+        return True
+
+    def _fail(self, fr: FusedRound[M], why: Why, out: Decisions[M], *, abort: bool = True) -> None:
+        """Fail ``fr`` once: its entries hear why; local ranks still to submit will (see ``_late``); the peers
+        hear it through the anchor unless the anchor told us (``abort`` False)."""
+        if fr.why is not None:
+            return
+        fr.why = why
+        out.fail(fr, why)
+        self.collecting.pop(fr.name, None)
+        if self.reported.pop(fr.name, None) is not None:
+            self.abandoned[fr.name] = fr.spec
+        if fr.count < self.local_size:
+            self.failed[fr.name] = fr
+        if abort:
+            out.aborts.append((fr.name, why))
+
+    def planned(self, names: list[str]) -> tuple[list[FusedRound[M]], dict[str, Spec | None]]:
+        """The anchor planned ``names``: their rounds in plan order (no longer ours to decide), and the names
+        we have no reported round of, with their spec where we know it (failed here after we reported them:
+        the plan cannot run here as the peers run it)."""
+        reported, counts = self.reported, self.counts
+        rounds: list[FusedRound[M]] = []
+        missing: dict[str, Spec | None] = {}
+        for name in names:
+            counts[name] = counts.get(name, 0) + 1
+            fr = reported.pop(name, None)
+            if fr is None:
+                missing[name] = self.abandoned.pop(name, None)
+            else:
+                rounds.append(fr)
+        return rounds, missing
+
+    def link_lost(self, server: int, why: Why, before: int | None = None) -> Decisions[M]:
+        """What we reported to ``server`` is lost there (our connection broke and the server, which did not
+        restart, failed those names for the peers itself; or we gave the server up): those rounds fail here
+        too; with ``before``, only those reported on a connection older than that generation."""
+        out: Decisions[M] = Decisions()
+        for fr in [fr for fr in self.reported.values()
+                   if fr.server == server and (before is None or fr.generation < before)]:
+            self._fail(fr, why, out, abort=False)
+            self.abandoned.pop(fr.name, None)
+        return out
+
+    def fail_name(self, name: str, why: Why) -> Decisions[M]:
+        """Fail ``name``'s open round here, and (through its anchor) on every machine."""
+        out: Decisions[M] = Decisions()
+        fr = self.collecting.get(name) or self.reported.get(name)
+        if fr is not None:
+            self._fail(fr, why, out)
+        return out
+
+    def failed_at_anchor(self, name: str, why: Why) -> Decisions[M]:
+        """The anchor failed ``name`` (a peer disagreed, failed or left): its round here fails too."""
+        out: Decisions[M] = Decisions()
+        fr = self.reported.get(name) or self.collecting.get(name)
+        if fr is not None:
+            self._fail(fr, why, out, abort=False)
+        return out
+
+    def leave(self, local_rank: int, pid: int) -> Decisions[M]:
+        """Local rank ``local_rank`` (process ``pid``) disconnected: every round it is part of or awaited by
+        fails (its memory is about to go), and a failed round stops waiting for it."""
+        out: Decisions[M] = Decisions()
+        rank = self.rank_offset + local_rank
+        for fr in [*self.collecting.values(), *self.reported.values()]:
+            if fr.entries[local_rank] is None:
+                fr.count += 1  # it will never submit: the failed round does not wait for it
+            fr.entries[local_rank] = None  # nobody to answer
+            self._fail(fr, Why(f"tensor {fr.name!r}: rank {rank} (pid {pid}) disconnected during its fused round",
+                               "connection", peer=f"rank {rank} (pid {pid})",
+                               detail=f"it disconnected during the fused round of tensor {fr.name!r}"), out)
+        for name, fr in list(self.failed.items()):
+            if fr.entries[local_rank] is None:
+                fr.count += 1
+                if fr.count >= self.local_size:
+                    del self.failed[name]
+        return out
+
+    def overdue(self, connected: Collection[int], now: float, timeout: float) -> Decisions[M]:
+        """The rounds that waited ``timeout`` for a local rank that is not even connected fail (a process that
+        died, or never came, must not make its peers wait for ever); slow ones wait on."""
+        out: Decisions[M] = Decisions()
+        for fr in [fr for fr in self.collecting.values() if now - fr.opened >= timeout]:
+            absent = [r for r, e in enumerate(fr.entries) if e is None and r not in connected]
+            if absent:
+                ranks = ", ".join(str(self.rank_offset + r) for r in absent)
+                text = f"rank {ranks} of worker {self.worker_id} is not connected"
+                self._fail(fr, Why(f"tensor {fr.name!r}: {text} (waited {timeout:g} s)", "timeout",
+                                   what=f"tensor {fr.name!r}", timeout_s=timeout, detail=text), out)
+        return out
+
+    def reset(self) -> Decisions[M]:
+        """Every process left: every open round fails, and nothing is kept for late ones."""
+        out: Decisions[M] = Decisions()
+        for fr in [*self.collecting.values(), *self.reported.values()]:
+            self._fail(fr, Why(f"tensor {fr.name!r}: every process of worker {self.worker_id} left"), out,
+                       abort=False)  # the Reset tells the servers
+        self.collecting.clear()
+        self.reported.clear()
+        self.failed.clear()
+        self.abandoned.clear()
+        return out

@@ -1,0 +1,124 @@
+"""The anchor server's plans of fused small sums (``bps_server.fusion``), without sockets or a loop."""
+
+from __future__ import annotations
+
+from bps_server.fusion import Planner
+from protocol.messages import FUSED_NAMES_BUDGET, MAX_FUSED_ENTRIES, Spec, Why
+
+F32: Spec = ("float32", (4,), False, "")
+F16: Spec = ("float16", (4,), False, "")
+
+
+def test_names_are_planned_once_every_worker_reported_them_in_whatever_order_and_batches():
+    p = Planner(3)
+    assert p.report(0, ["a", "b", "c"], [F32] * 3) == []
+    assert p.report(2, ["c", "b"], [F32] * 2) == []
+    assert p.take_plans() == []
+    assert p.report(1, ["b", "a", "c"], [F32] * 3) == []
+    assert p.take_plans() == [(0, ["b", "c"])]  # a still waits for worker 2
+    p.report(2, ["a"], [F32])
+    assert p.take_plans() == [(1, ["a"])]
+    assert p.take_plans() == [] and not p.waiting
+    assert (p.plans, p.planned) == (2, 3)
+
+
+def test_a_report_repeated_by_a_reconnecting_worker_changes_nothing():
+    p = Planner(2)
+    p.report(0, ["a"], [F32])
+    p.report(0, ["a"], [F32])
+    assert p.take_plans() == [] and p.waiting["a"].workers == {0}
+
+
+def test_plans_stay_within_a_message():
+    p = Planner(1)
+    names = [f"t{i:05d}" for i in range(2 * MAX_FUSED_ENTRIES + 5)]
+    p.report(0, names, [F32] * len(names))
+    plans = p.take_plans()
+    assert [seq for seq, _ in plans] == list(range(len(plans)))
+    assert [n for _, chunk in plans for n in chunk] == names  # every name once, in order
+    assert all(len(chunk) <= MAX_FUSED_ENTRIES and sum(len(n) + 16 for n in chunk) <= FUSED_NAMES_BUDGET
+               for _, chunk in plans)
+
+
+def test_workers_that_disagree_fail_that_name_everywhere_each_hearing_its_own_side():
+    p = Planner(3)
+    p.report(0, ["a", "b"], [F32, F32])
+    failed = p.report(1, ["a", "b"], [F16, F32])
+    sides = {f.worker: (f.why.code, f.why.ours, f.why.theirs) for f in failed}
+    assert sides == {0: ("mismatch", "float32[4]", "float16[4]"), 1: ("mismatch", "float16[4]", "float32[4]")}
+    assert all(f.name == "a" and "worker 0 has float32[4] but worker 1 has float16[4]" in f.why.text for f in failed)
+    # worker 2 hears it when it reports a; b is planned normally
+    late = p.report(2, ["a", "b"], [F32, F32])
+    assert [(f.worker, f.name, f.why.code, f.why.ours) for f in late] == [(2, "a", "mismatch", "float32[4]")]
+    assert p.take_plans() == [(0, ["b"])]
+    assert not p.failed and not p.waiting
+    assert p.report(0, ["a"], [F32]) == []  # a new round of a
+
+
+def test_an_abort_fails_the_name_for_those_that_reported_it_and_those_that_will():
+    p = Planner(3)
+    p.report(0, ["a"], [F32])
+    failed = p.abort(1, ["a", "z"], Why("worker 1 gave it up", "round_failed"))
+    assert [(f.worker, f.name) for f in failed] == [(0, "a")]
+    assert [(f.worker, f.name) for f in p.report(2, ["a", "z"], [F32, F32])] == [(2, "a"), (2, "z")]
+    assert [(f.worker, f.name) for f in p.report(0, ["z"], [F32])] == [(0, "z")]
+    assert not p.failed
+
+
+def test_an_abort_of_a_name_ready_but_not_yet_planned_takes_it_out_of_the_plan():
+    p = Planner(2)
+    p.report(0, ["a", "b"], [F32, F32])
+    p.report(1, ["a", "b"], [F32, F32])
+    failed = p.abort(1, ["a"], Why("gave up", "round_failed"))
+    assert [(f.worker, f.name) for f in failed] == [(0, "a")]
+    assert p.take_plans() == [(0, ["b"])]
+
+
+def test_a_worker_gone_fails_every_waiting_name_and_no_failure_waits_for_it():
+    p = Planner(3)
+    p.report(0, ["a"], [F32])
+    p.report(1, ["b"], [F32])
+    failed = p.worker_gone(1, Why("worker 1 disconnected", "connection"))
+    assert sorted((f.worker, f.name) for f in failed) == [(0, "a")]  # 1 is gone: nobody to tell
+    assert set(p.failed) == {"a", "b"}
+    assert p.failed["a"][1] == {2} and p.failed["b"][1] == {0, 2}
+    p.worker_gone(2, Why("worker 2 reset", "round_failed"))
+    assert p.failed["b"][1] == {0} and "a" not in p.failed
+
+
+def test_after_a_restart_a_worker_that_lost_a_plan_gets_it_again_whichever_message_comes_first():
+    # worker 0 ran plan 7 (a, b: their 3rd plan); worker 1 lost it when the server died
+    for running_first in (True, False):
+        p = Planner(2)
+        if running_first:
+            p.running(0, 7, ["a", "b"], [3, 3])
+        assert p.report(1, ["a", "b", "c"], [F32] * 3, [2, 2, 5]) == []
+        if not running_first:
+            p.running(0, 7, ["a", "b"], [3, 3])
+        assert [(r.worker, r.seq, r.names) for r in p.take_resends()] == [(1, 7, ["a", "b"])]
+        assert set(p.waiting) == {"c"}  # a and b wait for nobody: worker 1 runs plan 7 now
+        # the next round of a (count 3 on both) is an ordinary one
+        p.report(0, ["a"], [F32], [3])
+        p.report(1, ["a"], [F32], [3])
+        assert p.take_plans() == [(0, ["a"])] and "a" not in p.running_names
+
+
+def test_a_worker_that_ran_the_plan_too_reports_the_next_round_and_gets_no_resend():
+    p = Planner(2)
+    p.running(0, 7, ["a"], [3])
+    p.running(1, 7, ["a"], [3])
+    p.report(1, ["a"], [F32], [3])
+    assert p.take_resends() == [] and p.waiting["a"].workers == {1}
+
+
+def test_a_name_that_waits_for_a_worker_is_said_in_the_log_after_the_timeout_and_again():
+    p = Planner(3, warn_after_s=5.0)
+    p.report(0, ["late"], [F32], [1], now=100.0)
+    p.report(2, ["late"], [F32], [1], now=101.0)
+    assert p.stall_warnings(104.0) == []
+    [text] = p.stall_warnings(105.5)
+    assert text == ("stall: round 1 of 'late' part 0 has waited 5.5 s for worker 1, whose processes have not pushed "
+                    "it (pushed by worker 0, 2)")
+    assert p.stall_warnings(107.0) == [] and len(p.stall_warnings(110.6)) == 1
+    p.report(1, ["late"], [F32], [1], now=111.0)
+    assert p.stall_warnings(200.0) == []  # planned: nothing waits
