@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from multiprocessing.shared_memory import SharedMemory
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Final, cast
 
@@ -43,6 +44,9 @@ from protocol.messages import (
     Abort,
     Batch,
     Failure,
+    FuseAbort,
+    FuseReady,
+    FuseRunning,
     Hello,
     Message,
     Ping,
@@ -56,6 +60,7 @@ from protocol.messages import (
     Stats,
     StatsRequest,
     Welcome,
+    check_spec,
     parse,
     split_batch,
 )
@@ -189,6 +194,9 @@ class ServerConnection(AdmittedProtocol):
             del self.server.links[self.worker]
             if not self.server.stopping:
                 failed = self.server.aggregator.worker_lost(self.worker)
+                self.server.fused(self.server.fusion.worker_gone(self.worker, Why(
+                    f"worker {self.worker} disconnected from server {self.server.config.server_id}", "connection",
+                    peer=f"worker {self.worker}", detail="it disconnected while fused sums waited for it")))
                 level = logging.WARNING if failed else logging.INFO
                 log.log(level, "worker %d (%s) disconnected; %d pending rounds failed", self.worker, self.peer, failed)
 
@@ -263,7 +271,32 @@ class ServerConnection(AdmittedProtocol):
         if reset.worker != self.worker:
             raise RemoteProtocolError(f"worker {self.worker} sent a reset for worker {reset.worker}")
         failed = self.server.aggregator.worker_reset(reset.worker, reset.epoch)
+        self.server.fused(self.server.fusion.worker_gone(reset.worker, Why(
+            f"every training process of worker {reset.worker} left", "round_failed")))
         log.info("worker %d has no training processes; %d pending rounds failed", reset.worker, failed)
+
+    def on_fuse_ready(self, message: FuseReady, payload: memoryview | None) -> None:
+        assert self.worker is not None
+        self._stream_zero(message)
+        specs = [check_spec(s) for s in message.specs]  # checked when built: as hashable tuples
+        self.server.fused(self.server.fusion.report(self.worker, message.names, [specs[i] for i in message.spec],
+                                                    message.counts, time.monotonic()))
+
+    def on_fuse_running(self, message: FuseRunning, payload: memoryview | None) -> None:
+        assert self.worker is not None
+        self._stream_zero(message)
+        self.server.fusion.running(self.worker, message.seq, message.names, message.counts)
+        self.server.fused([])
+
+    def on_fuse_abort(self, message: FuseAbort, payload: memoryview | None) -> None:
+        assert self.worker is not None
+        self._stream_zero(message)
+        why = Why(f"worker {self.worker} gave the fused sum up: {message.message}", message.code)
+        self.server.fused(self.server.fusion.abort(self.worker, message.names, why))
+
+    def _stream_zero(self, message: Message) -> None:
+        if self.stream:
+            raise RemoteProtocolError(f"worker {self.worker} sent {message.TYPE} on stream {self.stream}, not 0")
 
     def on_stats_request(self, request: StatsRequest, payload: memoryview | None) -> None:
         self.send(Stats(request.req, self.server.stats()))
@@ -542,4 +575,7 @@ ServerConnection.HANDLERS = {
     Ping: ServerConnection.on_ping,
     Reset: ServerConnection.on_reset,
     StatsRequest: ServerConnection.on_stats_request,
+    FuseReady: ServerConnection.on_fuse_ready,
+    FuseAbort: ServerConnection.on_fuse_abort,
+    FuseRunning: ServerConnection.on_fuse_running,
 }

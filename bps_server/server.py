@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.config import ClusterConfig, placement_items
+from protocol.messages import MAX_MESSAGE_CHARS, FusePlan, FuseFailed
 
 from bps_runtime import metrics
 from bps_runtime.admission import HANDSHAKE_DEADLINE_S, PENDING_PER_PEER, PENDING_TOTAL, Admission, LogLimit
 from bps_runtime.timeline import Timeline
 
 from .aggregator import Aggregator
+from .fusion import Failed, Planner
 from .connection import BATCH_REPLY_MAX_BYTES, HANDSHAKE_MAX_HEADER_BYTES, HOLDER_SILENCE_FRACTION, ServerConnection
 
 __all__ = ["BATCH_REPLY_MAX_BYTES", "HANDSHAKE_MAX_HEADER_BYTES", "ServerConfig", "ServerConnection",
@@ -71,6 +73,8 @@ class SummationServer:
                                      deterministic=config.cluster.deterministic,
                                      connected=lambda w: w in self.links, timeline=self.timeline)
         self.connections: set[ServerConnection] = set()
+        self.fusion = Planner(config.cluster.workers, warn_after_s=config.cluster.timeout)  # the fused small sums this server is the anchor of
+        self._plans_due = False
         self.admission = Admission(log, f"server {config.server_id}", deadline_s=config.handshake_deadline_s,
                                    per_peer=config.pending_per_host, total=config.pending_total)
         self.refusals = LogLimit()  # of the lines about second daemons with a worker's id
@@ -140,6 +144,8 @@ class SummationServer:
             # Rounds that wait for a worker which is not connected at all (never came, or did not
             # come back after this server restarted) fail rather than wait for ever.
             self.aggregator.sweep(time.monotonic())
+            for text in self.fusion.stall_warnings(time.monotonic()):
+                log.warning("%s", text)
 
     def holder(self, worker: int, daemon: str) -> ServerConnection | None:
         """A connection of ``worker`` from another daemon than ``daemon`` that still holds the worker id:
@@ -150,6 +156,33 @@ class SummationServer:
             if conn is not None and not conn.closed and conn.daemon != daemon and now - conn.last_seen <= limit:
                 return conn
         return None
+
+    # -- fused small sums (bps_server.fusion) --------------------------------------------
+    def fused(self, failures: list[Failed]) -> None:
+        """Carry out the planner's decisions: failures to their workers now, the plans at the end of this
+        pass of the event loop (every report that one read of each connection brought, in one plan)."""
+        for f in failures:
+            conn = self.links.get(f.worker)
+            if conn is not None:
+                w = f.why
+                conn.send(FuseFailed(f.name, w.text[:MAX_MESSAGE_CHARS], w.code, ours=w.ours, theirs=w.theirs,
+                                     peer=w.peer, detail=w.detail))
+        for resend in self.fusion.take_resends():  # before any new plan: a lane runs its plans in order
+            conn = self.links.get(resend.worker)
+            if conn is not None:
+                log.info("worker %d lost plan %d of this server's previous run: sending it again", resend.worker,
+                         resend.seq)
+                conn.send(FusePlan(resend.seq, resend.names))
+        if self.fusion.ready and not self._plans_due:
+            self._plans_due = True
+            asyncio.get_running_loop().call_soon(self._send_plans)
+
+    def _send_plans(self) -> None:
+        self._plans_due = False
+        for seq, names in self.fusion.take_plans():
+            plan = FusePlan(seq, names)
+            for conn in list(self.links.values()):
+                conn.send(plan)
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

@@ -33,11 +33,12 @@ from bps_runtime import cuda, kernels, metrics
 from bps_runtime import segments as shm
 from bps_runtime.timeline import Timeline
 from protocol.config import ClusterConfig, placement_items
-from protocol.messages import Op, Ping
+from protocol.messages import Op, Ping, Spec, Why, describe_spec
 
 from .errors import BPSError
+from .fused_driver import FusedSums
 from .link import ServerLink
-from .local_rounds import Action, Failed, LocalRound, LocalRounds, Opened, Ready, Refused
+from .local_rounds import Action, Failed, LocalRound, LocalRounds, Opened, Ready, Refused, describe
 from .operation import run_operation, segment_buffer
 from .placement import Placement
 from .session import ClientSession, client_admission
@@ -113,6 +114,9 @@ class WorkerDaemon:
         self.links = {sid: streams[0] for sid, streams in self.streams.items()}
         self.all_links = [link for streams in self.streams.values() for link in streams]
         self._new_epoch()
+        # Tensors of at most this many bytes are fused (Welcome.fusion_bytes; bps_worker.fusion).
+        self.fusion_bytes = self.placement.small_tensor_bytes
+        self.fusion = FusedSums(self)
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-local")
         self.sessions: dict[int, ClientSession] = {}
         self.connections: set[ClientSession] = set()
@@ -199,6 +203,7 @@ class WorkerDaemon:
                 session.send(Ping(seq))
             for text in self.stalls.warnings(loop.time(), self.rounds, self.all_links):
                 log.warning("%s", text)
+            self.fusion.watch(loop.time())
             if loop.time() >= next_link_beat:
                 next_link_beat = loop.time() + link_interval
                 for link in self.all_links:
@@ -232,10 +237,11 @@ class WorkerDaemon:
             pass
         self.executor.shutdown(wait=False, cancel_futures=True)
 
-    def spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Any) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self.tasks.discard(task)
@@ -246,7 +252,35 @@ class WorkerDaemon:
     def submit(self, session: ClientSession, op: Op) -> None:
         """A handshaken process asks for ``op`` (checked against its memory by the session)."""
         assert session.local_rank is not None  # sessions submit only after their handshake
+        if self.fusion.rounds.busy(op.name):  # the other processes issued it small enough to fuse
+            self._paths_differ(op.name, session, op.req, describe(op))
+            return
         self._execute(self.rounds.submit(session, session.local_rank, op))
+
+    def submit_batch(self, session: ClientSession, entries: list[tuple[int, str, Spec, str, int, int]]) -> None:
+        """A handshaken process issued small sums to fuse (checked against its memory by the session)."""
+        if self.rounds.open:
+            kept = []
+            for entry in entries:
+                if entry[1] in self.rounds.open:  # the other processes issued it too large to fuse
+                    self._paths_differ(entry[1], session, entry[0], describe_spec(entry[2]))
+                else:
+                    kept.append(entry)
+            entries = kept
+        self.fusion.submit(session, entries)
+
+    def _paths_differ(self, name: str, session: ClientSession, req: int, ours: str) -> None:
+        """Processes of this machine issued ``name`` with sizes on both sides of the fusion limit: a mismatch,
+        which fails the round already open for it (and this request)."""
+        assert session.local_rank is not None
+        why = Why.mismatch(name, "the other processes' tensor", ours,
+                           f"rank {self.rank_offset + session.local_rank} issued it as {ours}, which the other "
+                           f"processes' round of it does not match (one is fused, at most "
+                           f"{self.fusion_bytes} bytes, the other not)")
+        session.send(why.heard_by(ours).failure(req))
+        self.fusion.carry_out(self.fusion.rounds.fail_name(name, why))
+        for lr in list(self.rounds.open.get(name, ())):
+            self._execute(self.rounds.fail(lr, why))
 
     def _execute(self, actions: list[Action[ClientSession]]) -> None:
         """Carry out the local rounds' decisions, in order."""
@@ -264,13 +298,17 @@ class WorkerDaemon:
                 self.spawn(self._run(action.round))
 
     async def _run(self, lr: LocalRound[ClientSession]) -> None:
-        self.running[lr.name] += 1
+        await self.run_tracked(lr.name, run_operation(self, lr))
+
+    async def run_tracked(self, name: str, operation: Any) -> None:
+        """Await ``name``'s operation; meanwhile its staging and results buffers are not freed for room."""
+        self.running[name] += 1
         try:
-            await run_operation(self, lr)
+            await operation
         finally:
-            self.running[lr.name] -= 1
-            if not self.running[lr.name]:
-                del self.running[lr.name]
+            self.running[name] -= 1
+            if not self.running[name]:
+                del self.running[name]
 
     def _busy(self, name: str) -> bool:
         """Whether ``name``'s staging and results buffers are in use (its operation runs, or its round is open)."""
@@ -287,7 +325,7 @@ class WorkerDaemon:
         if action.server_round is not None:
             self.abort_at_anchor(lr.name, action.server_round, reason)
         else:
-            self.spawn(self._abort_when_known(lr.name, lr.round, self.round_base(lr.name, lr.round), reason))
+            self.spawn(self.abort_when_known(lr.name, lr.round, self.round_base(lr.name, lr.round), reason))
 
     def _watch(self, lr: LocalRound[ClientSession]) -> None:
         """Look at an open round after every timeout: fail it if it waits for a process that is not
@@ -310,7 +348,7 @@ class WorkerDaemon:
         anchor = self.placement.server_ids[self.placement.anchor(name)]
         self.links[anchor].abort(name, 0, server_round, reason)
 
-    async def _abort_when_known(self, name: str, local_round: int, base: asyncio.Future[int], reason: str) -> None:
+    async def abort_when_known(self, name: str, local_round: int, base: asyncio.Future[int], reason: str) -> None:
         try:
             offset = await base
         except (BPSError, asyncio.CancelledError):
@@ -336,6 +374,7 @@ class WorkerDaemon:
             if not self.stopping:
                 log.info("client %r disconnected", session)
             self._execute(self.rounds.leave(session.local_rank, session.pid))
+            self.fusion.carry_out(self.fusion.rounds.leave(session.local_rank, session.pid))
             if not self.sessions and not self.stopping:
                 self._reset()
         session.release_segments()
@@ -351,6 +390,7 @@ class WorkerDaemon:
         log.info("no training processes connected: resetting rounds and freeing %d staging buffers",
                  len(self.staging.slots) + len(self.results.slots))
         self._execute(self.rounds.reset())
+        self.fusion.reset()
         for query in self.round_queries.values():
             query.cancel()
         self.round_queries.clear()

@@ -55,7 +55,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
-from typing import Any, Final, Sequence, cast
+from typing import Any, Callable, Final, Sequence, cast
 
 from protocol import PROTOCOL_VERSION
 from protocol.config import ServerSpec
@@ -77,6 +77,11 @@ from protocol.messages import (
     Batch,
     Challenge,
     Failure,
+    FuseAbort,
+    FuseFailed,
+    FusePlan,
+    FuseReady,
+    FuseRunning,
     Hello,
     Message,
     Ping,
@@ -325,6 +330,12 @@ class ServerLink:
         # Refused because another daemon has our worker id: until when no attempt is made, and the error.
         self._held_elsewhere: tuple[float, BPSConnectionError] | None = None
         self._silence: asyncio.TimerHandle | None = None  # fires once the connection was silent for the timeout
+        # The daemon's handlers of fused sums (bps_worker.fused_driver): what the server planned or failed, a
+        # ready connection lost, ready again (whether the server restarted), given up.
+        self.on_fused: Callable[[Message], None] | None = None
+        self.on_lost: Callable[[str], None] | None = None
+        self.on_ready: Callable[[bool], None] | None = None
+        self.on_gave_up: Callable[[str], None] | None = None
 
     @property
     def shm(self) -> bool:
@@ -388,6 +399,10 @@ class ServerLink:
     def abort(self, name: str, part: int, round_: int, message: str) -> None:
         """Tell the server that this worker gave up a round (sent once connected, if need be)."""
         self._send_control(Abort(name, part, round_, self.worker_id, message[:MAX_MESSAGE_CHARS]))
+
+    def fuse(self, message: FuseReady | FuseAbort | FuseRunning) -> None:
+        """Report fused sums to this server (their anchor), or give them up (sent once connected)."""
+        self._send_control(message)
 
     def queued_bytes(self) -> int:
         """Payload bytes waiting in the priority queue plus bytes in the transport's write buffer."""
@@ -554,6 +569,8 @@ class ServerLink:
                 self._on_result(message, payload)
             case RoundInfo():
                 self.control.answer(message)
+            case FusePlan() | FuseFailed() if self.on_fused is not None and self.stream == 0:
+                self.on_fused(message)
             case Failure():
                 self._on_failure(proto, message)
             case _:
@@ -630,6 +647,8 @@ class ServerLink:
             proto.transport.close()
         if not was_ready and not self.closed:
             return  # lost during the handshake: the connecting loop retries (see _connect), nothing was sent
+        if self.on_lost is not None:
+            self.on_lost(reason)
         if self.incarnation is None or self.closed:
             self._fail_all(BPSConnectionError(reason))
             return
@@ -643,6 +662,8 @@ class ServerLink:
 
     def _fail_all(self, exc: BPSConnectionError) -> None:
         self.control.fail_queries(exc)
+        if self.on_gave_up is not None:
+            self.on_gave_up(str(exc))
         items = self.window.clear()
         self._follow_stall()
         for item in items:
@@ -711,7 +732,10 @@ class ServerLink:
         self._watch_silence(proto)
         for message in self.control.take():
             self._send(proto, message)
-        self._settle_held(proto, restarted=previous is not None and previous != welcome.incarnation)
+        restarted = previous is not None and previous != welcome.incarnation
+        self._settle_held(proto, restarted=restarted)
+        if self.on_ready is not None:
+            self.on_ready(restarted)
         self.pump()
 
     async def _handshake(self, proto: _LinkProtocol, deadline: float) -> Established:

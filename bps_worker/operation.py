@@ -57,6 +57,21 @@ OFFLOAD_MIN_BYTES: Final = 1 << 20
 Member = tuple[ClientSession, Op]
 
 
+class Path(Protocol):
+    """Where an operation's tensors live: its gather and hand-back stages (CpuPath, CudaPath,
+    bps_worker.fused_operation.FusedPath)."""
+
+    async def gather(self) -> Contribution: ...
+
+    def handback_slots(self) -> list[np.ndarray]: ...
+
+    def intact(self) -> bool: ...
+
+    async def copy_back(self, out: np.ndarray) -> None: ...
+
+    def done(self, op: Op, out_segment: str, out_base: int) -> Done: ...
+
+
 class OperationHost(Protocol):
     """What an operation needs from its daemon: the links, the arenas, the thread pool and the counters."""
 
@@ -82,6 +97,10 @@ class OperationHost(Protocol):
     def segments_freed(self, names: list[str]) -> None: ...
 
     def abort_at_anchor(self, name: str, server_round: int, reason: str) -> None: ...
+
+    async def abort_when_known(self, name: str, local_round: int, base: asyncio.Future[int], reason: str) -> None: ...
+
+    def spawn(self, coro: Any) -> asyncio.Future[Any]: ...
 
 
 @dataclass
@@ -125,7 +144,8 @@ class Operation:
         local = op.root - host.rank_offset
         # A broadcast's root as a local rank, None where it is on another machine.
         self.root = local if op.kind == KIND_BROADCAST and 0 <= local < host.config.local_size else None
-        self.path: CpuPath | CudaPath = CudaPath(self) if op.cuda else CpuPath(self)
+        self.priority = max((o.priority for _, o in self.members), default=0)
+        self.path: Path = CudaPath(self) if op.cuda else CpuPath(self)
         self.server_round: int | None = None
         self.pushed = False
         self.epoch = host.epoch  # the job this operation belongs to
@@ -170,10 +190,13 @@ class Operation:
         except (BPSError, asyncio.CancelledError) as exc:
             self.host.counters.ops_failed += 1
             reason = f"tensor {self.name!r}: cannot learn its round from the servers: {str(exc) or 'job reset'}"
-            for session, o in self.members:
-                # The servers' error keeps its class and facts (a connection, a timeout); the text says why here.
-                failure = failure_from_error(o.req, exc) if isinstance(exc, BPSError) else Failure(o.req, reason)
-                session.send(replace(failure, message=reason))
+            # The servers' error keeps its class and facts (a connection, a timeout); the text says why here.
+            self.answer_failure(lambda req, _: replace(failure_from_error(req, exc) if isinstance(exc, BPSError)
+                                                       else Failure(req, reason), message=reason))
+            if self._job_current():  # peers that learned it wait for our pushes: they fail once we learn it
+                host = self.host
+                host.spawn(host.abort_when_known(self.name, self.local_round,
+                                                 host.round_base(self.name, self.local_round), reason))
             return None
 
     def scatter(self, contribution: Contribution, server_round: int) -> Scattered:
@@ -183,7 +206,7 @@ class Operation:
         divisor = host.config.cluster.size if op.average else 1
         raw = contribution.buf.data.cast("B") if self.nbytes else memoryview(b"")
         out_raw = out.data.cast("B") if self.nbytes else memoryview(b"")
-        priority = max(o.priority for _, o in self.members)
+        priority = self.priority
         slots = self.path.handback_slots()
         # The servers compare a broadcast's root, and copy the data of the machine that holds it.
         broadcast = dict(root=op.root, holds_root=self.root is not None) if op.kind == KIND_BROADCAST else {}
@@ -241,6 +264,11 @@ class Operation:
         for session, o in self.members:
             session.send(self.path.done(o, scattered.out_segment, scattered.out_base))
 
+    def answer_failure(self, failure_for: Callable[[int, bool], Failure]) -> None:
+        """Answer every member with ``failure_for(req, handback)`` (whether its slot gets the sum)."""
+        for session, o in self.members:
+            session.send(failure_for(o.req, o.handback))
+
     def reply_failed(self, error: BPSError, scattered: Scattered) -> None:
         """Some piece failed: every member hears why (the error's class and attributes travel as the
         Failure's code and facts), and one whose array was pushed in place how many partitions it now
@@ -248,10 +276,13 @@ class Operation:
         self.host.counters.ops_failed += 1
         futures = scattered.futures
         summed = sum(1 for _, f in futures if f.done() and not f.cancelled() and f.exception() is None)
-        for session, o in self.members:
+
+        def failure(req: int, handback: bool) -> Failure:
             note = (f" (the array pushed in place now holds the sums of {summed} of its {len(futures)} "
-                    f"partitions)" if summed and o.handback and scattered.slots else "")
-            session.send(failure_from_error(o.req, error, note))
+                    f"partitions)" if summed and handback and scattered.slots else "")
+            return failure_from_error(req, error, note)
+
+        self.answer_failure(failure)
 
     def reply_error(self, exc: Exception) -> None:
         """Any other failure: every member hears it, and the peers too where we never pushed."""
@@ -266,10 +297,9 @@ class Operation:
         else:
             reason = f"tensor {self.name!r}: internal error in the worker: {exc!r}"
             log.exception("round %d of %r failed", self.local_round, self.name)
-        for session, o in self.members:
-            # A typed error keeps its class and facts (failure_from_error); the text names the tensor.
-            failure = failure_from_error(o.req, exc) if isinstance(exc, BPSError) else Failure(o.req, reason)
-            session.send(replace(failure, message=reason))
+        # A typed error keeps its class and facts (failure_from_error); the text names the tensor.
+        self.answer_failure(lambda req, _: replace(failure_from_error(req, exc) if isinstance(exc, BPSError)
+                                                   else Failure(req, reason), message=reason))
         if self.server_round is not None and not self.pushed and self._job_current():
             self.host.abort_at_anchor(self.name, self.server_round, reason)  # peers wait for our pushes there
 

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from protocol.config import ClusterConfig
-from protocol.messages import MAX_STREAMS
+from protocol.messages import FUSED_PREFIX, MAX_STREAMS
 
 log = logging.getLogger("bps.worker.placement")
 
@@ -160,6 +160,8 @@ class Placement:
         self._cumulative = cumulative
         positive = [share for share in self.shares if share > 0]
         smallest_share = min(positive) if positive else Fraction(1)
+        # Fused tensors (bps_worker.fusion): all of each one on the server that planned it.
+        self._pinned: dict[str, int] = {}
         self._streams = {sid: 1 if config.one_host or share == 0
                          else max(1, min(MAX_STREAMS, round(share / smallest_share)))
                          for sid, share in zip(self.server_ids, self.shares)}
@@ -168,11 +170,23 @@ class Placement:
         """How many connections a worker opens to ``server`` (see the module docstring)."""
         return self._streams[server]
 
+    def fused_key(self, server: int, lane: int, dtype: str, average: bool) -> str:
+        """The name of server ``server``'s fused tensor of ``dtype`` (and ``average``) on ``lane``: all of it
+        lives on that server (the anchor of every small tensor in it)."""
+        key = f"{FUSED_PREFIX}{server}/{lane}/{dtype}{'/avg' if average else ''}"
+        if key not in self._pinned:
+            self._pinned[key] = self.server_ids.index(server)
+        return key
+
     def anchor(self, name: str) -> int:
         """Index (into ``server_ids``) of the server that holds partition 0 of ``name``.
 
-        Chosen with probability proportional to the servers' shares (never a server without one).
+        Chosen with probability proportional to the servers' shares (never a server without one); a fused
+        tensor's is the server that planned it (``fused_key``).
         """
+        pinned = self._pinned.get(name)
+        if pinned is not None:
+            return pinned
         u = Fraction(zlib.crc32(name.encode()), 1 << 32)
         for i, bound in enumerate(self._cumulative):
             if u < bound and self.shares[i] > 0:
@@ -185,6 +199,12 @@ class Placement:
         start = self.anchor(name)
         if count * itemsize <= self.small_tensor_bytes:
             return [Piece(0, self.server_ids[start], 0, count)]
+        if name in self._pinned:  # a fused tensor: partitions of at most partition_bytes, all on its server
+            sid = self.server_ids[start]
+            largest = max(1, self.partition_bytes // itemsize)
+            streams = self._streams[sid]
+            return [Piece(i, sid, lo, min(largest, count - lo), i % streams)
+                    for i, lo in enumerate(range(0, count, largest))]
         order = [(start + i) % s for i in range(s)]
         exact = [self.shares[i] * count for i in order]
         alloc = [int(x) for x in exact]

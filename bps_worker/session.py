@@ -36,12 +36,18 @@ from protocol.messages import (
     ROLE_CLIENT,
     Alloc,
     Allocated,
+    FUSED_PREFIX,
+    Spec,
     Done,
+    DoneBatch,
     Failure,
     Message,
     Op,
+    OpBatch,
     Ping,
     Welcome,
+    check_spec,
+    describe_spec,
     parse,
 )
 
@@ -52,7 +58,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("bps.worker")
 
-CLIENT_MAX_HEADER_BYTES: Final = 16 * 1024
+CLIENT_MAX_HEADER_BYTES: Final = 64 * 1024  # an OpBatch: up to FUSED_NAMES_BUDGET of names
 # Above this many bytes waiting to be written to a training process (answers are small control messages:
 # thousands of them) the daemon stops reading it until they drain (bps_runtime.backpressure).
 CLIENT_WRITE_BUFFER_HIGH_BYTES: Final = 256 * 1024
@@ -75,7 +81,11 @@ class SessionHost(Protocol):
     connections: set[ClientSession]  # every open connection, handshaken or not
     admission: Admission  # of the connections that have not sent their Hello yet
 
+    fusion_bytes: int  # sums of at most this many bytes may come fused (OpBatch)
+
     def submit(self, session: ClientSession, op: Op) -> None: ...
+
+    def submit_batch(self, session: ClientSession, entries: list[tuple[int, str, Spec, str, int, int]]) -> None: ...
 
     def session_lost(self, session: ClientSession) -> None: ...
 
@@ -95,6 +105,7 @@ class ClientSession(AdmittedProtocol):
         self.pid = 0
         self.arena = shm.Arena(daemon.worker_id, daemon.config.segment_mode, daemon.arena_bytes)  # its tensors
         self.closed = False
+        self._outbox: list[bytes] = []  # frames of this pass of the event loop, not yet written (see send)
         # This process's ops handed to the local rounds and not answered yet: req -> tensor name, and how
         # many per name (an Alloc must not move the slot an op in flight reads).
         self.inflight: dict[int, str] = {}
@@ -103,7 +114,8 @@ class ClientSession(AdmittedProtocol):
         # ranks 0..local_size-1 (protocol.handshake).
         self.handshaker = ServerHandshake(peers={ROLE_CLIENT: daemon.config.local_size}, challenge=False,
                                           who=f"worker {daemon.worker_id}")
-        self.handlers: dict[type[Message], Callable[[Any], None]] = {Alloc: self.alloc, Op: self.op}
+        self.handlers: dict[type[Message], Callable[[Any], None]] = {Alloc: self.alloc, Op: self.op,
+                                                                      OpBatch: self.op_batch}
 
     @property
     def rank(self) -> int:
@@ -168,7 +180,8 @@ class ClientSession(AdmittedProtocol):
         self.send(self.handshaker.accept(Welcome(PROTOCOL_VERSION, rank=self.rank, size=cfg.size, local_rank=hello.id,
                                                  local_size=self.daemon.config.local_size,
                                                  worker=self.daemon.worker_id, workers=cfg.workers,
-                                                 arena_bytes=self.daemon.arena_bytes)).welcome)
+                                                 arena_bytes=self.daemon.arena_bytes,
+                                                 fusion_bytes=self.daemon.fusion_bytes)).welcome)
 
     def alloc(self, message: Alloc) -> None:
         """Find (or make) room for tensor ``name``: small ones share slab segments, large ones get their own.
@@ -209,8 +222,43 @@ class ClientSession(AdmittedProtocol):
             self.inflight_names[message.name] += 1
             self.daemon.submit(self, message)
 
+    def op_batch(self, batch: OpBatch) -> None:
+        """Small sums to fuse (bps_worker.fusion): each entry checked against its memory like an Op, the ones
+        that fail answered alone, the others handed to the daemon's fused rounds together."""
+        specs = [check_spec(s) for s in batch.specs]
+        sizes = [prod(spec[1]) * dtypes.ITEMSIZE[spec[0]] for spec in specs]
+        segments = [self.arena.segments.get(name) for name in batch.segments]
+        limit = self.daemon.fusion_bytes
+        inflight, names_in_flight = self.inflight, self.inflight_names
+        entries = []
+        for req, name, k, s, offset, priority in zip(batch.reqs, batch.names, batch.spec, batch.seg, batch.offsets,
+                                                     batch.priority):
+            nbytes, seg = sizes[k], segments[s]
+            error = None
+            if req in inflight:
+                error = f"tensor {name!r}: request {req} is already in flight"
+            elif nbytes > limit:
+                error = f"tensor {name!r} of {nbytes} bytes is too large to fuse (at most {limit} bytes)"
+            elif seg is None:
+                error = f"tensor {name!r}: segment {batch.segments[s]!r} was not allocated by this connection"
+            elif offset + nbytes > seg.size:
+                error = (f"tensor {name!r}: {describe_spec(specs[k])} needs {nbytes} bytes at offset {offset}, its "
+                         f"segment has {seg.size}")
+            elif name.startswith(FUSED_PREFIX):
+                error = f"tensor names starting {FUSED_PREFIX!r} are the worker's own"
+            if error is not None:
+                self.send(Failure(req, error, code="bad_request"))
+                continue
+            inflight[req] = name
+            names_in_flight[name] += 1
+            entries.append((req, name, specs[k], batch.segments[s], offset, priority))
+        if entries:
+            self.daemon.submit_batch(self, entries)
+
     def check_op(self, op: Op) -> str | None:
         """Why ``op`` cannot run as described (its memory, dtype or root), or None."""
+        if op.name.startswith(FUSED_PREFIX):
+            return f"tensor names starting {FUSED_PREFIX!r} are the worker's own"
         if op.cuda:
             problem = cuda.check_description(op.cuda)
             if problem is None and list(op.cuda[0]) != list(op.shape):
@@ -234,10 +282,23 @@ class ClientSession(AdmittedProtocol):
     def send(self, message: Message) -> None:
         if isinstance(message, (Done, Failure)) and message.req in self.inflight:
             self._answered(message.req)
+        elif isinstance(message, DoneBatch):
+            for req in message.reqs:
+                if req in self.inflight:
+                    self._answered(req)
         if isinstance(message, Ping) and self.flow is not None and self.flow.paused:
             return  # the process reads nothing: a heartbeat would only add to what waits for it
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(encode_message(message))
+            # The answers of one pass of the event loop go out in one write (thousands of fused sums complete
+            # in a few passes: a syscall each cost a third of the daemon's time).
+            self._outbox.append(encode_message(message))
+            if len(self._outbox) == 1:
+                asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        out, self._outbox = self._outbox, []
+        if out and self.transport is not None and not self.transport.is_closing():
+            self.transport.writelines(out)
 
     def _answered(self, req: int) -> None:
         """An op of this process got its answer: its tensor's slot may move again."""
@@ -247,6 +308,7 @@ class ClientSession(AdmittedProtocol):
             del self.inflight_names[name]
 
     def close(self) -> None:
+        self._flush()  # what was said before closing arrives (a protocol error's Failure)
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 

@@ -20,7 +20,7 @@ from .link import ServerLink
 from .local_rounds import LocalRound, LocalRounds
 
 
-def _ranks(local: Sequence[int], rank_offset: int) -> str:
+def local_ranks(local: Sequence[int], rank_offset: int) -> str:
     """``local ranks 0, 1 (ranks 4, 5)``."""
     s = "s" if len(local) != 1 else ""
     return (f"local rank{s} {', '.join(map(str, local))} "
@@ -75,8 +75,8 @@ class WorkerStalls:
     def _text(self, lr: LocalRound[Any], waited: float, servers: list[int]) -> str:
         where = f"tensor {lr.name!r} (round {lr.round} on worker {self.worker_id}) has waited {waited:.1f} s"
         if not servers:
-            return (f"stall: {where} for {_ranks(sorted(lr.expected), self.rank_offset)}, which did not submit it; "
-                    f"submitted by {_ranks(sorted(lr.members), self.rank_offset)}. Every process must push "
+            return (f"stall: {where} for {local_ranks(sorted(lr.expected), self.rank_offset)}, which did not submit "
+                    f"it; submitted by {local_ranks(sorted(lr.members), self.rank_offset)}. Every process must push "
                     f"every name once per round: is one stuck, or skipping it?")
         return (f"stall: {where} at server{'s' if len(servers) > 1 else ''} {', '.join(map(str, servers))}: "
                 f"every local rank submitted it, other workers have not pushed it (the server's log names them)")

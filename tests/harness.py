@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -19,8 +21,8 @@ from bps_worker.cluster_file import free_ports, write_config
 from bps_worker.observer import server_stats
 from bps_worker.supervise import Cluster
 
-__all__ = ["SHM_DIR", "daemon_logs", "free_ports", "run_ranks", "server_stats", "shm_segments", "start_cluster",
-           "write_config"]
+__all__ = ["SHM_DIR", "daemon_logs", "free_ports", "restart_mid_run", "run_ranks", "server_stats", "shm_segments",
+           "start_cluster", "write_config"]
 
 SHM_DIR = Path("/dev/shm")
 
@@ -29,6 +31,35 @@ def start_cluster(config_path: Path, log_dir: Path | None = None) -> Cluster:
     cluster = Cluster(str(config_path), log_level="info", log_dir=str(log_dir or config_path.parent / "logs"))
     cluster.start()
     return cluster
+
+
+def restart_mid_run(cluster: Cluster, victim: str, after_rounds: int
+                    ) -> tuple[threading.Thread, threading.Event, list[BaseException]]:
+    """A started thread that freezes server ``victim`` (SIGSTOP, so that pushes are surely in flight) once it
+    completed ``after_rounds`` rounds, kills it (-9) half a second later and restarts it, as systemd would;
+    the event is set once restarted, the list holds what went wrong in the thread."""
+    restarted = threading.Event()
+    failure: list[BaseException] = []
+
+    def kill_and_restart() -> None:
+        try:
+            sid = int(victim.split("-")[1])
+            deadline = time.monotonic() + 60
+            while server_stats(cluster)[sid]["rounds_completed"] < after_rounds:  # well into the run
+                assert time.monotonic() < deadline, "the job does not progress"
+                time.sleep(0.05)
+            cluster.kill(victim, signal.SIGSTOP)
+            time.sleep(0.5)
+            cluster.kill(victim)
+            time.sleep(0.3)  # systemd's RestartSec, shortened
+            cluster.restart(victim)
+            restarted.set()
+        except BaseException as exc:  # reported by the test
+            failure.append(exc)
+
+    chaos = threading.Thread(target=kill_and_restart)
+    chaos.start()
+    return chaos, restarted, failure
 
 
 def daemon_logs(cluster: Cluster) -> str:

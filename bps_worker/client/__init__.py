@@ -65,7 +65,8 @@ def _operations() -> Operations:
 
 
 def init(socket: str | None = None, local_rank: int | None = None, timeout: float = DEFAULT_TIMEOUT_S, *,
-         timeline: str | None = None, cuda_ipc: bool | None = None) -> None:
+         timeline: str | None = None, cuda_ipc: bool | None = None, fusion_bytes: int | None = None,
+         cycle_time_ms: float | None = None) -> None:
     """Connect this process to its machine's worker daemon (a second call does nothing).
 
     ``socket`` defaults to the environment variable ``BPS_SOCKET``; ``local_rank``
@@ -74,14 +75,18 @@ def init(socket: str | None = None, local_rank: int | None = None, timeout: floa
     the silence of a daemon (it pings every second) while an operation is pending.
     ``timeline`` (default ``BPS_TIMELINE``): a directory or ``FILE.json`` for this process's
     Chrome trace. ``cuda_ipc`` (default: on unless ``BPS_CUDA_IPC=0``): framework layers hand
-    CUDA tensors to the daemon through CUDA IPC rather than host copies. This is the one place
-    the client reads the environment (see :mod:`bps_worker.client.settings`).
+    CUDA tensors to the daemon through CUDA IPC rather than host copies. ``fusion_bytes``
+    (default ``BPS_FUSION_BYTES``, 64 MiB) and ``cycle_time_ms`` (``BPS_CYCLE_TIME_MS``, 1 ms) bound
+    the fusion of small sums: the ones issued close together go to the daemon in one message once
+    that many bytes wait or the first waited that long (``fusion_bytes=0``: no fusion). This is
+    the one place the client reads the environment (see :mod:`bps_worker.client.settings`).
     """
     global _conn
     with _lock:
         if _conn is not None:
             return
-        _conn = Operations(resolve(socket, local_rank, timeout, timeline, cuda_ipc, os.environ))
+        _conn = Operations(resolve(socket, local_rank, timeout, timeline, cuda_ipc, os.environ, fusion_bytes,
+                                   cycle_time_ms))
 
 
 def is_initialized() -> bool:
@@ -138,7 +143,8 @@ def push_pull_async(array: np.ndarray, name: str, *, average: bool = True, prior
 
 def poll(handle: Handle) -> bool:
     """True once the operation finished (successfully or not)."""
-    return handle.done()
+    ops = _conn
+    return ops.poll(handle) if ops is not None else handle.done()
 
 
 def synchronize(handle: Handle, timeout: float | None = None) -> np.ndarray:

@@ -76,10 +76,13 @@ def check_average(name: str, average: object, wire: str) -> bool:
 def check_shape(name: str, shape: Iterable[SupportsIndex], dtype: np.dtype) -> tuple[int, ...]:
     """``shape`` as a tuple of ints, if it has at most ``MAX_DIMS`` non-negative dimensions and its bytes fit
     a wire integer."""
-    try:
-        dims = tuple(operator.index(d) for d in shape)
-    except TypeError:  # a float dimension, or a shape that is not iterable
-        raise BPSError(f"tensor {name!r}: shape must hold integers, got {shape!r}") from None
+    if type(shape) is tuple and all(type(d) is int for d in shape):  # an array's shape: as it is
+        dims: tuple[int, ...] = shape
+    else:
+        try:
+            dims = tuple(operator.index(d) for d in shape)
+        except TypeError:  # a float dimension, or a shape that is not iterable
+            raise BPSError(f"tensor {name!r}: shape must hold integers, got {shape!r}") from None
     if any(d < 0 for d in dims):
         raise BPSError(f"tensor {name!r}: negative dimension in shape {dims}")
     if len(dims) > MAX_DIMS:

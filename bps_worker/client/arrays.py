@@ -76,10 +76,13 @@ def view_of(buf: memoryview | None, dtype: np.dtype, shape: tuple[int, ...], off
     """``shape`` elements of ``dtype`` at ``offset`` in ``buf`` (a shared-memory segment's), as an array."""
     if buf is None:  # SharedMemory.buf after close(): only after shutdown()
         raise BPSError("the shared-memory segment was closed (bps_worker.client.shutdown() was called)")
-    return np.frombuffer(buf, dtype=dtype, count=prod(shape), offset=offset).reshape(shape)
+    flat = np.frombuffer(buf, dtype=dtype, count=prod(shape), offset=offset)
+    return flat if len(shape) == 1 else flat.reshape(shape)
 
 
 def same_memory(view: np.ndarray, array: np.ndarray) -> bool:
     """Whether ``array`` is exactly ``view`` (same first byte, both contiguous, same size)."""
+    if not np.may_share_memory(view, array):  # by their bounds: the common answer, in a microsecond
+        return False
     return (array.size == view.size and array.dtype == view.dtype and array.flags.c_contiguous
             and (array.size == 0 or array.__array_interface__["data"][0] == view.__array_interface__["data"][0]))

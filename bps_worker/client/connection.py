@@ -23,7 +23,7 @@ from protocol import PROTOCOL_VERSION
 from protocol.errors import ProtocolError
 from protocol.frames import Frame, FrameReader, encode_message
 from protocol.handshake import ClientHandshake, Established, HandshakeRefused
-from protocol.messages import ROLE_CLIENT, Alloc, Allocated, Done, Failure, Hello, Message, Welcome, parse
+from protocol.messages import ROLE_CLIENT, Alloc, Allocated, Done, DoneBatch, Failure, Hello, Message, Welcome, parse
 
 from bps_runtime.timeline import now_us
 
@@ -118,6 +118,20 @@ class Connection:
                 self.handles.pop(handle.req, None)
             raise
 
+    def submit_many(self, handles: list[Handle], message: Message) -> None:
+        """Register ``handles`` and send the one message that starts them all (an OpBatch)."""
+        with self.lock:
+            self.check()
+            for handle in handles:
+                self.handles[handle.req] = handle
+        try:
+            self._send(message)
+        except BPSError:
+            with self.lock:
+                for handle in handles:
+                    self.handles.pop(handle.req, None)
+            raise
+
     def rpc(self, message: Alloc) -> Message:
         """Send a control request and wait (at most ``timeout``) for its answer."""
         event = threading.Event()
@@ -185,6 +199,14 @@ class Connection:
         self._fail_everything(BPSConnectionError(reason, peer=self.peer))
 
     def _dispatch(self, message: Message) -> None:
+        if isinstance(message, DoneBatch):
+            with self.lock:
+                handles = self.handles
+                done = [handles.pop(req) for req in message.reqs if req in handles]
+            now = now_us() if done and done[0].times is not None else None
+            for finished in done:
+                finished.succeed(None, now)
+            return
         if isinstance(message, Failure) and message.req == -1:
             raise _FatalFailure(message.message)
         req: int = getattr(message, "req", -1)

@@ -19,7 +19,11 @@ from .arrays import view_of
 __all__ = ["Handle"]
 
 
-@dataclass(eq=False)
+# Makes a handle's Event when a first thread waits for an unfinished one (most finish before anyone waits).
+_EVENTS = threading.Lock()
+
+
+@dataclass(eq=False, slots=True)
 class Handle:
     """An operation in flight; pass it to :func:`poll` or :func:`synchronize`."""
 
@@ -37,15 +41,35 @@ class Handle:
     times: list[int] | None = field(default=None, repr=False)  # timeline: start, filled, done
     error: BPSError | None = field(default=None, repr=False)
     consumed: bool = field(default=False, repr=False)
-    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+    queued: bool = field(default=False, repr=False)  # waits in the fusion buffer, not sent yet
+    _finished: bool = field(default=False, repr=False)
+    _event: threading.Event | None = field(default=None, repr=False)  # made by the first waiter (see wait)
 
     def done(self) -> bool:
         """Whether the operation finished (successfully or not)."""
-        return self._done.is_set()
+        return self._finished
 
     def wait(self, timeout: float | None) -> bool:
-        """Wait up to ``timeout`` seconds (None: for ever) for the end; whether it ended."""
-        return self._done.wait(timeout)
+        """Wait up to ``timeout`` seconds (None: for ever) for the end; whether it ended.
+
+        The Event is made only for a handle that is not finished when waited for (thousands of small sums a
+        step are finished by then): the waiter sets it and then reads ``_finished``; ``_finish`` writes
+        ``_finished`` and then reads it. Under the GIL one of the two sees the other's write."""
+        if self._finished:
+            return True
+        with _EVENTS:
+            event = self._event
+            if event is None:
+                event = self._event = threading.Event()
+        if self._finished:
+            return True
+        return event.wait(timeout)
+
+    def _finish(self) -> None:
+        self._finished = True
+        event = self._event
+        if event is not None:
+            event.set()
 
     def succeed(self, result_at: tuple[str, int] | None, now: int | None) -> None:
         """The daemon answered Done; ``result_at``: the worker's segment and offset holding the result, if it
@@ -53,14 +77,14 @@ class Handle:
         if self.times is not None and now is not None:
             self.times[2] = now
         self.result_at = result_at
-        self._done.set()
+        self._finish()
 
     def fail(self, error: BPSError, now: int | None = None) -> None:
         """The operation failed with ``error`` (raised by :func:`synchronize`)."""
         if self.times is not None and now is not None:
             self.times[2] = now
         self.error = error
-        self._done.set()
+        self._finish()
 
     def result_view(self) -> np.ndarray:
         """The result in shared memory, as an array (the slot, or the worker's results segment)."""

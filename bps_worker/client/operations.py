@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, SupportsIndex
 import numpy as np
 import numpy.typing as npt
 
-from protocol.messages import Op
+from protocol.messages import KIND_SUM, Op
 
 from bps_runtime.timeline import Timeline, now_us
 
@@ -30,6 +30,7 @@ from ..errors import BPSError, BPSTimeoutError
 from .arguments import check_average, check_dtype, check_layout, check_name, check_out, check_priority, check_shape
 from .arrays import NUMPY_DTYPES, same_memory, view_of
 from .connection import Connection
+from .fusion import FusionBuffer
 from .handle import Handle
 from .settings import Settings, timeline_path
 from .slots import SlotMap
@@ -38,6 +39,8 @@ __all__ = ["Fill", "Operations"]
 
 # Writes an operation's input into the view of its shared slot (framework layers assemble inputs in place).
 Fill = Callable[[np.ndarray], None]
+# Argument sets whose checks are remembered (Operations._checked): a model's tensors, many times over.
+MAX_CHECKED = 1 << 16
 
 
 class Operations:
@@ -58,6 +61,12 @@ class Operations:
         self.conn.map_result = self.slots.result_segment
         self.timeline = None if settings.timeline is None else Timeline(
             timeline_path(settings.timeline, self.rank), f"rank {self.rank} (pid {os.getpid()})")
+        # Small sums wait here to go with others in one OpBatch (bps_worker.client.fusion); the daemon says
+        # how small (0: an older daemon, or fusion off).
+        self._known: dict[tuple[Any, ...], tuple[str, np.dtype, str, tuple[int, ...], bool, int, str, int]] = {}
+        self.fuse_max = welcome.fusion_bytes if settings.fusion_bytes > 0 else 0
+        self.fusion = FusionBuffer(self.conn.submit_many, settings.fusion_bytes, settings.cycle_time_ms / 1000.0) \
+            if self.fuse_max else None
 
     # -- starting --------------------------------------------------------------------
     def check_root(self, root_rank: int) -> int:
@@ -96,18 +105,14 @@ class Operations:
         Framework layers use it to assemble an input in place (no staging copy), and give a fused tensor its
         ``layout`` (``Op.layout``). Every argument is checked before the slot is touched (:mod:`.arguments`).
         """
-        name = check_name(name)
-        dtype, wire = check_dtype(dtype)
-        shape = check_shape(name, shape, dtype)
-        average = check_average(name, average, wire)
-        priority = check_priority(name, priority)
+        name, dtype, wire, shape, average, priority, layout, nbytes = self._checked(name, dtype, shape, average,
+                                                                                   priority, layout)
         out = check_out(name, out, shape, dtype)
-        layout = check_layout(name, layout)
         handle = Handle(self.conn.next_req(), name, dtype, shape, out)
         self._reserve(handle)
         try:
             t_start = now_us() if self.timeline is not None else 0
-            seg, offset = self.slots.slot_for(name, prod(shape) * dtype.itemsize)
+            seg, offset = self.slots.slot_for(name, nbytes)
             view = view_of(seg.buf, dtype, shape, offset)
             fill(view)
             handle.segment, handle.offset = seg, offset
@@ -115,6 +120,10 @@ class Operations:
             del view
             if self.timeline is not None:
                 handle.times = [t_start, now_us(), 0]
+            if self.fusion is not None and kind == KIND_SUM and nbytes <= self.fuse_max:
+                handle.queued = True
+                self.fusion.add(handle, (wire, shape, average, layout), seg.name, offset, priority, nbytes)
+                return handle
             self.conn.submit(handle, Op(handle.req, name, kind, wire, list(shape), seg.name, average=average,
                                         priority=priority, root=root, offset=offset, handback=handle.in_place,
                                         layout=layout))
@@ -122,6 +131,29 @@ class Operations:
             self._unreserve(handle)
             raise
         return handle
+
+    def _checked(self, name: Any, dtype: Any, shape: Any, average: Any, priority: Any, layout: Any
+                 ) -> tuple[str, np.dtype, str, tuple[int, ...], bool, int, str, int]:
+        """The arguments checked (:mod:`.arguments`): name, dtype, wire dtype, shape, average, priority, layout
+        and the bytes. The same arguments again (every step, for every tensor) are checked once: their answer
+        is kept (for up to MAX_CHECKED argument sets)."""
+        try:
+            key = (name, dtype, shape, average, priority, layout)
+            known = self._known.get(key)
+        except TypeError:  # an unhashable argument (a list for a shape): checked every time
+            key, known = None, None
+        if known is not None:
+            return known
+        name = check_name(name)
+        dtype, wire = check_dtype(dtype)
+        shape = check_shape(name, shape, dtype)
+        average = check_average(name, average, wire)
+        priority = check_priority(name, priority)
+        layout = check_layout(name, layout)
+        checked = (name, dtype, wire, shape, average, priority, layout, prod(shape) * dtype.itemsize)
+        if key is not None and len(self._known) < MAX_CHECKED:
+            self._known[key] = checked
+        return checked
 
     def start_cuda(self, name: str, kind: str, wire: str, shape: tuple[int, ...], description: list[Any], *,
                    average: bool, priority: int, root: int) -> Handle:
@@ -165,6 +197,8 @@ class Operations:
         read-only and valid until the next operation on the same name)."""
         if handle.consumed:
             raise BPSError(f"handle of {handle.name!r} was already synchronized")
+        if handle.queued and self.fusion is not None:
+            self.fusion.flush()
         if not handle.wait(timeout):
             raise BPSTimeoutError(what=f"tensor {handle.name!r}", timeout_s=timeout)
         with self.lock:  # two threads may synchronize one handle: one gets the result
@@ -203,8 +237,16 @@ class Operations:
         self.timeline.span(handle.name, "worker daemon", filled, done)
         self.timeline.span(handle.name, "copy out", t_copy, now_us())
 
+    def poll(self, handle: Handle) -> bool:
+        """Whether ``handle``'s operation finished (a waiting fused one is sent now)."""
+        if handle.queued and self.fusion is not None:
+            self.fusion.flush()
+        return handle.done()
+
     def close(self) -> None:
         """Disconnect and unmap every segment; the daemon frees this process's shared memory."""
+        if self.fusion is not None:
+            self.fusion.close()
         self.conn.close()
         self.slots.close()
         if self.timeline is not None:

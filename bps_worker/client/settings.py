@@ -14,6 +14,11 @@ setting             environment default                        meaning
                                                                process's Chrome trace; unset: none
 ``cuda_ipc``        ``BPS_CUDA_IPC`` (``0`` turns it off)      CUDA tensors reach the daemon through CUDA IPC
                                                                (else through host copies)
+``fusion_bytes``    ``BPS_FUSION_BYTES`` (64 MiB)              small sums issued close together go to the
+                                                               daemon as one message once this many bytes
+                                                               wait (``0``: each alone, no fusion)
+``cycle_time_ms``   ``BPS_CYCLE_TIME_MS`` (1)                  ... or once the first waited this long (a
+                                                               synchronize sends at once)
 ==================  =========================================  ==============================================
 """
 
@@ -29,6 +34,8 @@ from ..errors import BPSError
 __all__ = ["DEFAULT_TIMEOUT_S", "Settings", "resolve", "timeline_path"]
 
 DEFAULT_TIMEOUT_S: Final = 30.0
+DEFAULT_FUSION_BYTES: Final = 64 << 20  # as Horovod's fusion threshold
+DEFAULT_CYCLE_TIME_MS: Final = 1.0  # as Horovod's cycle time
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +47,13 @@ class Settings:
     timeout: float  # seconds: the daemon's appearance, its answers, its silence while an operation is pending
     timeline: str | None = None
     cuda_ipc: bool = True
+    fusion_bytes: int = DEFAULT_FUSION_BYTES
+    cycle_time_ms: float = DEFAULT_CYCLE_TIME_MS
 
 
 def resolve(socket: str | None, local_rank: int | None, timeout: float, timeline: str | None,
-            cuda_ipc: bool | None, environ: Mapping[str, str]) -> Settings:
+            cuda_ipc: bool | None, environ: Mapping[str, str], fusion_bytes: int | None = None,
+            cycle_time_ms: float | None = None) -> Settings:
     """The settings from ``init()``'s arguments, each missing one from ``environ``; BPSError naming what is
     missing or malformed."""
     path = socket or environ.get("BPS_SOCKET")
@@ -63,7 +73,28 @@ def resolve(socket: str | None, local_rank: int | None, timeout: float, timeline
         timeline = environ.get("BPS_TIMELINE") or None
     if cuda_ipc is None:
         cuda_ipc = environ.get("BPS_CUDA_IPC", "1") != "0"
-    return Settings(path, local_rank, float(timeout), timeline, bool(cuda_ipc))
+    fusion = _number("fusion_bytes", fusion_bytes, environ, "BPS_FUSION_BYTES", DEFAULT_FUSION_BYTES, int)
+    cycle = _number("cycle_time_ms", cycle_time_ms, environ, "BPS_CYCLE_TIME_MS", DEFAULT_CYCLE_TIME_MS, float)
+    return Settings(path, local_rank, float(timeout), timeline, bool(cuda_ipc), int(fusion), float(cycle))
+
+
+def _number(what: str, value: float | None, environ: Mapping[str, str], variable: str, default: float,
+            kind: type) -> float:
+    """A finite, non-negative setting: the argument, else the environment's, else ``default``."""
+    source = what
+    if value is None:
+        text = environ.get(variable)
+        if text is None:
+            return default
+        source = variable
+        try:
+            value = kind(text)
+        except ValueError:
+            raise BPSError(f"{variable} must be a non-negative {kind.__name__}, got {text!r}") from None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf \
+            or (kind is int and value != int(value)):
+        raise BPSError(f"{source} must be a non-negative {kind.__name__}, got {value!r}")
+    return value
 
 
 def timeline_path(target: str, rank: int) -> str:

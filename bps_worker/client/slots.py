@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from collections import Counter
 from multiprocessing.shared_memory import SharedMemory
 from typing import Callable, Final, Sequence
 
@@ -47,8 +48,8 @@ def _never(name: str) -> bool:
 class SlotMap:
     """Segments mapped in this process, each name's slot, and each name's last result segment."""
 
-    __slots__ = ("_allocate", "_allocating", "_lock", "_busy", "_clock", "_slab", "_swept_at", "attached", "cap_bytes",
-                 "results", "slots", "used")
+    __slots__ = ("_allocate", "_allocating", "_lock", "_busy", "_clock", "_slab", "_swept_at", "_living", "attached",
+                 "cap_bytes", "results", "slots", "used")
 
     def __init__(self, allocate: Allocate, cap_bytes: int = 0, busy: Callable[[str], bool] = _never) -> None:
         self._allocate = allocate
@@ -63,6 +64,7 @@ class SlotMap:
         self._clock = itertools.count()
         self._slab: tuple[str, int] | None = None  # the daemon's slab for our small tensors, and its end
         self._swept_at = 1  # how many segments were mapped at the last sweep of freed result segments
+        self._living: Counter[str] = Counter()  # segment name -> how many of our slots live in it
 
     def slot_for(self, name: str, nbytes: int) -> tuple[SharedMemory, int]:
         """The shared memory where tensor ``name`` is handed over (asked of the daemon once per name)."""
@@ -79,6 +81,9 @@ class SlotMap:
                 seg = self._attach(segment, name)
                 slot = self.slots.get(name)
                 self.slots[name] = (seg, offset, capacity)
+                self._living[segment] += 1
+                if slot is not None:
+                    self._unliving(slot[0].name)
                 if nbytes <= shm.SLAB_ITEM_MAX_BYTES:
                     self._slab = (segment, offset + capacity)
                 if slot is not None:
@@ -105,6 +110,7 @@ class SlotMap:
             self.slots.clear()
             self.results.clear()
             self.used.clear()
+            self._living.clear()
             self._slab = None
 
     # -- the cap ---------------------------------------------------------------------
@@ -121,6 +127,13 @@ class SlotMap:
         """The least recently used idle slots to give up so that ``name``'s new one fits under the cap
         (none if it fits, or if even all of them would not make room: the daemon then says so)."""
         if not self.cap_bytes:
+            return []
+        # Whether it fits, from the segments our slots live in (a few slabs for thousands of small tensors):
+        # the full reckoning below, over every slot, only when it does not.
+        old = self.slots.get(name)
+        held = sum(self.attached[s].size for s, n in self._living.items()
+                   if n > (1 if old is not None and old[0].name == s else 0))
+        if held <= self.cap_bytes - self._new_bytes(nbytes):
             return []
         by_segment: dict[str, list[str]] = {}
         for tensor, (seg, _, _) in self.slots.items():
@@ -148,8 +161,14 @@ class SlotMap:
         for tensor in free:
             seg, _, _ = self.slots.pop(tensor)
             self.used.pop(tensor, None)
+            self._unliving(seg.name)
             self._release_unused(seg.name)
         return free
+
+    def _unliving(self, segment: str) -> None:
+        self._living[segment] -= 1
+        if self._living[segment] <= 0:
+            del self._living[segment]
 
     # -- mappings --------------------------------------------------------------------
     def _attach(self, segment: str, name: str) -> SharedMemory:
@@ -174,6 +193,5 @@ class SlotMap:
 
     def _release_unused(self, segment: str) -> None:
         """Unmap ``segment`` unless a slot or a last result still lives there."""
-        if segment in self.attached and all(s[0].name != segment for s in self.slots.values()) \
-                and segment not in self.results.values():
+        if segment in self.attached and not self._living.get(segment) and segment not in self.results.values():
             shm.release(self.attached.pop(segment), unlink=False)

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import re
-import signal
-import threading
-import time
 
 import pytest
 
 import rank_programs as rp
-from harness import daemon_logs, run_ranks, server_stats, start_cluster, write_config
+from harness import daemon_logs, restart_mid_run, run_ranks, server_stats, start_cluster, write_config
 
 ROUNDS = 100
 
@@ -24,28 +21,8 @@ def test_server_killed_and_restarted_mid_training(tmp_path, victim, hosts):
     path = write_config(tmp_path, [2, 2], cluster={"partition_bytes": 256 * 1024, "timeout": 15.0},
                         separate_hosts=hosts)
     cluster = start_cluster(path)
-    restarted = threading.Event()
-    failure: list[BaseException] = []
-
-    def kill_and_restart() -> None:
-        try:
-            sid = int(victim.split("-")[1])
-            deadline = time.monotonic() + 60
-            while server_stats(cluster)[sid]["rounds_completed"] < 40:  # well into the run
-                assert time.monotonic() < deadline, "the job does not progress"
-                time.sleep(0.05)
-            cluster.kill(victim, signal.SIGSTOP)  # freeze it first, so that pushes are surely in flight
-            time.sleep(0.5)
-            cluster.kill(victim)
-            time.sleep(0.3)  # systemd's RestartSec, shortened
-            cluster.restart(victim)
-            restarted.set()
-        except BaseException as exc:  # reported below
-            failure.append(exc)
-
-    chaos = threading.Thread(target=kill_and_restart)
+    chaos, restarted, failure = restart_mid_run(cluster, victim, 40)
     try:
-        chaos.start()
         results = run_ranks(cluster, rp.steady_rounds, ROUNDS, 0.0, timeout=180)
         chaos.join()
         assert not failure, failure

@@ -84,10 +84,11 @@ def test_shared_arrays_sum_in_place_without_moving(tmp_path, dtype):
 def test_results_are_read_from_the_workers_segment_and_released_when_it_moves(tmp_path):
     """A plain array's sum is read where the server wrote it (the worker's results segment), not handed back
     into the process's slot first. Sizes: in a slab, then segments of their own that grow (the worker moves the
-    results, unlinking the old segment: the process must unmap it, or the memory stays allocated)."""
-    path = write_config(tmp_path, [2, 1])
+    results, unlinking the old segment: the process must unmap it, or the memory stays allocated). Partitions of
+    1 MiB: the slab's tensor (32 KiB) is above the fusion limit (16 KiB), whose sums are handed back instead."""
+    path = write_config(tmp_path, [2, 1], cluster={"partition_bytes": 1 << 20})
     cluster = start_cluster(path)
-    sizes = [1000, 2_000_000, 3_000_000, 3_000_000, 5_000_000]
+    sizes = [8000, 2_000_000, 3_000_000, 3_000_000, 5_000_000]
     try:
         results = run_ranks(cluster, rp.results_in_place, sizes)
     finally:

@@ -190,3 +190,38 @@ async def test_a_message_with_no_handler_after_the_handshake_drops_the_connectio
     assert isinstance(failure, Failure) and "unexpected challenge message from worker 0" in failure.message
     assert t.closed and Challenge not in ServerConnection.HANDLERS and ServerConnection.HANDLERS[Push]
     await server.stop()
+
+
+async def test_fused_reports_become_one_plan_for_every_worker_and_a_mismatch_fails_both_sides():
+    from protocol.messages import FuseFailed, FusePlan, FuseReady
+
+    server = _server()
+    conns = [_connect(server) for _ in range(2)]
+    for w, (conn, t) in enumerate(conns):
+        _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, w)))
+        t.messages()
+    f32, f16 = ["float32", [4], False, ""], ["float16", [4], False, ""]
+    _feed(conns[0][0], _frame(FuseReady(["a", "b", "c"], [f32], [0, 0, 0])))
+    _feed(conns[1][0], _frame(FuseReady(["c", "a", "b"], [f32, f16], [0, 0, 1])))
+    await asyncio.sleep(0)  # the plans go at the end of the pass
+    for w, (_, t) in enumerate(conns):
+        messages = [m for m, _ in t.messages()]
+        failed = [m for m in messages if isinstance(m, FuseFailed)]
+        plans = [m for m in messages if isinstance(m, FusePlan)]
+        assert [(f.name, f.code) for f in failed] == [("b", "mismatch")]
+        assert (failed[0].ours, failed[0].theirs) == (("float32[4]", "float16[4]") if w == 0 else
+                                                       ("float16[4]", "float32[4]"))
+        assert [(p.seq, p.names) for p in plans] == [(0, ["c", "a"])]  # one order for both: the last report's
+    await server.stop()
+
+
+async def test_fused_reports_on_a_second_stream_are_a_protocol_error():
+    from protocol.messages import FuseReady
+
+    server = _server()
+    conn, t = _connect(server)
+    _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, stream=1)))
+    _feed(conn, _frame(FuseReady(["a"], [["float32", [4], False, ""]], [0])))
+    failure = t.messages()[-1][0]
+    assert isinstance(failure, Failure) and "on stream 1, not 0" in failure.message and t.closed
+    await server.stop()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from bps_worker.client import BPSError
@@ -51,3 +53,24 @@ def test_missing_or_malformed_settings_name_what(environ: dict[str, str], kwargs
 def test_timeline_paths() -> None:
     assert timeline_path("/tmp/trace", 3) == "/tmp/trace/rank3.json"
     assert timeline_path("/tmp/run.json", 3) == "/tmp/run.rank3.json"
+
+
+def test_fusion_bounds_from_arguments_or_the_environment() -> None:
+    base = {"BPS_SOCKET": "/s", "BPS_LOCAL_RANK": "0"}
+    s = _resolve(base)
+    assert (s.fusion_bytes, s.cycle_time_ms) == (64 << 20, 1.0)
+    s = _resolve({**base, "BPS_FUSION_BYTES": "0", "BPS_CYCLE_TIME_MS": "2.5"})
+    assert (s.fusion_bytes, s.cycle_time_ms) == (0, 2.5)
+    s = _resolve({**base, "BPS_FUSION_BYTES": "0"}, fusion_bytes=1024, cycle_time_ms=0)
+    assert (s.fusion_bytes, s.cycle_time_ms) == (1024, 0.0)
+
+
+@pytest.mark.parametrize("env, kwargs, says", [
+    ({"BPS_FUSION_BYTES": "lots"}, {}, "BPS_FUSION_BYTES must be a non-negative int, got 'lots'"),
+    ({"BPS_CYCLE_TIME_MS": "-1"}, {}, "BPS_CYCLE_TIME_MS must be a non-negative float, got -1.0"),
+    ({}, {"fusion_bytes": 1.5}, "fusion_bytes must be a non-negative int, got 1.5"),
+    ({}, {"cycle_time_ms": float("inf")}, "cycle_time_ms must be a non-negative float, got inf"),
+])
+def test_bad_fusion_bounds_are_refused_by_name(env: dict[str, str], kwargs: dict[str, object], says: str) -> None:
+    with pytest.raises(BPSError, match=re.escape(says)):
+        _resolve({"BPS_SOCKET": "/s", "BPS_LOCAL_RANK": "0", **env}, **kwargs)

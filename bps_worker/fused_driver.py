@@ -1,0 +1,267 @@
+"""The worker daemon's side of fused small sums: carries out ``bps_worker.fusion``'s decisions (issue 16).
+
+- Rounds complete here are reported to their anchor servers at the end of the event loop's pass, in one
+  ``FuseReady`` per server (or a few, each within a frame's limits).
+- A ``FusePlan`` becomes one :class:`~bps_worker.fused_operation.FusedOperation` per dtype group, on the
+  plan's *lane*: ``seq % LANES``. A lane's fused tensors are ordinary tensors (one name per server, lane and
+  dtype, see ``Placement.fused_key``) whose rounds every worker numbers alike, since every worker runs the
+  same plans in the same order; a lane runs one operation at a time (its buffers are reused), the lanes of
+  a server run side by side.
+- A failure at the anchor (``FuseFailed``) fails the name here; a name that failed here after we reported
+  it is given up at the anchor (``FuseAbort``), and a plan that names it fails its group on every worker
+  (we abort the group's round, the peers wait for us there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Final
+
+from protocol.messages import (
+    MAX_MESSAGE_CHARS,
+    FuseAbort,
+    FuseFailed,
+    FusePlan,
+    FuseReady,
+    FuseRunning,
+    Message,
+    Spec,
+    Why,
+    fused_chunks,
+)
+
+from bps_runtime.stalls import StallWatch
+
+from .fused_operation import FusedOperation
+from .fusion import Decisions, FusedRound, FusedRounds
+from .session import ClientSession
+from .stalls import local_ranks
+
+if TYPE_CHECKING:
+    from .daemon import WorkerDaemon
+
+log = logging.getLogger("bps.worker")
+
+# Plans of one server run on this many lanes side by side (each lane one fused operation at a time).
+LANES: Final = 8
+# While this many fused operations with a server run, the rounds completed here wait to be reported to it:
+# they go together once one finishes (as Nagle's algorithm holds small segments while one is unacknowledged),
+# so the busier the machines, the larger the plans, and the fewer operations a step costs.
+REPORT_WHILE_RUNNING: Final = 1
+
+
+class FusedSums:
+    """The fused rounds of one worker daemon, and the plans they run in."""
+
+    def __init__(self, daemon: WorkerDaemon) -> None:
+        self.daemon = daemon
+        config = daemon.config
+        self.rounds: FusedRounds[ClientSession] = FusedRounds(config.local_size, config.worker_id, daemon.rank_offset)
+        self._anchors: dict[str, int] = {}  # name -> its anchor server's id
+        self._reports: dict[int, list[FusedRound[ClientSession]]] = {}
+        self._reports_due = False
+        self._lanes: dict[str, asyncio.Future[Any]] = {}  # fused key -> its operation running (or last run)
+        self._running: Counter[int] = Counter()  # server id -> fused operations with it not finished
+        # server id -> seq -> (names, their counts, operations of the plan not finished): told to a server that
+        # restarted (FuseRunning), whose peers may have lost the plan with it.
+        self._plans: dict[int, dict[int, tuple[list[str], list[int], int]]] = {sid: {} for sid in daemon.links}
+        self._generation: Counter[int] = Counter()  # server id -> connections to it lost so far
+        self._stalls: StallWatch[FusedRound[ClientSession]] = StallWatch(warn_after_s=config.cluster.timeout)
+        for sid, link in daemon.links.items():
+            link.on_fused = lambda message, sid=sid: self.on_message(sid, message)
+            link.on_lost = lambda reason, sid=sid: self._lost(sid)
+            link.on_ready = lambda restarted, sid=sid: self.link_ready(sid, restarted)
+            link.on_gave_up = lambda reason, sid=sid: self.link_lost(sid, reason)
+
+    def anchor(self, name: str) -> int:
+        sid = self._anchors.get(name)
+        if sid is None:
+            placement = self.daemon.placement
+            sid = self._anchors[name] = placement.server_ids[placement.anchor(name)]
+        return sid
+
+    # -- from the processes --------------------------------------------------------------
+    def submit(self, session: ClientSession, entries: list[tuple[int, str, Spec, str, int, int]]) -> None:
+        assert session.local_rank is not None
+        now = asyncio.get_running_loop().time()
+        self.carry_out(self.rounds.submit(session, session.local_rank, entries, now))
+
+    def watch(self, now: float) -> None:
+        """Fail the rounds that waited the timeout for a process that is not connected, and say which wait
+        longer for a connected one (every second)."""
+        if self.rounds.collecting:
+            daemon = self.daemon
+            self.carry_out(self.rounds.overdue(daemon.sessions.keys(), now, daemon.config.cluster.timeout))
+        for text in self.stall_warnings(now):
+            log.warning("%s", text)
+
+    def stall_warnings(self, now: float) -> list[str]:
+        """The rounds that waited the timeout (and again every timeout), as the local rounds' stalls are said
+        (bps_worker.stalls): for local ranks, or at their anchor for the other machines."""
+        after = self._stalls.warn_after_s
+        rounds = self.rounds
+        waits = {fr: fr.opened for fr in rounds.collecting.values() if now - fr.opened >= after}
+        waits.update({fr: fr.reported_at for fr in rounds.reported.values() if now - fr.reported_at >= after})
+        texts = []
+        worker, offset = self.daemon.worker_id, self.daemon.rank_offset
+        for fr, waited in self._stalls.due(now, waits):
+            where = (f"tensor {fr.name!r} (round {rounds.counts.get(fr.name, 0)} on worker {worker}) has waited "
+                     f"{waited:.1f} s")
+            if fr.name in rounds.collecting:
+                absent = [r for r, e in enumerate(fr.entries) if e is None]
+                present = [r for r, e in enumerate(fr.entries) if e is not None]
+                texts.append(f"stall: {where} for {local_ranks(absent, offset)}, which did not submit it; submitted "
+                             f"by {local_ranks(present, offset)}. Every process must push every name once per "
+                             f"round: is one stuck, or skipping it?")
+            else:
+                texts.append(f"stall: {where} at server {fr.server}: every local rank submitted it, other workers "
+                             f"have not pushed it (the server's log names them)")
+        return texts
+
+    def carry_out(self, out: Decisions[ClientSession]) -> None:
+        for member, failure in out.answers:
+            member.send(failure)
+        for name, why in out.aborts:
+            # The peers hear that the round failed here, and why in words (as an Abort of an unfused round says).
+            self.daemon.links[self.anchor(name)].fuse(FuseAbort([name], why.text[:MAX_MESSAGE_CHARS], "round_failed"))
+        if out.ready:
+            reports = self._reports
+            for fr in out.ready:
+                fr.server = sid = self.anchor(fr.name)
+                fr.generation = self._generation[sid]
+                reports.setdefault(sid, []).append(fr)
+            if not self._reports_due:
+                self._reports_due = True
+                asyncio.get_running_loop().call_soon(self._send_reports)
+
+    def _send_reports(self) -> None:
+        """Every round completed in this pass, reported to its anchor (one message per server and frame)."""
+        self._reports_due = False
+        reports, self._reports = self._reports, {}
+        for sid, rounds in reports.items():
+            if self._running[sid] >= REPORT_WHILE_RUNNING:
+                self._reports[sid] = rounds  # held until one of them finishes (see REPORT_WHILE_RUNNING)
+                continue
+            self._report(sid, [fr for fr in rounds if fr.why is None])  # not those failed since
+
+    def _report(self, sid: int, rounds: list[FusedRound[ClientSession]]) -> None:
+        names = [fr.name for fr in rounds]
+        counts = self.rounds.counts
+        for start, stop in fused_chunks(names):
+            index: dict[Spec, int] = {}
+            specs: list[Any] = []
+            which = []
+            for fr in rounds[start:stop]:
+                k = index.get(fr.spec)
+                if k is None:
+                    k = index[fr.spec] = len(specs)
+                    dtype, shape, average, layout = fr.spec
+                    specs.append([dtype, list(shape), average, layout])
+                which.append(k)
+            chunk = names[start:stop]
+            self.daemon.links[sid].fuse(FuseReady(chunk, specs, which, [counts.get(n, 0) for n in chunk]))
+
+    def _lost(self, sid: int) -> None:
+        self._generation[sid] += 1  # what was reported before this is the old connection's
+
+    def link_ready(self, sid: int, restarted: bool) -> None:
+        """Connected to ``sid`` again. A server that restarted forgot what we reported and what it planned:
+        report again, and say which of its plans run here (FuseRunning). One that did not failed, for every
+        worker, the names we had reported on the connection that broke: so do we."""
+        if not restarted:
+            if self.rounds.reported:
+                self.carry_out(self.rounds.link_lost(sid, Why(
+                    f"the connection to server {sid} broke while fused sums waited there", "connection",
+                    peer=f"server {sid}", detail="the connection broke while fused sums waited there"),
+                    before=self._generation[sid]))
+            return
+        link = self.daemon.links[sid]
+        for seq, (names, counts, _) in self._plans[sid].items():
+            for start, stop in fused_chunks(names):
+                link.fuse(FuseRunning(seq, names[start:stop], counts[start:stop]))
+        again = [fr for fr in self.rounds.reported.values() if fr.server == sid and fr.why is None]
+        held = {id(fr) for fr in self._reports.get(sid, ())}
+        again = [fr for fr in again if id(fr) not in held]  # the held ones go when they go
+        if again:
+            log.info("server %d restarted: reporting %d fused sums to it again, %d plans of its run here",
+                     sid, len(again), len(self._plans[sid]))
+            self._report(sid, again)
+
+    # -- from the servers ----------------------------------------------------------------
+    def on_message(self, sid: int, message: Message) -> None:
+        if isinstance(message, FusePlan):
+            self.plan(sid, message)
+        elif isinstance(message, FuseFailed):
+            self.carry_out(self.rounds.failed_at_anchor(message.name, message.why()))
+
+    def link_lost(self, sid: int, reason: str) -> None:
+        """We gave server ``sid`` up: what we reported there fails."""
+        if self.rounds.reported:
+            self.carry_out(self.rounds.link_lost(sid, Why(
+                f"the connection to server {sid} failed while fused sums waited there: {reason}", "connection",
+                peer=f"server {sid}", detail=reason)))
+
+    def plan(self, sid: int, plan: FusePlan) -> None:
+        """Run plan ``plan.seq`` of server ``sid``: one fused operation per dtype group, on the plan's lane."""
+        daemon = self.daemon
+        rounds, missing = self.rounds.planned(plan.names)
+        groups: dict[tuple[str, bool], list[FusedRound[ClientSession]]] = {}
+        for fr in rounds:
+            groups.setdefault((fr.spec[0], fr.spec[2]), []).append(fr)
+        broken: dict[tuple[str, bool], str] = {}
+        for name, spec in missing.items():
+            if spec is None:
+                log.warning("server %d planned fused tensor %r, which this worker does not have", sid, name)
+                continue
+            group = (spec[0], spec[2])
+            groups.setdefault(group, [])
+            broken.setdefault(group, name)
+        lane = plan.seq % LANES
+        counts = self.rounds.counts
+        running = [g for g in groups if g not in broken]
+        if running:
+            self._plans[sid][plan.seq] = (list(plan.names), [counts.get(n, 0) for n in plan.names], len(running))
+        for (dtype, average), members in groups.items():
+            key = daemon.placement.fused_key(sid, lane, dtype, average)
+            local_round = daemon.rounds.numbers.take(key)  # in plan order: every worker numbers alike
+            culprit = broken.get((dtype, average))
+            if culprit is not None:
+                self._give_up(key, local_round, members, culprit)
+                continue
+            previous = self._lanes.get(key)
+            self._running[sid] += 1
+            op = FusedOperation(daemon, key, local_round, members)
+            self._lanes[key] = daemon.spawn(self._run(sid, plan.seq, previous, op))
+
+    async def _run(self, sid: int, seq: int, previous: asyncio.Future[Any] | None, op: FusedOperation) -> None:
+        try:
+            if previous is not None and not previous.done():
+                await asyncio.wait([previous])
+            await self.daemon.run_tracked(op.name, op.run())
+        finally:
+            self._running[sid] -= 1
+            plans = self._plans[sid]
+            names, counts, left = plans.get(seq, ([], [], 0))
+            if left > 1:
+                plans[seq] = (names, counts, left - 1)
+            else:
+                plans.pop(seq, None)
+            if self._reports.get(sid) and not self._reports_due:
+                self._reports_due = True
+                asyncio.get_running_loop().call_soon(self._send_reports)
+
+    def _give_up(self, key: str, local_round: int, members: list[FusedRound[ClientSession]], culprit: str) -> None:
+        """A plan group names a tensor that failed here: it fails on every worker (we never push it)."""
+        reason = f"tensor {culprit!r}, fused with these in {key!r}, failed on worker {self.daemon.worker_id}"
+        out: Decisions[ClientSession] = Decisions()
+        for fr in members:
+            out.fail(fr, Why(f"tensor {fr.name!r}: {reason}", "round_failed"))
+        self.carry_out(out)
+        daemon = self.daemon
+        daemon.spawn(daemon.abort_when_known(key, local_round, daemon.round_base(key, local_round), reason))
+
+    def reset(self) -> None:
+        self.carry_out(self.rounds.reset())
+        self._reports.clear()

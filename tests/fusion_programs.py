@@ -1,0 +1,123 @@
+"""Rank programs of the fusion tests (tests/daemons/test_fusion.py): thousands of small sums per step."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from typing import Any
+
+import numpy as np
+
+import bps_worker.client as bps
+
+
+def shuffled_steps(n: int, steps: int) -> dict[str, Any]:
+    """``n`` small sums per step, issued in an order of this rank's own (a new one every step), all async,
+    then synchronized in yet another order; every value checked exactly."""
+    rank, size = bps.rank(), bps.size()
+    rng = random.Random(1000 + rank)
+    wrong = 0
+    start = time.monotonic()
+    for step in range(steps):
+        order = list(range(n))
+        rng.shuffle(order)
+        handles = {i: bps.push_pull_async(np.full(1 + i % 7, rank + step + i % 11, np.float32), f"fs.{i}",
+                                          average=False) for i in order}
+        rng.shuffle(order)
+        for i in order:
+            y = bps.synchronize(handles[i], timeout=120)
+            expect = size * (step + i % 11) + size * (size - 1) // 2
+            wrong += int(y.shape != (1 + i % 7,) or not (y == expect).all())
+    return {"wrong": wrong, "seconds": time.monotonic() - start}
+
+
+def mismatch_in_a_batch(bad_rank: int, n: int) -> dict[str, Any]:
+    """``n`` small sums at once; ``bad_rank`` gives one of them ("fm.bad") another shape. Only that name fails,
+    on every process, naming it; the others are exact."""
+    rank, size = bps.rank(), bps.size()
+    handles = {f"fm.{i}": bps.push_pull_async(np.full(3, rank + i, np.float32), f"fm.{i}", average=False)
+               for i in range(n // 2)}
+    shape = (5,) if rank == bad_rank else (4,)
+    handles["fm.bad"] = bps.push_pull_async(np.ones(shape, np.float32), "fm.bad", average=False)
+    handles.update({f"fm.{i}": bps.push_pull_async(np.full(3, rank + i, np.float32), f"fm.{i}", average=False)
+                    for i in range(n // 2, n)})
+    errors: dict[str, dict[str, Any]] = {}
+    wrong = 0
+    for name, h in handles.items():
+        try:
+            y = bps.synchronize(h, timeout=60)
+        except bps.BPSError as exc:
+            errors[name] = {"type": type(exc).__name__, "text": str(exc), "name": getattr(exc, "name", None)}
+            continue
+        i = int(name.split(".")[1])
+        wrong += int(not (y == size * i + size * (size - 1) // 2).all())
+    again = bps.push_pull(np.ones(4, np.float32), "fm.bad", average=False)  # the name works again
+    return {"errors": errors, "wrong": wrong, "again": again.tolist()}
+
+
+MIXED = [("float32", (3,), False), ("float16", (2, 2), False), ("int64", (5,), False), ("float64", (1,), True),
+         ("int32", (7,), False), ("float16", (6,), True), ("int32", (4,), False), ("float32", (2, 3), True)]
+
+
+def mixed_dtypes(steps: int) -> dict[str, Any]:
+    """Small sums of several dtypes, shapes and averages in one step (fused by dtype), against numpy."""
+    rank, size = bps.rank(), bps.size()
+    wrong: list[str] = []
+    for step in range(steps):
+        handles = []
+        for i, (dtype, shape, average) in enumerate(MIXED * 3):
+            x = np.full(shape, (rank + i + step) % 5, dtype)
+            handles.append((i, dtype, shape, average, bps.push_pull_async(x, f"mx.{i}", average=average)))
+        for i, dtype, shape, average, h in handles:
+            y = bps.synchronize(h, timeout=60)
+            total = sum((r + i + step) % 5 for r in range(size))
+            expect = np.full(shape, total / size if average else total).astype(dtype)
+            if y.dtype != np.dtype(dtype) or y.shape != shape or not np.array_equal(y, expect):
+                wrong.append(f"mx.{i} {dtype}{shape}: {y.tolist()} != {expect.tolist()}")
+    return {"wrong": wrong}
+
+
+def killed_mid_batch(victim: int, n: int) -> dict[str, Any]:
+    """One clean fused step, then ``victim`` issues half a step and dies; the others must get a BPSError for
+    the names it never issued (or that were in flight), within the timeout, never hang."""
+    rank = bps.rank()
+    for h in [bps.push_pull_async(np.ones(2, np.float32), f"fk.{i}", average=False) for i in range(n)]:
+        bps.synchronize(h, timeout=60)
+    if rank == victim:
+        for i in range(n // 2):
+            bps.push_pull_async(np.ones(2, np.float32), f"fk.{i}", average=False)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    handles = [bps.push_pull_async(np.ones(2, np.float32), f"fk.{i}", average=False) for i in range(n)]
+    errors, ok = 0, 0
+    first_error = None
+    for h in handles:
+        try:
+            bps.synchronize(h, timeout=90)
+            ok += 1
+        except bps.BPSError as exc:
+            errors += 1
+            first_error = first_error or f"{type(exc).__name__}: {exc}"
+    return {"errors": errors, "ok": ok, "first_error": first_error, "seconds": time.monotonic() - start}
+
+
+def steady_fused(steps: int, n: int) -> dict[str, Any]:
+    """``n`` small sums a step for ``steps`` steps, each checked exactly; errors collected, not raised."""
+    rank, size = bps.rank(), bps.size()
+    errors: list[str] = []
+    exact = 0
+    for step in range(steps):
+        handles = [(i, bps.push_pull_async(np.full(1 + i % 5, rank * 10 + step + i, np.float64), f"fr.{i}",
+                                           average=False)) for i in range(n)]
+        for i, h in handles:
+            try:
+                y = bps.synchronize(h, timeout=120)
+            except bps.BPSError as exc:
+                errors.append(f"step {step} fr.{i}: {type(exc).__name__}: {exc}")
+                continue
+            exact += int((y == 10 * size * (size - 1) // 2 + size * (step + i)).all())
+        time.sleep(0.01)
+    return {"errors": errors[:10], "exact": exact, "expected": steps * n}
