@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[torch,examples,test]"
+	$(PY) -m pip install --quiet -e ".[torch,examples,test,jax]"
 	touch $@
 
 # Authenticated: bps-launch makes configs/local.toml's token (~/.config/bps/token, mode 600) on the first run.

@@ -115,14 +115,14 @@ def pattern(n: int, rank: int, salt: int):  # -> np.ndarray
     return x
 
 
-def join_both(args: argparse.Namespace, bps: Any) -> tuple[int, int]:
-    """In a rank process: connect to the worker daemon and join the gloo group; (rank, size)."""
+def join_both(args: argparse.Namespace, bps: Any, client_timeout: float = 60.0) -> tuple[int, int]:
+    """In a rank process: connect to the worker daemon (``client_timeout``) and join the gloo group; (rank, size)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     rank, size = int(os.environ["BPS_RANK"]), int(os.environ["BPS_SIZE"])
-    bps.init(timeout=60.0)
+    bps.init(timeout=client_timeout)
     assert (bps.rank(), bps.size()) == (rank, size), (bps.rank(), bps.size(), rank, size)
     dist.init_process_group("gloo", rank=rank, world_size=size, init_method=f"tcp://127.0.0.1:{args.gloo_port}",
                             timeout=_dt.timedelta(seconds=args.op_timeout))

@@ -7,6 +7,7 @@ import os
 import platform
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 
 def machine(*modules: str) -> dict[str, str]:
@@ -59,3 +60,17 @@ def append_section(target: Path, lines: list[str]) -> None:
     with target.open("a") as f:
         f.write("\n".join(lines))
     print(f"\nappended to {target}")
+
+
+def cluster_line(config: Any, ranks: int) -> str:
+    """One line on the cluster a benchmark ran on: its ranks per worker, its servers, its partitions."""
+    shape = ", ".join(f"worker {w.id}: {w.local_size} processes" for w in config.worker_specs)
+    colocated = sum(1 for s in config.servers if s.worker is not None)
+    return (f"N = {ranks} ranks ({shape}); {len(config.servers)} servers ({colocated} colocated, "
+            f"{len(config.servers) - colocated} CPU-only); partition_bytes = {config.partition_bytes}")
+
+
+def machine_line(info: dict[str, str]) -> str:
+    """One line on the machine (``machine("numpy", "torch")``'s answer)."""
+    return (f"nproc {info['nproc']}, CPU {info['cpu']}; Python {info['python']}, numpy {info['numpy']}, "
+            f"torch {info['torch']}, Linux {info['kernel']}")

@@ -70,7 +70,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import push_pull_vs_gloo as bench  # noqa: E402  (cluster file, free ports)
-from report import append_section, machine, markdown_table, section_head, text_table  # noqa: E402
+from report import (append_section, cluster_line, machine, machine_line, markdown_table, section_head,  # noqa: E402
+                    text_table)
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_RESULTS = REPO / "benchmarks" / "RESULTS.md"
@@ -478,21 +479,16 @@ def main(argv: list[str] | None = None) -> int:
     rows, prows = table_rows(summaries), phase_rows(summaries)
     ok = all(s["ok"] for s in summaries) and len(summaries) == len(models)
     n = data["size"]
-    shape = ", ".join(f"worker {w.id}: {w.local_size} processes" for w in cluster.config.worker_specs)
-    colocated = sum(1 for s in cluster.config.servers if s.worker is not None)
-    cluster_line = (f"N = {n} ranks ({shape}); {len(cluster.config.servers)} servers ({colocated} colocated, "
-                    f"{len(cluster.config.servers) - colocated} CPU-only); partition_bytes = "
-                    f"{cluster.config.partition_bytes}")
-    machine_line = (f"nproc {info['nproc']}, CPU {info['cpu']}; Python {info['python']}, numpy {info['numpy']}, "
-                    f"torch {info['torch']}, Linux {info['kernel']}")
+    cluster_text = cluster_line(cluster.config, n)
+    machine_text = machine_line(info)
     model_line = "; ".join(f"{m}: widths {MODELS[m][:3]}, {s['params']:,} parameters, batch {s['batch']}/process"
                            for m, s in zip(models, summaries))
     blocks_line = (f"{args.blocks} blocks x {args.steps} steps per system after {args.warmup} warm-up steps, "
                    f"alternating bps, ddp, bps after bwd, gloo after bwd; wall time {elapsed:.0f} s")
     print(f"date:    {started.isoformat(timespec='seconds')}")
     print(f"command: {command_line}")
-    print(f"machine: {machine_line}")
-    print(f"cluster: {cluster_line}")
+    print(f"machine: {machine_text}")
+    print(f"cluster: {cluster_text}")
     print(f"models:  {model_line}")
     print(f"blocks:  {blocks_line}")
     print()
@@ -515,8 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         if "## `train_vs_ddp.py`" not in text:
             parts.append(SECTION_INTRO)
         parts += [
-            *section_head(started, "training, bps DistributedOptimizer vs DDP (gloo)", command_line, machine_line),
-            f"- cluster: {cluster_line}" + ("" if args.config else " (generated, like `configs/local.toml`)"),
+            *section_head(started, "training, bps DistributedOptimizer vs DDP (gloo)", command_line, machine_text),
+            f"- cluster: {cluster_text}" + ("" if args.config else " (generated, like `configs/local.toml`)"),
             f"- models: {model_line}",
             f"- {blocks_line}",
             "", markdown_table(HEADER, rows, left=1), "",

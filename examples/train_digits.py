@@ -37,7 +37,6 @@ downloaded.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -45,17 +44,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
 from tqdm import tqdm
 
 import bps_worker.torch as bps
-from protocol.config import load_config
+from digits import MIN_ACCURACY, SEED, cluster_description, load_data, shard_indices
 
-SEED = 1234
-SPLIT_SEED = 42
-MIN_ACCURACY = 0.85
 COMPRESSIONS = ("none", "fp16", "bf16")
 
 
@@ -77,32 +71,17 @@ class DigitsCNN(nn.Module):
 
 
 @dataclass
-class Data:
+class TorchData:
     x_train: torch.Tensor
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
 
 
-def load_data() -> Data:
-    """The fixed 80/20 split of the digits data set, standardized with the training split's mean and std."""
-    digits = load_digits()
-    x = (digits.images.astype(np.float32) / 16.0)[:, None, :, :]
-    y = digits.target.astype(np.int64)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=SPLIT_SEED, stratify=y)
-    mean, std = x_tr.mean(), x_tr.std()
-    x_tr, x_te = (x_tr - mean) / std, (x_te - mean) / std
-    return Data(torch.from_numpy(x_tr), torch.from_numpy(y_tr), torch.from_numpy(x_te), torch.from_numpy(y_te))
-
-
-def shard_indices(n_train: int, epoch: int, rank: int, size: int) -> np.ndarray:
-    """This rank's sample indices for ``epoch``: every ``size``-th of an epoch-seeded permutation.
-
-    Every shard is cut to ``n_train // size`` samples so that all ranks run the
-    same number of steps (a rank with one step more would wait forever).
-    """
-    perm = np.random.default_rng(SEED + 1000 * (epoch + 1)).permutation(n_train)
-    return perm[rank::size][: n_train // size]
+def load_torch_data() -> TorchData:
+    """The shared split (examples/digits.py) as tensors."""
+    d = load_data()
+    return TorchData(*(torch.from_numpy(a) for a in (d.x_train, d.y_train, d.x_test, d.y_test)))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -141,17 +120,6 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return float((pred == y).double().mean())
 
 
-def cluster_description(size: int) -> str:
-    path = os.environ.get("BPS_CONFIG")
-    if not path:
-        return f"{size} processes (BPS_CONFIG not set)"
-    cfg = load_config(path)
-    cpu_only = sum(1 for s in cfg.servers if s.worker is None)
-    per_worker = "+".join(str(w.local_size) for w in cfg.worker_specs)
-    return (f"{size} processes on {cfg.workers} workers ({per_worker}), {len(cfg.servers)} servers "
-            f"({cpu_only} CPU-only)")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -167,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(args: argparse.Namespace) -> int:
     rank, size = bps.rank(), bps.size()
-    data = load_data()
+    data = load_torch_data()
     n_train = len(data.y_train)
 
     # Different seeds per rank on purpose: the broadcast must make the replicas identical.

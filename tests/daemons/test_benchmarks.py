@@ -85,3 +85,21 @@ def test_shm_vs_tcp_tiny_prints_its_table_and_each_cluster_takes_its_path():
     assert m, result.stdout
     shm_via, shm_in, tcp_via, tcp_in = map(int, m.groups())
     assert 0 < shm_via <= shm_in and tcp_via == 0 and tcp_in > 0, m.group(0)
+
+
+def test_many_tensors_quick_prints_its_tables_and_every_sum_is_exact():
+    command = [sys.executable, str(REPO / "benchmarks" / "many_tensors.py"), "--quick", "--tensors", "1,50", "--reps",
+               "1", "--single-reps", "5"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr  # 0: the warm-up found every sum exact
+    lines = result.stdout.splitlines()
+    header = [line for line in lines if line.lstrip().startswith("tensors") and "bps/gloo fused" in line]
+    assert len(header) == 1, result.stdout
+    rows = [row.split() for row in lines[lines.index(header[0]) + 2:][:2]]
+    assert [row[:2] for row in rows] == [["1", "256"], ["50", "256"]], result.stdout
+    for row in rows:
+        assert row[-1] == "yes" and "skipped" not in row, row  # all three exact; 50 <= --max-gloo-per-tensor
+    single = [line for line in lines if line.lstrip().startswith("bytes") and "p50 bps/gloo" in line]
+    assert len(single) == 1, result.stdout
+    row = lines[lines.index(single[0]) + 2].split()
+    assert row[:2] == ["4K", "5"] and row[-1] == "yes", result.stdout

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from harness import write_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,3 +25,22 @@ def test_digits_example_trains_on_a_one_box_cluster(tmp_path):
     accuracy = float(out.split("test accuracy:")[1].split()[0])
     assert accuracy >= 0.85
     assert "samples/s" in out
+
+
+@pytest.mark.timeout(240)  # 4 processes importing and compiling JAX: slow on a busy 2-core box
+def test_jax_digits_example_trains_on_a_one_box_cluster(tmp_path):
+    pytest.importorskip("jax")
+    config = write_config(tmp_path, [2, 2], cpu_servers=1)
+    result = subprocess.run(
+        [sys.executable, "-m", "bps_worker.launch", "--config", str(config), "--",
+         sys.executable, str(ROOT / "examples" / "train_digits_jax.py"), "--epochs", "2"],
+        capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "--- train_digits_jax summary ---" in out and "4 processes on 2 workers" in out
+    accuracy = float(out.split("test accuracy:")[1].split()[0])
+    assert accuracy >= 0.85
+    reference = float(out.split("reference:")[1].split("test accuracy")[1].split()[0].rstrip(","))
+    difference = float(out.split("difference:")[1].split()[0])
+    assert difference == pytest.approx(abs(accuracy - reference), abs=1e-4)
+    assert difference <= 0.02
