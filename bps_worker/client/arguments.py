@@ -16,7 +16,7 @@ from typing import Final, Iterable, SupportsIndex
 import numpy as np
 
 from protocol import dtypes
-from protocol.messages import MAX_DIMS, MAX_LAYOUT_CHARS, MAX_NAME_CHARS
+from protocol.messages import FUSED_PREFIX, MAX_DIMS, MAX_LAYOUT_CHARS, MAX_NAME_CHARS
 
 from ..errors import BPSError
 from .arrays import dtype_name
@@ -37,6 +37,9 @@ def check_name(name: object) -> str:
     if len(name) > MAX_NAME_CHARS:
         raise BPSError(f"tensor name of {len(name)} characters is too long: at most {MAX_NAME_CHARS} "
                        f"(it starts {name[:40]!r})")
+    if name.startswith(FUSED_PREFIX):
+        raise BPSError(f"tensor name {name[:40]!r}: names starting {FUSED_PREFIX!r} are the worker daemon's own "
+                       f"(its fused tensors)")
     try:
         name.encode("utf-8")
     except UnicodeEncodeError as exc:

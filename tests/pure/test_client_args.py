@@ -36,6 +36,7 @@ def test_names_the_wire_carries_pass(name: str) -> None:
     ("x" * 16_000, ["16000 characters", f"at most {MAX_NAME_CHARS}"]),  # the daemon dropped the connection
     ("y" * 70_000, ["70000 characters", f"at most {MAX_NAME_CHARS}"]),  # was LocalProtocolError (header)
     ("bad\ud800name", ["cannot be encoded as UTF-8", "surrogates not allowed", "character 3"]),  # UnicodeEncodeError
+    ("\x00fused/0/1/float32", ["names starting", "are the worker daemon's own"]),  # its fused tensors' names
 ])
 def test_bad_names_are_bps_errors_naming_the_limit(name: object, words: list[str]) -> None:
     with pytest.raises(BPSError) as info:

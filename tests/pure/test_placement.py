@@ -439,3 +439,20 @@ def test_streams_in_proportion_to_the_shares(k, cpu_streams):
     one_host = Placement(make_config(n, k))
     assert all(one_host.streams(sid) == 1 for sid in range(n + k))
     assert {p.stream for p in check_pieces(one_host, "big", 16 * MiB // 4, 4)} == {0}
+
+
+@pytest.mark.parametrize("one_host", [True, False])
+def test_a_fused_tensor_lives_whole_on_the_server_that_planned_it(one_host):
+    p = Placement(make_config(4, 2, partition_bytes=MiB, one_host=one_host))
+    for sid in p.server_ids:
+        key = p.fused_key(sid, 3, "float16", True)
+        assert key == f"\x00fused/{sid}/3/float16/avg" and p.fused_key(sid, 3, "float16", True) == key
+        assert p.server_ids[p.anchor(key)] == sid
+        for count in (1, 1000, 3 * MiB // 2 + 7):
+            pieces = p.split(key, count, 2)
+            assert {pc.server for pc in pieces} == {sid}
+            assert [pc.part for pc in pieces] == list(range(len(pieces)))
+            assert sum(pc.count for pc in pieces) == count and all(pc.count * 2 <= MiB for pc in pieces)
+            assert [pc.offset for pc in pieces] == [sum(x.count for x in pieces[:i]) for i in range(len(pieces))]
+            assert {pc.stream for pc in pieces} <= set(range(p.streams(sid)))
+    assert p.fused_key(p.server_ids[0], 0, "int32", False).endswith("/0/int32")
