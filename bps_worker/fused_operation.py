@@ -89,7 +89,6 @@ class FusedPath:
     def __init__(self, operation: FusedOperation) -> None:
         self.operation = operation
         self.itemsize = dtypes.ITEMSIZE[operation.op.dtype]
-        self._flat: dict[tuple[int, str], np.ndarray] = {}
 
     def _segments(self) -> dict[tuple[int, str], np.ndarray]:
         """Each process segment the tensors live in, as bytes, checked to still hold them (a process may
@@ -116,7 +115,7 @@ class FusedPath:
 
     async def gather(self) -> Contribution:
         o = self.operation
-        flat = self._flat = self._segments()
+        flat = self._segments()
         buf, segment, base = o.staging()
         raw = buf.view(np.uint8)
         size = o.host.config.local_size
@@ -155,7 +154,6 @@ class FusedPath:
             for e in fr.entries:
                 if e is not None:
                     flat[(id(e.member), e.segment)][e.offset:e.offset + nbytes] = part
-        self._flat = {}
 
     def done(self, op: Op, out_segment: str, out_base: int) -> Done:
         raise AssertionError("a fused operation answers with DoneBatch (FusedOperation.reply_done)")

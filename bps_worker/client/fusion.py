@@ -90,12 +90,10 @@ class FusionBuffer:
             try:
                 self._send(handles, batch)
             except BaseException as exc:  # the connection broke: these handles fail, the later ones too
-                for h in handles:
+                error = exc if isinstance(exc, BPSError) else BPSError(f"cannot send: {exc}")
+                for h in [*handles, *(e[0] for e in entries[stop:])]:
                     if not h.done():
-                        h.fail(exc if isinstance(exc, BPSError) else BPSError(f"cannot send: {exc}"))
-                for h, *_ in entries[stop:]:
-                    if not h.done():
-                        h.fail(exc if isinstance(exc, BPSError) else BPSError(f"cannot send: {exc}"))
+                        h.fail(error)
                 return
 
     def _cycle(self) -> None:
