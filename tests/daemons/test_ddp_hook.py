@@ -1,0 +1,85 @@
+"""The DDP drop-in (bps_worker.torch_ddp): DDP with ``bps.ddp_comm_hook`` trains like DDP's own all-reduce.
+
+Rank programs are in ddp_programs.py; each rank joins a gloo group besides bps, on a port from free_ports.
+Rank processes spend seconds importing torch on this 2-core machine, so the comparisons share one run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bps_worker.torch as bps
+import ddp_programs as dp
+from harness import free_ports, run_ranks
+
+SIZE = 4  # cluster_2x2: 2 workers x 2 processes
+
+
+@pytest.fixture(scope="module")
+def runs(cluster_2x2) -> list[dict]:
+    (port,) = free_ports(1)
+    return run_ranks(cluster_2x2, dp.ddp_vs_allreduce, port, timeout=110)
+
+
+def _check_against_ddp(results: list[dict]) -> None:
+    assert [r["rank"] for r in results] == list(range(SIZE))
+    assert len({r["final"] for r in results}) == 1, "the hook's replicas differ between ranks"
+    for r in results:
+        assert r["max_diff"] < 1e-6, r
+        assert r["moved"] > 0.05, f"training barely moved the weights: the comparison would be weak ({r})"
+
+
+def test_unused_parameters_and_no_sync_train_like_ddp(runs):
+    """find_unused_parameters=True (a head unused on some ranks each step, one layer unused everywhere), two
+    steps with a micro-batch under no_sync(), state=None: 20 steps equal DDP-gloo's weights."""
+    results = [r["unused"] for r in runs]
+    _check_against_ddp(results)
+    for r in results:
+        assert r["never_unchanged"] == {"bps": True, "ddp": True}, r
+
+
+def test_rebuilt_buckets_get_new_names_and_train_like_ddp(runs):
+    """DDP rebuilds its buckets after the first iteration: bucket 0 shrinks from every gradient (1,571) to out
+    and mid (1,155), and gets a new name rather than the same name with another shape."""
+    results = [r["rebuilt"] for r in runs]
+    _check_against_ddp(results)
+    for r in results:
+        assert r["names"] == {"chain.ddp.b0.0": [0, "torch.float32", 1571],
+                              "chain.ddp.b0.1": [0, "torch.float32", 1155],
+                              "chain.ddp.b1.0": [1, "torch.float32", 416]}, r["names"]
+
+
+def test_failures_reach_the_user_as_bps_errors(cluster_2x2):
+    """Ranks 0 and 1 (worker 0) disagree about a bucket: they get the BPSMismatchError naming it; worker 1's
+    ranks get a BPSError too (which one depends on timing: the worker 0 gave the sum up, or its processes
+    left). Never DDP's RuntimeError, never a hang."""
+    ports = free_ports(3)
+    results = run_ranks(cluster_2x2, dp.ddp_errors, ports, timeout=90)
+    for rank, r in enumerate(results):
+        for case in ("future", "backward", "world"):
+            assert r[case]["bps"], (case, r)
+        # from the future (a direct call: 6 elements on rank 0, 8 elsewhere)
+        assert "direct.ddp.b0.0" in r["future"]["message"], r
+        assert "float32[6]" in r["future"]["message"] and "float32[8]" in r["future"]["message"], r
+        # nothing stuck after it: the next bucket is the mean over the 4 processes, in place
+        assert r["after"] == {"value": [2.5] * 5, "in_place": True}, r
+        # from backward(): rank 0 cut the model into buckets otherwise (buckets 1 and 2 differ)
+        assert r["split"] == ([[0, 16], [1, 272], [2, 168]] if rank == 0 else [[0, 16], [1, 256], [2, 184]]), r
+        if rank < 2:
+            assert r["future"]["type"] == "BPSMismatchError" and r["future"]["name"] == "direct.ddp.b0.0", r
+            assert r["backward"]["type"] == "BPSMismatchError" and r["backward"]["name"] == "split.ddp.b1.0", r
+        # a DDP group of 2 in a job of 4
+        assert r["world"]["type"] == "BPSError", r
+        assert "has 2 processes but the bps job has 4" in r["world"]["message"], r
+
+
+def test_bad_state_and_no_init_fail_the_future_without_a_cluster():
+    assert not bps.is_initialized()
+    bucket = dp.Bucket(0, torch.ones(3))
+    with pytest.raises(bps.BPSError, match="state must be None, a prefix \\(str\\) or a DDPHookState, got int"):
+        bps.ddp_comm_hook(42, bucket).wait()  # type: ignore[arg-type]
+    with pytest.raises(bps.BPSError, match="not initialized"):
+        bps.ddp_comm_hook(None, bucket).wait()  # type: ignore[arg-type]
+    with pytest.raises(bps.BPSError, match="prefix must be a str, got bytes"):
+        bps.DDPHookState(b"x")  # type: ignore[arg-type]
