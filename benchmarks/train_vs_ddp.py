@@ -416,15 +416,16 @@ PHASE_NOTE = (
     "hidden = 1 - exposed comm / comm after bwd, per block, median (min-max).")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_training_arguments(description: str, argv: list[str] | None, timeout: float) -> argparse.Namespace:
+    """The command line of the training benchmarks (this one and ddp_hook_vs_gloo.py), checked."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)} "
                                                                 f"(default: all)")
     p.add_argument("--blocks", type=int, default=None, help="timed blocks per system (default 7; --quick 2)")
     p.add_argument("--steps", type=int, default=None, help="steps per block (default 20; --quick 3)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per system first (default 10; --quick 2)")
     p.add_argument("--quick", action="store_true", help=f"smoke test: batch {QUICK_BATCH}, 2 blocks of 3 steps")
-    bench.add_common_arguments(p, json_help="also write the raw per-block numbers here", timeout=900.0,
+    bench.add_common_arguments(p, json_help="also write the raw per-block numbers here", timeout=timeout,
                                op_timeout=300.0)
     args = p.parse_args(argv)
     args.blocks = args.blocks if args.blocks is not None else (2 if args.quick else 7)
@@ -437,7 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     if not models or unknown:
         p.error(f"--models: unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(MODELS)}")
     args.models = ",".join(models)
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_training_arguments(__doc__.split("\n\n")[0], argv, timeout=900.0)
+    models = args.models.split(",")
     if args.rank_program:
         return rank_program(args)
 

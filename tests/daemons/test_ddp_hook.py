@@ -22,8 +22,8 @@ def runs(cluster_2x2) -> list[dict]:
     return run_ranks(cluster_2x2, dp.ddp_vs_allreduce, port, timeout=110)
 
 
-def _check_against_ddp(results: list[dict]) -> None:
-    assert [r["rank"] for r in results] == list(range(SIZE))
+def _check_against_ddp(results: list[dict], size: int = SIZE) -> None:
+    assert [r["rank"] for r in results] == list(range(size))
     assert len({r["final"] for r in results}) == 1, "the hook's replicas differ between ranks"
     for r in results:
         assert r["max_diff"] < 1e-6, r
@@ -48,6 +48,18 @@ def test_rebuilt_buckets_get_new_names_and_train_like_ddp(runs):
         assert r["names"] == {"chain.ddp.b0.0": [0, "torch.float32", 1571],
                               "chain.ddp.b0.1": [0, "torch.float32", 1155],
                               "chain.ddp.b1.0": [1, "torch.float32", 416]}, r["names"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (and a CUDA build of torch)")
+def test_cuda_buckets_train_like_ddp(make_cluster):
+    """The same comparison on CUDA (buckets handed to the worker daemon by CUDA IPC), 2 machines x 1 process:
+    DDP over NCCL where each rank has a GPU of its own, over gloo's CUDA path on a single GPU."""
+    cluster = make_cluster([1, 1], cpu_servers=0)
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    runs = run_ranks(cluster, dp.ddp_vs_allreduce, free_ports(1)[0], "cuda", backend, timeout=150)
+    for case in ("unused", "rebuilt"):
+        _check_against_ddp([r[case] for r in runs], size=2)
 
 
 def test_failures_reach_the_user_as_bps_errors(cluster_2x2):
