@@ -154,13 +154,16 @@ def _complete_later(handle: Handle, future: torch.futures.Future[torch.Tensor]) 
 
 def _raise_after_backward(future: torch.futures.Future[torch.Tensor]) -> None:
     """Inside backward: have the engine wait for ``future`` and raise its error as it is (module docstring)."""
-    if torch._C._current_graph_task_id() == -1:
-        return  # called outside backward (a wrapper's test, a user's call): the future carries the error
-
     def check() -> None:
         future.wait()  # raises the BPSError the future failed with
 
-    Variable._execution_engine.queue_callback(check)
+    current_task = getattr(torch._C, "_current_graph_task_id", None)
+    if current_task is not None and current_task() == -1:
+        return  # called outside backward (a wrapper's test, a user's call): the future carries the error
+    try:
+        Variable._execution_engine.queue_callback(check)
+    except RuntimeError:  # outside backward, on a torch without _current_graph_task_id
+        pass
 
 
 def ddp_comm_hook(state: DDPHookState | str | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -180,6 +183,9 @@ def ddp_comm_hook(state: DDPHookState | str | None, bucket: dist.GradBucket) -> 
         hook_state = _state_of(state)
         hook_state.check_world()
         index = bucket.index()
+        if buffer.layout != torch.strided:
+            raise BPSError(f"DDP bucket {index} holds {buffer.layout} gradients: ddp_comm_hook sums dense ones "
+                           f"only (sparse gradients need DDP's own all-reduce)")
         name = hook_state.name(index, buffer.dtype, buffer.numel())
         # DDP's last buckets hold the first layers, whose sums the next forward pass needs first.
         handle = push_pull_async(buffer, name, average=True, priority=index, out=buffer)
