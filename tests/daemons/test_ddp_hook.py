@@ -6,12 +6,16 @@ Rank processes spend seconds importing torch on this 2-core machine, so the comp
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import bps_worker.torch as bps
 import ddp_programs as dp
-from harness import free_ports, run_ranks
+from harness import free_ports, run_ranks, write_config
 
 SIZE = 4  # cluster_2x2: 2 workers x 2 processes
 
@@ -98,3 +102,37 @@ def test_bad_state_and_no_init_fail_the_future_without_a_cluster():
         bps.ddp_comm_hook(bps.DDPHookState("sparse"), sparse).wait()  # type: ignore[arg-type]
     with pytest.raises(bps.BPSError, match="prefix must be a str, got bytes"):
         bps.DDPHookState(b"x")  # type: ignore[arg-type]
+
+
+LAUNCHED = """
+import json, os, sys
+import torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+import bps_worker.torch as bps
+
+bps.init()
+dist.init_process_group("gloo")  # env://, from bps-launch as from torchrun
+torch.manual_seed(0)
+model = DistributedDataParallel(nn.Linear(3, 1, bias=False))
+model.register_comm_hook(state=None, hook=bps.ddp_comm_hook)
+model(torch.full((1, 3), float(dist.get_rank() + 1))).sum().backward()
+with open(os.path.join(sys.argv[1], str(bps.rank())), "w") as f:
+    json.dump({"world": dist.get_world_size(), "grad": model.module.weight.grad.tolist()}, f)
+dist.destroy_process_group()
+bps.shutdown()
+"""
+
+
+def test_a_ddp_script_runs_under_bps_launch(tmp_path):
+    """The README's DDP lines as a script under bps-launch (2 machines x 1 process): the gradient of w.x with
+    x = rank + 1 is x, averaged over both ranks: 1.5."""
+    script, out = tmp_path / "ddp_job.py", tmp_path / "out"
+    script.write_text(LAUNCHED)
+    out.mkdir()
+    config = write_config(tmp_path, [1, 1], cpu_servers=0)
+    result = subprocess.run([sys.executable, "-m", "bps_worker.launch", "--config", str(config), "--",
+                             sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in ("0", "1"):
+        assert json.loads((out / rank).read_text()) == {"world": 2, "grad": [[1.5, 1.5, 1.5]]}
