@@ -1,4 +1,4 @@
-"""PyTorch DDP with our daemons summing its buckets: ``ddp_model.register_comm_hook(state=None, hook=bps.ddp_comm_hook)``.
+"""PyTorch DDP, its buckets summed by our daemons: ``model.register_comm_hook(state=None, hook=bps.ddp_comm_hook)``.
 
 ``DistributedDataParallel`` keeps everything it does: its buckets, ``no_sync()``, ``find_unused_parameters``,
 the parameter broadcast at construction and the bucket rebuild after the first iteration (those go through its
@@ -177,7 +177,8 @@ def ddp_comm_hook(state: DDPHookState | str | None, bucket: dist.GradBucket) -> 
     from .torch import push_pull_async  # not at import: bps_worker.torch re-exports this module
 
     buffer = bucket.buffer()
-    devices: list[int | str | torch.device] | None = [buffer.device] if buffer.device.type == "cuda" else None  # DDP's NCCL path needs a CUDA future
+    # A CUDA bucket needs a CUDA-aware future: it takes a tensor of its devices only, and syncs DDP's stream.
+    devices: list[int | str | torch.device] | None = [buffer.device] if buffer.device.type == "cuda" else None
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
     try:
         hook_state = _state_of(state)

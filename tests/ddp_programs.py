@@ -89,7 +89,8 @@ def train_both(make: Callable[[], nn.Module], state: Any, ddp_kwargs: dict[str, 
     initial = make().to(device)
     models = {}
     for system in ("bps", "ddp"):
-        model = DDP(copy.deepcopy(initial), device_ids=[torch.device(device)] if device != "cpu" else None, **ddp_kwargs)
+        device_ids = [torch.device(device)] if device != "cpu" else None
+        model = DDP(copy.deepcopy(initial), device_ids=device_ids, **ddp_kwargs)
         if system == "bps":
             model.register_comm_hook(state=state, hook=bps.ddp_comm_hook)
         models[system] = (model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
@@ -109,6 +110,22 @@ def train_both(make: Callable[[], nn.Module], state: Any, ddp_kwargs: dict[str, 
             "final": tp.digest(ours.state_dict()), "never_unchanged": never}
 
 
+def returns_at_once(rank: int, device: str) -> dict[str, Any]:
+    """Rank 0 calls the hook while the others wait in a barrier: its future cannot be done when the hook
+    returns (the others have not pushed), so the hook did not wait for the sum."""
+    state = bps.DDPHookState("at_once")
+    bucket = Bucket(0, torch.full((4,), float(rank), device=device))
+    pending = None
+    if rank == 0:
+        future = bps.ddp_comm_hook(state, bucket)  # type: ignore[arg-type]
+        pending = not future.done()
+        dist.barrier()
+    else:
+        dist.barrier()
+        future = bps.ddp_comm_hook(state, bucket)  # type: ignore[arg-type]
+    return {"pending": pending, "value": future.wait().tolist()}
+
+
 def ddp_vs_allreduce(port: int, device_kind: str = "cpu", backend: str = "gloo") -> dict[str, Any]:
     """The hook against DDP's all-reduce: Heads with find_unused_parameters=True (state=None), then Chain
     with rebuilt buckets and gradients as bucket views (state="chain")."""
@@ -120,6 +137,7 @@ def ddp_vs_allreduce(port: int, device_kind: str = "cpu", backend: str = "gloo")
         torch.cuda.set_device(device)
     join(port, rank, size, backend)
     try:
+        at_once = returns_at_once(rank, device)
         unused = train_both(Heads, None, {"find_unused_parameters": True}, device)
         chain_state = bps.DDPHookState("chain")
         rebuilt = train_both(Chain, chain_state, {"bucket_cap_mb": CHAIN_CAP_MB, "gradient_as_bucket_view": True},
@@ -127,7 +145,7 @@ def ddp_vs_allreduce(port: int, device_kind: str = "cpu", backend: str = "gloo")
         rebuilt["names"] = {n: [i, str(d), k] for n, (i, d, k) in chain_state.bucket_names().items()}
     finally:
         dist.destroy_process_group()
-    return {"unused": unused, "rebuilt": rebuilt}
+    return {"at_once": at_once, "unused": unused, "rebuilt": rebuilt}
 
 
 # -- errors -------------------------------------------------------------------------

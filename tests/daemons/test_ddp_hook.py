@@ -34,6 +34,14 @@ def _check_against_ddp(results: list[dict], size: int = SIZE) -> None:
         assert r["moved"] > 0.05, f"training barely moved the weights: the comparison would be weak ({r})"
 
 
+def test_the_hook_returns_before_the_sum_is_done(runs):
+    """Backward goes on while the daemons sum: rank 0's future was pending when the hook returned (the others
+    pushed only after it), and completed with the mean of 0, 1, 2, 3."""
+    assert runs[0]["at_once"]["pending"] is True
+    for r in runs:
+        assert r["at_once"]["value"] == [1.5] * 4, r
+
+
 def test_unused_parameters_and_no_sync_train_like_ddp(runs):
     """find_unused_parameters=True (a head unused on some ranks each step, one layer unused everywhere), two
     steps with a micro-batch under no_sync(), state=None: 20 steps equal DDP-gloo's weights."""
@@ -62,6 +70,7 @@ def test_cuda_buckets_train_like_ddp(make_cluster):
     cluster = make_cluster([1, 1], cpu_servers=0)
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
     runs = run_ranks(cluster, dp.ddp_vs_allreduce, free_ports(1)[0], "cuda", backend, timeout=150)
+    assert runs[0]["at_once"]["pending"] is True and runs[1]["at_once"]["value"] == [0.5] * 4, runs
     for case in ("unused", "rebuilt"):
         _check_against_ddp([r[case] for r in runs], size=2)
 
