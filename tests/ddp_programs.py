@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
+import os
+import time
 from typing import Any, Callable
 
 import torch
@@ -218,3 +220,23 @@ def ddp_errors(ports: list[int]) -> dict[str, Any]:
     finally:
         dist.destroy_process_group()
     return out
+
+
+def dead_peer(port: int) -> dict[str, Any]:
+    """Two ranks train two steps (DDP's bucket rebuild, its last collective, is behind them); then rank 1
+    dies, and rank 0's next backward must raise a BPSError, not hang."""
+    rank = bps.rank()
+    torch.set_num_threads(1)
+    join(port, rank, 2)
+    try:
+        model = DDP(nn.Linear(4, 2))
+        model.register_comm_hook(state="dead", hook=bps.ddp_comm_hook)
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+        if rank == 1:
+            os._exit(0)
+        started = time.monotonic()
+        error = _error_of(lambda: model(torch.ones(2, 4)).sum().backward())
+        return {**error, "seconds": time.monotonic() - started}
+    finally:
+        dist.destroy_process_group()

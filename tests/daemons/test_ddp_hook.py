@@ -99,6 +99,17 @@ def test_failures_reach_the_user_as_bps_errors(cluster_2x2):
         assert "has 2 processes but the bps job has 4" in r["world"]["message"], r
 
 
+def test_a_dead_peer_fails_backward_with_a_bps_error(make_cluster):
+    """2 machines x 1 process; rank 1 exits after two steps: rank 0's third backward raises the BPSError its
+    worker reports (every process of worker 1 left), well within the client's timeout (20 s here)."""
+    cluster = make_cluster([1, 1], cpu_servers=0)
+    (port,) = free_ports(1)
+    result, _ = run_ranks(cluster, dp.dead_peer, port, timeout=60, may_die=frozenset({1}))
+    assert result["bps"] and result["type"].startswith("BPS"), result
+    assert "worker 1" in result["message"], result
+    assert result["seconds"] < 20, result
+
+
 def test_bad_state_and_no_init_fail_the_future_without_a_cluster():
     assert not bps.is_initialized()
     bucket = dp.Bucket(0, torch.ones(3))
