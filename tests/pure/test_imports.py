@@ -3,8 +3,8 @@
 - ``protocol`` imports nothing of ours (it is the wire contract, sans-IO);
 - ``bps_runtime`` imports only ``protocol``;
 - neither daemon package imports the other (``bps_server`` <-> ``bps_worker``);
-- the client package and the torch layer (with its DDP hook) import no daemon module: only ``protocol``, ``bps_runtime``,
-  ``bps_worker.errors`` and the client package itself.
+- the client package and the torch layer (with its DDP hook) import no daemon module: only ``protocol``,
+  ``bps_runtime``, ``bps_worker.errors`` and the client package itself.
 """
 
 from __future__ import annotations
