@@ -54,11 +54,13 @@ class DDPHookState:
         self.process_group = process_group
         self._names: dict[tuple[int, torch.dtype, int], str] = {}
         self._layouts: dict[int, int] = {}  # bucket index -> layouts met
+        self._inflight: set[str] = set()
         self._checked = False
         self._lock = threading.Lock()  # autograd may run hooks of models sharing a state on several threads
 
-    def name(self, index: int, dtype: torch.dtype, numel: int) -> str:
-        """The name of bucket ``index`` holding ``numel`` elements of ``dtype`` (see the module docstring)."""
+    def claim(self, index: int, dtype: torch.dtype, numel: int) -> str:
+        """The name of bucket ``index`` holding ``numel`` elements of ``dtype`` (see the module docstring), now
+        in flight until :meth:`release`. In flight already: two DDP models share this state in one backward."""
         key = (index, dtype, numel)
         with self._lock:
             name = self._names.get(key)
@@ -66,7 +68,18 @@ class DDPHookState:
                 k = self._layouts.get(index, 0)
                 self._layouts[index] = k + 1
                 name = self._names[key] = f"{self.prefix}.ddp.b{index}.{k}" if self.prefix else f"ddp.b{index}.{k}"
+            if name in self._inflight:
+                raise BPSError(f"DDP bucket {index} ({numel} x {dtype}) is named {name!r}, and another DDP model's "
+                               f"bucket of that name, with the same hook state, is still being summed: give each "
+                               f"DDP model its own prefix, register_comm_hook(state='<model>', "
+                               f"hook=bps.ddp_comm_hook)")
+            self._inflight.add(name)
         return name
+
+    def release(self, name: str) -> None:
+        """``name``'s push_pull ended."""
+        with self._lock:
+            self._inflight.discard(name)
 
     def bucket_names(self) -> dict[str, tuple[int, torch.dtype, int]]:
         """Every name given so far, with its bucket's index, dtype and elements."""
@@ -105,6 +118,10 @@ def _state_of(state: DDPHookState | str | None) -> DDPHookState:
         return found
 
 
+# A push_pull in flight: its handle, the future DDP waits on, and the state and name to release at its end.
+_Item = tuple["Handle", torch.futures.Future[torch.Tensor], DDPHookState, str]
+
+
 class _Completer:
     """One thread that waits for the hook's push_pulls in the order they started and completes their futures.
 
@@ -112,12 +129,12 @@ class _Completer:
     backward. Every handle ends (the client bounds failures by its timeout), so every future completes."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Handle, torch.futures.Future[torch.Tensor]]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="bps-ddp-hook", daemon=True)
         self._thread.start()
 
-    def add(self, handle: Handle, future: torch.futures.Future[torch.Tensor]) -> None:
-        self._queue.put((handle, future))
+    def add(self, item: _Item) -> None:
+        self._queue.put(item)
 
     def _run(self) -> None:
         from .torch import synchronize  # not at import: bps_worker.torch re-exports this module
@@ -127,12 +144,14 @@ class _Completer:
 
 
 def _complete(synchronize: Callable[[Handle], torch.Tensor], handle: Handle,
-              future: torch.futures.Future[torch.Tensor]) -> None:
+              future: torch.futures.Future[torch.Tensor], state: DDPHookState, name: str) -> None:
     try:
         result = synchronize(handle)
     except Exception as exc:  # anything: a future left pending would hang DDP
+        state.release(name)
         _fail(future, exc)
     else:
+        state.release(name)  # before DDP, woken by the future, can start the next round of the name
         future.set_result(result)
 
 
@@ -144,12 +163,12 @@ _completer: _Completer | None = None
 _completer_lock = threading.Lock()
 
 
-def _complete_later(handle: Handle, future: torch.futures.Future[torch.Tensor]) -> None:
+def _complete_later(item: _Item) -> None:
     global _completer
     with _completer_lock:
         if _completer is None:
             _completer = _Completer()
-    _completer.add(handle, future)
+    _completer.add(item)
 
 
 def _raise_after_backward(future: torch.futures.Future[torch.Tensor]) -> None:
@@ -187,13 +206,17 @@ def ddp_comm_hook(state: DDPHookState | str | None, bucket: dist.GradBucket) -> 
         if buffer.layout != torch.strided:
             raise BPSError(f"DDP bucket {index} holds {buffer.layout} gradients: ddp_comm_hook sums dense ones "
                            f"only (sparse gradients need DDP's own all-reduce)")
-        name = hook_state.name(index, buffer.dtype, buffer.numel())
-        # DDP's last buckets hold the first layers, whose sums the next forward pass needs first.
-        handle = push_pull_async(buffer, name, average=True, priority=index, out=buffer)
+        name = hook_state.claim(index, buffer.dtype, buffer.numel())
+        try:
+            # DDP's last buckets hold the first layers, whose sums the next forward pass needs first.
+            handle = push_pull_async(buffer, name, average=True, priority=index, out=buffer)
+        except BaseException:
+            hook_state.release(name)
+            raise
     except BPSError as exc:
         _fail(future, exc)
     else:
-        _complete_later(handle, future)
+        _complete_later((handle, future, hook_state, name))
     _raise_after_backward(future)
     return future
 

@@ -188,6 +188,21 @@ class Bucket:
         return self._buffer
 
 
+def twin_models(rank: int) -> dict[str, Any]:
+    """Two DDP models of one shape in one backward: with one hook state their buckets have one name (a clear
+    BPSError); with a prefix each they train (the gradient of w.x summed over both models is x, averaged)."""
+    x = torch.full((1, 4), float(rank + 1))
+    out = {}
+    for states in (("twins", "twins"), ("twin0", "twin1")):
+        torch.manual_seed(0)
+        models = [DDP(nn.Linear(4, 1, bias=False)) for _ in states]
+        for model, state in zip(models, states):
+            model.register_comm_hook(state=state, hook=bps.ddp_comm_hook)
+        out[states[1]] = _error_of(lambda: sum(m(x).sum() for m in models).backward())
+    out["grad"] = models[0].module.weight.grad.tolist()
+    return out
+
+
 def ddp_errors(ports: list[int]) -> dict[str, Any]:
     """Failures reach the user as BPSErrors: from the future (a direct call), from backward() (buckets that
     differ between ranks), and a DDP group smaller than the job."""
@@ -203,7 +218,10 @@ def ddp_errors(ports: list[int]) -> dict[str, Any]:
         good = torch.full((5,), float(rank + 1))
         value = bps.ddp_comm_hook(state, Bucket(1, good)).wait()  # type: ignore[arg-type]
         out["after"] = {"value": value.tolist(), "in_place": value is good}
-        # backward(): rank 0 cuts the model into buckets otherwise than the others (another bucket_cap_mb)
+        out["twins"] = twin_models(rank)
+        # backward(): rank 0 cuts the model into buckets otherwise than the others (another bucket_cap_mb). Last
+        # on this group: after this failed step (find_unused_parameters=True) a new DDP's set-up on the group
+        # timed out in gloo.
         cap = 200 if rank == 0 else 680
         model = DDP(Split(), bucket_cap_mb=cap / 2**20, find_unused_parameters=True)
         split = bps.DDPHookState("split")

@@ -94,6 +94,10 @@ def test_failures_reach_the_user_as_bps_errors(cluster_2x2):
         if rank < 2:
             assert r["future"]["type"] == "BPSMismatchError" and r["future"]["name"] == "direct.ddp.b0.0", r
             assert r["backward"]["type"] == "BPSMismatchError" and r["backward"]["name"] == "split.ddp.b1.0", r
+        # two DDP models sharing a hook state in one backward; then with a prefix each
+        assert r["twins"]["twins"]["type"] == "BPSError", r["twins"]
+        assert "give each DDP model its own prefix" in r["twins"]["twins"]["message"], r["twins"]
+        assert r["twins"]["twin1"] == {"type": None} and r["twins"]["grad"] == [[2.5] * 4], r["twins"]
         # a DDP group of 2 in a job of 4
         assert r["world"]["type"] == "BPSError", r
         assert "has 2 processes but the bps job has 4" in r["world"]["message"], r
