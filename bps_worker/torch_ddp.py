@@ -14,7 +14,8 @@ Theory of operation:
   same on every rank), so every process gives a bucket the same name; a name never names two shapes, as a
   rebuilt bucket of another size gets the next ``k``. Ranks whose buckets do differ (another ``bucket_cap_mb``)
   name differently shaped buckets alike, and get a :class:`BPSMismatchError` naming both shapes, not a hang.
-  Several DDP models in one job need a prefix each: ``state="encoder"`` or ``DDPHookState("encoder")``.
+  Several DDP models in one job need a prefix each: ``state="encoder"`` or ``DDPHookState("encoder")``;
+  two that share a state in one backward meet a name in flight and get a BPSError that says so.
 * Not blocking backward. The hook copies the bucket into its shared slot (or hands a CUDA bucket over by CUDA
   IPC, as :func:`bps_worker.torch.push_pull_async` does) and returns at once; one thread per process waits for
   the push_pulls in the order the hooks started them (DDP's own order of waiting) and completes their futures.
