@@ -239,6 +239,14 @@ class Aggregator:
         """A worker gave up a round: fail it for every worker (now and for late pushes)."""
         self._run(self.table.abort(name, part, round_, worker, message))
 
+    def unfused(self, name: str) -> tuple[set[int], Push] | None:
+        """The workers in ``name``'s open round at this anchor, and its first push (RoundTable.unfused)."""
+        return self.table.unfused(name)
+
+    def fail_open(self, name: str, why: Why) -> None:
+        """Fail ``name``'s open round here (another worker issued it fused, see RoundTable.fail_open)."""
+        self._run(self.table.fail_open(name, why))
+
     def worker_lost(self, worker: int) -> int:
         """The worker daemon's connection dropped: fail every incomplete round still waiting for it;
         later ones wait ``lost_grace_s`` for it. Returns how many rounds failed now."""

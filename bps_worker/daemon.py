@@ -252,35 +252,49 @@ class WorkerDaemon:
     def submit(self, session: ClientSession, op: Op) -> None:
         """A handshaken process asks for ``op`` (checked against its memory by the session)."""
         assert session.local_rank is not None  # sessions submit only after their handshake
-        if self.fusion.rounds.busy(op.name):  # the other processes issued it small enough to fuse
-            self._paths_differ(op.name, session, op.req, describe(op))
+        fused = self.fusion.rounds.collecting.get(op.name) or self.fusion.rounds.reported.get(op.name)
+        if fused is not None:  # the other processes issued it small enough to fuse
+            self._execute(self.rounds.submit(session, session.local_rank, op))  # its round, numbered, to fail
+            self._paths_differ(op.name, describe_spec(fused.spec), describe(op), session.local_rank,
+                               {e.member.local_rank for e in fused.members() if e.member.local_rank is not None})
             return
         self._execute(self.rounds.submit(session, session.local_rank, op))
 
     def submit_batch(self, session: ClientSession, entries: list[tuple[int, str, Spec, str, int, int]]) -> None:
         """A handshaken process issued small sums to fuse (checked against its memory by the session)."""
+        assert session.local_rank is not None
         if self.rounds.open:
             kept = []
             for entry in entries:
-                if entry[1] in self.rounds.open:  # the other processes issued it too large to fuse
-                    self._paths_differ(entry[1], session, entry[0], describe_spec(entry[2]))
+                rounds = self.rounds.open.get(entry[1])
+                if rounds:  # the other processes issued it too large to fuse
+                    ours = describe_spec(entry[2])
+                    why = self._paths_differ(entry[1], ours, describe(rounds[0].first), session.local_rank,
+                                             {session.local_rank})
+                    session.send(why.heard_by(ours).failure(entry[0]))
                 else:
                     kept.append(entry)
             entries = kept
         self.fusion.submit(session, entries)
 
-    def _paths_differ(self, name: str, session: ClientSession, req: int, ours: str) -> None:
-        """Processes of this machine issued ``name`` with sizes on both sides of the fusion limit: a mismatch,
-        which fails the round already open for it (and this request)."""
-        assert session.local_rank is not None
-        why = Why.mismatch(name, "the other processes' tensor", ours,
-                           f"rank {self.rank_offset + session.local_rank} issued it as {ours}, which the other "
-                           f"processes' round of it does not match (one is fused, at most "
-                           f"{self.fusion_bytes} bytes, the other not)")
-        session.send(why.heard_by(ours).failure(req))
-        self.fusion.carry_out(self.fusion.rounds.fail_name(name, why))
-        for lr in list(self.rounds.open.get(name, ())):
-            self._execute(self.rounds.fail(lr, why))
+    def _paths_differ(self, name: str, fused: str, unfused: str, local_rank: int, fused_ranks: set[int]) -> Why:
+        """Processes of this machine issued ``name`` with sizes on both sides of the fusion limit (``fused`` and
+        ``unfused`` describe each side): a mismatch, for every process of every machine, whichever path it
+        took. The fused round here (if any) fails and its entries hear why; the unfused rounds fail without
+        waiting for ``fused_ranks`` (they heard it through their fused entries), and are aborted at the anchor
+        server for the peers that pushed the name unfused; a FuseAbort tells the anchor's planner for those that
+        fused it. Returns the mismatch (a fused entry not yet in a round is answered by the caller)."""
+        own, other = (fused, unfused) if local_rank in fused_ranks else (unfused, fused)
+        why = Why.mismatch(name, fused, unfused,
+                           f"rank {self.rank_offset + local_rank} issued it as {own} but other processes of worker "
+                           f"{self.worker_id} as {other} (one is fused, at most {self.fusion_bytes} bytes, the "
+                           f"other not)")
+        decisions = self.fusion.rounds.fail_name(name, why, set(range(self.config.local_size)) - fused_ranks)
+        if not decisions.aborts:  # no fused round here; machines that fused it wait at the planner all the same
+            decisions.aborts.append((name, why))
+        self.fusion.carry_out(decisions)
+        self._execute(self.rounds.fail_name(name, why, fused_ranks))
+        return why
 
     def _execute(self, actions: list[Action[ClientSession]]) -> None:
         """Carry out the local rounds' decisions, in order."""
