@@ -2,6 +2,7 @@
 
 ``kernels`` (numba summation), ``segments`` (POSIX shared memory: the worker's arena, everyone else attaches),
 ``cuda`` (CUDA IPC between training processes and the worker), ``lowat`` (the TCP receive low-water mark),
-``timeline`` (Chrome-trace timelines), ``metrics`` (Prometheus text format) and ``lifecycle`` (a daemon's
+``timeline`` (Chrome-trace timelines), ``metrics`` (the Prometheus and probe endpoint), ``health`` (liveness, readiness, systemd's
+watchdog and status) and ``lifecycle`` (a daemon's
 logging, event loop, signals and systemd readiness). It imports only ``protocol``; importing it does nothing.
 """

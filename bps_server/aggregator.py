@@ -116,6 +116,7 @@ class Counters:
     bytes_by_worker: dict[int, int] = field(default_factory=dict)
     bytes_shm: int = 0  # of bytes_received: read from the colocated worker's shared memory
     round_seconds: Histogram = field(default_factory=Histogram)  # first push to sum sent
+    push_lag: dict[int, Histogram] = field(default_factory=dict)  # worker -> its push after the round's first
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -180,6 +181,9 @@ class Aggregator:
         if borrowed is not None:
             c.bytes_shm += payload.nbytes
         actions = self.table.push(push, payload, Contributor(reply, fail), time.monotonic(), borrowed=borrowed)
+        lag = self.table.lag
+        if lag is not None:
+            (c.push_lag.get(push.worker) or c.push_lag.setdefault(push.worker, Histogram())).observe(lag)
         work = self._execute(actions)
         while work and self._now(work[0]):
             work.pop(0)
