@@ -165,9 +165,9 @@ class Endpoint:
 
     def __init__(self, host: str, port: int, *, loop: asyncio.AbstractEventLoop,
                  families: Callable[[], list[Family]], health: Callable[[], Health | None],
-                 stall_limit_s: float = health_.STALL_LIMIT_S) -> None:
+                 stall_limit_s: float = health_.STALL_LIMIT_S, collect_timeout_s: float = COLLECT_TIMEOUT_S) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(LoopCollector(loop, families))
+        self.registry.register(LoopCollector(loop, families, collect_timeout_s))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         self.health = health

@@ -151,6 +151,11 @@ class WorkerDaemon:
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        spec = self.config.cluster.worker(self.worker_id)
+        if spec.metrics is not None:  # first: a busy metrics port leaves no socket file behind
+            self._endpoint = metrics.Endpoint(*spec.metrics, loop=loop, families=self.metric_families,
+                                              health=lambda: self.pulse.latest, stall_limit_s=self.config.stall_limit_s)
         path = self.config.socket
         _claim_socket_path(path)
         # A daemon of this worker killed with its resource tracker left its segments behind (issue 14, 12).
@@ -158,7 +163,6 @@ class WorkerDaemon:
         if reclaimed:
             log.warning("reclaimed %d shared-memory segments of dead daemons of worker %d: %s", len(reclaimed),
                         self.worker_id, ", ".join(reclaimed))
-        loop = asyncio.get_running_loop()
         old_umask = os.umask(0o077)
         try:
             self._server = await loop.create_unix_server(lambda: ClientSession(self), path)
@@ -169,10 +173,6 @@ class WorkerDaemon:
         for link in self.links.values():
             link.keep_connected()  # readiness is being connected to every server, before any push
         self.pulse.start()
-        spec = self.config.cluster.worker(self.worker_id)
-        if spec.metrics is not None:
-            self._endpoint = metrics.Endpoint(*spec.metrics, loop=loop, families=self.metric_families,
-                                              health=lambda: self.pulse.latest, stall_limit_s=self.config.stall_limit_s)
         log.info("worker %d serving %d local processes on %s (%d workers, %d servers)", self.worker_id,
                  self.config.local_size, path, self.config.cluster.workers, len(self.links))
 

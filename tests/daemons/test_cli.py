@@ -59,6 +59,21 @@ def test_busy_port_exits_1_with_one_line(tmp_path):
     assert len(reasons) == 1 and "cannot listen" in reasons[0] and str(port) in reasons[0], result.stderr
 
 
+@pytest.mark.parametrize("module", ["bps_server", "bps_worker"])
+def test_busy_metrics_port_exits_1_naming_it(tmp_path, module):
+    config = write_config(tmp_path, [1], cpu_servers=0, metrics=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        config.write_text(re.sub(r'metrics = "127\.0\.0\.1:\d+"', f'metrics = "127.0.0.1:{port}"', config.read_text()))
+        result = _run([module, "--config", str(config), "--id", "0"])
+    assert result.returncode == 1
+    reasons = [line for line in result.stderr.splitlines() if line.startswith(module.replace("_", "-") + ":")]
+    assert reasons == [f"{module.replace('_', '-')}: cannot listen on metrics address 127.0.0.1:{port}: "
+                       f"Address already in use"], result.stderr
+
+
 def _notify_socket(tmp_path: Path) -> tuple[socket.socket, str]:
     path = str(tmp_path / "notify")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -74,7 +89,8 @@ def test_ready_notification_and_clean_sigterm(tmp_path, module):
     proc = subprocess.Popen([PY, "-m", module, "--config", str(config), "--id", "0"],
                             env=dict(os.environ, NOTIFY_SOCKET=path), stderr=subprocess.PIPE, text=True)
     try:
-        assert notify.recv(100) == b"READY=1"
+        while (message := notify.recv(100)) != b"READY=1":
+            assert message.startswith(b"STATUS="), message  # what the daemon waits for, before it is ready
         if module == "bps_worker":
             sock_path = str(tmp_path / "w0.sock")
             assert os.stat(sock_path).st_mode & 0o777 == 0o600
@@ -94,7 +110,8 @@ def test_worker_refuses_a_socket_in_use(tmp_path):
     first = subprocess.Popen([PY, "-m", "bps_worker", "--config", str(config), "--id", "0"],
                              env=dict(os.environ, NOTIFY_SOCKET=path), stderr=subprocess.DEVNULL)
     try:
-        assert notify.recv(100) == b"READY=1"
+        while (message := notify.recv(100)) != b"READY=1":
+            assert message.startswith(b"STATUS="), message  # what the daemon waits for, before it is ready
         result = _run(["bps_worker", "--config", str(config), "--id", "0"])
         assert result.returncode == 1
         assert "in use" in [l for l in result.stderr.splitlines() if "bps-worker:" in l][0]
@@ -113,7 +130,8 @@ def test_stale_socket_file_is_replaced(tmp_path):
     proc = subprocess.Popen([PY, "-m", "bps_worker", "--config", str(config), "--id", "0"],
                             env=dict(os.environ, NOTIFY_SOCKET=path), stderr=subprocess.DEVNULL)
     try:
-        assert notify.recv(100) == b"READY=1"
+        while (message := notify.recv(100)) != b"READY=1":
+            assert message.startswith(b"STATUS="), message  # what the daemon waits for, before it is ready
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
@@ -247,7 +265,8 @@ def test_sighup_reopens_the_log_file(tmp_path):
     proc = subprocess.Popen([PY, "-m", "bps_server", "--config", str(config), "--id", "0", "--log-file", str(log_file)],
                             env=dict(os.environ, NOTIFY_SOCKET=path))
     try:
-        assert notify.recv(100) == b"READY=1"
+        while (message := notify.recv(100)) != b"READY=1":
+            assert message.startswith(b"STATUS="), message  # what the daemon waits for, before it is ready
         os.rename(log_file, tmp_path / "server.log.1")  # what logrotate does
         proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 10
