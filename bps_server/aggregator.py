@@ -34,7 +34,7 @@ from protocol import dtypes
 from protocol.messages import Push
 
 from bps_runtime import kernels
-from bps_runtime.metrics import Histogram
+from bps_runtime.metrics import LATENCY_BUCKETS, Histogram
 from bps_runtime.stalls import StallWatch
 from bps_runtime.timeline import Timeline, now_us
 
@@ -128,6 +128,10 @@ class Counters:
             "rounds_replayed": self.rounds_replayed,
             "bytes_by_worker": {str(k): v for k, v in self.bytes_by_worker.items()},
             "bytes_shm": self.bytes_shm,
+            # bps-launch --stragglers (bps_worker.stragglers): each worker's lag histogram
+            "push_lag": {str(w): {"count": h.count, "seconds": h.total, "counts": list(h.counts)}
+                         for w, h in self.push_lag.items()},
+            "push_lag_buckets": list(LATENCY_BUCKETS),
         }
 
 

@@ -170,6 +170,28 @@ def test_launcher_runs_a_script_on_every_rank(tmp_path):
     assert {(out / r).read_text() for r in "012"} == {"6.0"}
 
 
+def test_launcher_reports_the_straggler(tmp_path):
+    config = write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"partition_bytes": 65536})
+    script = tmp_path / "late.py"
+    script.write_text(  # worker 1's process pushes each step 0.3 s after worker 0's
+        "import os, time, numpy as np, bps_worker.client as bps\n"
+        "bps.init()\n"
+        "bps.push_pull(np.zeros(100_000, np.float32), 'sync')\n"
+        "for _ in range(3):\n"
+        "    if os.environ['BPS_WORKER_ID'] == '1':\n"
+        "        time.sleep(0.3)\n"
+        "    bps.push_pull(np.ones(100_000, np.float32), 'g')\n"
+        "bps.shutdown()\n")
+    result = subprocess.run([PY, "-m", "bps_worker.launch", "--config", str(config), "--stragglers", "--",
+                             PY, str(script)], capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[1]: line for line in result.stderr.splitlines()
+            if line.startswith("bps-launch: ") and line.split()[1] in ("0", "1")}
+    assert sorted(rows) == ["0", "1"], result.stderr
+    assert "straggler" in rows["1"] and "straggler" not in rows["0"], result.stderr
+    assert rows["0"].split()[2] == rows["1"].split()[2]  # as many pushes from each
+
+
 def test_launcher_stops_everything_when_a_rank_fails(tmp_path):
     config = write_config(tmp_path, [2], cpu_servers=0)
     script = tmp_path / "fail.py"
