@@ -105,7 +105,9 @@ def to_prometheus(family: Family) -> Metric:
     else:
         raise ValueError(f"metric {family.name}: kind must be counter, gauge or histogram, got {family.kind!r}")
     for labels, value in family.samples:
-        metric.add_metric([labels[k] for k in names], float(value))  # type: ignore[arg-type]
+        if isinstance(value, Histogram):
+            raise TypeError(f"metric {family.name}: a {family.kind}'s sample must be a number, got a Histogram")
+        metric.add_metric([labels[k] for k in names], float(value))
     return metric
 
 
