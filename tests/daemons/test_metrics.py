@@ -123,7 +123,7 @@ def test_daemons_serve_live_metrics(tmp_path):
             lag_rounds = rounds * parts
             # worker 1 was late in every "lag" round (and maybe in "sync"); worker 0 at most in "sync"
             assert late1 - early_late1 >= lag_rounds, text
-            assert seconds1 - early_seconds1 >= 0.8 * delay * lag_rounds, text
+            assert seconds1 - early_seconds1 >= 0.5 * delay * lag_rounds, text  # worker 0 may be slow to push too
             assert late0 - early_late0 <= parts, text
             late_servers += lag_rounds > 0
         assert late_servers >= 2  # "lag" has partitions on several servers

@@ -87,7 +87,7 @@ def test_status_lines_and_watchdog_pings_from_both_daemons(tmp_path):
         worker.until(lambda m: m == "READY=1")
         worker.read(0.2)
         pings = [m for m in worker.read(1.0) if m == "WATCHDOG=1"]
-        assert 4 <= len(pings) <= 8, pings  # every 0.15 s
+        assert 3 <= len(pings) <= 8, pings  # every 0.15 s (fewer where the machine is loaded, never more)
         server = Notified(tmp_path, config, "bps_server")
         server.until(lambda m: m == "READY=1")
         # the worker connects on its own (no push needed), and both say so
