@@ -48,6 +48,8 @@ LATENCY_BUCKETS: Final = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 # How long a scrape waits for the event loop's snapshot of the daemon's metrics.
 COLLECT_TIMEOUT_S: Final = 2.0
 PROBE_CONTENT_TYPE: Final = "text/plain; charset=utf-8"
+# A client that sends its request slower than this loses its connection (and the thread serving it).
+REQUEST_TIMEOUT_S: Final = 5.0
 
 
 @dataclass
@@ -144,7 +146,9 @@ class LoopCollector(Collector):
 
 
 class _Quiet(WSGIRequestHandler):
-    """No line per request on stderr (probes come every few seconds)."""
+    """No line per request on stderr (probes come every few seconds); a deadline on each read."""
+
+    timeout = REQUEST_TIMEOUT_S
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -167,7 +171,8 @@ class Endpoint:
 
     def __init__(self, host: str, port: int, *, loop: asyncio.AbstractEventLoop,
                  families: Callable[[], list[Family]], health: Callable[[], Health | None],
-                 stall_limit_s: float = health_.STALL_LIMIT_S, collect_timeout_s: float = COLLECT_TIMEOUT_S) -> None:
+                 stall_limit_s: float = health_.STALL_LIMIT_S, collect_timeout_s: float = COLLECT_TIMEOUT_S,
+                 request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(LoopCollector(loop, families, collect_timeout_s))
         ProcessCollector(registry=self.registry)
@@ -177,7 +182,8 @@ class Endpoint:
         self._metrics_app = make_wsgi_app(self.registry)
         server_class = _Server6 if ":" in host else _Server
         try:
-            self._httpd = make_server(host, port, self._app, server_class=server_class, handler_class=_Quiet)
+            handler = type("Handler", (_Quiet,), {"timeout": request_timeout_s})
+            self._httpd = make_server(host, port, self._app, server_class=server_class, handler_class=handler)
         except OSError as exc:
             raise ListenError(f"metrics address {host}:{port}", exc) from exc
         self.address: tuple[str, int] = self._httpd.server_address[:2]  # type: ignore[assignment]

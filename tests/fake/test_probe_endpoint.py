@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import threading
 import time
 import urllib.error
@@ -29,6 +30,7 @@ class LoopThread:
         self.loop = new_event_loop()
         self.verdict = Verdict(None, "serving")
         self.keys: dict[int, int] = {}
+        self.releases: list[threading.Event] = []
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.pulse: Pulse = self.call(lambda: Pulse(lambda: self.verdict, interval_s=BEAT_S))
@@ -55,10 +57,16 @@ class LoopThread:
         return [Family("bps_test_keys", "gauge", "Keys", tuple(({"key": str(k)}, float(v))
                                                               for k, v in self.keys.items()))]
 
-    def stall(self, seconds: float) -> None:
-        self.loop.call_soon_threadsafe(time.sleep, seconds)
+    def stall(self) -> threading.Event:
+        """Block the loop until the event returned is set (or 30 s pass)."""
+        release = threading.Event()
+        self.releases.append(release)
+        self.loop.call_soon_threadsafe(release.wait, 30.0)
+        return release
 
     def close(self) -> None:
+        for release in self.releases:  # a test that failed mid-stall
+            release.set()
         self.call(self.pulse.stop)
         for task in self.call(lambda: list(asyncio.all_tasks(self.loop))):
             self.loop.call_soon_threadsafe(task.cancel)
@@ -71,7 +79,7 @@ class LoopThread:
 def served() -> Iterator[tuple[LoopThread, Endpoint]]:
     loop = LoopThread()
     endpoint = Endpoint("127.0.0.1", 0, loop=loop.loop, families=loop.families, health=lambda: loop.pulse.latest,
-                        stall_limit_s=STALL_LIMIT_S, collect_timeout_s=0.3)
+                        stall_limit_s=STALL_LIMIT_S, collect_timeout_s=0.3, request_timeout_s=0.5)
     try:
         yield loop, endpoint
     finally:
@@ -98,14 +106,17 @@ def test_probes_follow_the_loop_stall_and_recovery(served):
     loop, endpoint = served
     assert _get(endpoint, "/livez") == (200, "ok\n")
     assert _get(endpoint, "/readyz") == (200, "ready\n")
-    loop.stall(2.0)
+    release = loop.stall()
     time.sleep(STALL_LIMIT_S + 0.3)
     code, text = _get(endpoint, "/livez")
-    assert code == 503 and re.fullmatch(r"event loop stalled: last beat 0\.\d s ago \(limit 0\.5 s\)\n", text), text
-    assert _get(endpoint, "/readyz") == (code, text)  # a stalled loop's verdict is stale: not ready either
+    stalled = r"event loop stalled: last beat \d+\.\d s ago \(limit 0\.5 s\)\n"
+    assert code == 503 and re.fullmatch(stalled, text), text
+    code, text = _get(endpoint, "/readyz")  # a stalled loop's verdict is stale: not ready either
+    assert code == 503 and re.fullmatch(stalled, text), text
     # A scrape during the stall: the process metrics, not the daemon's (the loop cannot give a snapshot).
     families = {f.name for f in text_string_to_metric_families(_get(endpoint, "/metrics")[1])}
     assert "process_resident_memory_bytes" in families and "bps_test_keys" not in families
+    release.set()
     _until(lambda: _get(endpoint, "/livez")[0] == 200)
     families = {f.name for f in text_string_to_metric_families(_get(endpoint, "/metrics")[1])}
     assert "bps_test_keys" in families
@@ -129,3 +140,14 @@ def test_scrapes_never_race_the_loop(served):
         samples = [s for f in text_string_to_metric_families(text) if f.name == "bps_test_keys" for s in f.samples]
         keys = sorted(int(s.labels["key"]) for s in samples)
         assert len(keys) == 1000 and keys == list(range(keys[0], keys[0] + 1000))  # one consistent snapshot
+
+
+def test_a_silent_client_is_dropped_and_probes_answer_meanwhile(served):
+    _, endpoint = served
+    with socket.create_connection(("127.0.0.1", endpoint.address[1])) as silent:
+        silent.sendall(b"GET /livez HTTP/1.1\r\n")  # and never the rest of the request
+        assert _get(endpoint, "/livez") == (200, "ok\n")
+        silent.settimeout(5)
+        start = time.monotonic()
+        assert silent.recv(100) == b""  # closed by the server: the request's deadline
+        assert time.monotonic() - start < 2.0
