@@ -123,7 +123,11 @@ class Pulse:
 
     def beat(self) -> None:
         now = time.monotonic()
-        verdict = self._verdict()
+        try:
+            verdict = self._verdict()
+        except Exception as exc:  # the loop is alive: a bug in a verdict makes the daemon not ready, not dead
+            log.exception("internal error in the health verdict")
+            verdict = Verdict(f"internal error in the health verdict: {exc!r}", "internal error in the health verdict")
         previous, self.latest = self.latest, Health(now, verdict)
         if previous is None or previous.verdict.status != verdict.status:
             log.debug("status: %s", verdict.status)
@@ -135,7 +139,4 @@ class Pulse:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            try:
-                self.beat()
-            except Exception:  # a bug in a verdict must not stop the beat: the daemon would be killed for it
-                log.exception("internal error in the health verdict")
+            self.beat()

@@ -1,10 +1,13 @@
-"""The probes' decisions and systemd's watchdog settings, with the time passed in."""
+"""The probes' decisions and systemd's watchdog settings, with the time passed in; the pulse's STATUS= and
+WATCHDOG=1 on a datagram socket."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
-from bps_runtime.health import Health, Verdict, livez, readyz, watchdog_period, watchdog_seconds
+from bps_runtime.health import Health, Pulse, Verdict, livez, readyz, watchdog_period, watchdog_seconds
 
 READY = Verdict(None, "serving 2 of 2 workers")
 WAITING = Verdict("not connected to server 2 at 10.0.0.5:9100", "waiting for server 2")
@@ -55,3 +58,36 @@ def test_stall_limit_must_be_positive():
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match=r"--stall-limit must be > 0 seconds, got"):
             watchdog_period(bad, None, None, 1)
+
+
+def test_a_verdict_that_raises_is_not_ready_but_alive():
+    def broken() -> Verdict:
+        raise KeyError("links")
+
+    pulse = Pulse(broken)
+    pulse.beat()
+    assert pulse.latest is not None
+    assert livez(pulse.latest, pulse.latest.beat, 10.0) == (200, "ok")
+    assert readyz(pulse.latest, pulse.latest.beat, 10.0) == (503, "internal error in the health verdict: KeyError('links')")
+
+
+def test_status_is_sent_when_it_changes_and_pings_every_half_period(tmp_path):
+    path = str(tmp_path / "notify")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(path)
+        sock.setblocking(False)
+        verdicts = iter([READY, READY, WAITING])
+        pulse = Pulse(lambda: next(verdicts), notify_socket=path, watchdog_s=3600.0)
+        assert pulse.interval_s == 1.0 and pulse.ping_every_s == 1800.0
+        for _ in range(3):
+            pulse.beat()
+        got = []
+        while True:
+            try:
+                got.append(sock.recv(100).decode())
+            except BlockingIOError:
+                break
+    # one ping (the next is due in half an hour), and a STATUS line per change only
+    assert got == ["STATUS=serving 2 of 2 workers", "WATCHDOG=1", "STATUS=waiting for server 2"]
+    assert Pulse(lambda: READY, watchdog_s=0.4).ping_every_s is None  # no socket: nothing to ping
+    assert Pulse(lambda: READY, notify_socket=path, watchdog_s=0.4).interval_s == 0.2
