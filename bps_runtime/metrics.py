@@ -1,7 +1,8 @@
 """A daemon's HTTP endpoint on its ``metrics`` address: ``/metrics`` (prometheus_client), ``/livez``, ``/readyz``.
 
 Theory of operation. Each daemon keeps its counters as plain numbers and :class:`Histogram` objects
-that only its event loop touches: the hot path stays an increment and a bisect, with no lock. On a
+that only its event loop touches: the hot path stays an increment and a bisect, with no lock
+(prometheus_client's own Histogram takes a lock on every observe: several times the cost). On a
 scrape a :class:`LoopCollector` asks the loop for a snapshot (``call_soon_threadsafe``; the daemon's
 ``metric_families()`` runs there and copies what it reports as :class:`Family` objects) and turns it into
 prometheus_client's metric families. Each :class:`Endpoint` has its own ``CollectorRegistry`` with that
