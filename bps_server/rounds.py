@@ -350,6 +350,9 @@ class RoundTable(Generic[W]):
         self._epochs: dict[int, str] = {}  # each worker's round numbering (Hello.epoch, Reset.epoch)
         # Workers whose numbering restarted while other workers were mid-job: they rejoin (round_for).
         self._rejoining: set[int] = set()
+        # The last push's lag: its arrival after its round's first push (or replay), on the caller's clock;
+        # None where the push joined no round (refused, stale, held, a mismatch). Straggler attribution.
+        self.lag: float | None = None
 
     # -- a round's life --------------------------------------------------------------
     def current(self, token: Token) -> bool:
@@ -360,7 +363,8 @@ class RoundTable(Generic[W]):
     def push(self, push: Push, payload: np.ndarray, handle: W, now: float, *,
              borrowed: Lease | None = None) -> list[Action[W]]:
         """One worker's contribution to a round. ``borrowed``: ``payload`` is the colocated worker's
-        memory (it is only ever read, never kept past the round), with its :data:`Lease`."""
+        memory (it is only ever read, never kept past the round), with its :data:`Lease`. Sets :attr:`lag`."""
+        self.lag = None
         key = (push.name, push.part)
         st = self.keys.get(key) or self._open(key, push.round)
         if push.round < st.round:
@@ -393,6 +397,7 @@ class RoundTable(Generic[W]):
             st.waiters[push.worker] = Waiter(push, handle)
             return actions + [self._fail_round(st, Why.pushes_disagree(st.first, push))]
         waiter = st.waiters[push.worker] = Waiter(push, handle)
+        self.lag = now - st.opened
         if st.restart.result is not None:  # the sum is known from a replay
             st.restart.answered.add(push.worker)
             return actions + [Answer((waiter,), st.restart.result), *self._settle(st)]

@@ -9,7 +9,7 @@ pushes of the partitions chosen by :mod:`bps_worker.placement` on the server lin
 (:mod:`bps_worker.link`), the global sums received in place and handed back.
 
 ``WorkerDaemon`` holds what these share: the config, the links, the sessions, the staging
-and results arenas, the heartbeats, the job's reset and epoch, the metrics, start and stop.
+and results arenas, the heartbeats, the job's reset and epoch, the metrics and health, start and stop.
 It carries out the local rounds' decisions (``_execute``) and learns each name's round
 base from the servers (``RoundQuery``), so that a machine that comes back joins the round
 the other machines are in.
@@ -30,6 +30,7 @@ from typing import Any, Final
 import numpy as np
 
 from bps_runtime import cuda, kernels, metrics
+from bps_runtime.health import STALL_LIMIT_S, Pulse, Verdict
 from bps_runtime import segments as shm
 from bps_runtime.timeline import Timeline
 from protocol.config import ClusterConfig, placement_items
@@ -74,6 +75,9 @@ class WorkerConfig:
     token: bytes | None = None  # from cluster.token_file
     threads: int = 2
     timeline: str | None = None  # Chrome-trace file of every tensor's stages (bps_runtime.timeline)
+    notify_socket: str | None = None  # systemd's NOTIFY_SOCKET: STATUS= lines and watchdog pings go there
+    watchdog_s: float | None = None  # systemd's watchdog period (bps_runtime.health.watchdog_seconds)
+    stall_limit_s: float = STALL_LIMIT_S  # /livez fails once the event loop has not beaten for this long
 
     @property
     def socket(self) -> str:
@@ -139,13 +143,19 @@ class WorkerDaemon:
         self.tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.AbstractServer | None = None
         self._heartbeat: asyncio.Future[None] | None = None
-        self._metrics: asyncio.AbstractServer | None = None
+        self._endpoint: metrics.Endpoint | None = None
+        self.pulse = Pulse(self.verdict, notify_socket=config.notify_socket, watchdog_s=config.watchdog_s)
         self.counters = WorkerCounters()
         self.stopping = False
         self._cuda: cuda.CudaBridge | None = None  # made when the first CUDA tensor arrives
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        spec = self.config.cluster.worker(self.worker_id)
+        if spec.metrics is not None:  # first: a busy metrics port leaves no socket file behind
+            self._endpoint = metrics.Endpoint(*spec.metrics, loop=loop, families=self.metric_families,
+                                              health=lambda: self.pulse.latest, stall_limit_s=self.config.stall_limit_s)
         path = self.config.socket
         _claim_socket_path(path)
         # A daemon of this worker killed with its resource tracker left its segments behind (issue 14, 12).
@@ -153,7 +163,6 @@ class WorkerDaemon:
         if reclaimed:
             log.warning("reclaimed %d shared-memory segments of dead daemons of worker %d: %s", len(reclaimed),
                         self.worker_id, ", ".join(reclaimed))
-        loop = asyncio.get_running_loop()
         old_umask = os.umask(0o077)
         try:
             self._server = await loop.create_unix_server(lambda: ClientSession(self), path)
@@ -161,11 +170,25 @@ class WorkerDaemon:
             os.umask(old_umask)
         os.chmod(path, self.config.socket_mode)
         self._heartbeat = asyncio.ensure_future(self._heartbeats())
-        spec = self.config.cluster.worker(self.worker_id)
-        if spec.metrics is not None:
-            self._metrics = await metrics.serve(*spec.metrics, self.metric_families)
+        for link in self.links.values():
+            link.keep_connected()  # readiness is being connected to every server, before any push
+        self.pulse.start()
         log.info("worker %d serving %d local processes on %s (%d workers, %d servers)", self.worker_id,
                  self.config.local_size, path, self.config.cluster.workers, len(self.links))
+
+    def verdict(self) -> Verdict:
+        """Ready once connected (handshake done) to every server; the 503 and the status name the others."""
+        if self.stopping:
+            return Verdict("stopping", "stopping")
+        missing = [link.spec for link in self.links.values() if not link.connected]
+        if missing:
+            ids = ", ".join(str(spec.id) for spec in missing)
+            servers = f"server{'s' if len(missing) > 1 else ''}"
+            return Verdict(f"not connected to {servers} " + ", ".join(f"{s.id} at {s.address}" for s in missing),
+                           f"waiting for {servers} {ids}")
+        n = len(self.links)
+        return Verdict(None, f"connected to {n} server{'s' if n > 1 else ''}, {len(self.sessions)} of "
+                             f"{self.config.local_size} processes")
 
     def metric_families(self) -> list[metrics.Family]:
         c = self.counters
@@ -186,7 +209,8 @@ class WorkerDaemon:
                            "Bytes queued or buffered towards servers (bounded by the credit)",
                            ((label, float(queued)),)),
             metrics.Family("bps_worker_op_seconds", "histogram",
-                           "From the last local process's request to the result handed back", ((label, c.op_seconds),)),
+                           "From the last local process's request to the result handed back",
+                           ((label, c.op_seconds.copy()),)),
         ]
 
     async def _heartbeats(self) -> None:
@@ -201,6 +225,8 @@ class WorkerDaemon:
             seq += 1
             for session in list(self.sessions.values()):
                 session.send(Ping(seq))
+            for link in self.links.values():
+                link.keep_connected()
             for text in self.stalls.warnings(loop.time(), self.rounds, self.all_links):
                 log.warning("%s", text)
             self.fusion.watch(loop.time())
@@ -211,10 +237,9 @@ class WorkerDaemon:
 
     async def stop(self) -> None:
         self.stopping = True
+        self.pulse.beat()  # readyz: 503 "stopping" from now on
         if self._heartbeat is not None:
             self._heartbeat.cancel()
-        if self._metrics is not None:
-            self._metrics.close()
         if self._server is not None:
             self._server.close()
         if self.tasks:
@@ -236,6 +261,9 @@ class WorkerDaemon:
         except FileNotFoundError:
             pass
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.pulse.stop()
+        if self._endpoint is not None:
+            await asyncio.to_thread(self._endpoint.close)
 
     def spawn(self, coro: Any) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(coro)
