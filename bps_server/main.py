@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
 from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
 
 from bps_runtime import kernels
+from bps_runtime.identity import IdentityError, daemon_id
 from .server import ServerConfig, SummationServer
 from bps_runtime.lifecycle import keep_freed_memory, new_event_loop, serve_until_signalled, setup_logging
 
@@ -20,7 +22,9 @@ log = logging.getLogger("bps.server")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bps-server", description="BytePS Summation Service")
     p.add_argument("--config", required=True, help="cluster TOML file")
-    p.add_argument("--id", type=int, required=True, help="id of the [[server]] table to run")
+    p.add_argument("--id", type=int, default=None,
+                   help="id of the [[server]] table to run (default: from BPS_ID, JOB_COMPLETION_INDEX or "
+                        "SLURM_NODEID, plus BPS_ID_OFFSET; see configs/README.md)")
     p.add_argument("--threads", type=int, default=2, help="summation threads (default: 2)")
     p.add_argument("--bind", default=None, help="bind to this host instead of the one in the cluster file")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -34,8 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level, args.log_file)
     try:
+        ident = daemon_id(args.id, os.environ, socket.gethostname())
+    except IdentityError as exc:
+        print(f"bps-server: {exc}", file=sys.stderr)
+        return 2
+    if ident.source != "--id":
+        log.info("server id %d, from %s", ident.id, ident.source)
+    try:
         cluster = load_config(args.config)
-        cluster.server(args.id)
+        cluster.server(ident.id)
         token = read_token(cluster)
     except ConfigError as exc:
         print(f"bps-server: {exc}", file=sys.stderr)
@@ -43,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads < 1:
         print("bps-server: --threads must be >= 1", file=sys.stderr)
         return 2
-    config = ServerConfig(cluster, args.id, threads=args.threads, host=args.bind, token=token,
+    config = ServerConfig(cluster, ident.id, threads=args.threads, host=args.bind, token=token,
                           timeline=args.timeline)
     keep_freed_memory()
     kernels.warm_up()  # compile before reporting ready, never on a job's first tensor

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
 from bps_runtime import kernels
+from bps_runtime.identity import IdentityError, daemon_id
 from bps_runtime.lifecycle import keep_freed_memory, new_event_loop, serve_until_signalled, setup_logging
 from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
@@ -20,7 +22,9 @@ log = logging.getLogger("bps.worker")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bps-worker", description="BytePS Communication Service (worker daemon)")
     p.add_argument("--config", required=True, help="cluster TOML file")
-    p.add_argument("--id", type=int, required=True, help="id of the [[worker]] table to run")
+    p.add_argument("--id", type=int, default=None,
+                   help="id of the [[worker]] table to run (default: from BPS_ID, JOB_COMPLETION_INDEX or "
+                        "SLURM_NODEID, plus BPS_ID_OFFSET; see configs/README.md)")
     p.add_argument("--socket", default=None, help="Unix socket path (default: the worker's `socket` key)")
     p.add_argument("--socket-mode", default="600", help="octal permissions of the socket (default: 600)")
     p.add_argument("--shm-mode", default="600",
@@ -37,8 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level, args.log_file)
     try:
+        ident = daemon_id(args.id, os.environ, socket.gethostname())
+    except IdentityError as exc:
+        print(f"bps-worker: {exc}", file=sys.stderr)
+        return 2
+    if ident.source != "--id":
+        log.info("worker id %d, from %s", ident.id, ident.source)
+    try:
         cluster = load_config(args.config)
-        cluster.worker(args.id)
+        cluster.worker(ident.id)
         token = read_token(cluster)
         socket_mode = int(args.socket_mode, 8)
         shm_mode = int(args.shm_mode, 8)
@@ -49,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bps-worker: --socket-mode and --shm-mode must be octal, got {args.socket_mode!r}, "
               f"{args.shm_mode!r}", file=sys.stderr)
         return 2
-    config = WorkerConfig(cluster, args.id, socket_path=args.socket, socket_mode=socket_mode,
+    config = WorkerConfig(cluster, ident.id, socket_path=args.socket, socket_mode=socket_mode,
                           segment_mode=shm_mode, threads=max(1, args.threads), token=token, timeline=args.timeline)
     keep_freed_memory()
     kernels.warm_up()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -48,7 +49,7 @@ from .settings import DEFAULT_TIMEOUT_S, resolve
 __all__ = [
     "BPSError", "BPSConnectionError", "BPSMismatchError", "BPSTimeoutError", "Handle",
     "init", "shutdown", "rank", "size", "local_rank", "local_size",
-    "push_pull", "push_pull_async", "poll", "synchronize", "broadcast", "is_initialized", "shared_array",
+    "push_pull", "push_pull_async", "push_pull_group", "poll", "synchronize", "broadcast", "is_initialized", "shared_array",
     "NUMPY_DTYPES", "dtype_name",
 ]
 
@@ -156,6 +157,20 @@ def push_pull(array: np.ndarray, name: str, *, average: bool = True, priority: i
               out: np.ndarray | None = None) -> np.ndarray:
     """Sum (or mean over ``size()``) of ``array`` across every process; identical bytes everywhere."""
     return synchronize(push_pull_async(array, name, average=average, priority=priority, out=out))
+
+
+def push_pull_group(arrays: Sequence[np.ndarray], names: Sequence[str], *, average: bool = True,
+                    priority: int = 0) -> list[np.ndarray]:
+    """:func:`push_pull` of every ``arrays[i]`` as ``names[i]``, in one call: a model's whole tree.
+
+    The same sums as ``push_pull_async`` on each and ``synchronize`` on all (which fuse the small ones just the
+    same), with the per-tensor bookkeeping done once for the group. Every entry is checked and every name
+    claimed before anything is sent (a bad entry, a name given twice or one in flight starts nothing). A
+    failed name (a mismatch with another process) does not stop the others: all complete, then the first
+    failure is raised.
+    """
+    ops = _operations()
+    return ops.finish_group(ops.start_group(arrays, names, average=average, priority=priority))
 
 
 def broadcast(array: np.ndarray, root_rank: int, name: str) -> np.ndarray:

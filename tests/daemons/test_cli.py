@@ -88,6 +88,59 @@ def test_ready_notification_and_clean_sigterm(tmp_path, module):
         assert not os.path.exists(tmp_path / "w0.sock"), "socket file left behind"
 
 
+def _scheduler_free_env(**extra: str) -> dict[str, str]:
+    """This environment without any variable a daemon takes its id from, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("BPS_ID", "BPS_ID_OFFSET", "JOB_COMPLETION_INDEX") and not k.startswith("SLURM_")}
+    return {**env, **extra}
+
+
+def _wait_ready(notify: socket.socket) -> None:
+    while notify.recv(4096) != b"READY=1":  # a STATUS= line may come first
+        pass
+
+
+@pytest.mark.parametrize("module, env, label, source", [
+    ("bps_server", {"JOB_COMPLETION_INDEX": "0", "BPS_ID_OFFSET": "2"}, "server",
+     "server id 2, from JOB_COMPLETION_INDEX=0 + BPS_ID_OFFSET=2"),
+    ("bps_worker", {"SLURM_NODEID": "1", "SLURM_PROCID": "1"}, "worker", "worker id 1, from SLURM_NODEID=1"),
+])
+def test_a_daemon_without_id_takes_it_from_the_scheduler_and_says_which(tmp_path, module, env, label, source):
+    config = write_config(tmp_path, [1, 1], cpu_servers=1)
+    notify, path = _notify_socket(tmp_path)
+    proc = subprocess.Popen([PY, "-m", module, "--config", str(config)],
+                            env=_scheduler_free_env(NOTIFY_SOCKET=path, **env), stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_ready(notify)
+        if label == "server":  # it serves server 2's address, the CPU-only one
+            port = int(re.findall(r'address = "127\.0\.0\.1:(\d+)"', config.read_text())[2])
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        else:
+            assert stat.S_ISSOCK(os.stat(tmp_path / "w1.sock").st_mode)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        assert source in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        notify.close()
+
+
+@pytest.mark.parametrize("module", ["bps_server", "bps_worker"])
+@pytest.mark.parametrize("env, reason", [
+    ({}, "no --id given and none of BPS_ID, JOB_COMPLETION_INDEX, SLURM_NODEID is set"),
+    ({"JOB_COMPLETION_INDEX": "0", "SLURM_NODEID": "1"}, "names two machines"),
+    ({"SLURM_NODEID": "0", "SLURM_PROCID": "1"}, "several tasks on a node"),
+])
+def test_a_missing_or_ambiguous_id_exits_2_with_one_line(tmp_path, module, env, reason):
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    result = subprocess.run([PY, "-m", module, "--config", str(config)], env=_scheduler_free_env(**env),
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    line = _one_line(result.stderr)
+    assert line.startswith(module.replace("_", "-") + ":") and reason in line
+
+
 def test_worker_refuses_a_socket_in_use(tmp_path):
     config = write_config(tmp_path, [1], cpu_servers=0)
     notify, path = _notify_socket(tmp_path)
