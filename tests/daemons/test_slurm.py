@@ -223,5 +223,9 @@ def test_the_sbatch_script_trains_digits_on_a_het_job(slurm: Slurm, tmp_path: Pa
     assert sorted(logs) == ["cpu-server-0.log", "server-0.log", "worker-0.log"]
     for name, text in logs.items():  # each daemon stopped on TERM, cleanly
         assert "stopping" in text, f"{name}:\n{text[-2000:]}"
+    # No --id in the script: each daemon numbered itself from its step
+    assert "server id 0, from SLURM_NODEID=0" in logs["server-0.log"]
+    assert "worker id 0, from SLURM_NODEID=0" in logs["worker-0.log"]
+    assert "server id 1, from SLURM_NODEID=0 + BPS_ID_OFFSET=1" in logs["cpu-server-0.log"]
     assert "a daemon step exited with status" not in out
     assert not (job_dir / "token").exists() and not sockets.exists()  # the job's secret and sockets are gone
