@@ -173,14 +173,14 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
             proc.wait()
 
 
-@pytest.fixture
-def slurm(tmp_path: Path) -> Iterator[Slurm]:
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
     reason = install_slurm()
     if reason:
         pytest.skip(reason)
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        cluster = start_slurm(tmp_path / "slurm", procs)
+        cluster = start_slurm(tmp_path_factory.mktemp("slurm") / "conf", procs)
         yield cluster
         cluster.run("scancel", "--user=root")
         wait_until(lambda: not cluster.run("squeue", "-h").stdout.strip(), 40, "jobs gone")
@@ -188,44 +188,69 @@ def slurm(tmp_path: Path) -> Iterator[Slurm]:
         stop(procs)
 
 
-@pytest.mark.timeout(420)  # apt-get on a fresh machine, then the job (about 40 s)
-def test_the_sbatch_script_trains_digits_on_a_het_job(slurm: Slurm, tmp_path: Path) -> None:
+@dataclass
+class Job:
+    status: int
+    out: str
+    dir: Path  # the script's BPS_JOB_DIR: cluster file, logs, the token while it runs
+
+
+def submit(slurm: Slurm, tmp_path: Path, *command: str) -> Job:
+    """The script as a het job of 1 node with 2 ranks and 1 CPU-only node, run to its end."""
     work = tmp_path / "submit"
     work.mkdir()
-    sockets = tmp_path / "sock"
     env = dict(slurm.env, BPS_PYTHON=sys.executable, PYTHONPATH=str(ROOT),
-               BPS_PORT=str(consecutive_free_ports(5)), BPS_SOCKET_DIR=str(sockets))
+               BPS_PORT=str(consecutive_free_ports(5)), BPS_SOCKET_DIR=str(tmp_path / "sock"))
     # Component sizes on the command line replace the script's (8 GPUs a node there; none here).
-    submit = ["sbatch", "--wait", "--parsable", "--output=job.out",
-              "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", ":",
-              "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1",
-              str(SCRIPT), sys.executable, str(ROOT / "examples" / "train_digits.py"), "--epochs", "1"]
+    cmd = ["sbatch", "--wait", "--parsable", "--output=job.out",
+           "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", ":",
+           "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", str(SCRIPT), *command]
     try:
-        done = subprocess.run(submit, cwd=work, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+        done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         pytest.fail(f"job not done after {JOB_TIMEOUT_S} s\n{slurm.logs()}")
-    job_id = done.stdout.strip().split(";")[0]
     out = (work / "job.out").read_text() if (work / "job.out").exists() else "(no job.out)"
-    assert done.returncode == 0, f"{done.stderr}\n{out}\n{slurm.logs()}"
+    job_id = done.stdout.strip().split(";")[0]
+    assert job_id.isdigit(), f"sbatch: {done.stdout} {done.stderr}"
+    return Job(done.returncode, f"{done.stderr}\n{out}", work / f"bps-{job_id}")
 
-    assert "--- train_digits summary ---" in out
-    assert "2 processes on 1 workers (2), 2 servers (1 CPU-only)" in out
-    assert float(out.split("test accuracy:")[1].split()[0]) >= 0.85
-    assert "bps: training exited with status 0" in out
 
-    job_dir = work / f"bps-{job_id}"
-    config = load_config(job_dir / "cluster.toml")  # the file the script wrote from the allocation
+def assert_stopped_cleanly(job: Job, tmp_path: Path) -> dict[str, str]:
+    """Each daemon stopped on SIGTERM, and the job's token and sockets are gone; the daemons' logs."""
+    logs = {p.name: p.read_text() for p in (job.dir / "logs").iterdir()}
+    assert sorted(logs) == ["cpu-server-0.log", "server-0.log", "worker-0.log"]
+    for name, text in logs.items():
+        assert "stopping" in text, f"{name}:\n{text[-2000:]}"
+    assert "a daemon step exited with status" not in job.out
+    assert not (job.dir / "token").exists() and not (tmp_path / "sock").exists()
+    return logs
+
+
+@pytest.mark.timeout(420)  # apt-get on a fresh machine and Slurm's start, then the job (about 40 s)
+def test_the_sbatch_script_trains_digits_on_a_het_job(slurm: Slurm, tmp_path: Path) -> None:
+    job = submit(slurm, tmp_path, sys.executable, str(ROOT / "examples" / "train_digits.py"), "--epochs", "1")
+    assert job.status == 0, f"{job.out}\n{slurm.logs()}"
+    assert "--- train_digits summary ---" in job.out
+    assert "2 processes on 1 workers (2), 2 servers (1 CPU-only)" in job.out
+    assert float(job.out.split("test accuracy:")[1].split()[0]) >= 0.85
+    assert "bps: training exited with status 0" in job.out
+
+    config = load_config(job.dir / "cluster.toml")  # the file the script wrote from the allocation
     assert [(s.id, s.worker) for s in config.servers] == [(0, 0), (1, None)]
     host = socket.gethostname().split(".")[0]
     assert {s.host for s in config.servers} == {host, "localhost"}
-    assert [(w.id, w.local_size, w.socket) for w in config.worker_specs] == [(0, 2, f"{sockets}/worker-0.sock")]
-    logs = {p.name: p.read_text() for p in (job_dir / "logs").iterdir()}
-    assert sorted(logs) == ["cpu-server-0.log", "server-0.log", "worker-0.log"]
-    for name, text in logs.items():  # each daemon stopped on TERM, cleanly
-        assert "stopping" in text, f"{name}:\n{text[-2000:]}"
+    assert [(w.id, w.local_size, w.socket) for w in config.worker_specs] == [
+        (0, 2, f"{tmp_path}/sock/worker-0.sock")]
+    logs = assert_stopped_cleanly(job, tmp_path)
     # No --id in the script: each daemon numbered itself from its step
     assert "server id 0, from SLURM_NODEID=0" in logs["server-0.log"]
     assert "worker id 0, from SLURM_NODEID=0" in logs["worker-0.log"]
     assert "server id 1, from SLURM_NODEID=0 + BPS_ID_OFFSET=1" in logs["cpu-server-0.log"]
-    assert "a daemon step exited with status" not in out
-    assert not (job_dir / "token").exists() and not sockets.exists()  # the job's secret and sockets are gone
+
+
+@pytest.mark.timeout(240)
+def test_a_failed_training_fails_the_job_and_still_stops_the_daemons(slurm: Slurm, tmp_path: Path) -> None:
+    job = submit(slurm, tmp_path, sys.executable, "-c", "raise SystemExit(3)")
+    assert job.status == 3, f"{job.out}\n{slurm.logs()}"
+    assert "bps: every daemon is ready" in job.out and "bps: training exited with status 3" in job.out
+    assert_stopped_cleanly(job, tmp_path)
