@@ -102,6 +102,10 @@ def test_servers_names_and_ports_are_the_pods(cluster: ClusterConfig) -> None:
     for template in (job_pod, sts_pod):
         assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
     assert job_pod["spec"]["subdomain"] == name and sts["spec"]["serviceName"] == name
+    for template in (job_pod, sts_pod):  # one machine each: no two BytePS pods on one node
+        (term,) = template["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        assert term["labelSelector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
     colocated = [s for s in cluster.servers if s.worker is not None]
     cpu_only = [s for s in cluster.servers if s.worker is None]
     server_port = port(containers(job_pod["spec"])["bps-server"], "bps")
