@@ -196,16 +196,19 @@ class Job:
     dir: Path  # the script's BPS_JOB_DIR: cluster file, logs, the token while it runs
 
 
-def submit(slurm: Slurm, tmp_path: Path, *command: str) -> Job:
-    """The script as a het job of 1 node with 2 ranks and 1 CPU-only node, run to its end."""
+# Component sizes on the command line replace the script's (8 GPUs a node there; none here).
+HET = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", ":",
+       "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1"]
+PLAIN = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1"]
+
+
+def submit(slurm: Slurm, tmp_path: Path, script: Path, sizes: list[str], *command: str) -> Job:
+    """``script`` as a job of ``sizes`` (1 node with 2 ranks, and 1 CPU-only node for HET), run to its end."""
     work = tmp_path / "submit"
     work.mkdir()
     env = dict(slurm.env, BPS_PYTHON=sys.executable, PYTHONPATH=str(ROOT),
                BPS_PORT=str(consecutive_free_ports(5)), BPS_SOCKET_DIR=str(tmp_path / "sock"))
-    # Component sizes on the command line replace the script's (8 GPUs a node there; none here).
-    cmd = ["sbatch", "--wait", "--parsable", "--output=job.out",
-           "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", ":",
-           "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", str(SCRIPT), *command]
+    cmd = ["sbatch", "--wait", "--parsable", "--output=job.out", *sizes, str(script), *command]
     try:
         done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -216,10 +219,10 @@ def submit(slurm: Slurm, tmp_path: Path, *command: str) -> Job:
     return Job(done.returncode, f"{done.stderr}\n{out}", work / f"bps-{job_id}")
 
 
-def assert_stopped_cleanly(job: Job, tmp_path: Path) -> dict[str, str]:
-    """Each daemon stopped on SIGTERM, and the job's token and sockets are gone; the daemons' logs."""
-    logs = {p.name: p.read_text() for p in (job.dir / "logs").iterdir()}
-    assert sorted(logs) == ["cpu-server-0.log", "server-0.log", "worker-0.log"]
+def assert_stopped_cleanly(job: Job, tmp_path: Path, daemons: list[str]) -> dict[str, str]:
+    """Each of ``daemons`` stopped on SIGTERM, and the job's token and sockets are gone; the daemons' logs."""
+    logs = {p.name.removesuffix(".log"): p.read_text() for p in (job.dir / "logs").iterdir()}
+    assert sorted(logs) == daemons
     for name, text in logs.items():
         assert "stopping" in text, f"{name}:\n{text[-2000:]}"
     assert "a daemon step exited with status" not in job.out
@@ -229,7 +232,8 @@ def assert_stopped_cleanly(job: Job, tmp_path: Path) -> dict[str, str]:
 
 @pytest.mark.timeout(420)  # apt-get on a fresh machine and Slurm's start, then the job (about 40 s)
 def test_the_sbatch_script_trains_digits_on_a_het_job(slurm: Slurm, tmp_path: Path) -> None:
-    job = submit(slurm, tmp_path, sys.executable, str(ROOT / "examples" / "train_digits.py"), "--epochs", "1")
+    job = submit(slurm, tmp_path, SCRIPT, HET,
+                 sys.executable, str(ROOT / "examples" / "train_digits.py"), "--epochs", "1")
     assert job.status == 0, f"{job.out}\n{slurm.logs()}"
     assert "--- train_digits summary ---" in job.out
     assert "2 processes on 1 workers (2), 2 servers (1 CPU-only)" in job.out
@@ -242,16 +246,23 @@ def test_the_sbatch_script_trains_digits_on_a_het_job(slurm: Slurm, tmp_path: Pa
     assert {s.host for s in config.servers} == {host, "localhost"}
     assert [(w.id, w.local_size, w.socket) for w in config.worker_specs] == [
         (0, 2, f"{tmp_path}/sock/worker-0.sock")]
-    logs = assert_stopped_cleanly(job, tmp_path)
+    logs = assert_stopped_cleanly(job, tmp_path, ["cpu-server-0", "server-0", "worker-0"])
     # No --id in the script: each daemon numbered itself from its step
-    assert "server id 0, from SLURM_NODEID=0" in logs["server-0.log"]
-    assert "worker id 0, from SLURM_NODEID=0" in logs["worker-0.log"]
-    assert "server id 1, from SLURM_NODEID=0 + BPS_ID_OFFSET=1" in logs["cpu-server-0.log"]
+    assert "server id 0, from SLURM_NODEID=0" in logs["server-0"]
+    assert "worker id 0, from SLURM_NODEID=0" in logs["worker-0"]
+    assert "server id 1, from SLURM_NODEID=0 + BPS_ID_OFFSET=1" in logs["cpu-server-0"]
 
 
 @pytest.mark.timeout(240)
-def test_a_failed_training_fails_the_job_and_still_stops_the_daemons(slurm: Slurm, tmp_path: Path) -> None:
-    job = submit(slurm, tmp_path, sys.executable, "-c", "raise SystemExit(3)")
+def test_a_plain_job_fails_with_its_training_and_still_stops_the_daemons(slurm: Slurm, tmp_path: Path) -> None:
+    # The script without its second component: one node, no CPU-only server.
+    lines = SCRIPT.read_text().splitlines(keepends=True)
+    het = lines.index("#SBATCH hetjob\n")
+    plain = tmp_path / "plain.sbatch"
+    plain.write_text("".join(lines[:het] + lines[het + 2:]))
+    job = submit(slurm, tmp_path, plain, PLAIN, sys.executable, "-c", "raise SystemExit(3)")
     assert job.status == 3, f"{job.out}\n{slurm.logs()}"
+    assert "bps: 1 GPU machines" in job.out and "0 CPU-only (none)" in job.out
     assert "bps: every daemon is ready" in job.out and "bps: training exited with status 3" in job.out
-    assert_stopped_cleanly(job, tmp_path)
+    assert [s.worker for s in load_config(job.dir / "cluster.toml").servers] == [0]
+    assert_stopped_cleanly(job, tmp_path, ["server-0", "worker-0"])
