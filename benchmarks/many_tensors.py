@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/many_tensors.py                  # T = 1, 100, 1000, 10000 tensors of 256 float32
     .venv/bin/python benchmarks/many_tensors.py --quick          # T = 1, 100; 2 reps (smoke test)
     .venv/bin/python benchmarks/many_tensors.py --shuffle        # every rank issues its tensors in its own order
+    .venv/bin/python benchmarks/many_tensors.py --group          # one push_pull_group a step instead
     .venv/bin/python benchmarks/many_tensors.py --write-results  # also append to benchmarks/RESULTS.md
 
 The cluster and the ranks are push_pull_vs_gloo.py's: a private cluster file shaped like configs/local.toml
@@ -166,6 +167,12 @@ def rank_program(args: argparse.Namespace) -> int:
             gloo_tensors = [torch.from_numpy(a.copy()) for a in arrays] if per_tensor else []
 
             def bps_step() -> list[Any]:
+                if args.group:  # the whole tree in one call
+                    got = bps.push_pull_group([arrays[i] for i in order], [names[i] for i in order], average=False)
+                    in_order: list[Any] = [None] * t_count
+                    for i, y in zip(order, got):
+                        in_order[i] = y
+                    return in_order
                 handles: list[Any] = [None] * t_count
                 for i in order:
                     handles[i] = bps.push_pull_async(arrays[i], names[i], average=False)
@@ -355,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps of each system per configuration (default 1; "
                                                       "the first also checks every sum)")
     p.add_argument("--shuffle", action="store_true", help="every rank issues its tensors in its own fixed random order")
+    p.add_argument("--group", action="store_true",
+                   help="ours with one push_pull_group a step instead of push_pull_async on each, then synchronize")
     p.add_argument("--max-gloo-per-tensor", type=int, default=2000,
                    help="skip gloo's one all_reduce per tensor above this many tensors (default 2000)")
     p.add_argument("--single-bytes", type=ppg.parse_size, default=4096,
@@ -400,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
                     "--max-gloo-per-tensor", str(args.max_gloo_per_tensor), "--single-bytes", str(args.single_bytes),
                     "--single-reps", str(args.single_reps), "--client-timeout", str(args.client_timeout),
                     "--op-timeout", str(args.op_timeout), "--gloo-port", str(free_ports(1)[0]),
-                    "--result-file", str(result_file)] + (["--shuffle"] if args.shuffle else [])
+                    "--result-file", str(result_file)] + (["--shuffle"] if args.shuffle else []) \
+            + (["--group"] if args.group else [])
         t0 = time.monotonic()
         try:
             with Cluster(str(config), log_level=args.log_level) as cluster:
@@ -428,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     cluster_text = cluster_line(cluster.config, n)
     machine_text = machine_line(info)
     runs_line = (f"{args.reps} timed steps per configuration after {args.warmup} warm-up; issue order "
-                 f"{'shuffled per rank' if args.shuffle else 'the same on every rank'}; gloo per tensor up to "
+                 f"{'shuffled per rank' if args.shuffle else 'the same on every rank'}; ours "
+                 f"{'with one push_pull_group a step' if args.group else 'push_pull_async on each, then synchronize'}; "
+                 f"gloo per tensor up to "
                  f"{args.max_gloo_per_tensor} tensors; time of a step = max over ranks; wall time {elapsed:.0f} s; "
                  f"1-minute load average {load_before:.1f} before, {load_after:.1f} after")
     single_line = (f"one push_pull alone: {args.single_reps} synchronous calls of {ppg.human(args.single_bytes)} on one "

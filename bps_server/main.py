@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
 from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
 
 from bps_runtime import kernels
+from bps_runtime.identity import IdentityError, daemon_id
 from .server import ServerConfig, SummationServer
+from bps_runtime.health import STALL_LIMIT_S, watchdog_period
 from bps_runtime.lifecycle import keep_freed_memory, new_event_loop, serve_until_signalled, setup_logging
 
 log = logging.getLogger("bps.server")
@@ -20,13 +23,17 @@ log = logging.getLogger("bps.server")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bps-server", description="BytePS Summation Service")
     p.add_argument("--config", required=True, help="cluster TOML file")
-    p.add_argument("--id", type=int, required=True, help="id of the [[server]] table to run")
+    p.add_argument("--id", type=int, default=None,
+                   help="id of the [[server]] table to run (default: from BPS_ID, JOB_COMPLETION_INDEX or "
+                        "SLURM_NODEID, plus BPS_ID_OFFSET; see configs/README.md)")
     p.add_argument("--threads", type=int, default=2, help="summation threads (default: 2)")
     p.add_argument("--bind", default=None, help="bind to this host instead of the one in the cluster file")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-file", default=None, help="log to this file instead of stderr (reopened on SIGHUP)")
     p.add_argument("--timeline", default=None,
                    help="write a Chrome-trace timeline of every tensor's stages to this file (open in Perfetto)")
+    p.add_argument("--stall-limit", type=float, default=STALL_LIMIT_S, metavar="SECONDS",
+                   help=f"GET /livez fails once the event loop has not beaten for this long (default: {STALL_LIMIT_S:g})")
     return p.parse_args(argv)
 
 
@@ -34,17 +41,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level, args.log_file)
     try:
+        ident = daemon_id(args.id, os.environ, socket.gethostname())
+    except IdentityError as exc:
+        print(f"bps-server: {exc}", file=sys.stderr)
+        return 2
+    if ident.source != "--id":
+        log.info("server id %d, from %s", ident.id, ident.source)
+    try:
         cluster = load_config(args.config)
-        cluster.server(args.id)
+        cluster.server(ident.id)
         token = read_token(cluster)
     except ConfigError as exc:
         print(f"bps-server: {exc}", file=sys.stderr)
         return 2
+    try:
+        watchdog_s = watchdog_period(args.stall_limit, os.environ.get("WATCHDOG_USEC"),
+                                     os.environ.get("WATCHDOG_PID"), os.getpid())
+    except ValueError as exc:
+        print(f"bps-server: {exc}", file=sys.stderr)
+        return 2
+    notify_socket = os.environ.get("NOTIFY_SOCKET")
     if args.threads < 1:
         print("bps-server: --threads must be >= 1", file=sys.stderr)
         return 2
-    config = ServerConfig(cluster, args.id, threads=args.threads, host=args.bind, token=token,
-                          timeline=args.timeline)
+    config = ServerConfig(cluster, ident.id, threads=args.threads, host=args.bind, token=token,
+                          timeline=args.timeline, notify_socket=notify_socket, watchdog_s=watchdog_s,
+                          stall_limit_s=args.stall_limit)
     keep_freed_memory()
     kernels.warm_up()  # compile before reporting ready, never on a job's first tensor
     loop = new_event_loop()
@@ -53,6 +75,6 @@ def main(argv: list[str] | None = None) -> int:
         host, port = config.bind
         return loop.run_until_complete(serve_until_signalled(
             server.start, server.stop, prog="bps-server", listen_on=f"{host}:{port}",
-            notify_socket=os.environ.get("NOTIFY_SOCKET")))
+            notify_socket=notify_socket))
     finally:
         loop.close()

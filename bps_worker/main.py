@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
 from bps_runtime import kernels
+from bps_runtime.health import STALL_LIMIT_S, watchdog_period
+from bps_runtime.identity import IdentityError, daemon_id
 from bps_runtime.lifecycle import keep_freed_memory, new_event_loop, serve_until_signalled, setup_logging
 from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
@@ -20,7 +23,9 @@ log = logging.getLogger("bps.worker")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bps-worker", description="BytePS Communication Service (worker daemon)")
     p.add_argument("--config", required=True, help="cluster TOML file")
-    p.add_argument("--id", type=int, required=True, help="id of the [[worker]] table to run")
+    p.add_argument("--id", type=int, default=None,
+                   help="id of the [[worker]] table to run (default: from BPS_ID, JOB_COMPLETION_INDEX or "
+                        "SLURM_NODEID, plus BPS_ID_OFFSET; see configs/README.md)")
     p.add_argument("--socket", default=None, help="Unix socket path (default: the worker's `socket` key)")
     p.add_argument("--socket-mode", default="600", help="octal permissions of the socket (default: 600)")
     p.add_argument("--shm-mode", default="600",
@@ -30,6 +35,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-file", default=None, help="log to this file instead of stderr (reopened on SIGHUP)")
     p.add_argument("--timeline", default=None,
                    help="write a Chrome-trace timeline of every tensor's stages to this file (open in Perfetto)")
+    p.add_argument("--stall-limit", type=float, default=STALL_LIMIT_S, metavar="SECONDS",
+                   help=f"GET /livez fails once the event loop has not beaten for this long (default: {STALL_LIMIT_S:g})")
     return p.parse_args(argv)
 
 
@@ -37,8 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level, args.log_file)
     try:
+        ident = daemon_id(args.id, os.environ, socket.gethostname())
+    except IdentityError as exc:
+        print(f"bps-worker: {exc}", file=sys.stderr)
+        return 2
+    if ident.source != "--id":
+        log.info("worker id %d, from %s", ident.id, ident.source)
+    try:
         cluster = load_config(args.config)
-        cluster.worker(args.id)
+        cluster.worker(ident.id)
         token = read_token(cluster)
         socket_mode = int(args.socket_mode, 8)
         shm_mode = int(args.shm_mode, 8)
@@ -49,8 +63,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bps-worker: --socket-mode and --shm-mode must be octal, got {args.socket_mode!r}, "
               f"{args.shm_mode!r}", file=sys.stderr)
         return 2
-    config = WorkerConfig(cluster, args.id, socket_path=args.socket, socket_mode=socket_mode,
-                          segment_mode=shm_mode, threads=max(1, args.threads), token=token, timeline=args.timeline)
+    try:
+        watchdog_s = watchdog_period(args.stall_limit, os.environ.get("WATCHDOG_USEC"),
+                                     os.environ.get("WATCHDOG_PID"), os.getpid())
+    except ValueError as exc:
+        print(f"bps-worker: {exc}", file=sys.stderr)
+        return 2
+    notify_socket = os.environ.get("NOTIFY_SOCKET")
+    config = WorkerConfig(cluster, ident.id, socket_path=args.socket, socket_mode=socket_mode,
+                          segment_mode=shm_mode, threads=max(1, args.threads), token=token, timeline=args.timeline,
+                          notify_socket=notify_socket, watchdog_s=watchdog_s, stall_limit_s=args.stall_limit)
     keep_freed_memory()
     kernels.warm_up()
     loop = new_event_loop()
@@ -58,6 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         daemon = WorkerDaemon(config)
         return loop.run_until_complete(serve_until_signalled(
             daemon.start, daemon.stop, prog="bps-worker", listen_on=config.socket,
-            notify_socket=os.environ.get("NOTIFY_SOCKET")))
+            notify_socket=notify_socket))
     finally:
         loop.close()

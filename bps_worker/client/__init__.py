@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -40,6 +41,7 @@ import numpy.typing as npt
 from protocol.messages import KIND_BROADCAST, KIND_SUM
 
 from ..errors import BPSConnectionError, BPSError, BPSMismatchError, BPSTimeoutError
+from . import group
 from .arrays import NUMPY_DTYPES, dtype_name
 from .handle import Handle
 from .operations import Operations
@@ -48,7 +50,7 @@ from .settings import DEFAULT_TIMEOUT_S, resolve
 __all__ = [
     "BPSError", "BPSConnectionError", "BPSMismatchError", "BPSTimeoutError", "Handle",
     "init", "shutdown", "rank", "size", "local_rank", "local_size",
-    "push_pull", "push_pull_async", "poll", "synchronize", "broadcast", "is_initialized", "shared_array",
+    "push_pull", "push_pull_async", "push_pull_group", "poll", "synchronize", "broadcast", "is_initialized", "shared_array",
     "NUMPY_DTYPES", "dtype_name",
 ]
 
@@ -156,6 +158,20 @@ def push_pull(array: np.ndarray, name: str, *, average: bool = True, priority: i
               out: np.ndarray | None = None) -> np.ndarray:
     """Sum (or mean over ``size()``) of ``array`` across every process; identical bytes everywhere."""
     return synchronize(push_pull_async(array, name, average=average, priority=priority, out=out))
+
+
+def push_pull_group(arrays: Sequence[np.ndarray], names: Sequence[str], *, average: bool = True,
+                    priority: int = 0) -> list[np.ndarray]:
+    """:func:`push_pull` of every ``arrays[i]`` as ``names[i]``, in one call: a model's whole tree.
+
+    The same sums as ``push_pull_async`` on each and ``synchronize`` on all; every process must name the same
+    tensors (in any order). Where every process's group has the same names, dtypes and shapes, the small
+    entries travel packed into one tensor per dtype (:mod:`bps_worker.client.group`): the daemons see a few
+    tensors instead of thousands. Every entry is checked before anything is sent (a bad entry or a name given
+    twice starts nothing). A name that differs between processes fails alone, with the error naming it: the
+    others all complete, then the first failure is raised.
+    """
+    return group.push_pull_group(_operations(), arrays, names, average=average, priority=priority)
 
 
 def broadcast(array: np.ndarray, root_rank: int, name: str) -> np.ndarray:

@@ -56,6 +56,13 @@ class FusionBuffer:
                 else:
                     self._cond.notify()
 
+    def add_many(self, entries: list[Entry]) -> None:
+        """Queue many started sums and send them all now, with whatever waits already (a group: every name of
+        it is known, nothing more will come to wait for)."""
+        with self._cond:
+            self._entries.extend(entries)
+            self._flush_locked()
+
     def flush(self) -> None:
         """Send whatever waits (a synchronize of a waiting entry, a poll, shutdown)."""
         with self._cond:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import threading
 from math import prod
-from typing import Any, Callable, Iterable, SupportsIndex
+from typing import Any, Callable, Iterable, Sequence, SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
@@ -30,7 +30,7 @@ from ..errors import BPSError, BPSTimeoutError
 from .arguments import check_average, check_dtype, check_layout, check_name, check_out, check_priority, check_shape
 from .arrays import NUMPY_DTYPES, same_memory, view_of
 from .connection import Connection
-from .fusion import FusionBuffer
+from .fusion import Entry, FusionBuffer
 from .handle import Handle
 from .settings import Settings, timeline_path
 from .slots import SlotMap
@@ -41,6 +41,9 @@ __all__ = ["Fill", "Operations"]
 Fill = Callable[[np.ndarray], None]
 # Argument sets whose checks are remembered (Operations._checked): a model's tensors, many times over.
 MAX_CHECKED = 1 << 16
+# push_pull_group sends its small sums in batches of this many as it copies them in, so that the daemon's work
+# overlaps the copying of the rest (one batch at the end would leave the daemon idle until then).
+GROUP_SEND_EVERY = 256
 
 
 class Operations:
@@ -76,7 +79,7 @@ class Operations:
         return root_rank
 
     def start(self, array: np.ndarray, name: str, kind: str, *, average: bool, priority: int, root: int,
-              out: np.ndarray | None) -> Handle:
+              out: np.ndarray | None, internal: bool = False) -> Handle:
         """Copy ``array`` into its slot (unless it is the slot: a shared array) and start the operation."""
         array = np.asarray(array)
 
@@ -85,7 +88,7 @@ class Operations:
                 np.copyto(view, array)
 
         return self.start_filled(name, kind, array.dtype, array.shape, fill, average=average, priority=priority,
-                                 root=root, out=out)
+                                 root=root, out=out, internal=internal)
 
     def shared_array(self, name: str, shape: Iterable[SupportsIndex], dtype: npt.DTypeLike) -> np.ndarray:
         """The slot of ``name`` as an array of ``shape`` and ``dtype`` (see ``bps.shared_array``)."""
@@ -99,14 +102,16 @@ class Operations:
         return view_of(seg.buf, dtype, shape, offset)
 
     def start_filled(self, name: str, kind: str, dtype: np.dtype, shape: tuple[int, ...], fill: Fill, *,
-                     average: bool, priority: int, root: int, out: np.ndarray | None, layout: str = "") -> Handle:
+                     average: bool, priority: int, root: int, out: np.ndarray | None, layout: str = "",
+                     internal: bool = False) -> Handle:
         """Start an operation whose input ``fill(view)`` writes straight into the shared slot.
 
         Framework layers use it to assemble an input in place (no staging copy), and give a fused tensor its
-        ``layout`` (``Op.layout``). Every argument is checked before the slot is touched (:mod:`.arguments`).
+        ``layout`` (``Op.layout``). Every argument is checked before the slot is touched (:mod:`.arguments`);
+        ``internal``: the name may be one of the client's own (``arguments.GROUP_PREFIX``).
         """
         name, dtype, wire, shape, average, priority, layout, nbytes = self._checked(name, dtype, shape, average,
-                                                                                   priority, layout)
+                                                                                   priority, layout, internal)
         out = check_out(name, out, shape, dtype)
         handle = Handle(self.conn.next_req(), name, dtype, shape, out)
         self._reserve(handle)
@@ -132,19 +137,98 @@ class Operations:
             raise
         return handle
 
-    def _checked(self, name: Any, dtype: Any, shape: Any, average: Any, priority: Any, layout: Any
-                 ) -> tuple[str, np.dtype, str, tuple[int, ...], bool, int, str, int]:
+    def start_group(self, arrays: Sequence[Any], names: Sequence[Any], *, average: bool, priority: int
+                    ) -> list[Handle]:
+        """Start summing every ``arrays[i]`` as ``names[i]``: the path of :meth:`start`, once for the group.
+
+        Every argument is checked and every name claimed (one lock) before any slot is touched, so a bad entry
+        or a name in flight starts nothing. The small sums go to the fusion buffer together and are sent at
+        once; the others go as their own ``Op``. A failure part-way (a slot that cannot be had) waits for those
+        already sent, so that no name of the group stays in flight, and raises.
+        """
+        if len(arrays) != len(names):
+            raise BPSError(f"push_pull_group: {len(arrays)} arrays but {len(names)} names")
+        prepared = []
+        for array, name in zip(arrays, names):
+            array = np.asarray(array)
+            checked = self._checked(name, array.dtype, array.shape, average, priority, "")
+            prepared.append((array, checked, Handle(self.conn.next_req(), checked[0], checked[1], checked[3], None)))
+        handles = [h for _, _, h in prepared]
+        self._reserve_all(handles)
+        sent = 0
+        try:
+            queued: list[Entry] = []
+            for array, (name, dtype, wire, shape, avg, prio, layout, nbytes), handle in prepared:
+                seg, offset = self.slots.slot_for(name, nbytes)
+                view = view_of(seg.buf, dtype, shape, offset)
+                if not same_memory(view, array):
+                    np.copyto(view, array)
+                handle.segment, handle.offset = seg, offset
+                if self.fusion is not None and nbytes <= self.fuse_max:
+                    handle.queued = True
+                    queued.append((handle, (wire, shape, avg, layout), seg.name, offset, prio))
+                    if len(queued) == GROUP_SEND_EVERY:  # the daemon starts on these while we copy the next
+                        self.fusion.add_many(queued)
+                        queued = []
+                else:
+                    self.conn.submit(handle, Op(handle.req, name, KIND_SUM, wire, list(shape), seg.name, average=avg,
+                                                priority=prio, offset=offset))
+                sent += 1
+            if queued:
+                assert self.fusion is not None
+                self.fusion.add_many(queued)
+        except BaseException:
+            for handle in handles[sent:]:
+                self._unreserve(handle)
+            if self.fusion is not None:
+                self.fusion.flush()
+            self._settle(handles[:sent])
+            raise
+        return handles
+
+    def finish_group(self, handles: list[Handle]) -> list[np.ndarray]:
+        """Every handle's result (copies), in order; once all ended, the first failure is raised (the other
+        names of the group still completed, and none stays in flight)."""
+        if self.fusion is not None:
+            self.fusion.flush()
+        results: list[np.ndarray] = []
+        first: BaseException | None = None
+        for handle in handles:
+            try:
+                results.append(self.finish(handle, None))
+            except BPSError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+        return results
+
+    def _settle(self, handles: list[Handle]) -> None:
+        """Wait (within the timeout) for operations that were sent, and forget them, whatever they ended in."""
+        for handle in handles:
+            try:
+                self.finish(handle, self.timeout)
+            except BPSError:
+                pass
+
+    def checked(self, name: Any, dtype: Any, shape: Any, average: Any, priority: Any
+                ) -> tuple[str, np.dtype, str, tuple[int, ...], bool, int, str, int]:
+        """A sum's arguments checked, as :meth:`start` checks them (name, dtype, wire dtype, shape, average,
+        priority, layout, bytes); BPSError naming the first that is wrong."""
+        return self._checked(name, dtype, shape, average, priority, "")
+
+    def _checked(self, name: Any, dtype: Any, shape: Any, average: Any, priority: Any, layout: Any,
+                 internal: bool = False) -> tuple[str, np.dtype, str, tuple[int, ...], bool, int, str, int]:
         """The arguments checked (:mod:`.arguments`): name, dtype, wire dtype, shape, average, priority, layout
         and the bytes. The same arguments again (every step, for every tensor) are checked once: their answer
         is kept (for up to MAX_CHECKED argument sets)."""
         try:
-            key = (name, dtype, shape, average, priority, layout)
+            key = (name, dtype, shape, average, priority, layout, internal)
             known = self._known.get(key)
         except TypeError:  # an unhashable argument (a list for a shape): checked every time
             key, known = None, None
         if known is not None:
             return known
-        name = check_name(name)
+        name = check_name(name, internal=internal)
         dtype, wire = check_dtype(dtype)
         shape = check_shape(name, shape, dtype)
         average = check_average(name, average, wire)
@@ -184,6 +268,21 @@ class Operations:
             if handle.name in self.inflight:
                 raise BPSError(f"tensor {handle.name!r} is already in flight in this process; synchronize it first")
             self.inflight[handle.name] = handle
+
+    def _reserve_all(self, handles: list[Handle]) -> None:
+        """:meth:`_reserve` for a group, all or none: a name in flight, or twice in the group, claims none."""
+        with self.lock:
+            self.conn.check()
+            seen: set[str] = set()
+            for handle in handles:
+                if handle.name in self.inflight:
+                    raise BPSError(f"tensor {handle.name!r} is already in flight in this process; "
+                                   "synchronize it first")
+                if handle.name in seen:
+                    raise BPSError(f"tensor {handle.name!r} appears twice in one push_pull_group")
+                seen.add(handle.name)
+            for handle in handles:
+                self.inflight[handle.name] = handle
 
     def _unreserve(self, handle: Handle) -> None:
         """Give the name back after a start that failed before its operation was sent."""

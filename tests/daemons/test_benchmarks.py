@@ -103,7 +103,7 @@ def test_shm_vs_tcp_tiny_prints_its_table_and_each_cluster_takes_its_path():
 
 def test_many_tensors_quick_prints_its_tables_and_every_sum_is_exact():
     command = [sys.executable, str(REPO / "benchmarks" / "many_tensors.py"), "--quick", "--tensors", "1,50", "--reps",
-               "1", "--single-reps", "5"]
+               "1", "--single-reps", "5", "--group"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr  # 0: the warm-up found every sum exact
     lines = result.stdout.splitlines()

@@ -59,6 +59,21 @@ def test_busy_port_exits_1_with_one_line(tmp_path):
     assert len(reasons) == 1 and "cannot listen" in reasons[0] and str(port) in reasons[0], result.stderr
 
 
+@pytest.mark.parametrize("module", ["bps_server", "bps_worker"])
+def test_busy_metrics_port_exits_1_naming_it(tmp_path, module):
+    config = write_config(tmp_path, [1], cpu_servers=0, metrics=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        config.write_text(re.sub(r'metrics = "127\.0\.0\.1:\d+"', f'metrics = "127.0.0.1:{port}"', config.read_text()))
+        result = _run([module, "--config", str(config), "--id", "0"])
+    assert result.returncode == 1
+    reasons = [line for line in result.stderr.splitlines() if line.startswith(module.replace("_", "-") + ":")]
+    assert reasons == [f"{module.replace('_', '-')}: cannot listen on metrics address 127.0.0.1:{port}: "
+                       f"Address already in use"], result.stderr
+
+
 def _notify_socket(tmp_path: Path) -> tuple[socket.socket, str]:
     path = str(tmp_path / "notify")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -74,7 +89,8 @@ def test_ready_notification_and_clean_sigterm(tmp_path, module):
     proc = subprocess.Popen([PY, "-m", module, "--config", str(config), "--id", "0"],
                             env=dict(os.environ, NOTIFY_SOCKET=path), stderr=subprocess.PIPE, text=True)
     try:
-        assert notify.recv(100) == b"READY=1"
+        while (message := notify.recv(100)) != b"READY=1":
+            assert message.startswith(b"STATUS="), message  # what the daemon waits for, before it is ready
         if module == "bps_worker":
             sock_path = str(tmp_path / "w0.sock")
             assert os.stat(sock_path).st_mode & 0o777 == 0o600
@@ -88,13 +104,67 @@ def test_ready_notification_and_clean_sigterm(tmp_path, module):
         assert not os.path.exists(tmp_path / "w0.sock"), "socket file left behind"
 
 
+def _scheduler_free_env(**extra: str) -> dict[str, str]:
+    """This environment without any variable a daemon takes its id from, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("BPS_ID", "BPS_ID_OFFSET", "JOB_COMPLETION_INDEX") and not k.startswith("SLURM_")}
+    return {**env, **extra}
+
+
+def _wait_ready(notify: socket.socket) -> None:
+    while notify.recv(4096) != b"READY=1":  # a STATUS= line may come first
+        pass
+
+
+@pytest.mark.parametrize("module, env, label, source", [
+    ("bps_server", {"JOB_COMPLETION_INDEX": "0", "BPS_ID_OFFSET": "2"}, "server",
+     "server id 2, from JOB_COMPLETION_INDEX=0 + BPS_ID_OFFSET=2"),
+    ("bps_worker", {"SLURM_NODEID": "1", "SLURM_PROCID": "1"}, "worker", "worker id 1, from SLURM_NODEID=1"),
+])
+def test_a_daemon_without_id_takes_it_from_the_scheduler_and_says_which(tmp_path, module, env, label, source):
+    config = write_config(tmp_path, [1, 1], cpu_servers=1)
+    notify, path = _notify_socket(tmp_path)
+    proc = subprocess.Popen([PY, "-m", module, "--config", str(config)],
+                            env=_scheduler_free_env(NOTIFY_SOCKET=path, **env), stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_ready(notify)
+        if label == "server":  # it serves server 2's address, the CPU-only one
+            port = int(re.findall(r'address = "127\.0\.0\.1:(\d+)"', config.read_text())[2])
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        else:
+            assert stat.S_ISSOCK(os.stat(tmp_path / "w1.sock").st_mode)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        assert source in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        notify.close()
+
+
+@pytest.mark.parametrize("module", ["bps_server", "bps_worker"])
+@pytest.mark.parametrize("env, reason", [
+    ({}, "no --id given and none of BPS_ID, JOB_COMPLETION_INDEX, SLURM_NODEID is set"),
+    ({"JOB_COMPLETION_INDEX": "0", "SLURM_NODEID": "1"}, "names two machines"),
+    ({"SLURM_NODEID": "0", "SLURM_PROCID": "1"}, "several tasks on a node"),
+])
+def test_a_missing_or_ambiguous_id_exits_2_with_one_line(tmp_path, module, env, reason):
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    result = subprocess.run([PY, "-m", module, "--config", str(config)], env=_scheduler_free_env(**env),
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    line = _one_line(result.stderr)
+    assert line.startswith(module.replace("_", "-") + ":") and reason in line
+
+
 def test_worker_refuses_a_socket_in_use(tmp_path):
     config = write_config(tmp_path, [1], cpu_servers=0)
     notify, path = _notify_socket(tmp_path)
     first = subprocess.Popen([PY, "-m", "bps_worker", "--config", str(config), "--id", "0"],
                              env=dict(os.environ, NOTIFY_SOCKET=path), stderr=subprocess.DEVNULL)
     try:
-        assert notify.recv(100) == b"READY=1"
+        while (message := notify.recv(100)) != b"READY=1":
+            assert message.startswith(b"STATUS="), message  # what the daemon waits for, before it is ready
         result = _run(["bps_worker", "--config", str(config), "--id", "0"])
         assert result.returncode == 1
         assert "in use" in [l for l in result.stderr.splitlines() if "bps-worker:" in l][0]
@@ -113,7 +183,8 @@ def test_stale_socket_file_is_replaced(tmp_path):
     proc = subprocess.Popen([PY, "-m", "bps_worker", "--config", str(config), "--id", "0"],
                             env=dict(os.environ, NOTIFY_SOCKET=path), stderr=subprocess.DEVNULL)
     try:
-        assert notify.recv(100) == b"READY=1"
+        while (message := notify.recv(100)) != b"READY=1":
+            assert message.startswith(b"STATUS="), message  # what the daemon waits for, before it is ready
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
@@ -150,6 +221,28 @@ def test_launcher_runs_a_script_on_every_rank(tmp_path):
     assert result.returncode == 0, result.stderr
     assert sorted(os.listdir(out)) == ["0", "1", "2"]
     assert {(out / r).read_text() for r in "012"} == {"6.0"}
+
+
+def test_launcher_reports_the_straggler(tmp_path):
+    config = write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"partition_bytes": 65536})
+    script = tmp_path / "late.py"
+    script.write_text(  # worker 1's process pushes each step 0.3 s after worker 0's
+        "import os, time, numpy as np, bps_worker.client as bps\n"
+        "bps.init()\n"
+        "bps.push_pull(np.zeros(100_000, np.float32), 'sync')\n"
+        "for _ in range(3):\n"
+        "    if os.environ['BPS_WORKER_ID'] == '1':\n"
+        "        time.sleep(0.3)\n"
+        "    bps.push_pull(np.ones(100_000, np.float32), 'g')\n"
+        "bps.shutdown()\n")
+    result = subprocess.run([PY, "-m", "bps_worker.launch", "--config", str(config), "--stragglers", "--",
+                             PY, str(script)], capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[1]: line for line in result.stderr.splitlines()
+            if line.startswith("bps-launch: ") and line.split()[1] in ("0", "1")}
+    assert sorted(rows) == ["0", "1"], result.stderr
+    assert "straggler" in rows["1"] and "straggler" not in rows["0"], result.stderr
+    assert rows["0"].split()[2] == rows["1"].split()[2]  # as many pushes from each
 
 
 def test_launcher_stops_everything_when_a_rank_fails(tmp_path):
@@ -247,7 +340,8 @@ def test_sighup_reopens_the_log_file(tmp_path):
     proc = subprocess.Popen([PY, "-m", "bps_server", "--config", str(config), "--id", "0", "--log-file", str(log_file)],
                             env=dict(os.environ, NOTIFY_SOCKET=path))
     try:
-        assert notify.recv(100) == b"READY=1"
+        while (message := notify.recv(100)) != b"READY=1":
+            assert message.startswith(b"STATUS="), message  # what the daemon waits for, before it is ready
         os.rename(log_file, tmp_path / "server.log.1")  # what logrotate does
         proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 10
