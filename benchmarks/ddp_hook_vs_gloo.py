@@ -123,22 +123,7 @@ def run_model(name: str, args: argparse.Namespace, rank: int, size: int) -> dict
 
 
 def rank_program(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
-    import bps_worker.torch as bps
-
-    rank, size = bench.join_both(args, bps)
-    results = []
-    try:
-        for name in args.models.split(","):
-            results.append(run_model(name, args, rank, size))
-            if rank == 0:
-                Path(args.result_file).write_text(json.dumps({"size": size, "models": results}))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-        bps.shutdown()
-    return 0
+    return tvd.run_models(args, lambda name, rank, size: run_model(name, args, rank, size))
 
 
 # --------------------------------------------------------------------------------------------------------------

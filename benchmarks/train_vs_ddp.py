@@ -66,7 +66,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import push_pull_vs_gloo as bench  # noqa: E402  (cluster file, free ports)
@@ -292,28 +292,39 @@ def run_model(name: str, args: argparse.Namespace, probe: Probe, rank: int, size
             "bps_replicas_identical": identical}
 
 
-def rank_program(args: argparse.Namespace) -> int:
+def run_models(args: argparse.Namespace, run_one: Callable[[str, int, int], dict[str, Any]],
+               report: Callable[[dict[str, Any]], None] | None = None) -> int:
+    """A training benchmark's rank program (this one's and ddp_hook_vs_gloo.py's): join bps and the gloo group,
+    ``run_one(model, rank, size)`` for each model; rank 0 reports each and writes the results so far."""
     import torch.distributed as dist
 
     import bps_worker.torch as bps
 
     rank, size = bench.join_both(args, bps)
-    probe = Probe()
     results = []
     try:
         for name in args.models.split(","):
-            results.append(run_model(name, args, probe, rank, size))
+            results.append(run_one(name, rank, size))
             if rank == 0:
-                r = results[-1]
-                med = {s: statistics.median(r["slowest"][s][b][0] for b in range(r["blocks"])) for s in SYSTEMS}
-                print(f"[bench] {name}: step ms " + ", ".join(f"{s} {med[s] * 1e3:.2f}" for s in SYSTEMS),
-                      file=sys.stderr, flush=True)
+                if report is not None:
+                    report(results[-1])
                 Path(args.result_file).write_text(json.dumps({"size": size, "models": results}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
         bps.shutdown()
     return 0
+
+
+def _report_step_ms(r: dict[str, Any]) -> None:
+    med = {s: statistics.median(r["slowest"][s][b][0] for b in range(r["blocks"])) for s in SYSTEMS}
+    print(f"[bench] {r['model']}: step ms " + ", ".join(f"{s} {med[s] * 1e3:.2f}" for s in SYSTEMS),
+          file=sys.stderr, flush=True)
+
+
+def rank_program(args: argparse.Namespace) -> int:
+    probe = Probe()
+    return run_models(args, lambda name, rank, size: run_model(name, args, probe, rank, size), _report_step_ms)
 
 
 # --------------------------------------------------------------------------------------------------------------
