@@ -58,6 +58,19 @@ def _read(sock: socket.socket, reader: FrameReader, timeout: float, until: Calla
     return out, False
 
 
+def _connect(host: str, port: int, within: float = 15.0) -> socket.socket:
+    """A connection to a daemon that may still be starting: worker daemons connect to every server as they
+    start, so a relay on one server's port can be reached before the server it relays to listens."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return socket.create_connection((host, port), timeout=5)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class Stranger(threading.Thread):
     """Listens on a server's port (its real server is not running) and runs ``serve`` on each connection."""
 
@@ -142,7 +155,7 @@ def test_a_relayed_handshake_is_refused(tmp_path):
 
     def relay(worker: socket.socket) -> None:
         rewrite = rewrites[len(relayed) % len(rewrites)]
-        with socket.create_connection((live.host, live.port), timeout=5) as up:
+        with _connect(live.host, live.port) as up:
             up_reader, down_reader = FrameReader(), FrameReader()
             got, _ = _read(up, up_reader, 5, lambda ms: any(isinstance(m, Challenge) for m in ms))
             worker.sendall(b"".join(_frame(m) for m, _ in got))
