@@ -38,6 +38,7 @@ from protocol.handshake import (
     ShmOffer,
 )
 from protocol.messages import (
+    ASYNC_KINDS,
     MAX_MESSAGE_CHARS,
     ROLE_OBSERVER,
     ROLE_WORKER,
@@ -45,6 +46,7 @@ from protocol.messages import (
     Batch,
     Failure,
     FuseAbort,
+    FuseFailed,
     FuseReady,
     FuseRunning,
     Hello,
@@ -54,6 +56,7 @@ from protocol.messages import (
     Release,
     Announce,
     Reset,
+    Restored,
     Result,
     RoundInfo,
     RoundQuery,
@@ -71,7 +74,7 @@ from bps_runtime.lowat import ReceiveLowWater
 from bps_runtime.segments import SegmentSizeError, attach_owned, attach_segment, check_size, owned_by, release
 
 from .aggregator import INLINE_SUM_MAX_BYTES
-from .rounds import Lease, Why
+from .rounds import Lease, Why, describe
 
 if TYPE_CHECKING:
     from .server import SummationServer
@@ -192,6 +195,7 @@ class ServerConnection(AdmittedProtocol):
             return
         if self.server.links.get(self.worker) is self:
             del self.server.links[self.worker]
+            self.server.values.disconnected(self.worker)
             if not self.server.stopping:
                 failed = self.server.aggregator.worker_lost(self.worker)
                 self.server.fused(self.server.fusion.worker_gone(self.worker, Why(
@@ -224,6 +228,9 @@ class ServerConnection(AdmittedProtocol):
         data = self.push_data(push, payload)
         if data is None:
             return  # answered already (a segment the server cannot map)
+        if push.kind in ASYNC_KINDS or self.server.values.has(push.name, push.part):
+            self._async_push(push, data)
+            return
         if push.replay:
             self.server.aggregator.replay(push, data)
         else:
@@ -235,6 +242,30 @@ class ServerConnection(AdmittedProtocol):
                 return
             if later is not None:
                 self.server.spawn(later)
+
+    def _async_push(self, push: Push, data: np.ndarray) -> None:
+        """An asynchronous push (bps_server.values), or a push of a name used in the other mode: refused."""
+        values = self.server.values
+        asynchronous = push.kind in ASYNC_KINDS
+        fused = push.part == 0 and push.name in self.server.fusion.waiting
+        if not asynchronous or fused or (push.name, push.part) in self.server.aggregator.keys:
+            why = self._misuse(push.name, asynchronous, describe(push))
+            self.fail(push, why)
+            st = self.server.aggregator.keys.get((push.name, push.part))
+            if st is not None:  # the synchronous side waits for our push in a round: it fails too
+                self.server.aggregator.abort(push.name, push.part, st.round, push.worker, why.text)
+            if fused:  # or in a fused sum
+                self.server.fused(self.server.fusion.abort(push.worker, [push.name], why))
+        elif push.replay:
+            values.restore(push, data)
+        else:
+            values.push(push, data, self, self._lease(push) if push.segment else None)
+
+    def on_restored(self, message: Restored, payload: memoryview | None) -> None:
+        if message.worker != self.worker:
+            raise RemoteProtocolError(f"worker {self.worker} sent a restored message for worker {message.worker}")
+        self._stream_zero(message)
+        self.server.values.restored(message.worker)
 
     def on_abort(self, abort: Abort, payload: memoryview | None) -> None:
         assert self.worker is not None  # dispatched after the handshake only
@@ -271,6 +302,7 @@ class ServerConnection(AdmittedProtocol):
         if reset.worker != self.worker:
             raise RemoteProtocolError(f"worker {self.worker} sent a reset for worker {reset.worker}")
         failed = self.server.aggregator.worker_reset(reset.worker, reset.epoch)
+        self.server.values.reset(reset.worker)
         self.server.fused(self.server.fusion.worker_gone(reset.worker, Why(
             f"every training process of worker {reset.worker} left", "round_failed")))
         log.info("worker %d has no training processes; %d pending rounds failed", reset.worker, failed)
@@ -279,8 +311,30 @@ class ServerConnection(AdmittedProtocol):
         assert self.worker is not None
         self._stream_zero(message)
         specs = [check_spec(s) for s in message.specs]  # checked when built: as hashable tuples
-        self.server.fused(self.server.fusion.report(self.worker, message.names, [specs[i] for i in message.spec],
-                                                    message.counts, time.monotonic()))
+        names, spec_of, counts = message.names, message.spec, message.counts
+        if self.server.values.store.keys and any(self.server.values.has(n, 0) for n in names):
+            keep = [i for i, n in enumerate(names) if not self._fused_misuse(n)]
+            names, spec_of = [names[i] for i in keep], [spec_of[i] for i in keep]
+            counts = [counts[i] for i in keep] if counts else counts
+        self.server.fused(self.server.fusion.report(self.worker, names, [specs[i] for i in spec_of], counts,
+                                                    time.monotonic()))
+
+    def _fused_misuse(self, name: str) -> bool:
+        """A small synchronous sum of an asynchronous name (fused, so no push shows it): refused, as a push."""
+        if not self.server.values.has(name, 0):
+            return False
+        why = self._misuse(name, asynchronous=False, ours="a fused sum")
+        self.send(FuseFailed(name, why.text[:MAX_MESSAGE_CHARS], why.code, ours=why.ours, theirs=why.theirs,
+                             detail=why.detail))
+        return True
+
+    def _misuse(self, name: str, asynchronous: bool, ours: str) -> Why:
+        """Why this worker's use of ``name`` is refused: the job uses it in the other mode."""
+        mode, other = ("asynchronously", "synchronously") if asynchronous else ("synchronously", "asynchronously")
+        detail = (f"worker {self.worker} used it {mode}, but the job uses it {other}; a name is either synchronous "
+                  f"or asynchronous for the life of a job")
+        return Why(f"tensor {name!r}: {detail}", "mismatch", name=name, ours=f"{ours}, {mode}",
+                   theirs=f"used {other} in this job", detail=detail)
 
     def on_fuse_running(self, message: FuseRunning, payload: memoryview | None) -> None:
         assert self.worker is not None
@@ -467,6 +521,7 @@ class ServerConnection(AdmittedProtocol):
             old.close()
         if not hello.stream:
             self.server.aggregator.worker_hello(hello.id, hello.epoch)
+            self.server.values.connected(hello.id)
 
     def describe_daemon(self) -> str:
         """This worker connection's daemon, for the log and a refusal: where from, which run, which epoch."""
@@ -491,24 +546,25 @@ class ServerConnection(AdmittedProtocol):
         self.send(established.welcome)
 
     # -- replies ---------------------------------------------------------------------
-    def reply(self, push: Push, out: np.ndarray) -> None:
+    def reply(self, push: Push, out: np.ndarray, applied: list[int] | None = None) -> None:
+        """Answer ``push`` with ``out`` (a sum, or an asynchronous key's value and its ``applied`` vector)."""
         if push.segment and out.nbytes < INLINE_SUM_MAX_BYTES:
-            self._write_in_place(push, out)  # small: at once, no task
+            self._write_in_place(push, out, applied)  # small: at once, no task
         elif push.segment:
-            self.server.spawn(self._reply_in_place(push, out))
+            self.server.spawn(self._reply_in_place(push, out, applied))
         else:
-            self.send(Result(push.req, push.name, push.part, push.round), out)
+            self.send(Result(push.req, push.name, push.part, push.round, applied=applied or []), out)
 
-    def _write_in_place(self, push: Push, out: np.ndarray) -> None:
+    def _write_in_place(self, push: Push, out: np.ndarray, applied: list[int] | None) -> None:
         seg = self.segments.get(push.out_segment)
         if seg is None or self.closed:
             return  # the worker released the segment or left: nobody waits for this answer
         if not self._still_fits(push, seg, out.nbytes):
             return
         np.copyto(np.frombuffer(_mapped(seg), dtype=out.dtype, count=out.size, offset=push.out_offset), out)
-        self.send(Result(push.req, push.name, push.part, push.round, inplace=True))
+        self.send(Result(push.req, push.name, push.part, push.round, inplace=True, applied=applied or []))
 
-    async def _reply_in_place(self, push: Push, out: np.ndarray) -> None:
+    async def _reply_in_place(self, push: Push, out: np.ndarray, applied: list[int] | None) -> None:
         """Write a large sum where the worker asked for it (in a thread), then tell it."""
         seg = self.segments.get(push.out_segment)
         if seg is None or self.closed or not self._still_fits(push, seg, out.nbytes):
@@ -516,7 +572,7 @@ class ServerConnection(AdmittedProtocol):
         dest = np.frombuffer(_mapped(seg), dtype=out.dtype, count=out.size, offset=push.out_offset)
         await asyncio.get_running_loop().run_in_executor(self.server.executor, np.copyto, dest, out)
         del dest
-        self.send(Result(push.req, push.name, push.part, push.round, inplace=True))
+        self.send(Result(push.req, push.name, push.part, push.round, inplace=True, applied=applied or []))
 
     def _still_fits(self, push: Push, seg: SharedMemory, nbytes: int) -> bool:
         """Whether the push's result segment still has room for its sum (one ``stat``); else the push fails."""
@@ -578,4 +634,5 @@ ServerConnection.HANDLERS = {
     FuseReady: ServerConnection.on_fuse_ready,
     FuseAbort: ServerConnection.on_fuse_abort,
     FuseRunning: ServerConnection.on_fuse_running,
+    Restored: ServerConnection.on_restored,
 }

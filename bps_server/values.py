@@ -10,9 +10,10 @@ sums. In asynchronous mode the server *holds* each key's value (a parameter) and
   later pushes of the key from its own entry, so a worker daemon that rejoins (counting its rounds from 0
   again) is not taken for a replay of old steps.
 * ``async`` (a machine's delta, the sum of its local processes' deltas, step ``t``): ``t <= applied[w]``
-  is a replay (the delta is in the value already: answered, not added again); ``t == applied[w] + 1`` is
-  added at once, in float32 for float16/bfloat16 (the kernels' accumulate), and ``applied[w] = t``; any
-  other ``t`` is refused (a delta went missing: the exactly-once promise cannot be kept silently).
+  is a replay (the delta is in the value already: answered, not added again); a later ``t`` is added at
+  once, in float32 for float16/bfloat16 (the kernels' accumulate), and ``applied[w] = t``. Steps may skip
+  (a local round that failed before its push consumed one): a skipped step was never acknowledged, so
+  "every acknowledged delta is in the value, once" still holds.
 * The staleness bound ``s`` (set by the inits; ``None``: unbounded): the answer to step ``t`` is held while
   a *live* machine's entry is below ``t - s``. It then carries the value and vector of that moment (which
   hold the pusher's delta). ``s = 0`` is bulk-synchronous. A machine is live unless its processes all left
@@ -169,17 +170,34 @@ class ValueStore(Generic[W]):
         st = self.keys.get(key)
         if st is None:
             st = self.keys[key] = _Key(push, _staleness(push), None, [0] * self.n)
+        actions: list[Action[W]] = []
+        if st.value is None and push.kind == KIND_ASYNC_INIT and push.holds_root:
+            actions = self._root_decides(st, push)
         refusal = self._refusal(st, push)
         if refusal is not None:
-            return [Fail(w.handle, push, refusal)]
+            return [*actions, Fail(w.handle, push, refusal)]
         try:
             if lease is not None and (push.kind != KIND_ASYNC_INIT or push.holds_root):
                 lease()
             if push.kind == KIND_ASYNC_INIT:
-                return self._init(st, w, payload, now)
-            return self._delta(st, w, payload, now)
+                return actions + self._init(st, w, payload, now)
+            return actions + self._delta(st, w, payload, now)
         except OSError as exc:
-            return [Fail(w.handle, push, Why(f"{exc}", "error"))]
+            return [*actions, Fail(w.handle, push, Why(f"{exc}", "error"))]
+
+    def _root_decides(self, st: _Key[W], root: Push) -> list[Action[W]]:
+        """The root's init describes the value: the inits that waited for it and disagree fail."""
+        st.first = root
+        keep: list[_Waiter[W]] = []
+        fails: list[Action[W]] = []
+        for w in st.inits:
+            why = self._refusal(st, w.push)
+            if why is None:
+                keep.append(w)
+            else:
+                fails.append(Fail(w.handle, w.push, why))
+        st.inits = keep
+        return fails
 
     def _refusal(self, st: _Key[W], push: Push) -> Why | None:
         """Why ``push`` disagrees with the key, as its sender hears it; None if it agrees."""
@@ -209,11 +227,10 @@ class ValueStore(Generic[W]):
     def _delta(self, st: _Key[W], w: _Waiter[W], payload: np.ndarray, now: float) -> list[Action[W]]:
         push, worker = w.push, w.push.worker
         assert st.value is not None
-        if push.round > st.applied[worker] + 1 or push.round == 0:
-            return [Fail(w.handle, push, Why(
-                f"async push of {push.name!r} part {push.part} by worker {worker}: step {push.round}, but the "
-                f"value holds its deltas up to step {st.applied[worker]}: a delta went missing", "error"))]
-        if push.round == st.applied[worker] + 1:
+        if push.round == 0:
+            return [Fail(w.handle, push, Why(f"async push of {push.name!r} part {push.part} by worker {worker} "
+                                             f"has step 0; steps start at 1", "error"))]
+        if push.round > st.applied[worker]:
             kernels.accumulate(st.value, payload, push.dtype, first=False)
             st.applied[worker] = push.round
         st.held.append(w)
@@ -267,8 +284,7 @@ class ValueStore(Generic[W]):
             st.value = kernels.new_accumulator(push.dtype, push.count)
         kernels.accumulate(st.value, payload, push.dtype, first=True)
         st.applied = applied
-        if push.staleness >= 0 or push.kind == KIND_ASYNC_INIT:
-            st.staleness = _staleness(push)
+        st.staleness = _staleness(push)  # every asynchronous push carries its name's bound
         waiting, st.inits = st.inits, []
         actions: list[Action[W]] = [self._answer(st, x) for x in waiting]
         if self.pending and self.restoring_since is None:
@@ -320,6 +336,8 @@ class ValueStore(Generic[W]):
             keys, self.keys = self.keys, {}
             pending, self.pending = self.pending, []
             self.restoring_since, self.restored = None, set()
+            self.reset_workers.clear()
+            self.excluded = {w for w in self.excluded if w in self.disconnected}  # the next job waits for all
             why = Why("every worker reset: the job ended", "round_failed")
             fails: list[Action[W]] = [Fail(w.handle, w.push, why)
                                       for st in keys.values() for w in (*st.inits, *st.held)]

@@ -70,6 +70,7 @@ from protocol.handshake import (
     VersionMismatchError,
 )
 from protocol.messages import (
+    ASYNC_KINDS,
     MAX_MESSAGE_CHARS,
     ROLE_WORKER,
     Abort,
@@ -88,6 +89,7 @@ from protocol.messages import (
     Push,
     Release,
     Reset,
+    Restored,
     Result,
     RoundInfo,
     RoundQuery,
@@ -125,6 +127,9 @@ class OutgoingPush(Piece):
     shm_ref: tuple[str, int] | None = None  # (segment, byte offset) of payload
     out_ref: tuple[str, int] | None = None  # (segment, byte offset) of dest
     via_shm: bool = False  # last sent as a shared-memory reference
+    on_result: Callable[[Result], None] | None = None  # the caller's, before the future resolves
+    # An asynchronous push's answer: the vector of the value in ``dest`` (replayed with it after a restart).
+    applied: list[int] | None = None
     times: list[int] | None = None  # timeline: queued, sent, sum arriving
 
     def settled(self) -> bool:
@@ -344,8 +349,8 @@ class ServerLink:
 
     # -- public ----------------------------------------------------------------------
     def push(self, push_fields: dict[str, Any], payload: memoryview, dest: memoryview, priority: int,
-             shm_ref: tuple[str, int] | None = None, out_ref: tuple[str, int] | None = None
-             ) -> asyncio.Future[None]:
+             shm_ref: tuple[str, int] | None = None, out_ref: tuple[str, int] | None = None,
+             on_result: Callable[[Result], None] | None = None) -> asyncio.Future[None]:
         """Queue a push of ``payload``; the future resolves once the sum was written into ``dest``.
 
         ``shm_ref`` and ``out_ref`` locate ``payload`` and ``dest`` in shared-memory segments
@@ -359,6 +364,7 @@ class ServerLink:
                             header_bytes=estimated_header_bytes(push),
                             in_segments=shm_ref is not None and out_ref is not None,
                             push=push, payload=payload, dest=dest, future=future, shm_ref=shm_ref, out_ref=out_ref,
+                            on_result=on_result,
                             times=[now_us(), 0, 0] if self.timeline is not None else None)
         self.window.offer(item)
         if self._proto is None:
@@ -594,6 +600,10 @@ class ServerLink:
             if payload is not None and payload is not item.dest:  # a batched result: not received in place
                 item.dest[:] = payload
         if not item.future.done():
+            if message.applied:
+                item.applied = message.applied
+            if item.on_result is not None:
+                item.on_result(message)
             item.future.set_result(None)
             self.window.keep_sum(item)
             self._trace(item)
@@ -773,6 +783,8 @@ class ServerLink:
                         "partitions again", self.spec.id, self.window.sums_kept, self.window.held_count)
             for item in self.window.restarted():
                 self._replay(proto, item)
+            if self.stream == 0:  # asynchronous values travel on stream 0: every copy of ours is there now
+                self._send(proto, Restored(self.worker_id))
             return
         for item in self.window.resumed():
             if not item.future.done():
@@ -781,6 +793,8 @@ class ServerLink:
     def _replay(self, proto: _LinkProtocol, item: OutgoingPush) -> None:
         """Give a restarted server the sum of ``item``'s round, which we got from its predecessor."""
         push = dataclasses.replace(item.push, replay=True)
+        if push.kind in ASYNC_KINDS:  # the value in dest, and the vector saying which deltas it holds
+            push = dataclasses.replace(push, applied=item.applied or [])
         if self.shm and item.out_ref is not None:
             self._announce(proto, item.out_ref[0])
             self._send(proto, dataclasses.replace(push, segment=item.out_ref[0], seg_offset=item.out_ref[1],
