@@ -206,6 +206,7 @@ class SummationServer:
         data["keys"] = len(self.aggregator.keys)
         data["async_keys"] = len(self.values.store.keys)
         data["async_deltas"] = self.values.deltas
+        data["async_replays"] = self.values.store.replays
         return data
 
     async def stop(self) -> None:

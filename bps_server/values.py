@@ -131,6 +131,7 @@ class ValueStore(Generic[W]):
         self.disconnected: dict[int, float] = {}  # since when
         self.excluded: set[int] = set()  # declared dead, or reset: they hold nobody back
         self.reset_workers: set[int] = set()
+        self.replays = 0  # pushes whose step the value held already (answered, not added again)
 
     def has(self, name: str, part: int) -> bool:
         return (name, part) in self.keys
@@ -233,6 +234,8 @@ class ValueStore(Generic[W]):
         if push.round > st.applied[worker]:
             kernels.accumulate(st.value, payload, push.dtype, first=False)
             st.applied[worker] = push.round
+        else:
+            self.replays += 1
         st.held.append(w)
         return self._release(st)
 

@@ -128,8 +128,11 @@ class OutgoingPush(Piece):
     out_ref: tuple[str, int] | None = None  # (segment, byte offset) of dest
     via_shm: bool = False  # last sent as a shared-memory reference
     on_result: Callable[[Result], None] | None = None  # the caller's, before the future resolves
-    # An asynchronous push's answer: the vector of the value in ``dest`` (replayed with it after a restart).
+    # An asynchronous push's answer: the value and its vector, replayed to a restarted server. A copy, not
+    # ``dest``: a server killed while it wrote the next answer into ``dest`` (in place, or a frame cut short)
+    # would leave there a newer value than the vector says, and a delta would be applied twice.
     applied: list[int] | None = None
+    kept: bytes = b""
     times: list[int] | None = None  # timeline: queued, sent, sum arriving
 
     def settled(self) -> bool:
@@ -601,7 +604,7 @@ class ServerLink:
                 item.dest[:] = payload
         if not item.future.done():
             if message.applied:
-                item.applied = message.applied
+                item.applied, item.kept = message.applied, bytes(item.dest)
             if item.on_result is not None:
                 item.on_result(message)
             item.future.set_result(None)
@@ -793,8 +796,9 @@ class ServerLink:
     def _replay(self, proto: _LinkProtocol, item: OutgoingPush) -> None:
         """Give a restarted server the sum of ``item``'s round, which we got from its predecessor."""
         push = dataclasses.replace(item.push, replay=True)
-        if push.kind in ASYNC_KINDS:  # the value in dest, and the vector saying which deltas it holds
-            push = dataclasses.replace(push, applied=item.applied or [])
+        if push.kind in ASYNC_KINDS:  # our copy of the value, and the vector saying which deltas it holds
+            self._send(proto, dataclasses.replace(push, applied=item.applied or []), memoryview(item.kept))
+            return
         if self.shm and item.out_ref is not None:
             self._announce(proto, item.out_ref[0])
             self._send(proto, dataclasses.replace(push, segment=item.out_ref[0], seg_offset=item.out_ref[1],

@@ -40,15 +40,18 @@ def barrier(tag: str) -> None:
     bps.push_pull(np.zeros(1, np.float32), f"barrier/{tag}")
 
 
-def exact_run(name: str, dtype: str, steps: int, seed: int, base: float, max_sleep: float) -> dict[str, Any]:
-    """async_init from rank 0, ``steps`` deltas at random intervals, a barrier, then the value (a zero
-    delta's answer), which must hold every delta of every rank."""
+def exact_run(name: str, dtype: str, steps: int, seed: int, base: float, max_sleep: float,
+              staleness: int | None = None, slow: float = 1.0) -> dict[str, Any]:
+    """async_init from rank 0, ``steps`` deltas at random intervals (up to ``max_sleep``, ``slow`` times that
+    on the last machine), a barrier, then the value (a zero delta's answer), which must hold every delta of
+    every rank."""
     rng = random.Random(seed * 100 + bps.rank())
-    first = bps.async_init(initial(dtype, base) if bps.rank() == 0 else np.zeros(SHAPE, NUMPY_DTYPES[dtype]), name)
+    first = bps.async_init(initial(dtype, base) if bps.rank() == 0 else np.zeros(SHAPE, NUMPY_DTYPES[dtype]), name,
+                           staleness=staleness)
     assert np.array_equal(first, initial(dtype, base)), "the value starts as the root's array"
     barrier(f"{name}/init")  # an init answers the value as it is: no machine pushes before every one has it
     for step in range(steps):
-        time.sleep(rng.random() * max_sleep)
+        time.sleep(rng.random() * max_sleep * (slow if bps.rank() >= bps.size() - bps.local_size() else 1.0))
         value = bps.async_push_pull(delta(dtype, seed, bps.rank(), step), name)
         assert value.shape == SHAPE and value.dtype == NUMPY_DTYPES[dtype]
     barrier(name)
@@ -135,3 +138,48 @@ def push_until_error(name: str, staleness: int | None, seconds: float) -> dict[s
         times.append(time.time())
         time.sleep(0.01)
     return {"steps": steps, "error": None, "at": time.time(), "times": times}
+
+
+def torch_async_sgd(steps: int, staleness: int | None) -> dict[str, Any]:
+    """A linear model whose gradient is a constant per rank (loss = sum(w * c_rank)): with plain SGD every
+    step's delta is -lr * c_rank exactly (lr a power of 2, integer c), so the servers' final value is rank 0's
+    initial weights minus lr * steps * sum of every rank's c. Ranks start from different weights:
+    broadcast_parameters must make the value rank 0's."""
+    import torch
+
+    import bps_worker.torch as bt
+
+    def start(rank: int) -> dict[str, torch.Tensor]:  # integer-valued: every step below is exact in float32
+        gen = torch.Generator().manual_seed(rank)
+        return {"weight": torch.randint(-8, 9, (2, 3), generator=gen).float(),
+                "bias": torch.randint(-8, 9, (2,), generator=gen).float()}
+
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(start(bps.rank())[n])
+    init0 = start(0)
+    t0 = time.monotonic()
+    errors = []
+    for bad in (dict(asynchronous=True, compression=bt.Compression.fp16), dict(staleness=2)):
+        try:
+            bt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.25), model.named_parameters(), **bad)
+        except bt.BPSError as exc:
+            errors.append(str(exc))
+    opt = bt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.25), model.named_parameters(),
+                                  asynchronous=True, staleness=staleness, bucket_bytes=16)
+    bt.broadcast_parameters(model.state_dict(), root_rank=0)
+    same = all(torch.equal(p, init0[n]) for n, p in model.named_parameters())
+    coef = {n: torch.full_like(p, float(bps.rank() + 1)) for n, p in model.named_parameters()}
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = sum((p * coef[n]).sum() for n, p in model.named_parameters())
+        loss.backward()
+        opt.step()
+    barrier("torch_async")
+    opt.zero_grad()
+    opt.step()  # no gradient: a zero delta, the value back
+    total = sum(r + 1 for r in range(bps.size()))
+    want = {n: init0[n] - 0.25 * steps * total for n in init0}
+    exact = all(torch.equal(p.detach(), want[n]) for n, p in model.named_parameters())
+    return {"same_after_broadcast": same, "exact": exact, "errors": errors, "seconds": time.monotonic() - t0}

@@ -38,7 +38,7 @@ from typing import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from protocol.messages import KIND_ASYNC, KIND_ASYNC_INIT, KIND_BROADCAST, KIND_SUM
+from protocol.messages import KIND_BROADCAST, KIND_SUM
 
 from ..errors import BPSConnectionError, BPSError, BPSMismatchError, BPSTimeoutError
 from .arrays import NUMPY_DTYPES, dtype_name
@@ -190,10 +190,8 @@ def async_init(array: np.ndarray, name: str, root_rank: int = 0, *, staleness: i
     :func:`async_push_pull` does not return before); ``0`` is bulk-synchronous; ``None`` is unbounded.
     A name is either synchronous or asynchronous for the life of a job: any other use of it is a BPSError.
     """
-    ops = _operations()
-    bound = ops.check_staleness(staleness)
-    return ops.finish(ops.start(array, name, KIND_ASYNC_INIT, average=False, priority=0,
-                                root=ops.check_root(root_rank), out=None, staleness=bound), None)
+    from .adapter import start_async_init
+    return synchronize(start_async_init(array, name, root_rank, staleness))
 
 
 def async_push_pull(delta: np.ndarray, name: str) -> np.ndarray:
@@ -201,5 +199,5 @@ def async_push_pull(delta: np.ndarray, name: str) -> np.ndarray:
     arrive) and return the value after it. The processes of one machine are summed first, so each call
     of every process adds its delta once. Exactly once, also across a server restart; a call that
     raises may or may not have added its delta."""
-    ops = _operations()
-    return ops.finish(ops.start(delta, name, KIND_ASYNC, average=False, priority=0, root=-1, out=None), None)
+    from .adapter import start_async
+    return synchronize(start_async(delta, name))
