@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=5, help="epochs of every run (default: 5)")
     p.add_argument("--straggler", default="3:3", help="RANK:FACTOR (default: 3:3, the last process 3x slower)")
     p.add_argument("--staleness", type=int, default=2, help="the bounded run's staleness (default: 2)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs per mode; the one with the median wall time of the fast processes is reported "
+                        "(a loaded machine's noise is larger than these sub-second runs; default: 1)")
     p.add_argument("--plot", default=None, help="PNG of rank 0's test accuracy over time")
     p.add_argument("--results", action="store_true", help="append the table to benchmarks/RESULTS.md")
     return p.parse_args(argv)
@@ -90,11 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         cluster = cluster_line(load_config(str(config)), args.workers * args.local_size)
         modes = [("synchronous", []), ("asynchronous", ["--async"]),
                  (f"asynchronous, staleness {args.staleness}", ["--async", "--staleness", str(args.staleness)])]
-        runs = [run(config, args.epochs, args.straggler, extra, Path(tmp) / f"h{i}.json")
-                for i, (_, extra) in enumerate(modes)]
-    header = ["mode", "fast processes' samples/s", "their wall time (s)", "final test accuracy"]
-    rows = [[r["mode"], f"{r['fast_samples_per_s']:.0f}", f"{r['fast_wall_s']:.2f}", f"{r['test_accuracy']:.4f}"]
-            for r in runs]
+        runs = []
+        for i, (_, extra) in enumerate(modes):
+            tries = sorted((run(config, args.epochs, args.straggler, extra, Path(tmp) / f"h{i}.{k}.json")
+                            for k in range(args.repeat)), key=lambda r: r["fast_wall_s"])
+            runs.append(tries[len(tries) // 2])
+    header = ["mode", "fast processes' samples/s", "their wall time (s)", "the straggler's (s)", "final test accuracy"]
+    rows = [[r["mode"], f"{r['fast_samples_per_s']:.0f}", f"{r['fast_wall_s']:.2f}", f"{r['straggler_wall_s']:.2f}",
+             f"{r['test_accuracy']:.4f}"] for r in runs]
     print("\n" + text_table(header, rows, left=1))
     rank, factor = args.straggler.split(":")
     title = (f"digits CNN, {args.epochs} epochs, {args.workers} machines x {args.local_size} processes, "
@@ -104,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         command = " ".join(["python benchmarks/async_straggler.py", *(argv if argv is not None else sys.argv[1:])])
         lines = section_head(started, "asynchronous training with a straggler (issue 17)", command,
                              machine_line(machine("numpy", "torch")))
-        lines += [f"- cluster: {cluster}; straggler {args.straggler} (RANK:FACTOR), {args.epochs} epochs", "",
+        lines += [f"- cluster: {cluster}; straggler {args.straggler} (RANK:FACTOR), {args.epochs} epochs, the "
+                  f"median of {args.repeat} runs per mode (by the fast processes' wall time)", "",
                   markdown_table(header, rows, left=1), ""]
         if picture:
             lines += [f"![accuracy over time]({Path(picture).name})", ""]

@@ -274,10 +274,12 @@ def summary(args: argparse.Namespace, progress: Progress, test_acc: float, n_tra
     rates = bps.push_pull(torch.tensor([progress.samples / progress.wall if fast else 0.0, float(fast),
                                         progress.wall if fast else 0.0, progress.sync_s / progress.wall],
                                        dtype=torch.float64), "stats.rates", average=False).tolist()
-    walls = bps.push_pull(torch.tensor([progress.wall], dtype=torch.float64), "stats.wall", average=False)
+    walls = bps.push_pull(torch.tensor([progress.wall, progress.wall if rank == straggler else 0.0],
+                                       dtype=torch.float64), "stats.wall", average=False)
     ok = test_acc >= MIN_ACCURACY
     figures = {"mode": mode(args), "test_accuracy": test_acc, "fast_samples_per_s": rates[0] / rates[1],
                "fast_wall_s": rates[2] / rates[1], "mean_wall_s": float(walls[0]) / size,
+               "straggler_wall_s": float(walls[1]),
                "samples": int(totals[0]), "history": progress.history}
     if rank == 0:
         print("\n".join([
@@ -295,7 +297,8 @@ def summary(args: argparse.Namespace, progress: Progress, test_acc: float, n_tra
             f"test accuracy:  {test_acc:.4f}" + ("" if ok else f"  (below {MIN_ACCURACY}: FAILED)"),
             f"throughput:     {int(totals[0]) / progress.wall:.0f} samples/s ({int(totals[0])} samples in "
             f"{progress.wall:.2f} s); {figures['fast_samples_per_s']:.0f} samples/s per process that is not a "
-            f"straggler, which finish in {figures['fast_wall_s']:.2f} s",
+            f"straggler, which finish in {figures['fast_wall_s']:.2f} s"
+            + (f" (the straggler in {figures['straggler_wall_s']:.2f} s)" if args.straggler else ""),
             f"sync wait:      {progress.sync_s / progress.wall:.1%} of training time on rank 0, {rates[3] / size:.1%} "
             f"mean over processes (time in optimizer.step()'s synchronization)",
         ]), flush=True)
