@@ -66,7 +66,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import push_pull_vs_gloo as bench  # noqa: E402  (cluster file, free ports)
@@ -292,28 +292,39 @@ def run_model(name: str, args: argparse.Namespace, probe: Probe, rank: int, size
             "bps_replicas_identical": identical}
 
 
-def rank_program(args: argparse.Namespace) -> int:
+def run_models(args: argparse.Namespace, run_one: Callable[[str, int, int], dict[str, Any]],
+               report: Callable[[dict[str, Any]], None] | None = None) -> int:
+    """A training benchmark's rank program (this one's and ddp_hook_vs_gloo.py's): join bps and the gloo group,
+    ``run_one(model, rank, size)`` for each model; rank 0 reports each and writes the results so far."""
     import torch.distributed as dist
 
     import bps_worker.torch as bps
 
     rank, size = bench.join_both(args, bps)
-    probe = Probe()
     results = []
     try:
         for name in args.models.split(","):
-            results.append(run_model(name, args, probe, rank, size))
+            results.append(run_one(name, rank, size))
             if rank == 0:
-                r = results[-1]
-                med = {s: statistics.median(r["slowest"][s][b][0] for b in range(r["blocks"])) for s in SYSTEMS}
-                print(f"[bench] {name}: step ms " + ", ".join(f"{s} {med[s] * 1e3:.2f}" for s in SYSTEMS),
-                      file=sys.stderr, flush=True)
+                if report is not None:
+                    report(results[-1])
                 Path(args.result_file).write_text(json.dumps({"size": size, "models": results}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
         bps.shutdown()
     return 0
+
+
+def _report_step_ms(r: dict[str, Any]) -> None:
+    med = {s: statistics.median(r["slowest"][s][b][0] for b in range(r["blocks"])) for s in SYSTEMS}
+    print(f"[bench] {r['model']}: step ms " + ", ".join(f"{s} {med[s] * 1e3:.2f}" for s in SYSTEMS),
+          file=sys.stderr, flush=True)
+
+
+def rank_program(args: argparse.Namespace) -> int:
+    probe = Probe()
+    return run_models(args, lambda name, rank, size: run_model(name, args, probe, rank, size), _report_step_ms)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -416,15 +427,16 @@ PHASE_NOTE = (
     "hidden = 1 - exposed comm / comm after bwd, per block, median (min-max).")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_training_arguments(description: str, argv: list[str] | None, timeout: float) -> argparse.Namespace:
+    """The command line of the training benchmarks (this one and ddp_hook_vs_gloo.py), checked."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)} "
                                                                 f"(default: all)")
     p.add_argument("--blocks", type=int, default=None, help="timed blocks per system (default 7; --quick 2)")
     p.add_argument("--steps", type=int, default=None, help="steps per block (default 20; --quick 3)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per system first (default 10; --quick 2)")
     p.add_argument("--quick", action="store_true", help=f"smoke test: batch {QUICK_BATCH}, 2 blocks of 3 steps")
-    bench.add_common_arguments(p, json_help="also write the raw per-block numbers here", timeout=900.0,
+    bench.add_common_arguments(p, json_help="also write the raw per-block numbers here", timeout=timeout,
                                op_timeout=300.0)
     args = p.parse_args(argv)
     args.blocks = args.blocks if args.blocks is not None else (2 if args.quick else 7)
@@ -437,7 +449,12 @@ def main(argv: list[str] | None = None) -> int:
     if not models or unknown:
         p.error(f"--models: unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(MODELS)}")
     args.models = ",".join(models)
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_training_arguments(__doc__.split("\n\n")[0], argv, timeout=900.0)
+    models = args.models.split(",")
     if args.rank_program:
         return rank_program(args)
 

@@ -2,6 +2,8 @@
 
 ``kernels`` (numba summation), ``segments`` (POSIX shared memory: the worker's arena, everyone else attaches),
 ``cuda`` (CUDA IPC between training processes and the worker), ``lowat`` (the TCP receive low-water mark),
-``timeline`` (Chrome-trace timelines), ``metrics`` (Prometheus text format) and ``lifecycle`` (a daemon's
-logging, event loop, signals and systemd readiness). It imports only ``protocol``; importing it does nothing.
+``timeline`` (Chrome-trace timelines), ``metrics`` (the HTTP endpoint of ``/metrics`` through prometheus_client,
+``/livez`` and ``/readyz``), ``health`` (the probes' decisions and the loop's pulse: systemd's watchdog and
+status) and ``lifecycle`` (a daemon's logging, event loop, signals and systemd readiness). Of the project it
+imports only ``protocol``; importing it does nothing.
 """

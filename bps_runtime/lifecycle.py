@@ -90,6 +90,14 @@ def install_stop_signals(loop: asyncio.AbstractEventLoop, stop: Callable[[], Non
         loop.add_signal_handler(sig, stop)
 
 
+class ListenError(OSError):
+    """A failure to listen on another address than the daemon's main one: ``what`` names it."""
+
+    def __init__(self, what: str, exc: OSError) -> None:
+        super().__init__(exc.errno, exc.strerror or str(exc))
+        self.what = what
+
+
 def describe_bind_error(exc: OSError, what: str) -> str:
     """A one-line reason for a failed bind/listen."""
     reason = os.strerror(exc.errno) if exc.errno else str(exc)
@@ -109,7 +117,8 @@ async def serve_until_signalled(start: Callable[[], Awaitable[Any]], stop: Calla
     try:
         await start()
     except OSError as exc:
-        print(f"{prog}: {describe_bind_error(exc, listen_on)}", file=sys.stderr)
+        what = exc.what if isinstance(exc, ListenError) else listen_on
+        print(f"{prog}: {describe_bind_error(exc, what)}", file=sys.stderr)
         return 1
     sd_notify("READY=1", notify_socket)
     await stopped.wait()

@@ -34,7 +34,7 @@ from protocol import dtypes
 from protocol.messages import Push
 
 from bps_runtime import kernels
-from bps_runtime.metrics import Histogram
+from bps_runtime.metrics import LATENCY_BUCKETS, Histogram
 from bps_runtime.stalls import StallWatch
 from bps_runtime.timeline import Timeline, now_us
 
@@ -116,6 +116,7 @@ class Counters:
     bytes_by_worker: dict[int, int] = field(default_factory=dict)
     bytes_shm: int = 0  # of bytes_received: read from the colocated worker's shared memory
     round_seconds: Histogram = field(default_factory=Histogram)  # first push to sum sent
+    push_lag: dict[int, Histogram] = field(default_factory=dict)  # worker -> its push after the round's first
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -127,6 +128,10 @@ class Counters:
             "rounds_replayed": self.rounds_replayed,
             "bytes_by_worker": {str(k): v for k, v in self.bytes_by_worker.items()},
             "bytes_shm": self.bytes_shm,
+            # bps-launch --stragglers (bps_worker.stragglers): each worker's lag histogram
+            "push_lag": {str(w): {"count": h.count, "seconds": h.total, "counts": list(h.counts)}
+                         for w, h in self.push_lag.items()},
+            "push_lag_buckets": list(LATENCY_BUCKETS),
         }
 
 
@@ -180,6 +185,9 @@ class Aggregator:
         if borrowed is not None:
             c.bytes_shm += payload.nbytes
         actions = self.table.push(push, payload, Contributor(reply, fail), time.monotonic(), borrowed=borrowed)
+        lag = self.table.lag
+        if lag is not None:
+            (c.push_lag.get(push.worker) or c.push_lag.setdefault(push.worker, Histogram())).observe(lag)
         work = self._execute(actions)
         while work and self._now(work[0]):
             work.pop(0)
@@ -238,6 +246,14 @@ class Aggregator:
     def abort(self, name: str, part: int, round_: int, worker: int, message: str) -> None:
         """A worker gave up a round: fail it for every worker (now and for late pushes)."""
         self._run(self.table.abort(name, part, round_, worker, message))
+
+    def unfused(self, name: str) -> tuple[set[int], Push] | None:
+        """The workers in ``name``'s open round at this anchor, and its first push (RoundTable.unfused)."""
+        return self.table.unfused(name)
+
+    def fail_open(self, name: str, why: Why) -> None:
+        """Fail ``name``'s open round here (another worker issued it fused, see RoundTable.fail_open)."""
+        self._run(self.table.fail_open(name, why))
 
     def worker_lost(self, worker: int) -> int:
         """The worker daemon's connection dropped: fail every incomplete round still waiting for it;

@@ -62,6 +62,7 @@ from protocol.messages import (
     RoundQuery,
     Stats,
     StatsRequest,
+    Spec,
     Welcome,
     check_spec,
     parse,
@@ -74,7 +75,7 @@ from bps_runtime.lowat import ReceiveLowWater
 from bps_runtime.segments import SegmentSizeError, attach_owned, attach_segment, check_size, owned_by, release
 
 from .aggregator import INLINE_SUM_MAX_BYTES
-from .rounds import Lease, Why, describe
+from .rounds import Lease, Why, describe, sizes_differ
 
 if TYPE_CHECKING:
     from .server import SummationServer
@@ -242,6 +243,8 @@ class ServerConnection(AdmittedProtocol):
                 return
             if later is not None:
                 self.server.spawn(later)
+            if push.part == 0 and (push.name in self.server.fusion.waiting or push.name in self.server.fusion.failed):
+                self._pushed_unfused(push)
 
     def _async_push(self, push: Push, data: np.ndarray) -> None:
         """An asynchronous push (bps_server.values), or a push of a name used in the other mode: refused."""
@@ -316,8 +319,17 @@ class ServerConnection(AdmittedProtocol):
             keep = [i for i, n in enumerate(names) if not self._fused_misuse(n)]
             names, spec_of = [names[i] for i in keep], [spec_of[i] for i in keep]
             counts = [counts[i] for i in keep] if counts else counts
-        self.server.fused(self.server.fusion.report(self.worker, names, [specs[i] for i in spec_of], counts,
-                                                    time.monotonic()))
+        named = [specs[i] for i in spec_of]
+        failures = self.server.fusion.report(self.worker, names, named, counts, time.monotonic())
+        aggregator = self.server.aggregator
+        for name, spec in zip(names, named):
+            open_round = aggregator.unfused(name)
+            if open_round is not None and self.worker not in open_round[0]:  # other workers pushed it unfused
+                pushers, first = open_round
+                why = sizes_differ(name, spec, self.worker, describe(first), first.worker)
+                failures += self.server.fusion.pushed_unfused(first.worker, name, lambda _: why, pushers)
+                aggregator.fail_open(name, why)
+        self.server.fused(failures)
 
     def _fused_misuse(self, name: str) -> bool:
         """A small synchronous sum of an asynchronous name (fused, so no push shows it): refused, as a push."""
@@ -336,6 +348,24 @@ class ServerConnection(AdmittedProtocol):
         return Why(f"tensor {name!r}: {detail}", "mismatch", name=name, ours=f"{ours}, {mode}",
                    theirs=f"used {other} in this job", detail=detail)
 
+    def _pushed_unfused(self, push: Push) -> None:
+        """A push of partition 0 of a name that waits (or failed) at this anchor's planner: the sizes differ
+        between workers (one side fused, the other not) unless this worker's report is the one waiting."""
+        assert self.worker is not None
+        pushers = (self.server.aggregator.unfused(push.name) or ({self.worker}, push))[0]
+        waiting = self.server.fusion.waiting.get(push.name)
+        fused_worker = waiting.first if waiting is not None else -1
+        whys: list[Why] = []
+
+        def why(spec: Spec) -> Why:
+            whys.append(sizes_differ(push.name, spec, fused_worker, describe(push), self.worker or 0))
+            return whys[-1]
+
+        failures = self.server.fusion.pushed_unfused(self.worker, push.name, why, pushers)
+        if whys:
+            self.server.aggregator.fail_open(push.name, whys[0])
+        self.server.fused(failures)
+
     def on_fuse_running(self, message: FuseRunning, payload: memoryview | None) -> None:
         assert self.worker is not None
         self._stream_zero(message)
@@ -346,7 +376,13 @@ class ServerConnection(AdmittedProtocol):
         assert self.worker is not None
         self._stream_zero(message)
         why = Why(f"worker {self.worker} gave the fused sum up: {message.message}", message.code)
-        self.server.fused(self.server.fusion.abort(self.worker, message.names, why))
+        aggregator = self.server.aggregator
+
+        def unfused(name: str) -> set[int]:
+            open_round = aggregator.unfused(name)
+            return open_round[0] if open_round is not None else set()
+
+        self.server.fused(self.server.fusion.abort(self.worker, message.names, why, unfused))
 
     def _stream_zero(self, message: Message) -> None:
         if self.stream:

@@ -16,6 +16,7 @@ are not waited for by failures it caused.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import AbstractSet, Callable
 
 from bps_runtime.stalls import StallWatch
 from protocol.messages import Spec, Why, describe_spec, fused_chunks
@@ -168,19 +169,40 @@ class Planner:
         self.ready = []
         return plans
 
-    def abort(self, worker: int, names: list[str], why: Why) -> list[Failed]:
-        """``worker`` gave these names up (see ``FuseAbort``): fail them for every worker."""
+    def abort(self, worker: int, names: list[str], why: Why, unfused: Callable[[str], set[int]] = lambda _: set()
+              ) -> list[Failed]:
+        """``worker`` gave these names up (see ``FuseAbort``): fail them for every worker. ``unfused(name)``:
+        the workers that pushed the name's open round unfused (they will not report it: not waited for)."""
         out: list[Failed] = []
         for name in names:
             w = self.waiting.get(name)
             if w is not None:
-                out += self._fail(name, w, why, skip=worker)
+                out += self._fail(name, w, why, skip=worker, unfused=unfused(name))
             elif name in self.ready:
                 self.ready.remove(name)
                 out += [Failed(other, name, why) for other in range(self.workers) if other != worker]
             elif name not in self.failed:
-                self.failed[name] = (why, set(range(self.workers)) - {worker})
+                left = set(range(self.workers)) - {worker} - unfused(name)
+                if left:
+                    self.failed[name] = (why, left)
         return out
+
+    def pushed_unfused(self, worker: int, name: str, why: Callable[[Spec], Why],
+                       unfused: set[int]) -> list[Failed]:
+        """``worker`` pushed ``name`` as an ordinary tensor (too large to fuse where it was issued). It will
+        not report the name this round: a failure here no longer waits for it. Reports of the name waiting
+        here meet a mismatch of sizes (one side fused, the other not): they fail (``why(their spec)``), and
+        so does the round the unfused pushes are in (the caller's part); ``unfused``: every worker that
+        pushed that round."""
+        gone = self.failed.get(name)
+        if gone is not None:
+            gone[1].discard(worker)
+            if not gone[1]:
+                del self.failed[name]
+        w = self.waiting.get(name)
+        if w is None or worker in w.workers:
+            return []
+        return self._fail(name, w, why(w.spec), unfused=unfused | {worker})
 
     def worker_gone(self, worker: int, why: Why) -> list[Failed]:
         """``worker``'s processes are gone (a reset) or its connection dropped: every name waiting here
@@ -197,13 +219,14 @@ class Planner:
         return out
 
     def _fail(self, name: str, w: _Waiting, why: Why, *, skip: int = -1,
-              specs: dict[int, Spec] | None = None) -> list[Failed]:
-        """Fail waiting name ``name``: its reporters hear now, the other workers when they report it."""
+              specs: dict[int, Spec] | None = None, unfused: AbstractSet[int] = frozenset()) -> list[Failed]:
+        """Fail waiting name ``name``: its reporters hear now, the other workers when they report it (but not
+        those that pushed it ``unfused``: they heard through their round)."""
         del self.waiting[name]
         specs = specs or {}
         told = [Failed(r, name, why.heard_by(describe_spec(specs.get(r, w.spec))))
                 for r in sorted(w.workers) if r != skip]
-        left = set(range(self.workers)) - w.workers - {skip}
+        left = set(range(self.workers)) - w.workers - {skip} - unfused
         if left:
             self.failed[name] = (why, left)
         return told

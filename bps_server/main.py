@@ -14,6 +14,7 @@ from protocol.errors import ConfigError
 from bps_runtime import kernels
 from bps_runtime.identity import IdentityError, daemon_id
 from .server import ServerConfig, SummationServer
+from bps_runtime.health import STALL_LIMIT_S, watchdog_period
 from bps_runtime.lifecycle import keep_freed_memory, new_event_loop, serve_until_signalled, setup_logging
 
 log = logging.getLogger("bps.server")
@@ -31,6 +32,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-file", default=None, help="log to this file instead of stderr (reopened on SIGHUP)")
     p.add_argument("--timeline", default=None,
                    help="write a Chrome-trace timeline of every tensor's stages to this file (open in Perfetto)")
+    p.add_argument("--stall-limit", type=float, default=STALL_LIMIT_S, metavar="SECONDS",
+                   help=f"GET /livez fails once the event loop has not beaten for this long (default: {STALL_LIMIT_S:g})")
     return p.parse_args(argv)
 
 
@@ -51,11 +54,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"bps-server: {exc}", file=sys.stderr)
         return 2
+    try:
+        watchdog_s = watchdog_period(args.stall_limit, os.environ.get("WATCHDOG_USEC"),
+                                     os.environ.get("WATCHDOG_PID"), os.getpid())
+    except ValueError as exc:
+        print(f"bps-server: {exc}", file=sys.stderr)
+        return 2
+    notify_socket = os.environ.get("NOTIFY_SOCKET")
     if args.threads < 1:
         print("bps-server: --threads must be >= 1", file=sys.stderr)
         return 2
     config = ServerConfig(cluster, ident.id, threads=args.threads, host=args.bind, token=token,
-                          timeline=args.timeline)
+                          timeline=args.timeline, notify_socket=notify_socket, watchdog_s=watchdog_s,
+                          stall_limit_s=args.stall_limit)
     keep_freed_memory()
     kernels.warm_up()  # compile before reporting ready, never on a job's first tensor
     loop = new_event_loop()
@@ -64,6 +75,6 @@ def main(argv: list[str] | None = None) -> int:
         host, port = config.bind
         return loop.run_until_complete(serve_until_signalled(
             server.start, server.stop, prog="bps-server", listen_on=f"{host}:{port}",
-            notify_socket=os.environ.get("NOTIFY_SOCKET")))
+            notify_socket=notify_socket))
     finally:
         loop.close()

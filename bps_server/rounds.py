@@ -207,6 +207,14 @@ class Round(Generic[W]):
         return bool(self.waiters or self.restart.replayers) and self.failed is None
 
 
+def sizes_differ(name: str, spec: messages.Spec, fused_worker: int, unfused: str, unfused_worker: int) -> Why:
+    """Worker ``fused_worker`` issued ``name`` fused (``spec``), worker ``unfused_worker`` as the ordinary
+    tensor ``unfused`` describes: sizes on both sides of the fusion limit, a mismatch."""
+    fused = messages.describe_spec(spec)
+    return Why.mismatch(name, fused, unfused, f"worker {fused_worker} issued it as {fused} (fused) but worker "
+                                              f"{unfused_worker} as {unfused} (too large to fuse)")
+
+
 # -- what the table asks the driver to do --------------------------------------------
 
 
@@ -342,6 +350,9 @@ class RoundTable(Generic[W]):
         self._epochs: dict[int, str] = {}  # each worker's round numbering (Hello.epoch, Reset.epoch)
         # Workers whose numbering restarted while other workers were mid-job: they rejoin (round_for).
         self._rejoining: set[int] = set()
+        # The last push's lag: its arrival after its round's first push (or replay), on the caller's clock;
+        # None where the push joined no round (refused, stale, held, a mismatch). Straggler attribution.
+        self.lag: float | None = None
 
     # -- a round's life --------------------------------------------------------------
     def current(self, token: Token) -> bool:
@@ -352,7 +363,8 @@ class RoundTable(Generic[W]):
     def push(self, push: Push, payload: np.ndarray, handle: W, now: float, *,
              borrowed: Lease | None = None) -> list[Action[W]]:
         """One worker's contribution to a round. ``borrowed``: ``payload`` is the colocated worker's
-        memory (it is only ever read, never kept past the round), with its :data:`Lease`."""
+        memory (it is only ever read, never kept past the round), with its :data:`Lease`. Sets :attr:`lag`."""
+        self.lag = None
         key = (push.name, push.part)
         st = self.keys.get(key) or self._open(key, push.round)
         if push.round < st.round:
@@ -385,6 +397,7 @@ class RoundTable(Generic[W]):
             st.waiters[push.worker] = Waiter(push, handle)
             return actions + [self._fail_round(st, Why.pushes_disagree(st.first, push))]
         waiter = st.waiters[push.worker] = Waiter(push, handle)
+        self.lag = now - st.opened
         if st.restart.result is not None:  # the sum is known from a replay
             st.restart.answered.add(push.worker)
             return actions + [Answer((waiter,), st.restart.result), *self._settle(st)]
@@ -469,6 +482,22 @@ class RoundTable(Generic[W]):
         if not self.current(token):
             return []
         return [self._fail_round(self.keys[token.key], why)]
+
+    def unfused(self, name: str) -> tuple[set[int], Push] | None:
+        """The workers that pushed ``name``'s open round at this anchor (partition 0) and its first push, if
+        one is open and has not failed: what a fused report of the name meets (see ``bps_server.fusion``)."""
+        st = self.keys.get((name, 0))
+        if st is None or not st.busy or st.first is None:
+            return None
+        return set(st.waiters), st.first
+
+    def fail_open(self, name: str, why: Why) -> list[Action[W]]:
+        """Fail ``name``'s open round at this anchor (partition 0) for every worker, now and for late pushes:
+        another worker issued the name fused (its size on the other side of the fusion limit)."""
+        st = self.keys.get((name, 0))
+        if st is None or not st.busy:
+            return []
+        return [self._fail_round(st, why)]
 
     def abort(self, name: str, part: int, round_: int, worker: int, message: str) -> list[Action[W]]:
         """A worker gave up a round: fail it for every worker (now and for late pushes)."""

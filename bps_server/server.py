@@ -2,7 +2,7 @@
 
 :class:`SummationServer` listens, keeps the live connections (``links``: each worker's stream 0,
 ``streams``: its extra ones) and tasks, drops silent workers, sweeps rounds waiting for absent
-ones, and serves the metrics; each connection is a
+ones, serves the metrics and health probes and tells systemd its status; each connection is a
 :class:`~bps_server.connection.ServerConnection`, and the rounds are the
 :class:`~bps_server.aggregator.Aggregator`'s.
 """
@@ -21,6 +21,7 @@ from protocol.config import ClusterConfig, placement_items
 from protocol.messages import MAX_MESSAGE_CHARS, FusePlan, FuseFailed
 
 from bps_runtime import metrics
+from bps_runtime.health import STALL_LIMIT_S, Pulse, Verdict
 from bps_runtime.admission import HANDSHAKE_DEADLINE_S, PENDING_PER_PEER, PENDING_TOTAL, Admission, LogLimit
 from bps_runtime.timeline import Timeline
 
@@ -51,6 +52,9 @@ class ServerConfig:
     pending_per_host: int = PENDING_PER_PEER
     pending_total: int = PENDING_TOTAL
     handshake_deadline_s: float = HANDSHAKE_DEADLINE_S
+    notify_socket: str | None = None  # systemd's NOTIFY_SOCKET: STATUS= lines and watchdog pings go there
+    watchdog_s: float | None = None  # systemd's watchdog period (bps_runtime.health.watchdog_seconds)
+    stall_limit_s: float = STALL_LIMIT_S  # /livez fails once the event loop has not beaten for this long
 
     @property
     def bind(self) -> tuple[str, int]:
@@ -84,7 +88,8 @@ class SummationServer:
         self.stopping = False
         self._server: asyncio.AbstractServer | None = None
         self._silence_watch: asyncio.Future[None] | None = None
-        self._metrics: asyncio.AbstractServer | None = None
+        self._endpoint: metrics.Endpoint | None = None
+        self.pulse = Pulse(self.verdict, notify_socket=config.notify_socket, watchdog_s=config.watchdog_s)
 
     async def start(self) -> tuple[str, int]:
         """Listen; returns the bound (host, port)."""
@@ -95,15 +100,31 @@ class SummationServer:
         log.info("summation service %d listening on %s:%d (%d workers)", self.config.server_id,
                  sockname[0], sockname[1], self.config.cluster.workers)
         self._silence_watch = asyncio.ensure_future(self._watch_silence())
+        self.pulse.start()
         spec = self.config.cluster.server(self.config.server_id)
         if spec.metrics is not None:
-            self._metrics = await metrics.serve(*spec.metrics, self.metric_families)
+            self._endpoint = metrics.Endpoint(*spec.metrics, loop=loop, families=self.metric_families,
+                                              health=lambda: self.pulse.latest, stall_limit_s=self.config.stall_limit_s)
         return sockname[0], sockname[1]
+
+    def verdict(self) -> Verdict:
+        """Ready while it listens and is not stopping; the status names the workers not connected."""
+        if self.stopping:
+            return Verdict("stopping", "stopping")
+        if self._server is None or not self._server.is_serving():
+            return Verdict("not listening", "not listening yet")
+        workers = self.config.cluster.workers
+        missing = [str(w) for w in range(workers) if w not in self.links]
+        status = f"serving {workers - len(missing)} of {workers} workers"
+        if missing:
+            status += f", waiting for worker{'s' if len(missing) > 1 else ''} {', '.join(missing)}"
+        return Verdict(None, status)
 
     def metric_families(self) -> list[metrics.Family]:
         c = self.aggregator.counters
         label = {"server": str(self.config.server_id)}
         per_worker = tuple(({**label, "worker": str(w)}, float(n)) for w, n in sorted(c.bytes_by_worker.items()))
+        lags = tuple(({**label, "worker": str(w)}, h.copy()) for w, h in sorted(c.push_lag.items()))
         return [
             metrics.Family("bps_server_bytes_received_total", "counter", "Tensor bytes received in pushes",
                            per_worker or ((label, 0.0),)),
@@ -122,7 +143,9 @@ class SummationServer:
             metrics.Family("bps_server_keys", "gauge", "Partition keys with state",
                            ((label, float(len(self.aggregator.keys))),)),
             metrics.Family("bps_server_round_seconds", "histogram", "From a round's first push to its sum being sent",
-                           ((label, c.round_seconds),)),
+                           ((label, c.round_seconds.copy()),)),
+            metrics.Family("bps_server_push_lag_seconds", "histogram",
+                           "From a round's first push to each worker's push of it: who the round waits for", lags),
         ]
 
     async def _watch_silence(self) -> None:
@@ -213,10 +236,9 @@ class SummationServer:
         """Stop accepting, let in-flight sums finish briefly, close every connection."""
         self.stopping = True
         self.values.stop()
+        self.pulse.beat()  # readyz: 503 "stopping" from now on
         if self._silence_watch is not None:
             self._silence_watch.cancel()
-        if self._metrics is not None:
-            self._metrics.close()
         if self._server is not None:
             self._server.close()
         if self.tasks:
@@ -226,5 +248,8 @@ class SummationServer:
         if self._server is not None:
             await self._server.wait_closed()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.pulse.stop()
+        if self._endpoint is not None:
+            await asyncio.to_thread(self._endpoint.close)
         if self.timeline is not None:
             self.timeline.close()

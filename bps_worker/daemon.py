@@ -9,7 +9,7 @@ pushes of the partitions chosen by :mod:`bps_worker.placement` on the server lin
 (:mod:`bps_worker.link`), the global sums received in place and handed back.
 
 ``WorkerDaemon`` holds what these share: the config, the links, the sessions, the staging
-and results arenas, the heartbeats, the job's reset and epoch, the metrics, start and stop.
+and results arenas, the heartbeats, the job's reset and epoch, the metrics and health, start and stop.
 It carries out the local rounds' decisions (``_execute``) and learns each name's round
 base from the servers (``RoundQuery``), so that a machine that comes back joins the round
 the other machines are in.
@@ -30,6 +30,7 @@ from typing import Any, Final
 import numpy as np
 
 from bps_runtime import cuda, kernels, metrics
+from bps_runtime.health import STALL_LIMIT_S, Pulse, Verdict
 from bps_runtime import segments as shm
 from bps_runtime.timeline import Timeline
 from protocol.config import ClusterConfig, placement_items
@@ -75,6 +76,9 @@ class WorkerConfig:
     token: bytes | None = None  # from cluster.token_file
     threads: int = 2
     timeline: str | None = None  # Chrome-trace file of every tensor's stages (bps_runtime.timeline)
+    notify_socket: str | None = None  # systemd's NOTIFY_SOCKET: STATUS= lines and watchdog pings go there
+    watchdog_s: float | None = None  # systemd's watchdog period (bps_runtime.health.watchdog_seconds)
+    stall_limit_s: float = STALL_LIMIT_S  # /livez fails once the event loop has not beaten for this long
 
     @property
     def socket(self) -> str:
@@ -142,13 +146,19 @@ class WorkerDaemon:
         self.tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.AbstractServer | None = None
         self._heartbeat: asyncio.Future[None] | None = None
-        self._metrics: asyncio.AbstractServer | None = None
+        self._endpoint: metrics.Endpoint | None = None
+        self.pulse = Pulse(self.verdict, notify_socket=config.notify_socket, watchdog_s=config.watchdog_s)
         self.counters = WorkerCounters()
         self.stopping = False
         self._cuda: cuda.CudaBridge | None = None  # made when the first CUDA tensor arrives
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        spec = self.config.cluster.worker(self.worker_id)
+        if spec.metrics is not None:  # first: a busy metrics port leaves no socket file behind
+            self._endpoint = metrics.Endpoint(*spec.metrics, loop=loop, families=self.metric_families,
+                                              health=lambda: self.pulse.latest, stall_limit_s=self.config.stall_limit_s)
         path = self.config.socket
         _claim_socket_path(path)
         # A daemon of this worker killed with its resource tracker left its segments behind (issue 14, 12).
@@ -156,7 +166,6 @@ class WorkerDaemon:
         if reclaimed:
             log.warning("reclaimed %d shared-memory segments of dead daemons of worker %d: %s", len(reclaimed),
                         self.worker_id, ", ".join(reclaimed))
-        loop = asyncio.get_running_loop()
         old_umask = os.umask(0o077)
         try:
             self._server = await loop.create_unix_server(lambda: ClientSession(self), path)
@@ -164,11 +173,25 @@ class WorkerDaemon:
             os.umask(old_umask)
         os.chmod(path, self.config.socket_mode)
         self._heartbeat = asyncio.ensure_future(self._heartbeats())
-        spec = self.config.cluster.worker(self.worker_id)
-        if spec.metrics is not None:
-            self._metrics = await metrics.serve(*spec.metrics, self.metric_families)
+        for link in self.links.values():
+            link.keep_connected()  # readiness is being connected to every server, before any push
+        self.pulse.start()
         log.info("worker %d serving %d local processes on %s (%d workers, %d servers)", self.worker_id,
                  self.config.local_size, path, self.config.cluster.workers, len(self.links))
+
+    def verdict(self) -> Verdict:
+        """Ready once connected (handshake done) to every server; the 503 and the status name the others."""
+        if self.stopping:
+            return Verdict("stopping", "stopping")
+        missing = [link.spec for link in self.links.values() if not link.connected]
+        if missing:
+            ids = ", ".join(str(spec.id) for spec in missing)
+            servers = f"server{'s' if len(missing) > 1 else ''}"
+            return Verdict(f"not connected to {servers} " + ", ".join(f"{s.id} at {s.address}" for s in missing),
+                           f"waiting for {servers} {ids}")
+        n = len(self.links)
+        return Verdict(None, f"connected to {n} server{'s' if n > 1 else ''}, {len(self.sessions)} of "
+                             f"{self.config.local_size} processes")
 
     def metric_families(self) -> list[metrics.Family]:
         c = self.counters
@@ -189,7 +212,8 @@ class WorkerDaemon:
                            "Bytes queued or buffered towards servers (bounded by the credit)",
                            ((label, float(queued)),)),
             metrics.Family("bps_worker_op_seconds", "histogram",
-                           "From the last local process's request to the result handed back", ((label, c.op_seconds),)),
+                           "From the last local process's request to the result handed back",
+                           ((label, c.op_seconds.copy()),)),
         ]
 
     async def _heartbeats(self) -> None:
@@ -204,6 +228,8 @@ class WorkerDaemon:
             seq += 1
             for session in list(self.sessions.values()):
                 session.send(Ping(seq))
+            for link in self.links.values():
+                link.keep_connected()
             for text in self.stalls.warnings(loop.time(), self.rounds, self.all_links):
                 log.warning("%s", text)
             self.fusion.watch(loop.time())
@@ -214,10 +240,9 @@ class WorkerDaemon:
 
     async def stop(self) -> None:
         self.stopping = True
+        self.pulse.beat()  # readyz: 503 "stopping" from now on
         if self._heartbeat is not None:
             self._heartbeat.cancel()
-        if self._metrics is not None:
-            self._metrics.close()
         if self._server is not None:
             self._server.close()
         if self.tasks:
@@ -239,6 +264,9 @@ class WorkerDaemon:
         except FileNotFoundError:
             pass
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.pulse.stop()
+        if self._endpoint is not None:
+            await asyncio.to_thread(self._endpoint.close)
 
     def spawn(self, coro: Any) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(coro)
@@ -255,35 +283,49 @@ class WorkerDaemon:
     def submit(self, session: ClientSession, op: Op) -> None:
         """A handshaken process asks for ``op`` (checked against its memory by the session)."""
         assert session.local_rank is not None  # sessions submit only after their handshake
-        if self.fusion.rounds.busy(op.name):  # the other processes issued it small enough to fuse
-            self._paths_differ(op.name, session, op.req, describe(op))
+        fused = self.fusion.rounds.collecting.get(op.name) or self.fusion.rounds.reported.get(op.name)
+        if fused is not None:  # the other processes issued it small enough to fuse
+            self._execute(self.rounds.submit(session, session.local_rank, op))  # its round, numbered, to fail
+            self._paths_differ(op.name, describe_spec(fused.spec), describe(op), session.local_rank,
+                               {e.member.local_rank for e in fused.members() if e.member.local_rank is not None})
             return
         self._execute(self.rounds.submit(session, session.local_rank, op))
 
     def submit_batch(self, session: ClientSession, entries: list[tuple[int, str, Spec, str, int, int]]) -> None:
         """A handshaken process issued small sums to fuse (checked against its memory by the session)."""
+        assert session.local_rank is not None
         if self.rounds.open:
             kept = []
             for entry in entries:
-                if entry[1] in self.rounds.open:  # the other processes issued it too large to fuse
-                    self._paths_differ(entry[1], session, entry[0], describe_spec(entry[2]))
+                rounds = self.rounds.open.get(entry[1])
+                if rounds:  # the other processes issued it too large to fuse
+                    ours = describe_spec(entry[2])
+                    why = self._paths_differ(entry[1], ours, describe(rounds[0].first), session.local_rank,
+                                             {session.local_rank})
+                    session.send(why.heard_by(ours).failure(entry[0]))
                 else:
                     kept.append(entry)
             entries = kept
         self.fusion.submit(session, entries)
 
-    def _paths_differ(self, name: str, session: ClientSession, req: int, ours: str) -> None:
-        """Processes of this machine issued ``name`` with sizes on both sides of the fusion limit: a mismatch,
-        which fails the round already open for it (and this request)."""
-        assert session.local_rank is not None
-        why = Why.mismatch(name, "the other processes' tensor", ours,
-                           f"rank {self.rank_offset + session.local_rank} issued it as {ours}, which the other "
-                           f"processes' round of it does not match (one is fused, at most "
-                           f"{self.fusion_bytes} bytes, the other not)")
-        session.send(why.heard_by(ours).failure(req))
-        self.fusion.carry_out(self.fusion.rounds.fail_name(name, why))
-        for lr in list(self.rounds.open.get(name, ())):
-            self._execute(self.rounds.fail(lr, why))
+    def _paths_differ(self, name: str, fused: str, unfused: str, local_rank: int, fused_ranks: set[int]) -> Why:
+        """Processes of this machine issued ``name`` with sizes on both sides of the fusion limit (``fused`` and
+        ``unfused`` describe each side): a mismatch, for every process of every machine, whichever path it
+        took. The fused round here (if any) fails and its entries hear why; the unfused rounds fail without
+        waiting for ``fused_ranks`` (they heard it through their fused entries), and are aborted at the anchor
+        server for the peers that pushed the name unfused; a FuseAbort tells the anchor's planner for those that
+        fused it. Returns the mismatch (a fused entry not yet in a round is answered by the caller)."""
+        own, other = (fused, unfused) if local_rank in fused_ranks else (unfused, fused)
+        why = Why.mismatch(name, fused, unfused,
+                           f"rank {self.rank_offset + local_rank} issued it as {own} but other processes of worker "
+                           f"{self.worker_id} as {other} (one is fused, at most {self.fusion_bytes} bytes, the "
+                           f"other not)")
+        decisions = self.fusion.rounds.fail_name(name, why, set(range(self.config.local_size)) - fused_ranks)
+        if not decisions.aborts:  # no fused round here; machines that fused it wait at the planner all the same
+            decisions.aborts.append((name, why))
+        self.fusion.carry_out(decisions)
+        self._execute(self.rounds.fail_name(name, why, fused_ranks))
+        return why
 
     def _execute(self, actions: list[Action[ClientSession]]) -> None:
         """Carry out the local rounds' decisions, in order."""

@@ -205,12 +205,16 @@ class FusedRounds(Generic[M]):
             self.abandoned.pop(fr.name, None)
         return out
 
-    def fail_name(self, name: str, why: Why) -> Decisions[M]:
-        """Fail ``name``'s open round here, and (through its anchor) on every machine."""
+    def fail_name(self, name: str, why: Why, answered: Collection[int] = ()) -> Decisions[M]:
+        """Fail ``name``'s open round here, and (through its anchor) on every machine. The local ranks in
+        ``answered`` heard it already, by another way (their unfused ops of the name): the failed round does
+        not wait for them to submit."""
         out: Decisions[M] = Decisions()
         fr = self.collecting.get(name) or self.reported.get(name)
         if fr is not None:
             self._fail(fr, why, out)
+            if self.failed.get(name) is fr and all(e is not None or r in answered for r, e in enumerate(fr.entries)):
+                del self.failed[name]
         return out
 
     def failed_at_anchor(self, name: str, why: Why) -> Decisions[M]:

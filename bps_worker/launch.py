@@ -28,6 +28,8 @@ from typing import Any, Callable, Sequence
 from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
 
+from . import stragglers
+from .observer import server_stats
 from .supervise import Child, Cluster, LaunchError
 from .token_file import ensure_token, make_token
 
@@ -54,6 +56,16 @@ def run_training(cluster: Cluster, command: Sequence[str], *, timeout: float | N
         rank_failed = ending.culprit is not None and not ending.culprit.daemon
         print(f"{prog}: {ending.reason}; {'stopping the cluster' if rank_failed else 'stopping'}", file=sys.stderr)
     return ending.code
+
+
+def print_stragglers(cluster: Cluster, prog: str = "bps-launch") -> None:
+    """The servers' push lag per worker (:mod:`bps_worker.stragglers`), on stderr, read before they stop."""
+    try:
+        lines = stragglers.report(server_stats(cluster))
+    except (OSError, ValueError) as exc:
+        lines = [f"cannot read the servers' push lag: {exc}"]
+    for line in lines:
+        print(f"{prog}: {line}", file=sys.stderr)
 
 
 class SigintFlag:
@@ -95,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", default=None, metavar="DIR",
                    help="write Chrome-trace timelines of every daemon and rank into DIR (merge them with "
                         "`python -m bps_runtime.timeline merge OUT DIR/*.json`, open in https://ui.perfetto.dev)")
+    p.add_argument("--stragglers", action="store_true",
+                   help="when the training ends, print each worker's push lag at the servers (who the rounds "
+                        "waited for)")
     p.add_argument("--make-token", default=None, metavar="PATH",
                    help="write a new cluster token (32 random bytes as hex, mode 600) to PATH and exit; "
                         "copy it to every machine and name it in cluster.token_file")
@@ -147,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{cluster.socket_path(worker_id)}", file=sys.stderr)
             with cluster:
                 code = run_training(cluster, command)
+                if args.stragglers:
+                    print_stragglers(cluster)
         except ConfigError as exc:
             failure, code = str(exc), 2
         except LaunchError as exc:

@@ -153,6 +153,11 @@ class ControlMessages:
         """``message`` goes once a connection is ready."""
         self._waiting.append(message)
 
+    @property
+    def waiting(self) -> bool:
+        """Messages wait for a ready connection."""
+        return bool(self._waiting)
+
     def take(self) -> list[Message]:
         """A connection is ready: what waited for it, in order."""
         waiting, self._waiting = self._waiting, []
@@ -334,6 +339,8 @@ class ServerLink:
         self._req = itertools.count(1)
         self._pings = itertools.count()
         self._broken_reason = ""
+        self._attempt_error = ""  # the last reason an idle attempt failed (logged once: see _attempt)
+        self._attempt_after = 0.0  # no idle attempt before then (loop time)
         self._stall: asyncio.TimerHandle | None = None  # wakes the link at the window's stall deadline
         # Refused because another daemon has our worker id: until when no attempt is made, and the error.
         self._held_elsewhere: tuple[float, BPSConnectionError] | None = None
@@ -344,6 +351,22 @@ class ServerLink:
         self.on_lost: Callable[[str], None] | None = None
         self.on_ready: Callable[[bool], None] | None = None
         self.on_gave_up: Callable[[str], None] | None = None
+
+    @property
+    def connected(self) -> bool:
+        """The handshake of the current connection is done: pushes may flow."""
+        return self._ready
+
+    def keep_connected(self) -> None:
+        """Connect while idle, so that the daemon is ready before the first push and again after a server
+        comes back (its readiness is being connected to every server). One attempt at a time, which fails
+        nothing (pushes keep their own timeout, see :meth:`_attempt`); none where another daemon with our
+        worker id was refused (a second daemon must not keep knocking; its pushes still try)."""
+        if self.closed or self._ready or self._held_elsewhere is not None:
+            return
+        if (self._connecting is None or self._connecting.done()) and \
+                asyncio.get_running_loop().time() >= self._attempt_after:
+            self._connecting = asyncio.ensure_future(self._attempt())
 
     @property
     def shm(self) -> bool:
@@ -726,6 +749,30 @@ class ServerLink:
         self._fail_all(BPSConnectionError(
             f"cannot reach server {self.spec.id} at {self.spec.address} within {self.timeout:g} s: {last_error}"))
 
+    async def _attempt(self) -> None:
+        """One connection attempt of :meth:`keep_connected`. A failure is logged when its reason changes
+        and fails nothing; what was queued meanwhile then starts the ordinary reconnection (its timeout)."""
+        loop = asyncio.get_running_loop()
+        try:
+            await self._open(loop.time() + self.timeout)
+            return
+        except HandshakeError as exc:
+            if _held_elsewhere(exc):
+                self._held_elsewhere = (loop.time() + self.timeout, BPSConnectionError(str(exc)))
+            if _cannot_change(exc):  # e.g. another token: no attempt per second (nor a refusal logged by each)
+                self._attempt_after = loop.time() + self.timeout
+            if str(exc) != self._attempt_error:
+                log.log(logging.ERROR if _held_elsewhere(exc) else logging.WARNING, "%s", exc)
+            self._attempt_error = str(exc)
+        except (OSError, asyncio.TimeoutError, ConnectionError):
+            pass
+        if self._proto is not None and self._proto.transport is not None:
+            self._proto.transport.close()
+        self._proto = None
+        if next(self.window.pieces(), None) is not None or self.control.waiting:
+            self._connecting = None
+            self._ensure_connecting()
+
     async def _open(self, deadline: float) -> None:
         """One attempt: the TCP connection, the handshake, then what waited for them."""
         loop = asyncio.get_running_loop()
@@ -741,6 +788,8 @@ class ServerLink:
                  " (shared memory)" if self.shm else "")
         previous, self.incarnation = self.incarnation, welcome.incarnation
         self._ready = True
+        self._held_elsewhere = None  # the server took us: whoever held our id is gone
+        self._attempt_error = ""
         proto.last_seen = loop.time()
         self._watch_silence(proto)
         for message in self.control.take():

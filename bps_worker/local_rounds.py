@@ -233,6 +233,16 @@ class LocalRounds(Generic[M]):
         self.retire(lr)
         return [Failed(lr, tuple(lr.members.values()), self.numbers.server_round(lr.name, lr.round), lr.why)]
 
+    def fail_name(self, name: str, why: Why, answered: Collection[int] = ()) -> list[Action[M]]:
+        """Fail every open round of ``name`` with ``why``. The local ranks in ``answered`` heard it already, by
+        another way (their fused entries of the name): the rounds do not wait for them to submit."""
+        actions: list[Action[M]] = []
+        for lr in list(self.open.get(name, ())):
+            lr.expected.difference_update(answered)
+            actions += self.fail(lr, why)
+            self.retire(lr)  # a round failed before may now expect nobody
+        return actions
+
     def retire(self, lr: LocalRound[M]) -> None:
         """Forget a round that starts now, or that failed and has heard from every local rank."""
         if lr.expected:

@@ -9,6 +9,7 @@ import socket
 import sys
 
 from bps_runtime import kernels
+from bps_runtime.health import STALL_LIMIT_S, watchdog_period
 from bps_runtime.identity import IdentityError, daemon_id
 from bps_runtime.lifecycle import keep_freed_memory, new_event_loop, serve_until_signalled, setup_logging
 from protocol.config import load_config, read_token
@@ -34,6 +35,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-file", default=None, help="log to this file instead of stderr (reopened on SIGHUP)")
     p.add_argument("--timeline", default=None,
                    help="write a Chrome-trace timeline of every tensor's stages to this file (open in Perfetto)")
+    p.add_argument("--stall-limit", type=float, default=STALL_LIMIT_S, metavar="SECONDS",
+                   help=f"GET /livez fails once the event loop has not beaten for this long (default: {STALL_LIMIT_S:g})")
     return p.parse_args(argv)
 
 
@@ -60,8 +63,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bps-worker: --socket-mode and --shm-mode must be octal, got {args.socket_mode!r}, "
               f"{args.shm_mode!r}", file=sys.stderr)
         return 2
+    try:
+        watchdog_s = watchdog_period(args.stall_limit, os.environ.get("WATCHDOG_USEC"),
+                                     os.environ.get("WATCHDOG_PID"), os.getpid())
+    except ValueError as exc:
+        print(f"bps-worker: {exc}", file=sys.stderr)
+        return 2
+    notify_socket = os.environ.get("NOTIFY_SOCKET")
     config = WorkerConfig(cluster, ident.id, socket_path=args.socket, socket_mode=socket_mode,
-                          segment_mode=shm_mode, threads=max(1, args.threads), token=token, timeline=args.timeline)
+                          segment_mode=shm_mode, threads=max(1, args.threads), token=token, timeline=args.timeline,
+                          notify_socket=notify_socket, watchdog_s=watchdog_s, stall_limit_s=args.stall_limit)
     keep_freed_memory()
     kernels.warm_up()
     loop = new_event_loop()
@@ -69,6 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         daemon = WorkerDaemon(config)
         return loop.run_until_complete(serve_until_signalled(
             daemon.start, daemon.stop, prog="bps-worker", listen_on=config.socket,
-            notify_socket=os.environ.get("NOTIFY_SOCKET")))
+            notify_socket=notify_socket))
     finally:
         loop.close()

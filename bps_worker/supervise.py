@@ -38,6 +38,7 @@ from typing import IO, Any, Callable, Final, Mapping, Sequence
 from protocol.config import ClusterConfig, load_config
 
 from . import sockdir
+from .cluster_file import free_ports
 
 __all__ = ["READY_TIMEOUT_S", "STOP_GRACE_S", "Child", "Cluster", "DaemonCommand", "Ending", "LaunchError",
            "Supervisor", "daemon_argv", "judge", "stop_in_layers"]
@@ -289,6 +290,7 @@ class Cluster:
             if problem is not None:
                 self.moved[spec.id] = problem
         self.supervisor = Supervisor(self._tmp.name, log_dir=log_dir, interrupted=interrupted)
+        self._rendezvous_port: int | None = None  # torch.distributed's, chosen when the first rank needs it
 
     @property
     def children(self) -> list[Child]:
@@ -338,13 +340,22 @@ class Cluster:
         return self.sockets[worker_id]
 
     def env_for(self, worker_id: int, local_rank: int) -> dict[str, str]:
-        """What a training process of worker ``worker_id`` gets: BPS_SOCKET, BPS_RANK, LOCAL_RANK, ..."""
+        """What a training process of worker ``worker_id`` gets: BPS_SOCKET, BPS_RANK, LOCAL_RANK, ..., and
+        torch.distributed's RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT."""
         rank = self.config.rank_offset(worker_id) + local_rank
         env = dict(os.environ, BPS_SOCKET=self.socket_path(worker_id), BPS_LOCAL_RANK=str(local_rank),
                    LOCAL_RANK=str(local_rank), BPS_RANK=str(rank), BPS_SIZE=str(self.config.size),
                    BPS_WORKER_ID=str(worker_id), BPS_CONFIG=os.path.abspath(self.config_path))
         if self.timeline_dir:
             env["BPS_TIMELINE"] = self.timeline_dir
+        # torch.distributed's env:// rendezvous, as torchrun sets it: a DDP script with bps.ddp_comm_hook still
+        # makes a process group for DDP's own set-up. A MASTER_ADDR/MASTER_PORT given to the launcher wins.
+        if self._rendezvous_port is None:
+            self._rendezvous_port = free_ports(1)[0]
+        env.update(RANK=str(rank), WORLD_SIZE=str(self.config.size),
+                   LOCAL_WORLD_SIZE=str(self.config.worker(worker_id).local_size))
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", str(self._rendezvous_port))
         return env
 
     def stop(self) -> None:

@@ -26,6 +26,9 @@ anywhere keeps its ``grad`` (``None`` after ``zero_grad()``) and is skipped by
 the optimizer on every process alike. A gradient accumulated over fewer passes
 than ``backward_passes_per_step`` is pushed as it is at ``step()``. Nothing
 hangs and nothing is skipped silently on only some processes.
+
+DDP users keep ``DistributedDataParallel`` and change one line:
+``model.register_comm_hook(state=None, hook=bps.ddp_comm_hook)`` (see :mod:`bps_worker.torch_ddp`).
 """
 
 from __future__ import annotations
@@ -58,12 +61,13 @@ from .client import (  # re-exported: the same on every framework
     shutdown,
     size,
 )
+from .torch_ddp import DDPHookState, ddp_comm_hook  # the DDP drop-in, in its own module
 
 __all__ = [
     "BPSError", "BPSConnectionError", "BPSMismatchError", "BPSTimeoutError", "Compression", "Handle",
     "DistributedOptimizer", "broadcast", "broadcast_", "broadcast_optimizer_state", "broadcast_parameters",
     "init", "is_initialized", "local_rank", "local_size", "poll", "push_pull", "push_pull_async", "rank",
-    "shared_tensor", "shutdown", "size", "synchronize",
+    "shared_tensor", "shutdown", "size", "synchronize", "DDPHookState", "ddp_comm_hook",
 ]
 
 _WIRE_TYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}

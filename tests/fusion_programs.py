@@ -121,3 +121,27 @@ def steady_fused(steps: int, n: int) -> dict[str, Any]:
             exact += int((y == 10 * size * (size - 1) // 2 + size * (step + i)).all())
         time.sleep(0.01)
     return {"errors": errors[:10], "exact": exact, "expected": steps * n}
+
+
+def paths_differ(bad_ranks: list[int], bad_large: bool) -> dict[str, Any]:
+    """Every rank issues "pd" small enough to fuse, except ``bad_ranks``, whose "pd" is too large to (or, with
+    ``bad_large`` False, the other way round): a mismatch between the fused and the unfused path, which every
+    process must get (naming both shapes), not a hang. Names beside it complete; "pd" works again after."""
+    rank, size = bps.rank(), bps.size()
+    small, large = (4,), (400,)  # 16 and 1600 bytes: the fusion limit here is 1 KiB
+    mine = (large if bad_large else small) if rank in bad_ranks else (small if bad_large else large)
+    before = [bps.push_pull_async(np.full(3, i, np.float32), f"pd.before.{i}", average=False) for i in range(20)]
+    handle = bps.push_pull_async(np.ones(mine, np.float32), "pd", average=False)
+    after = [bps.push_pull_async(np.full(3, i, np.float32), f"pd.after.{i}", average=False) for i in range(20)]
+    error: dict[str, Any] = {}
+    try:
+        bps.synchronize(handle, timeout=60)
+    except bps.BPSError as exc:
+        error = {"type": type(exc).__name__, "text": str(exc)}
+    wrong = 0
+    for i, h in enumerate(before):
+        wrong += int(not (bps.synchronize(h, timeout=60) == size * i).all())
+    for i, h in enumerate(after):
+        wrong += int(not (bps.synchronize(h, timeout=60) == size * i).all())
+    again = bps.push_pull(np.ones(small, np.float32), "pd", average=False)
+    return {"error": error, "wrong": wrong, "again": again.tolist()}

@@ -50,14 +50,20 @@ def group_steps(steps: int, copies: int) -> dict[str, Any]:
     return {"wrong": wrong}
 
 
-def group_mismatch(bad_rank: int, n: int) -> dict[str, Any]:
-    """A group of ``n`` small sums and one large, in which ``bad_rank`` gives "gm.bad" another shape: the
-    group raises the mismatch naming it, every other name completed (none stays in flight: the same group
-    without it runs at once, exact)."""
+BAD = {"shape": ((4,), "float32", (5,), "float32"), "dtype": ((4,), "float32", (4,), "float64"),
+       # small (packed) on most processes, large (by name) on the bad one
+       "size": ((4,), "float32", (40000,), "float32")}
+
+
+def group_mismatch(bad_rank: int, n: int, how: str = "shape") -> dict[str, Any]:
+    """A group of ``n`` small sums and one large, in which ``bad_rank`` gives "gm.bad" another shape or dtype
+    (``BAD[how]``): the group raises the mismatch naming it, every other name completed (none stays in flight:
+    the same group without it runs at once, exact)."""
     rank, size = bps.rank(), bps.size()
     arrays = [np.full(4, rank + i, np.float32) for i in range(n)] + [np.ones(50000, np.float32)]
     names = [f"gm.{i}" for i in range(n)] + ["gm.large"]
-    bad = np.ones((5,) if rank == bad_rank else (4,), np.float32)
+    good_shape, good_dtype, bad_shape, bad_dtype = BAD[how]
+    bad = np.ones(bad_shape, bad_dtype) if rank == bad_rank else np.ones(good_shape, good_dtype)
     error: dict[str, Any] = {}
     try:
         bps.push_pull_group(arrays[: n // 2] + [bad] + arrays[n // 2:], names[: n // 2] + ["gm.bad"] + names[n // 2:],
@@ -92,3 +98,17 @@ def group_bad_calls() -> dict[str, Any]:
     held_sum = bps.synchronize(held, timeout=30)
     ok = bps.push_pull_group(a, ["gb.0", "gb.1"], average=False)  # gb.0 was not left claimed by any of those
     return {"refused": refused, "held": held_sum.tolist(), "ok": [y.tolist() for y in ok]}
+
+
+def group_many(n: int, steps: int) -> dict[str, Any]:
+    """``n`` small float32 sums a step with one push_pull_group, in an order of this rank's own; exact."""
+    rank, size = bps.rank(), bps.size()
+    order = list(range(n))
+    random.Random(rank).shuffle(order)
+    wrong = 0
+    for step in range(steps):
+        arrays = [np.full(1 + i % 5, rank + step + i % 13, np.float32) for i in order]
+        results = bps.push_pull_group(arrays, [f"gn.{i}" for i in order], average=False)
+        for i, y in zip(order, results):
+            wrong += int(y.shape != (1 + i % 5,) or not (y == size * (step + i % 13) + size * (size - 1) // 2).all())
+    return {"wrong": wrong}

@@ -504,3 +504,16 @@ def cuda_description_errors() -> dict[str, str]:
             out[label] = str(exc)
     bps.push_pull(np.ones(3, np.float32), "after")  # the connection still works
     return out
+
+
+def late_rounds(n: int, rounds: int, late_rank: int, delay: float) -> dict[str, Any]:
+    """One round of "sync" to line the ranks up, then ``rounds`` of "lag" where ``late_rank`` pushes
+    ``delay`` seconds after the others: the servers see that worker's pushes late by about ``delay``."""
+    rank, size = bps.rank(), bps.size()
+    ok = bool(bps.push_pull(np.full(n, rank, np.float32), "sync", average=False)[0] == sum(range(size)))
+    for _ in range(rounds):
+        if rank == late_rank:
+            time.sleep(delay)
+        y = bps.push_pull(np.full(n, rank + 1, np.float32), "lag", average=False)
+        ok = ok and bool((y == sum(range(1, size + 1))).all())
+    return {"ok": ok}

@@ -41,6 +41,7 @@ import numpy.typing as npt
 from protocol.messages import KIND_BROADCAST, KIND_SUM
 
 from ..errors import BPSConnectionError, BPSError, BPSMismatchError, BPSTimeoutError
+from . import group
 from .arrays import NUMPY_DTYPES, dtype_name
 from .handle import Handle
 from .operations import Operations
@@ -164,14 +165,14 @@ def push_pull_group(arrays: Sequence[np.ndarray], names: Sequence[str], *, avera
                     priority: int = 0) -> list[np.ndarray]:
     """:func:`push_pull` of every ``arrays[i]`` as ``names[i]``, in one call: a model's whole tree.
 
-    The same sums as ``push_pull_async`` on each and ``synchronize`` on all (which fuse the small ones just the
-    same), with the per-tensor bookkeeping done once for the group. Every entry is checked and every name
-    claimed before anything is sent (a bad entry, a name given twice or one in flight starts nothing). A
-    failed name (a mismatch with another process) does not stop the others: all complete, then the first
-    failure is raised.
+    The same sums as ``push_pull_async`` on each and ``synchronize`` on all; every process must name the same
+    tensors (in any order). Where every process's group has the same names, dtypes and shapes, the small
+    entries travel packed into one tensor per dtype (:mod:`bps_worker.client.group`): the daemons see a few
+    tensors instead of thousands. Every entry is checked before anything is sent (a bad entry or a name given
+    twice starts nothing). A name that differs between processes fails alone, with the error naming it: the
+    others all complete, then the first failure is raised.
     """
-    ops = _operations()
-    return ops.finish_group(ops.start_group(arrays, names, average=average, priority=priority))
+    return group.push_pull_group(_operations(), arrays, names, average=average, priority=priority)
 
 
 def broadcast(array: np.ndarray, root_rank: int, name: str) -> np.ndarray:

@@ -103,7 +103,7 @@ class Operations:
                            f"synchronous or asynchronous for the life of a job")
 
     def start(self, array: np.ndarray, name: str, kind: str, *, average: bool, priority: int, root: int,
-              out: np.ndarray | None, staleness: int = -1) -> Handle:
+              out: np.ndarray | None, staleness: int = -1, internal: bool = False) -> Handle:
         """Copy ``array`` into its slot (unless it is the slot: a shared array) and start the operation."""
         array = np.asarray(array)
 
@@ -112,7 +112,7 @@ class Operations:
                 np.copyto(view, array)
 
         return self.start_filled(name, kind, array.dtype, array.shape, fill, average=average, priority=priority,
-                                 root=root, out=out, staleness=staleness)
+                                 root=root, out=out, staleness=staleness, internal=internal)
 
     def shared_array(self, name: str, shape: Iterable[SupportsIndex], dtype: npt.DTypeLike) -> np.ndarray:
         """The slot of ``name`` as an array of ``shape`` and ``dtype`` (see ``bps.shared_array``)."""
@@ -127,14 +127,15 @@ class Operations:
 
     def start_filled(self, name: str, kind: str, dtype: np.dtype, shape: tuple[int, ...], fill: Fill, *,
                      average: bool, priority: int, root: int, out: np.ndarray | None, layout: str = "",
-                     staleness: int = -1) -> Handle:
+                     staleness: int = -1, internal: bool = False) -> Handle:
         """Start an operation whose input ``fill(view)`` writes straight into the shared slot.
 
         Framework layers use it to assemble an input in place (no staging copy), and give a fused tensor its
-        ``layout`` (``Op.layout``). Every argument is checked before the slot is touched (:mod:`.arguments`).
+        ``layout`` (``Op.layout``). Every argument is checked before the slot is touched (:mod:`.arguments`);
+        ``internal``: the name may be one of the client's own (``arguments.GROUP_PREFIX``).
         """
         name, dtype, wire, shape, average, priority, layout, nbytes = self._checked(name, dtype, shape, average,
-                                                                                   priority, layout)
+                                                                                   priority, layout, internal)
         out = check_out(name, out, shape, dtype)
         if self.modes.get(name) is not (kind in ASYNC_KINDS):
             self.claim_mode(name, kind)
@@ -237,19 +238,25 @@ class Operations:
             except BPSError:
                 pass
 
-    def _checked(self, name: Any, dtype: Any, shape: Any, average: Any, priority: Any, layout: Any
-                 ) -> tuple[str, np.dtype, str, tuple[int, ...], bool, int, str, int]:
+    def checked(self, name: Any, dtype: Any, shape: Any, average: Any, priority: Any
+                ) -> tuple[str, np.dtype, str, tuple[int, ...], bool, int, str, int]:
+        """A sum's arguments checked, as :meth:`start` checks them (name, dtype, wire dtype, shape, average,
+        priority, layout, bytes); BPSError naming the first that is wrong."""
+        return self._checked(name, dtype, shape, average, priority, "")
+
+    def _checked(self, name: Any, dtype: Any, shape: Any, average: Any, priority: Any, layout: Any,
+                 internal: bool = False) -> tuple[str, np.dtype, str, tuple[int, ...], bool, int, str, int]:
         """The arguments checked (:mod:`.arguments`): name, dtype, wire dtype, shape, average, priority, layout
         and the bytes. The same arguments again (every step, for every tensor) are checked once: their answer
         is kept (for up to MAX_CHECKED argument sets)."""
         try:
-            key = (name, dtype, shape, average, priority, layout)
+            key = (name, dtype, shape, average, priority, layout, internal)
             known = self._known.get(key)
         except TypeError:  # an unhashable argument (a list for a shape): checked every time
             key, known = None, None
         if known is not None:
             return known
-        name = check_name(name)
+        name = check_name(name, internal=internal)
         dtype, wire = check_dtype(dtype)
         shape = check_shape(name, shape, dtype)
         average = check_average(name, average, wire)

@@ -38,6 +38,20 @@ def test_train_vs_ddp_quick_prints_its_tables():
     assert any("hidden" in line and "exposed comm" in line for line in lines), result.stdout
 
 
+def test_ddp_hook_vs_gloo_quick_prints_its_table():
+    """About 25 s on a 2-core box: four rank processes import torch, then build DDP twice."""
+    command = [sys.executable, str(REPO / "benchmarks" / "ddp_hook_vs_gloo.py"), "--quick", "--models", "example",
+               "--blocks", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=90, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr  # 0: the hook's weights agree with gloo's
+    lines = result.stdout.splitlines()
+    header = [line for line in lines if line.lstrip().startswith("model") and "ratio hook/gloo" in line]
+    assert len(header) == 1, result.stdout
+    row = lines[lines.index(header[0]) + 2].split()
+    assert row[:3] == ["example", "0.146", "8"] and row[-3] == "yes", result.stdout
+    assert float(row[-4]) > 0, result.stdout  # the ratio of two measured rates
+
+
 def test_kernels_benchmark_tiny_prints_its_table():
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernels.py"), "--mib", "1", "--reps", "1"],
                             capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -59,6 +59,21 @@ def test_busy_port_exits_1_with_one_line(tmp_path):
     assert len(reasons) == 1 and "cannot listen" in reasons[0] and str(port) in reasons[0], result.stderr
 
 
+@pytest.mark.parametrize("module", ["bps_server", "bps_worker"])
+def test_busy_metrics_port_exits_1_naming_it(tmp_path, module):
+    config = write_config(tmp_path, [1], cpu_servers=0, metrics=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        config.write_text(re.sub(r'metrics = "127\.0\.0\.1:\d+"', f'metrics = "127.0.0.1:{port}"', config.read_text()))
+        result = _run([module, "--config", str(config), "--id", "0"])
+    assert result.returncode == 1
+    reasons = [line for line in result.stderr.splitlines() if line.startswith(module.replace("_", "-") + ":")]
+    assert reasons == [f"{module.replace('_', '-')}: cannot listen on metrics address 127.0.0.1:{port}: "
+                       f"Address already in use"], result.stderr
+
+
 def _notify_socket(tmp_path: Path) -> tuple[socket.socket, str]:
     path = str(tmp_path / "notify")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -74,7 +89,8 @@ def test_ready_notification_and_clean_sigterm(tmp_path, module):
     proc = subprocess.Popen([PY, "-m", module, "--config", str(config), "--id", "0"],
                             env=dict(os.environ, NOTIFY_SOCKET=path), stderr=subprocess.PIPE, text=True)
     try:
-        assert notify.recv(100) == b"READY=1"
+        while (message := notify.recv(100)) != b"READY=1":
+            assert message.startswith(b"STATUS="), message  # what the daemon waits for, before it is ready
         if module == "bps_worker":
             sock_path = str(tmp_path / "w0.sock")
             assert os.stat(sock_path).st_mode & 0o777 == 0o600
@@ -147,7 +163,8 @@ def test_worker_refuses_a_socket_in_use(tmp_path):
     first = subprocess.Popen([PY, "-m", "bps_worker", "--config", str(config), "--id", "0"],
                              env=dict(os.environ, NOTIFY_SOCKET=path), stderr=subprocess.DEVNULL)
     try:
-        assert notify.recv(100) == b"READY=1"
+        while (message := notify.recv(100)) != b"READY=1":
+            assert message.startswith(b"STATUS="), message  # what the daemon waits for, before it is ready
         result = _run(["bps_worker", "--config", str(config), "--id", "0"])
         assert result.returncode == 1
         assert "in use" in [l for l in result.stderr.splitlines() if "bps-worker:" in l][0]
@@ -166,7 +183,8 @@ def test_stale_socket_file_is_replaced(tmp_path):
     proc = subprocess.Popen([PY, "-m", "bps_worker", "--config", str(config), "--id", "0"],
                             env=dict(os.environ, NOTIFY_SOCKET=path), stderr=subprocess.DEVNULL)
     try:
-        assert notify.recv(100) == b"READY=1"
+        while (message := notify.recv(100)) != b"READY=1":
+            assert message.startswith(b"STATUS="), message  # what the daemon waits for, before it is ready
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
@@ -203,6 +221,28 @@ def test_launcher_runs_a_script_on_every_rank(tmp_path):
     assert result.returncode == 0, result.stderr
     assert sorted(os.listdir(out)) == ["0", "1", "2"]
     assert {(out / r).read_text() for r in "012"} == {"6.0"}
+
+
+def test_launcher_reports_the_straggler(tmp_path):
+    config = write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"partition_bytes": 65536})
+    script = tmp_path / "late.py"
+    script.write_text(  # worker 1's process pushes each step 0.3 s after worker 0's
+        "import os, time, numpy as np, bps_worker.client as bps\n"
+        "bps.init()\n"
+        "bps.push_pull(np.zeros(100_000, np.float32), 'sync')\n"
+        "for _ in range(3):\n"
+        "    if os.environ['BPS_WORKER_ID'] == '1':\n"
+        "        time.sleep(0.3)\n"
+        "    bps.push_pull(np.ones(100_000, np.float32), 'g')\n"
+        "bps.shutdown()\n")
+    result = subprocess.run([PY, "-m", "bps_worker.launch", "--config", str(config), "--stragglers", "--",
+                             PY, str(script)], capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[1]: line for line in result.stderr.splitlines()
+            if line.startswith("bps-launch: ") and line.split()[1] in ("0", "1")}
+    assert sorted(rows) == ["0", "1"], result.stderr
+    assert "straggler" in rows["1"] and "straggler" not in rows["0"], result.stderr
+    assert rows["0"].split()[2] == rows["1"].split()[2]  # as many pushes from each
 
 
 def test_launcher_stops_everything_when_a_rank_fails(tmp_path):
@@ -300,7 +340,8 @@ def test_sighup_reopens_the_log_file(tmp_path):
     proc = subprocess.Popen([PY, "-m", "bps_server", "--config", str(config), "--id", "0", "--log-file", str(log_file)],
                             env=dict(os.environ, NOTIFY_SOCKET=path))
     try:
-        assert notify.recv(100) == b"READY=1"
+        while (message := notify.recv(100)) != b"READY=1":
+            assert message.startswith(b"STATUS="), message  # what the daemon waits for, before it is ready
         os.rename(log_file, tmp_path / "server.log.1")  # what logrotate does
         proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 10

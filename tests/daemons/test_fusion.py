@@ -36,6 +36,22 @@ def test_a_mismatch_inside_a_fused_batch_fails_only_that_name_on_every_process(c
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("bad_ranks", [[1], [2], [3], [2, 3]], ids=["rank1", "rank2", "rank3", "worker1"])
+@pytest.mark.parametrize("bad_large", [True, False], ids=["too-large-to-fuse", "small-enough"])
+def test_a_size_on_both_sides_of_the_fusion_limit_is_a_mismatch_for_every_process(cluster_2x2: Any,
+                                                                                    bad_ranks: list[int],
+                                                                                    bad_large: bool) -> None:
+    """Some processes' tensor goes fused, others' of the same name not (on one machine, or each machine's all
+    one way): both paths must fail the name, on every machine, whichever path each process took (it hung:
+    the fused side waited for ever), and the name works again in its next round."""
+    for rank, r in enumerate(run_ranks(cluster_2x2, fp.paths_differ, bad_ranks, bad_large, timeout=90)):
+        assert r["error"], (rank, r)
+        assert "'pd'" in r["error"]["text"] and "[4]" in r["error"]["text"] and "[400]" in r["error"]["text"], \
+            (rank, r["error"])
+        assert r["wrong"] == 0 and r["again"] == [4.0] * 4, (rank, r)
+
+
+@pytest.mark.timeout(120)
 def test_mixed_dtypes_shapes_and_averages_in_one_step(cluster_2x2: Any) -> None:
     for r in run_ranks(cluster_2x2, fp.mixed_dtypes, 3, timeout=90):
         assert r["wrong"] == [], r["wrong"][:5]

@@ -1,4 +1,4 @@
-"""Prometheus metrics: the text format, and live values from both daemons."""
+"""Prometheus metrics through prometheus_client: our families' conversion, and live values from both daemons."""
 
 from __future__ import annotations
 
@@ -6,22 +6,62 @@ import urllib.error
 import urllib.request
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 import rank_programs as rp
-from bps_runtime.metrics import Family, Histogram, render
+from bps_runtime.metrics import Family, Histogram, to_prometheus
 from harness import run_ranks, start_cluster, write_config
 
+# Every metric the daemons served before prometheus_client, with its type (names without a counter's _total).
+SERVER_METRICS = {"bps_server_bytes_received": "counter", "bps_server_bytes_shared_memory": "counter",
+                  "bps_server_bytes_sent": "counter", "bps_server_pushes": "counter",
+                  "bps_server_rounds_completed": "counter", "bps_server_rounds_failed": "counter",
+                  "bps_server_workers_connected": "gauge", "bps_server_keys": "gauge",
+                  "bps_server_round_seconds": "histogram", "bps_server_push_lag_seconds": "histogram"}
+WORKER_METRICS = {"bps_worker_ops": "counter", "bps_worker_ops_failed": "counter", "bps_worker_bytes_pushed": "counter",
+                  "bps_worker_bytes_pulled": "counter", "bps_worker_processes_connected": "gauge",
+                  "bps_worker_send_backlog_bytes": "gauge", "bps_worker_op_seconds": "histogram"}
+PROCESS_METRICS = ("process_resident_memory_bytes", "process_cpu_seconds", "process_open_fds", "process_max_fds")
 
-def test_render_counters_gauges_and_histograms():
+
+def _types(text: str) -> dict[str, str]:
+    return {fam.name: fam.type for fam in text_string_to_metric_families(text)}
+
+
+def _sample(text: str, name: str, **labels: str) -> float:
+    """The value of sample ``name`` with exactly ``labels``; KeyError if there is none."""
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and s.labels == labels:
+                return float(s.value)
+    raise KeyError(f"{name}{labels} not in the scrape")
+
+
+def test_families_become_prometheus_metrics_with_their_values():
     h = Histogram(buckets=(0.1, 1.0))
-    for v in (0.05, 0.5, 0.5, 3.0):
+    for v in (0.05, 0.1, 0.5, 3.0):
         h.observe(v)
-    text = render([Family("x_total", "counter", "X", (({"a": 'q"\\'}, 2.0),)),
-                   Family("lat", "histogram", "L", (({}, h),))])
-    assert "# TYPE x_total counter" in text
-    assert 'x_total{a="q\\"\\\\"} 2.0' in text
-    assert 'lat_bucket{le="0.1"} 1' in text and 'lat_bucket{le="1.0"} 3' in text
-    assert 'lat_bucket{le="+Inf"} 4' in text and "lat_count 4" in text and "lat_sum 4.05" in text
+
+    class Fixed(Collector):
+        def collect(self):
+            yield to_prometheus(Family("x_total", "counter", "X", (({"a": 'q"\\'}, 2.0), ({"a": "b"}, 5.0))))
+            yield to_prometheus(Family("g", "gauge", "G", (({}, 7.0),)))
+            yield to_prometheus(Family("lat", "histogram", "L", (({"w": "1"}, h),)))
+
+    registry = CollectorRegistry()
+    registry.register(Fixed())
+    text = generate_latest(registry).decode()
+    assert _types(text) == {"x": "counter", "g": "gauge", "lat": "histogram"}
+    assert _sample(text, "x_total", a='q"\\') == 2.0 and _sample(text, "x_total", a="b") == 5.0
+    assert _sample(text, "g") == 7.0
+    assert _sample(text, "lat_bucket", w="1", le="0.1") == 2  # 0.1 itself is in the le="0.1" bucket
+    assert _sample(text, "lat_bucket", w="1", le="1.0") == 3
+    assert _sample(text, "lat_bucket", w="1", le="+Inf") == 4
+    assert _sample(text, "lat_count", w="1") == 4 and _sample(text, "lat_sum", w="1") == pytest.approx(3.65)
+    with pytest.raises(ValueError, match="metric y: kind must be counter, gauge or histogram, got 'summary'"):
+        to_prometheus(Family("y", "summary", "Y", (({}, 1.0),)))
 
 
 def _scrape(address: tuple[str, int], path: str = "/metrics") -> str:
@@ -30,8 +70,12 @@ def _scrape(address: tuple[str, int], path: str = "/metrics") -> str:
         return response.read().decode()
 
 
-def _value(text: str, prefix: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+def _lag(text: str, server: str, worker: str) -> tuple[float, float, float]:
+    """(pushes, pushes later than 0.25 s after their round's first, seconds in all) of ``worker`` at ``server``."""
+    labels = {"server": server, "worker": worker}
+    count = _sample(text, "bps_server_push_lag_seconds_count", **labels)
+    on_time = _sample(text, "bps_server_push_lag_seconds_bucket", le="0.25", **labels)
+    return count, count - on_time, _sample(text, "bps_server_push_lag_seconds_sum", **labels)
 
 
 def test_daemons_serve_live_metrics(tmp_path):
@@ -41,16 +85,49 @@ def test_daemons_serve_live_metrics(tmp_path):
         cases = [("m.f32", "float32", (100_000,), True, 1), ("m.i64", "int64", (7,), False, 2)]
         run_ranks(cluster, rp.sum_cases, cases)
         worker = _scrape(cluster.config.worker_specs[0].metrics)
-        assert _value(worker, 'bps_worker_ops_total{worker="0"}') == 2
-        assert _value(worker, "bps_worker_bytes_pushed_total") == 400_000 + 56
-        assert _value(worker, "bps_worker_op_seconds_count") == 2
-        assert _value(worker, "bps_worker_ops_failed_total") == 0
+        assert {k: v for k, v in _types(worker).items() if k.startswith("bps_")} == WORKER_METRICS
+        assert _sample(worker, "bps_worker_ops_total", worker="0") == 2
+        assert _sample(worker, "bps_worker_bytes_pushed_total", worker="0") == 400_000 + 56
+        assert _sample(worker, "bps_worker_bytes_pulled_total", worker="0") == 400_000 + 56
+        assert _sample(worker, "bps_worker_op_seconds_count", worker="0") == 2
+        assert _sample(worker, "bps_worker_ops_failed_total", worker="0") == 0
+        assert _sample(worker, "bps_worker_processes_connected", worker="0") == 0  # the ranks have exited
+        assert _sample(worker, "process_resident_memory_bytes") > 20e6  # numpy and numba alone are more
+        assert _sample(worker, "process_open_fds") > 3 and _sample(worker, "process_cpu_seconds_total") > 0
+
+        # Worker 1 pushes "lag" half a second after worker 0, three rounds running (after one round of "sync",
+        # the same size, where the ranks line up). Compared with the lags of the first job, per server.
+        before = {spec.id: _scrape(spec.metrics) for spec in cluster.config.servers}
+        rounds, delay = 3, 0.5
+        assert all(r["ok"] for r in run_ranks(cluster, rp.late_rounds, 100_000, rounds, 1, delay))
         total = 0.0
+        late_servers = 0
         for spec in cluster.config.servers:
             text = _scrape(spec.metrics)
-            total += _value(text, "bps_server_bytes_received_total")
-            assert "# TYPE bps_server_round_seconds histogram" in text
-        assert total == 2 * (400_000 + 56)  # both workers' pushes, over all servers
+            assert {k: v for k, v in _types(text).items() if k.startswith("bps_")} == SERVER_METRICS
+            assert all(name in _types(text) for name in PROCESS_METRICS)
+            sid = str(spec.id)
+            total += _sample(text, "bps_server_bytes_received_total", server=sid, worker="0")
+            total += _sample(text, "bps_server_bytes_received_total", server=sid, worker="1")
+            assert _sample(text, "bps_server_workers_connected", server=sid) == 2
+            assert _sample(text, "bps_server_rounds_failed_total", server=sid) == 0
+            completed = _sample(text, "bps_server_rounds_completed_total", server=sid)
+            assert _sample(text, "bps_server_round_seconds_count", server=sid) == completed > 0
+            assert _sample(text, "bps_server_pushes_total", server=sid) == 2 * completed
+            (n0, late0, _), (n1, late1, seconds1) = _lag(text, sid, "0"), _lag(text, sid, "1")
+            assert n0 == n1 == completed  # every accepted push is observed once, under its worker
+            (m0, early_late0, _), (m1, early_late1, early_seconds1) = _lag(before[spec.id], sid, "0"), \
+                _lag(before[spec.id], sid, "1")
+            parts = (n1 - m1) / (1 + rounds)  # the partitions of "sync" (and of "lag") on this server
+            assert parts == int(parts)
+            lag_rounds = rounds * parts
+            # worker 1 was late in every "lag" round (and maybe in "sync"); worker 0 at most in "sync"
+            assert late1 - early_late1 >= lag_rounds, text
+            assert seconds1 - early_seconds1 >= 0.5 * delay * lag_rounds, text  # worker 0 may be slow to push too
+            assert late0 - early_late0 <= parts, text
+            late_servers += lag_rounds > 0
+        assert late_servers >= 2  # "lag" has partitions on several servers
+        assert total == 2 * (400_000 + 56) + 2 * (1 + rounds) * 400_000  # both workers' pushes, all servers
         with pytest.raises(urllib.error.HTTPError) as info:
             _scrape(cluster.config.worker_specs[0].metrics, "/other")
         assert info.value.code == 404

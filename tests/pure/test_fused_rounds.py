@@ -139,3 +139,27 @@ def test_a_round_that_waits_for_a_process_that_is_not_connected_fails_after_the_
     assert [(m, f.req, f.code, f.timeout_s) for m, f in out.answers] == [("p0", 1, "timeout", 5.0)]
     assert "rank 4 of worker 1 is not connected" in out.answers[0][1].message
     assert [name for name, _ in out.aborts] == ["a"] and list(fr.collecting) == ["b"]
+
+
+def test_failing_a_name_answers_its_entries_and_does_not_wait_for_ranks_that_heard_it_unfused():
+    """Local rank 0 issued "a" fused, rank 1 too large to fuse (its op heard the failure through its round):
+    the fused round fails, the anchor is told, and the name's next fused round is new."""
+    fr = rounds(2)
+    fr.submit("p0", 0, entries(["a"]))
+    why = Why.mismatch("a", "float32[4]", "float32[400]", "sizes on both sides of the fusion limit")
+    out = fr.fail_name("a", why, {1})
+    assert [(m, f.code) for m, f in out.answers] == [("p0", "mismatch")]
+    assert [name for name, _ in out.aborts] == ["a"]
+    assert not fr.busy("a") and "a" not in fr.failed
+    nxt = fr.submit("p1", 1, entries(["a"], 9))
+    assert nxt.answers == [] and "a" in fr.collecting  # a new round, not the failed one's error
+
+
+def test_a_failed_fused_round_still_waits_for_a_rank_that_heard_nothing():
+    fr = rounds(3)
+    fr.submit("p0", 0, entries(["a"]))
+    why = Why.mismatch("a", "float32[4]", "float32[400]", "sizes on both sides of the fusion limit")
+    fr.fail_name("a", why, {1})
+    assert "a" in fr.failed  # rank 2 has not issued it yet: it will get this error
+    late = fr.submit("p2", 2, entries(["a"], 5))
+    assert [(m, f.code) for m, f in late.answers] == [("p2", "mismatch")]

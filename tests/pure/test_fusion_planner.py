@@ -122,3 +122,35 @@ def test_a_name_that_waits_for_a_worker_is_said_in_the_log_after_the_timeout_and
     assert p.stall_warnings(107.0) == [] and len(p.stall_warnings(110.6)) == 1
     p.report(1, ["late"], [F32], [1], now=111.0)
     assert p.stall_warnings(200.0) == []  # planned: nothing waits
+
+
+def _unfused_why(spec: Spec) -> Why:
+    return Why.mismatch("a", "float32[4]", "float32[400]", "sizes on both sides of the fusion limit")
+
+
+def test_a_worker_that_pushed_a_waiting_name_unfused_fails_it_for_the_reporters_and_is_not_waited_for():
+    p = Planner(3)
+    p.report(0, ["a"], [F32])
+    failed = p.pushed_unfused(1, "a", _unfused_why, {1})
+    assert [(f.worker, f.name, f.why.code, f.why.ours, f.why.theirs) for f in failed] == \
+        [(0, "a", "mismatch", "float32[4]", "float32[400]")]
+    assert p.failed["a"][1] == {2}  # worker 2 hears it when it reports a; worker 1 took the other path
+    # worker 2 pushed it unfused too: nobody is left to tell, and its next fused report is a new round
+    assert p.pushed_unfused(2, "a", _unfused_why, {1, 2}) == [] and not p.failed
+    assert p.report(2, ["a"], [F32]) == [] and p.waiting["a"].workers == {2}
+
+
+def test_an_unfused_push_of_a_name_nobody_reported_changes_nothing():
+    p = Planner(2)
+    assert p.pushed_unfused(1, "a", _unfused_why, {1}) == [] and not p.failed and not p.waiting
+    p.report(1, ["a"], [F32])  # the pusher's own report (it reported, then pushed another round)
+    assert p.pushed_unfused(1, "a", _unfused_why, {1}) == [] and p.waiting["a"].workers == {1}
+
+
+def test_an_abort_does_not_wait_for_the_workers_that_pushed_the_name_unfused():
+    """Their next fused report of the name is a round of its own: a failure left waiting for it would fail it."""
+    p = Planner(3)
+    p.abort(0, ["a"], Why("worker 0 gave it up", "round_failed"), lambda name: {1})
+    assert p.failed["a"][1] == {2}
+    p.abort(0, ["b"], Why("worker 0 gave it up", "round_failed"), lambda name: {1, 2})
+    assert "b" not in p.failed

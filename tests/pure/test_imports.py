@@ -3,8 +3,8 @@
 - ``protocol`` imports nothing of ours (it is the wire contract, sans-IO);
 - ``bps_runtime`` imports only ``protocol``;
 - neither daemon package imports the other (``bps_server`` <-> ``bps_worker``);
-- the client package and the torch layer import no daemon module: only ``protocol``, ``bps_runtime``,
-  ``bps_worker.errors`` and the client package itself.
+- the client package and the torch layer (with its DDP hook and asynchronous mode) import no daemon module: only ``protocol``,
+  ``bps_runtime``, ``bps_worker.errors`` and the client package itself.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 
 
 def _is_client(module: str) -> bool:
-    return module == "bps_worker.client" or module.startswith("bps_worker.client.") or module == "bps_worker.torch"
+    return (module == "bps_worker.client" or module.startswith("bps_worker.client.")
+            or module in ("bps_worker.torch", "bps_worker.torch_ddp", "bps_worker.torch_async"))
 
 
 def _allowed(module: str, target: str) -> bool:
@@ -105,6 +106,10 @@ def test_imports_follow_the_data_path(path: Path):
     ("bps_worker.torch", "bps_worker.launch", False),
     ("bps_worker.torch", "bps_worker.client.adapter", True),
     ("bps_worker.torch", "bps_worker.errors", True),
+    ("bps_worker.torch", "bps_worker.torch_ddp", True),
+    ("bps_worker.torch", "bps_worker.torch_async", True),
+    ("bps_worker.torch_async", "bps_worker.operation", False),
+    ("bps_worker.torch_ddp", "bps_worker.daemon", False),
     ("bps_worker.client", "bps_server.timeline", False),
 ])
 def test_the_rule_itself(module: str, target: str, allowed: bool):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from bps_worker.local_rounds import Failed, LocalRound, LocalRounds, Opened, Ready, Refused, RoundNumbers, agree
-from protocol.messages import KIND_BROADCAST, Op
+from protocol.messages import KIND_BROADCAST, Op, Why
 
 WORKER = 1
 OFFSET = 3  # worker 1's local rank 0 is global rank 3 (worker 0 has 3 processes)
@@ -269,3 +269,28 @@ def test_each_failure_carries_its_code_and_facts_for_the_typed_error():
     error = error_from_failure(f)
     assert isinstance(error, BPSTimeoutError) and (error.what, error.timeout_s) == ("tensor 'w'", 5.0)
     assert str(error) == "tensor 'w' timed out after 5 s: rank 4 of worker 1 is not connected"
+
+
+def test_failing_a_name_does_not_wait_for_the_ranks_that_heard_it_through_their_fused_entries():
+    """Local rank 0 pushed "w" too large to fuse, ranks 1 and 2 small enough (their fused entries were
+    answered): the round fails now, is aborted at the anchor, and is gone, so the name's next round is new."""
+    lr = rounds(3)
+    (opened,) = lr.submit("p0", 0, op())
+    assert isinstance(opened, Opened)
+    why = Why.mismatch("w", "float32[2]", "float32[4,3]", "sizes on both sides of the fusion limit")
+    (failed,) = lr.fail_name("w", why, {1, 2})
+    assert isinstance(failed, Failed) and [m for m, _ in failed.members] == ["p0"]
+    assert failed.failure(failed.members[0][1]).code == "mismatch"
+    assert "w" not in lr.open
+    assert kinds(lr.submit("p1", 1, op(req=2))) == ["Opened"]  # a new round, not the failed one's error
+    assert lr.fail_name("nothing", why, {0}) == []
+
+
+def test_a_failed_round_still_waits_for_a_rank_that_heard_nothing():
+    lr = rounds(3)
+    lr.submit("p0", 0, op())
+    why = Why.mismatch("w", "float32[2]", "float32[4,3]", "sizes on both sides of the fusion limit")
+    lr.fail_name("w", why, {1})
+    assert lr.open["w"][0].expected == {2}
+    (refused,) = lr.submit("p2", 2, op(req=3))  # the late rank gets the round's error, and then it is gone
+    assert isinstance(refused, Refused) and refused.code == "mismatch" and "w" not in lr.open

@@ -19,6 +19,7 @@ from bps_server.rounds import (
     RoundTable,
     Settled,
     StartGrace,
+    sizes_differ,
     SumAll,
     Why,
 )
@@ -344,3 +345,38 @@ def test_every_other_failure_is_round_failed_without_facts():
     assert _facts(table.push(_push(0, rnd=1), _data(), "twice", 0.0)) == {"twice": plain}
     assert _facts(table.push(_push(1, rnd=2), _data(), "w1", 0.0)) == {"w0": plain}  # abandoned
     assert _facts(table.abort("t", 0, 2, 2, "local trouble")) == {"w1": plain}
+
+
+def test_an_open_round_meets_a_fused_report_of_its_name_and_fails_for_every_pusher():
+    """Partition 0 at the anchor: the workers that pushed the name's open round, and its failure when another
+    worker issued the name fused (sizes on both sides of the fusion limit)."""
+    table: RoundTable[str] = RoundTable(3)
+    assert table.unfused("t") is None
+    table.push(_push(0), _data(), "w0", 0.0)
+    table.push(_push(1), _data(), "w1", 0.0)
+    pushers, first = table.unfused("t")
+    assert pushers == {0, 1} and first.worker == 0
+    why = sizes_differ("t", ("float32", (2,), False, ""), 2, "float32[4]", 0)
+    facts = _facts(table.fail_open("t", why))
+    assert facts == {f"w{w}": ("mismatch", "t", "float32[4]", "float32[2]", "", "", 0.0) for w in (0, 1)}
+    assert "worker 2 issued it as float32[2] (fused) but worker 0 as float32[4]" in why.text
+    assert table.unfused("t") is None and table.fail_open("t", why) == []  # failed once
+    # a late push of that round hears why; the next round is a round like any
+    assert "(fused)" in _fails(table.push(_push(2), _data(), "w2", 0.0))["w2"]
+    assert isinstance(table.push(_push(0, rnd=1), _data(), "w0", 0.0)[0], Add)
+
+
+def test_each_accepted_push_has_its_lag_behind_the_rounds_first_push():
+    table: RoundTable[str] = RoundTable(3)
+    table.push(_push(1), _data(), "a", now=10.0)
+    assert table.lag == 0.0  # the first push opens the round
+    table.push(_push(0), _data(), "b", now=10.25)
+    assert table.lag == 0.25
+    table.push(_push(2, name="u"), _data(), "c", now=11.0)
+    assert table.lag == 0.0  # another key: its own round, its own first push
+    table.push(_push(2), _data(), "d", now=12.5)
+    assert table.lag == 2.5  # the straggler of key t's round 0
+    table.push(_push(2, shape=[5]), np.zeros(5, np.float32), "e", now=13.0)
+    assert table.lag is None  # refused (a duplicate push of round 0, or a mismatch): no lag
+    table.push(_push(0, rnd=1, name="u"), _data(), "f", now=14.0)
+    assert table.lag == 0.0  # round 1 of key u abandons round 0 and opens with this push

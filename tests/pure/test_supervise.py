@@ -70,6 +70,24 @@ def test_a_cluster_keeps_sockets_in_a_private_directory_of_its_file(tmp_path):
         cluster.stop()
 
 
+def test_ranks_get_torch_distributed_rendezvous_like_torchrun(tmp_path, monkeypatch):
+    """A DDP script (bps.ddp_comm_hook still needs a process group) runs under bps-launch unchanged."""
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.setenv("RANK", "7")  # a stale one in the launcher's environment is not passed on
+    cluster = Cluster(str(write_config(tmp_path, [2, 1], cpu_servers=0)))
+    try:
+        envs = [cluster.env_for(0, 0), cluster.env_for(0, 1), cluster.env_for(1, 0)]
+        assert [(e["RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [
+            ("0", "3", "2"), ("1", "3", "2"), ("2", "3", "1")]
+        assert {(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs} == {("127.0.0.1", envs[0]["MASTER_PORT"])}
+        assert 0 < int(envs[0]["MASTER_PORT"]) < 65536
+        monkeypatch.setenv("MASTER_PORT", "29999")  # the user's choice wins
+        assert cluster.env_for(1, 0)["MASTER_PORT"] == "29999"
+    finally:
+        cluster.stop()
+
+
 @pytest.mark.parametrize("where", ["missing", "shared"])
 def test_a_cluster_moves_sockets_out_of_a_missing_or_shared_directory(tmp_path, where):
     """The demo's /tmp/bps: missing on a fresh box, or pre-created by someone else (here: writable by all)."""

@@ -1,0 +1,188 @@
+"""``push_pull_group``: a process's whole tree of tensors in one call, its small entries packed into a few.
+
+Theory of operation. Every process of the job names the same tensors, in any order. Sorted by name, the
+group's entries are in one order everywhere; its small entries (at most ``PACK_MAX_BYTES`` each), laid end to
+end per dtype in that order, make one tensor per dtype that every process builds alike. Summing those few
+tensors sums every entry, and the worker daemons and servers see a handful of ordinary tensors instead of
+thousands of names: the per-tensor cost left is a copy in and a copy out.
+
+That holds only where every process's group is the same: same names, and for each name the same dtype and
+shape. A difference would pack differently on two processes. The packed tensors would then disagree on
+their layout (a digest of the group, carried as ``Op.layout``, which the daemons compare) or, worse, on
+their dtypes, so that one process waits for a packed tensor the other never sends. So the processes first
+agree, in one small sum: each pushes ``chunks`` of the group's digest and their squares (:func:`agreement`).
+The sums equal ``size`` times one's own chunks and squares only where every process's chunk is the same
+(``sum((c - c_own)**2) = 0``), so every process reaches the same answer, and none waits for another:
+
+- all agree: the packed tensors are summed and cut back into the entries;
+- any differs: every process takes the per-name path (:meth:`Operations.start_group`) for the small entries,
+  which names the tensor that differs, on every process, and completes the others.
+
+The large entries always go by name, started at once (a per-name sum needs no agreement). The agreement's
+name and the packed tensors' are the client's own (``GROUP_PREFIX`` and a digest of the group's names), so
+two calls with the same names use the same slots every step. A group smaller than ``PACK_MIN_ENTRIES`` is not
+worth a round trip for the agreement and goes by name throughout (its size is the same on every process that
+names the same tensors). Processes whose groups name different tensors wait for each other like processes that
+push different names one by one (the daemons' stall warnings say which).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from math import prod
+from typing import TYPE_CHECKING, Any, Final, Sequence
+
+import numpy as np
+
+from protocol.messages import KIND_SUM
+
+from ..errors import BPSError
+from .arguments import GROUP_PREFIX
+from .handle import Handle
+
+if TYPE_CHECKING:
+    from .operations import Operations
+
+__all__ = ["PACK_MAX_BYTES", "PACK_MIN_ENTRIES", "GroupPlan", "agreement", "agrees", "push_pull_group"]
+
+# Entries of at most this many bytes are packed (a constant, not a setting: every process must pack alike).
+PACK_MAX_BYTES: Final = 64 * 1024
+# Groups with fewer entries go by name (the agreement's round trip would cost more than it saves).
+PACK_MIN_ENTRIES: Final = 8
+# The digest is compared as this many chunks of CHUNK_BITS bits: a chunk's square times the job's size stays
+# far inside int64 (2**40 * 2**20 processes).
+CHUNKS: Final = 4
+CHUNK_BITS: Final = 20
+
+
+@dataclass
+class Packed:
+    """The small entries of one dtype, end to end in name order: ``(index, offset, count)`` each."""
+
+    wire: str
+    dtype: np.dtype
+    entries: list[tuple[int, int, int]]
+    total: int
+
+
+@dataclass
+class GroupPlan:
+    """How one call's entries go: the packed tensors, the large entries, the digests that name them."""
+
+    names_digest: str  # of the sorted names alone: the agreement's and the packed tensors' names
+    digest: bytes  # of every entry's name, dtype and shape: what the processes must agree on
+    packed: list[Packed]
+    large: list[int]  # indexes of the entries that go by name whatever happens
+
+    def small(self) -> list[int]:
+        return [i for p in self.packed for i, _, _ in p.entries]
+
+
+def plan_group(names: list[str], dtypes: list[np.dtype], shapes: list[tuple[int, ...]], wires: list[str]
+               ) -> GroupPlan:
+    """The plan of checked entries (see the module docstring)."""
+    order = sorted(range(len(names)), key=names.__getitem__)
+    sorted_names = "\x00".join(names[i] for i in order).encode()
+    names_digest = hashlib.blake2b(sorted_names, digest_size=12).hexdigest()
+    full = hashlib.blake2b(digest_size=16)
+    packs: dict[str, Packed] = {}
+    large: list[int] = []
+    for i in order:
+        count = prod(shapes[i])
+        full.update(f"{names[i]}\x00{wires[i]}\x00{shapes[i]}\x00".encode())
+        if count * dtypes[i].itemsize > PACK_MAX_BYTES:
+            large.append(i)
+            continue
+        pack = packs.setdefault(wires[i], Packed(wires[i], dtypes[i], [], 0))
+        pack.entries.append((i, pack.total, count))
+        pack.total += count
+    return GroupPlan(names_digest, full.digest(), [packs[w] for w in sorted(packs)], large)
+
+
+def agreement(digest: bytes) -> np.ndarray:
+    """What a process pushes to learn whether every process has this ``digest``: chunks and their squares."""
+    value = int.from_bytes(digest, "big")
+    chunks = [(value >> (CHUNK_BITS * k)) & ((1 << CHUNK_BITS) - 1) for k in range(CHUNKS)]
+    return np.array(chunks + [c * c for c in chunks], dtype=np.int64)
+
+
+def agrees(mine: np.ndarray, summed: np.ndarray, size: int) -> bool:
+    """Whether the sum of every process's :func:`agreement` says they all pushed ``mine``."""
+    return bool(np.array_equal(summed, mine * size))
+
+
+def push_pull_group(ops: Operations, arrays: Sequence[Any], names: Sequence[Any], *, average: bool,
+                    priority: int) -> list[np.ndarray]:
+    """Sum (or average) every ``arrays[i]`` as ``names[i]`` (see the module docstring)."""
+    if len(arrays) != len(names):
+        raise BPSError(f"push_pull_group: {len(arrays)} arrays but {len(names)} names")
+    arrays = [np.asarray(a) for a in arrays]
+    if len(arrays) < PACK_MIN_ENTRIES:
+        return ops.finish_group(ops.start_group(arrays, names, average=average, priority=priority))
+    checked = [ops.checked(name, a.dtype, a.shape, average, priority) for a, name in zip(arrays, names)]
+    names = [c[0] for c in checked]
+    for name in names:  # packed, the daemons never see these names: the process checks their mode alone
+        if ops.modes.get(name) is not False:
+            ops.claim_mode(name, KIND_SUM)
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise BPSError(f"tensor {name!r} appears twice in one push_pull_group")
+        seen.add(name)
+    plan = plan_group(names, [c[1] for c in checked], [c[3] for c in checked], [c[2] for c in checked])
+    results: list[np.ndarray | None] = [None] * len(arrays)
+    large = ops.start_group([arrays[i] for i in plan.large], [names[i] for i in plan.large], average=average,
+                            priority=priority) if plan.large else []
+    failure: BaseException | None = None
+    try:
+        mine = agreement(plan.digest)
+        summed = ops.finish(ops.start(mine, f"{GROUP_PREFIX}{plan.names_digest}/agree", KIND_SUM, average=False,
+                                      priority=priority, root=-1, out=None, internal=True), None)
+        if agrees(mine, summed, ops.size):
+            _sum_packed(ops, plan, arrays, results, average, priority)
+        else:  # some process's group differs: by name, so that the one that differs is named
+            small = plan.small()
+            summed_small = ops.finish_group(ops.start_group([arrays[i] for i in small], [names[i] for i in small],
+                                                            average=average, priority=priority))
+            for i, y in zip(small, summed_small):
+                results[i] = y
+    except BaseException as exc:
+        failure = exc
+    try:  # whatever happened above: no large entry stays in flight
+        for i, y in zip(plan.large, ops.finish_group(large)):
+            results[i] = y
+    except BPSError as exc:
+        failure = failure or exc
+    if failure is not None:
+        raise failure
+    assert all(r is not None for r in results)
+    return results  # type: ignore[return-value]
+
+
+def _sum_packed(ops: Operations, plan: GroupPlan, arrays: list[np.ndarray], results: list[np.ndarray | None],
+                average: bool, priority: int) -> None:
+    """Sum the packed tensors (all started, then all finished) and cut the entries' results out of them."""
+    handles: list[tuple[Packed, Handle]] = []
+    try:
+        for pack in plan.packed:
+            def fill(view: np.ndarray, pack: Packed = pack) -> None:
+                for i, offset, count in pack.entries:
+                    view[offset:offset + count] = arrays[i].reshape(-1)
+
+            name = f"{GROUP_PREFIX}{plan.names_digest}/{pack.wire}"
+            handles.append((pack, ops.start_filled(name, KIND_SUM, pack.dtype, (pack.total,), fill, average=average,
+                                                   priority=priority, root=-1, out=None,
+                                                   layout=plan.digest.hex(), internal=True)))
+    finally:
+        failure: BaseException | None = None
+        for pack, handle in handles:
+            try:
+                summed = ops.finish(handle, None, view=True)
+            except BPSError as exc:
+                failure = failure or exc
+                continue
+            for i, offset, count in pack.entries:
+                results[i] = summed[offset:offset + count].reshape(arrays[i].shape).copy()
+        if failure is not None:
+            raise failure

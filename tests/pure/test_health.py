@@ -1,0 +1,93 @@
+"""The probes' decisions and systemd's watchdog settings, with the time passed in; the pulse's STATUS= and
+WATCHDOG=1 on a datagram socket."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from bps_runtime.health import Health, Pulse, Verdict, livez, readyz, watchdog_period, watchdog_seconds
+
+READY = Verdict(None, "serving 2 of 2 workers")
+WAITING = Verdict("not connected to server 2 at 10.0.0.5:9100", "waiting for server 2")
+
+
+def test_livez_passes_while_the_loop_beats_within_the_limit():
+    assert livez(Health(100.0, READY), 100.0, 10.0) == (200, "ok")
+    assert livez(Health(100.0, WAITING), 110.0, 10.0) == (200, "ok")  # liveness ignores readiness
+
+
+def test_livez_fails_once_the_last_beat_is_older_than_the_limit():
+    assert livez(Health(100.0, READY), 110.5, 10.0) == (503, "event loop stalled: last beat 10.5 s ago (limit 10 s)")
+    assert livez(None, 0.0, 10.0) == (503, "event loop has not started its pulse")
+
+
+def test_readyz_gives_the_daemons_reason():
+    assert readyz(Health(5.0, READY), 6.0, 10.0) == (200, "ready")
+    assert readyz(Health(5.0, WAITING), 6.0, 10.0) == (503, "not connected to server 2 at 10.0.0.5:9100")
+
+
+def test_readyz_of_a_stalled_loop_is_the_stall_not_its_stale_verdict():
+    assert readyz(Health(5.0, READY), 20.0, 10.0) == (503, "event loop stalled: last beat 15.0 s ago (limit 10 s)")
+    assert readyz(None, 0.0, 10.0)[0] == 503
+
+
+def test_watchdog_period_from_systemds_variables():
+    assert watchdog_seconds(None, None, 42) is None
+    assert watchdog_seconds("", None, 42) is None
+    assert watchdog_seconds("30000000", None, 42) == 30.0
+    assert watchdog_seconds("500000", "42", 42) == 0.5
+    assert watchdog_seconds("500000", "43", 42) is None  # another process's watchdog (e.g. a wrapper's)
+
+
+@pytest.mark.parametrize("usec, pid, message", [
+    ("30s", None, "WATCHDOG_USEC must be a positive number of microseconds, got '30s'"),
+    ("0", None, "WATCHDOG_USEC must be a positive number of microseconds, got '0'"),
+    ("-5", None, "WATCHDOG_USEC must be a positive number of microseconds, got '-5'"),
+    ("1000", "me", "WATCHDOG_PID must be a process id, got 'me'"),
+])
+def test_malformed_watchdog_variables_are_named(usec, pid, message):
+    with pytest.raises(ValueError) as info:
+        watchdog_seconds(usec, pid, 42)
+    assert str(info.value) == message
+
+
+def test_stall_limit_must_be_positive():
+    assert watchdog_period(10.0, "2000000", None, 1) == 2.0
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"--stall-limit must be > 0 seconds, got"):
+            watchdog_period(bad, None, None, 1)
+
+
+def test_a_verdict_that_raises_is_not_ready_but_alive():
+    def broken() -> Verdict:
+        raise KeyError("links")
+
+    pulse = Pulse(broken)
+    pulse.beat()
+    assert pulse.latest is not None
+    assert livez(pulse.latest, pulse.latest.beat, 10.0) == (200, "ok")
+    assert readyz(pulse.latest, pulse.latest.beat, 10.0) == (503, "internal error in the health verdict: KeyError('links')")
+
+
+def test_status_is_sent_when_it_changes_and_pings_every_half_period(tmp_path):
+    path = str(tmp_path / "notify")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(path)
+        sock.setblocking(False)
+        verdicts = iter([READY, READY, WAITING])
+        pulse = Pulse(lambda: next(verdicts), notify_socket=path, watchdog_s=3600.0)
+        assert pulse.interval_s == 1.0 and pulse.ping_every_s == 1800.0
+        for _ in range(3):
+            pulse.beat()
+        got = []
+        while True:
+            try:
+                got.append(sock.recv(100).decode())
+            except BlockingIOError:
+                break
+    # one ping (the next is due in half an hour), and a STATUS line per change only
+    assert got == ["STATUS=serving 2 of 2 workers", "WATCHDOG=1", "STATUS=waiting for server 2"]
+    assert Pulse(lambda: READY, watchdog_s=0.4).ping_every_s is None  # no socket: nothing to ping
+    assert Pulse(lambda: READY, notify_socket=path, watchdog_s=0.4).interval_s == 0.2
