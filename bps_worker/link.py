@@ -641,7 +641,8 @@ class ServerLink:
         item = self.window.answered(message.req)
         self._after_answer(item)
         if item is not None:
-            self.window.drop_sum(item.key)
+            if item.push.kind not in ASYNC_KINDS:  # an older value with its vector is still a good copy
+                self.window.drop_sum(item.key)
             if not item.future.done():
                 item.future.set_exception(failure_error(self.spec.id, message))
 

@@ -67,7 +67,8 @@ __all__ = [
     "BPSError", "BPSConnectionError", "BPSMismatchError", "BPSTimeoutError", "Compression", "Handle",
     "DistributedOptimizer", "broadcast", "broadcast_", "broadcast_optimizer_state", "broadcast_parameters",
     "init", "is_initialized", "local_rank", "local_size", "poll", "push_pull", "push_pull_async", "rank",
-    "shared_tensor", "shutdown", "size", "synchronize", "DDPHookState", "ddp_comm_hook",
+    "shared_tensor", "shutdown", "size", "synchronize", "DDPHookState", "ddp_comm_hook", "async_init",
+    "async_push_pull",
 ]
 
 _WIRE_TYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}
@@ -195,6 +196,17 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str) -> torch.Tensor:
     """``root_rank``'s value of ``tensor``, as a new tensor on every process."""
     result = _client.broadcast(_to_numpy(tensor), root_rank, name)
     return _from_numpy(result, tensor).to(tensor.device)
+
+
+def async_init(tensor: torch.Tensor, name: str, root_rank: int = 0, *, staleness: int | None = None) -> torch.Tensor:
+    """:func:`bps_worker.client.async_init` on a tensor: the servers' value of ``name``, as a new tensor."""
+    result = _client.async_init(_to_numpy(tensor), name, root_rank, staleness=staleness)
+    return _from_numpy(result, tensor).to(tensor.device)
+
+
+def async_push_pull(delta: torch.Tensor, name: str) -> torch.Tensor:
+    """:func:`bps_worker.client.async_push_pull` on a tensor: ``delta`` added, the value after it."""
+    return _from_numpy(_client.async_push_pull(_to_numpy(delta), name), delta).to(delta.device)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str) -> torch.Tensor:

@@ -182,4 +182,8 @@ def torch_async_sgd(steps: int, staleness: int | None) -> dict[str, Any]:
     total = sum(r + 1 for r in range(bps.size()))
     want = {n: init0[n] - 0.25 * steps * total for n in init0}
     exact = all(torch.equal(p.detach(), want[n]) for n, p in model.named_parameters())
-    return {"same_after_broadcast": same, "exact": exact, "errors": errors, "seconds": time.monotonic() - t0}
+    value = bt.async_init(torch.full((3,), 2.0), "torch/plain")  # the tensor functions
+    value = bt.async_push_pull(torch.ones(3), "torch/plain")
+    plain = value.tolist()
+    return {"same_after_broadcast": same, "exact": exact, "errors": errors, "seconds": time.monotonic() - t0,
+            "plain": plain}

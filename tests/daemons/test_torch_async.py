@@ -17,3 +17,4 @@ def test_async_sgd_puts_every_process_step_in_the_servers_value(cluster_2x2, sta
     for r in results:
         assert r["same_after_broadcast"] and r["exact"], r
         assert "compression is for gradients" in r["errors"][0] and "asynchronous=True" in r["errors"][1], r
+        assert r["plain"][0] in (3.0, 4.0, 5.0, 6.0) and len(set(r["plain"])) == 1  # 2 + its delta + others' so far
