@@ -231,13 +231,16 @@ class ValueStore(Generic[W]):
         if push.round == 0:
             return [Fail(w.handle, push, Why(f"async push of {push.name!r} part {push.part} by worker {worker} "
                                              f"has step 0; steps start at 1", "error"))]
-        if push.round > st.applied[worker]:
+        fresh = push.round > st.applied[worker]
+        if fresh:
             kernels.accumulate(st.value, payload, push.dtype, first=False)
             st.applied[worker] = push.round
-        else:
-            self.replays += 1
         st.held.append(w)
-        return self._release(st)
+        if fresh:
+            return self._release(st)
+        self.replays += 1
+        return [Note(logging.INFO, f"worker {worker} pushed step {push.round} of {push.name!r} part {push.part} "
+                                   f"again; the value holds it already (not added twice)"), *self._release(st)]
 
     def _answer(self, st: _Key[W], w: _Waiter[W]) -> Answer[W]:
         assert st.value is not None

@@ -41,17 +41,19 @@ def barrier(tag: str) -> None:
 
 
 def exact_run(name: str, dtype: str, steps: int, seed: int, base: float, max_sleep: float,
-              staleness: int | None = None, slow: float = 1.0) -> dict[str, Any]:
-    """async_init from rank 0, ``steps`` deltas at random intervals (up to ``max_sleep``, ``slow`` times that
-    on the last machine), a barrier, then the value (a zero delta's answer), which must hold every delta of
-    every rank."""
+              staleness: int | None = None, slow: tuple[float, ...] = ()) -> dict[str, Any]:
+    """async_init from rank 0, ``steps`` deltas at random intervals (up to ``max_sleep``, ``slow[w]`` times that
+    on machine ``w``), a barrier, then the value (a zero delta's answer), which must hold every delta of every
+    rank."""
+    worker = bps.rank() // bps.local_size()
+    factor = slow[worker] if worker < len(slow) else 1.0
     rng = random.Random(seed * 100 + bps.rank())
     first = bps.async_init(initial(dtype, base) if bps.rank() == 0 else np.zeros(SHAPE, NUMPY_DTYPES[dtype]), name,
                            staleness=staleness)
     assert np.array_equal(first, initial(dtype, base)), "the value starts as the root's array"
     barrier(f"{name}/init")  # an init answers the value as it is: no machine pushes before every one has it
     for step in range(steps):
-        time.sleep(rng.random() * max_sleep * (slow if bps.rank() >= bps.size() - bps.local_size() else 1.0))
+        time.sleep(rng.random() * max_sleep * factor)
         value = bps.async_push_pull(delta(dtype, seed, bps.rank(), step), name)
         assert value.shape == SHAPE and value.dtype == NUMPY_DTYPES[dtype]
     barrier(name)

@@ -25,7 +25,7 @@ def test_a_server_killed_and_restarted_mid_run_keeps_every_delta_exactly_once(tm
     path = write_config(tmp_path, [2, 2], cpu_servers=1, cluster={"partition_bytes": 16384, "timeout": 10.0})
     results, logs, stats = run_through_restart(start_cluster(path), victim, 150, "async_deltas", ap.exact_run,
                                                "restart", "float32", 200, 3, 10.0, 0.004, staleness,
-                                               1.0 if staleness is None else 4.0, timeout=90)
+                                               () if staleness is None else (1.0, 4.0), timeout=90)
     for r in results:
         assert np.array_equal(r["final"], r["want"]), (np.abs(r["final"] - r["want"]).max(), logs)
     sid = int(victim.split("-")[1])
