@@ -22,6 +22,15 @@ def _connected(link: ServerLink) -> tuple[_LinkProtocol, FakeTransport]:
     return proto, transport
 
 
+def _link(worker: int) -> tuple[ServerLink, _LinkProtocol, FakeTransport]:
+    """Worker ``worker``'s link, connected to a server's run "run-1"."""
+    link = ServerLink(ServerSpec(0, "127.0.0.1", 9, None), worker, credit_bytes=1 << 20, timeout=5.0,
+                      max_payload_bytes=1 << 20)
+    proto, transport = _connected(link)
+    link.incarnation = "run-1"
+    return link, proto, transport
+
+
 def _answer(link: ServerLink, proto: _LinkProtocol, push: Push, value: list[float], applied: list[int]) -> None:
     payload = np.array(value, np.float32)
     link.on_message(proto, Result(push.req, push.name, push.part, push.round, applied=applied),
@@ -34,10 +43,7 @@ def _last_push(transport: FakeTransport) -> Push:
 
 
 async def test_a_restarted_server_gets_our_copy_then_restored_then_the_delta_again():
-    link = ServerLink(ServerSpec(0, "127.0.0.1", 9, None), 1, credit_bytes=1 << 20, timeout=5.0,
-                      max_payload_bytes=1 << 20)
-    proto, transport = _connected(link)
-    link.incarnation = "run-1"
+    link, proto, transport = _link(1)
     dest = memoryview(bytearray(8))
     link.push({**FIELDS, "round": 0, "kind": KIND_ASYNC_INIT, "root": 0, "staleness": 2},
               memoryview(bytearray(8)), dest, 0)
@@ -63,10 +69,7 @@ async def test_a_restarted_server_gets_our_copy_then_restored_then_the_delta_aga
 
 
 async def test_a_failed_delta_keeps_the_copy_before_it():
-    link = ServerLink(ServerSpec(0, "127.0.0.1", 9, None), 0, credit_bytes=1 << 20, timeout=5.0,
-                      max_payload_bytes=1 << 20)
-    proto, transport = _connected(link)
-    link.incarnation = "run-1"
+    link, proto, transport = _link(0)
     dest = memoryview(bytearray(8))
     link.push({**FIELDS, "round": 1, "kind": KIND_ASYNC}, memoryview(bytearray(8)), dest, 0)
     _answer(link, proto, _last_push(transport), [7, 8], [1, 0])
