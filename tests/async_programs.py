@@ -189,3 +189,28 @@ def torch_async_sgd(steps: int, staleness: int | None) -> dict[str, Any]:
     plain = value.tolist()
     return {"same_after_broadcast": same, "exact": exact, "errors": errors, "seconds": time.monotonic() - t0,
             "plain": plain}
+
+
+REJOIN_STEADY_STEPS = 60
+REJOIN_DELTAS = {"steady": 1.0, "first": 10.0, "again": 100.0}
+REJOIN_TOTAL = REJOIN_STEADY_STEPS * 1.0 + 5 * 10.0 + 5 * 100.0
+
+
+def rejoin(role: str) -> list[float]:
+    """Machine 0 ("steady") pushes 1s for REJOIN_STEADY_STEPS steps, then zeros until the value holds every
+    delta of the job; machine 1's processes come and go: "first" pushes 10s five times and leaves, "again"
+    (a new process, the daemon's rounds counted from 0 again) initialises again and pushes 100s five times."""
+    value = bps.async_init(np.zeros(4, np.float32), "rejoin")
+    if role != "steady":
+        for _ in range(5):
+            value = bps.async_push_pull(np.full(4, REJOIN_DELTAS[role], np.float32), "rejoin")
+            time.sleep(0.02)
+        return value.tolist()
+    for _ in range(REJOIN_STEADY_STEPS):
+        value = bps.async_push_pull(np.ones(4, np.float32), "rejoin")
+        time.sleep(0.02)
+    deadline = time.monotonic() + 30
+    while value[0] < REJOIN_TOTAL and time.monotonic() < deadline:
+        time.sleep(0.05)
+        value = bps.async_push_pull(np.zeros(4, np.float32), "rejoin")
+    return value.tolist()

@@ -3,6 +3,7 @@ applies none twice; a worker machine killed holds the others back only as long a
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import re
 import threading
 import time
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import async_programs as ap
-from harness import daemon_logs, run_ranks, run_through_restart, server_stats, start_cluster, write_config
+from harness import _rank_main, daemon_logs, run_ranks, run_through_restart, server_stats, start_cluster, write_config
 
 
 @pytest.mark.timeout(120)
@@ -80,3 +81,39 @@ def test_a_worker_machine_killed(tmp_path, staleness):
         else:
             assert r["error"] == "BPSConnectionError" and r["peer"] == "worker 2", (r, logs)
             assert TIMEOUT_S - 0.5 < r["at"] - killed_at[0] < 1.25 * TIMEOUT_S + 2, r["at"] - killed_at[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_machine_whose_processes_come_back_goes_on_from_its_step(tmp_path):
+    """Machine 1's process pushes five deltas and leaves (its daemon resets: its rounds count from 0 again);
+    a new process there initialises again and pushes five more, while machine 0 pushes all along. The new
+    init learns machine 1's step from the servers, so its deltas are not taken for replays of the old ones:
+    machine 0 ends with every delta of both in the value, exactly once."""
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cluster={"timeout": 4.0}))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    sockets = [w.socket for w in cluster.config.worker_specs]
+
+    def rank(worker: int, role: str) -> mp.Process:
+        p = ctx.Process(target=_rank_main, args=(queue, sockets[worker], 0, worker, ap.rejoin, (role,), 10.0),
+                        daemon=True)
+        p.start()
+        return p
+
+    procs = [rank(0, "steady"), rank(1, "first")]
+    try:
+        reports = []
+        for _ in range(3):
+            reports.append(queue.get(timeout=60))
+            assert reports[-1][1] == "ok", (reports[-1], daemon_logs(cluster))
+            if len(reports) == 1:
+                assert reports[0][0] == 1  # "first" is done: machine 1's process comes back
+                procs.append(rank(1, "again"))
+        got = {r[0]: r[2] for r in reports[1:]}
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        cluster.stop()
+    assert got[0] == [ap.REJOIN_TOTAL] * 4, got
