@@ -80,6 +80,14 @@ def run_through_restart(cluster: Cluster, victim: str, after: int, counter: str,
     return results, logs, stats
 
 
+def reap(procs: list[Any], timeout: float = 10.0) -> None:
+    """Join rank processes started by hand (``_rank_main``), killing those still alive after ``timeout``."""
+    for p in procs:
+        p.join(timeout=timeout)
+        if p.is_alive():
+            p.kill()
+
+
 def daemon_logs(cluster: Cluster) -> str:
     if not cluster.log_dir:
         return ""

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import async_programs as ap
-from harness import _rank_main, daemon_logs, run_ranks, run_through_restart, server_stats, start_cluster, write_config
+from harness import _rank_main, daemon_logs, reap, run_ranks, run_through_restart, server_stats, start_cluster, write_config
 
 
 @pytest.mark.timeout(120)
@@ -111,9 +111,6 @@ def test_a_machine_whose_processes_come_back_goes_on_from_its_step(tmp_path):
                 procs.append(rank(1, "again"))
         got = {r[0]: r[2] for r in reports[1:]}
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        reap(procs)
         cluster.stop()
     assert got[0] == [ap.REJOIN_TOTAL] * 4, got
