@@ -191,8 +191,8 @@ def async_init(array: np.ndarray, name: str, root_rank: int = 0, *, staleness: i
     :func:`async_push_pull` does not return before); ``0`` is bulk-synchronous; ``None`` is unbounded.
     A name is either synchronous or asynchronous for the life of a job: any other use of it is a BPSError.
     """
-    from .adapter import start_async_init
-    return synchronize(start_async_init(array, name, root_rank, staleness))
+    ops = _operations()
+    return ops.finish(ops.start_async_init(array, name, root_rank, staleness), None)
 
 
 def async_push_pull(delta: np.ndarray, name: str) -> np.ndarray:
@@ -200,5 +200,5 @@ def async_push_pull(delta: np.ndarray, name: str) -> np.ndarray:
     arrive) and return the value after it. The processes of one machine are summed first, so each call
     of every process adds its delta once. Exactly once, also across a server restart; a call that
     raises may or may not have added its delta."""
-    from .adapter import start_async
-    return synchronize(start_async(delta, name))
+    ops = _operations()
+    return ops.finish(ops.start_async(delta, name), None)

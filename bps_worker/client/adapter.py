@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from protocol.messages import KIND_ASYNC, KIND_ASYNC_INIT, KIND_BROADCAST, KIND_SUM
+from protocol.messages import KIND_BROADCAST, KIND_SUM
 
 from . import _operations
 from .handle import Handle
@@ -79,14 +79,12 @@ def start_broadcast(array: np.ndarray, name: str, root_rank: int) -> Handle:
 
 def start_async_init(array: np.ndarray, name: str, root_rank: int, staleness: int | None) -> Handle:
     """Start :func:`~bps_worker.client.async_init`; synchronize the handle for the value."""
-    ops = _operations()
-    return ops.start(array, name, KIND_ASYNC_INIT, average=False, priority=0, root=ops.check_root(root_rank),
-                     out=None, staleness=ops.check_staleness(staleness))
+    return _operations().start_async_init(array, name, root_rank, staleness)
 
 
 def start_async(delta: np.ndarray, name: str) -> Handle:
     """Start :func:`~bps_worker.client.async_push_pull`; synchronize the handle for the value."""
-    return _operations().start(delta, name, KIND_ASYNC, average=False, priority=0, root=-1, out=None)
+    return _operations().start_async(delta, name)
 
 
 def finish_view(handle: Handle, timeout: float | None = None) -> np.ndarray:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Sequence, SupportsIndex
 import numpy as np
 import numpy.typing as npt
 
-from protocol.messages import ASYNC_KINDS, KIND_ASYNC_INIT, KIND_SUM, Op
+from protocol.messages import ASYNC_KINDS, KIND_ASYNC, KIND_ASYNC_INIT, KIND_SUM, Op
 
 from bps_runtime.timeline import Timeline, now_us
 
@@ -88,6 +88,15 @@ class Operations:
         if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
             raise BPSError(f"staleness must be None or an integer >= 0, got {staleness!r}")
         return staleness
+
+    def start_async_init(self, array: np.ndarray, name: str, root_rank: int, staleness: int | None) -> Handle:
+        """Start ``async_init`` (see :func:`bps_worker.client.async_init`)."""
+        return self.start(array, name, KIND_ASYNC_INIT, average=False, priority=0, root=self.check_root(root_rank),
+                          out=None, staleness=self.check_staleness(staleness))
+
+    def start_async(self, delta: np.ndarray, name: str) -> Handle:
+        """Start ``async_push_pull`` (see :func:`bps_worker.client.async_push_pull`)."""
+        return self.start(delta, name, KIND_ASYNC, average=False, priority=0, root=-1, out=None)
 
     def claim_mode(self, name: str, kind: str) -> None:
         """Fix ``name``'s mode on its first use; BPSError for the other mode, or a delta before its init."""
