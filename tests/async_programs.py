@@ -109,7 +109,13 @@ def misuse(name: str) -> dict[str, Any]:
         never = "ok"
     except bps.BPSError as exc:
         never = f"{type(exc).__name__}: {exc}"
-    return {"outcome": outcome, "local": local, "never": never}
+    bad = []
+    for staleness in (-1, 1.5, True):
+        try:
+            bps.async_init(np.ones(4, np.float32), f"{name}/bad", staleness=staleness)  # type: ignore[arg-type]
+        except bps.BPSError as exc:
+            bad.append(str(exc))
+    return {"outcome": outcome, "local": local, "never": never, "bad": bad}
 
 
 def mismatch(name: str) -> str:
@@ -134,8 +140,16 @@ def push_until_error(name: str, staleness: int | None, seconds: float) -> dict[s
         try:
             bps.async_push_pull(np.ones(4, np.float32), name)
         except bps.BPSError as exc:
+            at = time.time()
+            after = 0
+            try:  # the dead machine holds nobody back any more (unless it was our own daemon that died)
+                for _ in range(5):
+                    bps.async_push_pull(np.ones(4, np.float32), name)
+                    after += 1
+            except bps.BPSError:
+                pass
             return {"steps": steps, "error": type(exc).__name__, "text": str(exc), "peer": getattr(exc, "peer", ""),
-                    "at": time.time(), "times": times}
+                    "at": at, "times": times, "after": after}
         steps += 1
         times.append(time.time())
         time.sleep(0.01)

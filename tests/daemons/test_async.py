@@ -70,4 +70,5 @@ def test_sync_and_async_use_of_one_name_is_an_error(cluster_2x2):
             assert r["outcome"].startswith("BPSMismatchError") and "synchronous" in r["outcome"], r
         assert r["local"].startswith("BPSError") and "used synchronously in this process" in r["local"], r
         assert r["never"].startswith("BPSError") and "call async_init first" in r["never"], r
+        assert len(r["bad"]) == 3 and all("staleness must be None or an integer >= 0" in t for t in r["bad"]), r
     assert results[0]["outcome"] == results[1]["outcome"] == "ok"

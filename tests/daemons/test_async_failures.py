@@ -60,8 +60,8 @@ def _kill_when_running(cluster, victim: str, killed_at: list[float]) -> threadin
 def test_a_worker_machine_killed(tmp_path, staleness):
     """Three machines of one process push; machine 2's worker daemon is killed -9 (its process loses it).
     With a bound, the others' pushes are held back by it until the timeout declares it dead: then they get
-    a BPSConnectionError naming worker 2, within the timeout (plus the sweep's quarter) of the kill. Without
-    one, they never notice and go on pushing."""
+    a BPSConnectionError naming worker 2, within the timeout (plus the sweep's quarter) of the kill, and
+    their next pushes return at once. Without one, they never notice and go on pushing."""
     cluster = start_cluster(write_config(tmp_path, [1, 1, 1], cluster={"timeout": TIMEOUT_S}))
     killed_at: list[float] = []
     try:
@@ -81,6 +81,7 @@ def test_a_worker_machine_killed(tmp_path, staleness):
         else:
             assert r["error"] == "BPSConnectionError" and r["peer"] == "worker 2", (r, logs)
             assert TIMEOUT_S - 0.5 < r["at"] - killed_at[0] < 1.25 * TIMEOUT_S + 2, r["at"] - killed_at[0]
+            assert r["after"] == 5, r  # declared dead, it holds nobody back: the next pushes return
 
 
 @pytest.mark.timeout(120)
