@@ -38,6 +38,7 @@ from protocol.handshake import (
     ShmOffer,
 )
 from protocol.messages import (
+    ASYNC_KINDS,
     MAX_MESSAGE_CHARS,
     ROLE_OBSERVER,
     ROLE_WORKER,
@@ -45,6 +46,7 @@ from protocol.messages import (
     Batch,
     Failure,
     FuseAbort,
+    FuseFailed,
     FuseReady,
     FuseRunning,
     Hello,
@@ -54,6 +56,7 @@ from protocol.messages import (
     Release,
     Announce,
     Reset,
+    Restored,
     Result,
     RoundInfo,
     RoundQuery,
@@ -193,6 +196,7 @@ class ServerConnection(AdmittedProtocol):
             return
         if self.server.links.get(self.worker) is self:
             del self.server.links[self.worker]
+            self.server.values.disconnected(self.worker)
             if not self.server.stopping:
                 failed = self.server.aggregator.worker_lost(self.worker)
                 self.server.fused(self.server.fusion.worker_gone(self.worker, Why(
@@ -225,6 +229,9 @@ class ServerConnection(AdmittedProtocol):
         data = self.push_data(push, payload)
         if data is None:
             return  # answered already (a segment the server cannot map)
+        if push.kind in ASYNC_KINDS or self.server.values.has(push.name, push.part):
+            self._async_push(push, data)
+            return
         if push.replay:
             self.server.aggregator.replay(push, data)
         else:
@@ -238,6 +245,30 @@ class ServerConnection(AdmittedProtocol):
                 self.server.spawn(later)
             if push.part == 0 and (push.name in self.server.fusion.waiting or push.name in self.server.fusion.failed):
                 self._pushed_unfused(push)
+
+    def _async_push(self, push: Push, data: np.ndarray) -> None:
+        """An asynchronous push (bps_server.values), or a push of a name used in the other mode: refused."""
+        values = self.server.values
+        asynchronous = push.kind in ASYNC_KINDS
+        fused = push.part == 0 and push.name in self.server.fusion.waiting
+        if not asynchronous or fused or (push.name, push.part) in self.server.aggregator.keys:
+            why = self._misuse(push.name, asynchronous, describe(push))
+            self.fail(push, why)
+            st = self.server.aggregator.keys.get((push.name, push.part))
+            if st is not None:  # the synchronous side waits for our push in a round: it fails too
+                self.server.aggregator.abort(push.name, push.part, st.round, push.worker, why.text)
+            if fused:  # or in a fused sum
+                self.server.fused(self.server.fusion.abort(push.worker, [push.name], why))
+        elif push.replay:
+            values.restore(push, data)
+        else:
+            values.push(push, data, self, self._lease(push) if push.segment else None)
+
+    def on_restored(self, message: Restored, payload: memoryview | None) -> None:
+        if message.worker != self.worker:
+            raise RemoteProtocolError(f"worker {self.worker} sent a restored message for worker {message.worker}")
+        self._stream_zero(message)
+        self.server.values.restored(message.worker)
 
     def on_abort(self, abort: Abort, payload: memoryview | None) -> None:
         assert self.worker is not None  # dispatched after the handshake only
@@ -274,6 +305,7 @@ class ServerConnection(AdmittedProtocol):
         if reset.worker != self.worker:
             raise RemoteProtocolError(f"worker {self.worker} sent a reset for worker {reset.worker}")
         failed = self.server.aggregator.worker_reset(reset.worker, reset.epoch)
+        self.server.values.reset(reset.worker)
         self.server.fused(self.server.fusion.worker_gone(reset.worker, Why(
             f"every training process of worker {reset.worker} left", "round_failed")))
         log.info("worker %d has no training processes; %d pending rounds failed", reset.worker, failed)
@@ -282,10 +314,15 @@ class ServerConnection(AdmittedProtocol):
         assert self.worker is not None
         self._stream_zero(message)
         specs = [check_spec(s) for s in message.specs]  # checked when built: as hashable tuples
-        named = [specs[i] for i in message.spec]
-        failures = self.server.fusion.report(self.worker, message.names, named, message.counts, time.monotonic())
+        names, spec_of, counts = message.names, message.spec, message.counts
+        if self.server.values.store.keys and any(self.server.values.has(n, 0) for n in names):
+            keep = [i for i, n in enumerate(names) if not self._fused_misuse(n)]
+            names, spec_of = [names[i] for i in keep], [spec_of[i] for i in keep]
+            counts = [counts[i] for i in keep] if counts else counts
+        named = [specs[i] for i in spec_of]
+        failures = self.server.fusion.report(self.worker, names, named, counts, time.monotonic())
         aggregator = self.server.aggregator
-        for name, spec in zip(message.names, named):
+        for name, spec in zip(names, named):
             open_round = aggregator.unfused(name)
             if open_round is not None and self.worker not in open_round[0]:  # other workers pushed it unfused
                 pushers, first = open_round
@@ -293,6 +330,23 @@ class ServerConnection(AdmittedProtocol):
                 failures += self.server.fusion.pushed_unfused(first.worker, name, lambda _: why, pushers)
                 aggregator.fail_open(name, why)
         self.server.fused(failures)
+
+    def _fused_misuse(self, name: str) -> bool:
+        """A small synchronous sum of an asynchronous name (fused, so no push shows it): refused, as a push."""
+        if not self.server.values.has(name, 0):
+            return False
+        why = self._misuse(name, asynchronous=False, ours="a fused sum")
+        self.send(FuseFailed(name, why.text[:MAX_MESSAGE_CHARS], why.code, ours=why.ours, theirs=why.theirs,
+                             detail=why.detail))
+        return True
+
+    def _misuse(self, name: str, asynchronous: bool, ours: str) -> Why:
+        """Why this worker's use of ``name`` is refused: the job uses it in the other mode."""
+        mode, other = ("asynchronously", "synchronously") if asynchronous else ("synchronously", "asynchronously")
+        detail = (f"worker {self.worker} used it {mode}, but the job uses it {other}; a name is either synchronous "
+                  f"or asynchronous for the life of a job")
+        return Why(f"tensor {name!r}: {detail}", "mismatch", name=name, ours=f"{ours}, {mode}",
+                   theirs=f"used {other} in this job", detail=detail)
 
     def _pushed_unfused(self, push: Push) -> None:
         """A push of partition 0 of a name that waits (or failed) at this anchor's planner: the sizes differ
@@ -503,6 +557,7 @@ class ServerConnection(AdmittedProtocol):
             old.close()
         if not hello.stream:
             self.server.aggregator.worker_hello(hello.id, hello.epoch)
+            self.server.values.connected(hello.id)
 
     def describe_daemon(self) -> str:
         """This worker connection's daemon, for the log and a refusal: where from, which run, which epoch."""
@@ -527,24 +582,25 @@ class ServerConnection(AdmittedProtocol):
         self.send(established.welcome)
 
     # -- replies ---------------------------------------------------------------------
-    def reply(self, push: Push, out: np.ndarray) -> None:
+    def reply(self, push: Push, out: np.ndarray, applied: list[int] | None = None) -> None:
+        """Answer ``push`` with ``out`` (a sum, or an asynchronous key's value and its ``applied`` vector)."""
         if push.segment and out.nbytes < INLINE_SUM_MAX_BYTES:
-            self._write_in_place(push, out)  # small: at once, no task
+            self._write_in_place(push, out, applied)  # small: at once, no task
         elif push.segment:
-            self.server.spawn(self._reply_in_place(push, out))
+            self.server.spawn(self._reply_in_place(push, out, applied))
         else:
-            self.send(Result(push.req, push.name, push.part, push.round), out)
+            self.send(Result(push.req, push.name, push.part, push.round, applied=applied or []), out)
 
-    def _write_in_place(self, push: Push, out: np.ndarray) -> None:
+    def _write_in_place(self, push: Push, out: np.ndarray, applied: list[int] | None) -> None:
         seg = self.segments.get(push.out_segment)
         if seg is None or self.closed:
             return  # the worker released the segment or left: nobody waits for this answer
         if not self._still_fits(push, seg, out.nbytes):
             return
         np.copyto(np.frombuffer(_mapped(seg), dtype=out.dtype, count=out.size, offset=push.out_offset), out)
-        self.send(Result(push.req, push.name, push.part, push.round, inplace=True))
+        self.send(Result(push.req, push.name, push.part, push.round, inplace=True, applied=applied or []))
 
-    async def _reply_in_place(self, push: Push, out: np.ndarray) -> None:
+    async def _reply_in_place(self, push: Push, out: np.ndarray, applied: list[int] | None) -> None:
         """Write a large sum where the worker asked for it (in a thread), then tell it."""
         seg = self.segments.get(push.out_segment)
         if seg is None or self.closed or not self._still_fits(push, seg, out.nbytes):
@@ -552,7 +608,7 @@ class ServerConnection(AdmittedProtocol):
         dest = np.frombuffer(_mapped(seg), dtype=out.dtype, count=out.size, offset=push.out_offset)
         await asyncio.get_running_loop().run_in_executor(self.server.executor, np.copyto, dest, out)
         del dest
-        self.send(Result(push.req, push.name, push.part, push.round, inplace=True))
+        self.send(Result(push.req, push.name, push.part, push.round, inplace=True, applied=applied or []))
 
     def _still_fits(self, push: Push, seg: SharedMemory, nbytes: int) -> bool:
         """Whether the push's result segment still has room for its sum (one ``stat``); else the push fails."""
@@ -614,4 +670,5 @@ ServerConnection.HANDLERS = {
     FuseReady: ServerConnection.on_fuse_ready,
     FuseAbort: ServerConnection.on_fuse_abort,
     FuseRunning: ServerConnection.on_fuse_running,
+    Restored: ServerConnection.on_restored,
 }

@@ -26,6 +26,7 @@ from bps_runtime.admission import HANDSHAKE_DEADLINE_S, PENDING_PER_PEER, PENDIN
 from bps_runtime.timeline import Timeline
 
 from .aggregator import Aggregator
+from .async_values import AsyncValues
 from .fusion import Failed, Planner
 from .connection import BATCH_REPLY_MAX_BYTES, HANDSHAKE_MAX_HEADER_BYTES, HOLDER_SILENCE_FRACTION, ServerConnection
 
@@ -76,6 +77,7 @@ class SummationServer:
         self.aggregator = Aggregator(config.cluster.workers, self.executor, lost_grace_s=config.cluster.timeout,
                                      deterministic=config.cluster.deterministic,
                                      connected=lambda w: w in self.links, timeline=self.timeline)
+        self.values = AsyncValues(config.cluster.workers, config.cluster.timeout, config.cluster.worker_of_rank)
         self.connections: set[ServerConnection] = set()
         self.fusion = Planner(config.cluster.workers, warn_after_s=config.cluster.timeout)  # the fused small sums this server is the anchor of
         self._plans_due = False
@@ -225,11 +227,15 @@ class SummationServer:
         data["refused_connections"] = self.admission.refused
         data["streams"] = len(self.streams)  # workers' extra connections (Hello.stream > 0)
         data["keys"] = len(self.aggregator.keys)
+        data["async_keys"] = len(self.values.store.keys)
+        data["async_deltas"] = self.values.deltas
+        data["async_replays"] = self.values.store.replays
         return data
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight sums finish briefly, close every connection."""
         self.stopping = True
+        self.values.stop()
         self.pulse.beat()  # readyz: 503 "stopping" from now on
         if self._silence_watch is not None:
             self._silence_watch.cancel()

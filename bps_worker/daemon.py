@@ -34,8 +34,9 @@ from bps_runtime.health import STALL_LIMIT_S, Pulse, Verdict
 from bps_runtime import segments as shm
 from bps_runtime.timeline import Timeline
 from protocol.config import ClusterConfig, placement_items
-from protocol.messages import Op, Ping, Spec, Why, describe_spec
+from protocol.messages import ASYNC_KINDS, Op, Ping, Spec, Why, describe_spec
 
+from .async_operation import AsyncName, AsyncOperation
 from .errors import BPSError
 from .fused_driver import FusedSums
 from .link import ServerLink
@@ -131,6 +132,8 @@ class WorkerDaemon:
         self.stalls = WorkerStalls(cluster.timeout, config.worker_id, self.rank_offset)
         # Per name, the query of the servers' round number (RoundQuery) that learns the name's round base.
         self.round_queries: dict[str, asyncio.Future[int]] = {}
+        # Per asynchronous name, its steps and bound as this machine's init learned them (bps_worker.async_operation).
+        self.async_names: dict[str, AsyncName] = {}
         # Per name, the machine's local sum (what is pushed) and the global sum (where results land),
         # in shared memory so that a colocated server reads and writes them in place. Apart, so that
         # a contribution stays intact until its result is complete (a restarted server gets it again),
@@ -330,7 +333,8 @@ class WorkerDaemon:
             if isinstance(action, (Opened, Ready)):  # it waits for local ranks, or at the servers, from now
                 self.stalls.began(action.round, asyncio.get_running_loop().time())
             if isinstance(action, Opened):
-                self.round_base(action.round.name, action.round.round)
+                if action.round.first.kind not in ASYNC_KINDS:  # asynchronous names have no rounds to learn
+                    self.round_base(action.round.name, action.round.round)
                 self._watch(action.round)
             elif isinstance(action, Refused):
                 action.member.send(action.failure())
@@ -340,7 +344,10 @@ class WorkerDaemon:
                 self.spawn(self._run(action.round))
 
     async def _run(self, lr: LocalRound[ClientSession]) -> None:
-        await self.run_tracked(lr.name, run_operation(self, lr))
+        if lr.first.kind in ASYNC_KINDS:
+            await self.run_tracked(lr.name, AsyncOperation(self, lr, self.async_names).run())
+        else:
+            await self.run_tracked(lr.name, run_operation(self, lr))
 
     async def run_tracked(self, name: str, operation: Any) -> None:
         """Await ``name``'s operation; meanwhile its staging and results buffers are not freed for room."""
@@ -364,6 +371,8 @@ class WorkerDaemon:
             session.send(action.failure(op))
         # Peers on other machines wait for this round at the anchor server: tell them now (before
         # anything else this daemon says, e.g. a Reset, so they learn the real reason).
+        if lr.first.kind in ASYNC_KINDS:
+            return  # no round waits for us at the servers
         if action.server_round is not None:
             self.abort_at_anchor(lr.name, action.server_round, reason)
         else:
@@ -436,6 +445,7 @@ class WorkerDaemon:
         for query in self.round_queries.values():
             query.cancel()
         self.round_queries.clear()
+        self.async_names.clear()
         self._new_epoch()
         for link in self.all_links:
             link.reset()  # drops its references into the buffers freed next

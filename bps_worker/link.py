@@ -70,6 +70,7 @@ from protocol.handshake import (
     VersionMismatchError,
 )
 from protocol.messages import (
+    ASYNC_KINDS,
     MAX_MESSAGE_CHARS,
     ROLE_WORKER,
     Abort,
@@ -88,6 +89,7 @@ from protocol.messages import (
     Push,
     Release,
     Reset,
+    Restored,
     Result,
     RoundInfo,
     RoundQuery,
@@ -125,6 +127,12 @@ class OutgoingPush(Piece):
     shm_ref: tuple[str, int] | None = None  # (segment, byte offset) of payload
     out_ref: tuple[str, int] | None = None  # (segment, byte offset) of dest
     via_shm: bool = False  # last sent as a shared-memory reference
+    on_result: Callable[[Result], None] | None = None  # the caller's, before the future resolves
+    # An asynchronous push's answer: the value and its vector, replayed to a restarted server. A copy, not
+    # ``dest``: a server killed while it wrote the next answer into ``dest`` (in place, or a frame cut short)
+    # would leave there a newer value than the vector says, and a delta would be applied twice.
+    applied: list[int] | None = None
+    kept: bytes = b""
     times: list[int] | None = None  # timeline: queued, sent, sum arriving
 
     def settled(self) -> bool:
@@ -367,8 +375,8 @@ class ServerLink:
 
     # -- public ----------------------------------------------------------------------
     def push(self, push_fields: dict[str, Any], payload: memoryview, dest: memoryview, priority: int,
-             shm_ref: tuple[str, int] | None = None, out_ref: tuple[str, int] | None = None
-             ) -> asyncio.Future[None]:
+             shm_ref: tuple[str, int] | None = None, out_ref: tuple[str, int] | None = None,
+             on_result: Callable[[Result], None] | None = None) -> asyncio.Future[None]:
         """Queue a push of ``payload``; the future resolves once the sum was written into ``dest``.
 
         ``shm_ref`` and ``out_ref`` locate ``payload`` and ``dest`` in shared-memory segments
@@ -382,6 +390,7 @@ class ServerLink:
                             header_bytes=estimated_header_bytes(push),
                             in_segments=shm_ref is not None and out_ref is not None,
                             push=push, payload=payload, dest=dest, future=future, shm_ref=shm_ref, out_ref=out_ref,
+                            on_result=on_result,
                             times=[now_us(), 0, 0] if self.timeline is not None else None)
         self.window.offer(item)
         if self._proto is None:
@@ -617,6 +626,10 @@ class ServerLink:
             if payload is not None and payload is not item.dest:  # a batched result: not received in place
                 item.dest[:] = payload
         if not item.future.done():
+            if message.applied:
+                item.applied, item.kept = message.applied, bytes(item.dest)
+            if item.on_result is not None:
+                item.on_result(message)
             item.future.set_result(None)
             self.window.keep_sum(item)
             self._trace(item)
@@ -628,7 +641,8 @@ class ServerLink:
         item = self.window.answered(message.req)
         self._after_answer(item)
         if item is not None:
-            self.window.drop_sum(item.key)
+            if item.push.kind not in ASYNC_KINDS:  # an older value with its vector is still a good copy
+                self.window.drop_sum(item.key)
             if not item.future.done():
                 item.future.set_exception(failure_error(self.spec.id, message))
 
@@ -822,6 +836,8 @@ class ServerLink:
                         "partitions again", self.spec.id, self.window.sums_kept, self.window.held_count)
             for item in self.window.restarted():
                 self._replay(proto, item)
+            if self.stream == 0:  # asynchronous values travel on stream 0: every copy of ours is there now
+                self._send(proto, Restored(self.worker_id))
             return
         for item in self.window.resumed():
             if not item.future.done():
@@ -830,6 +846,9 @@ class ServerLink:
     def _replay(self, proto: _LinkProtocol, item: OutgoingPush) -> None:
         """Give a restarted server the sum of ``item``'s round, which we got from its predecessor."""
         push = dataclasses.replace(item.push, replay=True)
+        if push.kind in ASYNC_KINDS:  # our copy of the value, and the vector saying which deltas it holds
+            self._send(proto, dataclasses.replace(push, applied=item.applied or []), memoryview(item.kept))
+            return
         if self.shm and item.out_ref is not None:
             self._announce(proto, item.out_ref[0])
             self._send(proto, dataclasses.replace(push, segment=item.out_ref[0], seg_offset=item.out_ref[1],

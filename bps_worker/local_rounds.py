@@ -28,7 +28,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar, Union
 
-from protocol.messages import KIND_BROADCAST, Failure, FailureCode, Op, Why
+from protocol.messages import KIND_ASYNC, KIND_ASYNC_INIT, KIND_BROADCAST, Failure, FailureCode, Op, Why
 
 M = TypeVar("M")  # what the daemon answers a process through (its session)
 
@@ -38,6 +38,10 @@ def describe(op: Op) -> str:
     text = f"{op.dtype}[{','.join(str(d) for d in op.shape)}]"
     if op.kind == KIND_BROADCAST:
         text += f" (broadcast from rank {op.root})"
+    elif op.kind == KIND_ASYNC_INIT:
+        text += f" (async_init from rank {op.root}, {'unbounded' if op.staleness < 0 else f'staleness {op.staleness}'})"
+    elif op.kind == KIND_ASYNC:
+        text += " (async)"
     elif op.average:
         text += " (average)"
     if op.layout:
@@ -48,8 +52,8 @@ def describe(op: Op) -> str:
 def agree(a: Op, b: Op) -> bool:
     """Whether two processes asked for the same operation on the same tensor (dtype, shape, kind, root, and
     the layout a framework layer gave it)."""
-    return (a.kind, a.dtype, list(a.shape), a.average, a.root, bool(a.cuda), a.layout) == \
-        (b.kind, b.dtype, list(b.shape), b.average, b.root, bool(b.cuda), b.layout)
+    return (a.kind, a.dtype, list(a.shape), a.average, a.root, bool(a.cuda), a.layout, a.staleness) == \
+        (b.kind, b.dtype, list(b.shape), b.average, b.root, bool(b.cuda), b.layout, b.staleness)
 
 
 def ops_disagree(first: Op, first_rank: int, other: Op, other_rank: int) -> Why:

@@ -38,7 +38,7 @@ from bps_runtime import cuda, kernels
 from bps_runtime import segments as shm
 from bps_runtime.timeline import Timeline, now_us
 from protocol import dtypes
-from protocol.messages import KIND_BROADCAST, Done, Failure, Op
+from protocol.messages import ROOTED_KINDS, Done, Failure, Op, Result
 
 from .errors import BPSError, LinkBrokenError, failure_from_error
 from .link import ServerLink
@@ -132,6 +132,12 @@ async def run_operation(host: OperationHost, lr: LocalRound[ClientSession]) -> N
 class Operation:
     """One local round's collective, from the local processes' tensors to their answers."""
 
+    # Whether a failure is told to the servers (Abort): peers wait for a synchronous round there; an
+    # asynchronous push has no round (bps_worker.async_operation).
+    ABORTS = True
+    # Called with each piece's Result before its future resolves (an asynchronous value's vector).
+    on_result: Callable[[Result], None] | None = None
+
     def __init__(self, host: OperationHost, lr: LocalRound[ClientSession]) -> None:
         self.host = host
         self.name = lr.name
@@ -143,7 +149,7 @@ class Operation:
         self.nbytes = self.count * self.itemsize
         local = op.root - host.rank_offset
         # A broadcast's root as a local rank, None where it is on another machine.
-        self.root = local if op.kind == KIND_BROADCAST and 0 <= local < host.config.local_size else None
+        self.root = local if op.kind in ROOTED_KINDS and 0 <= local < host.config.local_size else None
         self.priority = max((o.priority for _, o in self.members), default=0)
         self.path: Path = CudaPath(self) if op.cuda else CpuPath(self)
         self.server_round: int | None = None
@@ -203,22 +209,17 @@ class Operation:
         """Push every piece on its server's link; the sums land in the name's results buffer."""
         host, op, name, itemsize = self.host, self.op, self.name, self.itemsize
         out, out_segment, out_base = host.staging_buffer(host.results, name, self.nbytes, op.dtype, self.count)
-        divisor = host.config.cluster.size if op.average else 1
         raw = contribution.buf.data.cast("B") if self.nbytes else memoryview(b"")
         out_raw = out.data.cast("B") if self.nbytes else memoryview(b"")
         priority = self.priority
         slots = self.path.handback_slots()
-        # The servers compare a broadcast's root, and copy the data of the machine that holds it.
-        broadcast = dict(root=op.root, holds_root=self.root is not None) if op.kind == KIND_BROADCAST else {}
         futures = []
         for piece in interleave(host.placement.split(name, self.count, itemsize)):
             lo, hi = piece.offset * itemsize, (piece.offset + piece.count) * itemsize
-            fields = dict(name=name, part=piece.part, round=server_round, dtype=op.dtype, shape=list(op.shape),
-                          offset=piece.offset, count=piece.count, divisor=divisor, kind=op.kind, layout=op.layout,
-                          **broadcast)
-            future = host.streams[piece.server][piece.stream].push(
-                fields, raw[lo:hi], out_raw[lo:hi], priority,
-                shm_ref=(contribution.segment, contribution.base + lo), out_ref=(out_segment, out_base + lo))
+            future = self.link_for(piece).push(
+                self.push_fields(piece, server_round), raw[lo:hi], out_raw[lo:hi], priority,
+                shm_ref=(contribution.segment, contribution.base + lo), out_ref=(out_segment, out_base + lo),
+                on_result=self.on_result)
             if slots and piece.count:
                 future.add_done_callback(HandBack(out, slots, piece.offset, piece.offset + piece.count,
                                                   self.path.intact))
@@ -226,6 +227,19 @@ class Operation:
         self.pushed = True
         host.counters.bytes_pushed += self.nbytes
         return Scattered(out, out_segment, out_base, futures, slots)
+
+    def push_fields(self, piece: Piece, server_round: int) -> dict[str, Any]:
+        """What the push of ``piece`` says (its Push's fields but the link's own)."""
+        op = self.op
+        fields = dict(name=self.name, part=piece.part, round=server_round, dtype=op.dtype, shape=list(op.shape),
+                      offset=piece.offset, count=piece.count,
+                      divisor=self.host.config.cluster.size if op.average else 1, kind=op.kind, layout=op.layout)
+        if op.kind in ROOTED_KINDS:  # the servers compare the root, and copy the data of the machine holding it
+            fields.update(root=op.root, holds_root=self.root is not None)
+        return fields
+
+    def link_for(self, piece: Piece) -> ServerLink:
+        return self.host.streams[piece.server][piece.stream]
 
     async def wait(self, futures: list[tuple[Piece, asyncio.Future[None]]], server_round: int) -> BPSError | None:
         """Wait for every piece; on the first failure abandon the rest and return its error."""
@@ -246,7 +260,7 @@ class Operation:
                     if fut in pending or fut.cancelled() or fut.exception() is not None:
                         if not host.streams[piece.server][piece.stream].forget(fut):
                             answers.append(fut)  # in the server's hands, in our memory: wait for its answer
-                        if self._job_current():
+                        if self._job_current() and self.ABORTS:
                             host.links[piece.server].abort(self.name, piece.part, server_round, message)
                 if answers:
                     await asyncio.wait(answers)  # the server answers every push; a lost link fails them
@@ -300,7 +314,7 @@ class Operation:
         # A typed error keeps its class and facts (failure_from_error); the text names the tensor.
         self.answer_failure(lambda req, _: replace(failure_from_error(req, exc) if isinstance(exc, BPSError)
                                                    else Failure(req, reason), message=reason))
-        if self.server_round is not None and not self.pushed and self._job_current():
+        if self.server_round is not None and not self.pushed and self._job_current() and self.ABORTS:
             self.host.abort_at_anchor(self.name, self.server_round, reason)  # peers wait for our pushes there
 
     def trace(self, t_sum: int, t_push: int, t_back: int, direct: bool, pieces: int) -> None:
@@ -347,7 +361,7 @@ class CpuPath:
             shm.check_size(s.arena.segments[m.segment], m.offset + o.nbytes, o.name)
         self.views = [np.frombuffer(segment_buffer(s.arena, m.segment), dtype=storage, count=o.count, offset=m.offset)
                       for s, m in o.members]
-        if len(self.views) == 1 or o.op.kind == KIND_BROADCAST:
+        if len(self.views) == 1 or o.op.kind in ROOTED_KINDS:
             index = o.root or 0
             member = o.members[index][1]
             return Contribution(self.views[index], member.segment, member.offset, direct=True)
@@ -411,7 +425,7 @@ class CudaPath:
         bridge = o.host.cuda_bridge()  # BPSError where this daemon cannot do CUDA
         self.tensors = [bridge.open(m.cuda) for _, m in o.members]
         buf, segment, base = o.staging()
-        if o.op.kind != KIND_BROADCAST or o.root is not None:  # without the root, the servers ignore our data
+        if o.op.kind not in ROOTED_KINDS or o.root is not None:  # without the root, the servers ignore our data
             await asyncio.get_running_loop().run_in_executor(o.host.executor, bridge.sum_to_host, self.tensors, buf,
                                                              o.root)
         return Contribution(buf, segment, base, direct=False)

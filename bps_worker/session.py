@@ -32,7 +32,7 @@ from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.frames import FrameReader, encode_message
 from protocol.handshake import HANDSHAKE_BUFFER_BYTES, ServerHandshake
 from protocol.messages import (
-    KIND_BROADCAST,
+    ROOTED_KINDS,
     ROLE_CLIENT,
     Alloc,
     Allocated,
@@ -274,7 +274,7 @@ class ClientSession(AdmittedProtocol):
         if op.average and op.dtype not in dtypes.FLOAT_TYPES:
             return f"tensor {op.name!r}: average=True needs a floating dtype, got {op.dtype}; pass average=False"
         size = self.daemon.config.cluster.size
-        if op.kind == KIND_BROADCAST and not 0 <= op.root < size:
+        if op.kind in ROOTED_KINDS and not 0 <= op.root < size:
             return f"tensor {op.name!r}: root rank {op.root} is outside 0..{size - 1}"
         return None
 

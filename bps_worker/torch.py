@@ -46,6 +46,7 @@ import torch
 from bps_runtime import cuda as _cuda
 
 from . import client as _client
+from . import torch_async as _async
 from .client import adapter as _adapter
 from .client import (  # re-exported: the same on every framework
     BPSConnectionError,
@@ -66,7 +67,8 @@ __all__ = [
     "BPSError", "BPSConnectionError", "BPSMismatchError", "BPSTimeoutError", "Compression", "Handle",
     "DistributedOptimizer", "broadcast", "broadcast_", "broadcast_optimizer_state", "broadcast_parameters",
     "init", "is_initialized", "local_rank", "local_size", "poll", "push_pull", "push_pull_async", "rank",
-    "shared_tensor", "shutdown", "size", "synchronize", "DDPHookState", "ddp_comm_hook",
+    "shared_tensor", "shutdown", "size", "synchronize", "DDPHookState", "ddp_comm_hook", "async_init",
+    "async_push_pull",
 ]
 
 _WIRE_TYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}
@@ -196,6 +198,17 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str) -> torch.Tensor:
     return _from_numpy(result, tensor).to(tensor.device)
 
 
+def async_init(tensor: torch.Tensor, name: str, root_rank: int = 0, *, staleness: int | None = None) -> torch.Tensor:
+    """:func:`bps_worker.client.async_init` on a tensor: the servers' value of ``name``, as a new tensor."""
+    result = _client.async_init(_to_numpy(tensor), name, root_rank, staleness=staleness)
+    return _from_numpy(result, tensor).to(tensor.device)
+
+
+def async_push_pull(delta: torch.Tensor, name: str) -> torch.Tensor:
+    """:func:`bps_worker.client.async_push_pull` on a tensor: ``delta`` added, the value after it."""
+    return _from_numpy(_client.async_push_pull(_to_numpy(delta), name), delta).to(delta.device)
+
+
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str) -> torch.Tensor:
     """In-place broadcast: ``tensor`` takes ``root_rank``'s value."""
     with torch.no_grad():
@@ -279,6 +292,7 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
             tensor.copy_(_from_numpy(result, wire).to(device=tensor.device, dtype=tensor.dtype))
     if first_error is not None:
         raise first_error
+    _async.init_all(root_rank)  # asynchronous optimizers: the servers' values start as the root's parameters
 
 
 def _broadcast_bytes(data: bytes, root_rank: int, name: str) -> bytes:
@@ -367,11 +381,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ready, and the average is copied from the slot into ``.grad``. ``bucket_bytes=0`` pushes every
     gradient on its own. Every process must use the same ``bucket_bytes`` (a different one is a
     mismatch error naming the bucket).
+
+    ``asynchronous=True``: parameter-server training (:mod:`bps_worker.torch_async`). No gradient is
+    pushed; ``step()`` steps the wrapped optimizer on this process's own gradients, pushes each bucket's
+    ``new - old`` parameters and takes the servers' value back. ``staleness=s`` keeps every machine within
+    ``s`` steps of the slowest (``None``: unbounded); ``broadcast_parameters`` initialises the values.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, Any]] | None = None,
                  compression: _Compressor = Compression.none, backward_passes_per_step: int = 1, *,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, asynchronous: bool = False,
+                 staleness: int | None = None) -> None:
         # The wrapped optimizer owns param_groups, state and defaults; we share them (no copy).
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise BPSError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -392,8 +412,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes: dict[torch.Tensor, int] = {}
         self._synchronized = False
         self._skip_sync = False
+        self._async: _async.AsyncParameters | None = None
+        if asynchronous:
+            if compression is not Compression.none:
+                raise BPSError("asynchronous mode pushes parameter deltas in the parameters' dtype; "
+                               "compression is for gradients")
+            self._async = _async.AsyncParameters([(self._names[p], p) for p in self._params], bucket_bytes,
+                                                 staleness)
+        elif staleness is not None:
+            raise BPSError("staleness is a bound of asynchronous mode; pass asynchronous=True with it")
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
-                       for p in self._params if p.requires_grad]
+                       for p in self._params if p.requires_grad and not asynchronous]
 
     def _wire_dtype(self, p: torch.Tensor) -> torch.dtype:
         wire = self.compression.wire_dtype
@@ -545,6 +574,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         all have (or has only partly accumulated) are pushed now, before any wait, with zeros for the
         missing ones, so that no two processes wait for each other.
         """
+        if self._async is not None:
+            return  # nothing to wait for: every gradient stays here
         first_error: BPSError | None = None
         try:
             for bucket in self._buckets:
@@ -608,6 +639,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._skip_sync = False
 
     def step(self, closure: Any = None) -> Any:
+        if self._async is not None:
+            if not self._async.initialised:
+                self._async.init(0)
+            loss = self.optimizer.step(closure)
+            self._async.push()
+            return loss
         if not self._skip_sync:
             self.synchronize()
         elif not self._synchronized:

@@ -7,7 +7,8 @@ reads and validates the cluster configuration (``config``).
 """
 
 # 2: mutual handshake proofs, placement digest. 3: Push/Op root and layout, Push.holds_root, Hello.daemon,
-# Announce, Alloc.free, Welcome.arena_bytes.
-PROTOCOL_VERSION = 3
+# Announce, Alloc.free, Welcome.arena_bytes. 4: asynchronous mode: Push/Op kinds async_init and async,
+# Push.staleness and Push.applied (a replayed value's vector), Result.applied, Op.staleness, Restored.
+PROTOCOL_VERSION = 4
 
 __all__ = ["PROTOCOL_VERSION"]

@@ -13,7 +13,7 @@ Connections (who sends what):
 * every connection starts with ``Hello`` from the connecting side, answered by
   ``Welcome`` (or ``Failure`` and a close);
 * worker -> server: ``Push`` (+ payload, or a shared-memory reference to the server on
-  the worker's host), ``Abort``, ``Reset``, ``Announce``, ``Release`` and ``RoundQuery``; server -> worker:
+  the worker's host), ``Abort``, ``Reset``, ``Announce``, ``Release``, ``RoundQuery`` and ``Restored``; server -> worker:
   ``Result`` (+ payload, or written in place), ``RoundInfo`` or ``Failure``; ``StatsRequest``/``Stats`` on both links;
 * client -> worker (Unix socket, never a payload): ``Alloc``/``Allocated``,
   ``Op``/``Done``/``Failure``.
@@ -41,7 +41,15 @@ ROLE_CLIENT: Final = "client"
 ROLE_OBSERVER: Final = "observer"  # may only ask a server for its statistics (tests, monitoring)
 KIND_SUM: Final = "sum"
 KIND_BROADCAST: Final = "broadcast"
-KINDS: Final = (KIND_SUM, KIND_BROADCAST)
+# Asynchronous mode (bps_server.values): a name's value lives on the servers. ``async_init`` sets it from a
+# root rank's tensor (once per job) and answers the value; ``async`` adds a machine's delta to it at once and
+# answers the value after it. A name is of one mode for the life of a job.
+KIND_ASYNC_INIT: Final = "async_init"
+KIND_ASYNC: Final = "async"
+KINDS: Final = (KIND_SUM, KIND_BROADCAST, KIND_ASYNC_INIT, KIND_ASYNC)
+ASYNC_KINDS: Final = frozenset((KIND_ASYNC_INIT, KIND_ASYNC))
+ROOTED_KINDS: Final = frozenset((KIND_BROADCAST, KIND_ASYNC_INIT))  # the kinds that name a root rank
+MAX_WORKERS: Final = 1 << 16  # entries of an applied vector (Push.applied, Result.applied)
 
 # Why an operation or a connection failed (Failure.code): a closed set, so that the receiving side picks a typed
 # error from the code (bps_worker.errors.error_from_failure), never from the message text.
@@ -110,6 +118,15 @@ def _check_non_negative(tag: str, **values: int) -> None:
     for name, value in values.items():
         if value < 0:
             raise LocalProtocolError(f"{tag} has a negative {name}: {value}")
+
+
+def _check_vector(tag: str, applied: list[Any]) -> None:
+    """An applied vector (Push.applied, Result.applied): at most MAX_WORKERS steps, none negative."""
+    if len(applied) > MAX_WORKERS:
+        raise LocalProtocolError(f"{tag} applied vector of {len(applied)} entries; at most {MAX_WORKERS}",
+                                 what=f"{tag} applied vector", size=len(applied), limit=MAX_WORKERS, unit="entries")
+    if not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in applied):
+        raise LocalProtocolError(f"{tag} applied vector must hold non-negative integers: {applied[:8]!r}")
 
 
 def _check_text(tag: str, name: str, text: str, limit: int = MAX_MESSAGE_CHARS) -> None:
@@ -347,13 +364,21 @@ class Push(Message):
     holds_root: bool = False
     # What the tensor holds beyond its dtype and shape, as Op.layout: every push of a round must agree.
     layout: str = ""
+    # Asynchronous mode: the staleness bound an ``async_init`` sets (-1: none), and, on a replayed async
+    # push (a worker's copy of the value, see bps_server.values), the vector of steps that value holds.
+    staleness: int = -1
+    applied: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
         _check_tensor(self.name, self.dtype, self.shape, self.kind)
-        if self.kind == KIND_BROADCAST and self.root < 0:
-            raise LocalProtocolError(f"broadcast push of {self.name!r} has no root (root {self.root})")
-        if self.kind != KIND_BROADCAST and (self.root != -1 or self.holds_root):
+        if self.kind in ROOTED_KINDS and self.root < 0:
+            raise LocalProtocolError(f"{self.kind} push of {self.name!r} has no root (root {self.root})")
+        if self.kind not in ROOTED_KINDS and (self.root != -1 or self.holds_root):
             raise LocalProtocolError(f"{self.kind} push of {self.name!r} names a broadcast root")
+        if self.staleness < -1 or (self.staleness != -1 and self.kind not in ASYNC_KINDS):
+            raise LocalProtocolError(f"{self.kind} push of {self.name!r} has staleness {self.staleness}; only "
+                                     f"asynchronous pushes have one, -1 (none) or at least 0")
+        _check_vector("push", self.applied)
         _check_layout("push", self.layout)
         if min(self.part, self.round, self.offset, self.count, self.worker, self.seg_offset, self.out_offset) < 0:
             _check_non_negative("push", part=self.part, round=self.round, offset=self.offset, count=self.count,
@@ -395,6 +420,12 @@ class Result(Message):
     part: int
     round: int
     inplace: bool = False
+    # An asynchronous push's answer (the payload is the key's value): per worker, the last step of its
+    # deltas that the value holds. The worker keeps both as its copy for a restarted server.
+    applied: list[int] = field(default_factory=list)
+
+    def validate(self) -> None:
+        _check_vector("result", self.applied)
 
 
 @dataclass(frozen=True, slots=True)
@@ -482,6 +513,19 @@ class RoundInfo(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Restored(Message):
+    """Worker -> a restarted server, on its first connection: every copy of an asynchronous value it holds
+    for that server went before this (replayed pushes). The server applies no delta to a key until every
+    worker said so, or the timeout passed (bps_server.values, "Server restarts")."""
+
+    TYPE: ClassVar[str] = "restored"
+    worker: int
+
+    def validate(self) -> None:
+        _check_non_negative("restored", worker=self.worker)
+
+
+@dataclass(frozen=True, slots=True)
 class Ping(Message):
     """Liveness, both ways between a worker and a server: a silent peer is a dead (or stalled) one."""
 
@@ -561,11 +605,15 @@ class Op(Message):
     # digest of its parameters' names, shapes and dtypes (bps_worker.torch). Every process's op of a round,
     # on every machine, must carry the same (the workers and the servers compare it).
     layout: str = ""
+    staleness: int = -1  # an async_init's staleness bound (-1: none); see Push.staleness
 
     def validate(self) -> None:
         _check_tensor(self.name, self.dtype, self.shape, self.kind)
         _check_offset(self.offset)
         _check_layout("op", self.layout)
+        if self.staleness < -1 or (self.staleness != -1 and self.kind != KIND_ASYNC_INIT):
+            raise LocalProtocolError(f"{self.kind} op of {self.name!r} has staleness {self.staleness}; only an "
+                                     f"async_init has one, -1 (none) or at least 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -839,7 +887,7 @@ MESSAGES: Final[dict[str, type[Message]]] = {
     cls.TYPE: cls
     for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, Announce, Release, RoundQuery,
                 RoundInfo, Ping, StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch, OpBatch, DoneBatch,
-                FuseReady, FuseAbort, FusePlan, FuseRunning, FuseFailed)
+                FuseReady, FuseAbort, FusePlan, FuseRunning, FuseFailed, Restored)
 }
 
 class _Field(NamedTuple):

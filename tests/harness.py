@@ -21,8 +21,8 @@ from bps_worker.cluster_file import free_ports, write_config
 from bps_worker.observer import server_stats
 from bps_worker.supervise import Cluster
 
-__all__ = ["SHM_DIR", "daemon_logs", "free_ports", "restart_mid_run", "run_ranks", "server_stats", "shm_segments",
-           "start_cluster", "write_config"]
+__all__ = ["SHM_DIR", "daemon_logs", "free_ports", "restart_mid_run", "run_ranks", "run_through_restart",
+           "server_stats", "shm_segments", "start_cluster", "write_config"]
 
 SHM_DIR = Path("/dev/shm")
 
@@ -33,11 +33,12 @@ def start_cluster(config_path: Path, log_dir: Path | None = None) -> Cluster:
     return cluster
 
 
-def restart_mid_run(cluster: Cluster, victim: str, after_rounds: int
+def restart_mid_run(cluster: Cluster, victim: str, after_rounds: int, counter: str = "rounds_completed"
                     ) -> tuple[threading.Thread, threading.Event, list[BaseException]]:
     """A started thread that freezes server ``victim`` (SIGSTOP, so that pushes are surely in flight) once it
-    completed ``after_rounds`` rounds, kills it (-9) half a second later and restarts it, as systemd would;
-    the event is set once restarted, the list holds what went wrong in the thread."""
+    completed ``after_rounds`` rounds (or its ``counter`` statistic reached that: ``async_deltas``), kills it
+    (-9) half a second later and restarts it, as systemd would; the event is set once restarted, the list
+    holds what went wrong in the thread."""
     restarted = threading.Event()
     failure: list[BaseException] = []
 
@@ -45,7 +46,7 @@ def restart_mid_run(cluster: Cluster, victim: str, after_rounds: int
         try:
             sid = int(victim.split("-")[1])
             deadline = time.monotonic() + 60
-            while server_stats(cluster)[sid]["rounds_completed"] < after_rounds:  # well into the run
+            while server_stats(cluster)[sid][counter] < after_rounds:  # well into the run
                 assert time.monotonic() < deadline, "the job does not progress"
                 time.sleep(0.05)
             cluster.kill(victim, signal.SIGSTOP)
@@ -60,6 +61,31 @@ def restart_mid_run(cluster: Cluster, victim: str, after_rounds: int
     chaos = threading.Thread(target=kill_and_restart)
     chaos.start()
     return chaos, restarted, failure
+
+
+def run_through_restart(cluster: Cluster, victim: str, after: int, counter: str, target: Callable[..., Any],
+                        *args: Any, **kwargs: Any) -> tuple[list[Any], str, dict[int, Any]]:
+    """:func:`run_ranks` while :func:`restart_mid_run` kills and restarts ``victim``; the results, the daemons'
+    logs and the servers' statistics. The cluster is stopped at the end, whatever happened."""
+    chaos, restarted, failure = restart_mid_run(cluster, victim, after, counter)
+    try:
+        results = run_ranks(cluster, target, *args, **kwargs)
+        chaos.join()
+        logs = daemon_logs(cluster)
+        stats = server_stats(cluster)
+    finally:
+        chaos.join()
+        cluster.stop()
+    assert not failure and restarted.is_set(), failure
+    return results, logs, stats
+
+
+def reap(procs: list[Any], timeout: float = 10.0) -> None:
+    """Join rank processes started by hand (``_rank_main``), killing those still alive after ``timeout``."""
+    for p in procs:
+        p.join(timeout=timeout)
+        if p.is_alive():
+            p.kill()
 
 
 def daemon_logs(cluster: Cluster) -> str:

@@ -51,6 +51,7 @@ __all__ = [
     "BPSError", "BPSConnectionError", "BPSMismatchError", "BPSTimeoutError", "Handle",
     "init", "shutdown", "rank", "size", "local_rank", "local_size",
     "push_pull", "push_pull_async", "push_pull_group", "poll", "synchronize", "broadcast", "is_initialized", "shared_array",
+    "async_init", "async_push_pull",
     "NUMPY_DTYPES", "dtype_name",
 ]
 
@@ -179,3 +180,25 @@ def broadcast(array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
     ops = _operations()
     return ops.finish(ops.start(array, name, KIND_BROADCAST, average=False, priority=0,
                                 root=ops.check_root(root_rank), out=None), None)
+
+
+def async_init(array: np.ndarray, name: str, root_rank: int = 0, *, staleness: int | None = None) -> np.ndarray:
+    """Make ``name`` asynchronous: the servers hold its value, which starts as ``root_rank``'s ``array``
+    (unless this job's value exists already: a process that rejoins gets the value as it is now). Returns
+    the value. Every process calls it once per job, with the same shape, dtype, root and ``staleness``.
+
+    ``staleness=s`` keeps every machine within ``s`` pushes of ``name`` of the slowest live one (its
+    :func:`async_push_pull` does not return before); ``0`` is bulk-synchronous; ``None`` is unbounded.
+    A name is either synchronous or asynchronous for the life of a job: any other use of it is a BPSError.
+    """
+    ops = _operations()
+    return ops.finish(ops.start_async_init(array, name, root_rank, staleness), None)
+
+
+def async_push_pull(delta: np.ndarray, name: str) -> np.ndarray:
+    """Add ``delta`` to ``name``'s value at once (no round barrier: other machines' deltas are added as they
+    arrive) and return the value after it. The processes of one machine are summed first, so each call
+    of every process adds its delta once. Exactly once, also across a server restart; a call that
+    raises may or may not have added its delta."""
+    ops = _operations()
+    return ops.finish(ops.start_async(delta, name), None)

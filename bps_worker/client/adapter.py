@@ -9,6 +9,8 @@ rather than from the client's internals:
   gradient bucket filled piece by piece as backward produces it), then start the sum on it, no staging copy;
 * :func:`start_cuda`: start a sum on a CUDA tensor that the daemon opens through CUDA IPC and writes in place;
 * :func:`start_broadcast`: an asynchronous broadcast (``broadcast_parameters`` starts them all, then waits);
+* :func:`start_async_init` and :func:`start_async`: asynchronous mode's init and delta, started (a layer
+  starts a model's buckets together, then waits for each);
 * :func:`finish_view`: wait for a handle and read its result where it lies in shared memory, without the copy
   that :func:`~bps_worker.client.synchronize` makes.
 
@@ -31,7 +33,8 @@ from .handle import Handle
 from .operations import Fill
 from .settings import Settings
 
-__all__ = ["Fill", "finish_view", "settings", "shared_slot", "start_broadcast", "start_cuda", "start_filled"]
+__all__ = ["Fill", "finish_view", "settings", "shared_slot", "start_async", "start_async_init", "start_broadcast",
+           "start_cuda", "start_filled"]
 
 
 def settings() -> Settings:
@@ -72,6 +75,16 @@ def start_broadcast(array: np.ndarray, name: str, root_rank: int) -> Handle:
     ops = _operations()
     return ops.start(array, name, KIND_BROADCAST, average=False, priority=0, root=ops.check_root(root_rank),
                      out=None)
+
+
+def start_async_init(array: np.ndarray, name: str, root_rank: int, staleness: int | None) -> Handle:
+    """Start :func:`~bps_worker.client.async_init`; synchronize the handle for the value."""
+    return _operations().start_async_init(array, name, root_rank, staleness)
+
+
+def start_async(delta: np.ndarray, name: str) -> Handle:
+    """Start :func:`~bps_worker.client.async_push_pull`; synchronize the handle for the value."""
+    return _operations().start_async(delta, name)
 
 
 def finish_view(handle: Handle, timeout: float | None = None) -> np.ndarray:

@@ -122,6 +122,9 @@ def push_pull_group(ops: Operations, arrays: Sequence[Any], names: Sequence[Any]
         return ops.finish_group(ops.start_group(arrays, names, average=average, priority=priority))
     checked = [ops.checked(name, a.dtype, a.shape, average, priority) for a, name in zip(arrays, names)]
     names = [c[0] for c in checked]
+    for name in names:  # packed, the daemons never see these names: the process checks their mode alone
+        if ops.modes.get(name) is not False:
+            ops.claim_mode(name, KIND_SUM)
     seen: set[str] = set()
     for name in names:
         if name in seen:

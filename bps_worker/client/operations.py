@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Sequence, SupportsIndex
 import numpy as np
 import numpy.typing as npt
 
-from protocol.messages import KIND_SUM, Op
+from protocol.messages import ASYNC_KINDS, KIND_ASYNC, KIND_ASYNC_INIT, KIND_SUM, Op
 
 from bps_runtime.timeline import Timeline, now_us
 
@@ -59,6 +59,9 @@ class Operations:
         self.worker = welcome.worker
         self.lock = threading.Lock()  # guards inflight
         self.inflight: dict[str, Handle] = {}
+        # Each name's mode in this process (True: asynchronous), fixed by its first use: a name is either
+        # synchronous or asynchronous for the life of a job (the daemons check it across processes too).
+        self.modes: dict[str, bool] = {}
         # Names in flight keep their slots when others are given up for room (cluster.arena_bytes).
         self.slots = SlotMap(self.conn.allocate, welcome.arena_bytes, self.inflight.__contains__)
         self.conn.map_result = self.slots.result_segment
@@ -78,8 +81,38 @@ class Operations:
             raise BPSError(f"root_rank must be in 0..{self.size - 1}, got {root_rank!r}")
         return root_rank
 
+    def check_staleness(self, staleness: object) -> int:
+        """An async_init's staleness bound on the wire: -1 for None, else the bound (an integer >= 0)."""
+        if staleness is None:
+            return -1
+        if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+            raise BPSError(f"staleness must be None or an integer >= 0, got {staleness!r}")
+        return staleness
+
+    def start_async_init(self, array: np.ndarray, name: str, root_rank: int, staleness: int | None) -> Handle:
+        """Start ``async_init`` (see :func:`bps_worker.client.async_init`)."""
+        return self.start(array, name, KIND_ASYNC_INIT, average=False, priority=0, root=self.check_root(root_rank),
+                          out=None, staleness=self.check_staleness(staleness))
+
+    def start_async(self, delta: np.ndarray, name: str) -> Handle:
+        """Start ``async_push_pull`` (see :func:`bps_worker.client.async_push_pull`)."""
+        return self.start(delta, name, KIND_ASYNC, average=False, priority=0, root=-1, out=None)
+
+    def claim_mode(self, name: str, kind: str) -> None:
+        """Fix ``name``'s mode on its first use; BPSError for the other mode, or a delta before its init."""
+        asynchronous = kind in ASYNC_KINDS
+        mode = self.modes.get(name)
+        if mode is None:
+            if asynchronous and kind != KIND_ASYNC_INIT:
+                raise BPSError(f"tensor {name!r}: async_push_pull before async_init; call async_init first")
+            self.modes[name] = asynchronous
+        elif mode != asynchronous:
+            used, now = ("asynchronously", "synchronously") if mode else ("synchronously", "asynchronously")
+            raise BPSError(f"tensor {name!r} was used {used} in this process and now {now}; a name is either "
+                           f"synchronous or asynchronous for the life of a job")
+
     def start(self, array: np.ndarray, name: str, kind: str, *, average: bool, priority: int, root: int,
-              out: np.ndarray | None, internal: bool = False) -> Handle:
+              out: np.ndarray | None, staleness: int = -1, internal: bool = False) -> Handle:
         """Copy ``array`` into its slot (unless it is the slot: a shared array) and start the operation."""
         array = np.asarray(array)
 
@@ -88,7 +121,7 @@ class Operations:
                 np.copyto(view, array)
 
         return self.start_filled(name, kind, array.dtype, array.shape, fill, average=average, priority=priority,
-                                 root=root, out=out, internal=internal)
+                                 root=root, out=out, staleness=staleness, internal=internal)
 
     def shared_array(self, name: str, shape: Iterable[SupportsIndex], dtype: npt.DTypeLike) -> np.ndarray:
         """The slot of ``name`` as an array of ``shape`` and ``dtype`` (see ``bps.shared_array``)."""
@@ -103,7 +136,7 @@ class Operations:
 
     def start_filled(self, name: str, kind: str, dtype: np.dtype, shape: tuple[int, ...], fill: Fill, *,
                      average: bool, priority: int, root: int, out: np.ndarray | None, layout: str = "",
-                     internal: bool = False) -> Handle:
+                     staleness: int = -1, internal: bool = False) -> Handle:
         """Start an operation whose input ``fill(view)`` writes straight into the shared slot.
 
         Framework layers use it to assemble an input in place (no staging copy), and give a fused tensor its
@@ -113,6 +146,8 @@ class Operations:
         name, dtype, wire, shape, average, priority, layout, nbytes = self._checked(name, dtype, shape, average,
                                                                                    priority, layout, internal)
         out = check_out(name, out, shape, dtype)
+        if self.modes.get(name) is not (kind in ASYNC_KINDS):
+            self.claim_mode(name, kind)
         handle = Handle(self.conn.next_req(), name, dtype, shape, out)
         self._reserve(handle)
         try:
@@ -131,7 +166,7 @@ class Operations:
                 return handle
             self.conn.submit(handle, Op(handle.req, name, kind, wire, list(shape), seg.name, average=average,
                                         priority=priority, root=root, offset=offset, handback=handle.in_place,
-                                        layout=layout))
+                                        layout=layout, staleness=staleness))
         except BaseException:
             self._unreserve(handle)
             raise
@@ -152,6 +187,8 @@ class Operations:
         for array, name in zip(arrays, names):
             array = np.asarray(array)
             checked = self._checked(name, array.dtype, array.shape, average, priority, "")
+            if self.modes.get(checked[0]) is not False:
+                self.claim_mode(checked[0], KIND_SUM)
             prepared.append((array, checked, Handle(self.conn.next_req(), checked[0], checked[1], checked[3], None)))
         handles = [h for _, _, h in prepared]
         self._reserve_all(handles)
@@ -244,6 +281,7 @@ class Operations:
         """Start an operation on a CUDA tensor that the daemon opens through CUDA IPC and writes in place
         (``description`` from :func:`bps_runtime.cuda.describe`); its result is the tensor itself."""
         name = check_name(name)
+        self.claim_mode(name, kind)
         if wire not in NUMPY_DTYPES:
             raise BPSError(f"tensor {name!r}: unsupported wire dtype {wire!r}; supported: {', '.join(NUMPY_DTYPES)}")
         shape = check_shape(name, shape, NUMPY_DTYPES[wire])

@@ -44,3 +44,18 @@ def test_jax_digits_example_trains_on_a_one_box_cluster(tmp_path):
     difference = float(out.split("difference:")[1].split()[0])
     assert difference == pytest.approx(abs(accuracy - reference), abs=1e-4)
     assert difference <= 0.02
+
+
+def test_digits_example_trains_asynchronously_with_a_straggler(tmp_path):
+    """--async --staleness 2 --straggler 3:2: the asynchronous run reaches the example's accuracy bar, and every
+    replica ends with the servers' final value (the example checks it, or fails)."""
+    config = write_config(tmp_path, [2, 2], cpu_servers=1)
+    result = subprocess.run(
+        [sys.executable, "-m", "bps_worker.launch", "--config", str(config), "--",
+         sys.executable, str(ROOT / "examples" / "train_digits.py"), "--epochs", "3", "--async", "--staleness", "2",
+         "--straggler", "3:2"],
+        capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "mode:           asynchronous, staleness 2, rank 3 2x slower" in out
+    assert float(out.split("test accuracy:")[1].split()[0]) >= 0.85

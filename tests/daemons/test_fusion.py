@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 import fusion_programs as fp
-from harness import daemon_logs, restart_mid_run, run_ranks, server_stats, start_cluster, write_config
+from harness import run_ranks, run_through_restart, server_stats, start_cluster, write_config
 
 TIMEOUT_S = 4.0
 
@@ -75,18 +75,8 @@ def test_fused_batches_across_a_server_killed_and_restarted(tmp_path: Any, victi
     """The anchor of a third of the names is killed (-9) mid-run and restarted: the plans it had sent, the
     names reported to it and the fused pushes in flight all survive; every step is exact, none doubled."""
     path = write_config(tmp_path, [2, 2], cpu_servers=1, cluster={"timeout": 15.0})
-    cluster = start_cluster(path)
-    chaos, restarted, failure = restart_mid_run(cluster, victim, 30)
-    try:
-        results = run_ranks(cluster, fp.steady_fused, 60, 300, timeout=200, client_timeout=60)
-        chaos.join()
-        logs = daemon_logs(cluster)
-        stats = server_stats(cluster)
-    finally:
-        chaos.join()
-        cluster.stop()
-    assert not failure, failure
-    assert restarted.is_set()
+    results, logs, stats = run_through_restart(start_cluster(path), victim, 30, "rounds_completed", fp.steady_fused,
+                                               60, 300, timeout=200, client_timeout=60)
     for r in results:
         assert r["errors"] == [] and r["exact"] == r["expected"], (r, logs[-6000:])
     sid = int(victim.split("-")[1])

@@ -3,7 +3,7 @@
 - ``protocol`` imports nothing of ours (it is the wire contract, sans-IO);
 - ``bps_runtime`` imports only ``protocol``;
 - neither daemon package imports the other (``bps_server`` <-> ``bps_worker``);
-- the client package and the torch layer (with its DDP hook) import no daemon module: only ``protocol``,
+- the client package and the torch layer (with its DDP hook and asynchronous mode) import no daemon module: only ``protocol``,
   ``bps_runtime``, ``bps_worker.errors`` and the client package itself.
 """
 
@@ -54,7 +54,7 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 
 def _is_client(module: str) -> bool:
     return (module == "bps_worker.client" or module.startswith("bps_worker.client.")
-            or module in ("bps_worker.torch", "bps_worker.torch_ddp"))
+            or module in ("bps_worker.torch", "bps_worker.torch_ddp", "bps_worker.torch_async"))
 
 
 def _allowed(module: str, target: str) -> bool:
@@ -107,6 +107,8 @@ def test_imports_follow_the_data_path(path: Path):
     ("bps_worker.torch", "bps_worker.client.adapter", True),
     ("bps_worker.torch", "bps_worker.errors", True),
     ("bps_worker.torch", "bps_worker.torch_ddp", True),
+    ("bps_worker.torch", "bps_worker.torch_async", True),
+    ("bps_worker.torch_async", "bps_worker.operation", False),
     ("bps_worker.torch_ddp", "bps_worker.daemon", False),
     ("bps_worker.client", "bps_server.timeline", False),
 ])

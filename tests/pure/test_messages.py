@@ -26,7 +26,7 @@ SAMPLES: dict[str, m.Message] = {
     "push": m.Push(req=5, name="layer1.weight", part=2, round=9, worker=1, dtype="bfloat16", shape=[64, 3, 3],
                    offset=128, count=448, divisor=4, kind="sum", segment="bps_w1_9_ff", seg_offset=4096,
                    out_segment="bps_w1_9_ee", out_offset=64, replay=True),
-    "result": m.Result(req=5, name="layer1.weight", part=2, round=9, inplace=True),
+    "result": m.Result(req=5, name="layer1.weight", part=2, round=9, inplace=True, applied=[9, 7]),
     "abort": m.Abort(name="emb", part=0, round=3, worker=1, message="worker shutting down"),
     "reset": m.Reset(worker=1, epoch="beef"),
     "release": m.Release(segment="bps_w1_9_ff"),
@@ -34,6 +34,7 @@ SAMPLES: dict[str, m.Message] = {
     "round_query": m.RoundQuery(req=3, name="layer1.weight", part=2),
     "round_info": m.RoundInfo(req=3, round=41),
     "ping": m.Ping(seq=12),
+    "restored": m.Restored(worker=2),
     "stats_request": m.StatsRequest(req=77),
     "stats": m.Stats(req=77, stats={"bytes_in": 123, "rounds": {"emb": 3}, "ratio": 0.5}),
     "alloc": m.Alloc(req=1, name="grad/fc", nbytes=1 << 20),
@@ -521,3 +522,18 @@ def test_a_fused_spec_reads_as_a_hashable_tuple_and_is_described_as_an_op():
     spec = m.check_spec(["float16", [2, 3], True, "fused:ab:2"])
     assert spec == ("float16", (2, 3), True, "fused:ab:2") and hash(spec)
     assert m.describe_spec(spec) == "float16[2,3] (average) (layout fused:ab:2)"
+
+
+def test_async_fields_are_checked() -> None:
+    """Asynchronous mode's fields: a staleness only on asynchronous pushes (and an async_init op), -1 or at least
+    0; an async_init names its root as a broadcast does; applied vectors hold non-negative integers."""
+    base = dict(req=1, name="w", part=0, round=0, worker=0, dtype="float32", shape=[4], offset=0, count=4)
+    assert m.Push(**base, kind="async_init", root=0, holds_root=True, staleness=2).staleness == 2
+    for bad in (dict(kind="async_init"), dict(kind="sum", staleness=1), dict(kind="async", staleness=-2),
+                dict(kind="async", applied=[1, -1]), dict(kind="async", root=0)):
+        with pytest.raises(LocalProtocolError):
+            m.Push(**base, **bad)  # type: ignore[arg-type]
+    with pytest.raises(LocalProtocolError, match="only an async_init"):
+        m.Op(req=1, name="w", kind="async", dtype="float32", shape=[4], segment="s", staleness=1)
+    with pytest.raises(LocalProtocolError, match="applied vector"):
+        m.Result(req=1, name="w", part=0, round=1, applied=[0] * (m.MAX_WORKERS + 1))

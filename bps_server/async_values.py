@@ -1,0 +1,94 @@
+"""The Summation Service's asynchronous mode on the event loop: the driver of :class:`~bps_server.values.ValueStore`.
+
+The store decides everything (its module docstring is the theory of operation) and adds each delta in the call
+that brings it; this driver feeds it the connections' events and the clock (a sweep every quarter of the
+timeout, as the server's silence watch), and carries out its actions: answers and failures to the pushes'
+connections, notes to the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable, Protocol
+
+import numpy as np
+
+from protocol.messages import Push
+
+from .rounds import Lease, Why
+from .values import Action, Answer, Fail, Note, ValueStore
+
+log = logging.getLogger("bps.server.values")
+
+
+class Replier(Protocol):
+    """What answers a push: the server connection it came on."""
+
+    def reply(self, push: Push, out: np.ndarray, applied: list[int] | None = None) -> None: ...
+
+    def fail(self, push: Push, why: Why) -> None: ...
+
+
+class AsyncValues:
+    """Every asynchronous key of this server, driven on the event loop."""
+
+    def __init__(self, n_workers: int, timeout_s: float, worker_of_rank: Callable[[int], int]) -> None:
+        self.store: ValueStore[Replier] = ValueStore(n_workers, timeout_s=timeout_s, worker_of_rank=worker_of_rank)
+        self.timeout_s = timeout_s
+        self.deltas = 0  # deltas received (replays included)
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    def has(self, name: str, part: int) -> bool:
+        """Whether (name, part) is an asynchronous key here (a synchronous push of it is a misuse)."""
+        return self.store.has(name, part)
+
+    def push(self, push: Push, data: np.ndarray, replier: Replier, lease: Lease | None) -> None:
+        self.deltas += 1
+        self._run(self.store.push(push, data, replier, time.monotonic(), lease))
+
+    def restore(self, push: Push, data: np.ndarray) -> None:
+        """A worker's copy of a key's value from this server's previous run (a replayed async push)."""
+        self._run(self.store.restore(push, data.copy(), time.monotonic()))
+
+    def restored(self, worker: int) -> None:
+        self._run(self.store.worker_restored(worker, time.monotonic()))
+
+    def connected(self, worker: int) -> None:
+        self.store.worker_connected(worker)
+
+    def disconnected(self, worker: int) -> None:
+        self.store.worker_disconnected(worker, time.monotonic())
+
+    def reset(self, worker: int) -> None:
+        self._run(self.store.worker_reset(worker))
+
+    def sweep(self) -> None:
+        self._sweeper = None
+        self._run(self.store.sweep(time.monotonic()))
+        self._arm()
+
+    def _arm(self) -> None:
+        """Sweep a quarter timeout from now while anything waits (or a machine is away): nothing else asks."""
+        s = self.store
+        busy = s.pending or set(s.disconnected) - s.excluded or s.restoring_since is not None or any(
+            st.inits or st.held for st in s.keys.values())
+        if busy and self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().call_later(self.timeout_s / 4, self.sweep)
+
+    def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+
+    def _run(self, actions: list[Action[Replier]]) -> None:
+        for action in actions:
+            if isinstance(action, Answer):
+                action.handle.reply(action.push, action.value, action.applied)
+            elif isinstance(action, Fail):
+                log.warning("%s", action.why.text)
+                action.handle.fail(action.push, action.why)
+            elif isinstance(action, Note):
+                log.log(action.level, "%s", action.message)
+        self._arm()

@@ -1,0 +1,426 @@
+"""The Summation Service's value store: asynchronous mode's keys, their values and who waits on them.
+
+Theory of operation. A key is ``(tensor name, partition index)``, split by the same placement as the
+sums. In asynchronous mode the server *holds* each key's value (a parameter) and has no rounds:
+
+* ``async_init`` (one push per worker machine): the push of the machine that holds the root rank
+  (``Push.holds_root``) sets the value, unless the key has one; every init is answered with the value
+  (held until the root's arrived; failed after the timeout, naming the root's machine) and the key's
+  *applied vector*: per worker, the last step of its deltas that the value holds. The worker numbers its
+  later pushes of the key from its own entry, so a worker daemon that rejoins (counting its rounds from 0
+  again) is not taken for a replay of old steps.
+* ``async`` (a machine's delta, the sum of its local processes' deltas, step ``t``): ``t <= applied[w]``
+  is a replay (the delta is in the value already: answered, not added again); a later ``t`` is added at
+  once, in float32 for float16/bfloat16 (the kernels' accumulate), and ``applied[w] = t``. Steps may skip
+  (a local round that failed before its push consumed one): a skipped step was never acknowledged, so
+  "every acknowledged delta is in the value, once" still holds.
+* The staleness bound ``s`` (set by the inits; ``None``: unbounded): the answer to step ``t`` is held while
+  a *live* machine's entry is below ``t - s``. It then carries the value and vector of that moment (which
+  hold the pusher's delta). ``s = 0`` is bulk-synchronous. A machine is live unless its processes all left
+  (``Reset``) or it has been disconnected for the timeout; when the timeout declares it dead, the answers
+  it held back fail with a connection error naming it, and it holds nobody back until it connects again.
+  A connected but slow machine is waited for, with a stall note after the timeout.
+
+Server restarts. A restarted server has no values. Every answer carries the value and the vector, and
+each worker keeps its last answer per key; on reconnecting to a new incarnation it replays them
+(``restore``) and then says ``Restored``. From the first restore until every worker said so (or the
+timeout passed) no push or init is applied to any key: they wait, in arrival order. A restore is taken
+when the key has no value or its vector dominates the key's (entry by entry at least as large): the old
+server produced every copy in one order, so the freshest copy dominates the others. A delta pushed
+again afterwards is added only if the vector does not cover its step. float16/bfloat16 values restored
+from a copy lose the float32 accumulator's extra bits (the copy travelled in the tensor's dtype).
+
+Job reset: when every worker reset (its processes all left), every key is dropped, as the round table's.
+
+Like :mod:`bps_server.rounds`, the store makes every decision and does no I/O: the caller passes ``now``
+and carries out the returned actions (answer, fail, note). Unlike the round table it also adds, with the
+same kernels, in the call: a delta is one pass over its partition, and the answer must be the value
+right after it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Generic, TypeVar, Union
+
+import numpy as np
+
+from bps_runtime import kernels
+from protocol.messages import KIND_ASYNC_INIT, Push
+
+from .rounds import Lease, Why, describe
+
+Key = tuple[str, int]
+W = TypeVar("W")
+
+
+@dataclass(frozen=True, slots=True)
+class Answer(Generic[W]):
+    """Answer ``push`` with ``value`` (a copy in the tensor's storage dtype) and the ``applied`` vector."""
+
+    handle: W
+    push: Push
+    value: np.ndarray
+    applied: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Fail(Generic[W]):
+    handle: W
+    push: Push
+    why: Why
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """Something for the log."""
+
+    level: int
+    message: str
+
+
+Action = Union[Answer[W], Fail[W], Note]
+
+
+@dataclass(slots=True)
+class _Waiter(Generic[W]):
+    push: Push
+    handle: W
+    since: float
+    data: np.ndarray | None = None  # a pending push's own copy of its delta
+    warned: bool = False
+
+
+@dataclass(slots=True)
+class _Key(Generic[W]):
+    """One key's state: its descriptor, value, vector and waiters."""
+
+    first: Push  # the push that made the key: what every later one must agree with
+    staleness: int | None
+    value: np.ndarray | None  # the accumulator (float32 for half types); None until the root's init
+    applied: list[int]
+    inits: list[_Waiter[W]] = field(default_factory=list)  # inits waiting for the root's value
+    held: list[_Waiter[W]] = field(default_factory=list)  # answers waiting for the staleness bound
+
+
+def _descriptor(push: Push) -> tuple[object, ...]:
+    return push.dtype, tuple(push.shape), push.offset, push.count
+
+
+def _staleness(push: Push) -> int | None:
+    return None if push.staleness < 0 else push.staleness
+
+
+def _dominates(a: list[int], b: list[int]) -> bool:
+    return len(a) == len(b) and all(x >= y for x, y in zip(a, b))
+
+
+class ValueStore(Generic[W]):
+    """Every asynchronous key of one server (see the module docstring). ``worker_of_rank`` names the
+    machine of a root rank in errors; ``timeout_s`` is the cluster's timeout."""
+
+    def __init__(self, n_workers: int, *, timeout_s: float, worker_of_rank: Callable[[int], int]) -> None:
+        self.n = n_workers
+        self.timeout_s = timeout_s
+        self.worker_of_rank = worker_of_rank
+        self.keys: dict[Key, _Key[W]] = {}
+        self.pending: list[_Waiter[W]] = []  # pushes and inits that wait for a restore or a value, in order
+        self.restoring_since: float | None = None  # first restore of a restart, until every worker restored
+        self.restored: set[int] = set()
+        self.disconnected: dict[int, float] = {}  # since when
+        self.excluded: set[int] = set()  # declared dead, or reset: they hold nobody back
+        self.reset_workers: set[int] = set()
+        self.replays = 0  # pushes whose step the value held already (answered, not added again)
+
+    def has(self, name: str, part: int) -> bool:
+        return (name, part) in self.keys
+
+    # -- pushes --------------------------------------------------------------------------------------
+    def push(self, push: Push, payload: np.ndarray, handle: W, now: float, lease: Lease | None = None
+             ) -> list[Action[W]]:
+        """An ``async_init`` or ``async`` push of ``payload`` (read now, or copied if it must wait)."""
+        self._joined(push.worker)
+        waiter = _Waiter(push, handle, now)
+        if self.restoring_since is not None or (
+                push.kind != KIND_ASYNC_INIT and self._value_of(push) is None):
+            return self._wait(waiter, payload, lease)
+        actions = self._apply(waiter, payload, lease, now)
+        if self.pending and push.kind == KIND_ASYNC_INIT:
+            actions += self._retry_pending(now)  # the root's init may have given their key a value
+        return actions
+
+    def _value_of(self, push: Push) -> np.ndarray | None:
+        st = self.keys.get((push.name, push.part))
+        return None if st is None else st.value
+
+    def _wait(self, waiter: _Waiter[W], payload: np.ndarray, lease: Lease | None) -> list[Action[W]]:
+        """Keep ``waiter`` (with a copy of its data) until the restore ends or the key gets a value."""
+        try:
+            if lease is not None:
+                lease()
+            waiter.data = payload.copy()
+        except OSError as exc:
+            return [Fail(waiter.handle, waiter.push, Why(f"{exc}", "error"))]
+        self.pending.append(waiter)
+        return []
+
+    def _apply(self, w: _Waiter[W], payload: np.ndarray, lease: Lease | None, now: float) -> list[Action[W]]:
+        push = w.push
+        key = (push.name, push.part)
+        st = self.keys.get(key)
+        if st is None:
+            st = self.keys[key] = _Key(push, _staleness(push), None, [0] * self.n)
+        actions: list[Action[W]] = []
+        if st.value is None and push.kind == KIND_ASYNC_INIT and push.holds_root:
+            actions = self._root_decides(st, push)
+        refusal = self._refusal(st, push)
+        if refusal is not None:
+            return [*actions, Fail(w.handle, push, refusal)]
+        try:
+            if lease is not None and (push.kind != KIND_ASYNC_INIT or push.holds_root):
+                lease()
+            if push.kind == KIND_ASYNC_INIT:
+                return actions + self._init(st, w, payload, now)
+            return actions + self._delta(st, w, payload, now)
+        except OSError as exc:
+            return [*actions, Fail(w.handle, push, Why(f"{exc}", "error"))]
+
+    def _root_decides(self, st: _Key[W], root: Push) -> list[Action[W]]:
+        """The root's init describes the value: the inits that waited for it and disagree fail."""
+        st.first = root
+        keep: list[_Waiter[W]] = []
+        fails: list[Action[W]] = []
+        for w in st.inits:
+            why = self._refusal(st, w.push)
+            if why is None:
+                keep.append(w)
+            else:
+                fails.append(Fail(w.handle, w.push, why))
+        st.inits = keep
+        return fails
+
+    def _refusal(self, st: _Key[W], push: Push) -> Why | None:
+        """Why ``push`` disagrees with the key, as its sender hears it; None if it agrees."""
+        first = st.first
+        if _descriptor(push) != _descriptor(first):
+            return Why.pushes_disagree(first, push).for_push(push)
+        if push.kind == KIND_ASYNC_INIT and first.kind == KIND_ASYNC_INIT and (
+                push.root != first.root or push.staleness != first.staleness):
+            ours, theirs = _describe_init(first), _describe_init(push)
+            return Why.mismatch(push.name, ours, theirs, f"worker {first.worker} initialised it as {ours} but "
+                                                         f"worker {push.worker} as {theirs}").heard_by(theirs)
+        return None
+
+    def _init(self, st: _Key[W], w: _Waiter[W], payload: np.ndarray, now: float) -> list[Action[W]]:
+        push = w.push
+        if st.value is None and push.holds_root:
+            st.value = kernels.new_accumulator(push.dtype, push.count)
+            kernels.accumulate(st.value, payload, push.dtype, first=True)
+            st.first, st.staleness = push, _staleness(push)
+            waiting, st.inits = st.inits, []
+            return [self._answer(st, x) for x in (*waiting, w)]
+        if st.value is None:
+            st.inits.append(w)
+            return []
+        return [self._answer(st, w)]
+
+    def _delta(self, st: _Key[W], w: _Waiter[W], payload: np.ndarray, now: float) -> list[Action[W]]:
+        push, worker = w.push, w.push.worker
+        assert st.value is not None
+        if push.round == 0:
+            return [Fail(w.handle, push, Why(f"async push of {push.name!r} part {push.part} by worker {worker} "
+                                             f"has step 0; steps start at 1", "error"))]
+        fresh = push.round > st.applied[worker]
+        if fresh:
+            kernels.accumulate(st.value, payload, push.dtype, first=False)
+            st.applied[worker] = push.round
+        st.held.append(w)
+        if fresh:
+            return self._release(st)
+        self.replays += 1
+        return [Note(logging.INFO, f"worker {worker} pushed step {push.round} of {push.name!r} part {push.part} "
+                                   f"again; the value holds it already (not added twice)"), *self._release(st)]
+
+    def _answer(self, st: _Key[W], w: _Waiter[W]) -> Answer[W]:
+        assert st.value is not None
+        push = w.push
+        out = np.empty(push.count, kernels.STORAGE[push.dtype])
+        kernels.finalize(out, st.value, push.dtype)  # a copy: the value moves on while the answer is written
+        return Answer(w.handle, push, out, list(st.applied))
+
+    # -- the staleness bound -------------------------------------------------------------------------
+    def _blockers(self, st: _Key[W], step: int) -> list[int]:
+        """The live machines whose entries hold back an answer to ``step``."""
+        if st.staleness is None:
+            return []
+        floor = step - st.staleness
+        return [w for w in range(self.n) if w not in self.excluded and st.applied[w] < floor]
+
+    def _release(self, st: _Key[W]) -> list[Action[W]]:
+        free = [w for w in st.held if not self._blockers(st, w.push.round)]
+        if not free:
+            return []
+        st.held = [w for w in st.held if w not in free]
+        return [self._answer(st, w) for w in free]
+
+    # -- restarts ------------------------------------------------------------------------------------
+    def restore(self, push: Push, payload: np.ndarray, now: float) -> list[Action[W]]:
+        """A worker's copy of a key's value and vector from this server's previous run (a replayed push)."""
+        if self.restoring_since is None and len(self.restored) < self.n:
+            self.restoring_since = now
+        key = (push.name, push.part)
+        st = self.keys.get(key)
+        applied = list(push.applied)
+        if len(applied) != self.n:
+            return [Note(logging.WARNING, f"worker {push.worker}'s copy of {push.name!r} part {push.part} has a "
+                                          f"vector of {len(applied)} workers, not {self.n}: ignored")]
+        if st is None:
+            st = self.keys[key] = _Key(push, _staleness(push), None, [0] * self.n)
+        elif _descriptor(push) != _descriptor(st.first):
+            return [Note(logging.WARNING, f"worker {push.worker}'s copy of {push.name!r} part {push.part} is "
+                                          f"{describe(push)}, not {describe(st.first)}: ignored")]
+        if st.value is not None and not _dominates(applied, st.applied):
+            if not _dominates(st.applied, applied):
+                return [Note(logging.WARNING, f"worker {push.worker}'s copy of {push.name!r} part {push.part} "
+                                              f"(steps {applied}) is neither older nor newer than the value's "
+                                              f"(steps {st.applied}): ignored")]
+            return []
+        if st.value is None:
+            st.value = kernels.new_accumulator(push.dtype, push.count)
+        kernels.accumulate(st.value, payload, push.dtype, first=True)
+        st.applied = applied
+        st.staleness = _staleness(push)  # every asynchronous push carries its name's bound
+        waiting, st.inits = st.inits, []
+        actions: list[Action[W]] = [self._answer(st, x) for x in waiting]
+        if self.pending and self.restoring_since is None:
+            actions += self._retry_pending(now)  # a late copy: the pushes that waited for a value
+        return actions
+
+    def worker_restored(self, worker: int, now: float) -> list[Action[W]]:
+        """``worker`` sent every copy it holds for this server; the restore ends once all did."""
+        self.restored.add(worker)
+        if len(self.restored) >= self.n and self.restoring_since is not None:
+            return self._restore_over(now)
+        return []
+
+    def _restore_over(self, now: float) -> list[Action[W]]:
+        self.restoring_since = None
+        self.restored = set(range(self.n))  # a late copy is still taken if it dominates, but waits for nobody
+        return self._retry_pending(now)
+
+    def _retry_pending(self, now: float) -> list[Action[W]]:
+        """Apply the waiting pushes that can be now (in arrival order); the others keep waiting."""
+        waiting, self.pending = self.pending, []
+        actions: list[Action[W]] = []
+        for w in waiting:
+            if w.push.kind != KIND_ASYNC_INIT and self._value_of(w.push) is None:
+                self.pending.append(w)
+            else:
+                assert w.data is not None
+                actions += self._apply(w, w.data, None, now)
+        return actions
+
+    # -- workers ---------------------------------------------------------------------------------------
+    def _joined(self, worker: int) -> None:
+        self.reset_workers.discard(worker)
+        if worker not in self.disconnected:
+            self.excluded.discard(worker)
+
+    def worker_connected(self, worker: int) -> None:
+        self.disconnected.pop(worker, None)
+        self.excluded.discard(worker)
+
+    def worker_disconnected(self, worker: int, now: float) -> None:
+        self.disconnected.setdefault(worker, now)
+
+    def worker_reset(self, worker: int) -> list[Action[W]]:
+        """Every process of ``worker`` left: it holds nobody back; once all did, every key is dropped."""
+        self.reset_workers.add(worker)
+        self.excluded.add(worker)
+        if len(self.reset_workers) >= self.n:
+            keys, self.keys = self.keys, {}
+            pending, self.pending = self.pending, []
+            self.restoring_since, self.restored = None, set()
+            self.reset_workers.clear()
+            self.excluded = {w for w in self.excluded if w in self.disconnected}  # the next job waits for all
+            why = Why("every worker reset: the job ended", "round_failed")
+            fails: list[Action[W]] = [Fail(w.handle, w.push, why)
+                                      for st in keys.values() for w in (*st.inits, *st.held)]
+            fails += [Fail(w.handle, w.push, why) for w in pending]
+            return [*fails, Note(logging.INFO, f"every worker reset: dropping {len(keys)} asynchronous values")]
+        actions: list[Action[W]] = []
+        for st in self.keys.values():
+            actions += self._release(st)
+        return actions
+
+    def sweep(self, now: float) -> list[Action[W]]:
+        """The timeout's decisions: a restore that waited long enough ends, inits and pushes that waited for
+        a value fail, machines disconnected for the timeout are declared dead, slow ones noted."""
+        actions: list[Action[W]] = []
+        if self.restoring_since is not None and now - self.restoring_since >= self.timeout_s:
+            missing = sorted(set(range(self.n)) - self.restored)
+            actions.append(Note(logging.WARNING, f"restore after a restart: no word from worker "
+                                                 f"{', '.join(map(str, missing))} within {self.timeout_s:g} s; "
+                                                 f"going on with the copies the others sent"))
+            actions += self._restore_over(now)
+        if self.restoring_since is None:
+            actions += self._expire_pending(now)
+        for st in self.keys.values():
+            actions += self._expire_inits(st, now)
+        for worker, since in self.disconnected.items():
+            if now - since >= self.timeout_s and worker not in self.excluded:
+                actions += self._declare_dead(worker, now - since)
+        for st in self.keys.values():
+            actions += self._stall_notes(st, now)
+        return actions
+
+    def _expire_pending(self, now: float) -> list[Action[W]]:
+        late = [w for w in self.pending if now - w.since >= self.timeout_s]
+        self.pending = [w for w in self.pending if w not in late]
+        return [Fail(w.handle, w.push, Why(
+            f"async push of {w.push.name!r} part {w.push.part}: the server holds no value for it after "
+            f"{self.timeout_s:g} s (call async_init first; or the server restarted and no worker had a copy)",
+            "timeout", what=f"the value of {w.push.name!r}", timeout_s=self.timeout_s)) for w in late]
+
+    def _expire_inits(self, st: _Key[W], now: float) -> list[Action[W]]:
+        late = [w for w in st.inits if now - w.since >= self.timeout_s]
+        if not late:
+            return []
+        st.inits = [w for w in st.inits if w not in late]
+        root = late[0].push.root
+        machine = self.worker_of_rank(root)
+        what = f"async_init of {st.first.name!r} from root rank {root} on worker {machine}"
+        return [Fail(w.handle, w.push, Why(f"{what}: its value did not arrive within {self.timeout_s:g} s",
+                                           "timeout", what=what, timeout_s=self.timeout_s)) for w in late]
+
+    def _declare_dead(self, worker: int, silent: float) -> list[Action[W]]:
+        actions: list[Action[W]] = [Note(logging.WARNING, f"worker {worker} has been disconnected for "
+                                                          f"{silent:.1f} s: it holds no asynchronous push back")]
+        text = (f"worker {worker} disconnected {silent:.1f} s ago (limit {self.timeout_s:g} s) and holds back "
+                f"this step by the staleness bound (the delta was applied)")
+        for st in self.keys.values():
+            blocked = [w for w in st.held if worker in self._blockers(st, w.push.round)]
+            st.held = [w for w in st.held if w not in blocked]
+            actions += [Fail(w.handle, w.push, Why.worker_gone(worker, text)) for w in blocked]
+        self.excluded.add(worker)
+        for st in self.keys.values():
+            actions += self._release(st)
+        return actions
+
+    def _stall_notes(self, st: _Key[W], now: float) -> list[Action[W]]:
+        notes: list[Action[W]] = []
+        for w in st.held:
+            if not w.warned and now - w.since >= self.timeout_s:
+                w.warned = True
+                notes.append(Note(logging.WARNING, f"stall: step {w.push.round} of {w.push.name!r} part "
+                                                   f"{w.push.part} by worker {w.push.worker} has waited "
+                                                   f"{now - w.since:.1f} s for worker "
+                                                   f"{', '.join(map(str, self._blockers(st, w.push.round)))} "
+                                                   f"(staleness bound {st.staleness})"))
+        return notes
+
+
+def _describe_init(push: Push) -> str:
+    bound = "unbounded" if push.staleness < 0 else f"staleness {push.staleness}"
+    return f"{describe(push)} from rank {push.root}, {bound}"

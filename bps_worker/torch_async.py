@@ -1,0 +1,118 @@
+"""Asynchronous training for the PyTorch layer: ``DistributedOptimizer(..., asynchronous=True)``.
+
+The servers hold the parameters (``bps_worker.client.async_init``). Each ``step()`` lets the wrapped
+optimizer step locally on this process's own gradients, pushes ``new - old`` per bucket of parameters
+(``async_push_pull``: added at once, no barrier) and copies the value that comes back into the parameters;
+``old`` is that value. So every process's every step is in the servers' value once, and a slow process
+holds the others back only as far as ``staleness`` says (``None``: not at all).
+
+Buckets are as for gradients (parameters in reverse declaration order, at least ``bucket_bytes`` each, one
+dtype per bucket), named ``param.<first parameter>``. :func:`~bps_worker.torch.broadcast_parameters`
+initialises them from the root's parameters (after its broadcast); a first ``step()`` before that
+initialises them from rank 0's.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .client import BPSError, Handle
+from .client import adapter as _adapter
+from .client import synchronize as _synchronize
+
+_LIVE: weakref.WeakSet[AsyncParameters] = weakref.WeakSet()  # initialised by broadcast_parameters
+
+_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+
+
+@dataclass(eq=False)
+class _Bucket:
+    name: str
+    params: list[torch.Tensor]
+    dtype: torch.dtype
+    old: np.ndarray | None = None  # the value last received: what this process's parameters hold
+
+
+class AsyncParameters:
+    """The asynchronous buckets of one optimizer's parameters (see the module docstring)."""
+
+    def __init__(self, params: list[tuple[str, torch.Tensor]], bucket_bytes: int, staleness: int | None) -> None:
+        if staleness is not None and (not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0):
+            raise BPSError(f"staleness must be None or an integer >= 0, got {staleness!r}")
+        for name, p in params:
+            if p.dtype not in _DTYPES:
+                raise BPSError(f"parameter {name!r} has dtype {p.dtype}; asynchronous mode holds float32, float64 "
+                               f"and float16 parameters")
+        self.staleness = staleness
+        self.buckets = _buckets(params, bucket_bytes)
+        self.initialised = False
+        _LIVE.add(self)
+
+    def init(self, root_rank: int) -> None:
+        """Make every bucket's value ``root_rank``'s parameters (or the job's value, for a process that
+        rejoins), and take it as this process's parameters."""
+        handles = [_adapter.start_async_init(_flat(b), b.name, root_rank, self.staleness) for b in self.buckets]
+        self._settle(handles)
+        self.initialised = True
+
+    def push(self) -> None:
+        """Push every bucket's ``new - old``; the values that come back become the parameters."""
+        handles = []
+        for b in self.buckets:
+            assert b.old is not None  # set by init
+            handles.append(_adapter.start_async(_flat(b) - b.old, b.name))
+        self._settle(handles)
+
+    def _settle(self, handles: list[Handle]) -> None:
+        """Wait for every handle (all of them, so that no name stays in flight); the values into the
+        parameters; then the first failure, if any."""
+        first: BPSError | None = None
+        for b, handle in zip(self.buckets, handles):
+            try:
+                value = _synchronize(handle)
+            except BPSError as exc:
+                first = first or exc
+                continue
+            b.old = value
+            _unflatten(b, value)
+        if first is not None:
+            raise first
+
+
+def init_all(root_rank: int) -> None:
+    """``broadcast_parameters``'s part: every asynchronous optimizer of this process initialises its values."""
+    for params in list(_LIVE):
+        params.init(root_rank)
+
+
+def _buckets(params: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[_Bucket]:
+    """Parameters in reverse declaration order, cut into buckets of ``bucket_bytes`` and one dtype."""
+    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+    nbytes = 0
+    for name, p in reversed(params):
+        if groups[-1] and (p.dtype != groups[-1][0][1].dtype or nbytes >= bucket_bytes):
+            groups.append([])
+            nbytes = 0
+        groups[-1].append((name, p))
+        nbytes += p.numel() * p.element_size()
+    return [_Bucket(f"param.{g[0][0]}", [p for _, p in g], g[0][1].dtype) for g in groups if g]
+
+
+def _flat(bucket: _Bucket) -> np.ndarray:
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1).to("cpu") for p in bucket.params])
+    return flat.numpy().astype(_DTYPES[bucket.dtype], copy=False)
+
+
+def _unflatten(bucket: _Bucket, value: np.ndarray) -> None:
+    flat = torch.from_numpy(value)
+    offset = 0
+    with torch.no_grad():
+        for p in bucket.params:
+            n = p.numel()
+            p.copy_(flat[offset:offset + n].view(p.shape))
+            offset += n

@@ -1,0 +1,230 @@
+"""What each rank runs in the asynchronous-mode tests (top-level, so spawn can import them).
+
+Deltas are integer-valued functions of (seed, rank, step), so every rank can compute the exact final value
+of the whole cluster by itself.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import numpy as np
+
+import bps_worker.client as bps
+from bps_worker.client import NUMPY_DTYPES
+
+SHAPE = (3, 5000)  # 60 KB in float32: several partitions on several servers with 64 KiB partitions
+
+
+def initial(dtype: str, base: float) -> np.ndarray:
+    return (np.arange(np.prod(SHAPE)).reshape(SHAPE) % 7 + base).astype(NUMPY_DTYPES[dtype])
+
+
+def delta(dtype: str, seed: int, rank: int, step: int) -> np.ndarray:
+    rng = np.random.default_rng((seed, rank, step))
+    return rng.integers(-2, 3, size=SHAPE).astype(NUMPY_DTYPES[dtype])
+
+
+def expected(dtype: str, seed: int, steps: int, base: float) -> np.ndarray:
+    """The initial value plus every rank's every delta, summed exactly (in float64)."""
+    total = initial(dtype, base).astype(np.float64)
+    for rank in range(bps.size()):
+        for step in range(steps):
+            total += delta(dtype, seed, rank, step).astype(np.float64)
+    return total
+
+
+def barrier(tag: str) -> None:
+    bps.push_pull(np.zeros(1, np.float32), f"barrier/{tag}")
+
+
+def exact_run(name: str, dtype: str, steps: int, seed: int, base: float, max_sleep: float,
+              staleness: int | None = None, slow: tuple[float, ...] = ()) -> dict[str, Any]:
+    """async_init from rank 0, ``steps`` deltas at random intervals (up to ``max_sleep``, ``slow[w]`` times that
+    on machine ``w``), a barrier, then the value (a zero delta's answer), which must hold every delta of every
+    rank."""
+    worker = bps.rank() // bps.local_size()
+    factor = slow[worker] if worker < len(slow) else 1.0
+    rng = random.Random(seed * 100 + bps.rank())
+    first = bps.async_init(initial(dtype, base) if bps.rank() == 0 else np.zeros(SHAPE, NUMPY_DTYPES[dtype]), name,
+                           staleness=staleness)
+    assert np.array_equal(first, initial(dtype, base)), "the value starts as the root's array"
+    barrier(f"{name}/init")  # an init answers the value as it is: no machine pushes before every one has it
+    for step in range(steps):
+        time.sleep(rng.random() * max_sleep * factor)
+        value = bps.async_push_pull(delta(dtype, seed, bps.rank(), step), name)
+        assert value.shape == SHAPE and value.dtype == NUMPY_DTYPES[dtype]
+    barrier(name)
+    final = bps.async_push_pull(np.zeros(SHAPE, NUMPY_DTYPES[dtype]), name)
+    want = expected(dtype, seed, steps, base)
+    return {"final": final.astype(np.float64), "want": want}
+
+
+def steps_trace(name: str, staleness: int | None, slow_steps: int, sleeps: dict[int, float]) -> dict[str, Any]:
+    """Each machine's delta adds 1 per process to its own entry, so every value answered says how many
+    steps of every machine it holds (entry / local processes). The last machine makes ``slow_steps`` steps;
+    the others push until an answer shows that it did (every process of a machine gets the same answers,
+    so they stop together). Each sleeps ``sleeps[worker]`` a step. Returns, per answer, this machine's
+    step and the value's entries."""
+    workers = bps.size() // bps.local_size()
+    worker = bps.rank() // bps.local_size()
+    slow = workers - 1
+    bps.async_init(np.zeros(workers, np.float32), name, staleness=staleness)
+    one = np.zeros(workers, np.float32)
+    one[worker] = 1
+    trace: list[tuple[int, list[float]]] = []
+    started = time.monotonic()
+    step = 0
+    while (step < slow_steps) if worker == slow else (not trace or trace[-1][1][slow] < slow_steps):
+        time.sleep(sleeps.get(worker, 0.0))
+        value = bps.async_push_pull(one, name)
+        step += 1
+        trace.append((step, (value / bps.local_size()).tolist()))
+    return {"worker": worker, "steps": step, "trace": trace, "seconds": time.monotonic() - started}
+
+
+def misuse(name: str) -> dict[str, Any]:
+    """Worker 0's processes make ``name`` asynchronous, the others push it synchronously."""
+    worker = bps.rank() // bps.local_size()
+    try:
+        if worker == 0:
+            bps.async_init(np.ones(4, np.float32), name)
+            bps.async_push_pull(np.ones(4, np.float32), name)
+        else:
+            time.sleep(0.5)  # after the init: the servers know the name as asynchronous
+            bps.push_pull(np.ones(4, np.float32), name)
+        outcome = "ok"
+    except bps.BPSError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    try:  # the same process, both ways
+        bps.push_pull(np.ones(4, np.float32), f"{name}/local")
+        bps.async_init(np.ones(4, np.float32), f"{name}/local")
+        local = "ok"
+    except bps.BPSError as exc:
+        local = f"{type(exc).__name__}: {exc}"
+    try:
+        bps.async_push_pull(np.ones(4, np.float32), f"{name}/never")
+        never = "ok"
+    except bps.BPSError as exc:
+        never = f"{type(exc).__name__}: {exc}"
+    bad = []
+    for staleness in (-1, 1.5, True):
+        try:
+            bps.async_init(np.ones(4, np.float32), f"{name}/bad", staleness=staleness)  # type: ignore[arg-type]
+        except bps.BPSError as exc:
+            bad.append(str(exc))
+    return {"outcome": outcome, "local": local, "never": never, "bad": bad}
+
+
+def mismatch(name: str) -> str:
+    """Worker 1 initialises ``name`` with another shape."""
+    worker = bps.rank() // bps.local_size()
+    shape = (4,) if worker == 0 else (5,)
+    try:
+        bps.async_init(np.ones(shape, np.float32), name)
+        return "ok"
+    except bps.BPSMismatchError as exc:
+        return f"{exc.name}|{exc.ours}|{exc.theirs}"
+    except bps.BPSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def push_until_error(name: str, staleness: int | None, seconds: float) -> dict[str, Any]:
+    """Push 1s every 10 ms for ``seconds`` or until an error (the test kills a machine meanwhile)."""
+    bps.async_init(np.zeros(4, np.float32), name, staleness=staleness)
+    steps, times = 0, []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            bps.async_push_pull(np.ones(4, np.float32), name)
+        except bps.BPSError as exc:
+            at = time.time()
+            after = 0
+            try:  # the dead machine holds nobody back any more (unless it was our own daemon that died)
+                for _ in range(5):
+                    bps.async_push_pull(np.ones(4, np.float32), name)
+                    after += 1
+            except bps.BPSError:
+                pass
+            return {"steps": steps, "error": type(exc).__name__, "text": str(exc), "peer": getattr(exc, "peer", ""),
+                    "at": at, "times": times, "after": after}
+        steps += 1
+        times.append(time.time())
+        time.sleep(0.01)
+    return {"steps": steps, "error": None, "at": time.time(), "times": times}
+
+
+def torch_async_sgd(steps: int, staleness: int | None) -> dict[str, Any]:
+    """A linear model whose gradient is a constant per rank (loss = sum(w * c_rank)): with plain SGD every
+    step's delta is -lr * c_rank exactly (lr a power of 2, integer c), so the servers' final value is rank 0's
+    initial weights minus lr * steps * sum of every rank's c. Ranks start from different weights:
+    broadcast_parameters must make the value rank 0's."""
+    import torch
+
+    import bps_worker.torch as bt
+
+    def start(rank: int) -> dict[str, torch.Tensor]:  # integer-valued: every step below is exact in float32
+        gen = torch.Generator().manual_seed(rank)
+        return {"weight": torch.randint(-8, 9, (2, 3), generator=gen).float(),
+                "bias": torch.randint(-8, 9, (2,), generator=gen).float()}
+
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(start(bps.rank())[n])
+    init0 = start(0)
+    t0 = time.monotonic()
+    errors = []
+    for bad in (dict(asynchronous=True, compression=bt.Compression.fp16), dict(staleness=2)):
+        try:
+            bt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.25), model.named_parameters(), **bad)
+        except bt.BPSError as exc:
+            errors.append(str(exc))
+    opt = bt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.25), model.named_parameters(),
+                                  asynchronous=True, staleness=staleness, bucket_bytes=16)
+    bt.broadcast_parameters(model.state_dict(), root_rank=0)
+    same = all(torch.equal(p, init0[n]) for n, p in model.named_parameters())
+    coef = {n: torch.full_like(p, float(bps.rank() + 1)) for n, p in model.named_parameters()}
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = sum((p * coef[n]).sum() for n, p in model.named_parameters())
+        loss.backward()
+        opt.step()
+    barrier("torch_async")
+    opt.zero_grad()
+    opt.step()  # no gradient: a zero delta, the value back
+    total = sum(r + 1 for r in range(bps.size()))
+    want = {n: init0[n] - 0.25 * steps * total for n in init0}
+    exact = all(torch.equal(p.detach(), want[n]) for n, p in model.named_parameters())
+    value = bt.async_init(torch.full((3,), 2.0), "torch/plain")  # the tensor functions
+    value = bt.async_push_pull(torch.ones(3), "torch/plain")
+    plain = value.tolist()
+    return {"same_after_broadcast": same, "exact": exact, "errors": errors, "seconds": time.monotonic() - t0,
+            "plain": plain}
+
+
+REJOIN_STEADY_STEPS = 60
+REJOIN_DELTAS = {"steady": 1.0, "first": 10.0, "again": 100.0}
+REJOIN_TOTAL = REJOIN_STEADY_STEPS * 1.0 + 5 * 10.0 + 5 * 100.0
+
+
+def rejoin(role: str) -> list[float]:
+    """Machine 0 ("steady") pushes 1s for REJOIN_STEADY_STEPS steps, then zeros until the value holds every
+    delta of the job; machine 1's processes come and go: "first" pushes 10s five times and leaves, "again"
+    (a new process, the daemon's rounds counted from 0 again) initialises again and pushes 100s five times."""
+    value = bps.async_init(np.zeros(4, np.float32), "rejoin")
+    if role != "steady":
+        for _ in range(5):
+            value = bps.async_push_pull(np.full(4, REJOIN_DELTAS[role], np.float32), "rejoin")
+            time.sleep(0.02)
+        return value.tolist()
+    for _ in range(REJOIN_STEADY_STEPS):
+        value = bps.async_push_pull(np.ones(4, np.float32), "rejoin")
+        time.sleep(0.02)
+    deadline = time.monotonic() + 30
+    while value[0] < REJOIN_TOTAL and time.monotonic() < deadline:
+        time.sleep(0.05)
+        value = bps.async_push_pull(np.zeros(4, np.float32), "rejoin")
+    return value.tolist()

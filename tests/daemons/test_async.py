@@ -1,0 +1,74 @@
+"""Asynchronous mode with real daemons: exactness, the staleness bound, mismatches and misuse (issue 17).
+
+Restarts and dead machines are in test_async_failures.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import async_programs as ap
+from harness import run_ranks
+
+
+def test_every_delta_is_in_the_value_exactly_float32(cluster_2x2):
+    """4 processes, 200 integer-valued deltas each at random intervals (0-4 ms), split over 3 servers."""
+    results = run_ranks(cluster_2x2, ap.exact_run, "exact32", "float32", 200, 1, 10.0, 0.004, timeout=90)
+    for r in results:
+        assert np.array_equal(r["final"], r["want"]), np.abs(r["final"] - r["want"]).max()
+
+
+def test_float16_values_accumulate_in_float32_within_half_an_ulp(cluster_2x2):
+    """The value starts at 3000-3006, where float16's spacing is 2, and takes +-2 integer deltas: added in
+    float16, most would round away. The server adds in float32 (exact for these integers) and rounds once
+    per answer, so the final value is the exact sum rounded to float16: within 1 (half the spacing) of it,
+    and equal to numpy's rounding of it."""
+    results = run_ranks(cluster_2x2, ap.exact_run, "exact16", "float16", 100, 2, 3000.0, 0.002, timeout=90)
+    for r in results:
+        assert np.abs(r["final"] - r["want"]).max() <= 1.0
+        assert np.array_equal(r["final"], r["want"].astype(np.float16).astype(np.float64))
+
+
+def test_a_bound_of_2_keeps_every_machine_within_2_steps_of_the_slowest(cluster_2x2):
+    """Machine 1 sleeps 20 ms a step, machine 0 none: every answer's value shows that no machine was more than
+    2 steps ahead of the slowest (each answer to step t holds every machine's steps up to at least t - 2),
+    and the fast machine was held back to the slow one's pace."""
+    results = run_ranks(cluster_2x2, ap.steps_trace, "bound2", 2, 40, {1: 0.02}, timeout=60)
+    for r in results:
+        for step, entries in r["trace"]:
+            assert entries[r["worker"]] >= step  # its own delta is in
+            assert min(entries) >= step - 2, (r["worker"], step, entries)
+    fast, slow = results[0]["steps"], results[2]["steps"]
+    assert slow == 40 and fast <= slow + 2, (fast, slow)
+    assert results[0]["seconds"] >= 0.8 * results[2]["seconds"]  # held back: about the slow one's time
+
+
+def test_unbounded_a_slow_machine_does_not_slow_the_others(cluster_2x2):
+    """Machine 1 sleeps 5x as long a step as machine 0 (100 ms against 20 ms: long against a push on a loaded
+    box): while it makes 20 steps, machine 0 completes at least 3x as many."""
+    results = run_ranks(cluster_2x2, ap.steps_trace, "free", None, 20, {0: 0.02, 1: 0.1}, timeout=60)
+    fast, slow = results[0]["steps"], results[2]["steps"]
+    assert slow == 20 and fast >= 3 * slow, (fast, slow)
+    assert results[1]["steps"] == fast and results[3]["steps"] == slow  # local processes go together
+
+
+def test_a_shape_mismatch_names_the_tensor_and_both_shapes(cluster_2x2):
+    """Machine 1 initialises the name with another shape than the root's machine: it hears why, naming the
+    tensor, its own shape and the root's (whichever init came first); the root's machine has its value."""
+    results = run_ranks(cluster_2x2, ap.mismatch, "mm", timeout=60)
+    assert results[:2] == ["ok", "ok"], results
+    for r in results[2:]:
+        name, ours, theirs = r.split("|")
+        assert name == "mm" and ours.startswith("float32[5]") and theirs.startswith("float32[4]"), r
+
+
+def test_sync_and_async_use_of_one_name_is_an_error(cluster_2x2):
+    results = run_ranks(cluster_2x2, ap.misuse, "both", timeout=60)
+    for rank, r in enumerate(results):
+        if rank >= 2:  # pushed it synchronously: the servers hold it as asynchronous (or the other way)
+            assert r["outcome"].startswith("BPSMismatchError") and "synchronous" in r["outcome"], r
+        assert r["local"].startswith("BPSError") and "used synchronously in this process" in r["local"], r
+        assert r["never"].startswith("BPSError") and "call async_init first" in r["never"], r
+        assert len(r["bad"]) == 3 and all("staleness must be None or an integer >= 0" in t for t in r["bad"]), r
+    assert results[0]["outcome"] == results[1]["outcome"] == "ok"

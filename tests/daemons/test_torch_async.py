@@ -1,0 +1,20 @@
+"""DistributedOptimizer(asynchronous=True) with real daemons (issue 17)."""
+
+from __future__ import annotations
+
+import pytest
+
+import async_programs as ap
+from harness import run_ranks
+
+
+@pytest.mark.parametrize("staleness", [None, 1])
+def test_async_sgd_puts_every_process_step_in_the_servers_value(cluster_2x2, staleness):
+    """4 processes, 30 plain SGD steps each on constant per-rank gradients, parameters in two buckets: the
+    broadcast makes the value rank 0's weights, and the final parameters are those minus every step of every
+    process, exactly. Compression, or a staleness without asynchronous=True, are refused."""
+    results = run_ranks(cluster_2x2, ap.torch_async_sgd, 30, staleness, timeout=90)
+    for r in results:
+        assert r["same_after_broadcast"] and r["exact"], r
+        assert "compression is for gradients" in r["errors"][0] and "asynchronous=True" in r["errors"][1], r
+        assert r["plain"][0] in (3.0, 4.0, 5.0, 6.0) and len(set(r["plain"])) == 1  # 2 + its delta + others' so far
