@@ -16,6 +16,9 @@ and never the daemon's own state, so it needs no lock and cannot race the loop:
 
 The clock is ``time.monotonic`` (the HTTP thread compares the beat with it); the decisions take the
 time as an argument.
+
+:func:`from_environment` checks, at start, what a daemon takes from its environment (its command line reads
+it): its id (:mod:`bps_runtime.identity`), the notify socket and the watchdog's period.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Final
+from typing import Callable, Final, Mapping
 
+from .identity import Resolved, daemon_id
 from .lifecycle import sd_notify
 
 log = logging.getLogger("bps.health")
@@ -140,3 +144,22 @@ class Pulse:
         while True:
             await asyncio.sleep(self.interval_s)
             self.beat()
+
+
+@dataclass(frozen=True)
+class FromEnvironment:
+    """What a daemon takes from its environment, which only its command line reads and passes here: its id
+    (``--id`` or the scheduler's, :mod:`bps_runtime.identity`) and systemd's notify socket and watchdog."""
+
+    ident: Resolved
+    notify_socket: str | None
+    watchdog_s: float | None
+
+
+def from_environment(given_id: int | None, stall_limit_s: float, env: Mapping[str, str], hostname: str,
+                     pid: int) -> FromEnvironment:
+    """The daemon's settings from ``env``; a ValueError (an ``IdentityError`` for the id) with the one line
+    the daemon prints before it exits 2."""
+    ident = daemon_id(given_id, env, hostname)
+    watchdog_s = watchdog_period(stall_limit_s, env.get("WATCHDOG_USEC"), env.get("WATCHDOG_PID"), pid)
+    return FromEnvironment(ident, env.get("NOTIFY_SOCKET"), watchdog_s)

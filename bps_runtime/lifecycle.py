@@ -126,3 +126,4 @@ async def serve_until_signalled(start: Callable[[], Awaitable[Any]], stop: Calla
     sd_notify("STOPPING=1", notify_socket)
     await stop()
     return 0
+

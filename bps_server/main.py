@@ -12,9 +12,8 @@ from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
 
 from bps_runtime import kernels
-from bps_runtime.identity import IdentityError, daemon_id
 from .server import ServerConfig, SummationServer
-from bps_runtime.health import STALL_LIMIT_S, watchdog_period
+from bps_runtime.health import STALL_LIMIT_S, from_environment
 from bps_runtime.lifecycle import keep_freed_memory, new_event_loop, serve_until_signalled, setup_logging
 
 log = logging.getLogger("bps.server")
@@ -41,10 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level, args.log_file)
     try:
-        ident = daemon_id(args.id, os.environ, socket.gethostname())
-    except IdentityError as exc:
+        settings = from_environment(args.id, args.stall_limit, os.environ, socket.gethostname(), os.getpid())
+    except ValueError as exc:
         print(f"bps-server: {exc}", file=sys.stderr)
         return 2
+    ident = settings.ident
     if ident.source != "--id":
         log.info("server id %d, from %s", ident.id, ident.source)
     try:
@@ -54,13 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"bps-server: {exc}", file=sys.stderr)
         return 2
-    try:
-        watchdog_s = watchdog_period(args.stall_limit, os.environ.get("WATCHDOG_USEC"),
-                                     os.environ.get("WATCHDOG_PID"), os.getpid())
-    except ValueError as exc:
-        print(f"bps-server: {exc}", file=sys.stderr)
-        return 2
-    notify_socket = os.environ.get("NOTIFY_SOCKET")
+    notify_socket, watchdog_s = settings.notify_socket, settings.watchdog_s
     if args.threads < 1:
         print("bps-server: --threads must be >= 1", file=sys.stderr)
         return 2

@@ -9,8 +9,7 @@ import socket
 import sys
 
 from bps_runtime import kernels
-from bps_runtime.health import STALL_LIMIT_S, watchdog_period
-from bps_runtime.identity import IdentityError, daemon_id
+from bps_runtime.health import STALL_LIMIT_S, from_environment
 from bps_runtime.lifecycle import keep_freed_memory, new_event_loop, serve_until_signalled, setup_logging
 from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
@@ -44,10 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level, args.log_file)
     try:
-        ident = daemon_id(args.id, os.environ, socket.gethostname())
-    except IdentityError as exc:
+        settings = from_environment(args.id, args.stall_limit, os.environ, socket.gethostname(), os.getpid())
+    except ValueError as exc:
         print(f"bps-worker: {exc}", file=sys.stderr)
         return 2
+    ident = settings.ident
     if ident.source != "--id":
         log.info("worker id %d, from %s", ident.id, ident.source)
     try:
@@ -63,13 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bps-worker: --socket-mode and --shm-mode must be octal, got {args.socket_mode!r}, "
               f"{args.shm_mode!r}", file=sys.stderr)
         return 2
-    try:
-        watchdog_s = watchdog_period(args.stall_limit, os.environ.get("WATCHDOG_USEC"),
-                                     os.environ.get("WATCHDOG_PID"), os.getpid())
-    except ValueError as exc:
-        print(f"bps-worker: {exc}", file=sys.stderr)
-        return 2
-    notify_socket = os.environ.get("NOTIFY_SOCKET")
+    notify_socket, watchdog_s = settings.notify_socket, settings.watchdog_s
     config = WorkerConfig(cluster, ident.id, socket_path=args.socket, socket_mode=socket_mode,
                           segment_mode=shm_mode, threads=max(1, args.threads), token=token, timeline=args.timeline,
                           notify_socket=notify_socket, watchdog_s=watchdog_s, stall_limit_s=args.stall_limit)
