@@ -181,7 +181,12 @@ class Planner:
             elif name in self.ready:
                 self.ready.remove(name)
                 out += [Failed(other, name, why) for other in range(self.workers) if other != worker]
-            elif name not in self.failed:
+            elif name in self.failed:  # failed already (its reporters told): it no longer waits for this worker
+                left = self.failed[name][1]
+                left.discard(worker)
+                if not left:
+                    del self.failed[name]
+            else:
                 left = set(range(self.workers)) - {worker} - unfused(name)
                 if left:
                     self.failed[name] = (why, left)

@@ -328,8 +328,11 @@ class ValueStore(Generic[W]):
             self.excluded.discard(worker)
 
     def worker_connected(self, worker: int) -> None:
+        """A connection of ``worker`` (again): it holds others back again, unless its processes all left (a
+        reset): then only once they are back, i.e. it pushes again (``_joined``)."""
         self.disconnected.pop(worker, None)
-        self.excluded.discard(worker)
+        if worker not in self.reset_workers:
+            self.excluded.discard(worker)
 
     def worker_disconnected(self, worker: int, now: float) -> None:
         self.disconnected.setdefault(worker, now)

@@ -300,8 +300,12 @@ class WorkerDaemon:
                 rounds = self.rounds.open.get(entry[1])
                 if rounds:  # the other processes issued it too large to fuse
                     ours = describe_spec(entry[2])
-                    why = self._paths_differ(entry[1], ours, describe(rounds[0].first), session.local_rank,
-                                             {session.local_rank})
+                    why = rounds[0].why
+                    if why is None:
+                        why = self._paths_differ(entry[1], ours, describe(rounds[0].first), session.local_rank,
+                                                 {session.local_rank})
+                    else:  # failed already, and said so everywhere: this rank hears it and is not waited for
+                        self._execute(self.rounds.fail_name(entry[1], why, {session.local_rank}))
                     session.send(why.heard_by(ours).failure(entry[0]))
                 else:
                     kept.append(entry)
@@ -316,10 +320,15 @@ class WorkerDaemon:
         server for the peers that pushed the name unfused; a FuseAbort tells the anchor's planner for those that
         fused it. Returns the mismatch (a fused entry not yet in a round is answered by the caller)."""
         own, other = (fused, unfused) if local_rank in fused_ranks else (unfused, fused)
-        why = Why.mismatch(name, fused, unfused,
-                           f"rank {self.rank_offset + local_rank} issued it as {own} but other processes of worker "
-                           f"{self.worker_id} as {other} (one is fused, at most {self.fusion_bytes} bytes, the "
-                           f"other not)")
+        if fused == unfused:  # the same tensor: a process whose fusion is off (fusion_bytes=0) beside others
+            path = "fused" if local_rank in fused_ranks else "unfused"
+            detail = (f"rank {self.rank_offset + local_rank} issued it {path} but other processes of worker "
+                      f"{self.worker_id} did not: every process of a job must use "
+                      f"the same fusion setting (init(fusion_bytes=...), BPS_FUSION_BYTES)")
+        else:
+            detail = (f"rank {self.rank_offset + local_rank} issued it as {own} but other processes of worker "
+                      f"{self.worker_id} as {other} (one is fused, at most {self.fusion_bytes} bytes, the other not)")
+        why = Why.mismatch(name, fused, unfused, detail)
         decisions = self.fusion.rounds.fail_name(name, why, set(range(self.config.local_size)) - fused_ranks)
         if not decisions.aborts:  # no fused round here; machines that fused it wait at the planner all the same
             decisions.aborts.append((name, why))

@@ -258,7 +258,7 @@ class Operation:
                 answers = []
                 for piece, fut in futures:
                     if fut in pending or fut.cancelled() or fut.exception() is not None:
-                        if not host.streams[piece.server][piece.stream].forget(fut):
+                        if not self.link_for(piece).forget(fut):
                             answers.append(fut)  # in the server's hands, in our memory: wait for its answer
                         if self._job_current() and self.ABORTS:
                             host.links[piece.server].abort(self.name, piece.part, server_round, message)

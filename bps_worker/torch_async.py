@@ -14,6 +14,7 @@ initialises them from rank 0's.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from .client import BPSError, Handle
 from .client import adapter as _adapter
 from .client import synchronize as _synchronize
 
+_CREATED = itertools.count()  # the order of AsyncParameters made in this process
 _LIVE: weakref.WeakSet[AsyncParameters] = weakref.WeakSet()  # initialised by broadcast_parameters
 
 _DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
@@ -50,6 +52,7 @@ class AsyncParameters:
         self.staleness = staleness
         self.buckets = _buckets(params, bucket_bytes)
         self.initialised = False
+        self.created = next(_CREATED)
         _LIVE.add(self)
 
     def init(self, root_rank: int) -> None:
@@ -84,8 +87,10 @@ class AsyncParameters:
 
 
 def init_all(root_rank: int) -> None:
-    """``broadcast_parameters``'s part: every asynchronous optimizer of this process initialises its values."""
-    for params in list(_LIVE):
+    """``broadcast_parameters``'s part: every asynchronous optimizer of this process initialises its values, in
+    the order they were made (the same on every process: a set's order would differ, and two processes each
+    waiting in another optimizer's init would wait for ever)."""
+    for params in sorted(_LIVE, key=lambda p: p.created):
         params.init(root_rank)
 
 

@@ -154,3 +154,15 @@ def test_an_abort_does_not_wait_for_the_workers_that_pushed_the_name_unfused():
     assert p.failed["a"][1] == {2}
     p.abort(0, ["b"], Why("worker 0 gave it up", "round_failed"), lambda name: {1, 2})
     assert "b" not in p.failed
+
+
+def test_a_second_abort_of_a_failed_name_stops_waiting_for_its_sender_and_adds_nobody():
+    """A name failed already (its reporters told, worker 0 left to hear it): worker 0's own abort of it means
+    worker 0 heard it; it must not fail worker 0's next, valid report of the name."""
+    p = Planner(3)
+    p.report(2, ["a"], [F32])
+    p.pushed_unfused(1, "a", _unfused_why, {1})
+    assert p.failed["a"][1] == {0}
+    assert p.abort(0, ["a"], Why("worker 0 gave it up", "round_failed")) == []
+    assert "a" not in p.failed
+    assert p.report(0, ["a"], [F32]) == [] and p.waiting["a"].workers == {0}

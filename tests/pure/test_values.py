@@ -223,3 +223,18 @@ def test_random_interleavings_with_restarts_keep_every_delta_exactly_once() -> N
         assert st.applied == step
         covered += len(replays)
     assert covered > 0  # deltas pushed again that a restored copy held (3 with this seed): the case tested
+
+
+def test_a_machine_whose_processes_left_holds_nobody_back_until_it_pushes_again_even_if_it_reconnects() -> None:
+    """Its daemon reconnecting (a blip, a systemd restart) does not bring its processes back: a bound must not
+    wait for steps nobody will push. Its next push does."""
+    s = store()
+    initialised(s, arr(0, 0, 0, 0), staleness=0)
+    s.worker_reset(2)
+    s.worker_disconnected(2, 1.0)
+    s.worker_connected(2)
+    s.push(delta(0, 1), arr(1, 1, 1, 1), "a", 2.0)
+    assert answers(s.push(delta(1, 1), arr(1, 1, 1, 1), "b", 2.0)).keys() == {"a", "b"}  # not held for worker 2
+    s.push(delta(2, 1), arr(1, 1, 1, 1), "c", 3.0)  # its processes are back: it is waited for again
+    s.push(delta(0, 2), arr(1, 1, 1, 1), "d", 4.0)
+    assert answers(s.push(delta(1, 2), arr(1, 1, 1, 1), "e", 4.0)) == {}  # both wait for worker 2's step 2
