@@ -72,13 +72,17 @@ class AsyncParameters:
 
     def _settle(self, handles: list[Handle]) -> None:
         """Wait for every handle (all of them, so that no name stays in flight); the values into the
-        parameters; then the first failure, if any."""
+        parameters; then the first failure, if any. A bucket whose push failed goes back to its last value:
+        its delta may or may not be in the servers' value (an answer can fail after the delta was added), and
+        kept in the parameters it would be pushed again, inside the next step's ``new - old``."""
         first: BPSError | None = None
         for b, handle in zip(self.buckets, handles):
             try:
                 value = _synchronize(handle)
             except BPSError as exc:
                 first = first or exc
+                if b.old is not None:
+                    _unflatten(b, b.old)
                 continue
             b.old = value
             _unflatten(b, value)
