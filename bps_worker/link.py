@@ -30,7 +30,8 @@ answers is a new incarnation, its predecessor's state is lost: the link first *r
 finished sum of every partition key it got from that server (a peer may not have received it
 before the crash), then pushes again every partition still in flight (the contributions are
 intact: results land in a separate buffer). If it is the same incarnation (the connection alone
-broke, and the server already failed the rounds that needed us), the held pushes fail.
+broke, and the server already failed the rounds that needed us), the held pushes fail. Round queries
+sent and not answered are asked again on the new connection, whichever incarnation answers.
 
 Authentication: every connection starts with :class:`protocol.handshake.ClientHandshake` (the Hello
 carries our cluster file's placement entries). With a cluster token the server must prove it on our
@@ -147,7 +148,7 @@ class ControlMessages:
 
     def __init__(self) -> None:
         self._waiting: list[Message] = []
-        self._queries: dict[int, asyncio.Future[int]] = {}
+        self._queries: dict[int, tuple[RoundQuery, asyncio.Future[int]]] = {}
 
     def keep(self, message: Message) -> None:
         """``message`` goes once a connection is ready."""
@@ -163,22 +164,30 @@ class ControlMessages:
         waiting, self._waiting = self._waiting, []
         return waiting
 
-    def ask(self, req: int) -> asyncio.Future[int]:
-        """A RoundQuery ``req`` goes out: the future of its answer."""
+    def ask(self, query: RoundQuery) -> asyncio.Future[int]:
+        """``query`` goes out: the future of its answer."""
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._queries[req] = future
+        self._queries[query.req] = (query, future)
         return future
 
     def answer(self, info: RoundInfo) -> None:
-        future = self._queries.pop(info.req, None)
+        _, future = self._queries.pop(info.req, (None, None))
         if future is not None and not future.done():
             future.set_result(info.round)
 
+    def ask_again(self) -> None:
+        """The connection broke: every round query sent and not answered goes again on the next one. The
+        answer does not depend on the connection, and a restarted server gives the one the next attempt
+        would get anyway (the round the others are in, from their replays, or 0): failing the query
+        would fail an operation in a restart that every push rides out."""
+        waiting = {id(m) for m in self._waiting}
+        self._waiting += [q for q, f in self._queries.values() if not f.done() and id(q) not in waiting]
+
     def fail_queries(self, exc: BPSError) -> None:
-        """Fail every round query, sent or waiting (a restarted server would not know the answer)."""
+        """Fail every round query, sent or waiting (the link gave up)."""
         self._waiting = [m for m in self._waiting if not isinstance(m, RoundQuery)]
         queries, self._queries = self._queries, {}
-        for future in queries.values():
+        for _, future in queries.values():
             if not future.done():
                 future.set_exception(exc)
 
@@ -424,8 +433,9 @@ class ServerLink:
     def query_round(self, name: str, part: int = 0) -> asyncio.Future[int]:
         """Ask the server which round our next push of (name, part) is (see RoundQuery)."""
         req = next(self._req)
-        future = self.control.ask(req)
-        self._send_control(RoundQuery(req, name, part))
+        query = RoundQuery(req, name, part)
+        future = self.control.ask(query)
+        self._send_control(query)
         return future
 
     def abort(self, name: str, part: int, round_: int, message: str) -> None:
@@ -690,7 +700,7 @@ class ServerLink:
             self._fail_all(BPSConnectionError(reason))
             return
         # The server may be restarting: hold what is in flight until we know (see the module docstring).
-        self.control.fail_queries(BPSConnectionError(reason))  # a restarted server would not know the answer
+        self.control.ask_again()
         self._broken_reason = reason
         self.window.hold()
         self._follow_stall()

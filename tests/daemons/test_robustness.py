@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import rank_programs as rp
 from handshakes import hello_frame
 from harness import daemon_logs, run_ranks, server_stats, shm_segments, start_cluster, write_config
+from bps_server.connection import HOLDER_SILENCE_FRACTION
 from protocol import PROTOCOL_VERSION
 from protocol.frames import PREFIX, FrameReader, encode_header
 from protocol.handshake import ClientHandshake
@@ -46,6 +48,18 @@ def _exchange(sock: socket.socket, data: bytes, timeout: float = 5.0) -> tuple[l
     except OSError:
         closed = True
     return messages, closed
+
+
+def _read_one(sock: socket.socket, timeout: float = 5.0):
+    """The next message the peer sends on ``sock``."""
+    reader = FrameReader()
+    sock.settimeout(timeout)
+    while True:
+        chunk = sock.recv(65536)
+        assert chunk, "the daemon closed the connection"
+        frames = reader.receive_data(chunk)
+        if frames:
+            return parse(frames[0].header)
 
 
 def _assert_dropped(messages: list, closed: bool, text: str) -> None:
@@ -99,11 +113,20 @@ def test_server_drops_bad_frames_and_keeps_serving(cluster):
         _assert_dropped(*_exchange(s, hello_frame(s, cluster.config, 7)), "only workers")
     with connect() as s:  # not msgpack at all after a valid prefix
         _assert_dropped(*_exchange(s, PREFIX.pack(4, 0) + b"\xc1\xc1\xc1\xc1"), "undecodable")
-    with connect() as s:  # valid hello as worker 1, then a push cut off in the middle of its payload
-        s.sendall(hello_frame(s, cluster.config, 1))
-        head = encode_header({"t": "push", "req": 1, "name": "cut", "part": 0, "round": 0, "worker": 1,
-                              "dtype": "float32", "shape": [1 << 18], "offset": 0, "count": 1 << 18}, 1 << 20)
-        s.sendall(head + b"\0" * (1 << 19))
+    # A valid hello as worker 1, then a push cut off in the middle of its payload. Worker 1's daemon holds its
+    # id (it connects at start), so it is frozen first: once its connections were silent for half the timeout,
+    # the id may be taken over (as from a hung daemon), and the daemon reconnects when it is thawed.
+    cluster.kill("worker-1", signal.SIGSTOP)
+    try:
+        time.sleep(cluster.config.timeout * HOLDER_SILENCE_FRACTION + 0.5)
+        with connect() as s:
+            s.sendall(hello_frame(s, cluster.config, 1))
+            assert isinstance(_read_one(s), Welcome)
+            head = encode_header({"t": "push", "req": 1, "name": "cut", "part": 0, "round": 0, "worker": 1,
+                                  "dtype": "float32", "shape": [1 << 18], "offset": 0, "count": 1 << 18}, 1 << 20)
+            s.sendall(head + b"\0" * (1 << 19))
+    finally:
+        cluster.kill("worker-1", signal.SIGCONT)
     _sums_still_exact(cluster)
     log = daemon_logs(cluster)
     assert "dropping" in log and "version" in log

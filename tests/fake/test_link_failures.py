@@ -24,7 +24,7 @@ from bps_worker.errors import (
 from bps_worker.link import ServerLink, _LinkProtocol, connection_error, failure_error, write_batch, write_message
 from protocol.config import ServerSpec
 from protocol.frames import FrameReader, encode_header
-from protocol.messages import Failure, Push, batch_header, parse, to_header
+from protocol.messages import Failure, Push, RoundInfo, RoundQuery, batch_header, parse, to_header
 from fake_transport import FakeTransport
 
 
@@ -154,6 +154,25 @@ async def test_a_push_by_reference_lost_with_its_connection_is_unanswered_shm():
     assert isinstance(tcp_error, BPSConnectionError) and not getattr(tcp_error, "unanswered_shm", False)
     assert "lost connection to server 0" in str(shm_error)
     link.close()
+    await asyncio.sleep(0)
+
+
+async def test_a_round_query_lost_with_its_connection_goes_again_on_the_next():
+    """A server restart rides out a round query as it does a push: the query in flight when the connection
+    broke is asked again once the link reconnects, and answered then; only a link that gives up fails it."""
+    link, proto, transport = _link()
+    answer = link.query_round("w")
+    ((sent, _),) = transport.messages()
+    assert isinstance(sent, RoundQuery)
+    link.on_broken(proto, "lost connection to server 0")  # incarnation known: the link reconnects
+    await asyncio.sleep(0)
+    assert not answer.done()
+    assert link.control.take() == [sent]  # what the next ready connection sends first
+    link.on_message(proto, RoundInfo(sent.req, 3), None)
+    assert answer.result() == 3
+    given_up = link.query_round("v")
+    link.close()
+    assert isinstance(given_up.exception(), BPSConnectionError)
     await asyncio.sleep(0)
 
 
