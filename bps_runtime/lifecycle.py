@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
 import signal
@@ -63,6 +64,19 @@ def keep_freed_memory() -> bool:
         return False
     ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
     return mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1 and ok
+
+
+def settle_heap() -> None:
+    """Take what start-up built out of the cyclic garbage collector's walks: call once, before serving.
+
+    Importing numba and numpy and compiling the kernels leaves over 100,000 long-lived objects, and every
+    full collection walked them all (about 20-60 ms each): the hot path's short-lived messages, futures and
+    closures triggered one often enough that the collector took 12% of a worker daemon's CPU on emulated
+    1 Gbit/s links (py-spy, ``benchmarks/RESULTS.md``). :func:`gc.freeze` moves them to the permanent
+    generation; the collector still runs, over what the daemon allocated since.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

@@ -14,7 +14,7 @@ from protocol.errors import ConfigError
 from bps_runtime import kernels
 from .server import ServerConfig, SummationServer
 from bps_runtime.health import STALL_LIMIT_S, from_environment
-from bps_runtime.lifecycle import keep_freed_memory, new_event_loop, serve_until_signalled, setup_logging
+from bps_runtime.lifecycle import keep_freed_memory, new_event_loop, serve_until_signalled, settle_heap, setup_logging
 
 log = logging.getLogger("bps.server")
 
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                           stall_limit_s=args.stall_limit)
     keep_freed_memory()
     kernels.warm_up()  # compile before reporting ready, never on a job's first tensor
+    settle_heap()
     loop = new_event_loop()
     try:
         server = SummationServer(config)

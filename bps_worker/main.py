@@ -10,7 +10,7 @@ import sys
 
 from bps_runtime import kernels
 from bps_runtime.health import STALL_LIMIT_S, from_environment
-from bps_runtime.lifecycle import keep_freed_memory, new_event_loop, serve_until_signalled, setup_logging
+from bps_runtime.lifecycle import keep_freed_memory, new_event_loop, serve_until_signalled, settle_heap, setup_logging
 from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
 
@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                           notify_socket=notify_socket, watchdog_s=watchdog_s, stall_limit_s=args.stall_limit)
     keep_freed_memory()
     kernels.warm_up()
+    settle_heap()
     loop = new_event_loop()
     try:
         daemon = WorkerDaemon(config)
