@@ -132,6 +132,7 @@ class ServerConnection(AdmittedProtocol):
         self.session_key: bytes | None = None
         self.transport: asyncio.Transport | None = None
         self.low_water: ReceiveLowWater | None = None
+        self.loop = asyncio.get_running_loop()  # asked once: every ask is a getpid system call
         self.last_seen = 0.0  # loop time of the last bytes received (the server's silence watch)
         self.worker: int | None = None
         self.daemon = ""  # the worker daemon's id for its run (Hello.daemon), and its round numbering:
@@ -151,7 +152,7 @@ class ServerConnection(AdmittedProtocol):
     # -- asyncio.BufferedProtocol ----------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = tcp = cast(asyncio.Transport, transport)  # create_server's: a TCP transport
-        self.last_seen = asyncio.get_running_loop().time()
+        self.last_seen = self.loop.time()
         peername = transport.get_extra_info("peername")
         self.peer = address(peername)
         host = str(peername[0]) if isinstance(peername, tuple) else self.peer
@@ -168,7 +169,7 @@ class ServerConnection(AdmittedProtocol):
         return self.reader.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.last_seen = asyncio.get_running_loop().time()
+        self.last_seen = self.loop.time()
         try:
             for frame in self.reader.buffer_updated(nbytes):
                 message = parse(frame.header)
@@ -633,7 +634,7 @@ class ServerConnection(AdmittedProtocol):
             if not self._outbox.fits(nbytes):
                 self._flush()  # a batch is one frame: the peer's payload limit holds for it too
             if not len(self._outbox):
-                asyncio.get_running_loop().call_soon(self._flush)
+                self.loop.call_soon(self._flush)
             if self._outbox.add(message, payload):
                 self._flush()
             return

@@ -201,7 +201,7 @@ class _LinkProtocol(asyncio.BufferedProtocol):
         self.reader = FrameReader(max_payload_bytes=link.max_payload_bytes, payload_sink=link.payload_destination)
         self.transport: asyncio.Transport | None = None
         self.low_water: ReceiveLowWater | None = None
-        loop = asyncio.get_running_loop()
+        self.loop = loop = asyncio.get_running_loop()  # asked once: every ask is a getpid system call
         self.challenge: asyncio.Future[Challenge] = loop.create_future()
         self.welcome: asyncio.Future[Welcome | Failure] = loop.create_future()  # or the server's refusal
         self.last_seen = loop.time()  # loop time of the last bytes from the server
@@ -215,7 +215,7 @@ class _LinkProtocol(asyncio.BufferedProtocol):
         return self.reader.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.last_seen = asyncio.get_running_loop().time()
+        self.last_seen = self.loop.time()
         try:
             for frame in self.reader.buffer_updated(nbytes):
                 self.link.on_message(self, parse(frame.header), frame.payload)
@@ -351,6 +351,7 @@ class ServerLink:
         self._attempt_error = ""  # the last reason an idle attempt failed (logged once: see _attempt)
         self._attempt_after = 0.0  # no idle attempt before then (loop time)
         self._stall: asyncio.TimerHandle | None = None  # wakes the link at the window's stall deadline
+        self._loop: asyncio.AbstractEventLoop | None = None  # the running loop, once asked (see running_loop)
         # Refused because another daemon has our worker id: until when no attempt is made, and the error.
         self._held_elsewhere: tuple[float, BPSConnectionError] | None = None
         self._silence: asyncio.TimerHandle | None = None  # fires once the connection was silent for the timeout
@@ -383,6 +384,14 @@ class ServerLink:
         return self.window.by_reference
 
     # -- public ----------------------------------------------------------------------
+    def running_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop this link runs on, asked once (``asyncio.get_running_loop`` makes a getpid system
+        call each time, and the hot path asked several times per piece)."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
+
     def push(self, push_fields: dict[str, Any], payload: memoryview, dest: memoryview, priority: int,
              shm_ref: tuple[str, int] | None = None, out_ref: tuple[str, int] | None = None,
              on_result: Callable[[Result], None] | None = None) -> asyncio.Future[None]:
@@ -393,7 +402,7 @@ class ServerLink:
         until the future is done, and ``dest`` until the next push of the same partition is
         answered (a restarted server may need them again).
         """
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[None] = self.running_loop().create_future()
         push = Push(req=next(self._req), worker=self.worker_id, **push_fields)
         item = OutgoingPush(req=push.req, key=(push.name, push.part), priority=priority, nbytes=payload.nbytes,
                             header_bytes=estimated_header_bytes(push),
@@ -510,7 +519,7 @@ class ServerLink:
         if proto is None or proto.transport is None or not self._ready:
             return
         transport = proto.transport
-        now = asyncio.get_running_loop().time()
+        now = self.running_loop().time()
         while pieces := self.window.next_to_send(now, transport.get_write_buffer_size()):
             try:
                 if len(pieces) == 1:
@@ -531,7 +540,7 @@ class ServerLink:
                 self._stall.cancel()
                 self._stall = None
         elif self._stall is None:
-            self._stall = asyncio.get_running_loop().call_at(deadline, self._stall_over)
+            self._stall = self.running_loop().call_at(deadline, self._stall_over)
 
     def _stall_over(self) -> None:
         self._stall = None
