@@ -3,11 +3,21 @@
     sudo .venv/bin/python benchmarks/paper_vs_allreduce.py                    # n = 4, k = 0,1,2,4, PS k = 2
     sudo .venv/bin/python benchmarks/paper_vs_allreduce.py --write-results    # also RESULTS.md + a PNG plot
     sudo .venv/bin/python benchmarks/paper_vs_allreduce.py --size 1M --reps 2 --ks 0,1 --ps-ks ""  # smoke
+    sudo .venv/bin/python benchmarks/paper_vs_allreduce.py --write-results \
+        --sweep "n=4:200mbit,500mbit,1gbit;n=8:100mbit:k=0,4,8"              # issue 15's sweep
 
 Root only (network namespaces, veth pairs, tc). ``benchmarks/cluster`` emulates ``n`` worker machines plus
 up to ``max(k)`` CPU-only machines: one network namespace each, a veth pair to a private bridge, and a tbf
 shaper at ``--bandwidth`` B on both ends of every veth, so every machine has a full-duplex link of B
 (addresses 10.77.0.0/24 inside the namespaces only; everything is deleted at the end, also on failure).
+
+A sweep: ``--ns 4,8 --bandwidths 200mbit,1gbit`` runs every configuration at every (n, B), or ``--sweep``
+gives each n its own bandwidths (and ks). Every (n, B) gets a network of its own, built for it and deleted
+after it, as in a run of that (n, B) alone. ``--ks`` / ``--ps-ks`` take ``n``-relative tokens (``0,n/2,n``);
+a k too large for an n is skipped for that n. After the per-(n, B) tables, one summary over the whole run:
+measured / theory for both systems, CPU-seconds per operation by machine role (a GPU machine: its worker
+daemon, colocated server and rank; a CPU-only machine: its server; a gloo rank), bytes per link against
+Theorem 1; with several (n, B) the plot is measured / theory against B, one panel per n.
 
 For each configuration a cluster file is generated, ``bps-server`` / ``bps-worker`` run inside the machines'
 namespaces, and one rank process per worker machine runs inside that machine's namespace. Each rank is a
@@ -27,7 +37,8 @@ rank 0 broadcast (``start_together``). Time of a repetition = the last rank's en
 reported: median (min-max). Gloo's theory is
 ``2(n-1)M/(nB)``; its measured/theory ratio is the soundness check (within 15%: the cores are not the
 bottleneck and the links behave as B). Also measured per repetition: bytes on every machine's link (tc-side
-counters, headers included), CPU-seconds of every daemon, and how busy the box's cores were.
+counters, headers included), CPU-seconds of every daemon and rank (the kernel's CPU clock of each process),
+and how busy the box's cores were.
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +67,7 @@ from report import append_section, machine, markdown_table, section_head, text_t
 
 DEFAULT_RESULTS = REPO / "benchmarks" / "RESULTS.md"
 DEFAULT_PLOT = REPO / "benchmarks" / "paper_vs_allreduce.png"
+DEFAULT_SWEEP_PLOT = REPO / "benchmarks" / "paper_vs_allreduce_sweep.png"
 SOUND_TOLERANCE = 0.15
 GLOO_PORT = 29500
 START_AHEAD_S = 0.05  # see start_together
@@ -111,6 +124,17 @@ def expected_link_bytes(n: int, k: int, m: float, ps: bool) -> dict[str, tuple[f
 # rank program (inside a worker machine's namespace)
 # --------------------------------------------------------------------------------------------------------------
 def _proc_cpu(pid: int) -> float:
+    """CPU-seconds (user + sys, every thread, also those that ended) process ``pid`` has used so far.
+
+    Read from the kernel's CPU-time clock of the process (``clock_getcpuclockid(3)``: nanoseconds; the
+    clock id of process ``pid`` is ``MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)``), the same sum as
+    ``/proc/<pid>/stat``'s utime + stime, which counts in clock ticks (10 ms: a small operation's daemons
+    would read 0.00 or 0.01). ``/proc`` where the clock cannot be read.
+    """
+    try:
+        return time.clock_gettime((~pid << 3) | 2)
+    except OSError:
+        pass
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / CLK_TCK
@@ -288,14 +312,19 @@ def start_together(rank: int) -> tuple[float, float]:
 # --------------------------------------------------------------------------------------------------------------
 # driver
 # --------------------------------------------------------------------------------------------------------------
-def run_config(net: Any, layout: Any, args: argparse.Namespace, tmp: Path, label: str) -> dict[str, Any]:
+def run_config(net: Any, layout: Any, args: argparse.Namespace, tmp: Path, label: str, tag: str = ""
+               ) -> dict[str, Any]:
+    """One configuration on ``net``: its daemons, one rank per worker machine; rank 0's result file.
+
+    ``tag`` (a sweep's ``n4_200mbit``, "" for a single (n, B)) keeps the directories of the (n, B) apart.
+    """
     from benchmarks.cluster import Daemons
 
     slug = label.replace(" ", "_")
-    directory = tmp / slug
+    directory = tmp / tag / slug
     result_file = directory / "result.json"
     sampler = net.sample_links(str(directory / "links.txt")) if args.timeline else None
-    trace = Path(args.trace) / slug if args.trace else None
+    trace = Path(args.trace) / tag / slug if args.trace else None
     with Daemons(net, layout, directory, log_level=args.log_level, log_dir=directory / "logs",
                  timeline_dir=trace) as cluster:
         observe = json.dumps({"bridge_ns": net.bridge_ns,
@@ -397,13 +426,140 @@ def detail_rows(configs: list[dict[str, Any]], n: int, m: float) -> list[list[st
     return out
 
 
-def plot(rows: list[dict[str, Any]], n: int, m: float, b: float, path: Path, title: str) -> str | None:
+# --------------------------------------------------------------------------------------------------------------
+# per machine role: CPU-seconds per operation, bytes per link against Theorem 1, the sweep's summary
+# --------------------------------------------------------------------------------------------------------------
+def process_machines(layout: Any) -> dict[str, str]:
+    """The machine of every process label rank 0 observes (``Daemons.pids()``, and ``rank-<r>``)."""
+    where = {f"server-{sid}": machine_name for sid, machine_name, _ in layout.servers()}
+    where.update({f"worker-{w}": machine_name for w, machine_name in enumerate(layout.workers)})
+    where.update({f"rank-{w}": machine_name for w, machine_name in enumerate(layout.workers)})  # one rank each
+    return where
+
+
+def machine_cpu(obs: list[dict[str, Any]], where: dict[str, str], machines: list[str],
+                prefixes: tuple[str, ...]) -> list[float]:
+    """CPU-seconds per operation (median over repetitions) of each of ``machines``: its processes whose
+    labels start with one of ``prefixes``."""
+    if not obs:
+        return []
+    out = []
+    for name in machines:
+        labels = [lab for lab in obs[0]["cpu"] if where.get(lab) == name and lab.startswith(prefixes)]
+        out.append(statistics.median(sum(o["cpu"][lab] for lab in labels) for o in obs))
+    return out
+
+
+def role_cpu(c: dict[str, Any]) -> dict[str, list[float]]:
+    """Per machine, CPU-seconds per operation: ``gpu``, a worker machine during ours (its worker daemon, its
+    colocated server, its rank); ``cpu``, a CPU-only machine during ours (its server); ``rank``, a rank during
+    gloo's all_reduce."""
+    r, where = c["result"], c["where"]
+    return {"gpu": machine_cpu(r.get("obs_bps", []), where, c["workers"], ("worker-", "server-", "rank-")),
+            "cpu": machine_cpu(r.get("obs_bps", []), where, c["cpu_machines"], ("server-",)),
+            "rank": machine_cpu(r.get("obs_gloo", []), where, c["workers"], ("rank-",))}
+
+
+def link_ratio(obs: list[dict[str, Any]], machines: list[str], expected: float) -> str:
+    """Bytes per operation on a machine's link ((tx + rx) / 2, frames), median over ``machines``, / expected."""
+    if not obs or not machines:
+        return "-"
+    per = [statistics.median((o["links"][name][0] + o["links"][name][1]) / 2 for o in obs) for name in machines]
+    return f"{statistics.median(per) / expected:.3f}"
+
+
+def _median_max(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} ({max(values):.3f})" if values else "-"
+
+
+SUMMARY_HEADER = ["n", "B", "config", "ours t/t_opt", "gloo t/t_ring", "gloo/ours (theory)",
+                  "GPU machine CPU-s/op", "CPU-only machine CPU-s/op", "gloo rank CPU-s/op", "GPU machine / gloo rank",
+                  "ours link bytes/expected (worker, CPU-only)", "gloo link bytes/expected", "exact"]
+SUMMARY_INTRO = (
+    "Summary, one row per (n, B, configuration): measured / theory (medians over repetitions; `ours t/t_opt` is "
+    "against the plain PS's theory `max(M/B, nM/(kB))` on PS rows), gloo/ours measured (theoretical), CPU-seconds "
+    "per operation by machine role, median over the machines (max): a GPU machine is a worker machine during ours "
+    "(its worker daemon + its colocated server + its rank), a CPU-only machine its server during ours, a gloo rank "
+    "one rank during gloo's all_reduce (user + sys, every thread); then a GPU machine's median over a gloo rank's, "
+    "and bytes per operation on a machine's link ((tx + rx) / 2, frames incl. headers, median over the machines) "
+    "over the payload Theorem 1's split (PS: the even split) and the ring send:")
+
+
+def summary_rows(blocks: list[dict[str, Any]], m: float) -> list[list[str]]:
+    out = []
+    for blk in blocks:
+        n = blk["n"]
+        for c, row in zip(blk["configs"], blk["rows"]):
+            r, cpu = c["result"], role_cpu(c)
+            exp = expected_link_bytes(n, c["k"], m, c["ps"])
+            ratio = (statistics.median(cpu["gpu"]) / statistics.median(cpu["rank"])
+                     if cpu["gpu"] and cpu["rank"] and statistics.median(cpu["rank"]) > 0 else float("nan"))
+            ours_links = (f"{link_ratio(r.get('obs_bps', []), c['workers'], exp['worker'][0])}, "
+                          f"{link_ratio(r.get('obs_bps', []), c['cpu_machines'], exp['cpu'][0])}")
+            out.append([str(n), blk["bandwidth"], c["label"], f"{row['ours_ratio']:.2f}", f"{row['gloo_ratio']:.2f}",
+                        f"{row['speedup']:.2f} ({row['speedup_theory']:.2f})", _median_max(cpu["gpu"]),
+                        _median_max(cpu["cpu"]), _median_max(cpu["rank"]), f"{ratio:.2f}", ours_links,
+                        link_ratio(r.get("obs_gloo", []), c["workers"], t_ring(n, m, 1.0)),
+                        "yes" if row["ok"] else "NO"])
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# plots
+# --------------------------------------------------------------------------------------------------------------
+NO_MATPLOTLIB = "matplotlib is not installed (pip install -e '.[bench]')"
+
+
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or None where matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed (pip install -e '.[bench]'): no plot"
+        return None
+    return plt
+
+
+def plot_sweep(blocks: list[dict[str, Any]], path: Path, title: str) -> str | None:
+    """Measured / theory against B, one panel per n: ours one line per configuration, gloo's ring one line."""
+    plt = _pyplot()
+    if plt is None:
+        return f"{NO_MATPLOTLIB}: no plot"
+    ns = list(dict.fromkeys(blk["n"] for blk in blocks))
+    every = sorted((row for blk in blocks for row in blk["rows"]), key=lambda row: (row["ps"], row["k"]))
+    labels = list(dict.fromkeys(row["label"] for row in every))  # one colour each, in every panel
+    fig, axes = plt.subplots(1, len(ns), figsize=(1 + 5 * len(ns), 4.5), sharey=True, squeeze=False)
+    for ax, n in zip(axes[0], ns):
+        mine = sorted((blk for blk in blocks if blk["n"] == n), key=lambda blk: blk["rate"])
+        mbit = [blk["rate"] / 1e6 for blk in mine]
+        for i, label in enumerate(labels):
+            pts = [(blk["rate"] / 1e6, row["ours_ratio"]) for blk in mine for row in blk["rows"] if row["label"] == label]
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], "--^" if label.startswith("PS") else "-o",
+                        color=f"C{i}", label=f"ours, {label}" + (" (t / t_ps)" if label.startswith("PS") else ""))
+        ax.plot(mbit, [blk["gloo_ratio"] for blk in mine], ":s", color="black",
+                label="gloo ring all_reduce (t / t_ring, all its repetitions)")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xticks(mbit, [blk["bandwidth"] for blk in mine])
+        ax.minorticks_off()
+        ax.set_xlabel("B, every machine's link each way")
+        ax.set_title(f"n = {n}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("measured time / theory (median)")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def plot(rows: list[dict[str, Any]], n: int, m: float, b: float, path: Path, title: str) -> str | None:
+    plt = _pyplot()
+    if plt is None:
+        return f"{NO_MATPLOTLIB}: no plot"
     ks = [i / 20 for i in range(20 * n + 1)]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(ks, [t_opt(n, k, m, b) for k in ks], "-", color="C0", label="ours, theory $t_{opt}$ (Theorem 1)")
@@ -460,12 +616,9 @@ def _rates(samples: list[list[float]], start: float, end: float, column: int, bi
 
 
 def plot_timeline(configs: list[dict[str, Any]], machines: list[str], b: float, path: Path, title: str) -> str | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install -e '.[bench]'): no timeline"
+    plt = _pyplot()
+    if plt is None:
+        return f"{NO_MATPLOTLIB}: no timeline"
     panels = []
     for c in configs:
         r = c["result"]
@@ -506,16 +659,226 @@ def plot_timeline(configs: list[dict[str, Any]], machines: list[str], b: float, 
     return None
 
 
+# --------------------------------------------------------------------------------------------------------------
+# the sweep: which (n, B), which configurations
+# --------------------------------------------------------------------------------------------------------------
+KS_HELP = ("comma list of integers, 'n' or 'n/D' (n // D), resolved for each n; a k too large for an n is "
+           "skipped for that n")
+SWEEP_HELP = ("per-n bandwidths (and optionally ks), instead of --ns x --bandwidths: items 'n=N:B1,B2[:k=LIST]"
+              "[:ps=LIST]' separated by ';'; k= and ps= replace --ks and --ps-ks for that n, e.g. "
+              "'n=4:200mbit,500mbit,1gbit;n=8:100mbit:k=0,4,8'")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One (n, B) of a run: one emulated network, on which every configuration of the n runs."""
+
+    n: int
+    bandwidth: str
+    ks: tuple[int, ...]
+    ps_ks: tuple[int, ...]
+
+    @property
+    def tag(self) -> str:
+        return f"n{self.n}_{self.bandwidth}"
+
+    def plan(self) -> list[tuple[str, int, bool]]:
+        """(label, k, plain PS) of every configuration."""
+        return [(f"k={k}", k, False) for k in self.ks] + [(f"PS k={k}", k, True) for k in self.ps_ks]
+
+    def machines(self) -> tuple[list[str], list[str]]:
+        """Worker machines and CPU-only machines (as many as the largest k)."""
+        return [f"w{i}" for i in range(self.n)], [f"c{j}" for j in range(max((*self.ks, *self.ps_ks)))]
+
+    def describe(self, rate: float) -> str:
+        return (f"n = {self.n} worker machines x 1 process, k in {list(self.ks)} (+ plain PS k in "
+                f"{list(self.ps_ks)}); B = {self.bandwidth} ({rate / 8e6:.2f} MB/s) each way")
+
+
+def _items(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def parse_ks(text: str, n: int) -> list[int]:
+    """A k list for ``n`` worker machines: integers, ``n``, ``n/D`` (n // D); in order, repeats dropped."""
+    out: list[int] = []
+    for token in _items(text.replace(" ", "")):
+        try:
+            k = n if token == "n" else n // int(token[2:]) if token.startswith("n/") else int(token)
+        except (ValueError, ZeroDivisionError):
+            raise ValueError(f"bad k {token!r} (an integer, n or n/D)") from None
+        if k not in out:
+            out.append(k)
+    return out
+
+
+def _fitting(ks: list[int], n: int, ps: bool) -> list[int]:
+    """The ks that fit n worker machines (0 <= k <= n; plain PS 1 <= k < n); larger ones skipped, saying so."""
+    low, high = (1, n - 1) if ps else (0, n)
+    if any(k < low for k in ks):
+        raise ValueError(f"{'--ps-ks' if ps else '--ks'}: every k must be at least {low}")
+    if skipped := [k for k in ks if k > high]:
+        print(f"paper_vs_allreduce: n = {n}: skipping {'plain PS ' if ps else ''}k = {skipped} (more than {high})",
+              file=sys.stderr)
+    return [k for k in ks if k <= high]
+
+
+def sweep_items(args: argparse.Namespace) -> list[tuple[int, list[str], str, str]]:
+    """(n, bandwidths, ks, ps-ks) per n: --sweep's items, else every n of --ns at every B of --bandwidths."""
+    if not args.sweep:
+        bandwidths = _items(args.bandwidths or "200mbit")
+        return [(int(n), bandwidths, args.ks, args.ps_ks) for n in _items(args.ns or "4")]
+    if args.ns or args.bandwidths:
+        raise ValueError("--sweep replaces --n/--ns and --bandwidth/--bandwidths")
+    out = []
+    for item in filter(None, (i.strip() for i in args.sweep.split(";"))):
+        head, *fields = item.split(":")
+        key, _, n = head.partition("=")
+        if key.strip() != "n" or not fields:
+            raise ValueError(f"bad --sweep item {item!r} (n=N:B1,B2[:k=LIST][:ps=LIST])")
+        lists = {"k": args.ks, "ps": args.ps_ks}
+        for extra in fields[1:]:
+            name, eq, value = extra.partition("=")
+            if name.strip() not in lists or not eq:
+                raise ValueError(f"bad --sweep item {item!r}: {extra!r} is neither k=LIST nor ps=LIST")
+            lists[name.strip()] = value
+        out.append((int(n), _items(fields[0]), lists["k"], lists["ps"]))
+    return out
+
+
+def make_blocks(items: list[tuple[int, list[str], str, str]]) -> list[Block]:
+    """The (n, B) to run, in order; ValueError on a bad n, k or rate, or an (n, B) twice."""
+    from benchmarks.cluster import parse_rate
+
+    blocks = []
+    for n, bandwidths, ks_text, ps_text in items:
+        if n < 2:
+            raise ValueError(f"need n >= 2, got {n}")
+        ks, ps_ks = _fitting(parse_ks(ks_text, n), n, False), _fitting(parse_ks(ps_text, n), n, True)
+        if not ks and not ps_ks:
+            raise ValueError(f"n = {n}: no configuration (--ks, --ps-ks)")
+        for bandwidth in bandwidths:
+            parse_rate(bandwidth)  # ValueError naming a bad rate
+            blocks.append(Block(n, bandwidth, tuple(ks), tuple(ps_ks)))
+    if not blocks:
+        raise ValueError("no (n, B) to run")
+    if len({blk.tag for blk in blocks}) < len(blocks):
+        raise ValueError("an (n, B) appears twice")
+    return blocks
+
+
+def cluster_keys_of(args: argparse.Namespace) -> dict[str, Any]:
+    keys: dict[str, Any] = {"timeout": 60.0}
+    if args.partition_bytes:
+        keys["partition_bytes"] = args.partition_bytes
+        keys["max_payload_bytes"] = max(1 << 30, args.partition_bytes)
+    if args.credit_bytes:
+        keys["credit_bytes"] = args.credit_bytes
+    if args.window_pieces is not None:
+        keys["window_pieces"] = args.window_pieces
+    return keys
+
+
+def run_block(block: Block, args: argparse.Namespace, tmp: Path, tag: str) -> dict[str, Any]:
+    """Every configuration of ``block`` on one emulated network (deleted at the end, also on failure)."""
+    from benchmarks.cluster import Layout, Network, parse_rate
+
+    workers, cpus = block.machines()
+    configs: list[dict[str, Any]] = []
+    t_start = time.monotonic()
+    with Network([*workers, *cpus], bandwidth=block.bandwidth, mtu=args.mtu,
+                 sysctls=dict(kv.split("=", 1) for kv in args.sysctl)) as net:
+        print(f"emulated: {block.n} worker + {len(cpus)} CPU-only machines, links {block.bandwidth} each way, "
+              f"MTU {args.mtu}, namespaces {net.prefix}-*", file=sys.stderr)
+        for label, k, ps in block.plan():
+            layout = Layout(workers=workers, cpu_servers=cpus[:k], colocated=not ps, cluster=cluster_keys_of(args))
+            t0 = time.monotonic()
+            result = run_config(net, layout, args, tmp, label, tag)
+            configs.append({"label": label, "k": k, "ps": ps, "workers": workers, "cpu_machines": cpus[:k],
+                            "where": process_machines(layout), "result": result})
+            print(f"[{tag + ' ' if tag else ''}{label}] ours median {statistics.median(result['bps_s']):.3f} s, "
+                  f"gloo median {statistics.median(result['gloo_s']):.3f} s, exact: {result['exact']}, bps == "
+                  f"gloo: {result['bps_equals_gloo']} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+        drops = net.tc_drops()
+    return {"n": block.n, "bandwidth": block.bandwidth, "rate": parse_rate(block.bandwidth), "block": block,
+            "machines": [*workers, *cpus], "configs": configs, "drops": drops,
+            "elapsed": time.monotonic() - t_start}
+
+
+def analyze_block(blk: dict[str, Any], m: float, named: bool) -> None:
+    """Adds ``rows`` (summarize), gloo's median over all its repetitions / t_ring, the soundness line."""
+    n, b, configs = blk["n"], blk["rate"] / 8, blk["configs"]
+    blk["rows"] = summarize(configs, n, m, b)
+    all_gloo = [t for c in configs for t in c["result"]["gloo_s"]]
+    late = [t for c in configs for t in c["result"].get("late_s", [0.0])]
+    ring = t_ring(n, m, b)
+    blk["gloo_ratio"] = statistics.median(all_gloo) / ring
+    sound = abs(blk["gloo_ratio"] - 1) <= SOUND_TOLERANCE
+    which = f" (n = {n}, B = {blk['bandwidth']})" if named else ""
+    blk["sound_line"] = (
+        f"soundness{which}: gloo median over all {len(all_gloo)} "
+        f"repetitions {statistics.median(all_gloo):.3f} s = {blk['gloo_ratio']:.2f} x its theory {ring:.3f} s: "
+        + ("PASS (within 15%)" if sound else "FAIL (not within 15%: lower --bandwidth)")
+        + f"; packets dropped by the shapers: {sum(blk['drops'].values())}; ranks started at most "
+        f"{1000 * max(late):.1f} ms after the common instant")
+
+
+DETAIL_INTRO = ("Per operation (median over repetitions): bytes on the links by machine kind, seen from the machine "
+                "(tx = its uplink / rx = its downlink, frames incl. headers; expected payload in parentheses), "
+                "CPU-seconds of all daemons together, share of the box's cores busy during the operation:")
+
+
+def block_tables(blk: dict[str, Any], m: float) -> tuple[list[list[str]], list[list[str]]]:
+    return table_rows(blk["rows"]), detail_rows(blk["configs"], blk["n"], m)
+
+
+def print_block(blk: dict[str, Any], m: float, named: bool) -> None:
+    table, details = block_tables(blk, m)
+    if named:
+        print(f"\n== {blk['block'].describe(blk['rate'])}; wall time {blk['elapsed']:.0f} s ==\n")
+    print(text_table(HEADER, table))
+    print()
+    print(text_table(DETAIL_HEADER, details))
+    print()
+    print(blk["sound_line"])
+
+
+def block_markdown(blk: dict[str, Any], m: float, named: bool) -> list[str]:
+    table, details = block_tables(blk, m)
+    head = [f"**{blk['block'].describe(blk['rate'])}** (wall time {blk['elapsed']:.0f} s)", "",
+            f"- {blk['sound_line']}", ""] if named else []
+    return [*head, markdown_table(HEADER, table, left=1), "", DETAIL_INTRO, "",
+            markdown_table(DETAIL_HEADER, details, left=1), ""]
+
+
+def sweep_line(blocks: list[Block]) -> str:
+    """The (n, B) of a run, grouped by n."""
+    by_n: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[str]] = {}
+    for blk in blocks:
+        by_n.setdefault((blk.n, blk.ks, blk.ps_ks), []).append(blk.bandwidth)
+    return "; ".join(f"n = {n} at B = {', '.join(bws)}: k in {list(ks)} (+ plain PS k in {list(ps)})"
+                     for (n, ks, ps), bws in by_n.items())
+
+
+def tagged(path: str, tag: str) -> Path:
+    """``path`` with ``_<tag>`` before its suffix (one file per (n, B) of a sweep); itself for no tag."""
+    p = Path(path)
+    return p.with_name(f"{p.stem}_{tag}{p.suffix}") if tag else p
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="16M", help="bytes summed per operation, float32 (default 16M)")
-    p.add_argument("--n", type=int, default=4, help="worker machines (default 4)")
-    p.add_argument("--ks", default="0,1,2,4", help="CPU-only machines of the unified configurations "
-                                                   "(default 0,1,2,4; each at most n)")
-    p.add_argument("--ps-ks", default="2", help="CPU-only machines of plain-PS configurations (default 2; "
-                                               "'' for none)")
-    p.add_argument("--bandwidth", default="200mbit", help="every machine's link, each direction (tc rate; "
-                                                          "default 200mbit)")
+    p.add_argument("--ns", "--n", dest="ns", default=None, metavar="N[,N...]",
+                   help="worker machines; a comma list runs each (default 4)")
+    p.add_argument("--ks", default="0,1,2,4", help="CPU-only machines of the unified configurations, e.g. "
+                                                   f"0,n/2,n (default 0,1,2,4): {KS_HELP}")
+    p.add_argument("--ps-ks", default="2", help=f"CPU-only machines of plain-PS configurations (default 2; '' for "
+                                               f"none): {KS_HELP} (a plain PS needs k < n)")
+    p.add_argument("--bandwidths", "--bandwidth", dest="bandwidths", default=None, metavar="B[,B...]",
+                   help="every machine's link, each direction (tc rate; default 200mbit); a comma list runs each, "
+                        "for every n, on a network of its own")
+    p.add_argument("--sweep", default=None, metavar="SPEC", help=SWEEP_HELP)
     p.add_argument("--mtu", type=int, default=9000, help="MTU of the emulated links (default 9000)")
     p.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
                    help="a net.* sysctl set on every emulated machine (repeatable), e.g. "
@@ -533,15 +896,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write-results", action="store_true", help=f"append a dated section to {DEFAULT_RESULTS} "
                                                                f"and save the plot beside it")
     p.add_argument("--output", default=None, help="append to this markdown file instead (implies --write-results)")
-    p.add_argument("--plot", default=None, help=f"save the plot here (default with --write-results: {DEFAULT_PLOT})")
+    p.add_argument("--plot", default=None,
+                   help=f"save the plot here (default with --write-results: {DEFAULT_PLOT.name} for one (n, B): "
+                        f"time against k; {DEFAULT_SWEEP_PLOT.name} for several: measured / theory against B, one "
+                        f"panel per n; beside the results file)")
     p.add_argument("--json", default=None, help="also write the raw per-repetition data here")
     p.add_argument("--timeline", default=None, metavar="PNG",
                    help="sample every link's byte counters every 5 ms and plot each configuration's median "
-                        "repetition (per-machine uplink and downlink rate over time) to this file")
+                        "repetition (per-machine uplink and downlink rate over time) to this file (one per "
+                        "(n, B) of a sweep: PNG's name + _n<N>_<B>)")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="every daemon and rank writes a Chrome-trace timeline of every partition's stages to "
-                        "DIR/<config>/<daemon>.json and rank<r>.json (merge with python -m bps_runtime.timeline "
-                        "merge, open in Perfetto)")
+                        "DIR/<config>/<daemon>.json and rank<r>.json (DIR/n<N>_<B>/<config>/ in a sweep; merge "
+                        "with python -m bps_runtime.timeline merge, open in Perfetto)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds the ranks of one configuration may take")
     p.add_argument("--log-level", default="warning", help="daemons' log level (default warning)")
     p.add_argument("--rank-program", action="store_true", help=argparse.SUPPRESS)
@@ -559,60 +926,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank_program:
         return rank_program(args)
 
-    from benchmarks.cluster import EmulatorError, Layout, Network, parse_rate, unavailable_reason
+    from benchmarks.cluster import EmulatorError, unavailable_reason
 
-    n = args.n
     try:
-        ks = [int(k) for k in args.ks.split(",") if k.strip()]
-        ps_ks = [int(k) for k in args.ps_ks.split(",") if k.strip()]
-        rate = parse_rate(args.bandwidth)
+        blocks = make_blocks(sweep_items(args))
     except ValueError as exc:
         p.error(str(exc))
-    if n < 2 or any(not 0 <= k <= n for k in ks) or any(not 1 <= k < n for k in ps_ks) or not (ks or ps_ks):
-        p.error("need n >= 2, 0 <= k <= n for --ks and 1 <= k < n for --ps-ks, and at least one configuration")
     reason = unavailable_reason()
     if reason:
         print(f"paper_vs_allreduce: {reason}", file=sys.stderr)
         return 2
 
-    b = rate / 8
     m = float(nbytes)
+    named = len(blocks) > 1  # a sweep: every (n, B) says which it is
     command_line = shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
     env_vars = {k: v for k, v in sorted(os.environ.items()) if k.startswith((*ENV_PREFIXES, "PYTHONPATH"))}
     if env_vars:
         command_line = shlex.join(f"{k}={v}" for k, v in env_vars.items()) + " " + command_line
     started = _dt.datetime.now().astimezone()
     info = machine("numpy", "torch")
-    max_k = max([*ks, *ps_ks])
-    workers = [f"w{i}" for i in range(n)]
-    cpus = [f"c{j}" for j in range(max_k)]
-    cluster_keys: dict[str, Any] = {"timeout": 60.0}
-    if args.partition_bytes:
-        cluster_keys["partition_bytes"] = args.partition_bytes
-        cluster_keys["max_payload_bytes"] = max(1 << 30, args.partition_bytes)
-    if args.credit_bytes:
-        cluster_keys["credit_bytes"] = args.credit_bytes
-    if args.window_pieces is not None:
-        cluster_keys["window_pieces"] = args.window_pieces
-    plan = [(f"k={k}", k, False) for k in ks] + [(f"PS k={k}", k, True) for k in ps_ks]
-    configs: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
     t_start = time.monotonic()
     try:
-        with tempfile.TemporaryDirectory(prefix="bps-paper-") as tmp, \
-                Network([*workers, *cpus], bandwidth=args.bandwidth, mtu=args.mtu,
-                        sysctls=dict(kv.split("=", 1) for kv in args.sysctl)) as net:
-            print(f"emulated: {n} worker + {len(cpus)} CPU-only machines, links {args.bandwidth} each way, "
-                  f"MTU {args.mtu}, namespaces {net.prefix}-*", file=sys.stderr)
-            for label, k, ps in plan:
-                layout = Layout(workers=workers, cpu_servers=cpus[:k], colocated=not ps, cluster=cluster_keys)
-                t0 = time.monotonic()
-                result = run_config(net, layout, args, Path(tmp), label)
-                configs.append({"label": label, "k": k, "ps": ps, "workers": workers, "cpu_machines": cpus[:k],
-                                "result": result})
-                print(f"[{label}] ours median {statistics.median(result['bps_s']):.3f} s, gloo median "
-                      f"{statistics.median(result['gloo_s']):.3f} s, exact: {result['exact']}, bps == gloo: "
-                      f"{result['bps_equals_gloo']} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
-            drops = net.tc_drops()
+        with tempfile.TemporaryDirectory(prefix="bps-paper-") as tmp:
+            for block in blocks:
+                results.append(run_block(block, args, Path(tmp), block.tag if named else ""))
     except (EmulatorError, RuntimeError) as exc:
         print(f"paper_vs_allreduce: {exc}", file=sys.stderr)
         return 1
@@ -620,60 +958,63 @@ def main(argv: list[str] | None = None) -> int:
         print("paper_vs_allreduce: interrupted; the emulated machines were removed", file=sys.stderr)
         return 130
     elapsed = time.monotonic() - t_start
+    for blk in results:
+        analyze_block(blk, m, named)
+    summary = summary_rows(results, m)
+    ok = all(row["ok"] for blk in results for row in blk["rows"])
 
-    rows = summarize(configs, n, m, b)
-    table = table_rows(rows)
-    details = detail_rows(configs, n, m)
-    all_gloo = [t for c in configs for t in c["result"]["gloo_s"]]
-    late = [t for c in configs for t in c["result"].get("late_s", [0.0])]
-    gloo_ratio = statistics.median(all_gloo) / t_ring(n, m, b)
-    sound = abs(gloo_ratio - 1) <= SOUND_TOLERANCE
-    ok = all(r["ok"] for r in rows)
     code_line = code_version()
     machine_line = (f"nproc {info['nproc']}, CPU {info['cpu']}; Python {info['python']}, numpy {info['numpy']}, "
                     f"torch {info['torch']}, Linux {info['kernel']}")
-    setup_line = (f"n = {n} worker machines x 1 process, k in {ks} (+ plain PS k in {ps_ks}); M = "
-                  f"{human(nbytes)} float32 ({nbytes} bytes); B = {args.bandwidth} ({b / 1e6:.2f} MB/s) each way, "
-                  f"tbf, MTU {args.mtu}; partition_bytes = "
-                  f"{args.partition_bytes or 'default (4194304)'}; credit_bytes = "
-                  f"{args.credit_bytes or 'default (67108864)'}; window_pieces = "
-                  f"{'default (3)' if args.window_pieces is None else args.window_pieces}; bps "
-                  f"{'on a plain array with out= (--copy)' if args.copy else 'in place in a shared_array'}")
-    sound_line = (f"soundness: gloo median over all {len(all_gloo)} repetitions {statistics.median(all_gloo):.3f} s = "
-                  f"{gloo_ratio:.2f} x its theory {t_ring(n, m, b):.3f} s: "
-                  + ("PASS (within 15%)" if sound else "FAIL (not within 15%: lower --bandwidth)")
-                  + f"; packets dropped by the shapers: {sum(drops.values())}; ranks started at most "
-                  f"{1000 * max(late):.1f} ms after the common instant")
+    common = (f"M = {human(nbytes)} float32 ({nbytes} bytes); tbf shapers, MTU {args.mtu}; partition_bytes = "
+              f"{args.partition_bytes or 'default (4194304)'}; credit_bytes = "
+              f"{args.credit_bytes or 'default (67108864)'}; window_pieces = "
+              f"{'default (3)' if args.window_pieces is None else args.window_pieces}; bps "
+              f"{'on a plain array with out= (--copy)' if args.copy else 'in place in a shared_array'}")
+    setup_line = (f"{common}; sweep: {sweep_line(blocks)}" if named
+                  else f"{results[0]['block'].describe(results[0]['rate'])}; {common}")
+    reps_line = (f"{args.reps} timed repetitions per configuration after {args.warmup} warm-up; wall time "
+                 f"{elapsed:.0f} s")
     print(f"date:    {started.isoformat(timespec='seconds')}")
     print(f"command: {command_line}")
     print(f"machine: {machine_line}")
     print(f"code:    {code_line}")
     print(f"setup:   {setup_line}")
-    print(f"reps:    {args.reps} after {args.warmup} warm-up per configuration; wall time {elapsed:.0f} s")
+    print(f"reps:    {reps_line}")
+    for blk in results:
+        print()
+        print_block(blk, m, named)
     print()
-    print(text_table(HEADER, table))
-    print()
-    print(text_table(DETAIL_HEADER, details))
-    print()
-    print(sound_line)
+    print(text_table(SUMMARY_HEADER, summary, left=3))
     if not ok:
         print("\nERROR: a sum was not exact or differed from gloo's", file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(json.dumps({"date": started.isoformat(timespec="seconds"), "command": command_line,
-                                               "machine": info, "n": n, "bytes": nbytes, "bandwidth": args.bandwidth,
-                                               "mtu": args.mtu, "configs": configs, "drops": drops}, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({
+            "date": started.isoformat(timespec="seconds"), "command": command_line, "machine": info,
+            "bytes": nbytes, "mtu": args.mtu,
+            "blocks": [{key: blk[key] for key in ("n", "bandwidth", "configs", "drops", "elapsed")}
+                       for blk in results]}, indent=1) + "\n")
+    default_plot = DEFAULT_SWEEP_PLOT if named else DEFAULT_PLOT
     plot_path = Path(args.plot) if args.plot else (
-        (Path(args.output).parent / DEFAULT_PLOT.name if args.output else DEFAULT_PLOT)
+        (Path(args.output).parent / default_plot.name if args.output else default_plot)
         if (args.write_results or args.output) else None)
     if plot_path:
-        title = f"n = {n}, M = {human(nbytes)}, B = {args.bandwidth}, {started.strftime('%Y-%m-%d %H:%M')}"
-        problem = plot(rows, n, m, b, plot_path, title)
+        when = started.strftime('%Y-%m-%d %H:%M')
+        if named:
+            problem = plot_sweep(results, plot_path, f"measured / theory, M = {human(nbytes)}, {when}")
+        else:
+            blk = results[0]
+            problem = plot(blk["rows"], blk["n"], m, blk["rate"] / 8, plot_path,
+                           f"n = {blk['n']}, M = {human(nbytes)}, B = {blk['bandwidth']}, {when}")
         print(f"\nplot: {problem or plot_path}")
-    if args.timeline:
-        title = (f"link rates, 20 ms bins; n = {n}, M = {human(nbytes)}, B = {args.bandwidth} "
+    timelines = []
+    for blk in results if args.timeline else []:
+        path = tagged(args.timeline, blk["block"].tag if named else "")
+        title = (f"link rates, 20 ms bins; n = {blk['n']}, M = {human(nbytes)}, B = {blk['bandwidth']} "
                  f"(grey: B); {started.strftime('%Y-%m-%d %H:%M')}")
-        problem = plot_timeline(configs, [*workers, *cpus], b, Path(args.timeline), title)
-        print(f"timeline: {problem or args.timeline}")
+        problem = plot_timeline(blk["configs"], blk["machines"], blk["rate"] / 8, path, title)
+        print(f"timeline: {problem or path}")
+        timelines.append(path.name)
     if args.write_results or args.output:
         target = Path(args.output) if args.output else DEFAULT_RESULTS
         text = target.read_text() if target.exists() else "# Benchmark results\n"
@@ -681,18 +1022,17 @@ def main(argv: list[str] | None = None) -> int:
             text = text.rstrip("\n") + "\n" + RESULTS_HEADER
             target.write_text(text)
         section = [
-            *section_head(started, "BytePS vs gloo all-reduce on emulated machines", command_line, machine_line),
+            *section_head(started, "BytePS vs gloo all-reduce on emulated machines"
+                          + (" (a sweep)" if named else ""), command_line, machine_line),
             f"- code: {code_line}",
             f"- setup: {setup_line}",
-            f"- {args.reps} timed repetitions per configuration after {args.warmup} warm-up; wall time {elapsed:.0f} s",
-            f"- {sound_line}",
+            f"- {reps_line}",
+            *([] if named else [f"- {results[0]['sound_line']}"]),
             (f"- plot: `{plot_path.name}`" if plot_path else "- plot: none")
-            + (f"; link-rate timeline: `{Path(args.timeline).name}`" if args.timeline else ""),
-            "", markdown_table(HEADER, table, left=1), "",
-            "Per operation (median over repetitions): bytes on the links by machine kind, seen from the machine "
-            "(tx = its uplink / rx = its downlink, frames incl. headers; expected payload in parentheses), CPU-seconds "
-            "of all daemons together, share of the box's cores busy during the operation:", "",
-            markdown_table(DETAIL_HEADER, details, left=1), "",
+            + (f"; link-rate timeline: {', '.join(f'`{name}`' for name in timelines)}" if timelines else ""),
+            "",
+            *(line for blk in results for line in block_markdown(blk, m, named)),
+            SUMMARY_INTRO, "", markdown_table(SUMMARY_HEADER, summary, left=3), "",
         ]
         append_section(target, section)
     return 0 if ok else 1

@@ -7,6 +7,9 @@ nothing the emulator created survives it, also on an exception or SIGTERM.
 
 from __future__ import annotations
 
+import itertools
+import math
+import re
 import signal
 import subprocess
 import sys
@@ -134,18 +137,41 @@ def test_teardown_on_sigterm(tmp_path: Path) -> None:
     assert _leftovers(prefix, f"bpe{token}") == []
 
 
-@pytest.mark.timeout(150)
-def test_paper_vs_allreduce_smoke_prints_its_table() -> None:
-    cmd = [sys.executable, str(REPO / "benchmarks" / "paper_vs_allreduce.py"), "--size", "256K", "--reps", "2",
-           "--ks", "1", "--ps-ks", "", "--timeout", "100"]  # k=1: both kinds of machine, one configuration
+def _run_paper(args: list[str], timeout: float) -> str:
+    """benchmarks/paper_vs_allreduce.py with ``args``: its stdout, after checking it succeeded and left nothing."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "paper_vs_allreduce.py"), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
-        stdout, stderr = proc.communicate(timeout=140)
+        stdout, stderr = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             proc.terminate()  # the benchmark tears its namespaces down on SIGTERM
             proc.communicate(timeout=20)
     assert proc.returncode == 0, stdout + stderr
+    assert [ns for ns in our_namespaces() if ns.startswith(f"bpe-{proc.pid}-")] == []
+    return stdout
+
+
+def _summary(stdout: str) -> list[dict[str, str]]:
+    """The rows of the run's summary table, by column name (columns are two or more spaces apart)."""
+    lines = stdout.splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith("n ") and "GPU machine / gloo rank" in line]
+    assert len(heads) == 1, stdout
+    names = re.split(r"\s{2,}", lines[heads[0]].strip())
+    rows = itertools.takewhile(str.strip, lines[heads[0] + 2:])
+    return [dict(zip(names, re.split(r"\s{2,}", row.strip()), strict=True)) for row in rows]
+
+
+def _positive(cell: str) -> bool:
+    """A CPU figure, ``median (max)`` or a ratio, is a positive number."""
+    value = float(cell.split()[0])
+    return math.isfinite(value) and value > 0
+
+
+@pytest.mark.timeout(150)
+def test_paper_vs_allreduce_smoke_prints_its_table() -> None:
+    stdout = _run_paper(["--size", "256K", "--reps", "2", "--ks", "1", "--ps-ks", "", "--timeout", "100"],
+                        timeout=140)  # k=1: both kinds of machine, one configuration
     lines = stdout.splitlines()
     header = [line for line in lines if line.lstrip().startswith("config") and "gloo/ours theory" in line]
     assert len(header) == 1, stdout
@@ -154,4 +180,21 @@ def test_paper_vs_allreduce_smoke_prints_its_table() -> None:
     for row in rows:
         assert row.rstrip().endswith("yes"), row  # exact, and equal to gloo's sum
     assert any(line.startswith("soundness:") for line in lines), stdout
-    assert [ns for ns in our_namespaces() if ns.startswith(f"bpe-{proc.pid}-")] == []
+    [summary] = _summary(stdout)
+    for role in ("GPU machine CPU-s/op", "CPU-only machine CPU-s/op", "gloo rank CPU-s/op", "GPU machine / gloo rank"):
+        assert _positive(summary[role]), (role, summary)
+
+
+@pytest.mark.timeout(60)
+def test_paper_vs_allreduce_sweep_summarizes_every_bandwidth() -> None:
+    stdout = _run_paper(["--size", "1M", "--reps", "1", "--warmup", "1", "--ks", "0", "--ps-ks", "",
+                         "--bandwidths", "200mbit,500mbit", "--timeout", "40"], timeout=55)
+    rows = _summary(stdout)
+    assert [(row["n"], row["B"], row["config"]) for row in rows] == [("4", "200mbit", "k=0"),
+                                                                    ("4", "500mbit", "k=0")], stdout
+    for row in rows:
+        assert row["exact"] == "yes", row
+        for role in ("GPU machine CPU-s/op", "gloo rank CPU-s/op", "GPU machine / gloo rank"):
+            assert _positive(row[role]), (role, row)
+        assert row["CPU-only machine CPU-s/op"] == "-", row  # k = 0: no CPU-only machine
+    assert sum(line.startswith("soundness (n = 4, B = ") for line in stdout.splitlines()) == 2, stdout
