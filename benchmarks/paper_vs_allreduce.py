@@ -767,8 +767,10 @@ def make_blocks(items: list[tuple[int, list[str], str, str]]) -> list[Block]:
     return blocks
 
 
-def cluster_keys_of(args: argparse.Namespace) -> dict[str, Any]:
+def cluster_keys_of(args: argparse.Namespace, bandwidth: str) -> dict[str, Any]:
     keys: dict[str, Any] = {"timeout": 60.0}
+    if args.link_rate != "none":  # the cluster file says how fast its links are, as a user's would
+        keys["link_rate"] = bandwidth if args.link_rate == "auto" else args.link_rate
     if args.partition_bytes:
         keys["partition_bytes"] = args.partition_bytes
         keys["max_payload_bytes"] = max(1 << 30, args.partition_bytes)
@@ -791,7 +793,7 @@ def run_block(block: Block, args: argparse.Namespace, tmp: Path, tag: str) -> di
         print(f"emulated: {block.n} worker + {len(cpus)} CPU-only machines, links {block.bandwidth} each way, "
               f"MTU {args.mtu}, namespaces {net.prefix}-*", file=sys.stderr)
         for label, k, ps in block.plan():
-            layout = Layout(workers=workers, cpu_servers=cpus[:k], colocated=not ps, cluster=cluster_keys_of(args))
+            layout = Layout(workers=workers, cpu_servers=cpus[:k], colocated=not ps, cluster=cluster_keys_of(args, block.bandwidth))
             t0 = time.monotonic()
             result = run_config(net, layout, args, tmp, label, tag)
             configs.append({"label": label, "k": k, "ps": ps, "workers": workers, "cpu_machines": cpus[:k],
@@ -889,6 +891,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="cluster credit_bytes (default: the daemons' default, 64 MiB)")
     p.add_argument("--window-pieces", type=int, default=None,
                    help="cluster window_pieces (default: the daemons' default, 3; 0: no pacing)")
+    p.add_argument("--link-rate", default="auto",
+                   help="cluster link_rate: 'auto' (default) gives each network's B, as a user gives their NICs' "
+                        "rate; 'none' leaves it out (pieces by count alone); or a rate, e.g. 10gbit")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per configuration (default 5)")
     p.add_argument("--copy", action="store_true", help="bps on a plain array with out= (copied into and out of "
                    "shared memory) instead of in place in a shared_array")
@@ -969,7 +974,8 @@ def main(argv: list[str] | None = None) -> int:
     common = (f"M = {human(nbytes)} float32 ({nbytes} bytes); tbf shapers, MTU {args.mtu}; partition_bytes = "
               f"{args.partition_bytes or 'default (4194304)'}; credit_bytes = "
               f"{args.credit_bytes or 'default (67108864)'}; window_pieces = "
-              f"{'default (3)' if args.window_pieces is None else args.window_pieces}; bps "
+              f"{'default (3)' if args.window_pieces is None else args.window_pieces}; link_rate = "
+              f"{'B' if args.link_rate == 'auto' else args.link_rate}; bps "
               f"{'on a plain array with out= (--copy)' if args.copy else 'in place in a shared_array'}")
     setup_line = (f"{common}; sweep: {sweep_line(blocks)}" if named
                   else f"{results[0]['block'].describe(results[0]['rate'])}; {common}")

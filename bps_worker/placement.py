@@ -18,7 +18,9 @@ every worker pushed it, so with one partition per server each link would carry a
 all the sums, never both at once (measured on emulated links: 2x the optimal time at 4 MiB partitions,
 ``benchmarks/RESULTS.md``). Where the servers are on several hosts (the network is the limit) the ranges
 are cut finer, into at least ``NETWORK_PIPELINE_DEPTH`` partitions per stream (below) of at least
-``NETWORK_MIN_PIPELINE_BYTES``: the worker's links pace their pushes by a window of a few partitions
+``NETWORK_MIN_PIPELINE_BYTES``, and, where the cluster file gives the links' rate, of at least
+``PIECE_LINK_TIME_S`` of it (fewer and larger pieces where links are fast: a piece costs CPU whatever
+its size): the worker's links pace their pushes by a window of a few partitions
 (``bps_worker.window``), so that every worker's flow into a server progresses at the same pace, and that
 needs many partitions per range. On one host (every server at the same address: a demo or a test, where
 memory bandwidth is the limit) each partition costs CPU that the pipelining does not win back, so the
@@ -70,6 +72,11 @@ MIN_PIPELINE_BYTES = 256 * 1024
 # Servers on several hosts: finer (measured on emulated links, benchmarks/RESULTS.md).
 NETWORK_PIPELINE_DEPTH = 32  # per stream
 NETWORK_MIN_PIPELINE_BYTES = 32 * 1024
+# Where the cluster file gives the link rate (cluster.link_rate), no piece carries less than this much of
+# the link's time: a piece costs the daemons about 150 us of CPU whatever its size, so at 10 Gbit/s the
+# depth above made them CPU-bound (measured on emulated links, benchmarks/RESULTS.md); at 1 Gbit/s and
+# below the depth's pieces are larger than this anyway.
+PIECE_LINK_TIME_S = 0.5e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +156,8 @@ class Placement:
             self.depth, self.min_bytes = PIPELINE_DEPTH, MIN_PIPELINE_BYTES
         else:
             self.depth, self.min_bytes = NETWORK_PIPELINE_DEPTH, NETWORK_MIN_PIPELINE_BYTES
+        # The least bytes of a piece for the link's rate (0: rate not given, or one host).
+        self.rate_bytes = 0 if config.one_host else int(config.link_bits_per_s / 8 * PIECE_LINK_TIME_S)
         shares = server_shares(config)
         self.server_ids = [s.id for s in config.servers]
         self.shares = [shares[sid] for sid in self.server_ids]
@@ -223,7 +232,8 @@ class Placement:
                 pieces.append(Piece(0, self.server_ids[idx], offset, 0))
                 continue
             streams = self._streams[self.server_ids[idx]]
-            per_part = min(largest, max(smallest, -(-remaining // (self.depth * streams))))
+            per_part = min(largest, max(smallest, -(-remaining // (self.depth * streams)),
+                                        self.rate_bytes // itemsize))
             for turn, take in enumerate(self._sizes(remaining, per_part, smallest, streams)):
                 pieces.append(Piece(len(pieces), self.server_ids[idx], offset, take, turn % streams))
                 offset += take

@@ -45,6 +45,7 @@ _CLUSTER_KEYS: Final = {
     "deterministic": (bool, False),
     "window_pieces": (int, False),
     "arena_bytes": (int, False),
+    "link_rate": ((int, str), False),
 }
 _SERVER_KEYS: Final = {"id": (int, True), "address": (str, True), "worker": (int, False), "metrics": (str, False)}
 _WORKER_KEYS: Final = {"id": (int, True), "local_size": (int, True), "socket": (str, True), "metrics": (str, False)}
@@ -93,6 +94,9 @@ class ClusterConfig:
     # The most shared memory (bytes) of each arena of a worker daemon: each training process's slots, the
     # staging and the results buffers; least recently used idle tensors are freed for room. 0: half of /dev/shm.
     arena_bytes: int = 0
+    # The slowest machine's network link, bits per second each way (cluster.link_rate); 0: not given. Where
+    # links are fast, pieces grow so that each carries at least a fixed time of it (bps_worker.placement).
+    link_bits_per_s: int = 0
     source: str = "<memory>"
 
     @property
@@ -169,6 +173,7 @@ def parse_config(data: dict[str, Any], source: str = "<memory>") -> ClusterConfi
         deterministic=c.get("deterministic", False),
         window_pieces=c["window_pieces"],
         arena_bytes=c["arena_bytes"],
+        link_bits_per_s=c["link_bits_per_s"],
         source=source,
     )
 
@@ -188,12 +193,30 @@ def _parse_cluster_table(cluster: dict[str, Any], source: str) -> dict[str, Any]
     _positive(max_payload, "cluster.max_payload_bytes", source)
     _non_negative(c.setdefault("window_pieces", DEFAULT_WINDOW_PIECES), "cluster.window_pieces", source)
     _non_negative(c.setdefault("arena_bytes", 0), "cluster.arena_bytes", source)
+    c["link_bits_per_s"] = parse_rate(c.get("link_rate", 0), "cluster.link_rate", source)
     if max_payload < partition_bytes:
         raise ConfigError(
             f"{source}: cluster.max_payload_bytes ({max_payload}) is smaller than cluster.partition_bytes "
             f"({partition_bytes})"
         )
     return c
+
+
+_RATE_UNITS: Final = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+_RATE: Final = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*")
+
+
+def parse_rate(value: int | str, key: str, source: str) -> int:
+    """A link rate in bits per second: an integer, or a number with tc's units (``"10gbit"``, ``"800mbit"``,
+    decimal); 0 (or absent) for not given."""
+    if isinstance(value, int):
+        _non_negative(value, key, source)
+        return value
+    match = _RATE.fullmatch(value.lower())
+    if match is None or match.group(2) not in _RATE_UNITS:
+        raise ConfigError(f"{source}: {key} must be bits per second, as an integer or with a unit "
+                          f"({', '.join(_RATE_UNITS)}: e.g. \"25gbit\"), got {value!r}")
+    return round(float(match.group(1)) * _RATE_UNITS[match.group(2)])
 
 
 def _parse_workers(data: dict[str, Any], workers: int, source: str) -> list[WorkerSpec]:
@@ -378,8 +401,8 @@ def read_token(config: ClusterConfig) -> bytes | None:
 
 # -- the placement digest -------------------------------------------------------------------------
 # Every machine must read the same cluster: which server sums which bytes (bps_worker.placement uses
-# the worker count, every server's id, host and colocated worker, and partition_bytes), how ranks are
-# numbered (each worker's local_size: ranks, sizes and averages' divisors) and which address is which
+# the worker count, every server's id, host and colocated worker, partition_bytes and the link rate), how
+# ranks are numbered (each worker's local_size: ranks, sizes and averages' divisors) and which address is which
 # server. A file that differs on one machine used to hang the job; the handshake now compares the
 # description below (Hello.config_items) and refuses a peer whose description differs, naming the
 # entries. Keys that only tune one machine (timeouts, credit, sockets, metrics, the token's path) are
@@ -388,6 +411,8 @@ def read_token(config: ClusterConfig) -> bytes | None:
 def placement_items(config: ClusterConfig) -> tuple[str, ...]:
     """The canonical description of what must agree across machines: ``key=value`` entries, in order."""
     items = [f"workers={config.workers}", f"partition_bytes={config.partition_bytes}"]
+    if config.link_bits_per_s:  # it sizes the pieces (absent from files without it: their digests stay)
+        items.append(f"link_bits_per_s={config.link_bits_per_s}")
     items += [f"worker.{w.id}.local_size={w.local_size}" for w in config.worker_specs]
     for s in config.servers:
         items.append(f"server.{s.id}.address={s.address}")

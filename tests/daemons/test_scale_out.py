@@ -66,12 +66,15 @@ def test_paced_pushes_never_deadlock_on_names_in_opposite_orders(make_cluster):
     assert max(r["seconds"] for r in results) < 20, results
 
 
-@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm-stream-0"])
-def test_servers_on_several_hosts_use_streams_and_stay_exact(make_cluster, shm):
+@pytest.mark.parametrize("shm,rate", [(False, None), (True, None), (False, "40gbit")],
+                         ids=["tcp", "shm-stream-0", "tcp-fast-links"])
+def test_servers_on_several_hosts_use_streams_and_stay_exact(make_cluster, shm, rate):
     """Servers at 127.0.0.1/2/3 look like three hosts: finer partitions, paced pushes, and two connections
     from each worker to the CPU-only server (its share is twice a colocated one's for n=2, k=1). Sums stay
-    exact, also for names issued in different orders; the CPU-only server saw one extra stream per worker."""
-    cluster = make_cluster([2, 1], cpu_servers=1, separate_hosts=True, cluster={"colocated_shm": shm})
+    exact, also for names issued in different orders; the CPU-only server saw one extra stream per worker.
+    With a fast link rate in the cluster file the pieces are a few large ones instead (bps_worker.placement)."""
+    cluster = make_cluster([2, 1], cpu_servers=1, separate_hosts=True,
+                           cluster={"colocated_shm": shm} | ({"link_rate": rate} if rate else {}))
     cases = [(f"hosts.{d}", d, (3, 700_001), d == "float32", 5) for d in ("float32", "float16", "int64")]
     for reports in zip(*run_ranks(cluster, rp.sum_cases, cases, timeout=100)):
         assert all(r["exact"] for r in reports), reports

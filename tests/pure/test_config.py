@@ -549,6 +549,32 @@ def test_each_placement_entry_counts(tmp_path, old, new, difference):
     assert placement_differences(ours, theirs) == [difference]
 
 
+def test_the_link_rate_sizes_pieces_so_it_counts_where_given(tmp_path):
+    ours = placement_items(layout(tmp_path))
+    rated = LAYOUT.replace("partition_bytes = 1048576", 'partition_bytes = 1048576\nlink_rate = "25gbit"', 1)
+    assert rated != LAYOUT
+    theirs = placement_items(layout(tmp_path, rated, "b.toml"))
+    assert placement_differences(ours, theirs) == ["link_bits_per_s is absent here, 25000000000 there"]
+
+
+@pytest.mark.parametrize("value,bits", [("25gbit", 25 * 10**9), ("800mbit", 8 * 10**8), ("2.5Gbit", 25 * 10**8),
+                                        ("100 kbit", 10**5), ("7bit", 7), (10_000_000_000, 10**10), (0, 0)])
+def test_link_rate_in_bits_per_second_or_with_tcs_units(tmp_path, value, bits):
+    text = CLUSTER + f"link_rate = {value!r}\n".replace("'", '"') + SERVERS + WORKERS
+    assert layout(tmp_path, text).link_bits_per_s == bits
+    assert layout(tmp_path).link_bits_per_s == 0  # not given
+
+
+@pytest.mark.parametrize("value,message", [
+    ('"10gbps"', "cluster.link_rate must be bits per second"), ('"fast"', "got 'fast'"), ("-5", "must be >= 0"),
+    ("1.5", "cluster.link_rate must be int or str"), ('"gbit"', "e.g. \"25gbit\""),
+])
+def test_a_bad_link_rate_is_refused_naming_it(tmp_path, value, message):
+    with pytest.raises(ConfigError, match="a.toml") as info:
+        layout(tmp_path, CLUSTER + f"link_rate = {value}\n" + SERVERS + WORKERS)
+    assert message in str(info.value)
+
+
 def test_an_extra_server_is_named(tmp_path):
     ours = placement_items(layout(tmp_path))
     theirs = placement_items(layout(tmp_path, LAYOUT + '\n[[server]]\nid = 4\naddress = "10.0.0.5:9000"\n', "b.toml"))

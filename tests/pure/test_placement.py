@@ -9,6 +9,7 @@ from fractions import Fraction
 import pytest
 
 from bps_worker.placement import (
+    PIECE_LINK_TIME_S,
     MIN_PIPELINE_BYTES,
     NETWORK_MIN_PIPELINE_BYTES,
     NETWORK_PIPELINE_DEPTH,
@@ -25,7 +26,7 @@ MiB = 1024 * 1024
 
 
 def make_config(n: int, k: int, *, partition_bytes: int = 4 * MiB, colocated: list[int | None] | None = None,
-                first_id: int = 0, one_host: bool = True) -> ClusterConfig:
+                first_id: int = 0, one_host: bool = True, link_rate: str | None = None) -> ClusterConfig:
     """n workers; servers linked to workers as in ``colocated`` (default: one per worker) + k CPU-only;
     all on one host (ports 9000, 9001, ...) or each on a host of its own."""
     links = list(range(n)) if colocated is None else colocated
@@ -33,7 +34,7 @@ def make_config(n: int, k: int, *, partition_bytes: int = 4 * MiB, colocated: li
                | ({} if w is None else {"worker": w})
                for i, w in enumerate(links + [None] * k)]
     return parse_config({
-        "cluster": {"workers": n, "partition_bytes": partition_bytes},
+        "cluster": {"workers": n, "partition_bytes": partition_bytes} | ({"link_rate": link_rate} if link_rate else {}),
         "server": servers,
         "worker": [{"id": i, "local_size": 1, "socket": f"/tmp/w{i}.sock"} for i in range(n)],
     })
@@ -290,6 +291,27 @@ def test_network_ranges_ramp_up_and_down():
     # too small a range for a ramp: equal pieces of at least the minimum
     small = check_pieces(placement, "small", 256 * 1024, 4)  # 512 KiB a server
     assert sorted(p.count * 4 for p in small) == [32 * 1024] * 32
+
+
+def test_fast_links_get_fewer_larger_pieces():
+    """With the links' rate in the cluster file, no piece carries less than PIECE_LINK_TIME_S of it (ramp
+    pieces a quarter and a half of that); slower links keep the depth's pieces, one host ignores the rate."""
+    assert PIECE_LINK_TIME_S == 0.5e-3
+    count = 16 * MiB // 4  # 4 MiB a server at n = 4, k = 0
+    by_count = check_pieces(Placement(make_config(4, 0, one_host=False)), "big", count, 4)
+    for rate in ("200mbit", "1gbit"):  # the depth's pieces are larger than the floor already
+        assert check_pieces(Placement(make_config(4, 0, one_host=False, link_rate=rate)), "big", count, 4) == by_count
+    fast = check_pieces(Placement(make_config(4, 0, one_host=False, link_rate="10gbit")), "big", count, 4)
+    floor = 10e9 / 8 * PIECE_LINK_TIME_S  # 625 kB
+    for sid in range(4):
+        sizes = [p.count * 4 for p in fast if p.server == sid]
+        assert len(sizes) == 10 < len([p for p in by_count if p.server == sid]) / 3, sizes
+        assert all(0.8 * floor <= size <= 4 * MiB for size in sizes[2:-2]), sizes  # the floor, evened out
+        assert sizes[:2] == sizes[-2:][::-1] and abs(sizes[0] - floor / 4) < 4, sizes  # the ramp, from the floor
+    fastest = check_pieces(Placement(make_config(4, 0, one_host=False, link_rate="400gbit")), "big", count, 4)
+    assert max(p.count * 4 for p in fastest) == 4 * MiB  # never over partition_bytes
+    one_host = check_pieces(Placement(make_config(4, 0, link_rate="10gbit")), "big", count, 4)
+    assert one_host == check_pieces(Placement(make_config(4, 0)), "big", count, 4)
 
 
 def test_interleave_takes_every_flow_in_turn():
