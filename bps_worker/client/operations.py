@@ -17,12 +17,12 @@ from __future__ import annotations
 import os
 import threading
 from math import prod
-from typing import Any, Callable, Iterable, Sequence, SupportsIndex
+from typing import Any, Callable, Iterable, NamedTuple, Sequence, SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
 
-from protocol.messages import ASYNC_KINDS, KIND_ASYNC, KIND_ASYNC_INIT, KIND_SUM, Op
+from protocol.messages import ASYNC_KINDS, KIND_ASYNC, KIND_ASYNC_INIT, KIND_SUM, Op, Spec
 
 from bps_runtime.timeline import Timeline, now_us
 
@@ -35,12 +35,28 @@ from .handle import Handle
 from .settings import Settings, timeline_path
 from .slots import SlotMap
 
-__all__ = ["Fill", "Operations"]
+__all__ = ["Checked", "Fill", "Operations"]
 
 # Writes an operation's input into the view of its shared slot (framework layers assemble inputs in place).
 Fill = Callable[[np.ndarray], None]
 # Argument sets whose checks are remembered (Operations._checked): a model's tensors, many times over.
 MAX_CHECKED = 1 << 16
+
+
+class Checked(NamedTuple):
+    """An operation's arguments, checked (:meth:`Operations.checked`), and what follows from them."""
+
+    name: str
+    dtype: np.dtype
+    wire: str  # the dtype's name on the wire
+    shape: tuple[int, ...]
+    average: bool
+    priority: int
+    layout: str
+    nbytes: int
+    spec: Spec  # (wire, shape, average, layout): the operation in an OpBatch
+
+
 # push_pull_group sends its small sums in batches of this many as it copies them in, so that the daemon's work
 # overlaps the copying of the rest (one batch at the end would leave the daemon idle until then).
 GROUP_SEND_EVERY = 256
@@ -69,7 +85,7 @@ class Operations:
             timeline_path(settings.timeline, self.rank), f"rank {self.rank} (pid {os.getpid()})")
         # Small sums wait here to go with others in one OpBatch (bps_worker.client.fusion); the daemon says
         # how small (0: an older daemon, or fusion off).
-        self._known: dict[tuple[Any, ...], tuple[str, np.dtype, str, tuple[int, ...], bool, int, str, int]] = {}
+        self._known: dict[tuple[Any, ...], Checked] = {}
         self.fuse_max = welcome.fusion_bytes if settings.fusion_bytes > 0 else 0
         self.fusion = FusionBuffer(self.conn.submit_many, settings.fusion_bytes, settings.cycle_time_ms / 1000.0) \
             if self.fuse_max else None
@@ -145,8 +161,8 @@ class Operations:
                ) -> Handle:
         """:meth:`start` (``source`` an array, copied into the slot unless it is the slot) and
         :meth:`start_filled` (``source`` a :data:`Fill`)."""
-        name, dtype, wire, shape, average, priority, layout, nbytes = self._checked(name, dtype, shape, average,
-                                                                                   priority, layout, internal)
+        name, dtype, wire, shape, average, priority, layout, nbytes, spec = self._checked(
+            name, dtype, shape, average, priority, layout, internal)
         out = check_out(name, out, shape, dtype)
         if self.modes.get(name) is not (kind in ASYNC_KINDS):
             self.claim_mode(name, kind)
@@ -165,10 +181,9 @@ class Operations:
                 handle.times = [t_start, now_us(), 0]
             if self.fusion is not None and kind == KIND_SUM and nbytes <= self.fuse_max:
                 handle.queued = True
-                self.fusion.add(handle, (wire, shape, average, layout), slot.segment.name, slot.offset, priority,
-                                nbytes)
+                self.fusion.add(handle, spec, slot.segment_name, slot.offset, priority, nbytes)
                 return handle
-            self.conn.submit(handle, Op(handle.req, name, kind, wire, list(shape), slot.segment.name,
+            self.conn.submit(handle, Op(handle.req, name, kind, wire, list(shape), slot.segment_name,
                                         average=average, priority=priority, root=root, offset=slot.offset,
                                         handback=handle.in_place, layout=layout, staleness=staleness))
         except BaseException:
@@ -199,19 +214,19 @@ class Operations:
         sent = 0
         try:
             queued: list[Entry] = []
-            for array, (name, dtype, wire, shape, avg, prio, layout, nbytes), handle in prepared:
+            for array, (name, dtype, wire, shape, avg, prio, layout, nbytes, spec), handle in prepared:
                 slot = self.slots.slot_for(name, nbytes)
                 view = handle.view = slot.view(dtype, shape)
                 if not same_memory(view, array):
                     np.copyto(view, array)
                 if self.fusion is not None and nbytes <= self.fuse_max:
                     handle.queued = True
-                    queued.append((handle, (wire, shape, avg, layout), slot.segment.name, slot.offset, prio))
+                    queued.append((handle, spec, slot.segment_name, slot.offset, prio))
                     if len(queued) == GROUP_SEND_EVERY:  # the daemon starts on these while we copy the next
                         self.fusion.add_many(queued)
                         queued = []
                 else:
-                    self.conn.submit(handle, Op(handle.req, name, KIND_SUM, wire, list(shape), slot.segment.name,
+                    self.conn.submit(handle, Op(handle.req, name, KIND_SUM, wire, list(shape), slot.segment_name,
                                                 average=avg, priority=prio, offset=slot.offset))
                 sent += 1
             if queued:
@@ -250,17 +265,14 @@ class Operations:
             except BPSError:
                 pass
 
-    def checked(self, name: Any, dtype: Any, shape: Any, average: Any, priority: Any
-                ) -> tuple[str, np.dtype, str, tuple[int, ...], bool, int, str, int]:
-        """A sum's arguments checked, as :meth:`start` checks them (name, dtype, wire dtype, shape, average,
-        priority, layout, bytes); BPSError naming the first that is wrong."""
+    def checked(self, name: Any, dtype: Any, shape: Any, average: Any, priority: Any) -> Checked:
+        """A sum's arguments checked, as :meth:`start` checks them; BPSError naming the first that is wrong."""
         return self._checked(name, dtype, shape, average, priority, "")
 
     def _checked(self, name: Any, dtype: Any, shape: Any, average: Any, priority: Any, layout: Any,
-                 internal: bool = False) -> tuple[str, np.dtype, str, tuple[int, ...], bool, int, str, int]:
-        """The arguments checked (:mod:`.arguments`): name, dtype, wire dtype, shape, average, priority, layout
-        and the bytes. The same arguments again (every step, for every tensor) are checked once: their answer
-        is kept (for up to MAX_CHECKED argument sets)."""
+                 internal: bool = False) -> Checked:
+        """The arguments checked (:mod:`.arguments`). The same arguments again (every step, for every tensor)
+        are checked once: their answer is kept (for up to MAX_CHECKED argument sets)."""
         try:
             key = (name, dtype, shape, average, priority, layout, internal)
             known = self._known.get(key)
@@ -274,7 +286,8 @@ class Operations:
         average = check_average(name, average, wire)
         priority = check_priority(name, priority)
         layout = check_layout(name, layout)
-        checked = (name, dtype, wire, shape, average, priority, layout, prod(shape) * dtype.itemsize)
+        checked = Checked(name, dtype, wire, shape, average, priority, layout, prod(shape) * dtype.itemsize,
+                          (wire, shape, average, layout))
         if key is not None and len(self._known) < MAX_CHECKED:
             self._known[key] = checked
         return checked

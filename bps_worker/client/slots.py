@@ -53,12 +53,14 @@ def _never(name: str) -> bool:
 
 
 class Slot:
-    """Where one tensor name is handed over: ``capacity`` bytes at ``offset`` in ``segment``."""
+    """Where one tensor name is handed over: ``capacity`` bytes at ``offset`` in ``segment`` (its name as the
+    daemon knows it: ``segment_name``)."""
 
-    __slots__ = ("segment", "offset", "capacity", "_view")
+    __slots__ = ("segment", "segment_name", "offset", "capacity", "_view")
 
     def __init__(self, segment: SharedMemory, offset: int, capacity: int) -> None:
         self.segment = segment
+        self.segment_name = segment.name  # SharedMemory.name is a property that builds it each time
         self.offset = offset
         self.capacity = capacity
         self._view: np.ndarray | None = None  # the last view asked for (see view)
@@ -111,11 +113,11 @@ class SlotMap:
                 self.slots[name] = new
                 self._living[segment] += 1
                 if slot is not None:
-                    self._unliving(slot.segment.name)
+                    self._unliving(slot.segment_name)
                 if nbytes <= shm.SLAB_ITEM_MAX_BYTES:
                     self._slab = (segment, offset + capacity)
                 if slot is not None:
-                    self._release_unused(slot.segment.name)  # the daemon moved the tensor and freed its old segment
+                    self._release_unused(slot.segment_name)  # the daemon moved the tensor and freed its old segment
         return new
 
     def result_segment(self, name: str, segment: str) -> SharedMemory:
@@ -160,15 +162,15 @@ class SlotMap:
         # the full reckoning below, over every slot, only when it does not.
         old = self.slots.get(name)
         held = sum(self.attached[s].size for s, n in self._living.items()
-                   if n > (1 if old is not None and old.segment.name == s else 0))
+                   if n > (1 if old is not None and old.segment_name == s else 0))
         if held <= self.cap_bytes - self._new_bytes(nbytes):
             return []
         by_segment: dict[str, list[str]] = {}
         for tensor, slot in self.slots.items():
-            by_segment.setdefault(slot.segment.name, []).append(tensor)
+            by_segment.setdefault(slot.segment_name, []).append(tensor)
         old = self.slots.get(name)
         if old is not None:  # the daemon frees the slot it replaces, and its segment if nothing else lives there
-            by_segment[old.segment.name].remove(name)
+            by_segment[old.segment_name].remove(name)
         held = sum(self.attached[s].size for s, tensors in by_segment.items() if tensors)
         room = self.cap_bytes - self._new_bytes(nbytes)
         if held <= room:
@@ -212,7 +214,7 @@ class SlotMap:
 
     def _sweep(self) -> None:
         """Unmap the result segments the daemon freed (for room) that no slot of ours lives in."""
-        slotted = {slot.segment.name for slot in self.slots.values()}
+        slotted = {slot.segment_name for slot in self.slots.values()}
         for tensor, segment in list(self.results.items()):
             if segment not in slotted and not os.path.exists(os.path.join(shm.SHM_DIR, segment)):
                 del self.results[tensor]

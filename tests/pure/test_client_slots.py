@@ -16,6 +16,7 @@ class _Segment:
     """What a Slot reads of a SharedMemory: its buffer."""
 
     def __init__(self, nbytes: int) -> None:
+        self.name = "bps_test_segment"
         self.buf = memoryview(bytearray(nbytes))
 
 
