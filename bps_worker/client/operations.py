@@ -175,7 +175,7 @@ class Operations:
             if not isinstance(source, np.ndarray):
                 source(view)
             elif not same_memory(view, source):
-                np.copyto(view, source)
+                view[...] = source  # np.copyto's dispatch costs more than this copy of a small tensor
             handle.in_place = out is not None and same_memory(view, out)
             if self.timeline is not None:
                 handle.times = [t_start, now_us(), 0]
@@ -218,7 +218,7 @@ class Operations:
                 slot = self.slots.slot_for(name, nbytes)
                 view = handle.view = slot.view(dtype, shape)
                 if not same_memory(view, array):
-                    np.copyto(view, array)
+                    view[...] = array
                 if self.fusion is not None and nbytes <= self.fuse_max:
                     handle.queued = True
                     queued.append((handle, spec, slot.segment_name, slot.offset, prio))

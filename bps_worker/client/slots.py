@@ -13,8 +13,10 @@ process chooses, because only it knows which slot a thread is about to fill. Res
 freed (its results arena is capped too) are unmapped here once noticed: every time the mappings doubled,
 one ``stat`` per result segment tells which names are gone.
 
-A segment is unmapped once no slot and no last result lives in it. One lock guards the three tables, so
-operations on different names may run on different threads.
+A segment is unmapped once no slot and no last result lives in it. One lock guards the tables, so operations
+on different names may run on different threads; a slot that is there and fits is found without it (a name's
+slot changes only in ``slot_for`` of that name, which one thread at a time runs for a name in flight, and is
+given up only while its name is idle).
 
 A :class:`Slot` keeps the array view of itself that was last asked for (:meth:`Slot.view`): a name pushed
 every step with the same dtype and shape reuses it, instead of a ``numpy.frombuffer`` per operation. A slot
@@ -56,13 +58,14 @@ class Slot:
     """Where one tensor name is handed over: ``capacity`` bytes at ``offset`` in ``segment`` (its name as the
     daemon knows it: ``segment_name``)."""
 
-    __slots__ = ("segment", "segment_name", "offset", "capacity", "_view")
+    __slots__ = ("segment", "segment_name", "offset", "capacity", "used", "_view")
 
-    def __init__(self, segment: SharedMemory, offset: int, capacity: int) -> None:
+    def __init__(self, segment: SharedMemory, offset: int, capacity: int, used: int) -> None:
         self.segment = segment
         self.segment_name = segment.name  # SharedMemory.name is a property that builds it each time
         self.offset = offset
         self.capacity = capacity
+        self.used = used  # when it was last asked for (SlotMap's clock): the least recently used go first
         self._view: np.ndarray | None = None  # the last view asked for (see view)
 
     def view(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
@@ -79,7 +82,7 @@ class SlotMap:
     """Segments mapped in this process, each name's slot, and each name's last result segment."""
 
     __slots__ = ("_allocate", "_allocating", "_lock", "_busy", "_clock", "_slab", "_swept_at", "_living", "attached",
-                 "cap_bytes", "results", "slots", "used")
+                 "cap_bytes", "results", "slots")
 
     def __init__(self, allocate: Allocate, cap_bytes: int = 0, busy: Callable[[str], bool] = _never) -> None:
         self._allocate = allocate
@@ -90,7 +93,6 @@ class SlotMap:
         self.attached: dict[str, SharedMemory] = {}  # segment name -> our mapping
         self.slots: dict[str, Slot] = {}  # tensor name -> its slot
         self.results: dict[str, str] = {}  # tensor name -> the worker's segment that held its last result
-        self.used: dict[str, int] = {}  # tensor name -> when its slot was last used
         self._clock = itertools.count()
         self._slab: tuple[str, int] | None = None  # the daemon's slab for our small tensors, and its end
         self._swept_at = 1  # how many segments were mapped at the last sweep of freed result segments
@@ -98,17 +100,16 @@ class SlotMap:
 
     def slot_for(self, name: str, nbytes: int) -> Slot:
         """The slot where tensor ``name`` is handed over (asked of the daemon once per name)."""
-        with self._lock:
-            slot = self.slots.get(name)
-            self.used[name] = next(self._clock)
-            if slot is not None and slot.capacity >= nbytes:
-                return slot
+        slot = self.slots.get(name)
+        if slot is not None and slot.capacity >= nbytes:
+            slot.used = next(self._clock)
+            return slot
         with self._allocating:
             with self._lock:
                 free = self._give_up(name, nbytes)
             segment, offset, capacity = self._allocate(name, nbytes, free)
             with self._lock:
-                new = Slot(self._attach(segment, name), offset, capacity)
+                new = Slot(self._attach(segment, name), offset, capacity, next(self._clock))
                 slot = self.slots.get(name)
                 self.slots[name] = new
                 self._living[segment] += 1
@@ -139,7 +140,6 @@ class SlotMap:
             self.attached.clear()
             self.slots.clear()
             self.results.clear()
-            self.used.clear()
             self._living.clear()
             self._slab = None
 
@@ -175,7 +175,7 @@ class SlotMap:
         room = self.cap_bytes - self._new_bytes(nbytes)
         if held <= room:
             return []
-        idle = sorted((max(self.used.get(t, -1) for t in tensors), s, tensors) for s, tensors in by_segment.items()
+        idle = sorted((max(self.slots[t].used for t in tensors), s, tensors) for s, tensors in by_segment.items()
                       if tensors and not any(map(self._busy, tensors)))
         free: list[str] = []
         chars = 0
@@ -190,7 +190,6 @@ class SlotMap:
             return []  # not enough idle memory: give up nothing, the daemon refuses with the cap
         for tensor in free:
             seg = self.slots.pop(tensor).segment
-            self.used.pop(tensor, None)
             self._unliving(seg.name)
             self._release_unused(seg.name)
         return free

@@ -22,7 +22,7 @@ class _Segment:
 
 def _slot(nbytes: int = 64, offset: int = 16) -> Slot:
     segment: Any = _Segment(offset + nbytes)
-    return Slot(segment, offset, nbytes)
+    return Slot(segment, offset, nbytes, 0)
 
 
 def test_the_same_dtype_and_shape_give_the_same_view_of_the_slot() -> None:
