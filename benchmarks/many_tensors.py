@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/many_tensors.py --shuffle        # every rank issues its tensors in its own order
     .venv/bin/python benchmarks/many_tensors.py --group          # one push_pull_group a step instead
     .venv/bin/python benchmarks/many_tensors.py --write-results  # also append to benchmarks/RESULTS.md
+    .venv/bin/python benchmarks/many_tensors.py --cpu-per-call   # also the client's CPU per tensor and call
 
 The cluster and the ranks are push_pull_vs_gloo.py's: a private cluster file shaped like configs/local.toml
 (2 workers x 2 processes, one colocated server per worker plus one CPU-only server, 4 MiB partitions) on free
@@ -30,6 +31,11 @@ microseconds per tensor (median / T), ``bps / gloo fused`` (the goal: <= 10) and
 Separately, the latency of one small sum issued alone: ``--single-reps`` synchronous ``bps.push_pull`` calls of
 ``--single-bytes`` on one name, one at a time (``barrier; bps; barrier; gloo all_reduce`` of the same size);
 p50 and p90 over calls of the maximum over ranks.
+
+``--cpu-per-call`` also prints the client's CPU per tensor of the timed bps steps: ``time.thread_time`` of the
+calling thread around the T ``push_pull_async`` and around the T ``synchronize``, and ``time.process_time`` of
+the rank around both (its reader and fusion threads too); each rank's median over the steps, then the mean
+(min-max) over ranks. CPU time, unlike wall time, hardly changes with the load of the machine.
 """
 
 from __future__ import annotations
@@ -166,19 +172,26 @@ def rank_program(args: argparse.Namespace) -> int:
             per_tensor = t_count <= args.max_gloo_per_tensor
             gloo_tensors = [torch.from_numpy(a.copy()) for a in arrays] if per_tensor else []
 
+            cpu: list[tuple[float, float, float]] = []  # per bps step: issue, synchronize (thread), process
+
             def bps_step() -> list[Any]:
+                p0, t0 = time.process_time(), time.thread_time()
                 if args.group:  # the whole tree in one call
                     got = bps.push_pull_group([arrays[i] for i in order], [names[i] for i in order], average=False)
                     in_order: list[Any] = [None] * t_count
                     for i, y in zip(order, got):
                         in_order[i] = y
+                    t1 = time.thread_time()
+                    cpu.append((t1 - t0, 0.0, time.process_time() - p0))
                     return in_order
                 handles: list[Any] = [None] * t_count
                 for i in order:
                     handles[i] = bps.push_pull_async(arrays[i], names[i], average=False)
+                t1 = time.thread_time()
                 results: list[Any] = [None] * t_count
                 for i in order:
                     results[i] = bps.synchronize(handles[i])
+                cpu.append((t1 - t0, time.thread_time() - t1, time.process_time() - p0))
                 return results
 
             def fused_step() -> list[Any]:
@@ -220,6 +233,7 @@ def rank_program(args: argparse.Namespace) -> int:
                     per_tensor_step()
 
             bps_s, fused_s, per_s = [], [], []
+            cpu.clear()  # the timed steps' only
             for _ in range(args.reps):
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -241,7 +255,11 @@ def rank_program(args: argparse.Namespace) -> int:
                     per_s.append(0.0)
             times = torch.tensor([bps_s, fused_s, per_s], dtype=torch.float64)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            cpu_us = torch.zeros((size, 3), dtype=torch.float64)  # this rank's row: median us per tensor
+            cpu_us[rank] = torch.tensor([statistics.median(c) / t_count * 1e6 for c in zip(*cpu)])
+            dist.all_reduce(cpu_us)
             row: dict[str, Any] = {
+                "cpu_us_per_tensor": cpu_us.tolist(),
                 "tensors": t_count, "elements": e, "bps_s": times[0].tolist(), "gloo_fused_s": times[1].tolist(),
                 "gloo_per_tensor_s": times[2].tolist() if per_tensor else None,
                 "bps_exact": bool(flags[0]), "gloo_fused_exact": bool(flags[1]),
@@ -328,6 +346,23 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+CPU_HEADER = ["tensors", "elements", "push_pull_async us", "synchronize us", "process us (all threads)"]
+
+
+def cpu_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """Per configuration, the client's CPU per tensor: the mean over ranks (min-max) of each rank's median over
+    the timed steps; push_pull_async and synchronize in the calling thread, the process in all its threads."""
+    out = []
+    for row in rows:
+        per_rank = row["cpu_us_per_tensor"]
+        cells = []
+        for k in range(3):
+            values = [r[k] for r in per_rank]
+            cells.append(f"{statistics.fmean(values):.1f} ({min(values):.1f}-{max(values):.1f})")
+        out.append([str(row["tensors"]), str(row["elements"]), *cells])
+    return out
+
+
 HEADER = ["tensors", "elements", "bps ms (min-max)", "bps us/tensor", "gloo fused ms (min-max)",
           "gloo per-tensor ms (min-max)", "bps/gloo fused", "gloo per-tensor/bps", "exact"]
 SINGLE_HEADER = ["bytes", "calls", "bps p50 ms", "bps p90 ms", "gloo p50 ms", "gloo p90 ms", "p50 bps/gloo", "exact"]
@@ -369,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--single-bytes", type=ppg.parse_size, default=4096,
                    help="size of the one small push_pull issued alone (default 4096)")
     p.add_argument("--single-reps", type=int, default=None, help="calls of the small push_pull alone (default 200)")
+    p.add_argument("--cpu-per-call", action="store_true",
+                   help="also print the client's CPU time per tensor (push_pull_async, synchronize, the process)")
     p.add_argument("--client-timeout", type=float, default=120.0, help="bps.init(timeout=...) (default 120 s)")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke test: tensors {QUICK_TENSORS}, elements {QUICK_ELEMENTS}, 2 reps, 20 single calls")
@@ -464,6 +501,11 @@ def main(argv: list[str] | None = None) -> int:
     print(single_line)
     if srows:
         print(text_table(SINGLE_HEADER, srows))
+    if args.cpu_per_call:
+        print()
+        print("client CPU per tensor (thread_time of the calling thread; process_time of the whole rank), median over "
+              "the timed steps, mean over ranks (min-max)" + (": with --group, push_pull_group's" if args.group else ""))
+        print(text_table(CPU_HEADER, cpu_rows(data["rows"])))
     if not ok:
         print("\nERROR: a sum was not exact, or a configuration is missing (see above)", file=sys.stderr)
 

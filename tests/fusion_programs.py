@@ -57,6 +57,29 @@ def mismatch_in_a_batch(bad_rank: int, n: int) -> dict[str, Any]:
     return {"errors": errors, "wrong": wrong, "again": again.tolist()}
 
 
+def shape_and_dtype_change(bad_rank: int) -> dict[str, Any]:
+    """One name, step by step, as float32 (4,), then (2, 2) and int32 (2, 2) (the same bytes: the same slot)
+    and float64 (4,) (more), on every process: each sum exact, of the step's dtype and shape. Then ``bad_rank``
+    alone pushes it as (2, 2) again while the others push (4,): a mismatch, on every process, naming it;
+    then (4,) works again everywhere."""
+    rank, size = bps.rank(), bps.size()
+    wrong: list[str] = []
+    for dtype, shape in [("float32", (4,)), ("float32", (2, 2)), ("int32", (2, 2)), ("float64", (4,)),
+                         ("float32", (4,))]:
+        for step in range(2):
+            y = bps.synchronize(bps.push_pull_async(np.full(shape, rank + step, dtype), "sc", average=False))
+            want = np.full(shape, size * step + size * (size - 1) // 2, dtype)
+            if y.dtype != want.dtype or y.shape != want.shape or not (y == want).all():
+                wrong.append(f"{dtype}{shape} step {step}: {y.dtype}{y.shape} {y.tolist()}")
+    error = None
+    try:
+        bps.push_pull(np.ones((2, 2) if rank == bad_rank else (4,), np.float32), "sc", average=False)
+    except bps.BPSError as exc:
+        error = str(exc)
+    again = bps.push_pull(np.ones(4, np.float32), "sc", average=False)
+    return {"wrong": wrong, "error": error, "again": again.tolist()}
+
+
 MIXED = [("float32", (3,), False), ("float16", (2, 2), False), ("int64", (5,), False), ("float64", (1,), True),
          ("int32", (7,), False), ("float16", (6,), True), ("int32", (4,), False), ("float32", (2, 3), True)]
 

@@ -45,7 +45,7 @@ def truncate_own_slot(elems: int) -> dict[str, Any]:
 def _slot_segment(name: str) -> str:
     """The name of the segment that holds ``name``'s slot in this process (the client's own table)."""
     ops = bps._operations()  # type: ignore[attr-defined]  # the process's client state, for a test
-    return ops.slots.slots[name][0].name
+    return ops.slots.slots[name].segment_name
 
 
 def many_names(count: int, elems: int) -> dict[str, Any]:

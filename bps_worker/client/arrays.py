@@ -82,7 +82,9 @@ def view_of(buf: memoryview | None, dtype: np.dtype, shape: tuple[int, ...], off
 
 def same_memory(view: np.ndarray, array: np.ndarray) -> bool:
     """Whether ``array`` is exactly ``view`` (same first byte, both contiguous, same size)."""
-    if not np.may_share_memory(view, array):  # by their bounds: the common answer, in a microsecond
+    if array.base is None:  # it owns its memory, so it is no view of shared memory: most inputs, at once
+        return False
+    if not np.may_share_memory(view, array):  # by their bounds: the common answer for the rest
         return False
     return (array.size == view.size and array.dtype == view.dtype and array.flags.c_contiguous
             and (array.size == 0 or array.__array_interface__["data"][0] == view.__array_interface__["data"][0]))

@@ -35,7 +35,12 @@ class FusionBuffer:
         self.limit_bytes = limit_bytes
         self.cycle_s = cycle_s
         self._cond = threading.Condition(threading.Lock())
-        self._entries: list[Entry] = []
+        # What waits, as columns (no tuple per entry to keep alive until it is sent, for the collector to walk):
+        self._handles: list[Handle] = []
+        self._specs: list[Spec] = []
+        self._segments: list[str] = []
+        self._offsets: list[int] = []
+        self._priorities: list[int] = []
         self._bytes = 0
         self._first_at = 0.0
         self._closed = False
@@ -44,11 +49,15 @@ class FusionBuffer:
     def add(self, handle: Handle, spec: Spec, segment: str, offset: int, priority: int, nbytes: int) -> None:
         """Queue a started sum (its input is in its slot); sends now if the buffer is full."""
         with self._cond:
-            self._entries.append((handle, spec, segment, offset, priority))
+            self._handles.append(handle)
+            self._specs.append(spec)
+            self._segments.append(segment)
+            self._offsets.append(offset)
+            self._priorities.append(priority)
             self._bytes += nbytes
             if self._bytes >= self.limit_bytes:
                 self._flush_locked()
-            elif len(self._entries) == 1:
+            elif len(self._handles) == 1:
                 self._first_at = time.monotonic()
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._cycle, name="bps-client-fusion", daemon=True)
@@ -60,7 +69,12 @@ class FusionBuffer:
         """Queue many started sums and send them all now, with whatever waits already (a group: every name of
         it is known, nothing more will come to wait for)."""
         with self._cond:
-            self._entries.extend(entries)
+            for handle, spec, segment, offset, priority in entries:
+                self._handles.append(handle)
+                self._specs.append(spec)
+                self._segments.append(segment)
+                self._offsets.append(offset)
+                self._priorities.append(priority)
             self._flush_locked()
 
     def flush(self) -> None:
@@ -69,16 +83,19 @@ class FusionBuffer:
             self._flush_locked()
 
     def _flush_locked(self) -> None:
-        entries, self._entries, self._bytes = self._entries, [], 0
-        if not entries:
+        all_handles, self._handles = self._handles, []
+        all_specs, all_segments, all_offsets, all_priorities = self._specs, self._segments, self._offsets, \
+            self._priorities
+        self._specs, self._segments, self._offsets, self._priorities, self._bytes = [], [], [], [], 0
+        if not all_handles:
             return
-        names = [e[0].name for e in entries]
+        names = [h.name for h in all_handles]
         for start, stop in fused_chunks(names):
             index: dict[Spec, int] = {}
             specs: list[Any] = []
             segments: dict[str, int] = {}
-            which, segs, offsets, priorities, handles = [], [], [], [], []
-            for handle, spec, segment, offset, priority in entries[start:stop]:
+            which, segs = [], []
+            for spec, segment in zip(all_specs[start:stop], all_segments[start:stop]):
                 k = index.get(spec)
                 if k is None:
                     k = index[spec] = len(specs)
@@ -88,17 +105,16 @@ class FusionBuffer:
                     s = segments[segment] = len(segments)
                 which.append(k)
                 segs.append(s)
-                offsets.append(offset)
-                priorities.append(priority)
-                handles.append(handle)
+            handles = all_handles[start:stop]
+            for handle in handles:
                 handle.queued = False
-            batch = OpBatch([h.req for h in handles], names[start:stop], specs, which, list(segments), segs, offsets,
-                            priorities)
+            batch = OpBatch([h.req for h in handles], names[start:stop], specs, which, list(segments), segs,
+                            all_offsets[start:stop], all_priorities[start:stop])
             try:
                 self._send(handles, batch)
             except BaseException as exc:  # the connection broke: these handles fail, the later ones too
                 error = exc if isinstance(exc, BPSError) else BPSError(f"cannot send: {exc}")
-                for h in [*handles, *(e[0] for e in entries[stop:])]:
+                for h in all_handles[start:]:
                     if not h.done():
                         h.fail(error)
                 return
@@ -107,7 +123,7 @@ class FusionBuffer:
         """The flusher: send the buffer once its first entry waited ``cycle_s``."""
         with self._cond:
             while not self._closed:
-                if not self._entries:
+                if not self._handles:
                     self._cond.wait()
                     continue
                 left = self._first_at + self.cycle_s - time.monotonic()

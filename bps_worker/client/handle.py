@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 
 from ..errors import BPSError
-from .arrays import view_of
 
 __all__ = ["Handle"]
 
@@ -32,10 +30,9 @@ class Handle:
     dtype: np.dtype
     shape: tuple[int, ...]
     out: np.ndarray | None
-    # Where the input was handed over and, after a hand-back, where the result is; None: a CUDA tensor the
-    # daemon reads and writes itself.
-    segment: SharedMemory | None = field(default=None, repr=False)
-    offset: int = field(default=0, repr=False)
+    # The slot the input was handed over in (SlotMap's view of it), where the result is unless ``result_at``
+    # names another place; None: a CUDA tensor the daemon reads and writes itself.
+    view: np.ndarray | None = field(default=None, repr=False)
     in_place: bool = field(default=False, repr=False)  # the input was the slot itself (a shared array)
     result_at: tuple[str, int] | None = field(default=None, repr=False)  # the worker's segment holding the result
     times: list[int] | None = field(default=None, repr=False)  # timeline: start, filled, done
@@ -85,8 +82,3 @@ class Handle:
             self.times[2] = now
         self.error = error
         self._finish()
-
-    def result_view(self) -> np.ndarray:
-        """The result in shared memory, as an array (the slot, or the worker's results segment)."""
-        assert self.segment is not None, "a CUDA operation's result is its tensor"
-        return view_of(self.segment.buf, self.dtype, self.shape, self.offset)

@@ -17,12 +17,12 @@ from __future__ import annotations
 import os
 import threading
 from math import prod
-from typing import Any, Callable, Iterable, Sequence, SupportsIndex
+from typing import Any, Callable, Iterable, NamedTuple, Sequence, SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
 
-from protocol.messages import ASYNC_KINDS, KIND_ASYNC, KIND_ASYNC_INIT, KIND_SUM, Op
+from protocol.messages import ASYNC_KINDS, KIND_ASYNC, KIND_ASYNC_INIT, KIND_SUM, Op, Spec
 
 from bps_runtime.timeline import Timeline, now_us
 
@@ -35,12 +35,28 @@ from .handle import Handle
 from .settings import Settings, timeline_path
 from .slots import SlotMap
 
-__all__ = ["Fill", "Operations"]
+__all__ = ["Checked", "Fill", "Operations"]
 
 # Writes an operation's input into the view of its shared slot (framework layers assemble inputs in place).
 Fill = Callable[[np.ndarray], None]
 # Argument sets whose checks are remembered (Operations._checked): a model's tensors, many times over.
 MAX_CHECKED = 1 << 16
+
+
+class Checked(NamedTuple):
+    """An operation's arguments, checked (:meth:`Operations.checked`), and what follows from them."""
+
+    name: str
+    dtype: np.dtype
+    wire: str  # the dtype's name on the wire
+    shape: tuple[int, ...]
+    average: bool
+    priority: int
+    layout: str
+    nbytes: int
+    spec: Spec  # (wire, shape, average, layout): the operation in an OpBatch
+
+
 # push_pull_group sends its small sums in batches of this many as it copies them in, so that the daemon's work
 # overlaps the copying of the rest (one batch at the end would leave the daemon idle until then).
 GROUP_SEND_EVERY = 256
@@ -69,7 +85,7 @@ class Operations:
             timeline_path(settings.timeline, self.rank), f"rank {self.rank} (pid {os.getpid()})")
         # Small sums wait here to go with others in one OpBatch (bps_worker.client.fusion); the daemon says
         # how small (0: an older daemon, or fusion off).
-        self._known: dict[tuple[Any, ...], tuple[str, np.dtype, str, tuple[int, ...], bool, int, str, int]] = {}
+        self._known: dict[tuple[Any, ...], Checked] = {}
         self.fuse_max = welcome.fusion_bytes if settings.fusion_bytes > 0 else 0
         self.fusion = FusionBuffer(self.conn.submit_many, settings.fusion_bytes, settings.cycle_time_ms / 1000.0) \
             if self.fuse_max else None
@@ -115,13 +131,8 @@ class Operations:
               out: np.ndarray | None, staleness: int = -1, internal: bool = False) -> Handle:
         """Copy ``array`` into its slot (unless it is the slot: a shared array) and start the operation."""
         array = np.asarray(array)
-
-        def fill(view: np.ndarray) -> None:
-            if not same_memory(view, array):
-                np.copyto(view, array)
-
-        return self.start_filled(name, kind, array.dtype, array.shape, fill, average=average, priority=priority,
-                                 root=root, out=out, staleness=staleness, internal=internal)
+        return self._start(name, kind, array.dtype, array.shape, array, average, priority, root, out, "", staleness,
+                           internal)
 
     def shared_array(self, name: str, shape: Iterable[SupportsIndex], dtype: npt.DTypeLike) -> np.ndarray:
         """The slot of ``name`` as an array of ``shape`` and ``dtype`` (see ``bps.shared_array``)."""
@@ -131,8 +142,8 @@ class Operations:
         with self.lock:
             if name in self.inflight:
                 raise BPSError(f"tensor {name!r} is in flight in this process; synchronize it first")
-        seg, offset = self.slots.slot_for(name, prod(shape) * dtype.itemsize)
-        return view_of(seg.buf, dtype, shape, offset)
+        slot = self.slots.slot_for(name, prod(shape) * dtype.itemsize)
+        return view_of(slot.segment.buf, dtype, shape, slot.offset)  # the user's own array (see Slot.view)
 
     def start_filled(self, name: str, kind: str, dtype: np.dtype, shape: tuple[int, ...], fill: Fill, *,
                      average: bool, priority: int, root: int, out: np.ndarray | None, layout: str = "",
@@ -143,8 +154,15 @@ class Operations:
         ``layout`` (``Op.layout``). Every argument is checked before the slot is touched (:mod:`.arguments`);
         ``internal``: the name may be one of the client's own (``arguments.GROUP_PREFIX``).
         """
-        name, dtype, wire, shape, average, priority, layout, nbytes = self._checked(name, dtype, shape, average,
-                                                                                   priority, layout, internal)
+        return self._start(name, kind, dtype, shape, fill, average, priority, root, out, layout, staleness, internal)
+
+    def _start(self, name: Any, kind: str, dtype: Any, shape: Any, source: np.ndarray | Fill, average: Any,
+               priority: Any, root: int, out: np.ndarray | None, layout: Any, staleness: int, internal: bool
+               ) -> Handle:
+        """:meth:`start` (``source`` an array, copied into the slot unless it is the slot) and
+        :meth:`start_filled` (``source`` a :data:`Fill`)."""
+        name, dtype, wire, shape, average, priority, layout, nbytes, spec = self._checked(
+            name, dtype, shape, average, priority, layout, internal)
         out = check_out(name, out, shape, dtype)
         if self.modes.get(name) is not (kind in ASYNC_KINDS):
             self.claim_mode(name, kind)
@@ -152,21 +170,22 @@ class Operations:
         self._reserve(handle)
         try:
             t_start = now_us() if self.timeline is not None else 0
-            seg, offset = self.slots.slot_for(name, nbytes)
-            view = view_of(seg.buf, dtype, shape, offset)
-            fill(view)
-            handle.segment, handle.offset = seg, offset
+            slot = self.slots.slot_for(name, nbytes)
+            view = handle.view = slot.view(dtype, shape)
+            if not isinstance(source, np.ndarray):
+                source(view)
+            elif not same_memory(view, source):
+                view[...] = source  # np.copyto's dispatch costs more than this copy of a small tensor
             handle.in_place = out is not None and same_memory(view, out)
-            del view
             if self.timeline is not None:
                 handle.times = [t_start, now_us(), 0]
             if self.fusion is not None and kind == KIND_SUM and nbytes <= self.fuse_max:
                 handle.queued = True
-                self.fusion.add(handle, (wire, shape, average, layout), seg.name, offset, priority, nbytes)
+                self.fusion.add(handle, spec, slot.segment_name, slot.offset, priority, nbytes)
                 return handle
-            self.conn.submit(handle, Op(handle.req, name, kind, wire, list(shape), seg.name, average=average,
-                                        priority=priority, root=root, offset=offset, handback=handle.in_place,
-                                        layout=layout, staleness=staleness))
+            self.conn.submit(handle, Op(handle.req, name, kind, wire, list(shape), slot.segment_name,
+                                        average=average, priority=priority, root=root, offset=slot.offset,
+                                        handback=handle.in_place, layout=layout, staleness=staleness))
         except BaseException:
             self._unreserve(handle)
             raise
@@ -195,21 +214,20 @@ class Operations:
         sent = 0
         try:
             queued: list[Entry] = []
-            for array, (name, dtype, wire, shape, avg, prio, layout, nbytes), handle in prepared:
-                seg, offset = self.slots.slot_for(name, nbytes)
-                view = view_of(seg.buf, dtype, shape, offset)
+            for array, (name, dtype, wire, shape, avg, prio, layout, nbytes, spec), handle in prepared:
+                slot = self.slots.slot_for(name, nbytes)
+                view = handle.view = slot.view(dtype, shape)
                 if not same_memory(view, array):
-                    np.copyto(view, array)
-                handle.segment, handle.offset = seg, offset
+                    view[...] = array
                 if self.fusion is not None and nbytes <= self.fuse_max:
                     handle.queued = True
-                    queued.append((handle, (wire, shape, avg, layout), seg.name, offset, prio))
+                    queued.append((handle, spec, slot.segment_name, slot.offset, prio))
                     if len(queued) == GROUP_SEND_EVERY:  # the daemon starts on these while we copy the next
                         self.fusion.add_many(queued)
                         queued = []
                 else:
-                    self.conn.submit(handle, Op(handle.req, name, KIND_SUM, wire, list(shape), seg.name, average=avg,
-                                                priority=prio, offset=offset))
+                    self.conn.submit(handle, Op(handle.req, name, KIND_SUM, wire, list(shape), slot.segment_name,
+                                                average=avg, priority=prio, offset=slot.offset))
                 sent += 1
             if queued:
                 assert self.fusion is not None
@@ -247,17 +265,14 @@ class Operations:
             except BPSError:
                 pass
 
-    def checked(self, name: Any, dtype: Any, shape: Any, average: Any, priority: Any
-                ) -> tuple[str, np.dtype, str, tuple[int, ...], bool, int, str, int]:
-        """A sum's arguments checked, as :meth:`start` checks them (name, dtype, wire dtype, shape, average,
-        priority, layout, bytes); BPSError naming the first that is wrong."""
+    def checked(self, name: Any, dtype: Any, shape: Any, average: Any, priority: Any) -> Checked:
+        """A sum's arguments checked, as :meth:`start` checks them; BPSError naming the first that is wrong."""
         return self._checked(name, dtype, shape, average, priority, "")
 
     def _checked(self, name: Any, dtype: Any, shape: Any, average: Any, priority: Any, layout: Any,
-                 internal: bool = False) -> tuple[str, np.dtype, str, tuple[int, ...], bool, int, str, int]:
-        """The arguments checked (:mod:`.arguments`): name, dtype, wire dtype, shape, average, priority, layout
-        and the bytes. The same arguments again (every step, for every tensor) are checked once: their answer
-        is kept (for up to MAX_CHECKED argument sets)."""
+                 internal: bool = False) -> Checked:
+        """The arguments checked (:mod:`.arguments`). The same arguments again (every step, for every tensor)
+        are checked once: their answer is kept (for up to MAX_CHECKED argument sets)."""
         try:
             key = (name, dtype, shape, average, priority, layout, internal)
             known = self._known.get(key)
@@ -271,7 +286,8 @@ class Operations:
         average = check_average(name, average, wire)
         priority = check_priority(name, priority)
         layout = check_layout(name, layout)
-        checked = (name, dtype, wire, shape, average, priority, layout, prod(shape) * dtype.itemsize)
+        checked = Checked(name, dtype, wire, shape, average, priority, layout, prod(shape) * dtype.itemsize,
+                          (wire, shape, average, layout))
         if key is not None and len(self._known) < MAX_CHECKED:
             self._known[key] = checked
         return checked
@@ -347,19 +363,22 @@ class Operations:
         if handle.error is not None:
             raise handle.error
         t_copy = now_us() if handle.times is not None else 0
-        if handle.result_at is not None:  # mapped as the Done arrived (Connection.map_result)
-            segment, handle.offset = handle.result_at
-            handle.segment = self.slots.result_segment(handle.name, segment)
+        held = handle.view  # where the result is: the slot, ...
+        if handle.result_at is not None:  # ... or the worker's results segment, mapped as the Done arrived
+            segment, offset = handle.result_at
+            held = view_of(self.slots.result_segment(handle.name, segment).buf, handle.dtype, handle.shape, offset)
         result: Any
         if handle.in_place:  # `out` is the slot itself (or a CUDA tensor): the daemon wrote the result there
             result = handle.out
-        elif handle.out is not None:
-            np.copyto(handle.out, handle.result_view())
-            result = handle.out
-        elif view:
-            result = handle.result_view()  # may be the worker's results segment: read it, never write it
         else:
-            result = handle.result_view().copy()
+            assert held is not None, "a CUDA operation's result is its tensor"
+            if handle.out is not None:
+                np.copyto(handle.out, held)
+                result = handle.out
+            elif view:
+                result = held.view()  # not the slot's own array; the results segment: read it, never write it
+            else:
+                result = held.copy()
         if handle.times is not None and self.timeline is not None:
             self._trace(handle, t_copy)
         return result

@@ -13,8 +13,14 @@ process chooses, because only it knows which slot a thread is about to fill. Res
 freed (its results arena is capped too) are unmapped here once noticed: every time the mappings doubled,
 one ``stat`` per result segment tells which names are gone.
 
-A segment is unmapped once no slot and no last result lives in it. One lock guards the three tables, so
-operations on different names may run on different threads.
+A segment is unmapped once no slot and no last result lives in it. One lock guards the tables, so operations
+on different names may run on different threads; a slot that is there and fits is found without it (a name's
+slot changes only in ``slot_for`` of that name, which one thread at a time runs for a name in flight, and is
+given up only while its name is idle).
+
+A :class:`Slot` keeps the array view of itself that was last asked for (:meth:`Slot.view`): a name pushed
+every step with the same dtype and shape reuses it, instead of a ``numpy.frombuffer`` per operation. A slot
+that moves is a new :class:`Slot`, so no view outlives the memory it was made for.
 """
 
 from __future__ import annotations
@@ -26,11 +32,14 @@ from collections import Counter
 from multiprocessing.shared_memory import SharedMemory
 from typing import Callable, Final, Sequence
 
+import numpy as np
+
 from bps_runtime import segments as shm
 
 from ..errors import BPSError
+from .arrays import view_of
 
-__all__ = ["Allocate", "SlotMap"]
+__all__ = ["Allocate", "Slot", "SlotMap"]
 
 # Asks the daemon for ``nbytes`` for tensor ``name``, giving up the slots of the names in the sequence first:
 # (segment name, offset, capacity).
@@ -45,11 +54,35 @@ def _never(name: str) -> bool:
     return False
 
 
+class Slot:
+    """Where one tensor name is handed over: ``capacity`` bytes at ``offset`` in ``segment`` (its name as the
+    daemon knows it: ``segment_name``)."""
+
+    __slots__ = ("segment", "segment_name", "offset", "capacity", "used", "_view")
+
+    def __init__(self, segment: SharedMemory, offset: int, capacity: int, used: int) -> None:
+        self.segment = segment
+        self.segment_name = segment.name  # SharedMemory.name is a property that builds it each time
+        self.offset = offset
+        self.capacity = capacity
+        self.used = used  # when it was last asked for (SlotMap's clock): the least recently used go first
+        self._view: np.ndarray | None = None  # the last view asked for (see view)
+
+    def view(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """The slot as an array of ``dtype`` and ``shape`` (which must fit its capacity). The same array again
+        for the same dtype and shape: the client's own, never handed to the user as it is (they may reshape
+        it in place)."""
+        view = self._view
+        if view is None or view.shape != shape or view.dtype != dtype:
+            view = self._view = view_of(self.segment.buf, dtype, shape, self.offset)
+        return view
+
+
 class SlotMap:
     """Segments mapped in this process, each name's slot, and each name's last result segment."""
 
     __slots__ = ("_allocate", "_allocating", "_lock", "_busy", "_clock", "_slab", "_swept_at", "_living", "attached",
-                 "cap_bytes", "results", "slots", "used")
+                 "cap_bytes", "results", "slots")
 
     def __init__(self, allocate: Allocate, cap_bytes: int = 0, busy: Callable[[str], bool] = _never) -> None:
         self._allocate = allocate
@@ -58,37 +91,35 @@ class SlotMap:
         self._busy = busy  # whether a name is in flight (or about to be): its slot is never given up
         self.cap_bytes = cap_bytes  # 0: no cap (a daemon that sets none)
         self.attached: dict[str, SharedMemory] = {}  # segment name -> our mapping
-        self.slots: dict[str, tuple[SharedMemory, int, int]] = {}  # tensor name -> (segment, offset, capacity)
+        self.slots: dict[str, Slot] = {}  # tensor name -> its slot
         self.results: dict[str, str] = {}  # tensor name -> the worker's segment that held its last result
-        self.used: dict[str, int] = {}  # tensor name -> when its slot was last used
         self._clock = itertools.count()
         self._slab: tuple[str, int] | None = None  # the daemon's slab for our small tensors, and its end
         self._swept_at = 1  # how many segments were mapped at the last sweep of freed result segments
         self._living: Counter[str] = Counter()  # segment name -> how many of our slots live in it
 
-    def slot_for(self, name: str, nbytes: int) -> tuple[SharedMemory, int]:
-        """The shared memory where tensor ``name`` is handed over (asked of the daemon once per name)."""
-        with self._lock:
-            slot = self.slots.get(name)
-            self.used[name] = next(self._clock)
-            if slot is not None and slot[2] >= nbytes:
-                return slot[0], slot[1]
+    def slot_for(self, name: str, nbytes: int) -> Slot:
+        """The slot where tensor ``name`` is handed over (asked of the daemon once per name)."""
+        slot = self.slots.get(name)
+        if slot is not None and slot.capacity >= nbytes:
+            slot.used = next(self._clock)
+            return slot
         with self._allocating:
             with self._lock:
                 free = self._give_up(name, nbytes)
             segment, offset, capacity = self._allocate(name, nbytes, free)
             with self._lock:
-                seg = self._attach(segment, name)
+                new = Slot(self._attach(segment, name), offset, capacity, next(self._clock))
                 slot = self.slots.get(name)
-                self.slots[name] = (seg, offset, capacity)
+                self.slots[name] = new
                 self._living[segment] += 1
                 if slot is not None:
-                    self._unliving(slot[0].name)
+                    self._unliving(slot.segment_name)
                 if nbytes <= shm.SLAB_ITEM_MAX_BYTES:
                     self._slab = (segment, offset + capacity)
                 if slot is not None:
-                    self._release_unused(slot[0].name)  # the daemon moved the tensor and freed its old segment
-        return seg, offset
+                    self._release_unused(slot.segment_name)  # the daemon moved the tensor and freed its old segment
+        return new
 
     def result_segment(self, name: str, segment: str) -> SharedMemory:
         """The mapping of ``segment``, the worker's segment that holds ``name``'s result; forgets the one of
@@ -109,7 +140,6 @@ class SlotMap:
             self.attached.clear()
             self.slots.clear()
             self.results.clear()
-            self.used.clear()
             self._living.clear()
             self._slab = None
 
@@ -132,20 +162,20 @@ class SlotMap:
         # the full reckoning below, over every slot, only when it does not.
         old = self.slots.get(name)
         held = sum(self.attached[s].size for s, n in self._living.items()
-                   if n > (1 if old is not None and old[0].name == s else 0))
+                   if n > (1 if old is not None and old.segment_name == s else 0))
         if held <= self.cap_bytes - self._new_bytes(nbytes):
             return []
         by_segment: dict[str, list[str]] = {}
-        for tensor, (seg, _, _) in self.slots.items():
-            by_segment.setdefault(seg.name, []).append(tensor)
+        for tensor, slot in self.slots.items():
+            by_segment.setdefault(slot.segment_name, []).append(tensor)
         old = self.slots.get(name)
         if old is not None:  # the daemon frees the slot it replaces, and its segment if nothing else lives there
-            by_segment[old[0].name].remove(name)
+            by_segment[old.segment_name].remove(name)
         held = sum(self.attached[s].size for s, tensors in by_segment.items() if tensors)
         room = self.cap_bytes - self._new_bytes(nbytes)
         if held <= room:
             return []
-        idle = sorted((max(self.used.get(t, -1) for t in tensors), s, tensors) for s, tensors in by_segment.items()
+        idle = sorted((max(self.slots[t].used for t in tensors), s, tensors) for s, tensors in by_segment.items()
                       if tensors and not any(map(self._busy, tensors)))
         free: list[str] = []
         chars = 0
@@ -159,8 +189,7 @@ class SlotMap:
         if held > room:
             return []  # not enough idle memory: give up nothing, the daemon refuses with the cap
         for tensor in free:
-            seg, _, _ = self.slots.pop(tensor)
-            self.used.pop(tensor, None)
+            seg = self.slots.pop(tensor).segment
             self._unliving(seg.name)
             self._release_unused(seg.name)
         return free
@@ -184,7 +213,7 @@ class SlotMap:
 
     def _sweep(self) -> None:
         """Unmap the result segments the daemon freed (for room) that no slot of ours lives in."""
-        slotted = {seg.name for seg, _, _ in self.slots.values()}
+        slotted = {slot.segment_name for slot in self.slots.values()}
         for tensor, segment in list(self.results.items()):
             if segment not in slotted and not os.path.exists(os.path.join(shm.SHM_DIR, segment)):
                 del self.results[tensor]

@@ -52,6 +52,16 @@ def test_a_size_on_both_sides_of_the_fusion_limit_is_a_mismatch_for_every_proces
 
 
 @pytest.mark.timeout(120)
+def test_a_name_whose_shape_or_dtype_changes_between_steps(cluster_2x2: Any) -> None:
+    """The client keeps each slot's view from step to step: a name pushed with another shape or dtype gets
+    the right result, and one process that changes alone is still a mismatch, named, on every process."""
+    for rank, r in enumerate(run_ranks(cluster_2x2, fp.shape_and_dtype_change, 2, timeout=90)):
+        assert r["wrong"] == [], (rank, r["wrong"])
+        assert r["error"] and "'sc'" in r["error"] and "[4]" in r["error"] and "[2,2]" in r["error"], (rank, r)
+        assert r["again"] == [4.0] * 4, (rank, r)
+
+
+@pytest.mark.timeout(120)
 def test_mixed_dtypes_shapes_and_averages_in_one_step(cluster_2x2: Any) -> None:
     for r in run_ranks(cluster_2x2, fp.mixed_dtypes, 3, timeout=90):
         assert r["wrong"] == [], r["wrong"][:5]
