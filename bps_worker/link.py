@@ -180,8 +180,8 @@ class ControlMessages:
         answer does not depend on the connection, and a restarted server gives the one the next attempt
         would get anyway (the round the others are in, from their replays, or 0): failing the query
         would fail an operation in a restart that every push rides out."""
-        waiting = {id(m) for m in self._waiting}
-        self._waiting += [q for q, f in self._queries.values() if not f.done() and id(q) not in waiting]
+        others = [m for m in self._waiting if not isinstance(m, RoundQuery)]
+        self._waiting = others + [q for q, f in self._queries.values() if not f.done()]
 
     def fail_queries(self, exc: BPSError) -> None:
         """Fail every round query, sent or waiting (the link gave up)."""

@@ -14,19 +14,25 @@ from protocol.handshake import ClientHandshake
 from protocol.messages import ROLE_WORKER, Challenge, Hello, parse
 
 
-def read_challenge(sock: socket.socket, timeout: float = 5.0) -> Challenge:
-    """The server's first frame on ``sock`` (nothing after it is read)."""
+def read_message(sock: socket.socket, timeout: float = 5.0) -> Any:
+    """The next message the peer sends on ``sock`` (nothing after it is read)."""
     reader = FrameReader()
     sock.settimeout(timeout)
     while True:
         chunk = sock.recv(4096)
         if not chunk:
-            raise ConnectionError("the server closed the connection before its challenge")
-        for frame in reader.receive_data(chunk):
-            message = parse(frame.header)
-            if not isinstance(message, Challenge):
-                raise AssertionError(f"expected the server's challenge, got {message}")
-            return message
+            raise ConnectionError("the peer closed the connection")
+        frames = reader.receive_data(chunk)
+        if frames:
+            return parse(frames[0].header)
+
+
+def read_challenge(sock: socket.socket, timeout: float = 5.0) -> Challenge:
+    """The server's first frame on ``sock`` (nothing after it is read)."""
+    message = read_message(sock, timeout)
+    if not isinstance(message, Challenge):
+        raise AssertionError(f"expected the server's challenge, got {message}")
+    return message
 
 
 def hello_frame(sock: socket.socket, config: ClusterConfig, ident: int, role: str = ROLE_WORKER,

@@ -49,11 +49,7 @@ class FusionBuffer:
     def add(self, handle: Handle, spec: Spec, segment: str, offset: int, priority: int, nbytes: int) -> None:
         """Queue a started sum (its input is in its slot); sends now if the buffer is full."""
         with self._cond:
-            self._handles.append(handle)
-            self._specs.append(spec)
-            self._segments.append(segment)
-            self._offsets.append(offset)
-            self._priorities.append(priority)
+            self._append(handle, spec, segment, offset, priority)
             self._bytes += nbytes
             if self._bytes >= self.limit_bytes:
                 self._flush_locked()
@@ -69,13 +65,16 @@ class FusionBuffer:
         """Queue many started sums and send them all now, with whatever waits already (a group: every name of
         it is known, nothing more will come to wait for)."""
         with self._cond:
-            for handle, spec, segment, offset, priority in entries:
-                self._handles.append(handle)
-                self._specs.append(spec)
-                self._segments.append(segment)
-                self._offsets.append(offset)
-                self._priorities.append(priority)
+            for entry in entries:
+                self._append(*entry)
             self._flush_locked()
+
+    def _append(self, handle: Handle, spec: Spec, segment: str, offset: int, priority: int) -> None:
+        self._handles.append(handle)
+        self._specs.append(spec)
+        self._segments.append(segment)
+        self._offsets.append(offset)
+        self._priorities.append(priority)
 
     def flush(self) -> None:
         """Send whatever waits (a synchronize of a waiting entry, a poll, shutdown)."""

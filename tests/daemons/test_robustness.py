@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import rank_programs as rp
-from handshakes import hello_frame
+from handshakes import hello_frame, read_message
 from harness import daemon_logs, run_ranks, server_stats, shm_segments, start_cluster, write_config
 from protocol import PROTOCOL_VERSION
 from protocol.frames import PREFIX, FrameReader, encode_header
@@ -47,18 +47,6 @@ def _exchange(sock: socket.socket, data: bytes, timeout: float = 5.0) -> tuple[l
     except OSError:
         closed = True
     return messages, closed
-
-
-def _read_one(sock: socket.socket, timeout: float = 5.0):
-    """The next message the peer sends on ``sock``."""
-    reader = FrameReader()
-    sock.settimeout(timeout)
-    while True:
-        chunk = sock.recv(65536)
-        assert chunk, "the daemon closed the connection"
-        frames = reader.receive_data(chunk)
-        if frames:
-            return parse(frames[0].header)
 
 
 def _assert_dropped(messages: list, closed: bool, text: str) -> None:
@@ -119,7 +107,7 @@ def test_server_drops_bad_frames_and_keeps_serving(cluster):
     s = connect()
     try:
         s.sendall(hello_frame(s, cluster.config, 1))
-        answer = _read_one(s)
+        answer = read_message(s)
         if isinstance(answer, Failure):
             assert answer.code == "duplicate", answer
             holder = re.search(r"daemon (\w+), epoch (\w+)", answer.peer)
@@ -127,7 +115,7 @@ def test_server_drops_bad_frames_and_keeps_serving(cluster):
             s.close()
             s = connect()
             s.sendall(hello_frame(s, cluster.config, 1, daemon=holder[1], epoch=holder[2]))
-            answer = _read_one(s)
+            answer = read_message(s)
         assert isinstance(answer, Welcome), answer
         head = encode_header({"t": "push", "req": 1, "name": "cut", "part": 0, "round": 0, "worker": 1,
                               "dtype": "float32", "shape": [1 << 18], "offset": 0, "count": 1 << 18}, 1 << 20)
