@@ -543,6 +543,25 @@ def sum_into(out: np.ndarray, inputs: Sequence[np.ndarray], dtype: str, divisor:
             np.divide(out, divisor, out=out, casting="unsafe")
 
 
+@_jit
+def _copy_runs(dst, dst_starts, src, src_starts, lengths):  # type: ignore[no-untyped-def]
+    for i in range(lengths.size):
+        d, s, n = dst_starts[i], src_starts[i], lengths[i]
+        dst[d:d + n] = src[s:s + n]
+
+
+def copy_runs(dst: np.ndarray, dst_starts: np.ndarray, src: np.ndarray, src_starts: np.ndarray,
+              lengths: np.ndarray) -> None:
+    """``dst[dst_starts[i]:+lengths[i]] = src[src_starts[i]:+lengths[i]]`` for every i, in one call (bytes:
+    uint8 arrays, int64 run tables). A fused sum gathers and hands back thousands of small tensors this way:
+    a numpy slice assignment per tensor cost a few microseconds of interpreter each. Every run is checked to
+    lie inside both arrays first (the tables come from the processes' requests)."""
+    if lengths.size and (min(dst_starts.min(), src_starts.min(), lengths.min()) < 0
+                         or (dst_starts + lengths).max() > dst.size or (src_starts + lengths).max() > src.size):
+        raise ValueError(f"copy_runs: a run lies outside its arrays ({dst.size} and {src.size} bytes)")
+    _copy_runs(dst, dst_starts, src, src_starts, lengths)
+
+
 def _dispatchers() -> dict[str, numba.core.registry.CPUDispatcher]:
     """Every jitted kernel of this module, by name (tests check their compiled signatures)."""
     return {name: obj for name, obj in globals().items() if isinstance(obj, numba.core.registry.CPUDispatcher)}
@@ -555,6 +574,8 @@ def warm_up() -> None:
     views, staging buffers), every divisor path, any number of sum_into inputs. (A read-only
     input, which the daemons never pass, would compile its own specialization on first use.)
     """
+    runs = np.zeros(1, np.int64)
+    copy_runs(np.zeros(4, np.uint8), runs, np.zeros(4, np.uint8), runs, runs)
     for name in STORAGE:
         count = 4
         xs = [np.zeros(count, dtype=STORAGE[name]) for _ in range(3)]

@@ -18,6 +18,7 @@ with a mismatch at the server instead of summing unrelated tensors.
 from __future__ import annotations
 
 import hashlib
+from itertools import accumulate
 from math import prod
 from typing import Callable
 
@@ -39,10 +40,22 @@ __all__ = ["FusedOperation", "layout_digest"]
 def layout_digest(names: list[str]) -> str:
     """What the servers compare for a fused tensor: its tensors' names, in order, and how many."""
     h = hashlib.blake2b(digest_size=12)
-    for name in names:
-        h.update(name.encode())
-        h.update(b"\0")
+    h.update("\0".join(names).encode())
+    h.update(b"\0")  # each name ends in a NUL (the digest workers of earlier versions computed name by name)
     return f"fused:{h.hexdigest()}:{len(names)}"
+
+
+class _Runs:
+    """One local rank's tensors in one of its segments (see ``FusedPath``)."""
+
+    __slots__ = ("member", "rank", "segment", "fused", "at", "sizes", "end", "flat")
+
+    def __init__(self, member: ClientSession, rank: int, segment: str, fused: np.ndarray, at: np.ndarray,
+                 sizes: np.ndarray) -> None:
+        self.member, self.rank, self.segment = member, rank, segment
+        self.fused, self.at, self.sizes = fused, at, sizes  # offsets in the fused tensor, in the segment; bytes
+        self.end = int((at + sizes).max())  # the segment must still hold this many bytes
+        self.flat: np.ndarray = np.empty(0, np.uint8)  # the segment's bytes, mapped at the last check
 
 
 class FusedOperation(Operation):
@@ -52,18 +65,15 @@ class FusedOperation(Operation):
                  ) -> None:
         dtype, _, average, _ = rounds[0].spec
         counts = [prod(fr.spec[1]) for fr in rounds]
-        starts = [0] * len(counts)
-        total = 0
-        for i, c in enumerate(counts):
-            starts[i] = total
-            total += c
+        starts = [0, *accumulate(counts)]
+        total = starts.pop()
         op = Op(0, key, KIND_SUM, dtype, [total], "", average=average,
                 layout=layout_digest([fr.name for fr in rounds]))
         super().__init__(host, LocalRound(key, local_round, op, host.rank_offset, set()))
         self.rounds = rounds
         self.starts = starts
         self.counts = counts
-        self.priority = max(e.priority for fr in rounds for e in fr.members())
+        self.priority = max(e.priority for fr in rounds for e in fr.entries if e is not None)
         self.path = FusedPath(self)
 
     def reply_done(self, scattered: Scattered) -> None:
@@ -84,55 +94,59 @@ class FusedOperation(Operation):
 
 
 class FusedPath:
-    """Where a fused tensor's parts live: the slots of many small tensors in the processes' segments."""
+    """Where a fused tensor's parts live: the slots of many small tensors in the processes' segments.
+
+    Its tensors are moved as *runs*: per local rank and segment, a table of (where in the fused tensor, where
+    in the segment, how many bytes), made once per operation and copied by one kernel call each way."""
 
     def __init__(self, operation: FusedOperation) -> None:
         self.operation = operation
         self.itemsize = dtypes.ITEMSIZE[operation.op.dtype]
+        self._runs: list[_Runs] | None = None
 
-    def _segments(self) -> dict[tuple[int, str], np.ndarray]:
-        """Each process segment the tensors live in, as bytes, checked to still hold them (a process may
-        shrink its segments: issue 14, item 3)."""
+    def runs(self) -> list[_Runs]:
+        """The runs of every (local rank, segment) the tensors live in, each segment checked to still hold
+        them (a process may shrink its segments: issue 14, item 3); checked again on every call."""
         o = self.operation
-        ends: dict[tuple[int, str], tuple[ClientSession, int]] = {}
-        for fr, count in zip(o.rounds, o.counts):
-            nbytes = count * self.itemsize
-            for e in fr.entries:
-                if e is not None:
-                    key = (id(e.member), e.segment)
-                    end = e.offset + nbytes
-                    seen = ends.get(key)
-                    if seen is None or seen[1] < end:
-                        ends[key] = (e.member, end)
-        flat = {}
-        for key, (session, end) in ends.items():
-            seg = session.arena.segments.get(key[1])
+        if self._runs is None:
+            tables: dict[tuple[int, str], tuple[ClientSession, int, list[int], list[int], list[int]]] = {}
+            itemsize = self.itemsize
+            for fr, start, count in zip(o.rounds, o.starts, o.counts):
+                lo, nbytes = start * itemsize, count * itemsize
+                for rank, e in enumerate(fr.entries):
+                    if e is None:
+                        continue
+                    key = (rank, e.segment)
+                    t = tables.get(key)
+                    if t is None:
+                        t = tables[key] = (e.member, rank, [], [], [])
+                    t[2].append(lo)
+                    t[3].append(e.offset)
+                    t[4].append(nbytes)
+            self._runs = [_Runs(member, rank, segment, np.array(fused, np.int64), np.array(at, np.int64),
+                                np.array(sizes, np.int64))
+                          for (_, segment), (member, rank, fused, at, sizes) in tables.items()]
+        for r in self._runs:
+            seg = r.member.arena.segments.get(r.segment)
             if seg is None or seg.buf is None:
-                raise shm.SegmentSizeError(key[1], 0, end, o.name, replaced=True)
-            shm.check_size(seg, end, o.name)
-            flat[key] = np.frombuffer(seg.buf, np.uint8)
-        return flat
+                raise shm.SegmentSizeError(r.segment, 0, r.end, o.name, replaced=True)
+            shm.check_size(seg, r.end, o.name)
+            r.flat = np.frombuffer(seg.buf, np.uint8)
+        return self._runs
 
     async def gather(self) -> Contribution:
         o = self.operation
-        flat = self._segments()
+        runs = self.runs()
         buf, segment, base = o.staging()
         raw = buf.view(np.uint8)
         size = o.host.config.local_size
-        itemsize = self.itemsize
         if size == 1:
-            for fr, start, count in zip(o.rounds, o.starts, o.counts):
-                e = fr.entries[0]
-                assert e is not None
-                lo = start * itemsize
-                raw[lo:lo + count * itemsize] = flat[(id(e.member), e.segment)][e.offset:e.offset + count * itemsize]
+            for r in runs:
+                kernels.copy_runs(raw, r.fused, r.flat, r.at, r.sizes)
             return Contribution(buf, segment, base, direct=False)
         scratch = [np.empty(o.nbytes, np.uint8) for _ in range(size)]
-        for fr, start, count in zip(o.rounds, o.starts, o.counts):
-            lo, nbytes = start * itemsize, count * itemsize
-            for rank, e in enumerate(fr.entries):
-                assert e is not None  # a planned round is complete
-                scratch[rank][lo:lo + nbytes] = flat[(id(e.member), e.segment)][e.offset:e.offset + nbytes]
+        for r in runs:
+            kernels.copy_runs(scratch[r.rank], r.fused, r.flat, r.at, r.sizes)
         storage = kernels.STORAGE[o.op.dtype]
         await o.off_loop(kernels.sum_into, buf, [s.view(storage) for s in scratch], o.op.dtype)
         return Contribution(buf, segment, base, direct=False)
@@ -144,16 +158,9 @@ class FusedPath:
         return True
 
     async def copy_back(self, out: np.ndarray) -> None:
-        o = self.operation
-        flat = self._segments()  # checked again: the processes had the network's time to shrink them
         raw = out.view(np.uint8)
-        itemsize = self.itemsize
-        for fr, start, count in zip(o.rounds, o.starts, o.counts):
-            lo, nbytes = start * itemsize, count * itemsize
-            part = raw[lo:lo + nbytes]
-            for e in fr.entries:
-                if e is not None:
-                    flat[(id(e.member), e.segment)][e.offset:e.offset + nbytes] = part
+        for r in self.runs():  # checked again: the processes had the network's time to shrink them
+            kernels.copy_runs(r.flat, r.at, raw, r.fused, r.sizes)
 
     def done(self, op: Op, out_segment: str, out_base: int) -> Done:
         raise AssertionError("a fused operation answers with DoneBatch (FusedOperation.reply_done)")

@@ -689,6 +689,8 @@ def _check_fused_names(tag: str, names: list[Any]) -> None:
     if not 1 <= len(names) <= MAX_FUSED_ENTRIES:
         raise LocalProtocolError(f"{tag} of {len(names)} tensors; 1 to {MAX_FUSED_ENTRIES} allowed", what=tag,
                                  size=len(names), limit=MAX_FUSED_ENTRIES, unit="tensors")
+    if set(map(type, names)) == {str} and 0 < min(map(len, names)) and max(map(len, names)) <= MAX_NAME_CHARS:
+        return  # the usual case, in C loops (thousands of names per message); else find the culprit:
     for name in names:
         if not isinstance(name, str):
             raise LocalProtocolError(f"{tag} names a {type(name).__name__}, not a tensor name")
@@ -700,6 +702,9 @@ def _check_indexes(tag: str, what: str, values: list[Any], count: int, bound: in
     """``values`` has ``count`` non-negative ints (each under ``bound`` if given)."""
     if len(values) != count:
         raise LocalProtocolError(f"{tag} has {count} tensors but {len(values)} {what}")
+    if not values or (set(map(type, values)) == {int} and min(values) >= 0
+                      and (bound is None or max(values) < bound)):
+        return  # the usual case, in C loops; else find the culprit:
     for v in values:
         if v.__class__ is not int or v < 0 or (bound is not None and v >= bound):
             limit = "a non-negative int" if bound is None else f"an int in 0..{bound - 1}"
@@ -730,7 +735,7 @@ class OpBatch(Message):
         _check_indexes("op batch", "spec indexes", self.spec, n, len(self.specs))
         _check_indexes("op batch", "segment indexes", self.seg, n, len(self.segments))
         _check_indexes("op batch", "offsets", self.offsets, n)
-        if len(self.priority) != n or not all(p.__class__ is int for p in self.priority):
+        if len(self.priority) != n or not set(map(type, self.priority)) <= {int}:
             raise LocalProtocolError(f"op batch has {n} tensors but priorities {self.priority!r:.80}")
         if len(self.specs) > n or len(self.segments) > n:
             raise LocalProtocolError("op batch has more specs or segments than tensors")

@@ -158,7 +158,9 @@ def synchronize(handle: Handle, timeout: float | None = None) -> np.ndarray:
 def push_pull(array: np.ndarray, name: str, *, average: bool = True, priority: int = 0,
               out: np.ndarray | None = None) -> np.ndarray:
     """Sum (or mean over ``size()``) of ``array`` across every process; identical bytes everywhere."""
-    return synchronize(push_pull_async(array, name, average=average, priority=priority, out=out))
+    ops = _operations()
+    return ops.finish(ops.start(array, name, KIND_SUM, average=average, priority=priority, root=-1, out=out,
+                                waited=True), None)
 
 
 def push_pull_group(arrays: Sequence[np.ndarray], names: Sequence[str], *, average: bool = True,

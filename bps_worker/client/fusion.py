@@ -46,12 +46,14 @@ class FusionBuffer:
         self._closed = False
         self._thread: threading.Thread | None = None
 
-    def add(self, handle: Handle, spec: Spec, segment: str, offset: int, priority: int, nbytes: int) -> None:
-        """Queue a started sum (its input is in its slot); sends now if the buffer is full."""
+    def add(self, handle: Handle, spec: Spec, segment: str, offset: int, priority: int, nbytes: int,
+            now: bool = False) -> None:
+        """Queue a started sum (its input is in its slot); sends now if the buffer is full, or with ``now``
+        (the caller waits for it at once: a synchronous push_pull, whose flush need not wake the flusher)."""
         with self._cond:
             self._append(handle, spec, segment, offset, priority)
             self._bytes += nbytes
-            if self._bytes >= self.limit_bytes:
+            if now or self._bytes >= self.limit_bytes:
                 self._flush_locked()
             elif len(self._handles) == 1:
                 self._first_at = time.monotonic()

@@ -128,11 +128,12 @@ class Operations:
                            f"synchronous or asynchronous for the life of a job")
 
     def start(self, array: np.ndarray, name: str, kind: str, *, average: bool, priority: int, root: int,
-              out: np.ndarray | None, staleness: int = -1, internal: bool = False) -> Handle:
-        """Copy ``array`` into its slot (unless it is the slot: a shared array) and start the operation."""
+              out: np.ndarray | None, staleness: int = -1, internal: bool = False, waited: bool = False) -> Handle:
+        """Copy ``array`` into its slot (unless it is the slot: a shared array) and start the operation;
+        ``waited``: the caller synchronizes it at once (a small sum is sent now, not left for the cycle)."""
         array = np.asarray(array)
         return self._start(name, kind, array.dtype, array.shape, array, average, priority, root, out, "", staleness,
-                           internal)
+                           internal, waited)
 
     def shared_array(self, name: str, shape: Iterable[SupportsIndex], dtype: npt.DTypeLike) -> np.ndarray:
         """The slot of ``name`` as an array of ``shape`` and ``dtype`` (see ``bps.shared_array``)."""
@@ -157,8 +158,8 @@ class Operations:
         return self._start(name, kind, dtype, shape, fill, average, priority, root, out, layout, staleness, internal)
 
     def _start(self, name: Any, kind: str, dtype: Any, shape: Any, source: np.ndarray | Fill, average: Any,
-               priority: Any, root: int, out: np.ndarray | None, layout: Any, staleness: int, internal: bool
-               ) -> Handle:
+               priority: Any, root: int, out: np.ndarray | None, layout: Any, staleness: int, internal: bool,
+               waited: bool = False) -> Handle:
         """:meth:`start` (``source`` an array, copied into the slot unless it is the slot) and
         :meth:`start_filled` (``source`` a :data:`Fill`)."""
         name, dtype, wire, shape, average, priority, layout, nbytes, spec = self._checked(
@@ -181,7 +182,7 @@ class Operations:
                 handle.times = [t_start, now_us(), 0]
             if self.fusion is not None and kind == KIND_SUM and nbytes <= self.fuse_max:
                 handle.queued = True
-                self.fusion.add(handle, spec, slot.segment_name, slot.offset, priority, nbytes)
+                self.fusion.add(handle, spec, slot.segment_name, slot.offset, priority, nbytes, now=waited)
                 return handle
             self.conn.submit(handle, Op(handle.req, name, kind, wire, list(shape), slot.segment_name,
                                         average=average, priority=priority, root=root, offset=slot.offset,

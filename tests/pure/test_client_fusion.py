@@ -89,3 +89,17 @@ def test_a_send_that_fails_fails_every_handle_it_carried():
     buf.flush()
     assert all(h.done() and isinstance(h.error, BPSConnectionError) for h in hs)
     buf.close()
+
+
+def test_an_entry_waited_for_at_once_goes_now_with_what_waits_and_wakes_no_flusher():
+    """A synchronous push_pull (``now``): its entry and those waiting before it go in one batch at once, in
+    the calling thread; the flusher thread is not started for it."""
+    rec = Recorder()
+    buf = FusionBuffer(rec, limit_bytes=1 << 20, cycle_s=60.0)
+    buf.add(handle(1), SPEC, "s", 0, 0, 16, now=True)
+    assert [b.reqs for _, b in rec.sent] == [[1]] and buf._thread is None
+    buf.add(handle(2), SPEC, "s", 16, 0, 16)  # waits for the cycle (the flusher starts)
+    assert len(rec.sent) == 1 and buf._thread is not None
+    buf.add(handle(3), SPEC, "s", 32, 0, 16, now=True)
+    assert [b.reqs for _, b in rec.sent] == [[1], [2, 3]]
+    buf.close()

@@ -558,6 +558,34 @@ def test_int_overflow_wraps_like_numpy(dtype):
     np.testing.assert_array_equal(out, want3)
 
 
+# -- copy_runs -------------------------------------------------------------------------------------
+
+def test_copy_runs_moves_each_run_and_nothing_else():
+    rng = np.random.default_rng(7)
+    src = rng.integers(0, 256, 4096, dtype=np.uint8)
+    dst = np.zeros(2048, np.uint8)
+    dst_starts = np.array([0, 100, 1000, 2040], np.int64)
+    src_starts = np.array([4000, 0, 17, 3000], np.int64)
+    lengths = np.array([96, 900, 3, 8], np.int64)
+    K.copy_runs(dst, dst_starts, src, src_starts, lengths)
+    want = np.zeros(2048, np.uint8)
+    for d, s_, n in zip(dst_starts, src_starts, lengths):
+        want[d:d + n] = src[s_:s_ + n]
+    np.testing.assert_array_equal(dst, want)
+    empty = np.zeros(0, np.int64)
+    K.copy_runs(dst, empty, src, empty, empty)  # no runs: nothing to do
+    np.testing.assert_array_equal(dst, want)
+
+
+@pytest.mark.parametrize("dst_start, src_start, length", [(2040, 0, 9), (0, 4090, 7), (-1, 0, 1), (0, 0, -1)])
+def test_copy_runs_refuses_a_run_outside_its_arrays(dst_start, src_start, length):
+    src, dst = np.arange(4096, dtype=np.uint32).view(np.uint8)[:4096].copy(), np.zeros(2048, np.uint8)
+    runs = [np.array([v], np.int64) for v in (dst_start, src_start, length)]
+    with pytest.raises(ValueError, match="outside"):
+        K.copy_runs(dst, runs[0], src, runs[1], runs[2])
+    assert not dst.any()
+
+
 # -- warm-up -------------------------------------------------------------------------------------
 
 def test_nothing_compiles_after_warm_up():
@@ -579,6 +607,9 @@ def test_nothing_compiles_after_warm_up():
                 K.finalize(np.empty(n, storage), acc, dtype, divisor)
             staging = np.empty(n * storage.itemsize + 64, np.uint8)[:n * storage.itemsize].view(storage)
             shm = [np.frombuffer(bytearray(n * storage.itemsize), dtype=storage, count=n) for _ in range(5)]
+            runs = np.array([0, 8], np.int64)
+            K.copy_runs(staging.view(np.uint8), runs, shm[0].view(np.uint8), runs, runs)  # a fused sum's gather
+            K.copy_runs(shm[1].view(np.uint8), runs, np.empty(n * storage.itemsize, np.uint8), runs, runs)
             for k in (1, 2, 3, 5):
                 K.sum_into(staging, shm[:k], dtype)
                 K.sum_into(staging, received[:k], dtype, divisors[-1])

@@ -497,6 +497,10 @@ def _op_batch(**changes) -> dict:
     (dict(specs=[["float32", [4]], ["float16", [2, 2], True, ""]]), "a fused spec is [dtype, shape, average, layout]"),
     (dict(priority=[0, 1]), "has 3 tensors but priorities"),
     (dict(segments=["", "x"]), "segment name of 0 characters"),
+    (dict(names=["a", "b" * (m.MAX_NAME_CHARS + 1), "c"]), "tensor name must have 1 to"),
+    (dict(priority=[0, False, 1]), "has 3 tensors but priorities"),
+    (dict(offsets=[0, 1.0, 0]), "offsets must each be a non-negative int"),
+    (dict(seg=[0, 0, 2]), "segment indexes must each be an int in 0..1"),
 ])
 def test_a_bad_op_batch_is_a_protocol_error_naming_the_column(changes, says):
     with pytest.raises(RemoteProtocolError, match=re.escape(says)):
