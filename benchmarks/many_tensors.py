@@ -30,7 +30,8 @@ microseconds per tensor (median / T), ``bps / gloo fused`` (the goal: <= 10) and
 
 Separately, the latency of one small sum issued alone: ``--single-reps`` synchronous ``bps.push_pull`` calls of
 ``--single-bytes`` on one name, one at a time (``barrier; bps; barrier; gloo all_reduce`` of the same size);
-p50 and p90 over calls of the maximum over ranks.
+p50 and p90 over calls of the maximum over ranks. Then as many calls of each back to back, without barriers (a
+barrier's exit wakes the ranks at different times, which the call between barriers pays for): p50 per call.
 
 ``--cpu-per-call`` also prints the client's CPU per tensor of the timed bps steps: ``time.thread_time`` of the
 calling thread around the T ``push_pull_async`` and around the T ``synchronize``, and ``time.process_time`` of
@@ -301,9 +302,20 @@ def rank_program(args: argparse.Namespace) -> int:
                 t0 = time.perf_counter()
                 dist.all_reduce(t)
                 gloo_l.append(time.perf_counter() - t0)
+            # Back to back: the same calls without barriers between them (each still waits for its sum), as a
+            # training loop issues them; the calls keep the ranks in step by themselves.
+            for label, call in (("bps", lambda: bps.push_pull(x, name, average=False)), ("gloo", lambda: dist.all_reduce(t))):
+                dist.barrier()
+                durations = (bps_l if label == "bps" else gloo_l)
+                for _ in range(args.single_reps):
+                    t0 = time.perf_counter()
+                    call()
+                    durations.append(time.perf_counter() - t0)
             times = torch.tensor([bps_l, gloo_l], dtype=torch.float64)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
-            single = {"bytes": n * 4, "bps_s": times[0].tolist(), "gloo_s": times[1].tolist(),
+            reps = args.single_reps
+            single = {"bytes": n * 4, "bps_s": times[0][:reps].tolist(), "gloo_s": times[1][:reps].tolist(),
+                      "bps_b2b_s": times[0][reps:].tolist(), "gloo_b2b_s": times[1][reps:].tolist(),
                       "bps_exact": bool(flags[0]), "gloo_exact": bool(flags[1])}
             if rank == 0:
                 print(f"[many_tensors] single {ppg.human(n * 4)}: bps p50 {percentile(single['bps_s'], 50) * 1e3:.3f}"
@@ -365,7 +377,8 @@ def cpu_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
 
 HEADER = ["tensors", "elements", "bps ms (min-max)", "bps us/tensor", "gloo fused ms (min-max)",
           "gloo per-tensor ms (min-max)", "bps/gloo fused", "gloo per-tensor/bps", "exact"]
-SINGLE_HEADER = ["bytes", "calls", "bps p50 ms", "bps p90 ms", "gloo p50 ms", "gloo p90 ms", "p50 bps/gloo", "exact"]
+SINGLE_HEADER = ["bytes", "calls", "bps p50 ms", "bps p90 ms", "gloo p50 ms", "gloo p90 ms", "p50 bps/gloo",
+                 "back to back: bps p50 ms", "gloo p50 ms", "exact"]
 
 
 def _us(v: float) -> str:
@@ -384,7 +397,8 @@ def single_row(single: dict[str, Any]) -> list[str]:
     b, g = single["bps_s"], single["gloo_s"]
     return [ppg.human(single["bytes"]), str(len(b)), f"{percentile(b, 50) * 1e3:.3f}", f"{percentile(b, 90) * 1e3:.3f}",
             f"{percentile(g, 50) * 1e3:.3f}", f"{percentile(g, 90) * 1e3:.3f}",
-            f"{percentile(b, 50) / percentile(g, 50):.2f}",
+            f"{percentile(b, 50) / percentile(g, 50):.2f}", f"{percentile(single['bps_b2b_s'], 50) * 1e3:.3f}",
+            f"{percentile(single['gloo_b2b_s'], 50) * 1e3:.3f}",
             "yes" if single["bps_exact"] and single["gloo_exact"] else "NO"]
 
 
@@ -481,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
                  f"{args.max_gloo_per_tensor} tensors; time of a step = max over ranks; wall time {elapsed:.0f} s; "
                  f"1-minute load average {load_before:.1f} before, {load_after:.1f} after")
     single_line = (f"one push_pull alone: {args.single_reps} synchronous calls of {ppg.human(args.single_bytes)} on one "
-                   f"name, each between barriers, against one gloo all_reduce of the same size")
+                   f"name, each between barriers, against one gloo all_reduce of the same size; then as many of each "
+                   f"back to back (no barriers)")
     goal = [s for s in summary if s["bps_over_fused"] > GOAL]
     goal_line = (f"goal bps / gloo fused <= {GOAL:g}: " + ("met in every configuration" if not goal else
                  "NOT met at " + ", ".join(f"T={s['tensors']} E={s['elements']} ({s['bps_over_fused']:.1f})"

@@ -545,9 +545,14 @@ def sum_into(out: np.ndarray, inputs: Sequence[np.ndarray], dtype: str, divisor:
 
 @_jit
 def _copy_runs(dst, dst_starts, src, src_starts, lengths):  # type: ignore[no-untyped-def]
+    for i in range(lengths.size):  # every run checked before any is copied
+        d, s, n = dst_starts[i], src_starts[i], lengths[i]
+        if d < 0 or s < 0 or n < 0 or d + n > dst.size or s + n > src.size:
+            return i
     for i in range(lengths.size):
         d, s, n = dst_starts[i], src_starts[i], lengths[i]
         dst[d:d + n] = src[s:s + n]
+    return -1
 
 
 def copy_runs(dst: np.ndarray, dst_starts: np.ndarray, src: np.ndarray, src_starts: np.ndarray,
@@ -555,11 +560,11 @@ def copy_runs(dst: np.ndarray, dst_starts: np.ndarray, src: np.ndarray, src_star
     """``dst[dst_starts[i]:+lengths[i]] = src[src_starts[i]:+lengths[i]]`` for every i, in one call (bytes:
     uint8 arrays, int64 run tables). A fused sum gathers and hands back thousands of small tensors this way:
     a numpy slice assignment per tensor cost a few microseconds of interpreter each. Every run is checked to
-    lie inside both arrays first (the tables come from the processes' requests)."""
-    if lengths.size and (min(dst_starts.min(), src_starts.min(), lengths.min()) < 0
-                         or (dst_starts + lengths).max() > dst.size or (src_starts + lengths).max() > src.size):
-        raise ValueError(f"copy_runs: a run lies outside its arrays ({dst.size} and {src.size} bytes)")
-    _copy_runs(dst, dst_starts, src, src_starts, lengths)
+    lie inside both arrays before any is copied (the tables come from the processes' requests)."""
+    bad = _copy_runs(dst, dst_starts, src, src_starts, lengths)
+    if bad >= 0:
+        raise ValueError(f"copy_runs: run {bad} ({lengths[bad]} bytes from {src_starts[bad]} to {dst_starts[bad]}) "
+                         f"lies outside its arrays ({src.size} and {dst.size} bytes)")
 
 
 def _dispatchers() -> dict[str, numba.core.registry.CPUDispatcher]:

@@ -51,10 +51,10 @@ class _Runs:
     __slots__ = ("member", "rank", "segment", "fused", "at", "sizes", "end", "flat")
 
     def __init__(self, member: ClientSession, rank: int, segment: str, fused: np.ndarray, at: np.ndarray,
-                 sizes: np.ndarray) -> None:
+                 sizes: np.ndarray, end: int) -> None:
         self.member, self.rank, self.segment = member, rank, segment
         self.fused, self.at, self.sizes = fused, at, sizes  # offsets in the fused tensor, in the segment; bytes
-        self.end = int((at + sizes).max())  # the segment must still hold this many bytes
+        self.end = end  # the segment must still hold this many bytes
         self.flat: np.ndarray = np.empty(0, np.uint8)  # the segment's bytes, mapped at the last check
 
 
@@ -119,13 +119,15 @@ class FusedPath:
                     key = (rank, e.segment)
                     t = tables.get(key)
                     if t is None:
-                        t = tables[key] = (e.member, rank, [], [], [])
+                        t = tables[key] = (e.member, rank, [], [], [], [0])
                     t[2].append(lo)
                     t[3].append(e.offset)
                     t[4].append(nbytes)
+                    if e.offset + nbytes > t[5][0]:
+                        t[5][0] = e.offset + nbytes
             self._runs = [_Runs(member, rank, segment, np.array(fused, np.int64), np.array(at, np.int64),
-                                np.array(sizes, np.int64))
-                          for (_, segment), (member, rank, fused, at, sizes) in tables.items()]
+                                np.array(sizes, np.int64), end[0])
+                          for (_, segment), (member, rank, fused, at, sizes, end) in tables.items()]
         for r in self._runs:
             seg = r.member.arena.segments.get(r.segment)
             if seg is None or seg.buf is None:

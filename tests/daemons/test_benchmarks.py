@@ -116,4 +116,4 @@ def test_many_tensors_quick_prints_its_tables_and_every_sum_is_exact():
     single = [line for line in lines if line.lstrip().startswith("bytes") and "p50 bps/gloo" in line]
     assert len(single) == 1, result.stdout
     row = lines[lines.index(single[0]) + 2].split()
-    assert row[:2] == ["4K", "5"] and row[-1] == "yes", result.stdout
+    assert row[:2] == ["4K", "5"] and row[-1] == "yes" and len(row) == 10, result.stdout  # 2 columns back to back
