@@ -109,7 +109,8 @@ class FusedPath:
         them (a process may shrink its segments: issue 14, item 3); checked again on every call."""
         o = self.operation
         if self._runs is None:
-            tables: dict[tuple[int, str], tuple[ClientSession, int, list[int], list[int], list[int]]] = {}
+            # (rank, segment) -> (its session, rank, offsets in the fused tensor, in the segment, sizes, [end])
+            tables: dict[tuple[int, str], tuple[ClientSession, int, list[int], list[int], list[int], list[int]]] = {}
             itemsize = self.itemsize
             for fr, start, count in zip(o.rounds, o.starts, o.counts):
                 lo, nbytes = start * itemsize, count * itemsize

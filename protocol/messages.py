@@ -138,11 +138,25 @@ def _check_text(tag: str, name: str, text: str, limit: int = MAX_MESSAGE_CHARS) 
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """Base of every message: built means checked (field types, then :meth:`validate`)."""
+    """Base of every message: built means checked (field types, then :meth:`validate`); parsed means checked.
+
+    The messages of the hot path (``CHECKED_WHEN_PARSED``: pieces, their answers, fused batches' answers and
+    plans) are checked only where they come in (:func:`parse`) and by :meth:`check`: the daemons build them
+    from state checked where it came in (a peer's frame, a process's request), a few per piece or tensor, and
+    building them checked cost about a sixth of a worker daemon's interpreter time per operation. A bug that
+    built a bad one still fails loudly, at the receiver (a protocol error). What a process builds from its
+    user's arguments (Op, OpBatch, Alloc) is checked when built, as are the rare messages with free text."""
 
     TYPE: ClassVar[str] = ""
+    CHECKED_WHEN_PARSED: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
+        if not self.CHECKED_WHEN_PARSED:
+            _check_types(self)
+            self.validate()
+
+    def check(self) -> None:
+        """Field types, then :meth:`validate`; LocalProtocolError names what is wrong."""
         _check_types(self)
         self.validate()
 
@@ -336,6 +350,7 @@ class Push(Message):
     """One partition of a worker's (locally summed) tensor; payload: ``count`` elements."""
 
     TYPE: ClassVar[str] = "push"
+    CHECKED_WHEN_PARSED: ClassVar[bool] = True
     req: int
     name: str
     part: int
@@ -415,6 +430,7 @@ class Result(Message):
     ``inplace``: the server wrote it into the shared memory the push named."""
 
     TYPE: ClassVar[str] = "result"
+    CHECKED_WHEN_PARSED: ClassVar[bool] = True
     req: int
     name: str
     part: int
@@ -622,6 +638,7 @@ class Done(Message):
     ``handback`` false), at ``offset`` in that segment of the worker, until the next round of the same name."""
 
     TYPE: ClassVar[str] = "done"
+    CHECKED_WHEN_PARSED: ClassVar[bool] = True
     req: int
     segment: str = ""
     offset: int = 0
@@ -750,6 +767,7 @@ class DoneBatch(Message):
     """The sums of requests ``reqs`` are in their slots (the answer to OpBatch entries)."""
 
     TYPE: ClassVar[str] = "done_batch"
+    CHECKED_WHEN_PARSED: ClassVar[bool] = True
     reqs: list[int]
 
     def validate(self) -> None:
@@ -764,6 +782,7 @@ class FuseReady(Message):
     ``names[i]`` of spec ``specs[spec[i]]``). The server plans them (FusePlan) once every worker did."""
 
     TYPE: ClassVar[str] = "fuse_ready"
+    CHECKED_WHEN_PARSED: ClassVar[bool] = True
     names: list[str]
     specs: list[Any]
     spec: list[int]
@@ -803,6 +822,7 @@ class FusePlan(Message):
     and average) as one fused tensor per group, pushed to this server (see bps_worker.fusion)."""
 
     TYPE: ClassVar[str] = "fuse_plan"
+    CHECKED_WHEN_PARSED: ClassVar[bool] = True
     seq: int
     names: list[str]
 
@@ -981,7 +1001,7 @@ def parse(header: dict[str, Any]) -> Message:
     del kwargs["t"]
     try:
         try:
-            return cls(**kwargs)  # a header of exactly the message's fields: every honest peer's
+            message = cls(**kwargs)  # a header of exactly the message's fields: every honest peer's
         except TypeError:  # a field missing, or one we do not know (a newer peer's): field by field
             kwargs = {}
             for f in _fields(cls):
@@ -989,7 +1009,10 @@ def parse(header: dict[str, Any]) -> Message:
                     kwargs[f.name] = header[f.name]
                 elif f.required:
                     raise RemoteProtocolError(f"{tag} message lacks field {f.name!r}") from None
-            return cls(**kwargs)
+            message = cls(**kwargs)
+        if cls.CHECKED_WHEN_PARSED:
+            message.check()
+        return message
     except ProtocolError as exc:
         raise RemoteProtocolError.from_error(exc) from None
 

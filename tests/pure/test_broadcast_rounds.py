@@ -87,15 +87,15 @@ def test_describe_names_the_root_and_the_layout():
 def test_a_push_names_a_root_for_a_broadcast_and_only_then():
     with pytest.raises(LocalProtocolError, match="broadcast push of 't' has no root"):
         Push(req=0, name="t", part=0, round=0, worker=0, dtype="float32", shape=[4], offset=0, count=4,
-             kind=KIND_BROADCAST)
+             kind=KIND_BROADCAST).check()  # a Push is checked by check() (and where it is parsed)
     with pytest.raises(LocalProtocolError, match="sum push of 't' names a broadcast root"):
-        Push(req=0, name="t", part=0, round=0, worker=0, dtype="float32", shape=[4], offset=0, count=4, root=1)
+        Push(req=0, name="t", part=0, round=0, worker=0, dtype="float32", shape=[4], offset=0, count=4, root=1).check()
     with pytest.raises(LocalProtocolError, match="sum push of 't' names a broadcast root"):
         Push(req=0, name="t", part=0, round=0, worker=0, dtype="float32", shape=[4], offset=0, count=4,
-             holds_root=True)
+             holds_root=True).check()
 
 
-@pytest.mark.parametrize("make", [lambda layout: _push(0, layout=layout),
+@pytest.mark.parametrize("make", [lambda layout: _push(0, layout=layout).check(),
                                   lambda layout: Op(1, "t", "sum", "float32", [4], "seg", layout=layout)],
                          ids=["push", "op"])
 def test_a_layout_is_at_most_64_characters(make: Any):

@@ -408,15 +408,48 @@ def _push(**changes) -> m.Push:
     (lambda: m.Failure(1, None), "failure message field 'message' must be str, got NoneType"),  # type: ignore
     (lambda: m.Stats(1, [1]), "stats message field 'stats' must be dict, got list"),  # type: ignore[arg-type]
 ])
-def test_a_bad_message_is_refused_where_it_is_built(build, match):
+def test_a_bad_message_is_refused_where_it_is_built_or_by_its_check(build, match):
+    """Built means checked, but for the hot path's messages (CHECKED_WHEN_PARSED): those are checked by
+    ``check()``, which parse runs (test_a_bad_hot_path_message_is_refused_where_it_is_parsed)."""
+    try:
+        message = build()
+    except LocalProtocolError as exc:
+        assert re.search(match, str(exc)), exc
+        return
+    assert type(message).CHECKED_WHEN_PARSED, f"{type(message).__name__} was built unchecked"
     with pytest.raises(LocalProtocolError, match=match):
-        build()
+        message.check()
+
+
+HOT_PATH = {"push", "result", "done", "done_batch", "fuse_ready", "fuse_plan"}
+
+
+def test_only_the_hot_paths_messages_are_checked_when_parsed():
+    assert {t for t, cls in m.MESSAGES.items() if cls.CHECKED_WHEN_PARSED} == HOT_PATH
+
+
+@pytest.mark.parametrize("t, changes, says", [
+    ("push", dict(part=-1), "push has a negative part: -1"),
+    ("push", dict(shape=[4, -1]), "invalid shape"),
+    ("push", dict(count=True), "push message field 'count' must be int, got bool"),
+    ("result", dict(applied=[0, -1]), "applied vector must hold non-negative integers"),
+    ("done", dict(offset=-4), "negative segment offset -4"),
+    ("done_batch", dict(reqs=[1, -2]), "requests must each be a non-negative int"),
+    ("fuse_ready", dict(spec=[0, 5]), "spec indexes must each be an int in 0..0"),
+    ("fuse_plan", dict(names=[]), "fuse plan of 0 tensors"),
+])
+def test_a_bad_hot_path_message_is_refused_where_it_is_parsed(t, changes, says):
+    with pytest.raises(RemoteProtocolError, match=re.escape(says)):
+        m.parse(header(t, **changes))
 
 
 def test_replace_checks_too():
+    op = m.Op(1, "w", "sum", "float32", [2], "seg")
+    with pytest.raises(LocalProtocolError, match="negative segment offset"):
+        dataclasses.replace(op, offset=-1)
     push = _push()
     with pytest.raises(LocalProtocolError, match="negative offset"):
-        dataclasses.replace(push, offset=-1)
+        dataclasses.replace(push, offset=-1).check()  # a hot path message: checked by check() (and parse)
     assert dataclasses.replace(push, replay=True).replay is True
 
 
@@ -510,9 +543,9 @@ def test_a_bad_op_batch_is_a_protocol_error_naming_the_column(changes, says):
 def test_fused_messages_are_bounded():
     names = [f"n{i}" for i in range(m.MAX_FUSED_ENTRIES + 1)]
     with pytest.raises(LocalProtocolError, match="1 to 4096 allowed"):
-        m.FusePlan(1, names)
+        m.FusePlan(1, names).check()
     with pytest.raises(LocalProtocolError, match="1 to 4096 allowed"):
-        m.FuseReady([], [], [])
+        m.FuseReady([], [], []).check()
     chunks = m.fused_chunks(["x" * 1000] * 60 + ["y"] * 5000)
     assert chunks[0][0] == 0 and chunks[-1][1] == 5060
     assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))  # contiguous, every name once
@@ -536,8 +569,8 @@ def test_async_fields_are_checked() -> None:
     for bad in (dict(kind="async_init"), dict(kind="sum", staleness=1), dict(kind="async", staleness=-2),
                 dict(kind="async", applied=[1, -1]), dict(kind="async", root=0)):
         with pytest.raises(LocalProtocolError):
-            m.Push(**base, **bad)  # type: ignore[arg-type]
+            m.Push(**base, **bad).check()  # type: ignore[arg-type]
     with pytest.raises(LocalProtocolError, match="only an async_init"):
         m.Op(req=1, name="w", kind="async", dtype="float32", shape=[4], segment="s", staleness=1)
     with pytest.raises(LocalProtocolError, match="applied vector"):
-        m.Result(req=1, name="w", part=0, round=1, applied=[0] * (m.MAX_WORKERS + 1))
+        m.Result(req=1, name="w", part=0, round=1, applied=[0] * (m.MAX_WORKERS + 1)).check()
