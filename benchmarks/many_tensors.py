@@ -304,18 +304,18 @@ def rank_program(args: argparse.Namespace) -> int:
                 gloo_l.append(time.perf_counter() - t0)
             # Back to back: the same calls without barriers between them (each still waits for its sum), as a
             # training loop issues them; the calls keep the ranks in step by themselves.
-            for label, call in (("bps", lambda: bps.push_pull(x, name, average=False)), ("gloo", lambda: dist.all_reduce(t))):
+            bps_b2b, gloo_b2b = [], []
+            for durations, call in ((bps_b2b, lambda: bps.push_pull(x, name, average=False)),
+                                    (gloo_b2b, lambda: dist.all_reduce(t))):
                 dist.barrier()
-                durations = (bps_l if label == "bps" else gloo_l)
                 for _ in range(args.single_reps):
                     t0 = time.perf_counter()
                     call()
                     durations.append(time.perf_counter() - t0)
-            times = torch.tensor([bps_l, gloo_l], dtype=torch.float64)
+            times = torch.tensor([bps_l, gloo_l, bps_b2b, gloo_b2b], dtype=torch.float64)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
-            reps = args.single_reps
-            single = {"bytes": n * 4, "bps_s": times[0][:reps].tolist(), "gloo_s": times[1][:reps].tolist(),
-                      "bps_b2b_s": times[0][reps:].tolist(), "gloo_b2b_s": times[1][reps:].tolist(),
+            single = {"bytes": n * 4, "bps_s": times[0].tolist(), "gloo_s": times[1].tolist(),
+                      "bps_b2b_s": times[2].tolist(), "gloo_b2b_s": times[3].tolist(),
                       "bps_exact": bool(flags[0]), "gloo_exact": bool(flags[1])}
             if rank == 0:
                 print(f"[many_tensors] single {ppg.human(n * 4)}: bps p50 {percentile(single['bps_s'], 50) * 1e3:.3f}"

@@ -46,16 +46,29 @@ def layout_digest(names: list[str]) -> str:
 
 
 class _Runs:
-    """One local rank's tensors in one of its segments (see ``FusedPath``)."""
+    """One local rank's tensors in one of its segments (see ``FusedPath``): filled by :meth:`add`, then
+    :meth:`freeze` makes the tables the kernel copies."""
 
-    __slots__ = ("member", "rank", "segment", "fused", "at", "sizes", "end", "flat")
+    __slots__ = ("member", "rank", "segment", "end", "flat", "fused", "at", "sizes", "_columns")
 
-    def __init__(self, member: ClientSession, rank: int, segment: str, fused: np.ndarray, at: np.ndarray,
-                 sizes: np.ndarray, end: int) -> None:
+    def __init__(self, member: ClientSession, rank: int, segment: str) -> None:
         self.member, self.rank, self.segment = member, rank, segment
-        self.fused, self.at, self.sizes = fused, at, sizes  # offsets in the fused tensor, in the segment; bytes
-        self.end = end  # the segment must still hold this many bytes
+        self.end = 0  # the segment must still hold this many bytes
         self.flat: np.ndarray = np.empty(0, np.uint8)  # the segment's bytes, mapped at the last check
+        # Per tensor, in bytes: its offset in the fused tensor, its offset in the segment, its size.
+        self._columns: tuple[list[int], list[int], list[int]] = ([], [], [])
+        self.fused = self.at = self.sizes = np.empty(0, np.int64)  # the same, as the kernel's tables (freeze)
+
+    def add(self, lo: int, offset: int, nbytes: int) -> None:
+        fused, at, sizes = self._columns
+        fused.append(lo)
+        at.append(offset)
+        sizes.append(nbytes)
+        self.end = max(self.end, offset + nbytes)
+
+    def freeze(self) -> _Runs:
+        self.fused, self.at, self.sizes = (np.array(c, np.int64) for c in self._columns)
+        return self
 
 
 class FusedOperation(Operation):
@@ -109,26 +122,17 @@ class FusedPath:
         them (a process may shrink its segments: issue 14, item 3); checked again on every call."""
         o = self.operation
         if self._runs is None:
-            # (rank, segment) -> (its session, rank, offsets in the fused tensor, in the segment, sizes, [end])
-            tables: dict[tuple[int, str], tuple[ClientSession, int, list[int], list[int], list[int], list[int]]] = {}
+            tables: dict[tuple[int, str], _Runs] = {}
             itemsize = self.itemsize
             for fr, start, count in zip(o.rounds, o.starts, o.counts):
                 lo, nbytes = start * itemsize, count * itemsize
                 for rank, e in enumerate(fr.entries):
-                    if e is None:
-                        continue
-                    key = (rank, e.segment)
-                    t = tables.get(key)
-                    if t is None:
-                        t = tables[key] = (e.member, rank, [], [], [], [0])
-                    t[2].append(lo)
-                    t[3].append(e.offset)
-                    t[4].append(nbytes)
-                    if e.offset + nbytes > t[5][0]:
-                        t[5][0] = e.offset + nbytes
-            self._runs = [_Runs(member, rank, segment, np.array(fused, np.int64), np.array(at, np.int64),
-                                np.array(sizes, np.int64), end[0])
-                          for (_, segment), (member, rank, fused, at, sizes, end) in tables.items()]
+                    if e is not None:
+                        runs = tables.get((rank, e.segment))
+                        if runs is None:
+                            runs = tables[(rank, e.segment)] = _Runs(e.member, rank, e.segment)
+                        runs.add(lo, e.offset, nbytes)
+            self._runs = [runs.freeze() for runs in tables.values()]
         for r in self._runs:
             seg = r.member.arena.segments.get(r.segment)
             if seg is None or seg.buf is None:

@@ -152,8 +152,7 @@ class Message:
 
     def __post_init__(self) -> None:
         if not self.CHECKED_WHEN_PARSED:
-            _check_types(self)
-            self.validate()
+            self.check()
 
     def check(self) -> None:
         """Field types, then :meth:`validate`; LocalProtocolError names what is wrong."""
