@@ -41,9 +41,11 @@ checks that nothing compiles after it).
 
 from __future__ import annotations
 
+import contextlib
 import platform
+import sys
 from functools import partial
-from typing import Any, Callable, Final, Sequence
+from typing import Any, Callable, Final, Iterator, Sequence
 
 import numba
 import numpy as np
@@ -572,13 +574,40 @@ def _dispatchers() -> dict[str, numba.core.registry.CPUDispatcher]:
     return {name: obj for name, obj in globals().items() if isinstance(obj, numba.core.registry.CPUDispatcher)}
 
 
-def warm_up() -> None:
+def warm_up(blas: bool = True) -> None:
     """Compile (or load from the on-disk cache) every kernel for every dtype.
 
     Covers what the daemons pass: contiguous writable arrays (received payloads, shared-memory
     views, staging buffers), every divisor path, any number of sum_into inputs. (A read-only
     input, which the daemons never pass, would compile its own specialization on first use.)
+
+    ``blas=False``, for a process that runs no other numba code (the daemons): numba's numpy
+    support, loaded with the first kernel, looks for BLAS by importing ``scipy.linalg`` where
+    scipy is installed, a third of a daemon's start (0.3 CPU-s). No kernel uses BLAS, so the
+    daemons skip that look; numba code calling ``np.dot`` in such a process would then be told
+    it needs scipy.
     """
+    with contextlib.nullcontext() if blas else _no_blas_probe():
+        _load_every_kernel()
+
+
+@contextlib.contextmanager
+def _no_blas_probe() -> Iterator[None]:
+    """While numba's numpy support first loads, its look for BLAS fails at once (an entry of None
+    in ``sys.modules`` makes an import raise ImportError, which numba takes for "no BLAS")."""
+    probe = "scipy.linalg.cython_blas"
+    if probe in sys.modules or "numba.np.arraymath" in sys.modules:
+        yield  # found already, or looked for already
+        return
+    sys.modules[probe] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if sys.modules.get(probe, 0) is None:
+            del sys.modules[probe]
+
+
+def _load_every_kernel() -> None:
     runs = np.zeros(1, np.int64)
     copy_runs(np.zeros(4, np.uint8), runs, np.zeros(4, np.uint8), runs, runs)
     for name in STORAGE:

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                           timeline=args.timeline, notify_socket=notify_socket, watchdog_s=watchdog_s,
                           stall_limit_s=args.stall_limit)
     keep_freed_memory()
-    kernels.warm_up()  # compile before reporting ready, never on a job's first tensor
+    kernels.warm_up(blas=False)  # compile before reporting ready, never on a job's first tensor
     settle_heap()
     loop = new_event_loop()
     try:

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                           segment_mode=shm_mode, threads=max(1, args.threads), token=token, timeline=args.timeline,
                           notify_socket=notify_socket, watchdog_s=watchdog_s, stall_limit_s=args.stall_limit)
     keep_freed_memory()
-    kernels.warm_up()
+    kernels.warm_up(blas=False)
     settle_heap()
     loop = new_event_loop()
     try:

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import async_programs as ap
-from harness import _rank_main, daemon_logs, reap, run_ranks, run_through_restart, server_stats, start_cluster, write_config
+from harness import (_rank_main, daemon_logs, rank_context, reap, run_ranks, run_through_restart, server_stats,
+                     start_cluster, write_config)
 
 
 @pytest.mark.timeout(120)
@@ -91,7 +92,7 @@ def test_a_machine_whose_processes_come_back_goes_on_from_its_step(tmp_path):
     init learns machine 1's step from the servers, so its deltas are not taken for replays of the old ones:
     machine 0 ends with every delta of both in the value, exactly once."""
     cluster = start_cluster(write_config(tmp_path, [1, 1], cluster={"timeout": 4.0}))
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     queue = ctx.Queue()
     sockets = [w.socket for w in cluster.config.worker_specs]
 

@@ -3,13 +3,12 @@ goes on from the next round, with the restarted machine's new processes, without
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import pytest
 
 import rank_programs as rp
-from harness import _rank_main, daemon_logs, server_stats, start_cluster, write_config
+from harness import _rank_main, daemon_logs, rank_context, server_stats, start_cluster, write_config
 
 STEPS = 12
 
@@ -31,7 +30,7 @@ def _collect(queue, want: set[int], timeout: float, cluster) -> dict[int, dict]:
 def test_a_killed_worker_machine_rejoins_the_running_job(tmp_path):
     path = write_config(tmp_path, [1, 1], cluster={"timeout": 4.0, "partition_bytes": 256 * 1024})
     cluster = start_cluster(path)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     queue = ctx.Queue()
     sockets = [w.socket for w in cluster.config.worker_specs]
     procs = []

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import ml_dtypes
 import numba
 import numpy as np
@@ -622,3 +626,31 @@ def test_warm_up_runs_and_kernels_still_correct():
     out = np.empty(2, np.uint16)
     K.sum_into(out, [to_storage(np.float64([1.5, -2.0]), "float16")] * 2, "float16", 2)
     np.testing.assert_array_equal(out.view(np.float16), np.float16([1.5, -2.0]))
+
+
+def test_a_daemons_warm_up_skips_numbas_look_for_blas_and_its_kernels_still_sum():
+    """warm_up(blas=False), as the daemons call it, in a fresh interpreter: numba's numpy support loads
+    without importing scipy.linalg's BLAS (a sixth of a daemon's start), every kernel is loaded as by a
+    plain warm_up, and they sum; the blocking entry is gone afterwards (a later import is a real one)."""
+    def run(blas: bool) -> dict:
+        done = subprocess.run([sys.executable, "-c", program.replace("BLAS", str(blas))], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    program = (
+        "import sys, json, numpy as np\n"
+        "from bps_runtime import kernels as K\n"
+        "K.warm_up(blas=BLAS)\n"
+        "blas = 'scipy.linalg.cython_blas' in sys.modules\n"
+        "loaded = {n: len(d.signatures) for n, d in K._dispatchers().items()}\n"
+        "out = np.empty(3, np.float32)\n"
+        "K.sum_into(out, [np.float32([1, 2, 3]), np.float32([0.5, 0.25, 4]), np.float32([1, 1, 1])], 'float32')\n"
+        "import scipy.linalg.cython_blas\n"
+        "print(json.dumps({'blas': blas, 'sum': out.tolist(), 'loaded': loaded}))\n"
+    )
+    report, plain = run(False), run(True)
+    assert report["blas"] is False and plain["blas"] is True
+    assert report["sum"] == plain["sum"] == [2.5, 3.25, 8.0]
+    assert report["loaded"] == plain["loaded"]
+    assert report["loaded"]["_copy_runs"] == 1 and report["loaded"]["_sum_blocks"] == 4
