@@ -142,6 +142,22 @@ class SummationServer:
                            ((label, float(len(self.links))),)),
             metrics.Family("bps_server_keys", "gauge", "Partition keys with state",
                            ((label, float(len(self.aggregator.keys))),)),
+            metrics.Family("bps_server_fused_plans_total", "counter",
+                           "Plans of fused small tensors sent to the workers (this server is those tensors' anchor)",
+                           ((label, float(self.fusion.plans)),)),
+            metrics.Family("bps_server_fused_tensors_total", "counter", "Small tensors planned, over all plans",
+                           ((label, float(self.fusion.planned)),)),
+            metrics.Family("bps_server_fused_waiting", "gauge",
+                           "Small tensors reported by some workers, waiting for the others' processes to issue them",
+                           ((label, float(len(self.fusion.waiting))),)),
+            metrics.Family("bps_server_async_keys", "gauge", "Keys of asynchronous names with a value here",
+                           ((label, float(len(self.values.store.keys))),)),
+            metrics.Family("bps_server_async_deltas_total", "counter",
+                           "Asynchronous pushes received (deltas and inits, those of the next metric included)",
+                           ((label, float(self.values.deltas)),)),
+            metrics.Family("bps_server_async_replays_total", "counter",
+                           "Asynchronous pushes whose step the value held already (sent again after a reconnect): not added",
+                           ((label, float(self.values.store.replays)),)),
             metrics.Family("bps_server_round_seconds", "histogram", "From a round's first push to its sum being sent",
                            ((label, c.round_seconds.copy()),)),
             metrics.Family("bps_server_push_lag_seconds", "histogram",
@@ -230,6 +246,8 @@ class SummationServer:
         data["async_keys"] = len(self.values.store.keys)
         data["async_deltas"] = self.values.deltas
         data["async_replays"] = self.values.store.replays
+        data["fused_plans"] = self.fusion.plans
+        data["fused_tensors"] = self.fusion.planned
         return data
 
     async def stop(self) -> None:

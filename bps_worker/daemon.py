@@ -59,6 +59,7 @@ class WorkerCounters:
 
     ops: int = 0  # local rounds completed
     ops_failed: int = 0
+    fused_tensors: int = 0  # small tensors summed in fused operations (each one op of ``ops`` per plan group)
     bytes_pushed: int = 0
     bytes_pulled: int = 0
     op_seconds: metrics.Histogram = field(default_factory=metrics.Histogram)  # all processes in -> all done
@@ -202,6 +203,9 @@ class WorkerDaemon:
                            ((label, float(c.ops)),)),
             metrics.Family("bps_worker_ops_failed_total", "counter", "Collective operations that failed",
                            ((label, float(c.ops_failed)),)),
+            metrics.Family("bps_worker_fused_tensors_total", "counter",
+                           "Small tensors summed fused, many per operation (each tensor's round on this machine)",
+                           ((label, float(c.fused_tensors)),)),
             metrics.Family("bps_worker_bytes_pushed_total", "counter", "Tensor bytes pushed to servers",
                            ((label, float(c.bytes_pushed)),)),
             metrics.Family("bps_worker_bytes_pulled_total", "counter", "Tensor bytes of sums pulled from servers",

@@ -90,6 +90,7 @@ class FusedOperation(Operation):
         self.path = FusedPath(self)
 
     def reply_done(self, scattered: Scattered) -> None:
+        self.host.counters.fused_tensors += len(self.rounds)
         by_session: dict[ClientSession, list[int]] = {}
         for fr in self.rounds:
             for e in fr.entries:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+import urllib.request
 from typing import Any
 
 import numpy as np
@@ -228,3 +229,16 @@ def rejoin(role: str) -> list[float]:
         time.sleep(0.05)
         value = bps.async_push_pull(np.zeros(4, np.float32), "rejoin")
     return value.tolist()
+
+
+def scraped_while_live(name: str, steps: int, urls: list[str]) -> dict[str, Any]:
+    """async_init and ``steps`` deltas of ``name``; then, while every process is still in the job (between two
+    barriers), rank 0 reads every URL (the servers' metrics): what they say of a live asynchronous name."""
+    first = bps.async_init(np.ones(SHAPE, np.float32) if bps.rank() == 0 else np.zeros(SHAPE, np.float32), name)
+    barrier(f"{name}/init")
+    for step in range(steps):
+        bps.async_push_pull(np.full(SHAPE, step + 1, np.float32), name)
+    barrier(f"{name}/pushed")
+    texts = [urllib.request.urlopen(url, timeout=10).read().decode() for url in urls] if bps.rank() == 0 else []
+    barrier(f"{name}/scraped")
+    return {"first": float(first[0, 0]), "texts": texts}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.error
 import urllib.request
 
@@ -10,6 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+import async_programs as ap
 import rank_programs as rp
 from bps_runtime.metrics import Family, Histogram, to_prometheus
 from harness import run_ranks, start_cluster, write_config
@@ -19,10 +21,14 @@ SERVER_METRICS = {"bps_server_bytes_received": "counter", "bps_server_bytes_shar
                   "bps_server_bytes_sent": "counter", "bps_server_pushes": "counter",
                   "bps_server_rounds_completed": "counter", "bps_server_rounds_failed": "counter",
                   "bps_server_workers_connected": "gauge", "bps_server_keys": "gauge",
-                  "bps_server_round_seconds": "histogram", "bps_server_push_lag_seconds": "histogram"}
+                  "bps_server_round_seconds": "histogram", "bps_server_push_lag_seconds": "histogram",
+                  "bps_server_fused_plans": "counter", "bps_server_fused_tensors": "counter",
+                  "bps_server_fused_waiting": "gauge", "bps_server_async_keys": "gauge",
+                  "bps_server_async_deltas": "counter", "bps_server_async_replays": "counter"}
 WORKER_METRICS = {"bps_worker_ops": "counter", "bps_worker_ops_failed": "counter", "bps_worker_bytes_pushed": "counter",
                   "bps_worker_bytes_pulled": "counter", "bps_worker_processes_connected": "gauge",
-                  "bps_worker_send_backlog_bytes": "gauge", "bps_worker_op_seconds": "histogram"}
+                  "bps_worker_send_backlog_bytes": "gauge", "bps_worker_op_seconds": "histogram",
+                  "bps_worker_fused_tensors": "counter"}
 PROCESS_METRICS = ("process_resident_memory_bytes", "process_cpu_seconds", "process_open_fds", "process_max_fds")
 
 
@@ -86,7 +92,8 @@ def test_daemons_serve_live_metrics(tmp_path):
         run_ranks(cluster, rp.sum_cases, cases)
         worker = _scrape(cluster.config.worker_specs[0].metrics)
         assert {k: v for k, v in _types(worker).items() if k.startswith("bps_")} == WORKER_METRICS
-        assert _sample(worker, "bps_worker_ops_total", worker="0") == 2
+        assert _sample(worker, "bps_worker_ops_total", worker="0") == 2  # m.i64 in a fused operation of its own
+        assert _sample(worker, "bps_worker_fused_tensors_total", worker="0") == 1
         assert _sample(worker, "bps_worker_bytes_pushed_total", worker="0") == 400_000 + 56
         assert _sample(worker, "bps_worker_bytes_pulled_total", worker="0") == 400_000 + 56
         assert _sample(worker, "bps_worker_op_seconds_count", worker="0") == 2
@@ -98,6 +105,14 @@ def test_daemons_serve_live_metrics(tmp_path):
         # Worker 1 pushes "lag" half a second after worker 0, three rounds running (after one round of "sync",
         # the same size, where the ranks line up). Compared with the lags of the first job, per server.
         before = {spec.id: _scrape(spec.metrics) for spec in cluster.config.servers}
+        # m.i64 (56 bytes) was fused: planned once, by its anchor; nothing waits, nothing is asynchronous yet
+        fused = {name: [_sample(before[spec.id], name, server=str(spec.id)) for spec in cluster.config.servers]
+                 for name in ("bps_server_fused_plans_total", "bps_server_fused_tensors_total",
+                              "bps_server_fused_waiting", "bps_server_async_keys", "bps_server_async_deltas_total")}
+        assert sorted(fused["bps_server_fused_plans_total"]) == [0, 0, 1], fused
+        assert fused["bps_server_fused_tensors_total"] == fused["bps_server_fused_plans_total"], fused
+        assert fused["bps_server_fused_waiting"] == fused["bps_server_async_keys"] == [0, 0, 0], fused
+        assert fused["bps_server_async_deltas_total"] == [0, 0, 0], fused
         rounds, delay = 3, 0.5
         assert all(r["ok"] for r in run_ranks(cluster, rp.late_rounds, 100_000, rounds, 1, delay))
         total = 0.0
@@ -127,7 +142,27 @@ def test_daemons_serve_live_metrics(tmp_path):
             assert late0 - early_late0 <= parts, text
             late_servers += lag_rounds > 0
         assert late_servers >= 2  # "lag" has partitions on several servers
-        assert total == 2 * (400_000 + 56) + 2 * (1 + rounds) * 400_000  # both workers' pushes, all servers
+
+        # An asynchronous name of several partitions (a key each, on several servers), read while its job runs:
+        # each worker pushed its init and 4 deltas into every key, none of them again. The keys outlive nothing:
+        # the job's end (every worker reset) drops them, the counts stay.
+        steps = 4
+        urls = [f"http://{spec.metrics[0]}:{spec.metrics[1]}/metrics" for spec in cluster.config.servers]
+        live = run_ranks(cluster, ap.scraped_while_live, "m.async", steps, urls)[0]
+        assert live["first"] == 1.0
+        keys, deltas = {}, {}
+        for spec, text in zip(cluster.config.servers, live["texts"]):
+            sid = str(spec.id)
+            keys[sid] = _sample(text, "bps_server_async_keys", server=sid)
+            deltas[sid] = _sample(text, "bps_server_async_deltas_total", server=sid)
+            assert _sample(text, "bps_server_async_replays_total", server=sid) == 0
+        assert sum(1 for k in keys.values() if k) >= 2, keys
+        assert deltas == {sid: 2 * (1 + steps) * k for sid, k in keys.items()}, (deltas, keys)
+        deadline = time.monotonic() + 15  # the ranks' exit reaches the servers through the worker daemons
+        while any(_sample(_scrape(spec.metrics), "bps_server_async_keys", server=str(spec.id))
+                  for spec in cluster.config.servers):
+            assert time.monotonic() < deadline, "the job ended, but its asynchronous keys stayed"
+            time.sleep(0.1)
         with pytest.raises(urllib.error.HTTPError) as info:
             _scrape(cluster.config.worker_specs[0].metrics, "/other")
         assert info.value.code == 404
