@@ -583,7 +583,7 @@ def warm_up(blas: bool = True) -> None:
 
     ``blas=False``, for a process that runs no other numba code (the daemons): numba's numpy
     support, loaded with the first kernel, looks for BLAS by importing ``scipy.linalg`` where
-    scipy is installed, a third of a daemon's start (0.3 CPU-s). No kernel uses BLAS, so the
+    scipy is installed: about 0.2 of a daemon's 1.6 CPU-s start. No kernel uses BLAS, so the
     daemons skip that look; numba code calling ``np.dot`` in such a process would then be told
     it needs scipy.
     """
