@@ -43,6 +43,7 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
+from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 from types import ModuleType  # noqa: E402
 from typing import Callable  # noqa: E402
@@ -165,7 +166,7 @@ def cases(K: ModuleType, dtype: str, nbytes: int, rng: np.random.Generator) -> l
             K.finalize(res_ours, acc, dtype, d)
             np_average()
             out.append(Case(dtype, f"finalize /{d}", payload, payload + acc_bytes,
-                            lambda d=d: K.finalize(res_ours, acc, dtype, d), np_average,
+                            partial(K.finalize, res_ours, acc, dtype, d), np_average,
                             bits_equal(res_ours, res_np)))
 
     for k in (2, 4):
@@ -184,7 +185,7 @@ def cases(K: ModuleType, dtype: str, nbytes: int, rng: np.random.Generator) -> l
         K.sum_into(res_ours, inputs, dtype)
         np_sum()
         out.append(Case(dtype, f"sum_into {k}", k * payload, (k + 1) * payload,
-                        lambda inputs=inputs: K.sum_into(res_ours, inputs, dtype), np_sum,
+                        partial(K.sum_into, res_ours, inputs, dtype), np_sum,
                         bits_equal(res_ours, res_np)))
     return out
 

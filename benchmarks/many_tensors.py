@@ -304,7 +304,8 @@ def rank_program(args: argparse.Namespace) -> int:
                 gloo_l.append(time.perf_counter() - t0)
             # Back to back: the same calls without barriers between them (each still waits for its sum), as a
             # training loop issues them; the calls keep the ranks in step by themselves.
-            bps_b2b, gloo_b2b = [], []
+            bps_b2b: list[float] = []
+            gloo_b2b: list[float] = []
             for durations, call in ((bps_b2b, lambda: bps.push_pull(x, name, average=False)),
                                     (gloo_b2b, lambda: dist.all_reduce(t))):
                 dist.barrier()

@@ -96,12 +96,12 @@ of its theory, else `B` is too high for the cores.
 # --------------------------------------------------------------------------------------------------------------
 # theory
 # --------------------------------------------------------------------------------------------------------------
-def t_opt(n: int, k: int, m: float, b: float) -> float:
+def t_opt(n: int, k: float, m: float, b: float) -> float:
     """Theorem 1's communication time (seconds) for M bytes at B bytes/s."""
     return 2 * n * (n - 1) * m / ((n * n + k * n - 2 * k) * b)
 
 
-def t_ps(n: int, k: int, m: float, b: float) -> float:
+def t_ps(n: int, k: float, m: float, b: float) -> float:
     return max(m / b, n * m / (k * b))
 
 
@@ -242,7 +242,7 @@ def rank_program(args: argparse.Namespace) -> int:
         dist.all_reduce(t)
         step = max(1, n // 4099)
         idx = np.arange(0, n, step)
-        expect = sum(((idx + 7 * r) % 13 - 6) for r in range(size)).astype(np.float32)
+        expect = np.asarray(sum(((idx + 7 * r) % 13 - 6) for r in range(size))).astype(np.float32)
         ok = torch.tensor([int(np.array_equal(out, t.numpy())), int(np.array_equal(out[idx], expect))],
                           dtype=torch.int32)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
@@ -270,6 +270,7 @@ def rank_program(args: argparse.Namespace) -> int:
             windows.append(("gloo", w0, time.time()))
             gloo_late.append(late)
             if observer:
+                assert s0 is not None and s1 is not None
                 s2 = observer.snapshot()
                 obs_bps.append(Observer.delta(s0, s1))
                 obs_gloo.append(Observer.delta(s1, s2))

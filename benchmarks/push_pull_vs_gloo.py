@@ -107,7 +107,7 @@ def pattern(n: int, rank: int, salt: int):  # -> np.ndarray
     """Integer-valued float32 in [-6, 6]: every partial sum is exact, so any summation order gives the same bytes."""
     import numpy as np
 
-    base = np.arange(n, dtype=np.int32 if n < 1 << 30 else np.int64)
+    base: np.ndarray = np.arange(n, dtype=np.int32 if n < 1 << 30 else np.int64)
     base += 7 * rank + 3 * salt
     base %= 13
     x = base.astype(np.float32)
@@ -156,7 +156,7 @@ def rank_program(args: argparse.Namespace) -> int:
             same = bool(np.array_equal(out, t.numpy()))
             step = max(1, n // 4099)
             idx = np.arange(0, n, step)
-            expect = sum(((idx + 7 * r + 3 * index) % 13 - 6) for r in range(size)).astype(np.float32)
+            expect = np.asarray(sum(((idx + 7 * r + 3 * index) % 13 - 6) for r in range(size))).astype(np.float32)
             exact = bool(np.array_equal(out[idx], expect))
             flags = torch.tensor([int(same), int(exact)], dtype=torch.int32)
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
@@ -179,7 +179,7 @@ def rank_program(args: argparse.Namespace) -> int:
                 gloo_s.append(time.perf_counter() - t0)
             times = torch.tensor([bps_s, gloo_s], dtype=torch.float64)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
-            row = {"bytes": nbytes, "bps_s": times[0].tolist(), "gloo_s": times[1].tolist(),
+            row: dict[str, Any] = {"bytes": nbytes, "bps_s": times[0].tolist(), "gloo_s": times[1].tolist(),
                    "bps_equals_gloo": bool(flags[0]), "exact": bool(flags[1])}
             results.append(row)
             if rank == 0:

@@ -407,8 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     def pct(text: str) -> float | None:
         return float(text.rstrip("%")) if text.endswith("%") else None
 
-    worst = max((pct(r[4]) for r in survivors if pct(r[4]) is not None), default=None)
-    worst2 = max((pct(r[4]) for r in second if pct(r[4]) is not None), default=None)
+    worst = max([p for p in map(pct, (r[4] for r in survivors)) if p is not None], default=None)
+    worst2 = max([p for p in map(pct, (r[4] for r in second)) if p is not None], default=None)
     reports = outcome["reports"]
     ops = sum(r["ops"] for r in reports.values())
     gbytes = sum(r["bytes"] for r in reports.values()) / 1e9

@@ -148,8 +148,8 @@ class Probe:
             if original is not None:
                 setattr(Operations, method, self._timed(original))
 
-    def _timed(self, original):  # type: ignore[no-untyped-def]
-        def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def _timed(self, original):
+        def timed(*args, **kwargs):
             t0 = time.perf_counter()
             self._depth += 1
             try:
@@ -178,7 +178,7 @@ def run_model(name: str, args: argparse.Namespace, probe: Probe, rank: int, size
     for s in SYSTEMS[1:]:
         models[s].load_state_dict(models["bps"].state_dict())
     ddp = DDP(models["ddp"])
-    opts = {s: torch.optim.SGD(models[s].parameters(), lr=LR, momentum=MOMENTUM) for s in SYSTEMS}
+    opts: dict[str, Any] = {s: torch.optim.SGD(models[s].parameters(), lr=LR, momentum=MOMENTUM) for s in SYSTEMS}
     opts["bps"] = bps.DistributedOptimizer(opts["bps"], named_parameters=models["bps"].named_parameters())
     bps.broadcast_optimizer_state(opts["bps"], 0)
     n_params = sum(p.numel() for p in models["bps"].parameters())
