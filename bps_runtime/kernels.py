@@ -584,8 +584,9 @@ def warm_up(blas: bool = True) -> None:
     ``blas=False``, for a process that runs no other numba code (the daemons): numba's numpy
     support, loaded with the first kernel, looks for BLAS by importing ``scipy.linalg`` where
     scipy is installed: about 0.2 of a daemon's 1.6 CPU-s start. No kernel uses BLAS, so the
-    daemons skip that look; numba code calling ``np.dot`` in such a process would then be told
-    it needs scipy.
+    daemons skip that look. In such a process numba's ``np.dot`` still finds BLAS (it looks
+    again when it compiles), but its ``np.correlate`` and ``np.convolve`` keep their loops
+    without BLAS.
     """
     with contextlib.nullcontext() if blas else _no_blas_probe():
         _load_every_kernel()

@@ -25,9 +25,10 @@ __all__ = ["SHM_DIR", "daemon_logs", "free_ports", "rank_context", "restart_mid_
            "run_through_restart", "server_stats", "shm_segments", "start_cluster", "write_config"]
 
 SHM_DIR = Path("/dev/shm")
-# What every rank process imports, loaded once into the forkserver (see rank_context).
-RANK_PRELOAD = ["numpy", "bps_worker.client", "harness", "rank_programs", "torch", "torch.distributed", "torch.optim",
-                "bps_worker.torch", "torch_programs"]
+# What every rank process imports, loaded once into the forkserver (see rank_context). Not the rank programs
+# of tests/: pytest puts that directory on its own sys.path only, and a forkserver of Python 3.11 does not take
+# its parent's path (each child does, and imports them itself: cheap once these are loaded).
+RANK_PRELOAD = ["numpy", "bps_worker.client", "torch", "torch.distributed", "torch.optim", "bps_worker.torch"]
 
 
 def rank_context() -> Any:
@@ -35,7 +36,8 @@ def rank_context() -> Any:
     process that imported the client library and torch once per test session (``RANK_PRELOAD``; nothing
     of them is initialised there). A spawned rank spent 0.4 CPU-s importing numpy and the client, 2.5 with
     torch, in every process of every test. The server is a clean single-threaded process, not pytest's
-    (which runs the daemons' supervision threads); its environment is pytest's at its start."""
+    (which runs the daemons' supervision threads). Its environment, and so every rank's, is pytest's when the
+    session's first rank started: a variable set later does not reach the ranks."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(RANK_PRELOAD)
     return ctx

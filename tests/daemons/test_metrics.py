@@ -24,7 +24,7 @@ SERVER_METRICS = {"bps_server_bytes_received": "counter", "bps_server_bytes_shar
                   "bps_server_round_seconds": "histogram", "bps_server_push_lag_seconds": "histogram",
                   "bps_server_fused_plans": "counter", "bps_server_fused_tensors": "counter",
                   "bps_server_fused_waiting": "gauge", "bps_server_async_keys": "gauge",
-                  "bps_server_async_deltas": "counter", "bps_server_async_replays": "counter"}
+                  "bps_server_async_pushes": "counter", "bps_server_async_replays": "counter"}
 WORKER_METRICS = {"bps_worker_ops": "counter", "bps_worker_ops_failed": "counter", "bps_worker_bytes_pushed": "counter",
                   "bps_worker_bytes_pulled": "counter", "bps_worker_processes_connected": "gauge",
                   "bps_worker_send_backlog_bytes": "gauge", "bps_worker_op_seconds": "histogram",
@@ -108,11 +108,11 @@ def test_daemons_serve_live_metrics(tmp_path):
         # m.i64 (56 bytes) was fused: planned once, by its anchor; nothing waits, nothing is asynchronous yet
         fused = {name: [_sample(before[spec.id], name, server=str(spec.id)) for spec in cluster.config.servers]
                  for name in ("bps_server_fused_plans_total", "bps_server_fused_tensors_total",
-                              "bps_server_fused_waiting", "bps_server_async_keys", "bps_server_async_deltas_total")}
+                              "bps_server_fused_waiting", "bps_server_async_keys", "bps_server_async_pushes_total")}
         assert sorted(fused["bps_server_fused_plans_total"]) == [0, 0, 1], fused
         assert fused["bps_server_fused_tensors_total"] == fused["bps_server_fused_plans_total"], fused
         assert fused["bps_server_fused_waiting"] == fused["bps_server_async_keys"] == [0, 0, 0], fused
-        assert fused["bps_server_async_deltas_total"] == [0, 0, 0], fused
+        assert fused["bps_server_async_pushes_total"] == [0, 0, 0], fused
         rounds, delay = 3, 0.5
         assert all(r["ok"] for r in run_ranks(cluster, rp.late_rounds, 100_000, rounds, 1, delay))
         total = 0.0
@@ -142,6 +142,7 @@ def test_daemons_serve_live_metrics(tmp_path):
             assert late0 - early_late0 <= parts, text
             late_servers += lag_rounds > 0
         assert late_servers >= 2  # "lag" has partitions on several servers
+        assert total == 2 * (400_000 + 56) + 2 * (1 + rounds) * 400_000  # both workers' pushes, all servers
 
         # An asynchronous name of several partitions (a key each, on several servers), read while its job runs:
         # each worker pushed its init and 4 deltas into every key, none of them again. The keys outlive nothing:
@@ -154,7 +155,7 @@ def test_daemons_serve_live_metrics(tmp_path):
         for spec, text in zip(cluster.config.servers, live["texts"]):
             sid = str(spec.id)
             keys[sid] = _sample(text, "bps_server_async_keys", server=sid)
-            deltas[sid] = _sample(text, "bps_server_async_deltas_total", server=sid)
+            deltas[sid] = _sample(text, "bps_server_async_pushes_total", server=sid)
             assert _sample(text, "bps_server_async_replays_total", server=sid) == 0
         assert sum(1 for k in keys.values() if k) >= 2, keys
         assert deltas == {sid: 2 * (1 + steps) * k for sid, k in keys.items()}, (deltas, keys)

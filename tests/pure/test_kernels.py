@@ -632,6 +632,7 @@ def test_a_daemons_warm_up_skips_numbas_look_for_blas_and_its_kernels_still_sum(
     """warm_up(blas=False), as the daemons call it, in a fresh interpreter: numba's numpy support loads
     without importing scipy.linalg's BLAS (an eighth of a daemon's start), every kernel is loaded as by a
     plain warm_up, and they sum; the blocking entry is gone afterwards (a later import is a real one)."""
+    pytest.importorskip("scipy.linalg.cython_blas")  # scipy comes with the examples' scikit-learn
     def run(blas: bool) -> dict:
         done = subprocess.run([sys.executable, "-c", program.replace("BLAS", str(blas))], capture_output=True,
                               text=True, timeout=120)
