@@ -156,7 +156,8 @@ class SummationServer:
                            "Asynchronous pushes received (deltas and inits, those of the next metric included)",
                            ((label, float(self.values.deltas)),)),
             metrics.Family("bps_server_async_replays_total", "counter",
-                           "Asynchronous pushes whose step the value held already (sent again after a reconnect): not added",
+                           "Asynchronous pushes whose step the value held already (sent again after a reconnect): "
+                           "not added",
                            ((label, float(self.values.store.replays)),)),
             metrics.Family("bps_server_round_seconds", "histogram", "From a round's first push to its sum being sent",
                            ((label, c.round_seconds.copy()),)),

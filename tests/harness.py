@@ -9,6 +9,7 @@ and every rank is a separate process using the real client library.
 from __future__ import annotations
 
 import multiprocessing as mp
+from multiprocessing.context import BaseContext
 import os
 import signal
 import threading
@@ -31,7 +32,7 @@ SHM_DIR = Path("/dev/shm")
 RANK_PRELOAD = ["numpy", "bps_worker.client", "torch", "torch.distributed", "torch.optim", "bps_worker.torch"]
 
 
-def rank_context() -> Any:
+def rank_context() -> BaseContext:
     """The multiprocessing context of rank processes: ``forkserver``. Each rank is forked from one server
     process that imported the client library and torch once per test session (``RANK_PRELOAD``; nothing
     of them is initialised there). A spawned rank spent 0.4 CPU-s importing numpy and the client, 2.5 with
