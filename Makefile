@@ -15,6 +15,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[torch,examples,test,jax]"
+	# Compile the summation kernels into numba's cache now (18 CPU-s), not in every daemon's first start.
+	$(PY) -c "from bps_runtime import kernels; kernels.warm_up()"
 	touch $@
 
 # Authenticated: bps-launch makes configs/local.toml's token (~/.config/bps/token, mode 600) on the first run.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -9,6 +11,17 @@ import pytest
 
 from bps_worker.supervise import Cluster
 from harness import start_cluster, write_config
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Fill numba's on-disk cache of the summation kernels once, before any test starts daemons.
+
+    Every daemon loads the kernels before it reports ready (``kernels.warm_up``): about 1 CPU-s from the cache,
+    but 18 CPU-s to compile them where the cache is empty (a fresh clone). Five daemons compiling at once on a
+    busy 2-core machine missed the cluster's 60 s start (a first test that failed only in a fresh checkout). In a
+    process of its own, so that this one does not import numba."""
+    subprocess.run([sys.executable, "-c", "from bps_runtime import kernels; kernels.warm_up()"], check=True,
+                   timeout=600)
 
 
 @pytest.fixture(scope="module")
