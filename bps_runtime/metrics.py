@@ -6,8 +6,8 @@ that only its event loop touches: the hot path stays an increment and a bisect, 
 scrape a :class:`LoopCollector` asks the loop for a snapshot (``call_soon_threadsafe``; the daemon's
 ``metric_families()`` runs there and copies what it reports as :class:`Family` objects) and turns it into
 prometheus_client's metric families. Each :class:`Endpoint` has its own ``CollectorRegistry`` with that
-collector and a ``ProcessCollector`` (RSS, CPU seconds, open fds): nothing is registered in
-prometheus_client's global registry.
+collector, a ``ProcessCollector`` (RSS, CPU seconds, open fds) and a ``GCCollector`` (the cyclic garbage
+collector's runs and what they found): nothing is registered in prometheus_client's global registry.
 
 Why a thread (prometheus_client's WSGI server, a thread per request) rather than a server on the loop:
 ``/livez`` must answer 503 when the loop stalls, and a server on the loop would then answer nothing
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Final, Iterable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector, make_wsgi_app
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
@@ -178,6 +178,7 @@ class Endpoint:
         self.registry.register(LoopCollector(loop, families, collect_timeout_s))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)  # python_gc_*: what the cyclic collector found (lifecycle's clock)
         self.health = health
         self.stall_limit_s = stall_limit_s
         self._metrics_app = make_wsgi_app(self.registry)

@@ -87,7 +87,7 @@ class FusedOperation(Operation):
         self.starts = starts
         self.counts = counts
         self.priority = max(e.priority for fr in rounds for e in fr.entries if e is not None)
-        self.path = FusedPath(self)
+        self.path = FusedPath(dtypes.ITEMSIZE[dtype])
 
     def reply_done(self, scattered: Scattered) -> None:
         self.host.counters.fused_tensors += len(self.rounds)
@@ -113,15 +113,13 @@ class FusedPath:
     Its tensors are moved as *runs*: per local rank and segment, a table of (where in the fused tensor, where
     in the segment, how many bytes), made once per operation and copied by one kernel call each way."""
 
-    def __init__(self, operation: FusedOperation) -> None:
-        self.operation = operation
-        self.itemsize = dtypes.ITEMSIZE[operation.op.dtype]
+    def __init__(self, itemsize: int) -> None:
+        self.itemsize = itemsize
         self._runs: list[_Runs] | None = None
 
-    def runs(self) -> list[_Runs]:
+    def runs(self, o: FusedOperation) -> list[_Runs]:
         """The runs of every (local rank, segment) the tensors live in, each segment checked to still hold
         them (a process may shrink its segments: issue 14, item 3); checked again on every call."""
-        o = self.operation
         if self._runs is None:
             tables: dict[tuple[int, str], _Runs] = {}
             itemsize = self.itemsize
@@ -142,9 +140,9 @@ class FusedPath:
             r.flat = np.frombuffer(seg.buf, np.uint8)
         return self._runs
 
-    async def gather(self) -> Contribution:
-        o = self.operation
-        runs = self.runs()
+    async def gather(self, o: Operation) -> Contribution:
+        assert isinstance(o, FusedOperation)
+        runs = self.runs(o)
         buf, segment, base = o.staging()
         raw = buf.view(np.uint8)
         size = o.host.config.local_size
@@ -159,15 +157,16 @@ class FusedPath:
         await o.off_loop(kernels.sum_into, buf, [s.view(storage) for s in scratch], o.op.dtype)
         return Contribution(buf, segment, base, direct=False)
 
-    def handback_slots(self) -> list[np.ndarray]:
+    def handback_slots(self, o: Operation) -> list[np.ndarray]:
         return []  # every tensor's sum is copied back at the end (copy_back)
 
-    def intact(self) -> bool:
+    def intact(self, o: Operation) -> bool:
         return True
 
-    async def copy_back(self, out: np.ndarray) -> None:
+    async def copy_back(self, o: Operation, out: np.ndarray) -> None:
+        assert isinstance(o, FusedOperation)
         raw = out.view(np.uint8)
-        for r in self.runs():  # checked again: the processes had the network's time to shrink them
+        for r in self.runs(o):  # checked again: the processes had the network's time to shrink them
             kernels.copy_runs(r.flat, r.at, raw, r.fused, r.sizes)
 
     def done(self, op: Op, out_segment: str, out_base: int) -> Done:

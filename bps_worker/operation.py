@@ -29,6 +29,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from math import prod
 from typing import TYPE_CHECKING, Any, Callable, Final, Protocol
 
@@ -59,15 +60,20 @@ Member = tuple[ClientSession, Op]
 
 class Path(Protocol):
     """Where an operation's tensors live: its gather and hand-back stages (CpuPath, CudaPath,
-    bps_worker.fused_operation.FusedPath)."""
+    bps_worker.fused_operation.FusedPath).
 
-    async def gather(self) -> Contribution: ...
+    A path is handed its operation on every call and keeps no reference to it: an operation and its path
+    referring to each other made every finished operation cyclic garbage (with its rounds, entries and
+    tables), which only the cyclic collector could free: a quarter of a worker daemon's CPU at 5000 small
+    tensors a step (``benchmarks/RESULTS.md``, session 13)."""
 
-    def handback_slots(self) -> list[np.ndarray]: ...
+    async def gather(self, o: Operation) -> Contribution: ...
 
-    def intact(self) -> bool: ...
+    def handback_slots(self, o: Operation) -> list[np.ndarray]: ...
 
-    async def copy_back(self, out: np.ndarray) -> None: ...
+    def intact(self, o: Operation) -> bool: ...
+
+    async def copy_back(self, o: Operation, out: np.ndarray) -> None: ...
 
     def done(self, op: Op, out_segment: str, out_base: int) -> Done: ...
 
@@ -151,7 +157,7 @@ class Operation:
         # A broadcast's root as a local rank, None where it is on another machine.
         self.root = local if op.kind in ROOTED_KINDS and 0 <= local < host.config.local_size else None
         self.priority = max((o.priority for _, o in self.members), default=0)
-        self.path: Path = CudaPath(self) if op.cuda else CpuPath(self)
+        self.path: Path = CudaPath() if op.cuda else CpuPath()
         self.server_round: int | None = None
         self.pushed = False
         self.epoch = host.epoch  # the job this operation belongs to
@@ -170,7 +176,7 @@ class Operation:
             if server_round is None:
                 return
             t_sum = now_us()
-            contribution = await self.path.gather()
+            contribution = await self.path.gather(self)
             t_push = now_us()
             scattered = self.scatter(contribution, server_round)
             error = await self.wait(scattered.futures, server_round)
@@ -179,7 +185,7 @@ class Operation:
                 return
             counters.bytes_pulled += self.nbytes
             t_back = now_us()
-            await self.path.copy_back(scattered.out)
+            await self.path.copy_back(self, scattered.out)
             self.reply_done(scattered)
             self.trace(t_sum, t_push, t_back, contribution.direct, len(scattered.futures))
             counters.ops += 1
@@ -212,7 +218,7 @@ class Operation:
         raw = contribution.buf.data.cast("B") if self.nbytes else memoryview(b"")
         out_raw = out.data.cast("B") if self.nbytes else memoryview(b"")
         priority = self.priority
-        slots = self.path.handback_slots()
+        slots = self.path.handback_slots(self)
         futures = []
         for piece in interleave(host.placement.split(name, self.count, itemsize)):
             lo, hi = piece.offset * itemsize, (piece.offset + piece.count) * itemsize
@@ -222,7 +228,7 @@ class Operation:
                 on_result=self.on_result)
             if slots and piece.count:
                 future.add_done_callback(HandBack(out, slots, piece.offset, piece.offset + piece.count,
-                                                  self.path.intact))
+                                                  partial(self.path.intact, self)))
             futures.append((piece, future))
         self.pushed = True
         host.counters.bytes_pushed += self.nbytes
@@ -347,15 +353,13 @@ class Operation:
 class CpuPath:
     """Tensors in the processes' shared-memory slots (``Op.segment``/``Op.offset``)."""
 
-    def __init__(self, operation: Operation) -> None:
-        self.operation = operation
+    def __init__(self) -> None:
         self.views: list[np.ndarray] = []
         self._checked = False  # check_slots passed in this pass of the event loop (see intact)
 
-    async def gather(self) -> Contribution:
+    async def gather(self, o: Operation) -> Contribution:
         """The processes' arrays, summed; one process's own slot is pushed as it is (the direct path), and so
         is a broadcast root's (or, on a machine without the root, any slot: the servers ignore its data)."""
-        o = self.operation
         storage = kernels.STORAGE[o.op.dtype]
         for s, m in o.members:  # a process may have shrunk its slot since its Op came (issue 14, item 3)
             shm.check_size(s.arena.segments[m.segment], m.offset + o.nbytes, o.name)
@@ -369,18 +373,18 @@ class CpuPath:
         await o.off_loop(kernels.sum_into, buf, self.views, o.op.dtype)
         return Contribution(buf, segment, base, direct=False)
 
-    def handback_slots(self) -> list[np.ndarray]:
+    def handback_slots(self, o: Operation) -> list[np.ndarray]:
         """Only the processes that want the result in their slot (a shared array) get it copied there, a
         piece at a time as the sums arrive; the others read it from our results segment (Op.handback)."""
-        return [v for v, (_, m) in zip(self.views, self.operation.members) if m.handback]
+        return [v for v, (_, m) in zip(self.views, o.members) if m.handback]
 
-    async def copy_back(self, out: np.ndarray) -> None:
+    async def copy_back(self, o: Operation, out: np.ndarray) -> None:
         """Nothing left: the slots got their pieces as they arrived (unless one shrank meanwhile: its error)."""
-        self.check_slots()
+        self.check_slots(o)
 
-    def check_slots(self) -> None:
+    @staticmethod
+    def check_slots(o: Operation) -> None:
         """SegmentSizeError unless the slots that get the sum, and the results segment, still have their size."""
-        o = self.operation
         for session, m in o.members:
             if m.handback:
                 shm.check_size(session.arena.segments[m.segment], m.offset + o.nbytes, o.name)
@@ -388,7 +392,7 @@ class CpuPath:
         if slot is not None:
             shm.check_size(o.host.results.segments[slot.segment], slot.offset + o.nbytes, o.name)
 
-    def intact(self) -> bool:
+    def intact(self, o: Operation) -> bool:
         """Whether a piece's sum may be copied into the slots now (see check_slots).
 
         Checked once per pass of the event loop, not per piece: the pieces whose sums one read of a
@@ -398,7 +402,7 @@ class CpuPath:
         if self._checked:
             return True
         try:
-            self.check_slots()
+            self.check_slots(o)
         except OSError as exc:
             log.warning("%s", exc)
             return False
@@ -416,12 +420,10 @@ class CpuPath:
 class CudaPath:
     """Tensors on the processes' GPUs (``Op.cuda``): summed there into page-locked staging memory."""
 
-    def __init__(self, operation: Operation) -> None:
-        self.operation = operation
+    def __init__(self) -> None:
         self.tensors: list[Any] = []
 
-    async def gather(self) -> Contribution:
-        o = self.operation
+    async def gather(self, o: Operation) -> Contribution:
         bridge = o.host.cuda_bridge()  # BPSError where this daemon cannot do CUDA
         self.tensors = [bridge.open(m.cuda) for _, m in o.members]
         buf, segment, base = o.staging()
@@ -430,14 +432,13 @@ class CudaPath:
                                                              o.root)
         return Contribution(buf, segment, base, direct=False)
 
-    def handback_slots(self) -> list[np.ndarray]:
+    def handback_slots(self, o: Operation) -> list[np.ndarray]:
         return []  # the sums go back to the GPUs at the end (copy_back)
 
-    def intact(self) -> bool:
+    def intact(self, o: Operation) -> bool:
         return True  # no slot gets a piece (handback_slots)
 
-    async def copy_back(self, out: np.ndarray) -> None:
-        o = self.operation
+    async def copy_back(self, o: Operation, out: np.ndarray) -> None:
         await asyncio.get_running_loop().run_in_executor(o.host.executor, o.host.cuda_bridge().copy_back, out,
                                                          self.tensors)
 
