@@ -85,10 +85,11 @@ class ClockedCollection:
 
     Why: a step of thousands of small tensors keeps tens of thousands of objects alive until its sums are
     back (a worker daemon's rounds, entries, operations). Counted by allocations, the collector ran some 20
-    times a step and walked them each time, whatever the threshold (a larger one walks more per run): 35-47
-    CPU-ms of a worker daemon's step of 5000 tensors, against 6-10 ms on the clock (``benchmarks/RESULTS.md``,
-    session 13). On a clock it walks what is alive at that instant, once a second: the youngest generation
-    every tick, the middle one every ``middle_every`` ticks, everything every ``full_every``.
+    times a step and walked them each time, whatever the threshold (a larger one walks more per run). At
+    5000 tensors a step its own CPU in a worker daemon was 9-11 ms of the step's 105-115, and 1.3-1.9 ms on
+    the clock (``benchmarks/RESULTS.md``, session 13). On a clock it walks what is alive at that instant,
+    once a second: the youngest generation every tick, the middle one every ``middle_every`` ticks,
+    everything every ``full_every``.
 
     Reference counting still frees at once whatever holds no cycle, and the hot path makes none (see
     ``bps_worker.operation.Path``; ``python_gc_objects_collected_total`` on ``/metrics`` would show one).

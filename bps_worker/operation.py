@@ -64,8 +64,8 @@ class Path(Protocol):
 
     A path is handed its operation on every call and keeps no reference to it: an operation and its path
     referring to each other made every finished operation cyclic garbage (with its rounds, entries and
-    tables), which only the cyclic collector could free: a quarter of a worker daemon's CPU at 5000 small
-    tensors a step (``benchmarks/RESULTS.md``, session 13)."""
+    tables), which only the cyclic collector could free: 20-40 thousand objects a second in a worker daemon
+    at 5000 small tensors a step (``benchmarks/RESULTS.md``, session 13)."""
 
     async def gather(self, o: Operation) -> Contribution: ...
 

@@ -180,7 +180,7 @@ def _collected(text: str) -> float:
 def test_sums_leave_no_cyclic_garbage_in_the_daemons(tmp_path):
     """What an operation builds is freed by reference counting when it ends: an operation and its path that
     referred to each other left every fused operation, with its rounds, entries and tables, to the cyclic
-    collector (about six objects per tensor a step in each worker daemon, a quarter of its CPU). Read from
+    collector (about six objects per tensor a step in each worker daemon). Read from
     each daemon's /metrics (prometheus_client's GC collector), which the daemons' clock (one collection a
     second, bps_runtime.lifecycle.ClockedCollection) keeps current."""
     cluster = start_cluster(write_config(tmp_path, [2, 2], cpu_servers=1, metrics=True,
