@@ -11,7 +11,7 @@ import os
 import signal
 import socket
 import sys
-from typing import Any, Awaitable, Callable, Final
+from typing import Any, Awaitable, Callable
 
 import uvloop
 
@@ -73,58 +73,10 @@ def settle_heap() -> None:
     full collection walked them all (about 20-60 ms each): the hot path's short-lived messages, futures and
     closures triggered one often enough that the collector took 12% of a worker daemon's CPU on emulated
     1 Gbit/s links (py-spy, ``benchmarks/RESULTS.md``). :func:`gc.freeze` moves them to the permanent
-    generation; the collector still runs, over what the daemon allocated since (on a clock once the daemon
-    serves: :class:`ClockedCollection`).
+    generation; the collector still runs, over what the daemon allocated since.
     """
     gc.collect()
     gc.freeze()
-
-
-class ClockedCollection:
-    """While a daemon serves, the cyclic garbage collector runs on the event loop's clock, not on allocations.
-
-    Why: a step of thousands of small tensors keeps tens of thousands of objects alive until its sums are
-    back (a worker daemon's rounds, entries, operations). Counted by allocations, the collector ran some 20
-    times a step and walked them each time, whatever the threshold (a larger one walks more per run). At
-    5000 tensors a step its own CPU in a worker daemon was 9-11 ms of the step's 105-115, and 1.3-1.9 ms on
-    the clock (``benchmarks/RESULTS.md``, session 13). On a clock it walks what is alive at that instant,
-    once a second: the youngest generation every tick, the middle one every ``middle_every`` ticks,
-    everything every ``full_every``.
-
-    Reference counting still frees at once whatever holds no cycle, and the hot path makes none (see
-    ``bps_worker.operation.Path``; ``python_gc_objects_collected_total`` on ``/metrics`` would show one).
-    Cyclic garbage (an exception and its traceback, mostly) waits for the next tick; so that no burst of it
-    can grow without bound meanwhile, the collector also runs as before once the objects allocated since
-    its last run outnumber those freed by ``VALVE``.
-    """
-
-    PERIOD_S: Final = 1.0
-    MIDDLE_EVERY: Final = 10
-    FULL_EVERY: Final = 60
-    VALVE: Final = 200_000  # the youngest generation's threshold meanwhile (CPython's default: 700)
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, period_s: float = PERIOD_S, *,
-                 middle_every: int = MIDDLE_EVERY, full_every: int = FULL_EVERY) -> None:
-        self._loop = loop
-        self._period_s = period_s
-        self._middle_every, self._full_every = middle_every, full_every
-        self.ticks = 0
-        self._thresholds = gc.get_threshold()
-        gc.set_threshold(self.VALVE, *self._thresholds[1:])
-        self._timer: asyncio.TimerHandle | None = loop.call_later(period_s, self._tick)
-
-    def _tick(self) -> None:
-        self.ticks += 1
-        ticks = self.ticks
-        gc.collect(2 if ticks % self._full_every == 0 else 1 if ticks % self._middle_every == 0 else 0)
-        self._timer = self._loop.call_later(self._period_s, self._tick)
-
-    def stop(self) -> None:
-        """Back to collecting on allocations (the daemon is stopping)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-            gc.set_threshold(*self._thresholds)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -183,11 +135,7 @@ async def serve_until_signalled(start: Callable[[], Awaitable[Any]], stop: Calla
         print(f"{prog}: {describe_bind_error(exc, what)}", file=sys.stderr)
         return 1
     sd_notify("READY=1", notify_socket)
-    collection = ClockedCollection(loop)
-    try:
-        await stopped.wait()
-    finally:
-        collection.stop()
+    await stopped.wait()
     logging.getLogger("bps").info("%s stopping", prog)
     sd_notify("STOPPING=1", notify_socket)
     await stop()

@@ -178,7 +178,7 @@ class Endpoint:
         self.registry.register(LoopCollector(loop, families, collect_timeout_s))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
-        GCCollector(registry=self.registry)  # python_gc_*: what the cyclic collector found (lifecycle's clock)
+        GCCollector(registry=self.registry)  # python_gc_*: the cyclic collector's runs, what they found
         self.health = health
         self.stall_limit_s = stall_limit_s
         self._metrics_app = make_wsgi_app(self.registry)

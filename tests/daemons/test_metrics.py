@@ -180,27 +180,24 @@ def _collected(text: str) -> float:
 def test_sums_leave_no_cyclic_garbage_in_the_daemons(tmp_path):
     """What an operation builds is freed by reference counting when it ends: an operation and its path that
     referred to each other left every fused operation, with its rounds, entries and tables, to the cyclic
-    collector (about six objects per tensor a step in each worker daemon). Read from
-    each daemon's /metrics (prometheus_client's GC collector), which the daemons' clock (one collection a
-    second, bps_runtime.lifecycle.ClockedCollection) keeps current."""
+    collector (about six objects per tensor a step in each worker daemon). Read from each daemon's /metrics
+    (prometheus_client's GC collector)."""
     cluster = start_cluster(write_config(tmp_path, [2, 2], cpu_servers=1, metrics=True,
                                          cluster={"partition_bytes": 65536}))
     try:
         specs = [*cluster.config.worker_specs, *cluster.config.servers]
-        time.sleep(1.2)  # a tick: what the start left is counted before
         before = [_scrape(spec.metrics) for spec in specs]
         steps, n = 8, 1000
         fused = run_ranks(cluster, fp.steady_fused, steps, n, timeout=120)
         assert all(r["exact"] == r["expected"] == steps * n for r in fused), fused
         large = run_ranks(cluster, rp.shared_rounds, 10, (100_000,), "float32")  # in place, many partitions
         assert all(r["exact"] and r["copy_exact"] for r in large), large
-        time.sleep(1.5)  # a tick after the last operation
         after = [_scrape(spec.metrics) for spec in specs]
         for spec, old, new in zip(specs, before, after):
-            ticks = _sample(new, "python_gc_collections_total", generation="0") \
+            runs = _sample(new, "python_gc_collections_total", generation="0") \
                 - _sample(old, "python_gc_collections_total", generation="0")
-            assert ticks >= 2, (spec, ticks)  # the clock ran
-            garbage = _collected(new) - _collected(old)
-            assert garbage < 0.05 * steps * n, (spec, garbage)
+            assert runs >= 1, (spec, runs)  # the collector ran meanwhile (44k objects found before the fix)
+            garbage = _collected(new) - _collected(old)  # now: the 8 processes' sessions, when they closed
+            assert garbage < 0.1 * steps * n, (spec, garbage)
     finally:
         cluster.stop()
