@@ -115,8 +115,6 @@ class ClientSession(AdmittedProtocol):
         # ranks 0..local_size-1 (protocol.handshake).
         self.handshaker = ServerHandshake(peers={ROLE_CLIENT: daemon.config.local_size}, challenge=False,
                                           who=f"worker {daemon.worker_id}")
-        self.handlers: dict[type[Message], Callable[[Any], None]] = {Alloc: self.alloc, Op: self.op,
-                                                                      OpBatch: self.op_batch}
 
     @property
     def rank(self) -> int:
@@ -157,10 +155,10 @@ class ClientSession(AdmittedProtocol):
         if self.local_rank is None:
             self.handshake(message)
             return
-        handler = self.handlers.get(type(message))
+        handler = HANDLERS.get(type(message))
         if handler is None:
             raise RemoteProtocolError(f"unexpected {message.TYPE} message from a client")
-        handler(message)
+        handler(self, message)
 
     def handshake(self, message: Message) -> None:
         """The first message: a client's ``Hello`` for a free local rank, answered by ``Welcome``.
@@ -319,6 +317,12 @@ class ClientSession(AdmittedProtocol):
 
     def release_segments(self) -> None:
         self.daemon.segments_freed(self.arena.release_all())
+
+
+# A handshaken process's messages, by type: functions of the class (bound methods kept by each session would
+# make every session, with its 256 KiB read buffer, a cycle that only the cyclic collector could free).
+HANDLERS: Final[dict[type[Message], Callable[[ClientSession, Any], None]]] = {
+    Alloc: ClientSession.alloc, Op: ClientSession.op, OpBatch: ClientSession.op_batch}
 
 
 def _peer(transport: asyncio.BaseTransport) -> tuple[str, str]:

@@ -233,7 +233,9 @@ class FrameReader:
         self._dest: memoryview | None = None
         self._filled = 0
         self._direct = False  # the last get_buffer() handed out the payload destination
-        self._error: ProtocolError | None = None
+        # What made the reader unusable, as text: the exception itself would hold its traceback's frames, and
+        # through them this reader and its caller (a cycle that only the cyclic collector could free).
+        self._error: str | None = None
 
     def set_limits(self, *, max_header_bytes: int, max_payload_bytes: int,
                    buffer_bytes: int = RECEIVE_BUFFER_BYTES) -> None:
@@ -284,7 +286,7 @@ class FrameReader:
         try:
             return self._parse()
         except ProtocolError as exc:
-            self._error = exc
+            self._error = str(exc)
             raise
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> list[Frame]:

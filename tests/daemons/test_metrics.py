@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -197,7 +198,29 @@ def test_sums_leave_no_cyclic_garbage_in_the_daemons(tmp_path):
             runs = _sample(new, "python_gc_collections_total", generation="0") \
                 - _sample(old, "python_gc_collections_total", generation="0")
             assert runs >= 1, (spec, runs)  # the collector ran meanwhile (44k objects found before the fix)
-            garbage = _collected(new) - _collected(old)  # now: the 8 processes' sessions, when they closed
+            garbage = _collected(new) - _collected(old)
             assert garbage < 0.1 * steps * n, (spec, garbage)
+
+        # A closed connection, even one dropped for a bad frame, is freed at once too: each session with its
+        # 256 KiB read buffer was cyclic garbage (its handlers' bound methods, the reader's stored error).
+        worker = cluster.config.worker_specs[0]
+        before_text = _scrape(worker.metrics)
+        connections = 300
+        for i in range(connections):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(worker.socket)
+                if i % 2:
+                    s.sendall(b"\xff" * 64)  # not a frame: the worker drops us
+                    s.settimeout(10)
+                    while s.recv(65536):
+                        pass
+        # A job after them allocates enough for the collector to run (and find what the connections left).
+        fused = run_ranks(cluster, fp.steady_fused, 2, n, timeout=120)
+        assert all(r["exact"] == r["expected"] == 2 * n for r in fused), fused
+        runs_text = _scrape(worker.metrics)
+        assert _sample(runs_text, "python_gc_collections_total", generation="0") \
+            > _sample(before_text, "python_gc_collections_total", generation="0")
+        garbage = _collected(runs_text) - _collected(before_text)
+        assert garbage < connections, garbage  # about 28 objects a connection before
     finally:
         cluster.stop()
