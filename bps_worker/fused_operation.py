@@ -26,7 +26,6 @@ import numpy as np
 
 from bps_runtime import kernels
 from bps_runtime import segments as shm
-from protocol import dtypes
 from protocol.messages import KIND_SUM, MAX_FUSED_ENTRIES, Done, DoneBatch, Failure, Op
 
 from .fusion import FusedRound
@@ -87,7 +86,7 @@ class FusedOperation(Operation):
         self.starts = starts
         self.counts = counts
         self.priority = max(e.priority for fr in rounds for e in fr.entries if e is not None)
-        self.path = FusedPath(dtypes.ITEMSIZE[dtype])
+        self.path = FusedPath()
 
     def reply_done(self, scattered: Scattered) -> None:
         self.host.counters.fused_tensors += len(self.rounds)
@@ -113,8 +112,7 @@ class FusedPath:
     Its tensors are moved as *runs*: per local rank and segment, a table of (where in the fused tensor, where
     in the segment, how many bytes), made once per operation and copied by one kernel call each way."""
 
-    def __init__(self, itemsize: int) -> None:
-        self.itemsize = itemsize
+    def __init__(self) -> None:
         self._runs: list[_Runs] | None = None
 
     def runs(self, o: FusedOperation) -> list[_Runs]:
@@ -122,7 +120,7 @@ class FusedPath:
         them (a process may shrink its segments: issue 14, item 3); checked again on every call."""
         if self._runs is None:
             tables: dict[tuple[int, str], _Runs] = {}
-            itemsize = self.itemsize
+            itemsize = o.itemsize
             for fr, start, count in zip(o.rounds, o.starts, o.counts):
                 lo, nbytes = start * itemsize, count * itemsize
                 for rank, e in enumerate(fr.entries):

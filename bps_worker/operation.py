@@ -219,6 +219,7 @@ class Operation:
         out_raw = out.data.cast("B") if self.nbytes else memoryview(b"")
         priority = self.priority
         slots = self.path.handback_slots(self)
+        intact = partial(self.path.intact, self)
         futures = []
         for piece in interleave(host.placement.split(name, self.count, itemsize)):
             lo, hi = piece.offset * itemsize, (piece.offset + piece.count) * itemsize
@@ -227,8 +228,7 @@ class Operation:
                 shm_ref=(contribution.segment, contribution.base + lo), out_ref=(out_segment, out_base + lo),
                 on_result=self.on_result)
             if slots and piece.count:
-                future.add_done_callback(HandBack(out, slots, piece.offset, piece.offset + piece.count,
-                                                  partial(self.path.intact, self)))
+                future.add_done_callback(HandBack(out, slots, piece.offset, piece.offset + piece.count, intact))
             futures.append((piece, future))
         self.pushed = True
         host.counters.bytes_pushed += self.nbytes
