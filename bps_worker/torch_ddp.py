@@ -15,7 +15,9 @@ Theory of operation:
   rebuilt bucket of another size gets the next ``k``. Ranks whose buckets do differ (another ``bucket_cap_mb``)
   name differently shaped buckets alike, and get a :class:`BPSMismatchError` naming both shapes, not a hang.
   Several DDP models in one job need a prefix each: ``state="encoder"`` or ``DDPHookState("encoder")``;
-  two that share a state in one backward meet a name in flight and get a BPSError that says so.
+  two that share a state in one backward meet a name claimed twice in that backward (or still in flight) and
+  get a BPSError that says so, on every rank alike: the check does not depend on whether the first push_pull
+  of the name has ended by the time the second model's hook runs.
 * Not blocking backward. The hook copies the bucket into its shared slot (or hands a CUDA bucket over by CUDA
   IPC, as :func:`bps_worker.torch.push_pull_async` does) and returns at once; one thread per process waits for
   the push_pulls in the order the hooks started them (DDP's own order of waiting) and completes their futures.
@@ -56,12 +58,17 @@ class DDPHookState:
         self._names: dict[tuple[int, torch.dtype, int], str] = {}
         self._layouts: dict[int, int] = {}  # bucket index -> layouts met
         self._inflight: set[str] = set()
+        self._claimed_in: dict[str, int] = {}  # name -> the backward (autograd graph task) that claimed it last
         self._checked = False
         self._lock = threading.Lock()  # autograd may run hooks of models sharing a state on several threads
 
-    def claim(self, index: int, dtype: torch.dtype, numel: int) -> str:
+    def claim(self, index: int, dtype: torch.dtype, numel: int, task: int = -1) -> str:
         """The name of bucket ``index`` holding ``numel`` elements of ``dtype`` (see the module docstring), now
-        in flight until :meth:`release`. In flight already: two DDP models share this state in one backward."""
+        in flight until :meth:`release`. ``task`` is the backward pass (autograd graph task id) the hook runs
+        in, -1 outside one. Claimed already in this backward, or still in flight: two DDP models share this
+        state. The backward's claim decides alone, whatever the timing: had the first model's push_pull ended
+        before the second model's hook ran on one rank only, that rank would push the name a second time and
+        wait for ever for peers that raised."""
         key = (index, dtype, numel)
         with self._lock:
             name = self._names.get(key)
@@ -69,12 +76,14 @@ class DDPHookState:
                 k = self._layouts.get(index, 0)
                 self._layouts[index] = k + 1
                 name = self._names[key] = f"{self.prefix}.ddp.b{index}.{k}" if self.prefix else f"ddp.b{index}.{k}"
-            if name in self._inflight:
+            if name in self._inflight or (task != -1 and self._claimed_in.get(name) == task):
                 raise BPSError(f"DDP bucket {index} ({numel} x {dtype}) is named {name!r}, and another DDP model's "
-                               f"bucket of that name, with the same hook state, is still being summed: give each "
-                               f"DDP model its own prefix, register_comm_hook(state='<model>', "
+                               f"bucket of that name, with the same hook state, is summed in the same backward: "
+                               f"give each DDP model its own prefix, register_comm_hook(state='<model>', "
                                f"hook=bps.ddp_comm_hook)")
             self._inflight.add(name)
+            if task != -1:
+                self._claimed_in[name] = task
         return name
 
     def release(self, name: str) -> None:
@@ -172,6 +181,13 @@ def _complete_later(item: _Item) -> None:
     _completer.add(item)
 
 
+def _graph_task() -> int:
+    """The id of the backward pass (autograd graph task) running this hook; -1 outside backward or on a torch
+    that does not tell."""
+    current_task = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if current_task is None else int(current_task())
+
+
 def _raise_after_backward(future: torch.futures.Future[torch.Tensor]) -> None:
     """Inside backward: have the engine wait for ``future`` and raise its error as it is (module docstring)."""
     def check() -> None:
@@ -207,7 +223,7 @@ def ddp_comm_hook(state: DDPHookState | str | None, bucket: dist.GradBucket) -> 
         if buffer.layout != torch.strided:
             raise BPSError(f"DDP bucket {index} holds {buffer.layout} gradients: ddp_comm_hook sums dense ones "
                            f"only (sparse gradients need DDP's own all-reduce)")
-        name = hook_state.claim(index, buffer.dtype, buffer.numel())
+        name = hook_state.claim(index, buffer.dtype, buffer.numel(), _graph_task())
         try:
             # DDP's last buckets hold the first layers, whose sums the next forward pass needs first.
             handle = push_pull_async(buffer, name, average=True, priority=index, out=buffer)

@@ -190,14 +190,27 @@ class Bucket:
 
 def twin_models(rank: int) -> dict[str, Any]:
     """Two DDP models of one shape in one backward: with one hook state their buckets have one name (a clear
-    BPSError); with a prefix each they train (the gradient of w.x summed over both models is x, averaged)."""
+    BPSError); with a prefix each they train (the gradient of w.x summed over both models is x, averaged).
+
+    With one state, rank 0's second hook call waits 0.5 s: the first model's sum has ended by then (the other
+    ranks pushed it, then failed at their second hook), so only the backward's claim of the name can tell rank 0
+    that the name was taken; otherwise it pushes the name again and waits for peers that have left."""
     x = torch.full((1, 4), float(rank + 1))
     out = {}
     for states in (("twins", "twins"), ("twin0", "twin1")):
         torch.manual_seed(0)
         models = [DDP(nn.Linear(4, 1, bias=False)) for _ in states]
+        calls: list[int] = []
+
+        def late_second(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+            calls.append(1)
+            if rank == 0 and len(calls) == 2 and states[0] == states[1]:
+                time.sleep(0.5)
+            return bps.ddp_comm_hook(state, bucket)
+
+        late_second.__annotations__.update(bps.ddp_comm_hook.__annotations__)
         for model, state in zip(models, states):
-            model.register_comm_hook(state=state, hook=bps.ddp_comm_hook)
+            model.register_comm_hook(state=state, hook=late_second)
         out[states[1]] = _error_of(lambda: sum(m(x).sum() for m in models).backward())
     out["grad"] = models[0].module.weight.grad.tolist()
     return out

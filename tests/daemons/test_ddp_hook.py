@@ -160,3 +160,21 @@ def test_a_ddp_script_runs_under_bps_launch(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in ("0", "1"):
         assert json.loads((out / rank).read_text()) == {"world": 2, "grad": [[1.5, 1.5, 1.5]]}
+
+
+def test_a_name_claimed_twice_in_one_backward_fails_whatever_the_timing():
+    """The second claim of a name in one backward fails even when the first push_pull has ended; in the next
+    backward (another graph task) the name is free again; outside backward only a name in flight fails."""
+    state = bps.DDPHookState("claims")
+    name = state.claim(0, torch.float32, 4, task=7)
+    assert name == "claims.ddp.b0.0"
+    state.release(name)  # the first model's sum ended before the second model's hook ran
+    with pytest.raises(bps.BPSError, match="'claims.ddp.b0.0'.*summed in the same backward.*own prefix"):
+        state.claim(0, torch.float32, 4, task=7)
+    assert state.claim(0, torch.float32, 4, task=8) == name  # the next step
+    with pytest.raises(bps.BPSError, match="own prefix"):
+        state.claim(0, torch.float32, 4, task=-1)  # in flight
+    state.release(name)
+    assert state.claim(0, torch.float32, 4, task=-1) == name
+    state.release(name)
+    assert state.claim(0, torch.float32, 4, task=-1) == name  # outside backward, one after another: fine
