@@ -11,6 +11,11 @@ its own as ``ours``), when a worker aborts it (its processes disagreed, or one l
 (its processes are gone: the job is dying) or when its connection drops. The workers that reported it hear
 at once (``FuseFailed``); those that did not yet hear when they report it. A reset worker's future reports
 are not waited for by failures it caused.
+
+Rounds. Each worker's reports and aborts of a name come in its order of rounds (one connection), one per
+round. A failure still to be heard by some workers is a round of its own: a name can have several (worker 0
+aborted two steps running before worker 1 reported the first), kept oldest first, and a worker's report or
+abort takes the oldest one it is still in before it meets a round waiting here.
 """
 
 from __future__ import annotations
@@ -59,8 +64,9 @@ class Planner:
         self.stalls: StallWatch[str] = StallWatch(warn_after_s=warn_after_s)
         self.waiting: dict[str, _Waiting] = {}
         self.ready: list[str] = []  # reported by every worker, not yet in a plan
-        # Failed while some workers had not reported it: those still to hear why, when they do.
-        self.failed: dict[str, tuple[Why, set[int]]] = {}
+        # Failed rounds of a name while some workers had not reported them, oldest first: why, and the workers
+        # still to hear it when they report (or to give it up themselves).
+        self.failed: dict[str, list[tuple[Why, set[int]]]] = {}
         self.seq = 0  # of the next plan
         # Plans of our previous run (we restarted) that a worker still runs (FuseRunning): name -> (seq, count
         # that plan brought the name to), and seq -> names, for the workers that lost them (see running).
@@ -86,13 +92,9 @@ class Planner:
                 if run is not None and count == run[1] - 1:
                     lost.add(run[0])
                     continue
-            if failed:
-                gone = failed.get(name)
-                if gone is not None and worker in gone[1]:
-                    why, left = gone
-                    left.discard(worker)
-                    if not left:
-                        del failed[name]
+            if failed and name in failed:
+                why = self._take_failed(name, worker)
+                if why is not None:
                     out.append(Failed(worker, name, why.heard_by(describe_spec(spec))))
                     continue
             w = waiting.get(name)
@@ -175,21 +177,16 @@ class Planner:
         the workers that pushed the name's open round unfused (they will not report it: not waited for)."""
         out: list[Failed] = []
         for name in names:
+            if name in self.failed and self._take_failed(name, worker) is not None:
+                continue  # that round failed already (its reporters told): it no longer waits for this worker
             w = self.waiting.get(name)
             if w is not None:
                 out += self._fail(name, w, why, skip=worker, unfused=unfused(name))
             elif name in self.ready:
                 self.ready.remove(name)
                 out += [Failed(other, name, why) for other in range(self.workers) if other != worker]
-            elif name in self.failed:  # failed already (its reporters told): it no longer waits for this worker
-                left = self.failed[name][1]
-                left.discard(worker)
-                if not left:
-                    del self.failed[name]
             else:
-                left = set(range(self.workers)) - {worker} - unfused(name)
-                if left:
-                    self.failed[name] = (why, left)
+                self._add_failed(name, why, set(range(self.workers)) - {worker} - unfused(name))
         return out
 
     def pushed_unfused(self, worker: int, name: str, why: Callable[[Spec], Why],
@@ -199,11 +196,8 @@ class Planner:
         here meet a mismatch of sizes (one side fused, the other not): they fail (``why(their spec)``), and
         so does the round the unfused pushes are in (the caller's part); ``unfused``: every worker that
         pushed that round."""
-        gone = self.failed.get(name)
-        if gone is not None:
-            gone[1].discard(worker)
-            if not gone[1]:
-                del self.failed[name]
+        if name in self.failed:
+            self._take_failed(name, worker)
         w = self.waiting.get(name)
         if w is None or worker in w.workers:
             return []
@@ -217,11 +211,32 @@ class Planner:
         for name, w in list(self.waiting.items()):
             out += self._fail(name, w, why, skip=worker)
         for name in list(self.failed):
-            left = self.failed[name][1]
-            left.discard(worker)
-            if not left:
+            rounds = [(why, left - {worker}) for why, left in self.failed[name]]
+            rounds = [(why, left) for why, left in rounds if left]
+            if rounds:
+                self.failed[name] = rounds
+            else:
                 del self.failed[name]
         return out
+
+    def _take_failed(self, name: str, worker: int) -> Why | None:
+        """``worker``'s report or abort of ``name`` is of the oldest failed round it is still in: it is out of
+        that round now; why the round failed (None: it is in none)."""
+        rounds = self.failed[name]
+        for i, (why, left) in enumerate(rounds):
+            if worker in left:
+                left.discard(worker)
+                if not left:
+                    del rounds[i]
+                    if not rounds:
+                        del self.failed[name]
+                return why
+        return None
+
+    def _add_failed(self, name: str, why: Why, left: set[int]) -> None:
+        """A round of ``name`` failed; ``left``: the workers still to hear it (the newest round)."""
+        if left:
+            self.failed.setdefault(name, []).append((why, left))
 
     def _fail(self, name: str, w: _Waiting, why: Why, *, skip: int = -1,
               specs: dict[int, Spec] | None = None, unfused: AbstractSet[int] = frozenset()) -> list[Failed]:
@@ -231,7 +246,5 @@ class Planner:
         specs = specs or {}
         told = [Failed(r, name, why.heard_by(describe_spec(specs.get(r, w.spec))))
                 for r in sorted(w.workers) if r != skip]
-        left = set(range(self.workers)) - w.workers - {skip} - unfused
-        if left:
-            self.failed[name] = (why, left)
+        self._add_failed(name, why, set(range(self.workers)) - w.workers - {skip} - unfused)
         return told

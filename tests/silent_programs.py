@@ -73,9 +73,10 @@ def root_by_worker(roots: list[int]) -> dict[str, Any]:
     return result
 
 
-def optimizer_cases(cases: list[tuple[list[str], list[int]]], steps: int) -> list[dict[str, Any]]:
-    """For each case (this rank's names and sizes of a two-parameter model): ``steps`` of a
-    DistributedOptimizer; the error of each step (or the gradients it applied)."""
+def optimizer_cases(cases: list[tuple[Any, ...]], steps: int) -> list[dict[str, Any]]:
+    """For each case (this rank's names and sizes of a two-parameter model, and optionally the seconds to wait
+    before its first step): ``steps`` of a DistributedOptimizer; the error of each step (or the gradients it
+    applied)."""
     import torch
 
     import bps_worker.torch as tbps
@@ -83,7 +84,8 @@ def optimizer_cases(cases: list[tuple[list[str], list[int]]], steps: int) -> lis
     torch.set_num_threads(1)
     rank = tbps.rank()
     results = []
-    for names, sizes in cases:
+    for names, sizes, *late in cases:
+        time.sleep(late[0] if late else 0.0)
         first = torch.nn.Parameter(torch.zeros(sizes[0]))
         second = torch.nn.Parameter(torch.zeros(sizes[1]))
         opt = tbps.DistributedOptimizer(torch.optim.SGD([first, second], lr=1.0),

@@ -41,10 +41,14 @@ def _case(tag: str, names: tuple[str, str] = ("a", "w"), sizes: tuple[int, int] 
 
 def _cases(rank: int) -> tuple[Any, ...]:
     """Per rank: agreeing, rank 1's names differ (one machine), worker 1's names differ, worker 1's shapes
-    differ (the same total), agreeing again. In every bucket the first parameter (``w``) is the same."""
+    differ (the same total), agreeing again. In every bucket the first parameter (``w``) is the same.
+
+    Worker 1's ranks start the "local" case 0.5 s late: worker 0 has given up both steps of the bucket at its
+    anchor before worker 1 reports the first (two failed rounds waiting there for worker 1, heard in order)."""
+    late = 0.5 if rank >= 2 else 0.0
     cases = [
         _case("agree"),
-        _case("local", ("b", "w")) if rank == 1 else _case("local"),
+        (*_case("local", ("b", "w")), late) if rank == 1 else (*_case("local"), late),
         _case("remote", ("b", "w")) if rank >= 2 else _case("remote"),
         _case("shape", sizes=(2, 4)) if rank >= 2 else _case("shape"),
         _case("again"),
