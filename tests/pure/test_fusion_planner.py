@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from bps_server.fusion import Planner
 from protocol.messages import FUSED_NAMES_BUDGET, MAX_FUSED_ENTRIES, Spec, Why
 
@@ -197,3 +199,60 @@ def test_an_abort_of_a_round_already_failed_comes_before_the_next_round_waiting(
     assert p.waiting["a"].workers == {2} and not p.failed
     assert p.report(0, ["a"], [F32]) == [] and p.report(1, ["a"], [F32]) == []
     assert p.take_plans() == [(0, ["a"])]
+
+
+def _explore(acts: list[list[str]]) -> int:
+    """Every order in which the workers' reports ("R") and aborts ("A") of one name can reach the planner,
+    round by round (``acts[w][k]``: worker w's round k). A worker's next round starts once it heard its
+    report's outcome (a plan, or a failure) or right after its abort (its processes hear it from their
+    worker). Each reporter must hear its own round's outcome: the sum when every worker reported the round,
+    else a failure naming that round; nobody waits for ever and nothing stays in the planner. Returns the
+    number of orders explored."""
+    workers, rounds = len(acts), len(acts[0])
+
+    def walk(p: Planner, at: tuple[int, ...], pending: frozenset[int]) -> int:
+        enabled = [w for w in range(workers) if w not in pending and at[w] < rounds]
+        if not enabled:
+            assert not pending, f"{acts}: workers {sorted(pending)} wait for ever at rounds {at}"
+            assert not p.waiting and not p.failed and not p.ready, (acts, p.waiting, p.failed)
+            return 1
+        explored = 0
+        for w in enabled:
+            q = copy.deepcopy(p)
+            now, waits = list(at), set(pending)
+            k = now[w]
+            if acts[w][k] == "A":
+                told = q.abort(w, ["a"], Why(f"round {k}", "round_failed"))
+                now[w] += 1
+            else:
+                told = q.report(w, ["a"], [F32])
+                waits.add(w)
+            for f in told:
+                assert f.worker in waits, (acts, f)
+                assert "A" in [acts[v][now[f.worker]] for v in range(workers)], (acts, f, now)
+                assert f.why.text == f"round {now[f.worker]}", (acts, f, now)
+                waits.discard(f.worker)
+                now[f.worker] += 1
+            for _, names in q.take_plans():
+                assert names == ["a"] and waits == set(range(workers)), (acts, now, waits)
+                assert all(acts[v][now[v]] == "R" for v in range(workers)), (acts, now)
+                for v in range(workers):
+                    now[v] += 1
+                waits.clear()
+            explored += walk(q, tuple(now), frozenset(waits))
+        return explored
+
+    return walk(Planner(workers), (0,) * workers, frozenset())
+
+
+def test_every_order_of_reports_and_aborts_over_rounds_gives_each_round_its_outcome():
+    """Exhaustive over small cases: 2 workers x 4 rounds and 3 workers x 2 rounds, every mix of reports and
+    aborts per round, every order their messages can take."""
+    import itertools
+
+    orders = 0
+    for workers, rounds in ((2, 4), (3, 2)):
+        for mix in itertools.product("RA", repeat=workers * rounds):
+            acts = [list(mix[w * rounds:(w + 1) * rounds]) for w in range(workers)]
+            orders += _explore(acts)
+    assert orders > 10_000, orders  # the walk did explore
