@@ -30,6 +30,7 @@ Theory of operation:
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from typing import TYPE_CHECKING, Any, Callable
@@ -136,21 +137,32 @@ class _Completer:
     """One thread that waits for the hook's push_pulls in the order they started and completes their futures.
 
     FIFO costs nothing: DDP launches buckets in index order and waits for them in that order at the end of
-    backward. Every handle ends (the client bounds failures by its timeout), so every future completes."""
+    backward. Every handle ends (the client bounds failures by its timeout), so every future completes.
+
+    Stopped and joined at the interpreter's exit (``atexit``, see :func:`_stop_completer`): a daemon thread
+    still inside torch's C++ (``future.set_result`` runs DDP's callbacks, and the thread may still be in it
+    when backward has returned) when Python finalizes is ended by ``pthread_exit`` as it takes the GIL back;
+    that unwinding through C++ ends the process with "terminate called without an active exception"
+    (SIGABRT) after the script had finished (pytorch/pytorch#38228, CPython gh-87135)."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="bps-ddp-hook", daemon=True)
         self._thread.start()
 
     def add(self, item: _Item) -> None:
         self._queue.put(item)
 
+    def stop(self, timeout: float) -> None:
+        """Complete what was added, then end the thread (waiting at most ``timeout`` seconds for it)."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
     def _run(self) -> None:
         from .torch import synchronize  # not at import: bps_worker.torch re-exports this module
 
-        while True:
-            _complete(synchronize, *self._queue.get())
+        while (item := self._queue.get()) is not None:
+            _complete(synchronize, *item)
 
 
 def _complete(synchronize: Callable[[Handle], torch.Tensor], handle: Handle,
@@ -178,7 +190,22 @@ def _complete_later(item: _Item) -> None:
     with _completer_lock:
         if _completer is None:
             _completer = _Completer()
-    _completer.add(item)
+            atexit.register(_stop_completer)
+        _completer.add(item)
+
+
+# At exit the handles still pending end within the client's timeout at most (its connection is closing too).
+_STOP_TIMEOUT_S: float = 5.0
+
+
+def _stop_completer() -> None:
+    """End the completer thread (see :class:`_Completer`); a later hook call starts a new one."""
+    global _completer
+    with _completer_lock:
+        completer, _completer = _completer, None
+    if completer is not None:
+        atexit.unregister(_stop_completer)
+        completer.stop(_STOP_TIMEOUT_S)
 
 
 def _graph_task() -> int:

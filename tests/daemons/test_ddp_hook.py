@@ -129,13 +129,22 @@ def test_bad_state_and_no_init_fail_the_future_without_a_cluster():
 
 
 LAUNCHED = """
-import json, os, sys
+import atexit, json, os, sys, threading
 import torch, torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 import bps_worker.torch as bps
 
 bps.init()
+RANK = bps.rank()
+
+
+@atexit.register  # registered before the hook's first call: runs after the hook's own exit handler
+def threads_at_exit():
+    with open(os.path.join(sys.argv[1], f"threads{RANK}"), "w") as f:
+        json.dump(sorted(t.name for t in threading.enumerate() if t.is_alive()), f)
+
+
 dist.init_process_group("gloo")  # env://, from bps-launch as from torchrun
 torch.manual_seed(0)
 model = DistributedDataParallel(nn.Linear(3, 1, bias=False))
@@ -160,6 +169,8 @@ def test_a_ddp_script_runs_under_bps_launch(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in ("0", "1"):
         assert json.loads((out / rank).read_text()) == {"world": 2, "grad": [[1.5, 1.5, 1.5]]}
+        # the hook's thread was joined at exit, before Python finalized (else a rare SIGABRT: torch_ddp)
+        assert "bps-ddp-hook" not in json.loads((out / f"threads{rank}").read_text())
 
 
 def test_a_name_claimed_twice_in_one_backward_fails_whatever_the_timing():
