@@ -84,15 +84,31 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+_notify_dropped = False  # a notification was dropped already (said once at warning level)
+
+
 def sd_notify(state: str, notify_socket: str | None) -> bool:
-    """Send ``state`` (e.g. ``READY=1``) to systemd's notify socket, if there is one."""
+    """Send ``state`` (e.g. ``READY=1``) to systemd's notify socket, if there is one; whether it went.
+
+    Never waits: the send is non-blocking, and a message that does not fit is dropped. The socket's queue
+    is short (``net.unix.max_dgram_qlen``, 10 by default), and a reader that falls behind (a busy manager,
+    a container runtime, a test) made the send block, freezing the daemon's event loop for as long; it hung
+    a daemon's stop for good once its reader had stopped reading. A dropped ping is what systemd's watchdog
+    would see of a frozen loop anyway."""
+    global _notify_dropped
     if not notify_socket:
         return False
     address = "\0" + notify_socket[1:] if notify_socket.startswith("@") else notify_socket
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK) as sock:
             sock.sendto(state.encode(), address)
         return True
+    except BlockingIOError:
+        level = logging.DEBUG if _notify_dropped else logging.WARNING
+        _notify_dropped = True
+        logging.getLogger("bps").log(level, "systemd's notify socket %s is full (its reader is behind): %r "
+                                     "dropped", notify_socket, state)
+        return False
     except OSError as exc:
         logging.getLogger("bps").debug("cannot notify systemd at %s: %s", notify_socket, exc)
         return False

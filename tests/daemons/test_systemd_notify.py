@@ -104,6 +104,12 @@ def test_status_lines_and_watchdog_pings_from_both_daemons(tmp_path):
         worker.proc.send_signal(signal.SIGCONT)
         worker._next = len(worker.messages)
         worker.until(lambda m: m == "WATCHDOG=1", timeout=5)
+        # Both stop on SIGTERM, though nobody read the server's notify socket for seconds: more pings than its
+        # queue holds (net.unix.max_dgram_qlen, 10 by default). A blocking send there hung the server's stop.
+        time.sleep(2.0)
+        for daemon in (worker, server):
+            daemon.proc.terminate()
+            assert daemon.proc.wait(timeout=15) == 0, Path(daemon.log.name).read_text()[-3000:]
     finally:
         worker.close()
         if server is not None:

@@ -91,3 +91,27 @@ def test_status_is_sent_when_it_changes_and_pings_every_half_period(tmp_path):
     assert got == ["STATUS=serving 2 of 2 workers", "WATCHDOG=1", "STATUS=waiting for server 2"]
     assert Pulse(lambda: READY, watchdog_s=0.4).ping_every_s is None  # no socket: nothing to ping
     assert Pulse(lambda: READY, notify_socket=path, watchdog_s=0.4).interval_s == 0.2
+
+
+@pytest.mark.timeout(30)
+def test_a_notify_socket_nobody_reads_drops_messages_and_never_blocks(tmp_path, caplog):
+    """The queue of a datagram socket holds a few messages (net.unix.max_dgram_qlen); once it is full, a
+    blocking send would freeze the daemon's loop (it hung a server's stop in test_systemd_notify)."""
+    from bps_runtime.lifecycle import sd_notify
+
+    path = str(tmp_path / "notify")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(path)
+        sent = [sd_notify("WATCHDOG=1", path) for _ in range(2000)]
+        assert sent[0] and not sent[-1]  # the first went, the last did not fit
+        sock.setblocking(False)
+        got = 0
+        while True:
+            try:
+                assert sock.recv(100) == b"WATCHDOG=1"
+                got += 1
+            except BlockingIOError:
+                break
+        assert got == sent.count(True) and 0 < got < 2000
+        assert sd_notify("STOPPING=1", path)  # room again: it goes
+    assert "is full (its reader is behind): 'WATCHDOG=1' dropped" in caplog.text
