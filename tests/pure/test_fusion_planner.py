@@ -235,6 +235,7 @@ def _explore(acts: list[list[str]]) -> int:
                 now[f.worker] += 1
             for _, names in q.take_plans():
                 assert names == ["a"] and waits == set(range(workers)), (acts, now, waits)
+                assert len(set(now)) == 1, (acts, now)  # one round, the same on every worker
                 assert all(acts[v][now[v]] == "R" for v in range(workers)), (acts, now)
                 for v in range(workers):
                     now[v] += 1
