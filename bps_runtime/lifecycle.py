@@ -85,25 +85,31 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 _notify_dropped = False  # a notification was dropped already (said once at warning level)
+# READY=1 and STOPPING=1 come once each, and systemd acts on them (a Type=notify unit that never says READY is
+# killed at its start timeout): they wait this long for room in the socket's queue before they are dropped.
+NOTIFY_ONCE_WAIT_S: float = 2.0
 
 
 def sd_notify(state: str, notify_socket: str | None) -> bool:
     """Send ``state`` (e.g. ``READY=1``) to systemd's notify socket, if there is one; whether it went.
 
-    Never waits: the send is non-blocking, and a message that does not fit is dropped. The socket's queue
-    is short (``net.unix.max_dgram_qlen``, 10 by default), and a reader that falls behind (a busy manager,
-    a container runtime, a test) made the send block, freezing the daemon's event loop for as long; it hung
-    a daemon's stop for good once its reader had stopped reading. A dropped ping is what systemd's watchdog
-    would see of a frozen loop anyway."""
+    Never waits for ever. The socket's queue is short (``net.unix.max_dgram_qlen``, 10 by default), and a
+    reader that falls behind (a busy manager, a container runtime, a test) made a blocking send freeze the
+    daemon's event loop for as long; it hung a daemon's stop for good once its reader had stopped reading.
+    The periodic messages (``WATCHDOG=1``, ``STATUS=``) are sent without waiting, and dropped when they do not
+    fit: a dropped ping is what systemd's watchdog would see of a frozen loop anyway. ``READY=1`` and
+    ``STOPPING=1`` wait up to :data:`NOTIFY_ONCE_WAIT_S` for room first."""
     global _notify_dropped
     if not notify_socket:
         return False
     address = "\0" + notify_socket[1:] if notify_socket.startswith("@") else notify_socket
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK) as sock:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            once = state.startswith(("READY=", "STOPPING="))
+            sock.settimeout(NOTIFY_ONCE_WAIT_S if once else 0.0)
             sock.sendto(state.encode(), address)
         return True
-    except BlockingIOError:
+    except (BlockingIOError, TimeoutError):
         level = logging.DEBUG if _notify_dropped else logging.WARNING
         _notify_dropped = True
         logging.getLogger("bps").log(level, "systemd's notify socket %s is full (its reader is behind): %r "

@@ -4,6 +4,7 @@ WATCHDOG=1 on a datagram socket."""
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 
@@ -117,3 +118,29 @@ def test_a_notify_socket_nobody_reads_drops_messages_and_never_blocks(tmp_path, 
         assert got == sent.count(True) and 0 < got < 2000
         assert sd_notify("STOPPING=1", path)  # room again: it goes
     assert "is full (its reader is behind): 'WATCHDOG=1' dropped" in caplog.text
+
+
+@pytest.mark.timeout(30)
+def test_ready_waits_for_room_in_the_notify_socket_and_gives_up_after_a_bound(tmp_path, monkeypatch):
+    """READY=1 comes once and systemd acts on it: on a full queue it waits for the reader (which here takes
+    a message out after 0.3 s) instead of being dropped at once; with nobody reading it gives up."""
+    import threading
+
+    from bps_runtime import lifecycle
+    from bps_runtime.lifecycle import sd_notify
+
+    monkeypatch.setattr(lifecycle, "NOTIFY_ONCE_WAIT_S", 3.0)
+    path = str(tmp_path / "notify")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(path)
+        while sd_notify("WATCHDOG=1", path):  # fill the queue
+            pass
+        reader = threading.Timer(0.3, lambda: sock.recv(100))
+        reader.start()
+        start = time.monotonic()
+        assert sd_notify("READY=1", path)
+        assert 0.2 < time.monotonic() - start < 3.0
+        reader.join()
+        start = time.monotonic()
+        assert not sd_notify("STOPPING=1", path)  # nobody reads now: dropped after the bound
+        assert 2.9 < time.monotonic() - start < 15.0
