@@ -202,7 +202,8 @@ class ServerConnection(AdmittedProtocol):
                 failed = self.server.aggregator.worker_lost(self.worker)
                 self.server.fused(self.server.fusion.worker_gone(self.worker, Why(
                     f"worker {self.worker} disconnected from server {self.server.config.server_id}", "connection",
-                    peer=f"worker {self.worker}", detail="it disconnected while fused sums waited for it")))
+                    peer=f"worker {self.worker}", detail="it disconnected while fused sums waited for it"),
+                    reset=False))
                 level = logging.WARNING if failed else logging.INFO
                 log.log(level, "worker %d (%s) disconnected; %d pending rounds failed", self.worker, self.peer, failed)
 
@@ -308,7 +309,7 @@ class ServerConnection(AdmittedProtocol):
         failed = self.server.aggregator.worker_reset(reset.worker, reset.epoch)
         self.server.values.reset(reset.worker)
         self.server.fused(self.server.fusion.worker_gone(reset.worker, Why(
-            f"every training process of worker {reset.worker} left", "round_failed")))
+            f"every training process of worker {reset.worker} left", "round_failed"), reset=True))
         log.info("worker %d has no training processes; %d pending rounds failed", reset.worker, failed)
 
     def on_fuse_ready(self, message: FuseReady, payload: memoryview | None) -> None:
@@ -328,7 +329,7 @@ class ServerConnection(AdmittedProtocol):
             if open_round is not None and self.worker not in open_round[0]:  # other workers pushed it unfused
                 pushers, first = open_round
                 why = sizes_differ(name, spec, self.worker, describe(first), first.worker)
-                failures += self.server.fusion.pushed_unfused(first.worker, name, lambda _: why, pushers)
+                failures += self.server.fusion.reported_beside_unfused(self.worker, name, why, pushers)
                 aggregator.fail_open(name, why)
         self.server.fused(failures)
 
@@ -383,7 +384,7 @@ class ServerConnection(AdmittedProtocol):
             open_round = aggregator.unfused(name)
             return open_round[0] if open_round is not None else set()
 
-        self.server.fused(self.server.fusion.abort(self.worker, message.names, why, unfused))
+        self.server.fused(self.server.fusion.abort(self.worker, message.names, why, unfused, message.reported))
 
     def _stream_zero(self, message: Message) -> None:
         if self.stream:

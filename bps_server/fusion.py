@@ -10,12 +10,16 @@ A name fails here, for every worker, when two workers report different specs (a 
 its own as ``ours``), when a worker aborts it (its processes disagreed, or one left), when a worker resets
 (its processes are gone: the job is dying) or when its connection drops. The workers that reported it hear
 at once (``FuseFailed``); those that did not yet hear when they report it. A reset worker's future reports
-are not waited for by failures it caused.
+are not waited for by failures it caused; a worker whose connection dropped still reports the rounds it
+had not reported (its processes live on), and hears their failure then.
 
 Rounds. Each worker's reports and aborts of a name come in its order of rounds (one connection), one per
 round. A failure still to be heard by some workers is a round of its own: a name can have several (worker 0
 aborted two steps running before worker 1 reported the first), kept oldest first, and a worker's report or
-abort takes the oldest one it is still in before it meets a round waiting here.
+abort takes the oldest one it is still in before it meets a round waiting here. An abort of a round the
+worker reported already (``FuseAbort.reported``) is of that round, wherever it is now: still waiting here
+(it fails, and the worker hears it too: every report gets one answer), planned (the plan answers it, and
+the worker fails its group) or failed (answered already); it never touches a later round.
 """
 
 from __future__ import annotations
@@ -171,11 +175,16 @@ class Planner:
         self.ready = []
         return plans
 
-    def abort(self, worker: int, names: list[str], why: Why, unfused: Callable[[str], set[int]] = lambda _: set()
-              ) -> list[Failed]:
+    def abort(self, worker: int, names: list[str], why: Why, unfused: Callable[[str], set[int]] = lambda _: set(),
+              reported: bool = False) -> list[Failed]:
         """``worker`` gave these names up (see ``FuseAbort``): fail them for every worker. ``unfused(name)``:
-        the workers that pushed the name's open round unfused (they will not report it: not waited for)."""
+        the workers that pushed the name's open round unfused (they will not report it: not waited for).
+        ``reported``: the rounds given up are those ``worker`` reported last, not its next ones."""
         out: list[Failed] = []
+        if reported:
+            for name in names:
+                out += self._abort_reported(worker, name, why, unfused)
+            return out
         for name in names:
             if name in self.failed and self._take_failed(name, worker) is not None:
                 continue  # that round failed already (its reporters told): it no longer waits for this worker
@@ -188,6 +197,16 @@ class Planner:
             else:
                 self._add_failed(name, why, set(range(self.workers)) - {worker} - unfused(name))
         return out
+
+    def _abort_reported(self, worker: int, name: str, why: Why, unfused: Callable[[str], set[int]]) -> list[Failed]:
+        """``worker`` gave up the round of ``name`` it reported last (see ``abort``)."""
+        w = self.waiting.get(name)
+        if w is not None and worker in w.workers:
+            return self._fail(name, w, why, unfused=unfused(name))  # its reporters hear, ``worker`` too
+        if name in self.ready:  # every worker reported that round (``worker``'s report is its last one)
+            self.ready.remove(name)
+            return [Failed(r, name, why) for r in range(self.workers)]
+        return []  # planned already (the plan answers it) or failed already (its reporters were told)
 
     def pushed_unfused(self, worker: int, name: str, why: Callable[[Spec], Why],
                        unfused: set[int]) -> list[Failed]:
@@ -203,13 +222,26 @@ class Planner:
             return []
         return self._fail(name, w, why(w.spec), unfused=unfused | {worker})
 
-    def worker_gone(self, worker: int, why: Why) -> list[Failed]:
-        """``worker``'s processes are gone (a reset) or its connection dropped: every name waiting here
-        fails, since it waits for that worker or for what it reported; the failures it caused no longer
-        wait for it."""
+    def reported_beside_unfused(self, worker: int, name: str, why: Why, unfused: set[int]) -> list[Failed]:
+        """``worker``'s report of ``name`` (just made) is of the round that the workers ``unfused`` pushed as
+        an ordinary tensor: a mismatch of sizes, and the report fails. (The pushers are not waited for: each
+        took its part of a failed round when it pushed, see ``pushed_unfused``.)"""
+        w = self.waiting.get(name)
+        if w is None or worker not in w.workers or w.workers & unfused:
+            return []
+        return self._fail(name, w, why, unfused=unfused)
+
+    def worker_gone(self, worker: int, why: Why, reset: bool) -> list[Failed]:
+        """``worker``'s connection dropped, or its processes are gone (``reset``): every name waiting here
+        fails, since it waits for that worker or for what it reported (which the worker fails itself, see
+        ``bps_worker.fusion``'s ``link_lost``). After a reset the failures no longer wait for the worker (its
+        processes will not report those rounds); after a drop they do, and so do the rounds failed now that it
+        had not reported: its processes live on and report them when it is back."""
         out: list[Failed] = []
         for name, w in list(self.waiting.items()):
-            out += self._fail(name, w, why, skip=worker)
+            out += self._fail(name, w, why, skip=worker if reset or worker in w.workers else -1)
+        if not reset:
+            return out
         for name in list(self.failed):
             rounds = [(why, left - {worker}) for why, left in self.failed[name]]
             rounds = [(why, left) for why, left in rounds if left]

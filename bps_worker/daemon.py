@@ -335,7 +335,7 @@ class WorkerDaemon:
         why = Why.mismatch(name, fused, unfused, detail)
         decisions = self.fusion.rounds.fail_name(name, why, set(range(self.config.local_size)) - fused_ranks)
         if not decisions.aborts:  # no fused round here; machines that fused it wait at the planner all the same
-            decisions.aborts.append((name, why))
+            decisions.aborts.append((name, why, False))
         self.fusion.carry_out(decisions)
         self._execute(self.rounds.fail_name(name, why, fused_ranks))
         return why

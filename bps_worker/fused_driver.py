@@ -123,9 +123,10 @@ class FusedSums:
     def carry_out(self, out: Decisions[ClientSession]) -> None:
         for member, failure in out.answers:
             member.send(failure)
-        for name, why in out.aborts:
+        for name, why, reported in out.aborts:
             # The peers hear that the round failed here, and why in words (as an Abort of an unfused round says).
-            self.daemon.links[self.anchor(name)].fuse(FuseAbort([name], why.text[:MAX_MESSAGE_CHARS], "round_failed"))
+            self.daemon.links[self.anchor(name)].fuse(
+                FuseAbort([name], why.text[:MAX_MESSAGE_CHARS], "round_failed", reported))
         if out.ready:
             reports = self._reports
             for fr in out.ready:
@@ -171,12 +172,12 @@ class FusedSums:
         report again, and say which of its plans run here (FuseRunning). One that did not failed, for every
         worker, the names we had reported on the connection that broke: so do we."""
         if not restarted:
-            if self.rounds.reported:
-                self.carry_out(self.rounds.link_lost(sid, Why(
-                    f"the connection to server {sid} broke while fused sums waited there", "connection",
-                    peer=f"server {sid}", detail="the connection broke while fused sums waited there"),
-                    before=self._generation[sid]))
+            self.carry_out(self.rounds.link_lost(sid, Why(
+                f"the connection to server {sid} broke while fused sums waited there", "connection",
+                peer=f"server {sid}", detail="the connection broke while fused sums waited there"),
+                before=self._generation[sid]))
             return
+        self.rounds.forget_answers(sid, before=self._generation[sid])  # it forgot the reports we gave up
         link = self.daemon.links[sid]
         for seq, (names, counts, _) in self._plans[sid].items():
             for start, stop in fused_chunks(names):
@@ -198,10 +199,9 @@ class FusedSums:
 
     def link_lost(self, sid: int, reason: str) -> None:
         """We gave server ``sid`` up: what we reported there fails."""
-        if self.rounds.reported:
-            self.carry_out(self.rounds.link_lost(sid, Why(
-                f"the connection to server {sid} failed while fused sums waited there: {reason}", "connection",
-                peer=f"server {sid}", detail=reason)))
+        self.carry_out(self.rounds.link_lost(sid, Why(
+            f"the connection to server {sid} failed while fused sums waited there: {reason}", "connection",
+            peer=f"server {sid}", detail=reason)))
 
     def plan(self, sid: int, plan: FusePlan) -> None:
         """Run plan ``plan.seq`` of server ``sid``: one fused operation per dtype group, on the plan's lane."""

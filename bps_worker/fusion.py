@@ -20,6 +20,14 @@ that disagree about a name fail that name (only), for every process here and, th
 left, so a late process gets its round's error; a process that leaves fails every round it is part of or
 awaited by; a reset fails everything.
 
+Rounds of one name. A name has at most one round collecting or reported; behind it, any number of failed
+rounds that local ranks have still to submit to (a slow rank can be several steps behind its peers), kept
+oldest first: a rank's entry joins the oldest one it is not yet part of. A round that failed here after we
+reported it is *abandoned*: the anchor answers every report exactly once, with a plan or a failure
+(``FuseFailed``), and that answer belongs to the oldest abandoned round of the name before the round
+reported now. So abandoned rounds are kept in order too, until their answer comes (or the connection they
+were reported on is gone).
+
 ``FusedRounds`` only decides: its calls return what the daemon must send. A member is whatever the daemon
 answers a process through (its session).
 """
@@ -61,6 +69,17 @@ class FusedRound(Generic[M]):
     opened: float = 0.0  # when its first entry came (the daemon's clock)
     generation: int = 0  # of the connection to its anchor it was reported on (bps_worker.fused_driver)
     reported_at: float = 0.0  # when every local rank had submitted it
+    excused: set[int] = field(default_factory=set)  # local ranks that left or heard its failure another way
+
+    def awaits(self, local_rank: int) -> bool:
+        """Whether ``local_rank`` has still to take part (submit, or leave)."""
+        return self.entries[local_rank] is None and local_rank not in self.excused
+
+    def excuse(self, local_rank: int) -> None:
+        """``local_rank`` will not submit to this round (it left, or heard its failure another way)."""
+        if self.awaits(local_rank):
+            self.excused.add(local_rank)
+            self.count += 1
 
     def members(self) -> list[Entry[M]]:
         """The entries in local-rank order (the order of the local sum)."""
@@ -69,11 +88,12 @@ class FusedRound(Generic[M]):
 
 @dataclass
 class Decisions(Generic[M]):
-    """What one call decided: answers to send, rounds ready to report, names to abort at their anchors."""
+    """What one call decided: answers to send, rounds ready to report, names to abort at their anchors
+    ((name, why, reported): whether the round given up is the one we reported last, see ``FuseAbort``)."""
 
     answers: list[tuple[M, Failure]] = field(default_factory=list)
     ready: list[FusedRound[M]] = field(default_factory=list)
-    aborts: list[tuple[str, Why]] = field(default_factory=list)
+    aborts: list[tuple[str, Why, bool]] = field(default_factory=list)
 
     def fail(self, fr: FusedRound[M], why: Why) -> None:
         """Answer every entry of ``fr`` so far with ``why`` (each side of a mismatch hears its own tensor)."""
@@ -96,9 +116,11 @@ class FusedRounds(Generic[M]):
         self.rank_offset = rank_offset
         self.collecting: dict[str, FusedRound[M]] = {}  # not every local rank submitted yet
         self.reported: dict[str, FusedRound[M]] = {}  # complete here, told to the anchor, awaiting its plan
-        self.failed: dict[str, FusedRound[M]] = {}  # failed; waiting for the local ranks that did not submit
-        # Reported rounds that failed here: a plan already on its way may still name them (see ``planned``).
-        self.abandoned: dict[str, Spec] = {}
+        # Failed rounds still waiting for local ranks that did not submit to them, per name, oldest first.
+        self.failed: dict[str, list[FusedRound[M]]] = {}
+        # Reported rounds that failed here, per name, oldest first: the anchor's answer to each (a plan or a
+        # failure) is still to come (see ``planned`` and ``failed_at_anchor``).
+        self.abandoned: dict[str, list[FusedRound[M]]] = {}
         # Per name, how many plans named it (its fused rounds in this daemon's life): reported with it, so that
         # a server that restarted tells a worker that lost a plan from one that ran it (FuseRunning).
         self.counts: dict[str, int] = {}
@@ -150,18 +172,28 @@ class FusedRounds(Generic[M]):
         return out
 
     def _late(self, name: str, local_rank: int, entry: Entry[M], out: Decisions[M]) -> bool:
-        """An entry for a name whose round failed before this rank submitted to it: it gets that round's error
-        (and not the next round's data); False where there is no such round."""
-        failed = self.failed.get(name)
-        if failed is None or failed.entries[local_rank] is not None:
+        """An entry for a name whose round failed before this rank submitted to it: it joins the oldest such
+        round and gets its error (and not the next round's data); False where there is no such round."""
+        rounds = self.failed.get(name)
+        failed = next((fr for fr in rounds if fr.awaits(local_rank)), None) if rounds else None
+        if failed is None:
             return False
         assert failed.why is not None
         failed.entries[local_rank] = entry
         failed.count += 1
         out.answers.append((entry.member, failed.why.heard_by(describe_spec(entry.spec)).failure(entry.req)))
-        if failed.count >= self.local_size:
-            del self.failed[name]
+        self._settle(failed)
         return True
+
+    def _settle(self, fr: FusedRound[M]) -> None:
+        """A failed round that no local rank is still to submit to is done with."""
+        if fr.count < self.local_size:
+            return
+        rounds = self.failed.get(fr.name)
+        if rounds is not None and fr in rounds:
+            rounds.remove(fr)
+            if not rounds:
+                del self.failed[fr.name]
 
     def _fail(self, fr: FusedRound[M], why: Why, out: Decisions[M], *, abort: bool = True) -> None:
         """Fail ``fr`` once: its entries hear why; local ranks still to submit will (see ``_late``); the peers
@@ -170,29 +202,49 @@ class FusedRounds(Generic[M]):
             return
         fr.why = why
         out.fail(fr, why)
-        self.collecting.pop(fr.name, None)
-        if self.reported.pop(fr.name, None) is not None:
-            self.abandoned[fr.name] = fr.spec
+        name = fr.name
+        if self.collecting.get(name) is fr:
+            del self.collecting[name]
+        reported = self.reported.get(name) is fr
+        if reported:
+            del self.reported[name]
+            if abort:  # the anchor still answers the report, and our abort: that answer is this round's
+                self.abandoned.setdefault(name, []).append(fr)
         if fr.count < self.local_size:
-            self.failed[fr.name] = fr
+            self.failed.setdefault(name, []).append(fr)
         if abort:
-            out.aborts.append((fr.name, why))
+            out.aborts.append((name, why, reported))
 
     def planned(self, names: list[str]) -> tuple[list[FusedRound[M]], dict[str, Spec | None]]:
         """The anchor planned ``names``: their rounds in plan order (no longer ours to decide), and the names
         we have no reported round of, with their spec where we know it (failed here after we reported them:
         the plan cannot run here as the peers run it)."""
-        reported, counts = self.reported, self.counts
+        reported, counts, abandoned = self.reported, self.counts, self.abandoned
         rounds: list[FusedRound[M]] = []
         missing: dict[str, Spec | None] = {}
         for name in names:
             counts[name] = counts.get(name, 0) + 1
+            gone = self._answered(name)
+            if gone is not None:  # the plan is of a round we reported and gave up since (the oldest)
+                missing[name] = gone.spec
+                continue
             fr = reported.pop(name, None)
             if fr is None:
-                missing[name] = self.abandoned.pop(name, None)
+                missing[name] = None
             else:
                 rounds.append(fr)
         return rounds, missing
+
+    def _answered(self, name: str) -> FusedRound[M] | None:
+        """The anchor answered our oldest report of ``name`` still unanswered: that round, if we abandoned it
+        (None: the answer is the reported round's)."""
+        abandoned = self.abandoned.get(name)
+        if not abandoned:
+            return None
+        fr = abandoned.pop(0)
+        if not abandoned:
+            del self.abandoned[name]
+        return fr
 
     def link_lost(self, server: int, why: Why, before: int | None = None) -> Decisions[M]:
         """What we reported to ``server`` is lost there (our connection broke and the server, which did not
@@ -202,8 +254,16 @@ class FusedRounds(Generic[M]):
         for fr in [fr for fr in self.reported.values()
                    if fr.server == server and (before is None or fr.generation < before)]:
             self._fail(fr, why, out, abort=False)
-            self.abandoned.pop(fr.name, None)
+        self.forget_answers(server, before)
         return out
+
+    def forget_answers(self, server: int, before: int | None = None) -> None:
+        """The answers to the rounds we abandoned after reporting them to ``server`` (on a connection older
+        than generation ``before``) will not come: that connection is gone, or the server restarted."""
+        for name, rounds in list(self.abandoned.items()):
+            rounds[:] = [fr for fr in rounds if fr.server != server or (before is not None and fr.generation >= before)]
+            if not rounds:
+                del self.abandoned[name]
 
     def fail_name(self, name: str, why: Why, answered: Collection[int] = ()) -> Decisions[M]:
         """Fail ``name``'s open round here, and (through its anchor) on every machine. The local ranks in
@@ -212,17 +272,20 @@ class FusedRounds(Generic[M]):
         out: Decisions[M] = Decisions()
         fr = self.collecting.get(name) or self.reported.get(name)
         if fr is not None:
+            for r in answered:
+                fr.excuse(r)
             self._fail(fr, why, out)
-            if self.failed.get(name) is fr and all(e is not None or r in answered for r, e in enumerate(fr.entries)):
-                del self.failed[name]
         return out
 
     def failed_at_anchor(self, name: str, why: Why) -> Decisions[M]:
-        """The anchor failed ``name`` (a peer disagreed, failed or left): its round here fails too."""
+        """The anchor failed our oldest unanswered report of ``name`` (a peer disagreed, failed or left): if
+        that round is the one reported now, it fails here too; one we abandoned already needs nothing. (A
+        round still collecting here was never reported: the failure is not its.)"""
         out: Decisions[M] = Decisions()
-        fr = self.reported.get(name) or self.collecting.get(name)
-        if fr is not None:
-            self._fail(fr, why, out, abort=False)
+        if self._answered(name) is None:
+            fr = self.reported.get(name)
+            if fr is not None:
+                self._fail(fr, why, out, abort=False)
         return out
 
     def leave(self, local_rank: int, pid: int) -> Decisions[M]:
@@ -232,16 +295,17 @@ class FusedRounds(Generic[M]):
         rank = self.rank_offset + local_rank
         for fr in [*self.collecting.values(), *self.reported.values()]:
             if fr.entries[local_rank] is None:
-                fr.count += 1  # it will never submit: the failed round does not wait for it
-            fr.entries[local_rank] = None  # nobody to answer
+                fr.excuse(local_rank)  # it will never submit: the failed round does not wait for it
+            else:
+                fr.entries[local_rank] = None  # nobody to answer
+                fr.excused.add(local_rank)  # (counted already)
             self._fail(fr, Why(f"tensor {fr.name!r}: rank {rank} (pid {pid}) disconnected during its fused round",
                                "connection", peer=f"rank {rank} (pid {pid})",
                                detail=f"it disconnected during the fused round of tensor {fr.name!r}"), out)
-        for name, fr in list(self.failed.items()):
-            if fr.entries[local_rank] is None:
-                fr.count += 1
-                if fr.count >= self.local_size:
-                    del self.failed[name]
+        for rounds in list(self.failed.values()):
+            for fr in list(rounds):
+                fr.excuse(local_rank)
+                self._settle(fr)
         return out
 
     def overdue(self, connected: Collection[int], now: float, timeout: float) -> Decisions[M]:

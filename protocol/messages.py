@@ -803,12 +803,15 @@ class FuseReady(Message):
 @dataclass(frozen=True, slots=True)
 class FuseAbort(Message):
     """Worker to the anchor server: these fused sums failed here (``message``, ``code``); fail them for every
-    worker, those that reported them already and those that will."""
+    worker, those that reported them already and those that will. ``reported``: the round given up is the one
+    this worker reported last (its processes failed it after the report), not its next one; the server answers
+    that report all the same (a plan, or a failure), as it answers every report."""
 
     TYPE: ClassVar[str] = "fuse_abort"
     names: list[str]
     message: str
     code: FailureCode = "round_failed"
+    reported: bool = False
 
     def validate(self) -> None:
         _check_fused_names("fuse abort", self.names)

@@ -68,7 +68,7 @@ def test_a_mismatch_fails_that_name_only_for_every_local_rank_and_the_peers():
     assert mine.code == theirs.code == "mismatch" and mine.name == "a"
     assert (mine.ours, mine.theirs) == ("float32[4]", "float16[4]")
     assert (theirs.ours, theirs.theirs) == ("float16[4]", "float32[4]")
-    assert [name for name, _ in out.aborts] == ["a"]  # the anchor tells the other machines
+    assert [name for name, _, _ in out.aborts] == ["a"]  # the anchor tells the other machines
     # the late rank gets the same error for its round of "a"; "b" completes normally
     late = fr.submit("p2", 2, entries(["a", "b"], 20))
     assert [(m, f.req, f.code) for m, f in late.answers] == [("p2", 20, "mismatch")]
@@ -83,21 +83,25 @@ def test_a_process_that_leaves_fails_every_round_it_is_part_of_or_awaited_by():
     fr.submit("p1", 1, entries(["b"], 10))  # b reported, a collecting
     out = fr.leave(1, pid=99)
     assert sorted((m, f.req, f.code) for m, f in out.answers) == [("p0", 1, "connection"), ("p0", 2, "connection")]
-    assert sorted(name for name, _ in out.aborts) == ["a", "b"]
+    assert sorted(name for name, _, _ in out.aborts) == ["a", "b"]
     assert not fr.collecting and not fr.reported and not fr.failed
     # a plan that names b (already on its way) finds it missing, with its spec: its group fails
     rounds_, missing = fr.planned(["b"])
     assert rounds_ == [] and missing == {"b": F32}
 
 
-def test_a_failure_at_the_anchor_fails_the_reported_round_and_waits_for_late_ranks():
+def test_a_failure_at_the_anchor_fails_the_reported_round_only():
+    """The anchor answers reports: a round still collecting here was never reported, so a failure of the
+    name (a stale answer to a round that failed here already) is not its."""
     fr = rounds(2)
     fr.submit("p0", 0, entries(["a"]))
+    assert fr.failed_at_anchor("a", Why("stale", "round_failed")).answers == [] and "a" in fr.collecting
+    fr.submit("p1", 1, entries(["a"], 10))
     out = fr.failed_at_anchor("a", Why("worker 0 disagrees", "round_failed"))
-    assert [(m, f.req, f.message) for m, f in out.answers] == [("p0", 1, "worker 0 disagrees")]
-    assert out.aborts == []  # the anchor knows
-    late = fr.submit("p1", 1, entries(["a"], 10))
-    assert [(m, f.req, f.message) for m, f in late.answers] == [("p1", 10, "worker 0 disagrees")]
+    assert sorted((m, f.req, f.message) for m, f in out.answers) == [("p0", 1, "worker 0 disagrees"),
+                                                                      ("p1", 10, "worker 0 disagrees")]
+    assert out.aborts == [] and not fr.failed and not fr.abandoned  # the anchor knows; nobody is late
+    assert fr.submit("p0", 0, entries(["a"], 2)).answers == [] and "a" in fr.collecting  # the next round
 
 
 def test_a_broken_link_fails_only_the_rounds_reported_to_that_server():
@@ -138,7 +142,7 @@ def test_a_round_that_waits_for_a_process_that_is_not_connected_fails_after_the_
     out = fr.overdue({0}, now=105.5, timeout=5.0)
     assert [(m, f.req, f.code, f.timeout_s) for m, f in out.answers] == [("p0", 1, "timeout", 5.0)]
     assert "rank 4 of worker 1 is not connected" in out.answers[0][1].message
-    assert [name for name, _ in out.aborts] == ["a"] and list(fr.collecting) == ["b"]
+    assert [name for name, _, _ in out.aborts] == ["a"] and list(fr.collecting) == ["b"]
 
 
 def test_failing_a_name_answers_its_entries_and_does_not_wait_for_ranks_that_heard_it_unfused():
@@ -149,7 +153,7 @@ def test_failing_a_name_answers_its_entries_and_does_not_wait_for_ranks_that_hea
     why = Why.mismatch("a", "float32[4]", "float32[400]", "sizes on both sides of the fusion limit")
     out = fr.fail_name("a", why, {1})
     assert [(m, f.code) for m, f in out.answers] == [("p0", "mismatch")]
-    assert [name for name, _ in out.aborts] == ["a"]
+    assert [name for name, _, _ in out.aborts] == ["a"]
     assert not fr.busy("a") and "a" not in fr.failed
     nxt = fr.submit("p1", 1, entries(["a"], 9))
     assert nxt.answers == [] and "a" in fr.collecting  # a new round, not the failed one's error
@@ -163,3 +167,78 @@ def test_a_failed_fused_round_still_waits_for_a_rank_that_heard_nothing():
     assert "a" in fr.failed  # rank 2 has not issued it yet: it will get this error
     late = fr.submit("p2", 2, entries(["a"], 5))
     assert [(m, f.code) for m, f in late.answers] == [("p2", "mismatch")]
+
+
+def test_a_slow_rank_two_failed_rounds_behind_joins_each_in_turn_and_no_steps_are_summed_together():
+    """Ranks 0 and 1 fail two rounds of ``a`` in a row (they disagree) before rank 2 submits the first: rank 2's
+    entries each get their own round's error, and its third entry is summed with the others' third. Keeping
+    one failed round per name, rank 2's second entry would open a round that the others' third entries join."""
+    fr = rounds(3)
+    for step, why in ((0, "mismatch"), (1, "mismatch")):
+        fr.submit("p0", 0, [(10 * step, "a", F16, "seg", 0, 0)])
+        out = fr.submit("p1", 1, [(10 * step + 1, "a", F32, "seg", 0, 0)])
+        assert sorted(f.req for _, f in out.answers) == [10 * step, 10 * step + 1]
+    assert [len(fr.failed["a"])] == [2]
+    fr.submit("p0", 0, entries(["a"], 20))  # step 2, ranks 0 and 1
+    fr.submit("p1", 1, entries(["a"], 21))
+    first = fr.submit("p2", 2, [(100, "a", F16, "seg", 0, 0)])
+    second = fr.submit("p2", 2, [(101, "a", F16, "seg", 0, 0)])
+    assert [(m, f.req, f.code) for m, f in first.answers + second.answers] == [("p2", 100, "mismatch"),
+                                                                               ("p2", 101, "mismatch")]
+    assert not fr.failed
+    ready = fr.submit("p2", 2, entries(["a"], 102)).ready
+    assert [(e.member, e.req) for e in ready[0].members()] == [("p0", 20), ("p1", 21), ("p2", 102)]
+
+
+def test_a_new_process_of_a_rank_that_left_does_not_join_the_rounds_the_old_one_was_part_of():
+    fr = rounds(3)
+    fr.submit("p0", 0, entries(["a"]))
+    fr.submit("p1", 1, entries(["a"], 10))
+    fr.leave(1, pid=99)  # a fails; rank 2 still to submit it
+    assert len(fr.failed["a"]) == 1
+    nxt = fr.submit("p1'", 1, entries(["a"], 50))  # a new process as rank 1: its first round is a new one
+    assert nxt.answers == [] and fr.collecting["a"].entries[1] is not None
+
+
+def test_an_abort_says_whether_the_anchor_had_the_round_already():
+    fr = rounds(2)
+    fr.submit("p0", 0, entries(["a", "b"]))
+    fr.submit("p1", 1, entries(["b"], 10))  # b reported, a collecting
+    out = fr.leave(1, pid=99)
+    assert sorted((name, reported) for name, _, reported in out.aborts) == [("a", False), ("b", True)]
+    assert [r.name for r in fr.abandoned["b"]] == ["b"] and "a" not in fr.abandoned
+
+
+def test_the_anchors_answers_go_to_the_abandoned_rounds_first_in_order():
+    """Round 1 of ``a`` was reported, then failed here (abandoned); round 2 was reported since. The anchor's
+    answers come in the order of the reports: the first (a plan, or a failure) is round 1's and must neither
+    run nor fail round 2."""
+    why = Why.mismatch("a", "float32[4]", "float32[400]", "sizes on both sides of the fusion limit")
+    for answer in ("plan", "failure"):
+        fr = rounds(1)
+        fr.submit("p0", 0, entries(["a"], 1))
+        out = fr.fail_name("a", why)
+        assert [(n, rep) for n, _, rep in out.aborts] == [("a", True)]
+        fr.submit("p0", 0, entries(["a"], 2))  # round 2, reported
+        if answer == "plan":
+            run, missing = fr.planned(["a"])
+            assert run == [] and missing == {"a": F32}  # round 1's plan: its group fails
+        else:
+            assert fr.failed_at_anchor("a", Why("round 1 failed", "round_failed")).answers == []
+        assert not fr.abandoned and "a" in fr.reported
+        run, missing = fr.planned(["a"])  # round 2's plan
+        assert [e.req for r in run for e in r.members()] == [2] and missing == {}
+
+
+def test_answers_that_will_not_come_are_forgotten_with_their_connection():
+    fr = rounds(1)
+    out = fr.submit("p0", 0, entries(["a", "b"]))
+    out.ready[0].server, out.ready[1].server = 0, 2
+    out.ready[0].generation = out.ready[1].generation = 0
+    fr.fail_name("a", Why("gave up", "round_failed"))
+    fr.fail_name("b", Why("gave up", "round_failed"))
+    assert set(fr.abandoned) == {"a", "b"}
+    fr.forget_answers(2, before=1)  # server 2 restarted: it forgot b's report
+    assert set(fr.abandoned) == {"a"}
+    fr.link_lost(0, Why("server 0 went away", "connection"), before=1)
+    assert not fr.abandoned

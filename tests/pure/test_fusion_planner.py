@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import copy
+import pickle
 
 from bps_server.fusion import Planner
 from protocol.messages import FUSED_NAMES_BUDGET, MAX_FUSED_ENTRIES, Spec, Why
@@ -76,16 +76,33 @@ def test_an_abort_of_a_name_ready_but_not_yet_planned_takes_it_out_of_the_plan()
     assert p.take_plans() == [(0, ["b"])]
 
 
-def test_a_worker_gone_fails_every_waiting_name_and_no_failure_waits_for_it():
+def test_a_reset_worker_fails_every_waiting_name_and_no_failure_waits_for_it():
     p = Planner(3)
     p.report(0, ["a"], [F32])
     p.report(1, ["b"], [F32])
-    failed = p.worker_gone(1, Why("worker 1 disconnected", "connection"))
+    p.abort(0, ["c"], Why("worker 0 gave c up", "round_failed"))  # worker 1 and 2 still to hear it
+    failed = p.worker_gone(1, Why("every process of worker 1 left", "round_failed"), reset=True)
     assert sorted((f.worker, f.name) for f in failed) == [(0, "a")]  # 1 is gone: nobody to tell
-    assert set(p.failed) == {"a", "b"}
-    assert p.failed["a"][0][1] == {2} and p.failed["b"][0][1] == {0, 2}
-    p.worker_gone(2, Why("worker 2 reset", "round_failed"))
-    assert p.failed["b"][0][1] == {0} and "a" not in p.failed
+    assert set(p.failed) == {"a", "b", "c"}
+    assert p.failed["a"][0][1] == {2} and p.failed["b"][0][1] == {0, 2} and p.failed["c"][0][1] == {2}
+    p.worker_gone(2, Why("worker 2 reset", "round_failed"), reset=True)
+    assert p.failed["b"][0][1] == {0} and "a" not in p.failed and "c" not in p.failed
+
+
+def test_a_worker_whose_connection_dropped_still_hears_the_rounds_it_had_not_reported():
+    """Its processes live on: once it is back it reports the rounds it had not reported, and each must meet
+    its failure, not wait here as a new round that the peers' next step would join (steps summed together)."""
+    p = Planner(3)
+    p.report(0, ["a"], [F32])
+    p.report(1, ["b"], [F32])
+    p.abort(0, ["c"], Why("worker 0 gave c up", "round_failed"))
+    failed = p.worker_gone(1, Why("worker 1 disconnected", "connection"), reset=False)
+    assert sorted((f.worker, f.name) for f in failed) == [(0, "a")]  # b: worker 1 fails what it reported itself
+    assert p.failed["a"][0][1] == {1, 2} and p.failed["b"][0][1] == {0, 2} and p.failed["c"][0][1] == {1, 2}
+    late = p.report(1, ["a", "c"], [F32, F32])  # back, on a new connection
+    assert sorted((f.worker, f.name, f.why.text) for f in late) == [
+        (1, "a", "worker 1 disconnected"), (1, "c", "worker 0 gave c up")]
+    assert not p.waiting and p.failed["a"][0][1] == {2}
 
 
 def test_after_a_restart_a_worker_that_lost_a_plan_gets_it_again_whichever_message_comes_first():
@@ -201,6 +218,61 @@ def test_an_abort_of_a_round_already_failed_comes_before_the_next_round_waiting(
     assert p.take_plans() == [(0, ["a"])]
 
 
+def test_an_abort_of_a_reported_round_fails_it_for_every_reporter_the_aborting_one_too():
+    """Every report gets one answer: the worker that gave its reported round up hears the failure as well (it
+    ends the round it keeps for that answer, see bps_worker.fusion)."""
+    p = Planner(3)
+    p.report(0, ["a"], [F32])
+    p.report(1, ["a"], [F32])
+    told = p.abort(1, ["a"], Why("a rank of worker 1 left", "connection"), reported=True)
+    assert sorted((f.worker, f.why.text) for f in told) == [(0, "a rank of worker 1 left"),
+                                                            (1, "a rank of worker 1 left")]
+    assert p.failed["a"] == [(told[0].why, {2})]  # worker 2 hears it when it reports that round
+    # ready, not yet planned: out of the plan, and every worker hears
+    q = Planner(2)
+    q.report(0, ["b"], [F32])
+    q.report(1, ["b"], [F32])
+    assert sorted(f.worker for f in q.abort(0, ["b"], Why("left", "connection"), reported=True)) == [0, 1]
+    assert q.take_plans() == [] and not q.failed
+
+
+def test_an_abort_of_a_reported_round_already_planned_or_failed_is_not_taken_for_the_next_round():
+    """The plan went out (the worker fails its group when the plan names a round it gave up), or the round
+    failed already: the abort changes nothing here. Taken for the worker's next round, it would fail the
+    peers' next round of the name, which every worker runs in full."""
+    p = Planner(2)
+    p.report(0, ["a"], [F32])
+    p.report(1, ["a"], [F32])
+    assert p.take_plans() == [(0, ["a"])]
+    assert p.abort(1, ["a"], Why("left", "connection"), reported=True) == []
+    assert not p.failed
+    p.report(0, ["a"], [F32])  # the next round
+    assert p.abort(1, ["a"], Why("late", "connection"), reported=True) == []  # worker 1 did not report it
+    assert p.report(1, ["a"], [F32]) == [] and p.take_plans() == [(1, ["a"])]
+    # failed already: worker 0 disagreed; worker 1's abort of its own report of that round is an echo
+    p.report(1, ["a"], [F32])
+    assert sorted(f.worker for f in p.report(0, ["a"], [F16])) == [0, 1]
+    assert p.abort(1, ["a"], Why("left", "connection"), reported=True) == [] and not p.failed
+    assert p.report(0, ["a"], [F32]) == [] and p.waiting["a"].workers == {0}
+
+
+def test_a_report_beside_an_unfused_round_fails_the_report_and_takes_no_failed_round_of_the_pushers():
+    """Worker 1 pushed round 2 of ``a`` unfused after it heard round 1 failed (the failure waits for worker 2):
+    worker 0's report of round 2 meets that push. Its failure must not also use up a failed round of worker
+    1's: worker 1's part of round 1 ended when it pushed (its processes heard it)."""
+    p = Planner(3)
+    p.abort(2, ["a"], Why("round 1", "round_failed"))  # round 1 fails; workers 0 and 1 to hear it
+    assert [f.why.text for f in p.report(0, ["a"], [F32])] == ["round 1"]
+    p.pushed_unfused(1, "a", _unfused_why, {1})  # round 2 unfused: ends worker 1's round 1
+    assert not p.failed
+    p.report(0, ["a"], [F32])  # round 2, fused
+    told = p.reported_beside_unfused(0, "a", _unfused_why(F32), {1})
+    assert [(f.worker, f.why.code) for f in told] == [(0, "mismatch")]
+    assert p.failed["a"][0][1] == {2}  # worker 2 still to hear round 2; worker 1 heard it through its push
+    # worker 0's own report is not failed for a push it made itself
+    assert p.reported_beside_unfused(0, "b", _unfused_why(F32), {0}) == []
+
+
 def _explore(acts: list[list[str]]) -> int:
     """Every order in which the workers' reports ("R") and aborts ("A") of one name can reach the planner,
     round by round (``acts[w][k]``: worker w's round k). A worker's next round starts once it heard its
@@ -218,7 +290,7 @@ def _explore(acts: list[list[str]]) -> int:
             return 1
         explored = 0
         for w in enabled:
-            q = copy.deepcopy(p)
+            q = pickle.loads(pickle.dumps(p, pickle.HIGHEST_PROTOCOL))
             now, waits = list(at), set(pending)
             k = now[w]
             if acts[w][k] == "A":
