@@ -200,10 +200,7 @@ class ServerConnection(AdmittedProtocol):
             self.server.values.disconnected(self.worker)
             if not self.server.stopping:
                 failed = self.server.aggregator.worker_lost(self.worker)
-                self.server.fused(self.server.fusion.worker_gone(self.worker, Why(
-                    f"worker {self.worker} disconnected from server {self.server.config.server_id}", "connection",
-                    peer=f"worker {self.worker}", detail="it disconnected while fused sums waited for it"),
-                    reset=False))
+                self._fused_drop()
                 level = logging.WARNING if failed else logging.INFO
                 log.log(level, "worker %d (%s) disconnected; %d pending rounds failed", self.worker, self.peer, failed)
 
@@ -557,9 +554,19 @@ class ServerConnection(AdmittedProtocol):
         if old is not None and not old.closed:
             log.warning("worker %d reconnected from %s; closing its old connection", hello.id, self.peer)
             old.close()
+            if not hello.stream:  # its loss will not be heard as this worker's (it is not its link now)
+                self._fused_drop()
         if not hello.stream:
             self.server.aggregator.worker_hello(hello.id, hello.epoch)
             self.server.values.connected(hello.id)
+
+    def _fused_drop(self) -> None:
+        """This worker's connection is gone (closed, or replaced by its reconnect): the fused sums waiting on
+        what it reported on it fail, at the same boundary as the worker's (what it sent on the old connection
+        is failed there too, see bps_worker.fused_driver's link_ready)."""
+        self.server.fused(self.server.fusion.worker_gone(self.worker or 0, Why(
+            f"worker {self.worker} disconnected from server {self.server.config.server_id}", "connection",
+            peer=f"worker {self.worker}", detail="it disconnected while fused sums waited for it"), reset=False))
 
     def describe_daemon(self) -> str:
         """This worker connection's daemon, for the log and a refusal: where from, which run, which epoch."""

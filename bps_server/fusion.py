@@ -240,6 +240,9 @@ class Planner:
         out: list[Failed] = []
         for name, w in list(self.waiting.items()):
             out += self._fail(name, w, why, skip=worker if reset or worker in w.workers else -1)
+        if self.ready:  # reported by every worker, its report too (failed there): not planned
+            out += [Failed(r, name, why) for name in self.ready for r in range(self.workers) if r != worker]
+            self.ready = []
         if not reset:
             return out
         for name in list(self.failed):

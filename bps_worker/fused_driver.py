@@ -131,7 +131,6 @@ class FusedSums:
             reports = self._reports
             for fr in out.ready:
                 fr.server = sid = self.anchor(fr.name)
-                fr.generation = self._generation[sid]
                 reports.setdefault(sid, []).append(fr)
             if not self._reports_due:
                 self._reports_due = True
@@ -150,6 +149,10 @@ class FusedSums:
     def _report(self, sid: int, rounds: list[FusedRound[ClientSession]]) -> None:
         names = [fr.name for fr in rounds]
         counts = self.rounds.counts
+        generation = self._generation[sid]  # the connection that carries them (or the next: the link queues)
+        for fr in rounds:
+            fr.sent = True
+            fr.generation = generation
         for start, stop in fused_chunks(names):
             index: dict[Spec, int] = {}
             specs: list[Any] = []

@@ -68,6 +68,7 @@ class FusedRound(Generic[M]):
     server: int = -1  # the anchor server it was reported to
     opened: float = 0.0  # when its first entry came (the daemon's clock)
     generation: int = 0  # of the connection to its anchor it was reported on (bps_worker.fused_driver)
+    sent: bool = False  # its report went to the anchor (complete here, a report can wait: see fused_driver)
     reported_at: float = 0.0  # when every local rank had submitted it
     excused: set[int] = field(default_factory=set)  # local ranks that left or heard its failure another way
 
@@ -205,10 +206,11 @@ class FusedRounds(Generic[M]):
         name = fr.name
         if self.collecting.get(name) is fr:
             del self.collecting[name]
-        reported = self.reported.get(name) is fr
-        if reported:
+        reported = False
+        if self.reported.get(name) is fr:
             del self.reported[name]
-            if abort:  # the anchor still answers the report, and our abort: that answer is this round's
+            reported = fr.sent  # a report not sent yet never will be (fused_driver drops failed rounds)
+            if reported and abort:  # the anchor still answers the report, and our abort: that answer is this round's
                 self.abandoned.setdefault(name, []).append(fr)
         if fr.count < self.local_size:
             self.failed.setdefault(name, []).append(fr)
@@ -249,10 +251,11 @@ class FusedRounds(Generic[M]):
     def link_lost(self, server: int, why: Why, before: int | None = None) -> Decisions[M]:
         """What we reported to ``server`` is lost there (our connection broke and the server, which did not
         restart, failed those names for the peers itself; or we gave the server up): those rounds fail here
-        too; with ``before``, only those reported on a connection older than that generation."""
+        too; with ``before``, only those reported on a connection older than that generation (the reports
+        not sent yet go on the new one)."""
         out: Decisions[M] = Decisions()
         for fr in [fr for fr in self.reported.values()
-                   if fr.server == server and (before is None or fr.generation < before)]:
+                   if fr.server == server and (before is None or (fr.sent and fr.generation < before))]:
             self._fail(fr, why, out, abort=False)
         self.forget_answers(server, before)
         return out

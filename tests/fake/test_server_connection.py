@@ -225,3 +225,33 @@ async def test_fused_reports_on_a_second_stream_are_a_protocol_error():
     failure = t.messages()[-1][0]
     assert isinstance(failure, Failure) and "on stream 1, not 0" in failure.message and t.closed
     await server.stop()
+
+
+async def test_a_reconnect_that_replaces_the_old_connection_is_a_drop_for_fused_sums():
+    """Worker 0 reconnects before its old connection's loss is seen: what it reported on the old one fails
+    for the peers then (the worker fails it too), and the rounds it had not reported wait for its reports."""
+    from protocol.messages import FuseFailed, FusePlan, FuseReady
+
+    server = _server(3)
+    conns = [_connect(server) for _ in range(3)]
+    for w, (conn, t) in enumerate(conns):
+        _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, w)))
+        t.messages()
+    f32 = ["float32", [4], False, ""]
+    _feed(conns[0][0], _frame(FuseReady(["a"], [f32], [0])))
+    _feed(conns[1][0], _frame(FuseReady(["a", "b"], [f32], [0, 0])))
+    again, t0 = _connect(server)
+    _feed(again, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0)))  # the same daemon, a new connection
+    assert conns[0][1].closed and server.links[0] is again
+    await asyncio.sleep(0)
+    told = [m for m, _ in conns[1][1].messages() if isinstance(m, FuseFailed)]
+    assert [(f.name, f.code) for f in told] == [("a", "connection"), ("b", "connection")]
+    # worker 0 had not reported b: its report meets b's failure, not a new round
+    t0.messages()
+    _feed(again, _frame(FuseReady(["b"], [f32], [0])))
+    await asyncio.sleep(0)
+    assert [(m.name, m.code) for m, _ in t0.messages() if isinstance(m, (FuseFailed, FusePlan))] == [("b", "connection")]
+    assert "b" not in server.fusion.waiting
+    conns[0][0].connection_lost(None)  # the old connection's loss, seen late: nothing more
+    assert server.links[0] is again and not server.fusion.waiting
+    await server.stop()

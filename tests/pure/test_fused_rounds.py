@@ -21,6 +21,13 @@ def entries(names: list[str], req0: int = 1, spec: Spec = F32) -> list[tuple[int
     return [(req0 + i, n, spec, "seg", 64 * i, 0) for i, n in enumerate(names)]
 
 
+def sent(out: Any) -> Any:
+    """The daemon sent the reports of the rounds ``out`` made ready (as fused_driver's ``_report`` does)."""
+    for fr in out.ready:
+        fr.sent = True
+    return out
+
+
 def answered(out: Any) -> list[tuple[str, int, str, str]]:
     return [(member, f.req, f.code, f.message) for member, f in out.answers]
 
@@ -80,7 +87,7 @@ def test_a_mismatch_fails_that_name_only_for_every_local_rank_and_the_peers():
 def test_a_process_that_leaves_fails_every_round_it_is_part_of_or_awaited_by():
     fr = rounds(2)
     fr.submit("p0", 0, entries(["a", "b"]))
-    fr.submit("p1", 1, entries(["b"], 10))  # b reported, a collecting
+    sent(fr.submit("p1", 1, entries(["b"], 10)))  # b reported, a collecting
     out = fr.leave(1, pid=99)
     assert sorted((m, f.req, f.code) for m, f in out.answers) == [("p0", 1, "connection"), ("p0", 2, "connection")]
     assert sorted(name for name, _, _ in out.aborts) == ["a", "b"]
@@ -203,10 +210,32 @@ def test_a_new_process_of_a_rank_that_left_does_not_join_the_rounds_the_old_one_
 def test_an_abort_says_whether_the_anchor_had_the_round_already():
     fr = rounds(2)
     fr.submit("p0", 0, entries(["a", "b"]))
-    fr.submit("p1", 1, entries(["b"], 10))  # b reported, a collecting
+    sent(fr.submit("p1", 1, entries(["b"], 10)))  # b reported, a collecting
     out = fr.leave(1, pid=99)
     assert sorted((name, reported) for name, _, reported in out.aborts) == [("a", False), ("b", True)]
     assert [r.name for r in fr.abandoned["b"]] == ["b"] and "a" not in fr.abandoned
+
+
+def test_a_round_whose_report_was_held_is_given_up_as_never_reported():
+    """Complete here, its report waited (a fused operation with the anchor ran): the anchor never heard of it,
+    so its abort is of our next round there, and no answer is awaited."""
+    fr = rounds(2)
+    fr.submit("p0", 0, entries(["a"]))
+    held = fr.submit("p1", 1, entries(["a"], 10)).ready
+    assert [r.name for r in held] == ["a"] and not held[0].sent
+    out = fr.leave(1, pid=99)
+    assert [(name, reported) for name, _, reported in out.aborts] == [("a", False)] and not fr.abandoned
+    assert held[0].why is not None  # the daemon drops it from what it reports
+
+
+def test_a_broken_connection_fails_what_went_on_it_and_not_the_reports_held_for_the_next():
+    fr = rounds(1)
+    out = fr.submit("p0", 0, entries(["a", "b"]))
+    a, b = out.ready
+    a.server = b.server = 0
+    a.sent, a.generation = True, 0  # reported on connection 0; b held
+    lost = fr.link_lost(0, Why("broke", "connection"), before=1)
+    assert [f.req for _, f in lost.answers] == [1] and list(fr.reported) == ["b"]
 
 
 def test_the_anchors_answers_go_to_the_abandoned_rounds_first_in_order():
@@ -216,7 +245,7 @@ def test_the_anchors_answers_go_to_the_abandoned_rounds_first_in_order():
     why = Why.mismatch("a", "float32[4]", "float32[400]", "sizes on both sides of the fusion limit")
     for answer in ("plan", "failure"):
         fr = rounds(1)
-        fr.submit("p0", 0, entries(["a"], 1))
+        sent(fr.submit("p0", 0, entries(["a"], 1)))
         out = fr.fail_name("a", why)
         assert [(n, rep) for n, _, rep in out.aborts] == [("a", True)]
         fr.submit("p0", 0, entries(["a"], 2))  # round 2, reported
@@ -232,7 +261,7 @@ def test_the_anchors_answers_go_to_the_abandoned_rounds_first_in_order():
 
 def test_answers_that_will_not_come_are_forgotten_with_their_connection():
     fr = rounds(1)
-    out = fr.submit("p0", 0, entries(["a", "b"]))
+    out = sent(fr.submit("p0", 0, entries(["a", "b"])))
     out.ready[0].server, out.ready[1].server = 0, 2
     out.ready[0].generation = out.ready[1].generation = 0
     fr.fail_name("a", Why("gave up", "round_failed"))

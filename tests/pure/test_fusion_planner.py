@@ -218,6 +218,17 @@ def test_an_abort_of_a_round_already_failed_comes_before_the_next_round_waiting(
     assert p.take_plans() == [(0, ["a"])]
 
 
+def test_a_name_every_worker_reported_is_not_planned_once_one_of_them_dropped():
+    """The plan would not reach the worker that dropped (it fails what it reported on that connection): the
+    others would run it without it."""
+    p = Planner(2)
+    p.report(0, ["a"], [F32])
+    p.report(1, ["a"], [F32])
+    told = p.worker_gone(1, Why("worker 1 disconnected", "connection"), reset=False)
+    assert [(f.worker, f.name) for f in told] == [(0, "a")]
+    assert p.take_plans() == [] and not p.failed
+
+
 def test_an_abort_of_a_reported_round_fails_it_for_every_reporter_the_aborting_one_too():
     """Every report gets one answer: the worker that gave its reported round up hears the failure as well (it
     ends the round it keeps for that answer, see bps_worker.fusion)."""

@@ -4,7 +4,8 @@ their messages and the processes' steps can happen.
 
 What each process does with one name, step by step (``acts[w][k]``):
 
-- ``R``: submits its round and waits for the outcome (the sum, or a failure);
+- ``R``: submits its round and waits for the outcome (the sum, or a failure); the daemon sends the report
+  then, or later (it holds reports while a fused operation with the anchor runs);
 - ``X``: submits, and then, at any moment before the anchor's answer arrives, its machine gives the reported
   round up (``fail_name``: e.g. a process of that machine issued the name too large to fuse) and the process
   hears the failure at once;
@@ -35,9 +36,11 @@ NAME = "a"
 @dataclass
 class World:
     acts: list[str]  # one string per worker: its process's act at each step
+    hold: bool  # whether a daemon may hold its reports for a while (else they go at once)
     planner: Planner
     rounds: list[FusedRounds[str]]
     up: list[list[tuple]] = field(default_factory=list)  # worker -> server, in order
+    held: list[list] = field(default_factory=list)  # rounds complete on each worker, report not sent yet
     down: list[list[tuple]] = field(default_factory=list)  # server -> worker, in order
     step: list[int] = field(default_factory=list)  # each process's current step
     waiting: list[bool] = field(default_factory=list)  # its current step waits for an outcome
@@ -59,8 +62,17 @@ class World:
     def send_up(self, w: int, out) -> None:
         for name, why, reported in out.aborts:
             self.up[w].append(("abort", why, reported))
-        for fr in out.ready:
-            self.up[w].append(("report", self.rounds[w].counts.get(NAME, 0)))
+        self.held[w] += out.ready
+        if not self.hold:
+            self.send_reports(w)
+
+    def send_reports(self, w: int) -> None:
+        """The daemon sends the reports it held (fused_driver's ``_send_reports``: not those failed since)."""
+        held, self.held[w] = self.held[w], []
+        for fr in held:
+            if fr.why is None:
+                fr.sent = True
+                self.up[w].append(("report", self.rounds[w].counts.get(NAME, 0)))
 
     def answer(self, w: int, out) -> None:
         for member, failure in out.answers:
@@ -137,7 +149,7 @@ def _msg(m: tuple) -> tuple:
 
 def _round(fr) -> tuple:
     return (tuple(None if e is None else e.req for e in fr.entries), fr.count, frozenset(fr.excused),
-            fr.why.text if fr.why else None)
+            fr.why.text if fr.why else None, fr.sent)
 
 
 def state(world: World) -> tuple:
@@ -151,7 +163,7 @@ def state(world: World) -> tuple:
          tuple((n, tuple(map(_round, rs))) for n, rs in r.failed.items()),
          tuple((n, tuple(map(_round, rs))) for n, rs in r.abandoned.items()), tuple(r.counts.items()))
         for r in world.rounds)
-    return (planner, workers, tuple(tuple(map(_msg, q)) for q in world.up), tuple(tuple(map(_msg, q)) for q in world.down),
+    return (planner, workers, tuple(tuple(map(_round, q)) for q in world.held), tuple(tuple(map(_msg, q)) for q in world.up), tuple(tuple(map(_msg, q)) for q in world.down),
             tuple(world.step), tuple(world.waiting), tuple(world.may_give_up), tuple(sorted(world.outcomes.items())),
             frozenset(world.given_up), tuple((seq, tuple(sorted(d.items()))) for seq, d in sorted(world.plans.items())))
 
@@ -169,6 +181,8 @@ def walk(world: World, counter: list[int], seen: set[tuple]) -> None:
             moves.append((World.act, w))
         if world.may_give_up[w] and NAME in world.rounds[w].reported:
             moves.append((World.give_up, w))
+        if world.held[w]:
+            moves.append((World.send_reports, w))
         if world.up[w]:
             moves.append((World.at_server, w))
         if world.down[w]:
@@ -192,10 +206,10 @@ def walk(world: World, counter: list[int], seen: set[tuple]) -> None:
         walk(nxt, counter, seen)
 
 
-def explore(acts: list[str]) -> int:
+def explore(acts: list[str], hold: bool) -> int:
     n = len(acts)
-    world = World(acts, Planner(n), [FusedRounds(1, w, w) for w in range(n)], [[] for _ in range(n)],
-                  [[] for _ in range(n)], [0] * n, [False] * n, [False] * n)
+    world = World(acts, hold, Planner(n), [FusedRounds(1, w, w) for w in range(n)], [[] for _ in range(n)],
+                  [[] for _ in range(n)], [[] for _ in range(n)], [0] * n, [False] * n, [False] * n)
     counter = [0]
     seen: set[tuple] = set()
     walk(world, counter, seen)
@@ -203,10 +217,11 @@ def explore(acts: list[str]) -> int:
 
 
 def test_every_order_of_reports_aborts_and_give_ups_gives_each_step_one_true_outcome():
-    """2 workers x 2 steps, every mix of R, X and U; 3 workers x 1 step likewise."""
+    """2 workers x 2 steps, every mix of R, X and U, reports sent at once; 3 workers x 1 step likewise, with
+    reports held for a while or not."""
     orders = 0
-    for workers, steps in ((2, 2), (3, 1)):
+    for workers, steps, hold in ((2, 2, False), (3, 1, True)):
         for mix in itertools.product("RXU", repeat=workers * steps):
             acts = ["".join(mix[w * steps:(w + 1) * steps]) for w in range(workers)]
-            orders += explore(acts)
+            orders += explore(acts, hold)
     assert orders > 5_000, orders  # the walk did explore (distinct states)
