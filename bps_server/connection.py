@@ -48,6 +48,7 @@ from protocol.messages import (
     FuseAbort,
     FuseFailed,
     FuseReady,
+    FuseResync,
     FuseRunning,
     Hello,
     Message,
@@ -257,7 +258,7 @@ class ServerConnection(AdmittedProtocol):
             if st is not None:  # the synchronous side waits for our push in a round: it fails too
                 self.server.aggregator.abort(push.name, push.part, st.round, push.worker, why.text)
             if fused:  # or in a fused sum
-                self.server.fused(self.server.fusion.abort(push.worker, [push.name], why))
+                self.server.fused(self.server.fusion.abort(push.worker, [push.name], why, told=False))
         elif push.replay:
             values.restore(push, data)
         else:
@@ -382,6 +383,19 @@ class ServerConnection(AdmittedProtocol):
             return open_round[0] if open_round is not None else set()
 
         self.server.fused(self.server.fusion.abort(self.worker, message.names, why, unfused, message.reported))
+
+    def on_fuse_resync(self, message: FuseResync, payload: memoryview | None) -> None:
+        assert self.worker is not None
+        self._stream_zero(message)
+        if message.incarnation != self.server.incarnation:
+            return  # counts of our previous run: we heard nothing of them (the worker reports again)
+        why = Why(f"worker {self.worker}'s connection to server {self.server.config.server_id} broke with this "
+                  f"fused sum's round on its way", "connection", peer=f"worker {self.worker}",
+                  detail="its message about the round was lost with its connection")
+        failures = self.server.fusion.resync(self.worker, message.names, message.counts, why)
+        log.info("worker %d is back: %d fused names resynchronised, %d failures told", self.worker,
+                 len(message.names), len(failures))
+        self.server.fused(failures)
 
     def _stream_zero(self, message: Message) -> None:
         if self.stream:
@@ -557,6 +571,7 @@ class ServerConnection(AdmittedProtocol):
             if not hello.stream:  # its loss will not be heard as this worker's (it is not its link now)
                 self._fused_drop()
         if not hello.stream:
+            self.server.fusion.worker_hello(hello.id, hello.epoch)
             self.server.aggregator.worker_hello(hello.id, hello.epoch)
             self.server.values.connected(hello.id)
 
@@ -679,5 +694,6 @@ ServerConnection.HANDLERS = {
     FuseReady: ServerConnection.on_fuse_ready,
     FuseAbort: ServerConnection.on_fuse_abort,
     FuseRunning: ServerConnection.on_fuse_running,
+    FuseResync: ServerConnection.on_fuse_resync,
     Restored: ServerConnection.on_restored,
 }

@@ -20,6 +20,13 @@ abort takes the oldest one it is still in before it meets a round waiting here. 
 worker reported already (``FuseAbort.reported``) is of that round, wherever it is now: still waiting here
 (it fails, and the worker hears it too: every report gets one answer), planned (the plan answers it, and
 the worker fails its group) or failed (answered already); it never touches a later round.
+
+Lost messages. A connection that breaks can take with it what the worker wrote last (a report, an abort).
+The worker failed those rounds when it lost the connection; the planner learns of them from counts: it
+counts, per name and worker, the rounds it heard of (reports, and aborts of rounds not reported), and the
+worker's first message on its new connection (``FuseResync``) says how many it told. Each round not heard
+of fails here as an abort of it would have (``resync``). A worker whose processes are new (a reset, a new
+epoch) starts its counts again, and failures no longer wait for it.
 """
 
 from __future__ import annotations
@@ -77,6 +84,9 @@ class Planner:
         self.running_names: dict[str, tuple[int, int]] = {}
         self.running_plans: dict[int, list[str]] = {}
         self.resends: list[Resend] = []
+        # Per name, per worker: the rounds heard of (its reports, and its aborts of rounds it had not reported).
+        self.heard: dict[str, list[int]] = {}
+        self.epochs: dict[int, str] = {}  # each worker's epoch at its last hello (new processes: a new one)
         self.plans = 0
         self.planned = 0  # names, over all plans
 
@@ -90,7 +100,12 @@ class Planner:
         counts = counts or [0] * len(names)
         running = self.running_names
         lost: set[int] = set()
+        heard = self.heard
         for name, spec, count in zip(names, specs, counts):
+            h = heard.get(name)
+            if h is None:
+                h = heard[name] = [0] * everyone
+            h[worker] += 1
             if running:
                 run = running.get(name)
                 if run is not None and count == run[1] - 1:
@@ -176,16 +191,22 @@ class Planner:
         return plans
 
     def abort(self, worker: int, names: list[str], why: Why, unfused: Callable[[str], set[int]] = lambda _: set(),
-              reported: bool = False) -> list[Failed]:
+              reported: bool = False, told: bool = True) -> list[Failed]:
         """``worker`` gave these names up (see ``FuseAbort``): fail them for every worker. ``unfused(name)``:
         the workers that pushed the name's open round unfused (they will not report it: not waited for).
-        ``reported``: the rounds given up are those ``worker`` reported last, not its next ones."""
+        ``reported``: the rounds given up are those ``worker`` reported last, not its next ones. ``told``:
+        the worker told us (it counts the round as told, see ``resync``), not a push of ours that meant it."""
         out: list[Failed] = []
         if reported:
             for name in names:
                 out += self._abort_reported(worker, name, why, unfused)
             return out
         for name in names:
+            if told:
+                h = self.heard.get(name)
+                if h is None:
+                    h = self.heard[name] = [0] * self.workers
+                h[worker] += 1
             if name in self.failed and self._take_failed(name, worker) is not None:
                 continue  # that round failed already (its reporters told): it no longer waits for this worker
             w = self.waiting.get(name)
@@ -231,6 +252,25 @@ class Planner:
             return []
         return self._fail(name, w, why, unfused=unfused)
 
+    def resync(self, worker: int, names: list[str], counts: list[int], why: Why) -> list[Failed]:
+        """``worker`` is back on a new connection and told us ``counts[i]`` rounds of ``names[i]`` in all: each
+        we did not hear of was lost with its old connection (it failed there) and fails here, as its abort."""
+        out: list[Failed] = []
+        for name, count in zip(names, counts):
+            h = self.heard.get(name)
+            for _ in range(count - (h[worker] if h is not None else 0)):
+                out += self.abort(worker, [name], why)
+        return out
+
+    def worker_hello(self, worker: int, epoch: str) -> None:
+        """``worker`` connected with ``epoch``: a new one (its processes are new, they start at the peers'
+        step) ends what failures waited for of its old processes, and its counts start again."""
+        previous = self.epochs.get(worker)
+        if epoch:
+            self.epochs[worker] = epoch
+        if epoch and previous is not None and previous != epoch:
+            self._excuse(worker)
+
     def worker_gone(self, worker: int, why: Why, reset: bool) -> list[Failed]:
         """``worker``'s connection dropped, or its processes are gone (``reset``): every name waiting here
         fails, since it waits for that worker or for what it reported (which the worker fails itself, see
@@ -243,8 +283,12 @@ class Planner:
         if self.ready:  # reported by every worker, its report too (failed there): not planned
             out += [Failed(r, name, why) for name in self.ready for r in range(self.workers) if r != worker]
             self.ready = []
-        if not reset:
-            return out
+        if reset:
+            self._excuse(worker)
+        return out
+
+    def _excuse(self, worker: int) -> None:
+        """``worker``'s processes are gone: no failure waits for them, and its counts start again."""
         for name in list(self.failed):
             rounds = [(why, left - {worker}) for why, left in self.failed[name]]
             rounds = [(why, left) for why, left in rounds if left]
@@ -252,7 +296,8 @@ class Planner:
                 self.failed[name] = rounds
             else:
                 del self.failed[name]
-        return out
+        for h in self.heard.values():
+            h[worker] = 0
 
     def _take_failed(self, name: str, worker: int) -> Why | None:
         """``worker``'s report or abort of ``name`` is of the oldest failed round it is still in: it is out of

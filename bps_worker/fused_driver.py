@@ -25,6 +25,7 @@ from protocol.messages import (
     FuseFailed,
     FusePlan,
     FuseReady,
+    FuseResync,
     FuseRunning,
     Message,
     Spec,
@@ -68,6 +69,8 @@ class FusedSums:
         # restarted (FuseRunning), whose peers may have lost the plan with it.
         self._plans: dict[int, dict[int, tuple[list[str], list[int], int]]] = {sid: {} for sid in daemon.links}
         self._generation: Counter[int] = Counter()  # server id -> connections to it lost so far
+        # server id -> the rounds told of each of its names before its connection broke (see _lost)
+        self._told_before: dict[int, dict[str, int]] = {}
         self._stalls: StallWatch[FusedRound[ClientSession]] = StallWatch(warn_after_s=config.cluster.timeout)
         for sid, link in daemon.links.items():
             link.on_fused = lambda message, sid=sid: self.on_message(sid, message)
@@ -123,10 +126,13 @@ class FusedSums:
     def carry_out(self, out: Decisions[ClientSession]) -> None:
         for member, failure in out.answers:
             member.send(failure)
+        told = self.rounds.told
         for name, why, reported in out.aborts:
             # The peers hear that the round failed here, and why in words (as an Abort of an unfused round says).
             self.daemon.links[self.anchor(name)].fuse(
                 FuseAbort([name], why.text[:MAX_MESSAGE_CHARS], "round_failed", reported))
+            if not reported:
+                told[name] = told.get(name, 0) + 1
         if out.ready:
             reports = self._reports
             for fr in out.ready:
@@ -150,9 +156,11 @@ class FusedSums:
         names = [fr.name for fr in rounds]
         counts = self.rounds.counts
         generation = self._generation[sid]  # the connection that carries them (or the next: the link queues)
+        told = self.rounds.told
         for fr in rounds:
             fr.sent = True
             fr.generation = generation
+            told[fr.name] = told.get(fr.name, 0) + 1
         for start, stop in fused_chunks(names):
             index: dict[Spec, int] = {}
             specs: list[Any] = []
@@ -168,13 +176,31 @@ class FusedSums:
             self.daemon.links[sid].fuse(FuseReady(chunk, specs, which, [counts.get(n, 0) for n in chunk]))
 
     def _lost(self, sid: int) -> None:
-        self._generation[sid] += 1  # what was reported before this is the old connection's
+        """The connection to ``sid`` broke: what we reported before this is the old connection's, and the last
+        of what we told it may be lost with it. The first message of the next connection says how many rounds
+        of each name we told this run of the server (FuseResync; the link queues it before anything else), and
+        our counts start from 0 until we know whether the server that answers is the same run (link_ready)."""
+        self._generation[sid] += 1
+        told = self.rounds.told
+        before = {name: count for name, count in told.items() if self.anchor(name) == sid}
+        self._told_before[sid] = before
+        link = self.daemon.links[sid]
+        names = list(before)
+        for start, stop in fused_chunks(names):
+            chunk = names[start:stop]
+            link.first_on_reconnect(FuseResync(link.incarnation or "", chunk, [before[n] for n in chunk]))
+        for name in names:
+            del told[name]
 
     def link_ready(self, sid: int, restarted: bool) -> None:
         """Connected to ``sid`` again. A server that restarted forgot what we reported and what it planned:
         report again, and say which of its plans run here (FuseRunning). One that did not failed, for every
         worker, the names we had reported on the connection that broke: so do we."""
-        if not restarted:
+        before = self._told_before.pop(sid, {})
+        if not restarted:  # the same run: it counts on from what it heard of before
+            told = self.rounds.told
+            for name, count in before.items():
+                told[name] = told.get(name, 0) + count
             self.carry_out(self.rounds.link_lost(sid, Why(
                 f"the connection to server {sid} broke while fused sums waited there", "connection",
                 peer=f"server {sid}", detail="the connection broke while fused sums waited there"),

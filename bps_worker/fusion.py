@@ -122,6 +122,9 @@ class FusedRounds(Generic[M]):
         # Reported rounds that failed here, per name, oldest first: the anchor's answer to each (a plan or a
         # failure) is still to come (see ``planned`` and ``failed_at_anchor``).
         self.abandoned: dict[str, list[FusedRound[M]]] = {}
+        # Per name, the rounds we told its anchor's run of (reports, and aborts of rounds not reported): a
+        # connection that breaks may lose the last ones, which the anchor learns from these (FuseResync).
+        self.told: dict[str, int] = {}
         # Per name, how many plans named it (its fused rounds in this daemon's life): reported with it, so that
         # a server that restarted tells a worker that lost a plan from one that ran it (FuseRunning).
         self.counts: dict[str, int] = {}
@@ -334,4 +337,5 @@ class FusedRounds(Generic[M]):
         self.reported.clear()
         self.failed.clear()
         self.abandoned.clear()
+        self.told.clear()  # the anchors start our counts again (the Reset)
         return out

@@ -83,6 +83,7 @@ from protocol.messages import (
     FuseFailed,
     FusePlan,
     FuseReady,
+    FuseResync,
     FuseRunning,
     Hello,
     Message,
@@ -454,6 +455,11 @@ class ServerLink:
     def fuse(self, message: FuseReady | FuseAbort | FuseRunning) -> None:
         """Report fused sums to this server (their anchor), or give them up (sent once connected)."""
         self._send_control(message)
+
+    def first_on_reconnect(self, message: FuseResync) -> None:
+        """``message`` goes first on the next connection, before what is sent from now on (called from
+        ``on_lost``: the link reconnects on its own terms, within the window of the connection it lost)."""
+        self.control.keep(message)
 
     def queued_bytes(self) -> int:
         """Payload bytes waiting in the priority queue plus bytes in the transport's write buffer."""

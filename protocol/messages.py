@@ -851,6 +851,25 @@ class FuseRunning(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class FuseResync(Message):
+    """Worker to the anchor server, first on the connection that replaces a broken one: of each of ``names``
+    it told the server's run ``incarnation`` of ``counts[i]`` rounds (reports, and aborts of rounds it had
+    not reported; see bps_server.fusion). A round the server did not hear of was lost with the broken
+    connection; the worker failed it, and so does the server, for every worker. A server of another run
+    ignores it (it heard nothing of the worker's old counts)."""
+
+    TYPE: ClassVar[str] = "fuse_resync"
+    incarnation: str
+    names: list[str]
+    counts: list[int]
+
+    def validate(self) -> None:
+        _check_text("fuse resync", "incarnation", self.incarnation)
+        _check_fused_names("fuse resync", self.names)
+        _check_indexes("fuse resync", "counts", self.counts, len(self.names))
+
+
+@dataclass(frozen=True, slots=True)
 class FuseFailed(Message):
     """Server to a worker: fused tensor ``name`` failed at its meeting point (the fields as in Failure)."""
 
@@ -914,7 +933,7 @@ MESSAGES: Final[dict[str, type[Message]]] = {
     cls.TYPE: cls
     for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, Announce, Release, RoundQuery,
                 RoundInfo, Ping, StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch, OpBatch, DoneBatch,
-                FuseReady, FuseAbort, FusePlan, FuseRunning, FuseFailed, Restored)
+                FuseReady, FuseAbort, FusePlan, FuseRunning, FuseResync, FuseFailed, Restored)
 }
 
 class _Field(NamedTuple):

@@ -56,3 +56,36 @@ def late_rank(late: int, delay_s: float, n: int) -> dict[str, Any]:
         outs.append(bps.push_pull(np.full(n, rank + 1, np.float32), "late", average=False))
     total = sum(range(1, bps.size() + 1))
     return {"exact": all(bool((out == total).all()) for out in outs)}
+
+
+def fused_steps_while_a_server_stalls(server_pid: int, stall_s: float, names: int, steps: int, warm: int,
+                                      flags: str) -> dict[str, Any]:
+    """``steps`` steps of ``names`` small sums each (fused); from step ``warm`` on, once every rank finished its
+    warm-up, rank 0 stops the server (SIGSTOP) and resumes it ``stall_s`` later: longer than the timeout, the
+    workers drop their silent connections to it and reconnect to the same run of it. Each value is of its rank
+    and step, so a sum of two steps shows; per step, the names that failed (their error class)."""
+    rank, size = bps.rank(), bps.size()
+    wrong: list[str] = []
+    failed: dict[int, dict[str, str]] = {}
+    for step in range(steps):
+        if step == warm:
+            open(os.path.join(flags, f"warm-{rank}"), "w").close()
+            if rank == 0:
+                deadline = time.monotonic() + 60
+                while (not all(os.path.exists(os.path.join(flags, f"warm-{r}")) for r in range(size))
+                       and time.monotonic() < deadline):
+                    time.sleep(0.01)
+                os.kill(server_pid, signal.SIGSTOP)
+                threading.Timer(stall_s, os.kill, (server_pid, signal.SIGCONT)).start()
+        handles = {i: bps.push_pull_async(np.full(3, 1000 * step + 10 * rank + i % 10, np.float32), f"fd.{i}",
+                                          average=False) for i in range(names)}
+        for i, h in handles.items():
+            try:
+                y = bps.synchronize(h, timeout=60)
+            except bps.BPSError as exc:
+                failed.setdefault(step, {})[f"fd.{i}"] = type(exc).__name__
+                continue
+            want = size * (1000 * step + i % 10) + 10 * size * (size - 1) // 2
+            if not (y == want).all():
+                wrong.append(f"step {step} fd.{i}: {y.tolist()} instead of {want}")
+    return {"wrong": wrong, "failed": failed}

@@ -340,3 +340,41 @@ def test_every_order_of_reports_and_aborts_over_rounds_gives_each_round_its_outc
             acts = [list(mix[w * rounds:(w + 1) * rounds]) for w in range(workers)]
             orders += _explore(acts)
     assert orders > 10_000, orders  # the walk did explore
+
+
+def test_a_report_lost_with_a_broken_connection_is_failed_by_the_resync_not_by_the_next_report():
+    """Worker 1's report of round 1 was written on a connection that broke before we read it: it failed the
+    round itself. Told of one round by its resync, we fail round 1 for it; its next report is round 2's."""
+    p = Planner(2)
+    p.report(0, ["a"], [F32])  # round 1
+    p.worker_gone(1, Why("worker 1 disconnected", "connection"), reset=False)  # worker 0 hears round 1 failed
+    assert p.failed["a"][0][1] == {1}
+    lost = Why("lost with the connection", "connection")
+    assert p.resync(1, ["a"], [1], lost) == [] and not p.failed  # worker 1 knows: nobody to tell
+    assert p.resync(1, ["a"], [1], lost) == []  # told again: nothing more was lost
+    assert p.report(0, ["a"], [F32]) == [] and p.report(1, ["a"], [F32]) == []  # round 2 on both
+    assert p.take_plans() == [(0, ["a"])]
+    assert p.heard["a"] == [2, 2]
+
+
+def test_an_abort_lost_with_a_broken_connection_fails_the_round_for_the_peers():
+    """Worker 1 gave round 1 of ``b`` up before anyone reported it; the abort was lost. The resync fails the
+    round for worker 0, which would otherwise wait for worker 1's report for good."""
+    p = Planner(2)
+    p.worker_gone(1, Why("worker 1 disconnected", "connection"), reset=False)
+    assert p.resync(1, ["b", "c"], [1, 0], Why("lost", "connection")) == []
+    assert [(f.worker, f.name) for f in p.report(0, ["b"], [F32])] == [(0, "b")]
+    assert not p.failed and not p.waiting
+
+
+def test_new_processes_on_a_worker_start_its_counts_again_and_are_not_waited_for_by_old_failures():
+    p = Planner(2)
+    p.worker_hello(1, "epoch-1")
+    p.report(1, ["x"], [F32])
+    p.report(0, ["a"], [F32])
+    p.worker_gone(1, Why("worker 1 disconnected", "connection"), reset=False)
+    assert p.failed["a"][0][1] == {1}
+    p.worker_hello(1, "epoch-1")  # the same processes, reconnected: still owed the failure
+    assert p.failed["a"][0][1] == {1}
+    p.worker_hello(1, "epoch-2")  # new processes: they start at the peers' step
+    assert "a" not in p.failed and p.failed["x"][0][1] == {0} and p.heard["x"] == [0, 0]

@@ -50,6 +50,7 @@ SAMPLES: dict[str, m.Message] = {
     "done_batch": m.DoneBatch(reqs=[4, 5, 6]),
     "fuse_ready": m.FuseReady(names=["a", "b"], specs=[["int64", [3], False, ""]], spec=[0, 0], counts=[3, 0]),
     "fuse_running": m.FuseRunning(seq=4, names=["a", "b"], counts=[4, 1]),
+    "fuse_resync": m.FuseResync(incarnation="0123abcd", names=["a", "b"], counts=[7, 0]),
     "fuse_abort": m.FuseAbort(names=["a"], message="rank 1 disconnected", code="connection", reported=True),
     "fuse_plan": m.FusePlan(seq=7, names=["b", "a"]),
     "fuse_failed": m.FuseFailed(name="a", message="tensor 'a' mismatch", code="mismatch", ours="float32[4]",
