@@ -47,6 +47,7 @@ from protocol.messages import (
     Failure,
     FuseAbort,
     FuseFailed,
+    FusePlan,
     FuseReady,
     FuseResync,
     FuseRunning,
@@ -389,6 +390,14 @@ class ServerConnection(AdmittedProtocol):
         self._stream_zero(message)
         if message.incarnation != self.server.incarnation:
             return  # counts of our previous run: we heard nothing of them (the worker reports again)
+        if message.next_plan >= 0:
+            plans = self.server.fusion.sent_since(message.next_plan)
+            if plans is None:
+                log.error("worker %d lost fused plans from %d on with its connection, and this server no longer "
+                          "keeps them: its fused sums of this server may be numbered unlike its peers'",
+                          self.worker, message.next_plan)
+            for seq, names in plans or ():
+                self.send(FusePlan(seq, names, resent="lost"))
         why = Why(f"worker {self.worker}'s connection to server {self.server.config.server_id} broke with this "
                   f"fused sum's round on its way", "connection", peer=f"worker {self.worker}",
                   detail="its message about the round was lost with its connection")

@@ -26,18 +26,24 @@ The worker failed those rounds when it lost the connection; the planner learns o
 counts, per name and worker, the rounds it heard of (reports, and aborts of rounds not reported), and the
 worker's first message on its new connection (``FuseResync``) says how many it told. Each round not heard
 of fails here as an abort of it would have (``resync``). A worker whose processes are new (a reset, a new
-epoch) starts its counts again, and failures no longer wait for it.
+epoch) starts its counts again, and failures no longer wait for it. A plan can be lost the same way: the
+worker says which plan it got last, and gets the later ones again (``sent_since``).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
-from typing import AbstractSet, Callable
+from typing import AbstractSet, Callable, Final
 
 from bps_runtime.stalls import StallWatch
 from protocol.messages import Spec, Why, describe_spec, fused_chunks
 
 __all__ = ["Failed", "Planner", "Resend"]
+
+# Plans kept to send again to a worker whose connection broke before it got them (see Planner.sent_since):
+# a connection breaks within a timeout of its last sign of life, so a few seconds' plans are enough.
+PLAN_HISTORY: Final = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +95,7 @@ class Planner:
         self.epochs: dict[int, str] = {}  # each worker's epoch at its last hello (new processes: a new one)
         self.plans = 0
         self.planned = 0  # names, over all plans
+        self.history: deque[tuple[int, list[str]]] = deque(maxlen=PLAN_HISTORY)  # the last plans, in order
 
     def report(self, worker: int, names: list[str], specs: list[Spec], counts: list[int] | None = None,
                now: float = 0.0) -> list[Failed]:
@@ -185,6 +192,7 @@ class Planner:
         for start, stop in fused_chunks(ready):
             plans.append((self.seq, ready[start:stop]))
             self.seq += 1
+        self.history.extend(plans)
         self.plans += len(plans)
         self.planned += len(ready)
         self.ready = []
@@ -261,6 +269,16 @@ class Planner:
             for _ in range(count - (h[worker] if h is not None else 0)):
                 out += self.abort(worker, [name], why)
         return out
+
+    def sent_since(self, seq: int) -> list[tuple[int, list[str]]] | None:
+        """The plans from ``seq`` on (a worker got those before it and not the rest), to send it again; None
+        if some are no longer kept."""
+        history = self.history
+        if seq >= self.seq:
+            return []
+        if not history or history[0][0] > seq:
+            return None
+        return [plan for plan in history if plan[0] >= seq]
 
     def worker_hello(self, worker: int, epoch: str) -> None:
         """``worker`` connected with ``epoch``: a new one (its processes are new, they start at the peers'

@@ -214,7 +214,7 @@ class SummationServer:
             if conn is not None:
                 log.info("worker %d lost plan %d of this server's previous run: sending it again", resend.worker,
                          resend.seq)
-                conn.send(FusePlan(resend.seq, resend.names))
+                conn.send(FusePlan(resend.seq, resend.names, resent="restart"))
         if self.fusion.ready and not self._plans_due:
             self._plans_due = True
             asyncio.get_running_loop().call_soon(self._send_plans)

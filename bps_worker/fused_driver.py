@@ -71,6 +71,7 @@ class FusedSums:
         self._generation: Counter[int] = Counter()  # server id -> connections to it lost so far
         # server id -> the rounds told of each of its names before its connection broke (see _lost)
         self._told_before: dict[int, dict[str, int]] = {}
+        self._next_plan: Counter[int] = Counter()  # server id -> the seq of the next plan of its run we expect
         self._stalls: StallWatch[FusedRound[ClientSession]] = StallWatch(warn_after_s=config.cluster.timeout)
         for sid, link in daemon.links.items():
             link.on_fused = lambda message, sid=sid: self.on_message(sid, message)
@@ -186,9 +187,12 @@ class FusedSums:
         self._told_before[sid] = before
         link = self.daemon.links[sid]
         names = list(before)
-        for start, stop in fused_chunks(names):
-            chunk = names[start:stop]
-            link.first_on_reconnect(FuseResync(link.incarnation or "", chunk, [before[n] for n in chunk]))
+        next_plan = self._next_plan[sid]
+        if names or next_plan:
+            for start, stop in fused_chunks(names) if names else [(0, 0)]:
+                chunk = names[start:stop]
+                link.first_on_reconnect(FuseResync(link.incarnation or "", chunk, [before[n] for n in chunk],
+                                                   next_plan if start == 0 else -1))
         for name in names:
             del told[name]
 
@@ -207,6 +211,7 @@ class FusedSums:
                 before=self._generation[sid]))
             return
         self.rounds.forget_answers(sid, before=self._generation[sid])  # it forgot the reports we gave up
+        self._next_plan[sid] = 0  # its plans start again
         link = self.daemon.links[sid]
         for seq, (names, counts, _) in self._plans[sid].items():
             for start, stop in fused_chunks(names):
@@ -235,7 +240,9 @@ class FusedSums:
     def plan(self, sid: int, plan: FusePlan) -> None:
         """Run plan ``plan.seq`` of server ``sid``: one fused operation per dtype group, on the plan's lane."""
         daemon = self.daemon
-        rounds, missing = self.rounds.planned(plan.names)
+        if not plan.resent:
+            self._next_plan[sid] = plan.seq + 1
+        rounds, missing = self.rounds.planned(plan.names, plan.resent == "lost")
         groups: dict[tuple[str, bool], list[FusedRound[ClientSession]]] = {}
         for fr in rounds:
             groups.setdefault((fr.spec[0], fr.spec[2]), []).append(fr)

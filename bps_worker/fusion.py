@@ -125,6 +125,9 @@ class FusedRounds(Generic[M]):
         # Per name, the rounds we told its anchor's run of (reports, and aborts of rounds not reported): a
         # connection that breaks may lose the last ones, which the anchor learns from these (FuseResync).
         self.told: dict[str, int] = {}
+        # The spec of each round failed because its connection broke: a plan of it that the connection lost
+        # comes again (FusePlan.resent), and its group must fail as the peers' did.
+        self.lost_specs: dict[str, Spec] = {}
         # Per name, how many plans named it (its fused rounds in this daemon's life): reported with it, so that
         # a server that restarted tells a worker that lost a plan from one that ran it (FuseRunning).
         self.counts: dict[str, int] = {}
@@ -220,22 +223,24 @@ class FusedRounds(Generic[M]):
         if abort:
             out.aborts.append((name, why, reported))
 
-    def planned(self, names: list[str]) -> tuple[list[FusedRound[M]], dict[str, Spec | None]]:
+    def planned(self, names: list[str], lost: bool = False
+                ) -> tuple[list[FusedRound[M]], dict[str, Spec | None]]:
         """The anchor planned ``names``: their rounds in plan order (no longer ours to decide), and the names
         we have no reported round of, with their spec where we know it (failed here after we reported them:
-        the plan cannot run here as the peers run it)."""
+        the plan cannot run here as the peers run it). ``lost``: a plan we lost with a connection, sent
+        again (its rounds failed here when the connection broke; the round reported now is a later one)."""
         reported, counts, abandoned = self.reported, self.counts, self.abandoned
         rounds: list[FusedRound[M]] = []
         missing: dict[str, Spec | None] = {}
         for name in names:
             counts[name] = counts.get(name, 0) + 1
-            gone = self._answered(name)
+            gone = self._answered(name) if not lost else None
             if gone is not None:  # the plan is of a round we reported and gave up since (the oldest)
                 missing[name] = gone.spec
                 continue
-            fr = reported.pop(name, None)
+            fr = reported.pop(name, None) if not lost else None
             if fr is None:
-                missing[name] = None
+                missing[name] = self.lost_specs.pop(name, None) if lost else None
             else:
                 rounds.append(fr)
         return rounds, missing
@@ -260,6 +265,7 @@ class FusedRounds(Generic[M]):
         for fr in [fr for fr in self.reported.values()
                    if fr.server == server and (before is None or (fr.sent and fr.generation < before))]:
             self._fail(fr, why, out, abort=False)
+            self.lost_specs[fr.name] = fr.spec
         self.forget_answers(server, before)
         return out
 
@@ -338,4 +344,5 @@ class FusedRounds(Generic[M]):
         self.failed.clear()
         self.abandoned.clear()
         self.told.clear()  # the anchors start our counts again (the Reset)
+        self.lost_specs.clear()
         return out

@@ -53,6 +53,7 @@ MAX_WORKERS: Final = 1 << 16  # entries of an applied vector (Push.applied, Resu
 
 # Why an operation or a connection failed (Failure.code): a closed set, so that the receiving side picks a typed
 # error from the code (bps_worker.errors.error_from_failure), never from the message text.
+PlanResent = Literal["", "restart", "lost"]  # see FusePlan
 FailureCode = Literal[
     "error",           # anything else; the message says what
     "mismatch",        # processes disagree about a name (Failure.name, .ours, .theirs)
@@ -821,12 +822,16 @@ class FuseAbort(Message):
 @dataclass(frozen=True, slots=True)
 class FusePlan(Message):
     """Server to every worker: plan ``seq`` of this server sums ``names`` (in this order, grouped by dtype
-    and average) as one fused tensor per group, pushed to this server (see bps_worker.fusion)."""
+    and average) as one fused tensor per group, pushed to this server (see bps_worker.fusion). ``resent``: a
+    plan sent again to a worker that lost it, not the next of this run's plans: "restart", a plan of the
+    server's previous run (FuseRunning; the worker reported its names again), or "lost", lost with a broken
+    connection (FuseResync; the worker failed its rounds then, and must fail its groups as the peers do)."""
 
     TYPE: ClassVar[str] = "fuse_plan"
     CHECKED_WHEN_PARSED: ClassVar[bool] = True
     seq: int
     names: list[str]
+    resent: PlanResent = ""
 
     def validate(self) -> None:
         _check_non_negative("fuse plan", seq=self.seq)
@@ -855,18 +860,24 @@ class FuseResync(Message):
     """Worker to the anchor server, first on the connection that replaces a broken one: of each of ``names``
     it told the server's run ``incarnation`` of ``counts[i]`` rounds (reports, and aborts of rounds it had
     not reported; see bps_server.fusion). A round the server did not hear of was lost with the broken
-    connection; the worker failed it, and so does the server, for every worker. A server of another run
-    ignores it (it heard nothing of the worker's old counts)."""
+    connection; the worker failed it, and so does the server, for every worker. ``next_plan``: the seq of
+    the first plan of that run the worker did not get (-1: said in another part); the server sends the plans
+    from there again (``FusePlan.resent``), so that the worker numbers their sums as the peers did. A server
+    of another run ignores it (it heard nothing of the worker's old counts, and made none of those plans)."""
 
     TYPE: ClassVar[str] = "fuse_resync"
     incarnation: str
     names: list[str]
     counts: list[int]
+    next_plan: int = -1
 
     def validate(self) -> None:
         _check_text("fuse resync", "incarnation", self.incarnation)
-        _check_fused_names("fuse resync", self.names)
+        if self.names:
+            _check_fused_names("fuse resync", self.names)
         _check_indexes("fuse resync", "counts", self.counts, len(self.names))
+        if self.next_plan < -1:
+            raise LocalProtocolError(f"fuse resync has next_plan {self.next_plan}; -1 or more allowed")
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,27 +58,31 @@ def late_rank(late: int, delay_s: float, n: int) -> dict[str, Any]:
     return {"exact": all(bool((out == total).all()) for out in outs)}
 
 
-def fused_steps_while_a_server_stalls(server_pid: int, stall_s: float, names: int, steps: int, warm: int,
-                                      flags: str) -> dict[str, Any]:
-    """``steps`` steps of ``names`` small sums each (fused); from step ``warm`` on, once every rank finished its
-    warm-up, rank 0 stops the server (SIGSTOP) and resumes it ``stall_s`` later: longer than the timeout, the
-    workers drop their silent connections to it and reconnect to the same run of it. Each value is of its rank
-    and step, so a sum of two steps shows; per step, the names that failed (their error class)."""
+def fused_step_issued_during_a_drop(server_pid: int, stall_s: float, wait_s: float, names: int, steps: int,
+                                    warm: int, flags: str) -> dict[str, Any]:
+    """``steps`` steps of ``names`` small sums each (fused; each value of its rank and step, so that a sum of
+    two steps shows), with the ranks out of step at a stall of the server (SIGSTOP for ``stall_s``, longer
+    than the timeout: the workers drop their connections to it and reconnect to the same run of it). Rank 1
+    issues step ``warm`` at once (the server has its worker's reports), rank 0 stops the server, waits
+    ``wait_s`` (its worker drops the silent connection meanwhile) and only then issues that step: its worker
+    reports it on the next connection. That round failed for worker 1 when worker 0's connection broke, so it must fail
+    for worker 0 too, and not wait as a new round that worker 1's next step would join."""
     rank, size = bps.rank(), bps.size()
     wrong: list[str] = []
     failed: dict[int, dict[str, str]] = {}
     for step in range(steps):
-        if step == warm:
-            open(os.path.join(flags, f"warm-{rank}"), "w").close()
-            if rank == 0:
-                deadline = time.monotonic() + 60
-                while (not all(os.path.exists(os.path.join(flags, f"warm-{r}")) for r in range(size))
-                       and time.monotonic() < deadline):
-                    time.sleep(0.01)
-                os.kill(server_pid, signal.SIGSTOP)
-                threading.Timer(stall_s, os.kill, (server_pid, signal.SIGCONT)).start()
+        if step == warm and rank == 0:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(os.path.join(flags, "issued")) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)  # the server reads worker 1's reports
+            os.kill(server_pid, signal.SIGSTOP)
+            threading.Timer(stall_s, os.kill, (server_pid, signal.SIGCONT)).start()
+            time.sleep(wait_s)
         handles = {i: bps.push_pull_async(np.full(3, 1000 * step + 10 * rank + i % 10, np.float32), f"fd.{i}",
                                           average=False) for i in range(names)}
+        if step == warm and rank == 1:
+            open(os.path.join(flags, "issued"), "w").close()
         for i, h in handles.items():
             try:
                 y = bps.synchronize(h, timeout=60)

@@ -42,6 +42,14 @@ def _frame(message, payload: bytes = b"") -> bytes:
     return encode_header(to_header(message), len(payload)) + payload
 
 
+def _workers(server: SummationServer, n: int) -> list[tuple[ServerConnection, FakeTransport]]:
+    """Workers 0 to n-1, each connected and past its (tokenless) handshake."""
+    conns = [_connect(server) for _ in range(n)]
+    for w, (conn, _) in enumerate(conns):
+        _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, w)))
+    return conns
+
+
 async def test_handshake_push_result_and_stats():
     server = _server()
     conns = [_connect(server) for _ in range(2)]
@@ -196,10 +204,7 @@ async def test_fused_reports_become_one_plan_for_every_worker_and_a_mismatch_fai
     from protocol.messages import FuseFailed, FusePlan, FuseReady
 
     server = _server()
-    conns = [_connect(server) for _ in range(2)]
-    for w, (conn, t) in enumerate(conns):
-        _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, w)))
-        t.messages()
+    conns = _workers(server, 2)
     f32, f16 = ["float32", [4], False, ""], ["float16", [4], False, ""]
     _feed(conns[0][0], _frame(FuseReady(["a", "b", "c"], [f32], [0, 0, 0])))
     _feed(conns[1][0], _frame(FuseReady(["c", "a", "b"], [f32, f16], [0, 0, 1])))
@@ -233,10 +238,7 @@ async def test_a_reconnect_that_replaces_the_old_connection_is_a_drop_for_fused_
     from protocol.messages import FuseFailed, FusePlan, FuseReady
 
     server = _server(3)
-    conns = [_connect(server) for _ in range(3)]
-    for w, (conn, t) in enumerate(conns):
-        _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, w)))
-        t.messages()
+    conns = _workers(server, 3)
     f32 = ["float32", [4], False, ""]
     _feed(conns[0][0], _frame(FuseReady(["a"], [f32], [0])))
     _feed(conns[1][0], _frame(FuseReady(["a", "b"], [f32], [0, 0])))
@@ -254,4 +256,28 @@ async def test_a_reconnect_that_replaces_the_old_connection_is_a_drop_for_fused_
     assert "b" not in server.fusion.waiting
     conns[0][0].connection_lost(None)  # the old connection's loss, seen late: nothing more
     assert server.links[0] is again and not server.fusion.waiting
+    await server.stop()
+
+
+async def test_a_worker_back_on_a_new_connection_gets_the_plans_it_lost_and_the_rounds_it_lost_fail():
+    from protocol.messages import FuseFailed, FusePlan, FuseReady, FuseResync
+
+    server = _server(2)
+    conns = _workers(server, 2)
+    f32 = ["float32", [4], False, ""]
+    for w in (0, 1):
+        _feed(conns[w][0], _frame(FuseReady(["a"], [f32], [0])))
+    await asyncio.sleep(0)  # plan 0: a
+    _feed(conns[1][0], _frame(FuseReady(["b"], [f32], [0])))
+    conns[0][0].connection_lost(None)  # worker 0 lost plan 0, and its report of b (b waits for it)
+    again, t0 = _connect(server)
+    _feed(again, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0)))
+    _feed(again, _frame(FuseResync(server.incarnation, ["a", "b"], [1, 1], next_plan=0)))
+    await asyncio.sleep(0)
+    assert [(m.seq, m.names, m.resent) for m, _ in t0.messages() if isinstance(m, FusePlan)] == [(0, ["a"], "lost")]
+    # b: worker 1 heard at the drop; worker 0's lost report is failed by the resync (nobody left to tell)
+    assert [(m.name, m.code) for m, _ in conns[1][1].messages() if isinstance(m, FuseFailed)] == [("b", "connection")]
+    assert not server.fusion.failed and not server.fusion.waiting
+    _feed(again, _frame(FuseResync("another-run", ["a"], [5], next_plan=0)))  # counts of another run: ignored
+    assert len([m for m, _ in t0.messages() if isinstance(m, FusePlan)]) == 1 and not server.fusion.failed
     await server.stop()

@@ -271,3 +271,22 @@ def test_answers_that_will_not_come_are_forgotten_with_their_connection():
     assert set(fr.abandoned) == {"a"}
     fr.link_lost(0, Why("server 0 went away", "connection"), before=1)
     assert not fr.abandoned
+
+
+def test_a_plan_lost_with_a_connection_names_the_rounds_that_failed_with_it_and_not_the_later_ones():
+    """Round 1 of ``a`` was reported on connection 0, which broke with its plan on the way: the round failed
+    here. Round 2 was reported on the next connection, and given up there. The lost plan, sent again, is
+    round 1's: its group must fail here as it does for the peers; round 2's answer is still to come."""
+    fr = rounds(1)
+    out = sent(fr.submit("p0", 0, entries(["a"], 1)))
+    out.ready[0].server = 0
+    fr.link_lost(0, Why("broke", "connection"), before=1)
+    r2 = sent(fr.submit("p0", 0, entries(["a"], 2))).ready[0]
+    r2.server, r2.generation = 0, 1
+    fr.fail_name("a", Why("given up", "round_failed"))
+    run, missing = fr.planned(["a"], lost=True)
+    assert run == [] and missing == {"a": F32}
+    assert [r.members()[0].req for r in fr.abandoned["a"]] == [2] and fr.counts["a"] == 1
+    fr.submit("p0", 0, entries(["a"], 3))  # round 3 reported; the lost plan named no round of it
+    assert fr.planned(["a"], lost=True) == ([], {"a": None})
+    assert "a" in fr.reported

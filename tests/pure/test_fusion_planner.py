@@ -378,3 +378,13 @@ def test_new_processes_on_a_worker_start_its_counts_again_and_are_not_waited_for
     assert p.failed["a"][0][1] == {1}
     p.worker_hello(1, "epoch-2")  # new processes: they start at the peers' step
     assert "a" not in p.failed and p.failed["x"][0][1] == {0} and p.heard["x"] == [0, 0]
+
+
+def test_the_plans_a_broken_connection_lost_can_be_sent_again_while_kept():
+    p = Planner(1)
+    for name in ("a", "b", "c"):
+        p.report(0, [name], [F32])
+        p.take_plans()
+    assert p.sent_since(1) == [(1, ["b"]), (2, ["c"])] and p.sent_since(3) == []
+    p.history.popleft()
+    assert p.sent_since(0) is None and p.sent_since(1) == [(1, ["b"]), (2, ["c"])]

@@ -52,7 +52,7 @@ SAMPLES: dict[str, m.Message] = {
     "fuse_running": m.FuseRunning(seq=4, names=["a", "b"], counts=[4, 1]),
     "fuse_resync": m.FuseResync(incarnation="0123abcd", names=["a", "b"], counts=[7, 0]),
     "fuse_abort": m.FuseAbort(names=["a"], message="rank 1 disconnected", code="connection", reported=True),
-    "fuse_plan": m.FusePlan(seq=7, names=["b", "a"]),
+    "fuse_plan": m.FusePlan(seq=7, names=["b", "a"], resent="lost"),
     "fuse_failed": m.FuseFailed(name="a", message="tensor 'a' mismatch", code="mismatch", ours="float32[4]",
                                 theirs="float16[4]", peer="worker 1", detail="worker 0 has float32[4]"),
     "batch": m.Batch(items=[{"t": "done", "req": 1}, {"t": "result", "req": 2, "name": "b", "part": 0, "round": 1}],
