@@ -318,6 +318,8 @@ class ServerConnection(AdmittedProtocol):
         names, spec_of, counts = message.names, message.spec, message.counts
         if self.server.values.store.keys and any(self.server.values.has(n, 0) for n in names):
             keep = [i for i, n in enumerate(names) if not self._fused_misuse(n)]
+            for i in set(range(len(names))) - set(keep):  # refused, yet told of (see Planner.resync)
+                self.server.fusion.heard_of(self.worker, names[i])
             names, spec_of = [names[i] for i in keep], [spec_of[i] for i in keep]
             counts = [counts[i] for i in keep] if counts else counts
         named = [specs[i] for i in spec_of]
@@ -388,10 +390,10 @@ class ServerConnection(AdmittedProtocol):
     def on_fuse_resync(self, message: FuseResync, payload: memoryview | None) -> None:
         assert self.worker is not None
         self._stream_zero(message)
-        if message.incarnation != self.server.incarnation:
-            return  # counts of our previous run: we heard nothing of them (the worker reports again)
+        if message.incarnation != self.server.incarnation or message.epoch != self.epoch:
+            return  # counts of our previous run (the worker reports again), or of processes gone since (reset)
         if message.next_plan >= 0:
-            plans = self.server.fusion.sent_since(message.next_plan)
+            plans = self.server.fusion.sent_since(message.next_plan, self.worker)
             if plans is None:
                 log.error("worker %d lost fused plans from %d on with its connection, and this server no longer "
                           "keeps them: its fused sums of this server may be numbered unlike its peers'",
@@ -580,7 +582,7 @@ class ServerConnection(AdmittedProtocol):
             if not hello.stream:  # its loss will not be heard as this worker's (it is not its link now)
                 self._fused_drop()
         if not hello.stream:
-            self.server.fusion.worker_hello(hello.id, hello.epoch)
+            self.server.fusion.worker_hello(hello.id, hello.epoch, hello.daemon)
             self.server.aggregator.worker_hello(hello.id, hello.epoch)
             self.server.values.connected(hello.id)
 

@@ -93,6 +93,8 @@ class Planner:
         # Per name, per worker: the rounds heard of (its reports, and its aborts of rounds it had not reported).
         self.heard: dict[str, list[int]] = {}
         self.epochs: dict[int, str] = {}  # each worker's epoch at its last hello (new processes: a new one)
+        self.daemons: dict[int, str] = {}  # each worker's daemon at its last hello
+        self.first_plan: dict[int, int] = {}  # the seq of the first plan sent to that daemon
         self.plans = 0
         self.planned = 0  # names, over all plans
         self.history: deque[tuple[int, list[str]]] = deque(maxlen=PLAN_HISTORY)  # the last plans, in order
@@ -112,7 +114,7 @@ class Planner:
             h = heard.get(name)
             if h is None:
                 h = heard[name] = [0] * everyone
-            h[worker] += 1
+            h[worker] += 1  # (heard_of, inline: thousands of names per report)
             if running:
                 run = running.get(name)
                 if run is not None and count == run[1] - 1:
@@ -211,10 +213,7 @@ class Planner:
             return out
         for name in names:
             if told:
-                h = self.heard.get(name)
-                if h is None:
-                    h = self.heard[name] = [0] * self.workers
-                h[worker] += 1
+                self.heard_of(worker, name)
             if name in self.failed and self._take_failed(name, worker) is not None:
                 continue  # that round failed already (its reporters told): it no longer waits for this worker
             w = self.waiting.get(name)
@@ -270,9 +269,17 @@ class Planner:
                 out += self.abort(worker, [name], why)
         return out
 
-    def sent_since(self, seq: int) -> list[tuple[int, list[str]]] | None:
-        """The plans from ``seq`` on (a worker got those before it and not the rest), to send it again; None
-        if some are no longer kept."""
+    def heard_of(self, worker: int, name: str) -> None:
+        """``worker`` told us of a round of ``name`` (see ``resync``)."""
+        h = self.heard.get(name)
+        if h is None:
+            h = self.heard[name] = [0] * self.workers
+        h[worker] += 1
+
+    def sent_since(self, seq: int, worker: int) -> list[tuple[int, list[str]]] | None:
+        """The plans from ``seq`` on (``worker`` got those before it and not the rest; none made before its
+        daemon first connected), to send it again; None if some are no longer kept."""
+        seq = max(seq, self.first_plan.get(worker, 0))
         history = self.history
         if seq >= self.seq:
             return []
@@ -280,9 +287,13 @@ class Planner:
             return None
         return [plan for plan in history if plan[0] >= seq]
 
-    def worker_hello(self, worker: int, epoch: str) -> None:
+    def worker_hello(self, worker: int, epoch: str, daemon: str = "") -> None:
         """``worker`` connected with ``epoch``: a new one (its processes are new, they start at the peers'
-        step) ends what failures waited for of its old processes, and its counts start again."""
+        step) ends what failures waited for of its old processes, and its counts start again. A new
+        ``daemon`` got none of the plans made before."""
+        if daemon != self.daemons.get(worker):
+            self.daemons[worker] = daemon
+            self.first_plan[worker] = self.seq
         previous = self.epochs.get(worker)
         if epoch:
             self.epochs[worker] = epoch

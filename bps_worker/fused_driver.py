@@ -192,7 +192,7 @@ class FusedSums:
             for start, stop in fused_chunks(names) if names else [(0, 0)]:
                 chunk = names[start:stop]
                 link.first_on_reconnect(FuseResync(link.incarnation or "", chunk, [before[n] for n in chunk],
-                                                   next_plan if start == 0 else -1))
+                                                   next_plan if start == 0 else -1, link.epoch))
         for name in names:
             del told[name]
 
@@ -216,9 +216,11 @@ class FusedSums:
         for seq, (names, counts, _) in self._plans[sid].items():
             for start, stop in fused_chunks(names):
                 link.fuse(FuseRunning(seq, names[start:stop], counts[start:stop]))
-        again = [fr for fr in self.rounds.reported.values() if fr.server == sid and fr.why is None]
-        held = {id(fr) for fr in self._reports.get(sid, ())}
-        again = [fr for fr in again if id(fr) not in held]  # the held ones go when they go
+        # Those reported on a connection of the old run: not the held ones (they go when they go) nor those
+        # reported while the link was down (queued, they went to the new run before this).
+        generation = self._generation[sid]
+        again = [fr for fr in self.rounds.reported.values()
+                 if fr.server == sid and fr.why is None and fr.sent and fr.generation < generation]
         if again:
             log.info("server %d restarted: reporting %d fused sums to it again, %d plans of its run here",
                      sid, len(again), len(self._plans[sid]))
@@ -242,6 +244,8 @@ class FusedSums:
         daemon = self.daemon
         if not plan.resent:
             self._next_plan[sid] = plan.seq + 1
+        elif plan.resent == "lost":  # a second break must not have it sent (and numbered) again
+            self._next_plan[sid] = max(self._next_plan[sid], plan.seq + 1)
         rounds, missing = self.rounds.planned(plan.names, plan.resent == "lost")
         groups: dict[tuple[str, bool], list[FusedRound[ClientSession]]] = {}
         for fr in rounds:
@@ -301,3 +305,4 @@ class FusedSums:
     def reset(self) -> None:
         self.carry_out(self.rounds.reset())
         self._reports.clear()
+        self._told_before.clear()  # counts of the processes gone (a resync queued with them is void: epoch)

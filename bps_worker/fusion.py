@@ -264,8 +264,10 @@ class FusedRounds(Generic[M]):
         out: Decisions[M] = Decisions()
         for fr in [fr for fr in self.reported.values()
                    if fr.server == server and (before is None or (fr.sent and fr.generation < before))]:
-            self._fail(fr, why, out, abort=False)
-            self.lost_specs[fr.name] = fr.spec
+            # A report not sent yet (we gave the server up) is an abort of the round, told when it is back.
+            self._fail(fr, why, out, abort=not fr.sent)
+            if fr.sent:
+                self.lost_specs[fr.name] = fr.spec
         self.forget_answers(server, before)
         return out
 
@@ -273,7 +275,11 @@ class FusedRounds(Generic[M]):
         """The answers to the rounds we abandoned after reporting them to ``server`` (on a connection older
         than generation ``before``) will not come: that connection is gone, or the server restarted."""
         for name, rounds in list(self.abandoned.items()):
-            rounds[:] = [fr for fr in rounds if fr.server != server or (before is not None and fr.generation >= before)]
+            kept = [fr for fr in rounds if fr.server != server or (before is not None and fr.generation >= before)]
+            for fr in rounds:
+                if fr not in kept:
+                    self.lost_specs[name] = fr.spec  # its answer may have been a plan, lost: sent again (lost)
+            rounds[:] = kept
             if not rounds:
                 del self.abandoned[name]
 

@@ -870,9 +870,11 @@ class FuseResync(Message):
     names: list[str]
     counts: list[int]
     next_plan: int = -1
+    epoch: str = ""  # the worker's epoch when the connection broke: counts of processes gone since are void
 
     def validate(self) -> None:
         _check_text("fuse resync", "incarnation", self.incarnation)
+        _check_text("fuse resync", "epoch", self.epoch)
         if self.names:
             _check_fused_names("fuse resync", self.names)
         _check_indexes("fuse resync", "counts", self.counts, len(self.names))

@@ -385,6 +385,8 @@ def test_the_plans_a_broken_connection_lost_can_be_sent_again_while_kept():
     for name in ("a", "b", "c"):
         p.report(0, [name], [F32])
         p.take_plans()
-    assert p.sent_since(1) == [(1, ["b"]), (2, ["c"])] and p.sent_since(3) == []
+    assert p.sent_since(1, 0) == [(1, ["b"]), (2, ["c"])] and p.sent_since(3, 0) == []
     p.history.popleft()
-    assert p.sent_since(0) is None and p.sent_since(1) == [(1, ["b"]), (2, ["c"])]
+    assert p.sent_since(0, 0) is None and p.sent_since(1, 0) == [(1, ["b"]), (2, ["c"])]
+    p.worker_hello(0, "e", "another-daemon")  # a new daemon got none of the plans made before it
+    assert p.sent_since(0, 0) == []

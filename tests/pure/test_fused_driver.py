@@ -1,0 +1,204 @@
+"""The worker daemon's fused-sum driver (``bps_worker.fused_driver.FusedSums``) and the anchor's ``Planner``
+across broken connections: the real classes, a fake daemon and link (no sockets), the server's side played by
+hand as ``bps_server.connection`` plays it."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from collections import Counter
+from typing import Any
+
+from bps_server.fusion import Planner
+from bps_worker.fused_driver import FusedSums
+from protocol.messages import FuseAbort, FusePlan, FuseReady, FuseResync, Spec, Why
+
+F32: Spec = ("float32", (4,), False, "")
+DROP = Why("worker 0 disconnected", "connection")
+
+
+class Numbers:
+    """The daemon's round numbers per key (``LocalRounds.numbers``), with a log of what was taken."""
+
+    def __init__(self) -> None:
+        self.next: Counter[str] = Counter()
+        self.taken: list[tuple[str, int]] = []
+
+    def take(self, key: str) -> int:
+        n = self.next[key]
+        self.next[key] += 1
+        self.taken.append((key, n))
+        return n
+
+
+class Link:
+    """What the driver sees of ``ServerLink``: messages go on the wire when up, else wait in its queue; a
+    break calls ``on_lost``, a reconnect sends the queue and then calls ``on_ready`` (as ``_open`` does)."""
+
+    def __init__(self) -> None:
+        self.up = True
+        self.queue: list[Any] = []
+        self.wire: list[Any] = []
+        self.incarnation = "run-1"
+        self.epoch = "e1"
+
+    def fuse(self, message: Any) -> None:
+        (self.wire if self.up else self.queue).append(message)
+
+    def first_on_reconnect(self, message: Any) -> None:
+        self.queue.append(message)
+
+    def drop(self) -> None:
+        self.up = False
+        self.on_lost("broke")
+
+    def reconnect(self, incarnation: str = "run-1") -> None:
+        restarted, self.incarnation = incarnation != self.incarnation, incarnation
+        self.up = True
+        self.wire += self.queue
+        self.queue = []
+        self.on_ready(restarted)
+
+
+class Session:
+    local_rank = 0
+
+    def __init__(self) -> None:
+        self.got: list[Any] = []
+
+    def send(self, message: Any) -> None:
+        self.got.append(message)
+
+
+def worker(wid: int) -> Any:
+    link, numbers, aborted = Link(), Numbers(), []
+
+    def spawn(coro: Any) -> asyncio.Future[Any]:
+        coro.close()  # a fused operation: not run here
+        return asyncio.get_running_loop().create_future()
+
+    async def abort_when_known(key: str, local_round: int, base: Any, reason: str) -> None:
+        aborted.append((key, local_round))
+
+    daemon = types.SimpleNamespace(
+        config=types.SimpleNamespace(local_size=1, worker_id=wid, cluster=types.SimpleNamespace(timeout=10.0)),
+        rank_offset=wid, worker_id=wid, links={0: link}, sessions={},
+        placement=types.SimpleNamespace(server_ids=[0], anchor=lambda n: 0,
+                                        fused_key=lambda sid, lane, dtype, avg: f"fused/{sid}/{lane}/{dtype}"),
+        rounds=types.SimpleNamespace(numbers=numbers), spawn=spawn, round_base=lambda key, r: 0,
+        abort_when_known=lambda *args: (aborted.append(args[:2]), asyncio.sleep(0))[1])
+    fs = FusedSums(daemon)  # type: ignore[arg-type]
+    fs.session, fs.link, fs.numbers, fs.aborted = Session(), link, numbers, aborted
+    return fs
+
+
+async def submit(fs: Any, name: str, req: int) -> None:
+    fs.submit(fs.session, [(req, name, F32, "seg", 0, 0)])
+    await asyncio.sleep(0)  # the reports go at the end of the pass
+
+
+def deliver(p: Planner, w: int, fs: Any, epoch: str = "e1") -> list[Any]:
+    """The server reads what worker ``w`` wrote, as ``ServerConnection``'s handlers do; the lost plans it
+    sends again (``on_fuse_resync``) are handed to the worker."""
+    out: list[Any] = []
+    messages, fs.link.wire = fs.link.wire, []
+    for m in messages:
+        if isinstance(m, FuseReady):
+            out += p.report(w, m.names, [F32] * len(m.names), m.counts)
+        elif isinstance(m, FuseAbort):
+            out += p.abort(w, m.names, Why(m.message, m.code), reported=m.reported)
+        elif isinstance(m, FuseResync) and m.incarnation == "run-1" and m.epoch == epoch:
+            for seq, names in p.sent_since(m.next_plan, w) or [] if m.next_plan >= 0 else []:
+                fs.on_message(0, FusePlan(seq, names, resent="lost"))
+            out += p.resync(w, m.names, m.counts, Why("lost with the connection", "connection"))
+    return out
+
+
+def drop_and_reconnect(p: Planner, fs: Any, epoch: str = "e1") -> list[Any]:
+    fs.link.drop()
+    p.worker_gone(0, DROP, reset=False)
+    fs.link.reconnect()
+    return deliver(p, 0, fs, epoch)
+
+
+async def test_a_plan_sent_again_is_numbered_once_however_many_times_the_connection_breaks():
+    p, w0 = Planner(2), worker(0)
+    await submit(w0, "a", 1)
+    deliver(p, 0, w0)
+    p.report(1, ["a"], [F32])
+    assert p.take_plans() == [(0, ["a"])]  # written to worker 0, lost with its connection
+    drop_and_reconnect(p, w0)
+    assert w0.numbers.taken == [("fused/0/0/float32", 0)] and w0.aborted == [("fused/0/0/float32", 0)]
+    await submit(w0, "a", 2)  # round 2 reported; then a second break, before any new plan
+    deliver(p, 0, w0)
+    drop_and_reconnect(p, w0)
+    assert w0.numbers.taken == [("fused/0/0/float32", 0)] and w0.rounds.counts["a"] == 1  # as the peer
+
+
+async def test_a_resync_queued_before_the_processes_left_is_void():
+    """Every process of worker 0 leaves while its link is down: its counts are of processes gone. Read after
+    the new epoch's hello, they must not fail rounds of the peers, now or at the next break."""
+    p, w0 = Planner(2), worker(0)
+    p.worker_hello(0, "e1")
+    for step in range(3):
+        await submit(w0, "a", step)
+        deliver(p, 0, w0)
+        p.report(1, ["a"], [F32])
+        for seq, names in p.take_plans():  # run, as plan() runs them (no operations here)
+            w0._next_plan[0] = seq + 1
+            w0.rounds.planned(names)
+    w0.link.drop()
+    p.worker_gone(0, DROP, reset=False)
+    w0.reset()
+    w0.link.epoch = "e2"  # daemon._new_epoch
+    p.worker_hello(0, "e2")
+    w0.link.reconnect()
+    assert deliver(p, 0, w0, epoch="e2") == [] and not p.failed
+    assert w0.rounds.told == {} and p.heard["a"] == [0, 3]
+    drop_and_reconnect(p, w0, epoch="e2")
+    assert not p.failed and p.report(1, ["a"], [F32]) == []
+
+
+async def test_a_report_held_when_the_link_gives_up_is_told_as_given_up_when_it_is_back():
+    p, w0 = Planner(2), worker(0)
+    w0._running[0] = 1  # a fused operation with server 0 runs: reports wait
+    p.report(1, ["a"], [F32])  # the peer's step 1
+    await submit(w0, "a", 1)
+    assert not w0.rounds.reported["a"].sent
+    w0.link.drop()
+    w0.link.on_gave_up("gave up")
+    assert [m.code for m in w0.session.got] == ["connection"]  # step 1 failed here
+    p.worker_gone(0, DROP, reset=False)
+    w0._running[0] = 0
+    w0.link.reconnect()
+    deliver(p, 0, w0)  # the abort of step 1: the peer's step 1 failure is worker 0's too
+    assert not p.failed
+    await submit(w0, "a", 2)
+    assert deliver(p, 0, w0) == []
+    p.report(1, ["a"], [F32])
+    assert p.take_plans() == [(0, ["a"])]  # step 2 with step 2
+
+
+async def test_a_lost_plan_of_a_round_given_up_after_its_report_takes_its_number_as_the_peers_did():
+    p, w0 = Planner(2), worker(0)
+    await submit(w0, "a", 1)
+    deliver(p, 0, w0)
+    p.report(1, ["a"], [F32])
+    assert p.take_plans() == [(0, ["a"])]  # lost with the connection
+    w0.carry_out(w0.rounds.fail_name("a", Why("a process disagreed", "mismatch")))  # abandoned here
+    drop_and_reconnect(p, w0)
+    assert w0.numbers.taken == [("fused/0/0/float32", 0)] and w0.aborted == [("fused/0/0/float32", 0)]
+    assert not w0.rounds.abandoned
+
+
+async def test_a_report_written_while_the_link_was_down_goes_once_to_a_restarted_server():
+    p, w0 = Planner(2), worker(0)  # p: the server's new run
+    p.report(1, ["a"], [F32])
+    w0.link.drop()
+    await submit(w0, "a", 1)  # queued
+    w0.link.reconnect("run-2")
+    reports = [m for m in w0.link.wire if isinstance(m, FuseReady)]
+    assert [m.names for m in reports] == [["a"]]
+    for m in reports:
+        p.report(0, m.names, [F32], m.counts)
+    assert p.take_plans() == [(0, ["a"])] and not p.waiting
