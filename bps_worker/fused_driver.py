@@ -234,10 +234,11 @@ class FusedSums:
             self.carry_out(self.rounds.failed_at_anchor(message.name, message.why()))
 
     def link_lost(self, sid: int, reason: str) -> None:
-        """We gave server ``sid`` up: what we reported there fails."""
+        """We gave server ``sid`` up: what we reported there fails (what the link still holds, reports of
+        this generation, goes when it is back, with an abort behind it)."""
         self.carry_out(self.rounds.link_lost(sid, Why(
             f"the connection to server {sid} failed while fused sums waited there: {reason}", "connection",
-            peer=f"server {sid}", detail=reason)))
+            peer=f"server {sid}", detail=reason), queued=self._generation[sid]))
 
     def plan(self, sid: int, plan: FusePlan) -> None:
         """Run plan ``plan.seq`` of server ``sid``: one fused operation per dtype group, on the plan's lane."""

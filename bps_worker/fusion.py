@@ -256,19 +256,22 @@ class FusedRounds(Generic[M]):
             del self.abandoned[name]
         return fr
 
-    def link_lost(self, server: int, why: Why, before: int | None = None) -> Decisions[M]:
+    def link_lost(self, server: int, why: Why, before: int | None = None, queued: int | None = None
+                  ) -> Decisions[M]:
         """What we reported to ``server`` is lost there (our connection broke and the server, which did not
-        restart, failed those names for the peers itself; or we gave the server up): those rounds fail here
-        too; with ``before``, only those reported on a connection older than that generation (the reports
-        not sent yet go on the new one)."""
+        restart, failed those names for the peers itself): those rounds fail here too, those reported on a
+        connection older than generation ``before`` (the reports not sent yet go on the new one). Without
+        ``before``, we gave the server up: every round reported there fails; a report still held here, or
+        waiting in the link's queue (generation ``queued`` on), goes when the link is back, so its round is
+        given up there too (an abort behind it), and its answer awaited."""
         out: Decisions[M] = Decisions()
         for fr in [fr for fr in self.reported.values()
                    if fr.server == server and (before is None or (fr.sent and fr.generation < before))]:
-            # A report not sent yet (we gave the server up) is an abort of the round, told when it is back.
-            self._fail(fr, why, out, abort=not fr.sent)
-            if fr.sent:
+            on_its_way = not fr.sent or (before is None and queued is not None and fr.generation >= queued)
+            self._fail(fr, why, out, abort=on_its_way)
+            if not on_its_way:
                 self.lost_specs[fr.name] = fr.spec
-        self.forget_answers(server, before)
+        self.forget_answers(server, before if before is not None else queued)
         return out
 
     def forget_answers(self, server: int, before: int | None = None) -> None:

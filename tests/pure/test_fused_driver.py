@@ -202,3 +202,26 @@ async def test_a_report_written_while_the_link_was_down_goes_once_to_a_restarted
     for m in reports:
         p.report(0, m.names, [F32], m.counts)
     assert p.take_plans() == [(0, ["a"])] and not p.waiting
+
+
+async def test_a_report_queued_in_the_link_when_it_gives_up_is_given_up_behind_it():
+    """Found by a randomized run of this harness: the report went into the link's queue (the link was down),
+    the link gave up and the round failed here; the link kept the report and sent it when it came back. With
+    no abort behind it, the planner paired it with the peer's step, and this worker's next step with the
+    peer's next: every sum one step apart from then on."""
+    p, w0 = Planner(2), worker(0)
+    w0.link.drop()
+    p.worker_gone(0, DROP, reset=False)
+    await submit(w0, "b", 0)  # reported while down: in the link's queue
+    assert [type(m).__name__ for m in w0.link.queue] == ["FuseReady"]
+    w0.link.on_gave_up("gave up")
+    assert [m.code for m in w0.session.got] == ["connection"]
+    w0.link.reconnect()
+    for f in deliver(p, 0, w0):  # the report, then its abort: step 0 fails for the peer too
+        assert f.worker == 0  # the answer to the report (nobody else reported it yet)
+        w0.carry_out(w0.rounds.failed_at_anchor(f.name, f.why))
+    assert [(f.worker, f.name) for f in p.report(1, ["b"], [F32])] == [(1, "b")]
+    await submit(w0, "b", 1)
+    deliver(p, 0, w0)
+    assert p.report(1, ["b"], [F32]) == [] and p.take_plans() == [(0, ["b"])]  # step 1 with step 1
+    assert not w0.rounds.abandoned and not p.failed
