@@ -10,7 +10,10 @@ replacing it), the link reconnecting (the same run of the server) or giving up f
 machine giving a round up (``fail_name``), plans going out, a data round completing. Checked: no data round
 pairs two steps, every step of every process ends exactly once, nothing waits for ever, nothing is left in
 the planner or the workers at the end, and both workers took the same lane numbers. Found the queued-report
-give-up of 45fbf5e (126 of 2,000 seeds); run more seeds with ``python tests/pure/test_fusion_sim.py A B``.
+give-up of 45fbf5e (126 of 2,000 seeds). Modes: ``base`` (one process a worker), ``local2`` (two processes
+on worker 0, one of which may leave; rounds waiting for it then fail as overdue), ``restart`` (the anchor
+server dies and a new run of it starts: NOT yet passing, see the closing note of session 15; not in the
+suite). Run more seeds with ``python tests/pure/test_fusion_sim.py MODE A B [trace]``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import pytest
 
 import bps_worker.fused_driver as fd
 from bps_server.fusion import Planner
-from protocol.messages import Failure, FuseAbort, FuseFailed, FusePlan, FuseReady, FuseResync, Why
+from protocol.messages import Failure, FuseAbort, FuseFailed, FusePlan, FuseReady, FuseResync, FuseRunning, Reset, Why
 
 F32 = ("float32", (4,), False, "")
 NAMES = ["a", "b"]
@@ -81,14 +84,21 @@ class Link:
     def first_on_reconnect(self, m): self.queue.append(m)
 
 class Session:
-    local_rank = 0
-    def __init__(self, sim, w): self.sim, self.w = sim, w
+    def __init__(self, sim, w, rank=0):
+        self.sim, self.w, self.local_rank = sim, w, rank
+        self.pid = 100 * w + rank; self.step = 0; self.outstanding = set(); self.gone = False; self.epoch = 0
     def send(self, m):
         assert isinstance(m, Failure), m
         self.sim.answer(self.w, m.req, "fail:" + m.code)
 
 class Sim:
-    def __init__(self, seed, nsteps=8, p_break=0.06, p_giveup=0.3, p_failname=0.03, p_lose=0.5):
+    def __init__(self, seed, nsteps=8, p_break=0.06, p_giveup=0.3, p_failname=0.03, p_lose=0.5, mode="base"):
+        self.mode = mode
+        self.p_restart = 0.04 if mode == "restart" else 0.0
+        self.p_reset = 0.02 if mode == "reset" else 0.0
+        self.p_leave = 0.03 if mode == "local2" else 0.0
+        self.local = [2 if mode == "local2" else 1, 1]
+        self.inc = 1; self.counts = Counter()
         self.rng = random.Random(seed); self.seed = seed
         self.nsteps = nsteps; self.p_break = p_break; self.p_giveup = p_giveup
         self.p_failname = p_failname; self.p_lose = p_lose
@@ -114,13 +124,13 @@ class Sim:
             if w in slot: raise_v(sim, f"worker {w} twice in data round {(key, local_round)}")
             slot[w] = "abort"
             sim.log(f"w{w} abort data {key}#{local_round}")
-        numbers = types.SimpleNamespace(next=Counter())
+        numbers = types.SimpleNamespace(next=Counter(), total=Counter())
         def take(key):
-            n = numbers.next[key]; numbers.next[key] += 1; return n
+            n = numbers.next[key]; numbers.next[key] += 1; numbers.total[key] += 1; return n
         numbers.take = take
         daemon = types.SimpleNamespace(
             sim=self,
-            config=types.SimpleNamespace(local_size=1, worker_id=w, cluster=types.SimpleNamespace(timeout=10.0)),
+            config=types.SimpleNamespace(local_size=self.local[w], worker_id=w, cluster=types.SimpleNamespace(timeout=10.0)),
             rank_offset=w, worker_id=w, links={0: link}, sessions={},
             placement=types.SimpleNamespace(server_ids=[0], anchor=lambda n: 0,
                                             fused_key=lambda sid, lane, dtype, avg: f"L{lane}"),
@@ -130,8 +140,8 @@ class Sim:
             abort_when_known=abort_when_known)
         fs = fd.FusedSums(daemon)
         fs.sim_w = w; fs.link = link; fs.numbers = numbers
-        fs.session = Session(self, w)
-        fs.proc_step = 0; fs.outstanding = set(); fs.answered = Counter()
+        fs.procs = [Session(self, w, r) for r in range(self.local[w])]
+        fs.answered = Counter(); fs.reset_pending = False; fs.wepoch = 0
         orig_plan = fs.plan
         def plan(sid, m):
             info = {n: (fs.rounds.reported[n].entries[0].req // 10 if n in fs.rounds.reported else None) for n in m.names}
@@ -145,8 +155,11 @@ class Sim:
         fs.answered[req] += 1
         self.log(f"w{w} answer req {req} {how}")
         if fs.answered[req] > 1: raise_v(self, f"w{w} req {req} answered twice")
-        if req not in fs.outstanding: raise_v(self, f"w{w} req {req} answered but not outstanding")
-        fs.outstanding.discard(req)
+        pr = fs.procs[(req // 1000) % 10]
+        if (req // 10000) != pr.epoch or pr.gone:
+            self.log(f"  (to a process gone: ignored)"); return
+        if req not in pr.outstanding: raise_v(self, f"w{w} req {req} answered but not outstanding")
+        pr.outstanding.discard(req)
 
     # ---- server side (as bps_server.connection / server.py) ----
     def s_send(self, w, m):
@@ -158,7 +171,10 @@ class Sim:
     def fused(self, failures):
         for f in failures:
             self.s_send(f.worker, FuseFailed(f.name, f.why.text[:200], f.why.code))
-        assert not self.p.take_resends()
+        for r in self.p.take_resends():
+            self.log(f"S resend plan {r.seq} {r.names} to w{r.worker}")
+            if r.worker in self.links:
+                self.s_send(r.worker, FusePlan(r.seq, r.names, resent="restart"))
         if self.p.ready and not self.plans_due:
             self.plans_due = True
 
@@ -180,13 +196,18 @@ class Sim:
         elif isinstance(m, FuseAbort):
             self.fused(p.abort(w, m.names, Why(m.message, m.code), lambda n: set(), m.reported))
         elif isinstance(m, FuseResync):
-            if m.incarnation != "run-1" or m.epoch != "e1": return
+            if m.incarnation != f"run-{self.inc}" or m.epoch != conn.epoch: return
             if m.next_plan >= 0:
                 plans = p.sent_since(m.next_plan, w)
                 if plans is None: raise_v(self, "plans no longer kept")
                 for seq, names in plans or ():
                     self.s_send(w, FusePlan(seq, names, resent="lost"))
             self.fused(p.resync(w, m.names, m.counts, Why("lost with the connection", "connection")))
+        elif isinstance(m, FuseRunning):
+            p.running(w, m.seq, m.names, m.counts)
+            self.fused([])
+        elif isinstance(m, Reset):
+            self.fused(p.worker_gone(w, Why(f"every training process of worker {w} left", "round_failed"), reset=True))
         else:
             raise AssertionError(m)
 
@@ -202,13 +223,18 @@ class Sim:
             if old.w2s: self.log(f"  lost at server close: {old.w2s!r:.160}")
             old.w2s = []
             self.fused_drop(w)
-        self.p.worker_hello(w, "e1", f"d{w}")
+        self.p.worker_hello(w, link.epoch, f"d{w}")
+        conn.epoch = link.epoch
+        cur = f"run-{self.inc}"
+        restarted = link.incarnation != cur
+        link.incarnation = cur
         link.up = True; link.conn = conn; link.gave_up = False
         conn.w2s += link.queue; link.queue = []
+        if restarted: self.log(f"  w{w} sees a restarted server ({cur})")
         if not first:
-            link.on_ready(False)
+            link.on_ready(restarted)
 
-    def brk(self, w):
+    def brk(self, w, crash=False):
         fs = self.W[w]; link = fs.link; conn = link.conn
         k = len(conn.s2w) - (self.rng.randint(0, len(conn.s2w)) if self.rng.random() < self.p_lose else 0)
         lost = conn.s2w[k:]; keep = conn.s2w[:k]
@@ -218,18 +244,41 @@ class Sim:
             self.log(f"w{w}<-S {m!r:.120}")
             fs.on_message(0, m)
         k = len(conn.w2s) - (self.rng.randint(0, len(conn.w2s)) if self.rng.random() < self.p_lose else 0)
+        if crash: k = 0
         if conn.w2s[k:]: self.log(f"  w->s lost {conn.w2s[k:]!r:.200}")
         conn.w2s = conn.w2s[:k]
         conn.worker_closed = True
         link.up = False; link.conn = None
         link.on_lost("broke")
 
+    def crash(self):
+        self.log(f"SERVER CRASH run-{self.inc} -> run-{self.inc + 1}")
+        for w, conn in list(self.links.items()):
+            conn.server_closed = True
+            link = self.W[w].link
+            if link.conn is conn:
+                self.brk(w, crash=True)
+            conn.w2s = []
+        self.links = {}
+        self.inc += 1
+        self.p = Planner(2)
+        self.plans_due = False
+
+    def proc_active(self, pr):
+        return not pr.gone and pr.epoch == self.W[pr.w].wepoch
+
     def enabled(self, final=False):
         ev = []
         for w, fs in enumerate(self.W):
             link = fs.link
-            if fs.proc_step < self.nsteps and not fs.outstanding:
-                ev.append(("submit", w))
+            for pr in fs.procs:
+                if self.proc_active(pr) and pr.step < self.nsteps and not pr.outstanding:
+                    ev.append(("submit", (w, pr.local_rank)))
+                if self.p_leave and not final and self.proc_active(pr) and sum(self.proc_active(q) for q in fs.procs) > 1:
+                    ev.append(("leave", (w, pr.local_rank)))
+            if self.p_leave and any(pr.gone for pr in fs.procs) and any(
+                    any(fs.procs[r].gone for r, e in enumerate(fr.entries) if e is None) for fr in fs.rounds.collecting.values()):
+                ev.append(("overdue", w))
             if link.up and link.conn.s2w:
                 ev.append(("s2w", w))
             if any(cb.__self__ is fs for cb in self.pending):
@@ -249,23 +298,37 @@ class Sim:
                 ev.append(("notice", w))
         if self.plans_due:
             ev.append(("plans", None))
+        if self.p_restart and not final:
+            ev.append(("crash", None))
         for key, slot in self.dp.items():
             if len(slot) == 2:
                 ev.append(("data", key))
         return ev
 
     def weight(self, e):
-        return {"break": self.p_break, "giveup": self.p_giveup * 0.3, "failname": self.p_failname}.get(e[0], 1.0)
+        return {"break": self.p_break, "giveup": self.p_giveup * 0.3, "failname": self.p_failname,
+                "crash": self.p_restart, "leave": self.p_leave, "reset": self.p_reset}.get(e[0], 1.0)
 
     def do(self, e):
         kind, x = e
         self.events += 1
         if kind == "submit":
-            fs = self.W[x]; k = fs.proc_step; fs.proc_step += 1
-            entries = [(k * 10 + i, n, F32, "seg", 0, 0) for i, n in enumerate(self.steps[k])]
-            fs.outstanding = {r for r, *_ in entries}
-            self.log(f"w{x} SUBMIT step {k} {self.steps[k]}")
-            fs.submit(fs.session, entries)
+            w, r = x; fs = self.W[w]; pr = fs.procs[r]; k = pr.step; pr.step += 1
+            entries = [(pr.epoch * 10000 + r * 1000 + k * 10 + i, n, F32, "seg", 0, 0) for i, n in enumerate(self.steps[k])]
+            pr.outstanding = {q for q, *_ in entries}
+            self.log(f"w{w}r{r} SUBMIT step {k} {self.steps[k]}")
+            fs.submit(pr, entries)
+        elif kind == "leave":
+            w, r = x; fs = self.W[w]; pr = fs.procs[r]
+            self.log(f"w{w}r{r} LEAVES at step {pr.step} (outstanding {sorted(pr.outstanding)})")
+            pr.gone = True; pr.outstanding = set()
+            fs.carry_out(fs.rounds.leave(r, pr.pid))
+        elif kind == "overdue":
+            fs = self.W[x]
+            self.log(f"w{x} OVERDUE")
+            fs.carry_out(fs.rounds.overdue([pr.local_rank for pr in fs.procs if not pr.gone], 1e9, 1.0))
+        elif kind == "crash":
+            self.crash()
         elif kind == "s2w":
             fs = self.W[x]; m = fs.link.conn.s2w.pop(0)
             self.log(f"w{x}<-S {m!r:.120}")
@@ -309,7 +372,11 @@ class Sim:
                 for o in ops:
                     if o != "abort": o.fut.set_result(False)
             else:
-                sig = [[(fr.name, e.req // 10) for fr in o.members for e in fr.members()] for o in ops]
+                sig = [sorted({(fr.name, e.req % 1000 // 10) for fr in o.members for e in fr.members()}) for o in ops]
+                for o in ops:
+                    for fr in o.members:
+                        if len({e.req % 1000 // 10 for e in fr.members()}) > 1:
+                            raise_v(self, f"local ranks of one round at different steps: {[(e.req) for e in fr.members()]}")
                 self.log(f"DATA {x} sum {sig}")
                 if sig[0] != sig[1]:
                     raise_v(self, f"data round {x} pairs {sig[0]} with {sig[1]}")
@@ -327,7 +394,7 @@ class Sim:
         try:
             n = 0
             while n < max_events:
-                done = all(fs.proc_step >= self.nsteps for fs in self.W)
+                done = all(pr.step >= self.nsteps or not self.proc_active(pr) for fs in self.W for pr in fs.procs)
                 ev = self.enabled(final=done)
                 if not ev: break
                 ws = [self.weight(e) for e in ev]
@@ -344,23 +411,31 @@ class Sim:
     def check(self):
         p = self.p
         for w, fs in enumerate(self.W):
-            if fs.outstanding: self.violations.append(f"w{w} step {fs.proc_step-1} reqs {sorted(fs.outstanding)} wait for ever")
-            if fs.proc_step < self.nsteps: self.violations.append(f"w{w} stuck at step {fs.proc_step}")
+            for pr in fs.procs:
+                if not self.proc_active(pr): continue
+                if pr.outstanding: self.violations.append(f"w{w}r{pr.local_rank} step {pr.step-1} reqs {sorted(pr.outstanding)} wait for ever")
+                if pr.step < self.nsteps: self.violations.append(f"w{w}r{pr.local_rank} stuck at step {pr.step}")
             r = fs.rounds
+            gone = {pr.local_rank for pr in fs.procs if pr.gone}
             for attr in ("collecting", "reported", "abandoned", "failed"):
-                if getattr(r, attr): self.violations.append(f"w{w} rounds.{attr} left: {getattr(r, attr)}")
+                left = getattr(r, attr)
+                if attr == "failed" and gone:  # rounds failed after a rank left wait for its successor (none here)
+                    left = {n: [fr for fr in frs if not all(fr.entries[q] is not None or q in fr.excused or q in gone
+                                                            for q in range(r.local_size))] for n, frs in left.items()}
+                    left = {n: v for n, v in left.items() if v}
+                if left: self.violations.append(f"w{w} rounds.{attr} left: {left}")
             if fs._reports: self.violations.append(f"w{w} held reports left")
             if any(fs._running.values()): self.violations.append(f"w{w} running left {fs._running}")
         if p.waiting: self.violations.append(f"planner waiting left {list(p.waiting)}")
         if p.ready: self.violations.append(f"planner ready left {p.ready}")
         if p.failed: self.violations.append(f"planner failed left {p.failed}")
         if self.dp: self.violations.append(f"data rounds left {list(self.dp)}")
-        n0, n1 = (+self.W[0].numbers.next, +self.W[1].numbers.next)
+        n0, n1 = (+self.W[0].numbers.total, +self.W[1].numbers.total)
         if n0 != n1: self.violations.append(f"lane numbers differ {dict(n0)} vs {dict(n1)}")
 
-def run_seed(seed: int, patch: Any) -> Sim:
+def run_seed(seed: int, patch: Any, mode: str = "base") -> Sim:
     """One seed's run; ``patch(module, name, value)`` swaps the driver's loop and operations for fakes."""
-    sim = Sim(seed, **PARAMS[seed % len(PARAMS)])
+    sim = Sim(seed, mode=mode, **PARAMS[seed % len(PARAMS)])
     proxy = LoopProxy(sim)
     patch(fd, "asyncio", types.SimpleNamespace(get_running_loop=lambda: proxy, wait=asyncio.wait))
     patch(fd, "FusedOperation", FakeOp)
@@ -368,23 +443,31 @@ def run_seed(seed: int, patch: Any) -> Sim:
     return sim
 
 
-def test_random_breaks_losses_and_give_ups_never_pair_two_steps_nor_hang(monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("mode", ["base", "local2"])
+def test_random_breaks_losses_and_give_ups_never_pair_two_steps_nor_hang(monkeypatch: pytest.MonkeyPatch,
+                                                                         mode: str):
     events = 0
-    for seed in range(300):
-        sim = run_seed(seed, monkeypatch.setattr)
+    for seed in range(250):
+        sim = run_seed(seed, monkeypatch.setattr, mode)
         events += sim.events
         assert not sim.violations, f"seed {seed}: {sim.violations}\n" + "\n".join(sim.trace[-60:])
     assert events > 10_000, events  # the runs did happen
 
 
 if __name__ == "__main__":
-    first, last = int(sys.argv[1]), int(sys.argv[2])
-    failing = {}
+    mode, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    failing = {}; events = Counter()
     with pytest.MonkeyPatch.context() as mp:
         for s in range(first, last):
-            sim = run_seed(s, mp.setattr)
+            sim = run_seed(s, mp.setattr, mode)
+            events["all"] += sim.events
+            for line in sim.trace:
+                for tag in ("SERVER CRASH", "LEAVES", "RESET", "REJOIN", "OVERDUE", "resend plan", "restarted server"):
+                    if tag in line: events[tag] += 1
             if sim.violations:
                 failing[s] = sim.violations[0]
-    print(f"{last - first} seeds, {len(failing)} failing")
+            if len(sys.argv) > 4 and s == first:
+                print("\n".join(sim.trace)); print(sim.violations)
+    print(f"{mode}: {last - first} seeds, {len(failing)} failing; events {dict(events)}")
     for s, text in list(failing.items())[:20]:
         print(s, text)
