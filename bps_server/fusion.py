@@ -41,9 +41,10 @@ from protocol.messages import Spec, Why, describe_spec, fused_chunks
 
 __all__ = ["Failed", "Planner", "Resend"]
 
-# Plans kept to send again to a worker whose connection broke before it got them (see Planner.sent_since):
-# a connection breaks within a timeout of its last sign of life, so a few seconds' plans are enough.
-PLAN_HISTORY: Final = 4096
+# Plans kept to send again to a worker whose connection broke before it got them (see Planner.sent_since),
+# counted in names: at least this many, and twice the names heard of. The plans a worker can lose name only
+# rounds it had reported and not seen answered, at most one of each name: never more than all the names.
+PLAN_HISTORY_NAMES: Final = 65536
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +98,8 @@ class Planner:
         self.first_plan: dict[int, int] = {}  # the seq of the first plan sent to that daemon
         self.plans = 0
         self.planned = 0  # names, over all plans
-        self.history: deque[tuple[int, list[str]]] = deque(maxlen=PLAN_HISTORY)  # the last plans, in order
+        self.history: deque[tuple[int, list[str]]] = deque()  # the last plans, in order (PLAN_HISTORY_NAMES)
+        self._history_names = 0
 
     def report(self, worker: int, names: list[str], specs: list[Spec], counts: list[int] | None = None,
                now: float = 0.0) -> list[Failed]:
@@ -194,7 +196,13 @@ class Planner:
         for start, stop in fused_chunks(ready):
             plans.append((self.seq, ready[start:stop]))
             self.seq += 1
-        self.history.extend(plans)
+        history = self.history
+        for plan in plans:
+            history.append(plan)
+            self._history_names += len(plan[1])
+        limit = max(PLAN_HISTORY_NAMES, 2 * len(self.heard))
+        while self._history_names > limit and len(history) > 1:
+            self._history_names -= len(history.popleft()[1])
         self.plans += len(plans)
         self.planned += len(ready)
         self.ready = []

@@ -10,6 +10,13 @@
 - A failure at the anchor (``FuseFailed``) fails the name here; a name that failed here after we reported
   it is given up at the anchor (``FuseAbort``), and a plan that names it fails its group on every worker
   (we abort the group's round, the peers wait for us there).
+- A connection that breaks (the server's run goes on): what we reported on it fails here, as it fails at the
+  server; what we told the server since the break (queued) goes on the next connection. The first message
+  there, ``FuseResync``, says how many rounds of each name we told that run and which of its plans we got
+  last: the server fails the rounds whose report or abort the break lost, and sends the lost plans again
+  (``FusePlan.resent == "lost"``), whose groups we number and give up as the peers did. A server that
+  restarted (a new run) gets our reports of the old run again and the plans of it we still run
+  (``FuseRunning``).
 """
 
 from __future__ import annotations

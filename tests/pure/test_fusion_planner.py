@@ -390,3 +390,16 @@ def test_the_plans_a_broken_connection_lost_can_be_sent_again_while_kept():
     assert p.sent_since(0, 0) is None and p.sent_since(1, 0) == [(1, ["b"]), (2, ["c"])]
     p.worker_hello(0, "e", "another-daemon")  # a new daemon got none of the plans made before it
     assert p.sent_since(0, 0) == []
+
+
+def test_the_plan_history_is_bounded_by_names_and_keeps_twice_every_name_heard_of():
+    from bps_server.fusion import PLAN_HISTORY_NAMES
+
+    p = Planner(1)
+    names = [f"n{i}" for i in range(100)]
+    for _ in range(1000):  # 100,000 names planned, of 100 distinct ones
+        p.report(0, names, [F32] * 100)
+        p.take_plans()
+    kept = sum(len(n) for _, n in p.history)
+    assert PLAN_HISTORY_NAMES - 100 < kept <= PLAN_HISTORY_NAMES
+    assert p.sent_since(0, 0) is None and p.sent_since(p.seq - 1, 0) == [(p.seq - 1, names)]
