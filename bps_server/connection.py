@@ -308,7 +308,8 @@ class ServerConnection(AdmittedProtocol):
         failed = self.server.aggregator.worker_reset(reset.worker, reset.epoch)
         self.server.values.reset(reset.worker)
         self.server.fused(self.server.fusion.worker_gone(reset.worker, Why(
-            f"every training process of worker {reset.worker} left", "round_failed"), reset=True))
+            f"every training process of worker {reset.worker} left", "round_failed"), reset=True,
+            epoch=reset.epoch))
         log.info("worker %d has no training processes; %d pending rounds failed", reset.worker, failed)
 
     def on_fuse_ready(self, message: FuseReady, payload: memoryview | None) -> None:

@@ -308,12 +308,13 @@ class Planner:
         if epoch and previous is not None and previous != epoch:
             self._excuse(worker)
 
-    def worker_gone(self, worker: int, why: Why, reset: bool) -> list[Failed]:
+    def worker_gone(self, worker: int, why: Why, reset: bool, epoch: str = "") -> list[Failed]:
         """``worker``'s connection dropped, or its processes are gone (``reset``): every name waiting here
         fails, since it waits for that worker or for what it reported (which the worker fails itself, see
         ``bps_worker.fusion``'s ``link_lost``). After a reset the failures no longer wait for the worker (its
         processes will not report those rounds); after a drop they do, and so do the rounds failed now that it
-        had not reported: its processes live on and report them when it is back."""
+        had not reported: its processes live on and report them when it is back. ``epoch``: the worker's new
+        one (a Reset says it), so that its next hello does not excuse its new processes again."""
         out: list[Failed] = []
         for name, w in list(self.waiting.items()):
             out += self._fail(name, w, why, skip=worker if reset or worker in w.workers else -1)
@@ -322,6 +323,8 @@ class Planner:
             self.ready = []
         if reset:
             self._excuse(worker)
+            if epoch:
+                self.epochs[worker] = epoch
         return out
 
     def _excuse(self, worker: int) -> None:

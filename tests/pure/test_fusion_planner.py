@@ -403,3 +403,18 @@ def test_the_plan_history_is_bounded_by_names_and_keeps_twice_every_name_heard_o
     kept = sum(len(n) for _, n in p.history)
     assert PLAN_HISTORY_NAMES - 100 < kept <= PLAN_HISTORY_NAMES
     assert p.sent_since(0, 0) is None and p.sent_since(p.seq - 1, 0) == [(p.seq - 1, names)]
+
+
+def test_a_reset_says_the_new_epoch_so_the_next_hello_does_not_excuse_the_new_processes_again():
+    """Found by a simulation of resets: the hello that follows a Reset (a reconnect) carried the epoch the
+    planner had not recorded, so it zeroed the counts of rounds the new processes had reported since; the
+    next resync then failed them as lost, and the peer's steps shifted by one."""
+    p = Planner(2)
+    p.worker_hello(1, "e1")
+    p.worker_gone(1, Why("every process of worker 1 left", "round_failed"), reset=True, epoch="e2")
+    p.report(1, ["a"], [F32])  # the new processes' first round
+    p.worker_gone(1, Why("worker 1 disconnected", "connection"), reset=False)
+    p.worker_hello(1, "e2")  # it reconnects: the same processes
+    assert p.heard["a"] == [0, 1]
+    assert p.resync(1, ["a"], [1], Why("lost", "connection")) == []  # nothing was lost
+    assert p.failed["a"][0][1] == {0}  # (the drop failed a, for worker 0 to hear; nothing for worker 1)
