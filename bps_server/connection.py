@@ -591,7 +591,8 @@ class ServerConnection(AdmittedProtocol):
         """This worker's connection is gone (closed, or replaced by its reconnect): the fused sums waiting on
         what it reported on it fail, at the same boundary as the worker's (what it sent on the old connection
         is failed there too, see bps_worker.fused_driver's link_ready)."""
-        self.server.fused(self.server.fusion.worker_gone(self.worker or 0, Why(
+        assert self.worker is not None  # a worker's connection, past its handshake
+        self.server.fused(self.server.fusion.worker_gone(self.worker, Why(
             f"worker {self.worker} disconnected from server {self.server.config.server_id}", "connection",
             peer=f"worker {self.worker}", detail="it disconnected while fused sums waited for it"), reset=False))
 

@@ -134,13 +134,12 @@ class FusedSums:
     def carry_out(self, out: Decisions[ClientSession]) -> None:
         for member, failure in out.answers:
             member.send(failure)
-        told = self.rounds.told
         for name, why, reported in out.aborts:
             # The peers hear that the round failed here, and why in words (as an Abort of an unfused round says).
             self.daemon.links[self.anchor(name)].fuse(
                 FuseAbort([name], why.text[:MAX_MESSAGE_CHARS], "round_failed", reported))
             if not reported:
-                told[name] = told.get(name, 0) + 1
+                self.rounds.tell(name)
         if out.ready:
             reports = self._reports
             for fr in out.ready:
@@ -164,11 +163,10 @@ class FusedSums:
         names = [fr.name for fr in rounds]
         counts = self.rounds.counts
         generation = self._generation[sid]  # the connection that carries them (or the next: the link queues)
-        told = self.rounds.told
         for fr in rounds:
             fr.sent = True
             fr.generation = generation
-            told[fr.name] = told.get(fr.name, 0) + 1
+            self.rounds.tell(fr.name)
         for start, stop in fused_chunks(names):
             index: dict[Spec, int] = {}
             specs: list[Any] = []
@@ -209,9 +207,8 @@ class FusedSums:
         worker, the names we had reported on the connection that broke: so do we."""
         before = self._told_before.pop(sid, {})
         if not restarted:  # the same run: it counts on from what it heard of before
-            told = self.rounds.told
             for name, count in before.items():
-                told[name] = told.get(name, 0) + count
+                self.rounds.tell(name, count)
             self.carry_out(self.rounds.link_lost(sid, Why(
                 f"the connection to server {sid} broke while fused sums waited there", "connection",
                 peer=f"server {sid}", detail="the connection broke while fused sums waited there"),

@@ -229,7 +229,7 @@ class FusedRounds(Generic[M]):
         we have no reported round of, with their spec where we know it (failed here after we reported them:
         the plan cannot run here as the peers run it). ``lost``: a plan we lost with a connection, sent
         again (its rounds failed here when the connection broke; the round reported now is a later one)."""
-        reported, counts, abandoned = self.reported, self.counts, self.abandoned
+        reported, counts = self.reported, self.counts
         rounds: list[FusedRound[M]] = []
         missing: dict[str, Spec | None] = {}
         for name in names:
@@ -244,6 +244,10 @@ class FusedRounds(Generic[M]):
             else:
                 rounds.append(fr)
         return rounds, missing
+
+    def tell(self, name: str, rounds: int = 1) -> None:
+        """We told the anchor's run of ``rounds`` more rounds of ``name`` (see ``told``)."""
+        self.told[name] = self.told.get(name, 0) + rounds
 
     def _answered(self, name: str) -> FusedRound[M] | None:
         """The anchor answered our oldest report of ``name`` still unanswered: that round, if we abandoned it

@@ -17,9 +17,8 @@ suite), ``reset`` and ``resetonly`` (every process of a worker leaves, its daemo
 ``bps_worker/daemon.py`` does, and new processes rejoin at the peer's step; the data rounds then go through
 the real ``bps_server.rounds.RoundTable``: NOT yet passing either, see the same note, and the switches below).
 Run more seeds with ``python tests/pure/test_fusion_sim.py MODE A B [trace]``. Environment switches emulate
-candidate fixes (in the reset modes): FENCE=1 (fused answers carry the worker's epoch), PEPOCH=1 (the planner
-learns the epoch from a Reset: done in the product since), SWEEP_LAST=1 (the sweep only when nothing else
-can happen).
+candidate fixes (in the reset modes): FENCE=1 (fused answers carry the worker's epoch), SWEEP_LAST=1 (the sweep
+only when nothing else can happen).
 """
 
 from __future__ import annotations
@@ -46,7 +45,6 @@ NAMES = ["a", "b"]
 PARAMS = [dict(), dict(p_break=0.15, nsteps=10), dict(p_break=0.03, p_failname=0.1, nsteps=12),
           dict(p_break=0.3, p_giveup=1.0, p_lose=0.9, nsteps=6)]
 FENCE = bool(os.environ.get("FENCE"))  # candidate fix: fused answers carry the worker's epoch as the server knew it
-PEPOCH = bool(os.environ.get("PEPOCH"))  # the planner learns the epoch from a Reset (in the product since 6a0ec74)
 SWEEP_LAST = bool(os.environ.get("SWEEP_LAST"))  # the round table's sweep only when nothing else can happen
 
 
@@ -306,8 +304,8 @@ class Sim:
         elif isinstance(m, Reset):
             self.t_do(self.table.worker_reset(m.worker, m.epoch))
             self.srv_epoch[w] = m.epoch
-            if PEPOCH: p.epochs[w] = m.epoch  # hypothetical fix: the planner learns the epoch from the Reset
-            self.fused(p.worker_gone(w, Why(f"every training process of worker {w} left", "round_failed"), reset=True))
+            self.fused(p.worker_gone(w, Why(f"every training process of worker {w} left", "round_failed"), reset=True,
+                                     epoch=m.epoch))  # as connection.on_reset
         else:
             raise AssertionError(m)
 
