@@ -260,10 +260,15 @@ def test_launcher_stops_everything_when_a_rank_fails(tmp_path):
     assert not os.path.exists(tmp_path / "w0.sock")
 
 
+# Both ranks share the launcher's stdout: one write(2) per line, as print() makes two where PYTHONUNBUFFERED is
+# set (as in many CI images), and two ranks' lines then interleave ("upup", "").
+UP_THEN_SLEEP = "import bps_worker.client as bps, os, time\nbps.init()\nos.write(1, b'up\\n')\ntime.sleep(60)\n"
+
+
 def test_ctrl_c_stops_the_whole_cluster(tmp_path):
     config = write_config(tmp_path, [2], cpu_servers=1)
     script = tmp_path / "sleep.py"
-    script.write_text("import bps_worker.client as bps, time\nbps.init()\nprint('up', flush=True)\ntime.sleep(60)\n")
+    script.write_text(UP_THEN_SLEEP)
     proc = subprocess.Popen([PY, "-m", "bps_worker.launch", "--config", str(config), "--", PY, str(script)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -306,7 +311,7 @@ def test_ctrl_c_seen_first_in_the_ranks_still_exits_130_and_stops_everything(tmp
     grace period. The status is 130 all the same, and the stop is not cut short (the frozen server is killed)."""
     config = write_config(tmp_path, [2], cpu_servers=1)
     script = tmp_path / "sleep.py"
-    script.write_text("import bps_worker.client as bps, time\nbps.init()\nprint('up', flush=True)\ntime.sleep(60)\n")
+    script.write_text(UP_THEN_SLEEP)
     stderr_path = tmp_path / "launcher.err"
     with open(stderr_path, "w") as stderr:
         proc = subprocess.Popen([PY, "-m", "bps_worker.launch", "--config", str(config), "--", PY, str(script)],
