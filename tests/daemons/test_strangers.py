@@ -71,12 +71,19 @@ def _sum_still_exact(cluster, tag: str) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_a_flood_of_idle_connections_is_refused_and_dropped(cluster):
+def test_idle_strangers_are_refused_and_dropped_by_the_server_and_the_worker_socket(cluster):
+    """A flood of idle TCP connections to a server, and a few Unix connections to a worker daemon that never
+    say hello: both daemons close them (the server most at once, over its bounds), within the handshake
+    deadline (one wait serves both), and keep serving."""
     spec = cluster.config.servers[2]  # the CPU-only server
     pid = _pid(cluster, "server-2")
     rss_before = _rss_mib(pid)
-    socks = []
+    socks, unix_socks = [], []
     try:
+        for _ in range(5):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            unix_socks.append(s)
+            s.connect(cluster.socket_path(0))
         for _ in range(FLOOD):
             s = socket.create_connection((spec.host, spec.port), timeout=10)
             try:
@@ -90,8 +97,9 @@ def test_a_flood_of_idle_connections_is_refused_and_dropped(cluster):
         # All are closed: most at once (over the bounds), the rest at the handshake deadline.
         still_open = _wait_closed(socks, DEADLINE_S + 30)
         assert not still_open, f"{len(still_open)} of {FLOOD} idle connections are still open"
+        assert not _wait_closed(unix_socks, 10), "the worker daemon keeps connections that never said hello"
     finally:
-        for s in socks:
+        for s in socks + unix_socks:
             s.close()
     log = Path(cluster.log_dir, "server-2.log").read_text(errors="replace")
     assert re.search(r"server 2 refuses a connection from 127\.0\.0\.1:\d+: 64 connections from 127\.0\.0\.1 have "
@@ -99,25 +107,10 @@ def test_a_flood_of_idle_connections_is_refused_and_dropped(cluster):
     assert re.search(r"server 2 closes the connection from 127\.0\.0\.1:\d+: no handshake within 10 s", log)
     lines = [line for line in log.splitlines() if "finished their handshake" in line or "no handshake" in line]
     assert len(lines) < 60, f"{len(lines)} log lines for {FLOOD} connections: the flood flooded the log"
-    _sum_still_exact(cluster, "after.flood")
-
-
-@pytest.mark.timeout(120)
-def test_the_worker_socket_closes_a_connection_that_sends_no_hello(cluster):
-    path = cluster.socket_path(0)
-    socks = []
-    for _ in range(5):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.connect(path)
-        socks.append(s)
-    still_open = _wait_closed(socks, DEADLINE_S + 30)
-    for s in socks:
-        s.close()
-    assert not still_open, "the worker daemon keeps connections that never said hello"
     log = Path(cluster.log_dir, "worker-0.log").read_text(errors="replace")
     assert re.search(rf"worker 0's socket closes the connection from pid {os.getpid()} \(uid {os.getuid()}\): no "
                      rf"handshake within 10 s", log), log[-3000:]
-    _sum_still_exact(cluster, "after.idle.unix")
+    _sum_still_exact(cluster, "after.flood")
 
 
 def _send_until_blocked(sock: socket.socket, chunk: bytes, cap: int, stuck_s: float) -> int:
