@@ -337,11 +337,12 @@ class ServerConnection(AdmittedProtocol):
 
     def _fused_misuse(self, name: str) -> bool:
         """A small synchronous sum of an asynchronous name (fused, so no push shows it): refused, as a push."""
+        assert self.worker is not None
         if not self.server.values.has(name, 0):
             return False
         why = self._misuse(name, asynchronous=False, ours="a fused sum")
         self.send(FuseFailed(name, why.text[:MAX_MESSAGE_CHARS], why.code, ours=why.ours, theirs=why.theirs,
-                             detail=why.detail))
+                             detail=why.detail, epoch=self.server.fusion.epoch(self.worker)))
         return True
 
     def _misuse(self, name: str, asynchronous: bool, ours: str) -> Why:
@@ -399,8 +400,11 @@ class ServerConnection(AdmittedProtocol):
                 log.error("worker %d lost fused plans from %d on with its connection, and this server no longer "
                           "keeps them: its fused sums of this server may be numbered unlike its peers'",
                           self.worker, message.next_plan)
+            fusion = self.server.fusion
             for seq, names in plans or ():
-                self.send(FusePlan(seq, names, resent="lost"))
+                groups, group = fusion.groups(names)
+                self.send(FusePlan(seq, names, resent="lost", groups=groups, group=group,
+                                   epoch=fusion.epoch(self.worker)))
         why = Why(f"worker {self.worker}'s connection to server {self.server.config.server_id} broke with this "
                   f"fused sum's round on its way", "connection", peer=f"worker {self.worker}",
                   detail="its message about the round was lost with its connection")

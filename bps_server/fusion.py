@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AbstractSet, Callable, Final
+from typing import AbstractSet, Any, Callable, Final
 
 from bps_runtime.stalls import StallWatch
 from protocol.messages import Spec, Why, describe_spec, fused_chunks
@@ -93,9 +93,16 @@ class Planner:
         self.resends: list[Resend] = []
         # Per name, per worker: the rounds heard of (its reports, and its aborts of rounds it had not reported).
         self.heard: dict[str, list[int]] = {}
-        self.epochs: dict[int, str] = {}  # each worker's epoch at its last hello (new processes: a new one)
+        # Each worker's epoch, from its last hello or Reset (new processes: a new one); the fused answers to it
+        # carry it (FusePlan.epoch, FuseFailed.epoch), and its new processes ignore those of their predecessors.
+        self.epochs: dict[int, str] = {}
         self.daemons: dict[int, str] = {}  # each worker's daemon at its last hello
-        self.first_plan: dict[int, int] = {}  # the seq of the first plan sent to that daemon
+        # The seq of the first plan made for that daemon's processes (its first hello, or their epoch's start):
+        # the plans before were not theirs, and are never sent to them again (sent_since).
+        self.first_plan: dict[int, int] = {}
+        # Per name, the spec of its last round ready (or reported behind a plan of our previous run): the plans
+        # say each name's group (FusePlan.groups), for the workers that no longer have the name's round.
+        self.spec_of: dict[str, Spec] = {}
         self.plans = 0
         self.planned = 0  # names, over all plans
         self.history: deque[tuple[int, list[str]]] = deque()  # the last plans, in order (PLAN_HISTORY_NAMES)
@@ -121,6 +128,7 @@ class Planner:
                 run = running.get(name)
                 if run is not None and count == run[1] - 1:
                     lost.add(run[0])
+                    self.spec_of[name] = spec
                     continue
             if failed and name in failed:
                 why = self._take_failed(name, worker)
@@ -131,6 +139,7 @@ class Planner:
             if w is None:
                 if everyone == 1:
                     ready.append(name)
+                    self.spec_of[name] = spec
                 else:
                     waiting[name] = _Waiting(spec, worker, {worker}, {worker: count}, now)
             elif worker in w.workers:
@@ -147,6 +156,7 @@ class Planner:
                 if len(w.workers) == everyone:
                     del waiting[name]
                     ready.append(name)
+                    self.spec_of[name] = w.spec
         self.resends += [Resend(worker, seq, self.running_plans[seq]) for seq in sorted(lost)]
         return out
 
@@ -181,6 +191,35 @@ class Planner:
                          f"worker {missing}, whose processes have not pushed it (pushed by worker "
                          f"{', '.join(map(str, sorted(w.workers)))})")
         return texts
+
+    def groups(self, names: list[str]) -> tuple[list[list[Any]], list[int]]:
+        """The groups of a plan of ``names`` (as FusePlan says them): [dtype, average] each, and each name's
+        index into them. A few distinct specs a plan: one dict look-up a name, no object a name. None said
+        (empty) where a name's spec is not known here (a plan of our previous run resent, whose names were not
+        all reported to us): the worker groups by its own specs then."""
+        spec_of = self.spec_of
+        index: dict[Spec, int] = {}
+        by_group: dict[tuple[str, bool], int] = {}
+        groups: list[list[Any]] = []
+        which: list[int] = []
+        for name in names:
+            spec = spec_of.get(name)
+            if spec is None:
+                return [], []
+            k = index.get(spec)
+            if k is None:
+                group = (spec[0], spec[2])
+                k = by_group.get(group)
+                if k is None:
+                    k = by_group[group] = len(groups)
+                    groups.append([spec[0], spec[2]])
+                index[spec] = k
+            which.append(k)
+        return groups, which
+
+    def epoch(self, worker: int) -> str:
+        """``worker``'s epoch as we know it (what our fused answers to it carry)."""
+        return self.epochs.get(worker, "")
 
     def take_resends(self) -> list[Resend]:
         resends, self.resends = self.resends, []
@@ -286,7 +325,8 @@ class Planner:
 
     def sent_since(self, seq: int, worker: int) -> list[tuple[int, list[str]]] | None:
         """The plans from ``seq`` on (``worker`` got those before it and not the rest; none made before its
-        daemon first connected), to send it again; None if some are no longer kept."""
+        daemon first connected, or before its processes' epoch began: those were its old processes'), to send
+        it again; None if some are no longer kept."""
         seq = max(seq, self.first_plan.get(worker, 0))
         history = self.history
         if seq >= self.seq:
@@ -307,6 +347,7 @@ class Planner:
             self.epochs[worker] = epoch
         if epoch and previous is not None and previous != epoch:
             self._excuse(worker)
+            self.first_plan[worker] = self.seq  # (its Reset may have been lost with a connection)
 
     def worker_gone(self, worker: int, why: Why, reset: bool, epoch: str = "") -> list[Failed]:
         """``worker``'s connection dropped, or its processes are gone (``reset``): every name waiting here
@@ -325,6 +366,7 @@ class Planner:
             self._excuse(worker)
             if epoch:
                 self.epochs[worker] = epoch
+            self.first_plan[worker] = self.seq
         return out
 
     def _excuse(self, worker: int) -> None:

@@ -208,23 +208,26 @@ class SummationServer:
             if conn is not None:
                 w = f.why
                 conn.send(FuseFailed(f.name, w.text[:MAX_MESSAGE_CHARS], w.code, ours=w.ours, theirs=w.theirs,
-                                     peer=w.peer, detail=w.detail))
+                                     peer=w.peer, detail=w.detail, epoch=self.fusion.epoch(f.worker)))
         for resend in self.fusion.take_resends():  # before any new plan: a lane runs its plans in order
             conn = self.links.get(resend.worker)
             if conn is not None:
                 log.info("worker %d lost plan %d of this server's previous run: sending it again", resend.worker,
                          resend.seq)
-                conn.send(FusePlan(resend.seq, resend.names, resent="restart"))
+                groups, group = self.fusion.groups(resend.names)
+                conn.send(FusePlan(resend.seq, resend.names, resent="restart", groups=groups, group=group,
+                                   epoch=self.fusion.epoch(resend.worker)))
         if self.fusion.ready and not self._plans_due:
             self._plans_due = True
             asyncio.get_running_loop().call_soon(self._send_plans)
 
     def _send_plans(self) -> None:
         self._plans_due = False
-        for seq, names in self.fusion.take_plans():
-            plan = FusePlan(seq, names)
-            for conn in list(self.links.values()):
-                conn.send(plan)
+        fusion = self.fusion
+        for seq, names in fusion.take_plans():
+            groups, group = fusion.groups(names)
+            for worker, conn in list(self.links.items()):  # each with its epoch (see FusePlan.epoch)
+                conn.send(FusePlan(seq, names, groups=groups, group=group, epoch=fusion.epoch(worker)))
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

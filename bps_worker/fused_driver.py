@@ -17,6 +17,12 @@
   (``FusePlan.resent == "lost"``), whose groups we number and give up as the peers did. A server that
   restarted (a new run) gets our reports of the old run again and the plans of it we still run
   (``FuseRunning``).
+- A reset (every local process left; new ones start a new epoch): the servers' answers to the old processes'
+  rounds may still be on their way. Each carries the epoch the server knew us by (``FusePlan.epoch``,
+  ``FuseFailed.epoch``), and one of another epoch is dropped: its rounds were the old processes', failed at
+  the reset, and the server fails them for the peers when our Reset reaches it. A dropped plan takes no lane
+  number: our numbering restarts with the epoch, and the servers place our new rounds among the peers'
+  (``RoundQuery``), as they place every key's.
 """
 
 from __future__ import annotations
@@ -233,9 +239,25 @@ class FusedSums:
     # -- from the servers ----------------------------------------------------------------
     def on_message(self, sid: int, message: Message) -> None:
         if isinstance(message, FusePlan):
-            self.plan(sid, message)
+            if message.epoch != self.daemon.links[sid].epoch:
+                self._old_plan(sid, message)
+            else:
+                self.plan(sid, message)
         elif isinstance(message, FuseFailed):
-            self.carry_out(self.rounds.failed_at_anchor(message.name, message.why()))
+            if message.epoch == self.daemon.links[sid].epoch:  # else a failure of the old processes' round
+                self.carry_out(self.rounds.failed_at_anchor(message.name, message.why()))
+
+    def _old_plan(self, sid: int, plan: FusePlan) -> None:
+        """A plan sent to our processes of an earlier epoch (see the module docstring): not run, not numbered;
+        we got it all the same (a connection that breaks now must not have it sent again)."""
+        if not plan.resent:
+            self._next_plan[sid] = plan.seq + 1
+        elif plan.resent == "lost":
+            self._next_plan[sid] = max(self._next_plan[sid], plan.seq + 1)
+        counts = self.rounds.counts  # the peers count it (see FusedRounds.counts): so do we
+        for name in plan.names:
+            counts[name] = counts.get(name, 0) + 1
+        log.debug("server %d: plan %d of our previous processes (epoch %r) dropped", sid, plan.seq, plan.epoch)
 
     def link_lost(self, sid: int, reason: str) -> None:
         """We gave server ``sid`` up: what we reported there fails (what the link still holds, reports of
@@ -256,11 +278,16 @@ class FusedSums:
         for fr in rounds:
             groups.setdefault((fr.spec[0], fr.spec[2]), []).append(fr)
         broken: dict[tuple[str, bool], str] = {}
+        index = {name: i for i, name in enumerate(plan.names)} if missing and plan.groups else {}
         for name, spec in missing.items():
-            if spec is None:
+            if spec is not None:
+                group = (spec[0], spec[2])
+            elif index:  # no round of it here (failed and forgotten): the plan says its group, as the peers see it
+                dtype, average = plan.groups[plan.group[index[name]]]
+                group = (dtype, average)
+            else:
                 log.warning("server %d planned fused tensor %r, which this worker does not have", sid, name)
                 continue
-            group = (spec[0], spec[2])
             groups.setdefault(group, [])
             broken.setdefault(group, name)
         lane = plan.seq % LANES

@@ -676,6 +676,18 @@ def check_spec(spec: Any) -> Spec:
     return dtype, tuple(shape), average, layout
 
 
+def check_group(group: Any) -> tuple[str, bool]:
+    """A wire plan group ([dtype, average], see FusePlan) as a tuple; LocalProtocolError names what is wrong."""
+    if not isinstance(group, (list, tuple)) or len(group) != 2 or not isinstance(group[0], str) \
+            or not isinstance(group[1], bool):
+        raise LocalProtocolError(f"a fused plan group is [dtype, average], got {group!r:.80}")
+    dtype, average = group
+    _check_dtype(dtype)
+    if average and dtype not in dtypes.FLOAT_TYPES:
+        raise LocalProtocolError(f"a fused plan group averages {dtype}, not a floating dtype")
+    return dtype, average
+
+
 def fused_chunks(names: list[str]) -> list[tuple[int, int]]:
     """``names`` cut into runs (start, stop) of at most MAX_FUSED_ENTRIES names and FUSED_NAMES_BUDGET bytes
     of UTF-8 (plus 16 a name for the other columns): what one fused message may carry."""
@@ -825,17 +837,33 @@ class FusePlan(Message):
     and average) as one fused tensor per group, pushed to this server (see bps_worker.fusion). ``resent``: a
     plan sent again to a worker that lost it, not the next of this run's plans: "restart", a plan of the
     server's previous run (FuseRunning; the worker reported its names again), or "lost", lost with a broken
-    connection (FuseResync; the worker failed its rounds then, and must fail its groups as the peers do)."""
+    connection (FuseResync; the worker failed its rounds then, and must fail its groups as the peers do).
+
+    ``groups``: the plan's groups, [dtype, average] each, and ``group[i]`` the index of ``names[i]``'s: a
+    worker that has no round of a name (failed and forgotten here) still numbers and gives up its group as
+    the peers number it (empty: not said, the worker groups by its own specs). ``epoch``: the worker's epoch
+    as the server knew it when it sent the plan (see ``Hello.epoch``, ``Reset``): a worker whose processes
+    are new since ignores it (its names are the old processes' rounds, and the server fails them)."""
 
     TYPE: ClassVar[str] = "fuse_plan"
     CHECKED_WHEN_PARSED: ClassVar[bool] = True
     seq: int
     names: list[str]
     resent: PlanResent = ""
+    groups: list[Any] = field(default_factory=list)
+    group: list[int] = field(default_factory=list)
+    epoch: str = ""
 
     def validate(self) -> None:
         _check_non_negative("fuse plan", seq=self.seq)
         _check_fused_names("fuse plan", self.names)
+        _check_text("fuse plan", "epoch", self.epoch)
+        if self.groups or self.group:
+            if len(self.groups) > len(self.names):
+                raise LocalProtocolError("fuse plan has more groups than tensors")
+            _check_indexes("fuse plan", "group indexes", self.group, len(self.names), len(self.groups))
+            for group in self.groups:
+                check_group(group)
 
 
 @dataclass(frozen=True, slots=True)
@@ -884,7 +912,9 @@ class FuseResync(Message):
 
 @dataclass(frozen=True, slots=True)
 class FuseFailed(Message):
-    """Server to a worker: fused tensor ``name`` failed at its meeting point (the fields as in Failure)."""
+    """Server to a worker: fused tensor ``name`` failed at its meeting point (the fields as in Failure).
+    ``epoch``: as in FusePlan, the worker's epoch as the server knew it (a failure of the old processes'
+    round is not the new processes')."""
 
     TYPE: ClassVar[str] = "fuse_failed"
     name: str
@@ -894,10 +924,11 @@ class FuseFailed(Message):
     theirs: str = ""
     peer: str = ""
     detail: str = ""
+    epoch: str = ""
 
     def validate(self) -> None:
         _check_name(self.name)
-        for name in ("message", "ours", "theirs", "peer", "detail"):
+        for name in ("message", "ours", "theirs", "peer", "detail", "epoch"):
             _check_text("fuse failed", name, getattr(self, name))
 
     def why(self) -> Why:

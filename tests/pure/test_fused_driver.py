@@ -11,7 +11,7 @@ from typing import Any
 
 from bps_server.fusion import Planner
 from bps_worker.fused_driver import FusedSums
-from protocol.messages import FuseAbort, FusePlan, FuseReady, FuseResync, Spec, Why
+from protocol.messages import FuseAbort, FuseFailed, FusePlan, FuseReady, FuseResync, Spec, Why
 
 F32: Spec = ("float32", (4,), False, "")
 DROP = Why("worker 0 disconnected", "connection")
@@ -109,7 +109,8 @@ def deliver(p: Planner, w: int, fs: Any, epoch: str = "e1") -> list[Any]:
             out += p.abort(w, m.names, Why(m.message, m.code), reported=m.reported)
         elif isinstance(m, FuseResync) and m.incarnation == "run-1" and m.epoch == epoch:
             for seq, names in p.sent_since(m.next_plan, w) or [] if m.next_plan >= 0 else []:
-                fs.on_message(0, FusePlan(seq, names, resent="lost"))
+                groups, group = p.groups(names)
+                fs.on_message(0, FusePlan(seq, names, "lost", groups, group, epoch))
             out += p.resync(w, m.names, m.counts, Why("lost with the connection", "connection"))
     return out
 
@@ -225,3 +226,42 @@ async def test_a_report_queued_in_the_link_when_it_gives_up_is_given_up_behind_i
     deliver(p, 0, w0)
     assert p.report(1, ["b"], [F32]) == [] and p.take_plans() == [(0, ["b"])]  # step 1 with step 1
     assert not w0.rounds.abandoned and not p.failed
+
+
+async def test_an_answer_to_the_processes_before_a_reset_does_not_touch_their_successors_rounds():
+    """Every process of worker 0 left (a reset, a new epoch) and the new ones reported "a" again before the
+    server's plan and failure of the old round came: both carry the old epoch, and are dropped. Before they
+    carried it, the plan ran the new processes' round with the peers' old one, and took a lane number the
+    peers' numbering of the new epoch did not have."""
+    p, w0 = Planner(2), worker(0)
+    p.worker_hello(0, "e1")
+    await submit(w0, "a", 1)
+    deliver(p, 0, w0)
+    p.report(1, ["a"], [F32])
+    ((seq, names),) = p.take_plans()
+    groups, group = p.groups(names)
+    plan = FusePlan(seq, names, groups=groups, group=group, epoch=p.epoch(0))  # on its way to worker 0
+    w0.reset()  # the old round fails here (its process hears, if it is still there)
+    w0.link.epoch = "e2"  # daemon._new_epoch
+    w0.session.got.clear()
+    await submit(w0, "a", 2)  # the new processes' round
+    w0.on_message(0, plan)
+    w0.on_message(0, FuseFailed("a", "worker 1 gave up", epoch="e1"))
+    assert w0.numbers.taken == [] and "a" in w0.rounds.reported and w0.rounds.reported["a"].why is None
+    assert w0._next_plan[0] == seq + 1 and w0.rounds.counts["a"] == 1  # got (and counted), as the peer did
+    w0.on_message(0, FuseFailed("a", "worker 1 gave up", epoch="e2"))  # one of the new epoch is theirs
+    assert "a" not in w0.rounds.reported and [m.code for m in w0.session.got] == ["round_failed"]
+
+
+async def test_a_plan_of_a_tensor_this_worker_does_not_have_is_numbered_and_given_up_as_the_plan_groups_it():
+    """A plan can name a tensor whose round this worker no longer has (failed and forgotten here): the plan says
+    its group, so the worker numbers that group's lane round as the peers do, and gives it up there. Without
+    the groups it was skipped: no number, no abort, the peers' round waited and the lane numbers drifted."""
+    w0 = worker(0)
+    w0.link.epoch = ""
+    w0.on_message(0, FusePlan(3, ["x", "y"], groups=[["float16", False], ["float32", True]], group=[1, 0]))
+    assert w0.numbers.taken == [("fused/0/3/float32", 0), ("fused/0/3/float16", 0)]
+    await asyncio.sleep(0)
+    assert sorted(w0.aborted) == [("fused/0/3/float16", 0), ("fused/0/3/float32", 0)]
+    w0.on_message(0, FusePlan(11, ["z"]))  # a plan that does not say its groups: as before, skipped
+    assert len(w0.numbers.taken) == 2

@@ -418,3 +418,38 @@ def test_a_reset_says_the_new_epoch_so_the_next_hello_does_not_excuse_the_new_pr
     assert p.heard["a"] == [0, 1]
     assert p.resync(1, ["a"], [1], Why("lost", "connection")) == []  # nothing was lost
     assert p.failed["a"][0][1] == {0}  # (the drop failed a, for worker 0 to hear; nothing for worker 1)
+
+
+def test_a_plan_says_each_names_group_in_a_short_list_of_groups():
+    p = Planner(2)
+    f32_8: Spec = ("float32", (8,), False, "")
+    avg: Spec = ("float32", (4,), True, "")
+    names = ["a", "b", "c", "d"]
+    specs = [F32, F16, f32_8, avg]
+    p.report(0, names, specs)
+    p.report(1, names, specs)
+    ((seq, planned),) = p.take_plans()
+    assert p.groups(planned) == ([["float32", False], ["float16", False], ["float32", True]], [0, 1, 0, 2])
+    assert p.groups(["a", "unknown"]) == ([], [])  # not all known here: the worker groups by its own specs
+
+
+def test_the_plans_before_a_workers_new_epoch_are_its_old_processes_and_never_sent_to_it_again():
+    """The fused answers carry the epoch the server knows the worker by (from its hello, then its Reset); the
+    plans made before the worker's epoch changed were its old processes': a resync asking for them again (a
+    plan lost with a connection) gets only the later ones."""
+    p = Planner(2)
+    p.worker_hello(0, "e1", "d0")
+    p.worker_hello(1, "f1", "d1")
+    for name in ("a", "b"):
+        p.report(0, [name], [F32])
+        p.report(1, [name], [F32])
+        p.take_plans()
+    assert p.epoch(0) == "e1" and p.sent_since(0, 0) == [(0, ["a"]), (1, ["b"])]
+    p.worker_gone(0, Why("every training process of worker 0 left", "round_failed"), reset=True, epoch="e2")
+    assert p.epoch(0) == "e2" and p.sent_since(1, 0) == [] and p.sent_since(1, 1) == [(1, ["b"])]
+    p.report(0, ["c"], [F32])
+    p.report(1, ["c"], [F32])
+    p.take_plans()
+    assert p.sent_since(0, 0) == [(2, ["c"])]
+    p.worker_hello(1, "f2", "d1")  # a new epoch said by a hello alone (its Reset lost with a connection)
+    assert p.epoch(1) == "f2" and p.sent_since(0, 1) == []

@@ -52,9 +52,11 @@ SAMPLES: dict[str, m.Message] = {
     "fuse_running": m.FuseRunning(seq=4, names=["a", "b"], counts=[4, 1]),
     "fuse_resync": m.FuseResync(incarnation="0123abcd", names=["a", "b"], counts=[7, 0]),
     "fuse_abort": m.FuseAbort(names=["a"], message="rank 1 disconnected", code="connection", reported=True),
-    "fuse_plan": m.FusePlan(seq=7, names=["b", "a"], resent="lost"),
+    "fuse_plan": m.FusePlan(seq=7, names=["b", "a"], resent="lost", groups=[["float16", True], ["int32", False]],
+                            group=[1, 0], epoch="5f3a9c0d11e2b4a7"),
     "fuse_failed": m.FuseFailed(name="a", message="tensor 'a' mismatch", code="mismatch", ours="float32[4]",
-                                theirs="float16[4]", peer="worker 1", detail="worker 0 has float32[4]"),
+                                theirs="float16[4]", peer="worker 1", detail="worker 0 has float32[4]",
+                                epoch="5f3a9c0d11e2b4a7"),
     "batch": m.Batch(items=[{"t": "done", "req": 1}, {"t": "result", "req": 2, "name": "b", "part": 0, "round": 1}],
                      sizes=[0, 8]),
 }
@@ -408,6 +410,8 @@ def _push(**changes) -> m.Push:
     (lambda: m.Failure(1, "x", ours="o" * (m.MAX_MESSAGE_CHARS + 1)), "failure ours of 4097 characters"),
     (lambda: m.Failure(1, None), "failure message field 'message' must be str, got NoneType"),  # type: ignore
     (lambda: m.Stats(1, [1]), "stats message field 'stats' must be dict, got list"),  # type: ignore[arg-type]
+    (lambda: m.FuseFailed("a", "x", epoch="e" * (m.MAX_MESSAGE_CHARS + 1)), "fuse failed epoch of 4097 characters"),
+    (lambda: m.FuseFailed("a", "x", epoch=None), "fuse_failed message field 'epoch' must be str"),  # type: ignore
 ])
 def test_a_bad_message_is_refused_where_it_is_built_or_by_its_check(build, match):
     """Built means checked, but for the hot path's messages (CHECKED_WHEN_PARSED): those are checked by
@@ -438,6 +442,17 @@ def test_only_the_hot_paths_messages_are_checked_when_parsed():
     ("done_batch", dict(reqs=[1, -2]), "requests must each be a non-negative int"),
     ("fuse_ready", dict(spec=[0, 5]), "spec indexes must each be an int in 0..0"),
     ("fuse_plan", dict(names=[]), "fuse plan of 0 tensors"),
+    ("fuse_plan", dict(group=[0, 2]), "fuse plan group indexes must each be an int in 0..1"),
+    ("fuse_plan", dict(group=[0]), "fuse plan has 2 tensors but 1 group indexes"),
+    ("fuse_plan", dict(group=[]), "fuse plan has 2 tensors but 0 group indexes"),
+    ("fuse_plan", dict(groups=[], group=[0, 0]), "fuse plan group indexes must each be an int in 0..-1"),
+    ("fuse_plan", dict(groups=[["float32", False]] * 3, group=[0, 1]), "fuse plan has more groups than tensors"),
+    ("fuse_plan", dict(groups=[["float32"], ["int32", False]]), "a fused plan group is [dtype, average]"),
+    ("fuse_plan", dict(groups=[["float32", 1], ["int32", False]]), "a fused plan group is [dtype, average]"),
+    ("fuse_plan", dict(groups=[["complex", False], ["int32", False]]), "unsupported dtype 'complex'"),
+    ("fuse_plan", dict(groups=[["float32", False], ["int32", True]]), "a fused plan group averages int32"),
+    ("fuse_plan", dict(epoch="e" * (m.MAX_MESSAGE_CHARS + 1)), "fuse plan epoch of 4097 characters"),
+    ("fuse_plan", dict(epoch=7), "fuse_plan message field 'epoch' must be str, got int"),
 ])
 def test_a_bad_hot_path_message_is_refused_where_it_is_parsed(t, changes, says):
     with pytest.raises(RemoteProtocolError, match=re.escape(says)):
