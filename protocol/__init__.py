@@ -8,7 +8,9 @@ reads and validates the cluster configuration (``config``).
 
 # 2: mutual handshake proofs, placement digest. 3: Push/Op root and layout, Push.holds_root, Hello.daemon,
 # Announce, Alloc.free, Welcome.arena_bytes. 4: asynchronous mode: Push/Op kinds async_init and async,
-# Push.staleness and Push.applied (a replayed value's vector), Result.applied, Op.staleness, Restored.
-PROTOCOL_VERSION = 4
+# Push.staleness and Push.applied (a replayed value's vector), Result.applied, Op.staleness, Restored. 5: fused
+# small sums: OpBatch, DoneBatch, FuseReady, FuseAbort, FusePlan (groups, epoch), FuseRunning, FuseResync,
+# FuseFailed (epoch); Welcome.fusion_bytes.
+PROTOCOL_VERSION = 5
 
 __all__ = ["PROTOCOL_VERSION"]
