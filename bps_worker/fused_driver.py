@@ -78,9 +78,10 @@ class FusedSums:
         self._reports_due = False
         self._lanes: dict[str, asyncio.Future[Any]] = {}  # fused key -> its operation running (or last run)
         self._running: Counter[int] = Counter()  # server id -> fused operations with it not finished
-        # server id -> seq -> (names, their counts, operations of the plan not finished): told to a server that
-        # restarted (FuseRunning), whose peers may have lost the plan with it.
-        self._plans: dict[int, dict[int, tuple[list[str], list[int], int]]] = {sid: {} for sid in daemon.links}
+        # server id -> seq -> (names, their counts, their rounds' indexes (empty: not all known), operations of
+        # the plan not finished): told to a server that restarted (FuseRunning), whose peers may have lost it.
+        self._plans: dict[int, dict[int, tuple[list[str], list[int], list[int], int]]] = {
+            sid: {} for sid in daemon.links}
         self._generation: Counter[int] = Counter()  # server id -> connections to it lost so far
         # server id -> the rounds told of each of its names before its connection broke (see _lost)
         self._told_before: dict[int, dict[str, int]] = {}
@@ -140,10 +141,11 @@ class FusedSums:
     def carry_out(self, out: Decisions[ClientSession]) -> None:
         for member, failure in out.answers:
             member.send(failure)
-        for name, why, reported in out.aborts:
+        aligned = self.rounds.aligned
+        for (name, why, reported), index in zip(out.aborts, out.abort_rounds, strict=True):
             # The peers hear that the round failed here, and why in words (as an Abort of an unfused round says).
             self.daemon.links[self.anchor(name)].fuse(
-                FuseAbort([name], why.text[:MAX_MESSAGE_CHARS], "round_failed", reported))
+                FuseAbort([name], why.text[:MAX_MESSAGE_CHARS], "round_failed", reported, [index] if aligned else []))
             if not reported:
                 self.rounds.tell(name)
         if out.ready:
@@ -185,7 +187,8 @@ class FusedSums:
                     specs.append([dtype, list(shape), average, layout])
                 which.append(k)
             chunk = names[start:stop]
-            self.daemon.links[sid].fuse(FuseReady(chunk, specs, which, [counts.get(n, 0) for n in chunk]))
+            indexes = [fr.index for fr in rounds[start:stop]] if self.rounds.aligned else []
+            self.daemon.links[sid].fuse(FuseReady(chunk, specs, which, [counts.get(n, 0) for n in chunk], indexes))
 
     def _lost(self, sid: int) -> None:
         """The connection to ``sid`` broke: what we reported before this is the old connection's, and the last
@@ -223,9 +226,9 @@ class FusedSums:
         self.rounds.forget_answers(sid, before=self._generation[sid])  # it forgot the reports we gave up
         self._next_plan[sid] = 0  # its plans start again
         link = self.daemon.links[sid]
-        for seq, (names, counts, _) in self._plans[sid].items():
+        for seq, (names, counts, indexes, _) in self._plans[sid].items():
             for start, stop in fused_chunks(names):
-                link.fuse(FuseRunning(seq, names[start:stop], counts[start:stop]))
+                link.fuse(FuseRunning(seq, names[start:stop], counts[start:stop], indexes[start:stop]))
         # Those reported on a connection of the old run: not the held ones (they go when they go) nor those
         # reported while the link was down (queued, they went to the new run before this).
         generation = self._generation[sid]
@@ -273,7 +276,9 @@ class FusedSums:
             self._next_plan[sid] = plan.seq + 1
         elif plan.resent == "lost":  # a second break must not have it sent (and numbered) again
             self._next_plan[sid] = max(self._next_plan[sid], plan.seq + 1)
-        rounds, missing = self.rounds.planned(plan.names, plan.resent == "lost")
+        # A plan lost with a connection, or one of the server's previous run whose rounds failed here since: the
+        # names' rounds here are later ones (see FusedRounds.planned).
+        rounds, missing = self.rounds.planned(plan.names, plan.resent in ("lost", "restart_lost"))
         groups: dict[tuple[str, bool], list[FusedRound[ClientSession]]] = {}
         for fr in rounds:
             groups.setdefault((fr.spec[0], fr.spec[2]), []).append(fr)
@@ -285,8 +290,10 @@ class FusedSums:
             elif index:  # no round of it here (failed and forgotten): the plan says its group, as the peers see it
                 dtype, average = plan.groups[plan.group[index[name]]]
                 group = (dtype, average)
-            else:
+            else:  # its group unknown: every group fails (one of them would be summed without it)
                 log.warning("server %d planned fused tensor %r, which this worker does not have", sid, name)
+                for group in groups:
+                    broken.setdefault(group, name)
                 continue
             groups.setdefault(group, [])
             broken.setdefault(group, name)
@@ -294,7 +301,12 @@ class FusedSums:
         counts = self.rounds.counts
         running = [g for g in groups if g not in broken]
         if running:
-            self._plans[sid][plan.seq] = (list(plan.names), [counts.get(n, 0) for n in plan.names], len(running))
+            index = {fr.name: fr.index for fr in rounds}
+            indexes = [index.get(n, -1) for n in plan.names] if self.rounds.aligned else []
+            if -1 in indexes:
+                indexes = []  # (a name failed here: its group does not run, the others' do)
+            self._plans[sid][plan.seq] = (list(plan.names), [counts.get(n, 0) for n in plan.names], indexes,
+                                          len(running))
         for (dtype, average), members in groups.items():
             key = daemon.placement.fused_key(sid, lane, dtype, average)
             local_round = daemon.rounds.numbers.take(key)  # in plan order: every worker numbers alike
@@ -315,9 +327,9 @@ class FusedSums:
         finally:
             self._running[sid] -= 1
             plans = self._plans[sid]
-            names, counts, left = plans.get(seq, ([], [], 0))
+            names, counts, indexes, left = plans.get(seq, ([], [], [], 0))
             if left > 1:
-                plans[seq] = (names, counts, left - 1)
+                plans[seq] = (names, counts, indexes, left - 1)
             else:
                 plans.pop(seq, None)
             if self._reports.get(sid) and not self._reports_due:

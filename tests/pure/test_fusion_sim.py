@@ -269,7 +269,7 @@ class Sim:
         for r in self.p.take_resends():
             self.log(f"S resend plan {r.seq} {r.names} to w{r.worker}")
             if r.worker in self.links:
-                self.s_send(r.worker, self.plan_msg(r.worker, r.seq, r.names, "restart"))
+                self.s_send(r.worker, self.plan_msg(r.worker, r.seq, r.names, r.how))
         if self.p.ready and not self.plans_due:
             self.plans_due = True
 
@@ -287,9 +287,9 @@ class Sim:
         p = self.p
         self.log(f"S<-w{w} {m!r:.160}")
         if isinstance(m, FuseReady):
-            self.fused(p.report(w, m.names, [F32] * len(m.names), m.counts))
+            self.fused(p.report(w, m.names, [F32] * len(m.names), m.counts, rounds=m.rounds))
         elif isinstance(m, FuseAbort):
-            self.fused(p.abort(w, m.names, Why(m.message, m.code), lambda n: set(), m.reported))
+            self.fused(p.abort(w, m.names, Why(m.message, m.code), lambda n: set(), m.reported, rounds=m.rounds))
         elif isinstance(m, FuseResync):
             if m.incarnation != f"run-{self.inc}" or m.epoch != conn.epoch: return
             if m.next_plan >= 0:
@@ -299,7 +299,7 @@ class Sim:
                     self.s_send(w, self.plan_msg(w, seq, names, "lost"))
             self.fused(p.resync(w, m.names, m.counts, Why("lost with the connection", "connection")))
         elif isinstance(m, FuseRunning):
-            p.running(w, m.seq, m.names, m.counts)
+            p.running(w, m.seq, m.names, m.counts, m.rounds)
             self.fused([])
         elif isinstance(m, Reset):
             self.t_do(self.table.worker_reset(m.worker, m.epoch))

@@ -48,10 +48,12 @@ SAMPLES: dict[str, m.Message] = {
                           spec=[0, 1, 0], segments=["bps_w1_9_aa", "bps_w1_9_ab"], seg=[0, 0, 1],
                           offsets=[0, 64, 128], priority=[0, -1, 3]),
     "done_batch": m.DoneBatch(reqs=[4, 5, 6]),
-    "fuse_ready": m.FuseReady(names=["a", "b"], specs=[["int64", [3], False, ""]], spec=[0, 0], counts=[3, 0]),
-    "fuse_running": m.FuseRunning(seq=4, names=["a", "b"], counts=[4, 1]),
+    "fuse_ready": m.FuseReady(names=["a", "b"], specs=[["int64", [3], False, ""]], spec=[0, 0], counts=[3, 0],
+                              rounds=[7, 0]),
+    "fuse_running": m.FuseRunning(seq=4, names=["a", "b"], counts=[4, 1], rounds=[9, 2]),
     "fuse_resync": m.FuseResync(incarnation="0123abcd", names=["a", "b"], counts=[7, 0]),
-    "fuse_abort": m.FuseAbort(names=["a"], message="rank 1 disconnected", code="connection", reported=True),
+    "fuse_abort": m.FuseAbort(names=["a"], message="rank 1 disconnected", code="connection", reported=True,
+                              rounds=[5]),
     "fuse_plan": m.FusePlan(seq=7, names=["b", "a"], resent="lost", groups=[["float16", True], ["int32", False]],
                             group=[1, 0], epoch="5f3a9c0d11e2b4a7"),
     "fuse_failed": m.FuseFailed(name="a", message="tensor 'a' mismatch", code="mismatch", ours="float32[4]",
@@ -412,6 +414,11 @@ def _push(**changes) -> m.Push:
     (lambda: m.Stats(1, [1]), "stats message field 'stats' must be dict, got list"),  # type: ignore[arg-type]
     (lambda: m.FuseFailed("a", "x", epoch="e" * (m.MAX_MESSAGE_CHARS + 1)), "fuse failed epoch of 4097 characters"),
     (lambda: m.FuseFailed("a", "x", epoch=None), "fuse_failed message field 'epoch' must be str"),  # type: ignore
+    (lambda: m.FuseAbort(["a", "b"], "x", rounds=[1]), "fuse abort has 2 tensors but 1 rounds"),
+    (lambda: m.FuseRunning(1, ["a", "b"], [1, 1], rounds=[0, 0, 0]), "fuse running has 2 tensors but 3 rounds"),
+    (lambda: m.FuseRunning(1, ["a"], [1], rounds=["0"]), "fuse running rounds must each be a non-negative int"),
+    (lambda: m.FuseAbort(["a"], "x", rounds=[-1]), "fuse abort rounds must each be a non-negative int, got -1"),
+    (lambda: m.FuseAbort(["a"], "x", rounds=[True]), "fuse abort rounds must each be a non-negative int, got True"),
 ])
 def test_a_bad_message_is_refused_where_it_is_built_or_by_its_check(build, match):
     """Built means checked, but for the hot path's messages (CHECKED_WHEN_PARSED): those are checked by
@@ -441,6 +448,9 @@ def test_only_the_hot_paths_messages_are_checked_when_parsed():
     ("done", dict(offset=-4), "negative segment offset -4"),
     ("done_batch", dict(reqs=[1, -2]), "requests must each be a non-negative int"),
     ("fuse_ready", dict(spec=[0, 5]), "spec indexes must each be an int in 0..0"),
+    ("fuse_ready", dict(rounds=[1]), "fuse ready has 2 tensors but 1 rounds"),
+    ("fuse_ready", dict(rounds=[0, -3]), "fuse ready rounds must each be a non-negative int, got -3"),
+    ("fuse_ready", dict(rounds=[0, 1.0]), "fuse ready rounds must each be a non-negative int, got 1.0"),
     ("fuse_plan", dict(names=[]), "fuse plan of 0 tensors"),
     ("fuse_plan", dict(group=[0, 2]), "fuse plan group indexes must each be an int in 0..1"),
     ("fuse_plan", dict(group=[0]), "fuse plan has 2 tensors but 1 group indexes"),
