@@ -50,6 +50,7 @@ from protocol.messages import (
     FusePlan,
     FuseReady,
     FuseResync,
+    FusePast,
     FuseRunning,
     Hello,
     Message,
@@ -378,6 +379,11 @@ class ServerConnection(AdmittedProtocol):
         self.server.fusion.running(self.worker, message.seq, message.names, message.counts, message.rounds)
         self.server.fused([])
 
+    def on_fuse_past(self, message: FusePast, payload: memoryview | None) -> None:
+        assert self.worker is not None
+        self._stream_zero(message)
+        self.server.fused(self.server.fusion.past(self.worker, message.names, message.rounds, message.counts))
+
     def on_fuse_abort(self, message: FuseAbort, payload: memoryview | None) -> None:
         assert self.worker is not None
         self._stream_zero(message)
@@ -410,7 +416,7 @@ class ServerConnection(AdmittedProtocol):
         why = Why(f"worker {self.worker}'s connection to server {self.server.config.server_id} broke with this "
                   f"fused sum's round on its way", "connection", peer=f"worker {self.worker}",
                   detail="its message about the round was lost with its connection")
-        failures = self.server.fusion.resync(self.worker, message.names, message.counts, why)
+        failures = self.server.fusion.resync(self.worker, message.names, message.counts, why, message.rounds)
         log.info("worker %d is back: %d fused names resynchronised, %d failures told", self.worker,
                  len(message.names), len(failures))
         self.server.fused(failures)
@@ -713,6 +719,7 @@ ServerConnection.HANDLERS = {
     FuseReady: ServerConnection.on_fuse_ready,
     FuseAbort: ServerConnection.on_fuse_abort,
     FuseRunning: ServerConnection.on_fuse_running,
+    FusePast: ServerConnection.on_fuse_past,
     FuseResync: ServerConnection.on_fuse_resync,
     Restored: ServerConnection.on_restored,
 }

@@ -39,8 +39,12 @@ another worker's (waiting here, or failed here) is one the others are past: it f
 (``_stale``); a failed round below a worker's report or abort no longer waits for that worker; an abort of
 a reported round this run never heard of (reported to our previous run) fails the peers' round of its
 index; a worker one plan behind a plan of our previous run, with a later round, gets that plan to give up
-(``restart_lost``). Workers whose processes were replaced (a reset: new processes begin at the peers' step
-but count from 0) say no index, and their rounds are matched by order as before (see FuseReady.rounds).
+(``restart_lost``). A worker back on a restarted run says, of each name, the index its processes are past
+(``FusePast``): a peer's round below it fails rather than wait for a round given up in the crash, failed
+rounds below it no longer wait for it, and a lost plan of the previous run below it is sent to give up. A
+FuseResync says the index of the last round told (the last of those lost). Workers whose processes were
+replaced (a reset: new processes begin at the peers' step but count from 0) say no index, and their rounds
+are matched by order as before (see FuseReady.rounds).
 """
 
 from __future__ import annotations
@@ -115,6 +119,11 @@ class Planner:
         self.epochs: dict[int, str] = {}
         self.daemons: dict[int, str] = {}  # each worker's daemon at its last hello
         self.excused: set[int] = set()  # the workers whose processes were replaced in this run (_excuse)
+        # Per name, per worker: the index below which that worker's rounds are past (FusePast; 0: not said),
+        # and its count of the name's plans then (-1: not said).
+        self.floors: dict[str, list[int]] = {}
+        self.past_counts: dict[str, list[int]] = {}
+        self._resent: set[tuple[int, int]] = set()  # (worker, seq) resent on the worker's connection
         # The seq of the first plan made for that daemon's processes (its first hello, or their epoch's start):
         # the plans before were not theirs, and are never sent to them again (sent_since).
         self.first_plan: dict[int, int] = {}
@@ -152,6 +161,8 @@ class Planner:
                 if why is not None:
                     out.append(Failed(worker, name, why.heard_by(describe_spec(spec))))
                     continue
+            if self.floors and index >= 0 and self._below_floor(name, worker, index, out):
+                continue
             w = waiting.get(name)
             if w is not None and index >= 0 and w.index >= 0 and index != w.index and worker not in w.workers:
                 if index < w.index:  # the others are past this round: it never meets theirs
@@ -200,6 +211,45 @@ class Planner:
             self.spec_of.setdefault(name, spec)
         return False
 
+    def past(self, worker: int, names: list[str], rounds: list[int], counts: list[int]) -> list[Failed]:
+        """``worker`` is past the rounds of ``names[i]`` below ``rounds[i]`` (FusePast; ``counts[i]``: its
+        count of the name's plans): it will never report them. Rounds of other workers below it fail (now,
+        waiting here, or when they come, see ``report``); failed rounds below it no longer wait for it; a
+        plan of our previous run that it lost, of a round it is past, is sent to it to give up. (Its
+        FuseRunning came first: the reports of a plan it still runs were taken by ``running``.)"""
+        out: list[Failed] = []
+        for name, floor, count in zip(names, rounds, counts):
+            if worker in self.excused:
+                break  # (of its processes before a reset: gone)
+            floors = self.floors.get(name)
+            if floors is None:
+                floors = self.floors[name] = [0] * self.workers
+                self.past_counts[name] = [-1] * self.workers
+            floors[worker] = max(floors[worker], floor)
+            self.past_counts[name][worker] = count
+            run = self.running_names.get(name)
+            if run is not None and 0 <= run[2] < floor and count == run[1] - 1:
+                self.resends.append(Resend(worker, run[0], self.running_plans[run[0]], "restart_lost"))
+            w = self.waiting.get(name)
+            if w is not None and 0 <= w.index < floor and worker not in w.workers:
+                out += self._passed(name, w, floor)
+            for _, left, index in self.failed.get(name, ()):
+                if 0 <= index < floor:
+                    left.discard(worker)
+            if name in self.failed:
+                self.failed[name] = [r for r in self.failed[name] if r[1]]
+                if not self.failed[name]:
+                    del self.failed[name]
+        return out
+
+    def _below_floor(self, name: str, worker: int, index: int, out: list[Failed]) -> bool:
+        """Whether ``worker``'s round ``index`` of ``name`` is below what another worker is past (FusePast):
+        it fails (``out``)."""
+        floor = max(self.floors.get(name, (0,)))
+        if index < floor:
+            out.append(Failed(worker, name, self._stale(name, worker, index, floor)))
+        return index < floor
+
     def _passed(self, name: str, w: _Waiting, index: int) -> list[Failed]:
         """A worker is at round ``index`` of ``name``, past the round waiting: its reporters' are stale."""
         del self.waiting[name]
@@ -215,6 +265,10 @@ class Planner:
         past: set[int] = set()
         for name, count, index in zip(names, counts, rounds or [-1] * len(names)):
             self.running_names[name] = (seq, count, index)
+            floors = self.floors.get(name)
+            if floors is not None and index >= 0:  # workers past its round (FusePast) that lost it
+                past |= {r for r, floor in enumerate(floors)
+                         if floor > index and self.past_counts[name][r] == count - 1}
             w = self.waiting.get(name)
             if w is None:
                 continue
@@ -277,7 +331,13 @@ class Planner:
 
     def take_resends(self) -> list[Resend]:
         resends, self.resends = self.resends, []
-        return resends
+        sent = self._resent
+        fresh = []
+        for r in resends:  # once a connection (a report and a FusePast can both find it lost)
+            if (r.worker, r.seq) not in sent:
+                sent.add((r.worker, r.seq))
+                fresh.append(r)
+        return fresh
 
     def take_plans(self) -> list[tuple[int, list[str]]]:
         """The names ready since the last call, as plans that fit a message (``fused_chunks``): (seq, names)."""
@@ -327,7 +387,7 @@ class Planner:
                 if taken is not None:
                     continue  # that round failed already (its reporters told), or a later one: not waited for
             w = self.waiting.get(name)
-            if w is not None and index >= 0 and w.index >= 0 and index != w.index:
+            if w is not None and index >= 0 and w.index >= 0 and index != w.index and worker not in w.workers:
                 if index < w.index:
                     continue  # the others are past it: nobody waits for it
                 out += self._passed(name, w, index)
@@ -382,14 +442,17 @@ class Planner:
             return []
         return self._fail(name, w, why, unfused=unfused)
 
-    def resync(self, worker: int, names: list[str], counts: list[int], why: Why) -> list[Failed]:
+    def resync(self, worker: int, names: list[str], counts: list[int], why: Why,
+               rounds: list[int] | None = None) -> list[Failed]:
         """``worker`` is back on a new connection and told us ``counts[i]`` rounds of ``names[i]`` in all: each
-        we did not hear of was lost with its old connection (it failed there) and fails here, as its abort."""
+        we did not hear of was lost with its old connection (it failed there) and fails here, as its abort.
+        ``rounds[i]``: the index of the last round told, the last of those lost (the others: not known)."""
         out: list[Failed] = []
-        for name, count in zip(names, counts):
+        for name, count, last in zip(names, counts, rounds or [-1] * len(names)):
             h = self.heard.get(name)
-            for _ in range(count - (h[worker] if h is not None else 0)):
-                out += self.abort(worker, [name], why)
+            lost = count - (h[worker] if h is not None else 0)
+            for k in range(lost):
+                out += self.abort(worker, [name], why, rounds=[last] if last >= 0 and k == lost - 1 else None)
         return out
 
     def heard_of(self, worker: int, name: str) -> None:
@@ -433,6 +496,7 @@ class Planner:
         had not reported: its processes live on and report them when it is back. ``epoch``: the worker's new
         one (a Reset says it), so that its next hello does not excuse its new processes again."""
         out: list[Failed] = []
+        self._resent = {(r, seq) for r, seq in self._resent if r != worker}  # (resent again if lost with it)
         for name, w in list(self.waiting.items()):
             out += self._fail(name, w, why, skip=worker if reset or worker in w.workers else -1)
         if self.ready:  # reported by every worker, its report too (failed there): not planned
@@ -456,6 +520,10 @@ class Planner:
                 del self.failed[name]
         for h in self.heard.values():
             h[worker] = 0
+        for floors in self.floors.values():
+            floors[worker] = 0
+        for counts in self.past_counts.values():
+            counts[worker] = -1
         self.excused.add(worker)
 
     def _take_failed(self, name: str, worker: int, index: int = -1) -> Why | None:
@@ -491,7 +559,11 @@ class Planner:
         return None
 
     def _add_failed(self, name: str, why: Why, left: set[int], index: int = -1) -> None:
-        """A round of ``name`` (``index``) failed; ``left``: the workers still to hear it (the newest round)."""
+        """A round of ``name`` (``index``) failed; ``left``: the workers still to hear it (the newest round; not
+        those past it, see ``past``)."""
+        floors = self.floors.get(name) if self.floors and index >= 0 else None
+        if floors is not None:
+            left = {r for r in left if floors[r] <= index}
         if left:
             self.failed.setdefault(name, []).append((why, left, index))
 

@@ -136,6 +136,7 @@ class FusedRounds(Generic[M]):
         # Per name, the rounds we told its anchor's run of (reports, and aborts of rounds not reported): a
         # connection that breaks may lose the last ones, which the anchor learns from these (FuseResync).
         self.told: dict[str, int] = {}
+        self.told_index: dict[str, int] = {}  # per name, the index of the last round told (FuseResync.rounds)
         # The spec of each round failed because its connection broke: a plan of it that the connection lost
         # comes again (FusePlan.resent), and its group must fail as the peers' did.
         self.lost_specs: dict[str, Spec] = {}
@@ -271,9 +272,12 @@ class FusedRounds(Generic[M]):
         self.index[name] = index + 1
         return index
 
-    def tell(self, name: str, rounds: int = 1) -> None:
-        """We told the anchor's run of ``rounds`` more rounds of ``name`` (see ``told``)."""
+    def tell(self, name: str, rounds: int = 1, index: int = -1) -> None:
+        """We told the anchor's run of ``rounds`` more rounds of ``name`` (see ``told``), the last one round
+        ``index`` (-1: the count of rounds told before a break, restored)."""
         self.told[name] = self.told.get(name, 0) + rounds
+        if index >= 0:
+            self.told_index[name] = index
 
     def _answered(self, name: str) -> FusedRound[M] | None:
         """The anchor answered our oldest report of ``name`` still unanswered: that round, if we abandoned it
@@ -383,6 +387,7 @@ class FusedRounds(Generic[M]):
         self.failed.clear()
         self.abandoned.clear()
         self.told.clear()  # the anchors start our counts again (the Reset)
+        self.told_index.clear()
         self.lost_specs.clear()
         self.index.clear()
         self.aligned = False  # the next processes start at the peers' step: our indexes are not theirs

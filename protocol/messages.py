@@ -902,6 +902,25 @@ class FuseRunning(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class FusePast(Message):
+    """Worker to a server that restarted, after its FuseRunning and before its reports: its processes are
+    past the rounds of ``names[i]`` below index ``rounds[i]`` (as FuseReady says them; planned or failed
+    here), and will never report them; ``counts``: as in FuseReady. The new run fails a peer's round below
+    it rather than wait for a round this worker gave up while the old run died, and sends the worker a plan
+    of the old run it lost whose round it is past, to give up (see bps_server.fusion)."""
+
+    TYPE: ClassVar[str] = "fuse_past"
+    names: list[str]
+    rounds: list[int]
+    counts: list[int]
+
+    def validate(self) -> None:
+        _check_fused_names("fuse past", self.names)
+        _check_indexes("fuse past", "rounds", self.rounds, len(self.names))
+        _check_indexes("fuse past", "counts", self.counts, len(self.names))
+
+
+@dataclass(frozen=True, slots=True)
 class FuseResync(Message):
     """Worker to the anchor server, first on the connection that replaces a broken one: of each of ``names``
     it told the server's run ``incarnation`` of ``counts[i]`` rounds (reports, and aborts of rounds it had
@@ -917,6 +936,9 @@ class FuseResync(Message):
     counts: list[int]
     next_plan: int = -1
     epoch: str = ""  # the worker's epoch when the connection broke: counts of processes gone since are void
+    # Per name, the index of the last round told (as FuseReady.rounds says it; empty: not said): the last of
+    # those the server did not hear of is that round.
+    rounds: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
         _check_text("fuse resync", "incarnation", self.incarnation)
@@ -924,6 +946,8 @@ class FuseResync(Message):
         if self.names:
             _check_fused_names("fuse resync", self.names)
         _check_indexes("fuse resync", "counts", self.counts, len(self.names))
+        if self.rounds:
+            _check_indexes("fuse resync", "rounds", self.rounds, len(self.names))
         if self.next_plan < -1:
             raise LocalProtocolError(f"fuse resync has next_plan {self.next_plan}; -1 or more allowed")
 
@@ -995,7 +1019,7 @@ MESSAGES: Final[dict[str, type[Message]]] = {
     cls.TYPE: cls
     for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, Announce, Release, RoundQuery,
                 RoundInfo, Ping, StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch, OpBatch, DoneBatch,
-                FuseReady, FuseAbort, FusePlan, FuseRunning, FuseResync, FuseFailed, Restored)
+                FuseReady, FuseAbort, FusePlan, FuseRunning, FusePast, FuseResync, FuseFailed, Restored)
 }
 
 class _Field(NamedTuple):

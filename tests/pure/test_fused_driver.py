@@ -11,7 +11,8 @@ from typing import Any
 
 from bps_server.fusion import Planner
 from bps_worker.fused_driver import FusedSums
-from protocol.messages import FuseAbort, FuseFailed, FusePlan, FuseReady, FuseResync, FuseRunning, Spec, Why
+from protocol.messages import (FuseAbort, FuseFailed, FusePast, FusePlan, FuseReady, FuseResync, FuseRunning, Spec,
+                               Why)
 
 F32: Spec = ("float32", (4,), False, "")
 DROP = Why("worker 0 disconnected", "connection")
@@ -113,7 +114,9 @@ def deliver(p: Planner, w: int, fs: Any, epoch: str = "e1", run: str = "run-1") 
             for seq, names in p.sent_since(m.next_plan, w) or [] if m.next_plan >= 0 else []:
                 groups, group = p.groups(names)
                 fs.on_message(0, FusePlan(seq, names, "lost", groups, group, epoch))
-            out += p.resync(w, m.names, m.counts, Why("lost with the connection", "connection"))
+            out += p.resync(w, m.names, m.counts, Why("lost with the connection", "connection"), m.rounds)
+        elif isinstance(m, FusePast):
+            out += p.past(w, m.names, m.rounds, m.counts)
     return out
 
 
@@ -351,3 +354,27 @@ async def test_new_processes_after_a_reset_say_no_round_index():
     w0.link.wire.clear()
     await submit(w0, "a", 1)
     assert [m.rounds for m in w0.link.wire] == [[]]  # matched by order (their count is not the peers')
+
+
+async def test_a_restarted_server_hears_which_rounds_each_name_is_past():
+    """After the plans of the old run still running here (FuseRunning), the new run hears of each name the
+    index of its open round, or of its next one (FusePast), then the reports again."""
+    w0 = worker(0)
+    await submit(w0, "a", 0)
+    w0.carry_out(w0.rounds.fail_name("a", Why("a process disagreed", "mismatch")))  # round 0 closed
+    await submit(w0, "b", 1)  # round 0 of b, reported
+    w0.link.wire.clear()
+    w0.link.drop()
+    w0.link.reconnect("run-2")
+    past = [m for m in w0.link.wire if isinstance(m, FusePast)]
+    assert [(m.names, m.rounds) for m in past] == [(["a", "b"], [1, 0])]
+    kinds = [type(m).__name__ for m in w0.link.wire if not isinstance(m, FuseResync)]
+    assert kinds == ["FusePast", "FuseReady"]
+
+
+async def test_a_resync_says_the_index_of_the_last_round_told():
+    w0 = worker(0)
+    await submit(w0, "a", 0)
+    w0.link.drop()
+    (resync,) = [m for m in w0.link.queue if isinstance(m, FuseResync)]
+    assert (resync.names, resync.counts, resync.rounds) == (["a"], [1], [0])

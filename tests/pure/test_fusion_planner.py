@@ -512,3 +512,43 @@ def test_a_reported_round_the_run_never_heard_of_is_given_up_as_a_round_not_repo
     q.report(1, ["b"], [F32], rounds=[0])
     told = q.abort(0, ["a"], Why("gave up", "round_failed"), reported=True, rounds=[0])
     assert [f.worker for f in told] == [0] and q.failed["a"][0][1:] == ({1}, 0)
+
+
+def test_a_worker_past_a_round_fails_the_peers_round_below_it_and_no_failed_round_waits_for_it():
+    """FusePast: after a restart, worker 1 says its processes are past round 4 of "a" (and round 2 of "b"):
+    worker 0's round 3 waiting here, and its round 3 reported later, never meet a round of worker 1."""
+    p = Planner(2)
+    p.report(0, ["a"], [F32], rounds=[3])
+    p.abort(0, ["b"], Why("gave up", "round_failed"), rounds=[1])
+    assert p.failed["b"][0][1:] == ({1}, 1)
+    told = p.past(1, ["a", "b"], [4, 2], [0, 0])
+    assert [(f.worker, f.name) for f in told] == [(0, "a")] and not p.waiting and not p.failed
+    assert [f.worker for f in p.report(0, ["a"], [F32], rounds=[3])] == [0]
+    p.abort(0, ["b"], Why("gave up", "round_failed"), rounds=[1])  # (again: round 1 of b was worker 1's past)
+    assert not p.failed
+    assert p.report(0, ["a"], [F32], rounds=[4]) == [] and p.report(1, ["a"], [F32], rounds=[4]) == []
+    assert p.take_plans() == [(0, ["a"])]
+
+
+def test_a_worker_past_a_plan_of_the_previous_run_it_lost_gets_it_once_to_give_up():
+    """Worker 0 still runs plan 5 of our previous run (round 2 of "a"); worker 1 never got it (one plan
+    behind) and is past round 2: it gets the plan to give up (as FusePlan "restart_lost"), once a
+    connection, whichever of its messages shows it first."""
+    p = Planner(2)
+    p.running(0, 5, ["a"], [3], [2])
+    p.past(1, ["a"], [3], [2])
+    p.report(1, ["a"], [F32], [2], rounds=[3])
+    assert [(r.worker, r.seq, r.how) for r in p.take_resends()] == [(1, 5, "restart_lost")]
+    q = Planner(2)  # the other order: worker 1's FusePast first
+    q.past(1, ["a"], [3], [2])
+    q.running(0, 5, ["a"], [3], [2])
+    assert [(r.worker, r.seq, r.how) for r in q.take_resends()] == [(1, 5, "restart_lost")]
+    q.past(1, ["a"], [3], [3])  # it ran it (its count says so): nothing more
+    assert q.take_resends() == []
+
+
+def test_a_resync_fails_the_last_lost_round_at_its_index():
+    p = Planner(2)
+    p.report(1, ["a"], [F32], rounds=[1])
+    told = p.resync(0, ["a", "b"], [1, 1], Why("lost", "connection"), rounds=[1, 4])  # reports lost
+    assert [(f.worker, f.name) for f in told] == [(1, "a")] and p.failed["b"][0][1:] == ({1}, 4)

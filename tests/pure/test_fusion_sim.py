@@ -36,8 +36,8 @@ import pytest
 import bps_worker.fused_driver as fd
 from bps_server import rounds as srounds
 from bps_server.fusion import Planner
-from protocol.messages import (Failure, FuseAbort, FuseFailed, FusePlan, FuseReady, FuseResync, FuseRunning, Push,
-                               Reset, Why)
+from protocol.messages import (Failure, FuseAbort, FuseFailed, FusePast, FusePlan, FuseReady, FuseResync,
+                               FuseRunning, Push, Reset, Why)
 
 F32 = ("float32", (4,), False, "")
 NAMES = ["a", "b"]
@@ -297,10 +297,12 @@ class Sim:
                 if plans is None: raise_v(self, "plans no longer kept")
                 for seq, names in plans or ():
                     self.s_send(w, self.plan_msg(w, seq, names, "lost"))
-            self.fused(p.resync(w, m.names, m.counts, Why("lost with the connection", "connection")))
+            self.fused(p.resync(w, m.names, m.counts, Why("lost with the connection", "connection"), m.rounds))
         elif isinstance(m, FuseRunning):
             p.running(w, m.seq, m.names, m.counts, m.rounds)
             self.fused([])
+        elif isinstance(m, FusePast):
+            self.fused(p.past(w, m.names, m.rounds, m.counts))
         elif isinstance(m, Reset):
             self.t_do(self.table.worker_reset(m.worker, m.epoch))
             self.srv_epoch[w] = m.epoch
