@@ -529,34 +529,32 @@ class Planner:
     def _take_failed(self, name: str, worker: int, index: int = -1) -> Why | None:
         """``worker``'s report or abort of ``name`` (round ``index``, -1: not said) is of the oldest failed
         round it is still in: it is out of that round now; why the round failed (None: it is in none). Where
-        both indexes are said: a failed round before ``index`` is one the worker is past (its report or abort
-        was lost, or went to our previous run): it is out of it, and looks on; one after ``index`` means the
-        others are past the worker's round, which fails as stale (the worker stays in the later one)."""
-        rounds = self.failed[name]
-        i = 0
-        while i < len(rounds):
-            why, left, failed_index = rounds[i]
-            if worker not in left:
-                i += 1
-                continue
-            if index >= 0 and failed_index >= 0 and failed_index != index:
-                if failed_index > index:
-                    return self._stale(name, worker, index, failed_index)
-                left.discard(worker)  # past it
-                if not left:
-                    del rounds[i]
-                else:
-                    i += 1
-                continue
-            left.discard(worker)
-            if not left:
-                del rounds[i]
-            if not rounds:
-                del self.failed[name]
-            return why
+        indexes are said: the failed round of ``index`` is the one, wherever it is (a round before it whose
+        index is not said is older: the worker is past it); else a failed round below ``index`` is one the
+        worker is past (its report or abort was lost, or went to our previous run), and the first other one
+        is the worker's (its index not said) or above it: the others are past the worker's round, which
+        fails as stale (the worker stays in the later one)."""
+        mine = [r for r in self.failed[name] if worker in r[1]]
+        at = next((i for i, r in enumerate(mine) if r[2] == index), -1) if index >= 0 else -1
+        if at < 0:  # in order: the rounds below are past, the first other one is the worker's or above it
+            at = next((i for i, r in enumerate(mine) if index < 0 or not 0 <= r[2] < index), len(mine))
+            if at < len(mine) and 0 <= index < mine[at][2]:
+                self._leave(name, worker, mine[:at])
+                return self._stale(name, worker, index, mine[at][2])
+        self._leave(name, worker, mine[:at + 1])
+        return mine[at][0] if at < len(mine) else None
+
+    def _leave(self, name: str, worker: int, rounds: list[tuple[Why, set[int], int]]) -> None:
+        """``worker`` is out of these failed rounds of ``name`` (those it is in)."""
         if not rounds:
+            return
+        for r in rounds:
+            r[1].discard(worker)
+        kept = [r for r in self.failed[name] if r[1]]
+        if kept:
+            self.failed[name] = kept
+        else:
             del self.failed[name]
-        return None
 
     def _add_failed(self, name: str, why: Why, left: set[int], index: int = -1) -> None:
         """A round of ``name`` (``index``) failed; ``left``: the workers still to hear it (the newest round; not

@@ -552,3 +552,17 @@ def test_a_resync_fails_the_last_lost_round_at_its_index():
     p.report(1, ["a"], [F32], rounds=[1])
     told = p.resync(0, ["a", "b"], [1, 1], Why("lost", "connection"), rounds=[1, 4])  # reports lost
     assert [(f.worker, f.name) for f in told] == [(1, "a")] and p.failed["b"][0][1:] == ({1}, 4)
+
+
+def test_a_report_takes_the_failed_round_of_its_index_past_an_older_one_of_no_index():
+    """A resync fails the rounds it lost: the last at its index, those before it at none (older). The peer's
+    report of that index takes the round of that index; the older one no longer waits for it."""
+    p = Planner(2)
+    p.resync(0, ["a"], [2], Why("lost", "connection"), rounds=[5])
+    assert [r[2] for r in p.failed["a"]] == [-1, 5]
+    assert [f.worker for f in p.report(1, ["a"], [F32], rounds=[5])] == [1] and not p.failed
+    q = Planner(2)  # in order where the index does not match: the older round of no index is the report's
+    q.abort(0, ["a"], Why("gave up", "round_failed"))
+    q.abort(0, ["a"], Why("gave up", "round_failed"), rounds=[1])
+    assert [f.why.text for f in q.report(1, ["a"], [F32], rounds=[0])] == ["gave up"]
+    assert [r[2] for r in q.failed["a"]] == [1]
