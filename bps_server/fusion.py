@@ -122,6 +122,7 @@ class Planner:
         # Per name, per worker: the index below which that worker's rounds are past (FusePast; 0: not said),
         # and its count of the name's plans then (-1: not said).
         self.floors: dict[str, list[int]] = {}
+        self.floor: dict[str, int] = {}  # per name, the highest of its floors (one look-up a report)
         self.past_counts: dict[str, list[int]] = {}
         self._resent: set[tuple[int, int]] = set()  # (worker, seq) resent on the worker's connection
         # The seq of the first plan made for that daemon's processes (its first hello, or their epoch's start):
@@ -161,7 +162,7 @@ class Planner:
                 if why is not None:
                     out.append(Failed(worker, name, why.heard_by(describe_spec(spec))))
                     continue
-            if self.floors and index >= 0 and self._below_floor(name, worker, index, out):
+            if self.floor and index >= 0 and self._below_floor(name, worker, index, out):
                 continue
             w = waiting.get(name)
             if w is not None and index >= 0 and w.index >= 0 and index != w.index and worker not in w.workers:
@@ -226,6 +227,7 @@ class Planner:
                 floors = self.floors[name] = [0] * self.workers
                 self.past_counts[name] = [-1] * self.workers
             floors[worker] = max(floors[worker], floor)
+            self.floor[name] = max(floors)
             self.past_counts[name][worker] = count
             run = self.running_names.get(name)
             if run is not None and 0 <= run[2] < floor and count == run[1] - 1:
@@ -245,7 +247,7 @@ class Planner:
     def _below_floor(self, name: str, worker: int, index: int, out: list[Failed]) -> bool:
         """Whether ``worker``'s round ``index`` of ``name`` is below what another worker is past (FusePast):
         it fails (``out``)."""
-        floor = max(self.floors.get(name, (0,)))
+        floor = self.floor.get(name, 0)
         if index < floor:
             out.append(Failed(worker, name, self._stale(name, worker, index, floor)))
         return index < floor
@@ -520,8 +522,9 @@ class Planner:
                 del self.failed[name]
         for h in self.heard.values():
             h[worker] = 0
-        for floors in self.floors.values():
+        for name, floors in self.floors.items():
             floors[worker] = 0
+            self.floor[name] = max(floors)
         for counts in self.past_counts.values():
             counts[worker] = -1
         self.excused.add(worker)
