@@ -50,6 +50,7 @@ from protocol.messages import (
     FusePlan,
     FuseReady,
     FuseResync,
+    FusePast,
     FuseRunning,
     Hello,
     Message,
@@ -316,15 +317,16 @@ class ServerConnection(AdmittedProtocol):
         assert self.worker is not None
         self._stream_zero(message)
         specs = [check_spec(s) for s in message.specs]  # checked when built: as hashable tuples
-        names, spec_of, counts = message.names, message.spec, message.counts
+        names, spec_of, counts, rounds = message.names, message.spec, message.counts, message.rounds
         if self.server.values.store.keys and any(self.server.values.has(n, 0) for n in names):
             keep = [i for i, n in enumerate(names) if not self._fused_misuse(n)]
             for i in set(range(len(names))) - set(keep):  # refused, yet told of (see Planner.resync)
                 self.server.fusion.heard_of(self.worker, names[i])
             names, spec_of = [names[i] for i in keep], [spec_of[i] for i in keep]
             counts = [counts[i] for i in keep] if counts else counts
+            rounds = [rounds[i] for i in keep] if rounds else rounds
         named = [specs[i] for i in spec_of]
-        failures = self.server.fusion.report(self.worker, names, named, counts, time.monotonic())
+        failures = self.server.fusion.report(self.worker, names, named, counts, time.monotonic(), rounds)
         aggregator = self.server.aggregator
         for name, spec in zip(names, named):
             open_round = aggregator.unfused(name)
@@ -374,8 +376,13 @@ class ServerConnection(AdmittedProtocol):
     def on_fuse_running(self, message: FuseRunning, payload: memoryview | None) -> None:
         assert self.worker is not None
         self._stream_zero(message)
-        self.server.fusion.running(self.worker, message.seq, message.names, message.counts)
+        self.server.fusion.running(self.worker, message.seq, message.names, message.counts, message.rounds)
         self.server.fused([])
+
+    def on_fuse_past(self, message: FusePast, payload: memoryview | None) -> None:
+        assert self.worker is not None
+        self._stream_zero(message)
+        self.server.fused(self.server.fusion.past(self.worker, message.names, message.rounds, message.counts))
 
     def on_fuse_abort(self, message: FuseAbort, payload: memoryview | None) -> None:
         assert self.worker is not None
@@ -387,7 +394,8 @@ class ServerConnection(AdmittedProtocol):
             open_round = aggregator.unfused(name)
             return open_round[0] if open_round is not None else set()
 
-        self.server.fused(self.server.fusion.abort(self.worker, message.names, why, unfused, message.reported))
+        self.server.fused(self.server.fusion.abort(self.worker, message.names, why, unfused, message.reported,
+                                                   rounds=message.rounds))
 
     def on_fuse_resync(self, message: FuseResync, payload: memoryview | None) -> None:
         assert self.worker is not None
@@ -408,7 +416,7 @@ class ServerConnection(AdmittedProtocol):
         why = Why(f"worker {self.worker}'s connection to server {self.server.config.server_id} broke with this "
                   f"fused sum's round on its way", "connection", peer=f"worker {self.worker}",
                   detail="its message about the round was lost with its connection")
-        failures = self.server.fusion.resync(self.worker, message.names, message.counts, why)
+        failures = self.server.fusion.resync(self.worker, message.names, message.counts, why, message.rounds)
         log.info("worker %d is back: %d fused names resynchronised, %d failures told", self.worker,
                  len(message.names), len(failures))
         self.server.fused(failures)
@@ -711,6 +719,7 @@ ServerConnection.HANDLERS = {
     FuseReady: ServerConnection.on_fuse_ready,
     FuseAbort: ServerConnection.on_fuse_abort,
     FuseRunning: ServerConnection.on_fuse_running,
+    FusePast: ServerConnection.on_fuse_past,
     FuseResync: ServerConnection.on_fuse_resync,
     Restored: ServerConnection.on_restored,
 }

@@ -28,6 +28,23 @@ worker's first message on its new connection (``FuseResync``) says how many it t
 of fails here as an abort of it would have (``resync``). A worker whose processes are new (a reset, a new
 epoch) starts its counts again, and failures no longer wait for it. A plan can be lost the same way: the
 worker says which plan it got last, and gets the later ones again (``sent_since``).
+
+Round indexes. Order alone cannot match rounds across a restart of this server: the new run heard none of
+the old run's rounds, and a failure the old run had not yet told a worker leaves that worker one round
+behind its peers (it reports again a round they gave up). So each round says its index (``FuseReady.rounds``,
+``FuseAbort.rounds``: the rounds of its name the worker's processes made before it, planned or failed, and
+the index of each round of a plan still running, ``FuseRunning.rounds``): every process issues every name
+once a step, so one step's rounds have one index on every worker. Where both sides say it, a round below
+another worker's (waiting here, or failed here) is one the others are past: it fails for its worker alone
+(``_stale``); a failed round below a worker's report or abort no longer waits for that worker; an abort of
+a reported round this run never heard of (reported to our previous run) fails the peers' round of its
+index; a worker one plan behind a plan of our previous run, with a later round, gets that plan to give up
+(``restart_lost``). A worker back on a restarted run says, of each name, the index its processes are past
+(``FusePast``): a peer's round below it fails rather than wait for a round given up in the crash, failed
+rounds below it no longer wait for it, and a lost plan of the previous run below it is sent to give up. A
+FuseResync says the index of the last round told (the last of those lost). Workers whose processes were
+replaced (a reset: new processes begin at the peers' step but count from 0) say no index, and their rounds
+are matched by order as before (see FuseReady.rounds).
 """
 
 from __future__ import annotations
@@ -37,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Callable, Final
 
 from bps_runtime.stalls import StallWatch
-from protocol.messages import Spec, Why, describe_spec, fused_chunks
+from protocol.messages import PlanResent, Spec, Why, describe_spec, fused_chunks
 
 __all__ = ["Failed", "Planner", "Resend"]
 
@@ -58,11 +75,13 @@ class Failed:
 
 @dataclass(frozen=True, slots=True)
 class Resend:
-    """``worker`` lost plan ``seq`` (of our previous run) when we died: send it again."""
+    """``worker`` lost plan ``seq`` (of our previous run) when we died: send it again (``how``: "restart", its
+    round is the plan's; "restart_lost", it failed that round since, see FusePlan.resent)."""
 
     worker: int
     seq: int
     names: list[str]
+    how: PlanResent = "restart"
 
 
 @dataclass(slots=True, eq=False)
@@ -72,6 +91,7 @@ class _Waiting:
     workers: set[int] = field(default_factory=set)
     counts: dict[int, int] = field(default_factory=dict)  # each reporter's count of the name's plans so far
     opened: float = 0.0  # when the first report came (time.monotonic())
+    index: int = -1  # the round's index (FuseReady.rounds), where its reporters said it
 
 
 class Planner:
@@ -82,13 +102,14 @@ class Planner:
         self.stalls: StallWatch[str] = StallWatch(warn_after_s=warn_after_s)
         self.waiting: dict[str, _Waiting] = {}
         self.ready: list[str] = []  # reported by every worker, not yet in a plan
-        # Failed rounds of a name while some workers had not reported them, oldest first: why, and the workers
-        # still to hear it when they report (or to give it up themselves).
-        self.failed: dict[str, list[tuple[Why, set[int]]]] = {}
+        # Failed rounds of a name while some workers had not reported them, oldest first: why, the workers
+        # still to hear it when they report (or to give it up themselves), and its index (-1: not said).
+        self.failed: dict[str, list[tuple[Why, set[int], int]]] = {}
         self.seq = 0  # of the next plan
         # Plans of our previous run (we restarted) that a worker still runs (FuseRunning): name -> (seq, count
-        # that plan brought the name to), and seq -> names, for the workers that lost them (see running).
-        self.running_names: dict[str, tuple[int, int]] = {}
+        # that plan brought the name to, index of its round or -1), and seq -> names, for the workers that lost
+        # them (see running).
+        self.running_names: dict[str, tuple[int, int, int]] = {}
         self.running_plans: dict[int, list[str]] = {}
         self.resends: list[Resend] = []
         # Per name, per worker: the rounds heard of (its reports, and its aborts of rounds it had not reported).
@@ -97,6 +118,13 @@ class Planner:
         # carry it (FusePlan.epoch, FuseFailed.epoch), and its new processes ignore those of their predecessors.
         self.epochs: dict[int, str] = {}
         self.daemons: dict[int, str] = {}  # each worker's daemon at its last hello
+        self.excused: set[int] = set()  # the workers whose processes were replaced in this run (_excuse)
+        # Per name, per worker: the index below which that worker's rounds are past (FusePast; 0: not said),
+        # and its count of the name's plans then (-1: not said).
+        self.floors: dict[str, list[int]] = {}
+        self.floor: dict[str, int] = {}  # per name, the highest of its floors (one look-up a report)
+        self.past_counts: dict[str, list[int]] = {}
+        self._resent: set[tuple[int, int]] = set()  # (worker, seq) resent on the worker's connection
         # The seq of the first plan made for that daemon's processes (its first hello, or their epoch's start):
         # the plans before were not theirs, and are never sent to them again (sent_since).
         self.first_plan: dict[int, int] = {}
@@ -109,39 +137,46 @@ class Planner:
         self._history_names = 0
 
     def report(self, worker: int, names: list[str], specs: list[Spec], counts: list[int] | None = None,
-               now: float = 0.0) -> list[Failed]:
+               now: float = 0.0, rounds: list[int] | None = None) -> list[Failed]:
         """``worker``'s processes all issued ``names`` (spec ``specs[i]`` each; ``counts[i]``: how many plans
-        the worker ran the name in so far). One round behind a plan of our previous run that another worker
-        still runs: the worker lost that plan, and gets it again (``resends``)."""
+        the worker ran the name in so far; ``rounds[i]``: the round's index, see FuseReady). One plan behind
+        a plan of our previous run that another worker runs: the worker lost it (``_missed``). A round below
+        another worker's (waiting, or failed) is one the others are past: it fails for its worker alone."""
         out: list[Failed] = []
-        waiting, failed, ready, everyone = self.waiting, self.failed, self.ready, self.workers
-        counts = counts or [0] * len(names)
+        waiting, failed, ready, everyone, heard = self.waiting, self.failed, self.ready, self.workers, self.heard
+        counts, indexes = counts or [0] * len(names), rounds or [-1] * len(names)
         running = self.running_names
-        lost: set[int] = set()
-        heard = self.heard
-        for name, spec, count in zip(names, specs, counts):
+        lost: set[int] = set()  # plans of our previous run the worker lost
+        behind: set[int] = set()  # (and whose round it failed since)
+        for name, spec, count, index in zip(names, specs, counts, indexes):
             h = heard.get(name)
             if h is None:
                 h = heard[name] = [0] * everyone
             h[worker] += 1  # (heard_of, inline: thousands of names per report)
             if running:
                 run = running.get(name)
-                if run is not None and count == run[1] - 1:
-                    lost.add(run[0])
-                    self.spec_of[name] = spec
+                if run is not None and count == run[1] - 1 and self._missed(name, spec, index, run, lost, behind):
                     continue
             if failed and name in failed:
-                why = self._take_failed(name, worker)
+                why = self._take_failed(name, worker, index)
                 if why is not None:
                     out.append(Failed(worker, name, why.heard_by(describe_spec(spec))))
                     continue
+            if self.floor and index >= 0 and self._below_floor(name, worker, index, out):
+                continue
             w = waiting.get(name)
+            if w is not None and index >= 0 and w.index >= 0 and index != w.index and worker not in w.workers:
+                if index < w.index:  # the others are past this round: it never meets theirs
+                    out.append(Failed(worker, name, self._stale(name, worker, index, w.index)))
+                    continue
+                out += self._passed(name, w, index)
+                w = None
             if w is None:
+                self.spec_of[name] = spec  # (a plan of our previous run may name it too: see groups)
                 if everyone == 1:
                     ready.append(name)
-                    self.spec_of[name] = spec
                 else:
-                    waiting[name] = _Waiting(spec, worker, {worker}, {worker: count}, now)
+                    waiting[name] = _Waiting(spec, worker, {worker}, {worker: count}, now, index)
             elif worker in w.workers:
                 continue  # reported again (a reconnect): nothing new
             elif spec != w.spec:
@@ -153,24 +188,98 @@ class Planner:
             else:
                 w.workers.add(worker)
                 w.counts[worker] = count
+                w.index = w.index if index >= 0 else -1  # a side that does not say: matched by order
                 if len(w.workers) == everyone:
                     del waiting[name]
                     ready.append(name)
                     self.spec_of[name] = w.spec
-        self.resends += [Resend(worker, seq, self.running_plans[seq]) for seq in sorted(lost)]
+        self.resends += [Resend(worker, seq, self.running_plans[seq], "restart" if seq in lost else "restart_lost")
+                         for seq in sorted(lost | behind)]
         return out
 
-    def running(self, worker: int, seq: int, names: list[str], counts: list[int]) -> None:
-        """``worker`` still runs plan ``seq`` of our previous run: the workers that reported its names one
-        round behind lost it (now or when they report them, see ``report``)."""
+    def _missed(self, name: str, spec: Spec, index: int, run: tuple[int, int, int], lost: set[int],
+                behind: set[int]) -> bool:
+        """A report of ``name`` one plan behind ``run`` (a plan of our previous run that another worker still
+        runs, see ``running``): the worker lost that plan. Its round is the plan's (it gets the plan again,
+        to run: the report is answered so, True), or a later one (it failed the plan's round since: it gets
+        the plan to give up, and this round waits as any)."""
+        if index < 0 or run[2] < 0 or index == run[2]:
+            lost.add(run[0])
+            self.spec_of[name] = spec
+            return True
+        if index > run[2]:
+            behind.add(run[0])
+            self.spec_of.setdefault(name, spec)
+        return False
+
+    def past(self, worker: int, names: list[str], rounds: list[int], counts: list[int]) -> list[Failed]:
+        """``worker`` is past the rounds of ``names[i]`` below ``rounds[i]`` (FusePast; ``counts[i]``: its
+        count of the name's plans): it will never report them. Rounds of other workers below it fail (now,
+        waiting here, or when they come, see ``report``); failed rounds below it no longer wait for it; a
+        plan of our previous run that it lost, of a round it is past, is sent to it to give up. (Its
+        FuseRunning came first: the reports of a plan it still runs were taken by ``running``.)"""
+        out: list[Failed] = []
+        for name, floor, count in zip(names, rounds, counts):
+            if worker in self.excused:
+                break  # (of its processes before a reset: gone)
+            floors = self.floors.get(name)
+            if floors is None:
+                floors = self.floors[name] = [0] * self.workers
+                self.past_counts[name] = [-1] * self.workers
+            floors[worker] = max(floors[worker], floor)
+            self.floor[name] = max(floors)
+            self.past_counts[name][worker] = count
+            run = self.running_names.get(name)
+            if run is not None and 0 <= run[2] < floor and count == run[1] - 1:
+                self.resends.append(Resend(worker, run[0], self.running_plans[run[0]], "restart_lost"))
+            w = self.waiting.get(name)
+            if w is not None and 0 <= w.index < floor and worker not in w.workers:
+                out += self._passed(name, w, floor)
+            for _, left, index in self.failed.get(name, ()):
+                if 0 <= index < floor:
+                    left.discard(worker)
+            if name in self.failed:
+                self.failed[name] = [r for r in self.failed[name] if r[1]]
+                if not self.failed[name]:
+                    del self.failed[name]
+        return out
+
+    def _below_floor(self, name: str, worker: int, index: int, out: list[Failed]) -> bool:
+        """Whether ``worker``'s round ``index`` of ``name`` is below what another worker is past (FusePast):
+        it fails (``out``)."""
+        floor = self.floor.get(name, 0)
+        if index < floor:
+            out.append(Failed(worker, name, self._stale(name, worker, index, floor)))
+        return index < floor
+
+    def _passed(self, name: str, w: _Waiting, index: int) -> list[Failed]:
+        """A worker is at round ``index`` of ``name``, past the round waiting: its reporters' are stale."""
+        del self.waiting[name]
+        return [Failed(r, name, self._stale(name, r, w.index, index)) for r in sorted(w.workers)]
+
+    def running(self, worker: int, seq: int, names: list[str], counts: list[int],
+                rounds: list[int] | None = None) -> None:
+        """``worker`` still runs plan ``seq`` of our previous run (``rounds``: the index of each name's round
+        in it, where said): the workers that reported its names one plan behind lost it (now or when they
+        report them, see ``report``); those whose round is later failed the plan's round (they give it up)."""
         self.running_plans[seq] = list(names)
         lost: set[int] = set()
-        for name, count in zip(names, counts):
-            self.running_names[name] = (seq, count)
+        past: set[int] = set()
+        for name, count, index in zip(names, counts, rounds or [-1] * len(names)):
+            self.running_names[name] = (seq, count, index)
+            floors = self.floors.get(name)
+            if floors is not None and index >= 0:  # workers past its round (FusePast) that lost it
+                past |= {r for r, floor in enumerate(floors)
+                         if floor > index and self.past_counts[name][r] == count - 1}
             w = self.waiting.get(name)
             if w is None:
                 continue
             behind = {r for r, c in w.counts.items() if c == count - 1}
+            if index >= 0 and w.index >= 0 and w.index != index:
+                if w.index > index:
+                    past |= behind
+                    self.spec_of.setdefault(name, w.spec)
+                continue  # (a lower one: stale, see report)
             lost |= behind
             w.workers -= behind
             for r in behind:
@@ -178,6 +287,7 @@ class Planner:
             if not w.workers:
                 del self.waiting[name]
         self.resends += [Resend(r, seq, self.running_plans[seq]) for r in sorted(lost)]
+        self.resends += [Resend(r, seq, self.running_plans[seq], "restart_lost") for r in sorted(past - lost)]
 
     def stall_warnings(self, now: float) -> list[str]:
         """The names that waited ``warn_after_s`` (and again every ``warn_after_s``) for workers whose processes
@@ -223,7 +333,13 @@ class Planner:
 
     def take_resends(self) -> list[Resend]:
         resends, self.resends = self.resends, []
-        return resends
+        sent = self._resent
+        fresh = []
+        for r in resends:  # once a connection (a report and a FusePast can both find it lost)
+            if (r.worker, r.seq) not in sent:
+                sent.add((r.worker, r.seq))
+                fresh.append(r)
+        return fresh
 
     def take_plans(self) -> list[tuple[int, list[str]]]:
         """The names ready since the last call, as plans that fit a message (``fused_chunks``): (seq, names)."""
@@ -248,29 +364,43 @@ class Planner:
         return plans
 
     def abort(self, worker: int, names: list[str], why: Why, unfused: Callable[[str], set[int]] = lambda _: set(),
-              reported: bool = False, told: bool = True) -> list[Failed]:
+              reported: bool = False, told: bool = True, rounds: list[int] | None = None) -> list[Failed]:
         """``worker`` gave these names up (see ``FuseAbort``): fail them for every worker. ``unfused(name)``:
         the workers that pushed the name's open round unfused (they will not report it: not waited for).
         ``reported``: the rounds given up are those ``worker`` reported last, not its next ones. ``told``:
-        the worker told us (it counts the round as told, see ``resync``), not a push of ours that meant it."""
+        the worker told us (it counts the round as told, see ``resync``), not a push of ours that meant it.
+        ``rounds``: each round's index (see FuseReady), where said. A reported round of a name this run heard
+        nothing of from ``worker`` (its report went to our previous run: a report, or one lost with a
+        connection, would have been counted, see ``resync``; its processes are those it began with) is given
+        up as a round not reported, uncounted."""
         out: list[Failed] = []
-        if reported:
-            for name in names:
-                out += self._abort_reported(worker, name, why, unfused)
-            return out
-        for name in names:
+        indexes = rounds or [-1] * len(names)
+        for name, index in zip(names, indexes):
+            if reported:  # (an excused worker's count is 0 here: the abort is of its old processes' report)
+                h = self.heard.get(name)
+                if index < 0 or (h is not None and h[worker] > 0) or worker in self.excused:
+                    out += self._abort_reported(worker, name, why, unfused)
+                    continue
+                told = False
             if told:
                 self.heard_of(worker, name)
-            if name in self.failed and self._take_failed(name, worker) is not None:
-                continue  # that round failed already (its reporters told): it no longer waits for this worker
+            if name in self.failed:
+                taken = self._take_failed(name, worker, index)
+                if taken is not None:
+                    continue  # that round failed already (its reporters told), or a later one: not waited for
             w = self.waiting.get(name)
+            if w is not None and index >= 0 and w.index >= 0 and index != w.index and worker not in w.workers:
+                if index < w.index:
+                    continue  # the others are past it: nobody waits for it
+                out += self._passed(name, w, index)
+                w = None
             if w is not None:
                 out += self._fail(name, w, why, skip=worker, unfused=unfused(name))
             elif name in self.ready:
                 self.ready.remove(name)
                 out += [Failed(other, name, why) for other in range(self.workers) if other != worker]
             else:
-                self._add_failed(name, why, set(range(self.workers)) - {worker} - unfused(name))
+                self._add_failed(name, why, set(range(self.workers)) - {worker} - unfused(name), index)
         return out
 
     def _abort_reported(self, worker: int, name: str, why: Why, unfused: Callable[[str], set[int]]) -> list[Failed]:
@@ -282,6 +412,14 @@ class Planner:
             self.ready.remove(name)
             return [Failed(r, name, why) for r in range(self.workers)]
         return []  # planned already (the plan answers it) or failed already (its reporters were told)
+
+    @staticmethod
+    def _stale(name: str, worker: int, index: int, others: int) -> Why:
+        """Why ``worker``'s round ``index`` of ``name`` fails: another worker is at round ``others``, past it
+        (it failed there, and our previous run died before telling ``worker``, or the news of it was lost)."""
+        detail = (f"worker {worker} is at round {index} of it and another worker at round {others}: that round "
+                  f"failed or was given up on the other side")
+        return Why(f"tensor {name!r}: {detail}", "round_failed", name=name, detail=detail)
 
     def pushed_unfused(self, worker: int, name: str, why: Callable[[Spec], Why],
                        unfused: set[int]) -> list[Failed]:
@@ -306,14 +444,17 @@ class Planner:
             return []
         return self._fail(name, w, why, unfused=unfused)
 
-    def resync(self, worker: int, names: list[str], counts: list[int], why: Why) -> list[Failed]:
+    def resync(self, worker: int, names: list[str], counts: list[int], why: Why,
+               rounds: list[int] | None = None) -> list[Failed]:
         """``worker`` is back on a new connection and told us ``counts[i]`` rounds of ``names[i]`` in all: each
-        we did not hear of was lost with its old connection (it failed there) and fails here, as its abort."""
+        we did not hear of was lost with its old connection (it failed there) and fails here, as its abort.
+        ``rounds[i]``: the index of the last round told, the last of those lost (the others: not known)."""
         out: list[Failed] = []
-        for name, count in zip(names, counts):
+        for name, count, last in zip(names, counts, rounds or [-1] * len(names)):
             h = self.heard.get(name)
-            for _ in range(count - (h[worker] if h is not None else 0)):
-                out += self.abort(worker, [name], why)
+            lost = count - (h[worker] if h is not None else 0)
+            for k in range(lost):
+                out += self.abort(worker, [name], why, rounds=[last] if last >= 0 and k == lost - 1 else None)
         return out
 
     def heard_of(self, worker: int, name: str) -> None:
@@ -357,6 +498,7 @@ class Planner:
         had not reported: its processes live on and report them when it is back. ``epoch``: the worker's new
         one (a Reset says it), so that its next hello does not excuse its new processes again."""
         out: list[Failed] = []
+        self._resent = {(r, seq) for r, seq in self._resent if r != worker}  # (resent again if lost with it)
         for name, w in list(self.waiting.items()):
             out += self._fail(name, w, why, skip=worker if reset or worker in w.workers else -1)
         if self.ready:  # reported by every worker, its report too (failed there): not planned
@@ -372,33 +514,59 @@ class Planner:
     def _excuse(self, worker: int) -> None:
         """``worker``'s processes are gone: no failure waits for them, and its counts start again."""
         for name in list(self.failed):
-            rounds = [(why, left - {worker}) for why, left in self.failed[name]]
-            rounds = [(why, left) for why, left in rounds if left]
+            rounds = [(why, left - {worker}, index) for why, left, index in self.failed[name]]
+            rounds = [(why, left, index) for why, left, index in rounds if left]
             if rounds:
                 self.failed[name] = rounds
             else:
                 del self.failed[name]
         for h in self.heard.values():
             h[worker] = 0
+        for name, floors in self.floors.items():
+            floors[worker] = 0
+            self.floor[name] = max(floors)
+        for counts in self.past_counts.values():
+            counts[worker] = -1
+        self.excused.add(worker)
 
-    def _take_failed(self, name: str, worker: int) -> Why | None:
-        """``worker``'s report or abort of ``name`` is of the oldest failed round it is still in: it is out of
-        that round now; why the round failed (None: it is in none)."""
-        rounds = self.failed[name]
-        for i, (why, left) in enumerate(rounds):
-            if worker in left:
-                left.discard(worker)
-                if not left:
-                    del rounds[i]
-                    if not rounds:
-                        del self.failed[name]
-                return why
-        return None
+    def _take_failed(self, name: str, worker: int, index: int = -1) -> Why | None:
+        """``worker``'s report or abort of ``name`` (round ``index``, -1: not said) is of the oldest failed
+        round it is still in: it is out of that round now; why the round failed (None: it is in none). Where
+        indexes are said: the failed round of ``index`` is the one, wherever it is (a round before it whose
+        index is not said is older: the worker is past it); else a failed round below ``index`` is one the
+        worker is past (its report or abort was lost, or went to our previous run), and the first other one
+        is the worker's (its index not said) or above it: the others are past the worker's round, which
+        fails as stale (the worker stays in the later one)."""
+        mine = [r for r in self.failed[name] if worker in r[1]]
+        at = next((i for i, r in enumerate(mine) if r[2] == index), -1) if index >= 0 else -1
+        if at < 0:  # in order: the rounds below are past, the first other one is the worker's or above it
+            at = next((i for i, r in enumerate(mine) if index < 0 or not 0 <= r[2] < index), len(mine))
+            if at < len(mine) and 0 <= index < mine[at][2]:
+                self._leave(name, worker, mine[:at])
+                return self._stale(name, worker, index, mine[at][2])
+        self._leave(name, worker, mine[:at + 1])
+        return mine[at][0] if at < len(mine) else None
 
-    def _add_failed(self, name: str, why: Why, left: set[int]) -> None:
-        """A round of ``name`` failed; ``left``: the workers still to hear it (the newest round)."""
+    def _leave(self, name: str, worker: int, rounds: list[tuple[Why, set[int], int]]) -> None:
+        """``worker`` is out of these failed rounds of ``name`` (those it is in)."""
+        if not rounds:
+            return
+        for r in rounds:
+            r[1].discard(worker)
+        kept = [r for r in self.failed[name] if r[1]]
+        if kept:
+            self.failed[name] = kept
+        else:
+            del self.failed[name]
+
+    def _add_failed(self, name: str, why: Why, left: set[int], index: int = -1) -> None:
+        """A round of ``name`` (``index``) failed; ``left``: the workers still to hear it (the newest round; not
+        those past it, see ``past``)."""
+        floors = self.floors.get(name) if self.floors and index >= 0 else None
+        if floors is not None:
+            left = {r for r in left if floors[r] <= index}
         if left:
-            self.failed.setdefault(name, []).append((why, left))
+            self.failed.setdefault(name, []).append((why, left, index))
 
     def _fail(self, name: str, w: _Waiting, why: Why, *, skip: int = -1,
               specs: dict[int, Spec] | None = None, unfused: AbstractSet[int] = frozenset()) -> list[Failed]:
@@ -408,5 +576,5 @@ class Planner:
         specs = specs or {}
         told = [Failed(r, name, why.heard_by(describe_spec(specs.get(r, w.spec))))
                 for r in sorted(w.workers) if r != skip]
-        self._add_failed(name, why, set(range(self.workers)) - w.workers - {skip} - unfused)
+        self._add_failed(name, why, set(range(self.workers)) - w.workers - {skip} - unfused, w.index)
         return told

@@ -215,7 +215,7 @@ class SummationServer:
                 log.info("worker %d lost plan %d of this server's previous run: sending it again", resend.worker,
                          resend.seq)
                 groups, group = self.fusion.groups(resend.names)
-                conn.send(FusePlan(resend.seq, resend.names, resent="restart", groups=groups, group=group,
+                conn.send(FusePlan(resend.seq, resend.names, resent=resend.how, groups=groups, group=group,
                                    epoch=self.fusion.epoch(resend.worker)))
         if self.fusion.ready and not self._plans_due:
             self._plans_due = True

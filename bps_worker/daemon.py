@@ -335,7 +335,7 @@ class WorkerDaemon:
         why = Why.mismatch(name, fused, unfused, detail)
         decisions = self.fusion.rounds.fail_name(name, why, set(range(self.config.local_size)) - fused_ranks)
         if not decisions.aborts:  # no fused round here; machines that fused it wait at the planner all the same
-            decisions.aborts.append((name, why, False))
+            decisions.abort(name, why, False, self.fusion.rounds.index.get(name, 1) - 1)  # (the unfused one's)
         self.fusion.carry_out(decisions)
         self._execute(self.rounds.fail_name(name, why, fused_ranks))
         return why
@@ -346,6 +346,8 @@ class WorkerDaemon:
             if isinstance(action, (Opened, Ready)):  # it waits for local ranks, or at the servers, from now
                 self.stalls.began(action.round, asyncio.get_running_loop().time())
             if isinstance(action, Opened):
+                if not self.fusion.rounds.busy(action.round.name):  # one round of the name: it takes its index
+                    self.fusion.rounds.skip(action.round.name)
                 if action.round.first.kind not in ASYNC_KINDS:  # asynchronous names have no rounds to learn
                     self.round_base(action.round.name, action.round.round)
                 self._watch(action.round)

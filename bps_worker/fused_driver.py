@@ -15,8 +15,9 @@
   there, ``FuseResync``, says how many rounds of each name we told that run and which of its plans we got
   last: the server fails the rounds whose report or abort the break lost, and sends the lost plans again
   (``FusePlan.resent == "lost"``), whose groups we number and give up as the peers did. A server that
-  restarted (a new run) gets our reports of the old run again and the plans of it we still run
-  (``FuseRunning``).
+  restarted (a new run) gets the plans of it we still run (``FuseRunning``), the index of each name's
+  round our processes are past (``FusePast``: told again on each connection to that run, it may be lost
+  with one), and our reports of the old run again.
 - A reset (every local process left; new ones start a new epoch): the servers' answers to the old processes'
   rounds may still be on their way. Each carries the epoch the server knew us by (``FusePlan.epoch``,
   ``FuseFailed.epoch``), and one of another epoch is dropped: its rounds were the old processes', failed at
@@ -36,6 +37,7 @@ from protocol.messages import (
     MAX_MESSAGE_CHARS,
     FuseAbort,
     FuseFailed,
+    FusePast,
     FusePlan,
     FuseReady,
     FuseResync,
@@ -78,13 +80,15 @@ class FusedSums:
         self._reports_due = False
         self._lanes: dict[str, asyncio.Future[Any]] = {}  # fused key -> its operation running (or last run)
         self._running: Counter[int] = Counter()  # server id -> fused operations with it not finished
-        # server id -> seq -> (names, their counts, operations of the plan not finished): told to a server that
-        # restarted (FuseRunning), whose peers may have lost the plan with it.
-        self._plans: dict[int, dict[int, tuple[list[str], list[int], int]]] = {sid: {} for sid in daemon.links}
+        # server id -> seq -> (names, their counts, their rounds' indexes (empty: not all known), operations of
+        # the plan not finished): told to a server that restarted (FuseRunning), whose peers may have lost it.
+        self._plans: dict[int, dict[int, tuple[list[str], list[int], list[int], int]]] = {
+            sid: {} for sid in daemon.links}
         self._generation: Counter[int] = Counter()  # server id -> connections to it lost so far
         # server id -> the rounds told of each of its names before its connection broke (see _lost)
         self._told_before: dict[int, dict[str, int]] = {}
         self._next_plan: Counter[int] = Counter()  # server id -> the seq of the next plan of its run we expect
+        self._told_past: set[int] = set()  # servers whose run we told what we are past (FusePast)
         self._stalls: StallWatch[FusedRound[ClientSession]] = StallWatch(warn_after_s=config.cluster.timeout)
         for sid, link in daemon.links.items():
             link.on_fused = lambda message, sid=sid: self.on_message(sid, message)
@@ -140,12 +144,13 @@ class FusedSums:
     def carry_out(self, out: Decisions[ClientSession]) -> None:
         for member, failure in out.answers:
             member.send(failure)
-        for name, why, reported in out.aborts:
+        aligned = self.rounds.aligned
+        for (name, why, reported), index in zip(out.aborts, out.abort_rounds, strict=True):
             # The peers hear that the round failed here, and why in words (as an Abort of an unfused round says).
             self.daemon.links[self.anchor(name)].fuse(
-                FuseAbort([name], why.text[:MAX_MESSAGE_CHARS], "round_failed", reported))
+                FuseAbort([name], why.text[:MAX_MESSAGE_CHARS], "round_failed", reported, [index] if aligned else []))
             if not reported:
-                self.rounds.tell(name)
+                self.rounds.tell(name, 1, index)
         if out.ready:
             reports = self._reports
             for fr in out.ready:
@@ -172,7 +177,7 @@ class FusedSums:
         for fr in rounds:
             fr.sent = True
             fr.generation = generation
-            self.rounds.tell(fr.name)
+            self.rounds.tell(fr.name, 1, fr.index)
         for start, stop in fused_chunks(names):
             index: dict[Spec, int] = {}
             specs: list[Any] = []
@@ -185,7 +190,8 @@ class FusedSums:
                     specs.append([dtype, list(shape), average, layout])
                 which.append(k)
             chunk = names[start:stop]
-            self.daemon.links[sid].fuse(FuseReady(chunk, specs, which, [counts.get(n, 0) for n in chunk]))
+            indexes = [fr.index for fr in rounds[start:stop]] if self.rounds.aligned else []
+            self.daemon.links[sid].fuse(FuseReady(chunk, specs, which, [counts.get(n, 0) for n in chunk], indexes))
 
     def _lost(self, sid: int) -> None:
         """The connection to ``sid`` broke: what we reported before this is the old connection's, and the last
@@ -199,11 +205,14 @@ class FusedSums:
         link = self.daemon.links[sid]
         names = list(before)
         next_plan = self._next_plan[sid]
+        told_index = self.rounds.told_index if self.rounds.aligned else {}
         if names or next_plan:
             for start, stop in fused_chunks(names) if names else [(0, 0)]:
                 chunk = names[start:stop]
+                last = [told_index.get(n, -1) for n in chunk]
                 link.first_on_reconnect(FuseResync(link.incarnation or "", chunk, [before[n] for n in chunk],
-                                                   next_plan if start == 0 else -1, link.epoch))
+                                                   next_plan if start == 0 else -1, link.epoch,
+                                                   last if -1 not in last else []))
         for name in names:
             del told[name]
 
@@ -219,13 +228,16 @@ class FusedSums:
                 f"the connection to server {sid} broke while fused sums waited there", "connection",
                 peer=f"server {sid}", detail="the connection broke while fused sums waited there"),
                 before=self._generation[sid]))
+            if sid in self._told_past:  # (it may have been lost with the connection; it says a state: again)
+                self._tell_past(sid)
             return
         self.rounds.forget_answers(sid, before=self._generation[sid])  # it forgot the reports we gave up
         self._next_plan[sid] = 0  # its plans start again
         link = self.daemon.links[sid]
-        for seq, (names, counts, _) in self._plans[sid].items():
+        for seq, (names, counts, indexes, _) in self._plans[sid].items():
             for start, stop in fused_chunks(names):
-                link.fuse(FuseRunning(seq, names[start:stop], counts[start:stop]))
+                link.fuse(FuseRunning(seq, names[start:stop], counts[start:stop], indexes[start:stop]))
+        self._tell_past(sid)
         # Those reported on a connection of the old run: not the held ones (they go when they go) nor those
         # reported while the link was down (queued, they went to the new run before this).
         generation = self._generation[sid]
@@ -235,6 +247,21 @@ class FusedSums:
             log.info("server %d restarted: reporting %d fused sums to it again, %d plans of its run here",
                      sid, len(again), len(self._plans[sid]))
             self._report(sid, again)
+
+    def _tell_past(self, sid: int) -> None:
+        """Tell server ``sid``'s new run which rounds of its names our processes are past (FusePast): the
+        index of each name's open round, or of its next one. Not said by processes begun after a reset."""
+        rounds = self.rounds
+        if not rounds.aligned:
+            return
+        self._told_past.add(sid)
+        open_rounds = {**rounds.collecting, **rounds.reported}
+        names = [name for name in rounds.index if self.anchor(name) == sid]
+        floors = [open_rounds[n].index if n in open_rounds else rounds.index[n] for n in names]
+        counts = [rounds.counts.get(n, 0) for n in names]
+        link = self.daemon.links[sid]
+        for start, stop in fused_chunks(names) if names else []:
+            link.fuse(FusePast(names[start:stop], floors[start:stop], counts[start:stop]))
 
     # -- from the servers ----------------------------------------------------------------
     def on_message(self, sid: int, message: Message) -> None:
@@ -273,7 +300,9 @@ class FusedSums:
             self._next_plan[sid] = plan.seq + 1
         elif plan.resent == "lost":  # a second break must not have it sent (and numbered) again
             self._next_plan[sid] = max(self._next_plan[sid], plan.seq + 1)
-        rounds, missing = self.rounds.planned(plan.names, plan.resent == "lost")
+        # A plan lost with a connection, or one of the server's previous run whose rounds failed here since: the
+        # names' rounds here are later ones (see FusedRounds.planned).
+        rounds, missing = self.rounds.planned(plan.names, plan.resent in ("lost", "restart_lost"))
         groups: dict[tuple[str, bool], list[FusedRound[ClientSession]]] = {}
         for fr in rounds:
             groups.setdefault((fr.spec[0], fr.spec[2]), []).append(fr)
@@ -285,8 +314,10 @@ class FusedSums:
             elif index:  # no round of it here (failed and forgotten): the plan says its group, as the peers see it
                 dtype, average = plan.groups[plan.group[index[name]]]
                 group = (dtype, average)
-            else:
+            else:  # its group unknown: every group fails (one of them would be summed without it)
                 log.warning("server %d planned fused tensor %r, which this worker does not have", sid, name)
+                for group in groups:
+                    broken.setdefault(group, name)
                 continue
             groups.setdefault(group, [])
             broken.setdefault(group, name)
@@ -294,7 +325,12 @@ class FusedSums:
         counts = self.rounds.counts
         running = [g for g in groups if g not in broken]
         if running:
-            self._plans[sid][plan.seq] = (list(plan.names), [counts.get(n, 0) for n in plan.names], len(running))
+            index = {fr.name: fr.index for fr in rounds}
+            indexes = [index.get(n, -1) for n in plan.names] if self.rounds.aligned else []
+            if -1 in indexes:
+                indexes = []  # (a name failed here: its group does not run, the others' do)
+            self._plans[sid][plan.seq] = (list(plan.names), [counts.get(n, 0) for n in plan.names], indexes,
+                                          len(running))
         for (dtype, average), members in groups.items():
             key = daemon.placement.fused_key(sid, lane, dtype, average)
             local_round = daemon.rounds.numbers.take(key)  # in plan order: every worker numbers alike
@@ -315,9 +351,9 @@ class FusedSums:
         finally:
             self._running[sid] -= 1
             plans = self._plans[sid]
-            names, counts, left = plans.get(seq, ([], [], 0))
+            names, counts, indexes, left = plans.get(seq, ([], [], [], 0))
             if left > 1:
-                plans[seq] = (names, counts, left - 1)
+                plans[seq] = (names, counts, indexes, left - 1)
             else:
                 plans.pop(seq, None)
             if self._reports.get(sid) and not self._reports_due:

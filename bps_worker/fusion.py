@@ -28,6 +28,10 @@ reported it is *abandoned*: the anchor answers every report exactly once, with a
 reported now. So abandoned rounds are kept in order too, until their answer comes (or the connection they
 were reported on is gone).
 
+Each round has an index: the rounds of its name made here before it in this epoch (unfused ones too, see
+``skip``). Reports and aborts say it while our processes are those the job began with (``aligned``), so that
+the anchor tells a stale round from a current one after it restarted (see ``bps_server.fusion``).
+
 ``FusedRounds`` only decides: its calls return what the daemon must send. A member is whatever the daemon
 answers a process through (its session).
 """
@@ -71,6 +75,7 @@ class FusedRound(Generic[M]):
     sent: bool = False  # its report went to the anchor (complete here, a report can wait: see fused_driver)
     reported_at: float = 0.0  # when every local rank had submitted it
     excused: set[int] = field(default_factory=set)  # local ranks that left or heard its failure another way
+    index: int = 0  # the rounds of its name made here before it, in this epoch (FuseReady.rounds)
 
     def awaits(self, local_rank: int) -> bool:
         """Whether ``local_rank`` has still to take part (submit, or leave)."""
@@ -95,6 +100,12 @@ class Decisions(Generic[M]):
     answers: list[tuple[M, Failure]] = field(default_factory=list)
     ready: list[FusedRound[M]] = field(default_factory=list)
     aborts: list[tuple[str, Why, bool]] = field(default_factory=list)
+    abort_rounds: list[int] = field(default_factory=list)  # the index of each abort's round (FuseAbort.rounds)
+
+    def abort(self, name: str, why: Why, reported: bool, index: int) -> None:
+        """Give up round ``index`` of ``name`` at its anchor (see ``aborts``)."""
+        self.aborts.append((name, why, reported))
+        self.abort_rounds.append(index)
 
     def fail(self, fr: FusedRound[M], why: Why) -> None:
         """Answer every entry of ``fr`` so far with ``why`` (each side of a mismatch hears its own tensor)."""
@@ -125,12 +136,19 @@ class FusedRounds(Generic[M]):
         # Per name, the rounds we told its anchor's run of (reports, and aborts of rounds not reported): a
         # connection that breaks may lose the last ones, which the anchor learns from these (FuseResync).
         self.told: dict[str, int] = {}
+        self.told_index: dict[str, int] = {}  # per name, the index of the last round told (FuseResync.rounds)
         # The spec of each round failed because its connection broke: a plan of it that the connection lost
         # comes again (FusePlan.resent), and its group must fail as the peers' did.
         self.lost_specs: dict[str, Spec] = {}
         # Per name, how many plans named it (its fused rounds in this daemon's life): reported with it, so that
         # a server that restarted tells a worker that lost a plan from one that ran it (FuseRunning).
         self.counts: dict[str, int] = {}
+        # Per name, the rounds made here in this epoch (planned or failed): each round's index. Every process
+        # issues every name once a step, so the peers' rounds of one step have the same index, as long as our
+        # processes started with theirs (``aligned``): new processes after a reset start at the peers' step
+        # but count from 0, and say no index (the anchor matches their rounds by order, see FuseReady.rounds).
+        self.index: dict[str, int] = {}
+        self.aligned = True
 
     def busy(self, name: str) -> bool:
         """Whether ``name`` has a fused round open here (an unfused op of it now would be a mismatch)."""
@@ -155,7 +173,9 @@ class FusedRounds(Generic[M]):
                         f"tensor {name!r} is already in flight for rank {rank}; synchronize it before pushing it "
                         f"again", "bad_request").failure(req)))
                     continue
-                fr = FusedRound(name, spec, rank, [None] * size, opened=now, reported_at=now)
+                index = self.index.get(name, 0)
+                self.index[name] = index + 1
+                fr = FusedRound(name, spec, rank, [None] * size, opened=now, reported_at=now, index=index)
                 fr.entries[local_rank] = entry
                 if size == 1:
                     self.reported[name] = fr
@@ -221,7 +241,7 @@ class FusedRounds(Generic[M]):
         if fr.count < self.local_size:
             self.failed.setdefault(name, []).append(fr)
         if abort:
-            out.aborts.append((name, why, reported))
+            out.abort(name, why, reported, fr.index)
 
     def planned(self, names: list[str], lost: bool = False
                 ) -> tuple[list[FusedRound[M]], dict[str, Spec | None]]:
@@ -245,9 +265,19 @@ class FusedRounds(Generic[M]):
                 rounds.append(fr)
         return rounds, missing
 
-    def tell(self, name: str, rounds: int = 1) -> None:
-        """We told the anchor's run of ``rounds`` more rounds of ``name`` (see ``told``)."""
+    def skip(self, name: str) -> int:
+        """A round of ``name`` went another way here (an ordinary, unfused op of it): it takes an index all the
+        same, as the peers' fused round of that step does (see ``index``); that index."""
+        index = self.index.get(name, 0)
+        self.index[name] = index + 1
+        return index
+
+    def tell(self, name: str, rounds: int = 1, index: int = -1) -> None:
+        """We told the anchor's run of ``rounds`` more rounds of ``name`` (see ``told``), the last one round
+        ``index`` (-1: the count of rounds told before a break, restored)."""
         self.told[name] = self.told.get(name, 0) + rounds
+        if index >= 0:
+            self.told_index[name] = index
 
     def _answered(self, name: str) -> FusedRound[M] | None:
         """The anchor answered our oldest report of ``name`` still unanswered: that round, if we abandoned it
@@ -357,5 +387,8 @@ class FusedRounds(Generic[M]):
         self.failed.clear()
         self.abandoned.clear()
         self.told.clear()  # the anchors start our counts again (the Reset)
+        self.told_index.clear()
         self.lost_specs.clear()
+        self.index.clear()
+        self.aligned = False  # the next processes start at the peers' step: our indexes are not theirs
         return out

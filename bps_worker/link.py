@@ -84,6 +84,7 @@ from protocol.messages import (
     FusePlan,
     FuseReady,
     FuseResync,
+    FusePast,
     FuseRunning,
     Hello,
     Message,
@@ -452,7 +453,7 @@ class ServerLink:
         """Tell the server that this worker gave up a round (sent once connected, if need be)."""
         self._send_control(Abort(name, part, round_, self.worker_id, message[:MAX_MESSAGE_CHARS]))
 
-    def fuse(self, message: FuseReady | FuseAbort | FuseRunning) -> None:
+    def fuse(self, message: FuseReady | FuseAbort | FuseRunning | FusePast) -> None:
         """Report fused sums to this server (their anchor), or give them up (sent once connected)."""
         self._send_control(message)
 

@@ -53,7 +53,7 @@ MAX_WORKERS: Final = 1 << 16  # entries of an applied vector (Push.applied, Resu
 
 # Why an operation or a connection failed (Failure.code): a closed set, so that the receiving side picks a typed
 # error from the code (bps_worker.errors.error_from_failure), never from the message text.
-PlanResent = Literal["", "restart", "lost"]  # see FusePlan
+PlanResent = Literal["", "restart", "restart_lost", "lost"]  # see FusePlan
 FailureCode = Literal[
     "error",           # anything else; the message says what
     "mismatch",        # processes disagree about a name (Failure.name, .ours, .theirs)
@@ -801,11 +801,19 @@ class FuseReady(Message):
     # Per name, how many plans this worker daemon ran it in (its fused rounds so far): a server that restarted
     # tells from it who missed a plan (see FuseRunning).
     counts: list[int] = field(default_factory=list)
+    # Per name, the round reported: how many rounds of it this worker's processes made before it (planned or
+    # failed), counted since they began (empty: not said; a worker whose processes are new since a reset
+    # counts otherwise than its peers, and says none). The anchor matches workers' rounds by it where every
+    # side says it, so that a round a restart of the server left unanswered on one side is not summed with
+    # the next round of another (see bps_server.fusion).
+    rounds: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
         _check_fused_names("fuse ready", self.names)
         if self.counts:
             _check_indexes("fuse ready", "counts", self.counts, len(self.names))
+        if self.rounds:
+            _check_indexes("fuse ready", "rounds", self.rounds, len(self.names))
         _check_indexes("fuse ready", "spec indexes", self.spec, len(self.names), len(self.specs))
         if len(self.specs) > len(self.names):
             raise LocalProtocolError("fuse ready has more specs than tensors")
@@ -818,17 +826,21 @@ class FuseAbort(Message):
     """Worker to the anchor server: these fused sums failed here (``message``, ``code``); fail them for every
     worker, those that reported them already and those that will. ``reported``: the round given up is the one
     this worker reported last (its processes failed it after the report), not its next one; the server answers
-    that report all the same (a plan, or a failure), as it answers every report."""
+    that report all the same (a plan, or a failure), as it answers every report. ``rounds``: as in FuseReady,
+each name's round given up (empty: not said)."""
 
     TYPE: ClassVar[str] = "fuse_abort"
     names: list[str]
     message: str
     code: FailureCode = "round_failed"
     reported: bool = False
+    rounds: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
         _check_fused_names("fuse abort", self.names)
         _check_text("fuse abort", "message", self.message)
+        if self.rounds:
+            _check_indexes("fuse abort", "rounds", self.rounds, len(self.names))
 
 
 @dataclass(frozen=True, slots=True)
@@ -836,8 +848,10 @@ class FusePlan(Message):
     """Server to every worker: plan ``seq`` of this server sums ``names`` (in this order, grouped by dtype
     and average) as one fused tensor per group, pushed to this server (see bps_worker.fusion). ``resent``: a
     plan sent again to a worker that lost it, not the next of this run's plans: "restart", a plan of the
-    server's previous run (FuseRunning; the worker reported its names again), or "lost", lost with a broken
-    connection (FuseResync; the worker failed its rounds then, and must fail its groups as the peers do).
+    server's previous run (FuseRunning; the worker reported its names again), "restart_lost", one of the
+    previous run whose rounds the worker failed since (it reports later rounds: FuseReady.rounds), or "lost",
+    lost with a broken connection (FuseResync; the worker failed its rounds then). Of the last two the worker
+    fails its groups as the peers do.
 
     ``groups``: the plan's groups, [dtype, average] each, and ``group[i]`` the index of ``names[i]``'s: a
     worker that has no round of a name (failed and forgotten here) still numbers and gives up its group as
@@ -869,18 +883,41 @@ class FusePlan(Message):
 @dataclass(frozen=True, slots=True)
 class FuseRunning(Message):
     """Worker to a server that restarted: plan ``seq`` of its previous run is running here (``counts``: as in
-    FuseReady, this plan included). A worker that reports these names one round behind lost the plan when
-    the server died, and gets it again."""
+    FuseReady, this plan included; ``rounds``: the index of each name's round in it, as FuseReady says it,
+    or empty). A worker that reports these names one plan behind lost the plan when the server died, and
+    gets it again: to run (its round is the plan's), or to give up (its round is a later one)."""
 
     TYPE: ClassVar[str] = "fuse_running"
     seq: int
     names: list[str]
     counts: list[int]
+    rounds: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
         _check_non_negative("fuse running", seq=self.seq)
         _check_fused_names("fuse running", self.names)
         _check_indexes("fuse running", "counts", self.counts, len(self.names))
+        if self.rounds:
+            _check_indexes("fuse running", "rounds", self.rounds, len(self.names))
+
+
+@dataclass(frozen=True, slots=True)
+class FusePast(Message):
+    """Worker to a server that restarted, after its FuseRunning and before its reports: its processes are
+    past the rounds of ``names[i]`` below index ``rounds[i]`` (as FuseReady says them; planned or failed
+    here), and will never report them; ``counts``: as in FuseReady. The new run fails a peer's round below
+    it rather than wait for a round this worker gave up while the old run died, and sends the worker a plan
+    of the old run it lost whose round it is past, to give up (see bps_server.fusion)."""
+
+    TYPE: ClassVar[str] = "fuse_past"
+    names: list[str]
+    rounds: list[int]
+    counts: list[int]
+
+    def validate(self) -> None:
+        _check_fused_names("fuse past", self.names)
+        _check_indexes("fuse past", "rounds", self.rounds, len(self.names))
+        _check_indexes("fuse past", "counts", self.counts, len(self.names))
 
 
 @dataclass(frozen=True, slots=True)
@@ -899,6 +936,9 @@ class FuseResync(Message):
     counts: list[int]
     next_plan: int = -1
     epoch: str = ""  # the worker's epoch when the connection broke: counts of processes gone since are void
+    # Per name, the index of the last round told (as FuseReady.rounds says it; empty: not said): the last of
+    # those the server did not hear of is that round.
+    rounds: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
         _check_text("fuse resync", "incarnation", self.incarnation)
@@ -906,6 +946,8 @@ class FuseResync(Message):
         if self.names:
             _check_fused_names("fuse resync", self.names)
         _check_indexes("fuse resync", "counts", self.counts, len(self.names))
+        if self.rounds:
+            _check_indexes("fuse resync", "rounds", self.rounds, len(self.names))
         if self.next_plan < -1:
             raise LocalProtocolError(f"fuse resync has next_plan {self.next_plan}; -1 or more allowed")
 
@@ -977,7 +1019,7 @@ MESSAGES: Final[dict[str, type[Message]]] = {
     cls.TYPE: cls
     for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, Announce, Release, RoundQuery,
                 RoundInfo, Ping, StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch, OpBatch, DoneBatch,
-                FuseReady, FuseAbort, FusePlan, FuseRunning, FuseResync, FuseFailed, Restored)
+                FuseReady, FuseAbort, FusePlan, FuseRunning, FusePast, FuseResync, FuseFailed, Restored)
 }
 
 class _Field(NamedTuple):

@@ -11,7 +11,8 @@ from typing import Any
 
 from bps_server.fusion import Planner
 from bps_worker.fused_driver import FusedSums
-from protocol.messages import FuseAbort, FuseFailed, FusePlan, FuseReady, FuseResync, Spec, Why
+from protocol.messages import (FuseAbort, FuseFailed, FusePast, FusePlan, FuseReady, FuseResync, FuseRunning, Spec,
+                               Why)
 
 F32: Spec = ("float32", (4,), False, "")
 DROP = Why("worker 0 disconnected", "connection")
@@ -97,21 +98,25 @@ async def submit(fs: Any, name: str, req: int) -> None:
     await asyncio.sleep(0)  # the reports go at the end of the pass
 
 
-def deliver(p: Planner, w: int, fs: Any, epoch: str = "e1") -> list[Any]:
+def deliver(p: Planner, w: int, fs: Any, epoch: str = "e1", run: str = "run-1") -> list[Any]:
     """The server reads what worker ``w`` wrote, as ``ServerConnection``'s handlers do; the lost plans it
     sends again (``on_fuse_resync``) are handed to the worker."""
     out: list[Any] = []
     messages, fs.link.wire = fs.link.wire, []
     for m in messages:
         if isinstance(m, FuseReady):
-            out += p.report(w, m.names, [F32] * len(m.names), m.counts)
+            out += p.report(w, m.names, [F32] * len(m.names), m.counts, rounds=m.rounds)
         elif isinstance(m, FuseAbort):
-            out += p.abort(w, m.names, Why(m.message, m.code), reported=m.reported)
-        elif isinstance(m, FuseResync) and m.incarnation == "run-1" and m.epoch == epoch:
+            out += p.abort(w, m.names, Why(m.message, m.code), reported=m.reported, rounds=m.rounds)
+        elif isinstance(m, FuseRunning):
+            p.running(w, m.seq, m.names, m.counts, m.rounds)
+        elif isinstance(m, FuseResync) and m.incarnation == run and m.epoch == epoch:
             for seq, names in p.sent_since(m.next_plan, w) or [] if m.next_plan >= 0 else []:
                 groups, group = p.groups(names)
                 fs.on_message(0, FusePlan(seq, names, "lost", groups, group, epoch))
-            out += p.resync(w, m.names, m.counts, Why("lost with the connection", "connection"))
+            out += p.resync(w, m.names, m.counts, Why("lost with the connection", "connection"), m.rounds)
+        elif isinstance(m, FusePast):
+            out += p.past(w, m.names, m.rounds, m.counts)
     return out
 
 
@@ -265,3 +270,111 @@ async def test_a_plan_of_a_tensor_this_worker_does_not_have_is_numbered_and_give
     assert sorted(w0.aborted) == [("fused/0/3/float16", 0), ("fused/0/3/float32", 0)]
     w0.on_message(0, FusePlan(11, ["z"]))  # a plan that does not say its groups: as before, skipped
     assert len(w0.numbers.taken) == 2
+
+
+def answer(fs: Any, failures: list[Any], w: int) -> None:
+    """The planner's failures for worker ``w``, delivered to it (as ``FuseFailed``)."""
+    for f in failures:
+        if f.worker == w:
+            fs.carry_out(fs.rounds.failed_at_anchor(f.name, f.why))
+
+
+async def test_a_round_that_failed_before_a_restart_is_not_summed_with_the_peers_next_one():
+    """The server's old run failed worker 0's step 0 of "a" (worker 1 gave it up) and died before its
+    FuseFailed reached worker 0, which reports step 0 again to the new run; worker 1 reports its step 1.
+    Matched by order, the new run summed step 0 with step 1. The rounds' indexes tell the stale one."""
+    q, w0, w1 = Planner(2), worker(0), worker(1)  # q: the server's new run
+    await submit(w0, "a", 0)
+    w0.link.wire.clear()  # reported to the old run
+    await submit(w1, "a", 0)
+    w1.carry_out(w1.rounds.fail_name("a", Why("a process disagreed", "mismatch")))  # (to the old run)
+    w1.link.wire.clear()
+    assert [m.code for m in w1.session.got] == ["mismatch"]
+    w0.link.drop()
+    w0.link.reconnect("run-2")
+    assert [m.rounds for m in w0.link.wire if isinstance(m, FuseReady)] == [[0]]
+    assert deliver(q, 0, w0, run="run-2") == []  # step 0 waits
+    await submit(w1, "a", 1)
+    failures = deliver(q, 1, w1, run="run-2")
+    assert [(f.worker, f.name) for f in failures] == [(0, "a")] and q.take_plans() == []
+    answer(w0, failures, 0)
+    assert [m.code for m in w0.session.got] == ["round_failed"]  # step 0 fails, with why
+    await submit(w0, "a", 1)
+    assert deliver(q, 0, w0, run="run-2") == [] and q.take_plans() == [(0, ["a"])]  # step 1 with step 1
+    assert w0.rounds.reported["a"].entries[0].req == 1 and w1.rounds.reported["a"].entries[0].req == 1
+
+
+async def test_a_report_the_new_run_never_heard_of_given_up_fails_the_peers_round_of_that_step():
+    """Worker 0 reported step 0 to the old run and gave it up while the link was down (FuseAbort, reported):
+    the new run never heard the report. Worker 1's step 0 must fail, not wait for worker 0's step 1."""
+    q, w0, w1 = Planner(2), worker(0), worker(1)
+    await submit(w0, "a", 0)
+    w0.link.wire.clear()  # reported to the old run
+    w0.link.drop()
+    w0.carry_out(w0.rounds.fail_name("a", Why("a process disagreed", "mismatch")))  # queued
+    w0.link.reconnect("run-2")
+    await submit(w1, "a", 0)
+    assert deliver(q, 1, w1, run="run-2") == []
+    failures = deliver(q, 0, w0, run="run-2")
+    assert [(f.worker, f.name) for f in failures] == [(1, "a")] and not q.waiting and not q.failed
+    answer(w1, failures, 1)
+    assert [m.code for m in w1.session.got] == ["round_failed"]
+    await submit(w0, "a", 1)
+    await submit(w1, "a", 1)
+    deliver(q, 0, w0, run="run-2")
+    deliver(q, 1, w1, run="run-2")
+    assert q.take_plans() == [(0, ["a"])] and w1.rounds.reported["a"].entries[0].req == 1
+
+
+async def test_a_plan_of_the_old_run_whose_round_failed_here_since_is_given_up_as_the_peers_number_it():
+    """Worker 0 still runs plan 0 of the old run (step 0 of "a"); worker 1 lost it with the crash and has
+    failed that step since: its report of step 1 is one plan behind, but not the plan's round. It gets the
+    plan as "restart_lost": it numbers its lane round and gives it up; step 1 waits for worker 0's."""
+    q, w1 = Planner(2), worker(1)
+    await submit(w1, "a", 0)
+    w1.carry_out(w1.rounds.fail_name("a", Why("a process disagreed", "mismatch")))
+    w1.link.wire.clear()  # (to the old run)
+    await submit(w1, "a", 1)
+    q.running(0, 0, ["a"], [1], [0])
+    assert deliver(q, 1, w1, run="run-2") == []
+    (resend,) = q.take_resends()
+    assert (resend.worker, resend.seq, resend.how) == (1, 0, "restart_lost")
+    groups, group = q.groups(resend.names)
+    w1.on_message(0, FusePlan(0, resend.names, resend.how, groups, group, "e1"))
+    await asyncio.sleep(0)
+    assert w1.numbers.taken == [("fused/0/0/float32", 0)] and w1.aborted == [("fused/0/0/float32", 0)]
+    assert w1.rounds.reported["a"].entries[0].req == 1 and q.waiting["a"].workers == {1}
+
+
+async def test_new_processes_after_a_reset_say_no_round_index():
+    w0 = worker(0)
+    await submit(w0, "a", 0)
+    assert [m.rounds for m in w0.link.wire] == [[0]]
+    w0.reset()
+    w0.link.wire.clear()
+    await submit(w0, "a", 1)
+    assert [m.rounds for m in w0.link.wire] == [[]]  # matched by order (their count is not the peers')
+
+
+async def test_a_restarted_server_hears_which_rounds_each_name_is_past():
+    """After the plans of the old run still running here (FuseRunning), the new run hears of each name the
+    index of its open round, or of its next one (FusePast), then the reports again."""
+    w0 = worker(0)
+    await submit(w0, "a", 0)
+    w0.carry_out(w0.rounds.fail_name("a", Why("a process disagreed", "mismatch")))  # round 0 closed
+    await submit(w0, "b", 1)  # round 0 of b, reported
+    w0.link.wire.clear()
+    w0.link.drop()
+    w0.link.reconnect("run-2")
+    past = [m for m in w0.link.wire if isinstance(m, FusePast)]
+    assert [(m.names, m.rounds) for m in past] == [(["a", "b"], [1, 0])]
+    kinds = [type(m).__name__ for m in w0.link.wire if not isinstance(m, FuseResync)]
+    assert kinds == ["FusePast", "FuseReady"]
+
+
+async def test_a_resync_says_the_index_of_the_last_round_told():
+    w0 = worker(0)
+    await submit(w0, "a", 0)
+    w0.link.drop()
+    (resync,) = [m for m in w0.link.queue if isinstance(m, FuseResync)]
+    assert (resync.names, resync.counts, resync.rounds) == (["a"], [1], [0])

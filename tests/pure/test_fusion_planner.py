@@ -238,7 +238,7 @@ def test_an_abort_of_a_reported_round_fails_it_for_every_reporter_the_aborting_o
     told = p.abort(1, ["a"], Why("a rank of worker 1 left", "connection"), reported=True)
     assert sorted((f.worker, f.why.text) for f in told) == [(0, "a rank of worker 1 left"),
                                                             (1, "a rank of worker 1 left")]
-    assert p.failed["a"] == [(told[0].why, {2})]  # worker 2 hears it when it reports that round
+    assert p.failed["a"] == [(told[0].why, {2}, -1)]  # worker 2 hears it when it reports that round
     # ready, not yet planned: out of the plan, and every worker hears
     q = Planner(2)
     q.report(0, ["b"], [F32])
@@ -453,3 +453,116 @@ def test_the_plans_before_a_workers_new_epoch_are_its_old_processes_and_never_se
     assert p.sent_since(0, 0) == [(2, ["c"])]
     p.worker_hello(1, "f2", "d1")  # a new epoch said by a hello alone (its Reset lost with a connection)
     assert p.epoch(1) == "f2" and p.sent_since(0, 1) == []
+
+
+def test_a_round_below_another_workers_is_stale_and_fails_for_its_worker_alone():
+    """Rounds say their index (FuseReady.rounds): a worker's round that another worker is past never meets
+    theirs (it failed on their side, and our previous run died before telling it): it fails at once,
+    whichever came first; the later one waits for its peers."""
+    p = Planner(2)
+    assert p.report(1, ["a"], [F32], rounds=[7]) == []
+    (f,) = p.report(0, ["a"], [F32], rounds=[5])
+    assert (f.worker, f.name, f.why.code) == (0, "a", "round_failed") and "round 5" in f.why.text
+    assert p.waiting["a"].workers == {1} and p.waiting["a"].index == 7
+    assert [f.worker for f in p.report(0, ["a"], [F32], rounds=[6])] == [0]
+    assert p.report(0, ["a"], [F32], rounds=[7]) == [] and p.take_plans() == [(0, ["a"])]
+    q = Planner(2)
+    assert q.report(0, ["b"], [F32], rounds=[2]) == []
+    assert [f.worker for f in q.report(1, ["b"], [F32], rounds=[3])] == [0]  # worker 0's round 2: stale
+    assert q.waiting["b"].workers == {1} and q.take_plans() == []
+
+
+def test_a_round_without_an_index_is_matched_by_order():
+    p = Planner(2)
+    assert p.report(1, ["a"], [F32], rounds=[7]) == []
+    assert p.report(0, ["a"], [F32]) == [] and p.take_plans() == [(0, ["a"])]
+
+
+def test_a_failed_round_is_taken_by_the_round_of_its_index():
+    """A failed round waits for the workers that did not report it: a worker past it (its own report or abort
+    went to our previous run) is out of it; a worker's older round fails as stale and leaves it waiting."""
+    p = Planner(3)
+    p.report(0, ["a"], [F32], rounds=[4])
+    p.abort(1, ["a"], Why("gave up", "round_failed"), rounds=[4])
+    assert p.failed["a"][0][1:] == ({2}, 4)
+    assert [f.why.text for f in p.report(2, ["a"], [F32], rounds=[3])][0].startswith("tensor 'a': worker 2 is at")
+    assert p.failed["a"][0][1:] == ({2}, 4)  # still to hear round 4
+    assert p.report(2, ["a"], [F32], rounds=[5]) == [] and "a" not in p.failed  # past it
+    assert p.waiting["a"].workers == {2}
+
+
+def test_an_abort_of_a_round_the_others_are_past_touches_nothing_and_one_past_theirs_fails_them():
+    p = Planner(2)
+    p.report(1, ["a"], [F32], rounds=[3])
+    assert p.abort(0, ["a"], Why("gave up", "round_failed"), rounds=[2]) == [] and p.waiting["a"].workers == {1}
+    assert [f.worker for f in p.abort(0, ["a"], Why("gave up", "round_failed"), rounds=[4])] == [1]
+    assert p.failed["a"][0][1:] == ({1}, 4)  # worker 1's round 4 fails when it comes
+    assert [f.worker for f in p.report(1, ["a"], [F32], rounds=[4])] == [1] and not p.failed
+
+
+def test_a_reported_round_the_run_never_heard_of_is_given_up_as_a_round_not_reported():
+    """A FuseAbort(reported) whose report went to our previous run: we heard nothing of the name from that
+    worker. The peers' round of that index fails; the aborting worker expects no answer."""
+    p = Planner(2)
+    p.report(1, ["a"], [F32], rounds=[0])
+    told = p.abort(0, ["a"], Why("gave up", "round_failed"), reported=True, rounds=[0])
+    assert [f.worker for f in told] == [1] and not p.waiting and not p.failed
+    q = Planner(2)  # in one run: the report was heard, the abort fails it for both (as before)
+    q.report(0, ["a"], [F32], rounds=[0])
+    q.report(1, ["b"], [F32], rounds=[0])
+    told = q.abort(0, ["a"], Why("gave up", "round_failed"), reported=True, rounds=[0])
+    assert [f.worker for f in told] == [0] and q.failed["a"][0][1:] == ({1}, 0)
+
+
+def test_a_worker_past_a_round_fails_the_peers_round_below_it_and_no_failed_round_waits_for_it():
+    """FusePast: after a restart, worker 1 says its processes are past round 4 of "a" (and round 2 of "b"):
+    worker 0's round 3 waiting here, and its round 3 reported later, never meet a round of worker 1."""
+    p = Planner(2)
+    p.report(0, ["a"], [F32], rounds=[3])
+    p.abort(0, ["b"], Why("gave up", "round_failed"), rounds=[1])
+    assert p.failed["b"][0][1:] == ({1}, 1)
+    told = p.past(1, ["a", "b"], [4, 2], [0, 0])
+    assert [(f.worker, f.name) for f in told] == [(0, "a")] and not p.waiting and not p.failed
+    assert [f.worker for f in p.report(0, ["a"], [F32], rounds=[3])] == [0]
+    p.abort(0, ["b"], Why("gave up", "round_failed"), rounds=[1])  # (again: round 1 of b was worker 1's past)
+    assert not p.failed
+    assert p.report(0, ["a"], [F32], rounds=[4]) == [] and p.report(1, ["a"], [F32], rounds=[4]) == []
+    assert p.take_plans() == [(0, ["a"])]
+
+
+def test_a_worker_past_a_plan_of_the_previous_run_it_lost_gets_it_once_to_give_up():
+    """Worker 0 still runs plan 5 of our previous run (round 2 of "a"); worker 1 never got it (one plan
+    behind) and is past round 2: it gets the plan to give up (as FusePlan "restart_lost"), once a
+    connection, whichever of its messages shows it first."""
+    p = Planner(2)
+    p.running(0, 5, ["a"], [3], [2])
+    p.past(1, ["a"], [3], [2])
+    p.report(1, ["a"], [F32], [2], rounds=[3])
+    assert [(r.worker, r.seq, r.how) for r in p.take_resends()] == [(1, 5, "restart_lost")]
+    q = Planner(2)  # the other order: worker 1's FusePast first
+    q.past(1, ["a"], [3], [2])
+    q.running(0, 5, ["a"], [3], [2])
+    assert [(r.worker, r.seq, r.how) for r in q.take_resends()] == [(1, 5, "restart_lost")]
+    q.past(1, ["a"], [3], [3])  # it ran it (its count says so): nothing more
+    assert q.take_resends() == []
+
+
+def test_a_resync_fails_the_last_lost_round_at_its_index():
+    p = Planner(2)
+    p.report(1, ["a"], [F32], rounds=[1])
+    told = p.resync(0, ["a", "b"], [1, 1], Why("lost", "connection"), rounds=[1, 4])  # reports lost
+    assert [(f.worker, f.name) for f in told] == [(1, "a")] and p.failed["b"][0][1:] == ({1}, 4)
+
+
+def test_a_report_takes_the_failed_round_of_its_index_past_an_older_one_of_no_index():
+    """A resync fails the rounds it lost: the last at its index, those before it at none (older). The peer's
+    report of that index takes the round of that index; the older one no longer waits for it."""
+    p = Planner(2)
+    p.resync(0, ["a"], [2], Why("lost", "connection"), rounds=[5])
+    assert [r[2] for r in p.failed["a"]] == [-1, 5]
+    assert [f.worker for f in p.report(1, ["a"], [F32], rounds=[5])] == [1] and not p.failed
+    q = Planner(2)  # in order where the index does not match: the older round of no index is the report's
+    q.abort(0, ["a"], Why("gave up", "round_failed"))
+    q.abort(0, ["a"], Why("gave up", "round_failed"), rounds=[1])
+    assert [f.why.text for f in q.report(1, ["a"], [F32], rounds=[0])] == ["gave up"]
+    assert [r[2] for r in q.failed["a"]] == [1]

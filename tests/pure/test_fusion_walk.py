@@ -60,8 +60,8 @@ class World:
 
     # -- messages ----------------------------------------------------------------------
     def send_up(self, w: int, out) -> None:
-        for name, why, reported in out.aborts:
-            self.up[w].append(("abort", why, reported))
+        for (name, why, reported), index in zip(out.aborts, out.abort_rounds, strict=True):
+            self.up[w].append(("abort", why, reported, index))
         self.held[w] += out.ready
         if not self.hold:
             self.send_reports(w)
@@ -72,7 +72,7 @@ class World:
         for fr in held:
             if fr.why is None:
                 fr.sent = True
-                self.up[w].append(("report", self.rounds[w].counts.get(NAME, 0)))
+                self.up[w].append(("report", self.rounds[w].counts.get(NAME, 0), fr.index))
 
     def answer(self, w: int, out) -> None:
         for member, failure in out.answers:
@@ -81,9 +81,9 @@ class World:
     def at_server(self, w: int) -> None:
         message = self.up[w].pop(0)
         if message[0] == "report":
-            told = self.planner.report(w, [NAME], [F32], [message[1]])
+            told = self.planner.report(w, [NAME], [F32], [message[1]], rounds=[message[2]])
         else:
-            told = self.planner.abort(w, [NAME], message[1], reported=message[2])
+            told = self.planner.abort(w, [NAME], message[1], reported=message[2], rounds=[message[3]])
         for f in told:
             self.down[f.worker].append(("failed", f.why))
         for seq, names in self.planner.take_plans():
@@ -124,7 +124,8 @@ class World:
         what = self.acts[w][k]
         if what == "U":
             self.given_up.add(k)
-            self.up[w].append(("abort", Why(f"step {k} pushed unfused", "mismatch"), False))
+            rounds.skip(NAME)  # as the daemon does when it opens the unfused round (the abort says no index)
+            self.up[w].append(("abort", Why(f"step {k} pushed unfused", "mismatch"), False, -1))
             self.waiting[w] = True
             self.end(w, k, "failed")
             return
@@ -149,19 +150,21 @@ def _msg(m: tuple) -> tuple:
 
 def _round(fr) -> tuple:
     return (tuple(None if e is None else e.req for e in fr.entries), fr.count, frozenset(fr.excused),
-            fr.why.text if fr.why else None, fr.sent)
+            fr.why.text if fr.why else None, fr.sent, fr.index)
 
 
 def state(world: World) -> tuple:
     """Everything the walk's future depends on (equal states are walked once)."""
     p = world.planner
-    planner = (tuple((n, frozenset(w.workers), tuple(sorted(w.counts.items()))) for n, w in p.waiting.items()),
-               tuple((n, tuple((why.text, frozenset(left)) for why, left in rounds)) for n, rounds in p.failed.items()),
-               tuple(p.ready), p.seq)
+    planner = (tuple((n, frozenset(w.workers), tuple(sorted(w.counts.items())), w.index) for n, w in p.waiting.items()),
+               tuple((n, tuple((why.text, frozenset(left), index) for why, left, index in rounds))
+                     for n, rounds in p.failed.items()),
+               tuple(p.ready), p.seq, tuple((n, tuple(x > 0 for x in h)) for n, h in p.heard.items()))
     workers = tuple(
         (tuple((n, _round(fr)) for n, fr in r.collecting.items()), tuple((n, _round(fr)) for n, fr in r.reported.items()),
          tuple((n, tuple(map(_round, rs))) for n, rs in r.failed.items()),
-         tuple((n, tuple(map(_round, rs))) for n, rs in r.abandoned.items()), tuple(r.counts.items()))
+         tuple((n, tuple(map(_round, rs))) for n, rs in r.abandoned.items()), tuple(r.counts.items()),
+         tuple(r.index.items()))
         for r in world.rounds)
     return (planner, workers, tuple(tuple(map(_round, q)) for q in world.held), tuple(tuple(map(_msg, q)) for q in world.up), tuple(tuple(map(_msg, q)) for q in world.down),
             tuple(world.step), tuple(world.waiting), tuple(world.may_give_up), tuple(sorted(world.outcomes.items())),
