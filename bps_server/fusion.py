@@ -144,7 +144,7 @@ class Planner:
         another worker's (waiting, or failed) is one the others are past: it fails for its worker alone."""
         out: list[Failed] = []
         waiting, failed, ready, everyone, heard = self.waiting, self.failed, self.ready, self.workers, self.heard
-        counts, indexes = counts or [0] * len(names), rounds or [-1] * len(names)
+        counts, indexes = counts or [0] * len(names), rounds if rounds and worker not in self.excused else [-1] * len(names)
         running = self.running_names
         lost: set[int] = set()  # plans of our previous run the worker lost
         behind: set[int] = set()  # (and whose round it failed since)
@@ -374,7 +374,9 @@ class Planner:
         connection, would have been counted, see ``resync``; its processes are those it began with) is given
         up as a round not reported, uncounted."""
         out: list[Failed] = []
-        indexes = rounds or [-1] * len(names)
+        # A worker excused in this run (report too) has new processes, counting from 0 at the peers' step: its
+        # indexes are not the peers', and its rounds are matched by order.
+        indexes = rounds if rounds and worker not in self.excused else [-1] * len(names)
         for name, index in zip(names, indexes):
             if reported:  # (an excused worker's count is 0 here: the abort is of its old processes' report)
                 h = self.heard.get(name)

@@ -566,3 +566,25 @@ def test_a_report_takes_the_failed_round_of_its_index_past_an_older_one_of_no_in
     q.abort(0, ["a"], Why("gave up", "round_failed"), rounds=[1])
     assert [f.why.text for f in q.report(1, ["a"], [F32], rounds=[0])] == ["gave up"]
     assert [r[2] for r in q.failed["a"]] == [1]
+
+
+def test_a_replaced_workers_indexes_are_not_compared_with_its_peers():
+    """A worker daemon replaced mid-job (a new daemon, a new epoch at its hello) has processes that begin at the
+    peers' step but count their rounds from 0: its indexes are ignored in this run (its rounds are matched by
+    order, as a reset worker's), or every round of it would fail as one the peers are past, for ever."""
+    p = Planner(2)
+    p.worker_hello(0, "e0", "d0")
+    p.worker_hello(1, "e1", "d1")
+    for step in range(5):
+        assert p.report(0, ["a"], [F32], rounds=[step]) == []
+        assert p.report(1, ["a"], [F32], rounds=[step]) == []
+        assert p.take_plans() == [(step, ["a"])]
+    p.worker_hello(1, "e1b", "d1b")  # worker 1's machine came back with a new daemon and new processes
+    assert p.report(0, ["a"], [F32], rounds=[5]) == []
+    assert p.report(1, ["a"], [F32], rounds=[0]) == []  # its first round: the peers' step 5
+    assert p.take_plans() == [(5, ["a"])]
+    assert p.report(1, ["a"], [F32], rounds=[1]) == []  # and it may come first
+    assert p.report(0, ["a"], [F32], rounds=[6]) == []
+    assert p.take_plans() == [(6, ["a"])]
+    assert p.abort(1, ["a"], Why("a process disagreed", "round_failed"), rounds=[2]) == []
+    assert [f.worker for f in p.report(0, ["a"], [F32], rounds=[7])] == [0]  # the abort's round is step 7's
