@@ -91,7 +91,17 @@ class _Waiting:
     workers: set[int] = field(default_factory=set)
     counts: dict[int, int] = field(default_factory=dict)  # each reporter's count of the name's plans so far
     opened: float = 0.0  # when the first report came (time.monotonic())
-    index: int = -1  # the round's index (FuseReady.rounds), where its reporters said it
+    index: int = -1  # the round's index (FuseReady.rounds), as its reporters that say one said it
+    unindexed: set[int] = field(default_factory=set)  # its reporters that say none (matched by order)
+
+    def join(self, worker: int, count: int, index: int) -> None:
+        """``worker`` reported this round (its count of plans, and its index or -1)."""
+        self.workers.add(worker)
+        self.counts[worker] = count
+        if index < 0:  # a side that does not say: matched by order (the others still compared)
+            self.unindexed.add(worker)
+        elif self.index < 0:
+            self.index = index
 
 
 class Planner:
@@ -170,13 +180,14 @@ class Planner:
                     out.append(Failed(worker, name, self._stale(name, worker, index, w.index)))
                     continue
                 out += self._passed(name, w, index)
-                w = None
+                w = waiting.get(name)  # (its reporters that say no index, if any: this round is theirs too)
             if w is None:
                 self.spec_of[name] = spec  # (a plan of our previous run may name it too: see groups)
                 if everyone == 1:
                     ready.append(name)
                 else:
-                    waiting[name] = _Waiting(spec, worker, {worker}, {worker: count}, now, index)
+                    waiting[name] = _Waiting(spec, worker, {worker}, {worker: count}, now, index,
+                                             {worker} if index < 0 else set())
             elif worker in w.workers:
                 continue  # reported again (a reconnect): nothing new
             elif spec != w.spec:
@@ -186,9 +197,7 @@ class Planner:
                 why = Why.mismatch(name, describe_spec(w.spec), describe_spec(spec), detail)
                 out += self._fail(name, w, why, specs={w.first: w.spec, worker: spec})
             else:
-                w.workers.add(worker)
-                w.counts[worker] = count
-                w.index = w.index if index >= 0 else -1  # a side that does not say: matched by order
+                w.join(worker, count, index)
                 if len(w.workers) == everyone:
                     del waiting[name]
                     ready.append(name)
@@ -253,9 +262,16 @@ class Planner:
         return index < floor
 
     def _passed(self, name: str, w: _Waiting, index: int) -> list[Failed]:
-        """A worker is at round ``index`` of ``name``, past the round waiting: its reporters' are stale."""
-        del self.waiting[name]
-        return [Failed(r, name, self._stale(name, r, w.index, index)) for r in sorted(w.workers)]
+        """A worker is at round ``index`` of ``name``, past the round waiting: the rounds of its reporters that
+        said an index are stale; those that said none (matched by order) wait on, for round ``index``."""
+        stale, was = sorted(w.workers - w.unindexed), w.index
+        if w.unindexed:
+            w.workers = set(w.unindexed)
+            w.counts = {r: c for r, c in w.counts.items() if r in w.unindexed}
+            w.first, w.index = min(w.unindexed), -1
+        else:
+            del self.waiting[name]
+        return [Failed(r, name, self._stale(name, r, was, index)) for r in stale]
 
     def running(self, worker: int, seq: int, names: list[str], counts: list[int],
                 rounds: list[int] | None = None) -> None:
@@ -395,7 +411,7 @@ class Planner:
                 if index < w.index:
                     continue  # the others are past it: nobody waits for it
                 out += self._passed(name, w, index)
-                w = None
+                w = self.waiting.get(name)  # (see report)
             if w is not None:
                 out += self._fail(name, w, why, skip=worker, unfused=unfused(name))
             elif name in self.ready:

@@ -588,3 +588,22 @@ def test_a_replaced_workers_indexes_are_not_compared_with_its_peers():
     assert p.take_plans() == [(6, ["a"])]
     assert p.abort(1, ["a"], Why("a process disagreed", "round_failed"), rounds=[2]) == []
     assert [f.worker for f in p.report(0, ["a"], [F32], rounds=[7])] == [0]  # the abort's round is step 7's
+
+
+def test_a_reporter_that_says_no_index_does_not_turn_off_the_others_comparison():
+    """Three workers after a restart of the anchor: worker 0 reports again a round the old run failed (its
+    FuseFailed lost in the crash: index 5), worker 1 (reset earlier: no index) reports its current round, and
+    worker 2 is past round 5. Worker 0's round is stale and fails; worker 1's waits on, for worker 2's round 6.
+    Before, worker 1's report made the waiting round take any index, and worker 0's step 5 was summed with
+    worker 2's step 6."""
+    for past_first in (True, False):
+        p = Planner(3)
+        assert p.report(0, ["n"], [F32], rounds=[5]) == []
+        assert p.report(1, ["n"], [F32]) == []
+        if past_first:
+            assert [f.worker for f in p.past(2, ["n"], [6], [0])] == [0]
+        failures = p.report(2, ["n"], [F32], rounds=[6])
+        assert [f.worker for f in failures] == ([] if past_first else [0])
+        assert p.ready == [] and p.waiting["n"].workers == {1, 2} and p.waiting["n"].index == 6
+        assert p.report(0, ["n"], [F32], rounds=[6]) == []  # worker 0's next round is step 6
+        assert p.take_plans() == [(0, ["n"])]
