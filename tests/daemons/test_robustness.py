@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import time
 from pathlib import Path
@@ -79,7 +80,10 @@ def cluster(tmp_path: Path):
     assert leaked == set(), f"shared-memory segments leaked: {leaked}"
 
 
-def test_server_drops_bad_frames_and_keeps_serving(cluster):
+@pytest.mark.parametrize("holder_silent", [False, True], ids=["holder-heard", "holder-silent"])
+def test_server_drops_bad_frames_and_keeps_serving(cluster, holder_silent):
+    """holder-silent: worker 1's daemon is stopped for more than half the timeout first (as a loaded box can
+    delay it), so that our hello takes worker 1's id over at once, and its reconnect meets our connection."""
     spec = cluster.config.servers[2]
 
     def connect() -> socket.socket:
@@ -104,6 +108,10 @@ def test_server_drops_bad_frames_and_keeps_serving(cluster):
     # id (it connects at start): a hello from another daemon is refused, naming the holder (unless the holder
     # was not heard lately: then it is taken over); a hello in the holder's name is its reconnect, and takes the
     # id over (the daemon reconnects at once, as after a blip).
+    reconnects = _connections_to(cluster, worker=1, server=2)
+    if holder_silent:
+        cluster.kill("worker-1", signal.SIGSTOP)
+        time.sleep(4.0 * 0.5 + 0.5)  # (the fixture's timeout, 4 s: the holder counts as silent after half)
     s = connect()
     try:
         s.sendall(hello_frame(s, cluster.config, 1))
@@ -117,6 +125,8 @@ def test_server_drops_bad_frames_and_keeps_serving(cluster):
             s.sendall(hello_frame(s, cluster.config, 1, daemon=holder[1], epoch=holder[2]))
             answer = read_message(s)
         assert isinstance(answer, Welcome), answer
+        if holder_silent:
+            cluster.kill("worker-1", signal.SIGCONT)
         head = encode_header({"t": "push", "req": 1, "name": "cut", "part": 0, "round": 0, "worker": 1,
                               "dtype": "float32", "shape": [1 << 18], "offset": 0, "count": 1 << 18}, 1 << 20)
         try:
@@ -125,9 +135,21 @@ def test_server_drops_bad_frames_and_keeps_serving(cluster):
             pass  # the daemon's own reconnect took the id back first: this connection was closed under us
     finally:
         s.close()
+    # Worker 1's daemon connects to server 2 again: at once, or (where its link was silent for half the
+    # timeout on a loaded box, so our first hello took the id over and its reconnect met our live connection,
+    # refused as a second daemon) one timeout later. Its ranks would meet that refusal otherwise.
+    deadline = time.monotonic() + 30
+    while _connections_to(cluster, worker=1, server=2) <= reconnects and time.monotonic() < deadline:
+        time.sleep(0.05)
     _sums_still_exact(cluster)
     log = daemon_logs(cluster)
     assert "dropping" in log and "version" in log
+
+
+def _connections_to(cluster, worker: int, server: int) -> int:
+    """How many times worker ``worker``'s daemon has connected to server ``server`` (its log)."""
+    text = Path(cluster.log_dir, f"worker-{worker}.log").read_text(errors="replace")
+    return text.count(f"connected to server {server} at ")
 
 
 def test_worker_drops_bad_clients_and_keeps_serving(cluster):
