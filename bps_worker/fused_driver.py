@@ -274,13 +274,17 @@ class FusedSums:
             if message.epoch == self.daemon.links[sid].epoch:  # else a failure of the old processes' round
                 self.carry_out(self.rounds.failed_at_anchor(message.name, message.why()))
 
+    def _got(self, sid: int, plan: FusePlan) -> None:
+        """We got ``plan`` of server ``sid``: the next we expect of it is the one after (FuseResync.next_plan)."""
+        if not plan.resent:
+            self._next_plan[sid] = plan.seq + 1
+        elif plan.resent == "lost":  # a second break must not have it sent (and numbered) again
+            self._next_plan[sid] = max(self._next_plan[sid], plan.seq + 1)
+
     def _old_plan(self, sid: int, plan: FusePlan) -> None:
         """A plan sent to our processes of an earlier epoch (see the module docstring): not run, not numbered;
         we got it all the same (a connection that breaks now must not have it sent again)."""
-        if not plan.resent:
-            self._next_plan[sid] = plan.seq + 1
-        elif plan.resent == "lost":
-            self._next_plan[sid] = max(self._next_plan[sid], plan.seq + 1)
+        self._got(sid, plan)
         counts = self.rounds.counts  # the peers count it (see FusedRounds.counts): so do we
         for name in plan.names:
             counts[name] = counts.get(name, 0) + 1
@@ -296,10 +300,7 @@ class FusedSums:
     def plan(self, sid: int, plan: FusePlan) -> None:
         """Run plan ``plan.seq`` of server ``sid``: one fused operation per dtype group, on the plan's lane."""
         daemon = self.daemon
-        if not plan.resent:
-            self._next_plan[sid] = plan.seq + 1
-        elif plan.resent == "lost":  # a second break must not have it sent (and numbered) again
-            self._next_plan[sid] = max(self._next_plan[sid], plan.seq + 1)
+        self._got(sid, plan)
         # A plan lost with a connection, or one of the server's previous run whose rounds failed here since: the
         # names' rounds here are later ones (see FusedRounds.planned).
         rounds, missing = self.rounds.planned(plan.names, plan.resent in ("lost", "restart_lost"))
@@ -307,12 +308,12 @@ class FusedSums:
         for fr in rounds:
             groups.setdefault((fr.spec[0], fr.spec[2]), []).append(fr)
         broken: dict[tuple[str, bool], str] = {}
-        index = {name: i for i, name in enumerate(plan.names)} if missing and plan.groups else {}
+        position = {name: i for i, name in enumerate(plan.names)} if missing and plan.groups else {}
         for name, spec in missing.items():
             if spec is not None:
                 group = (spec[0], spec[2])
-            elif index:  # no round of it here (failed and forgotten): the plan says its group, as the peers see it
-                dtype, average = plan.groups[plan.group[index[name]]]
+            elif position:  # no round of it here (failed and forgotten): the plan says its group, as the peers see it
+                dtype, average = plan.groups[plan.group[position[name]]]
                 group = (dtype, average)
             else:  # its group unknown: every group fails (one of them would be summed without it)
                 log.warning("server %d planned fused tensor %r, which this worker does not have", sid, name)
@@ -325,8 +326,8 @@ class FusedSums:
         counts = self.rounds.counts
         running = [g for g in groups if g not in broken]
         if running:
-            index = {fr.name: fr.index for fr in rounds}
-            indexes = [index.get(n, -1) for n in plan.names] if self.rounds.aligned else []
+            of_name = {fr.name: fr.index for fr in rounds}
+            indexes = [of_name.get(n, -1) for n in plan.names] if self.rounds.aligned else []
             if -1 in indexes:
                 indexes = []  # (a name failed here: its group does not run, the others' do)
             self._plans[sid][plan.seq] = (list(plan.names), [counts.get(n, 0) for n in plan.names], indexes,
