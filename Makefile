@@ -31,7 +31,7 @@ BYTECODE := $(PY) -m compileall -q bps_runtime bps_server bps_worker protocol
 test: install
 	$(BYTECODE)
 	$(PY) -m mypy
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --dist loadfile
 
 bench: install
 	$(PY) benchmarks/push_pull_vs_gloo.py

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
+import os
+import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -13,13 +18,82 @@ from bps_worker.supervise import Cluster
 from harness import start_cluster, write_config
 
 
+CLONE_NEWNET = 0x40000000
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+
+
+def private_network_possible() -> bool:
+    """Whether this process may take a network namespace of its own (root, on Linux)."""
+    return sys.platform == "linux" and os.geteuid() == 0
+
+
+_NETWORKS: dict[str, int] = {}  # "host" and "own": descriptors of this worker's two network namespaces
+
+
+def _setns(fd: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns(CLONE_NEWNET): {os.strerror(err)}")
+
+
+def enter_private_network() -> None:
+    """Move this process (its calling thread, the one that runs the tests) into a new network namespace with
+    its own loopback, up.
+
+    With ``pytest -n`` (``make test``) each xdist worker runs one test file at a time, and its daemons, ranks
+    and the ports they take are in that worker's namespace: a port that ``free_ports`` found free and released
+    cannot be taken by another file's daemons before this file's daemon binds it (on one shared loopback, two
+    files starting clusters at once can meet on a port: ``bind(0)`` picks ports at random). Processes it starts inherit the namespace;
+    ``ip netns`` namespaces the emulator makes are named by pid and stay reachable."""
+    _NETWORKS["host"] = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare(CLONE_NEWNET) for a test worker's own loopback: {os.strerror(err)}")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        request = struct.pack("16sH", b"lo", 0)
+        flags = struct.unpack("16sH", fcntl.ioctl(s, SIOCGIFFLAGS, request)[:18])[1]
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH", b"lo", flags | IFF_UP))
+    _NETWORKS["own"] = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+
+
+@pytest.fixture(scope="module")
+def host_network() -> Iterator[None]:
+    """The machine's own network for one test module (what it starts inherits it), where the worker has a
+    namespace of its own: for what needs more than loopback (Slurm's node names, apt-get). No other test file
+    binds ports there while it runs. Not for rank processes of ``harness.run_ranks``: the forkserver they come
+    from would stay in the host's network if it started here, and every later rank with it."""
+    if "own" not in _NETWORKS:
+        yield
+        return
+    _setns(_NETWORKS["host"])
+    try:
+        yield
+    finally:
+        _setns(_NETWORKS["own"])
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one test file at a time per core, up to 4, where each worker can have a loopback of its
+    own (root); otherwise none (the files run one after the other in this process)."""
+    return min(4, os.cpu_count() or 1) if private_network_possible() else 0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker
+        enter_private_network()
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Fill numba's on-disk cache of the summation kernels once, before any test starts daemons.
 
     Every daemon loads the kernels before it reports ready (``kernels.warm_up``): about 1 CPU-s from the cache,
     but 18 CPU-s to compile them where the cache is empty (a fresh clone). Five daemons compiling at once on a
     busy 2-core machine missed the cluster's 60 s start (a first test that failed only in a fresh checkout). In a
-    process of its own, so that this one does not import numba."""
+    process of its own, so that this one does not import numba. With xdist, once, in the controller."""
+    if hasattr(session.config, "workerinput"):
+        return
     subprocess.run([sys.executable, "-c", "from bps_runtime import kernels; kernels.warm_up()"], check=True,
                    timeout=600)
 

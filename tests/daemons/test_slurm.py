@@ -175,7 +175,7 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
+def slurm(host_network: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
     reason = install_slurm()
     if reason:
         pytest.skip(reason)
