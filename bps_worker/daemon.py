@@ -40,7 +40,7 @@ from .async_operation import AsyncName, AsyncOperation
 from .errors import BPSError
 from .fused_driver import FusedSums
 from .link import ServerLink
-from .local_rounds import Action, Failed, LocalRound, LocalRounds, Opened, Ready, Refused, describe
+from .local_rounds import Action, Failed, LocalRound, LocalRounds, Opened, Ready, Refused, describe, failure_for
 from .operation import run_operation, segment_buffer
 from .placement import Placement
 from .session import ClientSession, client_admission
@@ -287,6 +287,10 @@ class WorkerDaemon:
     def submit(self, session: ClientSession, op: Op) -> None:
         """A handshaken process asks for ``op`` (checked against its memory by the session)."""
         assert session.local_rank is not None  # sessions submit only after their handshake
+        late = self.fusion.rounds.late_unfused(op.name, session.local_rank)
+        if late is not None:  # its step's fused round failed before it came: it hears why (as a fused entry would)
+            session.send(failure_for(late, op))
+            return
         fused = self.fusion.rounds.collecting.get(op.name) or self.fusion.rounds.reported.get(op.name)
         if fused is not None:  # the other processes issued it small enough to fuse
             self._execute(self.rounds.submit(session, session.local_rank, op))  # its round, numbered, to fail

@@ -198,11 +198,15 @@ class FusedRounds(Generic[M]):
                 out.ready.append(fr)
         return out
 
+    def _awaiting(self, name: str, local_rank: int) -> FusedRound[M] | None:
+        """The oldest failed round of ``name`` that ``local_rank`` has still to submit to, if any."""
+        rounds = self.failed.get(name)
+        return next((fr for fr in rounds if fr.awaits(local_rank)), None) if rounds else None
+
     def _late(self, name: str, local_rank: int, entry: Entry[M], out: Decisions[M]) -> bool:
         """An entry for a name whose round failed before this rank submitted to it: it joins the oldest such
         round and gets its error (and not the next round's data); False where there is no such round."""
-        rounds = self.failed.get(name)
-        failed = next((fr for fr in rounds if fr.awaits(local_rank)), None) if rounds else None
+        failed = self._awaiting(name, local_rank)
         if failed is None:
             return False
         assert failed.why is not None
@@ -211,6 +215,20 @@ class FusedRounds(Generic[M]):
         out.answers.append((entry.member, failed.why.heard_by(describe_spec(entry.spec)).failure(entry.req)))
         self._settle(failed)
         return True
+
+    def late_unfused(self, name: str, local_rank: int) -> Why | None:
+        """``local_rank`` issued ``name`` unfused (an ordinary op) while a fused round of it that failed before
+        the rank submitted still waits for it: that op is the rank's part of the failed round (its step), as a
+        fused entry would be (``_late``). The round stops waiting for it; returns why it failed, for the op's
+        answer (None: no failed round waits for the rank). Were the op a round of its own, it would take an
+        index of its own (``skip``: this step's twice, and the name's indexes here one ahead of the peers' for
+        good), and wait to be summed with the other ranks' next step."""
+        fr = self._awaiting(name, local_rank)
+        if fr is None:
+            return None
+        fr.excuse(local_rank)
+        self._settle(fr)
+        return fr.why
 
     def _settle(self, fr: FusedRound[M]) -> None:
         """A failed round that no local rank is still to submit to is done with."""

@@ -1,11 +1,15 @@
-"""A machine's fused small sums (``bps_worker.fusion``), without sockets or a loop."""
+"""A machine's fused small sums (``bps_worker.fusion``), without sockets or a loop (one test: with the daemon's
+way in for ops, on a fake daemon)."""
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
+from bps_worker.daemon import WorkerDaemon
 from bps_worker.fusion import FusedRounds
-from protocol.messages import Spec, Why
+from bps_worker.local_rounds import LocalRounds
+from protocol.messages import KIND_SUM, Op, Spec, Why
 
 WORKER = 1
 OFFSET = 3  # worker 1's local rank 0 is global rank 3
@@ -290,3 +294,48 @@ def test_a_plan_lost_with_a_connection_names_the_rounds_that_failed_with_it_and_
     fr.submit("p0", 0, entries(["a"], 3))  # round 3 reported; the lost plan named no round of it
     assert fr.planned(["a"], lost=True) == ([], {"a": None})
     assert "a" in fr.reported
+
+
+class Member:
+    """A process as the daemon answers it (its session)."""
+
+    def __init__(self, local_rank: int) -> None:
+        self.local_rank = local_rank
+        self.got: list[Any] = []
+
+    def send(self, message: Any) -> None:
+        self.got.append(message)
+
+
+def daemon_of(fr: FusedRounds[Any]) -> Any:
+    """The worker daemon's own way in for processes' ops (``WorkerDaemon.submit`` and ``_execute``), on the real
+    fused and local rounds, with what they reach beyond those faked."""
+    daemon = types.SimpleNamespace(
+        fusion=types.SimpleNamespace(rounds=fr), rounds=LocalRounds(fr.local_size, WORKER, OFFSET),
+        stalls=types.SimpleNamespace(began=lambda lr, now: None), round_base=lambda name, r: None,
+        watched=[])
+    daemon._watch = daemon.watched.append
+    daemon._execute = types.MethodType(WorkerDaemon._execute, daemon)
+    daemon.submit = types.MethodType(WorkerDaemon.submit, daemon)
+    return daemon
+
+
+async def test_an_unfused_op_of_a_rank_late_for_a_failed_fused_round_is_its_part_of_that_round():
+    """Local rank 1 was not connected: rank 0's fused round of ``a`` failed as overdue, and waits for rank 1.
+    Rank 1 then issues ``a`` unfused (too large to fuse, once): that op is its part of the failed round (its
+    step), as a fused entry would be. It hears that round's error, the round stops waiting, and no round of its
+    own opens. Before, it opened an unfused round that took an index of its own (``skip``: no fused round was
+    open), so the machine's next round of ``a`` said index 2 where the peers' said 1 (stale, at the anchor, for
+    good), and the unfused round waited to be paired with rank 0's next step."""
+    fr = rounds(2)
+    daemon = daemon_of(fr)
+    fr.submit("p0", 0, entries(["a"]), now=100.0)
+    out = fr.overdue({0}, now=200.0, timeout=5.0)
+    assert out.abort_rounds == [0] and len(fr.failed["a"]) == 1
+    p1 = Member(1)
+    daemon.submit(p1, Op(req=7, name="a", kind=KIND_SUM, dtype="float32", shape=[400], segment="seg"))
+    assert [(f.req, f.code) for f in p1.got] == [(7, "timeout")]
+    assert not daemon.rounds.open and not fr.failed and not daemon.watched
+    fr.submit("p0", 0, entries(["a"], 2))  # the next step, fused by both
+    ready = fr.submit("p1", 1, entries(["a"], 8)).ready
+    assert [(r.index, [e.req for e in r.members()]) for r in ready] == [(1, [2, 8])]
