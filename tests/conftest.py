@@ -75,9 +75,15 @@ def host_network() -> Iterator[None]:
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: one test file at a time per core, up to 4, where each worker can have a loopback of its
-    own (root); otherwise none (the files run one after the other in this process)."""
-    return min(4, os.cpu_count() or 1) if private_network_possible() else 0
+    """``-n auto``: one test file at a time per two cores, up to 4, where each worker can have a loopback of
+    its own (root); otherwise none (the files run one after the other in this process).
+
+    Two cores a file: the suite's daemons and ranks use CPU, and its timeouts are set for a busy 2-core box
+    running one file. On 2 cores two files at a time took as long as one (both CPU-bound: 1500 CPU-s in 20 min,
+    against 1050 CPU-s serially), and the slow files' tests took twice as long (the emulator's sweep went
+    from 25-33 s to 42-57 s and missed its 55 s)."""
+    cores = os.cpu_count() or 1
+    return min(4, cores // 2) if private_network_possible() and cores >= 4 else 0
 
 
 def pytest_configure(config: pytest.Config) -> None:
