@@ -255,6 +255,10 @@ class Aggregator:
         """Fail ``name``'s open round here (another worker issued it fused, see RoundTable.fail_open)."""
         self._run(self.table.fail_open(name, why))
 
+    def fail_ended(self, ended: Callable[[str], bool], why: Why) -> None:
+        """Fail the open rounds of the ``ended`` names (RoundTable.fail_ended)."""
+        self._run(self.table.fail_ended(ended, why))
+
     def worker_lost(self, worker: int) -> int:
         """The worker daemon's connection dropped: fail every incomplete round still waiting for it;
         later ones wait ``lost_grace_s`` for it. Returns how many rounds failed now."""

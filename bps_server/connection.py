@@ -231,6 +231,9 @@ class ServerConnection(AdmittedProtocol):
         data = self.push_data(push, payload)
         if data is None:
             return  # answered already (a segment the server cannot map)
+        if self.server.fusion.ended(push.name):
+            self.fail(push, self.server.lanes_ended_why(push.name))
+            return
         if push.kind in ASYNC_KINDS or self.server.values.has(push.name, push.part):
             self._async_push(push, data)
             return
@@ -274,6 +277,8 @@ class ServerConnection(AdmittedProtocol):
 
     def on_abort(self, abort: Abort, payload: memoryview | None) -> None:
         assert self.worker is not None  # dispatched after the handshake only
+        if self.server.fusion.ended(abort.name):
+            return  # its rounds fail anyway (see on_push)
         self.server.aggregator.abort(abort.name, abort.part, abort.round, self.worker, abort.message)
 
     def on_round_query(self, query: RoundQuery, payload: memoryview | None) -> None:
@@ -308,9 +313,12 @@ class ServerConnection(AdmittedProtocol):
             raise RemoteProtocolError(f"worker {self.worker} sent a reset for worker {reset.worker}")
         failed = self.server.aggregator.worker_reset(reset.worker, reset.epoch)
         self.server.values.reset(reset.worker)
+        lanes = self.server.fusion.lanes
         self.server.fused(self.server.fusion.worker_gone(reset.worker, Why(
             f"every training process of worker {reset.worker} left", "round_failed"), reset=True,
             epoch=reset.epoch))
+        if self.server.fusion.lanes != lanes:
+            self.server.lanes_ended()
         log.info("worker %d has no training processes; %d pending rounds failed", reset.worker, failed)
 
     def on_fuse_ready(self, message: FuseReady, payload: memoryview | None) -> None:
@@ -376,7 +384,8 @@ class ServerConnection(AdmittedProtocol):
     def on_fuse_running(self, message: FuseRunning, payload: memoryview | None) -> None:
         assert self.worker is not None
         self._stream_zero(message)
-        self.server.fusion.running(self.worker, message.seq, message.names, message.counts, message.rounds)
+        self.server.fusion.running(self.worker, message.seq, message.names, message.counts, message.rounds,
+                                   message.lanes)
         self.server.fused([])
 
     def on_fuse_past(self, message: FusePast, payload: memoryview | None) -> None:
@@ -409,10 +418,10 @@ class ServerConnection(AdmittedProtocol):
                           "keeps them: its fused sums of this server may be numbered unlike its peers'",
                           self.worker, message.next_plan)
             fusion = self.server.fusion
-            for seq, names in plans or ():
+            for seq, names, lanes in plans or ():
                 groups, group = fusion.groups(names)
                 self.send(FusePlan(seq, names, resent="lost", groups=groups, group=group,
-                                   epoch=fusion.epoch(self.worker)))
+                                   epoch=fusion.epoch(self.worker), lanes=lanes))
         why = Why(f"worker {self.worker}'s connection to server {self.server.config.server_id} broke with this "
                   f"fused sum's round on its way", "connection", peer=f"worker {self.worker}",
                   detail="its message about the round was lost with its connection")
@@ -595,8 +604,11 @@ class ServerConnection(AdmittedProtocol):
             if not hello.stream:  # its loss will not be heard as this worker's (it is not its link now)
                 self._fused_drop()
         if not hello.stream:
+            lanes = self.server.fusion.lanes
             self.server.fusion.worker_hello(hello.id, hello.epoch, hello.daemon)
             self.server.aggregator.worker_hello(hello.id, hello.epoch)
+            if self.server.fusion.lanes != lanes:  # (its Reset was lost with a connection)
+                self.server.lanes_ended()
             self.server.values.connected(hello.id)
 
     def _fused_drop(self) -> None:

@@ -45,6 +45,15 @@ rounds below it no longer wait for it, and a lost plan of the previous run below
 FuseResync says the index of the last round told (the last of those lost). Workers whose processes were
 replaced (a reset: new processes begin at the peers' step but count from 0) say no index, and their rounds
 are matched by order as before (see FuseReady.rounds).
+
+Lane generations. The workers number each fused tensor's rounds alike because every worker runs every plan,
+in order. A reset breaks that: the plans sent to a worker's old processes are dropped there unnumbered, while
+the peers ran them on their lanes. So every reset we handle (a Reset, or a hello with a new epoch, whichever
+says the epoch first) starts a new lane generation (``lanes``, FusePlan.lanes): the plans made from then on
+name fused tensors no worker has used, numbered from 0 by every worker, and the tensors of the generations it
+ended fail here (``ended``: their open rounds when it ends, their later pushes at once), since the reset
+worker will never push them. A generation's name says our run, so a restarted server's plans never meet the
+lanes of its previous run, whose plans still running keep theirs (FuseRunning.lanes).
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Callable, Final
 
 from bps_runtime.stalls import StallWatch
-from protocol.messages import PlanResent, Spec, Why, describe_spec, fused_chunks
+from protocol.messages import PlanResent, Spec, Why, describe_spec, fused_chunks, fused_lanes
 
 __all__ = ["Failed", "Planner", "Resend"]
 
@@ -76,12 +85,14 @@ class Failed:
 @dataclass(frozen=True, slots=True)
 class Resend:
     """``worker`` lost plan ``seq`` (of our previous run) when we died: send it again (``how``: "restart", its
-    round is the plan's; "restart_lost", it failed that round since, see FusePlan.resent)."""
+    round is the plan's; "restart_lost", it failed that round since, see FusePlan.resent), on its lane
+    generation ``lanes``."""
 
     worker: int
     seq: int
     names: list[str]
     how: PlanResent = "restart"
+    lanes: str = ""
 
 
 @dataclass(slots=True, eq=False)
@@ -107,8 +118,13 @@ class _Waiting:
 class Planner:
     """The fused names this server is the anchor of, from report to plan."""
 
-    def __init__(self, workers: int, warn_after_s: float = 30.0) -> None:
+    def __init__(self, workers: int, warn_after_s: float = 30.0, run: str = "") -> None:
         self.workers = workers
+        # The lane generation of the plans made now (FusePlan.lanes): ``run`` (this run of the server, so that
+        # no other run's names meet ours) and a count of the resets handled (see _new_lanes).
+        self.run = run
+        self._resets = 0
+        self.lanes = f"{run}.0"
         self.stalls: StallWatch[str] = StallWatch(warn_after_s=warn_after_s)
         self.waiting: dict[str, _Waiting] = {}
         self.ready: list[str] = []  # reported by every worker, not yet in a plan
@@ -121,6 +137,7 @@ class Planner:
         # them (see running).
         self.running_names: dict[str, tuple[int, int, int]] = {}
         self.running_plans: dict[int, list[str]] = {}
+        self.running_lanes: dict[int, str] = {}  # seq -> that plan's lane generation (FuseRunning.lanes)
         self.resends: list[Resend] = []
         # Per name, per worker: the rounds heard of (its reports, and its aborts of rounds it had not reported).
         self.heard: dict[str, list[int]] = {}
@@ -143,7 +160,8 @@ class Planner:
         self.spec_of: dict[str, Spec] = {}
         self.plans = 0
         self.planned = 0  # names, over all plans
-        self.history: deque[tuple[int, list[str]]] = deque()  # the last plans, in order (PLAN_HISTORY_NAMES)
+        # The last plans, in order (PLAN_HISTORY_NAMES): seq, names, lane generation.
+        self.history: deque[tuple[int, list[str], str]] = deque()
         self._history_names = 0
 
     def report(self, worker: int, names: list[str], specs: list[Spec], counts: list[int] | None = None,
@@ -202,7 +220,7 @@ class Planner:
                     del waiting[name]
                     ready.append(name)
                     self.spec_of[name] = w.spec
-        self.resends += [Resend(worker, seq, self.running_plans[seq], "restart" if seq in lost else "restart_lost")
+        self.resends += [self._resend(worker, seq, "restart" if seq in lost else "restart_lost")
                          for seq in sorted(lost | behind)]
         return out
 
@@ -240,7 +258,7 @@ class Planner:
             self.past_counts[name][worker] = count
             run = self.running_names.get(name)
             if run is not None and 0 <= run[2] < floor and count == run[1] - 1:
-                self.resends.append(Resend(worker, run[0], self.running_plans[run[0]], "restart_lost"))
+                self.resends.append(self._resend(worker, run[0], "restart_lost"))
             w = self.waiting.get(name)
             if w is not None and 0 <= w.index < floor and worker not in w.workers:
                 out += self._passed(name, w, floor)
@@ -274,11 +292,13 @@ class Planner:
         return [Failed(r, name, self._stale(name, r, was, index)) for r in stale]
 
     def running(self, worker: int, seq: int, names: list[str], counts: list[int],
-                rounds: list[int] | None = None) -> None:
+                rounds: list[int] | None = None, lanes: str = "") -> None:
         """``worker`` still runs plan ``seq`` of our previous run (``rounds``: the index of each name's round
-        in it, where said): the workers that reported its names one plan behind lost it (now or when they
-        report them, see ``report``); those whose round is later failed the plan's round (they give it up)."""
+        in it, where said; ``lanes``: its lane generation): the workers that reported its names one plan
+        behind lost it (now or when they report them, see ``report``); those whose round is later failed the
+        plan's round (they give it up)."""
         self.running_plans[seq] = list(names)
+        self.running_lanes[seq] = lanes
         lost: set[int] = set()
         past: set[int] = set()
         for name, count, index in zip(names, counts, rounds or [-1] * len(names)):
@@ -302,8 +322,12 @@ class Planner:
                 del w.counts[r]
             if not w.workers:
                 del self.waiting[name]
-        self.resends += [Resend(r, seq, self.running_plans[seq]) for r in sorted(lost)]
-        self.resends += [Resend(r, seq, self.running_plans[seq], "restart_lost") for r in sorted(past - lost)]
+        self.resends += [self._resend(r, seq, "restart") for r in sorted(lost)]
+        self.resends += [self._resend(r, seq, "restart_lost") for r in sorted(past - lost)]
+
+    def _resend(self, worker: int, seq: int, how: PlanResent) -> Resend:
+        """Plan ``seq`` of our previous run, to send ``worker`` again (see ``running``)."""
+        return Resend(worker, seq, self.running_plans[seq], how, self.running_lanes.get(seq, ""))
 
     def stall_warnings(self, now: float) -> list[str]:
         """The names that waited ``warn_after_s`` (and again every ``warn_after_s``) for workers whose processes
@@ -343,6 +367,12 @@ class Planner:
             which.append(k)
         return groups, which
 
+    def ended(self, name: str) -> bool:
+        """Whether ``name`` is a fused tensor on a lane generation of this run that a reset ended (its rounds
+        fail: a worker dropped its plans). Those of our previous run's plans still run (see ``running``)."""
+        lanes = fused_lanes(name)
+        return lanes is not None and lanes != self.lanes and lanes.rpartition(".")[0] == self.run
+
     def epoch(self, worker: int) -> str:
         """``worker``'s epoch as we know it (what our fused answers to it carry)."""
         return self.epochs.get(worker, "")
@@ -358,7 +388,8 @@ class Planner:
         return fresh
 
     def take_plans(self) -> list[tuple[int, list[str]]]:
-        """The names ready since the last call, as plans that fit a message (``fused_chunks``): (seq, names)."""
+        """The names ready since the last call, as plans that fit a message (``fused_chunks``): (seq, names),
+        each on lane generation ``lanes`` (a reset fails every name ready before it: see worker_gone)."""
         plans = []
         ready = self.ready
         if self.running_names:  # a name planned anew is past the plans of our previous run
@@ -368,9 +399,9 @@ class Planner:
             plans.append((self.seq, ready[start:stop]))
             self.seq += 1
         history = self.history
-        for plan in plans:
-            history.append(plan)
-            self._history_names += len(plan[1])
+        for seq, names in plans:
+            history.append((seq, names, self.lanes))
+            self._history_names += len(names)
         limit = max(PLAN_HISTORY_NAMES, 2 * len(self.heard))
         while self._history_names > limit and len(history) > 1:
             self._history_names -= len(history.popleft()[1])
@@ -482,10 +513,11 @@ class Planner:
             h = self.heard[name] = [0] * self.workers
         h[worker] += 1
 
-    def sent_since(self, seq: int, worker: int) -> list[tuple[int, list[str]]] | None:
+    def sent_since(self, seq: int, worker: int) -> list[tuple[int, list[str], str]] | None:
         """The plans from ``seq`` on (``worker`` got those before it and not the rest; none made before its
         daemon first connected, or before its processes' epoch began: those were its old processes'), to send
-        it again; None if some are no longer kept."""
+        it again, each with its lane generation (the peers numbered it there, ended or not); None if some are
+        no longer kept."""
         seq = max(seq, self.first_plan.get(worker, 0))
         history = self.history
         if seq >= self.seq:
@@ -505,8 +537,8 @@ class Planner:
         if epoch:
             self.epochs[worker] = epoch
         if epoch and previous is not None and previous != epoch:
-            self._excuse(worker)
-            self.first_plan[worker] = self.seq  # (its Reset may have been lost with a connection)
+            self._excuse(worker)  # (its Reset may have been lost with a connection)
+            self.first_plan[worker] = self.seq
 
     def worker_gone(self, worker: int, why: Why, reset: bool, epoch: str = "") -> list[Failed]:
         """``worker``'s connection dropped, or its processes are gone (``reset``): every name waiting here
@@ -514,7 +546,8 @@ class Planner:
         ``bps_worker.fusion``'s ``link_lost``). After a reset the failures no longer wait for the worker (its
         processes will not report those rounds); after a drop they do, and so do the rounds failed now that it
         had not reported: its processes live on and report them when it is back. ``epoch``: the worker's new
-        one (a Reset says it), so that its next hello does not excuse its new processes again."""
+        one (a Reset says it), so that its next hello does not excuse its new processes again (nor, where a
+        hello brought it first, this Reset: see _excuse)."""
         out: list[Failed] = []
         self._resent = {(r, seq) for r, seq in self._resent if r != worker}  # (resent again if lost with it)
         for name, w in list(self.waiting.items()):
@@ -523,14 +556,20 @@ class Planner:
             out += [Failed(r, name, why) for name in self.ready for r in range(self.workers) if r != worker]
             self.ready = []
         if reset:
-            self._excuse(worker)
+            self._excuse(worker, new_lanes=not epoch or epoch != self.epochs.get(worker))
             if epoch:
                 self.epochs[worker] = epoch
             self.first_plan[worker] = self.seq
         return out
 
-    def _excuse(self, worker: int) -> None:
-        """``worker``'s processes are gone: no failure waits for them, and its counts start again."""
+    def _excuse(self, worker: int, new_lanes: bool = True) -> None:
+        """``worker``'s processes are gone: no failure waits for them, and its counts start again. The plans
+        made from now on are on a new lane generation (``new_lanes``; not where a hello brought the worker's
+        new epoch before its Reset: that hello started it): the worker dropped the plans sent to its old
+        processes without numbering them, so the lanes they ran on are out of step with its peers' for good."""
+        if new_lanes:
+            self._resets += 1
+            self.lanes = f"{self.run}.{self._resets}"
         for name in list(self.failed):
             rounds = [(why, left - {worker}, index) for why, left, index in self.failed[name]]
             rounds = [(why, left, index) for why, left, index in rounds if left]

@@ -499,6 +499,12 @@ class RoundTable(Generic[W]):
             return []
         return [self._fail_round(st, why)]
 
+    def fail_ended(self, ended: Callable[[str], bool], why: Why) -> list[Action[W]]:
+        """Fail the open round of every key whose name is ``ended`` (a fused tensor of a lane generation that a
+        worker's reset ended, see ``bps_server.fusion``: its rounds can never complete). The driver refuses
+        later pushes of those names before they reach the table."""
+        return [self._fail_round(st, why) for st in list(self.keys.values()) if st.busy and ended(st.key[0])]
+
     def abort(self, name: str, part: int, round_: int, worker: int, message: str) -> list[Action[W]]:
         """A worker gave up a round: fail it for every worker (now and for late pushes)."""
         key = (name, part)

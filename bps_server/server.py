@@ -28,6 +28,7 @@ from bps_runtime.timeline import Timeline
 from .aggregator import Aggregator
 from .async_values import AsyncValues
 from .fusion import Failed, Planner
+from .rounds import Why
 from .connection import BATCH_REPLY_MAX_BYTES, HANDSHAKE_MAX_HEADER_BYTES, HOLDER_SILENCE_FRACTION, ServerConnection
 
 __all__ = ["BATCH_REPLY_MAX_BYTES", "HANDSHAKE_MAX_HEADER_BYTES", "ServerConfig", "ServerConnection",
@@ -79,7 +80,8 @@ class SummationServer:
                                      connected=lambda w: w in self.links, timeline=self.timeline)
         self.values = AsyncValues(config.cluster.workers, config.cluster.timeout, config.cluster.worker_of_rank)
         self.connections: set[ServerConnection] = set()
-        self.fusion = Planner(config.cluster.workers, warn_after_s=config.cluster.timeout)  # the fused small sums this server is the anchor of
+        # The fused small sums this server is the anchor of (their lane generations named by this run).
+        self.fusion = Planner(config.cluster.workers, warn_after_s=config.cluster.timeout, run=self.incarnation)
         self._plans_due = False
         self.admission = Admission(log, f"server {config.server_id}", deadline_s=config.handshake_deadline_s,
                                    per_peer=config.pending_per_host, total=config.pending_total)
@@ -216,7 +218,7 @@ class SummationServer:
                          resend.seq)
                 groups, group = self.fusion.groups(resend.names)
                 conn.send(FusePlan(resend.seq, resend.names, resent=resend.how, groups=groups, group=group,
-                                   epoch=self.fusion.epoch(resend.worker)))
+                                   epoch=self.fusion.epoch(resend.worker), lanes=resend.lanes))
         if self.fusion.ready and not self._plans_due:
             self._plans_due = True
             asyncio.get_running_loop().call_soon(self._send_plans)
@@ -227,7 +229,20 @@ class SummationServer:
         for seq, names in fusion.take_plans():
             groups, group = fusion.groups(names)
             for worker, conn in list(self.links.items()):  # each with its epoch (see FusePlan.epoch)
-                conn.send(FusePlan(seq, names, groups=groups, group=group, epoch=fusion.epoch(worker)))
+                conn.send(FusePlan(seq, names, groups=groups, group=group, epoch=fusion.epoch(worker),
+                                   lanes=fusion.lanes))
+
+    def lanes_ended(self) -> None:
+        """A worker's reset started a new lane generation (see bps_server.fusion): the open rounds of the fused
+        tensors of the ended ones fail now (their later pushes are refused, see ServerConnection.on_push)."""
+        self.aggregator.fail_ended(self.fusion.ended, self.lanes_ended_why(""))
+
+    @staticmethod
+    def lanes_ended_why(name: str) -> Why:
+        """Why a round of a fused tensor of an ended lane generation fails."""
+        what = f"fused tensor {name!r}" if name else "fused tensors"
+        return Why(f"{what} of plans made before a worker's processes left: that worker dropped those plans, so "
+                   f"they cannot complete", "round_failed")
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

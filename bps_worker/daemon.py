@@ -34,7 +34,7 @@ from bps_runtime.health import STALL_LIMIT_S, Pulse, Verdict
 from bps_runtime import segments as shm
 from bps_runtime.timeline import Timeline
 from protocol.config import ClusterConfig, placement_items
-from protocol.messages import ASYNC_KINDS, Op, Ping, Spec, Why, describe_spec
+from protocol.messages import ASYNC_KINDS, FUSED_PREFIX, Op, Ping, Spec, Why, describe_spec
 
 from .async_operation import AsyncName, AsyncOperation
 from .errors import BPSError
@@ -427,7 +427,12 @@ class WorkerDaemon:
 
     def round_base(self, name: str, local_round: int) -> asyncio.Future[int]:
         """The offset from our round numbers of ``name`` to the servers' (asked once per job, and
-        again after a failed attempt)."""
+        again after a failed attempt). 0 for a fused tensor: every worker numbers a lane generation's
+        rounds from 0 (``bps_worker.fused_driver``), so none is placed among the peers' by asking."""
+        if name.startswith(FUSED_PREFIX):
+            known: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            known.set_result(0)
+            return known
         query = self.round_queries.get(name)
         if query is None or (query.done() and (query.cancelled() or query.exception() is not None)):
             query = self.round_queries[name] = asyncio.ensure_future(self._ask_round(name, local_round))

@@ -22,8 +22,11 @@
   rounds may still be on their way. Each carries the epoch the server knew us by (``FusePlan.epoch``,
   ``FuseFailed.epoch``), and one of another epoch is dropped: its rounds were the old processes', failed at
   the reset, and the server fails them for the peers when our Reset reaches it. A dropped plan takes no lane
-  number: our numbering restarts with the epoch, and the servers place our new rounds among the peers'
-  (``RoundQuery``), as they place every key's.
+  number, though the peers ran it on its lane: so the anchor, handling our Reset, starts a new *lane
+  generation* (``FusePlan.lanes``, part of every fused tensor's name) and fails every round of the old one.
+  Its plans from then on go to our new epoch, and every worker numbers the new generation's fused tensors
+  from 0, as fresh names: their server round is their local one (no ``RoundQuery``, see
+  ``WorkerDaemon.round_base``).
 """
 
 from __future__ import annotations
@@ -81,8 +84,9 @@ class FusedSums:
         self._lanes: dict[str, asyncio.Future[Any]] = {}  # fused key -> its operation running (or last run)
         self._running: Counter[int] = Counter()  # server id -> fused operations with it not finished
         # server id -> seq -> (names, their counts, their rounds' indexes (empty: not all known), operations of
-        # the plan not finished): told to a server that restarted (FuseRunning), whose peers may have lost it.
-        self._plans: dict[int, dict[int, tuple[list[str], list[int], list[int], int]]] = {
+        # the plan not finished, its lane generation): told to a server that restarted (FuseRunning), whose
+        # peers may have lost it.
+        self._plans: dict[int, dict[int, tuple[list[str], list[int], list[int], int, str]]] = {
             sid: {} for sid in daemon.links}
         self._generation: Counter[int] = Counter()  # server id -> connections to it lost so far
         # server id -> the rounds told of each of its names before its connection broke (see _lost)
@@ -234,9 +238,9 @@ class FusedSums:
         self.rounds.forget_answers(sid, before=self._generation[sid])  # it forgot the reports we gave up
         self._next_plan[sid] = 0  # its plans start again
         link = self.daemon.links[sid]
-        for seq, (names, counts, indexes, _) in self._plans[sid].items():
+        for seq, (names, counts, indexes, _, lanes) in self._plans[sid].items():
             for start, stop in fused_chunks(names):
-                link.fuse(FuseRunning(seq, names[start:stop], counts[start:stop], indexes[start:stop]))
+                link.fuse(FuseRunning(seq, names[start:stop], counts[start:stop], indexes[start:stop], lanes))
         self._tell_past(sid)
         # Those reported on a connection of the old run: not the held ones (they go when they go) nor those
         # reported while the link was down (queued, they went to the new run before this).
@@ -298,7 +302,8 @@ class FusedSums:
             peer=f"server {sid}", detail=reason), queued=self._generation[sid]))
 
     def plan(self, sid: int, plan: FusePlan) -> None:
-        """Run plan ``plan.seq`` of server ``sid``: one fused operation per dtype group, on the plan's lane."""
+        """Run plan ``plan.seq`` of server ``sid``: one fused operation per dtype group, on the plan's lane (of
+        its lane generation)."""
         daemon = self.daemon
         self._got(sid, plan)
         # A plan lost with a connection, or one of the server's previous run whose rounds failed here since: the
@@ -331,9 +336,9 @@ class FusedSums:
             if -1 in indexes:
                 indexes = []  # (a name failed here: its group does not run, the others' do)
             self._plans[sid][plan.seq] = (list(plan.names), [counts.get(n, 0) for n in plan.names], indexes,
-                                          len(running))
+                                          len(running), plan.lanes)
         for (dtype, average), members in groups.items():
-            key = daemon.placement.fused_key(sid, lane, dtype, average)
+            key = daemon.placement.fused_key(sid, lane, dtype, average, plan.lanes)
             local_round = daemon.rounds.numbers.take(key)  # in plan order: every worker numbers alike
             culprit = broken.get((dtype, average))
             if culprit is not None:
@@ -352,9 +357,9 @@ class FusedSums:
         finally:
             self._running[sid] -= 1
             plans = self._plans[sid]
-            names, counts, indexes, left = plans.get(seq, ([], [], [], 0))
+            names, counts, indexes, left, lanes = plans.get(seq, ([], [], [], 0, ""))
             if left > 1:
-                plans[seq] = (names, counts, indexes, left - 1)
+                plans[seq] = (names, counts, indexes, left - 1, lanes)
             else:
                 plans.pop(seq, None)
             if self._reports.get(sid) and not self._reports_due:

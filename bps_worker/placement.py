@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from protocol.config import ClusterConfig
-from protocol.messages import FUSED_PREFIX, MAX_STREAMS
+from protocol.messages import MAX_STREAMS, fused_name
 
 log = logging.getLogger("bps.worker.placement")
 
@@ -179,10 +179,11 @@ class Placement:
         """How many connections a worker opens to ``server`` (see the module docstring)."""
         return self._streams[server]
 
-    def fused_key(self, server: int, lane: int, dtype: str, average: bool) -> str:
-        """The name of server ``server``'s fused tensor of ``dtype`` (and ``average``) on ``lane``: all of it
-        lives on that server (the anchor of every small tensor in it)."""
-        key = f"{FUSED_PREFIX}{server}/{lane}/{dtype}{'/avg' if average else ''}"
+    def fused_key(self, server: int, lane: int, dtype: str, average: bool, lanes: str) -> str:
+        """The name of server ``server``'s fused tensor of ``dtype`` (and ``average``) on ``lane`` of lane
+        generation ``lanes`` (``protocol.messages.fused_name``): all of it lives on that server (the anchor of
+        every small tensor in it)."""
+        key = fused_name(server, lane, dtype, average, lanes)
         if key not in self._pinned:
             self._pinned[key] = self.server_ids.index(server)
         return key

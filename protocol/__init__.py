@@ -10,7 +10,8 @@ reads and validates the cluster configuration (``config``).
 # Announce, Alloc.free, Welcome.arena_bytes. 4: asynchronous mode: Push/Op kinds async_init and async,
 # Push.staleness and Push.applied (a replayed value's vector), Result.applied, Op.staleness, Restored. 5: fused
 # small sums: OpBatch, DoneBatch, FuseReady, FuseAbort, FusePlan (groups, epoch), FuseRunning, FuseResync,
-# FuseFailed (epoch); Welcome.fusion_bytes.
-PROTOCOL_VERSION = 5
+# FuseFailed (epoch); Welcome.fusion_bytes. 6: lane generations: FusePlan.lanes and FuseRunning.lanes, and the
+# fused tensors' names carry theirs (a version-5 worker would sum on lanes the anchor no longer runs).
+PROTOCOL_VERSION = 6
 
 __all__ = ["PROTOCOL_VERSION"]

@@ -655,6 +655,23 @@ FUSED_NAMES_BUDGET: Final = 24 * 1024
 # The prefix of the names the worker gives its fused tensors (one per server, lane and dtype); a training
 # process may not use it (the session refuses it).
 FUSED_PREFIX: Final = "\x00fused/"
+# A lane generation's name (FusePlan.lanes): printable, no "@" (it ends a fused tensor's name after one).
+MAX_LANES_CHARS: Final = 64
+
+
+def fused_name(server: int, lane: int, dtype: str, average: bool, lanes: str) -> str:
+    """The name of server ``server``'s fused tensor of ``dtype`` (and ``average``) on ``lane`` of lane
+    generation ``lanes`` (see FusePlan.lanes): one name per generation, so that every worker numbers its
+    rounds from 0."""
+    return f"{FUSED_PREFIX}{server}/{lane}/{dtype}{'/avg' if average else ''}@{lanes}"
+
+
+def fused_lanes(name: str) -> str | None:
+    """The lane generation a fused tensor's name says (``fused_name``); None for any other name."""
+    if not name.startswith(FUSED_PREFIX):
+        return None
+    head, at, lanes = name.rpartition("@")
+    return lanes if at else None
 
 # A fused tensor's spec on the wire: [dtype, shape, average, layout] (a sum: fusion never carries a broadcast).
 Spec = tuple[str, tuple[int, ...], bool, str]
@@ -725,6 +742,13 @@ def _check_fused_names(tag: str, names: list[Any]) -> None:
             raise LocalProtocolError(f"{tag} names a {type(name).__name__}, not a tensor name")
         if not 0 < len(name) <= MAX_NAME_CHARS:
             _check_name(name)
+
+
+def _check_lanes(tag: str, lanes: str) -> None:
+    """A lane generation (FusePlan.lanes): it ends fused tensors' names, after their last "@"."""
+    _check_text(tag, "lanes", lanes, MAX_LANES_CHARS)
+    if "@" in lanes or not lanes.isprintable():
+        raise LocalProtocolError(f"{tag} lanes {lanes!r:.80}: printable, without '@'")
 
 
 def _check_indexes(tag: str, what: str, values: list[Any], count: int, bound: int | None = None) -> None:
@@ -857,7 +881,12 @@ class FusePlan(Message):
     worker that has no round of a name (failed and forgotten here) still numbers and gives up its group as
     the peers number it (empty: not said, the worker groups by its own specs). ``epoch``: the worker's epoch
     as the server knew it when it sent the plan (see ``Hello.epoch``, ``Reset``): a worker whose processes
-    are new since ignores it (its names are the old processes' rounds, and the server fails them)."""
+    are new since ignores it (its names are the old processes' rounds, and the server fails them).
+
+    ``lanes``: the plan's lane generation, part of its fused tensors' names (``fused_name``). The anchor
+    starts a new one at every worker reset it handles (its lanes' rounds start at 0 on every worker: the
+    reset worker dropped plans its peers ran, so the old lanes' rounds are out of step for good) and fails
+    every round of the old ones; a plan resent keeps its own."""
 
     TYPE: ClassVar[str] = "fuse_plan"
     CHECKED_WHEN_PARSED: ClassVar[bool] = True
@@ -867,11 +896,13 @@ class FusePlan(Message):
     groups: list[Any] = field(default_factory=list)
     group: list[int] = field(default_factory=list)
     epoch: str = ""
+    lanes: str = ""
 
     def validate(self) -> None:
         _check_non_negative("fuse plan", seq=self.seq)
         _check_fused_names("fuse plan", self.names)
         _check_text("fuse plan", "epoch", self.epoch)
+        _check_lanes("fuse plan", self.lanes)
         if self.groups or self.group:
             if len(self.groups) > len(self.names):
                 raise LocalProtocolError("fuse plan has more groups than tensors")
@@ -885,16 +916,19 @@ class FuseRunning(Message):
     """Worker to a server that restarted: plan ``seq`` of its previous run is running here (``counts``: as in
     FuseReady, this plan included; ``rounds``: the index of each name's round in it, as FuseReady says it,
     or empty). A worker that reports these names one plan behind lost the plan when the server died, and
-    gets it again: to run (its round is the plan's), or to give up (its round is a later one)."""
+    gets it again: to run (its round is the plan's), or to give up (its round is a later one). ``lanes``: the
+    plan's lane generation (FusePlan.lanes), which the plan keeps when sent again."""
 
     TYPE: ClassVar[str] = "fuse_running"
     seq: int
     names: list[str]
     counts: list[int]
     rounds: list[int] = field(default_factory=list)
+    lanes: str = ""
 
     def validate(self) -> None:
         _check_non_negative("fuse running", seq=self.seq)
+        _check_lanes("fuse running", self.lanes)
         _check_fused_names("fuse running", self.names)
         _check_indexes("fuse running", "counts", self.counts, len(self.names))
         if self.rounds:

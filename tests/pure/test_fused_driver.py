@@ -15,13 +15,15 @@ import pytest
 import bps_worker.fused_driver as fd
 from bps_server.fusion import Planner
 from bps_server.rounds import Add, FailRound, RoundTable
+from bps_server.rounds import Why as RoundWhy
 from bps_worker.fused_driver import FusedSums
 from bps_worker.fused_operation import layout_digest
 from protocol.messages import (FuseAbort, FuseFailed, FusePast, FusePlan, FuseReady, FuseResync, FuseRunning, Push,
-                               Spec, Why)
+                               Spec, Why, fused_name)
 
 F32: Spec = ("float32", (4,), False, "")
 DROP = Why("worker 0 disconnected", "connection")
+LOST_LANE = fused_name(0, 0, "float32", False, ".0")  # lane 0 of a test planner's first lane generation
 
 
 class Numbers:
@@ -91,7 +93,8 @@ def worker(wid: int) -> Any:
         config=types.SimpleNamespace(local_size=1, worker_id=wid, cluster=types.SimpleNamespace(timeout=10.0)),
         rank_offset=wid, worker_id=wid, links={0: link}, sessions={},
         placement=types.SimpleNamespace(server_ids=[0], anchor=lambda n: 0,
-                                        fused_key=lambda sid, lane, dtype, avg: f"fused/{sid}/{lane}/{dtype}"),
+                                        fused_key=lambda sid, lane, dtype, avg, lanes: fused_name(sid, lane, dtype, avg, lanes)
+                                        if lanes else f"fused/{sid}/{lane}/{dtype}"),
         rounds=types.SimpleNamespace(numbers=numbers), spawn=spawn, round_base=lambda key, r: 0,
         abort_when_known=lambda *args: (aborted.append(args[:2]), asyncio.sleep(0))[1])
     fs = FusedSums(daemon)  # type: ignore[arg-type]
@@ -115,11 +118,11 @@ def deliver(p: Planner, w: int, fs: Any, epoch: str = "e1", run: str = "run-1") 
         elif isinstance(m, FuseAbort):
             out += p.abort(w, m.names, Why(m.message, m.code), reported=m.reported, rounds=m.rounds)
         elif isinstance(m, FuseRunning):
-            p.running(w, m.seq, m.names, m.counts, m.rounds)
+            p.running(w, m.seq, m.names, m.counts, m.rounds, m.lanes)
         elif isinstance(m, FuseResync) and m.incarnation == run and m.epoch == epoch:
-            for seq, names in p.sent_since(m.next_plan, w) or [] if m.next_plan >= 0 else []:
+            for seq, names, lanes in p.sent_since(m.next_plan, w) or [] if m.next_plan >= 0 else []:
                 groups, group = p.groups(names)
-                fs.on_message(0, FusePlan(seq, names, "lost", groups, group, epoch))
+                fs.on_message(0, FusePlan(seq, names, "lost", groups, group, epoch, lanes))
             out += p.resync(w, m.names, m.counts, Why("lost with the connection", "connection"), m.rounds)
         elif isinstance(m, FusePast):
             out += p.past(w, m.names, m.rounds, m.counts)
@@ -140,11 +143,11 @@ async def test_a_plan_sent_again_is_numbered_once_however_many_times_the_connect
     p.report(1, ["a"], [F32])
     assert p.take_plans() == [(0, ["a"])]  # written to worker 0, lost with its connection
     drop_and_reconnect(p, w0)
-    assert w0.numbers.taken == [("fused/0/0/float32", 0)] and w0.aborted == [("fused/0/0/float32", 0)]
+    assert w0.numbers.taken == [(LOST_LANE, 0)] and w0.aborted == [(LOST_LANE, 0)]
     await submit(w0, "a", 2)  # round 2 reported; then a second break, before any new plan
     deliver(p, 0, w0)
     drop_and_reconnect(p, w0)
-    assert w0.numbers.taken == [("fused/0/0/float32", 0)] and w0.rounds.counts["a"] == 1  # as the peer
+    assert w0.numbers.taken == [(LOST_LANE, 0)] and w0.rounds.counts["a"] == 1  # as the peer
 
 
 async def test_a_resync_queued_before_the_processes_left_is_void():
@@ -199,7 +202,7 @@ async def test_a_lost_plan_of_a_round_given_up_after_its_report_takes_its_number
     assert p.take_plans() == [(0, ["a"])]  # lost with the connection
     w0.carry_out(w0.rounds.fail_name("a", Why("a process disagreed", "mismatch")))  # abandoned here
     drop_and_reconnect(p, w0)
-    assert w0.numbers.taken == [("fused/0/0/float32", 0)] and w0.aborted == [("fused/0/0/float32", 0)]
+    assert w0.numbers.taken == [(LOST_LANE, 0)] and w0.aborted == [(LOST_LANE, 0)]
     assert not w0.rounds.abandoned
 
 
@@ -402,13 +405,13 @@ class LaneOp:
 class LaneRounds:
     """The anchor's round table, which the lanes' fused operations push to; the operations the plans start."""
 
-    def __init__(self) -> None:
+    def __init__(self, planner: Planner) -> None:
+        self.planner = planner
         self.table: RoundTable[LaneOp] = RoundTable(2)
         self.ops: list[LaneOp] = []
         self.plan = 0  # the plan being handed out
-        self.bases: dict[tuple[int, str], int] = {}  # as WorkerDaemon.round_base learns them (a key and epoch)
         self.summed: list[set[int]] = []  # each completed round: the plans its pushes were of
-        self.failed: list[str] = []  # each failed round: why (its code)
+        self.failed: list[str] = []  # each failed round: why (its code), or "ended" for a push refused so
 
     def operation(self, daemon: Any, key: str, local_round: int, members: list[Any]) -> LaneOp:
         """What ``FusedSums.plan`` starts (patched in for ``FusedOperation``)."""
@@ -417,11 +420,25 @@ class LaneRounds:
         return op
 
     def push(self, op: LaneOp) -> None:
-        if (op.w, op.name) not in self.bases:
-            self.bases[op.w, op.name] = self.table.round_for(op.name, 0, op.w) - op.round
-        p = Push(req=0, name=op.name, part=0, round=op.round + self.bases[op.w, op.name], worker=op.w,
-                 dtype="float32", shape=[4], offset=0, count=4, layout=op.layout)
+        """``op``'s push, as the worker makes it (a fused tensor's server round is its local one, see
+        ``WorkerDaemon.round_base``) and the anchor takes it (one of lanes a reset ended is refused, see
+        ``ServerConnection.on_push``)."""
+        if self.planner.ended(op.name):
+            self.failed.append("ended")
+            op.done.set_result(None)
+            return
+        p = Push(req=0, name=op.name, part=0, round=op.round, worker=op.w, dtype="float32", shape=[4], offset=0,
+                 count=4, layout=op.layout)
         self.carry(self.table.push(p, np.zeros(4, np.float32), op, 0.0))
+
+    def reset(self, w: int, epoch: str) -> None:
+        """The anchor handles worker ``w``'s Reset, as ``ServerConnection.on_reset`` does."""
+        self.carry(self.table.worker_reset(w, epoch))
+        lanes = self.planner.lanes
+        self.planner.worker_gone(w, Why(f"every training process of worker {w} left", "round_failed"), reset=True,
+                                 epoch=epoch)
+        if self.planner.lanes != lanes:
+            self.carry(self.table.fail_ended(self.planner.ended, RoundWhy("lanes ended")))
 
     def carry(self, actions: list[Any]) -> None:
         for a in actions:
@@ -436,11 +453,27 @@ class LaneRounds:
                 for f in a.fails:
                     f.handle.done.set_result(None)
 
-    def hand_out(self, workers: list[Any], seq: int, names: list[str], epochs: tuple[str, str]) -> None:
-        """Plan ``seq`` reaches the workers, stamped with the epoch the anchor knew each by as it sent it."""
+    def hand_out(self, workers: list[Any], seq: int, names: list[str], epochs: tuple[str, str], lanes: str) -> None:
+        """Plan ``seq`` reaches the workers, stamped with the epoch the anchor knew each by as it sent it, on the
+        lane generation it was made in."""
         self.plan = seq
         for fs, epoch in zip(workers, epochs):
-            fs.on_message(0, FusePlan(seq, names, "", [["float32", False]], [0] * len(names), epoch))
+            fs.on_message(0, FusePlan(seq, names, "", [["float32", False]], [0] * len(names), epoch, lanes))
+
+
+def lane_workers(monkeypatch: pytest.MonkeyPatch) -> tuple[LaneRounds, Planner, list[Any]]:
+    """Two workers whose plans run on one lane (a plan's next one on it is the next plan, seq + LANES), their
+    anchor's planner and round table."""
+    monkeypatch.setattr(fd, "LANES", 1)
+    planner, workers = Planner(2), [worker(0), worker(1)]
+    lanes = LaneRounds(planner)
+    monkeypatch.setattr(fd, "FusedOperation", lanes.operation)
+    for w, fs in enumerate(workers):
+        fs.daemon.spawn = lambda coro: asyncio.get_running_loop().create_task(coro)
+        fs.daemon.run_tracked = lambda name, coro: coro
+        planner.worker_hello(w, "e1", f"d{w}")
+        lanes.table.worker_hello(w, "e1")
+    return lanes, planner, workers
 
 
 async def test_a_rejoined_worker_never_sums_its_new_plan_into_a_lane_round_of_a_plan_made_before_its_reset(
@@ -448,51 +481,93 @@ async def test_a_rejoined_worker_never_sums_its_new_plan_into_a_lane_round_of_a_
     """Review item 3 of session 16 (suspected wrong sum). Plan 1 (``a``) is made, and worker 0's report of
     ``b`` crosses it on the wire (a report sent while a fused operation with the anchor runs is held until it
     ends, REPORT_WHILE_RUNNING: only a crossing one lets a later plan be made while plan 1's round is open).
-    Every process of worker 1 leaves; its Reset reaches the anchor before worker 0's push of plan 1, which
-    then waits for worker 1; plan 1 reaches worker 1 in its old epoch: dropped, unnumbered. Worker 1's new
-    processes number their first plan on the lane (plan 2, ``b``) 0, and the anchor's ``round_for`` places
-    it in the round open there: plan 1's. Still not summed with it: a plan's names are in flight at worker 0
-    until its round ends (one op of a name at a time per process), so a later plan names others, the fused
-    tensors' layouts (a digest of their names) differ, and the round fails as a mismatch. (With one layout
-    for both, this test sees plans 1 and 2 summed together. The lane stays one round out of step for good: a
-    known gap, not a wrong sum; its fix takes away the mismatch, and the last assertion's second half.)"""
-    monkeypatch.setattr(fd, "LANES", 1)  # one lane: a plan's next one on it is the next plan (seq + LANES)
-    lanes, planner, workers = LaneRounds(), Planner(2), [worker(0), worker(1)]
-    monkeypatch.setattr(fd, "FusedOperation", lanes.operation)
+    Every process of worker 1 leaves; its Reset reaches the anchor before worker 0's push of plan 1; plan 1
+    reaches worker 1 in its old epoch: dropped, unnumbered. The Reset began a new lane generation: worker 0's
+    push of plan 1 is refused (its lanes ended), and plan 2 (``b``), made after the Reset, runs on the new
+    lanes, round 0 on both workers, and is summed. (Before lane generations, the anchor's ``round_for`` placed
+    worker 1's plan 2 in plan 1's round, still open; only the fused layouts, a digest of the names, told them
+    apart, and the lane stayed one round out of step for good.)"""
+    lanes, planner, workers = lane_workers(monkeypatch)
     w0, w1 = workers
-    for w, fs in enumerate(workers):
-        fs.daemon.spawn = lambda coro: asyncio.get_running_loop().create_task(coro)
-        fs.daemon.run_tracked = lambda name, coro: coro
-        planner.worker_hello(w, "e1", f"d{w}")
-        lanes.table.worker_hello(w, "e1")
     for step in (0, 1):  # plan 0 of a is summed; plan 1 is made
         for w, fs in enumerate(workers):
             await submit(fs, "a", step)
             deliver(planner, w, fs)
         assert planner.take_plans() == [(step, ["a"])]
         if step == 0:
-            lanes.hand_out(workers, 0, ["a"], ("e1", "e1"))
+            lanes.hand_out(workers, 0, ["a"], ("e1", "e1"), planner.lanes)
             lanes.push(lanes.ops[0])
             lanes.push(lanes.ops[1])
             for _ in range(3):
                 await asyncio.sleep(0)  # (their operations end)
+    old = planner.lanes
     await submit(w0, "b", 2)  # its report crosses plan 1 on the wire (no operation runs there now)
     w1.reset()  # as WorkerDaemon._reset: numbering from 0, a new epoch
     w1.numbers.next.clear()
-    del lanes.bases[1, lanes.ops[1].name]
     w1.link.epoch = "e2"
-    lanes.carry(lanes.table.worker_reset(1, "e2"))  # the anchor handles the Reset (connection.on_reset)
-    planner.worker_gone(1, Why("every training process of worker 1 left", "round_failed"), reset=True, epoch="e2")
+    lanes.reset(1, "e2")  # the anchor handles the Reset
+    assert planner.lanes != old
     deliver(planner, 0, w0)  # b waits for worker 1
-    lanes.hand_out(workers, 1, ["a"], ("e1", "e1"))  # sent before the Reset: worker 1 drops it, worker 0 runs it
+    lanes.hand_out(workers, 1, ["a"], ("e1", "e1"), old)  # sent before the Reset: worker 1 drops it, worker 0 runs it
     assert [(op.w, op.plan) for op in lanes.ops] == [(0, 0), (1, 0), (0, 1)]
-    lanes.push(lanes.ops[2])  # its round waits for worker 1
+    lanes.push(lanes.ops[2])  # refused: its lanes ended
     await submit(w1, "a", 12)  # the new processes, at worker 0's step
     await submit(w1, "b", 13)
     deliver(planner, 1, w1)
     assert planner.take_plans() == [(2, ["b"])]
-    lanes.hand_out(workers, 2, ["b"], (planner.epoch(0), planner.epoch(1)))
-    assert [(op.w, op.plan, op.round) for op in lanes.ops[3:]] == [(0, 2, 2), (1, 2, 0)]
-    lanes.push(lanes.ops[4])  # worker 1's: placed in the round open at the anchor, plan 1's
+    lanes.hand_out(workers, 2, ["b"], (planner.epoch(0), planner.epoch(1)), planner.lanes)
+    assert [(op.w, op.plan, op.round) for op in lanes.ops[3:]] == [(0, 2, 0), (1, 2, 0)]  # new lanes, from 0
+    lanes.push(lanes.ops[4])
     lanes.push(lanes.ops[3])
-    assert lanes.summed == [{0}] and lanes.failed == ["mismatch"]
+    assert lanes.summed == [{0}, {2}] and lanes.failed == ["ended"]
+
+
+@pytest.mark.parametrize("order", ["reset_first", "push_first"])
+async def test_after_a_worker_resets_with_a_plan_half_run_the_next_steps_are_planned_and_summed_exactly(
+        monkeypatch: pytest.MonkeyPatch, order: str) -> None:
+    """Lane generations (FusePlan.lanes). Plan 1 (``a``) is made; worker 0 runs it, and every process of worker
+    1 leaves before the plan arrives there: worker 1 drops it (its old epoch) and never numbers it. The anchor
+    handles worker 1's Reset before worker 0's push of plan 1 (``reset_first``: the push is refused, its lanes
+    ended) or after it (``push_first``: the round fails with the reset). Then worker 1's new processes and
+    worker 0 go on: every later step is planned, run on the new lanes and summed, each round with one plan on
+    both workers. Before lane generations, with ``reset_first`` worker 0's push of plan 1 opened a round that
+    waited for worker 1, which never pushes it: worker 0 held its later reports behind that operation
+    (REPORT_WHILE_RUNNING), and no later step was planned (in a daemon: until the anchor's ``lost_grace_s``
+    ran out, if worker 1 pushed nothing else meanwhile; here, for ever)."""
+    lanes, planner, workers = lane_workers(monkeypatch)
+    w0, w1 = workers
+
+    async def step(k: int, to: tuple[Any, ...] = (w0, w1), push: bool = True) -> None:
+        """Both workers' processes issue ``a`` at step ``k``; the plan goes to ``to``, which push its sum."""
+        for w, fs in enumerate(workers):
+            await submit(fs, "a", 100 * w + k)
+            deliver(planner, w, fs)
+        assert planner.take_plans() == [(k, ["a"])]
+        lanes.plan = k
+        ops = len(lanes.ops)
+        for fs in to:
+            fs.on_message(0, FusePlan(k, ["a"], "", [["float32", False]], [0], planner.epoch(fs.daemon.worker_id),
+                                      planner.lanes))
+        for op in lanes.ops[ops:] if push else []:
+            lanes.push(op)
+        for _ in range(3):
+            await asyncio.sleep(0)  # (the operations end)
+
+    await step(0)
+    await step(1, to=(w0,), push=False)  # worker 0 runs plan 1
+    old, (half,) = planner.lanes, [op for op in lanes.ops if op.plan == 1]
+    if order == "push_first":
+        lanes.push(half)  # it waits for worker 1
+    w1.reset()  # every process of worker 1 left (WorkerDaemon._reset): numbering from 0, a new epoch
+    w1.numbers.next.clear()
+    w1.link.epoch = "e2"
+    lanes.reset(1, "e2")
+    if order == "reset_first":
+        lanes.push(half)
+    w1.on_message(0, FusePlan(1, ["a"], "", [["float32", False]], [0], "e1", old))  # plan 1, late: dropped
+    assert w1.numbers.taken == [(half.name, 0)]  # plan 0 only
+    for k in range(2, 6):
+        await step(k)
+    assert [op.plan for op in lanes.ops] == [0, 0, 1] + [k for k in range(2, 6) for _ in (0, 1)]
+    assert lanes.summed == [{k} for k in range(6) if k != 1]  # each round one plan's, on both workers
+    assert lanes.failed == (["ended"] if order == "reset_first" else ["connection"])

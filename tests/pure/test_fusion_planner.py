@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 
 from bps_server.fusion import Planner
-from protocol.messages import FUSED_NAMES_BUDGET, MAX_FUSED_ENTRIES, Spec, Why
+from protocol.messages import FUSED_NAMES_BUDGET, MAX_FUSED_ENTRIES, Spec, Why, fused_name
 
 F32: Spec = ("float32", (4,), False, "")
 F16: Spec = ("float16", (4,), False, "")
@@ -385,9 +385,9 @@ def test_the_plans_a_broken_connection_lost_can_be_sent_again_while_kept():
     for name in ("a", "b", "c"):
         p.report(0, [name], [F32])
         p.take_plans()
-    assert p.sent_since(1, 0) == [(1, ["b"]), (2, ["c"])] and p.sent_since(3, 0) == []
+    assert p.sent_since(1, 0) == [(1, ["b"], ".0"), (2, ["c"], ".0")] and p.sent_since(3, 0) == []
     p.history.popleft()
-    assert p.sent_since(0, 0) is None and p.sent_since(1, 0) == [(1, ["b"]), (2, ["c"])]
+    assert p.sent_since(0, 0) is None and p.sent_since(1, 0) == [(1, ["b"], ".0"), (2, ["c"], ".0")]
     p.worker_hello(0, "e", "another-daemon")  # a new daemon got none of the plans made before it
     assert p.sent_since(0, 0) == []
 
@@ -400,9 +400,9 @@ def test_the_plan_history_is_bounded_by_names_and_keeps_twice_every_name_heard_o
     for _ in range(1000):  # 100,000 names planned, of 100 distinct ones
         p.report(0, names, [F32] * 100)
         p.take_plans()
-    kept = sum(len(n) for _, n in p.history)
+    kept = sum(len(n) for _, n, _ in p.history)
     assert PLAN_HISTORY_NAMES - 100 < kept <= PLAN_HISTORY_NAMES
-    assert p.sent_since(0, 0) is None and p.sent_since(p.seq - 1, 0) == [(p.seq - 1, names)]
+    assert p.sent_since(0, 0) is None and p.sent_since(p.seq - 1, 0) == [(p.seq - 1, names, ".0")]
 
 
 def test_a_reset_says_the_new_epoch_so_the_next_hello_does_not_excuse_the_new_processes_again():
@@ -444,13 +444,13 @@ def test_the_plans_before_a_workers_new_epoch_are_its_old_processes_and_never_se
         p.report(0, [name], [F32])
         p.report(1, [name], [F32])
         p.take_plans()
-    assert p.epoch(0) == "e1" and p.sent_since(0, 0) == [(0, ["a"]), (1, ["b"])]
+    assert p.epoch(0) == "e1" and p.sent_since(0, 0) == [(0, ["a"], ".0"), (1, ["b"], ".0")]
     p.worker_gone(0, Why("every training process of worker 0 left", "round_failed"), reset=True, epoch="e2")
-    assert p.epoch(0) == "e2" and p.sent_since(1, 0) == [] and p.sent_since(1, 1) == [(1, ["b"])]
+    assert p.epoch(0) == "e2" and p.sent_since(1, 0) == [] and p.sent_since(1, 1) == [(1, ["b"], ".0")]  # (its own lanes)
     p.report(0, ["c"], [F32])
     p.report(1, ["c"], [F32])
     p.take_plans()
-    assert p.sent_since(0, 0) == [(2, ["c"])]
+    assert p.sent_since(0, 0) == [(2, ["c"], ".1")]  # (on the lanes the reset began)
     p.worker_hello(1, "f2", "d1")  # a new epoch said by a hello alone (its Reset lost with a connection)
     assert p.epoch(1) == "f2" and p.sent_since(0, 1) == []
 
@@ -607,3 +607,30 @@ def test_a_reporter_that_says_no_index_does_not_turn_off_the_others_comparison()
         assert p.ready == [] and p.waiting["n"].workers == {1, 2} and p.waiting["n"].index == 6
         assert p.report(0, ["n"], [F32], rounds=[6]) == []  # worker 0's next round is step 6
         assert p.take_plans() == [(0, ["n"])]
+
+
+def test_a_reset_begins_a_new_lane_generation_and_ends_the_old_ones_of_this_run_only():
+    """A worker reset (its Reset, or a hello with a new epoch when the Reset was lost) begins new lanes: the
+    plans made from then on say them, and the fused tensors of the old ones are ended (their rounds fail at
+    the anchor). A Reset whose epoch a hello already brought begins none (the hello did); the lanes of another
+    run (plans of our previous run still running) are never ended here."""
+    p = Planner(2, run="r1")
+    p.worker_hello(0, "e1", "d0")
+    p.worker_hello(1, "f1", "d1")
+    first = fused_name(0, 3, "float32", False, "r1.0")
+    assert p.lanes == "r1.0" and not p.ended(first) and not p.ended("a@r1.0")
+    p.worker_gone(1, Why("every training process of worker 1 left", "round_failed"), reset=True, epoch="f2")
+    assert p.lanes == "r1.1" and p.ended(first) and not p.ended(fused_name(0, 3, "float32", False, "r1.1"))
+    p.worker_gone(0, Why("worker 0 disconnected", "connection"), reset=False)  # a drop: the processes live on
+    p.worker_hello(0, "e1", "d0")
+    assert p.lanes == "r1.1"
+    p.worker_hello(0, "e2", "d0")  # its Reset lost with the connection: the hello says the new epoch
+    assert p.lanes == "r1.2"
+    p.worker_gone(0, Why("every training process of worker 0 left", "round_failed"), reset=True, epoch="e2")
+    assert p.lanes == "r1.2"  # (the hello began them)
+    for name in (fused_name(0, 3, "float32", False, "r0.0"), fused_name(0, 3, "float32", False, "r10.1")):
+        assert not p.ended(name)  # another run's
+    p.report(0, ["a"], [F32])
+    p.report(1, ["a"], [F32])
+    ((seq, _),) = p.take_plans()
+    assert p.sent_since(seq, 0) == [(seq, ["a"], "r1.2")]

@@ -12,12 +12,14 @@ pairs two steps, every step of every process ends exactly once, nothing waits fo
 the planner or the workers at the end, and both workers took the same lane numbers. Found the queued-report
 give-up of 45fbf5e (126 of 2,000 seeds). Modes: ``base`` (one process a worker), ``local2`` (two processes
 on worker 0, one of which may leave; rounds waiting for it then fail as overdue), ``restart`` (the anchor
-server dies and a new run of it starts: 2 of seeds 0-999 still fail, 208 and 589: a plan a worker gave up
-in full is not told to the new run in FuseRunning, so a peer that lost it in the crash numbers that lane
-one round less; not in the suite until it passes), ``reset`` and ``resetonly`` (every process of a worker
+server dies and a new run of it starts: a plan a worker gave up in full is not told to the new run in
+FuseRunning, so a peer that lost it in the crash numbers that lane one round less; each run plans on lanes
+of its own (FusePlan.lanes), so only the last run's lanes are compared at the end, see STRICT_LANES; not in
+the suite yet), ``reset`` and ``resetonly`` (every process of a worker
 leaves, its daemon resets as ``bps_worker/daemon.py`` does, and new processes rejoin at the peer's step; the
-data rounds then go through the real ``bps_server.rounds.RoundTable``: NOT yet passing either, see the closing
-note of session 15, and the switches below).
+data rounds then go through the real ``bps_server.rounds.RoundTable``, the anchor refusing fused tensors of
+lane generations a reset ended; resetonly passes seeds 0-199, reset fails 2 of them: a failed round left in
+the planner, see the closing note of session 16; not in the suite yet).
 Run more seeds with ``python tests/pure/test_fusion_sim.py MODE A B [trace]``. Environment switches emulate
 a candidate fix (in the reset modes): SWEEP_LAST=1 (the sweep only when nothing else can happen).
 """
@@ -39,13 +41,14 @@ import bps_worker.fused_driver as fd
 from bps_server import rounds as srounds
 from bps_server.fusion import Planner
 from protocol.messages import (Failure, FuseAbort, FuseFailed, FusePast, FusePlan, FuseReady, FuseResync,
-                               FuseRunning, Push, Reset, Why)
+                               FuseRunning, Push, Reset, Why, fused_lanes, fused_name)
 
 F32 = ("float32", (4,), False, "")
 NAMES = ["a", "b"]
 PARAMS = [dict(), dict(p_break=0.15, nsteps=10), dict(p_break=0.03, p_failname=0.1, nsteps=12),
           dict(p_break=0.3, p_giveup=1.0, p_lose=0.9, nsteps=6)]
 SWEEP_LAST = bool(os.environ.get("SWEEP_LAST"))  # the round table's sweep only when nothing else can happen
+STRICT_LANES = bool(os.environ.get("STRICT_LANES"))  # the end check compares the lanes of every run, not the last's
 
 
 class Violation(Exception):
@@ -89,9 +92,11 @@ class FakeOp:
         else:
             self.server_round = self.round + base
             sim.log(f"w{self.w} PUSH {self.key} local {self.round} -> server round {self.server_round}")
+            if sim.p.ended(self.key):  # as connection.on_push
+                sim.log(f"  refused: its lanes ended"); self.fut.set_result(False)
             push = Push(req=0, name=self.key, part=0, round=self.server_round, worker=self.w, dtype="float32",
                         shape=[4], offset=0, count=4)
-            sim.t_do(sim.table.push(push, np.zeros(4, np.float32), self, 0.0))
+            if not self.fut.done(): sim.t_do(sim.table.push(push, np.zeros(4, np.float32), self, 0.0))
             ok = await self.fut
         for fr in self.members:
             for e in fr.members():
@@ -134,10 +139,9 @@ class Sim:
         self.pending = []
         self.table = srounds.RoundTable(2, connected=lambda w: w in self.links)
         self.srv_epoch = {}
-        self.queries = []  # (w, key, local_round, future)
         self.offsets = {}
         self.resets = 0; self.max_resets = 3
-        self.p = Planner(2)
+        self.p = Planner(2, run="run-1")
         self.links = {}  # server: worker -> conn
         self.plans_due = False
         self.steps = [self.rng.choice([["a"], ["b"], ["a", "b"], ["b", "a"]]) for _ in range(nsteps)]
@@ -158,6 +162,8 @@ class Sim:
                 offset = await base
             except asyncio.CancelledError:
                 sim.log(f"w{w} abort data {key}#{local_round}: base query cancelled (reset)"); return
+            if sim.p.ended(key):  # as connection.on_abort
+                sim.log(f"w{w} abort data {key}#{local_round}: lanes ended, ignored"); return
             sim.log(f"w{w} abort data {key}#{local_round} -> server round {local_round + offset}")
             sim.t_do(sim.table.abort(key, 0, local_round + offset, w, reason))
         numbers = types.SimpleNamespace(next=Counter(), total=Counter())
@@ -172,7 +178,7 @@ class Sim:
             config=types.SimpleNamespace(local_size=self.local[w], worker_id=w, cluster=types.SimpleNamespace(timeout=10.0)),
             rank_offset=w, worker_id=w, links={0: link}, sessions={},
             placement=types.SimpleNamespace(server_ids=[0], anchor=lambda n: 0,
-                                            fused_key=lambda sid, lane, dtype, avg: f"L{lane}"),
+                                            fused_key=fused_name),
             rounds=types.SimpleNamespace(numbers=numbers),
             spawn=lambda coro: asyncio.get_running_loop().create_task(coro),
             round_base=lambda key, r: sim.round_base(w, key, r), round_queries={}, run_tracked=lambda name, coro: coro,
@@ -201,13 +207,9 @@ class Sim:
         pr.outstanding.discard(req)
 
     def round_base(self, w, key, local_round):
-        qs = self.W[w].round_queries
-        q = qs.get(key)
-        if q is None or (q.done() and (q.cancelled() or q.exception() is not None)):
-            q = qs[key] = asyncio.get_running_loop().create_future()
-            self.queries.append((w, key, local_round, q))
-            self.log(f"w{w} RoundQuery {key} (asked with local round {local_round}, epoch {self.W[w].link.epoch})")
-        return q
+        known = asyncio.get_running_loop().create_future()  # a fused tensor's: 0 (as WorkerDaemon.round_base)
+        known.set_result(0)
+        return known
 
     def deliver(self, w, m):
         fs = self.W[w]
@@ -261,9 +263,14 @@ class Sim:
         if conn.worker_closed: self.log(f"  s->w{w} LOST {m!r:.90}"); return
         conn.s2w.append(m)
 
-    def plan_msg(self, w, seq, names, resent=""):  # as server.py and connection.py build it
+    def plan_msg(self, w, seq, names, resent="", lanes=None):  # as server.py and connection.py build it
         groups, group = self.p.groups(names)
-        return FusePlan(seq, names, resent, groups, group, self.p.epoch(w))
+        return FusePlan(seq, names, resent, groups, group, self.p.epoch(w), self.p.lanes if lanes is None else lanes)
+
+    def lanes_ended(self, before):  # as server.lanes_ended, where a hello or a Reset began new lanes
+        if self.p.lanes != before:
+            self.log(f"S lanes {before} ended, now {self.p.lanes}")
+            self.t_do(self.table.fail_ended(self.p.ended, srounds.Why("lanes ended")))
 
     def fused(self, failures):
         for f in failures:
@@ -271,7 +278,7 @@ class Sim:
         for r in self.p.take_resends():
             self.log(f"S resend plan {r.seq} {r.names} to w{r.worker}")
             if r.worker in self.links:
-                self.s_send(r.worker, self.plan_msg(r.worker, r.seq, r.names, r.how))
+                self.s_send(r.worker, self.plan_msg(r.worker, r.seq, r.names, r.how, r.lanes))
         if self.p.ready and not self.plans_due:
             self.plans_due = True
 
@@ -297,19 +304,21 @@ class Sim:
             if m.next_plan >= 0:
                 plans = p.sent_since(m.next_plan, w)
                 if plans is None: raise_v(self, "plans no longer kept")
-                for seq, names in plans or ():
-                    self.s_send(w, self.plan_msg(w, seq, names, "lost"))
+                for seq, names, lanes in plans or ():
+                    self.s_send(w, self.plan_msg(w, seq, names, "lost", lanes))
             self.fused(p.resync(w, m.names, m.counts, Why("lost with the connection", "connection"), m.rounds))
         elif isinstance(m, FuseRunning):
-            p.running(w, m.seq, m.names, m.counts, m.rounds)
+            p.running(w, m.seq, m.names, m.counts, m.rounds, m.lanes)
             self.fused([])
         elif isinstance(m, FusePast):
             self.fused(p.past(w, m.names, m.rounds, m.counts))
         elif isinstance(m, Reset):
             self.t_do(self.table.worker_reset(m.worker, m.epoch))
             self.srv_epoch[w] = m.epoch
+            before = p.lanes
             self.fused(p.worker_gone(w, Why(f"every training process of worker {w} left", "round_failed"), reset=True,
                                      epoch=m.epoch))  # as connection.on_reset
+            self.lanes_ended(before)
         else:
             raise AssertionError(m)
 
@@ -325,9 +334,11 @@ class Sim:
             if old.w2s: self.log(f"  lost at server close: {old.w2s!r:.160}")
             old.w2s = []
             self.fused_drop(w)
+        before = self.p.lanes
         self.p.worker_hello(w, link.epoch, f"d{w}")
         for a in self.table.worker_hello(w, link.epoch):
             self.log(f"  T {a}")
+        self.lanes_ended(before)
         self.srv_epoch[w] = link.epoch
         conn.epoch = link.epoch
         cur = f"run-{self.inc}"
@@ -365,7 +376,7 @@ class Sim:
             conn.w2s = []
         self.links = {}
         self.inc += 1
-        self.p = Planner(2)
+        self.p = Planner(2, run=f"run-{self.inc}")
         self.plans_due = False
 
     def proc_active(self, pr):
@@ -404,11 +415,6 @@ class Sim:
             ev.append(("plans", None))
         if self.p_restart and not final:
             ev.append(("crash", None))
-        for i, (w, key, lr, q) in enumerate(self.queries):
-            link = self.W[w].link
-            if q.done() or (link.up and w in self.links and self.links[w] is link.conn and not link.conn.w2s
-                            and self.srv_epoch.get(w) == link.epoch):
-                ev.append(("query", i))
         if self.p_reset and any(st.busy and any(x not in self.links or x in self.table._reset for x in self.table.waiting_for(st))
                                 for st in self.table.keys.values()):
             ev.append(("sweep", None))
@@ -477,13 +483,6 @@ class Sim:
             self.fused_drop(x)
         elif kind == "plans":
             self.send_plans()
-        elif kind == "query":
-            w, key, lr, q = self.queries.pop(x)
-            if q.done():
-                self.log(f"w{w} RoundQuery {key} dropped (cancelled)"); return
-            sr = self.table.round_for(key, 0, w)
-            self.log(f"S RoundInfo w{w} {key}: server round {sr} for local {lr} (rejoining={w in self.table._rejoining}) -> base {sr - lr}")
-            q.set_result(self.W[w].numbers_learn(key, lr, sr) if hasattr(self.W[w], 'numbers_learn') else sr - lr)
         elif kind == "sweep":
             self.log(f"S SWEEP (lost_grace_s passed)")
             self.counts["sweep"] += 1
@@ -574,7 +573,12 @@ class Sim:
         busy = [(k, st.round, sorted(st.waiters)) for k, st in self.table.keys.items() if st.waiters and st.failed is None]
         if busy: self.violations.append(f"data rounds left waiting {busy}")
         if not self.p_reset:
-            n0, n1 = (+self.W[0].numbers.total, +self.W[1].numbers.total)
+            # The lanes of the anchor's current run: no later plan uses a previous run's (nothing runs now,
+            # so none is told in FuseRunning), whose numbers may differ where a plan given up in full was lost
+            # in a crash (see the module docstring). STRICT_LANES=1: every run's.
+            run = f"run-{self.inc}"
+            def live(numbers): return Counter({k: v for k, v in numbers.items() if STRICT_LANES or fused_lanes(k).rpartition(".")[0] == run})
+            n0, n1 = (+live(self.W[0].numbers.total), +live(self.W[1].numbers.total))
             if n0 != n1: self.violations.append(f"lane numbers differ {dict(n0)} vs {dict(n1)}")
 
 def run_seed(seed: int, patch: Any, mode: str = "base") -> Sim:

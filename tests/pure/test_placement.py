@@ -21,6 +21,7 @@ from bps_worker.placement import (
     theorem1_shares,
 )
 from protocol.config import ClusterConfig, parse_config
+from protocol.messages import fused_lanes
 
 MiB = 1024 * 1024
 
@@ -467,8 +468,9 @@ def test_streams_in_proportion_to_the_shares(k, cpu_streams):
 def test_a_fused_tensor_lives_whole_on_the_server_that_planned_it(one_host):
     p = Placement(make_config(4, 2, partition_bytes=MiB, one_host=one_host))
     for sid in p.server_ids:
-        key = p.fused_key(sid, 3, "float16", True)
-        assert key == f"\x00fused/{sid}/3/float16/avg" and p.fused_key(sid, 3, "float16", True) == key
+        key = p.fused_key(sid, 3, "float16", True, "run.2")
+        assert key == f"\x00fused/{sid}/3/float16/avg@run.2" and p.fused_key(sid, 3, "float16", True, "run.2") == key
+        assert fused_lanes(key) == "run.2" and fused_lanes("weights@run.2") is None
         assert p.server_ids[p.anchor(key)] == sid
         for count in (1, 1000, 3 * MiB // 2 + 7):
             pieces = p.split(key, count, 2)
@@ -477,4 +479,4 @@ def test_a_fused_tensor_lives_whole_on_the_server_that_planned_it(one_host):
             assert sum(pc.count for pc in pieces) == count and all(pc.count * 2 <= MiB for pc in pieces)
             assert [pc.offset for pc in pieces] == [sum(x.count for x in pieces[:i]) for i in range(len(pieces))]
             assert {pc.stream for pc in pieces} <= set(range(p.streams(sid)))
-    assert p.fused_key(p.server_ids[0], 0, "int32", False).endswith("/0/int32")
+    assert p.fused_key(p.server_ids[0], 0, "int32", False, "").endswith("/0/int32@")

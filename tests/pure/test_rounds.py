@@ -380,3 +380,15 @@ def test_each_accepted_push_has_its_lag_behind_the_rounds_first_push():
     assert table.lag is None  # refused (a duplicate push of round 0, or a mismatch): no lag
     table.push(_push(0, rnd=1, name="u"), _data(), "f", now=14.0)
     assert table.lag == 0.0  # round 1 of key u abandons round 0 and opens with this push
+
+
+def test_fail_ended_fails_the_open_rounds_of_the_names_it_is_told_of_every_part_and_no_other():
+    """The anchor ends a lane generation (bps_server.fusion): the open rounds of its fused tensors fail, every
+    part of them; other keys' rounds, and keys with nothing pushed, are untouched."""
+    table: RoundTable[str] = RoundTable(2)
+    for name, part in (("old", 0), ("old", 1), ("new", 0)):
+        table.push(_push(0, name=name, part=part), _data(), f"{name}{part}", 0.0)
+    table.abort("idle", 0, 0, 0, "given up")  # a failed round: not failed again
+    actions = table.fail_ended(lambda name: name in ("old", "idle"), Why("lanes ended"))
+    assert _fails(actions) == {"old0": "lanes ended", "old1": "lanes ended"}
+    assert table.keys[("new", 0)].busy and not table.keys[("old", 0)].busy
