@@ -168,3 +168,47 @@ def paths_differ(bad_ranks: list[int], bad_large: bool) -> dict[str, Any]:
         wrong += int(not (bps.synchronize(h, timeout=60) == size * i).all())
     again = bps.push_pull(np.ones(small, np.float32), "pd", average=False)
     return {"error": error, "wrong": wrong, "again": again.tolist()}
+
+
+def reset_loop(role: str, n: int, steps: int, kill_after: int, max_seconds: float) -> dict[str, Any]:
+    """Two ranks, one per machine, ``n`` small sums a step, all fused. Rank r pushes ``base(r, i) + step`` for
+    name i, so each side reads, per name, which step of the other it was summed with (NaN: elements of two
+    different steps in one result, a wrong sum).
+
+    healthy: steps on through errors until every name has been summed with a restarted partner's steps 0 ..
+    ``steps`` - 1 (the partner's step going back marks the restart); victim: ``kill_after`` clean steps, then
+    half of the next step's names issued and SIGKILL at once (its machine's processes are all gone: a reset); new: the
+    victim's machine's process started again, ``steps`` steps."""
+    rank = bps.rank()
+    bases = [np.random.default_rng(700 + r).integers(-1000, 1000, (n, 3)).astype(np.float64) for r in range(2)]
+    both = bases[0] + bases[1]
+    seen: list[list[float]] = [[] for _ in range(n)]  # per name: the partner's steps summed with ours
+    restarted = [-1] * n  # per name: the index in seen of the restarted partner's first step
+    errors: list[str] = []
+    deadline = time.monotonic() + max_seconds
+    step = 0
+    while time.monotonic() < deadline:
+        if role == "victim" and step == kill_after:
+            for i in range(n // 2):
+                bps.push_pull_async(bases[rank][i] + step, f"rl.{i}", average=False)
+            os.kill(os.getpid(), signal.SIGKILL)  # at once: the plans of those names may come after the reset
+        handles = [bps.push_pull_async(bases[rank][i] + step, f"rl.{i}", average=False) for i in range(n)]
+        for i, h in enumerate(handles):
+            try:
+                y = bps.synchronize(h, timeout=60)
+            except bps.BPSError as exc:
+                errors.append(f"step {step} rl.{i}: {exc}")
+                continue
+            other = y - both[i] - step
+            seen[i].append(float(other[0]) if (other == other[0]).all() else float("nan"))
+            if restarted[i] < 0 and len(seen[i]) > 1 and not seen[i][-1] > seen[i][-2]:
+                restarted[i] = len(seen[i]) - 1
+        step += 1
+        if role == "new" and step == steps:
+            break
+        if role == "healthy" and all(r >= 0 and len(s) - r >= steps for r, s in zip(restarted, seen)):
+            break
+        if errors and role == "healthy":
+            time.sleep(0.05)
+    return {"seen": seen, "restarted": restarted, "errors": errors[:3], "error_count": len(errors),
+            "steps": step}
