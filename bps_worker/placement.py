@@ -19,7 +19,8 @@ all the sums, never both at once (measured on emulated links: 2x the optimal tim
 ``benchmarks/RESULTS.md``). Where the servers are on several hosts (the network is the limit) the ranges
 are cut finer, into at least ``NETWORK_PIPELINE_DEPTH`` partitions per stream (below) of at least
 ``NETWORK_MIN_PIPELINE_BYTES``, and, where the cluster file gives the links' rate, of at least
-``PIECE_LINK_TIME_S`` of it (fewer and larger pieces where links are fast: a piece costs CPU whatever
+``PIECE_LINK_TIME_S`` of it but no fewer than ``NETWORK_MIN_DEPTH`` per stream, and of at least
+``PIECE_MIN_LINK_TIME_S`` of it (fewer and larger pieces where links are fast: a piece costs CPU whatever
 its size): the worker's links pace their pushes by a window of a few partitions
 (``bps_worker.window``), so that every worker's flow into a server progresses at the same pace, and that
 needs many partitions per range. On one host (every server at the same address: a demo or a test, where
@@ -72,11 +73,15 @@ MIN_PIPELINE_BYTES = 256 * 1024
 # Servers on several hosts: finer (measured on emulated links, benchmarks/RESULTS.md).
 NETWORK_PIPELINE_DEPTH = 32  # per stream
 NETWORK_MIN_PIPELINE_BYTES = 32 * 1024
-# Where the cluster file gives the link rate (cluster.link_rate), no piece carries less than this much of
-# the link's time: a piece costs the daemons about 150 us of CPU whatever its size, so at 10 Gbit/s the
-# depth above made them CPU-bound (measured on emulated links, benchmarks/RESULTS.md); at 1 Gbit/s and
-# below the depth's pieces are larger than this anyway.
-PIECE_LINK_TIME_S = 0.5e-3
+# Where the cluster file gives the link rate (cluster.link_rate), no piece carries less than
+# PIECE_LINK_TIME_S of the link's time, unless that would leave a stream fewer than NETWORK_MIN_DEPTH pieces
+# of a range; and never less than PIECE_MIN_LINK_TIME_S. A piece costs the daemons 100-200 us of CPU
+# whatever its size: at 1 Gbit/s the depth's pieces (1 ms of the link) made them CPU-bound, and at 10 Gbit/s
+# pieces of 0.5 ms were the best measured; at 200 Mbit/s and below the depth's pieces are larger than either
+# (measured on emulated links, benchmarks/RESULTS.md).
+PIECE_LINK_TIME_S = 2e-3
+NETWORK_MIN_DEPTH = 8  # per stream
+PIECE_MIN_LINK_TIME_S = 0.5e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +162,9 @@ class Placement:
         else:
             self.depth, self.min_bytes = NETWORK_PIPELINE_DEPTH, NETWORK_MIN_PIPELINE_BYTES
         # The least bytes of a piece for the link's rate (0: rate not given, or one host).
-        self.rate_bytes = 0 if config.one_host else int(config.link_bits_per_s / 8 * PIECE_LINK_TIME_S)
+        link_bytes_per_s = 0 if config.one_host else config.link_bits_per_s / 8
+        self.rate_bytes = int(link_bytes_per_s * PIECE_LINK_TIME_S)
+        self.min_rate_bytes = int(link_bytes_per_s * PIECE_MIN_LINK_TIME_S)
         shares = server_shares(config)
         self.server_ids = [s.id for s in config.servers]
         self.shares = [shares[sid] for sid in self.server_ids]
@@ -233,8 +240,9 @@ class Placement:
                 pieces.append(Piece(0, self.server_ids[idx], offset, 0))
                 continue
             streams = self._streams[self.server_ids[idx]]
-            per_part = min(largest, max(smallest, -(-remaining // (self.depth * streams)),
-                                        self.rate_bytes // itemsize))
+            by_rate = max(self.min_rate_bytes // itemsize,
+                          min(self.rate_bytes // itemsize, -(-remaining // (NETWORK_MIN_DEPTH * streams))))
+            per_part = min(largest, max(smallest, -(-remaining // (self.depth * streams)), by_rate))
             for turn, take in enumerate(self._sizes(remaining, per_part, smallest, streams)):
                 pieces.append(Piece(len(pieces), self.server_ids[idx], offset, take, turn % streams))
                 offset += take

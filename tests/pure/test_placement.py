@@ -9,10 +9,12 @@ from fractions import Fraction
 import pytest
 
 from bps_worker.placement import (
-    PIECE_LINK_TIME_S,
     MIN_PIPELINE_BYTES,
+    NETWORK_MIN_DEPTH,
     NETWORK_MIN_PIPELINE_BYTES,
     NETWORK_PIPELINE_DEPTH,
+    PIECE_LINK_TIME_S,
+    PIECE_MIN_LINK_TIME_S,
     PIPELINE_DEPTH,
     Piece,
     Placement,
@@ -296,21 +298,29 @@ def test_network_ranges_ramp_up_and_down():
 
 def test_fast_links_get_fewer_larger_pieces():
     """With the links' rate in the cluster file, no piece carries less than PIECE_LINK_TIME_S of it (ramp
-    pieces a quarter and a half of that); slower links keep the depth's pieces, one host ignores the rate."""
-    assert PIECE_LINK_TIME_S == 0.5e-3
+    pieces a quarter and a half of that), unless a stream would get fewer than NETWORK_MIN_DEPTH pieces of a
+    range, and none less than PIECE_MIN_LINK_TIME_S; slower links keep the depth's pieces, one host ignores
+    the rate."""
+    assert (PIECE_LINK_TIME_S, NETWORK_MIN_DEPTH, PIECE_MIN_LINK_TIME_S) == (2e-3, 8, 0.5e-3)
     count = 16 * MiB // 4  # 4 MiB a server at n = 4, k = 0
     by_count = check_pieces(Placement(make_config(4, 0, one_host=False)), "big", count, 4)
-    for rate in ("200mbit", "1gbit"):  # the depth's pieces are larger than the floor already
-        assert check_pieces(Placement(make_config(4, 0, one_host=False, link_rate=rate)), "big", count, 4) == by_count
-    fast = check_pieces(Placement(make_config(4, 0, one_host=False, link_rate="10gbit")), "big", count, 4)
-    floor = 10e9 / 8 * PIECE_LINK_TIME_S  # 625 kB
-    for sid in range(4):
-        sizes = [p.count * 4 for p in fast if p.server == sid]
-        assert len(sizes) == 10 < len([p for p in by_count if p.server == sid]) / 3, sizes
-        assert all(0.8 * floor <= size <= 4 * MiB for size in sizes[2:-2]), sizes  # the floor, evened out
+    # 200 Mbit/s: the depth's pieces (128 KiB) are larger than the floor (50 kB) already
+    assert check_pieces(Placement(make_config(4, 0, one_host=False, link_rate="200mbit")), "big", count, 4) == by_count
+
+    def sizes_of(rate: str) -> list[list[int]]:
+        pieces = check_pieces(Placement(make_config(4, 0, one_host=False, link_rate=rate)), "big", count, 4)
+        return [[p.count * 4 for p in pieces if p.server == sid] for sid in range(4)]
+
+    floor = 1e9 / 8 * PIECE_LINK_TIME_S  # 1 Gbit/s: 250 kB, 16 pieces of a 4 MiB range
+    for sizes in sizes_of("1gbit"):
+        assert len(sizes) == 20 < len(by_count) / 4, sizes
+        assert all(0.9 * floor <= size <= floor for size in sizes[2:-2]), sizes  # the floor, evened out
         assert sizes[:2] == sizes[-2:][::-1] and abs(sizes[0] - floor / 4) < 4, sizes  # the ramp, from the floor
-    fastest = check_pieces(Placement(make_config(4, 0, one_host=False, link_rate="400gbit")), "big", count, 4)
-    assert max(p.count * 4 for p in fastest) == 4 * MiB  # never over partition_bytes
+    least = 10e9 / 8 * PIECE_MIN_LINK_TIME_S  # 10 Gbit/s: 2 ms would leave 2 pieces, the depth 512 KiB ones
+    for sizes in sizes_of("10gbit"):
+        assert len(sizes) == 10 and all(0.8 * least <= size <= 4 * MiB for size in sizes[2:-2]), sizes
+        assert abs(sizes[0] - least / 4) < 4, sizes
+    assert max(max(sizes) for sizes in sizes_of("400gbit")) == 4 * MiB  # never over partition_bytes
     one_host = check_pieces(Placement(make_config(4, 0, link_rate="10gbit")), "big", count, 4)
     assert one_host == check_pieces(Placement(make_config(4, 0)), "big", count, 4)
 
