@@ -12,12 +12,12 @@ from harness import daemon_logs, restart_mid_run, run_ranks, server_stats, start
 ROUNDS = 100
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("victim,hosts", [("server-2", False), ("server-0", False), ("server-2", True)],
-                         ids=["cpu-only-tcp", "colocated-shm", "cpu-only-2-streams"])
-def test_server_killed_and_restarted_mid_training(tmp_path, victim, hosts):
-    """``hosts``: servers at 127.0.0.1/2/3, so each worker has two connections (streams) to the CPU-only one,
-    and each must replay and push again on its own."""
+ATTEMPTS = 3
+
+
+def _run_once(tmp_path, victim: str, hosts: bool) -> list[int]:
+    """One job through a kill and restart of ``victim``, every sum checked; the partitions each worker's link
+    pushed again to the new server (from its log)."""
     path = write_config(tmp_path, [2, 2], cluster={"partition_bytes": 256 * 1024, "timeout": 15.0},
                         separate_hosts=hosts)
     cluster = start_cluster(path)
@@ -38,9 +38,26 @@ def test_server_killed_and_restarted_mid_training(tmp_path, victim, hosts):
     sid = int(victim.split("-")[1])
     completed = stats[sid]["rounds_completed"]
     assert 0 < completed, stats[sid]
-    # Every worker met the new server with pushes in flight (it was frozen first) and pushed them again.
+    assert results[0]["seconds"] > 2.0
     again = [int(n) for n in re.findall(r"restarted \(its state is lost\): replaying \d+ finished sums, pushing "
                                         r"(\d+) partitions again", logs)]
-    links = 4 if hosts else 2  # per worker: one per stream
-    assert len(again) == links and sum(n > 0 for n in again) >= 2, logs
-    assert results[0]["seconds"] > 2.0
+    assert len(again) == (4 if hosts else 2), logs  # per worker: one per stream
+    return again
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("victim,hosts", [("server-2", False), ("server-0", False), ("server-2", True)],
+                         ids=["cpu-only-tcp", "colocated-shm", "cpu-only-2-streams"])
+def test_server_killed_and_restarted_mid_training(tmp_path, victim, hosts):
+    """``hosts``: servers at 127.0.0.1/2/3, so each worker has two connections (streams) to the CPU-only one,
+    and each must replay and push again on its own.
+
+    Every run must be exact. The case this test is for, every worker meeting the new server with pushes in
+    flight (the victim is frozen first) and pushing them again, is what a run usually gives; under a busy loop
+    the freeze once found nothing in flight at the victim ("pushing 0 partitions again" on both workers), so the
+    job runs again, up to ATTEMPTS times, until a run covers it."""
+    for attempt in range(ATTEMPTS):
+        again = _run_once(tmp_path / f"run{attempt}", victim, hosts)
+        if sum(n > 0 for n in again) >= 2:
+            return
+    raise AssertionError(f"in {ATTEMPTS} runs no two links pushed partitions again after the restart: {again}")
