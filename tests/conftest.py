@@ -30,11 +30,15 @@ def private_network_possible() -> bool:
 _NETWORKS: dict[str, int] = {}  # "host" and "own": descriptors of this worker's two network namespaces
 
 
-def _setns(fd: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, CLONE_NEWNET) != 0:
+def _libc(call: str, *args: int) -> None:
+    """libc's ``call`` (unshare or setns: Python 3.11 has neither), an OSError naming it where it fails."""
+    if getattr(ctypes.CDLL(None, use_errno=True), call)(*args) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"setns(CLONE_NEWNET): {os.strerror(err)}")
+        raise OSError(err, f"{call}(CLONE_NEWNET) for a test worker's own network: {os.strerror(err)}")
+
+
+def _setns(fd: int) -> None:
+    _libc("setns", fd, CLONE_NEWNET)
 
 
 def enter_private_network() -> None:
@@ -44,13 +48,11 @@ def enter_private_network() -> None:
     With ``pytest -n`` (``make test``) each xdist worker runs one test file at a time, and its daemons, ranks
     and the ports they take are in that worker's namespace: a port that ``free_ports`` found free and released
     cannot be taken by another file's daemons before this file's daemon binds it (on one shared loopback, two
-    files starting clusters at once can meet on a port: ``bind(0)`` picks ports at random). Processes it starts inherit the namespace;
-    ``ip netns`` namespaces the emulator makes are named by pid and stay reachable."""
+    files starting clusters at once can meet on a port: ``bind(0)`` picks ports at random). Processes it
+    starts inherit the namespace; ``ip netns`` namespaces the emulator makes are named by pid and stay
+    reachable."""
     _NETWORKS["host"] = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"unshare(CLONE_NEWNET) for a test worker's own loopback: {os.strerror(err)}")
+    _libc("unshare", CLONE_NEWNET)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         request = struct.pack("16sH", b"lo", 0)
         flags = struct.unpack("16sH", fcntl.ioctl(s, SIOCGIFFLAGS, request)[:18])[1]
