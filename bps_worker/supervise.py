@@ -17,6 +17,9 @@ Theory of operation:
 - :meth:`Supervisor.stop` sends SIGTERM layer by layer -- training processes, then worker daemons, then
   servers -- waiting for each layer before the next, so that each drains into the next (a worker tells
   the servers that its jobs ended before they stop), and SIGKILL after a grace period.
+- ``forkserver``: daemons it serves (``python -m bps_server|bps_worker``, no prefix) are forked from its
+  helper, which imported them once, instead of started with ``exec`` (see ``bps_worker.forkserver``): the
+  tests' clusters (:attr:`Cluster.default_forkserver`), where start-up was most of the suite's CPU.
 - ``interrupted``: a callable the launcher passes to learn of Ctrl-C from its own flag (see
   ``bps_worker.launch``); both waits check it and raise :class:`KeyboardInterrupt`. Without it a Ctrl-C is
   Python's ordinary ``KeyboardInterrupt``.
@@ -33,12 +36,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Final, Mapping, Sequence
+from typing import IO, Any, Callable, ClassVar, Final, Mapping, Sequence
 
 from protocol.config import ClusterConfig, load_config
 
 from . import sockdir
 from .cluster_file import free_ports
+from .forkserver import ForkedProcess, Forkserver
 
 __all__ = ["READY_TIMEOUT_S", "STOP_GRACE_S", "Child", "Cluster", "DaemonCommand", "Ending", "LaunchError",
            "Supervisor", "daemon_argv", "judge", "stop_in_layers"]
@@ -72,7 +76,7 @@ class Child:
     """A process started for a cluster: a daemon (``server-N`` / ``worker-N``) or a training process."""
 
     label: str
-    proc: subprocess.Popen[Any]
+    proc: subprocess.Popen[Any] | ForkedProcess
     daemon: bool
     where: str = ""
     command: DaemonCommand | None = field(default=None, repr=False)  # how to start it again (daemons)
@@ -116,7 +120,7 @@ def judge(ranks: Sequence[tuple[Child, int | None]], dead_daemon: Child | None, 
     return None
 
 
-def stop_in_layers(layers: list[list[subprocess.Popen[Any]]], grace_s: float = STOP_GRACE_S) -> None:
+def stop_in_layers(layers: list[list[subprocess.Popen[Any] | ForkedProcess]], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM each layer of processes and wait for it (SIGKILL after ``grace_s``) before the next."""
     for group in layers:
         for proc in group:
@@ -145,7 +149,9 @@ class Supervisor:
 
     def __init__(self, notify_dir: str | Path, *, env: Mapping[str, str] | None = None,
                  log_dir: str | Path | None = None, ready_timeout_s: float = READY_TIMEOUT_S,
-                 grace_s: float = STOP_GRACE_S, interrupted: Callable[[], bool] | None = None) -> None:
+                 grace_s: float = STOP_GRACE_S, interrupted: Callable[[], bool] | None = None,
+                 forkserver: Forkserver | None = None) -> None:
+        self.forkserver = forkserver
         self.notify_dir = Path(notify_dir)
         self.env = dict(env) if env is not None else None  # None: ours as it is at each start
         self.log_dir = Path(log_dir) if log_dir else None
@@ -172,8 +178,12 @@ class Supervisor:
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"{command.label}.log", "ab")
+        proc: subprocess.Popen[Any] | ForkedProcess
         try:
-            proc = subprocess.Popen([*command.prefix, *command.argv], env=env, stdout=out, stderr=out)
+            if self.forkserver is not None and self.forkserver.serves(command.argv, command.prefix):
+                proc = self.forkserver.spawn(command.argv, env, None if out is None else out.fileno())
+            else:
+                proc = subprocess.Popen([*command.prefix, *command.argv], env=env, stdout=out, stderr=out)
         finally:
             if out is not None:
                 out.close()
@@ -267,11 +277,14 @@ class Supervisor:
 class Cluster:
     """The daemons of one cluster file, all on this box; a context manager that always stops them.
 
-    Daemons run as ``python -m bps_server`` / ``python -m bps_worker``. Each worker's socket is where the
+    Daemons run as ``python -m bps_server`` / ``python -m bps_worker`` (forked from
+    :attr:`default_forkserver` where one is set, as in the tests). Each worker's socket is where the
     file says when that directory exists and is ours alone; else in this cluster's private run directory
     (:func:`bps_worker.sockdir.launch_socket_path`; ``moved`` says which and why). ``timeline_dir``: every
     daemon writes ``DIR/<label>.json``, every rank ``DIR/rank<N>.json``. ``interrupted``: see the module.
     """
+
+    default_forkserver: ClassVar[Forkserver | None] = None  # set by the tests (conftest.py): see the module
 
     def __init__(self, config_path: str, *, log_level: str = "warning", log_dir: str | None = None,
                  python: str = sys.executable, timeline_dir: str | None = None,
@@ -289,7 +302,8 @@ class Cluster:
             self.sockets[spec.id], problem = sockdir.launch_socket_path(spec.socket, self._tmp.name, spec.id)
             if problem is not None:
                 self.moved[spec.id] = problem
-        self.supervisor = Supervisor(self._tmp.name, log_dir=log_dir, interrupted=interrupted)
+        self.supervisor = Supervisor(self._tmp.name, log_dir=log_dir, interrupted=interrupted,
+                                     forkserver=self.default_forkserver)
         self._rendezvous_port: int | None = None  # torch.distributed's, chosen when the first rank needs it
 
     @property

@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 import pytest
 
+from bps_worker.forkserver import Forkserver
 from bps_worker.supervise import Cluster
 from harness import start_cluster, write_config
 
@@ -89,8 +90,20 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """An xdist worker's own network; then the daemons of every ``Cluster`` of this process are forked from
+    one preloaded helper (``bps_worker.forkserver``): a daemon's start was about 1.1 CPU-s, most of it numba's
+    import and the kernels' load, over 600 times a suite (60% of its CPU). Started at the first cluster, so
+    in the worker's network. The tests that are about the daemons' command line, signals and exit codes
+    (test_cli, test_systemd_notify, test_permissions, ...) start them with ``subprocess`` themselves."""
     if hasattr(config, "workerinput"):  # an xdist worker
         enter_private_network()
+    Cluster.default_forkserver = Forkserver()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if Cluster.default_forkserver is not None:
+        Cluster.default_forkserver.close()
+        Cluster.default_forkserver = None
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
