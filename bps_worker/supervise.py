@@ -18,7 +18,7 @@ Theory of operation:
   servers -- waiting for each layer before the next, so that each drains into the next (a worker tells
   the servers that its jobs ended before they stop), and SIGKILL after a grace period.
 - ``forkserver``: daemons it serves (``python -m bps_server|bps_worker``, no prefix) are forked from its
-  helper, which imported them once, instead of started with ``exec`` (see ``bps_worker.forkserver``): the
+  helper, which imported them once, instead of started with ``exec`` (see ``bps_runtime.forkserver``): the
   tests' clusters (:attr:`Cluster.default_forkserver`), where start-up was most of the suite's CPU.
 - ``interrupted``: a callable the launcher passes to learn of Ctrl-C from its own flag (see
   ``bps_worker.launch``); both waits check it and raise :class:`KeyboardInterrupt`. Without it a Ctrl-C is
@@ -42,7 +42,7 @@ from protocol.config import ClusterConfig, load_config
 
 from . import sockdir
 from .cluster_file import free_ports
-from .forkserver import ForkedProcess, Forkserver
+from bps_runtime.forkserver import ForkedProcess, Forkserver
 
 __all__ = ["READY_TIMEOUT_S", "STOP_GRACE_S", "Child", "Cluster", "DaemonCommand", "Ending", "LaunchError",
            "Supervisor", "daemon_argv", "judge", "stop_in_layers"]

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from bps_worker.forkserver import Forkserver
+from bps_runtime.forkserver import Forkserver
 from bps_worker.supervise import Cluster
 from harness import start_cluster, write_config
 
@@ -91,7 +91,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 def pytest_configure(config: pytest.Config) -> None:
     """An xdist worker's own network; then the daemons of every ``Cluster`` of this process are forked from
-    one preloaded helper (``bps_worker.forkserver``): a daemon's start was about 1.1 CPU-s, most of it numba's
+    one preloaded helper (``bps_runtime.forkserver``): a daemon's start was about 1.1 CPU-s, most of it numba's
     import and the kernels' load, over 600 times a suite (60% of its CPU). Started at the first cluster, so
     in the worker's network. The tests that are about the daemons' command line, signals and exit codes
     (test_cli, test_systemd_notify, test_permissions, ...) start them with ``subprocess`` themselves."""

@@ -1,4 +1,4 @@
-"""Daemons forked from the preloaded helper (``bps_worker.forkserver``) behave as daemons started with exec.
+"""Daemons forked from the preloaded helper (``bps_runtime.forkserver``) behave as daemons started with exec.
 
 The suite's clusters use it (conftest.py); these tests pin what a forked daemon must share with an exec'd one:
 its exit status and messages, its signals, its environment and working directory, and that the helper ends
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bps_worker.forkserver import ForkedProcess, Forkserver
+from bps_runtime.forkserver import ForkedProcess, Forkserver
 from bps_worker.supervise import Cluster
 from harness import run_ranks, write_config
 

@@ -8,7 +8,7 @@ a copy of itself for each daemon, which runs the daemon's own ``__main__`` as ``
 
 Theory of operation:
 
-- The helper (``python -m bps_worker.forkserver FD``) is single-threaded: it imports, loads the kernels
+- The helper (``python -m bps_runtime.forkserver FD``) is single-threaded: it imports, loads the kernels
   (:func:`bps_runtime.kernels.warm_up`, which starts no thread) and then only waits on two descriptors, its
   request socket and the wake-up pipe of its ``SIGCHLD`` handler. A fork of it is a clean process.
 - :meth:`Forkserver.spawn` sends one request (``argv`` after the interpreter, the environment, the working
@@ -26,7 +26,7 @@ Theory of operation:
 - What differs from ``exec``: ``/proc/PID/cmdline`` is the helper's (the process name, ``comm``, is set to
   the daemon's, e.g. ``bps-server``); a variable read while importing (numba's ``NUMBA_*``) is the
   helper's environment's; the network namespace is the helper's, so :meth:`Forkserver.serves` answers
-  False for a caller that moved to another one. Callers (:class:`bps_worker.supervise.Supervisor`) start
+  False for a caller that moved to another one. Callers (``bps_worker.supervise.Supervisor``) start
   daemons with ``exec`` for any command it does not serve: another interpreter, a prefix (``ip netns
   exec``), a module other than the daemons'.
 """
@@ -175,7 +175,7 @@ class Forkserver:
         self._close_requests()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
-            self._helper = subprocess.Popen([self.python, "-m", "bps_worker.forkserver", str(theirs.fileno())],
+            self._helper = subprocess.Popen([self.python, "-m", "bps_runtime.forkserver", str(theirs.fileno())],
                                             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         ours.settimeout(START_TIMEOUT_S)
         try:
@@ -203,11 +203,14 @@ class Forkserver:
 # --- the helper ---------------------------------------------------------------------------------------------
 
 def _preload() -> None:
-    """Import what every daemon imports and load every kernel, as a daemon's start does (blas=False)."""
-    import bps_server.main  # noqa: F401
-    import bps_worker.main  # noqa: F401
+    """Import what every daemon imports and load every kernel, as a daemon's start does (blas=False). By name,
+    as ``python -m`` finds them: the runtime depends on neither daemon's code."""
+    import importlib
+
     from bps_runtime import kernels
 
+    for module in DAEMON_MODULES:
+        importlib.import_module(f"{module}.main")
     kernels.warm_up(blas=False)
 
 
