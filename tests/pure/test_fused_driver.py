@@ -571,3 +571,34 @@ async def test_after_a_worker_resets_with_a_plan_half_run_the_next_steps_are_pla
     assert [op.plan for op in lanes.ops] == [0, 0, 1] + [k for k in range(2, 6) for _ in (0, 1)]
     assert lanes.summed == [{k} for k in range(6) if k != 1]  # each round one plan's, on both workers
     assert lanes.failed == (["ended"] if order == "reset_first" else ["connection"])
+
+
+async def test_the_anchor_keeps_no_round_of_an_ended_lane_generation_however_many_resets(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every reset the anchor handles starts a lane generation (see ``bps_server.fusion``), whose fused tensors
+    are new keys of its round table. Worker 1's processes leave and come back 20 times while worker 0 trains on;
+    each step in between is summed on the current generation's lane. The keys of the generations ended are
+    forgotten as they end (``RoundTable.fail_ended``): the table holds the current generation's key alone, where
+    it kept one more key at every reset before (21 at the end)."""
+    lanes, planner, workers = lane_workers(monkeypatch)
+    w0, w1 = workers
+    sizes = []
+    for k in range(21):
+        for w, fs in enumerate(workers):
+            await submit(fs, "a", 100 * w + k)
+            deliver(planner, w, fs)
+        assert planner.take_plans() == [(k, ["a"])]
+        ops = len(lanes.ops)
+        lanes.hand_out(workers, k, ["a"], (planner.epoch(0), planner.epoch(1)), planner.lanes)
+        for op in lanes.ops[ops:]:
+            lanes.push(op)
+        for _ in range(3):
+            await asyncio.sleep(0)  # (the operations end)
+        sizes.append(len(lanes.table.keys))
+        if k < 20:
+            w1.reset()  # as WorkerDaemon._reset: numbering from 0, a new epoch
+            w1.numbers.next.clear()
+            w1.link.epoch = f"e2.{k}"
+            lanes.reset(1, w1.link.epoch)
+    assert lanes.summed == [{k} for k in range(21)] and not lanes.failed  # every step, on fresh lanes
+    assert sizes == [1] * 21 and list(lanes.table.keys) == [(fused_name(0, 0, "float32", False, planner.lanes), 0)]
