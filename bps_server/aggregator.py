@@ -343,6 +343,8 @@ class Aggregator:
     # threads and may wait for the round's lock, while _now runs them all inline when nothing must wait.
     async def _add(self, work: Add) -> None:
         """Add one contribution to its round's accumulator; complete the round after the last."""
+        if not self.table.current(work.token):
+            return  # (an accumulator made for it now would be kept for a key the table may have forgotten)
         s = self._sum_of(work.token)
         async with s.lock:
             for kernel in self._add_steps(s, work):

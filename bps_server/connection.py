@@ -313,11 +313,11 @@ class ServerConnection(AdmittedProtocol):
             raise RemoteProtocolError(f"worker {self.worker} sent a reset for worker {reset.worker}")
         failed = self.server.aggregator.worker_reset(reset.worker, reset.epoch)
         self.server.values.reset(reset.worker)
-        lanes = self.server.fusion.lanes
+        endings = self.server.fusion.endings
         self.server.fused(self.server.fusion.worker_gone(reset.worker, Why(
             f"every training process of worker {reset.worker} left", "round_failed"), reset=True,
             epoch=reset.epoch))
-        if self.server.fusion.lanes != lanes:
+        if self.server.fusion.endings != endings:
             self.server.lanes_ended()
         log.info("worker %d has no training processes; %d pending rounds failed", reset.worker, failed)
 
@@ -604,10 +604,10 @@ class ServerConnection(AdmittedProtocol):
             if not hello.stream:  # its loss will not be heard as this worker's (it is not its link now)
                 self._fused_drop()
         if not hello.stream:
-            lanes = self.server.fusion.lanes
+            endings = self.server.fusion.endings
             self.server.fusion.worker_hello(hello.id, hello.epoch, hello.daemon)
             self.server.aggregator.worker_hello(hello.id, hello.epoch)
-            if self.server.fusion.lanes != lanes:  # (its Reset was lost with a connection)
+            if self.server.fusion.endings != endings:  # (its Reset was lost with a connection)
                 self.server.lanes_ended()
             self.server.values.connected(hello.id)
 

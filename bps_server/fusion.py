@@ -53,7 +53,10 @@ says the epoch first) starts a new lane generation (``lanes``, FusePlan.lanes): 
 name fused tensors no worker has used, numbered from 0 by every worker, and the tensors of the generations it
 ended fail here (``ended``: their open rounds when it ends, their later pushes at once), since the reset
 worker will never push them. A generation's name says our run, so a restarted server's plans never meet the
-lanes of its previous run, whose plans still running keep theirs (FuseRunning.lanes).
+lanes of its previous run, whose plans still running keep theirs (FuseRunning.lanes). Those end too at the
+first reset we handle: the reset worker numbers every lane from 0 again, theirs included, so a plan of our
+previous run that it ran after (one we sent it again, ``Resend``) would push a round its peers' are past, and
+theirs would wait for ever; and the plans its old processes were in are given up with them.
 """
 
 from __future__ import annotations
@@ -125,6 +128,10 @@ class Planner:
         self.run = run
         self._resets = 0
         self.lanes = f"{run}.0"
+        # Whether the lanes of other runs (our previous ones', see ``running``) are ended: at our first reset.
+        self._others_ended = False
+        # How many times some lane generations ended (a reset handled): the server fails their rounds then.
+        self.endings = 0
         self.stalls: StallWatch[str] = StallWatch(warn_after_s=warn_after_s)
         self.waiting: dict[str, _Waiting] = {}
         self.ready: list[str] = []  # reported by every worker, not yet in a plan
@@ -297,6 +304,8 @@ class Planner:
         in it, where said; ``lanes``: its lane generation): the workers that reported its names one plan
         behind lost it (now or when they report them, see ``report``); those whose round is later failed the
         plan's round (they give it up)."""
+        if self._others_ended:  # (a plan of another run: its lanes ended at our first reset, see _excuse)
+            return  # its pushes are refused: sent again, it would only fail the round of the worker that runs it
         self.running_plans[seq] = list(names)
         self.running_lanes[seq] = lanes
         lost: set[int] = set()
@@ -368,10 +377,12 @@ class Planner:
         return groups, which
 
     def ended(self, name: str) -> bool:
-        """Whether ``name`` is a fused tensor on a lane generation of this run that a reset ended (its rounds
-        fail: a worker dropped its plans). Those of our previous run's plans still run (see ``running``)."""
+        """Whether ``name`` is a fused tensor on a lane generation that a reset ended (its rounds fail: a worker
+        dropped its plans, or numbers the lanes from 0 again): one of this run before the current one, or one of
+        another run (our previous run's plans still running, see ``running``) once we handled a reset."""
         lanes = fused_lanes(name)
-        return lanes is not None and lanes != self.lanes and lanes.rpartition(".")[0] == self.run
+        return (lanes is not None and lanes != self.lanes
+                and (self._others_ended or lanes.rpartition(".")[0] == self.run))
 
     def epoch(self, worker: int) -> str:
         """``worker``'s epoch as we know it (what our fused answers to it carry)."""
@@ -566,10 +577,19 @@ class Planner:
         """``worker``'s processes are gone: no failure waits for them, and its counts start again. The plans
         made from now on are on a new lane generation (``new_lanes``; not where a hello brought the worker's
         new epoch before its Reset: that hello started it): the worker dropped the plans sent to its old
-        processes without numbering them, so the lanes they ran on are out of step with its peers' for good."""
+        processes without numbering them, so the lanes they ran on are out of step with its peers' for good.
+        Our previous runs' lanes end at the first (the worker numbers them from 0 again): their plans still
+        running are never sent again."""
+        if new_lanes or not self._others_ended:
+            self.endings += 1
         if new_lanes:
             self._resets += 1
             self.lanes = f"{self.run}.{self._resets}"
+        if not self._others_ended:
+            self._others_ended = True
+            self.running_names.clear()
+            self.running_plans.clear()
+            self.running_lanes.clear()
         for name in list(self.failed):
             rounds = [(why, left - {worker}, index) for why, left, index in self.failed[name]]
             rounds = [(why, left, index) for why, left, index in rounds if left]

@@ -501,9 +501,15 @@ class RoundTable(Generic[W]):
 
     def fail_ended(self, ended: Callable[[str], bool], why: Why) -> list[Action[W]]:
         """Fail the open round of every key whose name is ``ended`` (a fused tensor of a lane generation that a
-        worker's reset ended, see ``bps_server.fusion``: its rounds can never complete). The driver refuses
-        later pushes of those names before they reach the table."""
-        return [self._fail_round(st, why) for st in list(self.keys.values()) if st.busy and ended(st.key[0])]
+        worker's reset ended, see ``bps_server.fusion``: its rounds can never complete), and forget those keys.
+        Nothing can need them again: the driver refuses later pushes and aborts of those names before they reach
+        the table, and no plan uses an ended generation's names. Kept, they would grow the table by a lane
+        generation's keys at every reset of any worker, for as long as the job runs."""
+        gone = [st for st in self.keys.values() if ended(st.key[0])]
+        actions: list[Action[W]] = [self._fail_round(st, why) for st in gone if st.busy]
+        for st in gone:
+            del self.keys[st.key]
+        return actions
 
     def abort(self, name: str, part: int, round_: int, worker: int, message: str) -> list[Action[W]]:
         """A worker gave up a round: fail it for every worker (now and for late pushes)."""

@@ -358,3 +358,16 @@ async def test_a_large_push_is_left_to_a_task_that_sums_it_in_the_pool():
             assert later is not None and rec.results == {}
             await later
         assert sorted(rec.results) == [0, 1] and all((out == 3.0).all() for out in rec.results.values())
+
+
+async def test_a_lane_generation_that_ends_before_its_addition_starts_leaves_no_accumulator():
+    """An addition left to a task (a large push) that starts after its key's lane generation ended: the table
+    forgot the key (RoundTable.fail_ended), and the driver keeps no accumulator for it, which nothing would ever
+    drop (one a reset, for as long as the job runs)."""
+    agg, rec = Aggregator(2, _HeldPool()), Recorder()
+    later = agg.submit(*_push(0, np.full(1 << 18, 1.0, np.float32), name="old"), rec.reply, rec.fail)
+    assert later is not None  # 1 MiB: its addition is left to a task
+    agg.fail_ended(lambda name: name == "old", Why("lanes ended"))
+    assert agg.keys == {} and rec.failures == {0: "lanes ended"}
+    await later
+    assert agg._sums == {} and rec.results == {}

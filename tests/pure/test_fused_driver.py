@@ -14,7 +14,7 @@ import pytest
 
 import bps_worker.fused_driver as fd
 from bps_server.fusion import Planner
-from bps_server.rounds import Add, FailRound, RoundTable
+from bps_server.rounds import Add, Fail, FailRound, RoundTable
 from bps_server.rounds import Why as RoundWhy
 from bps_worker.fused_driver import FusedSums
 from bps_worker.fused_operation import layout_digest
@@ -434,10 +434,10 @@ class LaneRounds:
     def reset(self, w: int, epoch: str) -> None:
         """The anchor handles worker ``w``'s Reset, as ``ServerConnection.on_reset`` does."""
         self.carry(self.table.worker_reset(w, epoch))
-        lanes = self.planner.lanes
+        endings = self.planner.endings
         self.planner.worker_gone(w, Why(f"every training process of worker {w} left", "round_failed"), reset=True,
                                  epoch=epoch)
-        if self.planner.lanes != lanes:
+        if self.planner.endings != endings:
             self.carry(self.table.fail_ended(self.planner.ended, RoundWhy("lanes ended")))
 
     def carry(self, actions: list[Any]) -> None:
@@ -452,6 +452,9 @@ class LaneRounds:
                 self.failed.append(a.why.code)
                 for f in a.fails:
                     f.handle.done.set_result(None)
+            elif isinstance(a, Fail):  # a push refused by the table (a stale round): its operation fails
+                self.failed.append("refused")
+                a.handle.done.set_result(None)
 
     def hand_out(self, workers: list[Any], seq: int, names: list[str], epochs: tuple[str, str], lanes: str) -> None:
         """Plan ``seq`` reaches the workers, stamped with the epoch the anchor knew each by as it sent it, on the
@@ -571,3 +574,82 @@ async def test_after_a_worker_resets_with_a_plan_half_run_the_next_steps_are_pla
     assert [op.plan for op in lanes.ops] == [0, 0, 1] + [k for k in range(2, 6) for _ in (0, 1)]
     assert lanes.summed == [{k} for k in range(6) if k != 1]  # each round one plan's, on both workers
     assert lanes.failed == (["ended"] if order == "reset_first" else ["connection"])
+
+
+async def test_the_anchor_keeps_no_round_of_an_ended_lane_generation_however_many_resets(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every reset the anchor handles starts a lane generation (see ``bps_server.fusion``), whose fused tensors
+    are new keys of its round table. Worker 1's processes leave and come back 20 times while worker 0 trains on;
+    each step in between is summed on the current generation's lane. The keys of the generations ended are
+    forgotten as they end (``RoundTable.fail_ended``): the table holds the current generation's key alone, where
+    it kept one more key at every reset before (21 at the end)."""
+    lanes, planner, workers = lane_workers(monkeypatch)
+    w0, w1 = workers
+    sizes = []
+    for k in range(21):
+        for w, fs in enumerate(workers):
+            await submit(fs, "a", 100 * w + k)
+            deliver(planner, w, fs)
+        assert planner.take_plans() == [(k, ["a"])]
+        ops = len(lanes.ops)
+        lanes.hand_out(workers, k, ["a"], (planner.epoch(0), planner.epoch(1)), planner.lanes)
+        for op in lanes.ops[ops:]:
+            lanes.push(op)
+        for _ in range(3):
+            await asyncio.sleep(0)  # (the operations end)
+        sizes.append(len(lanes.table.keys))
+        if k < 20:
+            w1.reset()  # as WorkerDaemon._reset: numbering from 0, a new epoch
+            w1.numbers.next.clear()
+            w1.link.epoch = f"e2.{k}"
+            lanes.reset(1, w1.link.epoch)
+    assert lanes.summed == [{k} for k in range(21)] and not lanes.failed  # every step, on fresh lanes
+    assert sizes == [1] * 21 and list(lanes.table.keys) == [(fused_name(0, 0, "float32", False, planner.lanes), 0)]
+
+
+async def test_a_plan_of_the_anchors_previous_run_never_leaves_a_peer_waiting_after_a_reset(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The anchor restarted (``planner`` is its new run) while worker 0 ran plan 1 of the previous run (``a``,
+    on lane 0 of generation ``run-1.0``, its round 1 there); worker 1 lost that plan in the crash, and worker 0
+    tells the new run it runs it (FuseRunning). Then every process of worker 1 leaves: its daemon numbers every
+    lane from 0 again. Before, the previous run's lanes lived on: worker 0's push of round 1 waited for worker 1,
+    and worker 1's new processes, reporting ``a`` one plan behind, got plan 1 sent again and pushed it as round
+    0 of the lane, refused as stale: worker 0's round waited for ever (and held its later reports, see
+    REPORT_WHILE_RUNNING), nothing else was planned. Now the reset ends the previous run's lanes too: worker
+    0's push is refused, no plan of the previous run is sent again, and the next step is planned and summed."""
+    lanes, planner, workers = lane_workers(monkeypatch)
+    w0, w1 = workers
+    old = "run-1.0"
+    for fs in workers:  # both ran plan 0 of the previous run on that lane
+        fs.numbers.next[fused_name(0, 0, "float32", False, old)] = 1
+        await submit(fs, "a", 1 + 100 * fs.daemon.worker_id)
+        fs.link.wire.clear()  # (reported to the previous run)
+    lanes.plan = 1
+    w0.on_message(0, FusePlan(1, ["a"], "", [["float32", False]], [0], "e1", old))
+    (running,) = lanes.ops
+    assert running.round == 1
+    w0.link.drop()
+    w0.link.reconnect("run-2")  # worker 0 tells the new run of plan 1 (FuseRunning)
+    deliver(planner, 0, w0, run="run-2")
+    w1.reset()  # as WorkerDaemon._reset: numbering from 0, a new epoch
+    w1.numbers.next.clear()
+    w1.link.epoch = "e2"
+    lanes.reset(1, "e2")
+    lanes.push(running)
+    await submit(w1, "a", 201)  # the new processes, at worker 0's step
+    deliver(planner, 1, w1)
+    for r in planner.take_resends():  # as SummationServer.fused does
+        lanes.plan = r.seq
+        workers[r.worker].on_message(0, FusePlan(r.seq, r.names, r.how, [["float32", False]], [0] * len(r.names),
+                                                 planner.epoch(r.worker), r.lanes))
+        lanes.push(lanes.ops[-1])
+    await asyncio.sleep(0)
+    await submit(w0, "a", 2)  # worker 0's next step
+    deliver(planner, 0, w0)
+    assert planner.take_plans() == [(0, ["a"])]
+    lanes.hand_out(workers, 0, ["a"], (planner.epoch(0), planner.epoch(1)), planner.lanes)
+    for op in lanes.ops[1:]:
+        lanes.push(op)
+    assert all(op.done.done() for op in lanes.ops)
+    assert not [key for key, st in lanes.table.keys.items() if st.busy]  # no round waits
+    assert lanes.summed == [{0}] and lanes.failed == ["ended"]

@@ -609,27 +609,28 @@ def test_a_reporter_that_says_no_index_does_not_turn_off_the_others_comparison()
         assert p.take_plans() == [(0, ["n"])]
 
 
-def test_a_reset_begins_a_new_lane_generation_and_ends_the_old_ones_of_this_run_only():
+def test_a_reset_begins_a_new_lane_generation_and_ends_the_old_ones_and_those_of_other_runs():
     """A worker reset (its Reset, or a hello with a new epoch when the Reset was lost) begins new lanes: the
     plans made from then on say them, and the fused tensors of the old ones are ended (their rounds fail at
-    the anchor). A Reset whose epoch a hello already brought begins none (the hello did); the lanes of another
-    run (plans of our previous run still running) are never ended here."""
+    the anchor). A Reset whose epoch a hello already brought begins none (the hello did). The lanes of another
+    run (plans of our previous run still running) live until the first reset, and end with it."""
     p = Planner(2, run="r1")
     p.worker_hello(0, "e1", "d0")
     p.worker_hello(1, "f1", "d1")
     first = fused_name(0, 3, "float32", False, "r1.0")
+    others = (fused_name(0, 3, "float32", False, "r0.0"), fused_name(0, 3, "float32", False, "r10.1"))
     assert p.lanes == "r1.0" and not p.ended(first) and not p.ended("a@r1.0")
+    assert not any(p.ended(name) for name in others) and p.endings == 0
     p.worker_gone(1, Why("every training process of worker 1 left", "round_failed"), reset=True, epoch="f2")
     assert p.lanes == "r1.1" and p.ended(first) and not p.ended(fused_name(0, 3, "float32", False, "r1.1"))
+    assert all(p.ended(name) for name in others) and p.endings == 1
     p.worker_gone(0, Why("worker 0 disconnected", "connection"), reset=False)  # a drop: the processes live on
     p.worker_hello(0, "e1", "d0")
     assert p.lanes == "r1.1"
     p.worker_hello(0, "e2", "d0")  # its Reset lost with the connection: the hello says the new epoch
     assert p.lanes == "r1.2"
     p.worker_gone(0, Why("every training process of worker 0 left", "round_failed"), reset=True, epoch="e2")
-    assert p.lanes == "r1.2"  # (the hello began them)
-    for name in (fused_name(0, 3, "float32", False, "r0.0"), fused_name(0, 3, "float32", False, "r10.1")):
-        assert not p.ended(name)  # another run's
+    assert p.lanes == "r1.2" and p.endings == 2  # (the hello began them)
     p.report(0, ["a"], [F32])
     p.report(1, ["a"], [F32])
     ((seq, _),) = p.take_plans()

@@ -267,9 +267,9 @@ class Sim:
         groups, group = self.p.groups(names)
         return FusePlan(seq, names, resent, groups, group, self.p.epoch(w), self.p.lanes if lanes is None else lanes)
 
-    def lanes_ended(self, before):  # as server.lanes_ended, where a hello or a Reset began new lanes
-        if self.p.lanes != before:
-            self.log(f"S lanes {before} ended, now {self.p.lanes}")
+    def lanes_ended(self, before):  # as server.lanes_ended, where a hello or a Reset ended lane generations
+        if self.p.endings != before:
+            self.log(f"S lanes ended, now {self.p.lanes}")
             self.t_do(self.table.fail_ended(self.p.ended, srounds.Why("lanes ended")))
 
     def fused(self, failures):
@@ -315,7 +315,7 @@ class Sim:
         elif isinstance(m, Reset):
             self.t_do(self.table.worker_reset(m.worker, m.epoch))
             self.srv_epoch[w] = m.epoch
-            before = p.lanes
+            before = p.endings
             self.fused(p.worker_gone(w, Why(f"every training process of worker {w} left", "round_failed"), reset=True,
                                      epoch=m.epoch))  # as connection.on_reset
             self.lanes_ended(before)
@@ -334,7 +334,7 @@ class Sim:
             if old.w2s: self.log(f"  lost at server close: {old.w2s!r:.160}")
             old.w2s = []
             self.fused_drop(w)
-        before = self.p.lanes
+        before = self.p.endings
         self.p.worker_hello(w, link.epoch, f"d{w}")
         for a in self.table.worker_hello(w, link.epoch):
             self.log(f"  T {a}")

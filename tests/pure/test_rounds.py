@@ -391,4 +391,4 @@ def test_fail_ended_fails_the_open_rounds_of_the_names_it_is_told_of_every_part_
     table.abort("idle", 0, 0, 0, "given up")  # a failed round: not failed again
     actions = table.fail_ended(lambda name: name in ("old", "idle"), Why("lanes ended"))
     assert _fails(actions) == {"old0": "lanes ended", "old1": "lanes ended"}
-    assert table.keys[("new", 0)].busy and not table.keys[("old", 0)].busy
+    assert table.keys[("new", 0)].busy and set(table.keys) == {("new", 0)}  # the ended keys forgotten
