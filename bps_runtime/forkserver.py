@@ -1,4 +1,4 @@
-"""Daemons forked from one process that imported them once: a start of about 0.05 CPU-s instead of 1.1.
+"""Daemons forked from one process that imported them once: a start of about 0.1 CPU-s instead of 1.2.
 
 A daemon started with ``exec`` (``python -m bps_server``) spends about 1.1 CPU-s before it serves, 0.8 of it
 importing numba and loading the kernels from numba's cache, the same work in every daemon. A box that starts
