@@ -146,7 +146,8 @@ class Forkserver:
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], output: int | None = None) -> ForkedProcess:
         """Fork daemon ``argv`` (``python -m MODULE ARGS``, :meth:`serves`) with ``env``, its stdout and stderr
-        on descriptor ``output`` (ours when None), in our working directory."""
+        on descriptor ``output`` (our descriptor 2 when None, as a Popen child inherits it), in our working
+        directory."""
         if not self.serves(argv):
             raise ForkserverError(f"not a daemon this forkserver can fork: {' '.join(argv)}")
         request = msgpack.packb({"argv": list(argv[1:]), "env": dict(env), "cwd": os.getcwd()})
@@ -154,7 +155,7 @@ class Forkserver:
         try:
             with self._lock:
                 requests = self._started()
-                socket.send_fds(requests, [request], [sys.stderr.fileno() if output is None else output,
+                socket.send_fds(requests, [request], [2 if output is None else output,
                                                       theirs.fileno()])
             theirs.close()
             ours.settimeout(SPAWN_TIMEOUT_S)

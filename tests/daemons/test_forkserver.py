@@ -185,3 +185,10 @@ def test_the_spawner_s_ready_wait_sees_a_forked_daemon_that_exits_during_start_u
         with pytest.raises(LaunchError, match="server-0 exited with status"):
             cluster.start()
         assert time.monotonic() - started < 30
+
+
+def test_without_an_output_the_daemon_writes_to_our_descriptor_2(forkserver, capfd):
+    """As a Popen child without stdout/stderr arguments: pytest's fd capture sees its message."""
+    forked = forkserver.spawn([PY, "-m", "bps_worker", "--config", "x.toml", "--no-such-option"], dict(os.environ))
+    assert forked.wait(timeout=30) == 2
+    assert "unrecognized arguments: --no-such-option" in capfd.readouterr().err
