@@ -83,10 +83,11 @@ class FusedSums:
         self._reports_due = False
         self._lanes: dict[str, asyncio.Future[Any]] = {}  # fused key -> its operation running (or last run)
         self._running: Counter[int] = Counter()  # server id -> fused operations with it not finished
-        # server id -> seq -> (names, their counts, their rounds' indexes (empty: not all known), operations of
-        # the plan not finished, its lane generation): told to a server that restarted (FuseRunning), whose
-        # peers may have lost it.
-        self._plans: dict[int, dict[int, tuple[list[str], list[int], list[int], int, str]]] = {
+        # server id -> (seq, lane generation) -> (names, their counts, their rounds' indexes (empty: not all
+        # known), operations of the plan not finished): told to a server that restarted (FuseRunning), whose
+        # peers may have lost it. Keyed by the generation too: a restarted server numbers its plans from 0
+        # again, while plans of its previous run with those seqs may still run here.
+        self._plans: dict[int, dict[tuple[int, str], tuple[list[str], list[int], list[int], int]]] = {
             sid: {} for sid in daemon.links}
         self._generation: Counter[int] = Counter()  # server id -> connections to it lost so far
         # server id -> the rounds told of each of its names before its connection broke (see _lost)
@@ -238,7 +239,7 @@ class FusedSums:
         self.rounds.forget_answers(sid, before=self._generation[sid])  # it forgot the reports we gave up
         self._next_plan[sid] = 0  # its plans start again
         link = self.daemon.links[sid]
-        for seq, (names, counts, indexes, _, lanes) in self._plans[sid].items():
+        for (seq, lanes), (names, counts, indexes, _) in self._plans[sid].items():
             for start, stop in fused_chunks(names):
                 link.fuse(FuseRunning(seq, names[start:stop], counts[start:stop], indexes[start:stop], lanes))
         self._tell_past(sid)
@@ -335,8 +336,8 @@ class FusedSums:
             indexes = [of_name.get(n, -1) for n in plan.names] if self.rounds.aligned else []
             if -1 in indexes:
                 indexes = []  # (a name failed here: its group does not run, the others' do)
-            self._plans[sid][plan.seq] = (list(plan.names), [counts.get(n, 0) for n in plan.names], indexes,
-                                          len(running), plan.lanes)
+            self._plans[sid][(plan.seq, plan.lanes)] = (list(plan.names), [counts.get(n, 0) for n in plan.names],
+                                                        indexes, len(running))
         for (dtype, average), members in groups.items():
             key = daemon.placement.fused_key(sid, lane, dtype, average, plan.lanes)
             local_round = daemon.rounds.numbers.take(key)  # in plan order: every worker numbers alike
@@ -347,9 +348,11 @@ class FusedSums:
             previous = self._lanes.get(key)
             self._running[sid] += 1
             op = FusedOperation(daemon, key, local_round, members)
-            self._lanes[key] = daemon.spawn(self._run(sid, plan.seq, previous, op))
+            self._lanes[key] = daemon.spawn(self._run(sid, (plan.seq, plan.lanes), previous, op))
 
-    async def _run(self, sid: int, seq: int, previous: asyncio.Future[Any] | None, op: FusedOperation) -> None:
+    async def _run(self, sid: int, plan: tuple[int, str], previous: asyncio.Future[Any] | None,
+                   op: FusedOperation) -> None:
+        """Run ``op``, a group of ``plan`` (its seq and lane generation), after the lane's previous operation."""
         try:
             if previous is not None and not previous.done():
                 await asyncio.wait([previous])
@@ -357,11 +360,11 @@ class FusedSums:
         finally:
             self._running[sid] -= 1
             plans = self._plans[sid]
-            names, counts, indexes, left, lanes = plans.get(seq, ([], [], [], 0, ""))
+            names, counts, indexes, left = plans.get(plan, ([], [], [], 0))
             if left > 1:
-                plans[seq] = (names, counts, indexes, left - 1, lanes)
+                plans[plan] = (names, counts, indexes, left - 1)
             else:
-                plans.pop(seq, None)
+                plans.pop(plan, None)
             if self._reports.get(sid) and not self._reports_due:
                 self._reports_due = True
                 asyncio.get_running_loop().call_soon(self._send_reports)

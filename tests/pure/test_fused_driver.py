@@ -653,3 +653,30 @@ async def test_a_plan_of_the_anchors_previous_run_never_leaves_a_peer_waiting_af
     assert all(op.done.done() for op in lanes.ops)
     assert not [key for key, st in lanes.table.keys.items() if st.busy]  # no round waits
     assert lanes.summed == [{0}] and lanes.failed == ["ended"]
+
+
+async def test_a_plan_of_the_anchors_new_run_is_told_to_its_next_run_after_an_older_plan_of_its_seq_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The anchor restarted while worker 0 ran its plan 0 (``a``, generation ``run-1.0``); the new run numbers
+    its plans from 0 again, and its plan 0 (``b``, ``run-2.0``) comes while the old plan 0 still runs. The old
+    one ends, then the anchor restarts again: its third run must hear that plan 0 of ``run-2.0`` still runs
+    here (FuseRunning), for the peers that lost it get it again (else worker 0's round of it waits for them for
+    ever). Before, the plans running were keyed by seq alone: the new plan replaced the old one's entry, and
+    the old one, ending, removed it; the third run heard of no plan."""
+    lanes, _, (w0, _w1) = lane_workers(monkeypatch)
+    await submit(w0, "a", 0)
+    await submit(w0, "b", 1)
+    w0.link.wire.clear()  # reported to run-1
+    w0.on_message(0, FusePlan(0, ["a"], "", [["float32", False]], [0], "e1", "run-1.0"))
+    (old,) = lanes.ops
+    w0.link.drop()
+    w0.link.reconnect("run-2")
+    assert [(m.seq, m.names, m.lanes) for m in w0.link.wire if isinstance(m, FuseRunning)] == [(0, ["a"], "run-1.0")]
+    w0.link.wire.clear()
+    w0.on_message(0, FusePlan(0, ["b"], "", [["float32", False]], [0], "e1", "run-2.0"))  # run-2's plan 0
+    old.done.set_result(None)
+    for _ in range(3):
+        await asyncio.sleep(0)  # (the old plan's operation ends)
+    w0.link.drop()
+    w0.link.reconnect("run-3")
+    assert [(m.seq, m.names, m.lanes) for m in w0.link.wire if isinstance(m, FuseRunning)] == [(0, ["b"], "run-2.0")]

@@ -122,6 +122,19 @@ def test_after_a_restart_a_worker_that_lost_a_plan_gets_it_again_whichever_messa
         assert p.take_plans() == [(0, ["a"])] and "a" not in p.running_names
 
 
+def test_plans_of_two_previous_runs_with_one_seq_are_each_sent_again_on_their_own_lanes():
+    """We restarted twice; worker 0 still runs plan 0 of each previous run (every run numbers its plans from 0):
+    ``a`` on generation r1.0, ``b`` on r2.0. Worker 1 lost both: it gets each again, with its names and lanes.
+    Before, the plans running were keyed by seq alone: the second replaced the first, and worker 1 got plan 0
+    of r2.0 alone, while worker 0's round of ``a`` waited for it for ever."""
+    p = Planner(2, run="r3")
+    p.running(0, 0, ["a"], [3], None, "r1.0")
+    p.running(0, 0, ["b"], [5], None, "r2.0")
+    assert p.report(1, ["a", "b"], [F32, F32], [2, 4]) == [] and not p.waiting
+    resent = sorted((r.worker, r.seq, r.names, r.how, r.lanes) for r in p.take_resends())
+    assert resent == [(1, 0, ["a"], "restart", "r1.0"), (1, 0, ["b"], "restart", "r2.0")]
+
+
 def test_a_worker_that_ran_the_plan_too_reports_the_next_round_and_gets_no_resend():
     p = Planner(2)
     p.running(0, 7, ["a"], [3])
