@@ -139,12 +139,12 @@ class Planner:
         # still to hear it when they report (or to give it up themselves), and its index (-1: not said).
         self.failed: dict[str, list[tuple[Why, set[int], int]]] = {}
         self.seq = 0  # of the next plan
-        # Plans of our previous run (we restarted) that a worker still runs (FuseRunning): name -> (seq, count
-        # that plan brought the name to, index of its round or -1), and seq -> names, for the workers that lost
-        # them (see running).
-        self.running_names: dict[str, tuple[int, int, int]] = {}
-        self.running_plans: dict[int, list[str]] = {}
-        self.running_lanes: dict[int, str] = {}  # seq -> that plan's lane generation (FuseRunning.lanes)
+        # Plans of our previous runs (we restarted) that a worker still runs (FuseRunning), each known by its
+        # seq and lane generation (FuseRunning.lanes: two runs number their plans alike, and a worker can run
+        # plans of both): name -> (plan, count that plan brought the name to, index of its round or -1), and
+        # plan -> names, for the workers that lost them (see running).
+        self.running_names: dict[str, tuple[tuple[int, str], int, int]] = {}
+        self.running_plans: dict[tuple[int, str], list[str]] = {}
         self.resends: list[Resend] = []
         # Per name, per worker: the rounds heard of (its reports, and its aborts of rounds it had not reported).
         self.heard: dict[str, list[int]] = {}
@@ -158,7 +158,7 @@ class Planner:
         self.floors: dict[str, list[int]] = {}
         self.floor: dict[str, int] = {}  # per name, the highest of its floors (one look-up a report)
         self.past_counts: dict[str, list[int]] = {}
-        self._resent: set[tuple[int, int]] = set()  # (worker, seq) resent on the worker's connection
+        self._resent: set[tuple[int, int, str]] = set()  # (worker, seq, lanes) resent on the worker's connection
         # The seq of the first plan made for that daemon's processes (its first hello, or their epoch's start):
         # the plans before were not theirs, and are never sent to them again (sent_since).
         self.first_plan: dict[int, int] = {}
@@ -181,8 +181,8 @@ class Planner:
         waiting, failed, ready, everyone, heard = self.waiting, self.failed, self.ready, self.workers, self.heard
         counts, indexes = counts or [0] * len(names), rounds if rounds and worker not in self.excused else [-1] * len(names)
         running = self.running_names
-        lost: set[int] = set()  # plans of our previous run the worker lost
-        behind: set[int] = set()  # (and whose round it failed since)
+        lost: set[tuple[int, str]] = set()  # plans of our previous run the worker lost
+        behind: set[tuple[int, str]] = set()  # (and whose round it failed since)
         for name, spec, count, index in zip(names, specs, counts, indexes):
             h = heard.get(name)
             if h is None:
@@ -227,12 +227,12 @@ class Planner:
                     del waiting[name]
                     ready.append(name)
                     self.spec_of[name] = w.spec
-        self.resends += [self._resend(worker, seq, "restart" if seq in lost else "restart_lost")
-                         for seq in sorted(lost | behind)]
+        self.resends += [self._resend(worker, plan, "restart" if plan in lost else "restart_lost")
+                         for plan in sorted(lost | behind)]
         return out
 
-    def _missed(self, name: str, spec: Spec, index: int, run: tuple[int, int, int], lost: set[int],
-                behind: set[int]) -> bool:
+    def _missed(self, name: str, spec: Spec, index: int, run: tuple[tuple[int, str], int, int],
+                lost: set[tuple[int, str]], behind: set[tuple[int, str]]) -> bool:
         """A report of ``name`` one plan behind ``run`` (a plan of our previous run that another worker still
         runs, see ``running``): the worker lost that plan. Its round is the plan's (it gets the plan again,
         to run: the report is answered so, True), or a later one (it failed the plan's round since: it gets
@@ -306,12 +306,12 @@ class Planner:
         plan's round (they give it up)."""
         if self._others_ended:  # (a plan of another run: its lanes ended at our first reset, see _excuse)
             return  # its pushes are refused: sent again, it would only fail the round of the worker that runs it
-        self.running_plans[seq] = list(names)
-        self.running_lanes[seq] = lanes
+        plan = (seq, lanes)
+        self.running_plans[plan] = list(names)
         lost: set[int] = set()
         past: set[int] = set()
         for name, count, index in zip(names, counts, rounds or [-1] * len(names)):
-            self.running_names[name] = (seq, count, index)
+            self.running_names[name] = (plan, count, index)
             floors = self.floors.get(name)
             if floors is not None and index >= 0:  # workers past its round (FusePast) that lost it
                 past |= {r for r, floor in enumerate(floors)
@@ -331,12 +331,12 @@ class Planner:
                 del w.counts[r]
             if not w.workers:
                 del self.waiting[name]
-        self.resends += [self._resend(r, seq, "restart") for r in sorted(lost)]
-        self.resends += [self._resend(r, seq, "restart_lost") for r in sorted(past - lost)]
+        self.resends += [self._resend(r, plan, "restart") for r in sorted(lost)]
+        self.resends += [self._resend(r, plan, "restart_lost") for r in sorted(past - lost)]
 
-    def _resend(self, worker: int, seq: int, how: PlanResent) -> Resend:
-        """Plan ``seq`` of our previous run, to send ``worker`` again (see ``running``)."""
-        return Resend(worker, seq, self.running_plans[seq], how, self.running_lanes.get(seq, ""))
+    def _resend(self, worker: int, plan: tuple[int, str], how: PlanResent) -> Resend:
+        """``plan`` (seq, lane generation) of our previous run, to send ``worker`` again (see ``running``)."""
+        return Resend(worker, plan[0], self.running_plans[plan], how, plan[1])
 
     def stall_warnings(self, now: float) -> list[str]:
         """The names that waited ``warn_after_s`` (and again every ``warn_after_s``) for workers whose processes
@@ -393,8 +393,8 @@ class Planner:
         sent = self._resent
         fresh = []
         for r in resends:  # once a connection (a report and a FusePast can both find it lost)
-            if (r.worker, r.seq) not in sent:
-                sent.add((r.worker, r.seq))
+            if (r.worker, r.seq, r.lanes) not in sent:
+                sent.add((r.worker, r.seq, r.lanes))
                 fresh.append(r)
         return fresh
 
@@ -560,7 +560,7 @@ class Planner:
         one (a Reset says it), so that its next hello does not excuse its new processes again (nor, where a
         hello brought it first, this Reset: see _excuse)."""
         out: list[Failed] = []
-        self._resent = {(r, seq) for r, seq in self._resent if r != worker}  # (resent again if lost with it)
+        self._resent = {sent for sent in self._resent if sent[0] != worker}  # (resent again if lost with it)
         for name, w in list(self.waiting.items()):
             out += self._fail(name, w, why, skip=worker if reset or worker in w.workers else -1)
         if self.ready:  # reported by every worker, its report too (failed there): not planned
@@ -589,7 +589,6 @@ class Planner:
             self._others_ended = True
             self.running_names.clear()
             self.running_plans.clear()
-            self.running_lanes.clear()
         for name in list(self.failed):
             rounds = [(why, left - {worker}, index) for why, left, index in self.failed[name]]
             rounds = [(why, left, index) for why, left, index in rounds if left]

@@ -26,7 +26,8 @@
   generation* (``FusePlan.lanes``, part of every fused tensor's name) and fails every round of the old one.
   Its plans from then on go to our new epoch, and every worker numbers the new generation's fused tensors
   from 0, as fresh names: their server round is their local one (no ``RoundQuery``, see
-  ``WorkerDaemon.round_base``).
+  ``WorkerDaemon.round_base``). A plan of a later generation says the earlier ones ended (``ended_by``): their
+  keys are forgotten here once none of their operations runs (a reset anywhere in the job makes new ones).
 """
 
 from __future__ import annotations
@@ -71,6 +72,19 @@ LANES: Final = 8
 REPORT_WHILE_RUNNING: Final = 1
 
 
+def ended_by(generation: str, lanes: str) -> bool:
+    """Whether a plan on lane generation ``lanes`` says that ``generation`` (of the same server) ended there:
+    a generation is "<run>.<resets handled>" (``bps_server.fusion``), and each reset the anchor handles ends its
+    run's earlier generations, the first one also those of its other runs (its previous incarnations')."""
+    run, _, count = lanes.rpartition(".")
+    other, _, was = generation.rpartition(".")
+    if not count.isdigit():
+        return False
+    if other == run:
+        return was.isdigit() and int(was) < int(count)
+    return int(count) > 0
+
+
 class FusedSums:
     """The fused rounds of one worker daemon, and the plans they run in."""
 
@@ -82,11 +96,14 @@ class FusedSums:
         self._reports: dict[int, list[FusedRound[ClientSession]]] = {}
         self._reports_due = False
         self._lanes: dict[str, asyncio.Future[Any]] = {}  # fused key -> its operation running (or last run)
+        # server id -> lane generation -> its fused keys used here (forgotten once it ended, see _forget_ended)
+        self._generations: dict[int, dict[str, set[str]]] = {sid: {} for sid in daemon.links}
         self._running: Counter[int] = Counter()  # server id -> fused operations with it not finished
-        # server id -> seq -> (names, their counts, their rounds' indexes (empty: not all known), operations of
-        # the plan not finished, its lane generation): told to a server that restarted (FuseRunning), whose
-        # peers may have lost it.
-        self._plans: dict[int, dict[int, tuple[list[str], list[int], list[int], int, str]]] = {
+        # server id -> (seq, lane generation) -> (names, their counts, their rounds' indexes (empty: not all
+        # known), operations of the plan not finished): told to a server that restarted (FuseRunning), whose
+        # peers may have lost it. Keyed by the generation too: a restarted server numbers its plans from 0
+        # again, while plans of its previous run with those seqs may still run here.
+        self._plans: dict[int, dict[tuple[int, str], tuple[list[str], list[int], list[int], int]]] = {
             sid: {} for sid in daemon.links}
         self._generation: Counter[int] = Counter()  # server id -> connections to it lost so far
         # server id -> the rounds told of each of its names before its connection broke (see _lost)
@@ -238,7 +255,7 @@ class FusedSums:
         self.rounds.forget_answers(sid, before=self._generation[sid])  # it forgot the reports we gave up
         self._next_plan[sid] = 0  # its plans start again
         link = self.daemon.links[sid]
-        for seq, (names, counts, indexes, _, lanes) in self._plans[sid].items():
+        for (seq, lanes), (names, counts, indexes, _) in self._plans[sid].items():
             for start, stop in fused_chunks(names):
                 link.fuse(FuseRunning(seq, names[start:stop], counts[start:stop], indexes[start:stop], lanes))
         self._tell_past(sid)
@@ -306,6 +323,7 @@ class FusedSums:
         its lane generation)."""
         daemon = self.daemon
         self._got(sid, plan)
+        self._forget_ended(sid, plan.lanes)
         # A plan lost with a connection, or one of the server's previous run whose rounds failed here since: the
         # names' rounds here are later ones (see FusedRounds.planned).
         rounds, missing = self.rounds.planned(plan.names, plan.resent in ("lost", "restart_lost"))
@@ -329,17 +347,19 @@ class FusedSums:
             broken.setdefault(group, name)
         lane = plan.seq % LANES
         counts = self.rounds.counts
+        used = self._generations[sid].setdefault(plan.lanes, set())
         running = [g for g in groups if g not in broken]
         if running:
             of_name = {fr.name: fr.index for fr in rounds}
             indexes = [of_name.get(n, -1) for n in plan.names] if self.rounds.aligned else []
             if -1 in indexes:
                 indexes = []  # (a name failed here: its group does not run, the others' do)
-            self._plans[sid][plan.seq] = (list(plan.names), [counts.get(n, 0) for n in plan.names], indexes,
-                                          len(running), plan.lanes)
+            self._plans[sid][(plan.seq, plan.lanes)] = (list(plan.names), [counts.get(n, 0) for n in plan.names],
+                                                        indexes, len(running))
         for (dtype, average), members in groups.items():
             key = daemon.placement.fused_key(sid, lane, dtype, average, plan.lanes)
             local_round = daemon.rounds.numbers.take(key)  # in plan order: every worker numbers alike
+            used.add(key)
             culprit = broken.get((dtype, average))
             if culprit is not None:
                 self._give_up(key, local_round, members, culprit)
@@ -347,9 +367,32 @@ class FusedSums:
             previous = self._lanes.get(key)
             self._running[sid] += 1
             op = FusedOperation(daemon, key, local_round, members)
-            self._lanes[key] = daemon.spawn(self._run(sid, plan.seq, previous, op))
+            self._lanes[key] = daemon.spawn(self._run(sid, (plan.seq, plan.lanes), previous, op))
 
-    async def _run(self, sid: int, seq: int, previous: asyncio.Future[Any] | None, op: FusedOperation) -> None:
+    def _forget_ended(self, sid: int, lanes: str) -> None:
+        """A plan of server ``sid`` on lane generation ``lanes``: forget the fused keys (their round numbers,
+        their last operations) of the generations of ``sid`` that it says ended (``ended_by``), once none of their
+        operations runs here (else at a later plan: they end, failed, since the anchor refuses their pushes).
+        Kept, they grew by a generation's keys at every reset of any worker, for as long as the daemon ran. No
+        plan of an ended generation comes after one of a later generation of its run (the anchor sends its plans,
+        and those lost with a connection, in order; those of its previous runs it no longer sends at all); one
+        that did would only be refused."""
+        generations = self._generations[sid]
+        if len(generations) < 2 and lanes in generations:
+            return  # (the usual case: one generation, this one)
+        for generation in [g for g in generations if g != lanes and ended_by(g, lanes)]:
+            keys = generations[generation]
+            if any(not self._lanes[key].done() for key in keys if key in self._lanes):
+                continue
+            del generations[generation]
+            numbers = self.daemon.rounds.numbers
+            for key in keys:
+                self._lanes.pop(key, None)
+                numbers.forget(key)
+
+    async def _run(self, sid: int, plan: tuple[int, str], previous: asyncio.Future[Any] | None,
+                   op: FusedOperation) -> None:
+        """Run ``op``, a group of ``plan`` (its seq and lane generation), after the lane's previous operation."""
         try:
             if previous is not None and not previous.done():
                 await asyncio.wait([previous])
@@ -357,11 +400,11 @@ class FusedSums:
         finally:
             self._running[sid] -= 1
             plans = self._plans[sid]
-            names, counts, indexes, left, lanes = plans.get(seq, ([], [], [], 0, ""))
+            names, counts, indexes, left = plans.get(plan, ([], [], [], 0))
             if left > 1:
-                plans[seq] = (names, counts, indexes, left - 1, lanes)
+                plans[plan] = (names, counts, indexes, left - 1)
             else:
-                plans.pop(seq, None)
+                plans.pop(plan, None)
             if self._reports.get(sid) and not self._reports_due:
                 self._reports_due = True
                 asyncio.get_running_loop().call_soon(self._send_reports)

@@ -177,6 +177,11 @@ class RoundNumbers:
         base = self._base.get(name)
         return None if base is None else local_round + base
 
+    def forget(self, name: str) -> None:
+        """``name`` is never numbered again (a fused tensor of a lane generation that ended)."""
+        self._next.pop(name, None)
+        self._base.pop(name, None)
+
     def reset(self) -> None:
         """A new job: numbering starts at 0 again and every base must be learned again."""
         self._next.clear()

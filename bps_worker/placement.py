@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from protocol.config import ClusterConfig
-from protocol.messages import MAX_STREAMS, fused_name
+from protocol.messages import MAX_STREAMS, fused_name, fused_server
 
 log = logging.getLogger("bps.worker.placement")
 
@@ -176,8 +176,9 @@ class Placement:
         self._cumulative = cumulative
         positive = [share for share in self.shares if share > 0]
         smallest_share = min(positive) if positive else Fraction(1)
-        # Fused tensors (bps_worker.fusion): all of each one on the server that planned it.
-        self._pinned: dict[str, int] = {}
+        # Fused tensors (bps_worker.fusion): all of each one on the server that planned it, which its name says
+        # (nothing kept per name: a lane generation's names are new at every reset of any worker).
+        self._index = {sid: i for i, sid in enumerate(self.server_ids)}
         self._streams = {sid: 1 if config.one_host or share == 0
                          else max(1, min(MAX_STREAMS, round(share / smallest_share)))
                          for sid, share in zip(self.server_ids, self.shares)}
@@ -190,10 +191,7 @@ class Placement:
         """The name of server ``server``'s fused tensor of ``dtype`` (and ``average``) on ``lane`` of lane
         generation ``lanes`` (``protocol.messages.fused_name``): all of it lives on that server (the anchor of
         every small tensor in it)."""
-        key = fused_name(server, lane, dtype, average, lanes)
-        if key not in self._pinned:
-            self._pinned[key] = self.server_ids.index(server)
-        return key
+        return fused_name(server, lane, dtype, average, lanes)
 
     def anchor(self, name: str) -> int:
         """Index (into ``server_ids``) of the server that holds partition 0 of ``name``.
@@ -201,9 +199,9 @@ class Placement:
         Chosen with probability proportional to the servers' shares (never a server without one); a fused
         tensor's is the server that planned it (``fused_key``).
         """
-        pinned = self._pinned.get(name)
-        if pinned is not None:
-            return pinned
+        server = fused_server(name)
+        if server is not None and server in self._index:
+            return self._index[server]
         u = Fraction(zlib.crc32(name.encode()), 1 << 32)
         for i, bound in enumerate(self._cumulative):
             if u < bound and self.shares[i] > 0:
@@ -216,7 +214,7 @@ class Placement:
         start = self.anchor(name)
         if count * itemsize <= self.small_tensor_bytes:
             return [Piece(0, self.server_ids[start], 0, count)]
-        if name in self._pinned:  # a fused tensor: partitions of at most partition_bytes, all on its server
+        if fused_server(name) in self._index:  # a fused tensor: partitions of at most partition_bytes, all on its server
             sid = self.server_ids[start]
             largest = max(1, self.partition_bytes // itemsize)
             streams = self._streams[sid]

@@ -673,6 +673,15 @@ def fused_lanes(name: str) -> str | None:
     head, at, lanes = name.rpartition("@")
     return lanes if at else None
 
+
+def fused_server(name: str) -> int | None:
+    """The server a fused tensor's name says (``fused_name``): the one that planned it, which holds all of it;
+    None for any other name."""
+    if not name.startswith(FUSED_PREFIX):
+        return None
+    server, slash, _ = name[len(FUSED_PREFIX):].partition("/")
+    return int(server) if slash and server.isdigit() else None
+
 # A fused tensor's spec on the wire: [dtype, shape, average, layout] (a sum: fusion never carries a broadcast).
 Spec = tuple[str, tuple[int, ...], bool, str]
 

@@ -39,6 +39,9 @@ class Numbers:
         self.taken.append((key, n))
         return n
 
+    def forget(self, key: str) -> None:
+        del self.next[key]
+
 
 class Link:
     """What the driver sees of ``ServerLink``: messages go on the wire when up, else wait in its queue; a
@@ -576,13 +579,15 @@ async def test_after_a_worker_resets_with_a_plan_half_run_the_next_steps_are_pla
     assert lanes.failed == (["ended"] if order == "reset_first" else ["connection"])
 
 
-async def test_the_anchor_keeps_no_round_of_an_ended_lane_generation_however_many_resets(
+async def test_neither_the_anchor_nor_a_worker_keeps_a_key_of_an_ended_lane_generation_however_many_resets(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Every reset the anchor handles starts a lane generation (see ``bps_server.fusion``), whose fused tensors
-    are new keys of its round table. Worker 1's processes leave and come back 20 times while worker 0 trains on;
-    each step in between is summed on the current generation's lane. The keys of the generations ended are
-    forgotten as they end (``RoundTable.fail_ended``): the table holds the current generation's key alone, where
-    it kept one more key at every reset before (21 at the end)."""
+    are new keys of its round table, and of every worker's lanes and round numbers. Worker 1's processes leave
+    and come back 20 times while worker 0 trains on; each step in between is summed on the current generation's
+    lane. The keys of the generations ended are forgotten as they end (``RoundTable.fail_ended``), and by each
+    worker at the first plan of a later generation (``FusedSums._forget_ended``): the table, and each worker's
+    lanes and numbers, hold the current generation's key alone, where they kept one more key at every reset
+    before (21 at the end; worker 0's numbers too, whose own processes never left)."""
     lanes, planner, workers = lane_workers(monkeypatch)
     w0, w1 = workers
     sizes = []
@@ -597,14 +602,16 @@ async def test_the_anchor_keeps_no_round_of_an_ended_lane_generation_however_man
             lanes.push(op)
         for _ in range(3):
             await asyncio.sleep(0)  # (the operations end)
-        sizes.append(len(lanes.table.keys))
+        sizes.append((len(lanes.table.keys), len(w0._lanes), len(w0.numbers.next), len(w1._lanes)))
         if k < 20:
             w1.reset()  # as WorkerDaemon._reset: numbering from 0, a new epoch
             w1.numbers.next.clear()
             w1.link.epoch = f"e2.{k}"
             lanes.reset(1, w1.link.epoch)
     assert lanes.summed == [{k} for k in range(21)] and not lanes.failed  # every step, on fresh lanes
-    assert sizes == [1] * 21 and list(lanes.table.keys) == [(fused_name(0, 0, "float32", False, planner.lanes), 0)]
+    key = fused_name(0, 0, "float32", False, planner.lanes)
+    assert sizes == [(1, 1, 1, 1)] * 21 and list(lanes.table.keys) == [(key, 0)]
+    assert list(w0._lanes) == list(w0.numbers.next) == list(w1._lanes) == [key]
 
 
 async def test_a_plan_of_the_anchors_previous_run_never_leaves_a_peer_waiting_after_a_reset(
@@ -653,3 +660,58 @@ async def test_a_plan_of_the_anchors_previous_run_never_leaves_a_peer_waiting_af
     assert all(op.done.done() for op in lanes.ops)
     assert not [key for key, st in lanes.table.keys.items() if st.busy]  # no round waits
     assert lanes.summed == [{0}] and lanes.failed == ["ended"]
+
+
+async def test_a_plan_of_the_anchors_new_run_is_told_to_its_next_run_after_an_older_plan_of_its_seq_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The anchor restarted while worker 0 ran its plan 0 (``a``, generation ``run-1.0``); the new run numbers
+    its plans from 0 again, and its plan 0 (``b``, ``run-2.0``) comes while the old plan 0 still runs. The old
+    one ends, then the anchor restarts again: its third run must hear that plan 0 of ``run-2.0`` still runs
+    here (FuseRunning), for the peers that lost it get it again (else worker 0's round of it waits for them for
+    ever). Before, the plans running were keyed by seq alone: the new plan replaced the old one's entry, and
+    the old one, ending, removed it; the third run heard of no plan."""
+    lanes, _, (w0, _w1) = lane_workers(monkeypatch)
+    await submit(w0, "a", 0)
+    await submit(w0, "b", 1)
+    w0.link.wire.clear()  # reported to run-1
+    w0.on_message(0, FusePlan(0, ["a"], "", [["float32", False]], [0], "e1", "run-1.0"))
+    (old,) = lanes.ops
+    w0.link.drop()
+    w0.link.reconnect("run-2")
+    assert [(m.seq, m.names, m.lanes) for m in w0.link.wire if isinstance(m, FuseRunning)] == [(0, ["a"], "run-1.0")]
+    w0.link.wire.clear()
+    w0.on_message(0, FusePlan(0, ["b"], "", [["float32", False]], [0], "e1", "run-2.0"))  # run-2's plan 0
+    old.done.set_result(None)
+    for _ in range(3):
+        await asyncio.sleep(0)  # (the old plan's operation ends)
+    w0.link.drop()
+    w0.link.reconnect("run-3")
+    assert [(m.seq, m.names, m.lanes) for m in w0.link.wire if isinstance(m, FuseRunning)] == [(0, ["b"], "run-2.0")]
+
+
+def test_a_plan_says_which_lane_generations_of_its_server_ended():
+    """A generation is "<run>.<resets handled>": a plan on one ends its run's earlier generations, and, once its
+    run handled a reset, every generation of the server's other runs (``Planner._excuse``)."""
+    assert fd.ended_by("r2.0", "r2.1") and fd.ended_by("r2.3", "r2.10") and fd.ended_by("r1.7", "r2.1")
+    assert not fd.ended_by("r2.1", "r2.1") and not fd.ended_by("r2.2", "r2.1") and not fd.ended_by("r1.7", "r2.0")
+    assert not fd.ended_by("r1.0", "") and fd.ended_by("x.y.0", "x.y.1") and not fd.ended_by("x.0", "x.y.0")
+
+
+async def test_a_worker_keeps_the_keys_of_an_ended_lane_generation_while_an_operation_of_it_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker 0 runs plan 0 on generation r.0 when plan 1, on r.1, says r.0 ended: r.0's key is kept while its
+    operation runs (its round number and its operation: a later one on the key would wait for it), and forgotten
+    at the next plan once it ended."""
+    lanes, _, (w0, _w1) = lane_workers(monkeypatch)
+    for k, name in enumerate("abc"):
+        await submit(w0, name, k)
+    old, new = (fused_name(0, 0, "float32", False, f"r.{g}") for g in (0, 1))
+    w0.on_message(0, FusePlan(0, ["a"], "", [["float32", False]], [0], "e1", "r.0"))
+    w0.on_message(0, FusePlan(1, ["b"], "", [["float32", False]], [0], "e1", "r.1"))
+    assert set(w0.numbers.next) == set(w0._lanes) == {old, new}
+    lanes.ops[0].done.set_result(None)
+    lanes.ops[1].done.set_result(None)
+    for _ in range(3):
+        await asyncio.sleep(0)  # (the operations end)
+    w0.on_message(0, FusePlan(2, ["c"], "", [["float32", False]], [0], "e1", "r.1"))
+    assert set(w0.numbers.next) == set(w0._lanes) == {new} and w0.numbers.next[new] == 2

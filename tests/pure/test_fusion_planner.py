@@ -122,6 +122,19 @@ def test_after_a_restart_a_worker_that_lost_a_plan_gets_it_again_whichever_messa
         assert p.take_plans() == [(0, ["a"])] and "a" not in p.running_names
 
 
+def test_plans_of_two_previous_runs_with_one_seq_are_each_sent_again_on_their_own_lanes():
+    """We restarted twice; worker 0 still runs plan 0 of each previous run (every run numbers its plans from 0):
+    ``a`` on generation r1.0, ``b`` on r2.0. Worker 1 lost both: it gets each again, with its names and lanes.
+    Before, the plans running were keyed by seq alone: the second replaced the first, and worker 1 got plan 0
+    of r2.0 alone, while worker 0's round of ``a`` waited for it for ever."""
+    p = Planner(2, run="r3")
+    p.running(0, 0, ["a"], [3], None, "r1.0")
+    p.running(0, 0, ["b"], [5], None, "r2.0")
+    assert p.report(1, ["a", "b"], [F32, F32], [2, 4]) == [] and not p.waiting
+    resent = sorted((r.worker, r.seq, r.names, r.how, r.lanes) for r in p.take_resends())
+    assert resent == [(1, 0, ["a"], "restart", "r1.0"), (1, 0, ["b"], "restart", "r2.0")]
+
+
 def test_a_worker_that_ran_the_plan_too_reports_the_next_round_and_gets_no_resend():
     p = Planner(2)
     p.running(0, 7, ["a"], [3])
@@ -635,3 +648,23 @@ def test_a_reset_begins_a_new_lane_generation_and_ends_the_old_ones_and_those_of
     p.report(1, ["a"], [F32])
     ((seq, _),) = p.take_plans()
     assert p.sent_since(seq, 0) == [(seq, ["a"], "r1.2")]
+
+
+def test_a_restarted_worker_daemon_ends_our_previous_runs_lanes_as_a_reset_does():
+    """A worker daemon that died and started again sends no Reset: its first hello says a new daemon and a new
+    epoch. It numbers every lane from 0 again, as a reset worker does, so the hello is handled as its reset: a
+    new lane generation, and our previous run's lanes end with their plans still running, which are never sent
+    again (sent to it, such a plan would be pushed as round 0 of a lane the peer is further on, and the peer's
+    round would wait for ever). (A daemon's first hello to a run that never heard of the worker cannot be told
+    from a surviving daemon's: both are new to the run, see ``worker_hello``.)"""
+    p = Planner(2, run="r2")
+    p.worker_hello(0, "e0", "d0")
+    p.worker_hello(1, "e1", "d1")
+    p.running(0, 1, ["a"], [3], [2], "r1.0")  # worker 0 still runs plan 1 of our previous run
+    p.worker_gone(1, Why("worker 1 disconnected", "connection"), reset=False)  # its daemon died
+    p.worker_hello(1, "f1", "d1b")  # and started again
+    assert p.endings == 1 and p.lanes == "r2.1" and p.ended(fused_name(0, 1, "float32", False, "r1.0"))
+    assert not p.running_plans and not p.running_names and 1 in p.excused
+    assert p.report(1, ["a"], [F32], [2], rounds=[2]) == [] and p.take_resends() == []  # one plan behind: not sent
+    p.running(0, 1, ["a"], [3], [2], "r1.0")  # told again (a reconnect): ignored
+    assert not p.running_plans and p.take_resends() == []

@@ -173,6 +173,7 @@ class Sim:
         def nreset():
             numbers.next.clear()
         numbers.reset = nreset
+        numbers.forget = lambda key: numbers.next.pop(key, None)  # (total: kept, for the end's comparison)
         daemon = types.SimpleNamespace(
             sim=self,
             config=types.SimpleNamespace(local_size=self.local[w], worker_id=w, cluster=types.SimpleNamespace(timeout=10.0)),

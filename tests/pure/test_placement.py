@@ -23,7 +23,7 @@ from bps_worker.placement import (
     theorem1_shares,
 )
 from protocol.config import ClusterConfig, parse_config
-from protocol.messages import fused_lanes
+from protocol.messages import fused_lanes, fused_name, fused_server
 
 MiB = 1024 * 1024
 
@@ -490,3 +490,19 @@ def test_a_fused_tensor_lives_whole_on_the_server_that_planned_it(one_host):
             assert [pc.offset for pc in pieces] == [sum(x.count for x in pieces[:i]) for i in range(len(pieces))]
             assert {pc.stream for pc in pieces} <= set(range(p.streams(sid)))
     assert p.fused_key(p.server_ids[0], 0, "int32", False, "").endswith("/0/int32@")
+
+
+def test_a_fused_tensors_server_is_read_from_its_name_and_nothing_is_kept_per_name():
+    """A lane generation's fused names are new at every reset of any worker (``bps_worker.fused_driver``): the
+    placement keeps nothing per name (before, a pin per name, for as long as the daemon ran), and places a
+    fused name it never made (a plan's, before ``fused_key``, or after a restart) on the server it says."""
+    p = Placement(make_config(4, 2, partition_bytes=MiB))
+    before = dict(vars(p)) if hasattr(p, "__dict__") else {}
+    for sid in p.server_ids:
+        for generation in range(50):
+            key = fused_name(sid, 3, "float32", False, f"run.{generation}")
+            assert p.server_ids[p.anchor(key)] == sid and {pc.server for pc in p.split(key, 3 * MiB // 4, 4)} == {sid}
+            assert p.fused_key(sid, 3, "float32", False, f"run.{generation}") == key
+    assert {k: len(v) for k, v in vars(p).items() if isinstance(v, dict)} == {
+        k: len(v) for k, v in before.items() if isinstance(v, dict)}
+    assert fused_server(fused_name(12, 0, "int8", True, "r.0")) == 12 and fused_server("weights") is None
