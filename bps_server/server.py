@@ -262,6 +262,7 @@ class SummationServer:
         data["refused_connections"] = self.admission.refused
         data["streams"] = len(self.streams)  # workers' extra connections (Hello.stream > 0)
         data["keys"] = len(self.aggregator.keys)
+        data["rounds_open"] = sum(st.busy for st in self.aggregator.keys.values())  # pushed to, not yet answered
         data["async_keys"] = len(self.values.store.keys)
         data["async_deltas"] = self.values.deltas
         data["async_replays"] = self.values.store.replays

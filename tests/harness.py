@@ -53,19 +53,23 @@ def start_cluster(config_path: Path, log_dir: Path | None = None) -> Cluster:
 def restart_mid_run(cluster: Cluster, victim: str, after_rounds: int, counter: str = "rounds_completed"
                     ) -> tuple[threading.Thread, threading.Event, list[BaseException]]:
     """A started thread that freezes server ``victim`` (SIGSTOP, so that pushes are surely in flight) once it
-    completed ``after_rounds`` rounds (or its ``counter`` statistic reached that: ``async_deltas``), kills it
-    (-9) half a second later and restarts it, as systemd would; the event is set once restarted, the list
-    holds what went wrong in the thread."""
+    completed ``after_rounds`` rounds (or its ``counter`` statistic reached that: ``async_deltas``) and, for
+    rounds, has one open (pushed to by a worker and not answered: what the workers must push again to the new
+    server), kills it (-9) half a second later and restarts it, as systemd would; the event is set once
+    restarted, the list holds what went wrong in the thread."""
     restarted = threading.Event()
     failure: list[BaseException] = []
+
+    def due(stats: dict[str, Any]) -> bool:
+        return stats[counter] >= after_rounds and (counter != "rounds_completed" or stats["rounds_open"] > 0)
 
     def kill_and_restart() -> None:
         try:
             sid = int(victim.split("-")[1])
             deadline = time.monotonic() + 60
-            while server_stats(cluster)[sid][counter] < after_rounds:  # well into the run
+            while not due(server_stats(cluster)[sid]):  # well into the run, mid-round
                 assert time.monotonic() < deadline, "the job does not progress"
-                time.sleep(0.05)
+                time.sleep(0.01)
             cluster.kill(victim, signal.SIGSTOP)
             time.sleep(0.5)
             cluster.kill(victim)

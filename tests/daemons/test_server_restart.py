@@ -53,9 +53,10 @@ def test_server_killed_and_restarted_mid_training(tmp_path, victim, hosts):
     and each must replay and push again on its own.
 
     Every run must be exact. The case this test is for, every worker meeting the new server with pushes in
-    flight (the victim is frozen first) and pushing them again, is what a run usually gives; under a busy loop
-    the freeze once found nothing in flight at the victim ("pushing 0 partitions again" on both workers), so the
-    job runs again, up to ATTEMPTS times, until a run covers it."""
+    flight and pushing them again, is what a run usually gives: the victim is frozen once its statistics show a
+    round open (``rounds_open``, harness.restart_mid_run). Before that wait, under a busy loop the freeze twice
+    found nothing in flight at the victim ("pushing 0 partitions again" on every link, once in three runs in a
+    row), so the job still runs again, up to ATTEMPTS times, until a run covers it."""
     for attempt in range(ATTEMPTS):
         again = _run_once(tmp_path / f"run{attempt}", victim, hosts)
         if sum(n > 0 for n in again) >= 2:

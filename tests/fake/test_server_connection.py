@@ -68,6 +68,23 @@ async def test_handshake_push_result_and_stats():
     _feed(conns[0][0], _frame(StatsRequest(99)))
     stats = conns[0][1].messages()[-1][0]
     assert isinstance(stats, Stats) and stats.stats["bytes_received"] == 32 and stats.stats["rounds_completed"] == 1
+    assert stats.stats["rounds_open"] == 0
+    await server.stop()
+
+
+async def test_rounds_open_counts_the_rounds_pushed_to_and_not_answered():
+    """What the restart tests freeze a server on: a worker's push in its hands (tests/harness.py)."""
+    server = _server()
+    conns = _workers(server, 2)
+    for name in ("a", "b"):
+        push = Push(req=1, name=name, part=0, round=0, worker=0, dtype="float32", shape=[4], offset=0, count=4)
+        _feed(conns[0][0], _frame(push, np.ones(4, np.float32).tobytes()))
+    await asyncio.sleep(0.05)
+    assert server.stats()["rounds_open"] == 2
+    push = Push(req=2, name="a", part=0, round=0, worker=1, dtype="float32", shape=[4], offset=0, count=4)
+    _feed(conns[1][0], _frame(push, np.ones(4, np.float32).tobytes()))
+    await asyncio.sleep(0.05)
+    assert server.stats()["rounds_open"] == 1 and server.stats()["rounds_completed"] == 1
     await server.stop()
 
 
