@@ -372,9 +372,13 @@ class ServerLink:
     def keep_connected(self) -> None:
         """Connect while idle, so that the daemon is ready before the first push and again after a server
         comes back (its readiness is being connected to every server). One attempt at a time, which fails
-        nothing (pushes keep their own timeout, see :meth:`_attempt`); none where another daemon with our
-        worker id was refused (a second daemon must not keep knocking; its pushes still try)."""
-        if self.closed or self._ready or self._held_elsewhere is not None:
+        nothing (pushes keep their own timeout, see :meth:`_attempt`). Where another daemon with our worker id
+        was refused, none until one timeout after that refusal (a second daemon must not keep knocking; its
+        pushes still try): then one, so that once the holder is gone (stopped, or a stranger that borrowed our
+        id and left) we are back within a timeout, not only at our next push, after the server failed our
+        peers' rounds for want of us."""
+        held = self._held_elsewhere
+        if self.closed or self._ready or (held is not None and asyncio.get_running_loop().time() < held[0]):
             return
         if (self._connecting is None or self._connecting.done()) and \
                 asyncio.get_running_loop().time() >= self._attempt_after:

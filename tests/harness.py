@@ -181,5 +181,6 @@ def run_ranks(cluster: Cluster, target: Callable[..., Any], *args: Any, timeout:
             if p.is_alive():
                 p.kill()
     if errors:
-        raise AssertionError("rank failures:\n" + "\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
+        raise AssertionError("rank failures:\n" + "\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
+                             + f"\n{daemon_logs(cluster)}")  # (what a failure seen once under load needs)
     return [results.get(r) for r in range(len(procs))]

@@ -141,6 +141,7 @@ def test_server_drops_bad_frames_and_keeps_serving(cluster, holder_silent):
     deadline = time.monotonic() + 30
     while _connections_to(cluster, worker=1, server=2) <= reconnects and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert _connections_to(cluster, worker=1, server=2) > reconnects, daemon_logs(cluster)
     _sums_still_exact(cluster)
     log = daemon_logs(cluster)
     assert "dropping" in log and "version" in log
