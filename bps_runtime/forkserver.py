@@ -182,9 +182,11 @@ class Forkserver:
         try:
             ready = ours.recv(4096)
         except (OSError, socket.timeout) as exc:
+            ours.close()
             self._helper.kill()
             raise ForkserverError(f"the forkserver was not ready within {START_TIMEOUT_S:g} s: {exc}") from exc
         if not ready:
+            ours.close()
             raise ForkserverError(f"the forkserver exited during start-up with status {self._helper.wait()}")
         ours.settimeout(None)
         self._requests, self._netns = ours, ready.decode()
@@ -215,20 +217,19 @@ def _preload() -> None:
     kernels.warm_up(blas=False)
 
 
-def _child(request: dict[str, Any], output: int, helper_fds: Sequence[int]) -> None:
-    """In a fresh fork: become the daemon ``request`` names, run it, exit with its status. Never returns."""
+def _child(request: dict[str, Any], output: int) -> None:
+    """In a fresh fork: become the daemon ``request`` names, run it, exit with its status. Never returns.
+    Every descriptor of the helper above 2 is closed here (the caller detached its socket objects)."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        for fd in helper_fds:
-            os.close(fd)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(output, 1)
         os.dup2(output, 2)
-        os.closerange(3, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 4096)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
@@ -272,7 +273,7 @@ def _exit(code: int) -> None:
         os._exit(code & 0xFF)
 
 
-def _fork(requests: socket.socket, wake: tuple[int, int], children: dict[int, socket.socket]) -> bool:
+def _fork(requests: socket.socket, children: dict[int, socket.socket]) -> bool:
     """Take one request and fork its daemon; False once the request socket is closed."""
     try:
         data, fds, _, _ = socket.recv_fds(requests, _REQUEST_MAX, 2)
@@ -289,8 +290,9 @@ def _fork(requests: socket.socket, wake: tuple[int, int], children: dict[int, so
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        _child(request, output, [requests.detach(), *wake, *(s.detach() for s in children.values()),
-                                 status.detach()])
+        for sock in (requests, status, *children.values()):
+            sock.detach()  # (their finalizers must not close a descriptor number the daemon reuses)
+        _child(request, output)
     os.close(output)
     children[pid] = status
     try:
@@ -335,7 +337,7 @@ def serve(fd: int) -> None:
             os.read(wake[0], 4096)
         _reap(children)
         if requests.fileno() in readable:
-            listening = _fork(requests, wake, children)
+            listening = _fork(requests, children)
     requests.close()
 
 
