@@ -78,15 +78,16 @@ def host_network() -> Iterator[None]:
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: one test file at a time per two cores, up to 4, where each worker can have a loopback of
-    its own (root); otherwise none (the files run one after the other in this process).
+    """``-n auto``: test files side by side, one per two cores but at least 2 and at most 4, where each worker can have a
+    loopback of its own (root); otherwise none (the files run one after the other in this process).
 
-    Two cores a file: the suite's daemons and ranks use CPU, and its timeouts are set for a busy 2-core box
-    running one file. On 2 cores two files at a time took as long as one (both CPU-bound: 1500 CPU-s in 20 min,
-    against 1050 CPU-s serially), and the slow files' tests took twice as long (the emulator's sweep went
-    from 25-33 s to 42-57 s and missed its 55 s)."""
+    Two files side by side on 2 cores: since the daemons are forked from a preloaded process (their start was
+    60% of the suite's CPU), much of a file's time is waiting (fault timeouts, heartbeats, a rank's sleep).
+    Measured on this project's 2-core box (session 19): 1893 tests in 11:29 and 11:00 with two files at a
+    time, 17:51 one after the other. Before the forkserver, two at a time took as long as one (both
+    CPU-bound). More than one file per core is not tried: the tests' timeouts are set for a busy 2-core box."""
     cores = os.cpu_count() or 1
-    return min(4, cores // 2) if private_network_possible() and cores >= 4 else 0
+    return min(4, max(2, cores // 2)) if private_network_possible() and cores >= 2 else 0
 
 
 def pytest_configure(config: pytest.Config) -> None:
