@@ -199,9 +199,16 @@ class Placement:
         Chosen with probability proportional to the servers' shares (never a server without one); a fused
         tensor's is the server that planned it (``fused_key``).
         """
+        fused = self._fused_index(name)
+        return fused if fused is not None else self._hashed_index(name)
+
+    def _fused_index(self, name: str) -> int | None:
+        """Index of the server a fused tensor's name says (``fused_key``); None for any other name."""
         server = fused_server(name)
-        if server is not None and server in self._index:
-            return self._index[server]
+        return None if server is None else self._index.get(server)
+
+    def _hashed_index(self, name: str) -> int:
+        """Index of an ordinary tensor's anchor (see :meth:`anchor`)."""
         u = Fraction(zlib.crc32(name.encode()), 1 << 32)
         for i, bound in enumerate(self._cumulative):
             if u < bound and self.shares[i] > 0:
@@ -211,10 +218,11 @@ class Placement:
     def split(self, name: str, count: int, itemsize: int) -> list[Piece]:
         """The pieces of a tensor of ``count`` elements of ``itemsize`` bytes."""
         s = len(self.server_ids)
-        start = self.anchor(name)
+        fused = self._fused_index(name)  # (the name read once)
+        start = fused if fused is not None else self._hashed_index(name)
         if count * itemsize <= self.small_tensor_bytes:
             return [Piece(0, self.server_ids[start], 0, count)]
-        if fused_server(name) in self._index:  # a fused tensor: partitions of at most partition_bytes, all on its server
+        if fused is not None:  # a fused tensor: partitions of at most partition_bytes, all on its server
             sid = self.server_ids[start]
             largest = max(1, self.partition_bytes // itemsize)
             streams = self._streams[sid]

@@ -78,8 +78,8 @@ def host_network() -> Iterator[None]:
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: test files side by side, one per two cores but at least 2 and at most 4, where each worker can have a
-    loopback of its own (root); otherwise none (the files run one after the other in this process).
+    """``-n auto``: test files side by side, one per two cores but at least 2 and at most 4, where each worker
+    can have a loopback of its own (root); otherwise none (the files run one after the other in this process).
 
     Two files side by side on 2 cores: since the daemons are forked from a preloaded process (their start was
     60% of the suite's CPU), much of a file's time is waiting (fault timeouts, heartbeats, a rank's sleep).
