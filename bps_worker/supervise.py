@@ -20,6 +20,10 @@ Theory of operation:
 - ``forkserver``: daemons it serves (``python -m bps_server|bps_worker``, no prefix) are forked from its
   helper, which imported them once, instead of started with ``exec`` (see ``bps_runtime.forkserver``): the
   tests' clusters (:attr:`Cluster.default_forkserver`), where start-up was most of the suite's CPU.
+- ``BPS_FORKSERVER=1`` in the environment: a :class:`Cluster` made without :attr:`Cluster.default_forkserver`
+  forks its daemons from one helper of this process (:func:`env_forkserver`), so that a script that starts
+  clusters (the launcher, a benchmark) pays the daemons' imports once. The tests set it for the scripts they
+  run; a user may, on a box where many one-box clusters start.
 - ``interrupted``: a callable the launcher passes to learn of Ctrl-C from its own flag (see
   ``bps_worker.launch``); both waits check it and raise :class:`KeyboardInterrupt`. Without it a Ctrl-C is
   Python's ordinary ``KeyboardInterrupt``.
@@ -44,13 +48,27 @@ from . import sockdir
 from .cluster_file import free_ports
 from bps_runtime.forkserver import ForkedProcess, Forkserver
 
-__all__ = ["READY_TIMEOUT_S", "STOP_GRACE_S", "Child", "Cluster", "DaemonCommand", "Ending", "LaunchError",
-           "Supervisor", "daemon_argv", "judge", "stop_in_layers"]
+__all__ = ["FORKSERVER_ENV", "READY_TIMEOUT_S", "STOP_GRACE_S", "Child", "Cluster", "DaemonCommand", "Ending", "LaunchError",
+           "Supervisor", "daemon_argv", "env_forkserver", "judge", "stop_in_layers"]
 
 READY_TIMEOUT_S: Final = 60.0
 STOP_GRACE_S: Final = 10.0
 READY_POLL_S: Final = 0.2   # how often the readiness wait looks for exited daemons
 WATCH_POLL_S: Final = 0.05  # how often :meth:`Supervisor.watch` polls the training processes
+FORKSERVER_ENV: Final = "BPS_FORKSERVER"
+
+_env_forkserver: Forkserver | None = None
+
+
+def env_forkserver() -> Forkserver | None:
+    """This process's forkserver where ``BPS_FORKSERVER=1`` (one for the process's life, its helper started at
+    the first daemon; see the module); None otherwise."""
+    global _env_forkserver
+    if os.environ.get(FORKSERVER_ENV, "") != "1":
+        return None
+    if _env_forkserver is None:
+        _env_forkserver = Forkserver()
+    return _env_forkserver
 
 
 class LaunchError(Exception):
@@ -278,13 +296,13 @@ class Cluster:
     """The daemons of one cluster file, all on this box; a context manager that always stops them.
 
     Daemons run as ``python -m bps_server`` / ``python -m bps_worker`` (forked from
-    :attr:`default_forkserver` where one is set, as in the tests). Each worker's socket is where the
+    :attr:`default_forkserver` where one is set, as in the tests, else from :func:`env_forkserver`'s). Each worker's socket is where the
     file says when that directory exists and is ours alone; else in this cluster's private run directory
     (:func:`bps_worker.sockdir.launch_socket_path`; ``moved`` says which and why). ``timeline_dir``: every
     daemon writes ``DIR/<label>.json``, every rank ``DIR/rank<N>.json``. ``interrupted``: see the module.
     """
 
-    default_forkserver: ClassVar[Forkserver | None] = None  # set by the tests (conftest.py): see the module
+    default_forkserver: ClassVar[Forkserver | None] = None  # set by the tests (conftest.py); else BPS_FORKSERVER
 
     def __init__(self, config_path: str, *, log_level: str = "warning", log_dir: str | None = None,
                  python: str = sys.executable, timeline_dir: str | None = None,
@@ -303,7 +321,7 @@ class Cluster:
             if problem is not None:
                 self.moved[spec.id] = problem
         self.supervisor = Supervisor(self._tmp.name, log_dir=log_dir, interrupted=interrupted,
-                                     forkserver=self.default_forkserver)
+                                     forkserver=self.default_forkserver or env_forkserver())
         self._rendezvous_port: int | None = None  # torch.distributed's, chosen when the first rank needs it
 
     @property

@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.usefixtures("forked_daemons")
 
 
 def test_push_pull_vs_gloo_quick_prints_its_table():

@@ -223,6 +223,7 @@ def test_launcher_runs_a_script_on_every_rank(tmp_path):
     assert {(out / r).read_text() for r in "012"} == {"6.0"}
 
 
+@pytest.mark.usefixtures("forked_daemons")  # about the straggler report / token, not the daemons' start
 def test_launcher_reports_the_straggler(tmp_path):
     config = write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"partition_bytes": 65536})
     script = tmp_path / "late.py"
@@ -371,6 +372,7 @@ TOKEN_JOB = ("import numpy as np, bps_worker.client as bps\n"
              "bps.shutdown()\n")
 
 
+@pytest.mark.usefixtures("forked_daemons")  # about the straggler report / token, not the daemons' start
 def test_launcher_makes_a_private_token_on_first_start_and_reuses_it(tmp_path):
     token = tmp_path / "home" / ".config" / "bps" / "token"
     config = write_config(tmp_path / "c", [1, 1], cpu_servers=1, cluster={"token_file": "~/.config/bps/token"})

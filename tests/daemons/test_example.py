@@ -11,6 +11,7 @@ import pytest
 from harness import write_config
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.usefixtures("forked_daemons")
 
 
 def test_digits_example_trains_on_a_one_box_cluster(tmp_path):

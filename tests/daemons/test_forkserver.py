@@ -192,3 +192,25 @@ def test_without_an_output_the_daemon_writes_to_our_descriptor_2(forkserver, cap
     forked = forkserver.spawn([PY, "-m", "bps_worker", "--config", "x.toml", "--no-such-option"], dict(os.environ))
     assert forked.wait(timeout=30) == 2
     assert "unrecognized arguments: --no-such-option" in capfd.readouterr().err
+
+
+def test_bps_forkserver_in_the_environment_forks_a_cluster_s_daemons(tmp_path, monkeypatch):
+    """``BPS_FORKSERVER=1`` (the launcher's and the benchmarks' clusters in the tests): one helper for the
+    process, its daemons forked; without it, exec'd."""
+    from bps_worker import supervise
+
+    monkeypatch.setattr(Cluster, "default_forkserver", None)
+    monkeypatch.setattr(supervise, "_env_forkserver", None)
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    monkeypatch.delenv("BPS_FORKSERVER", raising=False)
+    assert Cluster(str(config)).supervisor.forkserver is None and supervise.env_forkserver() is None
+    monkeypatch.setenv("BPS_FORKSERVER", "1")
+    cluster = Cluster(str(config), log_level="info", log_dir=str(tmp_path / "logs"))
+    fs = cluster.supervisor.forkserver
+    assert fs is not None and Cluster(str(config)).supervisor.forkserver is fs  # one for the process
+    try:
+        with cluster:
+            assert all(isinstance(c.proc, ForkedProcess) for c in cluster.children), cluster.children
+            assert run_ranks(cluster, _sum, 2) == [[499500.0, 500500.0]]
+    finally:
+        fs.close()
