@@ -48,7 +48,8 @@ from . import sockdir
 from .cluster_file import free_ports
 from bps_runtime.forkserver import ForkedProcess, Forkserver
 
-__all__ = ["FORKSERVER_ENV", "READY_TIMEOUT_S", "STOP_GRACE_S", "Child", "Cluster", "DaemonCommand", "Ending", "LaunchError",
+__all__ = ["FORKSERVER_ENV", "READY_TIMEOUT_S", "STOP_GRACE_S", "Child", "Cluster", "DaemonCommand", "Ending",
+           "LaunchError",
            "Supervisor", "daemon_argv", "env_forkserver", "judge", "stop_in_layers"]
 
 READY_TIMEOUT_S: Final = 60.0
@@ -296,10 +297,11 @@ class Cluster:
     """The daemons of one cluster file, all on this box; a context manager that always stops them.
 
     Daemons run as ``python -m bps_server`` / ``python -m bps_worker`` (forked from
-    :attr:`default_forkserver` where one is set, as in the tests, else from :func:`env_forkserver`'s). Each worker's socket is where the
-    file says when that directory exists and is ours alone; else in this cluster's private run directory
-    (:func:`bps_worker.sockdir.launch_socket_path`; ``moved`` says which and why). ``timeline_dir``: every
-    daemon writes ``DIR/<label>.json``, every rank ``DIR/rank<N>.json``. ``interrupted``: see the module.
+    :attr:`default_forkserver` where one is set, as in the tests, else from :func:`env_forkserver`'s). Each
+    worker's socket is where the file says when that directory exists and is ours alone; else in this
+    cluster's private run directory (:func:`bps_worker.sockdir.launch_socket_path`; ``moved`` says which and
+    why). ``timeline_dir``: every daemon writes ``DIR/<label>.json``, every rank ``DIR/rank<N>.json``.
+    ``interrupted``: see the module.
     """
 
     default_forkserver: ClassVar[Forkserver | None] = None  # set by the tests (conftest.py); else BPS_FORKSERVER
