@@ -109,7 +109,7 @@ class ClientSession(AdmittedProtocol):
         self._outbox: list[bytes] = []  # frames of this pass of the event loop, not yet written (see send)
         # This process's ops handed to the local rounds and not answered yet: req -> tensor name, and how
         # many per name (an Alloc must not move the slot an op in flight reads).
-        self.inflight: dict[int, str] = {}
+        self.inflight: dict[int, tuple[str, str]] = {}  # req -> (tensor name, the segment it is read from)
         self.inflight_names: Counter[str] = Counter()
         # The Unix-socket handshake: no token and no challenge (the client speaks first), only local
         # ranks 0..local_size-1 (protocol.handshake).
@@ -188,7 +188,7 @@ class ClientSession(AdmittedProtocol):
         The slots the process gives up (``Alloc.free``) go first, whatever else the answer is: it forgot them."""
         freed = []
         for name in message.free:
-            if not self.inflight_names[name]:
+            if not self.inflight_names[name] and not self._read_from(name):
                 freed += self.arena.drop(name)
         self.daemon.segments_freed(freed)
         if self.inflight_names[message.name]:
@@ -209,6 +209,14 @@ class ClientSession(AdmittedProtocol):
         self.daemon.segments_freed(more)
         self.send(Allocated(message.req, slot.segment, slot.capacity, slot.offset))
 
+    def _read_from(self, name: str) -> bool:
+        """Whether an op in flight reads from the segment of ``name``'s slot. The process carves its small
+        tensors from slabs of its own (``bps_worker.client.slots``), each one slot here under the slab's
+        name: a slab it gives up while one of its tensors is in flight (a process's bug) must not be freed
+        under that op. Only when it gives something up: a walk over what is in flight."""
+        slot = self.arena.slots.get(name)
+        return slot is not None and any(segment == slot.segment for _, segment in self.inflight.values())
+
     def op(self, message: Op) -> None:
         """A collective on one tensor: refused here if it does not fit its memory, else a local round's."""
         error = self.check_op(message)
@@ -217,7 +225,7 @@ class ClientSession(AdmittedProtocol):
         if error:
             self.send(Failure(message.req, error, code="bad_request"))
         else:
-            self.inflight[message.req] = message.name
+            self.inflight[message.req] = (message.name, message.segment)
             self.inflight_names[message.name] += 1
             self.daemon.submit(self, message)
 
@@ -248,7 +256,7 @@ class ClientSession(AdmittedProtocol):
             if error is not None:
                 self.send(Failure(req, error, code="bad_request"))
                 continue
-            inflight[req] = name
+            inflight[req] = (name, batch.segments[s])
             names_in_flight[name] = names_in_flight.get(name, 0) + 1  # (a Counter's += on a new name calls Python)
             entries.append((req, name, specs[k], batch.segments[s], offset, priority))
         if entries:
@@ -302,8 +310,9 @@ class ClientSession(AdmittedProtocol):
         slots may move again. A fused batch answers thousands per step: one loop, no call per request."""
         inflight, names = self.inflight, self.inflight_names
         for req in reqs:
-            name = inflight.pop(req, None)
-            if name is not None:
+            entry = inflight.pop(req, None)
+            if entry is not None:
+                name = entry[0]
                 left = names[name] - 1
                 if left:
                     names[name] = left

@@ -48,3 +48,24 @@ def alloc_while_in_flight() -> dict[str, Any]:
     then = bps.push_pull(np.full(10, float(rank), np.float32), "y", average=False)
     return {"error": error, "first": float(np.asarray(first).min()), "first_max": float(np.asarray(first).max()),
             "then": float(np.asarray(then)[0])}
+
+
+def slab_given_up_in_flight() -> dict[str, Any]:
+    """Rank 0 starts an async push of the small 's' (carved from its first slab) that waits for rank 1, then gives
+    that slab up through its connection (an Alloc whose ``free`` names it; the client itself never does while
+    one of its tensors is in flight). The daemon must not free memory an op in flight reads: 's' completes,
+    exact, and so does a small 't' after it (carved from the same slab, which the client still maps)."""
+    rank = bps.rank()
+    ops = bps._operations()
+    if rank == 0:
+        handle = bps.push_pull_async(np.full(100, 3.0, np.float32), "s", average=False)
+        time.sleep(0.3)  # its fused batch leaves after the cycle time: in flight at the daemon before the Alloc
+        [slab] = ops.slots._slabs.values()
+        ops.conn.allocate("other", 1 << 20, [slab])  # a large tensor's slot, giving the slab up first
+        first = bps.synchronize(handle)
+    else:
+        time.sleep(1.0)  # rank 0's Alloc arrives while its op waits for ours
+        first = bps.push_pull(np.full(100, 3.0, np.float32), "s", average=False)
+    then = bps.push_pull(np.full(10, float(rank), np.float32), "t", average=False)
+    return {"first": sorted(set(np.asarray(first).tolist())), "then": sorted(set(np.asarray(then).tolist())),
+            "slabs": len(ops.slots._slabs)}

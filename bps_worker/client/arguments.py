@@ -21,8 +21,8 @@ from protocol.messages import FUSED_PREFIX, MAX_DIMS, MAX_LAYOUT_CHARS, MAX_NAME
 from ..errors import BPSError
 from .arrays import dtype_name
 
-__all__ = ["GROUP_PREFIX", "WIRE_INT_MAX", "WIRE_INT_MIN", "check_average", "check_dtype", "check_layout", "check_name",
-           "check_out", "check_priority", "check_shape"]
+__all__ = ["GROUP_PREFIX", "SLAB_PREFIX", "WIRE_INT_MAX", "WIRE_INT_MIN", "check_average", "check_dtype",
+           "check_layout", "check_name", "check_out", "check_priority", "check_shape"]
 
 # The integers a control message carries are msgpack's signed 64-bit ones (a larger one cannot be encoded).
 WIRE_INT_MIN: Final = -(1 << 63)
@@ -30,11 +30,13 @@ WIRE_INT_MAX: Final = (1 << 63) - 1
 # The prefix of the names push_pull_group gives the tensors it packs a group's small entries into
 # (bps_worker.client.group); a user's name may not start with it.
 GROUP_PREFIX: Final = "\x00group/"
+SLAB_PREFIX: Final = "\x00slab/"  # the slabs this process carves its small tensors from (client.slots)
 
 
 def check_name(name: object, *, internal: bool = False) -> str:
     """``name`` if it can name a tensor on the wire: a non-empty str of at most ``MAX_NAME_CHARS`` characters
-    that UTF-8 can encode, and not one of the client's own (``GROUP_PREFIX``) unless ``internal``."""
+    that UTF-8 can encode, not one of the client's slabs (``SLAB_PREFIX``), and not one of its packed
+    tensors (``GROUP_PREFIX``) unless ``internal``."""
     if not isinstance(name, str) or not name:
         raise BPSError(f"tensor name must be a non-empty string, got {name!r}")
     if len(name) > MAX_NAME_CHARS:
@@ -43,6 +45,9 @@ def check_name(name: object, *, internal: bool = False) -> str:
     if name.startswith(FUSED_PREFIX):
         raise BPSError(f"tensor name {name[:40]!r}: names starting {FUSED_PREFIX!r} are the worker daemon's own "
                        f"(its fused tensors)")
+    if name.startswith(SLAB_PREFIX):
+        raise BPSError(f"tensor name {name[:40]!r}: names starting {SLAB_PREFIX!r} are the client's own "
+                       f"(its shared-memory slabs)")
     if not internal and name.startswith(GROUP_PREFIX):
         raise BPSError(f"tensor name {name[:40]!r}: names starting {GROUP_PREFIX!r} are the client's own "
                        f"(push_pull_group's packed tensors)")

@@ -1,0 +1,128 @@
+"""The client carves its small tensors from slabs of its own (bps_worker.client.slots): one Alloc per slab, not
+one round trip per tensor; each slab is one slot of the daemon's arena under a name of the client's
+(SLAB_PREFIX), given up by that name, in the next Alloc once no slot lives in it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bps_runtime import segments
+from bps_runtime.segments import Arena
+from bps_worker.client.arguments import SLAB_PREFIX, check_name
+from bps_worker.client.slots import FREE_MAX_NAMES, SlotMap
+from bps_worker.errors import BPSError
+
+BIG = 256 << 10  # above the slab item size: a segment of its own
+
+
+class Daemon:
+    """The daemon's side of Alloc, on a real arena (so the client can map what it is given)."""
+
+    def __init__(self, cap_bytes: int | None = None) -> None:
+        self.arena = Arena(911, cap_bytes=cap_bytes)
+        self.asked: list[tuple[str, int, list[str]]] = []
+
+    def allocate(self, name: str, nbytes: int, free) -> tuple[str, int, int]:
+        self.asked.append((name, nbytes, list(free)))
+        for tensor in free:
+            self.arena.drop(tensor)
+        slot, _ = self.arena.alloc(name, nbytes, busy=lambda t: True)  # as the daemon: only the client frees
+        return slot.segment, slot.offset, slot.capacity
+
+
+@pytest.fixture
+def daemon():
+    d = Daemon()
+    yield d
+    d.arena.release_all()
+
+
+def _spans(slots: SlotMap, names) -> list[tuple[str, int, int]]:
+    return sorted((slots.slots[n].segment_name, slots.slots[n].offset, slots.slots[n].capacity) for n in names)
+
+
+def test_thousands_of_small_tensors_take_one_alloc_and_never_overlap(daemon: Daemon):
+    slots = SlotMap(daemon.allocate)
+    try:
+        names = [f"t{i}" for i in range(3000)]
+        for i, name in enumerate(names):
+            slot = slots.slot_for(name, 1 + (i * 37) % 1000)
+            assert slot.capacity >= 1 + (i * 37) % 1000 and slot.offset % segments.SLOT_ALIGN == 0
+        assert daemon.asked == [(f"{SLAB_PREFIX}0", segments.SLAB_BYTES, [])]
+        spans = _spans(slots, names)
+        assert all(a[1] + a[2] <= b[1] for a, b in zip(spans, spans[1:]))  # disjoint
+        assert spans[-1][1] + spans[-1][2] <= segments.SLAB_BYTES
+        for name in names[:50]:  # the same slot again, no Alloc
+            assert slots.slot_for(name, 1) is slots.slots[name]
+        slots.slot_for("big", BIG)  # a large tensor: its own slot, asked by its name
+        assert daemon.asked[-1] == ("big", BIG, []) and len(daemon.asked) == 2
+        view = slots.slots["t1"].view(np.dtype("float32"), (9,))
+        view[...] = 7.0  # the memory is the daemon's slab, mapped here
+        seg = daemon.arena.segments[slots.slots["t1"].segment_name]
+        assert bytes(seg.buf[slots.slots["t1"].offset:slots.slots["t1"].offset + 4]) == bytes(view[:1])
+    finally:
+        slots.close()
+
+
+def test_a_full_slab_makes_the_next_one(daemon: Daemon):
+    slots = SlotMap(daemon.allocate)
+    try:
+        per_slab = segments.SLAB_BYTES // segments.SLAB_ITEM_MAX_BYTES
+        for i in range(per_slab + 1):
+            slots.slot_for(f"t{i}", segments.SLAB_ITEM_MAX_BYTES)
+        assert [a[0] for a in daemon.asked] == [f"{SLAB_PREFIX}0", f"{SLAB_PREFIX}1"]
+        assert len({slots.slots[f"t{i}"].segment_name for i in range(per_slab + 1)}) == 2
+    finally:
+        slots.close()
+
+
+def test_under_the_cap_a_slab_is_given_up_by_its_name_whatever_its_tensors():
+    """More tensors in the slab than one Alloc may name (FREE_MAX_NAMES): the slab is one name."""
+    daemon = Daemon(cap_bytes=2 * segments.SLAB_BYTES)
+    busy: set[str] = set()
+    slots = SlotMap(daemon.allocate, cap_bytes=2 * segments.SLAB_BYTES, busy=busy.__contains__)
+    try:
+        first = [f"a{i}" for i in range(FREE_MAX_NAMES + 50)]
+        for name in first:
+            slots.slot_for(name, 4096)
+        per_slab = segments.SLAB_BYTES // 4096
+        second = [f"b{i}" for i in range(per_slab - len(first) + per_slab)]  # fills slab 0, then all of slab 1
+        for name in second:
+            slots.slot_for(name, 4096)
+        assert [a[0] for a in daemon.asked] == [f"{SLAB_PREFIX}0", f"{SLAB_PREFIX}1"]
+        busy.update(second)  # slab 1's tensors, and slab 0's later ones, are in flight: slab 0 is not idle
+        with pytest.raises(Exception, match="may hold"):
+            slots.slot_for("c", 4096)
+        assert daemon.asked[-1] == (f"{SLAB_PREFIX}2", segments.SLAB_BYTES, [])  # nothing idle: nothing given up
+        busy.clear()
+        busy.update(second[-per_slab:])  # only slab 1's: slab 0 is idle, the least recently used
+        slots.slot_for("c", 4096)
+        assert daemon.asked[-1] == (f"{SLAB_PREFIX}3", segments.SLAB_BYTES, [f"{SLAB_PREFIX}0"])
+        assert not set(first) & set(slots.slots) and "c" in slots.slots
+        assert len(slots.attached) == 2 and daemon.arena.held_bytes == 2 * segments.SLAB_BYTES
+    finally:
+        slots.close()
+        daemon.arena.release_all()
+
+
+def test_a_slab_no_slot_lives_in_is_given_up_at_the_next_alloc(daemon: Daemon):
+    slots = SlotMap(daemon.allocate)
+    try:
+        slots.slot_for("s", 100)
+        slab = slots.slots["s"].segment_name
+        slots.slot_for("s", BIG)  # it grew out of the slab: the slab's last slot is gone
+        assert slab not in slots.attached
+        assert daemon.asked[-1] == ("s", BIG, [])
+        slots.slot_for("t", 100)  # a new slab (the old one is no longer ours), the old one given up with it
+        assert daemon.asked[-1] == (f"{SLAB_PREFIX}1", segments.SLAB_BYTES, [f"{SLAB_PREFIX}0"])
+        assert slab not in daemon.arena.segments
+    finally:
+        slots.close()
+
+
+def test_a_user_cannot_name_a_tensor_as_a_slab():
+    with pytest.raises(BPSError, match="client's own"):
+        check_name(f"{SLAB_PREFIX}0")
+    with pytest.raises(BPSError, match="client's own"):
+        check_name(f"{SLAB_PREFIX}0", internal=True)
