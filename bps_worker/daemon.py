@@ -25,7 +25,7 @@ import socket
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Container, Final
 
 import numpy as np
 
@@ -480,6 +480,12 @@ class WorkerDaemon:
         self.epoch = epoch = secrets.token_hex(8)
         for link in self.all_links:
             link.epoch = epoch
+
+    def forget_sums(self, names: Container[str]) -> None:
+        """Tensors ``names`` are never pushed again (an ended lane generation's fused keys): no link keeps
+        their last sums for a restarted server (``bps_worker.window``)."""
+        for link in self.all_links:
+            link.forget_sums(names)
 
     def segments_freed(self, names: list[str]) -> None:
         """Shared memory we unlinked: the colocated server must unmap it too, or it stays allocated."""

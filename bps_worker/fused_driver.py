@@ -371,7 +371,7 @@ class FusedSums:
 
     def _forget_ended(self, sid: int, lanes: str) -> None:
         """A plan of server ``sid`` on lane generation ``lanes``: forget the fused keys (their round numbers,
-        their last operations) of the generations of ``sid`` that it says ended (``ended_by``), once none of their
+        their last operations, their last sums) of the generations of ``sid`` that it says ended (``ended_by``), once none of their
         operations runs here (else at a later plan: they end, failed, since the anchor refuses their pushes).
         Kept, they grew by a generation's keys at every reset of any worker, for as long as the daemon ran. No
         plan of an ended generation comes after one of a later generation of its run (the anchor sends its plans,
@@ -389,6 +389,7 @@ class FusedSums:
             for key in keys:
                 self._lanes.pop(key, None)
                 numbers.forget(key)
+            self.daemon.forget_sums(keys)  # nor are their last sums kept for a restarted server
 
     async def _run(self, sid: int, plan: tuple[int, str], previous: asyncio.Future[Any] | None,
                    op: FusedOperation) -> None:

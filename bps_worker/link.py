@@ -56,7 +56,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
-from typing import Any, Callable, Final, Sequence, cast
+from typing import Any, Callable, Container, Final, Sequence, cast
 
 from protocol import PROTOCOL_VERSION
 from protocol.config import ServerSpec
@@ -504,6 +504,10 @@ class ServerLink:
         self.window.drop_sums()  # the next job starts at round 0; the buffers are being freed
         if self.stream == 0:  # the server's state of this worker follows its first connection
             self._send_control(Reset(self.worker_id, self.epoch))
+
+    def forget_sums(self, names: Container[str]) -> None:
+        """Tensors ``names`` are never pushed again: their last sums are not kept for a restarted server."""
+        self.window.drop_sums_of(names)
 
     def release_segments(self, names: list[str]) -> None:
         """Segments we unlinked: a server that maps our memory unmaps them (a new connection maps

@@ -46,7 +46,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import Final, Generic, Iterator, TypeVar
+from typing import Container, Final, Generic, Iterator, TypeVar
 
 from protocol.messages import BATCH_HEADER_BUDGET, MAX_BATCH_ITEMS
 
@@ -264,6 +264,12 @@ class SendWindow(Generic[P]):
     def drop_sum(self, key: tuple[str, int]) -> None:
         """The partition's round failed: nothing of it is replayed."""
         self._sums.pop(key, None)
+
+    def drop_sums_of(self, names: Container[str]) -> None:
+        """Tensors ``names`` are never pushed again (the fused keys of a lane generation that ended): none of
+        their sums is replayed. Kept, they grew by a generation's keys at every reset anywhere in the job."""
+        for key in [key for key in self._sums if key[0] in names]:
+            del self._sums[key]
 
     def drop_sums(self) -> None:
         """The job ended (its buffers are being freed): nothing is replayed any more."""

@@ -83,7 +83,7 @@ class Session:
 
 
 def worker(wid: int) -> Any:
-    link, numbers, aborted = Link(), Numbers(), []
+    link, numbers, aborted, forgotten = Link(), Numbers(), [], []
 
     def spawn(coro: Any) -> asyncio.Future[Any]:
         coro.close()  # a fused operation: not run here
@@ -99,9 +99,10 @@ def worker(wid: int) -> Any:
                                         fused_key=lambda sid, lane, dtype, avg, lanes: fused_name(sid, lane, dtype, avg, lanes)
                                         if lanes else f"fused/{sid}/{lane}/{dtype}"),
         rounds=types.SimpleNamespace(numbers=numbers), spawn=spawn, round_base=lambda key, r: 0,
-        abort_when_known=lambda *args: (aborted.append(args[:2]), asyncio.sleep(0))[1])
+        abort_when_known=lambda *args: (aborted.append(args[:2]), asyncio.sleep(0))[1],
+        forget_sums=lambda keys: forgotten.extend(keys))
     fs = FusedSums(daemon)  # type: ignore[arg-type]
-    fs.session, fs.link, fs.numbers, fs.aborted = Session(), link, numbers, aborted
+    fs.session, fs.link, fs.numbers, fs.aborted, fs.forgotten = Session(), link, numbers, aborted, forgotten
     return fs
 
 
@@ -612,6 +613,9 @@ async def test_neither_the_anchor_nor_a_worker_keeps_a_key_of_an_ended_lane_gene
     key = fused_name(0, 0, "float32", False, planner.lanes)
     assert sizes == [(1, 1, 1, 1)] * 21 and list(lanes.table.keys) == [(key, 0)]
     assert list(w0._lanes) == list(w0.numbers.next) == list(w1._lanes) == [key]
+    # Nor do their links keep the ended keys' last sums (for a restarted server): each ended key, once.
+    ended = sorted({k for fs in workers for k in fs.forgotten})
+    assert len(ended) == 20 and key not in ended and sorted(w0.forgotten) == ended == sorted(w1.forgotten)
 
 
 async def test_a_plan_of_the_anchors_previous_run_never_leaves_a_peer_waiting_after_a_reset(

@@ -292,6 +292,20 @@ def test_abandoning_a_piece_in_flight_frees_its_window_share() -> None:
     assert window.next_to_send(0.0, 0) == [queued]
 
 
+def test_the_sums_of_tensors_never_pushed_again_are_not_kept() -> None:
+    """An ended lane generation's fused keys (``FusedSums._forget_ended``): every partition of each goes."""
+    window = make_window(3)
+    kept = []
+    for name, part in (("old.a", 0), ("old.a", 1), ("old.b", 0), ("new", 0), ("new", 1)):
+        item = send(window, 128 * KiB)
+        item.key = (name, part)
+        assert window.answered(item.req) is item
+        window.keep_sum(item)
+        kept.append(item)
+    window.drop_sums_of({"old.a", "old.b", "never.pushed"})
+    assert window.sums_kept == 2 and window.restarted() == kept[3:]
+
+
 def test_a_restarted_server_gets_the_kept_sums_then_the_held_pieces_again() -> None:
     window = make_window(3)
     done = [send(window, 128 * KiB) for _ in range(2)]
