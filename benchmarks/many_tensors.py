@@ -27,6 +27,9 @@ checks every element of every result of all three against the exact sum over ran
 differs. Then ``reps`` times ``barrier; bps; barrier; gloo fused; barrier; gloo per tensor``; the time of a
 repetition is the maximum over ranks of the local durations; reported are the median (min-max), bps's
 microseconds per tensor (median / T), ``bps / gloo fused`` (the goal: <= 10) and ``gloo per tensor / bps``.
+Each configuration's names are new (``many.<T>x<E>.<i>``), and its first bps step, between barriers, is
+reported too (``bps first step ms``, the maximum over ranks): what a model's first step costs, where every
+name gets its slot and its first rounds.
 
 Separately, the latency of one small sum issued alone: ``--single-reps`` synchronous ``bps.push_pull`` calls of
 ``--single-bytes`` on one name, one at a time (``barrier; bps; barrier; gloo all_reduce`` of the same size);
@@ -45,6 +48,7 @@ import argparse
 import datetime as _dt
 import gc
 import json
+import math
 import os
 import shlex
 import statistics
@@ -79,7 +83,7 @@ arrays concatenated into one tensor, one `dist.all_reduce`, split back; concaten
 integer-valued, so the warm-up step checks every element of all three against the exact sum. Then `reps`
 times `barrier; bps; barrier; gloo fused; barrier; gloo per tensor`; the time of a repetition is the maximum
 over ranks; median (min-max) over repetitions; `us/tensor = bps median / T`; the goal is
-`bps / gloo fused <= 10`. Separately, one small `push_pull` issued alone (synchronous, one name), against one
+`bps / gloo fused <= 10`; `bps first step` is the warm-up step of new names (max over ranks). Separately, one small `push_pull` issued alone (synchronous, one name), against one
 gloo `all_reduce` of the same size: p50 / p90 over calls of the maximum over ranks.
 `torch.set_num_threads(1)` in every rank; the daemons run with their default settings.
 """
@@ -167,7 +171,7 @@ def rank_program(args: argparse.Namespace) -> int:
             matrix = inputs(t_count, e, rank)
             arrays = [matrix[i].copy() for i in range(t_count)]  # T separate arrays, as a model's gradients
             del matrix
-            names = [f"many.{e}.{i}" for i in range(t_count)]
+            names = [f"many.{t_count}x{e}.{i}" for i in range(t_count)]  # new names: the first step is a first
             order = (np.random.default_rng(1000 + rank).permutation(t_count).tolist() if args.shuffle
                      else list(range(t_count)))
             per_tensor = t_count <= args.max_gloo_per_tensor
@@ -212,10 +216,15 @@ def rank_program(args: argparse.Namespace) -> int:
             # warm-up, which is also the exactness check of every element of every result
             want = expected(t_count, e, size)
             checks = []
+            first = torch.zeros(1, dtype=torch.float64)  # bps's first step of these names (slots, rounds made)
             for step in (bps_step, fused_step) + ((per_tensor_step,) if per_tensor else ()):
                 if step is per_tensor_step:
                     restore()
+                dist.barrier()
+                t0 = time.perf_counter()
                 got = step()
+                if step is bps_step:
+                    first[0] = time.perf_counter() - t0
                 ok = len(got) == t_count and bool(np.array_equal(np.stack([np.asarray(g).reshape(-1) for g in got]),
                                                                  want))
                 if not ok:
@@ -226,6 +235,7 @@ def rank_program(args: argparse.Namespace) -> int:
             checks += [1] * (3 - len(checks))
             flags = torch.tensor(checks, dtype=torch.int32)
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+            dist.all_reduce(first, op=dist.ReduceOp.MAX)
             for _ in range(args.warmup - 1):
                 bps_step()
                 fused_step()
@@ -262,6 +272,7 @@ def rank_program(args: argparse.Namespace) -> int:
             row: dict[str, Any] = {
                 "cpu_us_per_tensor": cpu_us.tolist(),
                 "tensors": t_count, "elements": e, "bps_s": times[0].tolist(), "gloo_fused_s": times[1].tolist(),
+                "bps_first_s": float(first[0]),
                 "gloo_per_tensor_s": times[2].tolist() if per_tensor else None,
                 "bps_exact": bool(flags[0]), "gloo_fused_exact": bool(flags[1]),
                 "gloo_per_tensor_exact": bool(flags[2]) if per_tensor else None}
@@ -354,6 +365,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ok = row["bps_exact"] and row["gloo_fused_exact"] and row["gloo_per_tensor_exact"] is not False
         out.append({"tensors": row["tensors"], "elements": row["elements"], "bps_ms": _spread(row["bps_s"]),
                     "bps_us_per_tensor": bm / row["tensors"] * 1e6, "fused_ms": _spread(row["gloo_fused_s"]),
+                    "first_ms": row.get("bps_first_s", math.nan) * 1e3,
                     "per_ms": _spread(per) if per is not None else None, "bps_over_fused": bm / fm,
                     "per_over_bps": pm / bm if pm is not None else None, "ok": ok})
     return out
@@ -376,7 +388,7 @@ def cpu_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
     return out
 
 
-HEADER = ["tensors", "elements", "bps ms (min-max)", "bps us/tensor", "gloo fused ms (min-max)",
+HEADER = ["tensors", "elements", "bps ms (min-max)", "bps us/tensor", "bps first step ms", "gloo fused ms (min-max)",
           "gloo per-tensor ms (min-max)", "bps/gloo fused", "gloo per-tensor/bps", "exact"]
 SINGLE_HEADER = ["bytes", "calls", "bps p50 ms", "bps p90 ms", "gloo p50 ms", "gloo p90 ms", "p50 bps/gloo",
                  "back to back: bps p50 ms", "gloo p50 ms", "exact"]
@@ -388,7 +400,7 @@ def _us(v: float) -> str:
 
 def table_rows(summary: list[dict[str, Any]]) -> list[list[str]]:
     return [[str(s["tensors"]), str(s["elements"]), ppg._ms(s["bps_ms"]), _us(s["bps_us_per_tensor"]),
-             ppg._ms(s["fused_ms"]), ppg._ms(s["per_ms"]) if s["per_ms"] is not None else "skipped",
+             f"{s['first_ms']:.1f}", ppg._ms(s["fused_ms"]), ppg._ms(s["per_ms"]) if s["per_ms"] is not None else "skipped",
              f"{s['bps_over_fused']:.2f}", f"{s['per_over_bps']:.2f}" if s["per_over_bps"] is not None else "skipped",
              "yes" if s["ok"] else "NO"]
             for s in summary]
