@@ -187,9 +187,12 @@ class ClientSession(AdmittedProtocol):
 
         The slots the process gives up (``Alloc.free``) go first, whatever else the answer is: it forgot them."""
         freed = []
-        for name in message.free:
-            if not self.inflight_names[name] and not self._read_from(name):
-                freed += self.arena.drop(name)
+        if message.free:
+            reading = self._segments_read()
+            for name in message.free:
+                slot = self.arena.slots.get(name)
+                if not self.inflight_names[name] and (slot is None or slot.segment not in reading):
+                    freed += self.arena.drop(name)
         self.daemon.segments_freed(freed)
         if self.inflight_names[message.name]:
             # Moving the slot would free the memory the op in flight reads (issue 14, item 13).
@@ -209,13 +212,12 @@ class ClientSession(AdmittedProtocol):
         self.daemon.segments_freed(more)
         self.send(Allocated(message.req, slot.segment, slot.capacity, slot.offset))
 
-    def _read_from(self, name: str) -> bool:
-        """Whether an op in flight reads from the segment of ``name``'s slot. The process carves its small
-        tensors from slabs of its own (``bps_worker.client.slots``), each one slot here under the slab's
-        name: a slab it gives up while one of its tensors is in flight (a process's bug) must not be freed
-        under that op. Only when it gives something up: a walk over what is in flight."""
-        slot = self.arena.slots.get(name)
-        return slot is not None and any(segment == slot.segment for _, segment in self.inflight.values())
+    def _segments_read(self) -> set[str]:
+        """The segments the ops in flight read from. The process carves its small tensors from slabs of its own
+        (``bps_worker.client.slots``), each one slot here under the slab's name: a slab it gives up while one
+        of its tensors is in flight (a process's bug) must not be freed under that op. Only when it gives
+        something up: one walk over what is in flight."""
+        return {segment for _, segment in self.inflight.values()}
 
     def op(self, message: Op) -> None:
         """A collective on one tensor: refused here if it does not fit its memory, else a local round's."""
