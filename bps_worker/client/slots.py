@@ -186,16 +186,17 @@ class SlotMap:
         # Whether it fits, from the segments our slots live in (a few slabs for thousands of small tensors):
         # the full reckoning below, over every slot, only when it does not.
         old = self.slots.get(name)
-        held = sum(self.attached[s].size for s, n in self._living.items()
-                   if n > (1 if old is not None and old.segment_name == s else 0))
+        # The daemon frees the slot it replaces (and its segment if nothing else lives there); not a slot carved
+        # from a slab of ours: that slab goes only when we give it up.
+        replaced = old.segment_name if old is not None and old.segment_name not in self._slabs else None
+        held = sum(self.attached[s].size for s, n in self._living.items() if n > (1 if s == replaced else 0))
         if held <= self.cap_bytes - self._new_bytes(nbytes):
             return []
         by_segment: dict[str, list[str]] = {}
         for tensor, slot in self.slots.items():
             by_segment.setdefault(slot.segment_name, []).append(tensor)
-        old = self.slots.get(name)
-        if old is not None:  # the daemon frees the slot it replaces, and its segment if nothing else lives there
-            by_segment[old.segment_name].remove(name)
+        if replaced is not None:
+            by_segment[replaced].remove(name)
         held = sum(self.attached[s].size for s, tensors in by_segment.items() if tensors)
         room = self.cap_bytes - self._new_bytes(nbytes)
         if held <= room:
