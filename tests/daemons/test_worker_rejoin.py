@@ -44,11 +44,13 @@ def test_a_killed_worker_machine_rejoins_the_running_job(tmp_path):
     try:
         rank(0, "healthy", 120)
         rank(1, "victim", 60)
-        # Mid-training: both ranks connected and their first round ran (a fixed 2 s alone raced the ranks'
-        # start-up on a busy machine: the victim had not connected when its daemon died). A round of the
-        # 1.6 MB tensor is 7 partitions of 256 KiB, each completed once on its server.
+        # Mid-training: both ranks connected and the victim got the sum of its first step (a fixed 2 s alone
+        # raced the ranks' start-up on a busy machine: the victim had not connected when its daemon died). A
+        # round of the 1.6 MB tensor is 7 partitions of 256 KiB, each completed once on its server; the second
+        # round's 7 mean the victim pushed its second step, so it had its first (the first round's 7 alone did
+        # not: under a busy loop the kill once came before the first sum reached the victim).
         deadline = time.monotonic() + 60
-        while (sum(s["rounds_completed"] for s in server_stats(cluster).values()) < 7
+        while (sum(s["rounds_completed"] for s in server_stats(cluster).values()) < 2 * 7
                and time.monotonic() < deadline):
             time.sleep(0.05)
         cluster.kill("worker-1")  # the machine's daemon dies; its process loses it and stops
