@@ -59,7 +59,7 @@ def slab_given_up_in_flight() -> dict[str, Any]:
     ops = bps._operations()
     if rank == 0:
         handle = bps.push_pull_async(np.full(100, 3.0, np.float32), "s", average=False)
-        time.sleep(0.3)  # its fused batch leaves after the cycle time: in flight at the daemon before the Alloc
+        bps.poll(handle)  # sends its fused batch now (not at the cycle's end): on the socket before the Alloc
         [slab] = ops.slots._slabs.values()
         ops.conn.allocate("other", 1 << 20, [slab])  # a large tensor's slot, giving the slab up first
         first = bps.synchronize(handle)
