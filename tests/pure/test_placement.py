@@ -497,7 +497,7 @@ def test_a_fused_tensors_server_is_read_from_its_name_and_nothing_is_kept_per_na
     placement keeps nothing per name (before, a pin per name, for as long as the daemon ran), and places a
     fused name it never made (a plan's, before ``fused_key``, or after a restart) on the server it says."""
     p = Placement(make_config(4, 2, partition_bytes=MiB))
-    before = dict(vars(p)) if hasattr(p, "__dict__") else {}
+    before = dict(vars(p))
     for sid in p.server_ids:
         for generation in range(50):
             key = fused_name(sid, 3, "float32", False, f"run.{generation}")
