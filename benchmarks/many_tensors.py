@@ -83,8 +83,9 @@ arrays concatenated into one tensor, one `dist.all_reduce`, split back; concaten
 integer-valued, so the warm-up step checks every element of all three against the exact sum. Then `reps`
 times `barrier; bps; barrier; gloo fused; barrier; gloo per tensor`; the time of a repetition is the maximum
 over ranks; median (min-max) over repetitions; `us/tensor = bps median / T`; the goal is
-`bps / gloo fused <= 10`; `bps first step` is the warm-up step of new names (max over ranks). Separately, one small `push_pull` issued alone (synchronous, one name), against one
-gloo `all_reduce` of the same size: p50 / p90 over calls of the maximum over ranks.
+`bps / gloo fused <= 10`; `bps first step` is the warm-up step of new names (max over ranks). Separately,
+one small `push_pull` issued alone (synchronous, one name), against one gloo `all_reduce` of the same size:
+p50 / p90 over calls of the maximum over ranks.
 `torch.set_num_threads(1)` in every rank; the daemons run with their default settings.
 """
 
@@ -400,7 +401,8 @@ def _us(v: float) -> str:
 
 def table_rows(summary: list[dict[str, Any]]) -> list[list[str]]:
     return [[str(s["tensors"]), str(s["elements"]), ppg._ms(s["bps_ms"]), _us(s["bps_us_per_tensor"]),
-             f"{s['first_ms']:.1f}", ppg._ms(s["fused_ms"]), ppg._ms(s["per_ms"]) if s["per_ms"] is not None else "skipped",
+             f"{s['first_ms']:.1f}", ppg._ms(s["fused_ms"]),
+             ppg._ms(s["per_ms"]) if s["per_ms"] is not None else "skipped",
              f"{s['bps_over_fused']:.2f}", f"{s['per_over_bps']:.2f}" if s["per_over_bps"] is not None else "skipped",
              "yes" if s["ok"] else "NO"]
             for s in summary]

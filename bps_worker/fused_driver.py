@@ -371,8 +371,9 @@ class FusedSums:
 
     def _forget_ended(self, sid: int, lanes: str) -> None:
         """A plan of server ``sid`` on lane generation ``lanes``: forget the fused keys (their round numbers,
-        their last operations, their last sums) of the generations of ``sid`` that it says ended (``ended_by``), once none of their
-        operations runs here (else at a later plan: they end, failed, since the anchor refuses their pushes).
+        their last operations, their last sums) of the generations of ``sid`` that it says ended (``ended_by``),
+        once none of their operations runs here (else at a later plan: they end, failed, since the anchor
+        refuses their pushes).
         Kept, they grew by a generation's keys at every reset of any worker, for as long as the daemon ran. No
         plan of an ended generation comes after one of a later generation of its run (the anchor sends its plans,
         and those lost with a connection, in order; those of its previous runs it no longer sends at all); one

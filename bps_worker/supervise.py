@@ -49,8 +49,7 @@ from .cluster_file import free_ports
 from bps_runtime.forkserver import ForkedProcess, Forkserver
 
 __all__ = ["FORKSERVER_ENV", "READY_TIMEOUT_S", "STOP_GRACE_S", "Child", "Cluster", "DaemonCommand", "Ending",
-           "LaunchError",
-           "Supervisor", "daemon_argv", "env_forkserver", "judge", "stop_in_layers"]
+           "LaunchError", "Supervisor", "daemon_argv", "env_forkserver", "judge", "stop_in_layers"]
 
 READY_TIMEOUT_S: Final = 60.0
 STOP_GRACE_S: Final = 10.0
