@@ -26,7 +26,7 @@ from typing import Callable, Final
 
 __all__ = ["SEGMENT_PREFIX", "SHM_DIR", "Arena", "ArenaFullError", "SegmentOwnerError", "SegmentSizeError",
            "SegmentSpaceError", "Slot", "attach_owned", "attach_segment", "check_size", "create_segment",
-           "default_arena_bytes", "owned_by", "reclaim_dead", "release", "segment_name"]
+           "default_arena_bytes", "owned_by", "reclaim_dead", "release", "segment_name", "slab_slot_bytes"]
 
 SEGMENT_PREFIX: Final = "bps_"
 SHM_DIR: Final = "/dev/shm"  # where Linux keeps POSIX shared memory (glibc's shm_open)
@@ -270,6 +270,12 @@ SLAB_ITEM_MAX_BYTES: Final = 64 << 10
 SLOT_ALIGN: Final = 64
 
 
+def slab_slot_bytes(nbytes: int) -> int:
+    """The room a small tensor of ``nbytes`` takes in a slab: at least one byte, rounded up to ``SLOT_ALIGN``
+    (the daemon's arena and the client's own slabs, ``bps_worker.client.slots``, carve alike)."""
+    return -(-max(nbytes, 1) // SLOT_ALIGN) * SLOT_ALIGN
+
+
 @dataclass(frozen=True)
 class Slot:
     """Where one tensor lives in shared memory."""
@@ -323,7 +329,7 @@ class Arena:
         if old is not None:
             self.slots.pop(name, None)  # a slab slot outgrown: never reused (its slab goes with its last slot)
         if nbytes <= SLAB_ITEM_MAX_BYTES:
-            need = -(-max(nbytes, 1) // SLOT_ALIGN) * SLOT_ALIGN
+            need = slab_slot_bytes(nbytes)
             if self._slab is None or self._slab_used + need > SLAB_BYTES:
                 freed += self._make_room(name, SLAB_BYTES, busy)
                 self._slab = self._new_segment(SLAB_BYTES).name

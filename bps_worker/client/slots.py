@@ -5,7 +5,7 @@ is handed over, reused while the size fits. A large tensor's (over ``SLAB_ITEM_M
 daemon once per name (``Alloc``). Small ones are carved here from *slabs*: segments of ``SLAB_BYTES`` asked of
 the daemon under names of our own (``SLAB_PREFIX``), one slot each on its side. A model's first step with
 thousands of small tensors then makes one ``Alloc`` per slab, not one round trip per tensor (5,000 of them
-took 10 s on a loaded 2-core box); the daemon checks each op's memory against the segments it made for us,
+took 10 s on the one-box cluster); the daemon checks each op's memory against the segments it made for us,
 whatever our tables say, and frees no slab an op in flight reads. A slab no slot lives in any more is given
 up in the next ``Alloc`` (``free``). A plain array's *result* may
 instead lie in the worker's results segment (named in ``Done``); the last one per name stays mapped, because
@@ -116,7 +116,7 @@ class SlotMap:
             slot.used = next(self._clock)
             return slot
         small = nbytes <= shm.SLAB_ITEM_MAX_BYTES
-        need = -(-max(nbytes, 1) // shm.SLOT_ALIGN) * shm.SLOT_ALIGN
+        need = shm.slab_slot_bytes(nbytes)
         with self._allocating:
             if not small or not self._slab_fits(need):
                 with self._lock:
@@ -176,7 +176,7 @@ class SlotMap:
         """The bytes of the segment the daemon makes for a new slot of ``nbytes`` (0: it fits our slab)."""
         if nbytes > shm.SLAB_ITEM_MAX_BYTES:
             return nbytes
-        return 0 if self._slab_fits(-(-max(nbytes, 1) // shm.SLOT_ALIGN) * shm.SLOT_ALIGN) else shm.SLAB_BYTES
+        return 0 if self._slab_fits(shm.slab_slot_bytes(nbytes)) else shm.SLAB_BYTES
 
     def _give_up(self, name: str, nbytes: int) -> list[str]:
         """The least recently used idle slots to give up so that ``name``'s new one fits under the cap
