@@ -117,6 +117,12 @@ def _mapped(seg: SharedMemory) -> memoryview:
 Handler = Callable[["ServerConnection", Any, "memoryview | None"], None]
 
 
+def _fresh_payload(header: dict[str, Any], nbytes: int) -> memoryview:
+    """Memory for a received payload, left as it comes (the socket writes every byte of it; a ``bytearray``
+    would be zeroed first). A push's payload becomes its round's accumulator or is summed into one."""
+    return np.empty(nbytes, np.uint8).data
+
+
 class ServerConnection(AdmittedProtocol):
     """One worker's TCP connection: handshake first, then pushes, aborts and queries."""
 
@@ -127,7 +133,7 @@ class ServerConnection(AdmittedProtocol):
         # Until the handshake, a small header, no payload and a small buffer (it grows for a large Hello):
         # next to nothing is allocated for a stranger.
         self.reader = FrameReader(max_header_bytes=HANDSHAKE_MAX_HEADER_BYTES, max_payload_bytes=0,
-                                  buffer_bytes=HANDSHAKE_BUFFER_BYTES)
+                                  buffer_bytes=HANDSHAKE_BUFFER_BYTES, payload_sink=_fresh_payload)
         self.greeting = ServerHandshake(
             peers={ROLE_WORKER: server.config.cluster.workers, ROLE_OBSERVER: None}, token=server.config.token,
             config_items=server.placement_items, who=f"server {server.config.server_id}")

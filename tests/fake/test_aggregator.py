@@ -9,8 +9,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from bps_server.aggregator import Aggregator, Why
+from bps_server.aggregator import INLINE_SUM_MAX_BYTES, Aggregator, Why
 from protocol.messages import Push
+
+# Float32 elements of a partition of 4 x INLINE_SUM_MAX_BYTES: every kernel over it (an addition, a rounding)
+# goes to the pool.
+LARGE = INLINE_SUM_MAX_BYTES
 
 
 class Recorder:
@@ -82,7 +86,7 @@ async def test_divisor_divides_in_float32_before_the_single_rounding():
 async def test_large_partitions_are_summed_in_the_thread_pool():
     with ThreadPoolExecutor(2) as pool:
         agg, rec = Aggregator(2, pool), Recorder()
-        xs = [np.full(1 << 18, w + 0.5, np.float32) for w in range(2)]
+        xs = [np.full(LARGE, w + 0.5, np.float32) for w in range(2)]
         await _feed(agg, rec, [_push(w, xs[w]) for w in range(2)])
         assert (rec.results[1] == 2.0).all()
 
@@ -310,7 +314,7 @@ async def test_a_round_that_fails_while_its_sum_is_being_finished_is_not_answere
     the key stays dropped (the next job starts at round 0), not reopened at round 1 by the late sum."""
     pool = _HeldPool()
     agg, rec = Aggregator(2, pool, lost_grace_s=10), Recorder()
-    size = 1 << 18  # 1 MiB of float32: added and finalized in the pool
+    size = LARGE  # added and finalized in the pool
     task = asyncio.ensure_future(_feed(agg, rec, [_push(w, np.full(size, 1.0, np.float32), divisor=2)
                                                   for w in range(2)]))
     await _turns()
@@ -328,7 +332,7 @@ async def test_a_round_that_fails_while_its_sum_is_being_finished_is_not_answere
 async def test_a_round_that_fails_while_an_addition_is_in_the_pool_drops_the_addition():
     pool = _HeldPool()
     agg, rec = Aggregator(3, pool), Recorder()
-    size = 1 << 18
+    size = LARGE
     task = asyncio.ensure_future(_feed(agg, rec, [_push(w, np.full(size, 1.0, np.float32)) for w in range(2)]))
     await _turns()
     assert len(pool.pending) == 1  # worker 1's addition (worker 0's buffer was adopted)
@@ -352,7 +356,7 @@ async def test_a_small_push_is_summed_and_answered_at_once_without_a_task():
 async def test_a_large_push_is_left_to_a_task_that_sums_it_in_the_pool():
     with ThreadPoolExecutor(1) as pool:
         agg, rec = Aggregator(2, executor=pool), Recorder()
-        n = 1 << 17  # 512 KiB of float32: over INLINE_SUM_MAX_BYTES
+        n = LARGE // 2  # a pair's sum reads 4 x INLINE_SUM_MAX_BYTES
         for w in range(2):
             later = agg.submit(*_push(w, np.full(n, w + 1.0, np.float32)), rec.reply, rec.fail)
             assert later is not None and rec.results == {}
@@ -365,8 +369,8 @@ async def test_a_lane_generation_that_ends_before_its_addition_starts_leaves_no_
     forgot the key (RoundTable.fail_ended), and the driver keeps no accumulator for it, which nothing would ever
     drop (one a reset, for as long as the job runs)."""
     agg, rec = Aggregator(2, _HeldPool()), Recorder()
-    later = agg.submit(*_push(0, np.full(1 << 18, 1.0, np.float32), name="old"), rec.reply, rec.fail)
-    assert later is not None  # 1 MiB: its addition is left to a task
+    later = agg.submit(*_push(0, np.full(LARGE, 1.0, np.float32), name="old"), rec.reply, rec.fail)
+    assert later is not None  # large: its addition is left to a task
     agg.fail_ended(lambda name: name == "old", Why("lanes ended"))
     assert agg.keys == {} and rec.failures == {0: "lanes ended"}
     await later
