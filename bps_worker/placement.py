@@ -76,10 +76,12 @@ NETWORK_MIN_PIPELINE_BYTES = 32 * 1024
 # Where the cluster file gives the link rate (cluster.link_rate), no piece carries less than
 # PIECE_LINK_TIME_S of the link's time, unless that would leave a stream fewer than NETWORK_MIN_DEPTH pieces
 # of a range; and never less than PIECE_MIN_LINK_TIME_S. A piece costs the daemons 100-200 us of CPU
-# whatever its size: at 1 Gbit/s the depth's pieces (1 ms of the link) made them CPU-bound, and at 10 Gbit/s
-# pieces of 0.5 ms were the best measured; at 200 Mbit/s and below the depth's pieces are larger than either
-# (measured on emulated links, benchmarks/RESULTS.md).
-PIECE_LINK_TIME_S = 2e-3
+# whatever its size: at 1 Gbit/s the depth's pieces (1 ms of the link) made them CPU-bound; pieces of 4 ms
+# cost a GPU machine a quarter less CPU than 2 ms ones there (n = 4, k = 0), and a third less at 200 Mbit/s,
+# k = 2, for 1-3% more time at 1 Gbit/s, k = 0 (the pipeline fills and drains a little later); at 10 Gbit/s
+# pieces of 0.5 ms were the best measured, and at 200 Mbit/s, k = 0 the depth's pieces are larger than the
+# floor (measured on emulated links, benchmarks/RESULTS.md).
+PIECE_LINK_TIME_S = 4e-3
 NETWORK_MIN_DEPTH = 8  # per stream
 PIECE_MIN_LINK_TIME_S = 0.5e-3
 
