@@ -16,7 +16,10 @@ import asyncio
 import ctypes
 import socket
 
-LOW_WATER_MAX_BYTES = 256 * 1024
+# At most this: a piece of 4 ms of a 1 Gbit/s link (about 500 kB) wakes its reader once, not twice (with 256
+# KiB: 4-7% more CPU per op on emulated 1 Gbit/s links, benchmarks/RESULTS.md, session 21). Linux caps the mark
+# at half of tcp_rmem's maximum and grows the receive buffer to hold it.
+LOW_WATER_MAX_BYTES = 1 << 20
 
 
 def _libc_setsockopt() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
