@@ -304,7 +304,7 @@ def test_fast_links_get_fewer_larger_pieces():
     assert (PIECE_LINK_TIME_S, NETWORK_MIN_DEPTH, PIECE_MIN_LINK_TIME_S) == (4e-3, 8, 0.5e-3)
     count = 16 * MiB // 4  # 4 MiB a server at n = 4, k = 0
     by_count = check_pieces(Placement(make_config(4, 0, one_host=False)), "big", count, 4)
-    # 200 Mbit/s: the depth's pieces (128 KiB) are larger than the floor (50 kB) already
+    # 200 Mbit/s: the depth's pieces (128 KiB) are larger than the floor (100 kB) already
     assert check_pieces(Placement(make_config(4, 0, one_host=False, link_rate="200mbit")), "big", count, 4) == by_count
 
     def sizes_of(rate: str) -> list[list[int]]:
