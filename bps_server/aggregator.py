@@ -68,9 +68,9 @@ log = logging.getLogger("bps.server.aggregator")
 # A kernel that reads fewer bytes than this runs on the event loop; larger ones go to the summation threads.
 # The hop there and back (the pool's queue, a thread's wake-up, the loop's wake-up by call_soon_threadsafe, a
 # task) cost 150-240 CPU-us on the 2-core test box, against 13 us for the whole sum of a 256 KiB pair and 90 us
-# for a 2 MiB one (RESULTS.md, session 21): at 256 KiB, every piece of a 1 Gbit/s link (about 240 kB) made the
-# hop, ten times the CPU of its sum. Above this a sum is long enough that the loop had better go on with I/O
-# while it runs, and the pool sums several keys at once on a server with cores to spare.
+# for a 2 MiB one (benchmarks/offload.py; RESULTS.md, session 21): at 256 KiB, every piece of a 1 Gbit/s link
+# (about 240 kB) made the hop, ten times the CPU of its sum. Above this a sum is long enough that the loop had
+# better go on with I/O while it runs, and the pool sums several keys at once on a server with cores to spare.
 INLINE_SUM_MAX_BYTES: Final = 2 << 20
 
 # reply(push, result bytes) on success; fail(push, why) on failure (why: its text, code and facts).

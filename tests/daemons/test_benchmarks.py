@@ -72,6 +72,21 @@ def test_kernels_benchmark_tiny_prints_its_table():
         assert row[-1] == "yes", row  # ours equals numpy's result bit for bit
 
 
+def test_offload_benchmark_tiny_prints_one_row_per_size():
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "offload.py"), "--kib", "4,256",
+                             "--calls", "20", "--reps", "1"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    header = [i for i, line in enumerate(lines) if line.startswith("KiB summed into")]
+    assert len(header) == 1, result.stdout
+    rows = [line.split() for line in lines[header[0] + 2:] if line.strip()]
+    assert [row[0] for row in rows] == ["4", "256"], result.stdout
+    for row in rows:
+        offloaded_cpu, inline_cpu, hop = float(row[2]), float(row[4]), float(row[5])
+        assert offloaded_cpu > 0 and inline_cpu > 0, row
+        assert abs(hop - (offloaded_cpu - inline_cpu)) <= 0.15, row  # each figure rounded to 0.1
+
+
 def test_soak_tiny_restarts_a_server_and_reports_no_wrong_or_failed_round():
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "soak.py"), "--rounds", "60", "--max-elems",
                              "70000", "--max-seconds", "40"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from pathlib import Path
 
 import uvloop
 
@@ -12,7 +13,7 @@ from protocol.frames import FrameReader, encode_header
 
 MiB = 1 << 20
 # Linux holds a mark at most half of tcp_rmem's maximum (tcp_set_rcvlowat).
-KERNEL_CAP = int(open("/proc/sys/net/ipv4/tcp_rmem").read().split()[2]) // 2
+KERNEL_CAP = int(Path("/proc/sys/net/ipv4/tcp_rmem").read_text().split()[2]) // 2
 
 
 class Receiver(asyncio.BufferedProtocol):
