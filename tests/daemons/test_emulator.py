@@ -200,3 +200,23 @@ def test_paper_vs_allreduce_sweep_summarizes_every_bandwidth() -> None:
             assert _positive(row[role]), (role, row)
         assert row["CPU-only machine CPU-s/op"] == "-", row  # k = 0: no CPU-only machine
     assert sum(line.startswith("soundness (n = 2, B = ") for line in stdout.splitlines()) == 2, stdout
+
+
+@pytest.mark.timeout(150)
+def test_cpu_model_fits_every_role_and_leaves_nothing() -> None:
+    # Two points of 2 emulated machines each (about 12 s a point on a quiet 2-core box).
+    cmd = [sys.executable, str(REPO / "benchmarks" / "cpu_model.py"), "--n", "2", "--sizes", "256K,1M",
+           "--partition-bytes", "64K", "--reps", "1", "--timeout", "60"]
+    before = set(our_namespaces())
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=140)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    grid = lines.index(next(line for line in lines if line.startswith("M ") and "GPU machine / gloo rank" in line))
+    rows = [line.split() for line in itertools.takewhile(str.strip, lines[grid + 2:])]
+    assert [row[:2] for row in rows] == [["256K", "64K"], ["1M", "64K"]], proc.stdout
+    for row in rows:
+        assert int(row[2]) > 0 and all(float(cell) > 0 for cell in row[4:9]), row
+    fitted = lines.index(next(line for line in lines if line.startswith("role ") and "per piece us" in line))
+    assert [line.split()[0] for line in lines[fitted + 2:fitted + 6]] == ["worker", "server", "rank", "gloo"]
+    assert any(line.startswith("predicted at M = 1M") for line in lines), proc.stdout
+    assert set(our_namespaces()) <= before  # its runs' namespaces are gone
