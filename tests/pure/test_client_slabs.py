@@ -126,3 +126,57 @@ def test_a_user_cannot_name_a_tensor_as_a_slab():
         check_name(f"{SLAB_PREFIX}0")
     with pytest.raises(BPSError, match="client's own"):
         check_name(f"{SLAB_PREFIX}0", internal=True)
+
+
+@pytest.mark.parametrize("slab_busy", [False, True])
+def test_under_the_cap_a_carved_slot_that_moves_leaves_its_slab_counted_in_full(slab_busy: bool):
+    """A small tensor that grows out of its slab (a slot of its own now): the daemon does not free a carved slot
+    (the slab is one slot there, ours to give up), so while another tensor lives in the slab, the client counts
+    the whole slab as held, and the next allocation that does not fit gives up the least recently used idle
+    segment: the slab by its name, or, with the slab's tensor in flight, the moved tensor's own."""
+    cap = segments.SLAB_BYTES + BIG
+    daemon = Daemon(cap_bytes=cap)
+    busy: set[str] = set()
+    slots = SlotMap(daemon.allocate, cap_bytes=cap, busy=busy.__contains__)
+    try:
+        slots.slot_for("u", 100)
+        slots.slot_for("s", 100)
+        slab = slots.slots["s"].segment_name
+        slots.slot_for("s", BIG)  # moves out; u still lives in the slab, which stays ours and mapped
+        assert daemon.asked[-1] == ("s", BIG, []) and slab in slots.attached and slab in daemon.arena.segments
+        assert daemon.arena.held_bytes == cap  # the slab in full, and s's own segment
+        if slab_busy:
+            busy.add("u")
+        slots.slot_for("t", BIG)  # does not fit beside both: one idle segment goes in the same Alloc
+        if slab_busy:
+            assert daemon.asked[-1] == ("t", BIG, ["s"])
+            assert "s" not in slots.slots and "u" in slots.slots and slab in slots.attached
+        else:
+            assert daemon.asked[-1] == ("t", BIG, [f"{SLAB_PREFIX}0"])  # the least recently used: u's slab
+            assert "u" not in slots.slots and "s" in slots.slots and slab not in slots.attached
+            assert slab not in daemon.arena.segments
+        assert daemon.arena.held_bytes <= cap
+    finally:
+        slots.close()
+        daemon.arena.release_all()
+
+
+def test_under_a_cap_too_small_for_both_a_slot_that_moves_out_of_its_slab_gives_the_slab_up_in_the_same_alloc():
+    """The moving tensor is its slab's only tenant and the cap cannot hold the slab and the new slot: the daemon
+    would keep the slab (it frees no carved slot), so the client gives the slab up by its name in the Alloc that
+    asks for the new slot, and the daemon has room."""
+    cap = segments.SLAB_BYTES + BIG - segments.SLOT_ALIGN
+    daemon = Daemon(cap_bytes=cap)
+    slots = SlotMap(daemon.allocate, cap_bytes=cap)
+    try:
+        slots.slot_for("s", 100)
+        slab = slots.slots["s"].segment_name
+        slots.slot_for("s", BIG)
+        assert daemon.asked[-1] == ("s", BIG, [f"{SLAB_PREFIX}0"])
+        assert slab not in slots.attached and slab not in daemon.arena.segments
+        assert daemon.arena.held_bytes == BIG and slots.slots["s"].capacity >= BIG
+        slots.slot_for("t", 100)  # a new slab beside s does not fit either: s goes; the old slab is not named twice
+        assert daemon.asked[-1] == (f"{SLAB_PREFIX}1", segments.SLAB_BYTES, ["s"])
+    finally:
+        slots.close()
+        daemon.arena.release_all()
