@@ -521,6 +521,9 @@ class ServerLink:
         self.closed = True
         if self._silence is not None:
             self._silence.cancel()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
         if self._connecting is not None:
             self._connecting.cancel()
         if self._proto is not None and self._proto.transport is not None:
@@ -548,14 +551,16 @@ class ServerLink:
         self._follow_stall()
 
     def _follow_stall(self) -> None:
-        """Keep the wake-up at the window's stall deadline: armed while a piece waits for it."""
-        deadline = self.window.stall_deadline
-        if deadline is None:
-            if self._stall is not None:
-                self._stall.cancel()
-                self._stall = None
-        elif self._stall is None:
-            self._stall = self.running_loop().call_at(deadline, self._stall_over)
+        """Keep a wake-up armed while a piece waits for the window, at or before its stall deadline.
+
+        A deadline only moves later (a piece's wait starts after the last answer), so a wake-up armed for an
+        earlier one is left to fire: :meth:`_stall_over` pumps, and arms the next if a piece still waits. A
+        paced stream clears and sets the deadline at every answer; a timer cancelled and made anew each time
+        cost two event-loop calls a piece."""
+        if self._stall is None:
+            deadline = self.window.stall_deadline
+            if deadline is not None:
+                self._stall = self.running_loop().call_at(deadline, self._stall_over)
 
     def _stall_over(self) -> None:
         self._stall = None

@@ -1029,13 +1029,24 @@ BATCH_HEADER_BUDGET: Final = 32 * 1024
 _FREE_TEXT: Final = ("name", "message", "ours", "theirs", "peer", "what", "detail", "layout")
 
 
+# Per message class: which of _FREE_TEXT it has, and whether it has a shape (estimated_header_bytes runs for every
+# push a worker queues and every answer a server batches: a getattr per possible field was most of its cost).
+_ESTIMATED: dict[type, tuple[tuple[str, ...], bool]] = {}
+
+
 def estimated_header_bytes(message: Message) -> int:
     """An upper bound of a message's encoded header size, without encoding it.
 
     Counts the fields whose length is not bounded by a small limit (names and free text, up to 4 bytes a
     character in UTF-8) and the shape; 256 bytes cover the keys and the fixed-size values."""
-    text = sum(len(getattr(message, f, "")) for f in _FREE_TEXT)
-    return 4 * text + 24 * len(getattr(message, "shape", ())) + 256
+    cls = type(message)
+    known = _ESTIMATED.get(cls)
+    if known is None:
+        known = _ESTIMATED[cls] = (tuple(f for f in _FREE_TEXT if hasattr(cls, f)), hasattr(cls, "shape"))
+    text = 0
+    for f in known[0]:
+        text += len(getattr(message, f))
+    return 4 * text + (24 * len(message.shape) if known[1] else 0) + 256  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)

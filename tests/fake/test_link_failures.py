@@ -24,7 +24,7 @@ from bps_worker.errors import (
 from bps_worker.link import ServerLink, _LinkProtocol, connection_error, failure_error, write_batch, write_message
 from protocol.config import ServerSpec
 from protocol.frames import FrameReader, encode_header
-from protocol.messages import Failure, Push, RoundInfo, RoundQuery, batch_header, parse, to_header
+from protocol.messages import Failure, Push, Result, RoundInfo, RoundQuery, batch_header, parse, to_header
 from fake_transport import FakeTransport
 
 
@@ -173,6 +173,36 @@ async def test_a_round_query_lost_with_its_connection_goes_again_on_the_next():
     given_up = link.query_round("v")
     link.close()
     assert isinstance(given_up.exception(), BPSConnectionError)
+    await asyncio.sleep(0)
+
+
+async def test_a_paced_stream_keeps_one_stall_wake_up_and_a_stall_still_opens_the_window():
+    """The window holds pieces while one is unanswered (window_pieces=1): each answer lets the next go and
+    sets a new stall deadline, and the one wake-up armed for the first deadline is kept (not cancelled and
+    made anew per piece). With no answer for stall_s, the held piece goes; close() cancels the wake-up."""
+    link = ServerLink(ServerSpec(0, "127.0.0.1", 9, None), 0, credit_bytes=1 << 30, timeout=5.0,
+                      max_payload_bytes=1 << 30, window_pieces=1)
+    proto = _LinkProtocol(link)
+    transport = FakeTransport()
+    proto.connection_made(transport)  # type: ignore[arg-type]
+    link._proto, link._ready, link.incarnation = proto, True, "run-1"
+    link.window.stall_s = 0.2
+    size = 256 << 10  # paced (over PACED_MIN_BYTES), not batched
+    futures = [link.push({"name": f"t{i}", "part": 0, "round": 0, "dtype": "float32", "shape": [size // 4],
+                          "offset": 0, "count": size // 4}, memoryview(bytearray(size)), memoryview(bytearray(size)),
+                         0) for i in range(4)]
+    sent = [m.req for m, _ in transport.messages() if isinstance(m, Push)]
+    assert len(sent) == 1 and link._stall is not None
+    wake_up = link._stall
+    for i in range(2):  # two answers: a piece goes after each, and the wake-up stays the same
+        link.on_message(proto, Result(sent[-1], f"t{i}", 0, 0), memoryview(bytearray(size)))
+        sent = [m.req for m, _ in transport.messages() if isinstance(m, Push)]
+        assert len(sent) == i + 2 and link._stall is wake_up
+    assert all(f.done() for f in futures[:2]) and not futures[2].done()
+    await asyncio.sleep(0.5)  # no answer for longer than stall_s: the last piece goes anyway
+    assert len([m for m, _ in transport.messages() if isinstance(m, Push)]) == 4
+    link.close()
+    assert link._stall is None
     await asyncio.sleep(0)
 
 
