@@ -201,8 +201,9 @@ class SlotMap:
         room = self.cap_bytes - self._new_bytes(nbytes)
         if held <= room:
             return []
+        # ``name`` itself is in flight (reserved by its caller), but its old slot is being replaced: nothing reads it.
         idle = sorted((max(self.slots[t].used for t in tensors), s, tensors) for s, tensors in by_segment.items()
-                      if tensors and not any(map(self._busy, tensors)))
+                      if tensors and not any(t != name and self._busy(t) for t in tensors))
         free: list[str] = []  # what the daemon frees: its slots' tensors, and our slabs (by name)
         gone: list[str] = []
         chars = 0

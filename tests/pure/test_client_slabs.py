@@ -161,13 +161,17 @@ def test_under_the_cap_a_carved_slot_that_moves_leaves_its_slab_counted_in_full(
         daemon.arena.release_all()
 
 
-def test_under_a_cap_too_small_for_both_a_slot_that_moves_out_of_its_slab_gives_the_slab_up_in_the_same_alloc():
+@pytest.mark.parametrize("reserved", [False, True])
+def test_under_a_cap_too_small_for_both_a_slot_that_moves_out_of_its_slab_gives_the_slab_up_in_the_same_alloc(
+        reserved: bool):
     """The moving tensor is its slab's only tenant and the cap cannot hold the slab and the new slot: the daemon
     would keep the slab (it frees no carved slot), so the client gives the slab up by its name in the Alloc that
-    asks for the new slot, and the daemon has room."""
+    asks for the new slot, and the daemon has room. Also when the tensor is in flight (``reserved``: a push
+    marks its name before it asks for the slot): its old slot is the one being replaced, nothing reads it."""
     cap = segments.SLAB_BYTES + BIG - segments.SLOT_ALIGN
     daemon = Daemon(cap_bytes=cap)
-    slots = SlotMap(daemon.allocate, cap_bytes=cap)
+    busy = {"s"} if reserved else set()
+    slots = SlotMap(daemon.allocate, cap_bytes=cap, busy=busy.__contains__)
     try:
         slots.slot_for("s", 100)
         slab = slots.slots["s"].segment_name
@@ -175,6 +179,7 @@ def test_under_a_cap_too_small_for_both_a_slot_that_moves_out_of_its_slab_gives_
         assert daemon.asked[-1] == ("s", BIG, [f"{SLAB_PREFIX}0"])
         assert slab not in slots.attached and slab not in daemon.arena.segments
         assert daemon.arena.held_bytes == BIG and slots.slots["s"].capacity >= BIG
+        busy.clear()
         slots.slot_for("t", 100)  # a new slab beside s does not fit either: s goes; the old slab is not named twice
         assert daemon.asked[-1] == (f"{SLAB_PREFIX}1", segments.SLAB_BYTES, ["s"])
     finally:
