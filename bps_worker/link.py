@@ -570,7 +570,6 @@ class ServerLink:
         """``item`` left the window (answered, failed or abandoned): what it held back may go."""
         if item is None:
             return
-        self._follow_stall()
         if self.window.has_queued and self._proto is not None:
             self.pump()
 
@@ -731,8 +730,7 @@ class ServerLink:
         # The server may be restarting: hold what is in flight until we know (see the module docstring).
         self.control.ask_again()
         self._broken_reason = reason
-        self.window.hold()
-        self._follow_stall()
+        self.window.hold()  # (its stall deadline cleared: a wake-up still armed finds nothing to open)
         loop = asyncio.get_running_loop()
         self._ensure_connecting((loop.time() if since is None else since) + self.timeout, reason)
 
@@ -741,7 +739,6 @@ class ServerLink:
         if self.on_gave_up is not None:
             self.on_gave_up(str(exc))
         items = self.window.clear()
-        self._follow_stall()
         for item in items:
             if not item.future.done():
                 item.future.set_exception(connection_error(exc, True) if item.via_shm else exc)

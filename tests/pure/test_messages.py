@@ -543,6 +543,14 @@ def test_estimated_header_bytes_bounds_the_encoded_header():
         assert len(msgpack.packb(m.to_header(msg), use_bin_type=True)) <= m.estimated_header_bytes(msg)
 
 
+def test_estimated_header_bytes_counts_the_fields_each_class_has():
+    """The estimate looks up once per class which of the free-text fields (and the shape) a message has: for
+    every message class it is what a lookup of each field on the instance gives."""
+    for msg in SAMPLES.values():
+        text = sum(len(getattr(msg, f, "")) for f in m._FREE_TEXT)
+        assert m.estimated_header_bytes(msg) == 4 * text + 24 * len(getattr(msg, "shape", ())) + 256, type(msg)
+
+
 def test_estimated_header_bytes_of_pushes_and_results_is_unchanged():
     """Batch boundaries depend on it: the estimate of what is batched today stays as it was."""
     push = SAMPLES["push"]
