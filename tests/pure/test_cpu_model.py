@@ -57,8 +57,12 @@ def test_prediction_falls_with_the_piece_size() -> None:
             "server": {"fixed": 1e-3, "per_piece": 2e-4, "per_byte": 5e-10},
             "rank": {"fixed": 1e-3, "per_piece": 0.0, "per_byte": 1e-10},
             "gloo": {"fixed": 1e-3, "per_piece": 0.0, "per_byte": 1e-9}}
-    rows = cpu_model.predict(fits, 16 << 20)
+    rows = cpu_model.predict(fits, 16 << 20, 4, 0)
     ratios = [float(row[-1]) for row in rows]
     assert ratios == sorted(ratios, reverse=True) and len(ratios) == len(cpu_model.PREDICT_PIECES)
     # 4 MiB pieces: 4 of them; the GPU machine 3 ms fixed + 1.6 ms pieces + 18.5 ms bytes against 17.8 ms.
     assert rows[-1][1] == "4" and float(rows[-1][2]) == pytest.approx(3 + 4 * 0.4 + (16 << 20) * 1.1e-6, abs=0.05)
+    # With CPU-only servers a colocated server sums n pushes of each piece of its smaller share (n = 4, k = 2:
+    # 2/20 of the tensor): 4 x 0.4 pieces, at least one each, against the worker's 4.
+    k2 = cpu_model.predict(fits, 16 << 20, 4, 2)
+    assert float(k2[-1][2]) == pytest.approx(3 + 4 * 0.2 + 4 * 0.2 + (16 << 20) * 1.1e-6, abs=0.05)
