@@ -72,3 +72,16 @@ def many_names(count: int, elems: int) -> dict[str, Any]:
         mapped_bytes = max(mapped_bytes, sum(seg.size for seg in ops.slots.attached.values()))
     return {"wrong": wrong, "daemon_bytes": daemon_bytes, "mapped_bytes": mapped_bytes,
             "cap": ops.slots.cap_bytes}
+
+
+def grow_out_of_slab(small: int, large: int) -> dict[str, Any]:
+    """One name pushed small (carved from a slab of ours), then large (a segment of its own), then large again,
+    under a cap that cannot hold the slab and the large slot together: every sum, or the error."""
+    out: dict[str, Any] = {"sums": [], "error": ""}
+    try:
+        for n in (small, large, large):
+            got = bps.push_pull(np.full(n, bps.rank() + 1, np.float32), "grows", average=False)
+            out["sums"].append((n, float(got.min()), float(got.max())))
+    except bps.BPSError as exc:
+        out["error"] = str(exc)
+    return out

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import bps_worker.client as bps
+from bps_runtime import segments
 from harness import daemon_logs, run_ranks, start_cluster, write_config
 
 CAP = 2 << 20
@@ -44,5 +45,26 @@ def test_many_names_stay_under_the_cap_with_right_sums(tmp_path: Path):
         for error in errors:
             assert "'too-large'" in error and str(CAP // 4 * 4 + 4) in error and str(CAP) in error, error
             assert "arena_bytes" in error, error
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_tensor_that_grows_out_of_its_slab_under_a_tight_cap_gives_the_slab_up(tmp_path: Path):
+    """A small tensor lives in a slab of the process's own (4 MiB); pushed again at 256 KiB it needs a segment of
+    its own, and the cap cannot hold both. The slab, which only it lived in, is given up in the same Alloc: the
+    push goes on with the right sum (before, the name's own reservation kept the slab "in flight" and the push
+    failed with the cap)."""
+    import shm_programs
+
+    cap = segments.SLAB_BYTES + (128 << 10)
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=0, cluster={"arena_bytes": cap}))
+    try:
+        results = run_ranks(cluster, shm_programs.grow_out_of_slab, 100, ELEMS, timeout=100)
+        assert cluster.dead_daemon() is None, daemon_logs(cluster)
+        expected = float(sum(r + 1 for r in range(2)))
+        for rank, r in enumerate(results):
+            assert r["error"] == "", (rank, r["error"])
+            assert r["sums"] == [(100, expected, expected), (ELEMS, expected, expected), (ELEMS, expected, expected)]
     finally:
         cluster.stop()
