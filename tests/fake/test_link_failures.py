@@ -199,8 +199,12 @@ async def test_a_paced_stream_keeps_one_stall_wake_up_and_a_stall_still_opens_th
         sent = [m.req for m, _ in transport.messages() if isinstance(m, Push)]
         assert len(sent) == i + 2 and link._stall is wake_up
     assert all(f.done() for f in futures[:2]) and not futures[2].done()
-    await asyncio.sleep(0.5)  # no answer for longer than stall_s: the last piece goes anyway
+    loop = asyncio.get_running_loop()
+    waited_from = loop.time()
+    while len([m for m, _ in transport.messages() if isinstance(m, Push)]) < 4 and loop.time() < waited_from + 10:
+        await asyncio.sleep(0.02)  # no answer: the last piece goes once the stall deadline passes
     assert len([m for m, _ in transport.messages() if isinstance(m, Push)]) == 4
+    assert loop.time() - waited_from >= 0.15  # not before the deadline (0.2 s after the last answer)
     link.close()
     assert link._stall is None
     await asyncio.sleep(0)
