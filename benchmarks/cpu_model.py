@@ -38,6 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import paper_vs_allreduce as paper  # noqa: E402
 from push_pull_vs_gloo import human, parse_size  # noqa: E402
 from report import append_section, machine, machine_line, markdown_table, section_head, text_table  # noqa: E402
 
@@ -72,25 +73,23 @@ def piece_counts(n: int, k: int, size: int, partition_bytes: int, bandwidth: str
 
 
 def role_cpu(config: dict[str, Any]) -> dict[str, float]:
-    """CPU-seconds per operation of each role: the mean over its processes of each one's median over
-    repetitions (``worker-*``, colocated ``server-*``, ``rank-*`` during bps; ``rank-*`` during gloo)."""
-    result, colocated = config["result"], set(config["workers"])
-    where = config["where"]
+    """CPU-seconds per operation of each role: the mean over the worker machines of each one's median over
+    repetitions (``paper_vs_allreduce.machine_cpu``) of its ``worker-*``, colocated ``server-*`` or ``rank-*``
+    process during bps, and of its ``rank-*`` during gloo."""
+    result, where, workers = config["result"], config["where"], config["workers"]
 
-    def mean_median(obs: list[dict[str, Any]], prefix: str, machines: set[str] | None = None) -> float:
-        labels = [lab for lab in obs[0]["cpu"] if lab.startswith(prefix)
-                  and (machines is None or where.get(lab) in machines)]
-        return statistics.mean(statistics.median(o["cpu"][lab] for o in obs) for lab in labels)
+    def mean(obs: list[dict[str, Any]], prefix: str) -> float:
+        return statistics.mean(paper.machine_cpu(obs, where, workers, (prefix,)))
 
     bps, gloo = result["obs_bps"], result["obs_gloo"]
-    return {"worker": mean_median(bps, "worker-"), "server": mean_median(bps, "server-", colocated),
-            "rank": mean_median(bps, "rank-"), "gloo": mean_median(gloo, "rank-")}
+    return {"worker": mean(bps, "worker-"), "server": mean(bps, "server-"), "rank": mean(bps, "rank-"),
+            "gloo": mean(gloo, "rank-")}
 
 
 def run_point(args: argparse.Namespace, size: int, partition_bytes: int, tmp: Path) -> dict[str, Any]:
     """One ``paper_vs_allreduce.py`` run: its per-role CPU per operation, pieces and times."""
     out = tmp / f"{size}_{partition_bytes}.json"
-    cmd = [sys.executable, str(HERE / "paper_vs_allreduce.py"), "--ns", str(args.n), "--ks", str(args.k),
+    cmd = [sys.executable, paper.__file__, "--ns", str(args.n), "--ks", str(args.k),
            "--ps-ks", "", "--bandwidths", args.bandwidth, "--size", str(size), "--partition-bytes",
            str(partition_bytes), "--reps", str(args.reps), "--json", str(out), "--timeout", str(args.timeout)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout * 3 + 120)
