@@ -268,6 +268,7 @@ class SummationServer:
         data["async_replays"] = self.values.store.replays
         data["fused_plans"] = self.fusion.plans
         data["fused_tensors"] = self.fusion.planned
+        data["fused_waiting"] = len(self.fusion.waiting)  # fused names reported by some workers, not by all
         return data
 
     async def stop(self) -> None:

@@ -30,12 +30,16 @@ class HasConfig(Protocol):
     def config(self) -> ClusterConfig: ...
 
 
-def server_stats(cluster: HasConfig | ClusterConfig, *, timeout_s: float = STATS_TIMEOUT_S) -> dict[int, dict[str, Any]]:
-    """Every server's counters (its ``Stats``) by server id, asked for over TCP as an observer."""
+def server_stats(cluster: HasConfig | ClusterConfig, *, timeout_s: float = STATS_TIMEOUT_S,
+                 only: int | None = None) -> dict[int, dict[str, Any]]:
+    """Every server's counters (its ``Stats``) by server id, asked for over TCP as an observer; with ``only``,
+    that one server's."""
     config = cluster if isinstance(cluster, ClusterConfig) else cluster.config
     token = read_token(config)
     out = {}
     for spec in config.servers:
+        if only is not None and spec.id != only:
+            continue
         with socket.create_connection((spec.host, spec.port), timeout=timeout_s) as s:
             out[spec.id] = _ask(s, spec.id, token)
     return out

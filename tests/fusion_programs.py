@@ -127,8 +127,10 @@ def killed_mid_batch(victim: int, n: int) -> dict[str, Any]:
     return {"errors": errors, "ok": ok, "first_error": first_error, "seconds": time.monotonic() - start}
 
 
-def steady_fused(steps: int, n: int) -> dict[str, Any]:
-    """``n`` small sums a step for ``steps`` steps, each checked exactly; errors collected, not raised."""
+def steady_fused(steps: int, n: int, lag: float = 0.0) -> dict[str, Any]:
+    """``n`` small sums a step for ``steps`` steps, each checked exactly; errors collected, not raised. The last
+    rank rests ``lag`` seconds longer than the others between steps, so that its machine's fused pushes come
+    that much after the other machine's: each step's rounds stay open at their servers for about that long."""
     rank, size = bps.rank(), bps.size()
     errors: list[str] = []
     exact = 0
@@ -142,7 +144,7 @@ def steady_fused(steps: int, n: int) -> dict[str, Any]:
                 errors.append(f"step {step} fr.{i}: {type(exc).__name__}: {exc}")
                 continue
             exact += int((y == 10 * size * (size - 1) // 2 + size * (step + i)).all())
-        time.sleep(0.01)
+        time.sleep(0.01 + (lag if rank == size - 1 else 0.0))
     return {"errors": errors[:10], "exact": exact, "expected": steps * n}
 
 

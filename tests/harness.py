@@ -55,21 +55,25 @@ def restart_mid_run(cluster: Cluster, victim: str, after_rounds: int, counter: s
     """A started thread that freezes server ``victim`` (SIGSTOP, so that pushes are surely in flight) once it
     completed ``after_rounds`` rounds (or its ``counter`` statistic reached that: ``async_deltas``) and, for
     rounds, has one open (pushed to by a worker and not answered: what the workers must push again to the new
-    server), kills it (-9) half a second later and restarts it, as systemd would; the event is set once
-    restarted, the list holds what went wrong in the thread."""
+    server) or fused names waiting (reported to it by some workers: what they must report again), kills it (-9)
+    half a second later and restarts it, as systemd would; the event is set once restarted, the list holds what
+    went wrong in the thread. Only the victim's statistics are asked for, every 10 ms."""
     restarted = threading.Event()
     failure: list[BaseException] = []
 
     def due(stats: dict[str, Any]) -> bool:
-        return stats[counter] >= after_rounds and (counter != "rounds_completed" or stats["rounds_open"] > 0)
+        held = stats["rounds_open"] + stats["fused_waiting"]
+        return stats[counter] >= after_rounds and (counter != "rounds_completed" or held > 0)
 
     def kill_and_restart() -> None:
         try:
             sid = int(victim.split("-")[1])
             deadline = time.monotonic() + 60
-            while not due(server_stats(cluster)[sid]):  # well into the run, mid-round
-                assert time.monotonic() < deadline, "the job does not progress"
+            stats = server_stats(cluster, only=sid)[sid]
+            while not due(stats):  # well into the run, mid-round
+                assert time.monotonic() < deadline, f"{victim} never was due to be frozen in 60 s: {stats}"
                 time.sleep(0.01)
+                stats = server_stats(cluster, only=sid)[sid]
             cluster.kill(victim, signal.SIGSTOP)
             time.sleep(0.5)
             cluster.kill(victim)

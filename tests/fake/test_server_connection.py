@@ -237,6 +237,23 @@ async def test_fused_reports_become_one_plan_for_every_worker_and_a_mismatch_fai
     await server.stop()
 
 
+async def test_fused_waiting_counts_the_names_reported_by_some_workers_and_not_all():
+    """The other state the restart tests freeze a server in (tests/harness.py): fused names reported to it as
+    their anchor by one machine, waiting for the other's."""
+    from protocol.messages import FuseReady
+
+    server = _server()
+    conns = _workers(server, 2)
+    f32 = ["float32", [4], False, ""]
+    _feed(conns[0][0], _frame(FuseReady(["a", "b"], [f32], [0, 0])))
+    await asyncio.sleep(0)
+    assert server.stats()["fused_waiting"] == 2 and server.stats()["fused_plans"] == 0
+    _feed(conns[1][0], _frame(FuseReady(["b"], [f32], [0])))
+    await asyncio.sleep(0)
+    assert server.stats()["fused_waiting"] == 1 and server.stats()["fused_tensors"] == 1
+    await server.stop()
+
+
 async def test_fused_reports_on_a_second_stream_are_a_protocol_error():
     from protocol.messages import FuseReady
 
