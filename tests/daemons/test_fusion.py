@@ -84,13 +84,15 @@ def test_a_process_killed_mid_batch_fails_its_peers_within_the_timeout(make_clus
 @pytest.mark.parametrize("victim", ["server-2", "server-0"], ids=["cpu-only", "colocated"])
 def test_fused_batches_across_a_server_killed_and_restarted(tmp_path: Any, victim: str) -> None:
     """The anchor of a third of the names is killed (-9) mid-run and restarted: the plans it had sent, the
-    names reported to it and the fused pushes in flight all survive; every step is exact, none doubled. One
-    process lags 50 ms a step, so that the victim has a fused round open for most of each step: without it a
-    round was open in 4% of the polls, and a busy machine's polls could miss them all (run_through_restart
-    freezes the victim only with one open)."""
+    names reported to it and the fused pushes in flight all survive; every step is exact, none doubled. The
+    victim is frozen with a fused round open or fused names waiting for the other machine's reports. One process
+    lags 50 ms a step, so that its machine's reports come that much later and the victim holds names for most
+    of each step: a fused round is open only between the two machines' pushes, which the plan sends together
+    (4% of the polls), and a busy CI machine's polls missed them all for 60 s."""
     path = write_config(tmp_path, [2, 2], cpu_servers=1, cluster={"timeout": 15.0})
     results, logs, stats = run_through_restart(start_cluster(path), victim, 30, "rounds_completed", fp.steady_fused,
-                                               60, 300, 0.05, timeout=200, client_timeout=60)
+                                               60, 300, 0.05, held=("rounds_open", "fused_waiting"),
+                                               timeout=200, client_timeout=60)
     for r in results:
         assert r["errors"] == [] and r["exact"] == r["expected"], (r, logs[-6000:])
     sid = int(victim.split("-")[1])

@@ -8,6 +8,7 @@ the token. Each test fails on the code before the mutual handshake (2c683a3).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import encodings.idna  # noqa: F401  (the deputy child, as uid 65534, cannot read the stdlib to import it later)
 import multiprocessing as mp
 import os
@@ -152,9 +153,13 @@ def test_a_relayed_handshake_is_refused(tmp_path):
     live, free = config.servers[0], config.servers[2]
     rewrites = [{"stream": 7}, {"shm": "bps_w0_1_relay", "shm_key": "ab" * 32}]
     relayed: list[tuple[Hello, dict[str, Any], list[Message], bool]] = []
+    # Taken in the order the connections come (each is served in a thread of its own): both workers' first
+    # connections come together, and must not both take the first rewrite (a busy CI machine's run ended
+    # before a third connection came).
+    attempts = itertools.count()
 
     def relay(worker: socket.socket) -> None:
-        rewrite = rewrites[len(relayed) % len(rewrites)]
+        rewrite = rewrites[next(attempts) % len(rewrites)]
         with _connect(live.host, live.port) as up:
             up_reader, down_reader = FrameReader(), FrameReader()
             got, _ = _read(up, up_reader, 5, lambda ms: any(isinstance(m, Challenge) for m in ms))
