@@ -129,8 +129,9 @@ def killed_mid_batch(victim: int, n: int) -> dict[str, Any]:
 
 def steady_fused(steps: int, n: int, lag: float = 0.0) -> dict[str, Any]:
     """``n`` small sums a step for ``steps`` steps, each checked exactly; errors collected, not raised. The last
-    rank rests ``lag`` seconds longer than the others between steps, so that its machine's fused pushes come
-    that much after the other machine's: each step's rounds stay open at their servers for about that long."""
+    rank rests ``lag`` seconds longer than the others between steps, so that its machine reports each step's
+    names that much after the other machine: their anchors hold the names (Stats ``fused_waiting``) for about
+    that long. (The pushes are not staggered: a plan sends both machines' together.)"""
     rank, size = bps.rank(), bps.size()
     errors: list[str] = []
     exact = 0

@@ -73,11 +73,9 @@ def restart_mid_run(cluster: Cluster, victim: str, after_rounds: int, counter: s
         try:
             sid = int(victim.split("-")[1])
             deadline = time.monotonic() + 60
-            stats = server_stats(cluster, only=sid)[sid]
-            while not due(stats):  # well into the run, mid-round
+            while not due(stats := server_stats(cluster, only=sid)[sid]):  # well into the run, mid-round
                 assert time.monotonic() < deadline, f"{victim} never was due to be frozen in 60 s: {stats}"
                 time.sleep(0.01)
-                stats = server_stats(cluster, only=sid)[sid]
             cluster.kill(victim, signal.SIGSTOP)
             time.sleep(0.5)
             cluster.kill(victim)

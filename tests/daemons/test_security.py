@@ -8,8 +8,8 @@ the token. Each test fails on the code before the mutual handshake (2c683a3).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import encodings.idna  # noqa: F401  (the deputy child, as uid 65534, cannot read the stdlib to import it later)
+import itertools
 import multiprocessing as mp
 import os
 import socket
