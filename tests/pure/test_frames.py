@@ -16,6 +16,7 @@ from protocol.frames import (
     DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_MAX_PAYLOAD_BYTES,
     DIRECT_RECEIVE_MIN_BYTES,
+    HEADER_PEEK_BYTES,
     PREFIX,
     RECEIVE_BUFFER_BYTES,
     BatchWriter,
@@ -261,6 +262,57 @@ def test_payload_sink_destination_filled_in_place():
     assert np.shares_memory(np.frombuffer(payload, dtype=np.uint8), dest)
     # Direct receive: a buffer the reader handed out *was* part of dest.
     assert max(sizes) > RECEIVE_BUFFER_BYTES
+
+
+def _pieces_into_sinks(reader_header_bytes: int = 0) -> tuple[FrameReader, bytes, list[np.ndarray], list[bytes]]:
+    """Four 512 KiB pieces, each with a sink of its own, back to back, then a run of small frames."""
+    rng = random.Random(31)
+    dests = [np.zeros(1 << 19, dtype=np.uint8) for _ in range(4)]
+    payloads = [rng.randbytes(1 << 19) for _ in dests]
+    pad = "h" * reader_header_bytes
+    data = b"".join(frame_bytes({"t": "result", "i": i, "pad": pad}, p) for i, p in enumerate(payloads))
+    data += b"".join(frame_bytes({"t": "small", "i": i}, b"s" * 100) for i in range(50))
+    reader = FrameReader(payload_sink=lambda header, nbytes: memoryview(dests[header["i"]])
+                         if header["t"] == "result" else memoryview(bytearray(nbytes)))
+    return reader, data, dests, payloads
+
+
+def test_after_a_payload_received_in_place_only_a_header_s_worth_is_read_into_the_buffer():
+    """The read after a large payload asks for HEADER_PEEK_BYTES, so at most that much of the next payload
+    goes through the receive buffer (and is copied); the rest is received in place. Every byte is right."""
+    reader, data, dests, payloads = _pieces_into_sinks()
+    handed: list[tuple[int, bool]] = []  # (length, inside a destination) of every buffer handed out
+    pos, frames = 0, []
+    while pos < len(data):
+        buf = reader.get_buffer(-1)
+        inside = any(np.shares_memory(np.frombuffer(buf, dtype=np.uint8), d) for d in dests)
+        handed.append((len(buf), inside))
+        n = min(len(buf), len(data) - pos)  # a socket with everything already in
+        buf[:n] = data[pos:pos + n]
+        pos += n
+        frames.extend(reader.buffer_updated(n))
+    assert [f.header["t"] for f in frames] == ["result"] * 4 + ["small"] * 50
+    for dest, payload in zip(dests, payloads):
+        assert dest.tobytes() == payload
+    assert all(f.payload.tobytes() == b"s" * 100 for f in frames[4:])
+    # The first read takes the whole buffer (no payload came yet); after each piece, a peek; then in place.
+    assert handed[0] == (RECEIVE_BUFFER_BYTES, False)
+    kinds = [("dest" if inside else "peek" if n == HEADER_PEEK_BYTES else n) for n, inside in handed[1:]]
+    assert kinds[:7] == ["dest", "peek", "dest", "peek", "dest", "peek", "dest"]
+    # After the last piece's peek, the small frames get the rest of the buffer (not a read per 4 KiB).
+    assert kinds[7] == "peek" and kinds[8] == RECEIVE_BUFFER_BYTES - HEADER_PEEK_BYTES and len(kinds) == 9
+    copied = sum(n for n, inside in handed[1:] if not inside)
+    assert copied <= 4 * HEADER_PEEK_BYTES + RECEIVE_BUFFER_BYTES
+
+
+def test_a_header_longer_than_the_peek_is_read_whole_after_it():
+    reader, data, dests, payloads = _pieces_into_sinks(reader_header_bytes=3 * HEADER_PEEK_BYTES)
+    frames, sizes = feed_bufferedprotocol(reader, data, max_chunk=1 << 30)
+    assert [f.header["t"] for f in frames] == ["result"] * 4 + ["small"] * 50
+    assert all(len(f.header["pad"]) == 3 * HEADER_PEEK_BYTES for f in frames[:4])
+    for dest, payload in zip(dests, payloads):
+        assert dest.tobytes() == payload
+    assert HEADER_PEEK_BYTES in sizes  # the peek happened, and the header's rest came in the next read
 
 
 def test_payload_sink_multidimensional_destination_small_payload():
