@@ -21,8 +21,11 @@ Theory of operation of :class:`FrameReader` (sans-IO, shaped for
   long: the read that brings the next frame's header then brings at most that much of
   its payload, which is all that is copied; the rest is received in place. (With the
   whole receive buffer, a read took a header with up to 256 KiB of its payload behind
-  it, copied again: about 40% of a daemon's received bytes at 1 Gbit/s.) A peek that
-  ends inside a header, or a run of small frames, is followed by the whole buffer.
+  it, copied again: about 40% of a daemon's received bytes at 1 Gbit/s.) The same holds
+  for the last bytes of a large payload (fewer than ``DIRECT_RECEIVE_MIN_BYTES``, read
+  into the buffer): the read asks for them and a peek's worth more. Peeks go on while
+  they come back short (a small frame, or nothing yet); a full one may be a header
+  longer than a peek or a run of small frames, and the whole buffer is handed out next.
 * Limits are checked as soon as the prefix is in, before anything is allocated.
   Any violation raises :class:`RemoteProtocolError` (with ``size`` and ``limit``);
   afterwards the reader is in an error state and refuses further use with a
@@ -270,10 +273,11 @@ class FrameReader:
             self._direct = True
             return self._dest[self._filled:]
         self._direct = False
-        peek, self._peek = self._peek and self._dest is None, False
         if self._start == self._end:
             self._start = self._end = 0
-            if peek:
+            if self._dest is not None and len(self._dest) >= DIRECT_RECEIVE_MIN_BYTES:
+                return self._view[:len(self._dest) - self._filled + HEADER_PEEK_BYTES]  # a large payload's tail
+            if self._peek:  # until a peek comes back full (a read that finds nothing reports nothing)
                 return self._view[:HEADER_PEEK_BYTES]
         elif len(self._buf) - self._end < PREFIX.size + self.max_header_bytes:
             # Compact so a whole header fits after the unparsed bytes, if the buffer can hold it; if they
@@ -297,6 +301,8 @@ class FrameReader:
             self._finish_payload_if_complete(frames)
             return frames
         self._end += nbytes
+        # A short peek (a small frame, or none yet) keeps peeking; a full one may be a run of small frames.
+        self._peek = self._peek and nbytes < HEADER_PEEK_BYTES
         try:
             return self._parse()
         except ProtocolError as exc:

@@ -291,6 +291,8 @@ def test_after_a_payload_received_in_place_only_a_header_s_worth_is_read_into_th
         buf[:n] = data[pos:pos + n]
         pos += n
         frames.extend(reader.buffer_updated(n))
+        if inside:  # a read that fills its buffer is followed by another, which may find nothing yet (EAGAIN:
+            reader.get_buffer(-1)  # no buffer_updated); the peek still holds for the read that brings bytes
     assert [f.header["t"] for f in frames] == ["result"] * 4 + ["small"] * 50
     for dest, payload in zip(dests, payloads):
         assert dest.tobytes() == payload
@@ -303,6 +305,54 @@ def test_after_a_payload_received_in_place_only_a_header_s_worth_is_read_into_th
     assert kinds[7] == "peek" and kinds[8] == RECEIVE_BUFFER_BYTES - HEADER_PEEK_BYTES and len(kinds) == 9
     copied = sum(n for n, inside in handed[1:] if not inside)
     assert copied <= 4 * HEADER_PEEK_BYTES + RECEIVE_BUFFER_BYTES
+
+
+def test_the_tail_of_a_large_payload_is_read_with_a_peek_s_worth_more_not_the_whole_buffer():
+    """A payload's last bytes, too few to be received in place, are read into the buffer: that read asks for
+    them and HEADER_PEEK_BYTES more, so the next payload is again received in place, not copied."""
+    reader, data, dests, payloads = _pieces_into_sinks()
+    handed: list[tuple[int, bool]] = []
+    pos, frames, cut = 0, [], set()
+    while pos < len(data):
+        buf = reader.get_buffer(-1)
+        dest = next((i for i, d in enumerate(dests) if np.shares_memory(np.frombuffer(buf, np.uint8), d)), None)
+        handed.append((len(buf), dest is not None))
+        n = min(len(buf), len(data) - pos)
+        if dest is not None and dest not in cut:  # the socket has all but 1,000 bytes of the payload yet
+            cut.add(dest)
+            n -= 1000
+        buf[:n] = data[pos:pos + n]
+        pos += n
+        frames.extend(reader.buffer_updated(n))
+    assert [f.header["t"] for f in frames] == ["result"] * 4 + ["small"] * 50
+    for dest, payload in zip(dests, payloads):
+        assert dest.tobytes() == payload
+    tails = [n for n, inside in handed if not inside and n == 1000 + HEADER_PEEK_BYTES]
+    assert len(tails) == 4
+    copied = sum(n for n, inside in handed[1:] if not inside)
+    assert copied <= 4 * (1000 + HEADER_PEEK_BYTES) + RECEIVE_BUFFER_BYTES
+
+
+def test_peeks_go_on_while_they_come_back_short():
+    """A small frame alone on the socket after a large payload (a short peek) leaves the reader peeking, so
+    the large payload after it is received in place too; a full peek hands out the whole buffer next."""
+    dest = np.zeros(1 << 19, dtype=np.uint8)
+    big = random.Random(5).randbytes(dest.nbytes)
+    reader = FrameReader(payload_sink=lambda header, nbytes: memoryview(dest) if header["t"] == "result"
+                         else memoryview(bytearray(nbytes)))
+    for chunk in (frame_bytes({"t": "result"}, big), frame_bytes({"t": "pong"}), frame_bytes({"t": "result"}, big)):
+        sizes = []
+        while chunk:  # each chunk is all the socket holds when it is read
+            buf = reader.get_buffer(-1)
+            sizes.append(len(buf))
+            n = min(len(buf), len(chunk))
+            buf[:n], chunk = chunk[:n], chunk[n:]
+            reader.buffer_updated(n)
+    assert dest.tobytes() == big
+    assert sizes[0] == HEADER_PEEK_BYTES  # the second result's header still came by a peek
+    assert reader.get_buffer(-1).nbytes == HEADER_PEEK_BYTES
+    reader.receive_data(b"".join(frame_bytes({"t": "pong", "i": i}) for i in range(400)))  # full: a run of frames
+    assert reader.get_buffer(-1).nbytes > HEADER_PEEK_BYTES
 
 
 def test_a_header_longer_than_the_peek_is_read_whole_after_it():
