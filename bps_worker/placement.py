@@ -19,7 +19,8 @@ all the sums, never both at once (measured on emulated links: 2x the optimal tim
 ``benchmarks/RESULTS.md``). Where the servers are on several hosts (the network is the limit) the ranges
 are cut finer, into at least ``NETWORK_PIPELINE_DEPTH`` partitions per stream (below) of at least
 ``NETWORK_MIN_PIPELINE_BYTES``, and, where the cluster file gives the links' rate, of at least
-``PIECE_LINK_TIME_S`` of it but no fewer than ``NETWORK_MIN_DEPTH`` per stream, and of at least
+``PIECE_LINK_TIME_S`` of it (more on links faster than ``PIECE_TIME_GROWS_ABOVE_BITS``:
+:func:`piece_link_time`) but no fewer than ``NETWORK_MIN_DEPTH`` per stream, and of at least
 ``PIECE_MIN_LINK_TIME_S`` of it (fewer and larger pieces where links are fast: a piece costs CPU whatever
 its size): the worker's links pace their pushes by a window of a few partitions
 (``bps_worker.window``), so that every worker's flow into a server progresses at the same pace, and that
@@ -84,6 +85,20 @@ NETWORK_MIN_PIPELINE_BYTES = 32 * 1024
 PIECE_LINK_TIME_S = 4e-3
 NETWORK_MIN_DEPTH = 8  # per stream
 PIECE_MIN_LINK_TIME_S = 0.5e-3
+# Above PIECE_TIME_GROWS_ABOVE_BITS a piece's time grows with the rate, up to PIECE_LINK_TIME_MAX_S (8 ms
+# from 1 Gbit/s). A machine's CPU per second of link is its bytes' (in proportion to the rate) plus its
+# pieces' (the pieces a second): the faster the link, the fewer pieces a second it can afford. At 1 Gbit/s,
+# n = 4, k = 0, pieces of 8 ms cost a GPU machine a quarter less CPU than 4 ms ones (1.5-1.9x a gloo rank,
+# against 2.1-2.3x) for about 2% more time; at 200 Mbit/s, k = 2, pieces of 8 ms took 1.30 t_opt against
+# 1.15 (a CPU-only server's start waits for every worker's first pieces), so slower links keep 4 ms
+# (measured on emulated links, benchmarks/RESULTS.md).
+PIECE_TIME_GROWS_ABOVE_BITS = 500e6
+PIECE_LINK_TIME_MAX_S = 8e-3
+
+
+def piece_link_time(link_bits_per_s: float) -> float:
+    """The least link time of a piece on links of ``link_bits_per_s`` (see PIECE_TIME_GROWS_ABOVE_BITS)."""
+    return min(PIECE_LINK_TIME_MAX_S, PIECE_LINK_TIME_S * max(1.0, link_bits_per_s / PIECE_TIME_GROWS_ABOVE_BITS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +180,7 @@ class Placement:
             self.depth, self.min_bytes = NETWORK_PIPELINE_DEPTH, NETWORK_MIN_PIPELINE_BYTES
         # The least bytes of a piece for the link's rate (0: rate not given, or one host).
         link_bytes_per_s = 0 if config.one_host else config.link_bits_per_s / 8
-        self.rate_bytes = int(link_bytes_per_s * PIECE_LINK_TIME_S)
+        self.rate_bytes = int(link_bytes_per_s * piece_link_time(8 * link_bytes_per_s))
         self.min_rate_bytes = int(link_bytes_per_s * PIECE_MIN_LINK_TIME_S)
         shares = server_shares(config)
         self.server_ids = [s.id for s in config.servers]

@@ -13,19 +13,23 @@ from bps_worker.placement import (
     NETWORK_MIN_DEPTH,
     NETWORK_MIN_PIPELINE_BYTES,
     NETWORK_PIPELINE_DEPTH,
+    PIECE_LINK_TIME_MAX_S,
     PIECE_LINK_TIME_S,
     PIECE_MIN_LINK_TIME_S,
+    PIECE_TIME_GROWS_ABOVE_BITS,
     PIPELINE_DEPTH,
     Piece,
     Placement,
     interleave,
+    piece_link_time,
     server_shares,
     theorem1_shares,
 )
 from protocol.config import ClusterConfig, parse_config
 from protocol.messages import fused_lanes, fused_name, fused_server
 
-MiB = 1024 * 1024
+KiB = 1024
+MiB = 1024 * KiB
 
 
 def make_config(n: int, k: int, *, partition_bytes: int = 4 * MiB, colocated: list[int | None] | None = None,
@@ -311,11 +315,15 @@ def test_fast_links_get_fewer_larger_pieces():
         pieces = check_pieces(Placement(make_config(4, 0, one_host=False, link_rate=rate)), "big", count, 4)
         return [[p.count * 4 for p in pieces if p.server == sid] for sid in range(4)]
 
-    floor = 1e9 / 8 * PIECE_LINK_TIME_S  # 1 Gbit/s: 500 kB, 8 pieces of a 4 MiB range
-    for sizes in sizes_of("1gbit"):
-        assert len(sizes) == 11 < len(by_count) / 4, sizes
+    floor = 500e6 / 8 * PIECE_LINK_TIME_S  # 500 Mbit/s: 4 ms, 250 kB, 16 pieces of a 4 MiB range
+    for sizes in sizes_of("500mbit"):
+        assert len(sizes) == 20 < len(by_count) / 4, sizes
         assert all(0.9 * floor <= size <= floor for size in sizes[2:-2]), sizes  # the floor, evened out
         assert sizes[:2] == sizes[-2:][::-1] and abs(sizes[0] - floor / 4) < 4, sizes  # the ramp, from the floor
+    # 1 Gbit/s: 8 ms (1 MB) would leave a stream 4 pieces of the range, so the depth's 8 (512 KiB) it is
+    for sizes in sizes_of("1gbit"):
+        assert len(sizes) == 11 and all(0.9 * 512 * KiB <= size <= 512 * KiB for size in sizes[2:-2]), sizes
+        assert sizes[:2] == sizes[-2:][::-1] == [128 * KiB, 256 * KiB], sizes
     least = 10e9 / 8 * PIECE_MIN_LINK_TIME_S  # 10 Gbit/s: 4 ms would leave 1 piece, the depth 512 KiB ones
     for sizes in sizes_of("10gbit"):
         assert len(sizes) == 10 and all(0.8 * least <= size <= 4 * MiB for size in sizes[2:-2]), sizes
@@ -323,6 +331,25 @@ def test_fast_links_get_fewer_larger_pieces():
     assert max(max(sizes) for sizes in sizes_of("400gbit")) == 4 * MiB  # never over partition_bytes
     one_host = check_pieces(Placement(make_config(4, 0, link_rate="10gbit")), "big", count, 4)
     assert one_host == check_pieces(Placement(make_config(4, 0)), "big", count, 4)
+
+
+def test_a_piece_s_time_grows_with_the_rate_above_500_mbit():
+    """Up to PIECE_TIME_GROWS_ABOVE_BITS a piece carries at least PIECE_LINK_TIME_S (4 ms) of the link; above,
+    that time grows with the rate, to PIECE_LINK_TIME_MAX_S (8 ms) from 1 Gbit/s: the faster the link, the more
+    CPU its bytes take, and the fewer pieces a second it can afford."""
+    assert (PIECE_TIME_GROWS_ABOVE_BITS, PIECE_LINK_TIME_MAX_S) == (500e6, 8e-3)
+    assert [piece_link_time(b) for b in (100e6, 200e6, 500e6, 750e6, 1e9, 10e9)] == \
+        [4e-3, 4e-3, 4e-3, 6e-3, 8e-3, 8e-3]
+    count = 64 * MiB // 4  # 16 MiB a server at n = 4, k = 0: the depth binds at neither rate
+
+    def middle(rate: str) -> list[int]:
+        pieces = check_pieces(Placement(make_config(4, 0, one_host=False, link_rate=rate)), "big", count, 4)
+        sizes = [p.count * 4 for p in pieces if p.server == 0]
+        return sizes[2:-2]
+
+    assert all(0.9 * 1e6 <= size <= 1e6 for size in middle("1gbit"))  # 8 ms of 1 Gbit/s: 1 MB
+    assert all(0.9 * 562.5e3 <= size <= 562.5e3 for size in middle("750mbit"))  # 6 ms of 750 Mbit/s
+    assert all(0.9 * 512 * KiB <= size <= 512 * KiB for size in middle("500mbit"))  # 4 ms (250 kB) < the depth
 
 
 def test_interleave_takes_every_flow_in_turn():
