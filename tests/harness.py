@@ -51,7 +51,7 @@ def start_cluster(config_path: Path, log_dir: Path | None = None) -> Cluster:
 
 
 def restart_mid_run(cluster: Cluster, victim: str, after_rounds: int, counter: str = "rounds_completed",
-                    held: tuple[str, ...] = ("rounds_open",)
+                    held: tuple[str, ...] = ("rounds_open",), ended: threading.Event | None = None
                     ) -> tuple[threading.Thread, threading.Event, list[BaseException]]:
     """A started thread that freezes server ``victim`` (SIGSTOP, so that pushes are surely in flight) once it
     completed ``after_rounds`` rounds (or its ``counter`` statistic reached that: ``async_deltas``) and, for
@@ -62,7 +62,9 @@ def restart_mid_run(cluster: Cluster, victim: str, after_rounds: int, counter: s
     thread. Only the victim's statistics are asked for, every 10 ms.
 
     Frozen with fused names waiting and no round open, a job whose steps wait for those names pushes nothing
-    more to the victim: a test that counts the partitions pushed again holds out for ``rounds_open``."""
+    more to the victim: a test that counts the partitions pushed again holds out for ``rounds_open``.
+    ``ended``: set by the caller once its job is over; a thread still waiting to freeze then fails at once
+    (what it saw last), instead of polling to its deadline."""
     restarted = threading.Event()
     failure: list[BaseException] = []
 
@@ -75,7 +77,7 @@ def restart_mid_run(cluster: Cluster, victim: str, after_rounds: int, counter: s
             deadline = time.monotonic() + 60
             while not due(stats := server_stats(cluster, only=sid)[sid]):  # well into the run, mid-round
                 assert time.monotonic() < deadline, f"{victim} never was due to be frozen in 60 s: {stats}"
-                time.sleep(0.01)
+                assert ended is None or not ended.wait(0.01), f"the job ended before {victim} was due: {stats}"
             cluster.kill(victim, signal.SIGSTOP)
             time.sleep(0.5)
             cluster.kill(victim)
@@ -95,9 +97,13 @@ def run_through_restart(cluster: Cluster, victim: str, after: int, counter: str,
                         ) -> tuple[list[Any], str, dict[int, Any]]:
     """:func:`run_ranks` while :func:`restart_mid_run` kills and restarts ``victim``; the results, the daemons'
     logs and the servers' statistics. The cluster is stopped at the end, whatever happened."""
-    chaos, restarted, failure = restart_mid_run(cluster, victim, after, counter, held)
+    ended = threading.Event()
+    chaos, restarted, failure = restart_mid_run(cluster, victim, after, counter, held, ended)
     try:
-        results = run_ranks(cluster, target, *args, **kwargs)
+        try:
+            results = run_ranks(cluster, target, *args, **kwargs)
+        finally:
+            ended.set()
         chaos.join()
         logs = daemon_logs(cluster)
         stats = server_stats(cluster)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 
@@ -21,9 +22,13 @@ def _run_once(tmp_path, victim: str, hosts: bool) -> list[int]:
     path = write_config(tmp_path, [2, 2], cluster={"partition_bytes": 256 * 1024, "timeout": 15.0},
                         separate_hosts=hosts)
     cluster = start_cluster(path)
-    chaos, restarted, failure = restart_mid_run(cluster, victim, 40)
+    ended = threading.Event()
+    chaos, restarted, failure = restart_mid_run(cluster, victim, 40, ended=ended)
     try:
-        results = run_ranks(cluster, rp.steady_rounds, ROUNDS, 0.0, timeout=180)
+        try:
+            results = run_ranks(cluster, rp.steady_rounds, ROUNDS, 0.0, timeout=180)
+        finally:
+            ended.set()
         chaos.join()
         assert not failure, failure
         assert restarted.is_set()
