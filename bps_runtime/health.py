@@ -12,7 +12,8 @@ and never the daemon's own state, so it needs no lock and cannot race the loop:
 - ``GET /readyz`` (:func:`readyz`): 503 with the daemon's reason, or with the stall, since a stalled
   loop's verdict is stale.
 - systemd: ``WATCHDOG=1`` is sent from the beat itself, so that a stalled loop stops the pings and
-  systemd's ``WatchdogSec=`` restarts the daemon; ``STATUS=`` is sent whenever the status line changes.
+  systemd's ``WatchdogSec=`` restarts the daemon; ``STATUS=`` is sent whenever the status line changes (one
+  dropped on a full notify socket goes again at the next beat).
 
 The clock is ``time.monotonic`` (the HTTP thread compares the beat with it); the decisions take the
 time as an argument.
@@ -114,6 +115,7 @@ class Pulse:
         self.ping_every_s = watchdog_s / 2 if watchdog_s is not None and notify_socket else None
         self.interval_s = min(interval_s, self.ping_every_s) if self.ping_every_s is not None else interval_s
         self.latest: Health | None = None
+        self._status_sent: str | None = None  # the last STATUS= line that went (one dropped goes at a later beat)
         self._next_ping = 0.0
         self._task: asyncio.Task[None] | None = None
 
@@ -135,7 +137,11 @@ class Pulse:
         previous, self.latest = self.latest, Health(now, verdict)
         if previous is None or previous.verdict.status != verdict.status:
             log.debug("status: %s", verdict.status)
-            sd_notify(f"STATUS={verdict.status}", self.notify_socket)
+        # Until it went: a line dropped on a full socket (sd_notify never waits for these) would leave systemd
+        # showing a status that is no longer true until the next change, which may never come.
+        if self.notify_socket and verdict.status != self._status_sent \
+                and sd_notify(f"STATUS={verdict.status}", self.notify_socket):
+            self._status_sent = verdict.status
         if self.ping_every_s is not None and now >= self._next_ping:
             self._next_ping = now + self.ping_every_s
             sd_notify("WATCHDOG=1", self.notify_socket)

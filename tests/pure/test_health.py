@@ -95,6 +95,41 @@ def test_status_is_sent_when_it_changes_and_pings_every_half_period(tmp_path):
 
 
 @pytest.mark.timeout(30)
+def test_a_status_line_dropped_on_a_full_socket_goes_at_a_later_beat(tmp_path):
+    """STATUS= is sent without waiting, so a full queue drops it (a reader behind: a busy manager, a test); the
+    pulse sends the current line again at every beat until it went, not only at the next change."""
+    path = str(tmp_path / "notify")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(path)
+        sock.setblocking(False)
+        verdicts = iter([WAITING] + [READY] * 3)
+        pulse = Pulse(lambda: next(verdicts), notify_socket=path)  # no watchdog: STATUS= lines only
+        pulse.beat()
+        filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        filler.setblocking(False)
+        fill = 0
+        while True:  # the queue full
+            try:
+                filler.sendto(b"X", path)
+                fill += 1
+            except BlockingIOError:
+                break
+        filler.close()
+        pulse.beat()  # the change to READY: dropped
+        got = []
+        while True:
+            try:
+                got.append(sock.recv(100).decode())
+            except BlockingIOError:
+                break
+        assert got == ["STATUS=waiting for server 2"] + ["X"] * fill
+        pulse.beat()  # room again: the line goes now, once
+        pulse.beat()
+        assert sock.recv(100).decode() == "STATUS=serving 2 of 2 workers"
+        with pytest.raises(BlockingIOError):
+            sock.recv(100)
+
+
 def test_a_notify_socket_nobody_reads_drops_messages_and_never_blocks(tmp_path, caplog, monkeypatch):
     """The queue of a datagram socket holds a few messages (net.unix.max_dgram_qlen); once it is full, a
     blocking send would freeze the daemon's loop (it hung a server's stop in test_systemd_notify)."""
