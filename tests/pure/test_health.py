@@ -14,6 +14,16 @@ READY = Verdict(None, "serving 2 of 2 workers")
 WAITING = Verdict("not connected to server 2 at 10.0.0.5:9100", "waiting for server 2")
 
 
+def _drain(sock: socket.socket) -> list[str]:
+    """Every datagram waiting on the non-blocking ``sock``."""
+    got = []
+    while True:
+        try:
+            got.append(sock.recv(100).decode())
+        except BlockingIOError:
+            return got
+
+
 def test_livez_passes_while_the_loop_beats_within_the_limit():
     assert livez(Health(100.0, READY), 100.0, 10.0) == (200, "ok")
     assert livez(Health(100.0, WAITING), 110.0, 10.0) == (200, "ok")  # liveness ignores readiness
@@ -82,12 +92,7 @@ def test_status_is_sent_when_it_changes_and_pings_every_half_period(tmp_path):
         assert pulse.interval_s == 1.0 and pulse.ping_every_s == 1800.0
         for _ in range(3):
             pulse.beat()
-        got = []
-        while True:
-            try:
-                got.append(sock.recv(100).decode())
-            except BlockingIOError:
-                break
+        got = _drain(sock)
     # one ping (the next is due in half an hour), and a STATUS line per change only
     assert got == ["STATUS=serving 2 of 2 workers", "WATCHDOG=1", "STATUS=waiting for server 2"]
     assert Pulse(lambda: READY, watchdog_s=0.4).ping_every_s is None  # no socket: nothing to ping
@@ -116,12 +121,7 @@ def test_a_status_line_dropped_on_a_full_socket_goes_at_a_later_beat(tmp_path):
                 break
         filler.close()
         pulse.beat()  # the change to READY: dropped
-        got = []
-        while True:
-            try:
-                got.append(sock.recv(100).decode())
-            except BlockingIOError:
-                break
+        got = _drain(sock)
         assert got == ["STATUS=waiting for server 2"] + ["X"] * fill
         pulse.beat()  # room again: the line goes now, once
         pulse.beat()
