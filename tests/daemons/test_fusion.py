@@ -105,9 +105,9 @@ def test_a_machines_process_killed_mid_fused_step_and_started_again_sums_exactly
         make_cluster: Any) -> None:
     """One process per machine; machine 1's is killed (-9) with half a step of fused small sums issued, so its
     worker daemon resets (every process gone) while plans of that step are on their way or half run, then a new
-    process starts there from step 0. The healthy process gets errors for the steps in between, never a hang;
-    then every name is summed with the new process's steps 0, 1, 2, ... in order, exactly, and the new process
-    with consecutive steps of the healthy one, without an error. (Lane generations, bps_server.fusion, keep the
+    process starts there from step 0. The healthy process gets errors for the steps in between (if it issued them
+    before the reset), never a hang; then every name is summed with the new process's steps 0, 1, 2, ... in
+    order, exactly, and the new process with consecutive steps of the healthy one, without an error. (Lane generations, bps_server.fusion, keep the
     lanes in step when a plan reaches the machine only after its reset; this test passed before them too, as
     such a plan is rare here: tests/pure/test_fused_driver.py makes it happen.)"""
     n, steps, kill_after = 40, 6, 4
@@ -147,5 +147,8 @@ def test_a_machines_process_killed_mid_fused_step_and_started_again_sums_exactly
         mine = new["seen"][i]  # the healthy process's steps, summed with the new one's 0 .. steps - 1
         assert len(mine) == steps and mine == [mine[0] + s for s in range(steps)], (i, mine)
     assert new["error_count"] == 0, new["errors"]
-    # the steps in between failed naming the machine whose processes left
-    assert healthy["error_count"] > 0 and all("worker 1" in e for e in healthy["errors"]), healthy["errors"]
+    # The steps in between failed naming the machine whose processes left. Usually there are some: the healthy
+    # process issues its step as the victim issues half of it. Where the healthy one came to issue it only after
+    # machine 1's reset (a loaded box: 1 run in about 20 under a busy loop), that step waits for the new
+    # process's step 0 instead, and none fails: the sums above are exact either way.
+    assert all("worker 1" in e for e in healthy["errors"]), healthy["errors"]
