@@ -67,6 +67,7 @@ def restart_mid_run(cluster: Cluster, victim: str, after_rounds: int, counter: s
     (what it saw last), instead of polling to its deadline."""
     restarted = threading.Event()
     failure: list[BaseException] = []
+    ended = ended or threading.Event()  # never set: poll to the deadline
 
     def due(stats: dict[str, Any]) -> bool:
         return stats[counter] >= after_rounds and (counter != "rounds_completed" or any(stats[h] for h in held))
@@ -77,7 +78,8 @@ def restart_mid_run(cluster: Cluster, victim: str, after_rounds: int, counter: s
             deadline = time.monotonic() + 60
             while not due(stats := server_stats(cluster, only=sid)[sid]):  # well into the run, mid-round
                 assert time.monotonic() < deadline, f"{victim} never was due to be frozen in 60 s: {stats}"
-                assert ended is None or not ended.wait(0.01), f"the job ended before {victim} was due: {stats}"
+                if ended.wait(0.01):
+                    raise AssertionError(f"the job ended before {victim} was due: {stats}")
             cluster.kill(victim, signal.SIGSTOP)
             time.sleep(0.5)
             cluster.kill(victim)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import re
-import threading
 
 import pytest
 
 import rank_programs as rp
-from harness import daemon_logs, restart_mid_run, run_ranks, server_stats, start_cluster, write_config
+from harness import run_through_restart, start_cluster, write_config
 
 ROUNDS = 100
 
@@ -22,21 +21,8 @@ def _run_once(tmp_path, victim: str, hosts: bool) -> list[int]:
     path = write_config(tmp_path, [2, 2], cluster={"partition_bytes": 256 * 1024, "timeout": 15.0},
                         separate_hosts=hosts)
     cluster = start_cluster(path)
-    ended = threading.Event()
-    chaos, restarted, failure = restart_mid_run(cluster, victim, 40, ended=ended)
-    try:
-        try:
-            results = run_ranks(cluster, rp.steady_rounds, ROUNDS, 0.0, timeout=180)
-        finally:
-            ended.set()
-        chaos.join()
-        assert not failure, failure
-        assert restarted.is_set()
-        logs = daemon_logs(cluster)
-        stats = server_stats(cluster)
-    finally:
-        chaos.join()
-        cluster.stop()
+    results, logs, stats = run_through_restart(cluster, victim, 40, "rounds_completed", rp.steady_rounds, ROUNDS,
+                                               0.0, timeout=180)
     for r in results:
         assert r["errors"] == [] and r["exact"] == r["expected"], (r, logs)
     # The restart happened mid-run: the new server took part, but did not see the whole run.
