@@ -105,8 +105,9 @@ class WorkerDaemon:
         # (``worker = <our id>``), and any other whose address is one of this host's own.
         # Each server gets placement.streams(id) connections (see bps_worker.placement); the first one also
         # carries control messages (resets, aborts, round queries, releases) and alone may use shared memory.
+        window = self.placement.stream_window(cluster.window_pieces)  # of every connection
         self.streams = {
-            s.id: [ServerLink(s, config.worker_id, credit_bytes=per_link_credit, window_pieces=cluster.window_pieces,
+            s.id: [ServerLink(s, config.worker_id, credit_bytes=per_link_credit, window_pieces=window,
                               stream=stream, timeout=cluster.timeout,
                               max_payload_bytes=cluster.max_payload_bytes, token=config.token,
                               shm_mode=config.segment_mode

@@ -338,7 +338,7 @@ class ServerLink:
         self.timeout = timeout
         self.max_payload_bytes = max_payload_bytes
         self.window: SendWindow[OutgoingPush] = SendWindow(
-            credit_bytes=credit_bytes, window_pieces=window_pieces,  # cluster.window_pieces; 0: no pacing
+            credit_bytes=credit_bytes, window_pieces=window_pieces,  # Placement.stream_window; 0: no pacing
             batch_max_bytes=min(BATCH_MAX_BYTES, max_payload_bytes))  # a batch is one frame: the peer's limit
         self.control = ControlMessages()
         self.incarnation: str | None = None  # of the server run we last talked to

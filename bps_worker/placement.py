@@ -42,6 +42,15 @@ positive share gets one, at most ``MAX_STREAMS``), and the partitions of a serve
 in turn: every flow on every link then carries about the same bytes, and fair sharing is the
 optimal split.
 
+Windows: a worker paces its pushes by the answers (``bps_worker.window``), and every connection gets the same
+window (:meth:`Placement.stream_window`), or the flows would no longer share the links in proportion to the
+shares. With ``cluster.window_pieces`` pieces a connection, a flow of three streams kept three times the pieces
+of a one-stream flow in flight, so a CPU-only server's downlink queued three times the time of the others' and
+its first sums, which wait for every worker's first pieces, left late (at 200 Mbit/s, k = 2: 1.19 t_opt).
+So ``window_pieces`` is the window of the largest flow, spread over its streams: 1 a connection at n = 4,
+k = 2 (1.08-1.09 t_opt), 2 at k = 1, the whole window where every server has one stream (k = 0, k = n, one
+host). Measured on emulated links, ``benchmarks/RESULTS.md``.
+
 A server's load deviates from its target by less than one element per
 tensor, whatever the order in which names appear, and every worker computes the
 same pieces from the config and the tensor alone. Partition 0 always lives on
@@ -203,6 +212,17 @@ class Placement:
     def streams(self, server: int) -> int:
         """How many connections a worker opens to ``server`` (see the module docstring)."""
         return self._streams[server]
+
+    def stream_window(self, window_pieces: int) -> int:
+        """The pieces each connection may have unanswered (``bps_worker.window``): ``cluster.window_pieces``
+        on the worker's largest flow, spread over that server's streams (rounded up; 0, no pacing, stays 0).
+
+        Every connection gets the same window, so that fair sharing keeps the flows' rates in proportion to
+        the shares, and each flow's pieces in flight are in proportion to its share: a CPU-only server's
+        downlink queues about as many pieces as a colocated server's (see the module docstring, Windows)."""
+        if window_pieces <= 0:
+            return 0
+        return -(-window_pieces // max(self._streams.values(), default=1))
 
     def fused_key(self, server: int, lane: int, dtype: str, average: bool, lanes: str) -> str:
         """The name of server ``server``'s fused tensor of ``dtype`` (and ``average``) on ``lane`` of lane

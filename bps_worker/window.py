@@ -14,10 +14,11 @@ Theory of operation of :class:`SendWindow` (no asyncio, no sockets; the link doe
   pushes (no credit deadlock).
 * **Pacing.** A TCP piece over ``paced_min_bytes`` also counts against a window of unanswered
   pieces while the server has not answered it: it goes only while this link's unanswered paced
-  bytes, with it, come to at most ``window_pieces`` (``cluster.window_pieces``; 0: no pacing)
-  times the largest of them since the window was last empty. The first and last pieces of a range
-  are smaller (``bps_worker.placement``); counted in their own size they would shrink the window
-  to a piece or two and stall the flow at its end. A server answers a partition only once every
+  bytes, with it, come to at most ``window_pieces`` (the link's part of ``cluster.window_pieces``,
+  ``bps_worker.placement.Placement.stream_window``; 0: no pacing) times the largest of them since
+  the window was last empty. The first and last pieces of a range are smaller
+  (``bps_worker.placement``); counted in their own size they would shrink the window to a piece or
+  two and stall the flow at its end. A server answers a partition only once every
   worker pushed it, so a worker whose flow to a server runs ahead of the others' flows to it stops
   there, and its uplink carries its flows to the servers where it is behind: all flows into a
   server progress together, and each partition's sum leaves as soon as possible (measured on

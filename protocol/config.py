@@ -90,7 +90,7 @@ class ClusterConfig:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     colocated_shm: bool = True  # a worker and the server on its host exchange partitions in shared memory
     deterministic: bool = False  # servers add contributions in worker-id order (bitwise-repeatable sums)
-    window_pieces: int = DEFAULT_WINDOW_PIECES  # pacing of TCP pushes (bps_worker.window.SendWindow); 0: off
+    window_pieces: int = DEFAULT_WINDOW_PIECES  # pacing of TCP pushes (Placement.stream_window); 0: off
     # The most shared memory (bytes) of each arena of a worker daemon: each training process's slots, the
     # staging and the results buffers; least recently used idle tensors are freed for room. 0: half of /dev/shm.
     arena_bytes: int = 0

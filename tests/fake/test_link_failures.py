@@ -21,8 +21,9 @@ from bps_worker.errors import (
     error_from_failure,
     failure_from_error,
 )
+from bps_worker.daemon import WorkerConfig, WorkerDaemon
 from bps_worker.link import ServerLink, _LinkProtocol, connection_error, failure_error, write_batch, write_message
-from protocol.config import ServerSpec
+from protocol.config import ServerSpec, parse_config
 from protocol.frames import FrameReader, encode_header
 from protocol.messages import Failure, Push, Result, RoundInfo, RoundQuery, batch_header, parse, to_header
 from fake_transport import FakeTransport
@@ -208,6 +209,23 @@ async def test_a_paced_stream_keeps_one_stall_wake_up_and_a_stall_still_opens_th
     link.close()
     assert link._stall is None
     await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("k,window", [(0, 3), (1, 2), (2, 1)])
+def test_a_worker_gives_every_connection_the_largest_flow_s_window_over_its_streams(k, window):
+    """A worker daemon's links (4 machines, k CPU-only servers, each on a host of its own): one window for
+    every connection, cluster.window_pieces (3) spread over the streams of the server with the most, so a
+    CPU-only server's three connections keep three pieces in flight, not nine (bps_worker.placement)."""
+    servers = [{"id": i, "address": f"10.0.0.{i}:9000"} | ({"worker": i} if i < 4 else {}) for i in range(4 + k)]
+    workers = [{"id": i, "local_size": 1, "socket": f"/tmp/w{i}.sock"} for i in range(4)]
+    cluster = parse_config({"cluster": {"workers": 4}, "server": servers, "worker": workers})
+    daemon = WorkerDaemon(WorkerConfig(cluster, 0))
+    windows = {sid: [link.window.window_pieces for link in links] for sid, links in daemon.streams.items()}
+    cpu_streams = {0: 1, 1: 2, 2: 3}[k]
+    assert windows == {sid: [window] * (1 if sid < 4 else cpu_streams) for sid in range(4 + k)}
+    unpaced = WorkerDaemon(WorkerConfig(parse_config({"cluster": {"workers": 4, "window_pieces": 0},
+                                                      "server": servers, "worker": workers}), 0))
+    assert all(link.window.window_pieces == 0 for link in unpaced.all_links)
 
 
 # -- the frames the link writes ----------------------------------------------------------

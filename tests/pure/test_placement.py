@@ -501,6 +501,21 @@ def test_streams_in_proportion_to_the_shares(k, cpu_streams):
     assert {p.stream for p in check_pieces(one_host, "big", 16 * MiB // 4, 4)} == {0}
 
 
+@pytest.mark.parametrize("k,window", [(0, 3), (1, 2), (2, 1), (3, 1), (4, 3)])
+def test_the_window_is_the_largest_flow_s_spread_over_its_streams(k, window):
+    """Every connection gets one window: window_pieces on the flow with the most streams, over its streams,
+    rounded up; so each flow keeps pieces in flight in proportion to its share (a flow of three streams three
+    pieces, not three windows). One stream each (k = 0, k = n, one host): the whole window. 0 stays 0."""
+    n = 4
+    network = Placement(make_config(n, k, one_host=False))
+    assert network.stream_window(3) == window
+    cpu_streams = max(network.streams(sid) for sid in range(n + k))
+    assert cpu_streams * window >= 3 > cpu_streams * (window - 1)  # the largest flow: at least 3, by whole pieces
+    assert network.stream_window(0) == 0
+    assert network.stream_window(12) == -(-12 // cpu_streams)
+    assert Placement(make_config(n, k)).stream_window(3) == 3
+
+
 @pytest.mark.parametrize("one_host", [True, False])
 def test_a_fused_tensor_lives_whole_on_the_server_that_planned_it(one_host):
     p = Placement(make_config(4, 2, partition_bytes=MiB, one_host=one_host))
