@@ -647,7 +647,7 @@ class ServerLink:
                 raise RemoteProtocolError(f"unexpected {message.TYPE} message from server {self.spec.id}")
 
     def _on_result(self, message: Result, payload: memoryview | None) -> None:
-        item = self.window.answered(message.req)
+        item = self.window.answered(message.req, self.running_loop().time())
         self._after_answer(item)
         if item is None:
             return  # an abandoned push
@@ -676,7 +676,7 @@ class ServerLink:
         if message.req == -1:
             self.on_broken(proto, f"server {self.spec.id} refused the connection: {message.message}")
             return
-        item = self.window.answered(message.req)
+        item = self.window.answered(message.req, self.running_loop().time())
         self._after_answer(item)
         if item is not None:
             if item.push.kind not in ASYNC_KINDS:  # an older value with its vector is still a good copy

@@ -24,9 +24,14 @@ Theory of operation of :class:`SendWindow` (no asyncio, no sockets; the link doe
   server progress together, and each partition's sum leaves as soon as possible (measured on
   emulated links, ``benchmarks/RESULTS.md``).
 * **Stall.** A round that waits for a slow peer must not block other tensors for ever (names may
-  come in different orders on different processes): once a piece has waited ``stall_s`` for the
-  window without any answer coming, the window opens until the next answer. The time is passed
-  in; the link wakes itself at :attr:`~SendWindow.stall_deadline`.
+  come in different orders on different processes): once a piece has waited for the window
+  without any answer coming, the window opens until the next answer. It waits ``stall_s``, or
+  ``STALL_ANSWER_TIMES`` of the link's answer time (smoothed over its paced pieces, from sent to
+  answered) where that is longer, up to ``WINDOW_STALL_MAX_S``: where answers take longer than
+  ``stall_s`` by nature (many workers, slow links), a fixed stall opened the windows at every piece
+  and the bursts overflowed the switches' queues (measured on emulated links, n = 8 at 100 Mbit/s,
+  ``benchmarks/RESULTS.md``). The time is passed in; the link wakes itself at
+  :attr:`~SendWindow.stall_deadline`.
 * **Batching.** A piece of at most ``batch_item_max_bytes`` takes the small pieces queued right
   behind it (in priority order) into the same frame, while they fit ``batch_max_bytes`` of payload,
   ``max_batch_items`` and ``batch_header_budget`` of headers, and the window lets them go.
@@ -56,15 +61,20 @@ BATCH_ITEM_MAX_BYTES: Final = 64 * 1024
 BATCH_MAX_BYTES: Final = 1 << 20
 # TCP pieces over this size count against the window (batched ones too).
 PACED_MIN_BYTES: Final = 16 * 1024
-# Without any answer for this long, a piece the window holds opens it until the next answer.
+# Without any answer for this long, a piece the window holds opens it until the next answer; or for
+# STALL_ANSWER_TIMES of the link's smoothed answer time (weight ANSWER_SMOOTHING a sample) where that is longer,
+# but never longer than WINDOW_STALL_MAX_S.
 WINDOW_STALL_S: Final = 0.25
+STALL_ANSWER_TIMES: Final = 4
+ANSWER_SMOOTHING: Final = 1 / 8
+WINDOW_STALL_MAX_S: Final = 2.0
 
 
 @dataclass(slots=True, eq=False, kw_only=True)
 class Piece:
     """One push as the window sees it; the link's subclass adds its buffers and its future.
 
-    The link fills the first five fields; ``seq``, ``paced`` and ``held`` are the window's.
+    The link fills the first five fields; ``seq``, ``paced``, ``sent_at`` and ``held`` are the window's.
     """
 
     req: int  # the push's request id, unique on the link
@@ -75,6 +85,7 @@ class Piece:
     in_segments: bool = False  # its data and its result lie in shared-memory segments
     seq: int = 0  # order of offer, among equal priorities
     paced: int = 0  # bytes it counts against the window while unanswered
+    sent_at: float = 0.0  # when it went (the link's clock), for the answer time of paced pieces
     held: bool = False  # sent on a connection that broke; awaiting the next server's verdict
 
     def settled(self) -> bool:
@@ -90,7 +101,8 @@ class SendWindow(Generic[P]):
 
     __slots__ = ("credit_bytes", "window_pieces", "paced_min_bytes", "stall_s", "batch_item_max_bytes",
                  "batch_max_bytes", "max_batch_items", "batch_header_budget", "by_reference", "_paused",
-                 "_queue", "_seq", "_inflight", "_sums", "_paced", "_unit", "_open", "_stalled_since")
+                 "_queue", "_seq", "_inflight", "_sums", "_paced", "_unit", "_open", "_stalled_since",
+                 "_answer_s")
 
     def __init__(self, *, credit_bytes: int, window_pieces: int, paced_min_bytes: int = PACED_MIN_BYTES,
                  stall_s: float = WINDOW_STALL_S, batch_item_max_bytes: int = BATCH_ITEM_MAX_BYTES,
@@ -114,6 +126,7 @@ class SendWindow(Generic[P]):
         self._unit = 0  # the largest of them since the window was last empty
         self._open = False  # a piece waited stall_s without an answer: the window is ignored until one
         self._stalled_since: float | None = None  # when a piece first waited for the window
+        self._answer_s = 0.0  # smoothed answer time of paced pieces (0: none answered yet)
 
     # -- the queue -------------------------------------------------------------------
     def offer(self, piece: P) -> None:
@@ -160,7 +173,7 @@ class SendWindow(Generic[P]):
 
         ``buffered_bytes``: the transport's write buffer. The pieces are in flight once returned.
         """
-        if self._stalled_since is not None and now >= self._stalled_since + self.stall_s:
+        if self._stalled_since is not None and now >= self._stalled_since + self.stall_after:
             self._open = True  # even while paused: the deadline has passed, it must not be waited for again
             self._stalled_since = None
         if self._paused or buffered_bytes >= self.credit_bytes:
@@ -176,9 +189,9 @@ class SendWindow(Generic[P]):
                     self._stalled_since = now
                 return []
             heapq.heappop(self._queue)
-            self._take(first, size)
+            self._take(first, size, now)
             if size <= self.batch_item_max_bytes and self._queue:
-                return self._batch(first, size)
+                return self._batch(first, size, now)
             return [first]
         return []
 
@@ -193,11 +206,16 @@ class SendWindow(Generic[P]):
         return self._unit
 
     @property
+    def stall_after(self) -> float:
+        """How long a piece waits for the window without an answer before it opens it (module docstring)."""
+        return max(self.stall_s, min(STALL_ANSWER_TIMES * self._answer_s, WINDOW_STALL_MAX_S))
+
+    @property
     def stall_deadline(self) -> float | None:
         """When a piece held by the window opens it (None: none is waiting for it)."""
-        return None if self._stalled_since is None else self._stalled_since + self.stall_s
+        return None if self._stalled_since is None else self._stalled_since + self.stall_after
 
-    def _batch(self, first: P, nbytes: int) -> list[P]:
+    def _batch(self, first: P, nbytes: int, now: float) -> list[P]:
         """``first`` with the small pieces queued right behind it that fit in one Batch frame."""
         items = [first]
         header_bytes = first.header_bytes
@@ -209,7 +227,7 @@ class SendWindow(Generic[P]):
             heapq.heappop(self._queue)
             if nxt.settled():
                 continue
-            self._take(nxt, size)
+            self._take(nxt, size, now)
             items.append(nxt)
             nbytes += size
             header_bytes += nxt.header_bytes
@@ -220,19 +238,23 @@ class SendWindow(Generic[P]):
         return (size > self.paced_min_bytes and self.window_pieces > 0 and self._paced > 0
                 and self._paced + size > self.window_pieces * max(size, self._unit) and not self._open)
 
-    def _take(self, piece: P, size: int) -> None:
-        """``piece`` (``size`` wire bytes) goes out now: in flight, and in the window if paced."""
+    def _take(self, piece: P, size: int, now: float) -> None:
+        """``piece`` (``size`` wire bytes) goes out ``now``: in flight, and in the window if paced."""
         if size > self.paced_min_bytes and self.window_pieces > 0:
-            piece.paced = size
+            piece.paced, piece.sent_at = size, now
             self._paced += size
             self._unit = max(self._unit, size)
         self._inflight[piece.req] = piece
 
     # -- answers ---------------------------------------------------------------------
-    def answered(self, req: int) -> P | None:
-        """The server answered ``req`` (a sum or a failure): its piece, out of flight and out of the window."""
+    def answered(self, req: int, now: float | None = None) -> P | None:
+        """The server answered ``req`` (a sum or a failure) at ``now`` (None: the time is not known): its
+        piece, out of flight and out of the window."""
         piece = self._inflight.pop(req, None)
         if piece is not None:
+            if piece.paced and now is not None:
+                sample = max(0.0, now - piece.sent_at)
+                self._answer_s += (sample - self._answer_s) * (ANSWER_SMOOTHING if self._answer_s else 1.0)
             self._release(piece)
         return piece
 

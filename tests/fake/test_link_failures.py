@@ -177,16 +177,22 @@ async def test_a_round_query_lost_with_its_connection_goes_again_on_the_next():
     await asyncio.sleep(0)
 
 
-async def test_a_paced_stream_keeps_one_stall_wake_up_and_a_stall_still_opens_the_window():
-    """The window holds pieces while one is unanswered (window_pieces=1): each answer lets the next go and
-    sets a new stall deadline, and the one wake-up armed for the first deadline is kept (not cancelled and
-    made anew per piece). With no answer for stall_s, the held piece goes; close() cancels the wake-up."""
+def _paced_link() -> tuple[ServerLink, _LinkProtocol, FakeTransport]:
+    """A link connected through a fake transport, ready, with a window of one piece."""
     link = ServerLink(ServerSpec(0, "127.0.0.1", 9, None), 0, credit_bytes=1 << 30, timeout=5.0,
                       max_payload_bytes=1 << 30, window_pieces=1)
     proto = _LinkProtocol(link)
     transport = FakeTransport()
     proto.connection_made(transport)  # type: ignore[arg-type]
     link._proto, link._ready, link.incarnation = proto, True, "run-1"
+    return link, proto, transport
+
+
+async def test_a_paced_stream_keeps_one_stall_wake_up_and_a_stall_still_opens_the_window():
+    """The window holds pieces while one is unanswered (window_pieces=1): each answer lets the next go and
+    sets a new stall deadline, and the one wake-up armed for the first deadline is kept (not cancelled and
+    made anew per piece). With no answer for stall_s, the held piece goes; close() cancels the wake-up."""
+    link, proto, transport = _paced_link()
     link.window.stall_s = 0.2
     size = 256 << 10  # paced (over PACED_MIN_BYTES), not batched
     futures = [link.push({"name": f"t{i}", "part": 0, "round": 0, "dtype": "float32", "shape": [size // 4],
@@ -208,6 +214,23 @@ async def test_a_paced_stream_keeps_one_stall_wake_up_and_a_stall_still_opens_th
     assert loop.time() - waited_from >= 0.15  # not before the deadline (0.2 s after the last answer)
     link.close()
     assert link._stall is None
+    await asyncio.sleep(0)
+
+
+async def test_a_link_times_its_answers_for_the_stall():
+    """The link passes its loop's time with every answer (bps_worker.window: the stall follows the answer
+    time): a paced piece answered 0.1 s after it went makes a held piece wait about 4 x 0.1 s, not stall_s."""
+    link, proto, transport = _paced_link()
+    link.window.stall_s = 0.01
+    size = 256 << 10
+    for i in range(2):
+        link.push({"name": f"t{i}", "part": 0, "round": 0, "dtype": "float32", "shape": [size // 4], "offset": 0,
+                   "count": size // 4}, memoryview(bytearray(size)), memoryview(bytearray(size)), 0)
+    (sent,) = [m.req for m, _ in transport.messages() if isinstance(m, Push)]  # the window holds the second
+    await asyncio.sleep(0.1)
+    link.on_message(proto, Result(sent, "t0", 0, 0), memoryview(bytearray(size)))
+    assert 0.3 <= link.window.stall_after <= 2.0
+    link.close()
     await asyncio.sleep(0)
 
 

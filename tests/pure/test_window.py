@@ -9,6 +9,8 @@ from bps_worker.window import (
     BATCH_ITEM_MAX_BYTES,
     BATCH_MAX_BYTES,
     PACED_MIN_BYTES,
+    STALL_ANSWER_TIMES,
+    WINDOW_STALL_MAX_S,
     WINDOW_STALL_S,
     Piece,
     SendWindow,
@@ -184,6 +186,42 @@ def test_an_answer_before_the_stall_time_cancels_it() -> None:
     assert frames(window, now=1.1) == [[pieces[3]]]
     assert window.stall_deadline == 1.1 + WINDOW_STALL_S  # the fifth waits from now on
     assert frames(window, now=1.0 + WINDOW_STALL_S) == []  # not opened by the first stall's time
+
+
+def test_where_answers_take_longer_than_the_stall_time_the_window_waits_for_several_of_them() -> None:
+    """The stall follows the link's answer time (smoothed, from sent to answered): answers that take 0.4 s
+    by nature (n = 8 at 100 Mbit/s) keep a waiting piece held for STALL_ANSWER_TIMES of them, where a fixed
+    0.25 s opened the window at every piece; a mis-ordered step still opens it, later. Never over
+    WINDOW_STALL_MAX_S; answers without a time (or of unpaced pieces) teach nothing."""
+    window = make_window(1)
+    pieces = [piece(128 * KiB) for _ in range(8)]
+    for item in pieces:
+        window.offer(item)
+    assert frames(window, now=0.0) == [[pieces[0]]]
+    window.answered(pieces[0].req)  # no time: nothing learned
+    assert window.stall_after == WINDOW_STALL_S
+    now = 1.0
+    for i in range(1, 4):  # each answered 0.4 s after it went
+        assert frames(window, now=now) == [[pieces[i]]]
+        now += 0.4
+        window.answered(pieces[i].req, now)
+    assert abs(window.stall_after - STALL_ANSWER_TIMES * 0.4) < 1e-9
+    assert frames(window, now=now) == [[pieces[4]]]  # the fifth goes; the sixth waits from now
+    deadline = window.stall_deadline
+    assert deadline is not None and abs(deadline - (now + STALL_ANSWER_TIMES * 0.4)) < 1e-9
+    assert frames(window, now=now + 0.3) == []  # a fixed stall would have opened here (0.25 s)
+    assert frames(window, now=deadline) == [[pieces[5]], [pieces[6]], [pieces[7]]]
+    for item in pieces[4:]:
+        window.answered(item.req, now + 100.0)  # answers that took minutes: the stall stops at its cap
+    assert window.stall_after == WINDOW_STALL_MAX_S
+    fast = make_window(3)
+    quick = [piece(128 * KiB) for _ in range(3)]
+    for item in quick:
+        fast.offer(item)
+    frames(fast, now=0.0)
+    for item in quick:
+        fast.answered(item.req, 0.01)  # fast answers: the stall stays at its floor
+    assert fast.stall_after == WINDOW_STALL_S
 
 
 def test_the_stall_time_passing_while_paused_still_opens_the_window() -> None:
