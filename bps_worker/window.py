@@ -126,7 +126,7 @@ class SendWindow(Generic[P]):
         self._unit = 0  # the largest of them since the window was last empty
         self._open = False  # a piece waited stall_s without an answer: the window is ignored until one
         self._stalled_since: float | None = None  # when a piece first waited for the window
-        self._answer_s = 0.0  # smoothed answer time of paced pieces (0: none answered yet)
+        self._answer_s = 0.0  # smoothed answer time of paced pieces
 
     # -- the queue -------------------------------------------------------------------
     def offer(self, piece: P) -> None:
@@ -254,7 +254,8 @@ class SendWindow(Generic[P]):
         if piece is not None:
             if piece.paced and now is not None:
                 sample = max(0.0, now - piece.sent_at)
-                self._answer_s += (sample - self._answer_s) * (ANSWER_SMOOTHING if self._answer_s else 1.0)
+                self._answer_s += (sample - self._answer_s) * ANSWER_SMOOTHING  # from 0: one slow first answer
+                # (a late peer, not the link) moves it an eighth of the way
             self._release(piece)
         return piece
 

@@ -194,24 +194,27 @@ def test_where_answers_take_longer_than_the_stall_time_the_window_waits_for_seve
     0.25 s opened the window at every piece; a mis-ordered step still opens it, later. Never over
     WINDOW_STALL_MAX_S; answers without a time (or of unpaced pieces) teach nothing."""
     window = make_window(1)
-    pieces = [piece(128 * KiB) for _ in range(8)]
+    pieces = [piece(128 * KiB) for _ in range(50)]
     for item in pieces:
         window.offer(item)
     assert frames(window, now=0.0) == [[pieces[0]]]
     window.answered(pieces[0].req)  # no time: nothing learned
     assert window.stall_after == WINDOW_STALL_S
     now = 1.0
-    for i in range(1, 4):  # each answered 0.4 s after it went
-        assert frames(window, now=now) == [[pieces[i]]]
+    assert frames(window, now=now) == [[pieces[1]]]
+    window.answered(pieces[1].req, now + 1.5)  # one slow first answer (a late peer) moves it an eighth of the way
+    assert abs(window.stall_after - STALL_ANSWER_TIMES * 1.5 / 8) < 1e-9
+    for item in pieces[2:42]:  # then each answered 0.4 s after it went
+        assert frames(window, now=now) == [[item]]
         now += 0.4
-        window.answered(pieces[i].req, now)
-    assert abs(window.stall_after - STALL_ANSWER_TIMES * 0.4) < 1e-9
-    assert frames(window, now=now) == [[pieces[4]]]  # the fifth goes; the sixth waits from now
+        window.answered(item.req, now)
+    assert abs(window.stall_after - STALL_ANSWER_TIMES * 0.4) < 0.01
+    assert frames(window, now=now) == [[pieces[42]]]  # the next goes; the one after waits from now
     deadline = window.stall_deadline
-    assert deadline is not None and abs(deadline - (now + STALL_ANSWER_TIMES * 0.4)) < 1e-9
+    assert deadline is not None and abs(deadline - (now + window.stall_after)) < 1e-9
     assert frames(window, now=now + 0.3) == []  # a fixed stall would have opened here (0.25 s)
-    assert frames(window, now=deadline) == [[pieces[5]], [pieces[6]], [pieces[7]]]
-    for item in pieces[4:]:
+    assert frames(window, now=deadline) == [[item] for item in pieces[43:]]
+    for item in pieces[42:]:
         window.answered(item.req, now + 100.0)  # answers that took minutes: the stall stops at its cap
     assert window.stall_after == WINDOW_STALL_MAX_S
     fast = make_window(3)
