@@ -124,7 +124,7 @@ class SendWindow(Generic[P]):
         self._sums: dict[tuple[str, int], P] = {}  # by (name, part): the last summed piece, for replays
         self._paced = 0  # bytes of unanswered paced pieces
         self._unit = 0  # the largest of them since the window was last empty
-        self._open = False  # a piece waited stall_s without an answer: the window is ignored until one
+        self._open = False  # a piece waited stall_after without an answer: the window is ignored until one
         self._stalled_since: float | None = None  # when a piece first waited for the window
         self._answer_s = 0.0  # smoothed answer time of paced pieces
 
@@ -253,9 +253,9 @@ class SendWindow(Generic[P]):
         piece = self._inflight.pop(req, None)
         if piece is not None:
             if piece.paced and now is not None:
+                # Smoothed from 0: one slow first answer (a late peer, not the link) moves it an eighth of the way.
                 sample = max(0.0, now - piece.sent_at)
-                self._answer_s += (sample - self._answer_s) * ANSWER_SMOOTHING  # from 0: one slow first answer
-                # (a late peer, not the link) moves it an eighth of the way
+                self._answer_s += (sample - self._answer_s) * ANSWER_SMOOTHING
             self._release(piece)
         return piece
 
