@@ -221,7 +221,8 @@ class Supervisor:
                 if code is not None:
                     raise LaunchError(f"{child.describe()} exited with status {code} during start-up", child.label)
             if time.monotonic() > deadline:
-                raise LaunchError(f"the cluster was not ready within {self.ready_timeout_s:g} s")
+                raise LaunchError(f"the cluster was not ready within {self.ready_timeout_s:g} s "
+                                  f"({ready} of {len(pending)} daemons ready)")
             try:
                 data = notify.recv(4096)
             except socket.timeout:

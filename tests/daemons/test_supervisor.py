@@ -83,7 +83,7 @@ def test_a_daemon_that_exits_during_start_up_is_named(tmp_path):
 def test_not_ready_in_time(tmp_path):
     sup = Supervisor(tmp_path, ready_timeout_s=0.5)
     try:
-        with pytest.raises(LaunchError, match="not ready within 0.5 s"):
+        with pytest.raises(LaunchError, match=r"not ready within 0.5 s \(0 of 1 daemons ready\)"):
             sup.launch([_command(tmp_path / "notes", "server-0", -1)])
     finally:
         sup.stop()
