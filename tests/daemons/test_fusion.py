@@ -107,9 +107,10 @@ def test_a_machines_process_killed_mid_fused_step_and_started_again_sums_exactly
     worker daemon resets (every process gone) while plans of that step are on their way or half run, then a new
     process starts there from step 0. The healthy process gets errors for the steps in between (if it issued them
     before the reset), never a hang; then every name is summed with the new process's steps 0, 1, 2, ... in
-    order, exactly, and the new process with consecutive steps of the healthy one, without an error. (Lane generations, bps_server.fusion, keep the
-    lanes in step when a plan reaches the machine only after its reset; this test passed before them too, as
-    such a plan is rare here: tests/pure/test_fused_driver.py makes it happen.)"""
+    order, exactly, and the new process with consecutive steps of the healthy one, without an error. (Lane
+    generations, bps_server.fusion, keep the lanes in step when a plan reaches the machine only after its reset;
+    this test passed before them too, as such a plan is rare here: tests/pure/test_fused_driver.py makes it
+    happen.)"""
     n, steps, kill_after = 40, 6, 4
     cluster = make_cluster([1, 1], cluster={"timeout": TIMEOUT_S})
     ctx = rank_context()

@@ -130,6 +130,7 @@ def test_a_status_line_dropped_on_a_full_socket_goes_at_a_later_beat(tmp_path):
             sock.recv(100)
 
 
+@pytest.mark.timeout(30)
 def test_a_notify_socket_nobody_reads_drops_messages_and_never_blocks(tmp_path, caplog, monkeypatch):
     """The queue of a datagram socket holds a few messages (net.unix.max_dgram_qlen); once it is full, a
     blocking send would freeze the daemon's loop (it hung a server's stop in test_systemd_notify)."""
