@@ -492,6 +492,39 @@ def cuda_push_pulls(n: int) -> dict[str, Any]:
     return ok
 
 
+def cuda_allocations(count: int, big: int, reps: int) -> dict[str, Any]:
+    """CUDA tensors that are views into one allocation, ``count`` of them in flight at once and summed in place
+    (an IPC handle names the allocation, the offset the view), then one of ``big`` float32 elements over many
+    partitions, timed over ``reps`` calls."""
+    import torch
+
+    import bps_worker.torch as bpt
+
+    rank, size = bps.rank(), bps.size()
+    total = float(sum(range(size)))
+    block = torch.full((count * 1000 + 7,), -1.0, device="cuda")
+    views = [block[7 + i * 1000:7 + i * 1000 + 999] for i in range(count)]  # one element of -1 after each
+    for i, v in enumerate(views):
+        v.fill_(float(rank * (i + 1)))
+    handles = [bpt.push_pull_async(v, f"view.{i}", average=False, out=v) for i, v in enumerate(views)]
+    for h in handles:
+        bpt.synchronize(h)
+    want = torch.full((count * 1000 + 7,), -1.0)
+    for i in range(count):
+        want[7 + i * 1000:7 + i * 1000 + 999] = total * (i + 1)
+    ok = {"views": bool(torch.equal(block.cpu(), want))}
+    ramp = (torch.arange(big, device="cuda") % 1_000_000).float()  # sums of integers below 2**24: exact
+    x = ramp + rank
+    seconds = []
+    for r in range(reps):
+        start = time.perf_counter()
+        y = bpt.push_pull(x, "big", average=False)
+        seconds.append(time.perf_counter() - start)
+    ok["big"] = bool(y.is_cuda and torch.equal(y, ramp * size + total))
+    ok["seconds"] = sorted(seconds)[len(seconds) // 2]
+    return ok
+
+
 def cuda_description_errors() -> dict[str, str]:
     """Without a GPU: a malformed CUDA description is refused; a well-formed one fails cleanly."""
     from bps_worker.client import adapter

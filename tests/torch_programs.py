@@ -89,17 +89,22 @@ WIRE_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloa
 
 
 def train_cnn(compression: str = "none", passes: int = 1, steps: int = STEPS, batch: int = BATCH,
-              lr: float = 0.05, momentum: float = 0.9, bucket_bytes: int | None = None) -> dict[str, Any]:
+              lr: float = 0.05, momentum: float = 0.9, bucket_bytes: int | None = None,
+              device: str = "cpu") -> dict[str, Any]:
     """Data-parallel SGD(momentum) vs one process training on the concatenated batch.
 
     Step ``s`` uses the global batch ``X[s*G:(s+1)*G]`` with ``G = size * passes * batch``;
     backward pass ``k`` of rank ``r`` takes the ``batch`` samples at ``s*G + (k*size + r)*batch``
     with its mean loss divided by ``passes``, so the averaged, accumulated gradient is the gradient
     of the mean loss over the ``G`` samples: exactly what the reference computes in one pass.
+    On ``device`` "cuda" the model, its gradients and the reference are on the GPU: the gradients reach
+    the worker daemon by CUDA IPC.
     """
     rank, size = bps.rank(), bps.size()
+    if device == "cuda":  # float32 convolutions and products in float32, as on the CPU (not TF32's 10 bits)
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(1000 + rank)  # every rank starts from different weights...
-    model = SmallCNN()
+    model = SmallCNN().to(device)
     before = digest(model.state_dict())
     bps.broadcast_parameters(model.state_dict(), root_rank=0)  # ...until rank 0's are broadcast
     after = digest(model.state_dict())
@@ -113,7 +118,7 @@ def train_cnn(compression: str = "none", passes: int = 1, steps: int = STEPS, ba
                                    backward_passes_per_step=passes, **buckets)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr, momentum=momentum)
     g = size * passes * batch
-    X, Y = dataset(steps * g)
+    X, Y = (t.to(device) for t in dataset(steps * g))
     # Is every averaged gradient element representable in the wire dtype (float16 for "none",
     # where it must not be: that shows the check would notice uncompressed gradients)?
     wire = WIRE_DTYPES[compression] if compression != "none" else torch.float16
@@ -145,12 +150,12 @@ def train_cnn(compression: str = "none", passes: int = 1, steps: int = STEPS, ba
     }
 
 
-def train_variants(variants: list[tuple[str, int, int | None]]) -> dict[str, dict[str, Any]]:
-    """``train_cnn(compression, passes, bucket_bytes=...)`` for each variant, in one process (torch's first
-    optimizer costs seconds of imports per process); keyed ``"compression/passes"``, plus ``"/bucket_bytes"``
-    where it is not the default."""
+def train_variants(variants: list[tuple[str, int, int | None]], device: str = "cpu") -> dict[str, dict[str, Any]]:
+    """``train_cnn(compression, passes, bucket_bytes=..., device=device)`` for each variant, in one process
+    (torch's first optimizer costs seconds of imports per process); keyed ``"compression/passes"``, plus
+    ``"/bucket_bytes"`` where it is not the default."""
     _threads()
-    return {variant_key(*v): train_cnn(v[0], v[1], bucket_bytes=v[2]) for v in variants}
+    return {variant_key(*v): train_cnn(v[0], v[1], bucket_bytes=v[2], device=device) for v in variants}
 
 
 def variant_key(compression: str, passes: int, bucket_bytes: int | None) -> str:
@@ -322,7 +327,8 @@ def int_valued(dtype: str, shape: tuple[int, ...], rank: int, seed: int) -> torc
     return torch.randint(-8, 9, shape, generator=g).to(TORCH_DTYPES[dtype])
 
 
-def tensor_ops() -> dict[str, Any]:
+def tensor_ops(device: str = "cpu") -> dict[str, Any]:
+    """push_pull, broadcast and autograd on tensors of ``device`` (every result compared on the CPU)."""
     _threads()
     rank, size = bps.rank(), bps.size()
     out: dict[str, Any] = {}
@@ -331,51 +337,58 @@ def tensor_ops() -> dict[str, Any]:
         for average in (False, True):
             if average and not torch_dtype.is_floating_point:
                 continue
-            x = int_valued(dt, shape, rank, i)
+            x = int_valued(dt, shape, rank, i).to(device)
             before = x.clone()
             y = bps.push_pull(x, f"t.{dt}.{average}", average=average)
             ref = sum(int_valued(dt, shape, r, i).double() for r in range(size))
             ref = (ref / size if average else ref).to(torch_dtype)
             out[f"pp.{dt}.{average}"] = {"exact": bool(y.dtype == torch_dtype and y.shape == shape
-                                                       and torch.equal(y, ref)),
+                                                       and y.device == x.device and torch.equal(y.cpu(), ref)),
                                          "input_unchanged": torch.equal(x, before), "digest": digest(y)}
         # broadcast from rank 1, as a new tensor and in place
-        x = int_valued(dt, (7,), rank, 50 + i)
+        x = int_valued(dt, (7,), rank, 50 + i).to(device)
         y = bps.broadcast(x, 1, f"b.{dt}")
         z = x.clone()
         bps.broadcast_(z, 2, f"b_.{dt}")
-        out[f"bc.{dt}"] = {"exact": bool(torch.equal(y, int_valued(dt, (7,), 1, 50 + i))
-                                         and torch.equal(z, int_valued(dt, (7,), 2, 50 + i))
-                                         and torch.equal(x, int_valued(dt, (7,), rank, 50 + i))),
+        out[f"bc.{dt}"] = {"exact": bool(y.device == x.device
+                                         and torch.equal(y.cpu(), int_valued(dt, (7,), 1, 50 + i))
+                                         and torch.equal(z.cpu(), int_valued(dt, (7,), 2, 50 + i))
+                                         and torch.equal(x.cpu(), int_valued(dt, (7,), rank, 50 + i))),
                            "digest": digest([y, z])}
-    # Non-integer float32 data: close to torch's sum, identical bytes everywhere.
-    xs = [torch.randn(1001, generator=torch.Generator().manual_seed(9 + r)) for r in range(size)]
-    y = bps.push_pull(xs[rank], "t.noise", average=True)
-    out["noise"] = {"exact": bool(torch.allclose(y, torch.stack(xs).mean(0), rtol=1e-6, atol=1e-6)),
-                    "digest": digest(y)}
-    # out= the input itself (in place), and a non-contiguous input and out (staging copies).
-    x = int_valued("float32", (4, 6), rank, 70)
-    y = bps.push_pull(x, "t.inplace", average=False, out=x)
-    ref = sum(int_valued("float32", (4, 6), r, 70) for r in range(size))
-    out["inplace"] = {"exact": bool(y is x and torch.equal(x, ref)), "digest": digest(x)}
-    base = int_valued("float64", (5, 3), rank, 71)
-    target = torch.zeros(3, 5, dtype=torch.float64).t()  # non-contiguous (5, 3)
-    y = bps.push_pull(base.t(), "t.noncontig", average=False, out=target.t())
-    ref = sum(int_valued("float64", (5, 3), r, 71) for r in range(size))
-    out["noncontig"] = {"exact": bool(torch.equal(y, ref.t()) and torch.equal(target, ref)),
-                        "digest": digest(y)}
+    _noise_and_layouts(out, device)
     # Autograd: the gradient of a cross-process sum is the cross-process sum of the gradients.
     for average in (False, True):
-        x = torch.full((3,), float(rank + 1), requires_grad=True)
+        x = torch.full((3,), float(rank + 1), requires_grad=True, device=device)
         y = bps.push_pull(x, f"ag.{average}", average=average)
         (y * (rank + 1)).sum().backward()
         out[f"autograd.{average}"] = {"y": y.detach().tolist(), "grad": x.grad.tolist(),
                                       "requires_grad": y.requires_grad}
-    x = torch.ones(4, requires_grad=True)
+    x = torch.ones(4, requires_grad=True, device=device)
     y = bps.push_pull(x, "ag.plain", average=False)
     y.sum().backward()
     out["autograd.ones"] = {"grad": x.grad.tolist(), "size": size}
     return out
+
+
+def _noise_and_layouts(out: dict[str, Any], device: str) -> None:
+    """tensor_ops' float noise, in-place and non-contiguous cases."""
+    rank, size = bps.rank(), bps.size()
+    # Non-integer float32 data: close to torch's sum, identical bytes everywhere.
+    xs = [torch.randn(1001, generator=torch.Generator().manual_seed(9 + r)) for r in range(size)]
+    y = bps.push_pull(xs[rank].to(device), "t.noise", average=True)
+    out["noise"] = {"exact": bool(torch.allclose(y.cpu(), torch.stack(xs).mean(0), rtol=1e-6, atol=1e-6)),
+                    "digest": digest(y)}
+    # out= the input itself (in place), and a non-contiguous input and out (staging copies).
+    x = int_valued("float32", (4, 6), rank, 70).to(device)
+    y = bps.push_pull(x, "t.inplace", average=False, out=x)
+    ref = sum(int_valued("float32", (4, 6), r, 70) for r in range(size))
+    out["inplace"] = {"exact": bool(y is x and torch.equal(x.cpu(), ref)), "digest": digest(x)}
+    base = int_valued("float64", (5, 3), rank, 71).to(device)
+    target = torch.zeros(3, 5, dtype=torch.float64, device=device).t()  # non-contiguous (5, 3)
+    y = bps.push_pull(base.t(), "t.noncontig", average=False, out=target.t())
+    ref = sum(int_valued("float64", (5, 3), r, 71) for r in range(size))
+    out["noncontig"] = {"exact": bool(torch.equal(y.cpu(), ref.t()) and torch.equal(target.cpu(), ref)),
+                        "digest": digest(y)}
 
 
 # -- 8: LR scheduler, synchronize + clip + skip_synchronize, errors in a cluster -----

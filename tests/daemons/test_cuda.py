@@ -28,6 +28,21 @@ def test_cuda_tensors_are_summed_on_the_gpu(tmp_path):
         assert r == {"sum": True, "in_place_half": True, "average": True}, r
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA device (and a CUDA build of torch)")
+def test_views_of_one_allocation_and_a_tensor_of_many_partitions(tmp_path):
+    """40 views into one CUDA allocation summed in place at once: each lands at its own offset, the elements
+    between them untouched; then 16 MiB over 64 partitions of 256 KiB, exact (its median time is printed)."""
+    cluster = start_cluster(write_config(tmp_path, [2, 2], cluster={"partition_bytes": 256 * 1024}))
+    try:
+        results = run_ranks(cluster, rp.cuda_allocations, 40, 1 << 22, 5, timeout=150)
+    finally:
+        cluster.stop()
+    print("16 MiB CUDA push_pull, median of 5, per rank (s):", [round(r["seconds"], 4) for r in results])
+    for r in results:
+        assert r["views"] and r["big"], r
+
+
 @pytest.mark.timeout(60)
 def test_cuda_descriptions_are_checked_and_fail_cleanly_without_a_gpu(tmp_path):
     if _has_cuda():

@@ -29,6 +29,9 @@ VARIANTS = [("none", 1, None), ("none", 2, None), ("fp16", 1, None), ("bf16", 1,
             ("none", 1, 512)]
 # Unit roundoff of the wire dtype (round to nearest): half the gap between 1 and the next value.
 UNIT_ROUNDOFF = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -9}
+# The training and tensor checks run on CPU tensors, and again on CUDA tensors (through CUDA IPC) where a GPU is.
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (and a CUDA build of torch)")
+DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
 
 
 def _same_everywhere(results: list[dict], key: str) -> str:
@@ -38,10 +41,11 @@ def _same_everywhere(results: list[dict], key: str) -> str:
 
 
 # -- 1-3: training a CNN --------------------------------------------------------------
-@pytest.fixture(scope="module")
-def cnn_runs(cluster_2x2) -> dict[str, list[dict]]:
-    """train_cnn for every variant (20 steps, batch 8 per rank), by variant, in rank order."""
-    per_rank = run_ranks(cluster_2x2, tp.train_variants, VARIANTS, timeout=100)
+@pytest.fixture(scope="module", params=DEVICES)
+def cnn_runs(request, cluster_2x2) -> dict[str, list[dict]]:
+    """train_cnn for every variant (20 steps, batch 8 per rank), by variant, in rank order; on the CPU, and on
+    the GPU where there is one."""
+    per_rank = run_ranks(cluster_2x2, tp.train_variants, VARIANTS, request.param, timeout=100)
     keys = [tp.variant_key(*v) for v in VARIANTS]
     return {k: [r[k] for r in per_rank] for k in keys}
 
@@ -238,9 +242,9 @@ def test_validation_errors_without_a_cluster():
 
 
 # -- 7: push_pull / broadcast on tensors, autograd ---------------------------------------
-@pytest.fixture(scope="module")
-def tensor_ops(cluster_2x2) -> list[dict]:
-    return run_ranks(cluster_2x2, tp.tensor_ops, timeout=60)
+@pytest.fixture(scope="module", params=DEVICES)
+def tensor_ops(request, cluster_2x2) -> list[dict]:
+    return run_ranks(cluster_2x2, tp.tensor_ops, request.param, timeout=60)
 
 
 def test_push_pull_and_broadcast_every_dtype(tensor_ops):
