@@ -129,65 +129,131 @@ def join_both(args: argparse.Namespace, bps: Any, client_timeout: float = 60.0) 
     return rank, size
 
 
-def rank_program(args: argparse.Namespace) -> int:
+class _Operands:
+    """One size's buffers in a rank: bps's input and output and gloo's tensor, on the host or on the GPU."""
+
+    def __init__(self, args: argparse.Namespace, bps: Any, name: str, x: Any) -> None:
+        import numpy as np
+        import torch
+
+        self.bps, self.name, self.x, self.cuda = bps, name, x, args.device == "cuda"
+        self.src: Any
+        self.out: Any
+        self.xt = torch.from_numpy(x)
+        if self.cuda:  # torch tensors on this rank's GPU: bps through CUDA IPC, gloo through its CUDA path
+            import bps_worker.torch as bpt
+
+            self.bpt = bpt
+            self.xt = self.xt.cuda()
+            self.src, self.out = self.xt.clone(), torch.empty_like(self.xt)
+        elif args.copy:  # a plain array in, a preallocated array out: the client copies both ways
+            self.src, self.out = x, np.zeros_like(x)  # touched: no page faults in the timed region
+        else:  # in place in the tensor's shared-memory slot, as gloo's all_reduce is in place in its tensor
+            self.src = self.out = bps.shared_array(name, x.shape, np.float32)
+        self.t = self.xt.clone()
+
+    def restore(self) -> None:
+        """Both inputs back to ``x``, outside the timed region."""
+        self.t.copy_(self.xt)
+        if self.cuda:
+            self.src.copy_(self.xt)
+            self.torch_sync()
+        else:
+            import numpy as np
+
+            np.copyto(self.src, self.x)
+
+    def torch_sync(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def push_pull(self) -> None:
+        if self.cuda:
+            self.bpt.push_pull(self.src, self.name, average=False, out=self.out)  # returns once the GPU has it
+        else:
+            self.bps.push_pull(self.src, self.name, average=False, out=self.out)
+
+    def all_reduce(self) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(self.t)
+        self.torch_sync()
+
+    def results(self) -> tuple[Any, Any]:
+        """bps's and gloo's sums, as host arrays."""
+        if self.cuda:
+            return self.out.cpu().numpy(), self.t.cpu().numpy()
+        return self.out, self.t.numpy()
+
+
+def _check_one_size(ops: _Operands, index: int, size: int) -> Any:  # -> torch.Tensor (the flags, min over ranks)
+    """The warm-up: bps == gloo, and bps's sum exact on a sample of elements."""
     import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    ops.restore()
+    ops.push_pull()
+    ops.all_reduce()
+    out, theirs = ops.results()
+    same = bool(np.array_equal(out, theirs))
+    idx = np.arange(0, out.size, max(1, out.size // 4099))
+    expect = np.asarray(sum(((idx + 7 * r + 3 * index) % 13 - 6) for r in range(size))).astype(np.float32)
+    flags = torch.tensor([int(same), int(np.array_equal(out[idx], expect))], dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    return flags
+
+
+def _time_one_size(ops: _Operands, reps: int) -> Any:  # -> torch.Tensor [2, reps], max over ranks
+    import torch
+    import torch.distributed as dist
+
+    bps_s, gloo_s = [], []
+    for _ in range(reps):
+        ops.restore()  # both restore their input outside the timed region
+        dist.barrier()
+        t0 = time.perf_counter()
+        ops.push_pull()
+        bps_s.append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        ops.all_reduce()
+        gloo_s.append(time.perf_counter() - t0)
+    times = torch.tensor([bps_s, gloo_s], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times
+
+
+def rank_program(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
     import bps_worker.client as bps
 
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("BPS_LOCAL_RANK", "0")) % torch.cuda.device_count())
     rank, size = join_both(args, bps)
     results: list[dict[str, Any]] = []
     try:
         for index, nbytes in enumerate(parse_sizes(args.sizes)):
-            n = nbytes // 4
-            name = f"bench.{human(nbytes)}"
-            # warm-up of both, which is also the correctness check on fresh content
-            x = pattern(n, rank, index)
-            if args.copy:  # a plain array in, a preallocated array out: the client copies both ways
-                src, out = x, np.zeros_like(x)  # touched: no page faults in the timed region
-            else:  # in place in the tensor's shared-memory slot, as gloo's all_reduce is in place in its tensor
-                src = out = bps.shared_array(name, (n,), np.float32)
-                np.copyto(src, x)
-            bps.push_pull(src, name, average=False, out=out)
-            xt = torch.from_numpy(x)
-            t = xt.clone()
-            dist.all_reduce(t)
-            same = bool(np.array_equal(out, t.numpy()))
-            step = max(1, n // 4099)
-            idx = np.arange(0, n, step)
-            expect = np.asarray(sum(((idx + 7 * r + 3 * index) % 13 - 6) for r in range(size))).astype(np.float32)
-            exact = bool(np.array_equal(out[idx], expect))
-            flags = torch.tensor([int(same), int(exact)], dtype=torch.int32)
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+            ops = _Operands(args, bps, f"bench.{human(nbytes)}", pattern(nbytes // 4, rank, index))
+            flags = _check_one_size(ops, index, size)
             for _ in range(args.warmup - 1):
-                np.copyto(src, x)
-                bps.push_pull(src, name, average=False, out=out)
-                dist.all_reduce(t)
-
-            bps_s, gloo_s = [], []
-            for _ in range(args.reps):
-                t.copy_(xt)
-                np.copyto(src, x)  # both restore their input outside the timed region
-                dist.barrier()
-                t0 = time.perf_counter()
-                bps.push_pull(src, name, average=False, out=out)
-                bps_s.append(time.perf_counter() - t0)
-                dist.barrier()
-                t0 = time.perf_counter()
-                dist.all_reduce(t)
-                gloo_s.append(time.perf_counter() - t0)
-            times = torch.tensor([bps_s, gloo_s], dtype=torch.float64)
-            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+                ops.restore()
+                ops.push_pull()
+                ops.all_reduce()
+            times = _time_one_size(ops, args.reps)
             row: dict[str, Any] = {"bytes": nbytes, "bps_s": times[0].tolist(), "gloo_s": times[1].tolist(),
-                   "bps_equals_gloo": bool(flags[0]), "exact": bool(flags[1])}
+                                   "bps_equals_gloo": bool(flags[0]), "exact": bool(flags[1])}
             results.append(row)
             if rank == 0:
                 print(f"[bench] {human(nbytes):>5}: bps median {statistics.median(row['bps_s']) * 1e3:9.3f} ms, "
                       f"gloo median {statistics.median(row['gloo_s']) * 1e3:9.3f} ms, "
                       f"bps == gloo: {row['bps_equals_gloo']}, exact: {row['exact']}", file=sys.stderr, flush=True)
                 Path(args.result_file).write_text(json.dumps({"size": size, "rows": results}))
-            del x, src, out, xt, t, idx, expect
+            del ops
             gc.collect()
         dist.barrier()
     finally:
@@ -257,6 +323,12 @@ def add_common_arguments(p: argparse.ArgumentParser, *, json_help: str, timeout:
     p.add_argument("--op-timeout", type=float, default=op_timeout, help=argparse.SUPPRESS)
 
 
+def _operands_label(args: argparse.Namespace) -> str:
+    if args.device == "cuda":
+        return "torch CUDA tensors, out of place"
+    return "plain arrays, copied in and out" if args.copy else "in place in a shared_array"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=None, help=f"comma-separated byte counts (default {DEFAULT_SIZES})")
@@ -264,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds of each system per size (default 1; "
                                                       "the first also checks correctness)")
     p.add_argument("--quick", action="store_true", help=f"smoke test: sizes {QUICK_SIZES}, 2 reps")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: torch tensors on the GPU (local rank modulo the GPUs), bps through CUDA IPC and "
+                        "gloo through its CUDA path (default cpu)")
     p.add_argument("--copy", action="store_true",
                    help="push a plain array into a preallocated out= array (the client copies in and out) "
                         "instead of summing in place in a bps.shared_array (the default, like gloo's in-place "
@@ -301,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         result_file = Path(tmp) / "result.json"
         rank_cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-program", "--sizes", args.sizes,
                     "--reps", str(args.reps), "--warmup", str(args.warmup), "--gloo-port", str(free_ports(1)[0]),
-                    "--result-file", str(result_file)] + (["--copy"] if args.copy else [])
+                    "--result-file", str(result_file), "--device", args.device]
+        rank_cmd += ["--copy"] if args.copy else []
         t0 = time.monotonic()
         try:
             with Cluster(str(config), log_level=args.log_level) as cluster:
@@ -344,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             target.write_text(RESULTS_HEADER)
         section = [
             *section_head(started, "push_pull vs gloo all_reduce"
-                          f" ({'plain arrays, copied in and out' if args.copy else 'in place in a shared_array'})",
+                          f" ({_operands_label(args)})",
                           command_line, machine_line),
             f"- cluster: {cluster_line}" + ("" if args.config else " (generated, like `configs/local.toml`)"),
             f"- {args.reps} timed repetitions per size after {args.warmup} warm-up; wall time of the run {elapsed:.0f} s",

@@ -72,9 +72,11 @@ class CudaBridge:
         try:
             import torch
         except ImportError:
-            raise CudaUnavailableError("a process sent a CUDA tensor, but this worker daemon has no torch installed") from None
+            raise CudaUnavailableError("a process sent a CUDA tensor, but this worker daemon has no torch "
+                                       "installed") from None
         if not torch.cuda.is_available():
             raise CudaUnavailableError("a process sent a CUDA tensor, but this worker daemon sees no CUDA device")
+        torch.cuda.init()  # here, in the daemon's thread that makes the bridge, not in the first operation
         self.torch = torch
         self._pinned: dict[int, int] = {}  # host address -> bytes registered with cudaHostRegister
 
@@ -89,6 +91,17 @@ class CudaBridge:
         return rebuild_cuda_tensor(torch.Tensor, torch.Size(size), tuple(stride), offset, torch.storage.TypedStorage,
                                    getattr(torch, dtype), device, handle, storage_bytes, storage_offset, False,
                                    ref_handle, ref_offset, event_handle, event_sync)
+
+    def open_all(self, descs: list[list[Any]]) -> list[Any]:
+        """:meth:`open` of each, named in the error where one cannot be opened (its process may be gone)."""
+        tensors = []
+        for i, desc in enumerate(descs):
+            try:
+                tensors.append(self.open(desc))
+            except (RuntimeError, OSError) as exc:  # the allocation's process exited, or its handle is stale
+                raise CudaUnavailableError(f"cannot open the CUDA tensor of local process {i} of this operation: "
+                                           f"{exc}") from None
+        return tensors
 
     def sum_to_host(self, tensors: list[Any], host: np.ndarray, root: int | None = None) -> None:
         """Sum ``tensors`` (or take ``tensors[root]`` for a broadcast) on the GPU into ``host``."""

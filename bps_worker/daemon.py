@@ -153,6 +153,7 @@ class WorkerDaemon:
         self.counters = WorkerCounters()
         self.stopping = False
         self._cuda: cuda.CudaBridge | None = None  # made when the first CUDA tensor arrives
+        self._cuda_starting: asyncio.Future[cuda.CudaBridge] | None = None  # ... in a thread (cuda_bridge)
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -495,16 +496,22 @@ class WorkerDaemon:
                 link.release_segments(names)
 
     # -- helpers ---------------------------------------------------------------------
-    def cuda_bridge(self) -> cuda.CudaBridge:
-        """The GPU side, made when the first CUDA tensor arrives (BPSError where this daemon has none)."""
+    async def cuda_bridge(self) -> cuda.CudaBridge:
+        """The GPU side, made when the first CUDA tensor arrives (BPSError where this daemon has none). It is
+        made in a thread: importing torch and starting CUDA take seconds, and the loop goes on serving (the
+        servers' heartbeats among the rest) meanwhile."""
         if self._cuda is None:
+            if self._cuda_starting is None:
+                self._cuda_starting = asyncio.get_running_loop().run_in_executor(self.executor, cuda.CudaBridge)
             try:
-                self._cuda = cuda.CudaBridge()
+                bridge = await asyncio.shield(self._cuda_starting)  # one op's cancellation is not the others'
             except cuda.CudaUnavailableError as exc:
                 raise BPSError(str(exc)) from None
-            log.info("CUDA tensors from local processes: summing on the GPU, staging in page-locked memory")
-            for arena in (self.staging, self.results):
-                arena.before_release = self._cuda.unpin
+            if self._cuda is None:
+                self._cuda = bridge
+                log.info("CUDA tensors from local processes: summing on the GPU, staging in page-locked memory")
+                for arena in (self.staging, self.results):
+                    arena.before_release = bridge.unpin
         return self._cuda
 
     def staging_buffer(self, arena: shm.Arena, name: str, nbytes: int, dtype: str, count: int

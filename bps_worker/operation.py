@@ -95,7 +95,7 @@ class OperationHost(Protocol):
 
     def round_base(self, name: str, local_round: int) -> asyncio.Future[int]: ...
 
-    def cuda_bridge(self) -> cuda.CudaBridge: ...
+    async def cuda_bridge(self) -> cuda.CudaBridge: ...
 
     def staging_buffer(self, arena: shm.Arena, name: str, nbytes: int, dtype: str, count: int
                        ) -> tuple[np.ndarray, str, int]: ...
@@ -422,14 +422,20 @@ class CudaPath:
 
     def __init__(self) -> None:
         self.tensors: list[Any] = []
+        self.bridge: cuda.CudaBridge | None = None
 
     async def gather(self, o: Operation) -> Contribution:
-        bridge = o.host.cuda_bridge()  # BPSError where this daemon cannot do CUDA
-        self.tensors = [bridge.open(m.cuda) for _, m in o.members]
+        """Open the members' tensors and sum them on the GPU into the staging buffer, both in a thread (an
+        allocation's first opening maps it, and a device's first use starts its CUDA context)."""
+        self.bridge = bridge = await o.host.cuda_bridge()  # BPSError where this daemon cannot do CUDA
+        loop = asyncio.get_running_loop()
+        try:
+            self.tensors = await loop.run_in_executor(o.host.executor, bridge.open_all, [m.cuda for _, m in o.members])
+        except cuda.CudaUnavailableError as exc:  # a member's memory is gone (its process died)
+            raise BPSError(str(exc)) from None
         buf, segment, base = o.staging()
         if o.op.kind not in ROOTED_KINDS or o.root is not None:  # without the root, the servers ignore our data
-            await asyncio.get_running_loop().run_in_executor(o.host.executor, bridge.sum_to_host, self.tensors, buf,
-                                                             o.root)
+            await loop.run_in_executor(o.host.executor, bridge.sum_to_host, self.tensors, buf, o.root)
         return Contribution(buf, segment, base, direct=False)
 
     def handback_slots(self, o: Operation) -> list[np.ndarray]:
@@ -439,8 +445,8 @@ class CudaPath:
         return True  # no slot gets a piece (handback_slots)
 
     async def copy_back(self, o: Operation, out: np.ndarray) -> None:
-        await asyncio.get_running_loop().run_in_executor(o.host.executor, o.host.cuda_bridge().copy_back, out,
-                                                         self.tensors)
+        assert self.bridge is not None  # gather opened the tensors
+        await asyncio.get_running_loop().run_in_executor(o.host.executor, self.bridge.copy_back, out, self.tensors)
 
     def done(self, op: Op, out_segment: str, out_base: int) -> Done:
         return Done(op.req)

@@ -525,6 +525,48 @@ def cuda_allocations(count: int, big: int, reps: int) -> dict[str, Any]:
     return ok
 
 
+def cuda_failures(victim: int, rounds: int) -> dict[str, Any]:
+    """CUDA tensors when things go wrong: a mismatch (rank 0 pushes 6 elements, the others 8), the next name
+    still exact; ``rounds`` pushes of a fresh 4 MiB tensor each, the GPU memory this process holds sampled
+    (the daemon must let go of every allocation it opened); then ``victim`` dies by SIGKILL with a CUDA push
+    in flight while the others push on until their error."""
+    import os
+    import signal
+
+    import torch
+
+    import bps_worker.torch as bpt
+
+    rank, size = bps.rank(), bps.size()
+    out: dict[str, Any] = {"mismatch": None}
+    try:
+        bpt.push_pull(torch.ones(6 if rank == 0 else 8, device="cuda"), "cuda.bad", average=False)
+    except bps.BPSError as exc:
+        out["mismatch"] = [type(exc).__name__, str(exc)]
+    out["after"] = bpt.push_pull(torch.full((5,), float(rank), device="cuda"), "cuda.after", average=False).tolist()
+    steady, reserved = True, []
+    for r in range(rounds):
+        y = bpt.push_pull(torch.full((1 << 20,), float(rank), device="cuda"), "cuda.steady", average=False)
+        steady = steady and bool((y == sum(range(size))).all())
+        del y
+        if r in (rounds // 4, rounds - 1):
+            torch.cuda.synchronize()
+            reserved.append(torch.cuda.memory_reserved())
+    out.update(steady=steady, reserved=reserved)
+    if rank == victim:
+        bpt.push_pull_async(torch.ones(1 << 20, device="cuda"), "cuda.last", average=False)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start, out["error"] = time.monotonic(), None
+    while time.monotonic() - start < 30:
+        try:
+            bpt.push_pull(torch.ones(1 << 20, device="cuda"), "cuda.last", average=False)
+        except bps.BPSError as exc:
+            out["error"] = str(exc)
+            break
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
 def cuda_description_errors() -> dict[str, str]:
     """Without a GPU: a malformed CUDA description is refused; a well-formed one fails cleanly."""
     from bps_worker.client import adapter

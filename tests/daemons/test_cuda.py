@@ -43,6 +43,34 @@ def test_views_of_one_allocation_and_a_tensor_of_many_partitions(tmp_path):
         assert r["views"] and r["big"], r
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA device (and a CUDA build of torch)")
+def test_cuda_mismatch_steady_memory_and_a_dead_process(tmp_path):
+    """2 machines x 2 processes on CUDA tensors. A mismatch fails its name on every process (worker 0's with
+    the BPSMismatchError naming it) and the next name is exact. 120 pushes of a fresh 4 MiB tensor each leave
+    a process's GPU memory where it was after the first 30 (the daemon lets go of what it opened). Rank 3
+    dies with a push in flight: the others get a BPSError within the timeout; then a new job on the same
+    daemons sums exactly (the worker daemon outlived a dead process's CUDA memory)."""
+    cluster = start_cluster(write_config(tmp_path, [2, 2], cluster={"timeout": 3.0}))
+    try:
+        results = run_ranks(cluster, rp.cuda_failures, 3, 120, may_die=frozenset({3}), timeout=150)
+        again = run_ranks(cluster, rp.cuda_push_pulls, 1000, timeout=60)
+    finally:
+        cluster.stop()
+    print("reserved GPU memory after 30 and 120 pushes, per rank (MiB):",
+          [[b >> 20 for b in r["reserved"]] for r in results[:3]])
+    for rank, r in enumerate(results[:3]):
+        assert r["mismatch"] is not None and r["mismatch"][0].startswith("BPS"), (rank, r)
+        if rank < 2:
+            assert r["mismatch"][0] == "BPSMismatchError" and "cuda.bad" in r["mismatch"][1], (rank, r)
+        assert r["after"] == [6.0] * 5 and r["steady"], (rank, r)
+        first, last = r["reserved"]
+        assert last - first < 64 << 20, f"rank {rank}'s GPU memory grew from {first} to {last} bytes"
+        assert r["error"] is not None and r["seconds"] < 3.0 + 10, (rank, r)
+    for r in again:
+        assert r == {"sum": True, "in_place_half": True, "average": True}, r
+
+
 @pytest.mark.timeout(60)
 def test_cuda_descriptions_are_checked_and_fail_cleanly_without_a_gpu(tmp_path):
     if _has_cuda():
