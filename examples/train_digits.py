@@ -55,7 +55,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 import numpy as np
 import torch
@@ -116,6 +116,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="with --async: no machine more than this many steps ahead of the slowest (default: none)")
     p.add_argument("--straggler", type=_straggler, default=None, metavar="RANK:FACTOR",
                    help="make process RANK FACTOR times slower (it sleeps after each step's computation)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: each process trains on GPU (its local rank modulo the GPUs), and its gradients go "
+                        "to the worker daemon by CUDA IPC (default: cpu)")
     p.add_argument("--history", default=None, metavar="FILE",
                    help="rank 0 writes its test accuracy over time and the summary's figures to FILE (JSON)")
     args = p.parse_args(argv)
@@ -125,6 +128,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--epochs must be >= 1")
     if args.batch_size < 1:
         p.error("--batch-size must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device (a CPU build of torch, or no GPU)")
     if args.lr is None:
         args.lr = 0.1 if args.optimizer == "sgd" else 0.01
     return args
@@ -195,10 +200,14 @@ def make_optimizer(args: argparse.Namespace, model: nn.Module, size: int) -> bps
 
 def train(args: argparse.Namespace) -> int:
     rank, size = bps.rank(), bps.size()
-    data = load_torch_data()
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", bps.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    data = TorchData(*(t.to(device) for t in astuple(load_torch_data())))
     # Different seeds per rank on purpose: the broadcast must make the replicas identical.
     torch.manual_seed(SEED + rank)
-    model = DigitsCNN()
+    model = DigitsCNN().to(device)
     optimizer = make_optimizer(args, model, size)
     bps.broadcast_parameters(model.state_dict(), root_rank=0)  # asynchronous: the servers' values start here
     if not args.asynchronous:
@@ -223,7 +232,7 @@ def run_epochs(args: argparse.Namespace, model: nn.Module, optimizer: bps.Distri
     progress = Progress()
     t_start = time.perf_counter()
     for epoch in range(args.epochs):
-        idx = torch.from_numpy(shard_indices(len(data.y_train), epoch, rank, size))
+        idx = torch.from_numpy(shard_indices(len(data.y_train), epoch, rank, size)).to(data.y_train.device)
         bar = tqdm(torch.split(idx, args.batch_size), desc=f"epoch {epoch + 1}/{args.epochs}", unit="step",
                    disable=rank != 0, file=sys.stderr, dynamic_ncols=True)
         loss_sum, loss_n = 0.0, 0
@@ -290,7 +299,7 @@ def summary(args: argparse.Namespace, progress: Progress, test_acc: float, n_tra
             f"{args.batch_size} per process ({args.batch_size * size} global), bps.DistributedOptimizer, "
             f"compression {args.compression}",
             f"training set:   {n_train} samples ({n_train // size} per process per epoch), test set: {n_test} samples",
-            f"epochs:         {args.epochs}",
+            f"epochs:         {args.epochs}, on {device_description(args)}",
             f"steps:          {progress.steps} per process ({int(totals[1])} in all)",
             f"final loss:     {progress.epoch_loss:.4f} (mean over the last epoch, "
             f"{'rank 0' if args.asynchronous else 'all processes'})",
@@ -306,6 +315,13 @@ def summary(args: argparse.Namespace, progress: Progress, test_acc: float, n_tra
             with open(args.history, "w") as f:
                 json.dump(figures, f)
     return 0 if ok else 1
+
+
+def device_description(args: argparse.Namespace) -> str:
+    if args.device == "cpu":
+        return "the CPU"
+    gpus = torch.cuda.device_count()
+    return f"CUDA ({torch.cuda.get_device_name(0)}; {gpus} GPU{'s' if gpus > 1 else ''} on this machine)"
 
 
 def mode(args: argparse.Namespace) -> str:

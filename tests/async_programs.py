@@ -157,11 +157,11 @@ def push_until_error(name: str, staleness: int | None, seconds: float) -> dict[s
     return {"steps": steps, "error": None, "at": time.time(), "times": times}
 
 
-def torch_async_sgd(steps: int, staleness: int | None) -> dict[str, Any]:
+def torch_async_sgd(steps: int, staleness: int | None, device: str = "cpu") -> dict[str, Any]:
     """A linear model whose gradient is a constant per rank (loss = sum(w * c_rank)): with plain SGD every
     step's delta is -lr * c_rank exactly (lr a power of 2, integer c), so the servers' final value is rank 0's
     initial weights minus lr * steps * sum of every rank's c. Ranks start from different weights:
-    broadcast_parameters must make the value rank 0's."""
+    broadcast_parameters must make the value rank 0's. The model is on ``device``."""
     import torch
 
     import bps_worker.torch as bt
@@ -175,7 +175,8 @@ def torch_async_sgd(steps: int, staleness: int | None) -> dict[str, Any]:
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(start(bps.rank())[n])
-    init0 = start(0)
+    model.to(device)
+    init0 = {n: t.to(device) for n, t in start(0).items()}
     t0 = time.monotonic()
     errors = []
     for bad in (dict(asynchronous=True, compression=bt.Compression.fp16), dict(staleness=2)):
@@ -203,7 +204,7 @@ def torch_async_sgd(steps: int, staleness: int | None) -> dict[str, Any]:
     value = bt.async_push_pull(torch.ones(3), "torch/plain")
     plain = value.tolist()
     return {"same_after_broadcast": same, "exact": exact, "errors": errors, "seconds": time.monotonic() - t0,
-            "plain": plain}
+            "plain": plain, "devices": sorted({str(p.device) for p in model.parameters()})}
 
 
 REJOIN_STEADY_STEPS = 60

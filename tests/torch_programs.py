@@ -163,8 +163,9 @@ def variant_key(compression: str, passes: int, bucket_bytes: int | None) -> str:
 
 
 # -- 4: broadcast_parameters + broadcast_optimizer_state ------------------------------
-def broadcast_state() -> dict[str, Any]:
-    """Rank 0 trains Adam locally (non-trivial moments, step, BN stats); the others are fresh."""
+def broadcast_state(device: str = "cpu") -> dict[str, Any]:
+    """Rank 0 trains Adam locally (non-trivial moments, step, BN stats); the others are fresh. The model and
+    its optimizer's state are on ``device``."""
     _threads()
     rank = bps.rank()
     torch.manual_seed(2000 + rank)
@@ -172,9 +173,10 @@ def broadcast_state() -> dict[str, Any]:
     # Buffers of dtypes the wire lacks (they travel as int32), different on every rank.
     model.register_buffer("mask", torch.arange(6) % (rank + 2) == 0)
     model.register_buffer("codes", (torch.arange(5, dtype=torch.uint8) * (rank + 3)))
+    model.to(device)
     if rank == 0:
         inner = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.95))
-        X, Y = dataset(3 * 16, seed=99)
+        X, Y = (t.to(device) for t in dataset(3 * 16, seed=99))
         for s in range(3):  # local, non-distributed steps
             inner.zero_grad()
             F.cross_entropy(model(X[16 * s:16 * (s + 1)]), Y[16 * s:16 * (s + 1)]).backward()
@@ -206,11 +208,13 @@ def broadcast_state() -> dict[str, Any]:
         "num_batches_tracked": int(model.bn.num_batches_tracked),
         "mask": model.mask.tolist(), "mask_dtype": str(model.mask.dtype),
         "codes": model.codes.tolist(), "codes_dtype": str(model.codes.dtype),
-        "running_var_is_default": bool(torch.equal(model.bn.running_var, torch.ones(4))),
+        "running_var_is_default": bool(torch.equal(model.bn.running_var.cpu(), torch.ones(4))),
         "exp_avg_nonzero": bool(first and first["exp_avg"].abs().sum() > 0),
+        "devices": sorted({str(t.device) for t in [*model.state_dict().values(), *(
+            v for st in sd["state"].values() for n, v in st.items() if n != "step")]}),
     }
     # The broadcast state is usable: one distributed Adam step keeps every rank identical.
-    X, Y = dataset(4 * 8, seed=7)
+    X, Y = (t.to(device) for t in dataset(4 * 8, seed=7))
     opt.zero_grad()
     F.cross_entropy(model(X[8 * rank:8 * (rank + 1)]), Y[8 * rank:8 * (rank + 1)]).backward()
     opt.step()

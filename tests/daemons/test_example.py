@@ -14,15 +14,24 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("forked_daemons")
 
 
-def test_digits_example_trains_on_a_one_box_cluster(tmp_path):
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not _has_cuda(), reason="needs a CUDA device (and a CUDA build of torch)"))])
+def test_digits_example_trains_on_a_one_box_cluster(tmp_path, device):
     config = write_config(tmp_path, [2, 2], cpu_servers=1)
     result = subprocess.run(
         [sys.executable, "-m", "bps_worker.launch", "--config", str(config), "--",
-         sys.executable, str(ROOT / "examples" / "train_digits.py"), "--epochs", "3"],
+         sys.executable, str(ROOT / "examples" / "train_digits.py"), "--epochs", "3", "--device", device],
         capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "summary" in out and "4 processes on 2 workers" in out
+    assert ("on the CPU" if device == "cpu" else "on CUDA (") in out, out
     accuracy = float(out.split("test accuracy:")[1].split()[0])
     assert accuracy >= 0.85
     assert "samples/s" in out

@@ -118,8 +118,9 @@ def test_cnn_with_compression_within_rounding_tolerance(cnn_runs, compression):
 
 
 # -- 4: broadcast_parameters + broadcast_optimizer_state --------------------------------
-def test_broadcast_parameters_and_optimizer_state(cluster_2x2):
-    results = run_ranks(cluster_2x2, tp.broadcast_state, timeout=60)
+@pytest.mark.parametrize("device", DEVICES)
+def test_broadcast_parameters_and_optimizer_state(cluster_2x2, device):
+    results = run_ranks(cluster_2x2, tp.broadcast_state, device, timeout=60)
     root = results[0]
     assert len({r["model_before"] for r in results}) == SIZE
     assert len({r["opt_before"] for r in results}) == SIZE
@@ -139,6 +140,8 @@ def test_broadcast_parameters_and_optimizer_state(cluster_2x2):
         assert r["mask"] == [True, False, True, False, True, False] and r["mask_dtype"] == "torch.bool"
         assert r["codes"] == [0, 3, 6, 9, 12] and r["codes_dtype"] == "torch.uint8"
         assert r["steps_after"] == [4.0]
+        # every parameter, buffer and moment stayed on the model's device (Adam's step counts stay on the CPU)
+        assert r["devices"] == [device if device == "cpu" else "cuda:0"], r["devices"]
     # The broadcast state is usable: after one distributed Adam step every rank is still identical.
     # (Parameters: BatchNorm's running stats follow each rank's own batch, as in Horovod.)
     assert _same_everywhere(results, "after_step") != root["params"]

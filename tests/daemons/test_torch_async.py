@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import async_programs as ap
 from harness import run_ranks
 
 
-@pytest.mark.parametrize("staleness", [None, 1])
-def test_async_sgd_puts_every_process_step_in_the_servers_value(cluster_2x2, staleness):
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (and a CUDA build of torch)")
+
+
+@pytest.mark.parametrize("staleness,device", [(None, "cpu"), (1, "cpu"), pytest.param(None, "cuda", marks=NEEDS_CUDA)])
+def test_async_sgd_puts_every_process_step_in_the_servers_value(cluster_2x2, staleness, device):
     """4 processes, 30 plain SGD steps each on constant per-rank gradients, parameters in two buckets: the
     broadcast makes the value rank 0's weights, and the final parameters are those minus every step of every
-    process, exactly. Compression, or a staleness without asynchronous=True, are refused."""
-    results = run_ranks(cluster_2x2, ap.torch_async_sgd, 30, staleness, timeout=90)
+    process, exactly. Compression, or a staleness without asynchronous=True, are refused. Again with the
+    model on the GPU where there is one."""
+    results = run_ranks(cluster_2x2, ap.torch_async_sgd, 30, staleness, device, timeout=90)
     for r in results:
+        assert r["devices"] == [device if device == "cpu" else "cuda:0"], r
         assert r["same_after_broadcast"] and r["exact"], r
         assert "compression is for gradients" in r["errors"][0] and "asynchronous=True" in r["errors"][1], r
         assert r["plain"][0] in (3.0, 4.0, 5.0, 6.0) and len(set(r["plain"])) == 1  # 2 + its delta + others' so far
