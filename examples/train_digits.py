@@ -55,7 +55,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -94,10 +94,10 @@ class TorchData:
     y_test: torch.Tensor
 
 
-def load_torch_data() -> TorchData:
-    """The shared split (examples/digits.py) as tensors."""
+def load_torch_data(device: torch.device | str = "cpu") -> TorchData:
+    """The shared split (examples/digits.py) as tensors on ``device``."""
     d = load_data()
-    return TorchData(*(torch.from_numpy(a) for a in (d.x_train, d.y_train, d.x_test, d.y_test)))
+    return TorchData(*(torch.from_numpy(a).to(device) for a in (d.x_train, d.y_train, d.x_test, d.y_test)))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -204,7 +204,7 @@ def train(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         device = torch.device("cuda", bps.local_rank() % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    data = TorchData(*(t.to(device) for t in astuple(load_torch_data())))
+    data = load_torch_data(device)
     # Different seeds per rank on purpose: the broadcast must make the replicas identical.
     torch.manual_seed(SEED + rank)
     model = DigitsCNN().to(device)
