@@ -76,7 +76,11 @@ class CudaBridge:
                                        "installed") from None
         if not torch.cuda.is_available():
             raise CudaUnavailableError("a process sent a CUDA tensor, but this worker daemon sees no CUDA device")
-        torch.cuda.init()  # here, in the daemon's thread that makes the bridge, not in the first operation
+        try:
+            torch.cuda.init()  # here, in the daemon's thread that makes the bridge, not in the first operation
+        except RuntimeError as exc:  # a driver that does not match, a device in a bad state
+            raise CudaUnavailableError(f"a process sent a CUDA tensor, but this worker daemon cannot start CUDA: "
+                                       f"{exc}") from None
         self.torch = torch
         self._pinned: dict[int, int] = {}  # host address -> bytes registered with cudaHostRegister
 

@@ -1,8 +1,8 @@
 """A worker daemon's CUDA bridge (bps_runtime/cuda.py) is made once, in a thread, while its loop serves.
 
-Importing torch and starting CUDA take seconds (about 3 s on an H200 machine). Made on the loop, that stalled
-the daemon: its servers' heartbeats went unread, and with a short cluster.timeout both sides dropped each
-other in the middle of a job. A stand-in bridge that sleeps shows where it is made, without a GPU.
+Importing torch and starting CUDA take seconds. Made on the loop, that stalled the daemon: its servers'
+heartbeats went unread, and with a short cluster.timeout both sides dropped each other in the middle of a job
+(benchmarks/RESULTS.md, session 27). A stand-in bridge that sleeps shows where it is made, without a GPU.
 """
 
 from __future__ import annotations
@@ -93,3 +93,17 @@ async def test_a_daemon_that_cannot_do_cuda_says_so_to_every_operation(monkeypat
         assert tries == [1]  # asked once: the answer does not change while the daemon runs
     finally:
         daemon.executor.shutdown(wait=True)
+
+
+def test_a_device_cuda_cannot_start_on_is_named_as_such(monkeypatch):
+    """torch sees a device but CUDA will not start (a driver that does not match): the bridge says so in a
+    CudaUnavailableError, which every operation gets as a BPSError (not an internal error)."""
+    import torch
+
+    def broken_init() -> None:
+        raise RuntimeError("CUDA driver version is insufficient for CUDA runtime version")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "init", broken_init)
+    with pytest.raises(cuda.CudaUnavailableError, match="cannot start CUDA: CUDA driver version is insufficient"):
+        cuda.CudaBridge()
