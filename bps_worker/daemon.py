@@ -93,6 +93,9 @@ class WorkerConfig:
 class WorkerDaemon:
     """Server-wide state of one worker daemon."""
 
+    _cuda: cuda.CudaBridge | None  # made when the first CUDA tensor arrives...
+    _cuda_starting: asyncio.Future[cuda.CudaBridge] | None  # ... in a thread (cuda_bridge)
+
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         cluster = config.cluster
@@ -152,8 +155,7 @@ class WorkerDaemon:
         self.pulse = Pulse(self.verdict, notify_socket=config.notify_socket, watchdog_s=config.watchdog_s)
         self.counters = WorkerCounters()
         self.stopping = False
-        self._cuda: cuda.CudaBridge | None = None  # made when the first CUDA tensor arrives
-        self._cuda_starting: asyncio.Future[cuda.CudaBridge] | None = None  # ... in a thread (cuda_bridge)
+        self._cuda = self._cuda_starting = None
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
