@@ -99,6 +99,25 @@ def pytest_configure(config: pytest.Config) -> None:
     if hasattr(config, "workerinput"):  # an xdist worker
         enter_private_network()
     Cluster.default_forkserver = Forkserver()
+    config.addinivalue_line("markers", "cuda: needs a CUDA device and a CUDA build of torch (skipped elsewhere)")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests (or parameters) marked ``cuda`` are skipped where torch sees no GPU; torch is imported only to ask,
+    where some are collected."""
+    marked = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if marked and not _cuda_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device (and a CUDA build of torch)")
+        for item in marked:
+            item.add_marker(skip)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

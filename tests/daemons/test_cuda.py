@@ -17,7 +17,7 @@ def _has_cuda() -> bool:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA device (and a CUDA build of torch)")
+@pytest.mark.cuda
 def test_cuda_tensors_are_summed_on_the_gpu(tmp_path):
     cluster = start_cluster(write_config(tmp_path, [2, 2], cluster={"partition_bytes": 256 * 1024}))
     try:
@@ -29,7 +29,7 @@ def test_cuda_tensors_are_summed_on_the_gpu(tmp_path):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA device (and a CUDA build of torch)")
+@pytest.mark.cuda
 def test_views_of_one_allocation_and_a_tensor_of_many_partitions(tmp_path):
     """40 views into one CUDA allocation summed in place at once: each lands at its own offset, the elements
     between them untouched; then 16 MiB over 64 partitions of 256 KiB, exact (its median time is printed)."""
@@ -44,7 +44,7 @@ def test_views_of_one_allocation_and_a_tensor_of_many_partitions(tmp_path):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA device (and a CUDA build of torch)")
+@pytest.mark.cuda
 def test_cuda_mismatch_steady_memory_and_a_dead_process(tmp_path):
     """2 machines x 2 processes on CUDA tensors. A mismatch fails its name on every process (worker 0's with
     the BPSMismatchError naming it) and the next name is exact. 120 pushes of a fresh 4 MiB tensor each leave

@@ -63,7 +63,7 @@ def test_rebuilt_buckets_get_new_names_and_train_like_ddp(runs):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (and a CUDA build of torch)")
+@pytest.mark.cuda
 def test_cuda_buckets_train_like_ddp(make_cluster):
     """The same comparison on CUDA (buckets handed to the worker daemon by CUDA IPC), 2 machines x 1 process:
     DDP over NCCL where each rank has a GPU of its own, over gloo's CUDA path on a single GPU."""

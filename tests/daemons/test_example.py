@@ -14,14 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("forked_daemons")
 
 
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not _has_cuda(), reason="needs a CUDA device (and a CUDA build of torch)"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_digits_example_trains_on_a_one_box_cluster(tmp_path, device):
     config = write_config(tmp_path, [2, 2], cpu_servers=1)
     result = subprocess.run(

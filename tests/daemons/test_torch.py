@@ -30,8 +30,7 @@ VARIANTS = [("none", 1, None), ("none", 2, None), ("fp16", 1, None), ("bf16", 1,
 # Unit roundoff of the wire dtype (round to nearest): half the gap between 1 and the next value.
 UNIT_ROUNDOFF = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -9}
 # The training and tensor checks run on CPU tensors, and again on CUDA tensors (through CUDA IPC) where a GPU is.
-NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (and a CUDA build of torch)")
-DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 def _same_everywhere(results: list[dict], key: str) -> str:

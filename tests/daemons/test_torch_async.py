@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import async_programs as ap
 from harness import run_ranks
 
 
-NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (and a CUDA build of torch)")
-
-
-@pytest.mark.parametrize("staleness,device", [(None, "cpu"), (1, "cpu"), pytest.param(None, "cuda", marks=NEEDS_CUDA)])
+@pytest.mark.parametrize("staleness,device",
+                         [(None, "cpu"), (1, "cpu"), pytest.param(None, "cuda", marks=pytest.mark.cuda)])
 def test_async_sgd_puts_every_process_step_in_the_servers_value(cluster_2x2, staleness, device):
     """4 processes, 30 plain SGD steps each on constant per-rank gradients, parameters in two buckets: the
     broadcast makes the value rank 0's weights, and the final parameters are those minus every step of every
