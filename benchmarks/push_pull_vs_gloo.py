@@ -135,15 +135,19 @@ class _Operands:
     def __init__(self, args: argparse.Namespace, bps: Any, name: str, x: Any) -> None:
         import numpy as np
         import torch
+        import torch.distributed as dist
 
-        self.bps, self.name, self.x, self.cuda = bps, name, x, args.device == "cuda"
+        self.name, self.x, self.cuda = name, x, args.device == "cuda"
         self.src: Any
         self.out: Any
         self.xt = torch.from_numpy(x)
+        self._push_pull: Any = bps.push_pull
+        self._sync: Any = lambda: None  # gloo's CUDA all_reduce returns before the GPU is done: wait for it
+        self._all_reduce = dist.all_reduce
         if self.cuda:  # torch tensors on this rank's GPU: bps through CUDA IPC, gloo through its CUDA path
             import bps_worker.torch as bpt
 
-            self.bpt = bpt
+            self._push_pull, self._sync = bpt.push_pull, torch.cuda.synchronize  # bps returns once the GPU has it
             self.xt = self.xt.cuda()
             self.src, self.out = self.xt.clone(), torch.empty_like(self.xt)
         elif args.copy:  # a plain array in, a preallocated array out: the client copies both ways
@@ -157,29 +161,16 @@ class _Operands:
         self.t.copy_(self.xt)
         if self.cuda:
             self.src.copy_(self.xt)
-            self.torch_sync()
         else:
-            import numpy as np
-
-            np.copyto(self.src, self.x)
-
-    def torch_sync(self) -> None:
-        if self.cuda:
-            import torch
-
-            torch.cuda.synchronize()
+            self.src[...] = self.x
+        self._sync()
 
     def push_pull(self) -> None:
-        if self.cuda:
-            self.bpt.push_pull(self.src, self.name, average=False, out=self.out)  # returns once the GPU has it
-        else:
-            self.bps.push_pull(self.src, self.name, average=False, out=self.out)
+        self._push_pull(self.src, self.name, average=False, out=self.out)
 
     def all_reduce(self) -> None:
-        import torch.distributed as dist
-
-        dist.all_reduce(self.t)
-        self.torch_sync()
+        self._all_reduce(self.t)
+        self._sync()
 
     def results(self) -> tuple[Any, Any]:
         """bps's and gloo's sums, as host arrays."""

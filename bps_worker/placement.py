@@ -46,10 +46,9 @@ Windows: a worker paces its pushes by the answers (``bps_worker.window``), and e
 window (:meth:`Placement.stream_window`), or the flows would no longer share the links in proportion to the
 shares. With ``cluster.window_pieces`` pieces a connection, a flow of three streams kept three times the pieces
 of a one-stream flow in flight, so a CPU-only server's downlink queued three times the time of the others' and
-its first sums, which wait for every worker's first pieces, left late (at 200 Mbit/s, k = 2: 1.19 t_opt).
-So ``window_pieces`` is the window of the largest flow, spread over its streams: 1 a connection at n = 4,
-k = 2 (1.08-1.09 t_opt), 2 at k = 1, the whole window where every server has one stream (k = 0, k = n, one
-host). Measured on emulated links, ``benchmarks/RESULTS.md``.
+its first sums, which wait for every worker's first pieces, left late. So ``window_pieces`` is the window of
+the largest flow, spread over its streams: 1 a connection at n = 4, k = 2, 2 at k = 1, the whole window where
+every server has one stream (k = 0, k = n, one host). Measured on emulated links, ``benchmarks/RESULTS.md``.
 
 A server's load deviates from its target by less than one element per
 tensor, whatever the order in which names appear, and every worker computes the
