@@ -247,12 +247,12 @@ class SendWindow(Generic[P]):
         self._inflight[piece.req] = piece
 
     # -- answers ---------------------------------------------------------------------
-    def answered(self, req: int, now: float | None = None) -> P | None:
-        """The server answered ``req`` (a sum or a failure) at ``now`` (None: the time is not known): its
-        piece, out of flight and out of the window."""
+    def answered(self, req: int, now: float) -> P | None:
+        """The server answered ``req`` (a sum or a failure) at ``now`` (the link's clock): its piece, out of
+        flight and out of the window."""
         piece = self._inflight.pop(req, None)
         if piece is not None:
-            if piece.paced and now is not None:
+            if piece.paced:
                 # Smoothed from 0: one slow first answer (a late peer, not the link) moves it an eighth of the way.
                 sample = max(0.0, now - piece.sent_at)
                 self._answer_s += (sample - self._answer_s) * ANSWER_SMOOTHING

@@ -60,6 +60,11 @@ def frames(window: SendWindow[Gone], now: float = 0.0) -> list[list[Gone]]:
     return out
 
 
+def answer_at_once(window: SendWindow[Gone], item: Gone) -> Gone | None:
+    """The server answers ``item`` the instant it went: out of the window, and nothing for the stall to learn."""
+    return window.answered(item.req, item.sent_at)
+
+
 # -- the window of unanswered pieces (ported from the link's tests) ------------------------
 def test_window_counts_pieces_of_the_largest_size_in_flight() -> None:
     """A link holds a push while its unanswered paced bytes plus the push come to more than
@@ -68,14 +73,14 @@ def test_window_counts_pieces_of_the_largest_size_in_flight() -> None:
     window = make_window(3)
     big = [send(window, 128 * KiB) for _ in range(3)]
     assert window.holds(128 * KiB) and window.holds(64 * KiB) and window.holds(32 * KiB)
-    assert window.answered(big[0].req) is big[0]  # 256 KiB in flight
+    assert answer_at_once(window, big[0]) is big[0]  # 256 KiB in flight
     assert not window.holds(64 * KiB)  # 256 + 64 <= 3 x 128 (sized by itself: 256 + 64 > 3 x 64)
     half = send(window, 64 * KiB)
     assert not window.holds(64 * KiB) and window.holds(128 * KiB)  # 320 + 64 = 384
     send(window, 64 * KiB)
     assert window.holds(32 * KiB)  # 384 + 32 > 384
     for item in (*big[1:], half):
-        window.answered(item.req)
+        answer_at_once(window, item)
     assert not window.holds(128 * KiB) and window.paced_bytes == 64 * KiB
 
 
@@ -84,7 +89,7 @@ def test_window_starts_from_the_first_piece_again_once_empty() -> None:
     128 KiB go out before the first answer, not three of 32 KiB only."""
     window = make_window(3)
     old = send(window, 256 * KiB)
-    window.answered(old.req)
+    answer_at_once(window, old)
     assert window.paced_bytes == 0 and window.unit_bytes == 0
     for size in (32 * KiB, 64 * KiB, 128 * KiB, 128 * KiB):
         send(window, size)
@@ -151,9 +156,9 @@ def test_three_unanswered_pieces_then_one_per_answer() -> None:
         window.offer(item)
     assert frames(window) == [[pieces[0]], [pieces[1]], [pieces[2]]]
     assert window.paced_bytes == 384 * KiB and window.unit_bytes == 128 * KiB
-    window.answered(pieces[1].req)
+    answer_at_once(window, pieces[1])
     assert frames(window) == [[pieces[3]]]
-    window.answered(pieces[0].req)
+    answer_at_once(window, pieces[0])
     assert frames(window) == [[pieces[4]]]
 
 
@@ -169,7 +174,7 @@ def test_a_stalled_window_opens_after_the_stall_time_until_the_next_answer() -> 
     assert window.stall_deadline is None
     window.offer(pieces[4])
     assert frames(window, now=11.0) == [[pieces[4]]]  # ...until an answer comes
-    window.answered(pieces[0].req)
+    answer_at_once(window, pieces[0])
     window.offer(pieces[5])
     assert frames(window, now=12.0) == [] and window.stall_deadline == 12.0 + WINDOW_STALL_S
 
@@ -181,7 +186,7 @@ def test_an_answer_before_the_stall_time_cancels_it() -> None:
         window.offer(item)
     frames(window, now=1.0)
     assert window.stall_deadline == 1.0 + WINDOW_STALL_S
-    window.answered(pieces[0].req)
+    answer_at_once(window, pieces[0])
     assert window.stall_deadline is None
     assert frames(window, now=1.1) == [[pieces[3]]]
     assert window.stall_deadline == 1.1 + WINDOW_STALL_S  # the fifth waits from now on
@@ -192,13 +197,13 @@ def test_where_answers_take_longer_than_the_stall_time_the_window_waits_for_seve
     """The stall follows the link's answer time (smoothed, from sent to answered): answers that take 0.4 s
     by nature (n = 8 at 100 Mbit/s) keep a waiting piece held for STALL_ANSWER_TIMES of them, where a fixed
     0.25 s opened the window at every piece; a mis-ordered step still opens it, later. Never over
-    WINDOW_STALL_MAX_S; answers without a time (or of unpaced pieces) teach nothing."""
+    WINDOW_STALL_MAX_S; an answer that takes no time teaches nothing."""
     window = make_window(1)
     pieces = [piece(128 * KiB) for _ in range(50)]
     for item in pieces:
         window.offer(item)
     assert frames(window, now=0.0) == [[pieces[0]]]
-    window.answered(pieces[0].req)  # no time: nothing learned
+    answer_at_once(window, pieces[0])  # at once: nothing learned
     assert window.stall_after == WINDOW_STALL_S
     now = 1.0
     assert frames(window, now=now) == [[pieces[1]]]
@@ -306,7 +311,7 @@ def test_batched_pieces_over_the_pacing_size_count_against_the_window() -> None:
         window.offer(item)
     assert frames(window) == [items[:3]]  # 96 KiB = 3 x 32 KiB: the fourth waits
     assert window.paced_bytes == 96 * KiB
-    window.answered(items[0].req)
+    answer_at_once(window, items[0])
     assert frames(window) == [[items[3]]]
 
 
@@ -328,7 +333,7 @@ def test_abandoning_a_piece_in_flight_frees_its_window_share() -> None:
     window.keep_sum(queued)
     assert window.next_to_send(0.0, 0) == []
     assert window.abandon(sent[0]) and window.in_flight(sent[0].req) is None
-    assert window.answered(sent[0].req) is None  # a late answer finds nothing
+    assert answer_at_once(window, sent[0]) is None  # a late answer finds nothing
     assert not window.abandon(queued) and window.sums_kept == 0  # queued: stays, no sum replayed
     assert window.next_to_send(0.0, 0) == [queued]
 
@@ -340,7 +345,7 @@ def test_the_sums_of_tensors_never_pushed_again_are_not_kept() -> None:
     for name, part in (("old.a", 0), ("old.a", 1), ("old.b", 0), ("new", 0), ("new", 1)):
         item = send(window, 128 * KiB)
         item.key = (name, part)
-        assert window.answered(item.req) is item
+        assert answer_at_once(window, item) is item
         window.keep_sum(item)
         kept.append(item)
     window.drop_sums_of({"old.a", "old.b", "never.pushed"})
@@ -352,15 +357,15 @@ def test_a_restarted_server_gets_the_kept_sums_then_the_held_pieces_again() -> N
     done = [send(window, 128 * KiB) for _ in range(2)]
     for part, item in enumerate(done, start=10):
         item.key = ("w", part)
-        assert window.answered(item.req) is item
+        assert answer_at_once(window, item) is item
         window.keep_sum(item)
     newer = send(window, 128 * KiB)
     newer.key = done[1].key
-    window.answered(newer.req)
+    answer_at_once(window, newer)
     window.keep_sum(newer)  # the last sum of its partition replaces the one before
     failed = send(window, 128 * KiB)
     failed.key = ("w", 12)
-    window.answered(failed.req)
+    answer_at_once(window, failed)
     window.keep_sum(failed)
     window.drop_sum(failed.key)  # its next round failed: nothing of it is replayed
     a, b = piece(128 * KiB, part=1), piece(128 * KiB, part=2)
