@@ -347,6 +347,9 @@ class RoundTable(Generic[W]):
         self._gone: dict[int, int] = {}  # worker -> number of its latest disconnection or reset
         self._gone_count = 0
         self._reset: set[int] = set()  # workers without training processes since their last push
+        # Those of them only because their connection dropped (no Reset came): the same daemon back with the
+        # same numbering (Hello.epoch) is the same processes, not a worker without any (worker_hello).
+        self._dropped: set[int] = set()
         self._epochs: dict[int, str] = {}  # each worker's round numbering (Hello.epoch, Reset.epoch)
         # Workers whose numbering restarted while other workers were mid-job: they rejoin (round_for).
         self._rejoining: set[int] = set()
@@ -516,7 +519,7 @@ class RoundTable(Generic[W]):
         key = (name, part)
         st = self.keys.get(key)
         actions: list[Action[W]] = []
-        if st is not None and round_ > st.round and st.waiters and st.failed is None:
+        if st is not None and round_ > st.round and st.busy:  # (pushed, or only replayed: its held pushes)
             actions.append(self._fail_round(st, Why(f"tensor {name!r} round {st.round} abandoned: worker "
                                                     f"{worker} aborted round {round_}")))
         if st is None or round_ > st.round:
@@ -598,6 +601,8 @@ class RoundTable(Generic[W]):
         restarted daemon); after that they fail at once until it pushes again.
         """
         actions: list[Action[W]] = [self._mark_gone(worker, "is disconnected")]
+        if worker not in self._reset:  # (a worker that reset stays one without processes)
+            self._dropped.add(worker)
         self._reset.add(worker)
         actions += self._fail_waiting_for(worker, "is disconnected")
         return actions + self._clear_if_all_reset()
@@ -611,11 +616,17 @@ class RoundTable(Generic[W]):
         return self._fail_waiting_for(worker, why)
 
     def worker_hello(self, worker: int, epoch: str) -> list[Action[W]]:
-        """A worker daemon connected, with its round numbering (a hello alone does not bring training
-        processes back: the worker stays reset until it pushes)."""
+        """A worker daemon connected, with its round numbering. A hello alone does not bring training
+        processes back (a worker that reset, or a new daemon, stays one without processes until it pushes);
+        the same numbering back after a dropped connection is the same processes, waited for as any
+        connected worker's (a slow one fails nothing)."""
         self._gone.pop(worker, None)
         self.lost_workers.discard(worker)
         previous = self._epochs.get(worker)
+        if worker in self._dropped:
+            self._dropped.discard(worker)
+            if epoch == previous:  # back after a dropped connection: its processes never left
+                self._reset.discard(worker)
         if epoch:
             self._epochs[worker] = epoch
         # A first hello is a job (or this server) starting, not a worker coming back: the workers of a
@@ -643,6 +654,7 @@ class RoundTable(Generic[W]):
                             f"{st.round} of {st.key[0]!r} cannot complete")))
         actions.append(self._mark_gone(worker, "has no training processes"))
         self._reset.add(worker)
+        self._dropped.discard(worker)
         if epoch:
             self._epochs[worker] = epoch
         cleared = self._clear_if_all_reset()
@@ -655,6 +667,7 @@ class RoundTable(Generic[W]):
         self._gone.pop(worker, None)
         self.lost_workers.discard(worker)
         self._reset.discard(worker)
+        self._dropped.discard(worker)
 
     def _numbering_restarted(self, worker: int) -> None:
         others_mid_job = any(w != worker and w not in self._reset and self.connected(w) for w in range(self.n_workers))

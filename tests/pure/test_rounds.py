@@ -210,6 +210,22 @@ def test_a_held_push_fails_with_its_round_when_the_replayed_round_fails():
                                        "aborted by worker 1: gave up"}
 
 
+def test_an_abort_of_the_next_round_fails_a_held_push_of_it_rather_than_dropping_it():
+    # A server restarted: worker 0 replayed round 7 and pushed round 8 (held); worker 1's abort of round 8 (queued
+    # while its link was down, sent before its replays) comes before its replay of round 7. The held push must hear
+    # that round 8 failed: dropped with round 7's state, it was never answered (its operation waited for ever).
+    table: RoundTable[str] = RoundTable(2)
+    table.replay(_push(0, rnd=7, replay=True), _data(3), 0.0)
+    assert table.push(_push(0, rnd=8), _data(1), "w0r8", 0.0) == []
+    actions = table.abort("t", 0, 8, worker=1, message="gave up")
+    assert _fails(actions) == {"w0r8": "tensor 't' round 8 cannot start: round 7 failed: tensor 't' round 7 "
+                                       "abandoned: worker 1 aborted round 8"}
+    st = table.keys[("t", 0)]
+    assert st.round == 8 and st.failed is not None and not st.restart.held_next
+    (note,) = table.replay(_push(1, rnd=7, replay=True), _data(3), 0.0)  # its replay, late: nothing to do
+    assert isinstance(note, Note) and "the server is at round 8 (failed)" in note.message
+
+
 def test_when_everyone_replays_the_round_just_moves_on():
     table: RoundTable[str] = RoundTable(2)
     assert table.replay(_push(1, rnd=2, replay=True), _data(), 0.0) == []
@@ -267,6 +283,30 @@ def test_sweep_fails_a_round_waiting_for_a_worker_without_processes():
     table.push(_push(0), _data(), "w0", 0.0)
     assert _fails(table.sweep(11.0)) == {
         "w0": "worker 1 has no training processes (waited 10 s); round 0 of 't' cannot complete"}
+
+
+def test_a_worker_back_after_a_dropped_connection_is_waited_for_as_a_connected_one():
+    # The same daemon (the same numbering) back after its connection dropped: its processes never left, so a
+    # round waiting for them is not failed for "no training processes" however slow they are.
+    table: RoundTable[str] = RoundTable(2, lost_grace_s=10)
+    table.worker_hello(1, "epoch-a")
+    table.worker_lost(1)
+    table.worker_hello(1, "epoch-a")
+    table.push(_push(0), _data(), "w0", 0.0)
+    assert table.sweep(1000.0) == []
+    # A new daemon (a new numbering) is new processes: none until it pushes, as before.
+    table.worker_lost(1)
+    table.worker_hello(1, "epoch-b")
+    table.push(_push(0, name="u"), _data(), "u0", 1000.0)
+    assert _fails(table.sweep(1011.0)) == {
+        "u0": "worker 1 has no training processes (waited 10 s); round 0 of 'u' cannot complete"}
+    # A worker that reset stays one without processes across a dropped connection and the same numbering.
+    table.worker_reset(1, "epoch-c")
+    table.worker_lost(1)
+    table.worker_hello(1, "epoch-c")
+    table.push(_push(0, name="v"), _data(), "v0", 2000.0)
+    assert _fails(table.sweep(2011.0)) == {
+        "v0": "worker 1 has no training processes (waited 10 s); round 0 of 'v' cannot complete"}
 
 
 def test_a_lost_worker_fails_pending_rounds_now_and_later_ones_once_its_grace_expires():
