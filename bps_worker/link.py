@@ -647,10 +647,24 @@ class ServerLink:
                 raise RemoteProtocolError(f"unexpected {message.TYPE} message from server {self.spec.id}")
 
     def _on_result(self, message: Result, payload: memoryview | None) -> None:
+        self._check_result(message, payload)  # (while its piece is in flight: a refusal holds it for the next server)
         item = self.window.answered(message.req, self.running_loop().time())
         self._after_answer(item)
         if item is None:
             return  # an abandoned push
+        try:
+            self._take_result(item, message, payload)
+        except BaseException as exc:  # out of the window now: nothing else would ever answer its caller
+            if not item.future.done():
+                item.future.set_exception(BPSError(f"the sum of {item.push.name!r} part {item.push.part} from "
+                                                   f"server {self.spec.id} could not be taken: {exc!r}"))
+            raise
+
+    def _check_result(self, message: Result, payload: memoryview | None) -> None:
+        """RemoteProtocolError for an answer no honest server sends (the connection breaks on it)."""
+        item = self.window.in_flight(message.req)
+        if item is None:
+            return
         if message.inplace:
             if not item.via_shm:
                 raise RemoteProtocolError(f"server {self.spec.id} answered {item.push.name!r} part "
@@ -661,6 +675,10 @@ class ServerLink:
                 raise RemoteProtocolError(f"result for {item.push.name!r} part {item.push.part} has {got} bytes, "
                                           f"expected {item.dest.nbytes}", what="result payload", size=got,
                                           limit=item.dest.nbytes)
+
+    def _take_result(self, item: OutgoingPush, message: Result, payload: memoryview | None) -> None:
+        """The piece's sum arrived (checked): in its destination, its caller told, kept for a restarted server."""
+        if not message.inplace and not item.future.done():
             if payload is not None and payload is not item.dest:  # a batched result: not received in place
                 item.dest[:] = payload
         if not item.future.done():

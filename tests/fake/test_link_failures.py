@@ -24,9 +24,9 @@ from bps_worker.errors import (
 from bps_worker.daemon import WorkerConfig, WorkerDaemon
 from bps_worker.link import ServerLink, _LinkProtocol, connection_error, failure_error, write_batch, write_message
 from protocol.config import ServerSpec, parse_config
-from protocol.frames import FrameReader, encode_header
+from protocol.frames import FrameReader, encode_frame, encode_header
 from protocol.messages import Failure, Push, Result, RoundInfo, RoundQuery, batch_header, parse, to_header
-from fake_transport import FakeTransport
+from fake_transport import FakeTransport, feed
 
 
 def _push(worker: int, n: int = 4, *, name: str = "w", req: int = 1) -> Push:
@@ -154,6 +154,46 @@ async def test_a_push_by_reference_lost_with_its_connection_is_unanswered_shm():
     assert isinstance(shm_error, LinkBrokenError) and shm_error.unanswered_shm
     assert isinstance(tcp_error, BPSConnectionError) and not getattr(tcp_error, "unanswered_shm", False)
     assert "lost connection to server 0" in str(shm_error)
+    link.close()
+    await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("incarnation", [None, "run-1"])
+async def test_a_result_the_link_refuses_leaves_its_push_held_or_failed_never_lost(incarnation):
+    """A Result no honest server sends (a sum "in shared memory" for a push that went over TCP) breaks the
+    connection; its push must still be in flight then, so that the break holds it for the next server (or fails
+    it, on a first connection), rather than be taken out of the window first and never answered."""
+    link, proto, transport = _link()
+    link.incarnation = incarnation
+    future = link.push({"name": "w", "part": 0, "round": 0, "dtype": "float32", "shape": [2], "offset": 0,
+                        "count": 2}, memoryview(bytearray(8)), memoryview(bytearray(8)), 0)
+    ((sent, _),) = transport.messages()
+    feed(proto, b"".join(bytes(c) for c in encode_frame(Result(sent.req, "w", 0, 0, inplace=True))))
+    assert link._proto is None  # the bad frame broke the connection
+    if incarnation is None:
+        assert isinstance(future.exception(), BPSConnectionError)
+    else:
+        assert not future.done() and [p.push.req for p in link.window.pieces()] == [sent.req]  # held
+    link.close()
+    assert future.done()
+    await asyncio.sleep(0)
+
+
+async def test_a_result_that_fails_in_our_hands_fails_its_push():
+    """Whatever goes wrong after a piece was taken out of flight (here its caller's callback), its caller hears
+    it: nothing else would ever answer it."""
+    link, proto, transport = _link()
+
+    def broken(message: Result) -> None:
+        raise RuntimeError("a bug")
+
+    future = link.push({"name": "w", "part": 0, "round": 0, "dtype": "float32", "shape": [2], "offset": 0,
+                        "count": 2}, memoryview(bytearray(8)), memoryview(bytearray(8)), 0, on_result=broken)
+    ((sent, _),) = transport.messages()
+    with pytest.raises(RuntimeError):
+        link.on_message(proto, Result(sent.req, "w", 0, 0), memoryview(np.ones(2, np.float32)).cast("B"))
+    error = future.exception()
+    assert isinstance(error, BPSError) and "could not be taken" in str(error) and "a bug" in str(error)
     link.close()
     await asyncio.sleep(0)
 
