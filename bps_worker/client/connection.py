@@ -169,8 +169,8 @@ class Connection:
         reason = "the worker daemon closed the connection"
         # The daemon pings every second; silence for `timeout` while something is pending means it
         # stalled (or its machine did), and the process must get an error, not wait for ever.
-        self.sock.settimeout(self.timeout)
         try:
+            self.sock.settimeout(self.timeout)  # (in the try: a connection closed at once is an OSError here)
             while True:
                 buf = self.reader.get_buffer()
                 try:
@@ -196,6 +196,8 @@ class Connection:
             reason = f"the socket failed: {exc}"
         except _FatalFailure as exc:
             reason = f"the worker daemon dropped this process: {exc}"
+        except Exception as exc:  # a bug of ours: every waiter must still hear it, never wait for ever
+            reason = f"the client's reader failed: {exc!r}"
         self._fail_everything(BPSConnectionError(reason, peer=self.peer))
 
     def _dispatch(self, message: Message) -> None:
@@ -222,7 +224,7 @@ class Connection:
                 if message.segment and self.map_result is not None:
                     try:
                         self.map_result(handle.name, message.segment)  # finish() finds it mapped
-                    except OSError as exc:
+                    except (OSError, BPSError) as exc:
                         handle.fail(BPSError(f"cannot map the result of {handle.name!r} ({message.segment}): "
                                              f"{exc}"), now)
                         return

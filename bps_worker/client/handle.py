@@ -60,6 +60,8 @@ class Handle:
         sum on the two threads, where this is two C calls.)"""
         if self._finished:
             return True
+        if timeout is not None and timeout > threading.TIMEOUT_MAX:
+            timeout = None  # (math.inf, or longer than a lock can wait: for ever)
         with _GATES:
             gate = self._gate
             if gate is None:

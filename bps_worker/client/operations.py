@@ -62,12 +62,28 @@ class Checked(NamedTuple):
 GROUP_SEND_EVERY = 256
 
 
+def _timeline(path: str, rank: int) -> Timeline:
+    """The process's timeline file (``init(timeline=...)``); BPSError naming the path if it cannot be made."""
+    where = timeline_path(path, rank)
+    try:
+        return Timeline(where, f"rank {rank} (pid {os.getpid()})")
+    except OSError as exc:
+        raise BPSError(f"cannot write the timeline {where!r}: {exc.strerror or exc}") from None
+
+
 class Operations:
     """The process's connection to its worker daemon and its operations (one per process)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.conn = Connection(settings.socket, settings.local_rank, settings.timeout)
+        try:
+            self._set_up(settings)
+        except BaseException:  # the daemon must not keep this local rank connected: init() may be retried
+            self.conn.close()
+            raise
+
+    def _set_up(self, settings: Settings) -> None:
         self.timeout = settings.timeout
         welcome = self.conn.welcome
         self.rank, self.size = welcome.rank, welcome.size
@@ -79,10 +95,12 @@ class Operations:
         # synchronous or asynchronous for the life of a job (the daemons check it across processes too).
         self.modes: dict[str, bool] = {}
         # Names in flight keep their slots when others are given up for room (cluster.arena_bytes).
-        self.slots = SlotMap(self.conn.allocate, welcome.arena_bytes, self.inflight.__contains__)
+        # Names whose slot was handed out (shared_array) and not pushed since: the slot may be being filled in
+        # place (a framework's gradient bucket, then start_filled with no fill), so it is never given up either.
+        self.handed_out: set[str] = set()
+        self.slots = SlotMap(self.conn.allocate, welcome.arena_bytes, self._holds)
         self.conn.map_result = self.slots.result_segment
-        self.timeline = None if settings.timeline is None else Timeline(
-            timeline_path(settings.timeline, self.rank), f"rank {self.rank} (pid {os.getpid()})")
+        self.timeline = None if settings.timeline is None else _timeline(settings.timeline, self.rank)
         # Small sums wait here to go with others in one OpBatch (bps_worker.client.fusion); the daemon says
         # how small (0: an older daemon, or fusion off).
         self._known: dict[tuple[Any, ...], Checked] = {}
@@ -143,8 +161,13 @@ class Operations:
         with self.lock:
             if name in self.inflight:
                 raise BPSError(f"tensor {name!r} is in flight in this process; synchronize it first")
+            self.handed_out.add(name)  # (before slot_for: no other thread gives it up from now on)
         slot = self.slots.slot_for(name, prod(shape) * dtype.itemsize)
         return view_of(slot.segment.buf, dtype, shape, slot.offset)  # the user's own array (see Slot.view)
+
+    def _holds(self, name: str) -> bool:
+        """Whether ``name``'s slot must stay where it is (SlotMap's ``busy``): in flight, or handed out."""
+        return name in self.inflight or name in self.handed_out
 
     def start_filled(self, name: str, kind: str, dtype: np.dtype, shape: tuple[int, ...], fill: Fill, *,
                      average: bool, priority: int, root: int, out: np.ndarray | None, layout: str = "",
@@ -234,11 +257,13 @@ class Operations:
                 assert self.fusion is not None
                 self.fusion.add_many(queued)
         except BaseException:
-            for handle in handles[sent:]:
+            unsent = [entry[0] for entry in queued]  # copied in, never handed to the fusion buffer: not sent
+            for handle in handles[sent:] + unsent:
+                handle.queued = False
                 self._unreserve(handle)
             if self.fusion is not None:
                 self.fusion.flush()
-            self._settle(handles[:sent])
+            self._settle([h for h in handles[:sent] if not any(h is u for u in unsent)])
             raise
         return handles
 
@@ -323,6 +348,7 @@ class Operations:
             if handle.name in self.inflight:
                 raise BPSError(f"tensor {handle.name!r} is already in flight in this process; synchronize it first")
             self.inflight[handle.name] = handle
+            self.handed_out.discard(handle.name)  # (its slot is held as in flight from now on)
 
     def _reserve_all(self, handles: list[Handle]) -> None:
         """:meth:`_reserve` for a group, all or none: a name in flight, or twice in the group, claims none."""
@@ -338,6 +364,7 @@ class Operations:
                 seen.add(handle.name)
             for handle in handles:
                 self.inflight[handle.name] = handle
+                self.handed_out.discard(handle.name)
 
     def _unreserve(self, handle: Handle) -> None:
         """Give the name back after a start that failed before its operation was sent."""
@@ -359,8 +386,15 @@ class Operations:
             if handle.consumed:
                 raise BPSError(f"handle of {handle.name!r} was already synchronized")
             handle.consumed = True
-            if self.inflight.get(handle.name) is handle:
-                del self.inflight[handle.name]
+        try:
+            return self._result(handle, view)
+        finally:  # the name is free once its result is read (a new operation on it would overwrite the slot)
+            with self.lock:
+                if self.inflight.get(handle.name) is handle:
+                    del self.inflight[handle.name]
+
+    def _result(self, handle: Handle, view: bool) -> np.ndarray:
+        """The result of ``handle`` (ended, consumed by this thread): see :meth:`finish`."""
         if handle.error is not None:
             raise handle.error
         t_copy = now_us() if handle.times is not None else 0

@@ -95,7 +95,9 @@ class SlotMap:
         self._allocate = allocate
         self._lock = threading.Lock()
         self._allocating = threading.Lock()  # one allocation at a time: each sees what the last one holds
-        self._busy = busy  # whether a name is in flight (or about to be): its slot is never given up
+        # Whether a name is in flight (or about to be, or its slot handed out to be filled): its slot is never
+        # given up, nor its last result unmapped.
+        self._busy = busy
         self.cap_bytes = cap_bytes  # 0: no cap (a daemon that sets none)
         self.attached: dict[str, SharedMemory] = {}  # segment name -> our mapping
         self.slots: dict[str, Slot] = {}  # tensor name -> its slot
@@ -242,10 +244,12 @@ class SlotMap:
         return seg
 
     def _sweep(self) -> None:
-        """Unmap the result segments the daemon freed (for room) that no slot of ours lives in."""
+        """Unmap the result segments the daemon freed (for room) that no slot of ours lives in; not the one of a
+        name in flight (``busy``): an operation that ended and is not synchronized yet reads its result there."""
         slotted = {slot.segment_name for slot in self.slots.values()}
         for tensor, segment in list(self.results.items()):
-            if segment not in slotted and not os.path.exists(os.path.join(shm.SHM_DIR, segment)):
+            if segment not in slotted and not self._busy(tensor) and \
+                    not os.path.exists(os.path.join(shm.SHM_DIR, segment)):
                 del self.results[tensor]
                 self._release_unused(segment)
         self._swept_at = max(len(self.attached), 1)

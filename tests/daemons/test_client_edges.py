@@ -1,0 +1,136 @@
+"""The numpy client's edges, with a real one-process cluster and the client in this process: a result that cannot
+be mapped, slots and results under the arena's cap, a group that fails part-way, the name held until its result
+is read, an init that fails after connecting, and a wait without end. Each was a hang, a wrong result or a
+leak before its fix (a review of the client, session 29)."""
+
+from __future__ import annotations
+
+import errno
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+
+import bps_worker.client as bps
+import bps_worker.client.slots as slots_mod
+from bps_worker.client import adapter
+from bps_worker.client.operations import Operations
+from harness import start_cluster, write_config
+
+MB = 1 << 20
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[Callable[..., Operations]]:
+    """``client(timeout=..., **cluster_keys)``: a one-process cluster, and this process connected to it."""
+    made: list[Any] = []
+
+    def start(timeout: float = 5.0, **cluster: Any) -> Operations:
+        made.append(start_cluster(write_config(tmp_path / f"c{len(made)}", [1], cpu_servers=0,
+                                               cluster=cluster or None)))
+        bps.init(socket=str(tmp_path / f"c{len(made) - 1}" / "w0.sock"), local_rank=0, timeout=timeout)
+        return bps._operations()
+
+    yield start
+    bps.shutdown()
+    for cluster in made:
+        cluster.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_result_that_cannot_be_mapped_fails_its_call_and_the_client_goes_on(client, monkeypatch):
+    ops = client(timeout=2.0)
+    real, armed = slots_mod.shm.attach_segment, [True]
+
+    def flaky(name: str, *args: Any) -> Any:
+        if armed[0] and threading.current_thread().name == "bps-client-reader":
+            armed[0] = False
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(name, *args)
+
+    monkeypatch.setattr(slots_mod.shm, "attach_segment", flaky)
+    big = np.ones(100_000, np.float32)  # (a result in the worker's results segment, mapped as its Done arrives)
+    with pytest.raises(bps.BPSError, match="cannot map the result of 'X'.*Too many open files"):
+        bps.synchronize(bps.push_pull_async(big, "X", average=False), timeout=10)
+    assert ops.conn.thread.is_alive() and ops.conn.broken is None
+    np.testing.assert_array_equal(bps.push_pull(big, "X", average=False), big)
+
+
+@pytest.mark.timeout(60)
+def test_a_slot_handed_out_to_be_filled_is_never_given_up_for_another_name(client):
+    client(arena_bytes=MB + MB // 2)
+    n = MB // 4  # 1 MiB of float32
+    view = adapter.shared_slot("bucketA", (n,), np.float32)
+    view[...] = 1.0
+    # No room for a second 1 MiB slot unless bucketA's goes: refused, naming the cap, rather than summing zeros.
+    with pytest.raises(bps.BPSError, match="arena_bytes"):
+        bps.push_pull(np.ones(n, np.float32), "bucketB", average=False)
+    result = bps.synchronize(adapter.start_filled("bucketA", np.float32, (n,), average=False))
+    np.testing.assert_array_equal(result, np.ones(n, np.float32))
+    # Pushed since, it is an idle slot like any other: given up for room.
+    np.testing.assert_array_equal(bps.push_pull(np.full(n, 2.0, np.float32), "bucketB", average=False), 2.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_finished_handles_result_survives_the_sweep_of_freed_result_segments(client):
+    client(arena_bytes=3 * MB)
+    a = np.ones(MB // 4, np.float32)
+    handle = bps.push_pull_async(a, "A", average=False)
+    while not bps.poll(handle):
+        time.sleep(0.001)
+    for i in range(8):  # their results push A's out of the worker's capped results arena
+        bps.push_pull(a, f"N{i}", average=False)
+    np.testing.assert_array_equal(bps.synchronize(handle), a)
+
+
+@pytest.mark.timeout(60)
+def test_a_group_failing_part_way_frees_its_small_names_at_once(client):
+    client(timeout=2.0, arena_bytes=8 * MB)
+    arrays = [np.ones(4, np.float32), np.ones(4, np.float32), np.ones(2 * MB + 1024, np.float32)]
+    started = time.monotonic()
+    with pytest.raises(bps.BPSError, match="arena_bytes"):
+        bps.push_pull_group(arrays, ["a", "b", "big"])
+    assert time.monotonic() - started < 1.5  # not a timeout per small entry that was never sent
+    np.testing.assert_array_equal(bps.push_pull(np.ones(4, np.float32), "a", average=False), 1.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_name_stays_claimed_until_its_result_is_read(client, monkeypatch):
+    ops = client()
+    read = ops._result
+    tried: list[str] = []
+
+    def reading(handle: Any, view: bool) -> Any:  # another start of the name while its result is read
+        with pytest.raises(bps.BPSError) as refused:
+            bps.push_pull_async(np.zeros(4, np.float32), handle.name, average=False)
+        tried.append(str(refused.value))
+        return read(handle, view)
+
+    monkeypatch.setattr(ops, "_result", reading)
+    np.testing.assert_array_equal(bps.push_pull(np.ones(4, np.float32), "n", average=False), 1.0)
+    assert tried == ["tensor 'n' is already in flight in this process; synchronize it first"]
+
+
+@pytest.mark.timeout(60)
+def test_an_init_that_fails_after_connecting_says_why_and_may_be_retried(tmp_path: Path):
+    cluster = start_cluster(write_config(tmp_path, [1], cpu_servers=0))
+    try:
+        with pytest.raises(bps.BPSError, match="cannot write the timeline"):
+            bps.init(socket=str(tmp_path / "w0.sock"), local_rank=0, timeout=3.0, timeline="/proc/no/such/t.json")
+        bps.init(socket=str(tmp_path / "w0.sock"), local_rank=0, timeout=3.0)  # not "already connected"
+        np.testing.assert_array_equal(bps.push_pull(np.ones(4, np.float32), "t", average=False), 1.0)
+    finally:
+        bps.shutdown()
+        cluster.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("timeout", [math.inf, 1e10])
+def test_a_wait_longer_than_a_lock_can_wait_is_a_wait_for_ever(client, timeout):
+    client()
+    handle = bps.push_pull_async(np.ones(4, np.float32), "inf", average=False)
+    np.testing.assert_array_equal(bps.synchronize(handle, timeout=timeout), 1.0)
