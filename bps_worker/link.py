@@ -511,7 +511,13 @@ class ServerLink:
 
     def release_segments(self, names: list[str]) -> None:
         """Segments we unlinked: a server that maps our memory unmaps them (a new connection maps
-        nothing, so there is nothing to tell a server we are not connected to)."""
+        nothing, so there is nothing to tell a server we are not connected to). A kept sum that lies in one
+        is copied out of it: its view would keep the freed memory mapped (the arena's cap would free no
+        room), and a restarted server could not map it for the replay (which then goes with the copy)."""
+        freed = set(names)
+        for item in self.window.kept():
+            if item.out_ref is not None and item.out_ref[0] in freed:
+                item.dest, item.out_ref = memoryview(bytes(item.dest)), None
         if self.shm and self._proto is not None and self._ready:
             for name in names:
                 self._proto.announced.discard(name)
@@ -553,14 +559,20 @@ class ServerLink:
     def _follow_stall(self) -> None:
         """Keep a wake-up armed while a piece waits for the window, at or before its stall deadline.
 
-        A deadline only moves later (a piece's wait starts after the last answer), so a wake-up armed for an
+        A deadline mostly moves later (a piece's wait starts after the last answer), so a wake-up armed for an
         earlier one is left to fire: :meth:`_stall_over` pumps, and arms the next if a piece still waits. A
         paced stream clears and sets the deadline at every answer; a timer cancelled and made anew each time
-        cost two event-loop calls a piece."""
-        if self._stall is None:
-            deadline = self.window.stall_deadline
-            if deadline is not None:
-                self._stall = self.running_loop().call_at(deadline, self._stall_over)
+        cost two event-loop calls a piece. Only a deadline before the armed one (a fast answer shortened the
+        stall, which follows the answer time) moves the wake-up."""
+        deadline = self.window.stall_deadline
+        if deadline is None:
+            return
+        stall = self._stall
+        if stall is not None:
+            if deadline >= stall.when():
+                return
+            stall.cancel()
+        self._stall = self.running_loop().call_at(deadline, self._stall_over)
 
     def _stall_over(self) -> None:
         self._stall = None

@@ -101,7 +101,7 @@ class SendWindow(Generic[P]):
 
     __slots__ = ("credit_bytes", "window_pieces", "paced_min_bytes", "stall_s", "batch_item_max_bytes",
                  "batch_max_bytes", "max_batch_items", "batch_header_budget", "by_reference", "_paused",
-                 "_queue", "_seq", "_inflight", "_sums", "_paced", "_unit", "_open", "_stalled_since",
+                 "_queue", "_seq", "_inflight", "_sums", "_sums_from", "_paced", "_unit", "_open", "_stalled_since",
                  "_answer_s")
 
     def __init__(self, *, credit_bytes: int, window_pieces: int, paced_min_bytes: int = PACED_MIN_BYTES,
@@ -122,6 +122,7 @@ class SendWindow(Generic[P]):
         self._seq = itertools.count()
         self._inflight: dict[int, P] = {}  # by req: sent, not answered
         self._sums: dict[tuple[str, int], P] = {}  # by (name, part): the last summed piece, for replays
+        self._sums_from = 0  # the first seq whose sum is kept: those offered before the job ended are not
         self._paced = 0  # bytes of unanswered paced pieces
         self._unit = 0  # the largest of them since the window was last empty
         self._open = False  # a piece waited stall_after without an answer: the window is ignored until one
@@ -282,8 +283,14 @@ class SendWindow(Generic[P]):
 
     # -- replays and reconnects ------------------------------------------------------
     def keep_sum(self, piece: P) -> None:
-        """``piece`` was summed: the last sum of its partition, replayed to a restarted server."""
-        self._sums[piece.key] = piece
+        """``piece`` was summed: the last sum of its partition, replayed to a restarted server; not one of a
+        job that ended since it was offered (see :meth:`drop_sums`)."""
+        if piece.seq >= self._sums_from:
+            self._sums[piece.key] = piece
+
+    def kept(self) -> Iterator[P]:
+        """The pieces whose sums are kept (:meth:`keep_sum`)."""
+        return iter(self._sums.values())
 
     def drop_sum(self, key: tuple[str, int]) -> None:
         """The partition's round failed: nothing of it is replayed."""
@@ -296,8 +303,10 @@ class SendWindow(Generic[P]):
             del self._sums[key]
 
     def drop_sums(self) -> None:
-        """The job ended (its buffers are being freed): nothing is replayed any more."""
+        """The job ended (its buffers are being freed): nothing is replayed any more, nor kept of what it still
+        had in flight (an answer that comes after would be replayed, with the old job's round, in the next)."""
         self._sums.clear()
+        self._sums_from = next(self._seq)
 
     def hold(self) -> None:
         """The connection broke and the server may be restarting: what was in flight is queued again,

@@ -11,6 +11,7 @@ import pickle
 import numpy as np
 import pytest
 
+from bps_runtime import segments as shm
 from bps_server.rounds import RoundTable
 from bps_worker.errors import (
     BPSConnectionError,
@@ -198,6 +199,50 @@ async def test_a_result_that_fails_in_our_hands_fails_its_push():
     await asyncio.sleep(0)
 
 
+async def test_a_kept_sum_in_a_freed_results_segment_is_copied_out_and_replayed_from_the_copy():
+    """The results arena frees an idle name's segment for room (its cap): the name's kept sum must not keep that
+    memory mapped (the cap would free nothing), and a restarted server gets it from our copy, over TCP, not as a
+    reference to a segment that is gone."""
+    n = 1 << 20
+    arena = shm.Arena(0, cap_bytes=2 * n)
+    link, proto, transport = _link()
+    link.window.by_reference = True  # the colocated server maps our segments
+    slots = {}
+    try:
+        for value, name in ((3.0, "a"), (5.0, "b")):
+            slot, _ = arena.alloc(name, n)
+            slots[name] = slot
+            dest = arena.view(slot)[:n]
+            np.frombuffer(dest, np.float32)[:] = value  # the server's sum, written in place
+            fields = {"name": name, "part": 0, "round": 7, "dtype": "float32", "shape": [n // 4], "offset": 0,
+                      "count": n // 4}
+            future = link.push(fields, memoryview(bytearray(n)), dest, 0, shm_ref=("bps-other", 0),
+                               out_ref=(slot.segment, 0))
+            (sent,) = [m for m, _ in transport.messages() if isinstance(m, Push) and m.name == name]
+            link.on_message(proto, Result(sent.req, name, 0, 7, inplace=True), None)
+            assert future.done() and future.exception() is None
+        _, freed = arena.alloc("c", n)  # "a" is idle and least recently used: its segment goes
+        assert freed == [slots["a"].segment]
+        link.release_segments(freed)
+        with open("/proc/self/maps") as maps:
+            assert slots["a"].segment not in maps.read()
+        link.on_broken(proto, "lost connection to server 0")  # a restart: the kept sums are replayed
+        link._connecting.cancel()
+        proto2 = _LinkProtocol(link)
+        transport2 = FakeTransport()
+        proto2.connection_made(transport2)  # type: ignore[arg-type]
+        link._proto, link._ready, link.window.by_reference = proto2, True, True
+        link._settle_held(proto2, restarted=True)
+        replays = {m.name: (m, p) for m, p in transport2.messages() if isinstance(m, Push) and m.replay}
+        a, a_payload = replays["a"]
+        assert a.round == 7 and not a.segment and np.all(np.frombuffer(a_payload, np.float32) == 3.0)
+        assert replays["b"][0].segment == slots["b"].segment  # still ours: by reference, as before
+    finally:
+        link.close()
+        arena.release_all()
+        await asyncio.sleep(0)
+
+
 async def test_a_round_query_lost_with_its_connection_goes_again_on_the_next():
     """A server restart rides out a round query as it does a push: the query in flight when the connection
     broke is asked again once the link reconnects, and answered then; only a link that gives up fails it."""
@@ -254,6 +299,26 @@ async def test_a_paced_stream_keeps_one_stall_wake_up_and_a_stall_still_opens_th
     assert loop.time() - waited_from >= 0.15  # not before the deadline (0.2 s after the last answer)
     link.close()
     assert link._stall is None
+    await asyncio.sleep(0)
+
+
+async def test_a_stall_deadline_that_moves_earlier_moves_the_wake_up():
+    """The stall follows the answer time: after slow answers it is long, and a fast answer shortens it, so the
+    next held piece's deadline can fall before the wake-up armed for the last one. The wake-up moves to it (it
+    was left later: the window opened up to an eighth of the stall late)."""
+    link, proto, transport = _paced_link()
+    link.window._answer_s = 0.5  # as learned from slow answers: the stall is at its cap
+    size = 256 << 10
+    for i in range(3):
+        link.push({"name": f"t{i}", "part": 0, "round": 0, "dtype": "float32", "shape": [size // 4], "offset": 0,
+                   "count": size // 4}, memoryview(bytearray(size)), memoryview(bytearray(size)), 0)
+    (first,) = [m.req for m, _ in transport.messages() if isinstance(m, Push)]
+    armed = link._stall.when()
+    link.on_message(proto, Result(first, "t0", 0, 0), memoryview(bytearray(size)))  # a fast answer
+    assert len([m for m, _ in transport.messages() if isinstance(m, Push)]) == 2  # the next went, the last waits
+    deadline = link.window.stall_deadline
+    assert deadline < armed and link._stall.when() == deadline
+    link.close()
     await asyncio.sleep(0)
 
 

@@ -407,3 +407,18 @@ def test_clear_takes_everything_out_and_drop_sums_forgets_the_replays() -> None:
     assert window.restarted() == [sent]  # sums survive a clear: the job is not over
     window.drop_sums()
     assert window.restarted() == []
+
+
+def test_a_sum_answered_after_the_job_ended_is_not_kept_for_the_next_job() -> None:
+    # Every training process left (drop_sums: the results are being freed) while a push was in flight; its round
+    # completed anyway. Kept, it would be replayed to a restarted server in the next job with the old round.
+    window = make_window(3)
+    old = send(window, 128 * KiB)
+    window.drop_sums()
+    assert answer_at_once(window, old) is old
+    window.keep_sum(old)
+    assert window.restarted() == []
+    new = send(window, 128 * KiB)
+    assert answer_at_once(window, new) is new
+    window.keep_sum(new)
+    assert window.restarted() == [new]
