@@ -174,6 +174,7 @@ class Restart(Generic[W]):
     who replayed it, who was answered with it, and the replayers' held next-round pushes."""
 
     result: np.ndarray | None = None
+    replayed: Push | None = None  # the first replay: what the round's pushes must be (none may have come first)
     replayers: set[int] = field(default_factory=set)
     answered: set[int] = field(default_factory=set)
     held_next: list[Held[W]] = field(default_factory=list)
@@ -393,6 +394,10 @@ class RoundTable(Generic[W]):
         if refusal is not None:
             return actions + [Fail(push, handle, refusal)]
         if st.first is None:
+            replayed = st.restart.replayed
+            if replayed is not None and descriptor(replayed) != descriptor(push):  # (not answered with its sum)
+                st.waiters[push.worker] = Waiter(push, handle)
+                return actions + [self._fail_round(st, Why.pushes_disagree(replayed, push))]
             st.first = push
             if not st.restart.replayers:
                 st.opened = now
@@ -547,13 +552,15 @@ class RoundTable(Generic[W]):
             return actions + [Note(logging.INFO, f"ignoring worker {push.worker}'s replay of {push.name!r} part "
                                                  f"{push.part} round {push.round}: the server is at round "
                                                  f"{st.round}{' (failed)' if st.failed else ''}")]
-        if st.first is not None and descriptor(st.first) != descriptor(push):
+        reference = st.first if st.first is not None else st.restart.replayed
+        if reference is not None and descriptor(reference) != descriptor(push):
             return actions + [Note(logging.WARNING, f"ignoring worker {push.worker}'s replay of {push.name!r} "
                                                     f"part {push.part}: {describe(push)}, but the round's pushes "
-                                                    f"are {describe(st.first)}")]
+                                                    f"are {describe(reference)}")]
         restart = st.restart
         if restart.result is None:
             restart.result = np.array(data, copy=True)  # `data` may be the worker's memory
+            restart.replayed = push
         if not restart.replayers and st.first is None:
             st.opened = now
         restart.replayers.add(push.worker)

@@ -254,6 +254,19 @@ def test_stale_or_mismatched_replays_are_ignored_with_a_note():
     assert table.keys[("t", 0)].restart.result is None
 
 
+def test_a_push_unlike_the_replay_that_came_first_fails_the_round_rather_than_get_its_sum():
+    # The replay came before any push: a later push must still be compared, with it (it was answered with the
+    # replayed sum, of another size, which its worker refused as a protocol error, breaking the connection).
+    table: RoundTable[str] = RoundTable(3)
+    table.replay(_push(0, rnd=6, replay=True), _data(9), 0.0)
+    (note,) = table.replay(_push(1, rnd=6, shape=[3], replay=True), np.zeros(3, np.float32), 0.0)
+    assert note.level == logging.WARNING and "float32[3], but the round's pushes are float32[4]" in note.message
+    actions = table.push(_push(2, rnd=6, shape=[3]), np.zeros(3, np.float32), "w2", 0.0)
+    assert not any(isinstance(a, Answer) for a in actions)
+    assert _facts(actions)["w2"][0] == "mismatch" and "float32[4]" in _fails(actions)["w2"]
+    assert isinstance(table.push(_push(2, rnd=6), _data(), "again", 0.0)[0], Fail)  # the round failed for all
+
+
 def test_a_replay_during_an_addition_makes_the_addition_stale():
     table: RoundTable[str] = RoundTable(2)
     (add,) = table.push(_push(1, rnd=4), _data(), "w1", 0.0)
