@@ -135,7 +135,7 @@ class SlotMap:
                     segment, offset, end = self._slab
                     capacity = need
                     self._slab = (segment, offset + need, end)
-                new = Slot(self._attach(segment, name), offset, capacity, next(self._clock))
+                new = Slot(self._attach_new(segment, name), offset, capacity, next(self._clock))
                 slot = self.slots.get(name)
                 self.slots[name] = new
                 self._living[segment] += 1
@@ -242,6 +242,18 @@ class SlotMap:
             if len(self.attached) >= 2 * self._swept_at:
                 self._sweep()
         return seg
+
+    def _attach_new(self, segment: str, name: str) -> SharedMemory:
+        """:meth:`_attach` of the segment a slot was just carved from; a slab of ours that cannot be mapped is
+        given up at the next Alloc (the daemon holds it for us until then, counted against our cap)."""
+        try:
+            return self._attach(segment, name)
+        except BPSError:
+            slab = self._slabs.pop(segment, None) if segment not in self.attached else None
+            if slab is not None:
+                self._dead.append(slab)
+                self._slab = None
+            raise
 
     def _sweep(self) -> None:
         """Unmap the result segments the daemon freed (for room) that no slot of ours lives in; not the one of a

@@ -121,6 +121,25 @@ def test_a_slab_no_slot_lives_in_is_given_up_at_the_next_alloc(daemon: Daemon):
         slots.close()
 
 
+def test_a_slab_that_cannot_be_mapped_is_given_up_at_the_next_alloc(daemon: Daemon, monkeypatch):
+    slots = SlotMap(daemon.allocate)
+    real = segments.attach_segment
+
+    def refused(name: str, *args):
+        raise OSError(24, "Too many open files")
+
+    try:
+        monkeypatch.setattr(segments, "attach_segment", refused)
+        with pytest.raises(BPSError, match="cannot attach"):
+            slots.slot_for("a", 64)
+        monkeypatch.setattr(segments, "attach_segment", real)
+        slots.slot_for("b", 64)
+        assert daemon.asked == [(f"{SLAB_PREFIX}0", segments.SLAB_BYTES, []),
+                                (f"{SLAB_PREFIX}1", segments.SLAB_BYTES, [f"{SLAB_PREFIX}0"])]
+    finally:
+        slots.close()
+
+
 def test_a_user_cannot_name_a_tensor_as_a_slab():
     with pytest.raises(BPSError, match="client's own"):
         check_name(f"{SLAB_PREFIX}0")
