@@ -277,9 +277,10 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
     handles = []
     for name, tensor in _named_tensors(params):
         wire = tensor.detach()
-        if wire.dtype not in _WIRE_TYPES:  # bool, uint8, int8, int16 buffers travel exactly as int32
-            wire = wire.to(torch.int32)
-        data = _to_numpy(wire)
+        # A dtype the wire does not carry (bool, the small and unsigned integers, complex, float8) travels as its
+        # bytes, bit for bit: its values cast to int32 would wrap (uint32, uint64) or lose all but the integer
+        # part (complex, float8).
+        data = _to_numpy(wire) if wire.dtype in _WIRE_TYPES else _bytes_as_int32(wire)
         handles.append((tensor, wire, _adapter.start_broadcast(data, f"bcast.param.{name}", root_rank)))
     first_error: BPSError | None = None
     with torch.no_grad():
@@ -289,10 +290,26 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
             except BPSError as exc:  # drain the rest so no name stays in flight
                 first_error = first_error or exc
                 continue
-            tensor.copy_(_from_numpy(result, wire).to(device=tensor.device, dtype=tensor.dtype))
+            got = _from_numpy(result, wire) if wire.dtype in _WIRE_TYPES else _int32_as(result, wire)
+            tensor.copy_(got.to(device=tensor.device, dtype=tensor.dtype))
     if first_error is not None:
         raise first_error
     _async.init_all(root_rank)  # asynchronous optimizers: the servers' values start as the root's parameters
+
+
+def _bytes_as_int32(t: torch.Tensor) -> np.ndarray:
+    """The bytes of ``t`` (on the host, contiguous), zero-padded to whole int32 words, as an int32 array."""
+    raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    words = np.zeros((raw.size + 3) // 4, np.int32)
+    words.view(np.uint8)[:raw.size] = raw
+    return words
+
+
+def _int32_as(words: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_bytes_as_int32`: a tensor of ``like``'s dtype and shape from those bytes."""
+    nbytes = like.numel() * like.element_size()
+    raw = torch.from_numpy(words.view(np.uint8)[:nbytes].copy())
+    return raw.view(like.dtype).reshape(like.shape)
 
 
 def _broadcast_bytes(data: bytes, root_rank: int, name: str) -> bytes:
@@ -312,15 +329,30 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     payload = b""
     if _client.rank() == root_rank:
         stream = io.BytesIO()
-        torch.save(inner.state_dict(), stream)
+        torch.save(_plain(inner.state_dict()), stream)  # (loaded with weights_only: no numpy objects)
         payload = stream.getvalue()
     data = _broadcast_bytes(payload, root_rank, "bcast.optimizer_state")
     state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     inner.load_state_dict(state)
 
 
+def _plain(value: Any) -> Any:
+    """``value`` with numpy scalars and arrays (a schedule's learning rate) as Python numbers and tensors."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy())
+    return value
+
+
 # -- the optimizer ------------------------------------------------------------------
 DEFAULT_BUCKET_BYTES = 4 << 20
+# The attribute on a parameter holding the hook of the DistributedOptimizer that wrapped it last.
+_HOOK_ATTR = "_bps_grad_hook"
 
 
 @dataclass(eq=False)
@@ -421,8 +453,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                                  staleness)
         elif staleness is not None:
             raise BPSError("staleness is a bound of asynchronous mode; pass asynchronous=True with it")
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
-                       for p in self._params if p.requires_grad and not asynchronous]
+        self._hooks = [self._hook(p) for p in self._params if p.requires_grad and not asynchronous]
+        # Optimizer parameters frozen when wrapped: in no bucket (see synchronize).
+        self._unbucketed = [p for p in self._params if p not in self._bucket_of]
+
+    def _hook(self, p: torch.Tensor) -> Any:
+        """Our hook on ``p``; the hook of a DistributedOptimizer that wrapped it before goes (a second training
+        phase wraps a new optimizer round the same model: two hooks would push each gradient twice)."""
+        earlier = getattr(p, _HOOK_ATTR, None)
+        if earlier is not None:
+            earlier.remove()
+        handle = p.register_post_accumulate_grad_hook(self._grad_ready)
+        setattr(p, _HOOK_ATTR, handle)
+        return handle
 
     def _wire_dtype(self, p: torch.Tensor) -> torch.dtype:
         wire = self.compression.wire_dtype
@@ -552,6 +595,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             view = _adapter.shared_slot(bucket.name, (bucket.total,), _numpy_of(bucket.dtype))
             bucket.slot = _from_numpy(view)
         p = bucket.params[index]
+        if grad is not None and grad.layout != torch.strided:
+            raise BPSError(f"parameter {self._names[p]!r} has a {grad.layout} gradient; DistributedOptimizer sums "
+                           f"dense gradients (for nn.Embedding, sparse=False)")
         part = bucket.slot[bucket.offsets[index]:bucket.offsets[index] + p.numel()]
         with torch.no_grad():
             if grad is None:
@@ -582,8 +628,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if bucket.handle is not None:
                     continue
                 for index, p in enumerate(bucket.params):
-                    if index not in bucket.filled:
-                        self._fill(bucket, index, p.grad if self._passes.get(p) else None)
+                    if index not in bucket.filled:  # (a gradient set without backward, e.g. torch.func's: summed)
+                        self._fill(bucket, index, p.grad)
                 self._start(bucket)
             for bucket in self._buckets:
                 handle, bucket.handle = bucket.handle, None
@@ -614,6 +660,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._passes.clear()
         if first_error is not None:
             raise first_error
+        late = [self._names[p] for p in self._unbucketed if p.requires_grad and p.grad is not None]
+        if late:  # it would be stepped with this process's own gradient, unlike the others: never silently
+            raise BPSError(f"parameter {late[0]!r} has a gradient but did not require one when this "
+                           f"DistributedOptimizer was made ({len(late)} such): wrap the optimizer again after "
+                           f"unfreezing parameters")
         self._synchronized = True
 
     @staticmethod

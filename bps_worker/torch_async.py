@@ -51,6 +51,11 @@ class AsyncParameters:
                                f"and float16 parameters")
         self.staleness = staleness
         self.buckets = _buckets(params, bucket_bytes)
+        taken = {b.name for other in _LIVE for b in other.buckets} & {b.name for b in self.buckets}
+        if taken:  # the servers hold one value per name: a second model's would take the first one's
+            raise BPSError(f"asynchronous bucket {sorted(taken)[0]!r} is already held by another asynchronous "
+                           f"optimizer in this process: give each model's parameters their own names "
+                           f"(named_parameters with a prefix, e.g. [('critic.' + n, p) for n, p in ...])")
         self.initialised = False
         self.created = next(_CREATED)
         _LIVE.add(self)

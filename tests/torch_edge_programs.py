@@ -1,0 +1,143 @@
+"""Rank programs for the PyTorch layer's edges (tests/daemons/test_torch_edges.py): gradients set without
+backward, two asynchronous models, broadcasts of dtypes the wire does not carry, a parameter unfrozen after
+wrapping, numpy hyper-parameters, GradScaler, a model wrapped twice, sparse gradients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import bps_worker.torch as bps
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def assigned_grads() -> dict[str, Any]:
+    """``p.grad = g`` (torch.autograd.grad, torch.func, DP-SGD code), no backward: still averaged."""
+    r = bps.rank()
+    m = nn.Linear(3, 1, bias=False)
+    opt = bps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1.0), named_parameters=m.named_parameters())
+    bps.broadcast_parameters(m.state_dict(), 0)
+    before = m.weight.detach().clone()
+    loss = m(torch.full((1, 3), float(r + 1))).sum()
+    (m.weight.grad,) = torch.autograd.grad(loss, [m.weight])
+    opt.step()
+    return {"grad": m.weight.grad.tolist(), "moved": (before - m.weight.detach()).tolist()}
+
+
+def two_async_models() -> dict[str, Any]:
+    a, b = nn.Linear(3, 2), nn.Linear(3, 2)
+    first = bps.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.1), named_parameters=a.named_parameters(),
+                                     asynchronous=True)
+    try:
+        bps.DistributedOptimizer(torch.optim.SGD(b.parameters(), lr=0.1), named_parameters=b.named_parameters(),
+                                 asynchronous=True)
+    except bps.BPSError as exc:
+        refused = str(exc)
+    else:
+        refused = ""
+    named = bps.DistributedOptimizer(torch.optim.SGD(b.parameters(), lr=0.1), asynchronous=True,
+                                     named_parameters=[("critic." + n, p) for n, p in b.named_parameters()])
+    return {"refused": refused, "named": named is not None and first is not None}
+
+
+def odd_dtypes() -> dict[str, Any]:
+    """Broadcasts of dtypes the wire does not carry: every rank gets the root's bits."""
+    r = bps.rank()
+    tensors = {
+        "c64": torch.full((3,), complex(1.5 + r, 2.5 - r), dtype=torch.complex64),
+        "c128": torch.full((2, 2), complex(-0.25 * (r + 1), 3.75), dtype=torch.complex128),
+        "u32": torch.tensor([4_000_000_000 - r, 7], dtype=torch.uint32),
+        "u8": torch.tensor([255 - r, r], dtype=torch.uint8),
+        "flag": torch.tensor(r == 0),
+        "f8": torch.tensor([0.4375 + r, -3.0], dtype=torch.float32).to(torch.float8_e4m3fn),
+    }
+    def bits() -> dict[str, Any]:
+        return {name: t.reshape(-1).view(torch.uint8).tolist() if t.dtype != torch.bool else t.tolist()
+                for name, t in tensors.items()}
+
+    before = bits()
+    bps.broadcast_parameters(tensors, 0)
+    return {"before": before, "after": bits()}
+
+
+def unfrozen_after_wrapping() -> dict[str, Any]:
+    m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    m[0].weight.requires_grad_(False)
+    opt = bps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters())
+    m[0].weight.requires_grad_(True)
+    m(torch.ones(2, 3)).sum().backward()
+    try:
+        opt.step()
+    except bps.BPSError as exc:
+        first = str(exc)
+    else:
+        first = ""
+    opt.zero_grad()
+    again = bps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters())
+    m(torch.full((2, 3), float(bps.rank() + 1))).sum().backward()
+    again.step()
+    return {"first": first, "w0": m[0].weight.detach().sum().item()}
+
+
+def numpy_hyperparameters() -> dict[str, Any]:
+    m = nn.Linear(4, 3)
+    base = torch.optim.SGD(m.parameters(), lr=0.1)
+    for group in base.param_groups:
+        group["lr"] = np.float64(0.1 + bps.rank())  # as a numpy schedule gives
+    bps.broadcast_optimizer_state(base, 0)
+    lr = base.param_groups[0]["lr"]
+    return {"lr": float(lr), "type": type(lr).__name__}
+
+
+def grad_scaler() -> dict[str, Any]:
+    """The README's recipe: synchronize, unscale, clip, then step without synchronizing again."""
+    r = bps.rank()
+    m = nn.Linear(3, 1, bias=False)
+    opt = bps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1.0), named_parameters=m.named_parameters())
+    bps.broadcast_parameters(m.state_dict(), 0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = m.weight.detach().clone()
+    scaler.scale(m(torch.full((1, 3), float(r + 1))).sum()).backward()
+    opt.synchronize()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 100.0)
+    with opt.skip_synchronize():
+        scaler.step(opt)
+    scaler.update()
+    return {"moved": (before - m.weight.detach()).tolist()}
+
+
+def wrapped_twice() -> dict[str, Any]:
+    """A second training phase wraps a new optimizer round the same model."""
+    r = bps.rank()
+    m = nn.Linear(3, 2)
+    bps.broadcast_parameters(m.state_dict(), 0)
+    x = torch.full((2, 3), float(r + 1))
+    first = bps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters())
+    first.zero_grad()
+    m(x).sum().backward()
+    first.step()
+    second = bps.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=0.01),
+                                      named_parameters=m.named_parameters())
+    for _ in range(2):
+        second.zero_grad()
+        m(x).sum().backward()
+        second.step()
+    return {"weight": m.weight.detach().tolist()}
+
+
+def sparse_gradient() -> dict[str, Any]:
+    e = nn.Embedding(10, 3, sparse=True)
+    opt = bps.DistributedOptimizer(torch.optim.SGD(e.parameters(), lr=0.1), named_parameters=e.named_parameters())
+    try:
+        e(torch.tensor([1, 2])).sum().backward()
+        opt.step()
+    except Exception as exc:
+        return {"error": _error(exc)}
+    return {"error": ""}
