@@ -436,13 +436,14 @@ class Planner:
         # indexes are not the peers', and its rounds are matched by order.
         indexes = rounds if rounds and worker not in self.excused else [-1] * len(names)
         for name, index in zip(names, indexes):
+            counted = told  # (per name: one reported round this run never heard of is not counted, the next may be)
             if reported:  # (an excused worker's count is 0 here: the abort is of its old processes' report)
                 h = self.heard.get(name)
                 if index < 0 or (h is not None and h[worker] > 0) or worker in self.excused:
                     out += self._abort_reported(worker, name, why, unfused)
                     continue
-                told = False
-            if told:
+                counted = False
+            if counted:
                 self.heard_of(worker, name)
             if name in self.failed:
                 taken = self._take_failed(name, worker, index)

@@ -142,6 +142,10 @@ class OutgoingPush(Piece):
         return self.future.done()  # the operation already failed elsewhere, or gave the push up
 
 
+# What a worker tells an anchor of its processes' fused sums (see ControlMessages.drop_fused).
+_FUSED_TOLD: Final = (FuseReady, FuseAbort, FuseResync, FusePast, FuseRunning)
+
+
 class ControlMessages:
     """A link's messages other than pushes (aborts, resets, round queries) that wait for a ready
     connection, and its round queries that wait for the server's RoundInfo."""
@@ -184,6 +188,13 @@ class ControlMessages:
         would fail an operation in a restart that every push rides out."""
         others = [m for m in self._waiting if not isinstance(m, RoundQuery)]
         self._waiting = others + [q for q, f in self._queries.values() if not f.done()]
+
+    def drop_fused(self) -> None:
+        """Every local process left (a reset): what they told of fused sums and has not gone yet (reports,
+        aborts, a resync, what our processes were past) is not sent. Read after the next hello, which carries
+        the new processes' epoch, it would be taken for theirs (reports are matched by order then), and the
+        Reset behind it says all it meant: the old processes' rounds fail."""
+        self._waiting = [m for m in self._waiting if not isinstance(m, _FUSED_TOLD)]
 
     def fail_queries(self, exc: BPSError) -> None:
         """Fail every round query, sent or waiting (the link gave up)."""
@@ -502,6 +513,7 @@ class ServerLink:
     def reset(self) -> None:
         """Tell the server that this worker has no training processes left (see Reset)."""
         self.window.drop_sums()  # the next job starts at round 0; the buffers are being freed
+        self.control.drop_fused()
         if self.stream == 0:  # the server's state of this worker follows its first connection
             self._send_control(Reset(self.worker_id, self.epoch))
 

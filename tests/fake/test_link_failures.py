@@ -26,7 +26,8 @@ from bps_worker.daemon import WorkerConfig, WorkerDaemon
 from bps_worker.link import ServerLink, _LinkProtocol, connection_error, failure_error, write_batch, write_message
 from protocol.config import ServerSpec, parse_config
 from protocol.frames import FrameReader, encode_frame, encode_header
-from protocol.messages import Failure, Push, Result, RoundInfo, RoundQuery, batch_header, parse, to_header
+from protocol.messages import (Failure, FuseAbort, FuseReady, FuseResync, Push, Result, RoundInfo, RoundQuery,
+                               batch_header, parse, to_header)
 from fake_transport import FakeTransport, feed
 
 
@@ -241,6 +242,26 @@ async def test_a_kept_sum_in_a_freed_results_segment_is_copied_out_and_replayed_
         link.close()
         arena.release_all()
         await asyncio.sleep(0)
+
+
+async def test_a_reset_drops_what_the_old_processes_queued_of_fused_sums():
+    """Every local process left while the link was down: their fused reports, aborts and resync must not go
+    after the hello that carries the new processes' epoch (the anchor matches their reports by order then, and
+    took the old processes' report for the new ones': a step off, then wrong sums). What is not of fused sums
+    (an ordinary abort) still goes, and so does what the new processes tell after the Reset."""
+    link, proto, transport = _link()
+    link.on_broken(proto, "lost connection to server 0")  # incarnation known: the link reconnects
+    link._connecting.cancel()
+    link.first_on_reconnect(FuseResync("run-1", ["x"], [3], 4, "e1"))
+    link.fuse(FuseReady(["x"], [["float32", [4], False, ""]], [0], [3], [3]))
+    link.fuse(FuseAbort(["x"], "rank 0 left", "round_failed", True, [3]))
+    link.abort("big", 0, 7, "rank 0 left")
+    link.reset()
+    new = FuseReady(["x"], [["float32", [4], False, ""]], [0], [0], [])
+    link.fuse(new)
+    assert [type(m).__name__ for m in link.control.take()] == ["Abort", "Reset", "FuseReady"]
+    link.close()
+    await asyncio.sleep(0)
 
 
 async def test_a_round_query_lost_with_its_connection_goes_again_on_the_next():
