@@ -713,10 +713,17 @@ class ServerConnection(AdmittedProtocol):
             self.transport.writelines(buffers)
 
     def protocol_error(self, reason: str) -> None:
-        who = f"worker {self.worker}" if self.worker is not None else "unidentified peer"
-        log.warning("dropping %s at %s: %s", who, self.peer, reason)
-        self.send(Failure(-1, reason, code="protocol_error"))
-        self.close()
+        """Drop the peer, saying why (in a Failure that fits a frame, and a log line that a stranger, who may
+        send such frames as fast as it connects, cannot make more than the strangers' rate allows)."""
+        reason = reason[:MAX_MESSAGE_CHARS]
+        if self.worker is not None:
+            log.warning("dropping worker %d at %s: %s", self.worker, self.peer, reason)
+        else:
+            self.server.refusals.log(log, logging.WARNING, "dropping unidentified peer at %s: %s", self.peer, reason)
+        try:
+            self.send(Failure(-1, reason, code="protocol_error"))
+        finally:
+            self.close()
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():

@@ -33,6 +33,7 @@ from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.frames import FrameReader, encode_message
 from protocol.handshake import HANDSHAKE_BUFFER_BYTES, ServerHandshake
 from protocol.messages import (
+    MAX_MESSAGE_CHARS,
     ROOTED_KINDS,
     ROLE_CLIENT,
     Alloc,
@@ -137,9 +138,12 @@ class ClientSession(AdmittedProtocol):
             for frame in self.reader.buffer_updated(nbytes):
                 self.handle(parse(frame.header))
         except ProtocolError as exc:
-            log.warning("dropping client %r: %s", self, exc)
-            self.send(Failure(-1, str(exc), code="protocol_error"))
-            self.close()
+            reason = str(exc)[:MAX_MESSAGE_CHARS]  # (a Failure fits a frame: the peer's bad field, shown bounded)
+            log.warning("dropping client %r: %s", self, reason)
+            try:
+                self.send(Failure(-1, reason, code="protocol_error"))
+            finally:
+                self.close()
 
     def eof_received(self) -> bool:
         return False

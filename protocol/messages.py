@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final, Literal, NamedTuple, Self, cast, get_args, get_origin, get_type_hints
 
@@ -67,10 +68,22 @@ FailureCode = Literal[
 FAILURE_CODES: Final[frozenset[str]] = frozenset(get_args(FailureCode))
 
 
+# A peer's value as an error names it: bounded in depth and length, whatever the peer sent (a value nested a
+# thousand deep made repr() itself fail; a long one made the error longer than a frame may carry).
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 2, 60, 60, 40
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 34  # (a whole shape one too long: 33)
+
+
+def shown(value: object) -> str:
+    """``repr(value)``, bounded (see _SHOWN)."""
+    return _SHOWN.repr(value)
+
+
 # -- checks shared by several messages' validate (each raises LocalProtocolError; parse re-raises it as remote) --
 def _check_shape(shape: list[Any]) -> None:
     if len(shape) > MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise LocalProtocolError(f"invalid shape {shape!r}: at most {MAX_DIMS} non-negative integers",
+        raise LocalProtocolError(f"invalid shape {shown(shape)}: at most {MAX_DIMS} non-negative integers",
                                  what="shape", size=len(shape), limit=MAX_DIMS, unit="dimensions")
 
 
@@ -82,7 +95,7 @@ def _check_name(name: str) -> None:
 
 def _check_dtype(dtype: str) -> None:
     if dtype not in dtypes.ITEMSIZE:
-        raise LocalProtocolError(f"unsupported dtype {dtype!r}")
+        raise LocalProtocolError(f"unsupported dtype {shown(dtype)}")
 
 
 def _check_tensor(name: str, dtype: str, shape: list[Any], kind: str) -> None:
@@ -91,7 +104,7 @@ def _check_tensor(name: str, dtype: str, shape: list[Any], kind: str) -> None:
     _check_dtype(dtype)
     _check_shape(shape)
     if kind not in KINDS:
-        raise LocalProtocolError(f"unknown operation kind {kind!r}")
+        raise LocalProtocolError(f"unknown operation kind {shown(kind)}")
 
 
 def _check_layout(tag: str, layout: str) -> None:
@@ -127,7 +140,7 @@ def _check_vector(tag: str, applied: list[Any]) -> None:
         raise LocalProtocolError(f"{tag} applied vector of {len(applied)} entries; at most {MAX_WORKERS}",
                                  what=f"{tag} applied vector", size=len(applied), limit=MAX_WORKERS, unit="entries")
     if not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in applied):
-        raise LocalProtocolError(f"{tag} applied vector must hold non-negative integers: {applied[:8]!r}")
+        raise LocalProtocolError(f"{tag} applied vector must hold non-negative integers: {shown(applied)}")
 
 
 def _check_text(tag: str, name: str, text: str, limit: int = MAX_MESSAGE_CHARS) -> None:
@@ -220,7 +233,7 @@ class Hello(Message):
 
     def validate(self) -> None:
         if self.role not in (ROLE_WORKER, ROLE_CLIENT, ROLE_OBSERVER):
-            raise LocalProtocolError(f"unknown role {self.role!r}")
+            raise LocalProtocolError(f"unknown role {shown(self.role)}")
         if not 0 <= self.stream < MAX_STREAMS:
             raise LocalProtocolError(f"hello: stream {self.stream} outside 0..{MAX_STREAMS - 1}")
         for what, text, limit in (("shared-memory probe name", self.shm, MAX_SEGMENT_CHARS),
@@ -236,7 +249,7 @@ class Hello(Message):
                                      limit=MAX_CONFIG_ITEMS, unit="items")
         for item in self.config_items:
             if not isinstance(item, str) or "=" not in item or len(item) > MAX_CONFIG_ITEM_CHARS:
-                raise LocalProtocolError(f"hello: config item {item!r:.80} is not a 'key=value' string of at most "
+                raise LocalProtocolError(f"hello: config item {shown(item)} is not a 'key=value' string of at most "
                                          f"{MAX_CONFIG_ITEM_CHARS} characters")
 
 
@@ -302,7 +315,7 @@ class Failure(Message):
         for name in ("name", "ours", "theirs", "peer", "what", "detail"):
             _check_text("failure", name, getattr(self, name))
         if not (math.isfinite(self.timeout_s) and self.timeout_s >= 0):
-            raise LocalProtocolError(f"failure timeout_s must be finite and >= 0, got {self.timeout_s!r}")
+            raise LocalProtocolError(f"failure timeout_s must be finite and >= 0, got {shown(self.timeout_s)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -689,11 +702,11 @@ Spec = tuple[str, tuple[int, ...], bool, str]
 def check_spec(spec: Any) -> Spec:
     """A wire spec as a hashable tuple; LocalProtocolError names what is wrong with it."""
     if not isinstance(spec, (list, tuple)) or len(spec) != 4:
-        raise LocalProtocolError(f"a fused spec is [dtype, shape, average, layout], got {spec!r:.80}")
+        raise LocalProtocolError(f"a fused spec is [dtype, shape, average, layout], got {shown(spec)}")
     dtype, shape, average, layout = spec
     if not isinstance(dtype, str) or not isinstance(shape, (list, tuple)) or not isinstance(average, bool) \
             or not isinstance(layout, str):
-        raise LocalProtocolError(f"a fused spec is [str, list, bool, str], got {spec!r:.80}")
+        raise LocalProtocolError(f"a fused spec is [str, list, bool, str], got {shown(spec)}")
     _check_dtype(dtype)
     _check_shape(list(shape))
     _check_layout("fused spec", layout)
@@ -706,7 +719,7 @@ def check_group(group: Any) -> tuple[str, bool]:
     """A wire plan group ([dtype, average], see FusePlan) as a tuple; LocalProtocolError names what is wrong."""
     if not isinstance(group, (list, tuple)) or len(group) != 2 or not isinstance(group[0], str) \
             or not isinstance(group[1], bool):
-        raise LocalProtocolError(f"a fused plan group is [dtype, average], got {group!r:.80}")
+        raise LocalProtocolError(f"a fused plan group is [dtype, average], got {shown(group)}")
     dtype, average = group
     _check_dtype(dtype)
     if average and dtype not in dtypes.FLOAT_TYPES:
@@ -757,7 +770,7 @@ def _check_lanes(tag: str, lanes: str) -> None:
     """A lane generation (FusePlan.lanes): it ends fused tensors' names, after their last "@"."""
     _check_text(tag, "lanes", lanes, MAX_LANES_CHARS)
     if "@" in lanes or not lanes.isprintable():
-        raise LocalProtocolError(f"{tag} lanes {lanes!r:.80}: printable, without '@'")
+        raise LocalProtocolError(f"{tag} lanes {shown(lanes)}: printable, without '@'")
 
 
 def _check_indexes(tag: str, what: str, values: list[Any], count: int, bound: int | None = None) -> None:
@@ -770,7 +783,7 @@ def _check_indexes(tag: str, what: str, values: list[Any], count: int, bound: in
     for v in values:
         if v.__class__ is not int or v < 0 or (bound is not None and v >= bound):
             limit = "a non-negative int" if bound is None else f"an int in 0..{bound - 1}"
-            raise LocalProtocolError(f"{tag} {what} must each be {limit}, got {v!r:.40}")
+            raise LocalProtocolError(f"{tag} {what} must each be {limit}, got {shown(v)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -798,7 +811,7 @@ class OpBatch(Message):
         _check_indexes("op batch", "segment indexes", self.seg, n, len(self.segments))
         _check_indexes("op batch", "offsets", self.offsets, n)
         if len(self.priority) != n or not set(map(type, self.priority)) <= {int}:
-            raise LocalProtocolError(f"op batch has {n} tensors but priorities {self.priority!r:.80}")
+            raise LocalProtocolError(f"op batch has {n} tensors but priorities {shown(self.priority)}")
         if len(self.specs) > n or len(self.segments) > n:
             raise LocalProtocolError("op batch has more specs or segments than tensors")
         for spec in self.specs:
@@ -1145,7 +1158,7 @@ def _bad_field(message: Message, f: _Field, value: Any) -> None:
     if f.choices is not None and isinstance(value, f.kind) and value not in f.choices:
         allowed = ", ".join(repr(c) for c in f.choices)
         raise LocalProtocolError(f"{message.TYPE} message field {f.name!r} must be one of {allowed}, "
-                                 f"got {value!r}")
+                                 f"got {shown(value)}")
     raise LocalProtocolError(f"{message.TYPE} message field {f.name!r} must be {f.kind.__name__}, "
                              f"got {type(value).__name__}")
 
@@ -1157,7 +1170,7 @@ def parse(header: dict[str, Any]) -> Message:
     tag = header.get("t")
     cls = MESSAGES.get(tag) if isinstance(tag, str) else None
     if cls is None:
-        raise RemoteProtocolError(f"unknown message type {tag!r}")
+        raise RemoteProtocolError(f"unknown message type {shown(tag)}")
     kwargs = dict(header)
     del kwargs["t"]
     try:
@@ -1176,6 +1189,8 @@ def parse(header: dict[str, Any]) -> Message:
         return message
     except ProtocolError as exc:
         raise RemoteProtocolError.from_error(exc) from None
+    except RecursionError:  # (a value nested past the interpreter's limit, by a peer)
+        raise RemoteProtocolError(f"{tag} message nested too deeply") from None
 
 
 def to_header(message: Message) -> dict[str, Any]:
