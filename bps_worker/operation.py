@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from math import prod
+from multiprocessing.shared_memory import SharedMemory
 from typing import TYPE_CHECKING, Any, Callable, Final, Protocol
 
 import numpy as np
@@ -41,7 +42,7 @@ from bps_runtime.timeline import Timeline, now_us
 from protocol import dtypes
 from protocol.messages import ROOTED_KINDS, Done, Failure, Op, Result
 
-from .errors import BPSError, LinkBrokenError, failure_from_error
+from .errors import BPSConnectionError, BPSError, LinkBrokenError, failure_from_error
 from .link import ServerLink
 from .local_rounds import LocalRound
 from .placement import Piece, Placement, interleave
@@ -361,10 +362,11 @@ class CpuPath:
         """The processes' arrays, summed; one process's own slot is pushed as it is (the direct path), and so
         is a broadcast root's (or, on a machine without the root, any slot: the servers ignore its data)."""
         storage = kernels.STORAGE[o.op.dtype]
-        for s, m in o.members:  # a process may have shrunk its slot since its Op came (issue 14, item 3)
-            shm.check_size(s.arena.segments[m.segment], m.offset + o.nbytes, o.name)
-        self.views = [np.frombuffer(segment_buffer(s.arena, m.segment), dtype=storage, count=o.count, offset=m.offset)
-                      for s, m in o.members]
+        segments = [member_segment(s, m.segment, o.name) for s, m in o.members]
+        for seg, (_, m) in zip(segments, o.members):  # a process may have shrunk its slot since its Op came
+            shm.check_size(seg, m.offset + o.nbytes, o.name)
+        self.views = [np.frombuffer(_buffer(seg), dtype=storage, count=o.count, offset=m.offset)
+                      for seg, (_, m) in zip(segments, o.members)]
         if len(self.views) == 1 or o.op.kind in ROOTED_KINDS:
             index = o.root or 0
             member = o.members[index][1]
@@ -387,7 +389,7 @@ class CpuPath:
         """SegmentSizeError unless the slots that get the sum, and the results segment, still have their size."""
         for session, m in o.members:
             if m.handback:
-                shm.check_size(session.arena.segments[m.segment], m.offset + o.nbytes, o.name)
+                shm.check_size(member_segment(session, m.segment, o.name), m.offset + o.nbytes, o.name)
         slot = o.host.results.slots.get(o.name)
         if slot is not None:
             shm.check_size(o.host.results.segments[slot.segment], slot.offset + o.nbytes, o.name)
@@ -403,7 +405,7 @@ class CpuPath:
             return True
         try:
             self.check_slots(o)
-        except OSError as exc:
+        except (OSError, BPSError) as exc:  # (a slot shrank, or its process left: the operation fails at its end)
             log.warning("%s", exc)
             return False
         self._checked = True
@@ -477,7 +479,21 @@ class HandBack:
 
 def segment_buffer(arena: shm.Arena, segment: str) -> memoryview:
     """The memory of one of a process's segments (checked to exist when its Op arrived)."""
-    buf = arena.segments[segment].buf
+    return _buffer(arena.segments[segment])
+
+
+def _buffer(seg: SharedMemory) -> memoryview:
+    buf = seg.buf
     if buf is None:
-        raise BPSError(f"segment {segment!r} is closed")
+        raise BPSError(f"segment {seg.name!r} is closed")
     return buf
+
+
+def member_segment(session: ClientSession, segment: str, tensor: str) -> SharedMemory:
+    """The segment of a member's Op; BPSConnectionError naming the process if it left since (its memory went
+    with it: the round it was part of fails, as every round of a process that leaves does)."""
+    seg = session.arena.segments.get(segment)
+    if seg is None:
+        raise BPSConnectionError(f"tensor {tensor!r}: its memory went with the process while the operation ran",
+                                 peer=f"local rank {session.local_rank} (pid {session.pid})")
+    return seg

@@ -75,3 +75,27 @@ def bad_arguments_then_a_push(cases: list[tuple[str, dict[str, Any]]]) -> dict[s
             errors[label] = f"{type(exc).__name__}: {exc}"
     after = bps.push_pull(np.arange(4, dtype=np.float32), "args.after", average=False)
     return {"errors": errors, "after": after.tolist()}
+
+
+def leaves_with_its_round_ready(flags: str) -> dict[str, Any]:
+    """Both local ranks push "left"; rank 1 exits once rank 0's push went, while the round waits for its base at
+    a frozen server (the test's part): the operation then finds rank 1's memory gone."""
+    import os
+    import time
+    from pathlib import Path
+    rank, n = bps.rank(), 1 << 15  # 128 KiB: not fused
+    if rank == 1:
+        handle = bps.push_pull_async(np.ones(n, np.float32), "left", average=False)
+        bps.poll(handle)
+        while not (Path(flags) / "pushed").exists():
+            time.sleep(0.01)
+        (Path(flags) / "leaving").touch()
+        os._exit(0)
+    handle = bps.push_pull_async(np.ones(n, np.float32), "left", average=False)
+    bps.poll(handle)
+    (Path(flags) / "pushed").touch()
+    try:
+        bps.synchronize(handle)
+        return {"ok": True}
+    except bps.BPSError as exc:
+        return {"type": type(exc).__name__, "text": str(exc)}

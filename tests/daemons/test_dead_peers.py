@@ -185,3 +185,37 @@ def test_a_failed_in_place_push_says_how_many_partitions_hold_sums(tmp_path):
     finally:
         cluster.kill("server-2", signal.SIGCONT)
         cluster.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_process_that_leaves_with_its_round_ready_fails_its_peer_naming_it(tmp_path):
+    """Rank 1 leaves after both local ranks pushed, while the round waits for its base at a frozen server: the
+    operation finds rank 1's memory gone. Rank 0 hears that rank 1 left (a BPSConnectionError naming it), not an
+    internal KeyError about a segment. (If the daemon runs the operation before it notices the exit, rank 0
+    gets the sum: both pushed.)"""
+    import client_programs as cp
+    from harness import daemon_logs
+    cluster = start_cluster(write_config(tmp_path / "c", [2], cpu_servers=0, cluster={"timeout": 20}))
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    cluster.kill("server-0", signal.SIGSTOP)  # the name's first round asks server 0 its base: it waits
+
+    def resume() -> None:
+        deadline = time.monotonic() + 60
+        while not (flags / "leaving").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(1.0)  # the worker daemon sees rank 1's connection close
+        cluster.kill("server-0", signal.SIGCONT)
+
+    thread = threading.Thread(target=resume)
+    thread.start()
+    try:
+        results = run_ranks(cluster, cp.leaves_with_its_round_ready, str(flags), timeout=90, may_die=frozenset({1}))
+        thread.join()
+        result = results[0]
+        assert result.get("ok") or (result["type"] == "BPSConnectionError" and "local rank 1" in result["text"]), result
+        logs = daemon_logs(cluster)
+        assert "KeyError" not in logs and "internal error" not in logs, logs[-3000:]
+    finally:
+        thread.join()
+        cluster.stop()
