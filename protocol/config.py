@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Final, Sequence
 
 from .errors import ConfigError
+from .messages import MAX_CONFIG_CHARS, MAX_CONFIG_ITEMS
 
 DEFAULT_PARTITION_BYTES: Final = 4 * 1024 * 1024
 DEFAULT_TIMEOUT_S: Final = 30.0
@@ -159,7 +160,7 @@ def parse_config(data: dict[str, Any], source: str = "<memory>") -> ClusterConfi
     c = _parse_cluster_table(cluster, source)
     worker_specs = _parse_workers(data, c["workers"], source)
     servers = _parse_servers(data, [w.id for w in worker_specs], source)
-    return ClusterConfig(
+    config = ClusterConfig(
         workers=c["workers"],
         servers=tuple(sorted(servers, key=lambda s: s.id)),
         worker_specs=tuple(sorted(worker_specs, key=lambda w: w.id)),
@@ -176,6 +177,20 @@ def parse_config(data: dict[str, Any], source: str = "<memory>") -> ClusterConfi
         link_bits_per_s=c["link_bits_per_s"],
         source=source,
     )
+    _check_describable(config)
+    return config
+
+
+def _check_describable(config: ClusterConfig) -> None:
+    """Every daemon's Hello describes the cluster to its peer (placement_items): refuse, here, a cluster file
+    that no handshake could carry (it was a refusal at every connection, far from its cause)."""
+    items = placement_items(config)
+    chars = sum(map(len, items))
+    if len(items) > MAX_CONFIG_ITEMS or chars > MAX_CONFIG_CHARS:
+        raise ConfigError(f"{config.source}: {len(config.worker_specs)} workers and {len(config.servers)} servers "
+                          f"take {len(items)} entries ({chars} characters) to describe to each peer in the "
+                          f"handshake; at most {MAX_CONFIG_ITEMS} entries and {MAX_CONFIG_CHARS} characters "
+                          f"(shorter host names help)")
 
 
 def _parse_cluster_table(cluster: dict[str, Any], source: str) -> dict[str, Any]:

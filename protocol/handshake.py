@@ -101,9 +101,10 @@ from .config import placement_differences, placement_digest
 from .errors import LocalProtocolError, RemoteProtocolError
 from .messages import ROLE_WORKER, Challenge, Failure, Hello, Message, Welcome, to_header
 
-# The header limit an accepting side sets on its FrameReader until the handshake is done: a Hello with
-# the config description of a cluster of about 100 machines fits; nothing large is read from a stranger.
-HANDSHAKE_MAX_HEADER_BYTES: Final = 16 * 1024
+# The header limit an accepting side sets on its FrameReader until the handshake is done: a Hello with the
+# largest config description a cluster file may have (messages.MAX_CONFIG_CHARS, about 600 machines) fits;
+# nothing larger is read from a stranger (whose buffer starts small: HANDSHAKE_BUFFER_BYTES).
+HANDSHAKE_MAX_HEADER_BYTES: Final = 128 * 1024
 # The receive buffer an accepting side gives a peer until its Hello is verified: a small cluster's Hello
 # fits; a larger one grows it, up to the header limit (protocol.frames.FrameReader).
 HANDSHAKE_BUFFER_BYTES: Final = 4 * 1024

@@ -181,8 +181,11 @@ class Message:
 MAX_NONCE_CHARS: Final = 128
 MAX_PROOF_CHARS: Final = 128
 MAX_SHM_KEY_CHARS: Final = 128
-MAX_CONFIG_ITEMS: Final = 512  # Hello.config_items: 2 per server, 1 per worker, 2 more (protocol.config)
+MAX_CONFIG_ITEMS: Final = 2048  # Hello.config_items: 2 per server, 1 per worker, 3 more (protocol.config)
 MAX_CONFIG_ITEM_CHARS: Final = 300  # a key and a host name of up to 253 characters
+# All of a Hello's config items together (a cluster file is refused at start-up past this or MAX_CONFIG_ITEMS,
+# protocol.config): about 600 machines, each with a worker and a colocated server at 40-character addresses.
+MAX_CONFIG_CHARS: Final = 96 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +254,10 @@ class Hello(Message):
             if not isinstance(item, str) or "=" not in item or len(item) > MAX_CONFIG_ITEM_CHARS:
                 raise LocalProtocolError(f"hello: config item {shown(item)} is not a 'key=value' string of at most "
                                          f"{MAX_CONFIG_ITEM_CHARS} characters")
+        chars = sum(map(len, self.config_items))
+        if chars > MAX_CONFIG_CHARS:
+            raise LocalProtocolError(f"hello: config items of {chars} characters; at most {MAX_CONFIG_CHARS}",
+                                     what="hello config_items", size=chars, limit=MAX_CONFIG_CHARS, unit="characters")
 
 
 @dataclass(frozen=True, slots=True)

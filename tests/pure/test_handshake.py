@@ -13,7 +13,7 @@ import pytest
 
 from protocol import PROTOCOL_VERSION
 from protocol.config import parse_config, placement_digest, placement_items
-from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from protocol.errors import ConfigError, LocalProtocolError, ProtocolError, RemoteProtocolError
 from protocol.frames import FrameReader, encode_header
 from protocol.handshake import (
     HANDSHAKE_MAX_HEADER_BYTES,
@@ -384,19 +384,30 @@ def test_a_hello_without_config_items_is_not_compared():
     assert theirs.welcome.config_digest == placement_digest(ITEMS)
 
 
-def test_the_hello_of_a_large_cluster_fits_the_handshake_header_limit():
-    big = {
-        "cluster": {"workers": 64},
-        "server": [{"id": i, "address": f"node-{i:03d}.cluster.example.org:{9000 + i}", "worker": i}
-                   for i in range(64)] + [{"id": 64 + i, "address": f"cpu-{i:03d}.cluster.example.org:9100"}
-                                          for i in range(32)],
-        "worker": [{"id": i, "local_size": 8, "socket": f"/run/bps/w{i}.sock"} for i in range(64)],
+def _machines(gpu: int, cpu: int, host: str = "gpu-node-{:03d}.cluster.example.com") -> dict[str, Any]:
+    """A cluster file of ``gpu`` machines (a worker and a colocated server each) and ``cpu`` CPU-only servers."""
+    return {
+        "cluster": {"workers": gpu},
+        "server": [{"id": i, "address": f"{host.format(i)}:{9000 + i % 1000}", "worker": i} for i in range(gpu)]
+        + [{"id": gpu + i, "address": f"cpu-{i:03d}.cluster.example.org:9100"} for i in range(cpu)],
+        "worker": [{"id": i, "local_size": 8, "socket": f"/run/bps/w{i}.sock"} for i in range(gpu)],
     }
-    items = placement_items(parse_config(big))
+
+
+@pytest.mark.parametrize("gpu, cpu", [(64, 32), (170, 0), (500, 100)])
+def test_the_hello_of_a_large_cluster_fits_the_handshake_header_limit(gpu, cpu):
+    # (170 machines once took more than the 512 entries a Hello carried; 160 with such host names more than the
+    # 16 KiB a stranger's header could have: every worker was refused, with no word at start-up)
+    items = placement_items(parse_config(_machines(gpu, cpu)))
     client = ClientHandshake(worker_hello(config_items=list(items)), token=TOKEN)
     hello = client.receive(wire(tcp_server(config_items=items).start()))
     assert len(encode_header(to_header(hello), max_header_bytes=HANDSHAKE_MAX_HEADER_BYTES)) \
         <= HANDSHAKE_MAX_HEADER_BYTES
+
+
+def test_a_cluster_file_no_handshake_could_carry_is_refused_at_start_up():
+    with pytest.raises(ConfigError, match=r"1000 workers and 1000 servers take 3002 entries .* at most 2048 entries"):
+        parse_config(_machines(1000, 0), "big.toml")
 
 
 # -- refusals, misuse and the error state -------------------------------------------------------------
