@@ -311,6 +311,8 @@ class Arena:
         self._used: dict[str, int] = {}  # tensor name -> when it was last allocated or touched
         self._clock = itertools.count()
         self.before_release: Callable[[SharedMemory], None] | None = None  # e.g. undo cudaHostRegister
+        # Segments freed by an alloc that then failed (no room, no memory): reported by the next alloc.
+        self._unreported: list[str] = []
 
     @property
     def held_bytes(self) -> int:
@@ -325,15 +327,31 @@ class Arena:
         self._used[name] = next(self._clock)
         if old is not None and old.capacity >= nbytes:
             return old, []
-        freed = self.drop(name) if old is not None and old.dedicated else []
-        if old is not None:
-            self.slots.pop(name, None)  # a slab slot outgrown: never reused (its slab goes with its last slot)
+        freed, self._unreported = self._unreported, []
+        try:
+            slot = self._alloc_new(name, nbytes, old, freed, busy)
+        except BaseException:
+            self._unreported = freed  # (the caller hears of them with its next alloc)
+            raise
+        return slot, freed
+
+    def _alloc_new(self, name: str, nbytes: int, old: Slot | None, freed: list[str],
+                   busy: Callable[[str], bool] | None) -> Slot:
+        """:meth:`alloc` of a slot that is not there or is outgrown; what it frees is added to ``freed``."""
+        if old is not None and old.dedicated:
+            freed += self.drop(name)
+        elif old is not None:  # a slab slot outgrown: never reused; its slab goes with its last slot
+            self.slots.pop(name, None)
+            freed += self._release_if_empty(old.segment)
         if nbytes <= SLAB_ITEM_MAX_BYTES:
             need = slab_slot_bytes(nbytes)
             if self._slab is None or self._slab_used + need > SLAB_BYTES:
+                full = self._slab
                 freed += self._make_room(name, SLAB_BYTES, busy)
                 self._slab = self._new_segment(SLAB_BYTES).name
                 self._slab_used = 0
+                if full is not None:  # (its slots may all have gone while it was the one carved from)
+                    freed += self._release_if_empty(full)
             slot = Slot(self._slab, self._slab_used, need, dedicated=False)
             self._slab_used += need
         else:
@@ -342,7 +360,15 @@ class Arena:
             slot = Slot(seg.name, 0, seg.size, dedicated=True)
         self.slots[name] = slot
         self._used[name] = next(self._clock)
-        return slot, freed
+        return slot
+
+    def _release_if_empty(self, segment: str) -> list[str]:
+        """Unlink slab ``segment`` if no slot lives in it any more and no slot will be carved from it."""
+        if segment == self._slab or segment not in self.segments or \
+                any(s.segment == segment for s in self.slots.values()):
+            return []
+        self._release(self.segments.pop(segment))
+        return [segment]
 
     def touch(self, name: str) -> None:
         """``name`` was used: it is the last to be freed for room."""
@@ -393,6 +419,9 @@ class Arena:
         if old is not None and old.dedicated:
             self._release(self.segments.pop(old.segment))
             return old.segment
+        if old is not None:  # a slab slot: the slab goes if it was its last (the mappings keep its memory)
+            gone = self._release_if_empty(old.segment)
+            return gone[0] if gone else None
         return None
 
     def _release(self, seg: SharedMemory) -> None:

@@ -494,6 +494,9 @@ def member_segment(session: ClientSession, segment: str, tensor: str) -> SharedM
     with it: the round it was part of fails, as every round of a process that leaves does)."""
     seg = session.arena.segments.get(segment)
     if seg is None:
-        raise BPSConnectionError(f"tensor {tensor!r}: its memory went with the process while the operation ran",
-                                 peer=f"local rank {session.local_rank} (pid {session.pid})")
+        who = f"local rank {session.local_rank} (pid {session.pid})"
+        if session.closed:
+            raise BPSConnectionError(f"tensor {tensor!r}: its memory went with the process while the operation ran",
+                                     peer=who)
+        raise BPSError(f"tensor {tensor!r}: segment {segment!r} of {who} was freed while the operation ran")
     return seg

@@ -203,6 +203,12 @@ class ClientSession(AdmittedProtocol):
             self.send(Failure(message.req, f"tensor {message.name!r} is in flight: synchronize it before "
                                            f"allocating it again", code="bad_request"))
             return
+        old = self.arena.slots.get(message.name)
+        if old is not None and old.capacity < message.nbytes and old.segment in self._segments_read():
+            # (the same, where an op of another name reads that memory: a process's own slab, or its bug)
+            self.send(Failure(message.req, f"tensor {message.name!r}: its memory is read by an operation in flight; "
+                                           f"synchronize that before allocating it again", code="bad_request"))
+            return
         if message.nbytes > self.daemon.config.cluster.max_payload_bytes * MAX_TENSOR_PAYLOADS:
             self.send(Failure(message.req, f"tensor {message.name!r} of {message.nbytes} bytes is too large"))
             return

@@ -99,3 +99,30 @@ def leaves_with_its_round_ready(flags: str) -> dict[str, Any]:
         return {"ok": True}
     except bps.BPSError as exc:
         return {"type": type(exc).__name__, "text": str(exc)}
+
+
+def allocates_again_what_another_name_reads() -> dict[str, Any]:
+    """Rank 0 pushes "y" from the slot it allocated as "x" (a slot under another name, as the client's slabs
+    are), then asks for "x" larger before synchronizing: refused (moving it would free what "y" reads)."""
+    import time
+    from bps_runtime import segments as shm
+    from bps_worker.client.handle import Handle
+    from protocol.messages import Op
+    n = 1 << 18
+    if bps.rank() == 0:
+        conn = bps._operations().conn
+        segment, offset, _ = conn.allocate("x", n * 4)
+        mapped = shm.attach_segment(segment)
+        np.frombuffer(mapped.buf, np.float32, n, offset)[:] = 1.0
+        req = conn.next_req()
+        handle = Handle(req, "y", np.dtype(np.float32), (n,), None)
+        conn.submit(handle, Op(req, "y", "sum", "float32", [n], segment, offset=offset, handback=False))
+        try:
+            conn.allocate("x", 4 * n * 4)
+            refused = ""
+        except bps.BPSError as exc:
+            refused = str(exc)
+        handle.wait(30)
+        return {"refused": refused, "error": str(handle.error) if handle.error else ""}
+    time.sleep(0.5)
+    return {"sum": float(bps.push_pull(np.ones(n, np.float32), "y", average=False)[0])}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 import client_programs as cp
 from bps_worker.supervise import Cluster
 from harness import run_ranks, start_cluster, write_config
@@ -33,3 +35,14 @@ def test_bad_arguments_fail_only_their_call(tmp_path: Path) -> None:
     assert "cannot be encoded as UTF-8" in errors["surrogate"]
     assert f"priority {2 ** 70} is out of range" in errors["priority"]
     assert result["after"] == [0.0, 1.0, 2.0, 3.0]  # the connection still works
+
+
+@pytest.mark.timeout(120)
+def test_a_slot_another_names_operation_reads_is_not_moved_under_it(tmp_path):
+    cluster = start_cluster(write_config(tmp_path / "c", [2], cpu_servers=0))
+    try:
+        mine, peer = run_ranks(cluster, cp.allocates_again_what_another_name_reads, timeout=90)
+        assert "its memory is read by an operation in flight" in mine["refused"], mine
+        assert mine["error"] == "" and peer == {"sum": 2.0}, (mine, peer)
+    finally:
+        cluster.stop()

@@ -59,6 +59,44 @@ def test_a_slab_goes_with_its_last_slot():
         arena.release_all()
 
 
+def test_a_slab_whose_slots_were_outgrown_or_abandoned_goes_too():
+    """A slab slot outgrown or abandoned is never reused; the slab went only with a slot dropped, so a slab
+    left with none that way stayed (a name growing a little every round took the whole cap, idle)."""
+    arena = Arena(904, cap_bytes=3 * segments.SLAB_BYTES)
+    try:
+        size = 64
+        for _ in range(2000):  # one small name that grows every round
+            arena.alloc("grow", size)
+            size = size + 64 if size + 64 <= (60 << 10) else 64
+        assert arena.held_bytes <= 2 * segments.SLAB_BYTES
+        first, _ = arena.alloc("x", 100)
+        while arena.slots["x"].segment == arena._slab:  # x's slab is no longer the one carved from
+            arena.alloc("filler", 2 * (60 << 10))
+            arena.drop("filler")
+            arena.alloc("x", arena.slots["x"].capacity + 64)
+        old = arena.slots["x"].segment
+        if any(s.segment == old for n, s in arena.slots.items() if n != "x"):
+            pytest.skip("another slot shares x's slab")
+        assert arena.abandon("x") == old and old not in arena.segments
+    finally:
+        arena.release_all()
+
+
+def test_segments_freed_by_an_alloc_that_fails_are_reported_by_the_next():
+    arena = Arena(905, cap_bytes=2 * BIG)
+    try:
+        arena.alloc("a", BIG)
+        old = arena.slots["a"].segment
+        arena.alloc("b", BIG)
+        with pytest.raises(ArenaFullError):  # a outgrows its segment (unlinked), and there is no room for it
+            arena.alloc("a", 2 * BIG, busy=lambda t: True)
+        assert old not in arena.segments
+        _, freed = arena.alloc("c", BIG)
+        assert old in freed  # the server that maps it hears of it now
+    finally:
+        arena.release_all()
+
+
 def test_check_size_sees_a_truncated_or_replaced_segment():
     seg = segments.create_segment(segments.segment_name(904), 8192)
     path = os.path.join(segments.SHM_DIR, seg.name)
