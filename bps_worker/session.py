@@ -282,14 +282,16 @@ class ClientSession(AdmittedProtocol):
             problem = cuda.check_description(op.cuda)
             if problem is None and list(op.cuda[0]) != list(op.shape):
                 problem = f"its CUDA description has shape {op.cuda[0]}"
-            return f"tensor {op.name!r}: {problem}" if problem else None
-        seg = self.arena.segments.get(op.segment)
-        if seg is None:
-            return f"tensor {op.name!r}: segment {op.segment!r} was not allocated by this connection"
-        nbytes = prod(op.shape) * dtypes.ITEMSIZE[op.dtype]
-        if op.offset + nbytes > seg.size:
-            return (f"tensor {op.name!r}: {describe(op)} needs {nbytes} bytes at offset {op.offset}, its segment "
-                    f"has {seg.size}")
+            if problem:
+                return f"tensor {op.name!r}: {problem}"
+        else:
+            seg = self.arena.segments.get(op.segment)
+            if seg is None:
+                return f"tensor {op.name!r}: segment {op.segment!r} was not allocated by this connection"
+            nbytes = prod(op.shape) * dtypes.ITEMSIZE[op.dtype]
+            if op.offset + nbytes > seg.size:
+                return (f"tensor {op.name!r}: {describe(op)} needs {nbytes} bytes at offset {op.offset}, its "
+                        f"segment has {seg.size}")
         if op.average and op.dtype not in dtypes.FLOAT_TYPES:
             return f"tensor {op.name!r}: average=True needs a floating dtype, got {op.dtype}; pass average=False"
         size = self.daemon.config.cluster.size

@@ -126,3 +126,22 @@ def allocates_again_what_another_name_reads() -> dict[str, Any]:
         return {"refused": refused, "error": str(handle.error) if handle.error else ""}
     time.sleep(0.5)
     return {"sum": float(bps.push_pull(np.ones(n, np.float32), "y", average=False)[0])}
+
+
+def cuda_ops_checked_as_any() -> dict[str, str]:
+    """Ops naming a CUDA tensor get the checks every op gets (an integer average, a root out of range) before
+    anything needs the GPU: the daemon answers them so on a machine without one too."""
+    from bps_runtime import cuda
+    from bps_worker.client.handle import Handle
+    from protocol.messages import Op
+    conn = bps._operations().conn
+    description = [[4], [1], 0, "int32", 0, None] + [None] * (len(cuda.DESCRIPTION_FIELDS) - 6)
+    out = {}
+    for label, kind, average, root in (("average", "sum", True, -1), ("root", "broadcast", False, 99)):
+        req = conn.next_req()
+        handle = Handle(req, f"cuda.{label}", np.dtype(np.int32), (4,), None)
+        conn.submit(handle, Op(req, f"cuda.{label}", kind, "int32", [4], "", average=average, root=root,
+                               cuda=description))
+        handle.wait(30)
+        out[label] = str(handle.error)
+    return out

@@ -46,3 +46,14 @@ def test_a_slot_another_names_operation_reads_is_not_moved_under_it(tmp_path):
         assert mine["error"] == "" and peer == {"sum": 2.0}, (mine, peer)
     finally:
         cluster.stop()
+
+
+@pytest.mark.timeout(120)
+def test_an_op_naming_a_cuda_tensor_gets_every_ops_checks(tmp_path):
+    cluster = start_cluster(write_config(tmp_path / "c", [1], cpu_servers=0))
+    try:
+        (errors,) = run_ranks(cluster, cp.cuda_ops_checked_as_any, timeout=90)
+        assert "average=True needs a floating dtype" in errors["average"], errors
+        assert "root rank 99 is outside 0..0" in errors["root"], errors
+    finally:
+        cluster.stop()
