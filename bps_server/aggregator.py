@@ -183,14 +183,22 @@ class Aggregator:
         is free and its kernels are small enough to run on the event loop, as most partitions' are) is done
         here and now; what is left comes back as a coroutine for the caller to run as a task (None: all done).
         A task per push cost more than the push itself (issue 13's parity)."""
+        self._count(push, payload, borrowed)
+        return self._submit(push, payload, reply, fail, borrowed)
+
+    def _count(self, push: Push, payload: np.ndarray, borrowed: Lease | None) -> None:
         c = self.counters
         c.pushes += 1
         c.bytes_received += payload.nbytes
         c.bytes_by_worker[push.worker] = c.bytes_by_worker.get(push.worker, 0) + payload.nbytes
         if borrowed is not None:
             c.bytes_shm += payload.nbytes
+
+    def _submit(self, push: Push, payload: np.ndarray, reply: ReplyFn, fail: FailFn,
+                borrowed: Lease | None) -> Coroutine[Any, Any, None] | None:
+        """:meth:`submit` of a push counted already."""
         actions = self.table.push(push, payload, Contributor(reply, fail), time.monotonic(), borrowed=borrowed)
-        lag = self.table.lag
+        lag, c = self.table.lag, self.counters
         if lag is not None:
             (c.push_lag.get(push.worker) or c.push_lag.setdefault(push.worker, Histogram())).observe(lag)
         work = self._execute(actions)
@@ -323,8 +331,10 @@ class Aggregator:
         self._run(self.table.grace_expired(grace.worker, grace.gone, grace.why))
 
     async def _push_held(self, held: Held[Contributor]) -> None:
-        """Push again a push that waited for a replayed round to settle."""
-        await self.push(held.push, held.payload, held.handle.reply, held.handle.fail, held.borrowed)
+        """Push again a push that waited for a replayed round to settle (counted when it came)."""
+        later = self._submit(held.push, held.payload, held.handle.reply, held.handle.fail, held.borrowed)
+        if later is not None:
+            await later
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

@@ -274,6 +274,18 @@ async def test_a_later_replay_supersedes_an_earlier_one():
     assert rec.failures == {} and agg.keys[("t", 0)].round == 10
 
 
+async def test_a_push_held_behind_a_replayed_round_is_counted_once():
+    agg, rec = Aggregator(2), Recorder()
+    agg.replay(*_replay(0, np.full(2, 7.0, np.float32), 7))
+    await _feed(agg, rec, [_push(0, np.ones(2, np.float32), rnd=8)])  # held behind round 7
+    await _feed(agg, rec, [_push(1, np.ones(2, np.float32), rnd=7)])  # round 7 settles: the held push goes in
+    await asyncio.sleep(0)
+    await _feed(agg, rec, [_push(1, np.ones(2, np.float32), rnd=8)])
+    assert rec.failures == {} and agg.keys[("t", 0)].round == 9
+    c = agg.counters
+    assert c.pushes == 3 and c.bytes_received == 3 * 8 and c.bytes_by_worker == {0: 8, 1: 16}
+
+
 async def test_a_round_waiting_for_a_worker_without_processes_fails_after_the_grace():
     """Worker 1 is connected but its processes left (Reset): a round it never joins fails after the grace,
     naming it; worker 0's next job must not wait for ever on a peer with nothing running."""
