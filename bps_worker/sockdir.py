@@ -54,9 +54,8 @@ def socket_dir_problem(path: str, *, uid: int | None = None) -> Problem | None:
     """None if ``path`` is a directory we may put a socket in; else what is wrong with it.
 
     ``uid``: the user the socket is for (default: our effective uid). Owned by ``uid`` or root, and
-    writable by neither group nor others, nor any directory above it without the sticky bit. A symbolic link
-    is followed only if ``uid`` or root owns it (a link in ``/tmp`` that someone else owns could be pointed
-    elsewhere after the check).
+    writable by neither group nor others. A symbolic link is followed only if ``uid`` or root owns it
+    (a link in ``/tmp`` that someone else owns could be pointed elsewhere after the check).
     """
     me = os.geteuid() if uid is None else uid
     trusted = (me, ROOT_UID)
@@ -77,25 +76,7 @@ def socket_dir_problem(path: str, *, uid: int | None = None) -> Problem | None:
         who = "others" if st.st_mode & stat.S_IWOTH else "its group"
         return Problem("writable", f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}); they could "
                                    "replace the socket")
-    return _ancestor_problem(path, trusted, me)
-
-
-def _ancestor_problem(path: str, trusted: tuple[int, ...], me: int) -> Problem | None:
-    """What lets another user rename the directory away (and put theirs in its place): an ancestor owned by
-    someone else, or one that others may write without the sticky bit (``/tmp``'s, 1777, protects it)."""
-    parent = os.path.dirname(os.path.realpath(path))
-    while True:
-        st = os.stat(parent)
-        if st.st_uid not in trusted:
-            return Problem("foreign_owner", f"is in {parent}, owned by uid {st.st_uid}, not by this user "
-                                            f"(uid {me}); it could replace the directory")
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-            who = "others" if st.st_mode & stat.S_IWOTH else "its group"
-            return Problem("writable", f"is in {parent}, writable by {who} without the sticky bit (mode "
-                                       f"{stat.S_IMODE(st.st_mode):o}); they could replace the directory")
-        if parent == os.path.dirname(parent):
-            return None
-        parent = os.path.dirname(parent)
+    return None
 
 
 def ensure_socket_dir(path: str) -> None:
@@ -103,17 +84,7 @@ def ensure_socket_dir(path: str) -> None:
 
     For the worker daemon before it binds its socket. Raises :class:`UnsafeSocketDirError`.
     """
-    missing = []
-    head = os.path.abspath(path)
-    while not os.path.lexists(head):  # (each made 755 whatever the umask: a parent too is checked, below)
-        missing.append(head)
-        head = os.path.dirname(head)
-    for made in reversed(missing):
-        try:
-            os.mkdir(made, CREATE_MODE)
-        except FileExistsError:
-            continue  # (made meanwhile: judged below as any other)
-        os.chmod(made, CREATE_MODE)
+    os.makedirs(path, mode=CREATE_MODE, exist_ok=True)
     problem = socket_dir_problem(path)
     if problem is not None:
         raise UnsafeSocketDirError(path, problem)
