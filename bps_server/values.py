@@ -129,6 +129,9 @@ class ValueStore(Generic[W]):
         self.restoring_since: float | None = None  # first restore of a restart, until every worker restored
         self.restored: set[int] = set()
         self.disconnected: dict[int, float] = {}  # since when
+        # Workers that connected to this run: one that never does (a machine that died before this server
+        # restarted) counts as disconnected from this run's first sweep, or it held the others back for ever.
+        self.seen: set[int] = set()
         self.excluded: set[int] = set()  # declared dead, or reset: they hold nobody back
         self.reset_workers: set[int] = set()
         self.replays = 0  # pushes whose step the value held already (answered, not added again)
@@ -323,6 +326,9 @@ class ValueStore(Generic[W]):
 
     # -- workers ---------------------------------------------------------------------------------------
     def _joined(self, worker: int) -> None:
+        if worker not in self.seen:  # (a push came on a connection: the worker is there)
+            self.seen.add(worker)
+            self.disconnected.pop(worker, None)
         self.reset_workers.discard(worker)
         if worker not in self.disconnected:
             self.excluded.discard(worker)
@@ -330,6 +336,7 @@ class ValueStore(Generic[W]):
     def worker_connected(self, worker: int) -> None:
         """A connection of ``worker`` (again): it holds others back again, unless its processes all left (a
         reset): then only once they are back, i.e. it pushes again (``_joined``)."""
+        self.seen.add(worker)
         self.disconnected.pop(worker, None)
         if worker not in self.reset_workers:
             self.excluded.discard(worker)
@@ -371,8 +378,11 @@ class ValueStore(Generic[W]):
             actions += self._expire_pending(now)
         for st in self.keys.values():
             actions += self._expire_inits(st, now)
+        for worker in range(self.n):
+            if worker not in self.seen:
+                self.disconnected.setdefault(worker, now)
         for worker, since in self.disconnected.items():
-            if now - since >= self.timeout_s and worker not in self.excluded:
+            if now - since >= self.timeout_s and worker not in self.excluded and self.keys:
                 actions += self._declare_dead(worker, now - since)
         for st in self.keys.values():
             actions += self._stall_notes(st, now)

@@ -25,7 +25,8 @@ import socket
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Container, Final
+from functools import partial
+from typing import Any, Callable, Container, Final
 
 import numpy as np
 
@@ -126,7 +127,7 @@ class WorkerDaemon:
         self._new_epoch()
         # Tensors of at most this many bytes are fused (Welcome.fusion_bytes; bps_worker.fusion).
         self.fusion_bytes = self.placement.small_tensor_bytes
-        self.fusion = FusedSums(self)
+        self._hook_links()
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-local")
         self.sessions: dict[int, ClientSession] = {}
         self.connections: set[ClientSession] = set()
@@ -475,9 +476,26 @@ class WorkerDaemon:
         self.round_queries.clear()
         self.async_names.clear()
         self._new_epoch()
+        self.reset_since = True
         for link in self.all_links:
             link.reset()  # drops its references into the buffers freed next
         self.segments_freed(self.staging.release_all() + self.results.release_all())
+
+    def _hook_links(self) -> None:
+        """The fused sums' hooks on every server's link, then ours."""
+        self.fusion = FusedSums(self)
+        # Whether every process of ours left (a reset) and none came since: a server that restarted must hear it
+        # again (its new run takes every worker that connects for one with processes, and waits for them).
+        self.reset_since = False
+        for link in self.links.values():
+            link.on_ready = partial(self._link_ready, link, link.on_ready)
+
+    def _link_ready(self, link: ServerLink, then: Callable[[bool], None] | None, restarted: bool) -> None:
+        """Server ``link`` is connected (``restarted``: a new run of it); ``then``: the fused sums' own hook."""
+        if restarted and self.reset_since and not self.sessions:
+            link.tell_reset()
+        if then is not None:
+            then(restarted)
 
     def _new_epoch(self) -> None:
         """Our round numbering (re)starts at 0: servers learn it from the epoch (see RoundQuery)."""

@@ -517,6 +517,11 @@ class ServerLink:
         if self.stream == 0:  # the server's state of this worker follows its first connection
             self._send_control(Reset(self.worker_id, self.epoch))
 
+    def tell_reset(self) -> None:
+        """Tell a server that restarted that this worker has no training processes (it said so to the run before;
+        this one knows only that the worker connected)."""
+        self._send_control(Reset(self.worker_id, self.epoch))
+
     def forget_sums(self, names: Container[str]) -> None:
         """Tensors ``names`` are never pushed again: their last sums are not kept for a restarted server."""
         self.window.drop_sums_of(names)

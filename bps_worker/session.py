@@ -82,6 +82,7 @@ class SessionHost(Protocol):
     sessions: dict[int, ClientSession]  # handshaken sessions by local rank
     connections: set[ClientSession]  # every open connection, handshaken or not
     admission: Admission  # of the connections that have not sent their Hello yet
+    reset_since: bool  # every process left (a reset) and none came since
 
     fusion_bytes: int  # sums of at most this many bytes may come fused (OpBatch)
 
@@ -176,6 +177,7 @@ class ClientSession(AdmittedProtocol):
         self.local_rank = hello.id
         self.pid = hello.pid
         self.daemon.sessions[hello.id] = self
+        self.daemon.reset_since = False
         self.admitted()
         self.reader.set_limits(max_header_bytes=CLIENT_MAX_HEADER_BYTES, max_payload_bytes=0)
         cfg = self.daemon.config.cluster

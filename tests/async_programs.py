@@ -243,3 +243,41 @@ def scraped_while_live(name: str, steps: int, urls: list[str]) -> dict[str, Any]
     texts = [urllib.request.urlopen(url, timeout=10).read().decode() for url in urls] if bps.rank() == 0 else []
     barrier(f"{name}/scraped")
     return {"first": float(first[0, 0]), "texts": texts}
+
+
+def finished_then_restart(name: str, flags: str) -> dict[str, Any]:
+    """Machine 1's processes push 3 deltas and end (its daemon resets); machine 0 goes on under staleness=1.
+    Then every server restarts (the test's part): machine 0's next pushes must not wait for machine 1."""
+    import os
+    import threading
+
+    def wait_file(path: str, limit: float) -> None:
+        deadline = time.monotonic() + limit
+        while not os.path.exists(path):
+            assert time.monotonic() < deadline, f"no {path}"
+            time.sleep(0.05)
+
+    bps.async_init(np.zeros(4, np.float32), name, staleness=1)
+    bps.push_pull(np.zeros(1, np.float32), "barrier/init")
+    if bps.rank() == 1:
+        for _ in range(3):
+            bps.async_push_pull(np.ones(4, np.float32), name)
+        return {"worker": 1}
+    for _ in range(10):  # machine 1 leaves meanwhile: it holds nobody back
+        time.sleep(0.3)
+        bps.async_push_pull(np.ones(4, np.float32), name)
+    open(os.path.join(flags, "ready"), "w").close()
+    wait_file(os.path.join(flags, "restarted"), 60)
+    got: list[Any] = []
+
+    def push() -> None:
+        try:
+            for _ in range(3):
+                got.append(float(bps.async_push_pull(np.ones(4, np.float32), name)[0]))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            got.append(f"{type(exc).__name__}: {exc}")
+
+    thread = threading.Thread(target=push, daemon=True)
+    thread.start()
+    thread.join(30.0)
+    return {"worker": 0, "after_restart": got, "still_waiting": thread.is_alive()}

@@ -116,3 +116,38 @@ def test_a_machine_whose_processes_come_back_goes_on_from_its_step(tmp_path):
         reap(procs)
         cluster.stop()
     assert got[0] == [ap.REJOIN_TOTAL] * 4, got
+
+
+@pytest.mark.timeout(150)
+def test_a_machine_whose_processes_ended_holds_nobody_back_after_a_server_restart(tmp_path):
+    """Machine 1's processes ended (its daemon reset, and said so). The servers then restart: their new runs
+    knew only that worker 1's daemon connected, and took it for one with processes whose step held machine 0
+    back for ever under the bound. The daemon now tells a restarted server that it has none."""
+    from bps_worker.supervise import Cluster  # noqa: F401 - (the harness's)
+    from harness import start_cluster, write_config
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=0, cluster={"timeout": 2.0}))
+    flags = tmp_path / "flags"
+    flags.mkdir()
+
+    def restart_servers() -> None:
+        deadline = time.monotonic() + 90
+        while not (flags / "ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for victim in ("server-0", "server-1"):
+            cluster.kill(victim)
+        for victim in ("server-0", "server-1"):
+            cluster.restart(victim)
+        time.sleep(2.0)  # both worker daemons reconnect and restore
+        (flags / "restarted").touch()
+
+    thread = threading.Thread(target=restart_servers, daemon=True)
+    thread.start()
+    try:
+        results = run_ranks(cluster, ap.finished_then_restart, "fin", str(flags), timeout=120)
+    finally:
+        thread.join(5)
+        cluster.stop()
+    machine0 = results[0]
+    assert not machine0["still_waiting"], machine0
+    assert len(machine0["after_restart"]) == 3 and all(isinstance(v, float) for v in machine0["after_restart"]), \
+        machine0

@@ -41,6 +41,15 @@ def test_a_directory_writable_by_others_is_refused(tmp_path, mode, who):
     assert str(info.value) == f"socket directory {path} {problem.text}"
 
 
+@pytest.mark.parametrize("mode", [0o777, 0o2777])
+def test_the_kubernetes_recipes_socket_directory_in_an_empty_dir_is_accepted(tmp_path, mode):
+    """configs/kubernetes: the socket is in run/bps/sock, made by the worker in a pod's emptyDir (mode 0777, or
+    2777 with fsGroup; writable only by the pod's own containers). A check of the directories above must not
+    refuse it (one did, in session 29, and was reverted)."""
+    empty_dir = _dir(tmp_path, "bps-run", mode)
+    sockdir.ensure_socket_dir(os.path.join(empty_dir, "sock"))
+
+
 @pytest.mark.skipif(ME != 0, reason="chown to another uid needs root")
 def test_a_directory_owned_by_another_user_is_refused(tmp_path):
     """What the issue saw: another user pre-created the directory (here mode 755, so not writable by us either)."""

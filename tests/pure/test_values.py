@@ -110,6 +110,24 @@ def test_a_dead_machine_fails_what_it_holds_back_then_holds_nobody() -> None:
     assert s.push(delta(0, 3), arr(1, 1, 1, 1), "e", 17.0) == []
 
 
+def test_a_machine_that_never_connects_to_a_restarted_server_holds_nobody_back_after_the_timeout() -> None:
+    """A server restarted after machine 2 died: the new run never hears from it, and used to count it live for
+    ever (only a connection lost in this run made a machine count as gone), holding the others' steps back."""
+    s = store()
+    s.worker_connected(0)
+    s.worker_connected(1)
+    assert s.sweep(1.0) == []  # no value yet: nobody to declare anything to
+    s.restore(restore_push(0, [0, 0, 0], staleness=0), arr(5, 5, 5, 5), 2.0)  # the survivors' copy
+    s.worker_restored(0, 2.0)
+    s.worker_restored(1, 2.0)
+    s.push(delta(0, 1), arr(1, 1, 1, 1), "a", 3.0)
+    assert answers(s.push(delta(1, 1), arr(1, 1, 1, 1), "b", 3.0)) == {}  # both wait for machine 2
+    notes = s.sweep(2.0 + T - 0.1)  # (the restore still waits for machine 2's copy)
+    assert any("worker 2 has been disconnected" in n.message for n in notes if isinstance(n, Note))  # since 1.0
+    assert answers(s.sweep(2.0 + T)).keys() == {"a", "b"}  # the restore over, machine 2 holds nobody back
+    assert answers(s.push(delta(0, 2), arr(1, 1, 1, 1), "c", 12.0)).keys() == set()  # waits for worker 1 only
+
+
 def test_a_slow_connected_machine_is_waited_for_with_a_stall_note() -> None:
     s = store()
     initialised(s, arr(0, 0, 0, 0), staleness=0)
