@@ -69,8 +69,10 @@ def print_stragglers(cluster: Cluster, prog: str = "bps-launch") -> None:
 
 
 class SigintFlag:
-    """SIGINT recorded in a flag for as long as it is installed (a context manager), instead of a
-    ``KeyboardInterrupt`` raised wherever the main thread happens to be.
+    """SIGINT (and SIGTERM, SIGHUP) recorded in a flag for as long as it is installed (a context manager),
+    instead of a ``KeyboardInterrupt`` raised wherever the main thread happens to be (or, for SIGTERM and
+    SIGHUP, the launcher dying at once and leaving every daemon and rank running: ``kill``, ``timeout``, a CI
+    job's time limit, ``docker stop``, a closed ssh session).
 
     Why: a terminal's Ctrl-C reaches the launcher, its daemons and its ranks at once, so a rank or daemon
     may be seen exiting from it before the launcher's own ``KeyboardInterrupt`` is raised: the status then
@@ -79,23 +81,30 @@ class SigintFlag:
     runs whole, and the status is decided after it: 130 whenever SIGINT came, whoever exited first.
     """
 
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
     def __init__(self) -> None:
         self.received = False
-        self._previous: Callable[[int, FrameType | None], Any] | int | None = None
+        self.signum = 0  # the first one received
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
 
     def is_set(self) -> bool:
         return self.received
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self.received:
+            self.signum = signum
         self.received = True
 
     def __enter__(self) -> "SigintFlag":
-        self._previous = signal.signal(signal.SIGINT, self._handle)
+        for signum in self.SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:  # None: a handler not set from Python; ours stays (nothing to restore)
-            signal.signal(signal.SIGINT, self._previous)
+        for signum, previous in self._previous.items():
+            if previous is not None:  # None: a handler not set from Python; ours stays (nothing to restore)
+                signal.signal(signum, previous)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -171,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             code = INTERRUPTED_STATUS
         if interrupted.is_set():  # decided after the stop: whatever a rank or daemon did when Ctrl-C came
-            print("bps-launch: interrupted; cluster stopped", file=sys.stderr)
-            return INTERRUPTED_STATUS
+            name = signal.Signals(interrupted.signum).name
+            print(f"bps-launch: interrupted ({name}); cluster stopped", file=sys.stderr)
+            return 128 + interrupted.signum
     if failure is not None:
         print(f"bps-launch: {failure}", file=sys.stderr)
     return code

@@ -266,12 +266,18 @@ def test_launcher_stops_everything_when_a_rank_fails(tmp_path):
 UP_THEN_SLEEP = "import bps_worker.client as bps, os, time\nbps.init()\nos.write(1, b'up\\n')\ntime.sleep(60)\n"
 
 
-def test_ctrl_c_stops_the_whole_cluster(tmp_path):
+def _launch_sleepers(tmp_path: Path) -> tuple[Path, Path, subprocess.Popen[str]]:
+    """bps-launch of 2 ranks that say "up" and sleep, in a session of its own: (config, script, launcher)."""
     config = write_config(tmp_path, [2], cpu_servers=1)
     script = tmp_path / "sleep.py"
     script.write_text(UP_THEN_SLEEP)
     proc = subprocess.Popen([PY, "-m", "bps_worker.launch", "--config", str(config), "--", PY, str(script)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return config, script, proc
+
+
+def test_ctrl_c_stops_the_whole_cluster(tmp_path):
+    config, _, proc = _launch_sleepers(tmp_path)
     try:
         assert proc.stdout.readline().strip() == "up"  # the cluster is up and a rank connected
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
@@ -289,6 +295,22 @@ def test_ctrl_c_stops_the_whole_cluster(tmp_path):
         if str(config) in cmdline:
             leftovers.append(entry)
     assert leftovers == [], "daemons left running"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_to_the_launcher_alone_stops_the_whole_cluster(tmp_path, signum):
+    """``kill``, ``timeout``, a CI job's time limit or ``docker stop`` signal the launcher alone: it used to die
+    at once and leave every daemon and rank running (and the next launch found the ports taken)."""
+    config, script, proc = _launch_sleepers(tmp_path)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        proc.send_signal(signum)
+        assert proc.wait(timeout=60) == 128 + signum
+        assert f"interrupted ({signal.Signals(signum).name}); cluster stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert _pids_with(str(config)) == {} and _pids_with(str(script)) == {}, "daemons or ranks left running"
 
 
 def _pids_with(text: str) -> dict[int, str]:
@@ -330,7 +352,7 @@ def test_ctrl_c_seen_first_in_the_ranks_still_exits_130_and_stops_everything(tmp
         assert "bps-launch: rank" in stderr_path.read_text(), stderr_path.read_text()
         os.killpg(proc.pid, signal.SIGINT)  # the launcher's own Ctrl-C, while it stops the cluster
         assert proc.wait(timeout=60) == 130, stderr_path.read_text()
-        assert "interrupted; cluster stopped" in stderr_path.read_text()
+        assert "interrupted (SIGINT); cluster stopped" in stderr_path.read_text()
         assert _pids_with(str(config)) == {}, "daemons left running"
     finally:
         if proc.poll() is None:
