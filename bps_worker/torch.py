@@ -42,6 +42,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from bps_runtime import cuda as _cuda
 
@@ -351,8 +352,9 @@ def _plain(value: Any) -> Any:
 
 # -- the optimizer ------------------------------------------------------------------
 DEFAULT_BUCKET_BYTES = 4 << 20
-# The attribute on a parameter holding the hook of the DistributedOptimizer that wrapped it last.
-_HOOK_ATTR = "_bps_grad_hook"
+# Each parameter's hook of the DistributedOptimizer that wrapped it last (kept beside the parameter, not on it: an
+# attribute on it would go along with a deepcopy or a pickle of the model).
+_HOOKS: Any = WeakIdKeyDictionary()  # (by identity: a tensor's == is elementwise)
 
 
 @dataclass(eq=False)
@@ -460,11 +462,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _hook(self, p: torch.Tensor) -> Any:
         """Our hook on ``p``; the hook of a DistributedOptimizer that wrapped it before goes (a second training
         phase wraps a new optimizer round the same model: two hooks would push each gradient twice)."""
-        earlier = getattr(p, _HOOK_ATTR, None)
+        earlier = _HOOKS.get(p)
         if earlier is not None:
             earlier.remove()
         handle = p.register_post_accumulate_grad_hook(self._grad_ready)
-        setattr(p, _HOOK_ATTR, handle)
+        _HOOKS[p] = handle
         return handle
 
     def _wire_dtype(self, p: torch.Tensor) -> torch.dtype:
