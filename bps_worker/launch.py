@@ -49,8 +49,13 @@ def run_training(cluster: Cluster, command: Sequence[str], *, timeout: float | N
             env = cluster.env_for(w.id, local)
             for key, value in (env_defaults or {}).items():
                 env.setdefault(key, value)
-            procs.append(Child(f"rank {env['BPS_RANK']}", subprocess.Popen(list(command), env=env), daemon=False))
-    cluster.children.extend(procs)
+            try:
+                proc = subprocess.Popen(list(command), env=env)
+            except OSError as exc:  # (the ranks started already are the cluster's children: stopped with it)
+                raise LaunchError(f"cannot start the training command {command[0]!r}: "
+                                  f"{exc.strerror or exc}") from None
+            procs.append(Child(f"rank {env['BPS_RANK']}", proc, daemon=False))
+            cluster.children.append(procs[-1])
     ending = cluster.supervisor.watch(procs, timeout)
     if ending.reason is not None:
         rank_failed = ending.culprit is not None and not ending.culprit.daemon

@@ -246,6 +246,16 @@ def test_launcher_reports_the_straggler(tmp_path):
     assert rows["0"].split()[2] == rows["1"].split()[2]  # as many pushes from each
 
 
+def test_a_training_command_that_cannot_start_is_one_line_and_stops_the_cluster(tmp_path):
+    config = write_config(tmp_path, [2], cpu_servers=0)
+    result = subprocess.run([PY, "-m", "bps_worker.launch", "--config", str(config), "--", str(tmp_path / "nope")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (f"bps-launch: cannot start the training command "
+                                                     f"{str(tmp_path / 'nope')!r}: No such file or directory")
+    assert "Traceback" not in result.stderr and _pids_with(str(config)) == {}
+
+
 def test_launcher_stops_everything_when_a_rank_fails(tmp_path):
     config = write_config(tmp_path, [2], cpu_servers=0)
     script = tmp_path / "fail.py"
