@@ -362,11 +362,15 @@ class Arena:
         self._used[name] = next(self._clock)
         return slot
 
-    def _release_if_empty(self, segment: str) -> list[str]:
-        """Unlink slab ``segment`` if no slot lives in it any more and no slot will be carved from it."""
-        if segment == self._slab or segment not in self.segments or \
-                any(s.segment == segment for s in self.slots.values()):
+    def _release_if_empty(self, segment: str, *, current: bool = False) -> list[str]:
+        """Unlink ``segment`` if no slot lives in it any more; the slab we carve from only with ``current`` (a
+        slot outgrown or abandoned there leaves it to be carved on)."""
+        if segment not in self.segments or any(s.segment == segment for s in self.slots.values()):
             return []
+        if segment == self._slab:
+            if not current:
+                return []
+            self._slab = None
         self._release(self.segments.pop(segment))
         return [segment]
 
@@ -380,12 +384,7 @@ class Arena:
         at once, a slab with its last slot. Returns the segments freed."""
         old = self.slots.pop(name, None)
         self._used.pop(name, None)
-        if old is None or any(s.segment == old.segment for s in self.slots.values()):
-            return []
-        if old.segment == self._slab:
-            self._slab = None
-        self._release(self.segments.pop(old.segment))
-        return [old.segment]
+        return [] if old is None else self._release_if_empty(old.segment, current=True)
 
     def _make_room(self, name: str, nbytes: int, busy: Callable[[str], bool] | None) -> list[str]:
         """Free least recently used idle segments until ``nbytes`` more fit under the cap."""

@@ -127,7 +127,7 @@ class WorkerDaemon:
         self._new_epoch()
         # Tensors of at most this many bytes are fused (Welcome.fusion_bytes; bps_worker.fusion).
         self.fusion_bytes = self.placement.small_tensor_bytes
-        self._hook_links()
+        self._start_fusion()
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-local")
         self.sessions: dict[int, ClientSession] = {}
         self.connections: set[ClientSession] = set()
@@ -481,8 +481,8 @@ class WorkerDaemon:
             link.reset()  # drops its references into the buffers freed next
         self.segments_freed(self.staging.release_all() + self.results.release_all())
 
-    def _hook_links(self) -> None:
-        """The fused sums' hooks on every server's link, then ours."""
+    def _start_fusion(self) -> None:
+        """The fused sums (they hook every server's stream-0 link), and our hook around theirs (_link_ready)."""
         self.fusion = FusedSums(self)
         # Whether every process of ours left (a reset) and none came since: a server that restarted must hear it
         # again (its new run takes every worker that connects for one with processes, and waits for them).

@@ -515,11 +515,11 @@ class ServerLink:
         self.window.drop_sums()  # the next job starts at round 0; the buffers are being freed
         self.control.drop_fused()
         if self.stream == 0:  # the server's state of this worker follows its first connection
-            self._send_control(Reset(self.worker_id, self.epoch))
+            self.tell_reset()
 
     def tell_reset(self) -> None:
-        """Tell a server that restarted that this worker has no training processes (it said so to the run before;
-        this one knows only that the worker connected)."""
+        """Tell the server that this worker has no training processes (again, to a server that restarted: the
+        run before heard it, this one knows only that the worker connected)."""
         self._send_control(Reset(self.worker_id, self.epoch))
 
     def forget_sums(self, names: Container[str]) -> None:

@@ -298,12 +298,16 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
     _async.init_all(root_rank)  # asynchronous optimizers: the servers' values start as the root's parameters
 
 
-def _bytes_as_int32(t: torch.Tensor) -> np.ndarray:
-    """The bytes of ``t`` (on the host, contiguous), zero-padded to whole int32 words, as an int32 array."""
-    raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+def _words(raw: np.ndarray) -> np.ndarray:
+    """Bytes (uint8), zero-padded to whole int32 words, as an int32 array: what a broadcast of bytes carries."""
     words = np.zeros((raw.size + 3) // 4, np.int32)
     words.view(np.uint8)[:raw.size] = raw
     return words
+
+
+def _bytes_as_int32(t: torch.Tensor) -> np.ndarray:
+    """The bytes of ``t`` (on the host, contiguous) as int32 words (:func:`_words`)."""
+    return _words(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def _int32_as(words: np.ndarray, like: torch.Tensor) -> torch.Tensor:
@@ -316,11 +320,9 @@ def _int32_as(words: np.ndarray, like: torch.Tensor) -> torch.Tensor:
 def _broadcast_bytes(data: bytes, root_rank: int, name: str) -> bytes:
     length = _client.broadcast(np.array([len(data)], np.int64), root_rank, f"{name}.length")
     n = int(length[0])
-    words = (n + 3) // 4
-    buf = np.zeros(words, np.int32)
-    if _client.rank() == root_rank:
-        buf.view(np.uint8)[:n] = np.frombuffer(data, np.uint8)
-    out = _client.broadcast(buf, root_rank, f"{name}.bytes")
+    # (the root's bytes; the others', zeros of that length: the root's replace them)
+    raw = np.frombuffer(data, np.uint8) if _client.rank() == root_rank else np.zeros(n, np.uint8)
+    out = _client.broadcast(_words(raw), root_rank, f"{name}.bytes")
     return out.view(np.uint8)[:n].tobytes()
 
 
