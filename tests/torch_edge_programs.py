@@ -21,6 +21,7 @@ def assigned_grads() -> dict[str, Any]:
     """``p.grad = g`` (torch.autograd.grad, torch.func, DP-SGD code), no backward: still averaged."""
     r = bps.rank()
     m = nn.Linear(3, 1, bias=False)
+    nn.init.zeros_(m.weight)  # (exact steps: a random weight minus 1.5 is not always 1.5 away in float32)
     opt = bps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1.0), named_parameters=m.named_parameters())
     bps.broadcast_parameters(m.state_dict(), 0)
     before = m.weight.detach().clone()
@@ -99,6 +100,7 @@ def grad_scaler() -> dict[str, Any]:
     """The README's recipe: synchronize, unscale, clip, then step without synchronizing again."""
     r = bps.rank()
     m = nn.Linear(3, 1, bias=False)
+    nn.init.zeros_(m.weight)  # (exact steps: a random weight minus 1.5 is not always 1.5 away in float32)
     opt = bps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1.0), named_parameters=m.named_parameters())
     bps.broadcast_parameters(m.state_dict(), 0)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
