@@ -13,6 +13,11 @@ Every daemon reports readiness over a private ``NOTIFY_SOCKET`` (the systemd
 protocol), so training starts only when the cluster is up. When every training
 process has exited the daemons are stopped with SIGTERM; if any process fails
 (or Ctrl-C arrives) everything is stopped and the launcher exits non-zero.
+
+Each training process runs in a session of its own, as under torchrun: it is stopped as a process group,
+so what it started (DataLoader workers, a wrapper script's children) does not outlive the launcher. A
+terminal's Ctrl-C therefore reaches the launcher alone, which passes it on: the ranks get the SIGINT (or
+SIGTERM, SIGHUP) that stopped it, then SIGKILL after the grace period.
 """
 
 from __future__ import annotations
@@ -50,11 +55,11 @@ def run_training(cluster: Cluster, command: Sequence[str], *, timeout: float | N
             for key, value in (env_defaults or {}).items():
                 env.setdefault(key, value)
             try:
-                proc = subprocess.Popen(list(command), env=env)
+                proc = subprocess.Popen(list(command), env=env, start_new_session=True)
             except OSError as exc:  # (the ranks started already are the cluster's children: stopped with it)
                 raise LaunchError(f"cannot start the training command {command[0]!r}: "
                                   f"{exc.strerror or exc}") from None
-            procs.append(Child(f"rank {env['BPS_RANK']}", proc, daemon=False))
+            procs.append(Child(f"rank {env['BPS_RANK']}", proc, daemon=False, group=True))
             cluster.children.append(procs[-1])
     ending = cluster.supervisor.watch(procs, timeout)
     if ending.reason is not None:
@@ -174,10 +179,13 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"bps-launch: worker {worker_id}'s socket directory "
                           f"{os.path.dirname(cluster.config.worker(worker_id).socket)} {problem.text}; using "
                           f"{cluster.socket_path(worker_id)}", file=sys.stderr)
-            with cluster:
+            cluster.start()
+            try:
                 code = run_training(cluster, command)
                 if args.stragglers:
                     print_stragglers(cluster)
+            finally:  # the ranks get the signal that stopped us, as under torchrun (Ctrl-C: KeyboardInterrupt)
+                cluster.stop(interrupted.signum or signal.SIGTERM)
         except ConfigError as exc:
             failure, code = str(exc), 2
         except LaunchError as exc:

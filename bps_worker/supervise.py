@@ -16,7 +16,9 @@ Theory of operation:
   dead daemon and the deadline (:func:`judge` is that decision, without processes).
 - :meth:`Supervisor.stop` sends SIGTERM layer by layer -- training processes, then worker daemons, then
   servers -- waiting for each layer before the next, so that each drains into the next (a worker tells
-  the servers that its jobs ended before they stop), and SIGKILL after a grace period.
+  the servers that its jobs ended before they stop), and SIGKILL after a grace period. Training processes
+  the launcher started in sessions of their own (``Child.group``) are signalled as process groups, so
+  what they started (DataLoader workers, a wrapper script's children) stops with them.
 - ``forkserver``: daemons it serves (``python -m bps_server|bps_worker``, no prefix) are forked from its
   helper, which imported them once, instead of started with ``exec`` (see ``bps_runtime.forkserver``): the
   tests' clusters (:attr:`Cluster.default_forkserver`), where start-up was most of the suite's CPU.
@@ -98,9 +100,22 @@ class Child:
     daemon: bool
     where: str = ""
     command: DaemonCommand | None = field(default=None, repr=False)  # how to start it again (daemons)
+    group: bool = False  # started in a session of its own: signalled as its process group, with what it started
 
     def describe(self) -> str:
         return f"{self.label} on {self.where}" if self.where else self.label
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the process, or to its whole process group (``group``: even once the process itself
+        has exited, to reach what it left running); nothing if it is gone."""
+        if not self.group:
+            if self.proc.poll() is None:
+                self.proc.send_signal(sig)
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):  # the group is empty
+            pass
 
 
 @dataclass(frozen=True)
@@ -138,19 +153,27 @@ def judge(ranks: Sequence[tuple[Child, int | None]], dead_daemon: Child | None, 
     return None
 
 
-def stop_in_layers(layers: list[list[subprocess.Popen[Any] | ForkedProcess]], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM each layer of processes and wait for it (SIGKILL after ``grace_s``) before the next."""
-    for group in layers:
-        for proc in group:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+def stop_in_layers(layers: list[list[Child]], grace_s: float = STOP_GRACE_S,
+                   first_signal: int = signal.SIGTERM) -> None:
+    """Signal each layer of processes and wait for it (SIGKILL after ``grace_s``) before the next: the first
+    layer gets ``first_signal``, the others SIGTERM.
+
+    A child of its own session (``Child.group``) is signalled as its process group, as torchrun stops its
+    workers, and once it has exited (or been killed) what is left of its group is killed: a process it
+    started that ignores the signal (a shell's background job ignores SIGINT) does not outlive the stop.
+    """
+    for n, layer in enumerate(layers):
+        for child in layer:
+            child.signal(first_signal if n == 0 else signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for proc in group:
+        for child in layer:
             try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                child.proc.kill()
+                child.proc.wait()
+            if child.group:
+                child.signal(signal.SIGKILL)
 
 
 def _never() -> bool:
@@ -284,12 +307,13 @@ class Supervisor:
         except OSError:
             return ""
 
-    def stop(self) -> None:
-        """Stop training processes, then workers, then servers (each layer drains into the next)."""
-        stop_in_layers([[c.proc for c in self.children if not c.daemon],
-                        [c.proc for c in self.children if c.daemon and c.label.startswith("worker")],
-                        [c.proc for c in self.children if c.daemon and not c.label.startswith("worker")]],
-                       self.grace_s)
+    def stop(self, rank_signal: int = signal.SIGTERM) -> None:
+        """Stop training processes (with ``rank_signal``), then workers, then servers (each layer drains into
+        the next)."""
+        stop_in_layers([[c for c in self.children if not c.daemon],
+                        [c for c in self.children if c.daemon and c.label.startswith("worker")],
+                        [c for c in self.children if c.daemon and not c.label.startswith("worker")]],
+                       self.grace_s, rank_signal)
         self.children.clear()
 
 
@@ -392,7 +416,8 @@ class Cluster:
         env.setdefault("MASTER_PORT", str(self._rendezvous_port))
         return env
 
-    def stop(self) -> None:
-        """Stop training processes, then workers, then servers (each layer drains into the next)."""
-        self.supervisor.stop()
+    def stop(self, rank_signal: int = signal.SIGTERM) -> None:
+        """Stop training processes (with ``rank_signal``), then workers, then servers (each layer drains into
+        the next)."""
+        self.supervisor.stop(rank_signal)
         self._tmp.cleanup()

@@ -323,6 +323,56 @@ def test_sigterm_or_sighup_to_the_launcher_alone_stops_the_whole_cluster(tmp_pat
     assert _pids_with(str(config)) == {} and _pids_with(str(script)) == {}, "daemons or ranks left running"
 
 
+# A rank that starts a process of its own which ignores SIGINT (as a shell's background job does), then sleeps;
+# on KeyboardInterrupt it leaves a mark. {mark} is a directory: the child's command line names it.
+RANK_WITH_A_CHILD = """import bps_worker.client as bps, os, subprocess, sys, time
+bps.init()
+child = subprocess.Popen([sys.executable, "-c", "import os, signal, time; signal.signal(signal.SIGINT, "
+                          "signal.SIG_IGN); os.mkdir(os.path.join({mark!r}, 'child-%d' % os.getpid())); "
+                          "time.sleep(120)  # {mark}"])
+while not os.path.exists(os.path.join({mark!r}, "child-%d" % child.pid)):
+    time.sleep(0.01)
+os.write(1, b"up\\n")
+try:
+    time.sleep(60)
+except KeyboardInterrupt:
+    open(os.path.join({mark!r}, "interrupted-%d" % os.getpid()), "w").close()
+    raise
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_what_a_rank_started_does_not_outlive_the_launcher(tmp_path, signum):
+    """Ranks run in sessions of their own and are stopped as process groups: a process a rank started used to
+    be left running (a DataLoader worker, a wrapper script's children). A Ctrl-C (SIGINT to the terminal's
+    group, which now holds the launcher alone) is passed on, so the ranks still see KeyboardInterrupt."""
+    config = write_config(tmp_path, [2], cpu_servers=1)
+    mark = tmp_path / "marks"
+    mark.mkdir()
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_WITH_A_CHILD.format(mark=str(mark)))
+    proc = subprocess.Popen([PY, "-m", "bps_worker.launch", "--config", str(config), "--", PY, str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert [proc.stdout.readline().strip() for _ in range(2)] == ["up", "up"]
+        assert len(_pids_with(f"# {mark}")) == 2  # each rank's own child is running
+        if signum == signal.SIGINT:
+            os.killpg(proc.pid, signum)  # Ctrl-C reaches the terminal's foreground group
+        else:
+            proc.send_signal(signum)  # kill(1), timeout(1), a CI job's limit: the launcher alone
+        assert proc.wait(timeout=60) == 128 + signum, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        leftovers = _pids_with(f"# {mark}")
+        for pid in leftovers:
+            os.kill(pid, signal.SIGKILL)
+    assert leftovers == {}, "a rank's child outlived the launcher"
+    assert _pids_with(str(config)) == {} and _pids_with(str(script)) == {}, "daemons or ranks left running"
+    interrupted = [name for name in os.listdir(mark) if name.startswith("interrupted-")]
+    assert len(interrupted) == (2 if signum == signal.SIGINT else 0)
+
+
 def _pids_with(text: str) -> dict[int, str]:
     """Running processes whose command line contains ``text``: pid -> command line."""
     found = {}
