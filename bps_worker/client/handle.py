@@ -40,6 +40,7 @@ class Handle:
     error: BPSError | None = field(default=None, repr=False)
     consumed: bool = field(default=False, repr=False)
     queued: bool = field(default=False, repr=False)  # waits in the fusion buffer, not sent yet
+    abandoned: bool = field(default=False, repr=False)  # sent by a failed group call: nobody will synchronize it
     _finished: bool = field(default=False, repr=False)
     _gate: _thread.LockType | None = field(default=None, repr=False)  # made by the first waiter (see wait)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from math import prod
 from typing import Any, Callable, Iterable, NamedTuple, Sequence, SupportsIndex
 
@@ -159,8 +160,7 @@ class Operations:
         dtype, _ = check_dtype(dtype)
         shape = check_shape(name, shape, dtype)
         with self.lock:
-            if name in self.inflight:
-                raise BPSError(f"tensor {name!r} is in flight in this process; synchronize it first")
+            self._check_free(name)
             self.handed_out.add(name)  # (before slot_for: no other thread gives it up from now on)
         slot = self.slots.slot_for(name, prod(shape) * dtype.itemsize)
         return view_of(slot.segment.buf, dtype, shape, slot.offset)  # the user's own array (see Slot.view)
@@ -284,12 +284,18 @@ class Operations:
         return results
 
     def _settle(self, handles: list[Handle]) -> None:
-        """Wait (within the timeout) for operations that were sent, and forget them, whatever they ended in."""
+        """Wait, within one timeout for them all, for operations that were sent, and forget them, whatever they
+        ended in. One that has not ended by then is given up (``abandoned``): nobody will synchronize it, so its
+        name is free again once it ends (:meth:`_check_free`)."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         for handle in handles:
-            try:
-                self.finish(handle, self.timeout)
-            except BPSError:
-                pass
+            if handle.wait(None if deadline is None else deadline - time.monotonic()):
+                try:
+                    self.finish(handle, 0)
+                except BPSError:
+                    pass
+            else:
+                handle.abandoned = True
 
     def checked(self, name: Any, dtype: Any, shape: Any, average: Any, priority: Any) -> Checked:
         """A sum's arguments checked, as :meth:`start` checks them; BPSError naming the first that is wrong."""
@@ -345,10 +351,23 @@ class Operations:
         shared slot, and each would read the other's result)."""
         with self.lock:
             self.conn.check()
-            if handle.name in self.inflight:
-                raise BPSError(f"tensor {handle.name!r} is already in flight in this process; synchronize it first")
+            self._check_free(handle.name)
             self.inflight[handle.name] = handle
             self.handed_out.discard(handle.name)  # (its slot is held as in flight from now on)
+
+    def _check_free(self, name: str) -> None:
+        """BPSError unless no operation holds ``name`` (under the lock). One that a failed group call gave up
+        (:meth:`_settle`) holds it until it ends, then no longer."""
+        held = self.inflight.get(name)
+        if held is None:
+            return
+        if held.abandoned and held.done():
+            del self.inflight[name]
+            return
+        if held.abandoned:
+            raise BPSError(f"tensor {name!r} is still in flight from a push_pull_group that failed (its peers "
+                           "have not finished it yet); try again later")
+        raise BPSError(f"tensor {name!r} is already in flight in this process; synchronize it first")
 
     def _reserve_all(self, handles: list[Handle]) -> None:
         """:meth:`_reserve` for a group, all or none: a name in flight, or twice in the group, claims none."""
@@ -356,9 +375,7 @@ class Operations:
             self.conn.check()
             seen: set[str] = set()
             for handle in handles:
-                if handle.name in self.inflight:
-                    raise BPSError(f"tensor {handle.name!r} is already in flight in this process; "
-                                   "synchronize it first")
+                self._check_free(handle.name)
                 if handle.name in seen:
                     raise BPSError(f"tensor {handle.name!r} appears twice in one push_pull_group")
                 seen.add(handle.name)

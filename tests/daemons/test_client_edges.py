@@ -99,6 +99,36 @@ def test_a_group_failing_part_way_frees_its_small_names_at_once(client):
 
 
 @pytest.mark.timeout(60)
+def test_a_failed_groups_sent_names_are_waited_for_once_and_freed_when_they_end(client, monkeypatch):
+    """A group that fails part-way waits for the operations it sent, within one timeout for them all (it was one
+    timeout each), and gives up those whose peers are slower: their names used to stay in flight for ever."""
+    ops = client(timeout=2.0, arena_bytes=8 * MB)
+    late: list[Any] = []
+    real_submit = ops.conn.submit
+
+    def late_answer(handle: Any, message: Any) -> None:  # sent, but the peers answer after the timeout
+        if handle.name.startswith("mid"):
+            late.append(handle)
+        else:
+            real_submit(handle, message)
+
+    monkeypatch.setattr(ops.conn, "submit", late_answer)
+    mid = np.ones(MB // 4, np.float32)  # 1 MB each: not fused, each its own Op
+    started = time.monotonic()
+    with pytest.raises(bps.BPSError, match="arena_bytes"):
+        bps.push_pull_group([mid, mid, np.ones(2 * MB + 1024, np.float32)], ["mid1", "mid2", "big"])
+    assert 2.0 <= time.monotonic() - started < 3.5  # one timeout for both (it was 4 s)
+    assert [h.name for h in late] == ["mid1", "mid2"]
+    monkeypatch.setattr(ops.conn, "submit", real_submit)
+    with pytest.raises(bps.BPSError, match="'mid1' is still in flight from a push_pull_group that failed"):
+        bps.push_pull(mid, "mid1", average=False)
+    late[0].fail(bps.BPSError("the peers gave up"))  # as the reader thread ends them when the answers come
+    late[1].succeed(None, None)
+    for name in ("mid1", "mid2"):
+        np.testing.assert_array_equal(bps.push_pull(mid, name, average=False), mid)
+
+
+@pytest.mark.timeout(60)
 def test_a_name_stays_claimed_until_its_result_is_read(client, monkeypatch):
     ops = client()
     read = ops._result
