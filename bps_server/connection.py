@@ -571,8 +571,9 @@ class ServerConnection(AdmittedProtocol):
             hello = self.greeting.receive(message)
         except ConfigMismatchError as exc:
             log.warning("refusing %s: %s", self.peer, exc)
-            self.send(Failure(-1, str(exc), code="mismatch", name="the cluster file's placement digest",
-                              ours=exc.ours, theirs=exc.theirs))
+            self.send(self.greeting.refuse(Failure(-1, str(exc), code="mismatch",
+                                                   name="the cluster file's placement digest",
+                                                   ours=exc.ours, theirs=exc.theirs)))
             self.close()
             return
         holder = self.server.holder(hello.id, hello.daemon) if hello.role == ROLE_WORKER else None
@@ -638,8 +639,8 @@ class ServerConnection(AdmittedProtocol):
                   f"and heard {heard:.1f} s ago; refusing this second daemon of worker {hello.id} "
                   f"{self.describe_daemon()}: stop one of them (a stale service unit beside a manual start?)")
         self.server.refusals.log(log, logging.ERROR, "server %d: %s", self.server.config.server_id, reason)
-        self.send(Failure(-1, reason[:MAX_MESSAGE_CHARS], code="duplicate",
-                          peer=f"worker {hello.id} {holder.describe_daemon()}"[:MAX_MESSAGE_CHARS]))
+        holder_text = f"worker {hello.id} {holder.describe_daemon()}"[:MAX_MESSAGE_CHARS]
+        self.send(self.greeting.refuse(Failure(-1, reason[:MAX_MESSAGE_CHARS], code="duplicate", peer=holder_text)))
         self.close()
 
     def _welcome(self, welcome: Welcome) -> None:
@@ -721,7 +722,7 @@ class ServerConnection(AdmittedProtocol):
         else:
             self.server.refusals.log(log, logging.WARNING, "dropping unidentified peer at %s: %s", self.peer, reason)
         try:
-            self.send(Failure(-1, reason, code="protocol_error"))
+            self.send(self.greeting.refuse(Failure(-1, reason, code="protocol_error")))
         finally:
             self.close()
 

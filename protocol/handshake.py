@@ -27,6 +27,11 @@ of everything said so far:
 * ``P_hello   = HMAC(token, "bps-hello/2"   | Challenge | Hello without auth)``
 * ``P_welcome = HMAC(token, "bps-welcome/2" | Challenge | Hello without auth | Welcome without auth)``
 * ``session_key = HMAC(token, "bps-session/2" | the same)`` (32 bytes, never sent)
+* ``P_refusal = HMAC(token, "bps-refusal/2" | Challenge | Hello without auth | Failure without auth)``, in a
+  refusal's ``auth`` (:meth:`ServerHandshake.refuse`, once a Hello proved the token). The connecting side
+  takes a refusal without it as code ``unproven`` (:class:`HandshakeRefused`): a worker gives up at once,
+  or backs off, only on the server's proven word (``duplicate``: another daemon has our id; ``mismatch``:
+  another cluster file), never on a stranger's that holds the address.
 
 So a proof holds for one connection (its two nonces) and one set of values: a relay that forwards a
 worker's Hello to another connection (another Ns), or changes ``stream``, ``shm``, ``shm_key``,
@@ -64,7 +69,7 @@ How each of the five sites uses it
   registration (streams, links, epoch), and ``send(hs.accept(Welcome(PROTOCOL_VERSION, worker=...,
   workers=..., shm=shm, incarnation=...)).welcome)``; an observer gets ``hs.accept(Welcome(
   PROTOCOL_VERSION, workers=...))``. A HandshakeError is a ProtocolError: the existing
-  ``Failure(-1, str(exc), code="protocol_error")`` and close. Keep ``.session_key`` for result MACs.
+  ``hs.refuse(Failure(-1, str(exc), code="protocol_error"))`` and close (every refusal is signed). Keep ``.session_key`` for result MACs.
 * Worker link to a server (``bps_worker`` ServerLink._connect): ``hs = ClientHandshake(Hello(
   PROTOCOL_VERSION, ROLE_WORKER, worker_id, shm=probe_name, shm_key=key, epoch=epoch, stream=stream,
   config_items=list(placement_items(cluster)), daemon=daemon_id()), token=token, who=f"server {spec.id} at {address}")``;
@@ -113,6 +118,7 @@ SESSION_KEY_BYTES: Final = 32
 HELLO_CONTEXT: Final = f"bps-hello/{PROTOCOL_VERSION}"
 WELCOME_CONTEXT: Final = f"bps-welcome/{PROTOCOL_VERSION}"
 SESSION_CONTEXT: Final = f"bps-session/{PROTOCOL_VERSION}"
+REFUSAL_CONTEXT: Final = f"bps-refusal/{PROTOCOL_VERSION}"
 
 State = Literal["idle", "await_challenge", "await_hello", "deciding", "await_welcome", "done", "error"]
 
@@ -184,7 +190,8 @@ def _rebuild(cls: type[HandshakeError], message: str, attrs: dict[str, Any]) -> 
 
 
 # -- the proofs ----------------------------------------------------------------------------------------
-def transcript(context: str, challenge: Challenge | None, hello: Hello, welcome: Welcome | None = None) -> bytes:
+def transcript(context: str, challenge: Challenge | None, hello: Hello, welcome: Welcome | None = None,
+               refusal: Failure | None = None) -> bytes:
     """The canonical bytes a proof covers: every field of each message but its ``auth``, as sorted-key
     ASCII JSON (so both sides encode the same values to the same bytes, whatever the map order)."""
 
@@ -197,6 +204,8 @@ def transcript(context: str, challenge: Challenge | None, hello: Hello, welcome:
 
     document = {"context": context, "challenge": fields(challenge), "hello": fields(hello),
                 "welcome": fields(welcome)}
+    if refusal is not None:
+        document["refusal"] = fields(refusal)
     return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
                       allow_nan=False).encode("ascii")
 
@@ -214,6 +223,13 @@ def welcome_proof(token: bytes, challenge: Challenge | None, hello: Hello, welco
 def session_key(token: bytes, challenge: Challenge | None, hello: Hello, welcome: Welcome) -> bytes:
     """A key only the two ends of this connection know (for MACs on later frames); never sent."""
     return hmac.new(token, transcript(SESSION_CONTEXT, challenge, hello, welcome), hashlib.sha256).digest()
+
+
+def refusal_proof(token: bytes, challenge: Challenge | None, hello: Hello, refusal: Failure) -> str:
+    """The accepting side's proof on a refusal: the token, on the connecting side's nonce, that Hello and this
+    Failure (so a refusal that makes a worker give up, ``duplicate`` or ``mismatch``, is the server's own)."""
+    return hmac.new(token, transcript(REFUSAL_CONTEXT, challenge, hello, refusal=refusal),
+                    hashlib.sha256).hexdigest()
 
 
 def _proof_holds(expected: str, given: str) -> bool:
@@ -297,7 +313,7 @@ class ServerHandshake(_Machine):
     ``who`` names this side in errors (``"server 1"``, ``"worker 0"``).
     """
 
-    __slots__ = ("peers", "token", "config_items", "challenge", "_nonce", "_challenge", "_hello")
+    __slots__ = ("peers", "token", "config_items", "challenge", "_nonce", "_challenge", "_hello", "_proven")
 
     def __init__(self, *, peers: Mapping[str, int | None], token: bytes | None = None,
                  config_items: Sequence[str] | None = None, challenge: bool = True, nonce: str | None = None,
@@ -311,6 +327,7 @@ class ServerHandshake(_Machine):
         self._nonce = nonce or _new_nonce()
         self._challenge: Challenge | None = None
         self._hello: Hello | None = None
+        self._proven: Hello | None = None  # a Hello whose proof held (or any, without a token), checked or not
 
     def start(self) -> Challenge | None:
         """The first message to send: the Challenge, or None without one (the peer speaks first)."""
@@ -363,6 +380,15 @@ class ServerHandshake(_Machine):
         self._state = "done"
         return Established(hello, welcome, key)
 
+    def refuse(self, failure: Failure) -> Failure:
+        """``failure`` (a refusal, ``req == -1``) to send, signed (``auth``, :func:`refusal_proof`) where a
+        token is set and a Hello proved it, whatever the refusal is for: the connecting side takes a refusal
+        it cannot verify as from a server that is not ours. In any state; unsigned before such a Hello."""
+        if self.token is None or self._proven is None:
+            return failure
+        failure = dataclasses.replace(failure, auth="")
+        return dataclasses.replace(failure, auth=refusal_proof(self.token, self._challenge, self._proven, failure))
+
     # -- the checks, in order: what it is, its version, its proof (before anything else), who it is, its config
     def _check(self, message: Message) -> Hello:
         if not isinstance(message, Hello):
@@ -377,6 +403,7 @@ class ServerHandshake(_Machine):
                 "a wrong proof (another token, or one made for another connection or other values)"
             raise AuthenticationError(f"authentication failed for {peer}: {what} of the cluster token",
                                       who=self.who, missing=not message.auth)
+        self._proven = message
         self._check_peer(message, peer)
         if self.config_items is not None and message.config_items:
             self._check_config(message, peer)
@@ -461,13 +488,25 @@ class ClientHandshake(_Machine):
         self._expect("await_challenge", "await_welcome")
         try:
             if isinstance(message, Failure):
-                raise HandshakeRefused(f"{self.who} refused the connection: {message.message}", who=self.who,
-                                       reason=message.message, code=message.code)
+                raise self._refused(message)
             if self._state == "await_challenge":
                 return self._answer(message)
             return self._finish(message)
         except HandshakeError as exc:
             raise self._fail(exc) from None
+
+    def _refused(self, refusal: Failure) -> HandshakeRefused:
+        """The error for ``refusal``. With a token, one without a proof that holds (:func:`refusal_proof`) is
+        code ``unproven``: whoever sent it did not show the token, so a worker does not give up on its word
+        (``duplicate``, ``mismatch``) but retries, as from a server that is not up."""
+        text = f"{self.who} refused the connection: {refusal.message}"
+        if self.token is None:
+            return HandshakeRefused(text, who=self.who, reason=refusal.message, code=refusal.code)
+        if self._hello is None or not _proof_holds(refusal_proof(self.token, self._challenge, self._hello, refusal),
+                                                   refusal.auth):
+            return HandshakeRefused(f"{text} (a refusal without a proof of the cluster token: not taken as the "
+                                    f"server's word)", who=self.who, reason=refusal.message, code="unproven")
+        return HandshakeRefused(text, who=self.who, reason=refusal.message, code=refusal.code)
 
     def _make_hello(self) -> Hello:
         hello = dataclasses.replace(self._template, nonce=self._nonce)

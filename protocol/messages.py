@@ -317,10 +317,17 @@ class Failure(Message):
     what: str = ""  # what did not happen in time
     timeout_s: float = 0.0  # and how long it was given
     detail: str = ""
+    # A refusal at the handshake, with a cluster token: HMAC-SHA256 over both nonces, the refused Hello and every
+    # other field of this Failure (protocol.handshake.refusal_proof). A refusal without it is not trusted.
+    auth: str = ""
 
     def validate(self) -> None:
         for name in ("name", "ours", "theirs", "peer", "what", "detail"):
             _check_text("failure", name, getattr(self, name))
+        if len(self.auth) > MAX_PROOF_CHARS:
+            raise LocalProtocolError(f"failure: proof of {len(self.auth)} characters; at most {MAX_PROOF_CHARS}",
+                                     what="failure proof", size=len(self.auth), limit=MAX_PROOF_CHARS,
+                                     unit="characters")
         if not (math.isfinite(self.timeout_s) and self.timeout_s >= 0):
             raise LocalProtocolError(f"failure timeout_s must be finite and >= 0, got {shown(self.timeout_s)}")
 

@@ -228,6 +228,29 @@ def test_a_fake_server_is_refused_and_never_sent_sums(tmp_path):
     assert "did not prove the cluster token" in logs
 
 
+def test_a_strangers_refusal_is_not_taken_as_the_servers_word(tmp_path):
+    """A stranger on server 2's port answers every Hello with the refusal that makes a worker give up at once
+    and stay away (``duplicate``: another daemon has its id), without the token's proof. It used to be believed:
+    each rank failed with "already served by another daemon" and the worker made no attempt for a timeout."""
+    path = _token_cluster(tmp_path)
+    free = load_config(path).servers[2]
+
+    def refuse(worker: socket.socket) -> None:
+        reader = FrameReader()
+        worker.sendall(_frame(Challenge("f00d" * 8, PROTOCOL_VERSION)))
+        got, _ = _read(worker, reader, 5, lambda ms: any(isinstance(m, Hello) for m in ms))
+        hello = next((m for m, _ in got if isinstance(m, Hello)), None)
+        if hello is not None:
+            worker.sendall(_frame(Failure(-1, f"worker {hello.id} is already served by another daemon",
+                                          code="duplicate", peer=f"worker {hello.id}", auth="00" * 32)))
+
+    results, logs = _one_sum_beside(Stranger(free.port, refuse), path, "refused")
+    for r in results:
+        assert r["error"] is not None and r.get("wrong") is None, r
+        assert "cannot reach server 2" in r["error"] and "without a proof of the cluster token" in r["error"], r
+    assert "ERROR" not in logs  # a duplicate daemon is an error in the log; a stranger's say-so is not
+
+
 def test_cluster_files_that_differ_fail_the_job_at_once(tmp_path):
     """Worker 1's file swaps the two CPU-only servers' addresses (issue 14, item 7)."""
     path = write_config(tmp_path / "c", [1, 1], cpu_servers=2, cluster={"timeout": 3.0, "partition_bytes": 16384})

@@ -27,6 +27,7 @@ from protocol.handshake import (
     ShmOffer,
     UnexpectedPeerError,
     VersionMismatchError,
+    refusal_proof,
     welcome_proof,
 )
 from protocol.messages import (
@@ -413,11 +414,56 @@ def test_a_cluster_file_no_handshake_could_carry_is_refused_at_start_up():
 # -- refusals, misuse and the error state -------------------------------------------------------------
 
 def test_a_failure_is_a_refusal_with_its_code():
-    client = ClientHandshake(worker_hello(), token=TOKEN, who="server 1")
+    client = ClientHandshake(worker_hello(), token=None, who="server 1")
     client.receive(wire(Challenge("ab" * 16, PROTOCOL_VERSION)))
     with pytest.raises(HandshakeRefused, match="server 1 refused the connection: authentication failed") as info:
         client.receive(wire(Failure(-1, "authentication failed for worker 1", code="protocol_error")))
     assert info.value.code == "protocol_error" and info.value.reason.startswith("authentication failed")
+
+
+def _refused_by(server: ServerHandshake, client: ClientHandshake, failure: Failure) -> HandshakeRefused:
+    """What ``client`` raises for ``failure`` as ``server`` sends it after the client's Hello."""
+    server.receive(wire(client.receive(wire(server.start()))))
+    with pytest.raises(HandshakeRefused) as info:
+        client.receive(wire(server.refuse(failure)))
+    return info.value
+
+
+def test_with_a_token_a_servers_refusal_is_signed_and_keeps_its_code():
+    refused = _refused_by(tcp_server(), ClientHandshake(worker_hello(), token=TOKEN, who="server 1"),
+                          Failure(-1, "worker 1 is already served by another daemon", code="duplicate"))
+    assert refused.code == "duplicate" and str(refused) == \
+        "server 1 refused the connection: worker 1 is already served by another daemon"
+
+
+@pytest.mark.parametrize("forge", ["none", "zeros", "other token", "other connection", "other text"])
+def test_with_a_token_a_refusal_without_its_proof_is_unproven(forge):
+    """A stranger on the server's address cannot make a worker give up (``duplicate``, ``mismatch``): a refusal
+    whose proof does not hold, for this connection and these words, is code ``unproven``."""
+    client, server = ClientHandshake(worker_hello(), token=TOKEN, who="server 1"), tcp_server()
+    challenge = server.start()
+    hello = client.receive(wire(challenge))
+    server.receive(wire(hello))
+    failure = Failure(-1, "worker 1 is already served by another daemon", code="duplicate")
+    signed = server.refuse(failure)
+    sent = {"none": dataclasses.replace(signed, auth=""),
+            "zeros": dataclasses.replace(signed, auth="00" * 32),
+            "other token": dataclasses.replace(failure, auth=refusal_proof(b"another token", challenge, hello,
+                                                                            failure)),
+            "other connection": dataclasses.replace(failure, auth=refusal_proof(
+                TOKEN, Challenge("cd" * 16, PROTOCOL_VERSION), hello, failure)),
+            "other text": dataclasses.replace(signed, message="worker 1 is yours")}[forge]
+    with pytest.raises(HandshakeRefused, match="without a proof of the cluster token") as info:
+        client.receive(wire(sent))
+    assert info.value.code == "unproven"
+
+
+def test_a_refusal_before_the_hello_proved_the_token_goes_unsigned():
+    server = tcp_server()
+    server.start()
+    with pytest.raises(AuthenticationError):
+        server.receive(wire(worker_hello()))  # no proof
+    assert server.refuse(Failure(-1, "authentication failed", code="protocol_error")).auth == ""
 
 
 def test_after_an_error_the_machine_refuses_use():
