@@ -4,25 +4,29 @@ A Unix socket is found by its path, so whoever can write the directory that hold
 socket there (before the daemon starts, or in place of a stale one) and receive the training processes'
 connections and shared-memory names. A worker daemon therefore uses a socket directory only when it is
 owned by us (or by root, who can do anything anyway) and writable by neither its group nor others; a
-directory that another user pre-created in ``/tmp``, or ``/tmp`` itself, is refused with one line.
+directory that another user pre-created in ``/tmp``, or ``/tmp`` itself, is refused with one line. So is one
+inside a directory that another user owns, or that others may write without the sticky bit (they could
+rename ours away and put theirs in its place), unless that directory is a volume's mount point: a pod's
+emptyDir is 0777, written by the pod's own containers.
 
 The launcher (``bps-launch``) keeps a worker's socket where the cluster file says when that directory
 already exists and passes the check; otherwise (the demo's ``/tmp/bps`` on a fresh box, or one squatted
 by someone else) it puts it in its own private run directory: under ``$XDG_RUNTIME_DIR`` where that is
 set and safe, else a fresh mode-700 directory of the system's temporary directory.
 
-Decisions only look at ``os.lstat``/``os.stat``; nothing here binds a socket.
+Decisions only look at ``os.lstat``/``os.stat`` and ``/proc/self/mountinfo``; nothing here binds a socket.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 from dataclasses import dataclass
 from typing import Final, Literal, Mapping
 
-__all__ = ["Problem", "UnsafeSocketDirError", "ensure_socket_dir", "launch_socket_path", "private_base",
-           "socket_dir_problem"]
+__all__ = ["Problem", "UnsafeSocketDirError", "ensure_socket_dir", "launch_socket_path", "mount_points",
+           "private_base", "socket_dir_problem"]
 
 #: Mode of a socket directory the worker daemon creates: others may reach the socket (its own mode,
 #: ``--socket-mode``, decides who may connect), nobody else may add or replace files.
@@ -50,12 +54,15 @@ class UnsafeSocketDirError(PermissionError):
         self.problem = problem
 
 
-def socket_dir_problem(path: str, *, uid: int | None = None) -> Problem | None:
+def socket_dir_problem(path: str, *, uid: int | None = None, mounts: frozenset[str] | None = None
+                       ) -> Problem | None:
     """None if ``path`` is a directory we may put a socket in; else what is wrong with it.
 
     ``uid``: the user the socket is for (default: our effective uid). Owned by ``uid`` or root, and
-    writable by neither group nor others. A symbolic link is followed only if ``uid`` or root owns it
-    (a link in ``/tmp`` that someone else owns could be pointed elsewhere after the check).
+    writable by neither group nor others; so is every directory above it (:func:`_ancestor_problem`). A
+    symbolic link is followed only if ``uid`` or root owns it (a link in ``/tmp`` that someone else owns
+    could be pointed elsewhere after the check). ``mounts``: the mount points (default: this process's,
+    from ``/proc/self/mountinfo``).
     """
     me = os.geteuid() if uid is None else uid
     trusted = (me, ROOT_UID)
@@ -76,7 +83,42 @@ def socket_dir_problem(path: str, *, uid: int | None = None) -> Problem | None:
         who = "others" if st.st_mode & stat.S_IWOTH else "its group"
         return Problem("writable", f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}); they could "
                                    "replace the socket")
-    return None
+    return _ancestor_problem(path, trusted, me, mount_points() if mounts is None else mounts)
+
+
+def _ancestor_problem(path: str, trusted: tuple[int, ...], me: int, mounts: frozenset[str]) -> Problem | None:
+    """What lets another user rename the directory away and put theirs in its place: a directory above it
+    owned by someone else, or one that others may write without the sticky bit (``/tmp``'s 1777 protects it).
+
+    A mount point that others may write is not refused: a volume mounted to be shared, such as a Kubernetes
+    pod's emptyDir (0777, or 2777 with fsGroup), may be written by whom it was mounted for (the pod's own
+    containers), which is its mounter's decision; a directory a user made writable for all is not."""
+    parent = os.path.dirname(os.path.realpath(path))
+    while True:
+        st = os.stat(parent)
+        if st.st_uid not in trusted:
+            return Problem("foreign_owner", f"is in {parent}, owned by uid {st.st_uid}, not by this user "
+                                            f"(uid {me}); it could replace the directory")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX and parent not in mounts:
+            who = "others" if st.st_mode & stat.S_IWOTH else "its group"
+            return Problem("writable", f"is in {parent}, writable by {who} without the sticky bit (mode "
+                                       f"{stat.S_IMODE(st.st_mode):o}); they could replace the directory")
+        if parent == os.path.dirname(parent):
+            return None
+        parent = os.path.dirname(parent)
+
+
+def mount_points(mountinfo: str = "/proc/self/mountinfo") -> frozenset[str]:
+    """This process's mount points (the fifth field of each line, its octal escapes undone); none if the file
+    cannot be read (then no directory above a socket's is taken for a volume)."""
+    try:
+        with open(mountinfo, encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return frozenset()
+    unescape = re.compile(r"\\([0-7]{3})")
+    return frozenset(unescape.sub(lambda m: chr(int(m.group(1), 8)), line.split(" ")[4])
+                     for line in lines if line.count(" ") >= 4)
 
 
 def ensure_socket_dir(path: str) -> None:
@@ -84,7 +126,17 @@ def ensure_socket_dir(path: str) -> None:
 
     For the worker daemon before it binds its socket. Raises :class:`UnsafeSocketDirError`.
     """
-    os.makedirs(path, mode=CREATE_MODE, exist_ok=True)
+    missing = []
+    head = os.path.abspath(path)
+    while not os.path.lexists(head):  # (each made 755 whatever the umask: a parent too is checked, below)
+        missing.append(head)
+        head = os.path.dirname(head)
+    for made in reversed(missing):
+        try:
+            os.mkdir(made, CREATE_MODE)
+        except FileExistsError:
+            continue  # (made meanwhile: judged below as any other)
+        os.chmod(made, CREATE_MODE)
     problem = socket_dir_problem(path)
     if problem is not None:
         raise UnsafeSocketDirError(path, problem)

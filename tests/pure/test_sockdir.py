@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -42,12 +43,66 @@ def test_a_directory_writable_by_others_is_refused(tmp_path, mode, who):
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o2777])
-def test_the_kubernetes_recipes_socket_directory_in_an_empty_dir_is_accepted(tmp_path, mode):
-    """configs/kubernetes: the socket is in run/bps/sock, made by the worker in a pod's emptyDir (mode 0777, or
-    2777 with fsGroup; writable only by the pod's own containers). A check of the directories above must not
-    refuse it (one did, in session 29, and was reverted)."""
+def test_the_kubernetes_recipes_socket_directory_in_an_empty_dir_is_accepted(tmp_path, monkeypatch, mode):
+    """configs/kubernetes: the socket is in run/bps/sock, made by the worker in a pod's emptyDir (a volume mounted
+    at /run/bps, mode 0777, or 2777 with fsGroup; writable only by the pod's own containers). A check of the
+    directories above must not refuse it (one did, in session 29, and was reverted)."""
     empty_dir = _dir(tmp_path, "bps-run", mode)
+    monkeypatch.setattr(sockdir, "mount_points", lambda: frozenset({empty_dir}))
     sockdir.ensure_socket_dir(os.path.join(empty_dir, "sock"))
+    assert oct(os.stat(os.path.join(empty_dir, "sock")).st_mode & 0o7777) == oct(sockdir.CREATE_MODE)
+
+
+def test_a_safe_directory_in_one_that_others_may_write_is_refused_unless_that_one_is_sticky(tmp_path):
+    """Whoever may write a directory above ours can rename ours away and put theirs in its place (a parent
+    of mode 777 that is no volume's mount point); the sticky bit (``/tmp``'s 1777) lets only the owner rename it."""
+    shared = _dir(tmp_path, "shared", 0o777)
+    inner = _dir(Path(shared), "run", 0o700)
+    problem = sockdir.socket_dir_problem(inner, mounts=frozenset())
+    assert problem is not None and problem.kind == "writable"
+    assert f"is in {shared}, writable by others without the sticky bit (mode 777)" in problem.text
+    with pytest.raises(sockdir.UnsafeSocketDirError):
+        sockdir.ensure_socket_dir(os.path.join(shared, "made", "here"))  # (created, then refused)
+    assert sockdir.socket_dir_problem(inner, mounts=frozenset({shared})) is None  # a volume's mount point
+    os.chmod(shared, 0o1777)
+    assert sockdir.socket_dir_problem(inner, mounts=frozenset()) is None
+
+
+@pytest.mark.skipif(ME != 0, reason="chown to another uid needs root")
+def test_a_safe_directory_in_one_another_user_owns_is_refused(tmp_path):
+    theirs = _dir(tmp_path, "theirs", 0o755, owner=NOBODY)
+    os.chown(theirs, ME, -1)
+    inner = _dir(Path(theirs), "run", 0o700)
+    os.chown(theirs, NOBODY, -1)
+    problem = sockdir.socket_dir_problem(inner)
+    assert problem is not None and problem.kind == "foreign_owner" and f"is in {theirs}, owned by uid {NOBODY}" \
+        in problem.text
+
+
+def test_the_mount_points_are_read_with_their_escapes(tmp_path):
+    info = tmp_path / "mountinfo"
+    info.write_text("22 1 0:21 / / rw - overlay overlay rw\n"
+                    "46 22 0:40 / /run/bps rw,relatime - tmpfs none rw,mode=777\n"
+                    "47 22 0:41 / /mnt/with\\040space rw - tmpfs none rw\n")
+    assert sockdir.mount_points(str(info)) == {"/", "/run/bps", "/mnt/with space"}
+    assert sockdir.mount_points(str(tmp_path / "missing")) == frozenset()
+    assert "/" in sockdir.mount_points()
+
+
+@pytest.mark.skipif(ME != 0, reason="mounting a tmpfs needs root")
+def test_a_real_volume_of_mode_777_holds_the_socket_directory(tmp_path):
+    """As in a pod: a tmpfs of mode 777 mounted for the purpose (skipped where this box may not mount)."""
+    volume = _dir(tmp_path, "volume", 0o755)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0777,size=1m", "none", volume],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        sockdir.ensure_socket_dir(os.path.join(volume, "sock"))
+        beside = _dir(tmp_path, "beside", 0o777)  # the same mode, but no volume: refused
+        with pytest.raises(sockdir.UnsafeSocketDirError, match="without the sticky bit"):
+            sockdir.ensure_socket_dir(os.path.join(beside, "sock"))
+    finally:
+        subprocess.run(["umount", volume], check=True)
 
 
 @pytest.mark.skipif(ME != 0, reason="chown to another uid needs root")
