@@ -22,9 +22,13 @@ sums. In asynchronous mode the server *holds* each key's value (a parameter) and
   A connected but slow machine is waited for, with a stall note after the timeout.
 
 Server restarts. A restarted server has no values. Every answer carries the value and the vector, and
-each worker keeps its last answer per key; on reconnecting to a new incarnation it replays them
-(``restore``) and then says ``Restored``. From the first restore until every worker said so (or the
-timeout passed) no push or init is applied to any key: they wait, in arrival order. A restore is taken
+each worker keeps its last answer per key; on its first connection to a run of the server it replays them
+(``restore``; none to a run it never talked to before, or from a daemon that started anew) and then says
+``Restored``. The run cannot tell whether it is a restart, nor whether a worker holds copies, before every
+worker said so: from its first contact with a worker (a push, a copy, a ``Restored``) until every worker
+said so (or the timeout passed) no push or init is applied to any key: they wait, in arrival order. (A
+worker that came first with no copies, say a rejoining root, would otherwise set the value that a
+survivor's copy then replaced or contradicted.) A restore is taken
 when the key has no value or its vector dominates the key's (entry by entry at least as large): the old
 server produced every copy in one order, so the freshest copy dominates the others. A delta pushed
 again afterwards is added only if the vector does not cover its step. float16/bfloat16 values restored
@@ -126,8 +130,8 @@ class ValueStore(Generic[W]):
         self.worker_of_rank = worker_of_rank
         self.keys: dict[Key, _Key[W]] = {}
         self.pending: list[_Waiter[W]] = []  # pushes and inits that wait for a restore or a value, in order
-        self.restoring_since: float | None = None  # first restore of a restart, until every worker restored
-        self.restored: set[int] = set()
+        self.restoring_since: float | None = None  # first contact of this run, until every worker restored
+        self.restored: set[int] = set()  # workers that sent their copies (all of them once the restore is over)
         self.disconnected: dict[int, float] = {}  # since when
         # Workers that connected to this run: one that never does (a machine that died before this server
         # restarted) counts as disconnected from this run's first sweep, or it held the others back for ever.
@@ -143,6 +147,7 @@ class ValueStore(Generic[W]):
     def push(self, push: Push, payload: np.ndarray, handle: W, now: float, lease: Lease | None = None
              ) -> list[Action[W]]:
         """An ``async_init`` or ``async`` push of ``payload`` (read now, or copied if it must wait)."""
+        self._contact(now)
         self._joined(push.worker)
         waiter = _Waiter(push, handle, now)
         if self.restoring_since is not None or (
@@ -270,8 +275,7 @@ class ValueStore(Generic[W]):
     # -- restarts ------------------------------------------------------------------------------------
     def restore(self, push: Push, payload: np.ndarray, now: float) -> list[Action[W]]:
         """A worker's copy of a key's value and vector from this server's previous run (a replayed push)."""
-        if self.restoring_since is None and len(self.restored) < self.n:
-            self.restoring_since = now
+        self._contact(now)
         key = (push.name, push.part)
         st = self.keys.get(key)
         applied = list(push.applied)
@@ -302,10 +306,16 @@ class ValueStore(Generic[W]):
 
     def worker_restored(self, worker: int, now: float) -> list[Action[W]]:
         """``worker`` sent every copy it holds for this server; the restore ends once all did."""
+        self._contact(now)
         self.restored.add(worker)
         if len(self.restored) >= self.n and self.restoring_since is not None:
             return self._restore_over(now)
         return []
+
+    def _contact(self, now: float) -> None:
+        """A worker reached this run: the restore starts now, unless it did or is over (module docstring)."""
+        if self.restoring_since is None and len(self.restored) < self.n:
+            self.restoring_since = now
 
     def _restore_over(self, now: float) -> list[Action[W]]:
         self.restoring_since = None
@@ -351,7 +361,7 @@ class ValueStore(Generic[W]):
         if len(self.reset_workers) >= self.n:
             keys, self.keys = self.keys, {}
             pending, self.pending = self.pending, []
-            self.restoring_since, self.restored = None, set()
+            self.restoring_since, self.restored = None, set(range(self.n))  # no worker keeps a copy of them
             self.reset_workers.clear()
             self.excluded = {w for w in self.excluded if w in self.disconnected}  # the next job waits for all
             why = Why("every worker reset: the job ended", "round_failed")
@@ -370,7 +380,7 @@ class ValueStore(Generic[W]):
         actions: list[Action[W]] = []
         if self.restoring_since is not None and now - self.restoring_since >= self.timeout_s:
             missing = sorted(set(range(self.n)) - self.restored)
-            actions.append(Note(logging.WARNING, f"restore after a restart: no word from worker "
+            actions.append(Note(logging.WARNING, f"restore at this run's start: no word from worker "
                                                  f"{', '.join(map(str, missing))} within {self.timeout_s:g} s; "
                                                  f"going on with the copies the others sent"))
             actions += self._restore_over(now)

@@ -31,7 +31,10 @@ finished sum of every partition key it got from that server (a peer may not have
 before the crash), then pushes again every partition still in flight (the contributions are
 intact: results land in a separate buffer). If it is the same incarnation (the connection alone
 broke, and the server already failed the rounds that needed us), the held pushes fail. Round queries
-sent and not answered are asked again on the new connection, whichever incarnation answers.
+sent and not answered are asked again on the new connection, whichever incarnation answers. On
+stream 0 the replays end with ``Restored``, which the link's first connection sends too (it holds no
+copies for a run it never talked to): a server run applies no asynchronous push before every worker
+sent it (``bps_server.values``).
 
 Authentication: every connection starts with :class:`protocol.handshake.ClientHandshake` (the Hello
 carries our cluster file's placement entries). With a cluster token the server must prove it on our
@@ -880,6 +883,8 @@ class ServerLink:
             self._send(proto, message)
         restarted = previous is not None and previous != welcome.incarnation
         self._settle_held(proto, restarted=restarted)
+        if previous is None and self.stream == 0:  # a run we never talked to: we hold no copies for it, and its
+            self._send(proto, Restored(self.worker_id))  # values wait until every worker said so (bps_server.values)
         if self.on_ready is not None:
             self.on_ready(restarted)
         self.pump()

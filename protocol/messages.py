@@ -557,9 +557,10 @@ class RoundInfo(Message):
 
 @dataclass(frozen=True, slots=True)
 class Restored(Message):
-    """Worker -> a restarted server, on its first connection: every copy of an asynchronous value it holds
-    for that server went before this (replayed pushes). The server applies no delta to a key until every
-    worker said so, or the timeout passed (bps_server.values, "Server restarts")."""
+    """Worker -> a server, on its first connection to that run of it: every copy of an asynchronous value it
+    holds for that server went before this (replayed pushes; none to a run it never talked to before). The
+    server applies no push to a key until every worker said so, or the timeout passed (bps_server.values,
+    "Server restarts")."""
 
     TYPE: ClassVar[str] = "restored"
     worker: int

@@ -14,8 +14,17 @@ N = 3
 T = 10.0  # the timeout
 
 
-def store(n: int = N) -> ValueStore[str]:
+def restarted(n: int = N) -> ValueStore[str]:
+    """A run no worker has reached yet (its start, or a restart)."""
     return ValueStore(n, timeout_s=T, worker_of_rank=lambda rank: rank // 2)
+
+
+def store(n: int = N) -> ValueStore[str]:
+    """A run every worker reached, with no copies to restore."""
+    s = restarted(n)
+    for w in range(n):
+        s.worker_restored(w, 0.0)
+    return s
 
 
 def init(worker: int, *, root: int = 0, staleness: int = -1, count: int = 4, dtype: str = "float32") -> Push:
@@ -113,7 +122,7 @@ def test_a_dead_machine_fails_what_it_holds_back_then_holds_nobody() -> None:
 def test_a_machine_that_never_connects_to_a_restarted_server_holds_nobody_back_after_the_timeout() -> None:
     """A server restarted after machine 2 died: the new run never hears from it, and used to count it live for
     ever (only a connection lost in this run made a machine count as gone), holding the others' steps back."""
-    s = store()
+    s = restarted()
     s.worker_connected(0)
     s.worker_connected(1)
     assert s.sweep(1.0) == []  # no value yet: nobody to declare anything to
@@ -160,7 +169,7 @@ def restore_push(worker: int, applied: list[int], staleness: int = -1) -> Push:
 
 
 def test_a_restart_takes_the_freshest_copy_and_applies_no_delta_twice() -> None:
-    s = store()
+    s = restarted()
     s.restore(restore_push(0, [2, 1, 0]), arr(3, 3, 3, 3), 0.0)
     assert s.push(delta(0, 3), arr(1, 0, 0, 0), "a3", 0.1) == []  # restoring: waits for every worker
     s.restore(restore_push(1, [2, 2, 0]), arr(4, 4, 4, 4), 0.2)  # fresher: taken
@@ -174,7 +183,7 @@ def test_a_restart_takes_the_freshest_copy_and_applies_no_delta_twice() -> None:
 
 
 def test_a_restore_without_every_worker_ends_at_the_timeout() -> None:
-    s = store()
+    s = restarted()
     s.restore(restore_push(0, [1, 0, 0]), arr(1, 1, 1, 1), 0.0)
     s.push(delta(0, 2), arr(1, 1, 1, 1), "a", 0.1)
     assert answers(s.sweep(T - 0.1)) == {}
@@ -220,7 +229,7 @@ def test_random_interleavings_with_restarts_keep_every_delta_exactly_once() -> N
 
         for now in np.arange(1.0, 2.0, 0.01):
             if rng.random() < 0.05:  # a restart
-                s = store()
+                s = restarted()
                 for who, (value, applied) in kept.items():
                     s.restore(restore_push(who, applied, bound), value, now)
                 for who in range(N):
@@ -256,3 +265,17 @@ def test_a_machine_whose_processes_left_holds_nobody_back_until_it_pushes_again_
     s.push(delta(2, 1), arr(1, 1, 1, 1), "c", 3.0)  # its processes are back: it is waited for again
     s.push(delta(0, 2), arr(1, 1, 1, 1), "d", 4.0)
     assert answers(s.push(delta(1, 2), arr(1, 1, 1, 1), "e", 4.0)) == {}  # both wait for worker 2's step 2
+
+
+def test_a_restarted_run_takes_the_copies_before_a_push_that_came_first() -> None:
+    """After a restart, the rejoining root's machine (a new daemon: no copies) reached the new run first. Its init
+    was applied at once and became the value; the survivor's copy then replaced it (the root's next steps, from
+    its init's vector, were replays of old ones) or was ignored. No push is applied before every worker said
+    which copies it holds, from the run's first contact on."""
+    s: ValueStore[str] = ValueStore(2, timeout_s=T, worker_of_rank=lambda rank: rank // 2)
+    assert s.push(init(0), arr(9, 9, 9, 9), "root", 0.0) == []  # copies may come: it waits
+    s.worker_restored(0, 0.0)  # the new daemon holds none
+    s.restore(Push(0, "w", 0, 0, 1, "float32", [4], 0, 4, kind=KIND_ASYNC, replay=True, applied=[5, 3]),
+              arr(4, 4, 4, 4), 0.1)
+    got = answers(s.worker_restored(1, 0.2))
+    assert got["root"].value.tolist() == [4, 4, 4, 4] and got["root"].applied == [5, 3]  # its steps go on from 5
