@@ -450,6 +450,7 @@ class ServerLink:
             in_flight = self.window.in_flight(item.req) is item
             if item.via_shm and not future.done() and (in_flight or item.held):
                 return False
+            self._round_lost(item)
             if self.window.abandon(item):
                 self._after_answer(item)
                 reader = self._proto.reader if self._proto is not None else None
@@ -729,10 +730,16 @@ class ServerLink:
         item = self.window.answered(message.req, self.running_loop().time())
         self._after_answer(item)
         if item is not None:
-            if item.push.kind not in ASYNC_KINDS:  # an older value with its vector is still a good copy
-                self.window.drop_sum(item.key)
+            self._round_lost(item)
             if not item.future.done():
                 item.future.set_exception(failure_error(self.spec.id, message))
+
+    def _round_lost(self, item: OutgoingPush) -> None:
+        """``item`` failed or was given up: the last sum of a synchronous partition is no longer replayed. An
+        asynchronous partition's copy is: an older value with its vector is still a good copy (and may hold
+        deltas of ours that no other copy holds)."""
+        if item.push.kind not in ASYNC_KINDS:
+            self.window.drop_sum(item.key)
 
     def _trace(self, item: OutgoingPush) -> None:
         """Timeline of one answered push: waiting in our queue, on the server, and its sum arriving."""

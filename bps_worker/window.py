@@ -263,8 +263,10 @@ class SendWindow(Generic[P]):
     def abandon(self, piece: P) -> bool:
         """Its caller gave ``piece`` up: no sum of it is replayed, and if it is in flight (returns True)
         it leaves the window as if answered (a late answer finds no piece). A queued one stays, and is
-        dropped unsent once :meth:`Piece.settled`."""
-        self._sums.pop(piece.key, None)
+        dropped unsent once :meth:`Piece.settled`. The sum kept of an earlier piece of its partition stays
+        (the link drops it where the partition's round is lost, :meth:`drop_sum`)."""
+        if self._sums.get(piece.key) is piece:
+            del self._sums[piece.key]
         if self._inflight.get(piece.req) is not piece:
             return False
         del self._inflight[piece.req]

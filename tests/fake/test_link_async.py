@@ -84,3 +84,21 @@ async def test_a_failed_delta_keeps_the_copy_before_it():
     assert isinstance(replay, Push) and replay.applied == [1, 0] and np.frombuffer(copy, np.float32).tolist() == [7, 8]
     assert restored == Restored(0)
     link.close()
+
+
+async def test_a_delta_given_up_keeps_the_copy_before_it():
+    """Another piece of the same local round failed, so the op gave this one up (``forget``): the window dropped
+    the partition's kept copy with it, and a restarted server lost the deltas only that copy held."""
+    link, proto, transport = _link(0)
+    dest = memoryview(bytearray(8))
+    link.push({**FIELDS, "round": 1, "kind": KIND_ASYNC}, memoryview(bytearray(8)), dest, 0)
+    _answer(link, proto, _last_push(transport), [7, 8], [1, 0])
+    given_up = link.push({**FIELDS, "round": 2, "kind": KIND_ASYNC}, memoryview(bytearray(8)), dest, 0)
+    assert link.forget(given_up) and given_up.cancelled()
+    link.on_broken(proto, "lost connection to server 0")
+    proto, transport = _connected(link)
+    link._settle_held(proto, restarted=True)
+    (replay, copy), (restored, _) = transport.messages()
+    assert isinstance(replay, Push) and replay.applied == [1, 0] and np.frombuffer(copy, np.float32).tolist() == [7, 8]
+    assert restored == Restored(0)
+    link.close()
