@@ -60,6 +60,7 @@ from protocol.messages import (
     Announce,
     Reset,
     Restored,
+    ValuesDropped,
     Result,
     RoundInfo,
     RoundQuery,
@@ -318,7 +319,10 @@ class ServerConnection(AdmittedProtocol):
         if reset.worker != self.worker:
             raise RemoteProtocolError(f"worker {self.worker} sent a reset for worker {reset.worker}")
         failed = self.server.aggregator.worker_reset(reset.worker, reset.epoch)
-        self.server.values.reset(reset.worker)
+        dropped = self.server.values.reset(reset.worker)
+        if dropped:  # the job ended: the copies the workers kept of its values are void
+            for link in list(self.server.links.values()):
+                link.send(ValuesDropped(dropped))
         endings = self.server.fusion.endings
         self.server.fused(self.server.fusion.worker_gone(reset.worker, Why(
             f"every training process of worker {reset.worker} left", "round_failed"), reset=True,
