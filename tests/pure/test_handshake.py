@@ -282,22 +282,22 @@ def test_a_proof_made_with_another_token_is_refused():
 
 # -- versions -------------------------------------------------------------------------------------
 
-def test_protocol_version_is_6():
-    assert PROTOCOL_VERSION == 6  # 6: lane generations of fused sums (protocol/__init__.py)
+def test_protocol_version_is_7():
+    assert PROTOCOL_VERSION == 7  # 7: ValuesDropped (protocol/__init__.py)
 
 
 def test_the_server_refuses_another_version():
     server = tcp_server(token=None)
     server.start()
-    with pytest.raises(VersionMismatchError, match="protocol version 1 not supported \\(server 1 speaks 6\\)") \
+    with pytest.raises(VersionMismatchError, match="protocol version 1 not supported \\(server 1 speaks 7\\)") \
             as info:
         server.receive(wire(Hello(1, ROLE_WORKER, 0)))
-    assert (info.value.ours, info.value.theirs) == (6, 1)
+    assert (info.value.ours, info.value.theirs) == (7, 1)
 
 
 def test_the_client_refuses_another_version_before_saying_anything():
     client = ClientHandshake(worker_hello(), token=TOKEN, who="server 1")
-    with pytest.raises(VersionMismatchError, match="server 1 speaks protocol version 1; this side speaks 6"):
+    with pytest.raises(VersionMismatchError, match="server 1 speaks protocol version 1; this side speaks 7"):
         client.receive(wire(Challenge("ab" * 16, 1)))
     client = ClientHandshake(Hello(PROTOCOL_VERSION, ROLE_CLIENT, 0), challenge=False)
     client.start()
