@@ -22,6 +22,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from .link import ServerLink
 from .local_rounds import Action, Failed, LocalRound, LocalRounds, Opened, Ready, Refused, describe, failure_for
 from .operation import run_operation, segment_buffer
 from .placement import Placement
+from .result_holds import ResultHolds
 from .session import ClientSession, client_admission
 from .sockdir import ensure_socket_dir
 from .stalls import WorkerStalls
@@ -140,14 +142,14 @@ class WorkerDaemon:
         self.round_queries: dict[str, asyncio.Future[int]] = {}
         # Per asynchronous name, its steps and bound as this machine's init learned them (bps_worker.async_operation).
         self.async_names: dict[str, AsyncName] = {}
-        # Per name, the machine's local sum (what is pushed) and the global sum (where results land),
-        # in shared memory so that a colocated server reads and writes them in place. Apart, so that
-        # a contribution stays intact until its result is complete (a restarted server gets it again),
-        # and a result stays intact until the next one (a restarted server may need it for a peer).
-        # Each arena (these two, and every process's slots) is capped (cluster.arena_bytes), idle tensors freed.
+        # Per name, the machine's local sum (pushed) and the global sum (where results land), in shared memory for a
+        # colocated server to read and write in place; apart, so that a contribution stays intact until its result
+        # is complete and a result until the next one (both for a restarted server), and, for room, until
+        # its processes mapped it (.holds). Each arena (these, every process's slots) is capped: cluster.arena_bytes.
         self.arena_bytes = config.cluster.arena_bytes or shm.default_arena_bytes()
         self.staging = shm.Arena(config.worker_id, config.segment_mode, self.arena_bytes)
         self.results = shm.Arena(config.worker_id, config.segment_mode, self.arena_bytes)
+        self.holds = ResultHolds(cluster.timeout)  # answered results not yet mapped (bps_worker.result_holds)
         self.running: Counter[str] = Counter()  # names whose operation runs: their buffers are not freed for room
         self.tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.AbstractServer | None = None
@@ -387,6 +389,10 @@ class WorkerDaemon:
         """Whether ``name``'s staging and results buffers are in use (its operation runs, or its round is open)."""
         return name in self.running or name in self.rounds.open
 
+    def _result_busy(self, name: str) -> bool:
+        """Whether ``name``'s results buffer is in use: as :meth:`_busy`, or a process has yet to map it."""
+        return name in self.running or name in self.rounds.open or self.holds.held(name)
+
     def _failed(self, action: Failed[ClientSession]) -> None:
         """A local round failed: its members hear why, and so do the peers (at the anchor server)."""
         lr, reason = action.round, action.reason
@@ -457,6 +463,7 @@ class WorkerDaemon:
             self.fusion.carry_out(self.fusion.rounds.leave(session.local_rank, session.pid))
             if not self.sessions and not self.stopping:
                 self._reset()
+        self.holds.drop(session)
         session.release_segments()
 
     def _reset(self) -> None:
@@ -479,6 +486,7 @@ class WorkerDaemon:
         self.reset_since = True
         for link in self.all_links:
             link.reset()  # drops its references into the buffers freed next
+        self.holds.clear()
         self.segments_freed(self.staging.release_all() + self.results.release_all())
 
     def _start_fusion(self) -> None:
@@ -537,7 +545,7 @@ class WorkerDaemon:
     def staging_buffer(self, arena: shm.Arena, name: str, nbytes: int, dtype: str, count: int
                        ) -> tuple[np.ndarray, str, int]:
         """The array of ``name`` in ``arena``, its segment and its byte offset there."""
-        slot, freed = arena.alloc(name, nbytes, busy=self._busy)
+        slot, freed = arena.alloc(name, nbytes, busy=self._result_busy if arena is self.results else self._busy)
         self.segments_freed(freed)
         if self._cuda is not None:
             self._cuda.pin(arena.segments[slot.segment])  # copies from and to the GPU are DMA transfers
@@ -546,6 +554,18 @@ class WorkerDaemon:
         buf = np.frombuffer(segment_buffer(arena, slot.segment), dtype=kernels.STORAGE[dtype], count=count,
                             offset=slot.offset)
         return buf, slot.segment, slot.offset
+
+    async def results_buffer(self, name: str, nbytes: int, dtype: str, count: int) -> tuple[np.ndarray, str, int]:
+        """:meth:`staging_buffer` of the results arena. Where it is at its cap, results that processes have yet
+        to map (``holds``) are not freed for room: this waits for them to be taken or to run out (at most the
+        cluster's timeout), then tries again; ArenaFullError (naming the cap) if there is still no room."""
+        until = time.monotonic() + self.holds.hold_s
+        while True:
+            try:
+                return self.staging_buffer(self.results, name, nbytes, dtype, count)
+            except shm.ArenaFullError:
+                if not await self.holds.ended(until):
+                    raise
 
 
 def is_local_address(host: str) -> bool:

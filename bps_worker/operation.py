@@ -101,6 +101,8 @@ class OperationHost(Protocol):
     def staging_buffer(self, arena: shm.Arena, name: str, nbytes: int, dtype: str, count: int
                        ) -> tuple[np.ndarray, str, int]: ...
 
+    async def results_buffer(self, name: str, nbytes: int, dtype: str, count: int) -> tuple[np.ndarray, str, int]: ...
+
     def segments_freed(self, names: list[str]) -> None: ...
 
     def abort_at_anchor(self, name: str, server_round: int, reason: str) -> None: ...
@@ -179,7 +181,7 @@ class Operation:
             t_sum = now_us()
             contribution = await self.path.gather(self)
             t_push = now_us()
-            scattered = self.scatter(contribution, server_round)
+            scattered = await self.scatter(contribution, server_round)
             error = await self.wait(scattered.futures, server_round)
             if error is not None:
                 self.reply_failed(error, scattered)
@@ -212,10 +214,11 @@ class Operation:
                                                  host.round_base(self.name, self.local_round), reason))
             return None
 
-    def scatter(self, contribution: Contribution, server_round: int) -> Scattered:
-        """Push every piece on its server's link; the sums land in the name's results buffer."""
+    async def scatter(self, contribution: Contribution, server_round: int) -> Scattered:
+        """Push every piece on its server's link; the sums land in the name's results buffer (room for it may have
+        to wait for results that processes have yet to take: ``results_buffer``)."""
         host, op, name, itemsize = self.host, self.op, self.name, self.itemsize
-        out, out_segment, out_base = host.staging_buffer(host.results, name, self.nbytes, op.dtype, self.count)
+        out, out_segment, out_base = await host.results_buffer(name, self.nbytes, op.dtype, self.count)
         raw = contribution.buf.data.cast("B") if self.nbytes else memoryview(b"")
         out_raw = out.data.cast("B") if self.nbytes else memoryview(b"")
         priority = self.priority

@@ -47,6 +47,7 @@ from protocol.messages import (
     Op,
     OpBatch,
     Ping,
+    Taken,
     Welcome,
     check_spec,
     describe_spec,
@@ -54,6 +55,7 @@ from protocol.messages import (
 )
 
 from .local_rounds import describe
+from .result_holds import ResultHolds
 
 if TYPE_CHECKING:
     from .daemon import WorkerConfig
@@ -83,6 +85,7 @@ class SessionHost(Protocol):
     connections: set[ClientSession]  # every open connection, handshaken or not
     admission: Admission  # of the connections that have not sent their Hello yet
     reset_since: bool  # every process left (a reset) and none came since
+    holds: ResultHolds  # results answered in the results segment, not yet mapped by their processes
 
     fusion_bytes: int  # sums of at most this many bytes may come fused (OpBatch)
 
@@ -276,6 +279,10 @@ class ClientSession(AdmittedProtocol):
         if entries:
             self.daemon.submit_batch(self, entries)
 
+    def taken(self, message: Taken) -> None:
+        """The process mapped the results segments of these requests' Dones: they may be freed for room again."""
+        self.daemon.holds.release(self, message.reqs)
+
     def check_op(self, op: Op) -> str | None:
         """Why ``op`` cannot run as described (its memory, dtype or root), or None."""
         if op.name.startswith(FUSED_PREFIX):
@@ -304,6 +311,9 @@ class ClientSession(AdmittedProtocol):
     # -- sending ---------------------------------------------------------------------
     def send(self, message: Message) -> None:
         if isinstance(message, (Done, Failure)):
+            if isinstance(message, Done) and message.segment and message.req in self.inflight:
+                # Kept in the results arena until this process has mapped it (Taken), or for the timeout.
+                self.daemon.holds.hold(self, message.req, self.inflight[message.req][0])
             self._answered((message.req,))
         elif isinstance(message, DoneBatch):
             self._answered(message.reqs)
@@ -347,7 +357,7 @@ class ClientSession(AdmittedProtocol):
 # A handshaken process's messages, by type: functions of the class (bound methods kept by each session would
 # make every session, with its 256 KiB read buffer, a cycle that only the cyclic collector could free).
 HANDLERS: Final[dict[type[Message], Callable[[ClientSession, Any], None]]] = {
-    Alloc: ClientSession.alloc, Op: ClientSession.op, OpBatch: ClientSession.op_batch}
+    Alloc: ClientSession.alloc, Op: ClientSession.op, OpBatch: ClientSession.op_batch, Taken: ClientSession.taken}
 
 
 def _peer(transport: asyncio.BaseTransport) -> tuple[str, str]:

@@ -17,7 +17,7 @@ Connections (who sends what):
   ``Result`` (+ payload, or written in place), ``RoundInfo``, ``ValuesDropped`` or ``Failure``;
   ``StatsRequest``/``Stats`` on both links;
 * client -> worker (Unix socket, never a payload): ``Alloc``/``Allocated``,
-  ``Op``/``Done``/``Failure``.
+  ``Op``/``Done``/``Failure``, ``OpBatch``/``DoneBatch``, and ``Taken`` (results a ``Done`` named, mapped).
 """
 
 from __future__ import annotations
@@ -677,7 +677,9 @@ class Op(Message):
 @dataclass(frozen=True, slots=True)
 class Done(Message):
     """The result of operation ``req`` is in the client's slot, or, when ``segment`` is set (an ``Op`` with
-    ``handback`` false), at ``offset`` in that segment of the worker, until the next round of the same name."""
+    ``handback`` false), at ``offset`` in that segment of the worker, until the next round of the same name.
+    The worker keeps that segment until the client has mapped it (``Taken``), or for the cluster's timeout:
+    after that it may free it for room (its results arena is capped, ``cluster.arena_bytes``)."""
 
     TYPE: ClassVar[str] = "done"
     CHECKED_WHEN_PARSED: ClassVar[bool] = True
@@ -861,6 +863,23 @@ class DoneBatch(Message):
         if not 1 <= len(self.reqs) <= MAX_FUSED_ENTRIES:
             raise LocalProtocolError(f"done batch of {len(self.reqs)} requests; 1 to {MAX_FUSED_ENTRIES} allowed")
         _check_indexes("done batch", "requests", self.reqs, len(self.reqs))
+
+
+@dataclass(frozen=True, slots=True)
+class Taken(Message):
+    """Client tells the worker that it mapped the results segments the ``Done`` of requests ``reqs`` named: its
+    mapping keeps them from now on, so the worker may free them for room again. Sent by the client's reader
+    thread once per read that brought such Dones (never blocking it: a frame it cannot send at once goes ahead
+    of the client's next message). Requests the worker does not hold a result for are ignored."""
+
+    TYPE: ClassVar[str] = "taken"
+    reqs: list[int]
+
+    def validate(self) -> None:
+        if not 1 <= len(self.reqs) <= MAX_FUSED_ENTRIES:
+            raise LocalProtocolError(f"taken of {len(self.reqs)} requests; 1 to {MAX_FUSED_ENTRIES} allowed",
+                                     what="taken", size=len(self.reqs), limit=MAX_FUSED_ENTRIES, unit="requests")
+        _check_indexes("taken", "requests", self.reqs, len(self.reqs))
 
 
 @dataclass(frozen=True, slots=True)
@@ -1116,7 +1135,7 @@ MESSAGES: Final[dict[str, type[Message]]] = {
     for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, Announce, Release, RoundQuery,
                 RoundInfo, Ping, StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch, OpBatch, DoneBatch,
                 FuseReady, FuseAbort, FusePlan, FuseRunning, FusePast, FuseResync, FuseFailed, Restored,
-                ValuesDropped)
+                ValuesDropped, Taken)
 }
 
 class _Field(NamedTuple):

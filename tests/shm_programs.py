@@ -85,3 +85,15 @@ def grow_out_of_slab(small: int, large: int) -> dict[str, Any]:
     except bps.BPSError as exc:
         out["error"] = str(exc)
     return out
+
+
+def beside_a_stalled_reader(elems: int, b_taken: Any) -> list[float]:
+    """Machine 1's process of ``tests/daemons/test_result_holds.py``: a round of A and of B; then B, and A only
+    once the other machine's process has taken B's result (``b_taken``), so that its Done of B comes before
+    its Done of A although its worker daemon put A's result in place first; then C. The sums' values."""
+    a = np.ones(elems, np.float32)
+    sums = [bps.push_pull(a, name, average=False) for name in ("A", "B", "B")]
+    if not b_taken.wait(60):
+        raise TimeoutError("the other process never took B's result")
+    sums += [bps.push_pull(a, name, average=False) for name in ("A", "C")]
+    return [float(s.min()) if s.min() == s.max() else float("nan") for s in sums]

@@ -2,7 +2,9 @@
 
 Only control messages travel here (tensors are in shared memory or CUDA IPC). Two kinds of request wait
 for an answer, keyed by ``req``: operations (a :class:`Handle`, completed by ``Done`` or ``Failure``) and
-control requests (``Alloc``, answered by ``Allocated`` or ``Failure``; see :meth:`Connection.rpc`).
+control requests (``Alloc``, answered by ``Allocated`` or ``Failure``; see :meth:`Connection.rpc`). The reader
+maps the results segment a ``Done`` names as it arrives, and tells the daemon (``Taken``), which keeps the
+segment until then.
 
 One reader thread receives everything. When the connection breaks (the daemon closed it, sent a bad frame,
 dropped this process, or fell silent for ``timeout`` while something was pending) every waiting request
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import select
 import socket as _socket
 import threading
 import time
@@ -23,8 +26,10 @@ from protocol import PROTOCOL_VERSION
 from protocol.errors import ProtocolError
 from protocol.frames import Frame, FrameReader, encode_message
 from protocol.handshake import ClientHandshake, Established, HandshakeRefused
-from protocol.messages import ROLE_CLIENT, Alloc, Allocated, Done, DoneBatch, Failure, Hello, Message, Welcome, parse
+from protocol.messages import (MAX_FUSED_ENTRIES, ROLE_CLIENT, Alloc, Allocated, Done, DoneBatch, Failure, Hello,
+                               Message, Taken, Welcome, parse)
 
+from bps_runtime.segments import SHM_DIR
 from bps_runtime.timeline import now_us
 
 from ..errors import BPSConnectionError, BPSError, BPSTimeoutError, error_from_failure
@@ -54,9 +59,14 @@ class Connection:
         self.handles: dict[int, Handle] = {}
         self.rpcs: dict[int, tuple[threading.Event, list[Message]]] = {}
         self.broken: BPSConnectionError | None = None
-        # Maps a Done's results segment (tensor name, segment) as the Done arrives, not at synchronize: the
-        # daemon may free that segment for room once it is no longer busy, and a mapping keeps it alive.
+        # Maps a Done's results segment (tensor name, segment) as the Done arrives, not at synchronize: a mapping
+        # keeps it alive, and the daemon may free it for room once told it is mapped (or after its timeout).
         self.map_result: Callable[[str, str], SharedMemory] | None = None
+        # The daemon keeps such a segment until told it is mapped (Taken): the requests of the Dones mapped and
+        # not told yet (appended by the reader thread), and the part of a frame that could not go at once (under
+        # send_lock). Both go ahead of the next message, or with the reader's next try (see _acknowledge).
+        self._taken: list[int] = []
+        self._owed = b""
         self.welcome = self._handshake(local_rank)
         self.thread = threading.Thread(target=self._read_loop, name="bps-client-reader", daemon=True)
         self.thread.start()
@@ -160,10 +170,42 @@ class Connection:
     def _send(self, message: Message) -> None:
         data = encode_message(message)
         with self.send_lock:
+            if self._taken or self._owed:
+                data = self._unsent() + data
             try:
                 self.sock.sendall(data)
             except OSError as exc:
                 raise BPSConnectionError(f"lost the connection: {exc}", peer=self.peer) from None
+
+    def _unsent(self) -> bytes:
+        """(Under send_lock.) What must go before any other message: the rest of a frame begun, then the Taken of
+        the results mapped since the last one."""
+        taken, self._taken = self._taken, []  # (the reader appends to one list or the other, never lost)
+        data, self._owed = self._owed, b""
+        for start in range(0, len(taken), MAX_FUSED_ENTRIES):
+            data += encode_message(Taken(taken[start:start + MAX_FUSED_ENTRIES]))
+        return data
+
+    def _acknowledge(self) -> None:
+        """The reader thread tells the daemon which results it mapped (Taken), only as far as that never blocks
+        it: a reader blocked on a full socket would stop reading the daemon, which stops reading a process whose
+        answers pile up. What cannot go now goes ahead of the next message, or at the next try (after the next
+        read: the daemon pings every second)."""
+        if not self.send_lock.acquire(blocking=False):
+            return  # a thread is sending: it takes them along, or the next try does
+        try:
+            data = self._unsent()
+            try:
+                poller = select.poll()
+                poller.register(self.sock, select.POLLOUT)
+                sent = self.sock.send(data, _socket.MSG_DONTWAIT) if data and poller.poll(0) else 0
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                sent = len(data)  # the connection broke: the reader learns it from its next read
+            self._owed = data[sent:]
+        finally:
+            self.send_lock.release()
 
     def _read_loop(self) -> None:
         reason = "the worker daemon closed the connection"
@@ -190,6 +232,8 @@ class Connection:
                     break
                 for frame in self.reader.buffer_updated(n):
                     self._dispatch(parse(frame.header))
+                if self._taken or self._owed:
+                    self._acknowledge()
         except ProtocolError as exc:
             reason = f"the worker daemon sent a bad frame: {exc}"
         except OSError as exc:
@@ -225,13 +269,24 @@ class Connection:
                     try:
                         self.map_result(handle.name, message.segment)  # finish() finds it mapped
                     except (OSError, BPSError) as exc:
-                        handle.fail(BPSError(f"cannot map the result of {handle.name!r} ({message.segment}): "
-                                             f"{exc}"), now)
+                        handle.fail(self._unmapped(handle.name, message.segment, exc), now)
                         return
+                    finally:
+                        self._taken.append(req)  # (mapped or not: the daemon need not keep it any longer)
                 handle.succeed((message.segment, message.offset) if message.segment else None, now)
         elif rpc is not None:
             rpc[1].append(message)
             rpc[0].set()
+
+    def _unmapped(self, name: str, segment: str, exc: Exception) -> BPSError:
+        """The error of an operation whose result could not be mapped, saying why where the segment is gone."""
+        why = ""
+        if not os.path.exists(os.path.join(SHM_DIR, segment)):
+            why = (f"; the worker daemon freed it for room: it keeps an answered result for the cluster's timeout "
+                   f"until its process maps it, then frees it where its results arena is at its cap "
+                   f"(cluster.arena_bytes = {self.welcome.arena_bytes} bytes), and this process's reader did not "
+                   f"map it in that time (was it stopped or starved of CPU?)")
+        return BPSError(f"cannot map the result of {name!r} ({segment}): {exc}{why}")
 
     def _fail_everything(self, exc: BPSConnectionError) -> None:
         with self.lock:

@@ -49,6 +49,7 @@ SAMPLES: dict[str, m.Message] = {
                           spec=[0, 1, 0], segments=["bps_w1_9_aa", "bps_w1_9_ab"], seg=[0, 0, 1],
                           offsets=[0, 64, 128], priority=[0, -1, 3]),
     "done_batch": m.DoneBatch(reqs=[4, 5, 6]),
+    "taken": m.Taken(reqs=[4, 6]),
     "fuse_ready": m.FuseReady(names=["a", "b"], specs=[["int64", [3], False, ""]], spec=[0, 0], counts=[3, 0],
                               rounds=[7, 0]),
     "fuse_running": m.FuseRunning(seq=4, names=["a", "b"], counts=[4, 1], rounds=[9, 2], lanes="0123abcd.2"),
