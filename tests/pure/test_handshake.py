@@ -283,11 +283,7 @@ def test_a_proof_made_with_another_token_is_refused():
 # -- versions -------------------------------------------------------------------------------------
 
 def test_protocol_version_is_7():
-<<<<<<< HEAD
-    assert PROTOCOL_VERSION == 7  # 7: ValuesDropped (protocol/__init__.py)
-=======
-    assert PROTOCOL_VERSION == 7  # 7: Taken, a client mapped the results its Dones named (protocol/__init__.py)
->>>>>>> 86d9421 (Worker: a result a Done names stays in the results arena until the process has mapped it (Taken), or for the cluster's timeout)
+    assert PROTOCOL_VERSION == 7  # 7: ValuesDropped, Failure.auth, Taken (protocol/__init__.py)
 
 
 def test_the_server_refuses_another_version():
