@@ -198,9 +198,13 @@ class Forkserver:
             self._requests = None
 
     def close(self) -> None:
-        """Close the request socket: the helper exits once its children have (it is reaped then)."""
+        """Close the request socket: the helper exits once its children have, and a thread of ours reaps it then
+        (it stayed a zombie as long as this process lived)."""
         with self._lock:
             self._close_requests()
+            helper, self._helper = self._helper, None
+        if helper is not None and helper.poll() is None:
+            threading.Thread(target=helper.wait, name="bps-forkserver-reaper", daemon=True).start()
 
 
 # --- the helper ---------------------------------------------------------------------------------------------

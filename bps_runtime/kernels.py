@@ -7,8 +7,10 @@ socket payloads); :func:`as_array` reinterprets them without a copy.
 float16 and bfloat16 are handled as uint16 bit patterns (numba has no half
 type on the CPU): they are widened to float32, accumulated in float32 and
 rounded to nearest-even exactly once, in :func:`finalize`. The conversions
-match numpy's (float16) and ml_dtypes' (bfloat16) bit for bit, NaN payloads
-included; ``tests/pure/test_kernels.py`` checks that.
+match numpy's (float16, NaN payloads included) and ml_dtypes' (bfloat16) bit
+for bit, but for a bfloat16 NaN: ml_dtypes makes every NaN 0x7FC0 (0xFFC0),
+we keep its payload and set the quiet bit (the sign too); every process gets
+the same bytes either way. ``tests/pure/test_kernels.py`` checks that.
 
 Speed. Every kernel is a streaming loop that LLVM vectorizes (AVX2/AVX-512 on
 x86); on the server's 4 MiB partitions they run at memory speed (measurements:

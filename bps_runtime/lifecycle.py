@@ -19,8 +19,12 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
 def setup_logging(level: str, log_file: str | None = None) -> None:
-    """Log to stderr (journald picks it up under systemd), or to ``log_file`` (reopened on SIGHUP)."""
-    handler: logging.Handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler()
+    """Log to stderr (journald picks it up under systemd), or to ``log_file`` (reopened on SIGHUP); ValueError
+    (one line, as for a bad config) where that file cannot be opened."""
+    try:
+        handler: logging.Handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler()
+    except OSError as exc:
+        raise ValueError(f"cannot open --log-file {log_file}: {exc.strerror or exc}") from None
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler], force=True)
 

@@ -20,12 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import threading
 import time
 from typing import Any, Final, TextIO
 
-# Bytes of events buffered before a write (a trace costs little when off and not much when on).
+# Bytes of events buffered before a write (a trace costs little when off and not much when on), and the longest
+# an event waits to be written (so that a daemon killed, or an OOM kill, leaves what happened until then).
 FLUSH_BYTES: Final = 1 << 16
+FLUSH_S: Final = 1.0
 
 
 def now_us() -> int:
@@ -44,9 +47,11 @@ class Timeline:
         self._lock = threading.Lock()
         self._pending: list[str] = []
         self._pending_bytes = 0
+        self._flushed_at = time.monotonic()
         self._lanes: dict[str, int] = {}
         self._file.write("[\n")
         self._emit({"name": "process_name", "ph": "M", "pid": self.pid, "args": {"name": process}})
+        self.flush()
 
     def lane(self, name: str) -> int:
         """The thread id that shows as the lane called ``name``."""
@@ -73,7 +78,7 @@ class Timeline:
                 return
             self._pending.append(text)
             self._pending_bytes += len(text)
-            if self._pending_bytes >= FLUSH_BYTES:
+            if self._pending_bytes >= FLUSH_BYTES or time.monotonic() - self._flushed_at >= FLUSH_S:
                 self._flush_locked()
 
     def flush(self) -> None:
@@ -86,6 +91,7 @@ class Timeline:
             self._file.flush()
         self._pending.clear()
         self._pending_bytes = 0
+        self._flushed_at = time.monotonic()
 
     def close(self) -> None:
         with self._lock:
@@ -97,20 +103,53 @@ class Timeline:
 
 
 def load(path: str) -> list[dict[str, Any]]:
-    """The events of a trace file, also of one whose writer died before closing it."""
+    """The events of a trace file, also of one whose writer died before closing it: what it had written, up to
+    a last event cut short (one per line, as :class:`Timeline` writes them); ValueError if it is no trace."""
     text = open(path, encoding="utf-8").read().rstrip()
     if not text.endswith("]"):
         text = text.rstrip(",") + "]"
-    return [e for e in json.loads(text) if e]
+    try:
+        return [e for e in json.loads(text) if e]
+    except json.JSONDecodeError:
+        pass
+    lines = text.splitlines()
+    if not lines or lines[0].strip() not in ("[", "[]", "]"):
+        raise ValueError(f"{path} is not a trace file (a JSON array of events)")
+    events = []
+    for n, line in enumerate(lines[1:], 2):
+        line = line.strip().rstrip("]").rstrip(",")
+        if not line:
+            continue
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            if n < len(lines):
+                raise ValueError(f"{path}, line {n}: not a trace event") from None
+    return [e for e in events if e]
 
 
-def merge(out: str, inputs: list[str]) -> int:
+def merge(out: str, inputs: list[str]) -> tuple[int, list[str]]:
+    """Write the events of ``inputs`` into ``out``; (the number of events, one problem per input skipped).
+
+    Each input is one process: its events get a pid of their own (the file's place among the inputs, from 1),
+    and its name says the pid it had. Processes in containers often have the same pid (1 in a pod's
+    containers), and two processes with one pid would share their lanes."""
     events: list[dict[str, Any]] = []
-    for path in inputs:
-        events.extend(load(path))
+    skipped = []
+    for index, path in enumerate(inputs, 1):
+        try:
+            loaded = load(path)
+        except (OSError, ValueError) as exc:
+            skipped.append(f"{path}: {exc}")
+            continue
+        for event in loaded:
+            if event.get("name") == "process_name" and isinstance(event.get("args"), dict) and "pid" in event:
+                event["args"] = dict(event["args"], name=f"{event['args'].get('name', '')} (pid {event['pid']})")
+            event["pid"] = index
+        events.extend(loaded)
     with open(out, "w", encoding="utf-8") as fh:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fh)
-    return len(events)
+    return len(events), skipped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,9 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("out")
     m.add_argument("inputs", nargs="+")
     args = p.parse_args(argv)
-    count = merge(args.out, args.inputs)
-    print(f"{args.out}: {count} events from {len(args.inputs)} files")
-    return 0
+    count, skipped = merge(args.out, args.inputs)
+    for problem in skipped:
+        print(f"skipped {problem}", file=sys.stderr)
+    print(f"{args.out}: {count} events from {len(args.inputs) - len(skipped)} files")
+    return 1 if skipped and len(skipped) == len(args.inputs) else 0
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    setup_logging(args.log_level, args.log_file)
     try:
+        setup_logging(args.log_level, args.log_file)
         settings = from_environment(args.id, args.stall_limit, os.environ, socket.gethostname(), os.getpid())
     except ValueError as exc:
         print(f"bps-server: {exc}", file=sys.stderr)

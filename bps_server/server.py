@@ -125,11 +125,15 @@ class SummationServer:
     def metric_families(self) -> list[metrics.Family]:
         c = self.aggregator.counters
         label = {"server": str(self.config.server_id)}
-        per_worker = tuple(({**label, "worker": str(w)}, float(n)) for w, n in sorted(c.bytes_by_worker.items()))
-        lags = tuple(({**label, "worker": str(w)}, h.copy()) for w, h in sorted(c.push_lag.items()))
+        # One series per worker of the cluster file from the start, at 0 until it pushes (a series that first
+        # appears at its first bytes loses them to rate() and increase()).
+        workers = range(self.config.cluster.workers)
+        per_worker = tuple(({**label, "worker": str(w)}, float(c.bytes_by_worker.get(w, 0))) for w in workers)
+        lags = tuple(({**label, "worker": str(w)}, (c.push_lag.get(w) or metrics.Histogram()).copy())
+                     for w in workers)
         return [
             metrics.Family("bps_server_bytes_received_total", "counter", "Tensor bytes received in pushes",
-                           per_worker or ((label, 0.0),)),
+                           per_worker),
             metrics.Family("bps_server_bytes_shared_memory_total", "counter",
                            "Of the bytes received, those read from the colocated worker's shared memory",
                            ((label, float(c.bytes_shm)),)),

@@ -40,6 +40,15 @@ def test_bad_config_exits_2_naming_key_and_file(tmp_path, module):
     assert "cluster.bogus" in line and str(bad) in line
 
 
+@pytest.mark.parametrize("module", ["bps_server", "bps_worker"])
+def test_a_log_file_that_cannot_be_opened_is_one_line(tmp_path, module):
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    result = _run([module, "--config", str(config), "--id", "0", "--log-file", str(tmp_path / "no" / "d.log")])
+    assert result.returncode == 2
+    assert _one_line(result.stderr) == f"{module.replace('_', '-')}: cannot open --log-file {tmp_path}/no/d.log: " \
+                                       "No such file or directory"
+
+
 def test_unknown_id_exits_2(tmp_path):
     config = write_config(tmp_path, [1], cpu_servers=0)
     result = _run(["bps_server", "--config", str(config), "--id", "9"])

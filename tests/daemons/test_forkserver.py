@@ -214,3 +214,25 @@ def test_bps_forkserver_in_the_environment_forks_a_cluster_s_daemons(tmp_path, m
             assert run_ranks(cluster, _sum, 2) == [[499500.0, 500500.0]]
     finally:
         fs.close()
+
+
+def test_the_helper_is_reaped_once_it_exits_after_close(tmp_path):
+    """The helper exits once its last daemon has; nobody waited for it, so it stayed a zombie as long as the
+    process that made the forkserver (a launcher, a benchmark) lived."""
+    fs = Forkserver()
+    out, _ = _output(tmp_path, "err")
+    proc = fs.spawn([PY, "-m", "bps_server", "--config", str(tmp_path / "missing.toml"), "--id", "0"], {}, out)
+    os.close(out)
+    assert proc.wait(60) == 2
+    helper = fs._helper
+    assert helper is not None
+    fs.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            state = open(f"/proc/{helper.pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break  # reaped
+        assert state != "Z" or time.monotonic() < deadline - 25, "the helper is a zombie"
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{helper.pid}")

@@ -227,3 +227,25 @@ def test_sums_leave_no_cyclic_garbage_in_the_daemons(tmp_path):
         assert garbage < connections, garbage  # about 28 objects a connection before
     finally:
         cluster.stop()
+
+
+def test_every_worker_has_its_series_from_the_start(tmp_path):
+    """bps_server_bytes_received_total and the push lag used to have one series without a worker label until
+    the first push, then only the workers that had pushed: a series that first appears at its first bytes loses
+    them to rate() and increase()."""
+    from bps_server.server import ServerConfig, SummationServer
+    from protocol.config import load_config
+
+    server = SummationServer(ServerConfig(load_config(str(write_config(tmp_path, [1, 1, 1]))), 0))
+
+    def series(name: str) -> dict[str, float]:
+        family = next(f for f in server.metric_families() if f.name == name)
+        return {labels["worker"]: value if isinstance(value, float) else value.count for labels, value in family.samples}
+
+    assert series("bps_server_bytes_received_total") == {"0": 0.0, "1": 0.0, "2": 0.0}
+    assert series("bps_server_push_lag_seconds") == {"0": 0, "1": 0, "2": 0}
+    server.aggregator.counters.bytes_by_worker[1] = 4096
+    server.aggregator.counters.push_lag[1] = Histogram()
+    server.aggregator.counters.push_lag[1].observe(0.5)
+    assert series("bps_server_bytes_received_total") == {"0": 0.0, "1": 4096.0, "2": 0.0}
+    assert series("bps_server_push_lag_seconds") == {"0": 0, "1": 1, "2": 0}

@@ -33,6 +33,55 @@ def test_a_trace_is_valid_json_even_if_its_writer_died(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text())[-1] == {}
 
 
+KILLED_WRITER = """
+import os, signal, sys, time
+from bps_runtime.timeline import Timeline
+t = Timeline(sys.argv[1], "doomed")
+for i in range(100):
+    t.span("lane", "work", i * 10, i * 10 + 5)
+time.sleep(1.2)  # (the writer flushes what waited a second, at its next event)
+t.span("lane", "last", 2000, 2005)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_writer_leaves_its_events_and_merge_reads_them(tmp_path):
+    """A daemon killed (an OOM kill) used to leave an empty file: its events waited for 64 KiB, and merge then
+    stopped at it with a JSONDecodeError. Now its events are written within a second, a last line cut short is
+    skipped, a file that is no trace is skipped with a word, and the others are merged."""
+    path = tmp_path / "doomed.json"
+    subprocess.run([sys.executable, "-c", KILLED_WRITER, str(path)], timeout=30)
+    assert [e["name"] for e in load(str(path)) if e["ph"] == "X"] == ["work"] * 100 + ["last"]
+    torn = tmp_path / "torn.json"
+    torn.write_text(path.read_text() + '{"name":"cut sh')
+    assert len(load(str(torn))) == len(load(str(path)))
+    (tmp_path / "junk.json").write_text("not a trace")
+    other = Timeline(str(tmp_path / "other.json"), "other")
+    other.span("lane", "work", 1, 2)
+    other.close()
+    inputs = [str(path), str(tmp_path / "junk.json"), str(other.path)]
+    count, skipped = merge(str(tmp_path / "all.json"), inputs)
+    assert count == len(load(str(path))) + len(load(other.path)) and len(skipped) == 1 and "junk.json" in skipped[0]
+    result = subprocess.run([sys.executable, "-m", "bps_runtime.timeline", "merge", str(tmp_path / "m.json"),
+                             *inputs], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and "skipped" in result.stderr and "from 2 files" in result.stdout
+
+
+def test_merge_keeps_processes_with_the_same_pid_apart(tmp_path, monkeypatch):
+    """Two processes with one pid (the daemons of a pod's containers are each pid 1) used to share their lanes."""
+    monkeypatch.setattr("os.getpid", lambda: 1)  # as in a container
+    for name in ("server", "worker"):
+        t = Timeline(str(tmp_path / f"{name}.json"), name)
+        t.span(f"{name} lane", "work", 1, 2)
+        t.close()
+    merge(str(tmp_path / "all.json"), [str(tmp_path / "server.json"), str(tmp_path / "worker.json")])
+    events = json.loads((tmp_path / "all.json").read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {1: "server (pid 1)", 2: "worker (pid 1)"}
+    assert {e["pid"] for e in events if e["ph"] == "X"} == {1, 2}
+
+
 @pytest.mark.timeout(120)
 def test_launch_timeline_records_every_stage(tmp_path):
     config = write_config(tmp_path, [2, 1], cluster={"partition_bytes": 256 * 1024})
@@ -45,9 +94,10 @@ def test_launch_timeline_records_every_stage(tmp_path):
     assert files == ["rank0.json", "rank1.json", "rank2.json", "server-0.json", "server-1.json", "server-2.json",
                      "worker-0.json", "worker-1.json"]
     merged = tmp_path / "all.json"
-    count = merge(str(merged), [str(p) for p in sorted(out.iterdir())])
+    count, skipped = merge(str(merged), [str(p) for p in sorted(out.iterdir())])
     events = json.loads(merged.read_text())["traceEvents"]
-    assert count == len(events)
+    assert count == len(events) and skipped == []
+    assert len({e["pid"] for e in events}) == len(files)  # one process each
     spans = [e for e in events if e["ph"] == "X"]
     names = {e["name"] for e in spans}
     # client: copy in / waiting / copy out; worker: local sum, per-partition queue/server/pull, hand-back;
