@@ -83,7 +83,8 @@ def write_config(directory: Path, local_sizes: list[int], *, colocated: bool = T
         lines += server(sid, None)
         sid += 1
     for w, local in enumerate(local_sizes):
-        lines += ["", "[[worker]]", f"id = {w}", f"local_size = {local}", f'socket = "{directory}/w{w}.sock"']
+        socket = toml_value(f"{directory}/w{w}.sock")
+        lines += ["", "[[worker]]", f"id = {w}", f"local_size = {local}", f"socket = {socket}"]
         lines += [f'metrics = "127.0.0.1:{next(metric_ports)}"'] if metrics else []
     path = directory / "cluster.toml"
     path.write_text("\n".join(lines) + "\n")

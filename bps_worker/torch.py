@@ -62,14 +62,14 @@ from .client import (  # re-exported: the same on every framework
     shutdown,
     size,
 )
-from .torch_ddp import DDPHookState, ddp_comm_hook  # the DDP drop-in, in its own module
+from .torch_ddp import DDPHookState, ddp_comm_hook, register_ddp_hook  # the DDP drop-in, in its own module
 
 __all__ = [
     "BPSError", "BPSConnectionError", "BPSMismatchError", "BPSTimeoutError", "Compression", "Handle",
     "DistributedOptimizer", "broadcast", "broadcast_", "broadcast_optimizer_state", "broadcast_parameters",
     "init", "is_initialized", "local_rank", "local_size", "poll", "push_pull", "push_pull_async", "rank",
-    "shared_tensor", "shutdown", "size", "synchronize", "DDPHookState", "ddp_comm_hook", "async_init",
-    "async_push_pull",
+    "shared_tensor", "shutdown", "size", "synchronize", "DDPHookState", "ddp_comm_hook", "register_ddp_hook",
+    "async_init", "async_push_pull",
 ]
 
 _WIRE_TYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}

@@ -44,7 +44,7 @@ from .client import BPSError, size
 if TYPE_CHECKING:
     from .torch import Handle
 
-__all__ = ["DDPHookState", "ddp_comm_hook"]
+__all__ = ["DDPHookState", "ddp_comm_hook", "register_ddp_hook"]
 
 
 class DDPHookState:
@@ -229,12 +229,26 @@ def _raise_after_backward(future: torch.futures.Future[torch.Tensor]) -> None:
         pass
 
 
+def register_ddp_hook(model: Any, prefix: str = "") -> DDPHookState:
+    """``model.register_comm_hook`` with :func:`ddp_comm_hook` and a state that knows DDP's own process group, so
+    that a DDP on a subgroup of the job is refused (a BPSError names both sizes). The hook alone cannot see that
+    group (``state=None`` or a prefix checks the default one), and a DDP on a subgroup would have its buckets
+    averaged with other groups' of the same names, silently. ``prefix``: as a ``state`` string."""
+    group = getattr(model, "process_group", None)
+    if group is None or not hasattr(model, "register_comm_hook"):
+        raise BPSError(f"register_ddp_hook takes a DistributedDataParallel model, got {type(model).__name__}")
+    state = DDPHookState(prefix, group)
+    model.register_comm_hook(state=state, hook=ddp_comm_hook)
+    return state
+
+
 def ddp_comm_hook(state: DDPHookState | str | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: the mean of ``bucket`` over every process of the job, summed by our daemons.
 
     ``model.register_comm_hook(state=None, hook=bps_worker.torch.ddp_comm_hook)`` after ``bps.init()``; for
     several DDP models in one job give each its own prefix: ``state="encoder"`` (or a :class:`DDPHookState`).
-    DDP's process group must span the whole job (its size is checked against ``bps.size()``). Failures
+    DDP's process group must span the whole job (the default group's size is checked against ``bps.size()``;
+    :func:`register_ddp_hook` checks DDP's own group, where it is a subgroup). Failures
     (a mismatch, a dead peer, no ``init()``) fail the future and make ``backward()`` raise the BPSError.
     """
     from .torch import push_pull_async  # not at import: bps_worker.torch re-exports this module

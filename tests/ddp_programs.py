@@ -271,3 +271,27 @@ def dead_peer(port: int) -> dict[str, Any]:
         return {**error, "seconds": time.monotonic() - started}
     finally:
         dist.destroy_process_group()
+
+
+def subgroups(port: int) -> dict[str, Any]:
+    """Each rank's DDP on a group of its own (the default group spans the job): registered by the hook alone it
+    is not refused, and each rank's gradient comes back as the mean of both ranks' (DDP would leave its own);
+    by register_ddp_hook, a BPSError names both sizes."""
+    rank = bps.rank()
+    torch.set_num_threads(1)
+    join(port, rank, bps.size())
+    try:
+        groups = [dist.new_group([0]), dist.new_group([1])]
+        out: dict[str, Any] = {}
+        for how in ("hook", "helper"):
+            model = DDP(nn.Linear(2, 1, bias=False), process_group=groups[rank])
+            if how == "hook":
+                model.register_comm_hook(state=how, hook=bps.ddp_comm_hook)
+            else:
+                bps.register_ddp_hook(model, prefix=how)
+            x = torch.full((1, 2), float(rank + 1))
+            out[how] = _error_of(lambda: model(x).sum().backward())
+            out[how]["grad"] = None if model.module.weight.grad is None else model.module.weight.grad.tolist()
+        return out
+    finally:
+        dist.destroy_process_group()

@@ -114,6 +114,17 @@ def test_a_dead_peer_fails_backward_with_a_bps_error(make_cluster):
     assert result["seconds"] < 20, result
 
 
+def test_a_ddp_on_a_subgroup_registered_by_register_ddp_hook_is_refused(make_cluster):
+    """2 machines x 1 process, each rank's DDP on a group of its own. The hook alone sees only the default group:
+    it averages the two groups' buckets (1.5 where DDP gives each rank its own 1.0 / 2.0), as the README says;
+    register_ddp_hook checks DDP's own group and refuses it, naming both sizes."""
+    cluster = make_cluster([1, 1], cpu_servers=0)
+    (port,) = free_ports(1)
+    for rank, r in enumerate(run_ranks(cluster, dp.subgroups, port, timeout=90)):
+        assert r["hook"]["type"] is None and r["hook"]["grad"] == [[1.5, 1.5]], r
+        assert r["helper"]["bps"] and "has 1 processes but the bps job has 2" in r["helper"]["message"], r
+
+
 def test_bad_state_and_no_init_fail_the_future_without_a_cluster():
     assert not bps.is_initialized()
     bucket = dp.Bucket(0, torch.ones(3))

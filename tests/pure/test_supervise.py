@@ -110,3 +110,13 @@ def test_a_cluster_moves_sockets_out_of_a_missing_or_shared_directory(tmp_path, 
     finally:
         cluster.stop()
     assert not private.exists()
+
+
+@pytest.mark.parametrize("odd", ["back\\b", 'quo"te'])
+def test_a_generated_cluster_file_keeps_an_odd_directory_name(tmp_path, odd):
+    """The socket path went into the TOML unescaped: a backslash was read as an escape, a quote broke the file."""
+    from protocol.config import load_config
+
+    directory = tmp_path / odd
+    config = load_config(str(write_config(directory, [1], cpu_servers=0)))
+    assert config.worker(0).socket == f"{directory}/w0.sock"
