@@ -27,7 +27,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Container, Final
+from typing import Any, Callable, Container, Final, cast
 
 import numpy as np
 
@@ -564,6 +564,8 @@ class WorkerDaemon:
             try:
                 return self.staging_buffer(self.results, name, nbytes, dtype, count)
             except shm.ArenaFullError:
+                for session in self.holds.holders():  # a process tells what it took when it reads a Ping
+                    cast(ClientSession, session).send(Ping(0))
                 if not await self.holds.ended(until):
                     raise
 

@@ -1,7 +1,8 @@
 """Results a training process was told of and has not taken yet: kept in the results arena until it has.
 
 A ``Done`` that names the worker's results segment (an ``Op`` with ``handback`` false) tells the process where
-its result lies; the process's reader thread maps that segment as the Done arrives, and says so with ``Taken``.
+its result lies; the process's reader thread maps that segment as the Done arrives, and says so with ``Taken``
+(ahead of its next message, or when asked by a Ping: the daemon asks the holders where it waits for room).
 From then on its mapping keeps the memory, whatever the daemon frees. Before that, the segment must not be freed
 for room (``Arena.alloc``'s ``busy``): a process descheduled between the two would find it gone although its
 round succeeded everywhere, and its call would fail.
@@ -41,6 +42,12 @@ class ResultHolds:
             self._by_req.pop((session, last[0]), None)
         holders[session] = (req, self._clock() + self.hold_s)
         self._by_req[(session, req)] = name
+
+    def holders(self) -> list[Hashable]:
+        """The processes (sessions) whose holds are in force: asked for their Taken where room is wanted."""
+        now = self._clock()
+        return list({session: None for holders in self._by_name.values()
+                     for session, (_, deadline) in holders.items() if deadline > now})
 
     def held(self, name: str) -> bool:
         """Whether some process has yet to take ``name``'s result (and its hold has not run out)."""

@@ -4,7 +4,8 @@ Only control messages travel here (tensors are in shared memory or CUDA IPC). Tw
 for an answer, keyed by ``req``: operations (a :class:`Handle`, completed by ``Done`` or ``Failure``) and
 control requests (``Alloc``, answered by ``Allocated`` or ``Failure``; see :meth:`Connection.rpc`). The reader
 maps the results segment a ``Done`` names as it arrives, and tells the daemon (``Taken``), which keeps the
-segment until then.
+segment until then: ahead of this process's next message (no frame, no wake-up of the daemon of its own), or
+when the daemon asks (a ``Ping``: its periodic one, or one it sends where it waits for room).
 
 One reader thread receives everything. When the connection breaks (the daemon closed it, sent a bad frame,
 dropped this process, or fell silent for ``timeout`` while something was pending) every waiting request
@@ -27,7 +28,7 @@ from protocol.errors import ProtocolError
 from protocol.frames import Frame, FrameReader, encode_message
 from protocol.handshake import ClientHandshake, Established, HandshakeRefused
 from protocol.messages import (MAX_FUSED_ENTRIES, ROLE_CLIENT, Alloc, Allocated, Done, DoneBatch, Failure, Hello,
-                               Message, Taken, Welcome, parse)
+                               Message, Ping, Taken, Welcome, parse)
 
 from bps_runtime.segments import SHM_DIR
 from bps_runtime.timeline import now_us
@@ -187,10 +188,10 @@ class Connection:
         return data
 
     def _acknowledge(self) -> None:
-        """The reader thread tells the daemon which results it mapped (Taken), only as far as that never blocks
-        it: a reader blocked on a full socket would stop reading the daemon, which stops reading a process whose
-        answers pile up. What cannot go now goes ahead of the next message, or at the next try (after the next
-        read: the daemon pings every second)."""
+        """The reader thread tells the daemon which results it mapped (Taken), asked by a Ping, only as far as
+        that never blocks it: a reader blocked on a full socket would stop reading the daemon, which stops
+        reading a process whose answers pile up. What cannot go now goes ahead of the next message, or at the
+        next try (the daemon pings every second)."""
         if not self.send_lock.acquire(blocking=False):
             return  # a thread is sending: it takes them along, or the next try does
         try:
@@ -230,9 +231,12 @@ class Connection:
                     continue
                 if n == 0:
                     break
+                asked = False
                 for frame in self.reader.buffer_updated(n):
-                    self._dispatch(parse(frame.header))
-                if self._taken or self._owed:
+                    message = parse(frame.header)
+                    asked = asked or isinstance(message, Ping)
+                    self._dispatch(message)
+                if asked and (self._taken or self._owed):  # (else they go with our next message)
                     self._acknowledge()
         except ProtocolError as exc:
             reason = f"the worker daemon sent a bad frame: {exc}"
