@@ -61,12 +61,8 @@ class AsyncValues:
     def disconnected(self, worker: int) -> None:
         self.store.worker_disconnected(worker, time.monotonic())
 
-    def reset(self, worker: int) -> int:
-        """``worker``'s processes all left: how many values that dropped (every worker reset: the job ended,
-        and the copies the workers kept of them are void)."""
-        had = len(self.store.keys)
+    def reset(self, worker: int) -> None:
         self._run(self.store.worker_reset(worker))
-        return 0 if self.store.keys else had
 
     def sweep(self) -> None:
         self._sweeper = None

@@ -60,7 +60,6 @@ from protocol.messages import (
     Announce,
     Reset,
     Restored,
-    ValuesDropped,
     Result,
     RoundInfo,
     RoundQuery,
@@ -319,10 +318,7 @@ class ServerConnection(AdmittedProtocol):
         if reset.worker != self.worker:
             raise RemoteProtocolError(f"worker {self.worker} sent a reset for worker {reset.worker}")
         failed = self.server.aggregator.worker_reset(reset.worker, reset.epoch)
-        dropped = self.server.values.reset(reset.worker)
-        if dropped:  # the job ended: the copies the workers kept of its values are void
-            for link in list(self.server.links.values()):
-                link.send(ValuesDropped(dropped))
+        self.server.values.reset(reset.worker)
         endings = self.server.fusion.endings
         self.server.fused(self.server.fusion.worker_gone(reset.worker, Why(
             f"every training process of worker {reset.worker} left", "round_failed"), reset=True,

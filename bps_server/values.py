@@ -34,10 +34,7 @@ server produced every copy in one order, so the freshest copy dominates the othe
 again afterwards is added only if the vector does not cover its step. float16/bfloat16 values restored
 from a copy lose the float32 accumulator's extra bits (the copy travelled in the tensor's dtype).
 
-Job reset: when every worker reset (its processes all left), every key is dropped, as the round table's, and
-the workers hear it (``ValuesDropped``, sent by the connection). Until then a worker keeps its copies across
-its own reset: the values live on while another machine's processes do, and its copy may be the only one
-that holds its last deltas.
+Job reset: when every worker reset (its processes all left), every key is dropped, as the round table's.
 
 Like :mod:`bps_server.rounds`, the store makes every decision and does no I/O: the caller passes ``now``
 and carries out the returned actions (answer, fail, note). Unlike the round table it also adds, with the

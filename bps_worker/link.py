@@ -96,7 +96,6 @@ from protocol.messages import (
     Release,
     Reset,
     Restored,
-    ValuesDropped,
     Result,
     RoundInfo,
     RoundQuery,
@@ -516,15 +515,8 @@ class ServerLink:
                               f"(limit {self.timeout:g} s)", since=proto.last_seen)
 
     def reset(self) -> None:
-        """Tell the server that this worker has no training processes left (see Reset). The last sums are
-        not replayed any more (the next job starts at round 0; the buffers are being freed), but the copies
-        of asynchronous values are: the values live on at the server while another machine's processes do,
-        and a copy of ours may be the only one that holds our last deltas. They go once the server says it
-        dropped the values (ValuesDropped: every machine reset). Being copies, they keep no buffer's view."""
-        self.window.drop_sums(keep=lambda item: item.push.kind in ASYNC_KINDS)
-        for item in self.window.kept():
-            item.payload = item.dest = memoryview(item.kept)
-            item.shm_ref = item.out_ref = None
+        """Tell the server that this worker has no training processes left (see Reset)."""
+        self.window.drop_sums()  # the next job starts at round 0; the buffers are being freed
         self.control.drop_fused()
         if self.stream == 0:  # the server's state of this worker follows its first connection
             self.tell_reset()
@@ -680,10 +672,6 @@ class ServerLink:
                 self._on_result(message, payload)
             case RoundInfo():
                 self.control.answer(message)
-            case ValuesDropped():  # every machine reset: the job ended, and our copies of its values with it
-                log.info("server %d dropped its %d asynchronous values (every worker reset)", self.spec.id,
-                         message.keys)
-                self.window.drop_sums_where(lambda item: item.push.kind in ASYNC_KINDS)
             case FusePlan() | FuseFailed() if self.on_fused is not None and self.stream == 0:
                 self.on_fused(message)
             case Failure():

@@ -44,9 +44,7 @@ Theory of operation of :class:`SendWindow` (no asyncio, no sockets; the link doe
   (replayed). When a connection breaks, :meth:`hold` puts what was in flight back in the queue,
   held: the next server tells whether it is a new run (:meth:`restarted`: the kept sums are to be
   replayed and the held pieces go again) or the same one (:meth:`resumed`: the held pieces are
-  taken out, to be failed). :meth:`clear` takes everything out, to be failed. When the job ends here,
-  :meth:`drop_sums` forgets the kept sums but those the link keeps (asynchronous copies, see the link's
-  ``reset``).
+  taken out, to be failed). :meth:`clear` takes everything out, to be failed.
 """
 
 from __future__ import annotations
@@ -54,7 +52,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Container, Final, Generic, Iterator, TypeVar
+from typing import Container, Final, Generic, Iterator, TypeVar
 
 from protocol.messages import BATCH_HEADER_BUDGET, MAX_BATCH_ITEMS
 
@@ -306,16 +304,10 @@ class SendWindow(Generic[P]):
         for key in [key for key in self._sums if key[0] in names]:
             del self._sums[key]
 
-    def drop_sums_where(self, which: Callable[[P], bool]) -> None:
-        """The kept sums ``which`` selects are not replayed any more."""
-        for key in [key for key, piece in self._sums.items() if which(piece)]:
-            del self._sums[key]
-
-    def drop_sums(self, keep: Callable[[P], bool] = lambda piece: False) -> None:
-        """The job ended here (its buffers are being freed): nothing is replayed any more but the sums ``keep``
-        selects, nor kept of what it still had in flight (an answer that comes after would be replayed, with
-        the old job's round, in the next)."""
-        self.drop_sums_where(lambda piece: not keep(piece))
+    def drop_sums(self) -> None:
+        """The job ended (its buffers are being freed): nothing is replayed any more, nor kept of what it still
+        had in flight (an answer that comes after would be replayed, with the old job's round, in the next)."""
+        self._sums.clear()
         self._sums_from = next(self._seq)
 
     def hold(self) -> None:

@@ -12,9 +12,8 @@ reads and validates the cluster configuration (``config``).
 # small sums: OpBatch, DoneBatch, FuseReady, FuseAbort, FusePlan (groups, epoch), FuseRunning, FuseResync,
 # FuseFailed (epoch); Welcome.fusion_bytes. 6: lane generations: FusePlan.lanes and FuseRunning.lanes, and the
 # fused tensors' names carry theirs (a version-5 worker would sum on lanes the anchor no longer runs). 7:
-# ValuesDropped (a worker keeps its asynchronous copies across its own reset, until its server says the job ended);
-# Failure.auth (a refusal at the handshake proves the token); Taken (a client mapped the results its Dones
-# named; a version-6 worker would refuse it as an unknown message).
+# Failure.auth (a refusal at the handshake proves the token); Taken (a client mapped the results its Dones named;
+# a version-6 worker would refuse it as an unknown message).
 PROTOCOL_VERSION = 7
 
 __all__ = ["PROTOCOL_VERSION"]

@@ -14,8 +14,7 @@ Connections (who sends what):
   ``Welcome`` (or ``Failure`` and a close);
 * worker -> server: ``Push`` (+ payload, or a shared-memory reference to the server on
   the worker's host), ``Abort``, ``Reset``, ``Announce``, ``Release``, ``RoundQuery`` and ``Restored``; server -> worker:
-  ``Result`` (+ payload, or written in place), ``RoundInfo``, ``ValuesDropped`` or ``Failure``;
-  ``StatsRequest``/``Stats`` on both links;
+  ``Result`` (+ payload, or written in place), ``RoundInfo`` or ``Failure``; ``StatsRequest``/``Stats`` on both links;
 * client -> worker (Unix socket, never a payload): ``Alloc``/``Allocated``,
   ``Op``/``Done``/``Failure``, ``OpBatch``/``DoneBatch``, and ``Taken`` (results a ``Done`` named, mapped).
 """
@@ -571,19 +570,6 @@ class Restored(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class ValuesDropped(Message):
-    """Server -> worker, on stream 0: every worker reset (the job ended), so this server dropped every
-    asynchronous value (``keys`` of them); the copies the worker kept of them are void (bps_server.values,
-    "Job reset")."""
-
-    TYPE: ClassVar[str] = "values_dropped"
-    keys: int
-
-    def validate(self) -> None:
-        _check_non_negative("values_dropped", keys=self.keys)
-
-
-@dataclass(frozen=True, slots=True)
 class Ping(Message):
     """Liveness, both ways between a worker and a server: a silent peer is a dead (or stalled) one."""
 
@@ -1134,8 +1120,7 @@ MESSAGES: Final[dict[str, type[Message]]] = {
     cls.TYPE: cls
     for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, Announce, Release, RoundQuery,
                 RoundInfo, Ping, StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch, OpBatch, DoneBatch,
-                FuseReady, FuseAbort, FusePlan, FuseRunning, FusePast, FuseResync, FuseFailed, Restored,
-                ValuesDropped, Taken)
+                FuseReady, FuseAbort, FusePlan, FuseRunning, FusePast, FuseResync, FuseFailed, Restored, Taken)
 }
 
 class _Field(NamedTuple):

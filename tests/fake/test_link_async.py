@@ -8,7 +8,7 @@ import numpy as np
 
 from bps_worker.link import ServerLink, _LinkProtocol
 from protocol.config import ServerSpec
-from protocol.messages import KIND_ASYNC, KIND_ASYNC_INIT, Failure, Push, Reset, Restored, Result, ValuesDropped
+from protocol.messages import KIND_ASYNC, KIND_ASYNC_INIT, Failure, Push, Restored, Result
 from fake_transport import FakeTransport
 
 FIELDS = {"name": "w", "part": 0, "dtype": "float32", "shape": [2], "offset": 0, "count": 2}
@@ -101,26 +101,4 @@ async def test_a_delta_given_up_keeps_the_copy_before_it():
     (replay, copy), (restored, _) = transport.messages()
     assert isinstance(replay, Push) and replay.applied == [1, 0] and np.frombuffer(copy, np.float32).tolist() == [7, 8]
     assert restored == Restored(0)
-    link.close()
-
-
-async def test_a_machine_whose_processes_left_keeps_its_copy_until_the_server_drops_the_values():
-    """Its processes all left (``reset``): the link dropped every kept sum, its asynchronous copies too. Where no
-    peer got an answer after this machine's last deltas, a restarted server rebuilt the value without them. The
-    copy now goes only once the server says it dropped the values (every machine reset: the job ended)."""
-    link, proto, transport = _link(1)
-    dest = memoryview(bytearray(8))
-    link.push({**FIELDS, "round": 3, "kind": KIND_ASYNC}, memoryview(bytearray(8)), dest, 0)
-    _answer(link, proto, _last_push(transport), [7, 8], [2, 3])
-    link.reset()
-    link.on_broken(proto, "lost connection to server 0")
-    proto, transport = _connected(link)
-    link._settle_held(proto, restarted=True)
-    (replay, copy), (restored, _) = [(m, p) for m, p in transport.messages() if not isinstance(m, Reset)]
-    assert isinstance(replay, Push) and replay.applied == [2, 3] and np.frombuffer(copy, np.float32).tolist() == [7, 8]
-    link.on_message(proto, ValuesDropped(1), None)
-    link.on_broken(proto, "lost connection to server 0")
-    proto, transport = _connected(link)
-    link._settle_held(proto, restarted=True)
-    assert transport.messages() == [(Restored(1), None)]
     link.close()

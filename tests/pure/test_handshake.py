@@ -283,7 +283,7 @@ def test_a_proof_made_with_another_token_is_refused():
 # -- versions -------------------------------------------------------------------------------------
 
 def test_protocol_version_is_7():
-    assert PROTOCOL_VERSION == 7  # 7: ValuesDropped, Failure.auth, Taken (protocol/__init__.py)
+    assert PROTOCOL_VERSION == 7  # 7: Failure.auth, Taken (protocol/__init__.py)
 
 
 def test_the_server_refuses_another_version():

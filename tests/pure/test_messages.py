@@ -35,7 +35,6 @@ SAMPLES: dict[str, m.Message] = {
     "round_info": m.RoundInfo(req=3, round=41),
     "ping": m.Ping(seq=12),
     "restored": m.Restored(worker=2),
-    "values_dropped": m.ValuesDropped(keys=3),
     "stats_request": m.StatsRequest(req=77),
     "stats": m.Stats(req=77, stats={"bytes_in": 123, "rounds": {"emb": 3}, "ratio": 0.5}),
     "alloc": m.Alloc(req=1, name="grad/fc", nbytes=1 << 20),
