@@ -75,7 +75,8 @@ class AsyncValues:
         busy = s.pending or set(s.disconnected) - s.excluded or s.restoring_since is not None or any(
             st.inits or st.held for st in s.keys.values())
         if busy and self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().call_later(self.timeout_s / 4, self.sweep)
+            every = self.timeout_s / 4 if s.restoring_since is None else min(self.timeout_s / 4, s.restore_grace_s())
+            self._sweeper = asyncio.get_running_loop().call_later(every, self.sweep)
 
     def stop(self) -> None:
         if self._sweeper is not None:

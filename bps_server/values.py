@@ -26,9 +26,10 @@ each worker keeps its last answer per key; on its first connection to a run of t
 (``restore``; none to a run it never talked to before, or from a daemon that started anew) and then says
 ``Restored``. The run cannot tell whether it is a restart, nor whether a worker holds copies, before every
 worker said so: from its first contact with a worker (a push, a copy, a ``Restored``) until every worker
-said so (or the timeout passed) no push or init is applied to any key: they wait, in arrival order. (A
-worker that came first with no copies, say a rejoining root, would otherwise set the value that a
-survivor's copy then replaced or contradicted.) A restore is taken
+said so (or the timeout passed; :data:`RESTORE_GRACE_S` where the workers waited for never connected to this
+run) no push or init is applied to any key: they wait, in arrival order. (A worker that came first with no
+copies, say a rejoining root, would otherwise set the value that a survivor's copy then replaced or
+contradicted.) A restore is taken
 when the key has no value or its vector dominates the key's (entry by entry at least as large): the old
 server produced every copy in one order, so the freshest copy dominates the others. A delta pushed
 again afterwards is added only if the vector does not cover its step. float16/bfloat16 values restored
@@ -54,6 +55,12 @@ from bps_runtime import kernels
 from protocol.messages import KIND_ASYNC_INIT, Push
 
 from .rounds import Lease, Why, describe
+
+# How long a restore waits for workers that have not connected to this run at all (below the timeout): a
+# worker daemon alive through a restart reconnects within its links' reconnect delay (a second apart at most),
+# and one that starts afresh holds no copies. So a machine that is down, or starts late, holds a fresh
+# cluster's asynchronous pushes back this long, not a whole timeout.
+RESTORE_GRACE_S = 5.0
 
 Key = tuple[str, int]
 W = TypeVar("W")
@@ -378,12 +385,8 @@ class ValueStore(Generic[W]):
         """The timeout's decisions: a restore that waited long enough ends, inits and pushes that waited for
         a value fail, machines disconnected for the timeout are declared dead, slow ones noted."""
         actions: list[Action[W]] = []
-        if self.restoring_since is not None and now - self.restoring_since >= self.timeout_s:
-            missing = sorted(set(range(self.n)) - self.restored)
-            actions.append(Note(logging.WARNING, f"restore at this run's start: no word from worker "
-                                                 f"{', '.join(map(str, missing))} within {self.timeout_s:g} s; "
-                                                 f"going on with the copies the others sent"))
-            actions += self._restore_over(now)
+        if self.restoring_since is not None:
+            actions += self._restore_sweep(now)
         if self.restoring_since is None:
             actions += self._expire_pending(now)
         for st in self.keys.values():
@@ -397,6 +400,25 @@ class ValueStore(Generic[W]):
         for st in self.keys.values():
             actions += self._stall_notes(st, now)
         return actions
+
+    def restore_grace_s(self) -> float:
+        """How long the restore waits for workers that never connected to this run (:data:`RESTORE_GRACE_S`)."""
+        return min(RESTORE_GRACE_S, self.timeout_s)
+
+    def _restore_sweep(self, now: float) -> list[Action[W]]:
+        """End the restore where the timeout passed, or the grace did and every worker it waits for has never
+        connected to this run; said in the log where asynchronous values are in use (something waits)."""
+        assert self.restoring_since is not None
+        waited = now - self.restoring_since
+        missing = sorted(set(range(self.n)) - self.restored)
+        if waited < self.timeout_s and (waited < self.restore_grace_s() or any(w in self.seen for w in missing)):
+            return []
+        actions: list[Action[W]] = []
+        if self.pending or self.keys or any(st.inits for st in self.keys.values()):
+            actions.append(Note(logging.WARNING, f"restore at this run's start: no word from worker "
+                                                 f"{', '.join(map(str, missing))} within {waited:.3g} s; "
+                                                 f"going on with the copies the others sent"))
+        return actions + self._restore_over(now)
 
     def _expire_pending(self, now: float) -> list[Action[W]]:
         late = [w for w in self.pending if now - w.since >= self.timeout_s]

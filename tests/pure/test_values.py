@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from bps_server.values import Answer, Fail, Note, ValueStore
+from bps_server.values import RESTORE_GRACE_S, Answer, Fail, Note, ValueStore
 from protocol.messages import KIND_ASYNC, KIND_ASYNC_INIT, Push
 
 N = 3
@@ -121,7 +121,9 @@ def test_a_dead_machine_fails_what_it_holds_back_then_holds_nobody() -> None:
 
 def test_a_machine_that_never_connects_to_a_restarted_server_holds_nobody_back_after_the_timeout() -> None:
     """A server restarted after machine 2 died: the new run never hears from it, and used to count it live for
-    ever (only a connection lost in this run made a machine count as gone), holding the others' steps back."""
+    ever (only a connection lost in this run made a machine count as gone), holding the others' steps back. Now
+    the restore waits for it for its grace, and the steps it holds back by the bound fail once it is declared
+    dead, as for any machine gone."""
     s = restarted()
     s.worker_connected(0)
     s.worker_connected(1)
@@ -131,9 +133,11 @@ def test_a_machine_that_never_connects_to_a_restarted_server_holds_nobody_back_a
     s.worker_restored(1, 2.0)
     s.push(delta(0, 1), arr(1, 1, 1, 1), "a", 3.0)
     assert answers(s.push(delta(1, 1), arr(1, 1, 1, 1), "b", 3.0)) == {}  # both wait for machine 2
-    notes = s.sweep(2.0 + T - 0.1)  # (the restore still waits for machine 2's copy)
-    assert any("worker 2 has been disconnected" in n.message for n in notes if isinstance(n, Note))  # since 1.0
-    assert answers(s.sweep(2.0 + T)).keys() == {"a", "b"}  # the restore over, machine 2 holds nobody back
+    assert s.sweep(2.0 + RESTORE_GRACE_S - 0.1) == []  # the restore waits for machine 2's copy ...
+    assert answers(s.sweep(2.0 + RESTORE_GRACE_S)) == {}  # ... for its grace (it never connected); the steps,
+    actions = s.sweep(1.0 + T)  # applied, wait for it by the bound until it is declared dead (away since 1.0)
+    assert any("worker 2 has been disconnected" in n.message for n in actions if isinstance(n, Note))
+    assert {a.handle for a in actions if isinstance(a, Fail)} == {"a", "b"}
     assert answers(s.push(delta(0, 2), arr(1, 1, 1, 1), "c", 12.0)).keys() == set()  # waits for worker 1 only
 
 
@@ -279,3 +283,40 @@ def test_a_restarted_run_takes_the_copies_before_a_push_that_came_first() -> Non
               arr(4, 4, 4, 4), 0.1)
     got = answers(s.worker_restored(1, 0.2))
     assert got["root"].value.tolist() == [4, 4, 4, 4] and got["root"].applied == [5, 3]  # its steps go on from 5
+
+
+def test_a_fresh_run_waits_only_its_grace_for_a_machine_that_never_connects() -> None:
+    """A fresh cluster whose machine 2 is down (or starts late): the restore opened at the first contact used to
+    hold every asynchronous push back for a whole timeout; a machine that never connected to this run has no
+    link alive through a restart, and so no copies: it is waited for RESTORE_GRACE_S."""
+    s = restarted()
+    for w in (0, 1):
+        s.worker_connected(w)
+        s.worker_restored(w, 0.0)
+    assert answers(s.push(init(0), arr(1, 2, 3, 4), "init0", 0.5)) == {}
+    assert s.sweep(RESTORE_GRACE_S - 0.1) == []
+    actions = s.sweep(RESTORE_GRACE_S)
+    assert answers(actions).keys() == {"init0"} and RESTORE_GRACE_S < T
+    assert any("no word from worker 2" in a.message for a in actions if isinstance(a, Note))
+
+
+def test_a_connected_machine_that_has_not_restored_is_waited_for_the_timeout() -> None:
+    """A survivor that reconnected and is still replaying its copies is waited for past the grace."""
+    s = restarted()
+    for w in (0, 1, 2):
+        s.worker_connected(w)
+    s.worker_restored(0, 0.0)
+    s.worker_restored(1, 0.0)
+    assert answers(s.push(init(0), arr(1, 2, 3, 4), "init0", 0.5)) == {}
+    assert answers(s.sweep(T - 0.1)) == {}
+    assert answers(s.sweep(T)).keys() == {"init0"}
+
+
+def test_a_run_without_asynchronous_values_ends_its_restore_without_a_word() -> None:
+    """A synchronous cluster whose machine 2 starts late: its first connections' Restored used to leave a
+    warning about a restore in the log of a job that has no asynchronous values."""
+    s = restarted()
+    for w in (0, 1):
+        s.worker_connected(w)
+        s.worker_restored(w, 0.0)
+    assert s.sweep(RESTORE_GRACE_S) == [] and s.restoring_since is None
