@@ -166,8 +166,10 @@ class Operations:
         return view_of(slot.segment.buf, dtype, shape, slot.offset)  # the user's own array (see Slot.view)
 
     def _holds(self, name: str) -> bool:
-        """Whether ``name``'s slot must stay where it is (SlotMap's ``busy``): in flight, or handed out."""
-        return name in self.inflight or name in self.handed_out
+        """Whether ``name``'s slot must stay where it is (SlotMap's ``busy``): in flight (but for an operation
+        a failed group gave up, once it ended: see :meth:`_check_free`), or handed out."""
+        held = self.inflight.get(name)
+        return (held is not None and not (held.abandoned and held.done())) or name in self.handed_out
 
     def start_filled(self, name: str, kind: str, dtype: np.dtype, shape: tuple[int, ...], fill: Fill, *,
                      average: bool, priority: int, root: int, out: np.ndarray | None, layout: str = "",

@@ -122,8 +122,10 @@ def test_a_failed_groups_sent_names_are_waited_for_once_and_freed_when_they_end(
     monkeypatch.setattr(ops.conn, "submit", real_submit)
     with pytest.raises(bps.BPSError, match="'mid1' is still in flight from a push_pull_group that failed"):
         bps.push_pull(mid, "mid1", average=False)
+    assert ops._holds("mid1") and ops._holds("mid2")  # their slots stay while the daemon may still write them
     late[0].fail(bps.BPSError("the peers gave up"))  # as the reader thread ends them when the answers come
     late[1].succeed(None, None)
+    assert not ops._holds("mid1") and not ops._holds("mid2")  # may be given up for room, never used again or not
     for name in ("mid1", "mid2"):
         np.testing.assert_array_equal(bps.push_pull(mid, name, average=False), mid)
 
