@@ -118,7 +118,7 @@ class SigintFlag:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bps-launch", description=(__doc__ or "").split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="bps-launch", description=(__doc__ or "").split("\n\n")[0].replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/local.toml", help="cluster TOML file (default: configs/local.toml)")
     p.add_argument("--log-level", default="warning", help="daemons' log level (default: warning)")

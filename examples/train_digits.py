@@ -1,6 +1,7 @@
 """Data-parallel training of a small CNN on scikit-learn's digits data set, over BytePS.
 
-Run it on a one-box cluster (2 workers x 2 training processes, 3 servers)::
+Run it on a one-box cluster (2 workers x 2 training processes, 3 servers), with the venv active
+(``. .venv/bin/activate``; ``make demo`` runs the first line)::
 
     bps-launch --config configs/local.toml -- python examples/train_digits.py
 

@@ -1,6 +1,7 @@
 """Data-parallel training of a small JAX MLP on scikit-learn's digits data set, over BytePS's numpy client.
 
-Run it on a one-box cluster (2 workers x 2 training processes, 3 servers)::
+Run it on a one-box cluster (2 workers x 2 training processes, 3 servers), with the venv active
+(``. .venv/bin/activate``)::
 
     bps-launch --config configs/local.toml -- python examples/train_digits_jax.py
 
