@@ -14,10 +14,12 @@ protocol), so training starts only when the cluster is up. When every training
 process has exited the daemons are stopped with SIGTERM; if any process fails
 (or Ctrl-C arrives) everything is stopped and the launcher exits non-zero.
 
-Each training process runs in a session of its own, as under torchrun: it is stopped as a process group,
-so what it started (DataLoader workers, a wrapper script's children) does not outlive the launcher. A
-terminal's Ctrl-C therefore reaches the launcher alone, which passes it on: the ranks get the SIGINT (or
-SIGTERM, SIGHUP) that stopped it, then SIGKILL after the grace period.
+Each training process runs in a process group of its own: it is stopped as a group, as torchrun stops its
+workers, so what it started (DataLoader workers, a wrapper script's children) does not outlive the launcher.
+A terminal's Ctrl-C therefore reaches the launcher alone, which passes it on: the ranks get the SIGINT (or
+SIGTERM, SIGHUP) that stopped it, then SIGKILL after the grace period. A group, not a session of its own:
+where the kernel shares the CPU out by session (autogroup), a rank in a session of its own had as much CPU
+as all of the box's daemons together, and its sums waited for them.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def run_training(cluster: Cluster, command: Sequence[str], *, timeout: float | N
             for key, value in (env_defaults or {}).items():
                 env.setdefault(key, value)
             try:
-                proc = subprocess.Popen(list(command), env=env, start_new_session=True)
+                proc = subprocess.Popen(list(command), env=env, process_group=0)
             except OSError as exc:  # (the ranks started already are the cluster's children: stopped with it)
                 raise LaunchError(f"cannot start the training command {command[0]!r}: "
                                   f"{exc.strerror or exc}") from None

@@ -22,26 +22,42 @@ from typing import Callable
 
 
 class ResultHolds:
-    """Per tensor name, the processes (sessions) answered with its result in the results arena, not yet taken."""
+    """Per tensor name, the processes (sessions) answered with its result in the results arena, not yet taken.
+
+    A process's Dones of one name that name one segment, one after the other, are a *run*: the process maps
+    the segment at the run's first Done and keeps it mapped while the run lasts (the client's
+    ``SlotMap.result_segment`` keeps a name's last results segment mapped), so it says ``Taken`` for that first
+    Done only. Once it did, the run's results need no hold; until then each is held (the newest replaces the
+    one before). A Done naming another segment starts a new run, held again until taken.
+    """
 
     def __init__(self, hold_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.hold_s = hold_s
         self._clock = clock
         self._by_name: dict[str, dict[Hashable, tuple[int, float]]] = {}  # tensor -> {session: (req, deadline)}
-        self._by_req: dict[tuple[Hashable, int], str] = {}  # (session, req) -> tensor
+        self._runs: dict[tuple[Hashable, str], tuple[str, int, bool]] = {}  # (session, tensor) -> (segment,
+        #                                                                   its first Done's req, taken)
+        self._starts: dict[tuple[Hashable, int], str] = {}  # (session, a run's first req) -> tensor
         self._ended: asyncio.Event | None = None  # set (and dropped) when a hold ends before its deadline
 
     def __len__(self) -> int:
-        return len(self._by_req)
+        return sum(len(holders) for holders in self._by_name.values())
 
-    def hold(self, session: Hashable, req: int, name: str) -> None:
-        """``session`` was answered ``Done(req)`` naming ``name``'s result (it replaces the name's last one)."""
+    def answered(self, session: Hashable, req: int, name: str, segment: str) -> None:
+        """``session`` was answered ``Done(req)`` naming ``segment`` for ``name``'s result: held, unless the
+        process has that segment mapped for the name already (a run it took)."""
+        key = (session, name)
+        run = self._runs.get(key)
+        if run is None or run[0] != segment:
+            if run is not None:
+                self._starts.pop((session, run[1]), None)
+            run = self._runs[key] = (segment, req, False)
+            self._starts[(session, req)] = name
+        if run[2]:
+            self._end(session, name)  # (an earlier hold of the run, if it is still there)
+            return
         holders = self._by_name.setdefault(name, {})
-        last = holders.get(session)
-        if last is not None:
-            self._by_req.pop((session, last[0]), None)
         holders[session] = (req, self._clock() + self.hold_s)
-        self._by_req[(session, req)] = name
 
     def holders(self) -> list[Hashable]:
         """The processes (sessions) whose holds are in force: asked for their Taken where room is wanted."""
@@ -58,29 +74,44 @@ class ResultHolds:
         return any(deadline > now for _, deadline in holders.values())
 
     def release(self, session: Hashable, reqs: Iterable[int]) -> None:
-        """``session`` took the results of ``reqs`` (``Taken``); requests not held are skipped."""
+        """``session`` took the results of ``reqs`` (``Taken``: the first Done of a run each); a request that
+        starts no current run is skipped (its name has moved to another segment since)."""
         ended = False
         for req in reqs:
-            name = self._by_req.pop((session, req), None)
+            name = self._starts.pop((session, req), None)
             if name is None:
                 continue
-            holders = self._by_name[name]
-            if holders.get(session, (None, 0.0))[0] == req:
-                del holders[session]
-                ended = True
-                if not holders:
-                    del self._by_name[name]
+            segment, first, _ = self._runs[(session, name)]
+            if first == req:
+                self._runs[(session, name)] = (segment, first, True)
+                ended = self._end(session, name) or ended
         if ended:
             self._signal()
 
+    def _end(self, session: Hashable, name: str) -> bool:
+        """End ``session``'s hold of ``name``, if any (whether there was one)."""
+        holders = self._by_name.get(name)
+        if holders is None or holders.pop(session, None) is None:
+            return False
+        if not holders:
+            del self._by_name[name]
+        return True
+
     def drop(self, session: Hashable) -> None:
         """``session`` left: its holds end (its mappings went with it)."""
-        reqs = [req for who, req in self._by_req if who == session]
-        self.release(session, reqs)
+        ended = False
+        for name in [name for (who, name) in self._runs if who == session]:
+            ended = self._end(session, name) or ended
+            del self._runs[(session, name)]
+        for start in [start for start in self._starts if start[0] == session]:
+            del self._starts[start]
+        if ended:
+            self._signal()
 
     def clear(self) -> None:
         self._by_name.clear()
-        self._by_req.clear()
+        self._runs.clear()
+        self._starts.clear()
         self._signal()
 
     async def ended(self, until: float) -> bool:

@@ -313,7 +313,7 @@ class ClientSession(AdmittedProtocol):
         if isinstance(message, (Done, Failure)):
             if isinstance(message, Done) and message.segment and message.req in self.inflight:
                 # Kept in the results arena until this process has mapped it (Taken), or for the timeout.
-                self.daemon.holds.hold(self, message.req, self.inflight[message.req][0])
+                self.daemon.holds.answered(self, message.req, self.inflight[message.req][0], message.segment)
             self._answered((message.req,))
         elif isinstance(message, DoneBatch):
             self._answered(message.reqs)

@@ -17,7 +17,7 @@ Theory of operation:
 - :meth:`Supervisor.stop` sends SIGTERM layer by layer -- training processes, then worker daemons, then
   servers -- waiting for each layer before the next, so that each drains into the next (a worker tells
   the servers that its jobs ended before they stop), and SIGKILL after a grace period. Training processes
-  the launcher started in sessions of their own (``Child.group``) are signalled as process groups, so
+  the launcher started in process groups of their own (``Child.group``) are signalled as groups, so
   what they started (DataLoader workers, a wrapper script's children) stops with them.
 - ``forkserver``: daemons it serves (``python -m bps_server|bps_worker``, no prefix) are forked from its
   helper, which imported them once, instead of started with ``exec`` (see ``bps_runtime.forkserver``): the
@@ -100,7 +100,7 @@ class Child:
     daemon: bool
     where: str = ""
     command: DaemonCommand | None = field(default=None, repr=False)  # how to start it again (daemons)
-    group: bool = False  # started in a session of its own: signalled as its process group, with what it started
+    group: bool = False  # started in a process group of its own: signalled as that group, with what it started
 
     def describe(self) -> str:
         return f"{self.label} on {self.where}" if self.where else self.label
@@ -158,7 +158,7 @@ def stop_in_layers(layers: list[list[Child]], grace_s: float = STOP_GRACE_S,
     """Signal each layer of processes and wait for it (SIGKILL after ``grace_s``) before the next: the first
     layer gets ``first_signal``, the others SIGTERM.
 
-    A child of its own session (``Child.group``) is signalled as its process group, as torchrun stops its
+    A child in a process group of its own (``Child.group``) is signalled as that group, as torchrun stops its
     workers, and once it has exited (or been killed) what is left of its group is killed: a process it
     started that ignores the signal (a shell's background job ignores SIGINT) does not outlive the stop.
     """

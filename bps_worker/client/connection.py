@@ -63,6 +63,7 @@ class Connection:
         # Maps a Done's results segment (tensor name, segment) as the Done arrives, not at synchronize: a mapping
         # keeps it alive, and the daemon may free it for room once told it is mapped (or after its timeout).
         self.map_result: Callable[[str, str], SharedMemory] | None = None
+        self.mapped_result: Callable[[str], str | None] | None = None  # the segment a name's last result was in
         # The daemon keeps such a segment until told it is mapped (Taken): the requests of the Dones mapped and
         # not told yet (appended by the reader thread), and the part of a frame that could not go at once (under
         # send_lock). Both go ahead of the next message, or with the reader's next try (see _acknowledge).
@@ -270,13 +271,17 @@ class Connection:
             else:
                 assert isinstance(message, Done)
                 if message.segment and self.map_result is not None:
+                    # A name's Dones that name one segment in a row are a run (bps_worker.result_holds): mapped
+                    # at its first, kept mapped while it lasts, so only the first is told (Taken).
+                    first = self.mapped_result is None or self.mapped_result(handle.name) != message.segment
                     try:
                         self.map_result(handle.name, message.segment)  # finish() finds it mapped
                     except (OSError, BPSError) as exc:
                         handle.fail(self._unmapped(handle.name, message.segment, exc), now)
                         return
                     finally:
-                        self._taken.append(req)  # (mapped or not: the daemon need not keep it any longer)
+                        if first:
+                            self._taken.append(req)  # (mapped or not: the daemon need not keep it any longer)
                 handle.succeed((message.segment, message.offset) if message.segment else None, now)
         elif rpc is not None:
             rpc[1].append(message)

@@ -101,6 +101,7 @@ class Operations:
         self.handed_out: set[str] = set()
         self.slots = SlotMap(self.conn.allocate, welcome.arena_bytes, self._holds)
         self.conn.map_result = self.slots.result_segment
+        self.conn.mapped_result = self.slots.results.get
         self.timeline = None if settings.timeline is None else _timeline(settings.timeline, self.rank)
         # Small sums wait here to go with others in one OpBatch (bps_worker.client.fusion); the daemon says
         # how small (0: an older daemon, or fusion off).

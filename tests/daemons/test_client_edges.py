@@ -166,3 +166,24 @@ def test_a_wait_longer_than_a_lock_can_wait_is_a_wait_for_ever(client, timeout):
     client()
     handle = bps.push_pull_async(np.ones(4, np.float32), "inf", average=False)
     np.testing.assert_array_equal(bps.synchronize(handle, timeout=timeout), 1.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_name_whose_result_stays_in_one_segment_says_taken_once(client, monkeypatch):
+    """The results holds' acknowledgement is per run of one segment, not per operation (a frame and a parse
+    more in the daemon for every push_pull not summed in place, once)."""
+    from bps_worker.client import connection as connection_mod
+
+    client()
+    told: list[int] = []
+    real = connection_mod.Taken
+
+    def counting(reqs: list[int]) -> Any:
+        told.extend(reqs)
+        return real(reqs)
+
+    monkeypatch.setattr(connection_mod, "Taken", counting)
+    big = np.arange(300_000, dtype=np.float32)  # (its result in the worker's results segment, not in place)
+    for _ in range(20):
+        np.testing.assert_array_equal(bps.push_pull(big, "R", average=False), big)
+    assert 1 <= len(told) <= 2, told  # the first result's, and at most one more where the worker moved it
