@@ -341,6 +341,7 @@ child = subprocess.Popen([sys.executable, "-c", "import os, signal, time; signal
                           "time.sleep(120)  # {mark}"])
 while not os.path.exists(os.path.join({mark!r}, "child-%d" % child.pid)):
     time.sleep(0.01)
+open(os.path.join({mark!r}, "ids-%d" % os.getpid()), "w").write("%d %d" % (os.getsid(0), os.getpgid(0)))
 os.write(1, b"up\\n")
 try:
     time.sleep(60)
@@ -380,6 +381,13 @@ def test_what_a_rank_started_does_not_outlive_the_launcher(tmp_path, signum):
     assert _pids_with(str(config)) == {} and _pids_with(str(script)) == {}, "daemons or ranks left running"
     interrupted = [name for name in os.listdir(mark) if name.startswith("interrupted-")]
     assert len(interrupted) == (2 if signum == signal.SIGINT else 0)
+    # each rank leads a process group of its own, in the launcher's session: under the kernel's autogroup
+    # scheduling a session of its own would have had as much CPU as all the daemons together
+    ids = [name for name in os.listdir(mark) if name.startswith("ids-")]
+    assert len(ids) == 2
+    for name in ids:
+        sid, pgid = map(int, (mark / name).read_text().split())
+        assert pgid == int(name[4:]) and sid == proc.pid, (name, sid, pgid, proc.pid)
 
 
 def _pids_with(text: str) -> dict[int, str]:
