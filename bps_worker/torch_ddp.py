@@ -25,7 +25,10 @@ Theory of operation:
   which would report it as a ``RuntimeError`` ("Unable to cast ... to Tensor"), so the hook also queues an
   autograd callback that waits for the future and raises the error itself: queued before DDP's finalizing
   callback, it makes ``backward()`` raise the ``BPSError`` as it is. DDP's step is then unfinished, as after
-  any failed all-reduce: the model cannot be used for another step.
+  any failed all-reduce: the model cannot be used for another step. One exception: with ``static_graph=True``
+  DDP reduces the first iteration's buckets inside its own final callback and waits on them there, before
+  ours runs, so a failure in that iteration reaches the user as DDP's ``RuntimeError`` ("Unable to cast ...
+  to Tensor") whose text carries the BPSError's.
 """
 
 from __future__ import annotations
