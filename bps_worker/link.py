@@ -830,6 +830,9 @@ class ServerLink:
                     self._held_elsewhere = (loop.time() + self.timeout, BPSConnectionError(last_error))
             except (OSError, asyncio.TimeoutError, ConnectionError) as exc:
                 last_error = str(exc) or exc.__class__.__name__
+            except Exception as exc:  # a bug of ours: said, and the attempt fails as any (never a task that
+                log.exception("server %d: connection attempt failed", self.spec.id)  # died: a silent hang)
+                last_error, self._ready = f"internal error: {exc!r}", False
             if self._proto is not None and self._proto.transport is not None:
                 self._proto.transport.close()
             self._proto = None
@@ -860,6 +863,9 @@ class ServerLink:
             self._attempt_error = str(exc)
         except (OSError, asyncio.TimeoutError, ConnectionError):
             pass
+        except Exception:  # a bug of ours: said, and the attempt fails as any (see _connect)
+            log.exception("server %d: connection attempt failed", self.spec.id)
+            self._ready = False
         if self._proto is not None and self._proto.transport is not None:
             self._proto.transport.close()
         self._proto = None

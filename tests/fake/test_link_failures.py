@@ -399,3 +399,25 @@ def test_write_message_and_write_batch_write_the_old_bytes():
     write_message(closing, _push(0), payload, 1 << 20)  # type: ignore[arg-type]
     write_batch(closing, wires, 1 << 20)  # type: ignore[arg-type]
     assert closing.data == bytearray()
+
+
+@pytest.mark.timeout(30)
+async def test_a_connection_attempt_that_raises_a_bug_of_ours_is_retried_and_fails_within_the_timeout(caplog):
+    """An exception other than a connection's (a bug in the handshake's or the replay's code) ended the task
+    that reconnects a link, silently: what it held waited for ever (a hang, once, in CI, of a stream's link
+    that never came back after a server restart). Now it is logged, and the attempt fails as any other."""
+    link = ServerLink(ServerSpec(0, "127.0.0.1", 9, None), 0, credit_bytes=1 << 20, timeout=0.6,
+                      max_payload_bytes=1 << 20)
+    attempts: list[float] = []
+
+    async def buggy_open(deadline: float) -> None:
+        attempts.append(deadline)
+        raise KeyError("a bug")
+
+    link._open = buggy_open  # type: ignore[method-assign]
+    future = link.push({"name": "w", "part": 0, "round": 0, "dtype": "float32", "shape": [2], "offset": 0,
+                        "count": 2}, memoryview(np.ones(2, np.float32)).cast("B"), memoryview(bytearray(8)), 0)
+    with pytest.raises(BPSConnectionError, match=r"cannot reach server 0 .* internal error: KeyError\('a bug'\)"):
+        await asyncio.wait_for(future, 10)
+    assert len(attempts) > 1 and "connection attempt failed" in caplog.text
+    link.close()
