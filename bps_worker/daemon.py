@@ -241,6 +241,8 @@ class WorkerDaemon:
                 session.send(Ping(seq))
             for link in self.links.values():
                 link.keep_connected()
+            for link in self.all_links:
+                link.keep_trying()
             for text in self.stalls.warnings(loop.time(), self.rounds, self.all_links):
                 log.warning("%s", text)
             self.fusion.watch(loop.time())

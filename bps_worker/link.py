@@ -398,6 +398,15 @@ class ServerLink:
                 asyncio.get_running_loop().time() >= self._attempt_after:
             self._connecting = asyncio.ensure_future(self._attempt())
 
+    def keep_trying(self) -> None:
+        """Connect again where this link holds work but is neither connected nor connecting (by the daemon,
+        every second): whatever left it so, what it holds is sent or fails within the timeout, never waits for
+        ever."""
+        if self.closed or self._ready or (self._connecting is not None and not self._connecting.done()):
+            return
+        if next(self.window.pieces(), None) is not None or self.control.waiting:
+            self._ensure_connecting()
+
     @property
     def shm(self) -> bool:
         """This connection's server accepted the shared-memory offer (pushes go by reference)."""

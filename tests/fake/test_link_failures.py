@@ -421,3 +421,32 @@ async def test_a_connection_attempt_that_raises_a_bug_of_ours_is_retried_and_fai
         await asyncio.wait_for(future, 10)
     assert len(attempts) > 1 and "connection attempt failed" in caplog.text
     link.close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_link_that_holds_work_with_no_attempt_under_way_connects_again():
+    """The daemon's every-second check: whatever left a link disconnected with pieces and no connecting task,
+    they are sent or fail within the timeout."""
+    link = ServerLink(ServerSpec(0, "127.0.0.1", 9, None), 0, credit_bytes=1 << 20, timeout=0.6,
+                      max_payload_bytes=1 << 20)
+    opened: list[float] = []
+
+    async def refused(deadline: float) -> None:
+        opened.append(deadline)
+        raise ConnectionRefusedError("refused")
+
+    link._open = refused  # type: ignore[method-assign]
+    link._ensure_connecting = lambda *args: None  # type: ignore[method-assign]  # (as if no task had started)
+    future = link.push({"name": "w", "part": 0, "round": 0, "dtype": "float32", "shape": [2], "offset": 0,
+                        "count": 2}, memoryview(np.ones(2, np.float32)).cast("B"), memoryview(bytearray(8)), 0)
+    await asyncio.sleep(0.05)
+    assert opened == [] and not future.done()
+    del link._ensure_connecting  # the class's own again
+    link.keep_trying()
+    with pytest.raises(BPSConnectionError, match="cannot reach server 0"):
+        await asyncio.wait_for(future, 10)
+    assert opened
+    link.keep_trying()  # nothing held any more: no attempt
+    await asyncio.sleep(0.05)
+    assert link._connecting is None or link._connecting.done()
+    link.close()
