@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+from typing import Any
 
 import numpy as np
 import pytest
@@ -401,22 +402,32 @@ def test_write_message_and_write_batch_write_the_old_bytes():
     assert closing.data == bytearray()
 
 
+def _unconnected_link(open_attempt: Any) -> ServerLink:
+    """A link with a short timeout whose connection attempts are ``open_attempt(deadline)``."""
+    link = ServerLink(ServerSpec(0, "127.0.0.1", 9, None), 0, credit_bytes=1 << 20, timeout=0.6,
+                      max_payload_bytes=1 << 20)
+    link._open = open_attempt  # type: ignore[method-assign]
+    return link
+
+
+def _push_two(link: ServerLink) -> asyncio.Future[None]:
+    return link.push({"name": "w", "part": 0, "round": 0, "dtype": "float32", "shape": [2], "offset": 0,
+                      "count": 2}, memoryview(np.ones(2, np.float32)).cast("B"), memoryview(bytearray(8)), 0)
+
+
 @pytest.mark.timeout(30)
 async def test_a_connection_attempt_that_raises_a_bug_of_ours_is_retried_and_fails_within_the_timeout(caplog):
     """An exception other than a connection's (a bug in the handshake's or the replay's code) ended the task
     that reconnects a link, silently: what it held waited for ever (a hang, once, in CI, of a stream's link
     that never came back after a server restart). Now it is logged, and the attempt fails as any other."""
-    link = ServerLink(ServerSpec(0, "127.0.0.1", 9, None), 0, credit_bytes=1 << 20, timeout=0.6,
-                      max_payload_bytes=1 << 20)
     attempts: list[float] = []
 
     async def buggy_open(deadline: float) -> None:
         attempts.append(deadline)
         raise KeyError("a bug")
 
-    link._open = buggy_open  # type: ignore[method-assign]
-    future = link.push({"name": "w", "part": 0, "round": 0, "dtype": "float32", "shape": [2], "offset": 0,
-                        "count": 2}, memoryview(np.ones(2, np.float32)).cast("B"), memoryview(bytearray(8)), 0)
+    link = _unconnected_link(buggy_open)
+    future = _push_two(link)
     with pytest.raises(BPSConnectionError, match=r"cannot reach server 0 .* internal error: KeyError\('a bug'\)"):
         await asyncio.wait_for(future, 10)
     assert len(attempts) > 1 and "connection attempt failed" in caplog.text
@@ -427,18 +438,15 @@ async def test_a_connection_attempt_that_raises_a_bug_of_ours_is_retried_and_fai
 async def test_a_link_that_holds_work_with_no_attempt_under_way_connects_again():
     """The daemon's every-second check: whatever left a link disconnected with pieces and no connecting task,
     they are sent or fail within the timeout."""
-    link = ServerLink(ServerSpec(0, "127.0.0.1", 9, None), 0, credit_bytes=1 << 20, timeout=0.6,
-                      max_payload_bytes=1 << 20)
     opened: list[float] = []
 
     async def refused(deadline: float) -> None:
         opened.append(deadline)
         raise ConnectionRefusedError("refused")
 
-    link._open = refused  # type: ignore[method-assign]
+    link = _unconnected_link(refused)
     link._ensure_connecting = lambda *args: None  # type: ignore[method-assign]  # (as if no task had started)
-    future = link.push({"name": "w", "part": 0, "round": 0, "dtype": "float32", "shape": [2], "offset": 0,
-                        "count": 2}, memoryview(np.ones(2, np.float32)).cast("B"), memoryview(bytearray(8)), 0)
+    future = _push_two(link)
     await asyncio.sleep(0.05)
     assert opened == [] and not future.done()
     del link._ensure_connecting  # the class's own again
