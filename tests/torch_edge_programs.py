@@ -17,13 +17,20 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _one_weight_model() -> tuple[nn.Linear, Any]:
+    """A 3-to-1 linear model at zero on every rank (exact steps: a random weight minus 1.5 is not always 1.5
+    away in float32), and its DistributedOptimizer (SGD, lr 1)."""
+    m = nn.Linear(3, 1, bias=False)
+    nn.init.zeros_(m.weight)
+    opt = bps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1.0), named_parameters=m.named_parameters())
+    bps.broadcast_parameters(m.state_dict(), 0)
+    return m, opt
+
+
 def assigned_grads() -> dict[str, Any]:
     """``p.grad = g`` (torch.autograd.grad, torch.func, DP-SGD code), no backward: still averaged."""
     r = bps.rank()
-    m = nn.Linear(3, 1, bias=False)
-    nn.init.zeros_(m.weight)  # (exact steps: a random weight minus 1.5 is not always 1.5 away in float32)
-    opt = bps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1.0), named_parameters=m.named_parameters())
-    bps.broadcast_parameters(m.state_dict(), 0)
+    m, opt = _one_weight_model()
     before = m.weight.detach().clone()
     loss = m(torch.full((1, 3), float(r + 1))).sum()
     (m.weight.grad,) = torch.autograd.grad(loss, [m.weight])
@@ -99,10 +106,7 @@ def numpy_hyperparameters() -> dict[str, Any]:
 def grad_scaler() -> dict[str, Any]:
     """The README's recipe: synchronize, unscale, clip, then step without synchronizing again."""
     r = bps.rank()
-    m = nn.Linear(3, 1, bias=False)
-    nn.init.zeros_(m.weight)  # (exact steps: a random weight minus 1.5 is not always 1.5 away in float32)
-    opt = bps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1.0), named_parameters=m.named_parameters())
-    bps.broadcast_parameters(m.state_dict(), 0)
+    m, opt = _one_weight_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     before = m.weight.detach().clone()
     scaler.scale(m(torch.full((1, 3), float(r + 1))).sum()).backward()

@@ -68,15 +68,17 @@ async def test_a_restarted_server_gets_our_copy_then_restored_then_the_delta_aga
     link.close()
 
 
-async def test_a_failed_delta_keeps_the_copy_before_it():
+def _one_step_answered() -> tuple[ServerLink, _LinkProtocol, FakeTransport, memoryview]:
+    """A link whose first asynchronous step was answered (value [7, 8], vector [1, 0]); its result buffer."""
     link, proto, transport = _link(0)
     dest = memoryview(bytearray(8))
     link.push({**FIELDS, "round": 1, "kind": KIND_ASYNC}, memoryview(bytearray(8)), dest, 0)
     _answer(link, proto, _last_push(transport), [7, 8], [1, 0])
-    failed = link.push({**FIELDS, "round": 2, "kind": KIND_ASYNC}, memoryview(bytearray(8)), dest, 0)
-    link.on_message(proto, Failure(_last_push(transport).req, "worker 1 is dead", code="connection",
-                                   peer="worker 1"), None)
-    assert failed.exception() is not None
+    return link, proto, transport, dest
+
+
+def _assert_a_restart_replays_the_copy(link: ServerLink, proto: _LinkProtocol) -> None:
+    """The connection breaks and a restarted server takes it: the first step's copy is replayed, then Restored."""
     link.on_broken(proto, "lost connection to server 0")
     proto, transport = _connected(link)
     link._settle_held(proto, restarted=True)
@@ -84,21 +86,21 @@ async def test_a_failed_delta_keeps_the_copy_before_it():
     assert isinstance(replay, Push) and replay.applied == [1, 0] and np.frombuffer(copy, np.float32).tolist() == [7, 8]
     assert restored == Restored(0)
     link.close()
+
+
+async def test_a_failed_delta_keeps_the_copy_before_it():
+    link, proto, transport, dest = _one_step_answered()
+    failed = link.push({**FIELDS, "round": 2, "kind": KIND_ASYNC}, memoryview(bytearray(8)), dest, 0)
+    link.on_message(proto, Failure(_last_push(transport).req, "worker 1 is dead", code="connection",
+                                   peer="worker 1"), None)
+    assert failed.exception() is not None
+    _assert_a_restart_replays_the_copy(link, proto)
 
 
 async def test_a_delta_given_up_keeps_the_copy_before_it():
     """Another piece of the same local round failed, so the op gave this one up (``forget``): the window dropped
     the partition's kept copy with it, and a restarted server lost the deltas only that copy held."""
-    link, proto, transport = _link(0)
-    dest = memoryview(bytearray(8))
-    link.push({**FIELDS, "round": 1, "kind": KIND_ASYNC}, memoryview(bytearray(8)), dest, 0)
-    _answer(link, proto, _last_push(transport), [7, 8], [1, 0])
+    link, proto, transport, dest = _one_step_answered()
     given_up = link.push({**FIELDS, "round": 2, "kind": KIND_ASYNC}, memoryview(bytearray(8)), dest, 0)
     assert link.forget(given_up) and given_up.cancelled()
-    link.on_broken(proto, "lost connection to server 0")
-    proto, transport = _connected(link)
-    link._settle_held(proto, restarted=True)
-    (replay, copy), (restored, _) = transport.messages()
-    assert isinstance(replay, Push) and replay.applied == [1, 0] and np.frombuffer(copy, np.float32).tolist() == [7, 8]
-    assert restored == Restored(0)
-    link.close()
+    _assert_a_restart_replays_the_copy(link, proto)
