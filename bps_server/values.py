@@ -414,7 +414,7 @@ class ValueStore(Generic[W]):
         if waited < self.timeout_s and (waited < self.restore_grace_s() or any(w in self.seen for w in missing)):
             return []
         actions: list[Action[W]] = []
-        if self.pending or self.keys or any(st.inits for st in self.keys.values()):
+        if self.pending or self.keys:  # (an init waits in its key)
             actions.append(Note(logging.WARNING, f"restore at this run's start: no word from worker "
                                                  f"{', '.join(map(str, missing))} within {waited:.3g} s; "
                                                  f"going on with the copies the others sent"))

@@ -393,7 +393,7 @@ class WorkerDaemon:
 
     def _result_busy(self, name: str) -> bool:
         """Whether ``name``'s results buffer is in use: as :meth:`_busy`, or a process has yet to map it."""
-        return name in self.running or name in self.rounds.open or self.holds.held(name)
+        return self._busy(name) or self.holds.held(name)
 
     def _failed(self, action: Failed[ClientSession]) -> None:
         """A local round failed: its members hear why, and so do the peers (at the anchor server)."""

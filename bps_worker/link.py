@@ -404,8 +404,12 @@ class ServerLink:
         ever."""
         if self.closed or self._ready or (self._connecting is not None and not self._connecting.done()):
             return
-        if next(self.window.pieces(), None) is not None or self.control.waiting:
+        if self._holds_work():
             self._ensure_connecting()
+
+    def _holds_work(self) -> bool:
+        """Pieces in the window, or control messages waiting for a connection."""
+        return next(self.window.pieces(), None) is not None or bool(self.control.waiting)
 
     @property
     def shm(self) -> bool:
@@ -878,7 +882,7 @@ class ServerLink:
         if self._proto is not None and self._proto.transport is not None:
             self._proto.transport.close()
         self._proto = None
-        if next(self.window.pieces(), None) is not None or self.control.waiting:
+        if self._holds_work():
             self._connecting = None
             self._ensure_connecting()
 
