@@ -45,7 +45,7 @@ from protocol.messages import ROOTED_KINDS, Done, Failure, Op, Result
 from .errors import BPSConnectionError, BPSError, LinkBrokenError, failure_from_error
 from .link import ServerLink
 from .local_rounds import LocalRound
-from .placement import Piece, Placement, interleave
+from .placement import Piece, Placement
 from .session import ClientSession
 
 if TYPE_CHECKING:
@@ -225,7 +225,7 @@ class Operation:
         slots = self.path.handback_slots(self)
         intact = partial(self.path.intact, self)
         futures = []
-        for piece in interleave(host.placement.split(name, self.count, itemsize)):
+        for piece in host.placement.issue_order(name, self.count, itemsize):
             lo, hi = piece.offset * itemsize, (piece.offset + piece.count) * itemsize
             future = self.link_for(piece).push(
                 self.push_fields(piece, server_round), raw[lo:hi], out_raw[lo:hi], priority,

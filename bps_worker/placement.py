@@ -67,6 +67,7 @@ import logging
 import zlib
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TypeVar
 
 from protocol.config import ClusterConfig
 from protocol.messages import MAX_STREAMS, fused_name, fused_server
@@ -102,6 +103,9 @@ PIECE_MIN_LINK_TIME_S = 0.5e-3
 # (measured on emulated links, benchmarks/RESULTS.md).
 PIECE_TIME_GROWS_ABOVE_BITS = 500e6
 PIECE_LINK_TIME_MAX_S = 8e-3
+# Names whose anchor and pieces a Placement remembers (the oldest forgotten first): a job issues the same
+# names every step, and the cut is the same every time (issue 16's per-name cache).
+PLACEMENT_CACHE_NAMES = 1 << 14
 
 
 def piece_link_time(link_bits_per_s: float) -> float:
@@ -176,6 +180,18 @@ def interleave(pieces: list[Piece]) -> list[Piece]:
     return [pieces[i] for i in order]
 
 
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _remember(cache: dict[K, V], key: K, value: V) -> V:
+    """``value`` kept in ``cache`` under ``key``, the oldest entry forgotten beyond PLACEMENT_CACHE_NAMES."""
+    if len(cache) >= PLACEMENT_CACHE_NAMES:
+        del cache[next(iter(cache))]
+    cache[key] = value
+    return value
+
+
 class Placement:
     """Cuts tensors into pieces for one cluster configuration."""
 
@@ -207,6 +223,8 @@ class Placement:
         self._streams = {sid: 1 if config.one_host or share == 0
                          else max(1, min(MAX_STREAMS, round(share / smallest_share)))
                          for sid, share in zip(self.server_ids, self.shares)}
+        self._anchors: dict[str, int] = {}
+        self._orders: dict[tuple[str, int, int], tuple[Piece, ...]] = {}
 
     def streams(self, server: int) -> int:
         """How many connections a worker opens to ``server`` (see the module docstring)."""
@@ -244,12 +262,27 @@ class Placement:
         return None if server is None else self._index.get(server)
 
     def _hashed_index(self, name: str) -> int:
-        """Index of an ordinary tensor's anchor (see :meth:`anchor`)."""
+        """Index of an ordinary tensor's anchor (see :meth:`anchor`), remembered per name."""
+        index = self._anchors.get(name)
+        if index is None:
+            index = _remember(self._anchors, name, self._hash_to_index(name))
+        return index
+
+    def _hash_to_index(self, name: str) -> int:
         u = Fraction(zlib.crc32(name.encode()), 1 << 32)
         for i, bound in enumerate(self._cumulative):
             if u < bound and self.shares[i] > 0:
                 return i
         return max(i for i, share in enumerate(self.shares) if share > 0)
+
+    def issue_order(self, name: str, count: int, itemsize: int) -> tuple[Piece, ...]:
+        """The pieces of :meth:`split` in the order a worker issues them (:func:`interleave`), remembered per
+        name and size: the same every step."""
+        key = (name, count, itemsize)
+        order = self._orders.get(key)
+        if order is None:
+            order = _remember(self._orders, key, tuple(interleave(self.split(name, count, itemsize))))
+        return order
 
     def split(self, name: str, count: int, itemsize: int) -> list[Piece]:
         """The pieces of a tensor of ``count`` elements of ``itemsize`` bytes."""

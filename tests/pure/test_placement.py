@@ -8,6 +8,7 @@ from fractions import Fraction
 
 import pytest
 
+import bps_worker.placement as placement_module
 from bps_worker.placement import (
     MIN_PIPELINE_BYTES,
     NETWORK_MIN_DEPTH,
@@ -372,6 +373,28 @@ def test_interleave_takes_every_flow_in_turn():
         depth[(p.server, p.stream)] += 1
     assert rows == sorted(rows)
     assert interleave([]) == []
+
+
+def test_issue_order_is_the_interleaved_split_remembered_per_name(monkeypatch: pytest.MonkeyPatch):
+    """The cut a worker issues is worked out once per name and size (the same every step); the cache keeps at
+    most PLACEMENT_CACHE_NAMES names, forgetting the oldest first, and a forgotten name is cut again alike."""
+    monkeypatch.setattr(placement_module, "PLACEMENT_CACHE_NAMES", 3)
+    placement = Placement(make_config(4, 2, one_host=False))
+    calls: list[str] = []
+    split = placement.split
+    monkeypatch.setattr(placement, "split", lambda name, count, itemsize: calls.append(name) or split(name, count, itemsize))
+    first = placement.issue_order("big", 16 * MiB // 4, 4)
+    assert list(first) == interleave(split("big", 16 * MiB // 4, 4))
+    assert placement.issue_order("big", 16 * MiB // 4, 4) is first and calls == ["big"]
+    assert placement.issue_order("big", 8 * MiB // 4, 4) == tuple(interleave(split("big", 8 * MiB // 4, 4)))
+    assert calls == ["big", "big"]  # another size of the name is another cut
+    for name in ("a", "b"):
+        placement.issue_order(name, 1024, 4)
+    assert placement.issue_order("big", 16 * MiB // 4, 4) == first and calls[-1] == "big" and len(calls) == 5
+    assert len(placement._orders) == 3
+    anchors = {name: placement.anchor(name) for name in ("w0", "w1", "w2", "w3", "w0")}
+    assert len(placement._anchors) == 3 and placement.anchor("w0") == anchors["w0"]
+    assert all(Placement(make_config(4, 2, one_host=False)).anchor(name) == index for name, index in anchors.items())
 
 
 def test_itemsize_larger_than_partition_still_progresses():
