@@ -304,9 +304,11 @@ def _held_elsewhere(exc: HandshakeError) -> bool:
 
 def _cannot_change(exc: HandshakeError) -> bool:
     """A refusal that retrying within the timeout cannot mend: the two sides read different cluster
-    files or speak different protocol versions (the server says so with code ``mismatch``)."""
-    return isinstance(exc, (ConfigMismatchError, VersionMismatchError)) or \
-        (isinstance(exc, HandshakeRefused) and exc.code == "mismatch")
+    files or speak different protocol versions (the server says so with code ``mismatch``). Never on
+    unproven words (a version said before any proof of the token: retried as from a server not up)."""
+    if isinstance(exc, VersionMismatchError):
+        return exc.proven
+    return isinstance(exc, ConfigMismatchError) or (isinstance(exc, HandshakeRefused) and exc.code == "mismatch")
 
 
 def failure_error(server_id: int, failure: Failure) -> BPSError:

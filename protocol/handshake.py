@@ -31,7 +31,9 @@ of everything said so far:
   refusal's ``auth`` (:meth:`ServerHandshake.refuse`, once a Hello proved the token). The connecting side
   takes a refusal without it as code ``unproven`` (:class:`HandshakeRefused`): a worker gives up at once,
   or backs off, only on the server's proven word (``duplicate``: another daemon has our id; ``mismatch``:
-  another cluster file), never on a stranger's that holds the address.
+  another cluster file), never on a stranger's that holds the address. For the same reason a Challenge or
+  Welcome of another protocol version is unproven where a token is set (``VersionMismatchError.proven``: no
+  proof holds across versions), and retried.
 
 So a proof holds for one connection (its two nonces) and one set of values: a relay that forwards a
 worker's Hello to another connection (another Ns), or changes ``stream``, ``shm``, ``shm_key``,
@@ -136,12 +138,16 @@ class HandshakeError(RemoteProtocolError):
 
 
 class VersionMismatchError(HandshakeError):
-    """The peer speaks another protocol version (``theirs``; ours is ``ours``)."""
+    """The peer speaks another protocol version (``theirs``; ours is ``ours``). ``proven`` is False where a
+    cluster token is set: no proof is checked across versions, so the words may be a stranger's on the
+    server's address, and a worker retries as it does after an ``unproven`` refusal."""
 
-    def __init__(self, message: str, *, who: str = "", ours: int = PROTOCOL_VERSION, theirs: int = 0) -> None:
+    def __init__(self, message: str, *, who: str = "", ours: int = PROTOCOL_VERSION, theirs: int = 0,
+                 proven: bool = True) -> None:
         super().__init__(message, who=who)
         self.ours = ours
         self.theirs = theirs
+        self.proven = proven
 
 
 class AuthenticationError(HandshakeError):
@@ -495,6 +501,14 @@ class ClientHandshake(_Machine):
         except HandshakeError as exc:
             raise self._fail(exc) from None
 
+    def _version_mismatch(self, text: str, theirs: int) -> VersionMismatchError:
+        """The error for a Challenge or Welcome of another version: unproven where a token is set (no proof
+        holds across versions), as a refusal without its proof is."""
+        if self.token is None:
+            return VersionMismatchError(text, who=self.who, theirs=theirs)
+        return VersionMismatchError(f"{text} (said before any proof of the cluster token: not taken as the "
+                                    f"server's word)", who=self.who, theirs=theirs, proven=False)
+
     def _refused(self, refusal: Failure) -> HandshakeRefused:
         """The error for ``refusal``. With a token, one without a proof that holds (:func:`refusal_proof`) is
         code ``unproven``: whoever sent it did not show the token, so a worker does not give up on its word
@@ -518,8 +532,8 @@ class ClientHandshake(_Machine):
         if not isinstance(message, Challenge):
             raise HandshakeError(f"expected a challenge from {self.who}, got {message.TYPE}", who=self.who)
         if message.version != PROTOCOL_VERSION:
-            raise VersionMismatchError(f"{self.who} speaks protocol version {message.version}; this side speaks "
-                                       f"{PROTOCOL_VERSION}", who=self.who, theirs=message.version)
+            raise self._version_mismatch(f"{self.who} speaks protocol version {message.version}; this side "
+                                         f"speaks {PROTOCOL_VERSION}", message.version)
         self._challenge = message
         self._hello = self._make_hello()
         self._state = "await_welcome"
@@ -531,8 +545,8 @@ class ClientHandshake(_Machine):
         if not isinstance(message, Welcome):
             raise HandshakeError(f"expected a welcome from {self.who}, got {message.TYPE}", who=self.who)
         if message.version != PROTOCOL_VERSION:
-            raise VersionMismatchError(f"{self.who} welcomed us with protocol version {message.version}; this "
-                                       f"side speaks {PROTOCOL_VERSION}", who=self.who, theirs=message.version)
+            raise self._version_mismatch(f"{self.who} welcomed us with protocol version {message.version}; this "
+                                         f"side speaks {PROTOCOL_VERSION}", message.version)
         key = None
         if self.token is not None:
             if not _proof_holds(welcome_proof(self.token, self._challenge, hello, message), message.auth):

@@ -228,16 +228,19 @@ def test_a_fake_server_is_refused_and_never_sent_sums(tmp_path):
     assert "did not prove the cluster token" in logs
 
 
-def test_a_strangers_refusal_is_not_taken_as_the_servers_word(tmp_path):
-    """A stranger on server 2's port answers every Hello with the refusal that makes a worker give up at once
-    and stay away (``duplicate``: another daemon has its id), without the token's proof. It used to be believed:
-    each rank failed with "already served by another daemon" and the worker made no attempt for a timeout."""
+@pytest.mark.parametrize("words", ["duplicate", "version"])
+def test_a_strangers_refusal_is_not_taken_as_the_servers_word(tmp_path, words):
+    """A stranger on server 2's port says, without the token's proof, what makes a worker give up at once and
+    stay away: ``duplicate`` (another daemon has its id) in a refusal of every Hello, or ``version`` (another
+    protocol version) in its Challenge, which no proof can cover. Both used to be believed: each rank failed at
+    once ("already served by another daemon", "speaks protocol version 6") and the worker made no attempt for
+    a timeout."""
     path = _token_cluster(tmp_path)
     free = load_config(path).servers[2]
 
     def refuse(worker: socket.socket) -> None:
         reader = FrameReader()
-        worker.sendall(_frame(Challenge("f00d" * 8, PROTOCOL_VERSION)))
+        worker.sendall(_frame(Challenge("f00d" * 8, PROTOCOL_VERSION if words == "duplicate" else 6)))
         got, _ = _read(worker, reader, 5, lambda ms: any(isinstance(m, Hello) for m in ms))
         hello = next((m for m, _ in got if isinstance(m, Hello)), None)
         if hello is not None:
@@ -245,9 +248,11 @@ def test_a_strangers_refusal_is_not_taken_as_the_servers_word(tmp_path):
                                           code="duplicate", peer=f"worker {hello.id}", auth="00" * 32)))
 
     results, logs = _one_sum_beside(Stranger(free.port, refuse), path, "refused")
+    said = {"duplicate": "without a proof of the cluster token", "version": "speaks protocol version 6"}[words]
     for r in results:
         assert r["error"] is not None and r.get("wrong") is None, r
-        assert "cannot reach server 2" in r["error"] and "without a proof of the cluster token" in r["error"], r
+        assert "cannot reach server 2" in r["error"] and said in r["error"], r
+        assert "not taken as the server's word" in r["error"], r
     assert "ERROR" not in logs  # a duplicate daemon is an error in the log; a stranger's say-so is not
 
 
