@@ -20,15 +20,23 @@ A terminal's Ctrl-C therefore reaches the launcher alone, which passes it on: th
 SIGTERM, SIGHUP) that stopped it, then SIGKILL after the grace period. A group, not a session of its own:
 where the kernel shares the CPU out by session (autogroup), a rank in a session of its own had as much CPU
 as all of the box's daemons together, and its sums waited for them.
+
+The launcher's standard input goes to rank 0 alone, through a pipe, as ``mpirun`` and ``srun`` do; the other
+ranks read an empty one (``/dev/null``). So ``breakpoint()`` or ``input()`` on rank 0 reads what is typed at the
+launcher's terminal. A rank in a background process group that read the terminal itself would be stopped
+(SIGTTIN) and the job would freeze without a word; on another rank ``input()`` raises EOFError. The launcher
+reads its terminal only while it is the terminal's foreground job.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
 from types import FrameType
 from typing import Any, Callable, Sequence
 
@@ -56,11 +64,15 @@ def run_training(cluster: Cluster, command: Sequence[str], *, timeout: float | N
             env = cluster.env_for(w.id, local)
             for key, value in (env_defaults or {}).items():
                 env.setdefault(key, value)
+            first = not procs and sys.stdin is not None  # (None: the launcher was started without one)
             try:
-                proc = subprocess.Popen(list(command), env=env, process_group=0)
+                proc = subprocess.Popen(list(command), env=env, process_group=0,
+                                        stdin=subprocess.PIPE if first else subprocess.DEVNULL)
             except OSError as exc:  # (the ranks started already are the cluster's children: stopped with it)
                 raise LaunchError(f"cannot start the training command {command[0]!r}: "
                                   f"{exc.strerror or exc}") from None
+            if first:
+                forward_stdin(proc)
             procs.append(Child(f"rank {env['BPS_RANK']}", proc, daemon=False, group=True))
             cluster.children.append(procs[-1])
     ending = cluster.supervisor.watch(procs, timeout)
@@ -68,6 +80,40 @@ def run_training(cluster: Cluster, command: Sequence[str], *, timeout: float | N
         rank_failed = ending.culprit is not None and not ending.culprit.daemon
         print(f"{prog}: {ending.reason}; {'stopping the cluster' if rank_failed else 'stopping'}", file=sys.stderr)
     return ending.code
+
+
+def forward_stdin(proc: subprocess.Popen[Any], source: int = 0) -> threading.Thread:
+    """Copy what comes on ``source`` (the launcher's standard input) to ``proc``'s, in a daemon thread, until
+    either ends; ``proc``'s then reads end of file. A terminal is read only while the launcher is its
+    foreground job (a background job that read it would be stopped, SIGTTIN)."""
+    assert proc.stdin is not None
+    sink = proc.stdin.fileno()
+
+    def copy() -> None:
+        try:
+            terminal = os.isatty(source)
+            while proc.poll() is None:
+                if not select.select([source], [], [], 0.5)[0]:
+                    continue
+                if terminal and os.tcgetpgrp(source) != os.getpgrp():
+                    select.select([], [], [], 0.5)  # in the background: wait to be brought back
+                    continue
+                data = os.read(source, 65536)
+                if not data:
+                    break
+                while data:
+                    data = data[os.write(sink, data):]
+        except OSError:
+            pass  # no standard input (closed), or the rank is gone (a broken pipe): nothing more to pass on
+        finally:
+            try:
+                proc.stdin.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=copy, name="bps-launch stdin", daemon=True)
+    thread.start()
+    return thread
 
 
 def print_stragglers(cluster: Cluster, prog: str = "bps-launch") -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import pty
 import re
+import select
 import signal
 import socket
 import stat
@@ -388,6 +390,56 @@ def test_what_a_rank_started_does_not_outlive_the_launcher(tmp_path, signum):
     for name in ids:
         sid, pgid = map(int, (mark / name).read_text().split())
         assert pgid == int(name[4:]) and sid == proc.pid, (name, sid, pgid, proc.pid)
+
+
+@pytest.mark.timeout(120)
+def test_rank_0_reads_the_launchers_terminal_and_the_others_end_of_file(tmp_path):
+    """``input()`` (or ``breakpoint()``) on a rank: ranks lead process groups of their own, in the background of
+    the launcher's terminal, so a rank that read it was stopped (SIGTTIN) and the job froze without a word.
+    Rank 0 now reads what is typed at the launcher's terminal, through the launcher; the others end of file."""
+    config = write_config(tmp_path, [2], cpu_servers=0)
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "ask.py"
+    script.write_text("import os\n"
+                      "try:\n"
+                      "    line = input()\n"
+                      "except EOFError:\n"
+                      "    line = '<end of file>'\n"
+                      f"open(os.path.join({str(out)!r}, os.environ['BPS_RANK']), 'w').write(line)\n")
+    pid, terminal = pty.fork()  # the launcher leads a session whose terminal we hold, in its foreground
+    if pid == 0:
+        try:
+            os.execv(PY, [PY, "-m", "bps_worker.launch", "--config", str(config), "--", PY, str(script)])
+        finally:
+            os._exit(127)
+    os.write(terminal, b"typed at the terminal\n")
+    status, shown = _wait_reading(pid, terminal, 60)
+    if status is None:  # frozen: stopped the way a user would, then asserted
+        os.kill(pid, signal.SIGTERM)
+        status, more = _wait_reading(pid, terminal, 40)
+        shown += more
+    os.close(terminal)
+    assert status is not None and os.waitstatus_to_exitcode(status) == 0, shown.decode(errors="replace")
+    assert {name: (out / name).read_text() for name in os.listdir(out)} == \
+        {"0": "typed at the terminal", "1": "<end of file>"}
+    assert _pids_with(str(config)) == {} and _pids_with(str(script)) == {}, "daemons or ranks left running"
+
+
+def _wait_reading(pid: int, terminal: int, seconds: float) -> tuple[int | None, bytes]:
+    """Child ``pid``'s wait status (None if it still runs after ``seconds``) and what it wrote to ``terminal``."""
+    shown = b""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if select.select([terminal], [], [], 0.2)[0]:
+            try:
+                shown += os.read(terminal, 4096)
+            except OSError:
+                pass  # the terminal's other side is closed (every process of the session is gone)
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status, shown
+    return None, shown
 
 
 def _pids_with(text: str) -> dict[int, str]:
