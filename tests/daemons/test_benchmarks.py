@@ -135,3 +135,13 @@ def test_many_tensors_quick_prints_its_tables_and_every_sum_is_exact():
     assert len(single) == 1, result.stdout
     row = lines[lines.index(single[0]) + 2].split()
     assert row[:2] == ["4K", "5"] and row[-1] == "yes" and len(row) == 10, result.stdout  # 2 columns back to back
+
+
+def test_lone_floor_tiny_prints_every_process():
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "lone_floor.py"), "--calls", "50",
+                             "--warmup", "5"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr  # (a rank asserts its sum: 4 x its array)
+    rows = dict(line.rsplit(None, 1) for line in result.stdout.splitlines())
+    assert sorted(key.strip() for key in rows) == sorted(
+        ["p50 ms", "server CPU us", "worker0 CPU us", "worker1 CPU us"] + [f"rank{r} CPU us" for r in range(4)])
+    assert all(float(value) > 0 for value in rows.values()), result.stdout
