@@ -64,7 +64,26 @@ def _operations() -> Operations:
     conn = _conn
     if conn is None:
         raise BPSError("bps_worker.client is not initialized; call init() first")
+    if conn.pid != os.getpid():
+        raise BPSError(f"bps_worker.client was initialized in process {conn.pid}, and this process "
+                       f"({os.getpid()}) is a fork of it: a fork cannot use that process's connection to the "
+                       f"worker daemon; call init() here to connect it as a training process of its own")
     return conn
+
+
+def _after_fork_in_child() -> None:
+    """A forked child keeps its parent's client state, but not its connection (see :func:`_operations`): its copy
+    of the socket is closed at once, so that a long-lived child (a data loader's worker) does not keep the
+    parent's connection open after the parent is gone, which the daemon would then not see leave. (The module's
+    lock is made anew: a thread of the parent's may have held it, and no thread of the parent's runs here.)"""
+    global _lock
+    _lock = threading.Lock()
+    conn = _conn
+    if conn is not None:
+        conn.conn.forget()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def init(socket: str | None = None, local_rank: int | None = None, timeout: float = DEFAULT_TIMEOUT_S, *,
@@ -86,24 +105,25 @@ def init(socket: str | None = None, local_rank: int | None = None, timeout: floa
     """
     global _conn
     with _lock:
-        if _conn is not None:
+        if _conn is not None and _conn.pid == os.getpid():
             return
+        _conn = None  # (a forked child's copy of its parent's state: forgotten, see _after_fork_in_child)
         _conn = Operations(resolve(socket, local_rank, timeout, timeline, cuda_ipc, os.environ, fusion_bytes,
                                    cycle_time_ms))
 
 
 def is_initialized() -> bool:
     """Whether :func:`init` connected this process (and :func:`shutdown` has not been called since)."""
-    return _conn is not None
+    return _conn is not None and _conn.pid == os.getpid()
 
 
 def shutdown() -> None:
     """Disconnect; the daemon frees this process's shared memory. Safe to call twice."""
     global _conn
     with _lock:
-        if _conn is not None:
+        if _conn is not None and _conn.pid == os.getpid():
             _conn.close()
-            _conn = None
+        _conn = None  # (a forked child's copy of its parent's state is only forgotten: the parent still uses it)
 
 
 def rank() -> int:

@@ -19,9 +19,9 @@ from protocol import dtypes
 from protocol.messages import FUSED_PREFIX, MAX_DIMS, MAX_LAYOUT_CHARS, MAX_NAME_CHARS
 
 from ..errors import BPSError
-from .arrays import dtype_name
+from .arrays import bfloat16, dtype_name
 
-__all__ = ["GROUP_PREFIX", "SLAB_PREFIX", "WIRE_INT_MAX", "WIRE_INT_MIN", "check_average", "check_dtype",
+__all__ = ["GROUP_PREFIX", "INPUT_PREFIX", "SLAB_PREFIX", "WIRE_INT_MAX", "WIRE_INT_MIN", "check_average", "check_dtype",
            "check_layout", "check_name", "check_out", "check_priority", "check_shape"]
 
 # The integers a control message carries are msgpack's signed 64-bit ones (a larger one cannot be encoded).
@@ -31,6 +31,8 @@ WIRE_INT_MAX: Final = (1 << 63) - 1
 # (bps_worker.client.group); a user's name may not start with it.
 GROUP_PREFIX: Final = "\x00group/"
 SLAB_PREFIX: Final = "\x00slab/"  # the slabs this process carves its small tensors from (client.slots)
+# The slots of our own that a shared array's fused sum reads from and comes back to (client.operations: _fill).
+INPUT_PREFIX: Final = "\x00input/"
 
 
 def check_name(name: object, *, internal: bool = False) -> str:
@@ -45,9 +47,9 @@ def check_name(name: object, *, internal: bool = False) -> str:
     if name.startswith(FUSED_PREFIX):
         raise BPSError(f"tensor name {name[:40]!r}: names starting {FUSED_PREFIX!r} are the worker daemon's own "
                        f"(its fused tensors)")
-    if name.startswith(SLAB_PREFIX):
-        raise BPSError(f"tensor name {name[:40]!r}: names starting {SLAB_PREFIX!r} are the client's own "
-                       f"(its shared-memory slabs)")
+    for prefix, what in ((SLAB_PREFIX, "its shared-memory slabs"), (INPUT_PREFIX, "its copies of shared arrays")):
+        if name.startswith(prefix):
+            raise BPSError(f"tensor name {name[:40]!r}: names starting {prefix!r} are the client's own ({what})")
     if not internal and name.startswith(GROUP_PREFIX):
         raise BPSError(f"tensor name {name[:40]!r}: names starting {GROUP_PREFIX!r} are the client's own "
                        f"(push_pull_group's packed tensors)")
@@ -123,5 +125,7 @@ def check_dtype(dtype: object) -> tuple[np.dtype, str]:
     try:
         numpy_dtype = np.dtype(dtype)  # type: ignore[call-overload]
     except TypeError:
-        raise BPSError(f"unsupported dtype {dtype!r}") from None
+        if dtype != "bfloat16":  # (a name numpy knows only once ml_dtypes is imported)
+            raise BPSError(f"unsupported dtype {dtype!r}") from None
+        numpy_dtype = bfloat16()
     return numpy_dtype, dtype_name(numpy_dtype)

@@ -309,6 +309,11 @@ class Connection:
         for event, _ in rpcs:
             event.set()
 
+    def forget(self) -> None:
+        """In a forked child: close this process's copy of the socket, and only that (a shutdown would cut the
+        parent's connection), so that the daemon sees the parent leave when it does."""
+        self.sock.close()
+
     def close(self) -> None:
         """Shut the socket and wait (briefly) for the reader thread."""
         try:

@@ -130,6 +130,7 @@ def push_pull_group(ops: Operations, arrays: Sequence[Any], names: Sequence[Any]
         if name in seen:
             raise BPSError(f"tensor {name!r} appears twice in one push_pull_group")
         seen.add(name)
+    ops.check_free(names)  # (the large entries are claimed as they start; the packed ones never are)
     plan = plan_group(names, [c[1] for c in checked], [c[3] for c in checked], [c[2] for c in checked])
     results: list[np.ndarray | None] = [None] * len(arrays)
     large = ops.start_group([arrays[i] for i in plan.large], [names[i] for i in plan.large], average=average,

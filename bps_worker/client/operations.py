@@ -14,6 +14,8 @@ and submits the ``Op``; the reader thread completes the :class:`Handle`; ``finis
 
 from __future__ import annotations
 
+import hashlib
+import operator
 import os
 import threading
 import time
@@ -28,13 +30,14 @@ from protocol.messages import ASYNC_KINDS, KIND_ASYNC, KIND_ASYNC_INIT, KIND_SUM
 from bps_runtime.timeline import Timeline, now_us
 
 from ..errors import BPSError, BPSTimeoutError
-from .arguments import check_average, check_dtype, check_layout, check_name, check_out, check_priority, check_shape
+from .arguments import (INPUT_PREFIX, check_average, check_dtype, check_layout, check_name, check_out,
+                        check_priority, check_shape)
 from .arrays import NUMPY_DTYPES, same_memory, view_of
 from .connection import Connection
 from .fusion import Entry, FusionBuffer
 from .handle import Handle
 from .settings import Settings, timeline_path
-from .slots import SlotMap
+from .slots import Slot, SlotMap
 
 __all__ = ["Checked", "Fill", "Operations"]
 
@@ -77,6 +80,7 @@ class Operations:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.pid = os.getpid()  # the process that connected (a fork of it cannot use the connection)
         self.conn = Connection(settings.socket, settings.local_rank, settings.timeout)
         try:
             self._set_up(settings)
@@ -99,6 +103,7 @@ class Operations:
         # Names whose slot was handed out (shared_array) and not pushed since: the slot may be being filled in
         # place (a framework's gradient bucket, then start_filled with no fill), so it is never given up either.
         self.handed_out: set[str] = set()
+        self._input_of: dict[str, str] = {}  # the slot of our own that a shared array's fused sum reads -> its name
         self.slots = SlotMap(self.conn.allocate, welcome.arena_bytes, self._holds)
         self.conn.map_result = self.slots.result_segment
         self.conn.mapped_result = self.slots.results.get
@@ -111,11 +116,15 @@ class Operations:
             if self.fuse_max else None
 
     # -- starting --------------------------------------------------------------------
-    def check_root(self, root_rank: int) -> int:
-        """``root_rank`` if it names a process of the cluster."""
-        if not isinstance(root_rank, int) or not 0 <= root_rank < self.size:
-            raise BPSError(f"root_rank must be in 0..{self.size - 1}, got {root_rank!r}")
-        return root_rank
+    def check_root(self, root_rank: object) -> int:
+        """``root_rank`` as an int, if it names a process of the cluster (any integer type, as numpy's; not a bool)."""
+        try:
+            root = operator.index(root_rank)  # type: ignore[arg-type]
+        except TypeError:
+            root = -1
+        if isinstance(root_rank, bool) or not 0 <= root < self.size:
+            raise BPSError(f"root_rank must be an integer in 0..{self.size - 1}, got {root_rank!r}")
+        return root
 
     def check_staleness(self, staleness: object) -> int:
         """An async_init's staleness bound on the wire: -1 for None, else the bound (an integer >= 0)."""
@@ -168,9 +177,33 @@ class Operations:
 
     def _holds(self, name: str) -> bool:
         """Whether ``name``'s slot must stay where it is (SlotMap's ``busy``): in flight (but for an operation
-        a failed group gave up, once it ended: see :meth:`_check_free`), or handed out."""
-        held = self.inflight.get(name)
+        a failed group gave up, once it ended: see :meth:`_check_free`), or handed out. A copy's slot of a shared
+        array (:meth:`_fill`) is held while its name is in flight."""
+        held = self.inflight.get(self._input_of.get(name, name))
         return (held is not None and not (held.abandoned and held.done())) or name in self.handed_out
+
+    def _fill(self, name: str, nbytes: int, dtype: np.dtype, shape: tuple[int, ...], source: np.ndarray | Fill,
+              out: np.ndarray | None, fused: bool) -> tuple[Slot, np.ndarray, bool]:
+        """The slot the operation reads, with its input in it (copied, unless the input is the slot itself; or
+        ``source(view)``), that slot's view, and whether the sum goes to ``out`` in place (``out`` is the slot).
+
+        A fused sum comes back into the slot it read (the daemon hands every fused sum back). Where that slot is
+        the name's shared array and the sum is not wanted there, the input goes through a slot of our own
+        instead (``INPUT_PREFIX``): a shared array passed without ``out`` is left unchanged, as any input."""
+        slot = self.slots.slot_for(name, nbytes)
+        view = slot.view(dtype, shape)
+        in_place = out is not None and same_memory(view, out)
+        if not isinstance(source, np.ndarray):
+            source(view)
+        elif not same_memory(view, source):
+            view[...] = source  # np.copyto's dispatch costs more than this copy of a small tensor
+        elif fused and not in_place:
+            key = INPUT_PREFIX + hashlib.blake2b(name.encode(), digest_size=16).hexdigest()
+            self._input_of[key] = name
+            slot = self.slots.slot_for(key, nbytes)
+            view = slot.view(dtype, shape)
+            view[...] = source
+        return slot, view, in_place
 
     def start_filled(self, name: str, kind: str, dtype: np.dtype, shape: tuple[int, ...], fill: Fill, *,
                      average: bool, priority: int, root: int, out: np.ndarray | None, layout: str = "",
@@ -197,16 +230,12 @@ class Operations:
         self._reserve(handle)
         try:
             t_start = now_us() if self.timeline is not None else 0
-            slot = self.slots.slot_for(name, nbytes)
-            view = handle.view = slot.view(dtype, shape)
-            if not isinstance(source, np.ndarray):
-                source(view)
-            elif not same_memory(view, source):
-                view[...] = source  # np.copyto's dispatch costs more than this copy of a small tensor
-            handle.in_place = out is not None and same_memory(view, out)
+            fused = self.fusion is not None and kind == KIND_SUM and nbytes <= self.fuse_max
+            slot, handle.view, handle.in_place = self._fill(name, nbytes, dtype, shape, source, out, fused)
             if self.timeline is not None:
                 handle.times = [t_start, now_us(), 0]
-            if self.fusion is not None and kind == KIND_SUM and nbytes <= self.fuse_max:
+            if fused:
+                assert self.fusion is not None
                 handle.queued = True
                 self.fusion.add(handle, spec, slot.segment_name, slot.offset, priority, nbytes, now=waited)
                 return handle
@@ -242,11 +271,10 @@ class Operations:
         try:
             queued: list[Entry] = []
             for array, (name, dtype, wire, shape, avg, prio, layout, nbytes, spec), handle in prepared:
-                slot = self.slots.slot_for(name, nbytes)
-                view = handle.view = slot.view(dtype, shape)
-                if not same_memory(view, array):
-                    view[...] = array
-                if self.fusion is not None and nbytes <= self.fuse_max:
+                fused = self.fusion is not None and nbytes <= self.fuse_max
+                slot, handle.view, _ = self._fill(name, nbytes, dtype, shape, array, None, fused)
+                if fused:
+                    assert self.fusion is not None
                     handle.queued = True
                     queued.append((handle, spec, slot.segment_name, slot.offset, prio))
                     if len(queued) == GROUP_SEND_EVERY:  # the daemon starts on these while we copy the next
@@ -254,7 +282,7 @@ class Operations:
                         queued = []
                 else:
                     self.conn.submit(handle, Op(handle.req, name, KIND_SUM, wire, list(shape), slot.segment_name,
-                                                average=avg, priority=prio, offset=slot.offset))
+                                                average=avg, priority=prio, offset=slot.offset, handback=False))
                 sent += 1
             if queued:
                 assert self.fusion is not None
@@ -371,6 +399,13 @@ class Operations:
             raise BPSError(f"tensor {name!r} is still in flight from a push_pull_group that failed (its peers "
                            "have not finished it yet); try again later")
         raise BPSError(f"tensor {name!r} is already in flight in this process; synchronize it first")
+
+    def check_free(self, names: Iterable[str]) -> None:
+        """BPSError unless no operation of this process holds any of ``names`` (a group's packed names, which
+        are never claimed one by one: the daemons never see them)."""
+        with self.lock:
+            for name in names:
+                self._check_free(name)
 
     def _reserve_all(self, handles: list[Handle]) -> None:
         """:meth:`_reserve` for a group, all or none: a name in flight, or twice in the group, claims none."""

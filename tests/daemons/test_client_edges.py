@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import errno
 import math
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -187,3 +191,83 @@ def test_a_name_whose_result_stays_in_one_segment_says_taken_once(client, monkey
     for _ in range(20):
         np.testing.assert_array_equal(bps.push_pull(big, "R", average=False), big)
     assert 1 <= len(told) <= 2, told  # the first result's, and at most one more where the worker moved it
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_is_told_it_cannot_use_its_parents_connection(client):
+    """A process forked after init() (a data loader's worker, multiprocessing's fork) shared its parent's socket:
+    its push_pull waited for ever (no reader thread), its requests took the parent's ids, and a shutdown() in it
+    would cut the parent's connection. Now its calls fail at once saying so, its shutdown() only forgets, and
+    the parent goes on; the child's copy of the socket is closed at the fork."""
+    client()
+    x = np.arange(8, dtype=np.float32)
+    assert np.array_equal(bps.push_pull(x, "before", average=False), x)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            signal.alarm(20)  # the old code's child waited for ever
+            said = [str(bps.is_initialized())]
+            for call in (lambda: bps.push_pull(x, "child", average=False), bps.rank):
+                try:
+                    call()
+                    said.append("no error")
+                except bps.BPSError as exc:
+                    said.append(str(exc))
+            bps.shutdown()
+            os.write(write, "\n".join(said).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    chunks = []
+    while chunk := os.read(read, 65536):
+        chunks.append(chunk)
+    os.close(read)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    said = b"".join(chunks).decode().split("\n")
+    assert said[0] == "False", said
+    for text in said[1:3]:
+        assert f"initialized in process {os.getpid()}" in text and f"({pid}) is a fork of it" in text, said
+    for i in range(3):  # the parent's connection is whole, its request ids its own
+        assert np.array_equal(bps.push_pull(x + i, f"after{i}", average=False), x + i)
+    assert bps.is_initialized()
+
+
+@pytest.mark.timeout(60)
+def test_a_root_rank_of_any_integer_type_is_taken_and_a_bool_is_a_bps_error(client):
+    """numpy's integers are ranks as Python's are (``np.int64(0)`` was refused as out of range), and a bool is
+    refused as the client's own BPSError (it reached the message's check, whose error is not a BPSError)."""
+    client()
+    x = np.arange(4, dtype=np.float32)
+    assert np.array_equal(bps.broadcast(x, np.int64(0), "root.numpy"), x)
+    for call in (lambda: bps.broadcast(x, True, "root.bool"), lambda: bps.async_init(x, "root.async", True),
+                 lambda: bps.broadcast(x, "0", "root.text"), lambda: bps.broadcast(x, 1, "root.out")):
+        with pytest.raises(bps.BPSError, match="root_rank must be an integer in 0..0"):
+            call()
+
+
+def test_a_bfloat16_slot_can_be_asked_for_by_name_before_ml_dtypes_is_imported():
+    """``shared_array(name, shape, "bfloat16")`` as the first use of bfloat16 in a process was refused
+    ("unsupported dtype"): numpy knows the name only once ml_dtypes is imported, which the client defers."""
+    code = ("import sys; import bps_worker.client.arguments as a; assert 'ml_dtypes' not in sys.modules; "
+            "print(a.check_dtype('bfloat16')[1])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0 and result.stdout.strip() == "bfloat16", result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_group_that_packs_a_name_in_flight_is_refused(client):
+    """A name in flight from push_pull_async may not be summed again by the same process before it is
+    synchronized: a group of two said so, a group large enough to pack its entries took it."""
+    client()
+    handle = bps.push_pull_async(np.ones(4, np.float32), "g.3", average=False)
+    arrays = [np.full(4, i, np.float32) for i in range(8)]
+    with pytest.raises(bps.BPSError, match="'g.3' is already in flight in this process"):
+        bps.push_pull_group(arrays, [f"g.{i}" for i in range(8)], average=False)
+    assert np.array_equal(bps.synchronize(handle), np.ones(4, np.float32))
+    summed = bps.push_pull_group(arrays, [f"g.{i}" for i in range(8)], average=False)
+    assert all(np.array_equal(y, a) for y, a in zip(summed, arrays))
