@@ -149,9 +149,8 @@ def server_shares(config: ClusterConfig) -> dict[int, Fraction]:
         shares.update({ids[0]: m_gpu for ids in colocated.values()})
         return shares
     if len(cpu) >= n:
-        if one_each:
-            log.info("%d CPU-only servers for %d workers (k > n): spreading evenly over the CPU-only servers",
-                     len(cpu), n)
+        log.info("%d CPU-only servers for %d workers (k %s n): spreading evenly over the CPU-only servers",
+                 len(cpu), n, ">" if one_each else ">=")
         chosen = cpu
     else:
         log.info("server layout is not one colocated server per worker plus k <= n CPU-only servers: "

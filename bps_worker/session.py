@@ -66,7 +66,8 @@ CLIENT_MAX_HEADER_BYTES: Final = 64 * 1024  # an OpBatch: up to FUSED_NAMES_BUDG
 # Above this many bytes waiting to be written to a training process (answers are small control messages:
 # thousands of them) the daemon stops reading it until they drain (bps_runtime.backpressure).
 CLIENT_WRITE_BUFFER_HIGH_BYTES: Final = 256 * 1024
-# The largest tensor a process may allocate, in units of the cluster's max_payload_bytes.
+# The largest tensor a process may allocate, in units of the cluster's max_payload_bytes (a process's slab of
+# small tensors, shm.SLAB_BYTES, always fits).
 MAX_TENSOR_PAYLOADS: Final = 64
 
 
@@ -214,7 +215,7 @@ class ClientSession(AdmittedProtocol):
             self.send(Failure(message.req, f"tensor {message.name!r}: its memory is read by an operation in flight; "
                                            f"synchronize that before allocating it again", code="bad_request"))
             return
-        if message.nbytes > self.daemon.config.cluster.max_payload_bytes * MAX_TENSOR_PAYLOADS:
+        if message.nbytes > max(self.daemon.config.cluster.max_payload_bytes * MAX_TENSOR_PAYLOADS, shm.SLAB_BYTES):
             self.send(Failure(message.req, f"tensor {message.name!r} of {message.nbytes} bytes is too large"))
             return
         try:

@@ -26,6 +26,9 @@ DEFAULT_TIMEOUT_S: Final = 30.0
 DEFAULT_CREDIT_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES: Final = 1 << 30
 DEFAULT_WINDOW_PIECES: Final = 3
+# cluster.credit_bytes: the event loop's write-buffer limits are C ints (uvloop), so a larger credit could not
+# be set on any connection (every server refused every worker).
+MAX_CREDIT_BYTES: Final = 2**31 - 1
 # cluster.timeout: both daemons check their peers every timeout / 4, so a tiny one is a busy loop; an
 # infinite (or huge) one means a dead peer is never reported, which the contract forbids.
 MIN_TIMEOUT_S: Final = 0.5
@@ -203,7 +206,11 @@ def _parse_cluster_table(cluster: dict[str, Any], source: str) -> dict[str, Any]
     if not (math.isfinite(timeout) and MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S):
         raise ConfigError(f"{source}: cluster.timeout must be between {MIN_TIMEOUT_S:g} and {MAX_TIMEOUT_S:g} "
                           f"seconds, got {timeout}")
-    _positive(c.setdefault("credit_bytes", DEFAULT_CREDIT_BYTES), "cluster.credit_bytes", source)
+    credit = c.setdefault("credit_bytes", DEFAULT_CREDIT_BYTES)
+    _positive(credit, "cluster.credit_bytes", source)
+    if credit > MAX_CREDIT_BYTES:
+        raise ConfigError(f"{source}: cluster.credit_bytes must be at most {MAX_CREDIT_BYTES} (the event loop's "
+                          f"write-buffer limit), got {credit}")
     max_payload = c.setdefault("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES)
     _positive(max_payload, "cluster.max_payload_bytes", source)
     _non_negative(c.setdefault("window_pieces", DEFAULT_WINDOW_PIECES), "cluster.window_pieces", source)
@@ -231,7 +238,10 @@ def parse_rate(value: int | str, key: str, source: str) -> int:
     if match is None or match.group(2) not in _RATE_UNITS:
         raise ConfigError(f"{source}: {key} must be bits per second, as an integer or with a unit "
                           f"({', '.join(_RATE_UNITS)}: e.g. \"25gbit\"), got {value!r}")
-    return round(float(match.group(1)) * _RATE_UNITS[match.group(2)])
+    bits = float(match.group(1)) * _RATE_UNITS[match.group(2)]
+    if not math.isfinite(bits):
+        raise ConfigError(f"{source}: {key} is too large, got {value[:40]!r}")
+    return round(bits)
 
 
 def _parse_workers(data: dict[str, Any], workers: int, source: str) -> list[WorkerSpec]:
@@ -240,8 +250,8 @@ def _parse_workers(data: dict[str, Any], workers: int, source: str) -> list[Work
         w = _check_table(table, _WORKER_KEYS, f"worker[{i}]", source)
         _non_negative(w["id"], f"worker[{i}].id", source)
         _positive(w["local_size"], f"worker[{i}].local_size", source)
-        if not w["socket"]:
-            raise ConfigError(f"{source}: worker[{i}].socket must not be empty")
+        if not w["socket"] or "\0" in w["socket"]:
+            raise ConfigError(f"{source}: worker[{i}].socket must be a path (not empty, no NUL character)")
         metrics = _parse_address(w["metrics"], f"worker[{i}].metrics", source) if "metrics" in w else None
         worker_specs.append(WorkerSpec(w["id"], w["local_size"], w["socket"], metrics))
     ids = [w.id for w in worker_specs]
@@ -403,9 +413,14 @@ def read_token(config: ClusterConfig) -> bytes | None:
     except OSError as exc:
         hint = " (make one with `bps-launch --make-token PATH`)" if isinstance(exc, FileNotFoundError) else ""
         raise ConfigError(f"{where} cannot be read: {exc.strerror}{hint}") from None
-    with open(fd, "rb") as fh:
-        st = os.fstat(fh.fileno())
-        token = fh.read().strip() if stat.S_ISREG(st.st_mode) else b""
+    try:  # (open() refuses a directory's descriptor: read a regular file only, and let the check name the rest)
+        st = os.fstat(fd)
+        token = b""
+        if stat.S_ISREG(st.st_mode):
+            with open(fd, "rb", closefd=False) as fh:
+                token = fh.read().strip()
+    finally:
+        os.close(fd)
     if stat.S_ISREG(st.st_mode) and len(token) < MIN_TOKEN_BYTES:
         raise ConfigError(f"{where} holds {len(token)} bytes; at least {MIN_TOKEN_BYTES} are required")
     problem = token_file_problem(st.st_mode, st.st_uid, uid=os.geteuid(), group_readable=config.token_group_readable)

@@ -271,3 +271,15 @@ def test_a_group_that_packs_a_name_in_flight_is_refused(client):
     assert np.array_equal(bps.synchronize(handle), np.ones(4, np.float32))
     summed = bps.push_pull_group(arrays, [f"g.{i}" for i in range(8)], average=False)
     assert all(np.array_equal(y, a) for y, a in zip(summed, arrays))
+
+
+@pytest.mark.timeout(60)
+def test_a_small_max_payload_still_takes_small_tensors(client):
+    """The daemon refused any allocation over 64 payloads: under a 64 KiB max_payload_bytes that was the client's
+    4 MiB slab of small tensors, and every call failed naming the slab."""
+    client(partition_bytes=32768, max_payload_bytes=32768)
+    for n in (1, 1000):
+        x = np.arange(n, dtype=np.float32)
+        assert np.array_equal(bps.push_pull(x, f"small.{n}", average=False), x)
+    with pytest.raises(bps.BPSError, match="'big' of 8388608 bytes is too large"):  # 64 payloads: 2 MiB here
+        bps.push_pull(np.zeros(2 << 20, np.float32), "big")

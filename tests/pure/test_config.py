@@ -334,7 +334,7 @@ def test_bad_worker_values(tmp_path):
         tmp_path, CLUSTER + SERVERS + WORKERS.replace("local_size = 2", "local_size = 0"))
     assert "worker[0].id must be >= 0" in config_error(
         tmp_path, CLUSTER + SERVERS + WORKERS.replace("id = 0", "id = -1", 1))
-    assert "worker[0].socket must not be empty" in config_error(
+    assert "worker[0].socket must be a path (not empty, no NUL character)" in config_error(
         tmp_path, CLUSTER + SERVERS + WORKERS.replace('"/tmp/w0.sock"', '""'))
     assert "duplicate worker socket '/tmp/w0.sock'" in config_error(
         tmp_path, CLUSTER + SERVERS + WORKERS.replace('"/tmp/w1.sock"', '"/tmp/w0.sock"'))
@@ -670,3 +670,35 @@ def test_token_path_expands_home(tmp_path, monkeypatch):
 def test_repo_local_toml_names_a_private_token():
     cfg = load_config(REPO / "configs" / "local.toml")
     assert cfg.token_file == "~/.config/bps/token" and not cfg.token_group_readable
+
+
+# -- values that parsed but broke the daemons (a review of cluster files, session 31) -------------------------
+
+@pytest.mark.parametrize("line,message", [
+    ("credit_bytes = 2147483648", "cluster.credit_bytes must be at most 2147483647 (the event loop's write-buffer "
+                                  "limit), got 2147483648"),
+    (f'link_rate = "{"9" * 320}.0gbit"', "cluster.link_rate is too large"),
+])
+def test_values_the_daemons_cannot_run_with_are_refused_naming_the_key(tmp_path, line, message):
+    """Each used to load: the credit made every server refuse every worker (an OverflowError a connection), and
+    the rate raised an OverflowError (a traceback)."""
+    with pytest.raises(ConfigError, match="a.toml") as info:
+        layout(tmp_path, CLUSTER + line + "\n" + SERVERS + WORKERS)
+    assert message in str(info.value)
+    for fine in ("credit_bytes = 2147483647", "link_rate = \"400gbit\""):
+        layout(tmp_path, CLUSTER + fine + "\n" + SERVERS + WORKERS)
+
+
+def test_a_socket_path_with_a_nul_is_refused_naming_the_worker(tmp_path):
+    with pytest.raises(ConfigError, match=r"worker\[0\]\.socket must be a path \(not empty, no NUL character\)"):
+        layout(tmp_path, CLUSTER + SERVERS + WORKERS.replace('"/tmp/w0.sock"', '"/tmp/a\\u0000b.sock"'))
+
+
+def test_a_token_file_that_is_a_directory_is_one_line(tmp_path):
+    """open() of a directory's descriptor raised IsADirectoryError: a traceback from every daemon."""
+    from protocol.config import read_token
+
+    (tmp_path / "tokens").mkdir(mode=0o700)
+    config = load_config(write(tmp_path, CLUSTER + f'token_file = "{tmp_path}/tokens"\n' + SERVERS + WORKERS))
+    with pytest.raises(ConfigError, match="tokens' is not a regular file"):
+        read_token(config)
