@@ -305,7 +305,8 @@ class Arena:
         self.mode = mode
         self.cap_bytes = cap_bytes
         self.segments: dict[str, SharedMemory] = {}
-        self.slots: dict[str, Slot] = {}
+        self.slots: dict[str, Slot] = {}  # changed only through _put and _take (they keep _living)
+        self._living: dict[str, int] = {}  # segment -> how many slots live in it (whether it may go: O(1))
         self._slab: str | None = None
         self._slab_used = 0
         self._used: dict[str, int] = {}  # tensor name -> when it was last allocated or touched
@@ -341,7 +342,7 @@ class Arena:
         if old is not None and old.dedicated:
             freed += self.drop(name)
         elif old is not None:  # a slab slot outgrown: never reused; its slab goes with its last slot
-            self.slots.pop(name, None)
+            self._take(name)
             freed += self._release_if_empty(old.segment)
         if nbytes <= SLAB_ITEM_MAX_BYTES:
             need = slab_slot_bytes(nbytes)
@@ -358,14 +359,29 @@ class Arena:
             freed += self._make_room(name, nbytes, busy)
             seg = self._new_segment(nbytes)
             slot = Slot(seg.name, 0, seg.size, dedicated=True)
-        self.slots[name] = slot
+        self._put(name, slot)
         self._used[name] = next(self._clock)
+        return slot
+
+    def _put(self, name: str, slot: Slot) -> None:
+        self.slots[name] = slot
+        self._living[slot.segment] = self._living.get(slot.segment, 0) + 1
+
+    def _take(self, name: str) -> Slot | None:
+        slot = self.slots.pop(name, None)
+        if slot is not None:
+            left = self._living[slot.segment] - 1
+            if left:
+                self._living[slot.segment] = left
+            else:
+                del self._living[slot.segment]
         return slot
 
     def _release_if_empty(self, segment: str, *, current: bool = False) -> list[str]:
         """Unlink ``segment`` if no slot lives in it any more; the slab we carve from only with ``current`` (a
-        slot outgrown or abandoned there leaves it to be carved on)."""
-        if segment not in self.segments or any(s.segment == segment for s in self.slots.values()):
+        slot outgrown or abandoned there leaves it to be carved on). A count per segment, not a walk over every
+        slot: a process freeing a thousand names in one Alloc made that a walk each."""
+        if segment not in self.segments or segment in self._living:
             return []
         if segment == self._slab:
             if not current:
@@ -382,7 +398,7 @@ class Arena:
     def drop(self, name: str) -> list[str]:
         """Forget ``name``'s slot; its segment is freed (unlinked) once no slot lives in it: a dedicated one
         at once, a slab with its last slot. Returns the segments freed."""
-        old = self.slots.pop(name, None)
+        old = self._take(name)
         self._used.pop(name, None)
         return [] if old is None else self._release_if_empty(old.segment, current=True)
 
@@ -413,7 +429,7 @@ class Arena:
         """Give ``name`` a fresh slot on its next :meth:`alloc`: something may still write into the
         current one (a stalled peer). A dedicated segment is unlinked (its memory lives on until the
         last mapping goes); a slab slot is simply never reused. Returns the segment unlinked, if any."""
-        old = self.slots.pop(name, None)
+        old = self._take(name)
         self._used.pop(name, None)
         if old is not None and old.dedicated:
             self._release(self.segments.pop(old.segment))
@@ -445,6 +461,7 @@ class Arena:
             self._release(seg)
         self.segments.clear()
         self.slots.clear()
+        self._living.clear()
         self._used.clear()
         self._slab = None
         self._slab_used = 0

@@ -240,8 +240,11 @@ class ClientSession(AdmittedProtocol):
         error = self.check_op(message)
         if error is None and message.req in self.inflight:
             error = f"tensor {message.name!r}: request {message.req} is already in flight"
+        elif error is None and self.inflight_names[message.name]:
+            # (the fused rounds and a collecting local round refuse it too; a running one would share its buffers)
+            error = f"tensor {message.name!r} is already in flight from this process; synchronize it first"
         if error:
-            self.send(Failure(message.req, error, code="bad_request"))
+            self.refuse(message.req, error)
         else:
             self.inflight[message.req] = (message.name, message.segment)
             self.inflight_names[message.name] += 1
@@ -272,7 +275,7 @@ class ClientSession(AdmittedProtocol):
             elif name.startswith(FUSED_PREFIX):
                 error = f"tensor names starting {FUSED_PREFIX!r} are the worker's own"
             if error is not None:
-                self.send(Failure(req, error, code="bad_request"))
+                self.refuse(req, error)
                 continue
             inflight[req] = (name, batch.segments[s])
             names_in_flight[name] = names_in_flight.get(name, 0) + 1  # (a Counter's += on a new name calls Python)
@@ -310,6 +313,11 @@ class ClientSession(AdmittedProtocol):
         return None
 
     # -- sending ---------------------------------------------------------------------
+    def refuse(self, req: int, error: str) -> None:
+        """Refuse request ``req`` before it is taken in: answered without touching what is in flight (a request
+        refused for reusing the number of one in flight must not end that one's hold on its memory)."""
+        self._write(Failure(req, error, code="bad_request"))
+
     def send(self, message: Message) -> None:
         if isinstance(message, (Done, Failure)):
             if isinstance(message, Done) and message.segment and message.req in self.inflight:
@@ -320,6 +328,9 @@ class ClientSession(AdmittedProtocol):
             self._answered(message.reqs)
         if isinstance(message, Ping) and self.flow is not None and self.flow.paused:
             return  # the process reads nothing: a heartbeat would only add to what waits for it
+        self._write(message)
+
+    def _write(self, message: Message) -> None:
         if self.transport is not None and not self.transport.is_closing():
             # The answers of one pass of the event loop go out in one write (thousands of fused sums complete
             # in a few passes: a syscall each cost a third of the daemon's time).

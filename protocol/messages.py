@@ -321,8 +321,17 @@ class Failure(Message):
     # other field of this Failure (protocol.handshake.refusal_proof). A refusal without it is not trusted.
     auth: str = ""
 
+    def __post_init__(self) -> None:
+        # Free text built from a tensor's name is clipped, never refused: a name of 1024 characters may have a
+        # repr four times as long, and a failure that could not be built would leave its waiters hanging.
+        for name in _FAILURE_TEXTS:
+            text = getattr(self, name)
+            if isinstance(text, str) and len(text) > MAX_MESSAGE_CHARS:
+                object.__setattr__(self, name, text[:MAX_MESSAGE_CHARS])
+        Message.__post_init__(self)
+
     def validate(self) -> None:
-        for name in ("name", "ours", "theirs", "peer", "what", "detail"):
+        for name in _FAILURE_TEXTS:
             _check_text("failure", name, getattr(self, name))
         if len(self.auth) > MAX_PROOF_CHARS:
             raise LocalProtocolError(f"failure: proof of {len(self.auth)} characters; at most {MAX_PROOF_CHARS}",
@@ -330,6 +339,9 @@ class Failure(Message):
                                      unit="characters")
         if not (math.isfinite(self.timeout_s) and self.timeout_s >= 0):
             raise LocalProtocolError(f"failure timeout_s must be finite and >= 0, got {shown(self.timeout_s)}")
+
+
+_FAILURE_TEXTS: Final = ("message", "name", "ours", "theirs", "peer", "what", "detail")
 
 
 @dataclass(frozen=True, slots=True)

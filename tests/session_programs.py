@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 import bps_worker.client as bps
+from protocol.messages import Op
 
 
 def local_mismatch() -> dict[str, Any]:
@@ -69,3 +70,68 @@ def slab_given_up_in_flight() -> dict[str, Any]:
     then = bps.push_pull(np.full(10, float(rank), np.float32), "t", average=False)
     return {"first": sorted(set(np.asarray(first).tolist())), "then": sorted(set(np.asarray(then).tolist())),
             "slabs": len(ops.slots._slabs)}
+
+
+def duplicate_request_then_alloc() -> dict[str, Any]:
+    """Rank 0's 'x' (1 MiB) waits for rank 1; rank 0 then sends, through its connection, an Op of 'y' that reuses
+    the number of the request in flight (refused), and asks for a larger slot of 'x' (refused while 'x' runs,
+    unless the refusal above made the daemon forget it: it then freed the memory the op reads). Both ranks'
+    round of 'x' must complete, exact. The Op is the client's bug played here: its own never reuse a number."""
+    rank = bps.rank()
+    n = 1 << 18
+    ops = bps._operations()
+    error = ""
+    if rank == 0:
+        handle = bps.push_pull_async(np.ones(n, np.float32), "x", average=False)
+        slot = ops.slots.slots["x"]
+        ops.conn._send(Op(handle.req, "y", "sum", "float32", [4], slot.segment_name, offset=slot.offset))
+        try:
+            ops.conn.allocate("x", 4 * n * 4)
+        except bps.BPSError as exc:
+            error = str(exc)
+        try:  # (the refusal of the duplicate answered this request number: the client took it for its own)
+            bps.synchronize(handle)
+        except bps.BPSError:
+            pass
+        first = np.full(n, 2.0, np.float32)
+    else:
+        time.sleep(1.0)  # rank 0's messages arrive while its op waits for ours
+        first = bps.push_pull(np.ones(n, np.float32), "x", average=False)
+    bps.push_pull(np.ones(1, np.float32), "z")  # (rank 0 stays until rank 1's round of 'x' is done)
+    return {"error": error, "first": sorted(set(np.asarray(first).tolist()))}
+
+
+def same_name_while_running(elems: int) -> dict[str, Any]:
+    """Rank 0 sends a second Op of 'x' right behind its first, from another slot, as a client with a bug could,
+    while the first waits for rank 1 (another machine): the daemon must refuse it (a running round of a name
+    shares its buffers; the second was taken, and answered the first with its data). 'x' sums once, exact."""
+    rank = bps.rank()
+    ops = bps._operations()
+    if rank == 1:
+        time.sleep(1.0)
+        return {"first": sorted(set(bps.push_pull(np.ones(elems, np.float32), "x", average=False).tolist()))}
+    first = bps.push_pull_async(np.ones(elems, np.float32), "x", average=False)
+    other = ops.slots.slot_for("x-other", elems * 4)
+    np.frombuffer(other.segment.buf, np.float32, elems, other.offset)[:] = 2.0
+    reply = ops.conn.rpc(Op(ops.conn.next_req(), "x", "sum", "float32", [elems], other.segment_name,  # type: ignore
+                            offset=other.offset))
+    result = bps.synchronize(first)
+    return {"second": type(reply).__name__, "text": getattr(reply, "message", ""),
+            "first": sorted(set(np.asarray(result).tolist()))}
+
+
+def left_with_a_long_name(seconds: float) -> dict[str, Any]:
+    """Rank 0 pushes a name whose repr is over 4096 characters (800 zero-width spaces: a valid name of 800
+    characters); rank 1 (the same machine) leaves after ``seconds`` without pushing it. The daemon failed to
+    build its own failure (a field over 4096 characters, raised where it failed the round): rank 0 had no answer,
+    and the leaver's memory stayed. Rank 0 must get a BPSError at once."""
+    if bps.rank() == 1:
+        time.sleep(seconds)
+        return {}
+    start = time.monotonic()
+    try:
+        bps.push_pull(np.ones(4, np.float32), "\u200b" * 800, average=False)
+        error = "none"
+    except bps.BPSError as exc:
+        error = type(exc).__name__
+    return {"error": error, "waited": time.monotonic() - start}

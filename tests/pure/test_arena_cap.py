@@ -143,3 +143,32 @@ def test_the_client_gives_up_its_least_recently_used_idle_slots_under_the_cap():
     finally:
         slots.close()
         arena.release_all()
+
+
+def test_a_segment_goes_exactly_when_its_last_slot_does_whatever_the_order():
+    """Whether a segment still holds a slot is a count per segment (a process freeing a thousand names in one
+    Alloc made it a walk over every slot for each, seconds of the daemon's loop): random allocations, growths,
+    drops and abandons, checked against a walk after each step."""
+    import random
+
+    rng = random.Random(7)
+    arena = Arena(904)
+    try:
+        for _ in range(600):
+            name = f"t{rng.randrange(40)}"
+            action = rng.random()
+            if action < 0.5:
+                arena.alloc(name, rng.choice([100, 5000, BIG, 2 * BIG]))
+            elif action < 0.8:
+                arena.drop(name)
+            else:
+                arena.abandon(name)
+            living = {slot.segment for slot in arena.slots.values()}
+            assert arena._living == {seg: sum(s.segment == seg for s in arena.slots.values()) for seg in living}
+            assert living <= set(arena.segments)
+            assert set(arena.segments) - living <= {arena._slab}  # only the slab carved from may be empty
+            for seg in set(arena.segments) - living:
+                assert os.path.exists(os.path.join(segments.SHM_DIR, seg))
+    finally:
+        arena.release_all()
+    assert arena._living == {} and arena.segments == {}
