@@ -20,6 +20,7 @@ holding a worker id is told from a second daemon with the same id, which is refu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from multiprocessing.shared_memory import SharedMemory
@@ -268,8 +269,9 @@ class ServerConnection(AdmittedProtocol):
             st = self.server.aggregator.keys.get((push.name, push.part))
             if st is not None:  # the synchronous side waits for our push in a round: it fails too
                 self.server.aggregator.abort(push.name, push.part, st.round, push.worker, why.text)
-            if fused:  # or in a fused sum
-                self.server.fused(self.server.fusion.abort(push.worker, [push.name], why, told=False))
+            if fused:  # or in a fused sum, whose workers hear it from their side: "ours" is their synchronous use
+                told = dataclasses.replace(why, ours=why.theirs, theirs=why.ours)
+                self.server.fused(self.server.fusion.abort(push.worker, [push.name], told, told=False))
         elif push.replay:
             values.restore(push, data)
         else:

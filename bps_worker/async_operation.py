@@ -5,8 +5,12 @@ root's tensor for an init; scatter; wait; hand back; reply), with three differen
 
 * no round to learn: each piece is a key of the servers' value store (``bps_server.values``), and its push
   carries this machine's *step* for that key. The init's answer says, per key, the last step of ours that
-  the value holds (``Result.applied``); the steps go on from there, one per local round, so a worker
-  daemon that rejoins a running job (its rounds counted from 0 again) is not taken for a replay;
+  the value holds (``Result.applied``); the steps go on from there, one per push that reached the servers,
+  so a worker daemon that rejoins a running job (its rounds counted from 0 again) is not taken for a replay.
+  A push refused before it was sent (another dtype or shape than the init's), or refused by the servers as a
+  mismatch (nothing added), takes no step: the staleness bound compares the machines' steps, and one a step
+  ahead for ever held its own answers back for ever under ``staleness=0``. A push that failed otherwise
+  (a lost connection, a peer declared dead) may have been added: its step is taken, and the next one skips;
 * every piece travels on the server's first link (stream 0), where a restarted server gets our copies of
   the values before anything else (``bps_worker.link``, ``Restored``);
 * a failure is not told to the servers: an asynchronous push has no round that peers wait for.
@@ -17,9 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.messages import KIND_ASYNC_INIT, Failure, Result
+import asyncio
 
-from .errors import BPSError
+from protocol.messages import KIND_ASYNC_INIT, Failure, Result, describe_spec
+
+from .errors import BPSError, BPSMismatchError, failure_from_error
 from .link import ServerLink
 from .local_rounds import LocalRound
 from .operation import Operation, OperationHost, Scattered
@@ -29,11 +35,13 @@ from .session import ClientSession
 
 @dataclass(slots=True)
 class AsyncName:
-    """What this machine knows of an asynchronous name: per part, the step of local round 0 (the step of a
-    local round is ``base[part] + round``), and the staleness bound its init set (-1: none)."""
+    """What this machine knows of an asynchronous name: the staleness bound its init set (-1: none), its
+    dtype and shape, and per part the step its next push carries."""
 
     staleness: int
-    base: dict[int, int] = field(default_factory=dict)
+    dtype: str
+    shape: tuple[int, ...]
+    next_step: dict[int, int] = field(default_factory=dict)
 
 
 class AsyncOperation(Operation):
@@ -53,11 +61,20 @@ class AsyncOperation(Operation):
     async def learn_round(self) -> int | None:
         """Our local round (each piece's step follows from it); None, every member answered, for a push of
         a name this machine has not initialised in this job."""
-        if not self.init and self.name not in self.names:
+        known = None if self.init else self.names.get(self.name)
+        if not self.init and known is None:
             self.host.counters.ops_failed += 1
             reason = (f"tensor {self.name!r}: async_push_pull before async_init on worker {self.worker} in this "
                       f"job; call async_init first")
             self.answer_failure(lambda req, _: Failure(req, reason, code="bad_request"))
+            return None
+        if known is not None and (known.dtype, known.shape) != (self.op.dtype, tuple(self.op.shape)):
+            self.host.counters.ops_failed += 1  # (refused here, before any piece is pushed: no step is taken)
+            ours, theirs = (describe_spec((dtype, shape, False, "")) for dtype, shape in
+                            ((self.op.dtype, tuple(self.op.shape)), (known.dtype, known.shape)))
+            error = BPSMismatchError(f"async_init on worker {self.worker} made it {theirs}; a delta is {ours}",
+                                     name=self.name, ours=ours, theirs=theirs)
+            self.answer_failure(lambda req, _: failure_from_error(req, error))
             return None
         self.server_round = self.local_round
         return self.local_round
@@ -68,12 +85,19 @@ class AsyncOperation(Operation):
             fields.update(staleness=self.op.staleness)
             return fields
         known = self.names[self.name]
-        base = known.base.get(piece.part)
-        if base is None:
-            raise BPSError(f"tensor {self.name!r}: part {piece.part} was not initialised (async_init with another "
-                           f"shape?)")
-        fields.update(round=base + server_round, staleness=known.staleness)
+        fields.update(round=known.next_step[piece.part], staleness=known.staleness)
         return fields
+
+    async def wait(self, futures: list[tuple[Piece, asyncio.Future[None]]], server_round: int) -> BPSError | None:
+        error = await super().wait(futures, server_round)
+        known = None if self.init else self.names.get(self.name)
+        if known is not None:  # each part's step is taken, unless the servers refused its push as a mismatch
+            for piece, future in futures:
+                refused = future.done() and not future.cancelled() and isinstance(future.exception(),
+                                                                                  BPSMismatchError)
+                if not refused:
+                    known.next_step[piece.part] += 1
+        return error
 
     def link_for(self, piece: Piece) -> ServerLink:
         return self.host.links[piece.server]
@@ -84,6 +108,6 @@ class AsyncOperation(Operation):
 
     def reply_done(self, scattered: Scattered) -> None:
         if self.init:  # before the processes hear it: their next push may come in the next callback
-            self.names[self.name] = AsyncName(
-                self.op.staleness, {part: step - self.local_round for part, step in self.applied.items()})
+            self.names[self.name] = AsyncName(self.op.staleness, self.op.dtype, tuple(self.op.shape),
+                                              {part: step + 1 for part, step in self.applied.items()})
         super().reply_done(scattered)

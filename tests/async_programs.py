@@ -281,3 +281,38 @@ def finished_then_restart(name: str, flags: str) -> dict[str, Any]:
     thread.start()
     thread.join(30.0)
     return {"worker": 0, "after_restart": got, "still_waiting": thread.is_alive()}
+
+
+def refused_delta_takes_no_step(name: str) -> dict[str, Any]:
+    """``staleness=0``; machine 0's processes push one delta of another shape (refused), then every process
+    pushes 5 good ones, then a barrier. The refused push used to take a step: machine 0 ran one step ahead of
+    the others for good, and under the bound its last answer waited for a step the others never made (a hang)."""
+    worker = bps.rank() // bps.local_size()
+    bps.async_init(np.zeros(4, np.int64), name, staleness=0)
+    barrier(f"{name}/init")
+    refused = ""
+    if worker == 0:
+        try:
+            bps.async_push_pull(np.ones(2, np.int64), name)
+        except bps.BPSMismatchError as exc:
+            refused = f"{exc.name}|{exc.ours}|{exc.theirs}"
+    for _ in range(5):
+        bps.async_push_pull(np.ones(4, np.int64), name)
+    barrier(name)
+    final = bps.async_push_pull(np.zeros(4, np.int64), name)
+    return {"refused": refused, "final": final.tolist()}
+
+
+def sync_side_of_a_misuse(name: str) -> str:
+    """Machine 0 sums a small (fused) ``name`` synchronously; machine 1 then makes it asynchronous. Each side's
+    BPSMismatchError says its own use as ``ours`` (the synchronous side heard the asynchronous side's)."""
+    worker = bps.rank() // bps.local_size()
+    try:
+        if worker == 0:
+            bps.push_pull(np.ones(4, np.float32), name)
+        else:
+            time.sleep(0.5)
+            bps.async_init(np.ones(4, np.float32), name)
+        return "ok"
+    except bps.BPSMismatchError as exc:
+        return f"{exc.ours}|{exc.theirs}"

@@ -72,3 +72,23 @@ def test_sync_and_async_use_of_one_name_is_an_error(cluster_2x2):
         assert r["never"].startswith("BPSError") and "call async_init first" in r["never"], r
         assert len(r["bad"]) == 3 and all("staleness must be None or an integer >= 0" in t for t in r["bad"]), r
     assert results[0]["outcome"] == results[1]["outcome"] == "ok"
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_delta_takes_no_step_of_the_staleness_bound(cluster_2x2):
+    results = run_ranks(cluster_2x2, ap.refused_delta_takes_no_step, "skip", timeout=60)
+    for rank, r in enumerate(results):
+        assert r["final"] == [4 * 5] * 4, (rank, r)  # every good delta, once; the refused one added nothing
+        if rank < 2:
+            assert r["refused"] == "skip|int64[2]|int64[4]", r
+
+
+@pytest.mark.timeout(120)
+def test_each_side_of_a_misuse_hears_its_own_use_as_ours(cluster_2x2):
+    results = run_ranks(cluster_2x2, ap.sync_side_of_a_misuse, "sides", timeout=60)
+    for rank, r in enumerate(results):
+        ours, theirs = r.split("|")
+        if rank < 2:
+            assert ours == "used synchronously in this job" and theirs.endswith(", asynchronously"), (rank, r)
+        else:
+            assert ours.endswith(", asynchronously") and theirs == "used synchronously in this job", (rank, r)
