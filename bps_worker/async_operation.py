@@ -85,18 +85,18 @@ class AsyncOperation(Operation):
             fields.update(staleness=self.op.staleness)
             return fields
         known = self.names[self.name]
-        fields.update(round=known.next_step[piece.part], staleness=known.staleness)
+        step = known.next_step[piece.part]
+        known.next_step[piece.part] = step + 1  # taken as the piece is pushed (given back if refused: see wait)
+        fields.update(round=step, staleness=known.staleness)
         return fields
 
     async def wait(self, futures: list[tuple[Piece, asyncio.Future[None]]], server_round: int) -> BPSError | None:
         error = await super().wait(futures, server_round)
         known = None if self.init else self.names.get(self.name)
-        if known is not None:  # each part's step is taken, unless the servers refused its push as a mismatch
+        if known is not None:  # a push the servers refused as a mismatch added nothing: its step is free again
             for piece, future in futures:
-                refused = future.done() and not future.cancelled() and isinstance(future.exception(),
-                                                                                  BPSMismatchError)
-                if not refused:
-                    known.next_step[piece.part] += 1
+                if future.done() and not future.cancelled() and isinstance(future.exception(), BPSMismatchError):
+                    known.next_step[piece.part] -= 1
         return error
 
     def link_for(self, piece: Piece) -> ServerLink:
