@@ -275,14 +275,19 @@ def _named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
 
 def broadcast_parameters(params: Any, root_rank: int) -> None:
     """Overwrite every tensor of ``params`` (state_dict() or named_parameters()) with ``root_rank``'s, in place."""
+    named = _named_tensors(params)
     handles = []
-    for name, tensor in _named_tensors(params):
-        wire = tensor.detach()
-        # A dtype the wire does not carry (bool, the small and unsigned integers, complex, float8) travels as its
-        # bytes, bit for bit: its values cast to int32 would wrap (uint32, uint64) or lose all but the integer
-        # part (complex, float8).
-        data = _to_numpy(wire) if wire.dtype in _WIRE_TYPES else _bytes_as_int32(wire)
-        handles.append((tensor, wire, _adapter.start_broadcast(data, f"bcast.param.{name}", root_rank)))
+    try:
+        for name, tensor in named:
+            wire = tensor.detach()
+            # A dtype the wire does not carry (bool, the small and unsigned integers, complex, float8) travels as
+            # its bytes, bit for bit: its values cast to int32 would wrap (uint32, uint64) or lose all but the
+            # integer part (complex, float8).
+            data = _to_numpy(wire) if wire.dtype in _WIRE_TYPES else _bytes_as_int32(wire)
+            handles.append((tensor, wire, _adapter.start_broadcast(data, f"bcast.param.{name}", root_rank)))
+    except BaseException:  # (e.g. over the arena's cap) those started must not stay in flight: every later
+        _adapter.settle([h for _, _, h in handles])  # broadcast of their names would fail
+        raise
     first_error: BPSError | None = None
     with torch.no_grad():
         for tensor, wire, handle in handles:

@@ -14,9 +14,11 @@ initialises them from rank 0's.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -63,23 +65,38 @@ class AsyncParameters:
     def init(self, root_rank: int) -> None:
         """Make every bucket's value ``root_rank``'s parameters (or the job's value, for a process that
         rejoins), and take it as this process's parameters."""
-        handles = [_adapter.start_async_init(_flat(b), b.name, root_rank, self.staleness) for b in self.buckets]
-        self._settle(handles)
+        self._start_all(lambda b: _adapter.start_async_init(_flat(b), b.name, root_rank, self.staleness))
         self.initialised = True
 
     def push(self) -> None:
         """Push every bucket's ``new - old``; the values that come back become the parameters."""
-        handles = []
-        for b in self.buckets:
+        def start(b: _Bucket) -> Handle:
             assert b.old is not None  # set by init
-            handles.append(_adapter.start_async(_flat(b) - b.old, b.name))
+            return _adapter.start_async(_flat(b) - b.old, b.name)
+
+        self._start_all(start)
+
+    def _start_all(self, start: Callable[[_Bucket], Handle]) -> None:
+        """``start`` every bucket's operation, then :meth:`_settle` them. Where a start fails part-way (over the
+        arena's cap), those already started are settled all the same before its error is raised: left in flight,
+        their names would fail every later step; and their values must be taken, as their deltas are in the
+        servers' value. The buckets not started keep their parameters: their deltas go with the next push."""
+        handles: list[Handle] = []
+        try:
+            for b in self.buckets:
+                handles.append(start(b))
+        except BaseException:
+            with contextlib.suppress(BPSError):
+                self._settle(handles)
+            raise
         self._settle(handles)
 
     def _settle(self, handles: list[Handle]) -> None:
         """Wait for every handle (all of them, so that no name stays in flight); the values into the
-        parameters; then the first failure, if any. A bucket whose push failed goes back to its last value:
-        its delta may or may not be in the servers' value (an answer can fail after the delta was added), and
-        kept in the parameters it would be pushed again, inside the next step's ``new - old``."""
+        parameters; then the first failure, if any. ``handles`` are those of the first buckets (of them all,
+        but after a failed start). A bucket whose push failed goes back to its last value: its delta may or
+        may not be in the servers' value (an answer can fail after the delta was added), and kept in the
+        parameters it would be pushed again, inside the next step's ``new - old``."""
         first: BPSError | None = None
         for b, handle in zip(self.buckets, handles):
             try:

@@ -12,7 +12,9 @@ rather than from the client's internals:
 * :func:`start_async_init` and :func:`start_async`: asynchronous mode's init and delta, started (a layer
   starts a model's buckets together, then waits for each);
 * :func:`finish_view`: wait for a handle and read its result where it lies in shared memory, without the copy
-  that :func:`~bps_worker.client.synchronize` makes.
+  that :func:`~bps_worker.client.synchronize` makes;
+* :func:`settle`: wait for handles nobody will read (those started before a start failed part-way), so
+  that no name stays in flight.
 
 Every function works on the process's connection (``init()`` first) and raises :class:`BPSError` like the
 public API. Handles are the public :class:`~bps_worker.client.Handle`: :func:`~bps_worker.client.poll` and
@@ -33,8 +35,8 @@ from .handle import Handle
 from .operations import Fill
 from .settings import Settings
 
-__all__ = ["Fill", "finish_view", "settings", "shared_slot", "start_async", "start_async_init", "start_broadcast",
-           "start_cuda", "start_filled"]
+__all__ = ["Fill", "finish_view", "settings", "settle", "shared_slot", "start_async", "start_async_init",
+           "start_broadcast", "start_cuda", "start_filled"]
 
 
 def settings() -> Settings:
@@ -91,3 +93,15 @@ def finish_view(handle: Handle, timeout: float | None = None) -> np.ndarray:
     """Wait for ``handle`` and return its result in place: read-only, valid until the next operation on the
     same name (``out``, if the operation had one)."""
     return _operations().finish(handle, timeout, view=True)
+
+
+def settle(handles: list[Handle]) -> None:
+    """Wait, within one ``timeout`` for them all, for ``handles`` and forget them, whatever they end in: a layer
+    that starts several operations and fails to start one must not leave the others in flight, or every later
+    use of their names fails. One that has not ended by then is given up: its name is free once it ends."""
+    if not handles:
+        return
+    ops = _operations()
+    if ops.fusion is not None:  # (a small sum may wait in the fusion buffer for its cycle)
+        ops.fusion.flush()
+    ops._settle(handles)
