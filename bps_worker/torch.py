@@ -16,7 +16,10 @@ post-accumulate-grad hook of its last gradient, as soon as backward has
 produced it, so communication overlaps the rest of backward; front layers get
 the highest priority so their sums come back first (the next forward pass
 needs them first). ``step()`` waits for all of them and writes the averages
-into ``.grad``.
+into ``.grad``. So a gradient changed after backward (unscaled, clipped) must be
+changed after ``optimizer.synchronize()``, then stepped inside
+``optimizer.skip_synchronize()``, as in Horovod; a change before is a BPSError
+at ``step()``, not a silently lost change.
 
 Parameters without a gradient: every process pushes every parameter every
 step, with one extra element per gradient that says whether it had one. A parameter
@@ -364,6 +367,42 @@ DEFAULT_BUCKET_BYTES = 4 << 20
 _HOOKS: Any = WeakIdKeyDictionary()  # (by identity: a tensor's == is elementwise)
 
 
+_SAMPLED = 64  # elements of each gradient kept when it is copied, to tell whether it changed since (_Seen)
+
+
+def _sample(flat: torch.Tensor) -> torch.Tensor:
+    """At most ``_SAMPLED`` elements of a flat gradient, evenly spaced, as bytes."""
+    step = max(1, -(-flat.numel() // _SAMPLED))
+    return flat[::step].clone(memory_format=torch.contiguous_format).view(torch.uint8)  # (a copy, never a view)
+
+
+@dataclass(frozen=True, eq=False)
+class _Seen:
+    """A gradient as it was when its hook copied it into its bucket: the tensor, its version counter, some of
+    its elements. Changed in place since (unscaled, clipped) or replaced, it would be stepped with the sum of
+    what it was, and the change lost on every process: :meth:`DistributedOptimizer.synchronize` refuses.
+    The elements catch writes that torch does not count in ``_version``: GradScaler's unscale kernel, writes
+    through ``.data`` or numpy. A few of them are enough, as such a change (a scale) moves every element."""
+
+    grad: torch.Tensor | None
+    version: int = 0
+    sample: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, grad: torch.Tensor | None, flat: torch.Tensor | None = None) -> _Seen:
+        """``grad`` now; ``flat``: its elements as one dimension, where the caller has them already."""
+        if grad is None:
+            return cls(None)
+        return cls(grad, grad._version, _sample(grad.detach().reshape(-1) if flat is None else flat))
+
+    def changed(self, grad: torch.Tensor | None) -> bool:
+        if grad is not self.grad:
+            return True
+        if grad is None or self.sample is None:
+            return False
+        return grad._version != self.version or not torch.equal(_sample(grad.detach().reshape(-1)), self.sample)
+
+
 @dataclass(eq=False)
 class _Bucket:
     """Gradients pushed together as one tensor: their elements one after another, then one presence
@@ -377,7 +416,7 @@ class _Bucket:
     priority: int
     layout: str  # what every process's bucket of this name must hold (_bucket_layout)
     names: list[str]  # of the parameters
-    filled: set[int] = field(default_factory=set)  # indexes of the gradients already in the slot
+    filled: dict[int, _Seen] = field(default_factory=dict)  # the gradients already in the slot, by index
     slot: torch.Tensor | None = None  # the flat shared slot while it is being filled
     handle: _client.Handle | None = None
 
@@ -591,6 +630,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         bucket, index = self._bucket_of[p]
         if count > self.backward_passes_per_step or bucket.handle is not None:
+            if index in bucket.filled:  # this error reports the change: step() applies the sum as handed over
+                bucket.filled[index] = _Seen.of(p.grad)
             raise BPSError(f"gradient {self._names[p]!r} was produced more than backward_passes_per_step = "
                            f"{self.backward_passes_per_step} times before step(); call step() or synchronize()")
         self._fill(bucket, index, p.grad)
@@ -608,13 +649,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise BPSError(f"parameter {self._names[p]!r} has a {grad.layout} gradient; DistributedOptimizer sums "
                            f"dense gradients (for nn.Embedding, sparse=False)")
         part = bucket.slot[bucket.offsets[index]:bucket.offsets[index] + p.numel()]
+        flat = None if grad is None else grad.detach().reshape(-1)
         with torch.no_grad():
-            if grad is None:
+            if flat is None:
                 part.zero_()
             else:
-                part.copy_(grad.detach().reshape(-1))
+                part.copy_(flat)
         bucket.slot[bucket.numel + index] = 0.0 if grad is None else 1.0
-        bucket.filled.add(index)
+        bucket.filled[index] = _Seen.of(grad, flat)
 
     def _start(self, bucket: _Bucket) -> None:
         bucket.slot = None  # no reference to the slot outlives the push (it may move, or close at shutdown)
@@ -628,36 +670,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Every process takes part for every parameter: buckets whose gradients this process does not
         all have (or has only partly accumulated) are pushed now, before any wait, with zeros for the
         missing ones, so that no two processes wait for each other.
+
+        A gradient changed since backward handed it over (clipped, unscaled: see :class:`_Seen`) is a
+        BPSError, once every sum has come back (the sums are not written): its change would be lost.
         """
         if self._async is not None:
             return  # nothing to wait for: every gradient stays here
-        first_error: BPSError | None = None
         try:
-            for bucket in self._buckets:
-                if bucket.handle is not None:
-                    continue
-                for index, p in enumerate(bucket.params):
-                    if index not in bucket.filled:  # (a gradient set without backward, e.g. torch.func's: summed)
-                        self._fill(bucket, index, p.grad)
-                self._start(bucket)
-            for bucket in self._buckets:
-                handle, bucket.handle = bucket.handle, None
-                if handle is None:
-                    continue
-                try:
-                    # the sum in the bucket's shared slot: read in place, copied once into each .grad.
-                    # After an error (a mismatch: then other buckets may never complete), wait at most
-                    # the timeout for each of the rest.
-                    wait = None if first_error is None else _adapter.settings().timeout
-                    out = _adapter.finish_view(handle, wait)
-                except BPSError as exc:
-                    # Keep draining: every handle must be consumed, or its name stays "in flight"
-                    # and every later step fails. The first error is raised once all are done.
-                    first_error = first_error or _bucket_error(bucket, exc)
-                    continue
-                if first_error is None:
-                    self._write_grads(bucket, _from_numpy(out))
-                del out
+            self._start_rest()
+            changed = self._changed_gradient()
+            first_error = self._finish_all(write=changed is None) or changed
         finally:
             for bucket in self._buckets:
                 bucket.filled.clear()
@@ -675,6 +697,54 @@ class DistributedOptimizer(torch.optim.Optimizer):
                            f"DistributedOptimizer was made ({len(late)} such): wrap the optimizer again after "
                            f"unfreezing parameters")
         self._synchronized = True
+
+    def _start_rest(self) -> None:
+        """Start every bucket not started yet, its missing gradients taken as they are now."""
+        for bucket in self._buckets:
+            if bucket.handle is not None:
+                continue
+            for index, p in enumerate(bucket.params):
+                if index not in bucket.filled:  # (a gradient set without backward, e.g. torch.func's: summed)
+                    self._fill(bucket, index, p.grad)
+            self._start(bucket)
+
+    def _changed_gradient(self) -> BPSError | None:
+        """The error for the first gradient that changed since it was copied (see :class:`_Seen`), if any."""
+        for bucket in self._buckets:
+            for index, seen in bucket.filled.items():
+                if seen.changed(bucket.params[index].grad):
+                    return BPSError(
+                        f"the gradient of parameter {bucket.names[index]!r} changed after backward() handed it "
+                        f"to DistributedOptimizer (changed in place, e.g. unscaled or clipped, or replaced); "
+                        f"step() would apply the average of the gradients as they were, without the change. "
+                        f"Call optimizer.synchronize() before changing gradients, then step() inside "
+                        f"optimizer.skip_synchronize() (with a GradScaler: synchronize(), "
+                        f"scaler.unscale_(optimizer), then scaler.step(optimizer) inside it)")
+        return None
+
+    def _finish_all(self, *, write: bool) -> BPSError | None:
+        """Wait for every bucket's sum; with ``write``, and until an error, the averages into ``.grad``; the
+        first error."""
+        first_error: BPSError | None = None
+        for bucket in self._buckets:
+            handle, bucket.handle = bucket.handle, None
+            if handle is None:
+                continue
+            try:
+                # the sum in the bucket's shared slot: read in place, copied once into each .grad.
+                # After an error (a mismatch: then other buckets may never complete), wait at most
+                # the timeout for each of the rest.
+                wait = None if first_error is None else _adapter.settings().timeout
+                out = _adapter.finish_view(handle, wait)
+            except BPSError as exc:
+                # Keep draining: every handle must be consumed, or its name stays "in flight"
+                # and every later step fails. The first error is raised once all are done.
+                first_error = first_error or _bucket_error(bucket, exc)
+                continue
+            if first_error is None and write:
+                self._write_grads(bucket, _from_numpy(out))
+            del out
+        return first_error
 
     @staticmethod
     def _write_grads(bucket: _Bucket, flat: torch.Tensor) -> None:

@@ -100,3 +100,76 @@ def test_an_asynchronous_push_that_fails_part_way_loses_no_step(client: None) ->
     _still_usable("apush")
     _async_step(model, opt)
     assert [p.detach().unique().tolist() for p in model] == [[-3.0]] * 4
+
+
+def _linear(tag: str, passes: int = 1) -> tuple[nn.Linear, bps.DistributedOptimizer]:
+    """A 3-to-1 linear model at zero and its DistributedOptimizer (SGD, lr 1): a step moves the weight by
+    exactly its gradient."""
+    model = nn.Linear(3, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    return model, bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                           named_parameters=[(f"{tag}.{n}", p) for n, p in model.named_parameters()],
+                                           backward_passes_per_step=passes)
+
+
+def _backward(model: nn.Module, value: float = 2.0, scaler: torch.amp.GradScaler | None = None) -> None:
+    """The weight's gradient: ``value`` (times the scaler's scale)."""
+    loss = model(torch.full((1, 3), value)).sum()
+    (loss if scaler is None else scaler.scale(loss)).backward()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("change", ["clip", "grad_scaler", "replace", "data"])
+def test_a_gradient_changed_between_backward_and_step_is_an_error(client: None, change: str) -> None:
+    """Gradients go to the other processes as backward produces them, so a change made after backward (torch's
+    plain GradScaler usage, clipping before step()) was silently lost; now step() says to synchronize() first.
+    GradScaler's unscale and writes through ``.data`` do not move the gradient's ``_version``."""
+    model, opt = _linear(f"changed.{change}")
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    _backward(model, scaler=scaler if change == "grad_scaler" else None)
+    with pytest.raises(bps.BPSError, match=r"'changed\.\w+\.weight' changed after backward.*synchronize\(\)"):
+        if change == "clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+        elif change == "grad_scaler":
+            scaler.step(opt)  # unscales in place, then steps
+        elif change == "replace":
+            model.weight.grad = model.weight.grad / 2
+            opt.step()
+        else:
+            model.weight.grad.data.mul_(0.5)
+            opt.step()
+    assert model.weight.detach().eq(0.0).all()  # not stepped
+    opt.zero_grad()  # nothing stays in flight: the next step is a plain one
+    _backward(model)
+    opt.step()
+    assert model.weight.detach().eq(-2.0).all()
+
+
+@pytest.mark.timeout(60)
+def test_gradients_changed_the_documented_ways_are_not_an_error(client: None) -> None:
+    """The README's recipe (synchronize, unscale, clip, step inside skip_synchronize), accumulation over passes
+    into gradients zeroed in place, and gradients assigned without backward."""
+    model, opt = _linear("recipe")
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    _backward(model, scaler=scaler)
+    opt.synchronize()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)
+    with opt.skip_synchronize():
+        scaler.step(opt)
+    scaler.update()
+    assert model.weight.detach().eq(-2.0).all()
+
+    model, opt = _linear("passes", passes=2)
+    for _ in range(2):
+        opt.zero_grad(set_to_none=False)
+        _backward(model, 1.0)
+        _backward(model, 2.0)
+        opt.step()
+    assert model.weight.detach().eq(-6.0).all()
+
+    model, opt = _linear("assigned")
+    model.weight.grad = torch.full((1, 3), 4.0)
+    opt.step()
+    assert model.weight.detach().eq(-4.0).all()
