@@ -403,6 +403,14 @@ class _Seen:
         return grad._version != self.version or not torch.equal(_sample(grad.detach().reshape(-1)), self.sample)
 
 
+def _unhook(params: list[torch.Tensor]) -> None:
+    """The hooks that DistributedOptimizers put on ``params`` go."""
+    for p in params:
+        earlier = _HOOKS.pop(p, None)
+        if earlier is not None:
+            earlier.remove()
+
+
 @dataclass(eq=False)
 class _Bucket:
     """Gradients pushed together as one tensor: their elements one after another, then one presence
@@ -501,16 +509,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                                  staleness)
         elif staleness is not None:
             raise BPSError("staleness is a bound of asynchronous mode; pass asynchronous=True with it")
+        # A second wrap round the same parameters replaces the first, in either mode (see _hook).
+        if asynchronous:
+            _unhook(self._params)
+        else:
+            _async.release(self._params)
         self._hooks = [self._hook(p) for p in self._params if p.requires_grad and not asynchronous]
         # Optimizer parameters frozen when wrapped: in no bucket (see synchronize).
         self._unbucketed = [p for p in self._params if p not in self._bucket_of]
 
     def _hook(self, p: torch.Tensor) -> Any:
         """Our hook on ``p``; the hook of a DistributedOptimizer that wrapped it before goes (a second training
-        phase wraps a new optimizer round the same model: two hooks would push each gradient twice)."""
-        earlier = _HOOKS.get(p)
-        if earlier is not None:
-            earlier.remove()
+        phase wraps a new optimizer round the same model: two hooks would push each gradient twice; an
+        asynchronous optimizer has none, and the synchronous one's would push every gradient to no one)."""
+        _unhook([p])
         handle = p.register_post_accumulate_grad_hook(self._grad_ready)
         _HOOKS[p] = handle
         return handle

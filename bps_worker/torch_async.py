@@ -10,6 +10,10 @@ Buckets are as for gradients (parameters in reverse declaration order, at least 
 dtype per bucket), named ``param.<first parameter>``. :func:`~bps_worker.torch.broadcast_parameters`
 initialises them from the root's parameters (after its broadcast); a first ``step()`` before that
 initialises them from rank 0's.
+
+A DistributedOptimizer made later over the same parameters, in either mode (a second training phase), replaces
+this one: an asynchronous one with the same buckets goes on from their values, as the servers' are initialised
+once per job; the replaced one refuses any use, as two optimizers pushing one model's deltas would add them twice.
 """
 
 from __future__ import annotations
@@ -53,28 +57,73 @@ class AsyncParameters:
                                f"and float16 parameters")
         self.staleness = staleness
         self.buckets = _buckets(params, bucket_bytes)
-        taken = {b.name for other in _LIVE for b in other.buckets} & {b.name for b in self.buckets}
-        if taken:  # the servers hold one value per name: a second model's would take the first one's
-            raise BPSError(f"asynchronous bucket {sorted(taken)[0]!r} is already held by another asynchronous "
-                           f"optimizer in this process: give each model's parameters their own names "
-                           f"(named_parameters with a prefix, e.g. [('critic.' + n, p) for n, p in ...])")
         self.initialised = False
+        self.replaced = False  # by a newer AsyncParameters (or a synchronous optimizer) over the same parameters
+        earlier = [o for o in _LIVE if o.overlaps(self)]
+        for other in earlier:
+            self._check_replaces(other)
+        for other in earlier:
+            self._take_over(other)
         self.created = next(_CREATED)
         _LIVE.add(self)
+
+    def overlaps(self, other: AsyncParameters) -> bool:
+        """Whether the two hold a bucket name or a parameter in common."""
+        return bool({b.name for b in self.buckets} & {b.name for b in other.buckets}) or bool(
+            _ids(self) & _ids(other))
+
+    def _check_replaces(self, other: AsyncParameters) -> None:
+        """A BPSError unless this may replace ``other`` (:meth:`_take_over`): a bucket name of ``other``'s on
+        other parameters (the servers hold one value per name, and a second model's would take the first one's),
+        or on the same parameters in other buckets (the servers keep each bucket as its init made it)."""
+        taken = sorted({b.name for b in self.buckets} & {b.name for b in other.buckets})
+        if taken and not _ids(self) & _ids(other):
+            raise BPSError(f"asynchronous bucket {taken[0]!r} is already held by another asynchronous "
+                           f"optimizer in this process: give each model's parameters their own names "
+                           f"(named_parameters with a prefix, e.g. [('critic.' + n, p) for n, p in ...])")
+        if taken and (_layout(self) != _layout(other) or self.staleness != other.staleness):
+            raise BPSError(f"asynchronous bucket {taken[0]!r} is held by an earlier asynchronous optimizer over "
+                           f"these parameters, with other contents or staleness: the servers keep each bucket as "
+                           f"its init made it, so wrap them again with the same named_parameters, bucket_bytes "
+                           f"and staleness")
+
+    def _take_over(self, other: AsyncParameters) -> None:
+        """Replace ``other``, made before over some of the same parameters (a second training phase wraps a new
+        optimizer round the same model): where its buckets are ours, their values and whether they were
+        initialised go on here (an init again would be a second init of the names in this job); ``other``
+        refuses any later use."""
+        if _layout(self) == _layout(other):
+            for mine, theirs in zip(self.buckets, other.buckets):
+                mine.old = theirs.old
+            self.initialised = other.initialised
+        other.retire()
+
+    def retire(self) -> None:
+        """Replaced: out of ``init_all``, and every later use a BPSError (see :meth:`_take_over`)."""
+        self.replaced = True
+        _LIVE.discard(self)
 
     def init(self, root_rank: int) -> None:
         """Make every bucket's value ``root_rank``'s parameters (or the job's value, for a process that
         rejoins), and take it as this process's parameters."""
+        self._check_current()
         self._start_all(lambda b: _adapter.start_async_init(_flat(b), b.name, root_rank, self.staleness))
         self.initialised = True
 
     def push(self) -> None:
         """Push every bucket's ``new - old``; the values that come back become the parameters."""
+        self._check_current()
+
         def start(b: _Bucket) -> Handle:
             assert b.old is not None  # set by init
             return _adapter.start_async(_flat(b) - b.old, b.name)
 
         self._start_all(start)
+
+    def _check_current(self) -> None:
+        if self.replaced:
+            raise BPSError("this asynchronous DistributedOptimizer was replaced by a DistributedOptimizer made "
+                           "later over the same parameters: step that one")
 
     def _start_all(self, start: Callable[[_Bucket], Handle]) -> None:
         """``start`` every bucket's operation, then :meth:`_settle` them. Where a start fails part-way (over the
@@ -118,6 +167,24 @@ def init_all(root_rank: int) -> None:
     waiting in another optimizer's init would wait for ever)."""
     for params in sorted(_LIVE, key=lambda p: p.created):
         params.init(root_rank)
+
+
+def release(params: list[torch.Tensor]) -> None:
+    """A synchronous DistributedOptimizer over ``params``: every asynchronous one holding any of them is replaced
+    (see :meth:`AsyncParameters._take_over`)."""
+    ids = {id(p) for p in params}
+    for other in [o for o in _LIVE if _ids(o) & ids]:
+        other.retire()
+
+
+def _ids(params: AsyncParameters) -> set[int]:
+    """The identities of the parameters (a tensor's ``==`` is elementwise); all alive while ``params`` is."""
+    return {id(p) for b in params.buckets for p in b.params}
+
+
+def _layout(params: AsyncParameters) -> list[tuple[str, list[int], torch.dtype]]:
+    """Each bucket's name, parameters (by identity) and dtype."""
+    return [(b.name, [id(p) for p in b.params], b.dtype) for b in params.buckets]
 
 
 def _buckets(params: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[_Bucket]:

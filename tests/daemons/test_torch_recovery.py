@@ -173,3 +173,54 @@ def test_gradients_changed_the_documented_ways_are_not_an_error(client: None) ->
     model.weight.grad = torch.full((1, 3), 4.0)
     opt.step()
     assert model.weight.detach().eq(-4.0).all()
+
+
+@pytest.mark.timeout(60)
+def test_a_model_wrapped_again_asynchronously_loses_its_synchronous_hooks(client: None) -> None:
+    model, first = _linear("sync_async")
+    _backward(model)
+    first.step()
+    second = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), asynchronous=True,
+                                      named_parameters=[("sync_async2.weight", model.weight)])
+    bps.broadcast_parameters(model.state_dict(), 0)
+    for _ in range(3):  # the first optimizer's hook pushed every gradient, and failed on the second backward
+        second.zero_grad()
+        _backward(model)
+        second.step()
+    assert model.weight.detach().eq(-8.0).all()
+    third = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                     named_parameters=[("sync_async3.weight", model.weight)])
+    third.zero_grad()
+    _backward(model)
+    third.step()
+    assert model.weight.detach().eq(-10.0).all()
+    with pytest.raises(bps.BPSError, match="replaced by a DistributedOptimizer made later"):
+        second.step()
+
+
+@pytest.mark.timeout(60)
+def test_an_asynchronous_optimizer_wrapped_again_is_taken_over(client: None) -> None:
+    """A second training phase: a new optimizer round the same model and names takes over the values (no second
+    init); the old one refuses any use. The same parameters in other buckets are refused, naming the cause."""
+    model = nn.Linear(3, 1)
+    nn.init.zeros_(model.weight)
+    nn.init.zeros_(model.bias)
+    named = [(f"rewrap.{n}", p) for n, p in model.named_parameters()]
+    first = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), named_parameters=named,
+                                     asynchronous=True)
+    bps.broadcast_parameters(model.state_dict(), 0)
+    _backward(model)
+    first.step()
+    second = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), named_parameters=named,
+                                      asynchronous=True)
+    assert second._async is not None and second._async.initialised
+    second.zero_grad()
+    _backward(model)
+    second.step()
+    assert model.weight.detach().eq(-3.0).all() and model.bias.detach().eq(-1.5).all()
+    with pytest.raises(bps.BPSError, match="replaced by a DistributedOptimizer made later"):
+        first.step()
+    with pytest.raises(bps.BPSError, match="with other contents or staleness"):
+        bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), named_parameters=named,
+                                 asynchronous=True, bucket_bytes=0)
+    second.step()  # still the one in charge
