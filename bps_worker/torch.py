@@ -444,31 +444,38 @@ _LISTED_PARAMS = 8  # a bucket mismatch names this many of the bucket's paramete
 
 
 def _bucket_error(bucket: _Bucket, error: BPSError) -> BPSError:
-    """A mismatch about ``bucket`` that also names this process's parameters in it: the digest alone does not
-    say which differ, and each process's error lists its own, so the user can compare two processes' errors."""
-    if not isinstance(error, BPSMismatchError) or error.name != bucket.name:
+    """A mismatch of a gradient bucket, with what makes the buckets of processes agree; where it is about
+    ``bucket`` by name, also naming this process's parameters in it: the digest alone does not say which
+    differ, and each process's error lists its own, so the user can compare two processes' errors. (A fused
+    sum given up for a mismatch names no tensor: it may be about another bucket fused with this one.)"""
+    if not isinstance(error, BPSMismatchError):
         return error
+    rule = ("every process must give the same parameters (names, shapes, dtypes) in the same order: that of "
+            "named_parameters, or without it that of the optimizer's param groups; and the same bucket_bytes")
+    if error.name != bucket.name:
+        return BPSMismatchError(f"{error.detail}; {rule}", name=error.name, ours=error.ours, theirs=error.theirs)
     listed = ", ".join(f"{n!r} {p.dtype} {tuple(p.shape)}"
                        for n, p in zip(bucket.names[:_LISTED_PARAMS], bucket.params))
     more = len(bucket.names) - _LISTED_PARAMS
     listed += f" and {more} more" if more > 0 else ""
-    detail = f"{error.detail}; this process's bucket {bucket.name!r} holds {listed}"
+    detail = f"{error.detail}; this process's bucket {bucket.name!r} holds {listed}; {rule}"
     return BPSMismatchError(detail, name=error.name, ours=error.ours, theirs=error.theirs)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer`` so that ``step()`` applies gradients averaged over every process.
 
-    ``named_parameters`` names the gradients on the wire (identical on every process); without
-    it parameters are named by their position in the optimizer's param groups.
+    ``named_parameters`` names the gradients on the wire (identical on every process) and gives their
+    order, so processes may list the optimizer's parameters in other orders; without it parameters are
+    named by their position in the optimizer's param groups, which must then be the same everywhere.
 
     Gradients travel in buckets (tensor fusion, as in Horovod and DDP): parameters are taken in
-    reverse declaration order (about the order backward produces their gradients) and packed into
-    buckets of at least ``bucket_bytes`` (on the wire); a bucket's push_pull starts as soon as its
-    last gradient is ready. Each gradient is copied into the bucket's shared-memory slot when it is
-    ready, and the average is copied from the slot into ``.grad``. ``bucket_bytes=0`` pushes every
-    gradient on its own. Every process must use the same ``bucket_bytes`` (a different one is a
-    mismatch error naming the bucket).
+    reverse declaration order (of ``named_parameters``: about the order backward produces their
+    gradients) and packed into buckets of at least ``bucket_bytes`` (on the wire); a bucket's
+    push_pull starts as soon as its last gradient is ready. Each gradient is copied into the bucket's
+    shared-memory slot when it is ready, and the average is copied from the slot into ``.grad``.
+    ``bucket_bytes=0`` pushes every gradient on its own. Every process must use the same
+    ``bucket_bytes`` (a different one is a mismatch error naming the bucket).
 
     ``asynchronous=True``: parameter-server training (:mod:`bps_worker.torch_async`). No gradient is
     pushed; ``step()`` steps the wrapped optimizer on this process's own gradients, pushes each bucket's
@@ -495,6 +502,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.bucket_bytes = bucket_bytes
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self._names = self._resolve_names(named_parameters)
+        self._order = list(self._names)  # what buckets follow (see _resolve_names)
         self._buckets = self._make_buckets()
         self._bucket_of = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._passes: dict[torch.Tensor, int] = {}
@@ -505,7 +513,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if compression is not Compression.none:
                 raise BPSError("asynchronous mode pushes parameter deltas in the parameters' dtype; "
                                "compression is for gradients")
-            self._async = _async.AsyncParameters([(self._names[p], p) for p in self._params], bucket_bytes,
+            self._async = _async.AsyncParameters([(n, p) for p, n in self._names.items()], bucket_bytes,
                                                  staleness)
         elif staleness is not None:
             raise BPSError("staleness is a bound of asynchronous mode; pass asynchronous=True with it")
@@ -536,9 +544,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return dtype
 
     def _make_buckets(self) -> list[_Bucket]:
-        """Buckets in reverse declaration order; front layers get the highest priority (their sums come back
-        first, as the next forward pass needs them first)."""
-        position = {p: i for i, p in enumerate(self._params)}
+        """Buckets in reverse declaration order (of ``_order``); front layers get the highest priority (their sums
+        come back first, as the next forward pass needs them first)."""
+        position = {p: i for i, p in enumerate(self._order)}
         buckets: list[_Bucket] = []
         group: list[torch.Tensor] = []
         nbytes = 0
@@ -559,7 +567,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                        -front, _bucket_layout(names, group), names))
             group, nbytes = [], 0
 
-        for p in reversed(self._params):
+        for p in reversed(self._order):
             if not p.requires_grad:
                 continue
             if group and self._wire_dtype(p) != self._wire_dtype(group[0]):
@@ -617,6 +625,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # Gradients ----------------------------------------------------------------------
     def _resolve_names(self, named_parameters: Iterable[tuple[str, Any]] | None) -> dict[torch.Tensor, str]:
+        """Each optimizer parameter's name on the wire, in the order buckets take them: that of
+        ``named_parameters`` where it is given, not that of the optimizer's param groups. Every process must
+        cut the same buckets, and processes may well list the optimizer's parameters in other orders (groups
+        built from a set, or by a rank's role), as Horovod allows since it names each gradient alone;
+        ``model.named_parameters()`` is the model's declaration order on every process, about the order backward
+        produces the gradients in (reversed), which the buckets need to start early. Without names, the
+        position in the optimizer is the name, and the order."""
         if named_parameters is None:
             return {p: str(i) for i, p in enumerate(self._params)}
         pairs = list(named_parameters)
@@ -633,7 +648,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             shapes = ", ".join(f"#{i} {tuple(self._params[i].shape)}" for i in missing[:5])
             raise BPSError(f"{len(missing)} optimizer parameters are missing from named_parameters ({shapes}); "
                            f"pass the model's named_parameters() for every parameter the optimizer updates")
-        return {p: by_param[p] for p in self._params}
+        mine = dict.fromkeys(self._params)  # (by identity: a tensor hashes by id, and dicts try `is` first)
+        return {p: by_param[p] for _, p in pairs if p in mine}
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         count = self._passes.get(p, 0) + 1

@@ -1,6 +1,7 @@
 """Rank programs for the PyTorch layer's edges (tests/daemons/test_torch_edges.py): gradients set without
 backward, two asynchronous models, broadcasts of dtypes the wire does not carry, a parameter unfrozen after
-wrapping, numpy hyper-parameters, GradScaler, a model wrapped twice, sparse gradients."""
+wrapping, numpy hyper-parameters, GradScaler, a model wrapped twice, sparse gradients, optimizers that list the
+parameters in other orders, a bucket that differs."""
 
 from __future__ import annotations
 
@@ -145,5 +146,35 @@ def sparse_gradient() -> dict[str, Any]:
         e(torch.tensor([1, 2])).sum().backward()
         opt.step()
     except Exception as exc:
+        return {"error": _error(exc)}
+    return {"error": ""}
+
+
+def optimizer_orders() -> dict[str, Any]:
+    """Rank 0's optimizer lists the parameters in the model's order, rank 1's in two groups in other orders; both
+    name them by the model's named_parameters (Horovod's names let ranks do this). Three independent layers at
+    zero, each fed the rank's r + 1: every weight's average gradient is exactly 1.5, every bias's 1."""
+    r = bps.rank()
+    layers = nn.ModuleList([nn.Linear(k, 1) for k in (3, 4, 5)])
+    for p in layers.parameters():
+        nn.init.zeros_(p)
+    params = list(layers.parameters())
+    groups = [{"params": params}] if r == 0 else [{"params": params[::-2]}, {"params": params[-2::-2]}]
+    opt = bps.DistributedOptimizer(torch.optim.SGD(groups, lr=1.0),
+                                   named_parameters=[(f"order.{n}", p) for n, p in layers.named_parameters()])
+    sum(layer(torch.full((1, layer.in_features), float(r + 1))).sum() for layer in layers).backward()
+    opt.step()
+    return {"moved": [(-p.detach()).unique().tolist() for p in params]}
+
+
+def mismatched_bucket() -> dict[str, Any]:
+    """Rank 1's model has another shape (one bucket of 80 KB or so: not fused with others)."""
+    m = nn.Linear(100, 200 + bps.rank())
+    opt = bps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=[(f"differs.{n}", p) for n, p in m.named_parameters()])
+    m(torch.ones(1, 100)).sum().backward()
+    try:
+        opt.step()
+    except bps.BPSError as exc:
         return {"error": _error(exc)}
     return {"error": ""}

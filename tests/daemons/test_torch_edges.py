@@ -76,3 +76,18 @@ def test_a_model_wrapped_twice_trains_under_the_second_optimizer(cluster: Cluste
 def test_a_sparse_gradient_is_a_bps_error(cluster: Cluster) -> None:
     for r in _run(cluster, tp.sparse_gradient):
         assert r["error"].startswith("BPSError") and "sparse=False" in r["error"], r
+
+
+@pytest.mark.timeout(90)
+def test_optimizers_may_list_the_named_parameters_in_other_orders(cluster: Cluster) -> None:
+    """Buckets follow named_parameters, not the optimizer's param groups (whose order differed: a mismatch)."""
+    for r in _run(cluster, tp.optimizer_orders):
+        assert r["moved"] == [[1.5], [1.0]] * 3, r
+
+
+@pytest.mark.timeout(90)
+def test_a_bucket_mismatch_names_the_parameters_and_the_rule(cluster: Cluster) -> None:
+    for r, width in zip(_run(cluster, tp.mismatched_bucket), (200, 201)):
+        assert r["error"].startswith("BPSMismatchError: tensor 'grad.differs.bias' mismatch"), r
+        assert f"holds 'differs.bias' torch.float32 ({width},), 'differs.weight'" in r["error"], r
+        assert "in the same order: that of named_parameters" in r["error"], r
