@@ -40,6 +40,7 @@ import contextlib
 import hashlib
 import io
 import json
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -365,6 +366,7 @@ DEFAULT_BUCKET_BYTES = 4 << 20
 # Each parameter's hook of the DistributedOptimizer that wrapped it last (kept beside the parameter, not on it: an
 # attribute on it would go along with a deepcopy or a pickle of the model).
 _HOOKS: Any = WeakIdKeyDictionary()  # (by identity: a tensor's == is elementwise)
+_OPTIMIZERS: weakref.WeakSet[DistributedOptimizer] = weakref.WeakSet()  # this process's, to explain a name clash
 
 
 _SAMPLED = 64  # elements of each gradient kept when it is copied, to tell whether it changed since (_Seen)
@@ -501,6 +503,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self.bucket_bytes = bucket_bytes
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._positional = named_parameters is None
         self._names = self._resolve_names(named_parameters)
         self._order = list(self._names)  # what buckets follow (see _resolve_names)
         self._buckets = self._make_buckets()
@@ -525,6 +528,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = [self._hook(p) for p in self._params if p.requires_grad and not asynchronous]
         # Optimizer parameters frozen when wrapped: in no bucket (see synchronize).
         self._unbucketed = [p for p in self._params if p not in self._bucket_of]
+        _OPTIMIZERS.add(self)
 
     def _hook(self, p: torch.Tensor) -> Any:
         """Our hook on ``p``; the hook of a DistributedOptimizer that wrapped it before goes (a second training
@@ -670,7 +674,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _fill(self, bucket: _Bucket, index: int, grad: torch.Tensor | None) -> None:
         """Copy one gradient (cast for the wire) into the bucket's slot, or zeros where this process has none."""
         if bucket.slot is None:
-            view = _adapter.shared_slot(bucket.name, (bucket.total,), _numpy_of(bucket.dtype))
+            try:
+                view = _adapter.shared_slot(bucket.name, (bucket.total,), _numpy_of(bucket.dtype))
+            except BPSError as exc:
+                raise self._clash(bucket) or exc
             bucket.slot = _from_numpy(view)
         p = bucket.params[index]
         if grad is not None and grad.layout != torch.strided:
@@ -685,6 +692,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 part.copy_(flat)
         bucket.slot[bucket.numel + index] = 0.0 if grad is None else 1.0
         bucket.filled[index] = _Seen.of(grad, flat)
+
+    def _clash(self, bucket: _Bucket) -> BPSError | None:
+        """Where another DistributedOptimizer of this process is summing a bucket of the same name (so that the
+        name is in flight), the error that says how to name them apart."""
+        busy = [o for o in _OPTIMIZERS if o is not self and any(b.name == bucket.name and b.handle is not None
+                                                                  for b in o._buckets)]
+        if not busy:
+            return None
+        how = ("pass named_parameters to each (e.g. model.named_parameters()): without it a gradient is named by "
+               "its position in its optimizer, the same in every optimizer" if self._positional else
+               "give each optimizer's parameters their own names (named_parameters with a prefix, e.g. "
+               "[('critic.' + n, p) for n, p in ...])")
+        return BPSError(f"gradient bucket {bucket.name!r} is being summed for another DistributedOptimizer of this "
+                        f"process: {how}")
 
     def _start(self, bucket: _Bucket) -> None:
         bucket.slot = None  # no reference to the slot outlives the push (it may move, or close at shutdown)

@@ -224,3 +224,16 @@ def test_an_asynchronous_optimizer_wrapped_again_is_taken_over(client: None) -> 
         bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), named_parameters=named,
                                  asynchronous=True, bucket_bytes=0)
     second.step()  # still the one in charge
+
+
+@pytest.mark.timeout(60)
+def test_two_optimizers_without_names_are_told_to_pass_named_parameters(client: None) -> None:
+    """Named by position, two optimizers' gradients have the same names: the second's bucket met the first's
+    in flight with only 'already in flight' to say."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    first = bps.DistributedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1))
+    second = bps.DistributedOptimizer(torch.optim.SGD(model[2].parameters(), lr=0.1))
+    with pytest.raises(bps.BPSError, match=r"bucket 'grad\.1' is being summed for another .*pass named_parameters"):
+        model(torch.ones(1, 4)).sum().backward()
+    second.step()  # each step still works, one after the other
+    first.step()
