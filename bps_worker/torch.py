@@ -40,9 +40,10 @@ import contextlib
 import hashlib
 import io
 import json
+import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -369,40 +370,43 @@ _HOOKS: Any = WeakIdKeyDictionary()  # (by identity: a tensor's == is elementwis
 _OPTIMIZERS: weakref.WeakSet[DistributedOptimizer] = weakref.WeakSet()  # this process's, to explain a name clash
 
 
-_SAMPLED = 64  # elements of each gradient kept when it is copied, to tell whether it changed since (_Seen)
+# How many frames above DistributedOptimizer.step() are looked at for a GradScaler's step() (see _scaler_unscaled).
+_SCALER_FRAMES = 4
 
 
-def _sample(flat: torch.Tensor) -> torch.Tensor:
-    """At most ``_SAMPLED`` elements of a flat gradient, evenly spaced, as bytes."""
-    step = max(1, -(-flat.numel() // _SAMPLED))
-    return flat[::step].clone(memory_format=torch.contiguous_format).view(torch.uint8)  # (a copy, never a view)
-
-
-@dataclass(frozen=True, eq=False)
-class _Seen:
-    """A gradient as it was when its hook copied it into its bucket: the tensor, its version counter, some of
-    its elements. Changed in place since (unscaled, clipped) or replaced, it would be stepped with the sum of
-    what it was, and the change lost on every process: :meth:`DistributedOptimizer.synchronize` refuses.
-    The elements catch writes that torch does not count in ``_version``: GradScaler's unscale kernel, writes
-    through ``.data`` or numpy. A few of them are enough, as such a change (a scale) moves every element."""
+class _Seen(NamedTuple):
+    """A gradient as it was when its hook copied it into its bucket: the tensor and its version counter. Changed
+    in place since (clipped) or replaced, it would be stepped with the sum of what it was, and the change lost
+    on every process: :meth:`DistributedOptimizer.synchronize` refuses. Two attribute reads a parameter: a
+    comparison of some of its elements as well cost half as much again as a whole step of a model of many small
+    parameters. What torch does not count in ``_version`` goes unseen: writes through ``.data`` or numpy, and
+    GradScaler's unscale kernel, which is caught where it matters instead (:func:`_scaler_unscaled`)."""
 
     grad: torch.Tensor | None
-    version: int = 0
-    sample: torch.Tensor | None = None
+    version: int
 
     @classmethod
-    def of(cls, grad: torch.Tensor | None, flat: torch.Tensor | None = None) -> _Seen:
-        """``grad`` now; ``flat``: its elements as one dimension, where the caller has them already."""
-        if grad is None:
-            return cls(None)
-        return cls(grad, grad._version, _sample(grad.detach().reshape(-1) if flat is None else flat))
+    def of(cls, grad: torch.Tensor | None) -> _Seen:
+        return cls(grad, 0 if grad is None else grad._version)
 
     def changed(self, grad: torch.Tensor | None) -> bool:
-        if grad is not self.grad:
-            return True
-        if grad is None or self.sample is None:
+        return grad is not self.grad or (grad is not None and grad._version != self.version)
+
+
+def _scaler_unscaled(optimizer: object) -> bool:
+    """Whether a torch GradScaler's ``step(optimizer)`` is calling ours after it unscaled the gradients in place
+    (torch's documented AMP usage: ``scaler.step`` unscales first, and its kernel leaves ``_version`` alone): the
+    few frames above ``step()``, looked at once a step."""
+    frame = sys._getframe(1)
+    for _ in range(_SCALER_FRAMES):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
             return False
-        return grad._version != self.version or not torch.equal(_sample(grad.detach().reshape(-1)), self.sample)
+        scaler = frame.f_locals.get("self")
+        if isinstance(scaler, torch.amp.GradScaler):
+            state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
+            return getattr(state.get("stage"), "name", "") == "UNSCALED"
+    return False
 
 
 def _unhook(params: list[torch.Tensor]) -> None:
@@ -691,7 +695,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             else:
                 part.copy_(flat)
         bucket.slot[bucket.numel + index] = 0.0 if grad is None else 1.0
-        bucket.filled[index] = _Seen.of(grad, flat)
+        bucket.filled[index] = _Seen.of(grad)
 
     def _clash(self, bucket: _Bucket) -> BPSError | None:
         """Where another DistributedOptimizer of this process is summing a bucket of the same name (so that the
@@ -759,17 +763,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _changed_gradient(self) -> BPSError | None:
         """The error for the first gradient that changed since it was copied (see :class:`_Seen`), if any."""
-        for bucket in self._buckets:
-            for index, seen in bucket.filled.items():
-                if seen.changed(bucket.params[index].grad):
-                    return BPSError(
-                        f"the gradient of parameter {bucket.names[index]!r} changed after backward() handed it "
-                        f"to DistributedOptimizer (changed in place, e.g. unscaled or clipped, or replaced); "
-                        f"step() would apply the average of the gradients as they were, without the change. "
-                        f"Call optimizer.synchronize() before changing gradients, then step() inside "
-                        f"optimizer.skip_synchronize() (with a GradScaler: synchronize(), "
-                        f"scaler.unscale_(optimizer), then scaler.step(optimizer) inside it)")
-        return None
+        changed = next((bucket.names[index] for bucket in self._buckets for index, seen in bucket.filled.items()
+                        if seen.changed(bucket.params[index].grad)), None)
+        if changed is None and self._buckets and _scaler_unscaled(self):
+            changed = self._buckets[0].names[0]
+        if changed is None:
+            return None
+        return BPSError(f"the gradient of parameter {changed!r} changed after backward() handed it to "
+                        f"DistributedOptimizer (changed in place, e.g. unscaled or clipped, or replaced); step() "
+                        f"would apply the average of the gradients as they were, without the change. Call "
+                        f"optimizer.synchronize() before changing gradients, then step() inside "
+                        f"optimizer.skip_synchronize() (with a GradScaler: synchronize(), scaler.unscale_(optimizer), "
+                        f"then scaler.step(optimizer) inside it)")
 
     def _finish_all(self, *, write: bool) -> BPSError | None:
         """Wait for every bucket's sum; with ``write``, and until an error, the averages into ``.grad``; the
