@@ -29,12 +29,18 @@ import torch
 
 from .client import BPSError, Handle
 from .client import adapter as _adapter
+from .client import NUMPY_DTYPES as _client_dtypes
 from .client import synchronize as _synchronize
 
 _CREATED = itertools.count()  # the order of AsyncParameters made in this process
 _LIVE: weakref.WeakSet[AsyncParameters] = weakref.WeakSet()  # initialised by broadcast_parameters
 
-_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+# Each parameter dtype's wire name (numpy's bfloat16 is ml_dtypes', imported only when used: client.NUMPY_DTYPES).
+_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return _client_dtypes[_DTYPES[dtype]]
 
 
 @dataclass(eq=False)
@@ -53,8 +59,8 @@ class AsyncParameters:
             raise BPSError(f"staleness must be None or an integer >= 0, got {staleness!r}")
         for name, p in params:
             if p.dtype not in _DTYPES:
-                raise BPSError(f"parameter {name!r} has dtype {p.dtype}; asynchronous mode holds float32, float64 "
-                               f"and float16 parameters")
+                raise BPSError(f"parameter {name!r} has dtype {p.dtype}; asynchronous mode holds float32, float64, "
+                               f"float16 and bfloat16 parameters")
         self.staleness = staleness
         self.buckets = _buckets(params, bucket_bytes)
         self.initialised = False
@@ -203,11 +209,14 @@ def _buckets(params: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[
 def _flat(bucket: _Bucket) -> np.ndarray:
     with torch.no_grad():
         flat = torch.cat([p.detach().reshape(-1).to("cpu") for p in bucket.params])
-    return flat.numpy().astype(_DTYPES[bucket.dtype], copy=False)
+    if bucket.dtype == torch.bfloat16:  # (torch hands numpy no bfloat16: its bits, as ml_dtypes' bfloat16)
+        return flat.view(torch.int16).numpy().view(_numpy_dtype(bucket.dtype))
+    return flat.numpy().astype(_numpy_dtype(bucket.dtype), copy=False)
 
 
 def _unflatten(bucket: _Bucket, value: np.ndarray) -> None:
-    flat = torch.from_numpy(value)
+    flat = torch.from_numpy(value.view(np.int16)).view(torch.bfloat16) if value.dtype.name == "bfloat16" else \
+        torch.from_numpy(value)
     offset = 0
     with torch.no_grad():
         for p in bucket.params:

@@ -234,3 +234,16 @@ def test_two_optimizers_without_names_are_told_to_pass_named_parameters(client: 
         model(torch.ones(1, 4)).sum().backward()
     second.step()  # each step still works, one after the other
     first.step()
+
+
+@pytest.mark.timeout(60)
+def test_an_asynchronous_optimizer_holds_bfloat16_parameters(client: None) -> None:
+    """bfloat16 is a supported dtype, and plain async_push_pull takes it; the asynchronous optimizer refused it.
+    Whole numbers below 256 are exact in bfloat16: each step moves every element by exactly 1."""
+    model = nn.ParameterList([nn.Parameter(torch.arange(6, dtype=torch.bfloat16)), nn.Parameter(torch.ones(3))])
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), asynchronous=True,
+                                   named_parameters=[(f"bf16.{n}", p) for n, p in model.named_parameters()])
+    for _ in range(3):
+        _async_step(model, opt)
+    assert model[0].dtype == torch.bfloat16 and model[0].tolist() == [x - 3.0 for x in range(6)]
+    assert model[1].tolist() == [-2.0] * 3
