@@ -207,7 +207,21 @@ def _make_token_only(path: str) -> int:
     return 0
 
 
+def _open_standard_fds() -> None:
+    """Descriptors 0-2 open, on /dev/null where they were closed (``bps-launch ... <&-``): what the launcher
+    opens next would otherwise take their numbers, and every daemon inherited a closed one (uvloop aborts)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # (the lowest free number: this one, or a lower one just made)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _open_standard_fds()
     p = _parser()
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

@@ -224,7 +224,8 @@ class Supervisor:
             if self.forkserver is not None and self.forkserver.serves(command.argv, command.prefix):
                 proc = self.forkserver.spawn(command.argv, env, None if out is None else out.fileno())
             else:
-                proc = subprocess.Popen([*command.prefix, *command.argv], env=env, stdout=out, stderr=out)
+                proc = subprocess.Popen([*command.prefix, *command.argv], env=env, stdin=subprocess.DEVNULL,
+                                        stdout=out, stderr=out)  # (a closed fd 0 made uvloop abort)
         finally:
             if out is not None:
                 out.close()

@@ -384,10 +384,11 @@ class _Seen(NamedTuple):
 
     grad: torch.Tensor | None
     version: int
+    hooked: bool  # copied as backward produced it (not by synchronize(), which reads it after any unscale)
 
     @classmethod
-    def of(cls, grad: torch.Tensor | None) -> _Seen:
-        return cls(grad, 0 if grad is None else grad._version)
+    def of(cls, grad: torch.Tensor | None, hooked: bool = True) -> _Seen:
+        return cls(grad, 0 if grad is None else grad._version, hooked)
 
     def changed(self, grad: torch.Tensor | None) -> bool:
         return grad is not self.grad or (grad is not None and grad._version != self.version)
@@ -675,7 +676,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._start(bucket)
         self._synchronized = False
 
-    def _fill(self, bucket: _Bucket, index: int, grad: torch.Tensor | None) -> None:
+    def _fill(self, bucket: _Bucket, index: int, grad: torch.Tensor | None, hooked: bool = True) -> None:
         """Copy one gradient (cast for the wire) into the bucket's slot, or zeros where this process has none."""
         if bucket.slot is None:
             try:
@@ -695,7 +696,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             else:
                 part.copy_(flat)
         bucket.slot[bucket.numel + index] = 0.0 if grad is None else 1.0
-        bucket.filled[index] = _Seen.of(grad)
+        bucket.filled[index] = _Seen.of(grad, hooked)
 
     def _clash(self, bucket: _Bucket) -> BPSError | None:
         """Where another DistributedOptimizer of this process is summing a bucket of the same name (so that the
@@ -758,15 +759,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 continue
             for index, p in enumerate(bucket.params):
                 if index not in bucket.filled:  # (a gradient set without backward, e.g. torch.func's: summed)
-                    self._fill(bucket, index, p.grad)
+                    self._fill(bucket, index, p.grad, hooked=False)
             self._start(bucket)
 
     def _changed_gradient(self) -> BPSError | None:
         """The error for the first gradient that changed since it was copied (see :class:`_Seen`), if any."""
         changed = next((bucket.names[index] for bucket in self._buckets for index, seen in bucket.filled.items()
                         if seen.changed(bucket.params[index].grad)), None)
-        if changed is None and self._buckets and _scaler_unscaled(self):
-            changed = self._buckets[0].names[0]
+        hooked = next((bucket.names[index] for bucket in self._buckets for index, seen in bucket.filled.items()
+                       if seen.hooked), None)
+        if changed is None and hooked is not None and _scaler_unscaled(self):  # (copied before the unscale)
+            changed = hooked
         if changed is None:
             return None
         return BPSError(f"the gradient of parameter {changed!r} changed after backward() handed it to "

@@ -68,8 +68,9 @@ class AsyncParameters:
         earlier = [o for o in _LIVE if o.overlaps(self)]
         for other in earlier:
             self._check_replaces(other)
-        for other in earlier:
-            self._take_over(other)
+        for other in earlier:  # a wrap again round the very same parameters; a partial overlap (a shared trunk
+            if _ids(other) == _ids(self):  # under other names) leaves both as they were
+                self._take_over(other)
         self.created = next(_CREATED)
         _LIVE.add(self)
 

@@ -21,8 +21,8 @@ from protocol.messages import FUSED_PREFIX, MAX_DIMS, MAX_LAYOUT_CHARS, MAX_NAME
 from ..errors import BPSError
 from .arrays import bfloat16, dtype_name
 
-__all__ = ["GROUP_PREFIX", "INPUT_PREFIX", "SLAB_PREFIX", "WIRE_INT_MAX", "WIRE_INT_MIN", "check_average", "check_dtype",
-           "check_layout", "check_name", "check_out", "check_priority", "check_shape"]
+__all__ = ["GROUP_PREFIX", "INPUT_PREFIX", "SLAB_PREFIX", "WIRE_INT_MAX", "WIRE_INT_MIN", "check_average",
+           "check_dtype", "check_layout", "check_name", "check_out", "check_priority", "check_shape"]
 
 # The integers a control message carries are msgpack's signed 64-bit ones (a larger one cannot be encoded).
 WIRE_INT_MIN: Final = -(1 << 63)
@@ -125,7 +125,7 @@ def check_dtype(dtype: object) -> tuple[np.dtype, str]:
     try:
         numpy_dtype = np.dtype(dtype)  # type: ignore[call-overload]
     except TypeError:
-        if dtype != "bfloat16":  # (a name numpy knows only once ml_dtypes is imported)
+        if not (isinstance(dtype, str) and dtype == "bfloat16"):  # (a name numpy knows once ml_dtypes is imported)
             raise BPSError(f"unsupported dtype {dtype!r}") from None
         numpy_dtype = bfloat16()
     return numpy_dtype, dtype_name(numpy_dtype)

@@ -566,3 +566,20 @@ def test_make_token_writes_a_new_token_and_never_replaces_one(tmp_path):
                            text=True, timeout=30)
     assert again.returncode == 1 and "already exists" in _one_line(again.stderr)
     assert path.read_text() == first
+
+
+def test_a_launcher_started_with_its_standard_input_closed_runs_the_job(tmp_path):
+    """``bps-launch ... <&-``: every daemon inherited the closed descriptor and aborted (uvloop asserts fd > 2);
+    rank 0 reads end of file as the others do."""
+    config = write_config(tmp_path, [2], cpu_servers=1)
+    script = tmp_path / "ask.py"
+    script.write_text("import os, sys, numpy as np, bps_worker.client as bps\n"
+                      "bps.init()\n"
+                      "line = sys.stdin.read() if sys.stdin else '<none>'\n"
+                      "y = bps.push_pull(np.ones(2), 'x', average=False)\n"
+                      "print(os.environ['BPS_RANK'], repr(line), y[0], flush=True)\n")
+    result = subprocess.run(["bash", "-c", f"exec {PY} -m bps_worker.launch --config {config} -- {PY} {script} <&-"],
+                            capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.split("\n")[:2]) == ["0 '' 2.0", "1 '' 2.0"], result.stdout
+    assert "Assertion" not in result.stderr

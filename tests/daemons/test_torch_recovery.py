@@ -247,3 +247,36 @@ def test_an_asynchronous_optimizer_holds_bfloat16_parameters(client: None) -> No
         _async_step(model, opt)
     assert model[0].dtype == torch.bfloat16 and model[0].tolist() == [x - 3.0 for x in range(6)]
     assert model[1].tolist() == [-2.0] * 3
+
+
+@pytest.mark.timeout(60)
+def test_a_grad_scaler_step_over_gradients_read_after_its_unscale_is_no_error(client: None) -> None:
+    """The GradScaler check counts only gradients a hook copied (before the unscale): gradients assigned without
+    backward, or a step after synchronize() outside skip_synchronize(), are read after it and were refused."""
+    model, opt = _linear("scaled.assigned")
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    (model.weight.grad,) = torch.autograd.grad(scaler.scale(model(torch.full((1, 3), 2.0)).sum()), [model.weight])
+    scaler.step(opt)
+    assert model.weight.detach().eq(-2.0).all()
+    model, opt = _linear("scaled.synchronized")
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    _backward(model, scaler=scaler)
+    opt.synchronize()
+    scaler.step(opt)
+    assert model.weight.detach().eq(-2.0).all()
+
+
+@pytest.mark.timeout(60)
+def test_two_asynchronous_optimizers_over_a_shared_trunk_under_other_names_both_step(client: None) -> None:
+    """Only a wrap again round the very same parameters replaces an earlier asynchronous optimizer: two that
+    share a trunk (actor and critic, named apart as the clash error advises) used to retire the first."""
+    trunk, heads = nn.Linear(3, 3), [nn.Linear(3, 1), nn.Linear(3, 1)]
+    opts = []
+    for role, head in zip(("actor", "critic"), heads):
+        named = list(trunk.named_parameters()) + [(f"head.{n}", p) for n, p in head.named_parameters()]
+        opts.append(bps.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.125), asynchronous=True,
+                                             named_parameters=[(f"{role}.{n}", p) for n, p in named]))
+    for opt, head in zip(opts, heads):
+        opt.zero_grad()
+        head(trunk(torch.ones(1, 3))).sum().backward()
+        opt.step()  # (the actor's was refused: "replaced by a DistributedOptimizer made later")

@@ -98,3 +98,15 @@ def test_dtypes_and_out() -> None:
     out.flags.writeable = False
     with pytest.raises(BPSError, match="tensor 'w': out is read-only"):
         check_out("w", out, (2, 3), F32)
+
+
+def test_a_dtype_that_is_no_dtype_is_a_bps_error():
+    """An array passed as the dtype (shared_array's third argument) met a comparison with "bfloat16", element
+    by element: a ValueError instead of the client's error."""
+    import numpy as np
+
+    from bps_worker.client.arguments import check_dtype
+    from bps_worker.errors import BPSError
+
+    with pytest.raises(BPSError, match="unsupported dtype"):
+        check_dtype(np.zeros(3))

@@ -382,7 +382,8 @@ def test_issue_order_is_the_interleaved_split_remembered_per_name(monkeypatch: p
     placement = Placement(make_config(4, 2, one_host=False))
     calls: list[str] = []
     split = placement.split
-    monkeypatch.setattr(placement, "split", lambda name, count, itemsize: calls.append(name) or split(name, count, itemsize))
+    monkeypatch.setattr(placement, "split",
+                        lambda name, count, itemsize: calls.append(name) or split(name, count, itemsize))
     first = placement.issue_order("big", 16 * MiB // 4, 4)
     assert list(first) == interleave(split("big", 16 * MiB // 4, 4))
     assert placement.issue_order("big", 16 * MiB // 4, 4) is first and calls == ["big"]
