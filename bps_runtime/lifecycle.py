@@ -140,7 +140,10 @@ class ListenError(OSError):
 
 def describe_bind_error(exc: OSError, what: str) -> str:
     """A one-line reason for a failed bind/listen."""
-    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    if exc.errno and exc.errno > 0:
+        reason = os.strerror(exc.errno)
+    else:  # (a name that does not resolve: getaddrinfo's codes are negative, and os.strerror knows none of them)
+        reason = exc.strerror or str(exc)
     return f"cannot listen on {what}: {reason}"
 
 

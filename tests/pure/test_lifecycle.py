@@ -20,3 +20,16 @@ def test_settle_heap_takes_what_start_up_built_out_of_the_collectors_walks():
         assert gc.isenabled()
     finally:
         gc.unfreeze()
+
+
+def test_a_bind_error_says_why_in_words_for_errno_and_for_a_name_that_does_not_resolve():
+    """getaddrinfo's codes are negative: os.strerror(-2) is "Unknown error -2"; the error's own text says it."""
+    import errno
+    import socket
+
+    from bps_runtime.lifecycle import describe_bind_error
+
+    assert describe_bind_error(OSError(errno.EADDRINUSE, "[Errno 98] error while attempting to bind"), "x:1") == \
+        "cannot listen on x:1: Address already in use"
+    assert describe_bind_error(socket.gaierror(-2, "Name or service not known"), "nosuchhost.invalid:9") == \
+        "cannot listen on nosuchhost.invalid:9: Name or service not known"
