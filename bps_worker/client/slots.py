@@ -125,7 +125,13 @@ class SlotMap:
                     free = self._give_up(name, nbytes) + self._dead
                     self._dead = []
                 asked = f"{SLAB_PREFIX}{next(self._slab_ids)}" if small else name
-                segment, offset, capacity = self._allocate(asked, shm.SLAB_BYTES if small else nbytes, free)
+                try:
+                    segment, offset, capacity = self._allocate(asked, shm.SLAB_BYTES if small else nbytes, free)
+                except BPSError as exc:  # (a lost daemon's BPSConnectionError, or the like, stays as it is)
+                    if not small or type(exc) is not BPSError:
+                        raise
+                    raise BPSError(f"tensor {name!r} of {nbytes} bytes is carved from a slab of {shm.SLAB_BYTES} "
+                                   f"bytes of shared memory, which cannot be had: {exc}") from None
                 if small:
                     self._slabs[segment] = asked
                     self._slab = (segment, offset, offset + capacity)

@@ -283,3 +283,15 @@ def test_a_small_max_payload_still_takes_small_tensors(client):
         assert np.array_equal(bps.push_pull(x, f"small.{n}", average=False), x)
     with pytest.raises(bps.BPSError, match="'big' of 8388608 bytes is too large"):  # 64 payloads: 2 MiB here
         bps.push_pull(np.zeros(2 << 20, np.float32), "big")
+
+
+@pytest.mark.timeout(60)
+def test_a_small_tensor_whose_slab_cannot_fit_is_named_in_the_error(client):
+    """Under an arena_bytes below the 4 MiB slab small tensors are carved from, the error named only the slab
+    ('\\x00slab/0'), an internal name the user never gave."""
+    client(arena_bytes=2 << 20)
+    with pytest.raises(bps.BPSError, match=r"tensor 'tiny' of 16 bytes is carved from a slab of 4194304 bytes.*"
+                                           r"arena_bytes"):
+        bps.push_pull(np.ones(4, np.float32), "tiny")
+    big = np.ones(1 << 18, np.float32)  # 1 MiB: a segment of its own, which fits
+    assert np.array_equal(bps.push_pull(big, "big", average=False), big)
