@@ -509,8 +509,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.bucket_bytes = bucket_bytes
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self._positional = named_parameters is None
-        self._names = self._resolve_names(named_parameters)
-        self._order = list(self._names)  # what buckets follow (see _resolve_names)
+        self._names = self._resolve_names(named_parameters)  # (in the order buckets take them)
         self._buckets = self._make_buckets()
         self._bucket_of = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._passes: dict[torch.Tensor, int] = {}
@@ -553,9 +552,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return dtype
 
     def _make_buckets(self) -> list[_Bucket]:
-        """Buckets in reverse declaration order (of ``_order``); front layers get the highest priority (their sums
+        """Buckets in reverse declaration order (of ``_names``); front layers get the highest priority (their sums
         come back first, as the next forward pass needs them first)."""
-        position = {p: i for i, p in enumerate(self._order)}
+        position = {p: i for i, p in enumerate(self._names)}
         buckets: list[_Bucket] = []
         group: list[torch.Tensor] = []
         nbytes = 0
@@ -576,7 +575,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                        -front, _bucket_layout(names, group), names))
             group, nbytes = [], 0
 
-        for p in reversed(self._order):
+        for p in reversed(self._names):
             if not p.requires_grad:
                 continue
             if group and self._wire_dtype(p) != self._wire_dtype(group[0]):
@@ -689,12 +688,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise BPSError(f"parameter {self._names[p]!r} has a {grad.layout} gradient; DistributedOptimizer sums "
                            f"dense gradients (for nn.Embedding, sparse=False)")
         part = bucket.slot[bucket.offsets[index]:bucket.offsets[index] + p.numel()]
-        flat = None if grad is None else grad.detach().reshape(-1)
         with torch.no_grad():
-            if flat is None:
+            if grad is None:
                 part.zero_()
             else:
-                part.copy_(flat)
+                part.copy_(grad.detach().reshape(-1))
         bucket.slot[bucket.numel + index] = 0.0 if grad is None else 1.0
         bucket.filled[index] = _Seen.of(grad, hooked)
 
@@ -764,10 +762,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _changed_gradient(self) -> BPSError | None:
         """The error for the first gradient that changed since it was copied (see :class:`_Seen`), if any."""
-        changed = next((bucket.names[index] for bucket in self._buckets for index, seen in bucket.filled.items()
-                        if seen.changed(bucket.params[index].grad)), None)
-        hooked = next((bucket.names[index] for bucket in self._buckets for index, seen in bucket.filled.items()
-                       if seen.hooked), None)
+        changed = hooked = None
+        for bucket in self._buckets:
+            for index, seen in bucket.filled.items():
+                if seen.changed(bucket.params[index].grad):
+                    changed = changed or bucket.names[index]
+                if seen.hooked:
+                    hooked = hooked or bucket.names[index]
         if changed is None and hooked is not None and _scaler_unscaled(self):  # (copied before the unscale)
             changed = hooked
         if changed is None:

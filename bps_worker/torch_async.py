@@ -29,18 +29,12 @@ import torch
 
 from .client import BPSError, Handle
 from .client import adapter as _adapter
-from .client import NUMPY_DTYPES as _client_dtypes
 from .client import synchronize as _synchronize
 
 _CREATED = itertools.count()  # the order of AsyncParameters made in this process
 _LIVE: weakref.WeakSet[AsyncParameters] = weakref.WeakSet()  # initialised by broadcast_parameters
 
-# Each parameter dtype's wire name (numpy's bfloat16 is ml_dtypes', imported only when used: client.NUMPY_DTYPES).
-_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    return _client_dtypes[_DTYPES[dtype]]
+_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16}  # (numpy's bfloat16: ml_dtypes')
 
 
 @dataclass(eq=False)
@@ -210,14 +204,15 @@ def _buckets(params: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[
 def _flat(bucket: _Bucket) -> np.ndarray:
     with torch.no_grad():
         flat = torch.cat([p.detach().reshape(-1).to("cpu") for p in bucket.params])
-    if bucket.dtype == torch.bfloat16:  # (torch hands numpy no bfloat16: its bits, as ml_dtypes' bfloat16)
-        return flat.view(torch.int16).numpy().view(_numpy_dtype(bucket.dtype))
-    return flat.numpy().astype(_numpy_dtype(bucket.dtype), copy=False)
+    from .torch import _to_numpy  # (not at import: bps_worker.torch imports this module)
+
+    return _to_numpy(flat)
 
 
 def _unflatten(bucket: _Bucket, value: np.ndarray) -> None:
-    flat = torch.from_numpy(value.view(np.int16)).view(torch.bfloat16) if value.dtype.name == "bfloat16" else \
-        torch.from_numpy(value)
+    from .torch import _from_numpy
+
+    flat = _from_numpy(value)
     offset = 0
     with torch.no_grad():
         for p in bucket.params:

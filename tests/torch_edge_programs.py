@@ -104,19 +104,25 @@ def numpy_hyperparameters() -> dict[str, Any]:
     return {"lr": float(lr), "type": type(lr).__name__}
 
 
+def scaler_recipe_step(model: nn.Module, opt: Any, scaler: torch.amp.GradScaler) -> None:
+    """The README's GradScaler recipe after backward: synchronize, unscale, clip, then step without synchronizing
+    again."""
+    opt.synchronize()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)
+    with opt.skip_synchronize():
+        scaler.step(opt)
+    scaler.update()
+
+
 def grad_scaler() -> dict[str, Any]:
-    """The README's recipe: synchronize, unscale, clip, then step without synchronizing again."""
+    """The README's recipe (scaler_recipe_step) on every rank."""
     r = bps.rank()
     m, opt = _one_weight_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     before = m.weight.detach().clone()
     scaler.scale(m(torch.full((1, 3), float(r + 1))).sum()).backward()
-    opt.synchronize()
-    scaler.unscale_(opt)
-    torch.nn.utils.clip_grad_norm_(m.parameters(), 100.0)
-    with opt.skip_synchronize():
-        scaler.step(opt)
-    scaler.update()
+    scaler_recipe_step(m, opt, scaler)
     return {"moved": (before - m.weight.detach()).tolist()}
 
 

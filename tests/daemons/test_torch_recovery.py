@@ -16,6 +16,7 @@ from torch import nn
 import bps_worker.torch as bps
 from bps_worker.supervise import Cluster
 from harness import start_cluster, write_config
+from torch_edge_programs import scaler_recipe_step
 
 MB = 1 << 20
 ARENA = 8 * MB  # cluster.arena_bytes: what one process's slots may hold
@@ -150,12 +151,7 @@ def test_gradients_changed_the_documented_ways_are_not_an_error(client: None) ->
     model, opt = _linear("recipe")
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     _backward(model, scaler=scaler)
-    opt.synchronize()
-    scaler.unscale_(opt)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)
-    with opt.skip_synchronize():
-        scaler.step(opt)
-    scaler.update()
+    scaler_recipe_step(model, opt, scaler)
     assert model.weight.detach().eq(-2.0).all()
 
     model, opt = _linear("passes", passes=2)
