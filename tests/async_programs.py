@@ -184,7 +184,11 @@ def torch_async_sgd(steps: int, staleness: int | None, device: str = "cpu") -> d
             bt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.25), model.named_parameters(), **bad)
         except bt.BPSError as exc:
             errors.append(str(exc))
-    opt = bt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.25), model.named_parameters(),
+    # Names of this run's own: the module's cluster is shared, and a key the previous run's job left at the
+    # servers (dropped only once every worker has reset) would answer this run's init with its old value.
+    tag = f"sgd.{staleness}.{device}"
+    opt = bt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.25),
+                                  [(f"{tag}.{n}", p) for n, p in model.named_parameters()],
                                   asynchronous=True, staleness=staleness, bucket_bytes=16)
     bt.broadcast_parameters(model.state_dict(), root_rank=0)
     same = all(torch.equal(p, init0[n]) for n, p in model.named_parameters())
@@ -200,8 +204,8 @@ def torch_async_sgd(steps: int, staleness: int | None, device: str = "cpu") -> d
     total = sum(r + 1 for r in range(bps.size()))
     want = {n: init0[n] - 0.25 * steps * total for n in init0}
     exact = all(torch.equal(p.detach(), want[n]) for n, p in model.named_parameters())
-    value = bt.async_init(torch.full((3,), 2.0), "torch/plain")  # the tensor functions
-    value = bt.async_push_pull(torch.ones(3), "torch/plain")
+    value = bt.async_init(torch.full((3,), 2.0), f"{tag}/plain")  # the tensor functions
+    value = bt.async_push_pull(torch.ones(3), f"{tag}/plain")
     plain = value.tolist()
     return {"same_after_broadcast": same, "exact": exact, "errors": errors, "seconds": time.monotonic() - t0,
             "plain": plain, "devices": sorted({str(p.device) for p in model.parameters()})}
