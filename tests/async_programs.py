@@ -192,6 +192,9 @@ def torch_async_sgd(steps: int, staleness: int | None, device: str = "cpu") -> d
                                   asynchronous=True, staleness=staleness, bucket_bytes=16)
     bt.broadcast_parameters(model.state_dict(), root_rank=0)
     same = all(torch.equal(p, init0[n]) for n, p in model.named_parameters())
+    # Every machine's init answered before any step: an init is answered with the value as it stands, and one
+    # that arrives after another machine's first steps (no round barrier in asynchronous mode) holds them.
+    barrier("torch_async_init")
     coef = {n: torch.full_like(p, float(bps.rank() + 1)) for n, p in model.named_parameters()}
     for _ in range(steps):
         opt.zero_grad()
