@@ -26,7 +26,7 @@ import logging
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine, Final, Iterator, NamedTuple
+from typing import AbstractSet, Any, Callable, Coroutine, Final, Iterator, NamedTuple
 
 import numpy as np
 
@@ -263,6 +263,10 @@ class Aggregator:
     def unfused(self, name: str) -> tuple[set[int], Push] | None:
         """The workers in ``name``'s open round at this anchor, and its first push (RoundTable.unfused)."""
         return self.table.unfused(name)
+
+    def past(self, name: str, workers: AbstractSet[int]) -> bool:
+        """Whether ``workers`` all gave up ``name``'s current round, which failed (RoundTable.past)."""
+        return self.table.past(name, workers)
 
     def fail_open(self, name: str, why: Why) -> None:
         """Fail ``name``'s open round here (another worker issued it fused, see RoundTable.fail_open)."""

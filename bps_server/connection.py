@@ -384,7 +384,9 @@ class ServerConnection(AdmittedProtocol):
             whys.append(sizes_differ(push.name, spec, fused_worker, describe(push), self.worker or 0))
             return whys[-1]
 
-        failures = self.server.fusion.pushed_unfused(self.worker, push.name, why, pushers)
+        # (A late push of a round that the reporters waiting here gave up: their reports are of a later step.)
+        past = waiting is not None and self.server.aggregator.past(push.name, waiting.workers)
+        failures = self.server.fusion.pushed_unfused(self.worker, push.name, why, pushers, past)
         if whys:
             self.server.aggregator.fail_open(push.name, whys[0])
         self.server.fused(failures)

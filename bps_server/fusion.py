@@ -483,16 +483,17 @@ class Planner:
         return Why(f"tensor {name!r}: {detail}", "round_failed", name=name, detail=detail)
 
     def pushed_unfused(self, worker: int, name: str, why: Callable[[Spec], Why],
-                       unfused: set[int]) -> list[Failed]:
+                       unfused: set[int], past: bool = False) -> list[Failed]:
         """``worker`` pushed ``name`` as an ordinary tensor (too large to fuse where it was issued). It will
         not report the name this round: a failure here no longer waits for it. Reports of the name waiting
         here meet a mismatch of sizes (one side fused, the other not): they fail (``why(their spec)``), and
         so does the round the unfused pushes are in (the caller's part); ``unfused``: every worker that
-        pushed that round."""
+        pushed that round. ``past``: the reporters gave that round up already (their reports are of a later
+        step, which the push does not meet)."""
         if name in self.failed:
             self._take_failed(name, worker)
         w = self.waiting.get(name)
-        if w is None or worker in w.workers:
+        if w is None or worker in w.workers or past:
             return []
         return self._fail(name, w, why(w.spec), unfused=unfused | {worker})
 

@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Generic, TypeVar, Union
+from typing import AbstractSet, Callable, Generic, TypeVar, Union
 
 import numpy as np
 
@@ -195,6 +195,7 @@ class Round(Generic[W]):
     # one-pass sums (and a broadcast's root): worker -> (data, its lease if borrowed)
     held: dict[int, tuple[np.ndarray, Lease | None]] = field(default_factory=dict)
     failed: Why | None = None
+    aborted: set[int] = field(default_factory=set)  # the workers that gave this round up (Abort)
     previous_failure: tuple[int, Why] | None = None  # (round, why) of the round before, if it failed
     restart: Restart[W] = field(default_factory=Restart)
 
@@ -531,10 +532,19 @@ class RoundTable(Generic[W]):
             failed = (st.round, st.failed) if st is not None and st.failed is not None else None
             st = self._open(key, round_)
             st.previous_failure = failed  # a late push of the failed round still hears why
-        if st.round == round_ and st.failed is None:
-            actions.append(self._fail_round(st, Why(f"tensor {name!r} round {round_} aborted by worker {worker}: "
-                                                    f"{message}")))
+        if st.round == round_:
+            st.aborted.add(worker)
+            if st.failed is None:
+                actions.append(self._fail_round(st, Why(f"tensor {name!r} round {round_} aborted by worker "
+                                                        f"{worker}: {message}")))
         return actions
+
+    def past(self, name: str, workers: AbstractSet[int]) -> bool:
+        """Whether ``workers`` (some) all gave up ``name``'s current round at this anchor (partition 0), which
+        failed: they are past it, so what they say of the name now (a fused report) is of a later step, not of
+        the step of a late push of that round."""
+        st = self.keys.get((name, 0))
+        return st is not None and st.failed is not None and bool(workers) and workers <= st.aborted
 
     # -- after a restart ---------------------------------------------------------------
     def replay(self, push: Push, data: np.ndarray, now: float) -> list[Action[W]]:

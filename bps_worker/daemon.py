@@ -346,7 +346,8 @@ class WorkerDaemon:
             detail = (f"rank {self.rank_offset + local_rank} issued it as {own} but other processes of worker "
                       f"{self.worker_id} as {other} (one is fused, at most {self.fusion_bytes} bytes, the other not)")
         why = Why.mismatch(name, fused, unfused, detail)
-        decisions = self.fusion.rounds.fail_name(name, why, set(range(self.config.local_size)) - fused_ranks)
+        decisions = self.fusion.rounds.fail_name(name, why, set(range(self.config.local_size)) - fused_ranks,
+                                                 unfused=True)
         if not decisions.aborts:  # no fused round here; machines that fused it wait at the planner all the same
             decisions.abort(name, why, False, self.fusion.rounds.index.get(name, 1) - 1)  # (the unfused one's)
         self.fusion.carry_out(decisions)
@@ -396,19 +397,27 @@ class WorkerDaemon:
         return self._busy(name) or self.holds.held(name)
 
     def _failed(self, action: Failed[ClientSession]) -> None:
-        """A local round failed: its members hear why, and so do the peers (at the anchor server)."""
+        """A local round failed: the peers hear why (at the anchor server), and then its members. Peers on
+        other machines wait for this round at the anchor: it is told now (before anything else this daemon
+        says, e.g. a Reset, so they learn the real reason), or as soon as the name's round base is known. The
+        members hear it after that, so that nothing they issue next (a fused report of the name's next step,
+        on the same connection) reaches the anchor before the abort: it would meet the peers' pushes of this
+        round there, as a step of its own."""
         lr, reason = action.round, action.reason
         log.warning("%s", reason)
+        if lr.first.kind not in ASYNC_KINDS and action.server_round is None:  # (asynchronous: no round waits)
+            self.spawn(self.abort_when_known(lr.name, lr.round, self.round_base(lr.name, lr.round), reason,
+                                             lambda: self._answer_failed(action)))
+            return
+        if lr.first.kind not in ASYNC_KINDS:
+            assert action.server_round is not None
+            self.abort_at_anchor(lr.name, action.server_round, reason)
+        self._answer_failed(action)
+
+    @staticmethod
+    def _answer_failed(action: Failed[ClientSession]) -> None:
         for session, op in action.members:
             session.send(action.failure(op))
-        # Peers on other machines wait for this round at the anchor server: tell them now (before
-        # anything else this daemon says, e.g. a Reset, so they learn the real reason).
-        if lr.first.kind in ASYNC_KINDS:
-            return  # no round waits for us at the servers
-        if action.server_round is not None:
-            self.abort_at_anchor(lr.name, action.server_round, reason)
-        else:
-            self.spawn(self.abort_when_known(lr.name, lr.round, self.round_base(lr.name, lr.round), reason))
 
     def _watch(self, lr: LocalRound[ClientSession]) -> None:
         """Look at an open round after every timeout: fail it if it waits for a process that is not
@@ -431,12 +440,24 @@ class WorkerDaemon:
         anchor = self.placement.server_ids[self.placement.anchor(name)]
         self.links[anchor].abort(name, 0, server_round, reason)
 
-    async def abort_when_known(self, name: str, local_round: int, base: asyncio.Future[int], reason: str) -> None:
+    async def abort_when_known(self, name: str, local_round: int, base: asyncio.Future[int], reason: str,
+                               then: Callable[[], None] = lambda: None) -> None:
+        """Abort our round ``local_round`` of ``name`` at its anchor once the base is known; ``then``, in any
+        case."""
         try:
             offset = await base
         except (BPSError, asyncio.CancelledError):
             return  # the anchor is unreachable, or the job is gone: the peers' rounds fail there anyway
-        self.abort_at_anchor(name, local_round + offset, reason)
+        else:
+            self.abort_at_anchor(name, local_round + offset, reason)
+        finally:
+            then()
+
+    def unfused_step(self, name: str) -> None:
+        """A fused round of ``name`` failed with no unfused round of its step here: the step takes an unfused
+        round number all the same, as it does on a peer that pushed the name unfused in that step (see
+        ``bps_worker.fusion``, "Each round has an index"). The base is learned for it as for a round."""
+        self.round_base(name, self.rounds.numbers.take(name))
 
     def round_base(self, name: str, local_round: int) -> asyncio.Future[int]:
         """The offset from our round numbers of ``name`` to the servers' (asked once per job, and

@@ -165,6 +165,8 @@ class FusedSums:
     def carry_out(self, out: Decisions[ClientSession]) -> None:
         for member, failure in out.answers:
             member.send(failure)
+        for name in out.steps:
+            self.daemon.unfused_step(name)
         aligned = self.rounds.aligned
         for (name, why, reported), index in zip(out.aborts, out.abort_rounds, strict=True):
             # The peers hear that the round failed here, and why in words (as an Abort of an unfused round says).

@@ -29,7 +29,13 @@ reported now. So abandoned rounds are kept in order too, until their answer come
 were reported on is gone).
 
 Each round has an index: the rounds of its name made here before it in this epoch (unfused ones too, see
-``skip``). Reports and aborts say it while our processes are those the job began with (``aligned``), so that
+``skip``). The other way round, a fused round that fails takes a number of the name's unfused rounds
+(``Decisions.steps``): a step of a name is one unfused round number on every machine whichever path each
+took, so that an unfused round of a later step lines up with the peers'. A failure is everywhere (the anchor
+fails the name for every worker), and where some processes pushed it unfused (sizes on both sides of the
+fusion limit) one machine may have an unfused round of that step and another none; without the number, the
+first machine's later unfused rounds of the name were one ahead of the second's for good (a hang). A fused
+round that fails beside an unfused round of its step here (``fail_name``'s ``unfused``) takes no second one. Reports and aborts say it while our processes are those the job began with (``aligned``), so that
 the anchor tells a stale round from a current one after it restarted (see ``bps_server.fusion``).
 
 ``FusedRounds`` only decides: its calls return what the daemon must send. A member is whatever the daemon
@@ -101,6 +107,7 @@ class Decisions(Generic[M]):
     ready: list[FusedRound[M]] = field(default_factory=list)
     aborts: list[tuple[str, Why, bool]] = field(default_factory=list)
     abort_rounds: list[int] = field(default_factory=list)  # the index of each abort's round (FuseAbort.rounds)
+    steps: list[str] = field(default_factory=list)  # names whose step takes an unfused round number (see module)
 
     def abort(self, name: str, why: Why, reported: bool, index: int) -> None:
         """Give up round ``index`` of ``name`` at its anchor (see ``aborts``)."""
@@ -240,13 +247,17 @@ class FusedRounds(Generic[M]):
             if not rounds:
                 del self.failed[fr.name]
 
-    def _fail(self, fr: FusedRound[M], why: Why, out: Decisions[M], *, abort: bool = True) -> None:
+    def _fail(self, fr: FusedRound[M], why: Why, out: Decisions[M], *, abort: bool = True,
+              step: bool = True) -> None:
         """Fail ``fr`` once: its entries hear why; local ranks still to submit will (see ``_late``); the peers
-        hear it through the anchor unless the anchor told us (``abort`` False)."""
+        hear it through the anchor unless the anchor told us (``abort`` False). Its step takes an unfused round
+        number unless ``step`` is False (see the module's "Each round has an index")."""
         if fr.why is not None:
             return
         fr.why = why
         out.fail(fr, why)
+        if step:
+            out.steps.append(fr.name)
         name = fr.name
         if self.collecting.get(name) is fr:
             del self.collecting[name]
@@ -338,16 +349,17 @@ class FusedRounds(Generic[M]):
             if not rounds:
                 del self.abandoned[name]
 
-    def fail_name(self, name: str, why: Why, answered: Collection[int] = ()) -> Decisions[M]:
+    def fail_name(self, name: str, why: Why, answered: Collection[int] = (), unfused: bool = False
+                  ) -> Decisions[M]:
         """Fail ``name``'s open round here, and (through its anchor) on every machine. The local ranks in
         ``answered`` heard it already, by another way (their unfused ops of the name): the failed round does
-        not wait for them to submit."""
+        not wait for them to submit. ``unfused``: the step has an unfused round here (it took the number)."""
         out: Decisions[M] = Decisions()
         fr = self.collecting.get(name) or self.reported.get(name)
         if fr is not None:
             for r in answered:
                 fr.excuse(r)
-            self._fail(fr, why, out)
+            self._fail(fr, why, out, step=not unfused)
         return out
 
     def failed_at_anchor(self, name: str, why: Why) -> Decisions[M]:
@@ -399,7 +411,7 @@ class FusedRounds(Generic[M]):
         out: Decisions[M] = Decisions()
         for fr in [*self.collecting.values(), *self.reported.values()]:
             self._fail(fr, Why(f"tensor {fr.name!r}: every process of worker {self.worker_id} left"), out,
-                       abort=False)  # the Reset tells the servers
+                       abort=False, step=False)  # the Reset tells the servers; numbering starts again
         self.collecting.clear()
         self.reported.clear()
         self.failed.clear()

@@ -170,7 +170,36 @@ def paths_differ(bad_ranks: list[int], bad_large: bool) -> dict[str, Any]:
     for i, h in enumerate(after):
         wrong += int(not (bps.synchronize(h, timeout=60) == size * i).all())
     again = bps.push_pull(np.ones(small, np.float32), "pd", average=False)
-    return {"error": error, "wrong": wrong, "again": again.tolist()}
+    try:  # and too large to fuse, on every process: the unfused rounds of the name still line up
+        large_again = bps.synchronize(bps.push_pull_async(np.ones(large, np.float32), "pd", average=False), timeout=30)
+        again_large = sorted(set(large_again.tolist()))
+    except bps.BPSError as exc:
+        again_large = [f"{type(exc).__name__}: {exc}"]
+    return {"error": error, "wrong": wrong, "again": again.tolist(), "again_large": again_large}
+
+
+def unfused_mismatch_then_fused(bad_rank: int, names: int) -> dict[str, Any]:
+    """Each of ``names`` fresh names: a step too large to fuse in which ``bad_rank`` disagrees (its machine's
+    local round fails, and tells the anchor once it learned the name's round base), then a step small enough
+    to fuse that every process agrees on. The second step must be summed: before, the fused report of it could
+    reach the anchor ahead of the first step's abort, meet the other machine's unfused push of the first step
+    there, and fail as a fused/unfused mismatch."""
+    rank, size = bps.rank(), bps.size()
+    errors, wrong = 0, []
+    for i in range(names):
+        name = f"umf.{i}"
+        shape = (401,) if rank == bad_rank else (400,)  # 1.6 KB: over this cluster's 1 KiB fusion limit
+        try:
+            bps.synchronize(bps.push_pull_async(np.ones(shape, np.float32), name, average=False), timeout=30)
+        except bps.BPSError:
+            errors += 1
+        try:
+            got = bps.synchronize(bps.push_pull_async(np.full(3, i, np.float32), name, average=False), timeout=30)
+            if not (got == size * i).all():
+                wrong.append((name, got.tolist()))
+        except bps.BPSError as exc:
+            wrong.append((name, f"{type(exc).__name__}: {exc}"))
+    return {"errors": errors, "wrong": wrong}
 
 
 def reset_loop(role: str, n: int, steps: int, kill_after: int, max_seconds: float) -> dict[str, Any]:

@@ -50,6 +50,16 @@ def test_a_size_on_both_sides_of_the_fusion_limit_is_a_mismatch_for_every_proces
         assert "'pd'" in r["error"]["text"] and "[4]" in r["error"]["text"] and "[400]" in r["error"]["text"], \
             (rank, r["error"])
         assert r["wrong"] == 0 and r["again"] == [4.0] * 4, (rank, r)
+        assert r["again_large"] == [4.0], (rank, r["again_large"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bad_rank", [1, 3])
+def test_a_fused_step_after_a_failed_unfused_step_of_the_name_is_summed(cluster_2x2: Any, bad_rank: int) -> None:
+    """A machine whose unfused round of a fresh name fails tells the anchor once it learned the name's round
+    base; its processes hear the failure only then, so their next step's fused report cannot overtake it."""
+    for rank, r in enumerate(run_ranks(cluster_2x2, fp.unfused_mismatch_then_fused, bad_rank, 12, timeout=90)):
+        assert r["errors"] == 12 and r["wrong"] == [], (rank, r)
 
 
 @pytest.mark.timeout(120)

@@ -83,7 +83,7 @@ class Session:
 
 
 def worker(wid: int) -> Any:
-    link, numbers, aborted, forgotten = Link(), Numbers(), [], []
+    link, numbers, aborted, forgotten, steps = Link(), Numbers(), [], [], []
 
     def spawn(coro: Any) -> asyncio.Future[Any]:
         coro.close()  # a fused operation: not run here
@@ -100,9 +100,10 @@ def worker(wid: int) -> Any:
                                         if lanes else f"fused/{sid}/{lane}/{dtype}"),
         rounds=types.SimpleNamespace(numbers=numbers), spawn=spawn, round_base=lambda key, r: 0,
         abort_when_known=lambda *args: (aborted.append(args[:2]), asyncio.sleep(0))[1],
-        forget_sums=lambda keys: forgotten.extend(keys))
+        forget_sums=lambda keys: forgotten.extend(keys), unfused_step=lambda name: steps.append(name))
     fs = FusedSums(daemon)  # type: ignore[arg-type]
     fs.session, fs.link, fs.numbers, fs.aborted, fs.forgotten = Session(), link, numbers, aborted, forgotten
+    fs.steps = steps  # the names whose failed fused round took an unfused round number
     return fs
 
 

@@ -170,6 +170,25 @@ def test_failing_a_name_answers_its_entries_and_does_not_wait_for_ranks_that_hea
     assert nxt.answers == [] and "a" in fr.collecting  # a new round, not the failed one's error
 
 
+def test_a_failed_fused_round_takes_its_steps_unfused_round_number_unless_one_was_taken_beside_it():
+    """A step of a name is one unfused round number on every machine, whichever path it took (see the module):
+    a fused round that fails says so (``steps``), once, for a mismatch here, a failure heard from the anchor or a
+    process that left; not where an unfused round of the step failed beside it, nor at a reset (the numbering
+    starts again)."""
+    fr = rounds(2)
+    fr.submit("p0", 0, entries(["a", "b", "c", "d"]))
+    local = fr.submit("p1", 1, entries(["a"], 9, F16))  # the two processes disagree
+    assert local.steps == ["a"]
+    sent(fr.submit("p1", 1, entries(["b", "c"], 10)))
+    assert fr.failed_at_anchor("b", Why("worker 0 gave the fused sum up", "round_failed")).steps == ["b"]
+    assert fr.failed_at_anchor("b", Why("again", "round_failed")).steps == []  # failed once, counted once
+    why = Why.mismatch("d", "float32[4]", "float32[400]", "sizes on both sides of the fusion limit")
+    assert fr.fail_name("d", why, {1}, unfused=True).steps == []  # rank 1's unfused round took it
+    assert fr.leave(1, 99).steps == ["c"]
+    fr.submit("p0", 0, entries(["e"], 20))
+    assert fr.reset().steps == []
+
+
 def test_a_failed_fused_round_still_waits_for_a_rank_that_heard_nothing():
     fr = rounds(3)
     fr.submit("p0", 0, entries(["a"]))

@@ -193,7 +193,8 @@ class Sim:
             rounds=types.SimpleNamespace(numbers=numbers),
             spawn=lambda coro: asyncio.get_running_loop().create_task(coro),
             round_base=lambda key, r: sim.round_base(w, key, r), round_queries={}, run_tracked=lambda name, coro: coro,
-            abort_when_known=abort_when_known, forget_sums=lambda keys: None)
+            abort_when_known=abort_when_known, forget_sums=lambda keys: None,
+            unfused_step=lambda name: None)  # (the names' unfused rounds are not simulated)
         fs = fd.FusedSums(daemon)
         fs.sim_w = w; fs.link = link; fs.numbers = numbers
         fs.procs = [Session(self, w, r) for r in range(self.local[w])]

@@ -175,6 +175,23 @@ def test_abort_fails_waiters_and_late_pushes():
         "w1": "tensor 't' round 0 aborted by worker 2: local mismatch"}
 
 
+def test_the_workers_that_gave_a_failed_round_up_are_past_it():
+    """``past``: what the planner asks of a late push's round (see bps_server.fusion.pushed_unfused): the fused
+    reports of workers that aborted the round are of a later step. Not while the round is open, nor for a worker
+    that did not abort it."""
+    table: RoundTable[str] = RoundTable(3)
+    assert not table.past("t", {0})  # no round
+    table.push(_push(1), _data(), "w1", 0.0)
+    assert not table.past("t", {1})  # open
+    table.abort("t", 0, 0, worker=0, message="local mismatch")
+    table.abort("t", 0, 0, worker=2, message="local mismatch")  # (failed already: recorded all the same)
+    assert table.past("t", {0}) and table.past("t", {0, 2})
+    assert not table.past("t", {1}) and not table.past("t", {0, 1}) and not table.past("t", set())
+    assert not table.past("other", {0})
+    table.push(_push(0, rnd=1), _data(), "w0", 0.0)  # the next round
+    assert not table.past("t", {0})
+
+
 def test_a_replayed_sum_answers_who_missed_it_and_settles_the_round():
     table: RoundTable[str] = RoundTable(3)
     total = np.array([1.5, -2.25, 1e-8, 0], np.float32)
