@@ -23,6 +23,8 @@ from multiprocessing.shared_memory import SharedMemory
 from multiprocessing import resource_tracker
 from typing import Callable, Final
 
+from protocol.config import MIN_ARENA_BYTES
+
 
 __all__ = ["SEGMENT_PREFIX", "SHM_DIR", "Arena", "ArenaFullError", "SegmentOwnerError", "SegmentSizeError",
            "SegmentSpaceError", "Slot", "attach_owned", "attach_segment", "check_size", "create_segment",
@@ -264,8 +266,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-# Tensors up to SLAB_ITEM_MAX_BYTES share SLAB_BYTES segments (one mapping and no fd for thousands of biases).
-SLAB_BYTES: Final = 4 << 20
+# Tensors up to SLAB_ITEM_MAX_BYTES share SLAB_BYTES segments (one mapping and no fd for thousands of biases);
+# a cluster file's arena_bytes is at least one slab.
+SLAB_BYTES: Final = MIN_ARENA_BYTES
 SLAB_ITEM_MAX_BYTES: Final = 64 << 10
 SLOT_ALIGN: Final = 64
 

@@ -33,6 +33,10 @@ MAX_CREDIT_BYTES: Final = 2**31 - 1
 # infinite (or huge) one means a dead peer is never reported, which the contract forbids.
 MIN_TIMEOUT_S: Final = 0.5
 MAX_TIMEOUT_S: Final = 24 * 3600.0
+# cluster.arena_bytes: every arena of a worker daemon (and each process's slots) carves small tensors from
+# slabs of this size (bps_runtime.segments.SLAB_BYTES is this); under a smaller cap no slab fits, and every
+# small tensor failed at run time.
+MIN_ARENA_BYTES: Final = 4 << 20
 MAX_HOST_CHARS: Final = 253  # a DNS name's limit
 # RFC 1123 labels (plus "_", which container runtimes use in names): letters, digits, "-" not at an end.
 _HOST_LABEL: Final = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
@@ -214,7 +218,10 @@ def _parse_cluster_table(cluster: dict[str, Any], source: str) -> dict[str, Any]
     max_payload = c.setdefault("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES)
     _positive(max_payload, "cluster.max_payload_bytes", source)
     _non_negative(c.setdefault("window_pieces", DEFAULT_WINDOW_PIECES), "cluster.window_pieces", source)
-    _non_negative(c.setdefault("arena_bytes", 0), "cluster.arena_bytes", source)
+    arena = c.setdefault("arena_bytes", 0)  # 0: half of /dev/shm
+    if arena != 0 and arena < MIN_ARENA_BYTES:
+        raise ConfigError(f"{source}: cluster.arena_bytes must be at least {MIN_ARENA_BYTES} (4 MiB: the slabs "
+                          f"small tensors share), got {arena}")
     c["link_bits_per_s"] = parse_rate(c.get("link_rate", 0), "cluster.link_rate", source)
     if max_payload < partition_bytes:
         raise ConfigError(

@@ -42,6 +42,15 @@ def test_bad_config_exits_2_naming_key_and_file(tmp_path, module):
     assert "cluster.bogus" in line and str(bad) in line
 
 
+def test_an_arena_below_one_slab_exits_2_naming_the_key_and_the_least_value(tmp_path):
+    """Under 4 MiB no slab of small tensors fit: the daemon started, and every small tensor failed at run time."""
+    config = write_config(tmp_path, [1], cpu_servers=0, cluster={"arena_bytes": 2 << 20})
+    result = _run(["bps_worker", "--config", str(config), "--id", "0"])
+    assert result.returncode == 2
+    assert _one_line(result.stderr) == f"bps-worker: {config}: cluster.arena_bytes must be at least 4194304 " \
+                                       "(4 MiB: the slabs small tensors share), got 2097152"
+
+
 @pytest.mark.parametrize("module", ["bps_server", "bps_worker"])
 def test_a_log_file_that_cannot_be_opened_is_one_line(tmp_path, module):
     config = write_config(tmp_path, [1], cpu_servers=0)

@@ -66,11 +66,11 @@ def test_a_result_that_cannot_be_mapped_fails_its_call_and_the_client_goes_on(cl
 
 @pytest.mark.timeout(60)
 def test_a_slot_handed_out_to_be_filled_is_never_given_up_for_another_name(client):
-    client(arena_bytes=MB + MB // 2)
-    n = MB // 4  # 1 MiB of float32
+    client(arena_bytes=6 * MB)
+    n = MB  # 4 MiB of float32
     view = adapter.shared_slot("bucketA", (n,), np.float32)
     view[...] = 1.0
-    # No room for a second 1 MiB slot unless bucketA's goes: refused, naming the cap, rather than summing zeros.
+    # No room for a second 4 MiB slot unless bucketA's goes: refused, naming the cap, rather than summing zeros.
     with pytest.raises(bps.BPSError, match="arena_bytes"):
         bps.push_pull(np.ones(n, np.float32), "bucketB", average=False)
     result = bps.synchronize(adapter.start_filled("bucketA", np.float32, (n,), average=False))
@@ -81,7 +81,7 @@ def test_a_slot_handed_out_to_be_filled_is_never_given_up_for_another_name(clien
 
 @pytest.mark.timeout(60)
 def test_a_finished_handles_result_survives_the_sweep_of_freed_result_segments(client):
-    client(arena_bytes=3 * MB)
+    client(arena_bytes=4 * MB)
     a = np.ones(MB // 4, np.float32)
     handle = bps.push_pull_async(a, "A", average=False)
     while not bps.poll(handle):
@@ -286,12 +286,19 @@ def test_a_small_max_payload_still_takes_small_tensors(client):
 
 
 @pytest.mark.timeout(60)
-def test_a_small_tensor_whose_slab_cannot_fit_is_named_in_the_error(client):
-    """Under an arena_bytes below the 4 MiB slab small tensors are carved from, the error named only the slab
-    ('\\x00slab/0'), an internal name the user never gave."""
-    client(arena_bytes=2 << 20)
-    with pytest.raises(bps.BPSError, match=r"tensor 'tiny' of 16 bytes is carved from a slab of 4194304 bytes.*"
+def test_at_the_least_arena_small_tensors_are_summed_and_one_whose_slab_cannot_fit_is_named(client):
+    """At the least arena_bytes, one 4 MiB slab (a smaller cap is refused: every small tensor failed under it),
+    small tensors are summed. Where the rest of the cap is in use, the error names the tensor: it named only the
+    slab ('\\x00slab/0'), an internal name the user never gave."""
+    client(arena_bytes=4 * MB)
+    tiny = np.arange(4, dtype=np.float32)
+    np.testing.assert_array_equal(bps.push_pull(tiny, "tiny", average=False), tiny)
+    n = MB // 4  # 1 MiB of float32: a segment of its own
+    view = adapter.shared_slot("held", (n,), np.float32)  # handed out to be filled: never given up for room
+    view[...] = 1.0
+    with pytest.raises(bps.BPSError, match=r"tensor 'tiny2' of 16 bytes is carved from a slab of 4194304 bytes.*"
                                            r"arena_bytes"):
-        bps.push_pull(np.ones(4, np.float32), "tiny")
-    big = np.ones(1 << 18, np.float32)  # 1 MiB: a segment of its own, which fits
-    assert np.array_equal(bps.push_pull(big, "big", average=False), big)
+        bps.push_pull(tiny, "tiny2")
+    result = bps.synchronize(adapter.start_filled("held", np.float32, (n,), average=False))
+    np.testing.assert_array_equal(result, np.ones(n, np.float32))
+    np.testing.assert_array_equal(bps.push_pull(tiny, "tiny2", average=False), tiny)

@@ -20,19 +20,19 @@ import shm_programs
 from harness import SHM_DIR, _rank_main, daemon_logs, rank_context, reap, start_cluster, write_config
 
 MB = 1 << 20
-ELEMS = MB // 4  # 1 MiB of float32: a segment of its own in each arena, and not fused
+ELEMS = MB // 2  # 2 MiB of float32: a segment of its own in each arena, and not fused
 
 
 @pytest.mark.timeout(120)
 def test_a_result_stays_mappable_until_a_descheduled_process_takes_it(tmp_path: Path):
-    """Two machines, one process each, every arena capped at 2.5 MiB (two and a half of these tensors). Here,
+    """Two machines, one process each, every arena capped at 5 MiB (two and a half of these tensors). Here,
     A's result is put in place before B's (A was issued first), but the other machine's process pushes A only
     after this one took B's result: A's Done comes last, and this process's reader thread stalls right before it
     maps A's segment. C (a shared array, its slot made before the stall: an Alloc's answer would wait for the
     reader too) is summed in place meanwhile, and its result needs the room of A's or B's: it must be B's
     (taken), not A's (answered, not yet taken; the least recently used, which is what was freed before)."""
     cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=0,
-                                         cluster={"arena_bytes": 2 * MB + MB // 2}))
+                                         cluster={"arena_bytes": 5 * MB}))
     ctx = rank_context()
     queue, b_taken = ctx.Queue(), ctx.Event()
     helper = ctx.Process(target=_rank_main, args=(queue, cluster.socket_path(1), 0, 1,

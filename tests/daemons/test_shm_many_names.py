@@ -13,7 +13,7 @@ import bps_worker.client as bps
 from bps_runtime import segments
 from harness import daemon_logs, run_ranks, start_cluster, write_config
 
-CAP = 2 << 20
+CAP = 4 << 20  # the least arena_bytes: one slab of small tensors
 ELEMS = 1 << 16  # 256 KiB of float32: a segment of its own per name (above the slab size)
 
 

@@ -702,3 +702,16 @@ def test_a_token_file_that_is_a_directory_is_one_line(tmp_path):
     config = load_config(write(tmp_path, CLUSTER + f'token_file = "{tmp_path}/tokens"\n' + SERVERS + WORKERS))
     with pytest.raises(ConfigError, match="tokens' is not a regular file"):
         read_token(config)
+
+
+# -- limits the daemons cannot run under (a review of limits, session 32) ------------------------------------
+
+@pytest.mark.parametrize("arena", [1, 2 << 20, (4 << 20) - 1])
+def test_an_arena_below_one_slab_is_refused_naming_the_least_value(tmp_path, arena):
+    """Small tensors are carved from 4 MiB slabs in every arena: a smaller cap loaded, and then every small
+    tensor failed at run time."""
+    message = config_error(tmp_path, CLUSTER + f"arena_bytes = {arena}\n" + SERVERS + WORKERS)
+    assert f"cluster.arena_bytes must be at least 4194304 (4 MiB: the slabs small tensors share), got {arena}" \
+        in message
+    for fine, cap in ((4 << 20, 4 << 20), (0, 0), (5 << 30, 5 << 30)):
+        assert layout(tmp_path, CLUSTER + f"arena_bytes = {fine}\n" + SERVERS + WORKERS).arena_bytes == cap
