@@ -11,7 +11,7 @@ import sys
 from bps_runtime import kernels
 from bps_runtime.health import STALL_LIMIT_S, from_environment
 from bps_runtime.lifecycle import keep_freed_memory, new_event_loop, serve_until_signalled, settle_heap, setup_logging
-from protocol.config import load_config, read_token
+from protocol.config import load_config, read_token, socket_path_too_long
 from protocol.errors import ConfigError
 
 from .daemon import WorkerConfig, WorkerDaemon
@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster = load_config(args.config)
         cluster.worker(ident.id)
+        if args.socket is not None and (too_long := socket_path_too_long(args.socket)) is not None:
+            raise ConfigError(f"--socket {args.socket!r} {too_long}")
         token = read_token(cluster)
         socket_mode = int(args.socket_mode, 8)
         shm_mode = int(args.shm_mode, 8)

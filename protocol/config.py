@@ -37,6 +37,9 @@ MAX_TIMEOUT_S: Final = 24 * 3600.0
 # slabs of this size (bps_runtime.segments.SLAB_BYTES is this); under a smaller cap no slab fits, and every
 # small tensor failed at run time.
 MIN_ARENA_BYTES: Final = 4 << 20
+# A Unix socket's path: at most 107 bytes (sun_path's 108, less the NUL). A longer [[worker]] socket failed
+# only at bind, with "AF_UNIX path too long" (exit status 1, not naming the key).
+MAX_SOCKET_PATH_BYTES: Final = 107
 MAX_HOST_CHARS: Final = 253  # a DNS name's limit
 # RFC 1123 labels (plus "_", which container runtimes use in names): letters, digits, "-" not at an end.
 _HOST_LABEL: Final = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
@@ -259,6 +262,8 @@ def _parse_workers(data: dict[str, Any], workers: int, source: str) -> list[Work
         _positive(w["local_size"], f"worker[{i}].local_size", source)
         if not w["socket"] or "\0" in w["socket"]:
             raise ConfigError(f"{source}: worker[{i}].socket must be a path (not empty, no NUL character)")
+        if (too_long := socket_path_too_long(w["socket"])) is not None:
+            raise ConfigError(f"{source}: worker[{i}].socket (the [[worker]] with id = {w['id']}) {too_long}")
         metrics = _parse_address(w["metrics"], f"worker[{i}].metrics", source) if "metrics" in w else None
         worker_specs.append(WorkerSpec(w["id"], w["local_size"], w["socket"], metrics))
     ids = [w.id for w in worker_specs]
@@ -270,6 +275,15 @@ def _parse_workers(data: dict[str, Any], workers: int, source: str) -> list[Work
             f"found ids {sorted(ids)}"
         )
     return worker_specs
+
+
+def socket_path_too_long(path: str) -> str | None:
+    """None if ``path`` fits a Unix socket's address; else how long it is and the limit, as the end of a sentence
+    that starts with its name."""
+    size = len(os.fsencode(path))
+    if size <= MAX_SOCKET_PATH_BYTES:
+        return None
+    return f"is {size} bytes long; a Unix socket's path may have at most {MAX_SOCKET_PATH_BYTES} bytes"
 
 
 def _parse_servers(data: dict[str, Any], worker_ids: list[int], source: str) -> list[ServerSpec]:

@@ -51,6 +51,23 @@ def test_an_arena_below_one_slab_exits_2_naming_the_key_and_the_least_value(tmp_
                                        "(4 MiB: the slabs small tensors share), got 2097152"
 
 
+def test_a_socket_path_too_long_for_a_unix_socket_exits_2_naming_the_key_the_length_and_the_limit(tmp_path):
+    """It failed at bind with "AF_UNIX path too long", exit status 1, naming neither the key nor the limit."""
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    long = f"{tmp_path}/{'s' * 100}.sock"
+    size = len(long.encode())
+    config.write_text(config.read_text().replace(f"{tmp_path}/w0.sock", long))
+    result = _run(["bps_worker", "--config", str(config), "--id", "0"])
+    assert result.returncode == 2
+    assert _one_line(result.stderr) == f"bps-worker: {config}: worker[0].socket (the [[worker]] with id = 0) is " \
+                                       f"{size} bytes long; a Unix socket's path may have at most 107 bytes"
+    config.write_text(config.read_text().replace(long, f"{tmp_path}/w0.sock"))
+    result = _run(["bps_worker", "--config", str(config), "--id", "0", "--socket", long])
+    assert result.returncode == 2
+    assert _one_line(result.stderr) == f"bps-worker: --socket {long!r} is {size} bytes long; a Unix socket's path " \
+                                       "may have at most 107 bytes"
+
+
 @pytest.mark.parametrize("module", ["bps_server", "bps_worker"])
 def test_a_log_file_that_cannot_be_opened_is_one_line(tmp_path, module):
     config = write_config(tmp_path, [1], cpu_servers=0)

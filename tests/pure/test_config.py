@@ -715,3 +715,15 @@ def test_an_arena_below_one_slab_is_refused_naming_the_least_value(tmp_path, are
         in message
     for fine, cap in ((4 << 20, 4 << 20), (0, 0), (5 << 30, 5 << 30)):
         assert layout(tmp_path, CLUSTER + f"arena_bytes = {fine}\n" + SERVERS + WORKERS).arena_bytes == cap
+
+
+def test_a_socket_path_too_long_for_a_unix_socket_is_refused_naming_the_worker_the_length_and_the_limit(tmp_path):
+    """A Unix socket's path holds at most 107 bytes: a longer one loaded, and the worker daemon failed at bind
+    with "AF_UNIX path too long" (exit status 1), naming neither the key nor the limit."""
+    fits = "/tmp/" + "s" * 97 + ".sock"  # 107 bytes
+    long = "/tmp/" + "é" * 49 + ".sock"  # 108 bytes in UTF-8 (59 characters)
+    assert layout(tmp_path, CLUSTER + SERVERS + WORKERS.replace("/tmp/w1.sock", fits)).worker(1).socket == fits
+    with pytest.raises(ConfigError) as info:
+        layout(tmp_path, CLUSTER + SERVERS + WORKERS.replace("/tmp/w1.sock", long))
+    assert str(info.value) == (f"{tmp_path}/a.toml: worker[1].socket (the [[worker]] with id = 1) is 108 bytes "
+                               "long; a Unix socket's path may have at most 107 bytes")
