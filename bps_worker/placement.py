@@ -12,7 +12,8 @@ splitting a bias over every server would cost a message per server for a few byt
 the expected load on target (the deviation of many small tensors is far below one partition). Every
 larger tensor is cut into contiguous per-server ranges proportional to the shares (largest-remainder
 rounding to whole elements, ties broken by an order starting at the tensor's anchor server), and each
-range into partitions of at most ``partition_bytes`` and, for pipelining, into at least
+range into partitions of at most ``partition_bytes`` (larger where a tensor would take more than about
+``MAX_PIECES`` of them) and, for pipelining, into at least
 ``PIPELINE_DEPTH`` of them (none under ``MIN_PIPELINE_BYTES``): a server answers a partition only once
 every worker pushed it, so with one partition per server each link would carry all the pushes and then
 all the sums, never both at once (measured on emulated links: 2x the optimal time at 4 MiB partitions,
@@ -103,6 +104,11 @@ PIECE_MIN_LINK_TIME_S = 0.5e-3
 # (measured on emulated links, benchmarks/RESULTS.md).
 PIECE_TIME_GROWS_ABOVE_BITS = 500e6
 PIECE_LINK_TIME_MAX_S = 8e-3
+# A tensor takes at most about MAX_PIECES pieces: where partition_bytes would cut it into more, its pieces grow
+# to a MAX_PIECES-th of it (each range still pipelined as above). A piece costs the daemons CPU whatever its
+# size: a partition_bytes of a few bytes cut a tensor of a million elements into a million pieces, and the
+# worker daemon's event loop stalled cutting and pushing them until the rank's operation timed out.
+MAX_PIECES = 4096
 # Names whose anchor and pieces a Placement remembers (the oldest forgotten first): a job issues the same
 # names every step, and the cut is the same every time (issue 16's per-name cache).
 PLACEMENT_CACHE_NAMES = 1 << 14
@@ -290,9 +296,9 @@ class Placement:
         start = fused if fused is not None else self._hashed_index(name)
         if count * itemsize <= self.small_tensor_bytes:
             return [Piece(0, self.server_ids[start], 0, count)]
-        if fused is not None:  # a fused tensor: partitions of at most partition_bytes, all on its server
+        largest = max(1, self.partition_bytes // itemsize, -(-count // MAX_PIECES))  # elements of a piece
+        if fused is not None:  # a fused tensor: partitions of at most ``largest``, all on its server
             sid = self.server_ids[start]
-            largest = max(1, self.partition_bytes // itemsize)
             streams = self._streams[sid]
             return [Piece(i, sid, lo, min(largest, count - lo), i % streams)
                     for i, lo in enumerate(range(0, count, largest))]
@@ -304,7 +310,6 @@ class Placement:
         by_remainder = sorted(range(s), key=lambda j: (-(exact[j] - alloc[j]), j))
         for j in by_remainder[:left]:
             alloc[j] += 1
-        largest = max(1, self.partition_bytes // itemsize)
         smallest = max(1, min(self.partition_bytes, self.min_bytes) // itemsize)
         pieces: list[Piece] = []
         offset = 0

@@ -99,3 +99,20 @@ def test_batches_respect_a_small_payload_limit(make_cluster):
     cases = [("limit.big", "float32", (1 << 20,), False, 3)]
     for reports in zip(*run_ranks(cluster, rp.sum_cases, cases, timeout=60)):
         assert all(r["exact"] for r in reports)
+
+
+@pytest.mark.timeout(180)
+def test_a_tiny_partition_sums_a_million_elements_in_a_bounded_number_of_pieces(make_cluster):
+    """partition_bytes = 4 cut a float32 tensor of a million elements into a million pieces: the worker daemons'
+    event loops stalled cutting and pushing them, and the ranks failed at the timeout. The pieces now grow to a
+    MAX_PIECES-th of the tensor: the sum is exact, and every server sums its Theorem-1 share of the bytes."""
+    cluster = make_cluster([1, 1], cpu_servers=1, cluster={"partition_bytes": 4})
+    cases = [("tiny.partitions", "float32", (1_000_000,), False, 7)]
+    reports = run_ranks(cluster, rp.sum_cases, cases, timeout=60)
+    assert [r[0]["exact"] for r in reports] == [True, True]
+    stats = server_stats(cluster)
+    # shares 1/4, 1/4 (colocated) and 1/2 (CPU-only) of 4,000,000 bytes from each worker
+    assert {sid: st["bytes_by_worker"] for sid, st in stats.items()} == {
+        0: {"0": 1_000_000, "1": 1_000_000}, 1: {"0": 1_000_000, "1": 1_000_000}, 2: {"0": 2_000_000, "1": 2_000_000}}
+    # one round a piece: ranges of 250,000, 250,000 and 500,000 elements in pieces of 245 (it was 1,000,000)
+    assert [stats[sid]["rounds_completed"] for sid in (0, 1, 2)] == [1021, 1021, 2041]

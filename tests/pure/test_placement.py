@@ -10,6 +10,7 @@ import pytest
 
 import bps_worker.placement as placement_module
 from bps_worker.placement import (
+    MAX_PIECES,
     MIN_PIPELINE_BYTES,
     NETWORK_MIN_DEPTH,
     NETWORK_MIN_PIPELINE_BYTES,
@@ -185,11 +186,12 @@ def check_pieces(placement: Placement, name: str, count: int, itemsize: int) -> 
     pieces = placement.split(name, count, itemsize)
     assert pieces, "a tensor always has at least partition 0"
     assert [p.part for p in pieces] == list(range(len(pieces)))
+    # partition_bytes, or a MAX_PIECES-th of the tensor where that is more
+    largest = max(1, placement.partition_bytes // itemsize, -(-count // MAX_PIECES))
     offset = 0
     for p in pieces:
         assert p.offset == offset, (name, count, pieces)
-        assert p.count >= 0
-        assert p.count * itemsize <= placement.partition_bytes or p.count == 1
+        assert 0 <= p.count <= largest
         assert p.server in placement.server_ids
         offset += p.count
     assert offset == count
@@ -402,6 +404,26 @@ def test_itemsize_larger_than_partition_still_progresses():
     placement = Placement(make_config(2, 0, partition_bytes=2))
     pieces = check_pieces(placement, "x", 5, 8)
     assert all(p.count == 1 for p in pieces) and len(pieces) == 5
+
+
+@pytest.mark.parametrize("one_host", [True, False])
+def test_a_tiny_partition_cuts_a_large_tensor_into_at_most_about_max_pieces_split_by_theorem1(one_host):
+    """partition_bytes = 4 cut a million float32 into a million pieces: the worker daemon's event loop stalled
+    cutting and pushing them, and the rank failed at the timeout. The pieces grow to a MAX_PIECES-th of the
+    tensor (245 elements); the servers' ranges are Theorem 1's split, exactly, as before."""
+    placement = Placement(make_config(2, 1, partition_bytes=4, one_host=one_host))  # shares 1/4, 1/4, 1/2
+    pieces = check_pieces(placement, "w", 1_000_000, 4)
+    # one host: ranges of 250,000, 250,000 and 500,000 elements in pieces of at most 245 (1021 + 1021 + 2041);
+    # several hosts: each stream's first and last two pieces are smaller (the ramps), a few more pieces
+    assert len(pieces) == (4083 if one_host else 4092) and max(p.count for p in pieces) == 245 == -(-10**6 // 4096)
+    by_server: dict[int, int] = defaultdict(int)
+    for p in pieces:
+        by_server[p.server] += p.count
+    assert dict(by_server) == {0: 250_000, 1: 250_000, 2: 500_000}
+    fused = fused_name(2, 0, "float32", False, "run.0")  # a fused tensor: all on its server
+    assert [(p.server, p.count) for p in placement.split(fused, 1_000_000, 4)] == [(2, 245)] * 4081 + [(2, 155)]
+    # a partition_bytes that cuts fewer pieces is as it was
+    assert len(check_pieces(Placement(make_config(2, 1, partition_bytes=1000)), "w", 1_000_000, 4)) == 4000
 
 
 def test_split_is_deterministic_across_placements():
