@@ -81,7 +81,7 @@ from typing import AbstractSet, Callable, Generic, TypeVar, Union
 import numpy as np
 
 from protocol import dtypes, messages
-from protocol.messages import KIND_BROADCAST, KIND_SUM, FailureCode, Push
+from protocol.messages import KIND_BROADCAST, FailureCode, Push
 
 Key = tuple[str, int]
 W = TypeVar("W")
@@ -95,18 +95,10 @@ Lease = Callable[[], None]
 
 
 def describe(push: Push) -> str:
-    """A push's descriptor as a reader knows it: ``float32[2,2] (average over 4)``."""
-    shape = "[" + ",".join(str(d) for d in push.shape) + "]"
-    extra = ""
-    if push.kind == KIND_BROADCAST:
-        extra += f" (broadcast from rank {push.root})"
-    elif push.kind != KIND_SUM:
-        extra += f" ({push.kind})"
-    if push.divisor != 1:
-        extra += f" (average over {push.divisor})"
-    if push.layout:
-        extra += f" (layout {push.layout})"
-    return f"{push.dtype}{shape}{extra}"
+    """A push's tensor as a reader knows it, in the words its worker uses for its processes' ops
+    (:func:`~protocol.messages.describe_tensor`): ``float32[2,2] (average)``."""
+    return messages.describe_tensor(push.dtype, push.shape, push.kind, average=push.divisor != 1, root=push.root,
+                                    staleness=push.staleness, layout=push.layout)
 
 
 def descriptor(push: Push) -> tuple[object, ...]:

@@ -222,7 +222,7 @@ class ValueStore(Generic[W]):
             return Why.pushes_disagree(first, push).for_push(push)
         if push.kind == KIND_ASYNC_INIT and first.kind == KIND_ASYNC_INIT and (
                 push.root != first.root or push.staleness != first.staleness):
-            ours, theirs = _describe_init(first), _describe_init(push)
+            ours, theirs = describe(first), describe(push)  # (with their roots and bounds)
             return Why.mismatch(push.name, ours, theirs, f"worker {first.worker} initialised it as {ours} but "
                                                          f"worker {push.worker} as {theirs}").heard_by(theirs)
         return None
@@ -464,8 +464,3 @@ class ValueStore(Generic[W]):
                                                    f"{', '.join(map(str, self._blockers(st, w.push.round)))} "
                                                    f"(staleness bound {st.staleness})"))
         return notes
-
-
-def _describe_init(push: Push) -> str:
-    bound = "unbounded" if push.staleness < 0 else f"staleness {push.staleness}"
-    return f"{describe(push)} from rank {push.root}, {bound}"

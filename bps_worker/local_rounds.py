@@ -28,25 +28,15 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar, Union
 
-from protocol.messages import KIND_ASYNC, KIND_ASYNC_INIT, KIND_BROADCAST, Failure, FailureCode, Op, Why
+from protocol.messages import Failure, FailureCode, Op, Why, describe_tensor
 
 M = TypeVar("M")  # what the daemon answers a process through (its session)
 
 
 def describe(op: Op) -> str:
-    """The tensor as a mismatch message names it: ``float32[4,3] (average)``."""
-    text = f"{op.dtype}[{','.join(str(d) for d in op.shape)}]"
-    if op.kind == KIND_BROADCAST:
-        text += f" (broadcast from rank {op.root})"
-    elif op.kind == KIND_ASYNC_INIT:
-        text += f" (async_init from rank {op.root}, {'unbounded' if op.staleness < 0 else f'staleness {op.staleness}'})"
-    elif op.kind == KIND_ASYNC:
-        text += " (async)"
-    elif op.average:
-        text += " (average)"
-    if op.layout:
-        text += f" (layout {op.layout})"
-    return text
+    """The tensor as a mismatch message names it: ``float32[4,3] (average)`` (:func:`describe_tensor`)."""
+    return describe_tensor(op.dtype, op.shape, op.kind, average=op.average, root=op.root, staleness=op.staleness,
+                           layout=op.layout)
 
 
 def agree(a: Op, b: Op) -> bool:

@@ -25,7 +25,8 @@ import dataclasses
 import math
 import reprlib
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Final, Literal, NamedTuple, Self, cast, get_args, get_origin, get_type_hints
+from typing import (Any, ClassVar, Final, Literal, NamedTuple, Self, Sequence, cast, get_args, get_origin,
+                    get_type_hints)
 
 from . import dtypes
 from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
@@ -342,6 +343,25 @@ class Failure(Message):
 
 
 _FAILURE_TEXTS: Final = ("message", "name", "ours", "theirs", "peer", "what", "detail")
+
+
+def describe_tensor(dtype: str, shape: Sequence[int], kind: str = KIND_SUM, *, average: bool = False,
+                    root: int = -1, staleness: int = -1, layout: str = "") -> str:
+    """A tensor as a mismatch names it (``float32[4,3] (average)``), in the same words wherever it is described:
+    a worker's ops, a server's pushes, fused specs. A mismatch found on one machine reaches the processes of
+    the others through a server, and each hears its own side by these words (:meth:`Why.heard_by`)."""
+    text = f"{dtype}[{','.join(str(d) for d in shape)}]"
+    if kind == KIND_BROADCAST:
+        text += f" (broadcast from rank {root})"
+    elif kind == KIND_ASYNC_INIT:
+        text += f" (async_init from rank {root}, {'unbounded' if staleness < 0 else f'staleness {staleness}'})"
+    elif kind == KIND_ASYNC:
+        text += " (async)"
+    elif average:
+        text += " (average)"
+    if layout:
+        text += f" (layout {layout})"
+    return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -772,14 +792,9 @@ def fused_chunks(names: list[str]) -> list[tuple[int, int]]:
 
 
 def describe_spec(spec: Spec) -> str:
-    """A fused tensor as a mismatch names it (as ``bps_worker.local_rounds.describe`` names an Op's)."""
+    """A fused tensor as a mismatch names it (:func:`describe_tensor`)."""
     dtype, shape, average, layout = spec
-    text = f"{dtype}[{','.join(str(d) for d in shape)}]"
-    if average:
-        text += " (average)"
-    if layout:
-        text += f" (layout {layout})"
-    return text
+    return describe_tensor(dtype, shape, average=average, layout=layout)
 
 
 def _check_fused_names(tag: str, names: list[Any]) -> None:

@@ -11,6 +11,7 @@ import pytest
 from bps_runtime import kernels
 from bps_server.rounds import FailRound, RoundTable, SumAll, describe
 from bps_worker.local_rounds import Failed, LocalRounds, agree
+from bps_worker.local_rounds import describe as local_describe
 from protocol.errors import LocalProtocolError
 from protocol.messages import KIND_BROADCAST, Op, Push
 
@@ -81,6 +82,21 @@ def test_a_broadcast_round_with_no_root_or_two_roots_fails():
 def test_describe_names_the_root_and_the_layout():
     assert describe(_push(0, root=4)) == "float32[4] (broadcast from rank 4)"
     assert describe(_push(0, layout="3 params 0123")) == "float32[4] (layout 3 params 0123)"
+
+
+@pytest.mark.parametrize("kind,fields", [
+    ("sum", dict(average=True)), ("sum", dict(layout="2 params ab")), ("broadcast", dict(root=3)),
+    ("async_init", dict(root=1, staleness=2)), ("async_init", dict(root=0)), ("async", dict()),
+], ids=["average", "layout", "broadcast", "async-init-bound", "async-init-unbounded", "async"])
+def test_a_server_describes_a_push_in_the_words_its_worker_describes_the_op(kind: str, fields: dict[str, Any]):
+    """A mismatch a worker found among its processes reaches the other workers' pushes through the server, which
+    tells each its own side by comparing the descriptions: they must be the same words (they said "average over
+    4" on one side and "average" on the other, so no push matched its side)."""
+    op = Op(1, "w", kind, "float32", [4, 2], "seg", **fields)
+    push = Push(req=1, name="w", part=0, round=0, worker=0, dtype="float32", shape=[4, 2], offset=0, count=8,
+                kind=kind, divisor=4 if op.average else 1, root=op.root, holds_root=op.root == 0,
+                layout=op.layout, staleness=op.staleness)
+    assert describe(push) == local_describe(op)
 
 
 # -- the messages --------------------------------------------------------------------------------------------
