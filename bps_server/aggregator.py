@@ -256,9 +256,9 @@ class Aggregator:
                         "pushed it (pushed by worker %s)", round_, key[0], key[1], waited,
                         ", ".join(map(str, self.table.waiting_for(st))), ", ".join(map(str, sorted(st.waiters))))
 
-    def abort(self, name: str, part: int, round_: int, worker: int, message: str) -> None:
-        """A worker gave up a round: fail it for every worker (now and for late pushes)."""
-        self._run(self.table.abort(name, part, round_, worker, message))
+    def abort(self, name: str, part: int, round_: int, worker: int, why: Why) -> None:
+        """A worker gave up a round (``why``): fail it for every worker (now and for late pushes)."""
+        self._run(self.table.abort(name, part, round_, worker, why))
 
     def unfused(self, name: str) -> tuple[set[int], Push] | None:
         """The workers in ``name``'s open round at this anchor, and its first push (RoundTable.unfused)."""

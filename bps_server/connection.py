@@ -266,12 +266,13 @@ class ServerConnection(AdmittedProtocol):
         if not asynchronous or fused or (push.name, push.part) in self.server.aggregator.keys:
             why = self._misuse(push.name, asynchronous, describe(push))
             self.fail(push, why)
+            # The synchronous side (a round here, or a fused sum) hears it as its own: "ours" is the synchronous use.
+            synchronous = dataclasses.replace(why, ours=why.theirs, theirs=why.ours) if asynchronous else why
             st = self.server.aggregator.keys.get((push.name, push.part))
             if st is not None:  # the synchronous side waits for our push in a round: it fails too
-                self.server.aggregator.abort(push.name, push.part, st.round, push.worker, why.text)
-            if fused:  # or in a fused sum, whose workers hear it from their side: "ours" is their synchronous use
-                told = dataclasses.replace(why, ours=why.theirs, theirs=why.ours)
-                self.server.fused(self.server.fusion.abort(push.worker, [push.name], told, told=False))
+                self.server.aggregator.abort(push.name, push.part, st.round, push.worker, synchronous)
+            if fused:  # or in a fused sum
+                self.server.fused(self.server.fusion.abort(push.worker, [push.name], synchronous, told=False))
         elif push.replay:
             values.restore(push, data)
         else:
@@ -287,7 +288,8 @@ class ServerConnection(AdmittedProtocol):
         assert self.worker is not None  # dispatched after the handshake only
         if self.server.fusion.ended(abort.name):
             return  # its rounds fail anyway (see on_push)
-        self.server.aggregator.abort(abort.name, abort.part, abort.round, self.worker, abort.message)
+        why = Why.carried(abort, abort.name)  # the worker's reason, code and facts
+        self.server.aggregator.abort(abort.name, abort.part, abort.round, self.worker, why)
 
     def on_round_query(self, query: RoundQuery, payload: memoryview | None) -> None:
         assert self.worker is not None
@@ -359,8 +361,7 @@ class ServerConnection(AdmittedProtocol):
         if not self.server.values.has(name, 0):
             return False
         why = self._misuse(name, asynchronous=False, ours="a fused sum")
-        self.send(FuseFailed(name, why.text[:MAX_MESSAGE_CHARS], why.code, ours=why.ours, theirs=why.theirs,
-                             detail=why.detail, epoch=self.server.fusion.epoch(self.worker)))
+        self.send(FuseFailed(name, epoch=self.server.fusion.epoch(self.worker), **why.carry()))
         return True
 
     def _misuse(self, name: str, asynchronous: bool, ours: str) -> Why:
@@ -406,7 +407,7 @@ class ServerConnection(AdmittedProtocol):
     def on_fuse_abort(self, message: FuseAbort, payload: memoryview | None) -> None:
         assert self.worker is not None
         self._stream_zero(message)
-        why = Why(f"worker {self.worker} gave the fused sum up: {message.message}", message.code)
+        why = Why.carried(message).relayed(f"worker {self.worker} gave the fused sum up")
         aggregator = self.server.aggregator
 
         def unfused(name: str) -> set[int]:

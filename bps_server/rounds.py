@@ -512,8 +512,9 @@ class RoundTable(Generic[W]):
             del self.keys[st.key]
         return actions
 
-    def abort(self, name: str, part: int, round_: int, worker: int, message: str) -> list[Action[W]]:
-        """A worker gave up a round: fail it for every worker (now and for late pushes)."""
+    def abort(self, name: str, part: int, round_: int, worker: int, why: Why) -> list[Action[W]]:
+        """A worker gave up a round (``why``: its reason, code and facts): fail it for every worker (now and for
+        late pushes), each hearing the worker's reason as its side of it (a mismatch: :meth:`Why.for_push`)."""
         key = (name, part)
         st = self.keys.get(key)
         actions: list[Action[W]] = []
@@ -527,8 +528,8 @@ class RoundTable(Generic[W]):
         if st.round == round_:
             st.aborted.add(worker)
             if st.failed is None:
-                actions.append(self._fail_round(st, Why(f"tensor {name!r} round {round_} aborted by worker "
-                                                        f"{worker}: {message}")))
+                actions.append(self._fail_round(st, why.relayed(f"tensor {name!r} round {round_} aborted by "
+                                                                f"worker {worker}")))
         return actions
 
     def past(self, name: str, workers: AbstractSet[int]) -> bool:

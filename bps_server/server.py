@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.config import ClusterConfig, placement_items
-from protocol.messages import MAX_MESSAGE_CHARS, FusePlan, FuseFailed
+from protocol.messages import FusePlan, FuseFailed
 
 from bps_runtime import metrics
 from bps_runtime.health import STALL_LIMIT_S, Pulse, Verdict
@@ -212,9 +212,7 @@ class SummationServer:
         for f in failures:
             conn = self.links.get(f.worker)
             if conn is not None:
-                w = f.why
-                conn.send(FuseFailed(f.name, w.text[:MAX_MESSAGE_CHARS], w.code, ours=w.ours, theirs=w.theirs,
-                                     peer=w.peer, detail=w.detail, epoch=self.fusion.epoch(f.worker)))
+                conn.send(FuseFailed(f.name, epoch=self.fusion.epoch(f.worker), **f.why.carry()))
         for resend in self.fusion.take_resends():  # before any new plan: a lane runs its plans in order
             conn = self.links.get(resend.worker)
             if conn is not None:

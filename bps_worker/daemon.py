@@ -403,15 +403,15 @@ class WorkerDaemon:
         members hear it after that, so that nothing they issue next (a fused report of the name's next step,
         on the same connection) reaches the anchor before the abort: it would meet the peers' pushes of this
         round there, as a step of its own."""
-        lr, reason = action.round, action.reason
-        log.warning("%s", reason)
+        lr = action.round
+        log.warning("%s", action.reason)
         if lr.first.kind not in ASYNC_KINDS and action.server_round is None:  # (asynchronous: no round waits)
-            self.spawn(self.abort_when_known(lr.name, lr.round, self.round_base(lr.name, lr.round), reason,
+            self.spawn(self.abort_when_known(lr.name, lr.round, self.round_base(lr.name, lr.round), action.why,
                                              lambda: self._answer_failed(action)))
             return
         if lr.first.kind not in ASYNC_KINDS:
             assert action.server_round is not None
-            self.abort_at_anchor(lr.name, action.server_round, reason)
+            self.abort_at_anchor(lr.name, action.server_round, action.why)
         self._answer_failed(action)
 
     @staticmethod
@@ -435,12 +435,13 @@ class WorkerDaemon:
 
         asyncio.get_running_loop().call_later(timeout, check)
 
-    def abort_at_anchor(self, name: str, server_round: int, reason: str) -> None:
-        """Fail round ``server_round`` of ``name`` at the server of its partition 0, where every peer meets."""
+    def abort_at_anchor(self, name: str, server_round: int, why: Why) -> None:
+        """Fail round ``server_round`` of ``name`` at the server of its partition 0, where every peer meets: each
+        hears ``why`` (its code and facts: a mismatch, each its own side of it)."""
         anchor = self.placement.server_ids[self.placement.anchor(name)]
-        self.links[anchor].abort(name, 0, server_round, reason)
+        self.links[anchor].abort(name, 0, server_round, why)
 
-    async def abort_when_known(self, name: str, local_round: int, base: asyncio.Future[int], reason: str,
+    async def abort_when_known(self, name: str, local_round: int, base: asyncio.Future[int], why: Why,
                                then: Callable[[], None] = lambda: None) -> None:
         """Abort our round ``local_round`` of ``name`` at its anchor once the base is known; ``then``, in any
         case."""
@@ -449,7 +450,7 @@ class WorkerDaemon:
         except (BPSError, asyncio.CancelledError):
             return  # the anchor is unreachable, or the job is gone: the peers' rounds fail there anyway
         else:
-            self.abort_at_anchor(name, local_round + offset, reason)
+            self.abort_at_anchor(name, local_round + offset, why)
         finally:
             then()
 

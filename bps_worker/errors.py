@@ -12,17 +12,18 @@ Each also takes free text: as its whole message where the attributes are not kno
 code written before the attributes: ``BPSConnectionError("worker daemon is stopping")``), or as a detail
 after the message built from them. :func:`error_from_failure` turns a daemon's ``Failure`` into the
 matching subclass by its ``code``, filling the attributes from the structured fields;
-:func:`failure_from_error` is its inverse, for a daemon that hands an error on to its training processes.
+:func:`failure_from_error` is its inverse, for a daemon that hands an error on to its training processes,
+and :func:`why_from_error` hands one on to the peers on other machines (an abort at a server).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from protocol.messages import Failure
+from protocol.messages import Failure, Why
 
 __all__ = ["BPSError", "BPSMismatchError", "BPSConnectionError", "BPSTimeoutError", "LinkBrokenError",
-           "error_from_failure", "failure_from_error"]
+           "error_from_failure", "failure_from_error", "why_from_error"]
 
 
 def _join(head: str, detail: str) -> str:
@@ -173,3 +174,16 @@ def failure_from_error(req: int, error: BPSError, note: str = "") -> Failure:
         case BPSTimeoutError():
             return Failure(req, message, code="timeout")
     return Failure(req, message)
+
+
+def why_from_error(error: BaseException, text: str) -> Why:
+    """The :class:`~protocol.messages.Why` that tells ``error`` on to the peers (the worker daemon giving a round
+    up at a server, where they meet): ``text`` for people, and a BPSError's code and facts as
+    :func:`failure_from_error` gives them (any other exception: the text alone). A mismatch goes as its two
+    sides, this one's first: each peer hears its own as ``ours`` (``Why.heard_by``)."""
+    if not isinstance(error, BPSError):
+        return Why(text)
+    f = failure_from_error(-1, error)
+    sides = (f.ours, f.theirs) if f.code == "mismatch" and f.name else None
+    return Why(text, f.code, name=f.name, ours=f.ours, theirs=f.theirs, peer=f.peer, what=f.what,
+               timeout_s=f.timeout_s, detail=f.detail, sides=sides)

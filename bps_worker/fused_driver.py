@@ -38,7 +38,6 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any, Final
 
 from protocol.messages import (
-    MAX_MESSAGE_CHARS,
     FuseAbort,
     FuseFailed,
     FusePast,
@@ -169,9 +168,9 @@ class FusedSums:
             self.daemon.unfused_step(name)
         aligned = self.rounds.aligned
         for (name, why, reported), index in zip(out.aborts, out.abort_rounds, strict=True):
-            # The peers hear that the round failed here, and why in words (as an Abort of an unfused round says).
+            # The peers hear that the round failed here, and why: the Why whole (as an Abort of an unfused round).
             self.daemon.links[self.anchor(name)].fuse(
-                FuseAbort([name], why.text[:MAX_MESSAGE_CHARS], "round_failed", reported, [index] if aligned else []))
+                FuseAbort([name], reported=reported, rounds=[index] if aligned else [], **why.carry()))
             if not reported:
                 self.rounds.tell(name, 1, index)
         if out.ready:
@@ -421,7 +420,8 @@ class FusedSums:
             out.fail(fr, Why(f"tensor {fr.name!r}: {reason}", "round_failed"))
         self.carry_out(out)
         daemon = self.daemon
-        daemon.spawn(daemon.abort_when_known(key, local_round, daemon.round_base(key, local_round), reason))
+        daemon.spawn(daemon.abort_when_known(key, local_round, daemon.round_base(key, local_round),
+                                             Why(reason, "round_failed")))
 
     def reset(self) -> None:
         self.carry_out(self.rounds.reset())

@@ -100,6 +100,7 @@ from protocol.messages import (
     RoundInfo,
     RoundQuery,
     Welcome,
+    Why,
     estimated_header_bytes,
     parse,
     split_batch,
@@ -483,9 +484,9 @@ class ServerLink:
         self._send_control(query)
         return future
 
-    def abort(self, name: str, part: int, round_: int, message: str) -> None:
-        """Tell the server that this worker gave up a round (sent once connected, if need be)."""
-        self._send_control(Abort(name, part, round_, self.worker_id, message[:MAX_MESSAGE_CHARS]))
+    def abort(self, name: str, part: int, round_: int, why: Why) -> None:
+        """Tell the server that this worker gave up a round, and why (sent once connected, if need be)."""
+        self._send_control(Abort(name, part, round_, self.worker_id, **why.carry()))
 
     def fuse(self, message: FuseReady | FuseAbort | FuseRunning | FusePast) -> None:
         """Report fused sums to this server (their anchor), or give them up (sent once connected)."""

@@ -40,9 +40,9 @@ from bps_runtime import cuda, kernels
 from bps_runtime import segments as shm
 from bps_runtime.timeline import Timeline, now_us
 from protocol import dtypes
-from protocol.messages import ROOTED_KINDS, Done, Failure, Op, Result
+from protocol.messages import ROOTED_KINDS, Done, Failure, Op, Result, Why
 
-from .errors import BPSConnectionError, BPSError, LinkBrokenError, failure_from_error
+from .errors import BPSConnectionError, BPSError, LinkBrokenError, failure_from_error, why_from_error
 from .link import ServerLink
 from .local_rounds import LocalRound
 from .placement import Piece, Placement
@@ -105,9 +105,9 @@ class OperationHost(Protocol):
 
     def segments_freed(self, names: list[str]) -> None: ...
 
-    def abort_at_anchor(self, name: str, server_round: int, reason: str) -> None: ...
+    def abort_at_anchor(self, name: str, server_round: int, why: Why) -> None: ...
 
-    async def abort_when_known(self, name: str, local_round: int, base: asyncio.Future[int], reason: str) -> None: ...
+    async def abort_when_known(self, name: str, local_round: int, base: asyncio.Future[int], why: Why) -> None: ...
 
     def spawn(self, coro: Any) -> asyncio.Future[Any]: ...
 
@@ -211,7 +211,8 @@ class Operation:
             if self._job_current():  # peers that learned it wait for our pushes: they fail once we learn it
                 host = self.host
                 host.spawn(host.abort_when_known(self.name, self.local_round,
-                                                 host.round_base(self.name, self.local_round), reason))
+                                                 host.round_base(self.name, self.local_round),
+                                                 why_from_error(exc, reason)))
             return None
 
     async def scatter(self, contribution: Contribution, server_round: int) -> Scattered:
@@ -261,7 +262,7 @@ class Operation:
             if failed:
                 exc = failed[0].exception()
                 error = exc if isinstance(exc, BPSError) else BPSError(f"internal error: {exc!r}")
-                message = str(error)
+                why = why_from_error(error, str(error))
                 # Tell every server that did not deliver this piece's sum: the peers waiting there
                 # must fail now, not at a timeout (the failing server itself may not know, e.g. when
                 # the connection broke before the push arrived).
@@ -271,7 +272,7 @@ class Operation:
                         if not self.link_for(piece).forget(fut):
                             answers.append(fut)  # in the server's hands, in our memory: wait for its answer
                         if self._job_current() and self.ABORTS:
-                            host.links[piece.server].abort(self.name, piece.part, server_round, message)
+                            host.links[piece.server].abort(self.name, piece.part, server_round, why)
                 if answers:
                     await asyncio.wait(answers)  # the server answers every push; a lost link fails them
                 # A server that went silent with our memory in hand might still write into it.
@@ -325,7 +326,7 @@ class Operation:
         self.answer_failure(lambda req, _: replace(failure_from_error(req, exc) if isinstance(exc, BPSError)
                                                    else Failure(req, reason), message=reason))
         if self.server_round is not None and not self.pushed and self._job_current() and self.ABORTS:
-            self.host.abort_at_anchor(self.name, self.server_round, reason)  # peers wait for our pushes there
+            self.host.abort_at_anchor(self.name, self.server_round, why_from_error(exc, reason))  # peers wait there
 
     def trace(self, t_sum: int, t_push: int, t_back: int, direct: bool, pieces: int) -> None:
         timeline = self.host.timeline

@@ -371,7 +371,10 @@ class Why:
 
     The server's round table and the worker's local rounds both decide failures as a Why. A mismatch keeps
     the two sides' descriptions (``sides``) until it is addressed to one of them (:meth:`heard_by`): each
-    side hears its own description as ``ours`` and the other as ``theirs``.
+    side hears its own description as ``ours`` and the other as ``theirs``. Between the daemons a Why travels
+    whole (:meth:`carry`, :meth:`carried`): a worker that gives a round up tells the server why, with its
+    code and facts, and the server tells the other workers the same, so a mismatch found on one machine is a
+    mismatch, each side its own, on every machine.
     """
 
     text: str
@@ -402,6 +405,59 @@ class Why:
         """The Failure that answers request ``req``."""
         return Failure(req, self.text, code=self.code, name=self.name, ours=self.ours, theirs=self.theirs,
                        peer=self.peer, what=self.what, timeout_s=self.timeout_s, detail=self.detail)
+
+    def relayed(self, context: str) -> Self:
+        """This failure as a daemon tells it on to others: ``context`` (who gave the round up) before its text
+        and its detail (the end of the typed error's message)."""
+        return dataclasses.replace(self, text=f"{context}: {self.text}",
+                                   detail=f"{context}: {self.detail}" if self.detail else context)
+
+    def carry(self) -> dict[str, Any]:
+        """This failure as the fields of a message that carries it between the daemons (:class:`CarriesWhy`;
+        the tensor's name is the message's own), each text clipped as a Failure clips it."""
+        clip = MAX_MESSAGE_CHARS
+        return {"message": self.text[:clip], "code": self.code, "ours": self.ours[:clip],
+                "theirs": self.theirs[:clip], "peer": self.peer[:clip], "what": self.what[:clip],
+                "timeout_s": self.timeout_s, "detail": self.detail[:clip],
+                "sides": [side[:clip] for side in self.sides] if self.sides else []}
+
+    @classmethod
+    def carried(cls, message: Abort | FuseAbort | FuseFailed, name: str = "") -> Self:
+        """The failure ``message`` carries (:class:`CarriesWhy`), about tensor ``name``."""
+        sides = message.sides
+        return cls(message.message, message.code, name=name, ours=message.ours, theirs=message.theirs,
+                   peer=message.peer, what=message.what, timeout_s=message.timeout_s, detail=message.detail,
+                   sides=(sides[0], sides[1]) if sides else None)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CarriesWhy(Message):
+    """Base of the messages that carry a :class:`Why` between the daemons (``Abort``, ``FuseAbort``,
+    ``FuseFailed``), whole: its text as the message's own ``message``, its code and facts as in
+    :class:`Failure`, and a mismatch not yet addressed to one side as its two ``sides`` (:meth:`Why.carry`
+    fills these, :meth:`Why.carried` reads them). A frame from before these fields parses as a
+    ``round_failed`` without facts."""
+
+    code: FailureCode = "round_failed"
+    ours: str = ""
+    theirs: str = ""
+    peer: str = ""
+    what: str = ""
+    timeout_s: float = 0.0
+    detail: str = ""
+    sides: list[str] = field(default_factory=list)
+
+    def _check_why(self, tag: str, message: str) -> None:
+        """The carried fields: texts of at most MAX_MESSAGE_CHARS, no sides or two, a timeout_s >= 0."""
+        for name, text in (("message", message), ("ours", self.ours), ("theirs", self.theirs), ("peer", self.peer),
+                           ("what", self.what), ("detail", self.detail)):
+            _check_text(tag, name, text)
+        sides = self.sides
+        if sides and (len(sides) != 2 or not all(isinstance(s, str) and len(s) <= MAX_MESSAGE_CHARS for s in sides)):
+            raise LocalProtocolError(f"{tag} sides must be none or two descriptions of at most {MAX_MESSAGE_CHARS} "
+                                     f"characters, got {shown(sides)}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s >= 0):
+            raise LocalProtocolError(f"{tag} timeout_s must be finite and >= 0, got {shown(self.timeout_s)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -504,8 +560,9 @@ class Result(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class Abort(Message):
-    """A worker gave up ``round`` of ``name``'s partition ``part``; the server fails it for all."""
+class Abort(CarriesWhy):
+    """A worker gave up ``round`` of ``name``'s partition ``part``; the server fails it for all, and tells
+    them the worker's why (``message`` and the rest, see :class:`CarriesWhy`)."""
 
     TYPE: ClassVar[str] = "abort"
     name: str
@@ -517,7 +574,7 @@ class Abort(Message):
     def validate(self) -> None:
         _check_name(self.name)
         _check_non_negative("abort", part=self.part, round=self.round, worker=self.worker)
-        _check_text("abort", "message", self.message)
+        self._check_why("abort", self.message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -929,23 +986,23 @@ class FuseReady(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class FuseAbort(Message):
+class FuseAbort(CarriesWhy):
     """Worker to the anchor server: these fused sums failed here (``message``, ``code``); fail them for every
     worker, those that reported them already and those that will. ``reported``: the round given up is the one
     this worker reported last (its processes failed it after the report), not its next one; the server answers
     that report all the same (a plan, or a failure), as it answers every report. ``rounds``: as in FuseReady,
-each name's round given up (empty: not said)."""
+each name's round given up (empty: not said). ``message`` and the rest: the worker's why (see
+:class:`CarriesWhy`), which the server tells the other workers (``FuseFailed``)."""
 
     TYPE: ClassVar[str] = "fuse_abort"
     names: list[str]
     message: str
-    code: FailureCode = "round_failed"
     reported: bool = False
     rounds: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
         _check_fused_names("fuse abort", self.names)
-        _check_text("fuse abort", "message", self.message)
+        self._check_why("fuse abort", self.message)
         if self.rounds:
             _check_indexes("fuse abort", "rounds", self.rounds, len(self.names))
 
@@ -1070,29 +1127,24 @@ class FuseResync(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class FuseFailed(Message):
-    """Server to a worker: fused tensor ``name`` failed at its meeting point (the fields as in Failure).
-    ``epoch``: as in FusePlan, the worker's epoch as the server knew it (a failure of the old processes'
-    round is not the new processes')."""
+class FuseFailed(CarriesWhy):
+    """Server to a worker: fused tensor ``name`` failed at its meeting point, and why (``message`` and the rest,
+    see :class:`CarriesWhy`: a mismatch addressed to this worker, or with its ``sides``, to be addressed to
+    each of its processes). ``epoch``: as in FusePlan, the worker's epoch as the server knew it (a failure of
+    the old processes' round is not the new processes')."""
 
     TYPE: ClassVar[str] = "fuse_failed"
     name: str
     message: str
-    code: FailureCode = "round_failed"
-    ours: str = ""
-    theirs: str = ""
-    peer: str = ""
-    detail: str = ""
     epoch: str = ""
 
     def validate(self) -> None:
         _check_name(self.name)
-        for name in ("message", "ours", "theirs", "peer", "detail", "epoch"):
-            _check_text("fuse failed", name, getattr(self, name))
+        self._check_why("fuse failed", self.message)
+        _check_text("fuse failed", "epoch", self.epoch)
 
     def why(self) -> Why:
-        return Why(self.message, self.code, name=self.name, ours=self.ours, theirs=self.theirs, peer=self.peer,
-                   detail=self.detail)
+        return Why.carried(self, self.name)
 
 
 MAX_BATCH_ITEMS: Final = 1024

@@ -310,16 +310,17 @@ def refused_delta_takes_no_step(name: str) -> dict[str, Any]:
     return {"refused": refused, "final": final.tolist()}
 
 
-def sync_side_of_a_misuse(name: str) -> str:
-    """Machine 0 sums a small (fused) ``name`` synchronously; machine 1 then makes it asynchronous. Each side's
-    BPSMismatchError says its own use as ``ours`` (the synchronous side heard the asynchronous side's)."""
+def sync_side_of_a_misuse(name: str, n: int = 4) -> str:
+    """Machine 0 sums ``name`` (``n`` elements: small ones fused, large ones not) synchronously; machine 1 then
+    makes it asynchronous. Each side's BPSMismatchError says its own use as ``ours`` (the synchronous side heard
+    the asynchronous side's)."""
     worker = bps.rank() // bps.local_size()
     try:
         if worker == 0:
-            bps.push_pull(np.ones(4, np.float32), name)
+            bps.push_pull(np.ones(n, np.float32), name)
         else:
             time.sleep(0.5)
-            bps.async_init(np.ones(4, np.float32), name)
+            bps.async_init(np.ones(n, np.float32), name)
         return "ok"
     except bps.BPSMismatchError as exc:
         return f"{exc.ours}|{exc.theirs}"

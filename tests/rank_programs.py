@@ -166,6 +166,19 @@ def mismatch_by_worker() -> dict[str, Any]:
     return {"error": error, "elapsed": elapsed, "after": float(after[0]), "facts": facts}
 
 
+def mismatch_facts(name: str, odd: list[int], n: int) -> dict[str, Any]:
+    """Ranks ``odd`` push ``name`` as float32 (n + 1,), the others as (n,) (an average, as push_pull's default):
+    the error each process gets, as its class, attributes and text; then a name that works."""
+    facts: dict[str, Any] = {}
+    try:
+        bps.push_pull(np.ones(n + 1 if bps.rank() in odd else n, np.float32), name)
+    except bps.BPSError as exc:
+        facts = {"type": type(exc).__name__, "name": getattr(exc, "name", None), "ours": getattr(exc, "ours", None),
+                 "theirs": getattr(exc, "theirs", None), "text": str(exc)}
+    after = bps.push_pull(np.ones(1, np.float32), f"{name}.after", average=False)
+    return {"facts": facts, "after": float(after[0])}
+
+
 def die_before_push(victim: int) -> dict[str, Any]:
     """``victim`` is SIGKILLed after connecting; the others push a tensor it will never push."""
     import os

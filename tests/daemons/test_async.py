@@ -84,8 +84,9 @@ def test_a_refused_delta_takes_no_step_of_the_staleness_bound(cluster_2x2):
 
 
 @pytest.mark.timeout(120)
-def test_each_side_of_a_misuse_hears_its_own_use_as_ours(cluster_2x2):
-    results = run_ranks(cluster_2x2, ap.sync_side_of_a_misuse, "sides", timeout=60)
+@pytest.mark.parametrize("n", [4, 40000], ids=["fused", "unfused"])
+def test_each_side_of_a_misuse_hears_its_own_use_as_ours(cluster_2x2, n):
+    results = run_ranks(cluster_2x2, ap.sync_side_of_a_misuse, f"sides{n}", n, timeout=60)
     for rank, r in enumerate(results):
         ours, theirs = r.split("|")
         if rank < 2:

@@ -67,3 +67,23 @@ def test_a_mismatch_within_one_machine_is_a_mismatch_error_with_its_facts(cluste
         assert r["facts"], f"rank {rank} got no error"  # worker 1 hears it through the anchor server
         assert r["elapsed"] < 10.0
         assert r["after"] == 4.0
+
+
+@pytest.mark.parametrize("n", [4, 40000], ids=["fused", "unfused"])
+@pytest.mark.parametrize("odd", [[1], [2, 3]], ids=["within-machine-0", "between-machines"])
+def test_every_process_on_every_machine_gets_the_mismatch_with_its_own_side_as_ours(cluster_2x2, odd, n):
+    """Rank 1 alone (machine 0's processes disagree), or machine 1's both (each machine agrees within): on both
+    paths (small tensors fused, large ones not), every process of both machines gets a BPSMismatchError naming
+    the tensor, with its own tensor as ``ours`` and the other side's as ``theirs``; the text says who disagreed.
+    Machine 1 hears a disagreement found on machine 0 through a server, whose message carries its facts."""
+    name = f"mf.{len(odd)}.{n}"
+    results = run_ranks(cluster_2x2, rp.mismatch_facts, name, odd, n, timeout=60)
+    mine, other = f"float32[{n}] (average)", f"float32[{n + 1}] (average)"
+    for rank, r in enumerate(results):
+        ours, theirs = (other, mine) if rank in odd else (mine, other)
+        facts = r["facts"]
+        assert {k: facts.get(k) for k in ("type", "name", "ours", "theirs")} == \
+            {"type": "BPSMismatchError", "name": name, "ours": ours, "theirs": theirs}, (rank, facts)
+        who = "rank 1" if odd == [1] else "worker 1"
+        assert f"{who} has {other}" in facts["text"] or f"{who} pushed {other}" in facts["text"], (rank, facts)
+        assert r["after"] == 4.0

@@ -136,7 +136,7 @@ async def test_a_later_round_abandons_an_incomplete_one():
 async def test_abort_fails_waiters_and_late_pushes():
     agg, rec = Aggregator(3), Recorder()
     await _feed(agg, rec, [_push(0, np.ones(2, np.float32))])
-    agg.abort("t", 0, 0, worker=2, message="local mismatch")
+    agg.abort("t", 0, 0, worker=2, why=Why("local mismatch"))
     assert "aborted by worker 2: local mismatch" in rec.failures[0]
     await _feed(agg, rec, [_push(1, np.ones(2, np.float32))])
     assert "aborted" in rec.failures[1]
@@ -180,7 +180,7 @@ async def test_reset_fails_pending_rounds_and_clears_state_once_every_worker_res
 async def test_abort_of_a_later_round_fails_the_waiting_one():
     agg, rec = Aggregator(2), Recorder()
     await _feed(agg, rec, [_push(0, np.ones(2, np.float32), rnd=3)])
-    agg.abort("t", 0, 4, worker=1, message="gave up")
+    agg.abort("t", 0, 4, worker=1, why=Why("gave up"))
     assert "abandoned" in rec.failures[0]
 
 
@@ -348,7 +348,7 @@ async def test_a_round_that_fails_while_an_addition_is_in_the_pool_drops_the_add
     task = asyncio.ensure_future(_feed(agg, rec, [_push(w, np.full(size, 1.0, np.float32)) for w in range(2)]))
     await _turns()
     assert len(pool.pending) == 1  # worker 1's addition (worker 0's buffer was adopted)
-    agg.abort("t", 0, 0, worker=2, message="gave up")
+    agg.abort("t", 0, 0, worker=2, why=Why("gave up"))
     pool.run_pending()
     await task
     assert set(rec.failures) == {0, 1} and rec.results == {}

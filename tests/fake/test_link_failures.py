@@ -28,7 +28,7 @@ from bps_worker.link import ServerLink, _LinkProtocol, connection_error, failure
 from protocol.config import ServerSpec, parse_config
 from protocol.frames import FrameReader, encode_frame, encode_header
 from protocol.messages import (Failure, FuseAbort, FuseReady, FuseResync, Push, Result, RoundInfo, RoundQuery,
-                               batch_header, parse, to_header)
+                               Why, batch_header, parse, to_header)
 from fake_transport import FakeTransport, feed
 
 
@@ -255,8 +255,8 @@ async def test_a_reset_drops_what_the_old_processes_queued_of_fused_sums():
     link._connecting.cancel()
     link.first_on_reconnect(FuseResync("run-1", ["x"], [3], 4, "e1"))
     link.fuse(FuseReady(["x"], [["float32", [4], False, ""]], [0], [3], [3]))
-    link.fuse(FuseAbort(["x"], "rank 0 left", "round_failed", True, [3]))
-    link.abort("big", 0, 7, "rank 0 left")
+    link.fuse(FuseAbort(["x"], "rank 0 left", reported=True, rounds=[3]))
+    link.abort("big", 0, 7, Why("rank 0 left"))
     link.reset()
     new = FuseReady(["x"], [["float32", [4], False, ""]], [0], [0], [])
     link.fuse(new)

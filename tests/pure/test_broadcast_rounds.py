@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bps_runtime import kernels
-from bps_server.rounds import FailRound, RoundTable, SumAll, describe
+from bps_server.rounds import FailRound, RoundTable, SumAll, Why, describe
 from bps_worker.local_rounds import Failed, LocalRounds, agree
 from bps_worker.local_rounds import describe as local_describe
 from protocol.errors import LocalProtocolError
@@ -158,7 +158,7 @@ def test_a_late_push_of_an_aborted_round_hears_why_after_the_next_round_was_abor
     """A mismatch within one machine aborts its rounds at the anchor server, one after another: the other
     machine's late push of the first still gets the first abort's reason (it got "stale round")."""
     table: RoundTable[str] = RoundTable(2)
-    table.abort("t", 0, 0, 0, "mismatch of step 0")
-    table.abort("t", 0, 1, 0, "mismatch of step 1")
+    table.abort("t", 0, 0, 0, Why("mismatch of step 0"))
+    table.abort("t", 0, 1, 0, Why("mismatch of step 1"))
     (fail,) = table.push(_push(1), _data(1), "w1", 0.0)
     assert "aborted by worker 0: mismatch of step 0" in fail.reason

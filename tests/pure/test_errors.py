@@ -8,7 +8,8 @@ from typing import get_args
 
 import pytest
 
-from bps_worker.errors import BPSConnectionError, BPSError, BPSMismatchError, BPSTimeoutError, error_from_failure
+from bps_worker.errors import (BPSConnectionError, BPSError, BPSMismatchError, BPSTimeoutError, error_from_failure,
+                               why_from_error)
 from protocol import messages as m
 from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from protocol.frames import FrameReader, encode_header
@@ -214,3 +215,21 @@ def test_a_failure_without_structured_fields_keeps_its_message(code, cls):
     exc = error_from_failure(m.parse(old_frame))
     assert type(exc) is cls
     assert str(exc) == "tensor 'w' mismatch: rank 0 has [8] but rank 1 has [9]"
+
+
+def test_an_error_told_on_to_the_peers_keeps_its_code_and_facts_and_a_mismatch_both_sides():
+    """A worker daemon that gives a round up for an error (an abort at a server) tells the peers its code and
+    facts (why_from_error); a mismatch goes as its two sides, so that each peer hears its own as ``ours``."""
+    mismatch = BPSMismatchError("server 0: worker 0 pushed float32[8]", name="w", ours="float32[8]",
+                                theirs="float32[9]")
+    why = why_from_error(mismatch, "tensor 'w': given up")
+    assert (why.text, why.code, why.name, why.sides, why.detail) == (
+        "tensor 'w': given up", "mismatch", "w", ("float32[8]", "float32[9]"), "server 0: worker 0 pushed float32[8]")
+    heard = why.heard_by("float32[9]")
+    assert (heard.ours, heard.theirs) == ("float32[9]", "float32[8]")
+    lost = why_from_error(BPSConnectionError("gone", peer="server 2 at h:9"), "lost")
+    assert (lost.code, lost.peer, lost.detail, lost.sides) == ("connection", "server 2 at h:9", "gone", None)
+    late = why_from_error(BPSTimeoutError("slow", what="round 2 of 'w'", timeout_s=5.0), "late")
+    assert (late.code, late.what, late.timeout_s) == ("timeout", "round 2 of 'w'", 5.0)
+    assert why_from_error(KeyError("a bug"), "internal error") == m.Why("internal error")
+    assert why_from_error(BPSError("plain"), "plain") == m.Why("plain")

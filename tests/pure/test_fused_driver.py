@@ -82,7 +82,7 @@ class Session:
         self.got.append(message)
 
 
-def worker(wid: int) -> Any:
+def worker(wid: int, local_size: int = 1) -> Any:
     link, numbers, aborted, forgotten, steps = Link(), Numbers(), [], [], []
 
     def spawn(coro: Any) -> asyncio.Future[Any]:
@@ -93,7 +93,7 @@ def worker(wid: int) -> Any:
         aborted.append((key, local_round))
 
     daemon = types.SimpleNamespace(
-        config=types.SimpleNamespace(local_size=1, worker_id=wid, cluster=types.SimpleNamespace(timeout=10.0)),
+        config=types.SimpleNamespace(local_size=local_size, worker_id=wid, cluster=types.SimpleNamespace(timeout=10.0)),
         rank_offset=wid, worker_id=wid, links={0: link}, sessions={},
         placement=types.SimpleNamespace(server_ids=[0], anchor=lambda n: 0,
                                         fused_key=lambda sid, lane, dtype, avg, lanes: fused_name(sid, lane, dtype, avg, lanes)
@@ -121,7 +121,8 @@ def deliver(p: Planner, w: int, fs: Any, epoch: str = "e1", run: str = "run-1") 
         if isinstance(m, FuseReady):
             out += p.report(w, m.names, [F32] * len(m.names), m.counts, rounds=m.rounds)
         elif isinstance(m, FuseAbort):
-            out += p.abort(w, m.names, Why(m.message, m.code), reported=m.reported, rounds=m.rounds)
+            why = Why.carried(m).relayed(f"worker {w} gave the fused sum up")
+            out += p.abort(w, m.names, why, reported=m.reported, rounds=m.rounds)
         elif isinstance(m, FuseRunning):
             p.running(w, m.seq, m.names, m.counts, m.rounds, m.lanes)
         elif isinstance(m, FuseResync) and m.incarnation == run and m.epoch == epoch:
@@ -293,6 +294,27 @@ def answer(fs: Any, failures: list[Any], w: int) -> None:
             fs.carry_out(fs.rounds.failed_at_anchor(f.name, f.why))
 
 
+async def test_a_mismatch_among_one_machines_processes_reaches_the_other_machine_as_a_mismatch_of_its_own_side():
+    """Worker 1 reported "a"; worker 0's two processes disagree about it (float32[4] against float32[5]). Worker 0's
+    FuseAbort carries the mismatch whole, the anchor fails worker 1's report with it (FuseFailed), and worker 1's
+    process hears a mismatch naming the tensor with its own as ``ours`` (it heard a round_failed, the mismatch
+    only in words), and who disagreed."""
+    q, w0, w1 = Planner(2), worker(0, local_size=2), worker(1)
+    await submit(w1, "a", 0)
+    assert deliver(q, 1, w1) == []  # waits for worker 0
+    rank1 = Session()
+    rank1.local_rank = 1
+    w0.submit(w0.session, [(0, "a", F32, "seg", 0, 0)])
+    w0.submit(rank1, [(0, "a", ("float32", (5,), False, ""), "seg", 0, 0)])
+    assert [(m.ours, m.theirs) for m in w0.session.got + rank1.got] == [("float32[4]", "float32[5]"),
+                                                                        ("float32[5]", "float32[4]")]
+    for f in deliver(q, 0, w0):  # as the server tells each worker (bps_server.server.fused), in its epoch
+        w1.on_message(0, FuseFailed(f.name, epoch="e1", **f.why.carry()))
+    (failure,) = w1.session.got
+    assert (failure.code, failure.name, failure.ours, failure.theirs) == ("mismatch", "a", "float32[4]", "float32[5]")
+    assert failure.detail == "worker 0 gave the fused sum up: rank 0 has float32[4] but rank 1 has float32[5]"
+
+
 async def test_a_round_that_failed_before_a_restart_is_not_summed_with_the_peers_next_one():
     """The server's old run failed worker 0's step 0 of "a" (worker 1 gave it up) and died before its
     FuseFailed reached worker 0, which reports step 0 again to the new run; worker 1 reports its step 1.
@@ -332,7 +354,7 @@ async def test_a_report_the_new_run_never_heard_of_given_up_fails_the_peers_roun
     failures = deliver(q, 0, w0, run="run-2")
     assert [(f.worker, f.name) for f in failures] == [(1, "a")] and not q.waiting and not q.failed
     answer(w1, failures, 1)
-    assert [m.code for m in w1.session.got] == ["round_failed"]
+    assert [m.code for m in w1.session.got] == ["mismatch"]  # worker 0's why, whole
     await submit(w0, "a", 1)
     await submit(w1, "a", 1)
     deliver(q, 0, w0, run="run-2")

@@ -50,7 +50,7 @@ from bps_worker.link import _FUSED_TOLD
 import bps_worker.fused_driver as fd
 from bps_server import rounds as srounds
 from bps_server.fusion import Planner
-from protocol.messages import (Failure, FuseAbort, FuseFailed, FusePast, FusePlan, FuseReady, FuseResync,
+from protocol.messages import (Abort, Failure, FuseAbort, FuseFailed, FusePast, FusePlan, FuseReady, FuseResync,
                                FuseRunning, Push, Reset, Why, fused_lanes, fused_name)
 
 F32 = ("float32", (4,), False, "")
@@ -175,7 +175,8 @@ class Sim:
             if sim.p.ended(key):  # as connection.on_abort
                 sim.log(f"w{w} abort data {key}#{local_round}: lanes ended, ignored"); return
             sim.log(f"w{w} abort data {key}#{local_round} -> server round {local_round + offset}")
-            sim.t_do(sim.table.abort(key, 0, local_round + offset, w, reason))
+            abort = Abort(key, 0, local_round + offset, w, **reason.carry())  # as the link sends it; the server:
+            sim.t_do(sim.table.abort(key, 0, abort.round, w, srounds.Why.carried(abort, key)))
         numbers = types.SimpleNamespace(next=Counter(), total=Counter())
         def take(key):
             n = numbers.next[key]; numbers.next[key] += 1; numbers.total[key] += 1; return n
@@ -286,7 +287,7 @@ class Sim:
 
     def fused(self, failures):
         for f in failures:
-            self.s_send(f.worker, FuseFailed(f.name, f.why.text[:200], f.why.code, epoch=self.p.epoch(f.worker)))
+            self.s_send(f.worker, FuseFailed(f.name, epoch=self.p.epoch(f.worker), **f.why.carry()))
         for r in self.p.take_resends():
             self.log(f"S resend plan {r.seq} {r.names} to w{r.worker}")
             if r.worker in self.links:
@@ -310,7 +311,8 @@ class Sim:
         if isinstance(m, FuseReady):
             self.fused(p.report(w, m.names, [F32] * len(m.names), m.counts, rounds=m.rounds))
         elif isinstance(m, FuseAbort):
-            self.fused(p.abort(w, m.names, Why(m.message, m.code), lambda n: set(), m.reported, rounds=m.rounds))
+            why = Why.carried(m).relayed(f"worker {w} gave the fused sum up")
+            self.fused(p.abort(w, m.names, why, lambda n: set(), m.reported, rounds=m.rounds))
         elif isinstance(m, FuseResync):
             if m.incarnation != f"run-{self.inc}" or m.epoch != conn.epoch: return
             if m.next_plan >= 0:

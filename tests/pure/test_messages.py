@@ -27,7 +27,9 @@ SAMPLES: dict[str, m.Message] = {
                    offset=128, count=448, divisor=4, kind="sum", segment="bps_w1_9_ff", seg_offset=4096,
                    out_segment="bps_w1_9_ee", out_offset=64, replay=True),
     "result": m.Result(req=5, name="layer1.weight", part=2, round=9, inplace=True, applied=[9, 7]),
-    "abort": m.Abort(name="emb", part=0, round=3, worker=1, message="worker shutting down"),
+    "abort": m.Abort(name="emb", part=0, round=3, worker=1, message="tensor 'emb' mismatch", code="mismatch",
+                     ours="float32[4]", theirs="float32[5]", peer="rank 1", what="tensor 'emb'", timeout_s=1.5,
+                     detail="rank 0 has float32[4] but rank 1 has float32[5]", sides=["float32[4]", "float32[5]"]),
     "reset": m.Reset(worker=1, epoch="beef"),
     "release": m.Release(segment="bps_w1_9_ff"),
     "announce": m.Announce(segments=["bps_w1_9_ff", "bps_w1_9_fe"]),
@@ -55,12 +57,14 @@ SAMPLES: dict[str, m.Message] = {
     "fuse_past": m.FusePast(names=["a", "b"], rounds=[10, 3], counts=[4, 1]),
     "fuse_resync": m.FuseResync(incarnation="0123abcd", names=["a", "b"], counts=[7, 0], rounds=[9, 0]),
     "fuse_abort": m.FuseAbort(names=["a"], message="rank 1 disconnected", code="connection", reported=True,
-                              rounds=[5]),
+                              rounds=[5], ours="float32[4]", theirs="float32[5]", peer="rank 1 (pid 7)",
+                              what="tensor 'a'", timeout_s=2.0, detail="it disconnected", sides=["x[1]", "y[1]"]),
     "fuse_plan": m.FusePlan(seq=7, names=["b", "a"], resent="lost", groups=[["float16", True], ["int32", False]],
                             group=[1, 0], epoch="5f3a9c0d11e2b4a7", lanes="0123abcd.1"),
     "fuse_failed": m.FuseFailed(name="a", message="tensor 'a' mismatch", code="mismatch", ours="float32[4]",
                                 theirs="float16[4]", peer="worker 1", detail="worker 0 has float32[4]",
-                                epoch="5f3a9c0d11e2b4a7"),
+                                epoch="5f3a9c0d11e2b4a7", what="tensor 'a'", timeout_s=4.0,
+                                sides=["float32[4]", "float16[4]"]),
     "batch": m.Batch(items=[{"t": "done", "req": 1}, {"t": "result", "req": 2, "name": "b", "part": 0, "round": 1}],
                      sizes=[0, 8]),
 }
@@ -634,3 +638,57 @@ def test_a_failures_free_text_is_clipped_not_refused():
     assert len(failure.message) == m.MAX_MESSAGE_CHARS and failure.timeout_s == 3.0
     parsed = m.parse({"t": "failure", "req": 2, "message": "x", "ours": "o" * (m.MAX_MESSAGE_CHARS + 5)})
     assert isinstance(parsed, m.Failure) and parsed.ours == "o" * m.MAX_MESSAGE_CHARS
+
+
+# -- a Why between the daemons --------------------------------------------------------------------------------
+def _carriers(why: m.Why) -> list[m.Message]:
+    """``why`` in each message that carries it between the daemons, through the wire and back."""
+    built = [m.Abort("w", 0, 3, 1, **why.carry()), m.FuseAbort(["w"], reported=True, **why.carry()),
+             m.FuseFailed("w", epoch="e1", **why.carry())]
+    return [m.parse(FrameReader().receive_data(encode_header(m.to_header(msg)))[0].header) for msg in built]
+
+
+@pytest.mark.parametrize("why", [
+    m.Why.mismatch("w", "float32[4] (average)", "float32[5] (average)",
+                   "rank 0 has float32[4] (average) but rank 1 has float32[5] (average)"),
+    m.Why("tensor 'w' timed out", "timeout", name="w", what="tensor 'w'", timeout_s=5.0, detail="rank 3 is absent"),
+    m.Why("rank 1 left", "connection", name="w", peer="rank 1 (pid 77)", detail="it disconnected"),
+    m.Why("tensor 'w': every process of worker 0 left", "round_failed", name="w"),
+], ids=["mismatch", "timeout", "connection", "plain"])
+def test_a_why_travels_whole_in_every_message_that_carries_it(why):
+    """Abort, FuseAbort and FuseFailed carry a Why's code and facts, and a mismatch's two sides unaddressed: the
+    receiver rebuilds the same Why (the tensor's name is the message's own), and each side hears its own."""
+    for carrier in _carriers(why):
+        assert m.Why.carried(carrier, "w") == why, carrier  # type: ignore[arg-type]
+    if why.code == "mismatch":
+        heard = m.Why.carried(_carriers(why)[0], "w").heard_by("float32[5] (average)")  # type: ignore[arg-type]
+        assert (heard.ours, heard.theirs, heard.sides) == ("float32[5] (average)", "float32[4] (average)", None)
+
+
+def test_an_old_abort_frame_parses_as_a_round_failed_without_facts():
+    """A worker from before the facts travelled: its Abort and FuseAbort say only words."""
+    old = m.parse({"t": "abort", "name": "w", "part": 0, "round": 2, "worker": 1, "message": "gave up"})
+    assert isinstance(old, m.Abort) and m.Why.carried(old, old.name) == m.Why("gave up", "round_failed", name="w")
+    fused = m.parse({"t": "fuse_abort", "names": ["w"], "message": "gave up"})
+    assert isinstance(fused, m.FuseAbort) and m.Why.carried(fused) == m.Why("gave up", "round_failed")
+
+
+def test_a_carried_why_has_no_sides_or_two_and_its_text_is_clipped():
+    for sides in (["float32[4]"], ["a", "b", "c"], ["a", 3]):
+        with pytest.raises(RemoteProtocolError, match="sides must be none or two descriptions"):
+            m.parse(header("abort", sides=sides))
+    with pytest.raises(RemoteProtocolError, match="fuse abort timeout_s must be finite"):
+        m.parse(header("fuse_abort", timeout_s=-1.0))
+    long = "\x01" * m.MAX_NAME_CHARS
+    why = m.Why.mismatch(long, f"float32[4] {long!r}", "float32[5]", f"{long!r} " * 3)
+    abort = m.Abort("w", 0, 0, 0, **why.carry())
+    assert len(abort.message) == len(abort.detail) == len(abort.sides[0]) == m.MAX_MESSAGE_CHARS
+
+
+def test_the_relayed_why_says_who_gave_the_round_up_before_its_text_and_detail():
+    why = m.Why.mismatch("w", "float32[4]", "float32[5]", "rank 0 has float32[4] but rank 1 has float32[5]")
+    told = why.relayed("worker 0 gave the fused sum up")
+    assert told.text == "worker 0 gave the fused sum up: tensor 'w' mismatch: rank 0 has float32[4] but rank 1 has " \
+        "float32[5]"
+    assert told.detail == "worker 0 gave the fused sum up: rank 0 has float32[4] but rank 1 has float32[5]"
+    assert told.sides == why.sides and m.Why("gone").relayed("worker 2").detail == "worker 2"

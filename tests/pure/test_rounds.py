@@ -23,6 +23,7 @@ from bps_server.rounds import (
     SumAll,
     Why,
 )
+from protocol import messages
 from protocol.messages import Push
 
 
@@ -169,7 +170,7 @@ def test_the_driver_fails_a_round_it_cannot_sum_for_everyone_and_late_pushes_hea
 def test_abort_fails_waiters_and_late_pushes():
     table: RoundTable[str] = RoundTable(3)
     table.push(_push(0), _data(), "w0", 0.0)
-    actions = table.abort("t", 0, 0, worker=2, message="local mismatch")
+    actions = table.abort("t", 0, 0, worker=2, why=Why("local mismatch"))
     assert _fails(actions) == {"w0": "tensor 't' round 0 aborted by worker 2: local mismatch"}
     assert _fails(table.push(_push(1), _data(), "w1", 0.0)) == {
         "w1": "tensor 't' round 0 aborted by worker 2: local mismatch"}
@@ -218,11 +219,30 @@ def test_a_replayers_next_round_is_held_until_the_replayed_round_settles():
     assert redispatch.held[0].push.round == 8 and table.keys[("t", 0)].round == 8
 
 
+def test_an_abort_carrying_a_mismatch_is_heard_by_each_push_as_its_own_side():
+    """Worker 2's processes disagreed (float32[4] against float32[5]) and it gave the round up: its Abort carries
+    the mismatch whole, and the other workers' pushes, of either shape, waiting or late, each hear it as a
+    mismatch with their own tensor as ``ours`` (as the connection answers a push: ``for_push``), and who gave it
+    up (it was a round_failed without facts)."""
+    table: RoundTable[str] = RoundTable(3)
+    table.push(_push(0), _data(), "w0", 0.0)
+    local = messages.Why.mismatch("t", "float32[4]", "float32[5]", "rank 4 has float32[4] but rank 5 has float32[5]")
+    abort = messages.Abort("t", 0, 0, 2, **local.carry())  # as the worker's link sends it
+    actions = table.abort("t", 0, 0, worker=2, why=Why.carried(abort, abort.name))
+    actions += table.push(_push(1, shape=[5]), _data(), "w1", 0.0)
+    heard = {f.handle: f.why.for_push(f.push) for a in actions
+             for f in (a.fails if isinstance(a, FailRound) else (a,) if isinstance(a, Fail) else ())}
+    assert {h: (w.code, w.name, w.ours, w.theirs) for h, w in heard.items()} == {
+        "w0": ("mismatch", "t", "float32[4]", "float32[5]"), "w1": ("mismatch", "t", "float32[5]", "float32[4]")}
+    assert heard["w1"].detail == "tensor 't' round 0 aborted by worker 2: rank 4 has float32[4] but rank 5 has " \
+        "float32[5]"
+
+
 def test_a_held_push_fails_with_its_round_when_the_replayed_round_fails():
     table: RoundTable[str] = RoundTable(2)
     table.replay(_push(0, rnd=7, replay=True), _data(3), 0.0)
     table.push(_push(0, rnd=8), _data(1), "held", 0.0)
-    actions = table.abort("t", 0, 7, worker=1, message="gave up")
+    actions = table.abort("t", 0, 7, worker=1, why=Why("gave up"))
     assert _fails(actions) == {"held": "tensor 't' round 8 cannot start: round 7 failed: tensor 't' round 7 "
                                        "aborted by worker 1: gave up"}
 
@@ -234,7 +254,7 @@ def test_an_abort_of_the_next_round_fails_a_held_push_of_it_rather_than_dropping
     table: RoundTable[str] = RoundTable(2)
     table.replay(_push(0, rnd=7, replay=True), _data(3), 0.0)
     assert table.push(_push(0, rnd=8), _data(1), "w0r8", 0.0) == []
-    actions = table.abort("t", 0, 8, worker=1, message="gave up")
+    actions = table.abort("t", 0, 8, worker=1, why=Why("gave up"))
     assert _fails(actions) == {"w0r8": "tensor 't' round 8 cannot start: round 7 failed: tensor 't' round 7 "
                                        "abandoned: worker 1 aborted round 8"}
     st = table.keys[("t", 0)]
@@ -414,7 +434,7 @@ def test_every_other_failure_is_round_failed_without_facts():
     table.push(_push(0, rnd=1), _data(), "w0", 0.0)
     assert _facts(table.push(_push(0, rnd=1), _data(), "twice", 0.0)) == {"twice": plain}
     assert _facts(table.push(_push(1, rnd=2), _data(), "w1", 0.0)) == {"w0": plain}  # abandoned
-    assert _facts(table.abort("t", 0, 2, 2, "local trouble")) == {"w1": plain}
+    assert _facts(table.abort("t", 0, 2, 2, Why("local trouble"))) == {"w1": plain}
 
 
 def test_an_open_round_meets_a_fused_report_of_its_name_and_fails_for_every_pusher():
@@ -458,7 +478,7 @@ def test_fail_ended_fails_the_open_rounds_of_the_names_it_is_told_of_every_part_
     table: RoundTable[str] = RoundTable(2)
     for name, part in (("old", 0), ("old", 1), ("new", 0)):
         table.push(_push(0, name=name, part=part), _data(), f"{name}{part}", 0.0)
-    table.abort("idle", 0, 0, 0, "given up")  # a failed round: not failed again
+    table.abort("idle", 0, 0, 0, Why("given up"))  # a failed round: not failed again
     actions = table.fail_ended(lambda name: name in ("old", "idle"), Why("lanes ended"))
     assert _fails(actions) == {"old0": "lanes ended", "old1": "lanes ended"}
     assert table.keys[("new", 0)].busy and set(table.keys) == {("new", 0)}  # the ended keys forgotten
