@@ -184,8 +184,8 @@ def test_the_workers_that_gave_a_failed_round_up_are_past_it():
     assert not table.past("t", {0})  # no round
     table.push(_push(1), _data(), "w1", 0.0)
     assert not table.past("t", {1})  # open
-    table.abort("t", 0, 0, worker=0, message="local mismatch")
-    table.abort("t", 0, 0, worker=2, message="local mismatch")  # (failed already: recorded all the same)
+    table.abort("t", 0, 0, worker=0, why=Why("local mismatch"))
+    table.abort("t", 0, 0, worker=2, why=Why("local mismatch"))  # (failed already: recorded all the same)
     assert table.past("t", {0}) and table.past("t", {0, 2})
     assert not table.past("t", {1}) and not table.past("t", {0, 1}) and not table.past("t", set())
     assert not table.past("other", {0})
