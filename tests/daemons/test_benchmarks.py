@@ -100,6 +100,18 @@ def test_soak_tiny_restarts_a_server_and_reports_no_wrong_or_failed_round():
     assert any(line.split()[:3] == ["server-2", "2nd", "life:"] for line in result.stdout.splitlines()), result.stdout
 
 
+def test_mismatch_soak_tiny_gets_every_sum_and_every_planned_mismatch():
+    """Seed 1's first 9 steps: name s14 goes fused on one machine and unfused on the other in a step with a
+    mismatch, then unfused everywhere in step 8 (an old error on one machine and a hang on the other before
+    8afc329)."""
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "mismatch_soak.py"), "--seeds", "1",
+                             "--first-seed", "1", "--steps", "9", "--step-timeout", "10"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "seed 1: ok: 148 exact sums, 40 mismatch errors as planned" in result.stdout, result.stdout
+    assert result.stdout.splitlines()[-1] == "1 of 1 seeds as expected", result.stdout
+
+
 def test_shm_vs_tcp_tiny_prints_its_table_and_each_cluster_takes_its_path():
     import re
 
