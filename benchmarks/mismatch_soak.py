@@ -129,7 +129,7 @@ def run_seed(seed: int, steps: int, step_timeout: float) -> dict[str, Any]:
                      for w in cluster.config.worker_specs for local in range(w.local_size)]
             for p in procs:
                 p.start()
-            reports = []
+            reports: list[dict[str, Any]] = []
             deadline = time.monotonic() + steps * step_timeout + 60
             while len(reports) < len(procs) and time.monotonic() < deadline:
                 try:
