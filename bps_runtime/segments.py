@@ -12,8 +12,10 @@ processes only attach (:func:`attach_segment`), and close the descriptor at once
 
 from __future__ import annotations
 
+import _posixshmem
 import errno
 import itertools
+import mmap
 import os
 import re
 import secrets
@@ -167,10 +169,9 @@ def attach_owned(name: str) -> tuple[SharedMemory, int]:
     mapping was made from (glibc's ``shm_open`` opens with ``O_NOFOLLOW``: a symlink is refused, and the
     file checked is the file mapped). OSError if it is gone, not a regular file, or not ours to read."""
     try:
-        seg = SharedMemory(name=name, create=False)
+        seg = _attach_untracked(name)
     except ValueError:  # mmap refuses an empty file: a segment truncated to 0 bytes, or never sized
         raise OSError(errno.EINVAL, f"shared memory {name!r} is empty") from None
-    untrack(seg)
     try:
         st = os.fstat(seg._fd)  # type: ignore[attr-defined]
         if not stat.S_ISREG(st.st_mode):
@@ -182,6 +183,26 @@ def attach_owned(name: str) -> tuple[SharedMemory, int]:
     _remember(seg, st)
     close_fd(seg)
     return seg, st.st_uid
+
+
+def _attach_untracked(name: str) -> SharedMemory:
+    """``SharedMemory(name)``, without telling the resource tracker. The constructor registers every segment it
+    maps (the tracker would unlink it at exit), so an attach had to unregister it at once; but processes
+    started by one parent (``multiprocessing``'s spawn or forkserver, ``torch.multiprocessing.spawn``) share its
+    tracker, and two of them mapping one segment could interleave register, register, unregister,
+    unregister: the tracker then printed a ``KeyError`` traceback. (The constructor also unlinks a segment it
+    fails to map, which no attach should do.)"""
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    try:
+        size = os.fstat(fd).st_size
+        mapping = mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    seg = SharedMemory.__new__(SharedMemory)  # the attributes its __init__ sets on POSIX, and its methods read
+    seg._name, seg._fd, seg._mmap, seg._size = "/" + name, fd, mapping, size  # type: ignore[attr-defined]
+    seg._buf = memoryview(mapping)  # type: ignore[attr-defined]
+    return seg
 
 
 def attach_segment(name: str, owner_uid: int | None = None) -> SharedMemory:

@@ -201,8 +201,7 @@ async def test_no_shared_memory_on_an_extra_stream():
             assert isinstance(welcome, Welcome) and welcome.shm is shared and conn.shm is shared
             assert conn.shm_uid == (os.getuid() if shared else None)
     finally:
-        release(probe, unlink=False)
-        os.unlink(f"/dev/shm/{probe.name}")  # the server's attach (same process here) untracked it already
+        release(probe, unlink=True)  # (the server's attach, in this process, leaves the tracker alone)
     await server.stop()
 
 

@@ -29,8 +29,7 @@ def segments():
     made[0].buf[:32] = bytes(range(32))  # the probe
     yield made
     for seg in made:
-        release(seg, unlink=False)
-        os.unlink(f"/dev/shm/{seg.name}")  # the server's attach (same process here) untracked it already
+        release(seg, unlink=True)  # (the server's attach, in this process, leaves the tracker alone)
 
 
 def _shm_worker(server, probe) -> tuple[ServerConnection, FakeTransport]:

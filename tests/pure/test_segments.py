@@ -101,3 +101,27 @@ def test_an_empty_segment_is_an_oserror_naming_it():
             segments.attach_segment(name)
     finally:
         os.unlink(os.path.join(segments.SHM_DIR, name))
+
+
+def test_an_attach_maps_the_segment_without_telling_the_resource_tracker(monkeypatch: pytest.MonkeyPatch):
+    """Processes started by one parent share its resource tracker: an attach that registered and unregistered
+    each segment could interleave with a sibling's and make the tracker print a KeyError traceback. An attach
+    sends it nothing; the mapping reads and writes the creator's bytes, and closes cleanly."""
+    from multiprocessing import resource_tracker
+
+    made = segments.create_segment(segments.segment_name(903), 4096)
+    calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(resource_tracker, "register", lambda name, rtype: calls.append(("register", name)))
+    monkeypatch.setattr(resource_tracker, "unregister", lambda name, rtype: calls.append(("unregister", name)))
+    try:
+        made.buf[:4] = b"bps!"
+        seg = segments.attach_segment(made.name, owner_uid=os.getuid())
+        assert calls == []
+        assert seg.name == made.name and seg.size == made.size and bytes(seg.buf[:4]) == b"bps!"
+        seg.buf[4:6] = b"ok"
+        assert bytes(made.buf[4:6]) == b"ok"
+        segments.release(seg, unlink=False)
+        assert calls == [] and os.path.exists(os.path.join(segments.SHM_DIR, made.name))
+    finally:
+        monkeypatch.undo()
+        segments.release(made, unlink=True)
