@@ -253,6 +253,8 @@ class WorkerDaemon:
 
     async def stop(self) -> None:
         self.stopping = True
+        for link in self.all_links:
+            link.stopping = True
         self.pulse.beat()  # readyz: 503 "stopping" from now on
         if self._heartbeat is not None:
             self._heartbeat.cancel()
@@ -266,6 +268,7 @@ class WorkerDaemon:
             session.release_segments()
         for link in self.all_links:
             link.close()
+        await asyncio.gather(*(link.wait_closed() for link in self.all_links))
         self.staging.release_all()
         self.results.release_all()
         if self.timeline is not None:

@@ -361,6 +361,7 @@ class ServerLink:
         self.incarnation: str | None = None  # of the server run we last talked to
         self.epoch = ""  # of this worker's round numbering (set by the daemon)
         self.closed = False
+        self.stopping = False  # the daemon stops: a connection lost now is not reconnected (see on_broken)
         self._proto: _LinkProtocol | None = None
         self._ready = False  # handshake complete: pushes may flow
         self._connecting: asyncio.Task[None] | None = None
@@ -559,6 +560,12 @@ class ServerLink:
             for name in names:
                 self._proto.announced.discard(name)
                 self._send(self._proto, Release(name))
+
+    async def wait_closed(self) -> None:
+        """After :meth:`close`: its connection attempt (cancelled there) has ended, so that no task of it is
+        left pending when the daemon's loop closes."""
+        if self._connecting is not None:
+            await asyncio.gather(self._connecting, return_exceptions=True)
 
     def close(self) -> None:
         self.closed = True
@@ -781,8 +788,8 @@ class ServerLink:
         if self._silence is not None:
             self._silence.cancel()
             self._silence = None
-        if not self.closed:
-            log.warning("%s", reason)
+        if not self.closed:  # (while the daemon stops, as when a box's units all stop at once: no alarm)
+            log.log(logging.INFO if self.stopping else logging.WARNING, "%s", reason)
         self._proto = None
         was_ready, self._ready = self._ready, False
         self.window.by_reference = False
@@ -797,7 +804,7 @@ class ServerLink:
             return  # lost during the handshake: the connecting loop retries (see _connect), nothing was sent
         if self.on_lost is not None:
             self.on_lost(reason)
-        if self.incarnation is None or self.closed:
+        if self.incarnation is None or self.closed or self.stopping:
             self._fail_all(BPSConnectionError(reason))
             return
         # The server may be restarting: hold what is in flight until we know (see the module docstring).
@@ -832,7 +839,7 @@ class ServerLink:
             deadline = loop.time() + self.timeout
         delay = RECONNECT_DELAY_S
         last_error = why
-        while not self.closed and loop.time() < deadline:
+        while not self.closed and not self.stopping and loop.time() < deadline:
             permanent = False
             try:
                 await self._open(deadline)

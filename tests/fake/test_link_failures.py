@@ -458,3 +458,27 @@ async def test_a_link_that_holds_work_with_no_attempt_under_way_connects_again()
     await asyncio.sleep(0.05)
     assert link._connecting is None or link._connecting.done()
     link.close()
+
+
+async def test_a_link_of_a_stopping_daemon_does_not_reconnect_and_its_attempt_ends_with_it():
+    """The daemon stops (``stopping``) and a server goes (as when a box's units stop at once): what waited
+    fails at once, no reconnection starts. A link closed while it reconnects: ``wait_closed`` returns once its
+    attempt has ended (before, the daemon's loop closed on it still pending: "Task was destroyed but it is
+    pending!")."""
+    link, proto, transport = _link()
+    future = link.push({"name": "w", "part": 0, "round": 0, "dtype": "float32", "shape": [2], "offset": 0,
+                        "count": 2}, memoryview(np.ones(2, np.float32)).cast("B"), memoryview(bytearray(8)), 0)
+    link.stopping = True
+    proto.connection_lost(None)
+    assert isinstance(future.exception(), BPSConnectionError) and link._connecting is None
+    link.close()
+    await link.wait_closed()
+
+    other, proto, _ = _link()
+    proto.connection_lost(None)  # not stopping: it reconnects (to a port where nothing listens)
+    attempt = other._connecting
+    assert attempt is not None and not attempt.done()
+    await asyncio.sleep(0.05)
+    other.close()
+    await other.wait_closed()
+    assert attempt.done()
