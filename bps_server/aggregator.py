@@ -233,9 +233,9 @@ class Aggregator:
         """A worker's copy of a round's sum from this server's previous run (see "Server restarts")."""
         self._run(self.table.replay(push, data, time.monotonic()))
 
-    def round_for(self, name: str, part: int, worker: int) -> int:
-        """The round ``worker``'s next push of (name, part) belongs to (see RoundTable.round_for)."""
-        return self.table.round_for(name, part, worker)
+    def round_for(self, name: str, part: int, worker: int, local: int = 0, failed: bool = False) -> int:
+        """The round ``worker``'s round ``local`` of (name, part) is (see RoundTable.round_for)."""
+        return self.table.round_for(name, part, worker, local, failed)
 
     def sweep(self, now: float) -> int:
         """Fail every round that waited longer than ``lost_grace_s`` for a worker that is not connected

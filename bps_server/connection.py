@@ -293,7 +293,8 @@ class ServerConnection(AdmittedProtocol):
 
     def on_round_query(self, query: RoundQuery, payload: memoryview | None) -> None:
         assert self.worker is not None
-        self.send(RoundInfo(query.req, self.server.aggregator.round_for(query.name, query.part, self.worker)))
+        self.send(RoundInfo(query.req, self.server.aggregator.round_for(query.name, query.part, self.worker,
+                                                                        query.local, query.failed)))
 
     def on_announce(self, message: Announce, payload: memoryview | None) -> None:
         """Segments the worker's pushes on this connection will name: the only ones we map. An honest

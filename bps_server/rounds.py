@@ -465,13 +465,18 @@ class RoundTable(Generic[W]):
         self._open(token.key, st.round + 1)
         return Complete(token.key, st.round, st.opened, tuple(st.waiters.values()))
 
-    def round_for(self, name: str, part: int, worker: int) -> int:
-        """The round ``worker``'s next push of key (name, part) belongs to, for a worker whose round
-        numbering starts afresh (see RoundQuery). 0 when no other worker was mid-job as the worker's
-        numbering started (every worker starts a job together); for a rejoining worker, the round the
-        others are in, or the next one if that one failed or already has the worker."""
+    def round_for(self, name: str, part: int, worker: int, local: int = 0, failed: bool = False) -> int:
+        """The round that ``worker``'s round ``local`` of key (name, part) is, for a worker whose round
+        numbering starts afresh (see RoundQuery). ``local`` when no other worker was mid-job as the worker's
+        numbering started (every worker starts a job together: the numbers are the same); for a rejoining
+        worker, the round the others are in, or the next one if that one failed or already has the worker;
+        -1 if ``local`` is a failed fused step's (that step's round and the next one look alike here)."""
+        if worker not in self._rejoining:
+            return local
+        if failed:
+            return -1
         st = self.keys.get((name, part))
-        if st is None or worker not in self._rejoining:
+        if st is None:
             return 0
         done = (st.failed is not None or worker in st.waiters or worker in st.restart.replayers
                 or worker in st.restart.answered)

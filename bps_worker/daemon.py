@@ -460,8 +460,23 @@ class WorkerDaemon:
     def unfused_step(self, name: str) -> None:
         """A fused round of ``name`` failed with no unfused round of its step here: the step takes an unfused
         round number all the same, as it does on a peer that pushed the name unfused in that step (see
-        ``bps_worker.fusion``, "Each round has an index"). The base is learned for it as for a round."""
-        self.round_base(name, self.rounds.numbers.take(name))
+        ``bps_worker.fusion``, "Each round has an index"), and that round is given up at the anchor, so that
+        its round table counts the step too (a machine that rejoins is placed by it)."""
+        self.spawn(self._give_up_step(name, self.rounds.numbers.take(name)))
+
+    async def _give_up_step(self, name: str, local_round: int) -> None:
+        base = self.rounds.numbers.base(name)
+        if base is None:  # the name's first numbered step in this job: learned here unless we rejoined
+            anchor = self.placement.server_ids[self.placement.anchor(name)]
+            try:
+                server_round = await self.links[anchor].query_round(name, 0, local_round, failed=True)
+            except (BPSError, asyncio.CancelledError):
+                return  # the anchor is unreachable, or the job is gone
+            if server_round < 0 or self.rounds.numbers.base(name) is not None:
+                return  # we rejoined: learned at our next round of the name (or learned meanwhile)
+            base = self.rounds.numbers.learn(name, local_round, server_round)
+        why = Why(f"tensor {name!r}: the fused round of this step failed on worker {self.worker_id}", "round_failed")
+        self.abort_at_anchor(name, local_round + base, why)
 
     def round_base(self, name: str, local_round: int) -> asyncio.Future[int]:
         """The offset from our round numbers of ``name`` to the servers' (asked once per job, and
@@ -478,7 +493,7 @@ class WorkerDaemon:
 
     async def _ask_round(self, name: str, local_round: int) -> int:
         anchor = self.placement.server_ids[self.placement.anchor(name)]
-        server_round = await self.links[anchor].query_round(name, 0)
+        server_round = await self.links[anchor].query_round(name, 0, local_round)
         return self.rounds.numbers.learn(name, local_round, server_round)
 
     def session_lost(self, session: ClientSession) -> None:

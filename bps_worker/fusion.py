@@ -35,7 +35,9 @@ took, so that an unfused round of a later step lines up with the peers'. A failu
 fails the name for every worker), and where some processes pushed it unfused (sizes on both sides of the
 fusion limit) one machine may have an unfused round of that step and another none; without the number, the
 first machine's later unfused rounds of the name were one ahead of the second's for good (a hang). A fused
-round that fails beside an unfused round of its step here (``fail_name``'s ``unfused``) takes no second one. Reports and aborts say it while our processes are those the job began with (``aligned``), so that
+round that fails beside an unfused round of its step here (``fail_name``'s ``unfused``) takes no second one.
+The daemon gives the number's round up at the anchor (``WorkerDaemon.unfused_step``), so that its round table
+counts the step too: a machine that rejoins mid-job is placed at the peers' round by it. Reports and aborts say it while our processes are those the job began with (``aligned``), so that
 the anchor tells a stale round from a current one after it restarted (see ``bps_server.fusion``).
 
 ``FusedRounds`` only decides: its calls return what the daemon must send. A member is whatever the daemon

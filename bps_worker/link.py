@@ -477,10 +477,10 @@ class ServerLink:
             future.cancel()
         return True
 
-    def query_round(self, name: str, part: int = 0) -> asyncio.Future[int]:
-        """Ask the server which round our next push of (name, part) is (see RoundQuery)."""
+    def query_round(self, name: str, part: int = 0, local: int = 0, failed: bool = False) -> asyncio.Future[int]:
+        """Ask the server which round our round ``local`` of (name, part) is (see RoundQuery)."""
         req = next(self._req)
-        query = RoundQuery(req, name, part)
+        query = RoundQuery(req, name, part, local, failed)
         future = self.control.ask(query)
         self._send_control(query)
         return future

@@ -625,16 +625,22 @@ class RoundQuery(Message):
     """Worker -> the server holding partition 0 of ``name``: which round should my next push of it be?
 
     Asked once per name whenever a worker's round numbering starts (daemon start, new job), so that
-    a worker machine that comes back joins the round the others are in."""
+    a worker machine that comes back joins the round the others are in. ``local``: the worker's own number
+    of the round it asks for (a worker that did not rejoin is answered with it: its numbers are the
+    servers'). ``failed``: that number is a failed fused step's (``bps_worker.fusion``: a step takes an
+    unfused round number whichever path it took); a rejoining worker is answered -1 then, "ask again at a
+    round of yours", since the servers cannot tell that step's round from the next one."""
 
     TYPE: ClassVar[str] = "round_query"
     req: int
     name: str
     part: int = 0
+    local: int = 0
+    failed: bool = False
 
     def validate(self) -> None:
         _check_name(self.name)
-        _check_non_negative("round query", part=self.part)
+        _check_non_negative("round query", part=self.part, local=self.local)
 
 
 @dataclass(frozen=True, slots=True)

@@ -614,3 +614,31 @@ def late_rounds(n: int, rounds: int, late_rank: int, delay: float) -> dict[str, 
         y = bps.push_pull(np.full(n, rank + 1, np.float32), "lag", average=False)
         ok = ok and bool((y == sum(range(1, size + 1))).all())
     return {"ok": ok}
+
+
+def phantom_rejoin(role: str, go: Any, cross: bool) -> dict[str, Any]:
+    """Name "pr" on 2 machines of one process each (a 1 KiB fusion limit). Step 0: "steady" (machine 0) and
+    "first" (machine 1) push it small with other sizes: a fused mismatch, a failed step on both. "first" leaves
+    and "again" joins machine 1 mid-job (a rejoin); steps 1-3 push it too large to fuse, 10**step each. With
+    ``cross``, "again"'s step 1 pushes it small (fused) while "steady"'s is large: a mismatch. What each step
+    gave, per step: the set of values, or the error's class."""
+    out: dict[str, Any] = {}
+
+    def step(n: int, shape: int, value: float) -> None:
+        try:
+            got = bps.synchronize(bps.push_pull_async(np.full(shape, value, np.float32), "pr", average=False),
+                                  timeout=30)
+            out[f"step{n}"] = sorted(set(got.tolist()))
+        except bps.BPSError as exc:
+            out[f"step{n}"] = type(exc).__name__
+
+    if role != "again":  # (a key on every server: machine 0 is mid-job on each when machine 1 resets)
+        bps.push_pull(np.ones(100000, np.float32), "pr.warm", average=False)
+        step(0, 3 if role == "steady" else 4, 1.0)
+    if role == "first":
+        return out
+    if role == "steady":
+        go.wait(60)
+    for n in (1, 2, 3):
+        step(n, 3 if cross and role == "again" and n == 1 else 400, 10.0 ** n)
+    return out

@@ -85,3 +85,50 @@ def test_a_killed_worker_machine_rejoins_the_running_job(tmp_path):
     mine = new["partner_steps"]
     assert new["error_count"] == 0 and len(mine) == STEPS, new
     assert mine == [mine[0] + i for i in range(STEPS)] and mine[0] >= len(victim["partner_steps"]), new
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("cross", [False, True], ids=["unfused", "its-first-step-fused"])
+def test_a_machine_that_rejoins_after_a_failed_fused_step_lines_up_with_its_peer(tmp_path, cross):
+    """A failed fused step takes an unfused round number on every machine (bps_worker.fusion), and the anchor
+    counts it (an abort of that round), so a machine that rejoins mid-job is placed at the peers' round: its
+    steps are summed with theirs, not with their next ones (it was, silently: 110 and 1100 for 20 and 200).
+    Its first step may itself be a failed one (a fused push beside the peer's unfused one): it learns where it
+    is at its next round."""
+    path = write_config(tmp_path, [1, 1], cluster={"timeout": 10.0, "partition_bytes": 65536})
+    cluster = start_cluster(path)
+    ctx = rank_context()
+    queue, go = ctx.Queue(), ctx.Event()
+    sockets = [w.socket for w in cluster.config.worker_specs]
+    procs = []
+
+    def rank(worker: int, role: str) -> None:
+        p = ctx.Process(target=_rank_main, args=(queue, sockets[worker], 0, worker, rp.phantom_rejoin,
+                                                 (role, go, cross), 20.0), daemon=True)
+        p.start()
+        procs.append(p)
+
+    try:
+        rank(0, "steady")
+        rank(1, "first")
+        first = _collect(queue, {1}, 60, cluster)[1]
+        procs[1].join(timeout=10)
+        time.sleep(1.0)  # machine 1 has no processes (it resets) while machine 0's stays in the job
+        rank(1, "again")
+        time.sleep(1.0)
+        go.set()
+        results = _collect(queue, {0, 1}, 120, cluster)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        cluster.stop()
+    steady, again = results[0], results[1]
+    assert first == {"step0": "BPSMismatchError"} and steady["step0"] == "BPSMismatchError", (first, steady)
+    if cross:
+        assert steady["step1"] == again["step1"] == "BPSMismatchError", (steady, again)
+    else:
+        assert steady["step1"] == again["step1"] == [20.0], (steady, again)
+    for n in (2, 3):
+        assert steady[f"step{n}"] == again[f"step{n}"] == [2 * 10.0 ** n], (n, steady, again)

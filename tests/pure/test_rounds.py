@@ -405,7 +405,10 @@ def test_round_for_a_rejoining_worker_is_the_round_the_others_are_in():
     _sum_round(table, 0, range(2))
     _sum_round(table, 1, range(2))
     assert table.round_for("t", 0, 1) == 0  # not rejoining: every worker starts a job together
+    assert table.round_for("t", 0, 1, local=3) == 3  # (its numbers are the servers', asked at any round)
+    assert table.round_for("t", 0, 1, local=3, failed=True) == 3
     (note,) = table.worker_hello(1, "a-new-daemon")
+    assert table.round_for("t", 0, 1, local=0, failed=True) == -1  # a failed step's number: ask again later
     assert note.message == "worker 1 came back (a new daemon) while other workers are mid-job: it rejoins them"
     assert table.round_for("t", 0, 1) == 2
     table.push(_push(0, rnd=2), _data(), "w0", 0.0)
