@@ -8,7 +8,7 @@ import time
 import pytest
 
 import rank_programs as rp
-from harness import _rank_main, daemon_logs, rank_context, server_stats, start_cluster, write_config
+from harness import _rank_main, daemon_logs, rank_context, reap, server_stats, start_cluster, write_config
 
 STEPS = 12
 
@@ -119,10 +119,7 @@ def test_a_machine_that_rejoins_after_a_failed_fused_step_lines_up_with_its_peer
         go.set()
         results = _collect(queue, {0, 1}, 120, cluster)
     finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+        reap(procs, timeout=5)
         cluster.stop()
     steady, again = results[0], results[1]
     assert first == {"step0": "BPSMismatchError"} and steady["step0"] == "BPSMismatchError", (first, steady)
