@@ -41,6 +41,7 @@ from protocol.messages import ASYNC_KINDS, FUSED_PREFIX, Op, Ping, Spec, Why, de
 from .async_operation import AsyncName, AsyncOperation
 from .errors import BPSError
 from .fused_driver import FusedSums
+from .fusion import Decisions
 from .link import ServerLink
 from .local_rounds import Action, Failed, LocalRound, LocalRounds, Opened, Ready, Refused, describe, failure_for
 from .operation import run_operation, segment_buffer
@@ -354,6 +355,8 @@ class WorkerDaemon:
         if not decisions.aborts:  # no fused round here; machines that fused it wait at the planner all the same
             decisions.abort(name, why, False, self.fusion.rounds.index.get(name, 1) - 1)  # (the unfused one's)
         self.fusion.carry_out(decisions)
+        for lr in self.rounds.open.get(name, ()):
+            lr.planner_told = True
         self._execute(self.rounds.fail_name(name, why, fused_ranks))
         return why
 
@@ -364,7 +367,7 @@ class WorkerDaemon:
                 self.stalls.began(action.round, asyncio.get_running_loop().time())
             if isinstance(action, Opened):
                 if not self.fusion.rounds.busy(action.round.name):  # one round of the name: it takes its index
-                    self.fusion.rounds.skip(action.round.name)
+                    action.round.fused_index = self.fusion.rounds.skip(action.round.name)
                 if action.round.first.kind not in ASYNC_KINDS:  # asynchronous names have no rounds to learn
                     self.round_base(action.round.name, action.round.round)
                 self._watch(action.round)
@@ -408,6 +411,13 @@ class WorkerDaemon:
         round there, as a step of its own."""
         lr = action.round
         log.warning("%s", action.reason)
+        if lr.first.kind not in ASYNC_KINDS and lr.fused_index >= 0 and not lr.planner_told and self.sessions:
+            # Peers that issued the name fused in this step wait at the anchor's planner: it hears first (the
+            # Abort below would fail only the round table's round, which a fused peer never pushes).
+            lr.planner_told = True
+            told: Decisions[ClientSession] = Decisions()
+            told.abort(lr.name, action.why, False, lr.fused_index)
+            self.fusion.carry_out(told)
         if lr.first.kind not in ASYNC_KINDS and action.server_round is None:  # (asynchronous: no round waits)
             self.spawn(self.abort_when_known(lr.name, lr.round, self.round_base(lr.name, lr.round), action.why,
                                              lambda: self._answer_failed(action)))

@@ -68,6 +68,11 @@ class LocalRound(Generic[M]):
     expected: set[int]  # local ranks that have not submitted yet
     members: dict[int, tuple[M, Op]] = field(default_factory=dict)  # by local rank
     why: Why | None = None  # why the round failed; late ranks still join it and get this error
+    # The index the step took among the name's fused rounds here (FusedRounds.skip; -1: none, a fused round of
+    # the step was open), and whether the anchor's planner heard of the step's failure already: peers that
+    # issued the name fused in this step wait there (see WorkerDaemon._failed).
+    fused_index: int = -1
+    planner_told: bool = False
 
     @property
     def failed(self) -> str | None:

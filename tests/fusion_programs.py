@@ -202,6 +202,25 @@ def unfused_mismatch_then_fused(bad_rank: int, names: int) -> dict[str, Any]:
     return {"errors": errors, "wrong": wrong}
 
 
+def unfused_failure_beside_fused() -> dict[str, Any]:
+    """Machine 0's processes push "ufb" too large to fuse and disagree (400 and 401 elements): its local round
+    fails; machine 1's push it small (3 elements, fused). Every process must get an error in that step, not wait
+    at the anchor's planner for ever (machine 1's report did: the failure only reached the round table). Then a
+    barrier, and a step that every process agrees on."""
+    rank = bps.rank()
+    shape = {0: 400, 1: 401}.get(rank, 3)
+    out: dict[str, Any] = {}
+    try:
+        bps.synchronize(bps.push_pull_async(np.ones(shape, np.float32), "ufb", average=False), timeout=20)
+        out["step1"] = "summed"
+    except bps.BPSError as exc:
+        out["step1"] = type(exc).__name__
+    out["barrier"] = bps.push_pull(np.ones(2, np.float32), "ufb.barrier", average=False).tolist()
+    got = bps.synchronize(bps.push_pull_async(np.full(400, 7, np.float32), "ufb", average=False), timeout=20)
+    out["step2"] = sorted(set(got.tolist()))
+    return out
+
+
 def reset_loop(role: str, n: int, steps: int, kill_after: int, max_seconds: float) -> dict[str, Any]:
     """Two ranks, one per machine, ``n`` small sums a step, all fused. Rank r pushes ``base(r, i) + step`` for
     name i, so each side reads, per name, which step of the other it was summed with (NaN: elements of two

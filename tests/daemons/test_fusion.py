@@ -63,6 +63,16 @@ def test_a_fused_step_after_a_failed_unfused_step_of_the_name_is_summed(cluster_
 
 
 @pytest.mark.timeout(120)
+def test_an_unfused_failure_on_one_machine_reaches_a_machine_that_fused_the_name(cluster_2x2: Any) -> None:
+    """Machine 0's processes disagree about a name too large to fuse; machine 1's pushed it small enough to fuse.
+    Machine 1's processes must get an error too (its report waited at the planner for ever, and a barrier after
+    the step hung every process), and the next step is summed."""
+    for rank, r in enumerate(run_ranks(cluster_2x2, fp.unfused_failure_beside_fused, timeout=90)):
+        assert r["step1"] == "BPSMismatchError", (rank, r)  # (machine 1: the facts came with the abort)
+        assert r["barrier"] == [4.0, 4.0] and r["step2"] == [28.0], (rank, r)
+
+
+@pytest.mark.timeout(120)
 def test_a_name_whose_shape_or_dtype_changes_between_steps(cluster_2x2: Any) -> None:
     """The client keeps each slot's view from step to step: a name pushed with another shape or dtype gets
     the right result, and one process that changes alone is still a mismatch, named, on every process."""
