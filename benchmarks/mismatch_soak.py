@@ -5,7 +5,8 @@
 
 The driver writes a private cluster file shaped like configs/local.toml (2 worker daemons x 2 training
 processes, one Summation Service colocated with each worker plus one CPU-only one; the default 4 MiB partitions,
-so tensors of at most 64 KiB are fused) and runs one job per seed: one rank process per training process.
+so tensors of at most 64 KiB are fused; ``--local-sizes 1,2,1`` for other machines) and runs one job per seed:
+one rank process per training process.
 
 Each step, every rank draws the same plan from the seed: a few names out of a small pool (so a name comes back
 in later steps, often with another size or dtype), each with a size from a list that straddles the fusion
@@ -112,13 +113,14 @@ def rank_main(results: Any, sock: str, local_rank: int, seed: int, steps: int, s
     results.put({"problems": problems, **counts})
 
 
-def run_seed(seed: int, steps: int, step_timeout: float) -> dict[str, Any]:
-    """One job of ``steps`` steps on a fresh cluster: what its ranks reported."""
+def run_seed(seed: int, steps: int, step_timeout: float, local_sizes: list[int]) -> dict[str, Any]:
+    """One job of ``steps`` steps on a fresh cluster (``local_sizes``: processes per machine): what its ranks
+    reported."""
     from bps_worker.cluster_file import write_config
     from bps_worker.supervise import Cluster
 
     with tempfile.TemporaryDirectory(prefix="bps-mismatch-soak-") as tmp:
-        config = write_config(Path(tmp), [2, 2], cpu_servers=1, cluster={"timeout": step_timeout})
+        config = write_config(Path(tmp), local_sizes, cpu_servers=1, cluster={"timeout": step_timeout})
         cluster = Cluster(str(config), log_level="warning", log_dir=str(Path(tmp) / "logs"))
         cluster.start()
         try:
@@ -157,11 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="steps per job (default 20)")
     p.add_argument("--step-timeout", type=float, default=20.0,
                    help="seconds a step's name may take before it counts as a hang (default 20)")
+    p.add_argument("--local-sizes", default="2,2",
+                   help="training processes per machine, one number per machine (default 2,2: configs/local.toml)")
     args = p.parse_args(argv)
+    local_sizes = [int(n) for n in args.local_sizes.split(",")]
     failing = 0
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         try:
-            result = run_seed(seed, args.steps, args.step_timeout)
+            result = run_seed(seed, args.steps, args.step_timeout, local_sizes)
         except Exception as exc:
             print(f"seed {seed}: the cluster could not start: {exc}")
             return 2

@@ -477,13 +477,13 @@ class WorkerDaemon:
     async def _give_up_step(self, name: str, local_round: int) -> None:
         base = self.rounds.numbers.base(name)
         if base is None:  # the name's first numbered step in this job: learned here unless we rejoined
-            anchor = self.placement.server_ids[self.placement.anchor(name)]
+            anchor, epoch = self.placement.server_ids[self.placement.anchor(name)], self.epoch
             try:
                 server_round = await self.links[anchor].query_round(name, 0, local_round, failed=True)
             except (BPSError, asyncio.CancelledError):
                 return  # the anchor is unreachable, or the job is gone
-            if server_round < 0 or self.rounds.numbers.base(name) is not None:
-                return  # we rejoined: learned at our next round of the name (or learned meanwhile)
+            if server_round < 0 or self.epoch != epoch or self.rounds.numbers.base(name) is not None:
+                return  # we rejoined (learned at our next round of the name), the job is over, or learned
             base = self.rounds.numbers.learn(name, local_round, server_round)
         why = Why(f"tensor {name!r}: the fused round of this step failed on worker {self.worker_id}", "round_failed")
         self.abort_at_anchor(name, local_round + base, why)

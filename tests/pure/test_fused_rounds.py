@@ -358,3 +358,36 @@ async def test_an_unfused_op_of_a_rank_late_for_a_failed_fused_round_is_its_part
     fr.submit("p0", 0, entries(["a"], 2))  # the next step, fused by both
     ready = fr.submit("p1", 1, entries(["a"], 8)).ready
     assert [(r.index, [e.req for e in r.members()]) for r in ready] == [(1, [2, 8])]
+
+
+async def test_a_failed_steps_round_is_given_up_at_the_anchor_once_the_base_is_learned_in_the_same_job():
+    """WorkerDaemon._give_up_step (on a fake daemon): the base learned from the anchor's answer, and the step's
+    round given up there; nothing learned or given up where the answer says we rejoined (-1), or comes after
+    a reset (another epoch: the job it was asked for is over)."""
+    import asyncio
+
+    from bps_worker.local_rounds import RoundNumbers
+
+    aborted: list[tuple[str, int]] = []
+    answers: list[asyncio.Future[int]] = []
+
+    def query_round(name: str, part: int, local: int, failed: bool) -> asyncio.Future[int]:
+        assert failed and part == 0
+        answers.append(asyncio.get_running_loop().create_future())
+        return answers[-1]
+
+    daemon = types.SimpleNamespace(
+        rounds=types.SimpleNamespace(numbers=RoundNumbers()), epoch="e1", worker_id=WORKER,
+        placement=types.SimpleNamespace(server_ids=[7], anchor=lambda name: 0),
+        links={7: types.SimpleNamespace(query_round=query_round)},
+        abort_at_anchor=lambda name, server_round, why: aborted.append((name, server_round)))
+    for answer, epoch, want_base, want_aborted in ((4, "e1", 0, [("n", 4)]), (-1, "e1", None, []),
+                                                   (4, "e2", None, [])):
+        daemon.rounds.numbers.reset()
+        daemon.epoch, aborted[:] = "e1", []
+        task = asyncio.ensure_future(WorkerDaemon._give_up_step(daemon, "n", 4))  # type: ignore[arg-type]
+        await asyncio.sleep(0)
+        daemon.epoch = epoch
+        answers[-1].set_result(answer)
+        await task
+        assert daemon.rounds.numbers.base("n") == want_base and aborted == want_aborted, (answer, epoch)
