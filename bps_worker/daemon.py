@@ -352,11 +352,10 @@ class WorkerDaemon:
         why = Why.mismatch(name, fused, unfused, detail)
         decisions = self.fusion.rounds.fail_name(name, why, set(range(self.config.local_size)) - fused_ranks,
                                                  unfused=True)
-        if not decisions.aborts:  # no fused round here; machines that fused it wait at the planner all the same
-            decisions.abort(name, why, False, self.fusion.rounds.index.get(name, 1) - 1)  # (the unfused one's)
         self.fusion.carry_out(decisions)
-        for lr in self.rounds.open.get(name, ()):
-            lr.planner_told = True
+        if decisions.aborts:  # the fused round here told the planner; else the unfused one does (_failed)
+            for lr in self.rounds.open.get(name, ()):
+                lr.planner_told = True
         self._execute(self.rounds.fail_name(name, why, fused_ranks))
         return why
 
@@ -411,20 +410,21 @@ class WorkerDaemon:
         round there, as a step of its own."""
         lr = action.round
         log.warning("%s", action.reason)
-        if lr.first.kind not in ASYNC_KINDS and lr.fused_index >= 0 and not lr.planner_told and self.sessions:
+        if lr.first.kind in ASYNC_KINDS:  # no round waits for us at the servers
+            self._answer_failed(action)
+            return
+        if lr.fused_index >= 0 and not lr.planner_told and self.sessions:
             # Peers that issued the name fused in this step wait at the anchor's planner: it hears first (the
             # Abort below would fail only the round table's round, which a fused peer never pushes).
             lr.planner_told = True
             told: Decisions[ClientSession] = Decisions()
             told.abort(lr.name, action.why, False, lr.fused_index)
             self.fusion.carry_out(told)
-        if lr.first.kind not in ASYNC_KINDS and action.server_round is None:  # (asynchronous: no round waits)
+        if action.server_round is None:
             self.spawn(self.abort_when_known(lr.name, lr.round, self.round_base(lr.name, lr.round), action.why,
                                              lambda: self._answer_failed(action)))
             return
-        if lr.first.kind not in ASYNC_KINDS:
-            assert action.server_round is not None
-            self.abort_at_anchor(lr.name, action.server_round, action.why)
+        self.abort_at_anchor(lr.name, action.server_round, action.why)
         self._answer_failed(action)
 
     @staticmethod
@@ -448,11 +448,14 @@ class WorkerDaemon:
 
         asyncio.get_running_loop().call_later(timeout, check)
 
+    def _anchor_link(self, name: str) -> ServerLink:
+        """The link to the server of ``name``'s partition 0, where every peer meets."""
+        return self.links[self.placement.server_ids[self.placement.anchor(name)]]
+
     def abort_at_anchor(self, name: str, server_round: int, why: Why) -> None:
         """Fail round ``server_round`` of ``name`` at the server of its partition 0, where every peer meets: each
         hears ``why`` (its code and facts: a mismatch, each its own side of it)."""
-        anchor = self.placement.server_ids[self.placement.anchor(name)]
-        self.links[anchor].abort(name, 0, server_round, why)
+        self._anchor_link(name).abort(name, 0, server_round, why)
 
     async def abort_when_known(self, name: str, local_round: int, base: asyncio.Future[int], why: Why,
                                then: Callable[[], None] = lambda: None) -> None:
@@ -477,9 +480,9 @@ class WorkerDaemon:
     async def _give_up_step(self, name: str, local_round: int) -> None:
         base = self.rounds.numbers.base(name)
         if base is None:  # the name's first numbered step in this job: learned here unless we rejoined
-            anchor, epoch = self.placement.server_ids[self.placement.anchor(name)], self.epoch
+            epoch = self.epoch
             try:
-                server_round = await self.links[anchor].query_round(name, 0, local_round, failed=True)
+                server_round = await self._anchor_link(name).query_round(name, 0, local_round, failed=True)
             except (BPSError, asyncio.CancelledError):
                 return  # the anchor is unreachable, or the job is gone
             if server_round < 0 or self.epoch != epoch or self.rounds.numbers.base(name) is not None:
@@ -502,8 +505,7 @@ class WorkerDaemon:
         return query
 
     async def _ask_round(self, name: str, local_round: int) -> int:
-        anchor = self.placement.server_ids[self.placement.anchor(name)]
-        server_round = await self.links[anchor].query_round(name, 0, local_round)
+        server_round = await self._anchor_link(name).query_round(name, 0, local_round)
         return self.rounds.numbers.learn(name, local_round, server_round)
 
     def session_lost(self, session: ClientSession) -> None:

@@ -378,8 +378,7 @@ async def test_a_failed_steps_round_is_given_up_at_the_anchor_once_the_base_is_l
 
     daemon = types.SimpleNamespace(
         rounds=types.SimpleNamespace(numbers=RoundNumbers()), epoch="e1", worker_id=WORKER,
-        placement=types.SimpleNamespace(server_ids=[7], anchor=lambda name: 0),
-        links={7: types.SimpleNamespace(query_round=query_round)},
+        _anchor_link=lambda name: types.SimpleNamespace(query_round=query_round),
         abort_at_anchor=lambda name, server_round, why: aborted.append((name, server_round)))
     for answer, epoch, want_base, want_aborted in ((4, "e1", 0, [("n", 4)]), (-1, "e1", None, []),
                                                    (4, "e2", None, [])):
