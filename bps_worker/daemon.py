@@ -244,6 +244,7 @@ class WorkerDaemon:
                 link.keep_connected()
             for link in self.all_links:
                 link.keep_trying()
+            self._execute(self.rounds.overdue_rounds(self.sessions.keys(), loop.time(), self.config.cluster.timeout))
             for text in self.stalls.warnings(loop.time(), self.rounds, self.all_links):
                 log.warning("%s", text)
             self.fusion.watch(loop.time())
@@ -363,13 +364,14 @@ class WorkerDaemon:
         """Carry out the local rounds' decisions, in order."""
         for action in actions:
             if isinstance(action, (Opened, Ready)):  # it waits for local ranks, or at the servers, from now
-                self.stalls.began(action.round, asyncio.get_running_loop().time())
+                now = asyncio.get_running_loop().time()
+                self.stalls.began(action.round, now)
             if isinstance(action, Opened):
+                action.round.opened_at = now  # watched for absent processes from now (_heartbeats)
                 if not self.fusion.rounds.busy(action.round.name):  # one round of the name: it takes its index
                     action.round.fused_index = self.fusion.rounds.skip(action.round.name)
                 if action.round.first.kind not in ASYNC_KINDS:  # asynchronous names have no rounds to learn
                     self.round_base(action.round.name, action.round.round)
-                self._watch(action.round)
             elif isinstance(action, Refused):
                 action.member.send(action.failure())
             elif isinstance(action, Failed):
@@ -378,10 +380,13 @@ class WorkerDaemon:
                 self.spawn(self._run(action.round))
 
     async def _run(self, lr: LocalRound[ClientSession]) -> None:
-        if lr.first.kind in ASYNC_KINDS:
-            await self.run_tracked(lr.name, AsyncOperation(self, lr, self.async_names).run())
-        else:
-            await self.run_tracked(lr.name, run_operation(self, lr))
+        try:
+            if lr.first.kind in ASYNC_KINDS:
+                await self.run_tracked(lr.name, AsyncOperation(self, lr, self.async_names).run())
+            else:
+                await self.run_tracked(lr.name, run_operation(self, lr))
+        finally:
+            self.stalls.ended(lr)
 
     async def run_tracked(self, name: str, operation: Any) -> None:
         """Await ``name``'s operation; meanwhile its staging and results buffers are not freed for room."""
@@ -410,6 +415,7 @@ class WorkerDaemon:
         round there, as a step of its own."""
         lr = action.round
         log.warning("%s", action.reason)
+        self.stalls.ended(lr)
         if lr.first.kind in ASYNC_KINDS:  # no round waits for us at the servers
             self._answer_failed(action)
             return
@@ -431,22 +437,6 @@ class WorkerDaemon:
     def _answer_failed(action: Failed[ClientSession]) -> None:
         for session, op in action.members:
             session.send(action.failure(op))
-
-    def _watch(self, lr: LocalRound[ClientSession]) -> None:
-        """Look at an open round after every timeout: fail it if it waits for a process that is not
-        even connected (see LocalRounds.overdue)."""
-        timeout = self.config.cluster.timeout
-
-        def check() -> None:
-            actions = self.rounds.overdue(lr, self.sessions.keys(), timeout)
-            if actions is None:
-                return
-            if actions:
-                self._execute(actions)
-            else:
-                asyncio.get_running_loop().call_later(timeout, check)
-
-        asyncio.get_running_loop().call_later(timeout, check)
 
     def _anchor_link(self, name: str) -> ServerLink:
         """The link to the server of ``name``'s partition 0, where every peer meets."""

@@ -73,6 +73,9 @@ class LocalRound(Generic[M]):
     # issued the name fused in this step wait there (see WorkerDaemon._failed).
     fused_index: int = -1
     planner_told: bool = False
+    # When the daemon opened it (its loop's clock; None until then): the watch for absent processes
+    # (LocalRounds.overdue_rounds) counts from here.
+    opened_at: float | None = None
 
     @property
     def failed(self) -> str | None:
@@ -270,6 +273,18 @@ class LocalRounds(Generic[M]):
                                                         f"tensor {lr.name!r}"))
                 else:
                     self.retire(lr)
+        return actions
+
+    def overdue_rounds(self, connected: Collection[int], now: float, timeout_s: float) -> list[Action[M]]:
+        """The watch of every open round, which the daemon runs a few times per timeout: each one open for
+        ``timeout_s`` or more (since its ``opened_at``) that waits for a process that is not even connected fails
+        (see :meth:`overdue`). One pass over the open rounds, and nothing kept per round in between: a timer per
+        round held every round of the last timeout, with its ops, until it fired."""
+        actions: list[Action[M]] = []
+        for rounds in list(self.open.values()):
+            for lr in list(rounds):
+                if lr.opened_at is not None and now - lr.opened_at >= timeout_s:
+                    actions += self.overdue(lr, connected, timeout_s) or []
         return actions
 
     def overdue(self, lr: LocalRound[M], connected: Collection[int], waited_s: float) -> list[Action[M]] | None:

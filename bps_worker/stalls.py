@@ -3,10 +3,11 @@
 A round waits first for its local ranks (open in :class:`~bps_worker.local_rounds.LocalRounds`),
 then, once every local rank submitted it, at the servers for the other machines' pushes (its
 partitions in the links' windows). The daemon says when each phase began (:meth:`WorkerStalls.began`)
-and asks a few times per timeout what to log (:meth:`WorkerStalls.warnings`); when is decided by
-:class:`bps_runtime.stalls.StallWatch` (after the timeout, then every timeout). A round is not
-followed to its end: once it is due, it is still waiting if it is open and not failed, or if a
-partition of it is still in a link's window; else it is forgotten.
+and when the round ended (:meth:`WorkerStalls.ended`: its operation is over, or it failed), and asks a few
+times per timeout what to log (:meth:`WorkerStalls.warnings`); when is decided by
+:class:`bps_runtime.stalls.StallWatch` (after the timeout, then every timeout). Once a round is due, it is
+still waiting if it is open and not failed, or if a partition of it is still in a link's window; else it is
+forgotten (one whose end was not said).
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ class WorkerStalls:
     def began(self, lr: LocalRound[Any], now: float) -> None:
         """``lr`` opened (it waits for local ranks) or started (it waits at the servers)."""
         self._since[lr] = now
+
+    def ended(self, lr: LocalRound[Any]) -> None:
+        """``lr`` waits no more (its operation ended, or it failed): forgotten now. (A round not said to have
+        ended is forgotten at the first look after it became due; until then it was kept, with its ops.)"""
+        self._since.pop(lr, None)
 
     def warnings(self, now: float, rounds: LocalRounds[Any], links: Sequence[ServerLink]) -> list[str]:
         """What to log now about the rounds that waited ``warn_after_s`` or more (and again later)."""

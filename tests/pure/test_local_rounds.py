@@ -196,6 +196,26 @@ def test_the_watch_fails_a_round_only_for_a_process_that_is_not_connected():
     assert rounds(1).overdue(done, connected=set(), waited_s=1.0) is None  # not open (it started)
 
 
+def test_the_watch_of_every_open_round_fails_those_open_a_timeout_for_a_process_not_connected():
+    """The daemon's tick runs it over every open round: only a round open ``timeout_s`` or more (since the daemon
+    stamped it opened) that waits for a process that is not connected fails; a slow one is looked at again."""
+    lr = rounds(3)
+    old = lr.submit("s0", 0, op(name="old"))[0].round
+    young = lr.submit("s0", 0, op(name="young"))[0].round
+    slow = lr.submit("s0", 0, op(name="slow"))[0].round
+    unstamped = lr.submit("s0", 0, op(name="unstamped"))[0].round
+    old.opened_at, young.opened_at = 100.0, 104.5
+    slow.opened_at = 100.0
+    lr.submit("s1", 1, op(name="slow", req=2))  # slow waits only for rank 2, which is connected
+    actions = lr.overdue_rounds(connected={0, 2}, now=105.0, timeout_s=5.0)
+    assert kinds(actions) == ["Failed"] and actions[0].round is old
+    assert actions[0].reason == "tensor 'old': rank 4 of worker 1 is not connected (waited 5 s)"
+    assert old.failed and young.failed is None and slow.failed is None and unstamped.failed is None
+    assert lr.overdue_rounds(connected={0, 2}, now=105.0, timeout_s=5.0) == []  # failed once, not again
+    later = lr.overdue_rounds(connected={0}, now=109.5, timeout_s=5.0)
+    assert sorted(a.round.name for a in later) == ["slow", "young"]
+
+
 def test_reset_fails_every_open_round_and_numbering_starts_again():
     lr = rounds(2)
     lr.submit("s0", 0, op("a"))

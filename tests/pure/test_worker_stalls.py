@@ -55,3 +55,18 @@ def test_a_round_every_local_rank_submitted_waits_at_the_servers_holding_its_par
                     "submitted it, other workers have not pushed it (the server's log names them)")
     assert stalls.warnings(30.0, rounds, [_link(1, ("w", 6))]) == []  # answered: forgotten
     assert stalls.warnings(40.0, rounds, links) == []
+
+
+def test_a_round_said_to_have_ended_is_forgotten_at_once():
+    """The daemon says when a round's operation ended or it failed: the inspector keeps nothing of it (before, it
+    kept every round, with its ops, until the first look after it became due: all the rounds of a timeout)."""
+    rounds: LocalRounds[str] = LocalRounds(1, 0, 0)
+    stalls = WorkerStalls(TIMEOUT_S, 0, 0)
+    opened, ready = rounds.submit("s0", 0, _op(0))
+    stalls.began(opened.round, 20.0)
+    stalls.began(ready.round, 20.0)
+    assert stalls._since
+    stalls.ended(ready.round)
+    assert not stalls._since
+    stalls.ended(ready.round)  # (said twice: a failure after its operation's end)
+    assert stalls.warnings(30.0, rounds, [_link(0, ("w", 0))]) == []
