@@ -38,6 +38,7 @@ class AsyncValues:
         self.store: ValueStore[Replier] = ValueStore(n_workers, timeout_s=timeout_s, worker_of_rank=worker_of_rank)
         self.timeout_s = timeout_s
         self.deltas = 0  # deltas received (replays included)
+        self.deltas_by_worker: dict[int, int] = {}
         self._sweeper: asyncio.TimerHandle | None = None
 
     def has(self, name: str, part: int) -> bool:
@@ -46,6 +47,7 @@ class AsyncValues:
 
     def push(self, push: Push, data: np.ndarray, replier: Replier, lease: Lease | None) -> None:
         self.deltas += 1
+        self.deltas_by_worker[push.worker] = self.deltas_by_worker.get(push.worker, 0) + 1
         self._run(self.store.push(push, data, replier, time.monotonic(), lease))
 
     def restore(self, push: Push, data: np.ndarray) -> None:

@@ -267,6 +267,7 @@ class SummationServer:
         data["rounds_open"] = sum(st.busy for st in self.aggregator.keys.values())  # pushed to, not yet answered
         data["async_keys"] = len(self.values.store.keys)
         data["async_deltas"] = self.values.deltas
+        data["async_deltas_by_worker"] = {str(w): n for w, n in self.values.deltas_by_worker.items()}
         data["async_replays"] = self.values.store.replays
         data["fused_plans"] = self.fusion.plans
         data["fused_tensors"] = self.fusion.planned

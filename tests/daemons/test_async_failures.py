@@ -42,10 +42,17 @@ TIMEOUT_S = 2.0
 
 
 def _kill_when_running(cluster, victim: str, killed_at: list[float]) -> threading.Thread:
-    """Kill ``victim`` -9 once the servers took 30 deltas (every machine is past its init)."""
+    """Kill ``victim`` -9 once the servers took 10 deltas of every machine (each is past its init: without a
+    bound the others push on their own, and 30 of theirs could come before the victim's process connected)."""
+    workers = [str(w.id) for w in cluster.config.worker_specs]
+
+    def pushed() -> int:
+        stats = server_stats(cluster).values()
+        return min(sum(s.get("async_deltas_by_worker", {}).get(w, 0) for s in stats) for w in workers)
+
     def kill() -> None:
         deadline = time.monotonic() + 30
-        while sum(s.get("async_deltas", 0) for s in server_stats(cluster).values()) < 30:
+        while pushed() < 10:
             if time.monotonic() > deadline:
                 return
             time.sleep(0.02)
