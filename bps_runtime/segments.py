@@ -13,6 +13,7 @@ processes only attach (:func:`attach_segment`), and close the descriptor at once
 from __future__ import annotations
 
 import _posixshmem
+import asyncio
 import errno
 import itertools
 import mmap
@@ -112,13 +113,32 @@ def _remember(seg: SharedMemory, st: os.stat_result) -> None:
     setattr(seg, _IDENTITY_ATTR, (os.path.join(SHM_DIR, seg.name), st.st_dev, st.st_ino))
 
 
+# The size each mapping's file had at its first check in this pass of the event loop (check_size): the pieces
+# one read of a connection brought name the same few segments, and a ``stat`` each was a tenth of a server's
+# time on small pieces. Emptied at the pass's end (a callback the first entry schedules); never kept off the
+# event loop.
+_seen_this_pass: dict[SharedMemory, int] = {}
+
+
 def check_size(seg: SharedMemory, needed: int, tensor: str = "") -> None:
     """Raise :class:`SegmentSizeError` unless the file ``seg`` maps still has ``needed`` bytes.
 
-    One ``stat`` of the name (about a microsecond), compared with the file mapped: call it once per
-    access of a segment per operation, right before it, never per element. It narrows the window in
-    which a shrinking process can crash a daemon to the time between this check and the access (a
-    process that truncates in that window still can: only a sealed memfd would close it)."""
+    One ``stat`` of the name (about a microsecond), compared with the file mapped, once per pass of the event
+    loop per mapping (later checks in the pass compare with what it saw): call it right before each access of a
+    segment, never per element. It narrows the window in which a shrinking process can crash a daemon to the
+    time between that ``stat`` and the access, at most a pass of the loop (a process that truncates in that
+    window still can: only a sealed memfd would close it)."""
+    size = _seen_this_pass.get(seg)
+    if size is None:
+        size = _size_now(seg, needed, tensor)
+        _note_for_pass(seg, size)
+    if size < needed:
+        raise SegmentSizeError(seg.name, size, needed, tensor)
+
+
+def _size_now(seg: SharedMemory, needed: int, tensor: str) -> int:
+    """The size of the file ``seg`` maps, from a ``stat`` of its name; SegmentSizeError if the name is gone or
+    names another file now."""
     identity = getattr(seg, _IDENTITY_ATTR, None)
     try:
         st = os.stat(identity[0] if identity is not None else os.path.join(SHM_DIR, seg.name))
@@ -126,8 +146,17 @@ def check_size(seg: SharedMemory, needed: int, tensor: str = "") -> None:
         raise SegmentSizeError(seg.name, 0, needed, tensor, replaced=True) from None
     if identity is not None and (identity[1] != st.st_dev or identity[2] != st.st_ino):
         raise SegmentSizeError(seg.name, 0, needed, tensor, replaced=True)
-    if st.st_size < needed:
-        raise SegmentSizeError(seg.name, st.st_size, needed, tensor)
+    return st.st_size
+
+
+def _note_for_pass(seg: SharedMemory, size: int) -> None:
+    if not _seen_this_pass:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not on an event loop: every check reads the size
+        loop.call_soon(_seen_this_pass.clear)
+    _seen_this_pass[seg] = size
 
 
 def default_arena_bytes(directory: str = SHM_DIR) -> int:

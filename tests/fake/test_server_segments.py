@@ -104,6 +104,7 @@ async def test_a_truncated_segment_fails_its_push_and_the_connection_stays(segme
     _, data, out = segments
     assert conn.push_data(_push(data, out), None) is not None  # mapped, as for a first round
     os.truncate(f"/dev/shm/{data.name}", 0)  # as a training process could, under the server
+    await asyncio.sleep(0)  # (a size is read once per pass of the loop: segments.check_size)
     assert conn.push_data(_push(data, out), None) is None  # reading it now would be a SIGBUS
     failure = await _answer(t)
     assert isinstance(failure, Failure) and failure.req == 1 and not t.closed
@@ -118,6 +119,7 @@ async def test_no_sum_is_written_into_a_result_segment_that_shrank(segments):
     push = _push(data, out)
     assert conn.push_data(push, None) is not None  # both mapped and checked
     os.truncate(f"/dev/shm/{out.name}", 0)
+    await asyncio.sleep(0)  # (a size is read once per pass of the loop: segments.check_size)
     conn.reply(push, np.ones(NBYTES // 4, np.float32))  # would be a SIGBUS in np.copyto without the check
     failure = await _answer(t)
     assert isinstance(failure, Failure) and failure.req == 1 and "has 0 bytes now" in failure.message

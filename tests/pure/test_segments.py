@@ -125,3 +125,46 @@ def test_an_attach_maps_the_segment_without_telling_the_resource_tracker(monkeyp
     finally:
         monkeypatch.undo()
         segments.release(made, unlink=True)
+
+
+def test_a_segment_is_stated_once_per_pass_of_the_event_loop_and_a_truncation_is_seen_at_the_next(
+        monkeypatch: pytest.MonkeyPatch):
+    """check_size reads a mapping's size at its first check in a pass of the loop; later checks in the pass (the
+    pieces of one read name the same few segments) compare with it, the next pass reads it again. Off the event
+    loop every check reads it."""
+    import asyncio
+
+    stats: list[str] = []
+    real_stat = os.stat
+
+    def counting(path, *args, **kw):  # type: ignore[no-untyped-def]
+        stats.append(str(path))
+        return real_stat(path, *args, **kw)
+
+    seg = segments.create_segment(segments.segment_name(903), 8192)
+    other = segments.create_segment(segments.segment_name(903), 4096)
+    monkeypatch.setattr(segments.os, "stat", counting)
+
+    async def passes() -> None:
+        for _ in range(3):
+            segments.check_size(seg, 8192)
+            segments.check_size(other, 100)
+        assert len(stats) == 2  # one per mapping
+        with pytest.raises(segments.SegmentSizeError, match="has 8192 bytes now; 9000 bytes are needed"):
+            segments.check_size(seg, 9000)  # (compared with the size seen)
+        os.truncate(os.path.join(segments.SHM_DIR, seg.name), 1024)  # a process shrinks it
+        await asyncio.sleep(0)  # the next pass
+        with pytest.raises(segments.SegmentSizeError, match="has 1024 bytes now; 8192 bytes are needed"):
+            segments.check_size(seg, 8192)
+        assert len(stats) == 3
+
+    try:
+        asyncio.run(passes())
+        stats.clear()
+        segments.check_size(other, 100)
+        segments.check_size(other, 100)
+        assert len(stats) == 2  # no loop: no pass to keep a size for
+    finally:
+        for s in (seg, other):
+            s.close()
+            s.unlink()
