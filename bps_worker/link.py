@@ -254,6 +254,14 @@ class _LinkProtocol(asyncio.BufferedProtocol):
                                   + (f": {exc}" if exc else ""))
 
 
+def _plain(push: Push) -> Push:
+    """``push`` without shared-memory references: what goes with its bytes in the payload (a push made while the
+    connection shared memory, sent or replayed on one that does not)."""
+    if not push.segment:
+        return push
+    return dataclasses.replace(push, segment="", seg_offset=0, out_segment="", out_offset=0)
+
+
 def write_message(transport: asyncio.Transport, message: Message, payload: memoryview | None,
                   max_payload_bytes: int) -> None:
     """Write one frame: ``message`` and its payload (nothing on a closing transport)."""
@@ -440,7 +448,11 @@ class ServerLink:
         answered (a restarted server may need them again).
         """
         future: asyncio.Future[None] = self.running_loop().create_future()
-        push = Push(req=next(self._req), worker=self.worker_id, **push_fields)
+        if self.shm and shm_ref is not None and out_ref is not None:  # as _wire sends it: no copy per piece there
+            push = Push(req=next(self._req), worker=self.worker_id, segment=shm_ref[0], seg_offset=shm_ref[1],
+                        out_segment=out_ref[0], out_offset=out_ref[1], **push_fields)
+        else:
+            push = Push(req=next(self._req), worker=self.worker_id, **push_fields)
         item = OutgoingPush(req=push.req, key=(push.name, push.part), priority=priority, nbytes=payload.nbytes,
                             header_bytes=estimated_header_bytes(push),
                             in_segments=shm_ref is not None and out_ref is not None,
@@ -636,17 +648,26 @@ class ServerLink:
         if self.shm and item.shm_ref is not None and item.out_ref is not None:
             item.via_shm = True
             self._announce(self._proto, item.shm_ref[0], item.out_ref[0])
-            return dataclasses.replace(item.push, segment=item.shm_ref[0], seg_offset=item.shm_ref[1],
-                                       out_segment=item.out_ref[0], out_offset=item.out_ref[1]), None
+            push = item.push
+            if not push.segment:  # queued before this connection shared memory (push made it with the references)
+                push = dataclasses.replace(push, segment=item.shm_ref[0], seg_offset=item.shm_ref[1],
+                                           out_segment=item.out_ref[0], out_offset=item.out_ref[1])
+            return push, None
         item.via_shm = False
-        return item.push, item.payload
+        return _plain(item.push), item.payload
 
     def _announce(self, proto: _LinkProtocol | None, *segments: str) -> None:
         """Tell the server the segments a push is about to name, unless this connection did already: it
         maps only those (see Announce). Written before the push, on the same connection."""
         if proto is None:
             return
-        new = [s for s in dict.fromkeys(segments) if s not in proto.announced]
+        announced = proto.announced
+        for s in segments:
+            if s not in announced:
+                break
+        else:
+            return  # every piece but a segment's first
+        new = [s for s in dict.fromkeys(segments) if s not in announced]
         if new:
             proto.announced.update(new)
             self._send(proto, Announce(new))
@@ -969,7 +990,7 @@ class ServerLink:
 
     def _replay(self, proto: _LinkProtocol, item: OutgoingPush) -> None:
         """Give a restarted server the sum of ``item``'s round, which we got from its predecessor."""
-        push = dataclasses.replace(item.push, replay=True)
+        push = dataclasses.replace(_plain(item.push), replay=True)
         if push.kind in ASYNC_KINDS:  # our copy of the value, and the vector saying which deltas it holds
             self._send(proto, dataclasses.replace(push, applied=item.applied or []), memoryview(item.kept))
             return

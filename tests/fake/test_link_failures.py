@@ -161,6 +161,28 @@ async def test_a_push_by_reference_lost_with_its_connection_is_unanswered_shm():
     await asyncio.sleep(0)
 
 
+async def test_a_push_by_reference_goes_as_made_and_plain_with_its_bytes_where_the_connection_shares_none():
+    """A push to a server that maps our memory is made with its references (no copy of it per piece when it is
+    written); one that comes to be written on a connection sharing no memory goes plain, with its payload."""
+    link, proto, transport = _link()
+    link.window.by_reference = True
+    fields = {"name": "w", "part": 0, "round": 0, "dtype": "float32", "shape": [2], "offset": 0, "count": 2}
+    payload = memoryview(np.arange(2, dtype=np.float32)).cast("B")
+    link.push(fields, payload, memoryview(bytearray(8)), 0, shm_ref=("bps-0-a", 16), out_ref=("bps-0-b", 8))
+    (item,) = link.window.pieces()
+    announce, (sent, sent_payload) = transport.messages()
+    assert announce[0].segments == ["bps-0-a", "bps-0-b"]
+    assert sent == item.push and sent_payload is None
+    assert (sent.segment, sent.seg_offset, sent.out_segment, sent.out_offset) == ("bps-0-a", 16, "bps-0-b", 8)
+    assert link._wire(item) == (item.push, None) and link._wire(item)[0] is item.push  # no copy to write it
+    link.window.by_reference = False  # (a connection to a server that does not share our memory)
+    plain, plain_payload = link._wire(item)
+    assert (plain.segment, plain.seg_offset, plain.out_segment, plain.out_offset) == ("", 0, "", 0)
+    assert (plain.req, plain.name, plain.count) == (sent.req, "w", 2) and plain_payload is payload
+    link.close()
+    await asyncio.sleep(0)
+
+
 @pytest.mark.parametrize("incarnation", [None, "run-1"])
 async def test_a_result_the_link_refuses_leaves_its_push_held_or_failed_never_lost(incarnation):
     """A Result no honest server sends (a sum "in shared memory" for a push that went over TCP) breaks the
