@@ -634,14 +634,18 @@ class RoundTable(Generic[W]):
         """A worker daemon connected, with its round numbering. A hello alone does not bring training
         processes back (a worker that reset, or a new daemon, stays one without processes until it pushes);
         the same numbering back after a dropped connection is the same processes, waited for as any
-        connected worker's (a slow one fails nothing)."""
+        connected worker's (a slow one fails nothing). A dropped worker back with another numbering is a
+        new daemon: its processes are gone, as a Reset would have said (the job may be over everywhere now)."""
         self._gone.pop(worker, None)
         self.lost_workers.discard(worker)
         previous = self._epochs.get(worker)
+        cleared: list[Action[W]] = []
         if worker in self._dropped:
             self._dropped.discard(worker)
             if epoch == previous:  # back after a dropped connection: its processes never left
                 self._reset.discard(worker)
+            else:
+                cleared = self._clear_if_all_reset()
         if epoch:
             self._epochs[worker] = epoch
         # A first hello is a job (or this server) starting, not a worker coming back: the workers of a
@@ -649,9 +653,9 @@ class RoundTable(Generic[W]):
         if epoch and previous is not None and previous != epoch:
             self._numbering_restarted(worker)
             if worker in self._rejoining:
-                return [Note(logging.INFO, f"worker {worker} came back (a new daemon) while other workers are "
-                                           f"mid-job: it rejoins them")]
-        return []
+                return cleared + [Note(logging.INFO, f"worker {worker} came back (a new daemon) while other "
+                                                     f"workers are mid-job: it rejoins them")]
+        return cleared
 
     def worker_reset(self, worker: int, epoch: str = "") -> list[Action[W]]:
         """The worker has no training processes any more (its job ended or died).
@@ -692,9 +696,12 @@ class RoundTable(Generic[W]):
             self._rejoining.discard(worker)
 
     def _clear_if_all_reset(self) -> list[Action[W]]:
-        """No worker has training processes (or a connection): the job is over everywhere; the next one
-        starts at round 0 on a clean slate."""
-        if len(self._reset) < self.n_workers:
+        """No worker has training processes (or a connection), and one at least said so (a Reset, or a new
+        daemon's hello): the job is over everywhere; the next one starts at round 0 on a clean slate.
+        Connections that all dropped prove nothing: their daemons come back with the same processes, mid-job,
+        and a round that failed meanwhile must stay failed for the worker that pushes it late (a hang
+        before: it opened the round afresh and waited for peers that had given it up)."""
+        if len(self._reset) < self.n_workers or self._reset <= self._dropped:
             return []
         dropped = len(self.keys)
         self.keys.clear()

@@ -366,6 +366,9 @@ class ServerLink:
             credit_bytes=credit_bytes, window_pieces=window_pieces,  # Placement.stream_window; 0: no pacing
             batch_max_bytes=min(BATCH_MAX_BYTES, max_payload_bytes))  # a batch is one frame: the peer's limit
         self.control = ControlMessages()
+        # By (name, part): the last round of it this worker gave up (an Abort) or heard fail here, told again to
+        # a restarted server (see _settle_held) unless a later round's sum came since.
+        self.given_up: dict[tuple[str, int], Abort] = {}
         self.incarnation: str | None = None  # of the server run we last talked to
         self.epoch = ""  # of this worker's round numbering (set by the daemon)
         self.closed = False
@@ -499,7 +502,9 @@ class ServerLink:
 
     def abort(self, name: str, part: int, round_: int, why: Why) -> None:
         """Tell the server that this worker gave up a round, and why (sent once connected, if need be)."""
-        self._send_control(Abort(name, part, round_, self.worker_id, **why.carry()))
+        message = Abort(name, part, round_, self.worker_id, **why.carry())
+        self.given_up[(name, part)] = message
+        self._send_control(message)
 
     def fuse(self, message: FuseReady | FuseAbort | FuseRunning | FusePast) -> None:
         """Report fused sums to this server (their anchor), or give them up (sent once connected)."""
@@ -546,6 +551,7 @@ class ServerLink:
     def reset(self) -> None:
         """Tell the server that this worker has no training processes left (see Reset)."""
         self.window.drop_sums()  # the next job starts at round 0; the buffers are being freed
+        self.given_up.clear()
         self.control.drop_fused()
         if self.stream == 0:  # the server's state of this worker follows its first connection
             self.tell_reset()
@@ -558,6 +564,8 @@ class ServerLink:
     def forget_sums(self, names: Container[str]) -> None:
         """Tensors ``names`` are never pushed again: their last sums are not kept for a restarted server."""
         self.window.drop_sums_of(names)
+        for key in [key for key in self.given_up if key[0] in names]:
+            del self.given_up[key]
 
     def release_segments(self, names: list[str]) -> None:
         """Segments we unlinked: a server that maps our memory unmaps them (a new connection maps
@@ -765,6 +773,8 @@ class ServerLink:
                 item.on_result(message)
             item.future.set_result(None)
             self.window.keep_sum(item)
+            if item.key in self.given_up and self.given_up[item.key].round <= item.push.round:
+                del self.given_up[item.key]
             self._trace(item)
 
     def _on_failure(self, proto: _LinkProtocol, message: Failure) -> None:
@@ -775,6 +785,11 @@ class ServerLink:
         self._after_answer(item)
         if item is not None:
             self._round_lost(item)
+            if item.push.kind not in ASYNC_KINDS:
+                why = Why(message.message, message.code, name=message.name, ours=message.ours, theirs=message.theirs,
+                          peer=message.peer, what=message.what, timeout_s=message.timeout_s, detail=message.detail)
+                self.given_up[item.key] = Abort(item.push.name, item.push.part, item.push.round, self.worker_id,
+                                                **why.carry())
             if not item.future.done():
                 item.future.set_exception(failure_error(self.spec.id, message))
 
@@ -981,12 +996,20 @@ class ServerLink:
                         "partitions again", self.spec.id, self.window.sums_kept, self.window.held_count)
             for item in self.window.restarted():
                 self._replay(proto, item)
+            self._tell_given_up(proto)
             if self.stream == 0:  # asynchronous values travel on stream 0: every copy of ours is there now
                 self._send(proto, Restored(self.worker_id))
             return
         for item in self.window.resumed():
             if not item.future.done():
                 item.future.set_exception(connection_error(self._broken_reason, item.via_shm))
+
+    def _tell_given_up(self, proto: _LinkProtocol) -> None:
+        """Tell a restarted server the rounds this worker gave up at its predecessor, or heard fail there, that
+        no later sum came after: the Abort may have died with it, or a peer that never heard the failure
+        pushes that round again to the new run, which would wait for us for ever (we moved on)."""
+        for abort in self.given_up.values():
+            self._send(proto, abort)
 
     def _replay(self, proto: _LinkProtocol, item: OutgoingPush) -> None:
         """Give a restarted server the sum of ``item``'s round, which we got from its predecessor."""

@@ -53,3 +53,50 @@ def test_server_killed_and_restarted_mid_training(tmp_path, victim, hosts):
         if sum(n > 0 for n in again) >= 2:
             return
     raise AssertionError(f"in {ATTEMPTS} runs no two links pushed partitions again after the restart: {again}")
+
+
+@pytest.mark.timeout(120)
+def test_a_round_given_up_on_a_server_that_then_dies_fails_on_its_restarted_run_too(tmp_path):
+    """After a first step, worker 0 pushed round 1 of a name; worker 1's processes disagree about it, so
+    worker 1 gives the round up (an Abort) while the server is frozen; the server is killed with the Abort unread, and restarted.
+    Worker 0 pushes its round again to the new run, which must hear that worker 1 gave it up: worker 0's
+    push fails within the timeout. Before, the new run opened the round afresh and waited for worker 1,
+    which had moved on, for ever (fault_soak.py, seed 100 with --mismatch 0.1: a hang)."""
+    import signal
+    import threading
+    import time
+
+    import fault_programs as fp
+    from harness import run_ranks, server_stats
+
+    path = write_config(tmp_path, [1, 2], colocated=False, cpu_servers=1, cluster={"timeout": 4.0})
+    cluster = start_cluster(path)
+    go, gave_up, done = (str(tmp_path / f) for f in ("go", "gave_up", "done"))
+    results: list = []
+    job = threading.Thread(target=lambda: results.append(run_ranks(
+        cluster, fp.given_up_while_frozen, "big", 100_000, go, gave_up, done, 4, 15.0, timeout=90)))
+    job.start()
+    try:
+        deadline = time.monotonic() + 30
+        while server_stats(cluster, only=0)[0]["rounds_completed"] < 2 or \
+                not server_stats(cluster, only=0)[0]["rounds_open"]:
+            assert time.monotonic() < deadline, "worker 0's push never reached the server"
+            time.sleep(0.01)
+        cluster.kill("server-0", signal.SIGSTOP)
+        open(go, "w").close()
+        fp.wait_for(gave_up, 30)
+        time.sleep(0.3)  # worker 1's Abort is written (into the frozen server's socket)
+        cluster.kill("server-0")
+        time.sleep(0.3)
+        cluster.restart("server-0")
+        job.join()
+    finally:
+        for f in (go, gave_up, done):
+            open(f, "a").close()
+        job.join()
+        cluster.stop()
+    (first, second, third), = results
+    assert [r[0] for r in results[0]] == ["exact"] * 3, results
+    assert all(r[1].startswith("BPS") for r in (first, second, third)), results
+    assert float(first[1].split()[-2]) < 10.0, results  # an error from the servers, not our 15 s wait
+    assert first[2:] == second[2:] == third[2:] == ["exact", "exact"], results

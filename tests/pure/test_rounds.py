@@ -398,6 +398,32 @@ def test_reset_fails_pending_rounds_and_once_every_worker_reset_clears_all_keys(
     assert isinstance(table.push(_push(0, name="x", rnd=0), _data(), "w0", 0.0)[0], Add)  # round 0 again
 
 
+def test_connections_that_all_dropped_keep_the_keys_and_a_failed_round_stays_failed():
+    # Worker 1's connection drops (the round waiting for it fails), then worker 0's: no worker said its
+    # processes left, so nothing is cleared, and worker 1's late push of the failed round fails at once.
+    table: RoundTable[str] = RoundTable(2, lost_grace_s=10)
+    for w in range(2):
+        table.worker_hello(w, f"epoch-{w}")
+    table.push(_push(0, rnd=3), _data(), "w0", 0.0)
+    assert "worker 1 is disconnected" in _fails(table.worker_lost(1))["w0"]
+    assert not any(isinstance(a, Cleared) for a in table.worker_lost(0)) and table.keys
+    assert table.worker_hello(0, "epoch-0") == [] and table.worker_hello(1, "epoch-1") == []
+    assert "worker 1 is disconnected" in _fails(table.push(_push(1, rnd=3), _data(), "w1", 1.0))["w1"]
+    # A dropped worker back as a new daemon is one whose processes left: with every other worker without
+    # processes, the job is over, as when every worker reset.
+    table.worker_lost(0)
+    table.worker_reset(1, "epoch-1b")
+    assert table.keys == {}  # (a reset beside a dropped connection: cleared, as before)
+    fresh: RoundTable[str] = RoundTable(2, lost_grace_s=10)
+    for w in range(2):
+        fresh.worker_hello(w, f"epoch-{w}")
+    fresh.push(_push(0), _data(), "w0", 0.0)
+    fresh.worker_lost(1)
+    fresh.worker_lost(0)
+    assert fresh.keys and Cleared(1) in fresh.worker_hello(0, "epoch-0b")
+    assert fresh.keys == {}
+
+
 def test_round_for_a_rejoining_worker_is_the_round_the_others_are_in():
     table: RoundTable[str] = RoundTable(2)
     for w in range(2):

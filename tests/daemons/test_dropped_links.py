@@ -1,0 +1,88 @@
+"""TCP connections between worker daemons and a Summation Service that break (the kernel resets them) while
+the daemons and the training processes live on: what was in flight fails, on every machine, never a hang,
+and later steps are exact."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+import fault_programs as fp
+from harness import run_ranks, server_stats, start_cluster, write_config
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ss") is None,
+                                reason="destroying another process's sockets needs root and ss -K")
+
+
+def _connections(cluster, server: int, workers: list[int]) -> list[int]:
+    """The local ports of daemons ``worker-N``'s (N in ``workers``) established connections to ``server``."""
+    pids = {cluster.supervisor.daemon(f"worker-{w}").proc.pid for w in workers}
+    port = cluster.config.servers[server].port
+    listing = subprocess.run(["ss", "-tnpH", "state", "established", "dport", "=", f":{port}"],
+                             capture_output=True, text=True, check=True).stdout
+    return [int(m.group(1)) for line in listing.splitlines() if any(f"pid={pid}," in line for pid in pids)
+            if (m := re.search(r":(\d+)\s+\S+:\d+\s", line))]
+
+
+def _drop(cluster, server: int, worker: int) -> int:
+    """Reset daemon ``worker-N``'s connections to ``server`` (``ss -K``: the kernel resets them); how many
+    there were."""
+    port = cluster.config.servers[server].port
+    ports = _connections(cluster, server, [worker])
+    for local in ports:
+        subprocess.run(["ss", "-K", "state", "established", "dport", "=", f":{port}", "sport", "=", f":{local}"],
+                       capture_output=True, check=True)
+    return len(ports)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("count", [100_000], ids=["unfused"])
+def test_every_connection_to_a_server_dropped_fails_the_round_for_the_late_peer_too(tmp_path, count):
+    """Worker 0 has pushed round 0 of a name, worker 1 not yet, when both lose their connection to the
+    server, worker 1's first: the server fails the round, and worker 0 hears it. Worker 1 pushes round 0 only
+    after both reconnected: it must fail too, at once, since worker 0 gave the round up. Before the fix the
+    server took the two dropped connections for the job's end (every worker reset) and forgot the round's
+    failure: worker 1's push opened round 0 afresh and waited for worker 0 for ever (fault_soak.py, seed
+    208 with --kinds drop-all,kill-cpu: a hang)."""
+    path = write_config(tmp_path, [1, 1], colocated=False, cpu_servers=1, cluster={"timeout": 4.0})
+    cluster = start_cluster(path)
+    go, done = str(tmp_path / "go"), str(tmp_path / "done")
+    try:
+        results: list = []
+        job = threading.Thread(target=lambda: results.append(run_ranks(
+            cluster, fp.late_peer_then_steps, "big", count, go, done, 3, 15.0, timeout=90)))
+        job.start()
+        deadline = time.monotonic() + 30
+        while not server_stats(cluster, only=0)[0]["rounds_open"]:
+            assert time.monotonic() < deadline, "worker 0's push never reached the server"
+            time.sleep(0.01)
+        # Worker 1's connection drops first (the server fails the round, and tells worker 0), then worker 0's,
+        # before worker 1 reconnected (it is frozen meanwhile, so that the order is sure).
+        cluster.kill("worker-1", signal.SIGSTOP)
+        try:
+            assert _drop(cluster, 0, 1) == 1
+            time.sleep(0.3)
+            assert _drop(cluster, 0, 0) == 1
+            time.sleep(0.3)
+        finally:
+            cluster.kill("worker-1", signal.SIGCONT)
+        while len(_connections(cluster, 0, [0, 1])) < 2:
+            assert time.monotonic() < deadline, "the workers never reconnected"
+            time.sleep(0.01)
+        time.sleep(0.2)
+        open(go, "w").close()
+        job.join()
+    finally:
+        open(go, "a").close()
+        cluster.stop()
+    (first, second), = results
+    assert first[0].startswith("BPS") and second[0].startswith("BPS"), results
+    assert float(second[0].split()[-2]) < 10.0, results  # an error from the server, not our 15 s wait
+    assert first[1:] == second[1:] == ["exact", "exact"], results
