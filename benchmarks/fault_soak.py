@@ -21,14 +21,19 @@ every rank has started the step (after a random delay of up to 50 ms, so mostly 
 - ``kill-cpu``: SIGKILL to the CPU-only server, restarted 0.3 s later (as systemd's Restart=on-failure would);
 - ``kill-colocated``: the same to the server colocated with a worker (drawn);
 - ``freeze-kill``: SIGSTOP to a server (drawn) so that pushes surely wait on it, SIGKILL 0.3 s later, restart;
+- ``kill-drop``: ``kill-cpu`` or ``kill-colocated`` (drawn), then at once a worker's new connection to the
+  restarted server reset (mid-replay);
 - ``drop``: every TCP connection between one worker daemon and one server (both drawn) destroyed with
-  ``ss -K`` (root only; the kernel resets them): the same server run answers the reconnect.
+  ``ss -K`` (root only; the kernel resets them): the same server run answers the reconnect;
+- ``drop-all``: the same for every worker daemon's connections to one server (drawn) at once.
+
+Kinds that drop connections are left out when not root.
 
 A server restart must be transparent: every sum exact, as if nothing happened. A dropped connection may fail
 the names of the steps in flight when it was dropped (a BPSError, never a wrong sum); every later step must be
 exact again. A mismatched name must fail with a BPSError on every process. No step may hang: a step whose names
-are not all answered within ``--step-timeout`` is a hang; the driver prints the names, the daemons' logs, and
-stops.
+are not all answered within ``--step-timeout`` is a hang; the driver prints the names, what every rank got in
+its last two steps, the daemons' logs, and stops (``--keep-logs DIR`` keeps a failed seed's logs whole).
 
 Exit status: 0 if every step of every seed was as above, 1 otherwise, 2 if a cluster could not start.
 """

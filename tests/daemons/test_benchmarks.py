@@ -112,6 +112,20 @@ def test_mismatch_soak_tiny_gets_every_sum_and_every_planned_mismatch():
     assert result.stdout.splitlines()[-1] == "1 of 1 seeds as expected", result.stdout
 
 
+def test_fault_soak_tiny_restarts_servers_and_gets_every_sum():
+    """Seed 0's first 6 steps with two faults (both freeze-kill: a server frozen, killed and restarted mid-step):
+    every sum exact, none failed."""
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fault_soak.py"), "--seeds", "1",
+                             "--steps", "6", "--faults", "2", "--step-timeout", "15",
+                             "--kinds", "kill-cpu,freeze-kill"],
+                            capture_output=True, text=True, timeout=90, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "seed 0: ok: 168 exact sums, 0 mismatch errors as planned, 0 errors after a dropped connection; " \
+           "faults: freeze-kill server-1 steps 2-" in result.stdout and "; freeze-kill server-0 steps 4-" in \
+        result.stdout, result.stdout
+    assert result.stdout.splitlines()[-1] == "1 of 1 seeds as expected", result.stdout
+
+
 def test_shm_vs_tcp_tiny_prints_its_table_and_each_cluster_takes_its_path():
     import re
 

@@ -58,7 +58,8 @@ def test_server_killed_and_restarted_mid_training(tmp_path, victim, hosts):
 @pytest.mark.timeout(120)
 def test_a_round_given_up_on_a_server_that_then_dies_fails_on_its_restarted_run_too(tmp_path):
     """After a first step, worker 0 pushed round 1 of a name; worker 1's processes disagree about it, so
-    worker 1 gives the round up (an Abort) while the server is frozen; the server is killed with the Abort unread, and restarted.
+    worker 1 gives the round up (an Abort) while the server is frozen; the server is killed with the Abort
+    unread, and restarted.
     Worker 0 pushes its round again to the new run, which must hear that worker 1 gave it up: worker 0's
     push fails within the timeout. Before, the new run opened the round afresh and waited for worker 1,
     which had moved on, for ever (fault_soak.py, seed 100 with --mismatch 0.1: a hang)."""
