@@ -21,6 +21,7 @@ import os
 import re
 import secrets
 import stat
+import threading
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from multiprocessing import resource_tracker
@@ -113,25 +114,46 @@ def _remember(seg: SharedMemory, st: os.stat_result) -> None:
     setattr(seg, _IDENTITY_ATTR, (os.path.join(SHM_DIR, seg.name), st.st_dev, st.st_ino))
 
 
-# The size each mapping's file had at its first check in this pass of the event loop (check_size): the pieces
-# one read of a connection brought name the same few segments, and a ``stat`` each was a tenth of a server's
-# time on small pieces. Emptied at the pass's end (a callback the first entry schedules); never kept off the
-# event loop.
-_seen_this_pass: dict[SharedMemory, int] = {}
+class _PassSizes(threading.local):
+    """The size each mapping's file had at its first check in the current pass of this thread's event loop
+    (check_size): the pieces one read of a connection brought name the same few segments, and a ``stat`` each was
+    a tenth of a server's time on small pieces. Per thread, and for one loop: emptied by a callback at the
+    pass's end, or when a check finds another loop running (one that stopped before its callback ran)."""
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.sizes: dict[SharedMemory, int] = {}
+
+    def end_of_pass(self) -> None:
+        self.loop = None
+        self.sizes.clear()
+
+
+_pass = _PassSizes()
 
 
 def check_size(seg: SharedMemory, needed: int, tensor: str = "") -> None:
     """Raise :class:`SegmentSizeError` unless the file ``seg`` maps still has ``needed`` bytes.
 
     One ``stat`` of the name (about a microsecond), compared with the file mapped, once per pass of the event
-    loop per mapping (later checks in the pass compare with what it saw): call it right before each access of a
-    segment, never per element. It narrows the window in which a shrinking process can crash a daemon to the
-    time between that ``stat`` and the access, at most a pass of the loop (a process that truncates in that
-    window still can: only a sealed memfd would close it)."""
-    size = _seen_this_pass.get(seg)
+    loop per mapping (later checks in the pass compare with what it saw; off an event loop, every check reads
+    it): call it right before each access of a segment, never per element. It narrows the window in which a
+    shrinking process can crash a daemon to the time between that ``stat`` and the access, at most a pass of the
+    loop (a process that truncates in that window still can: only a sealed memfd would close it)."""
+    try:
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    memo = _pass
+    size = memo.sizes.get(seg) if loop is not None and memo.loop is loop else None
     if size is None:
         size = _size_now(seg, needed, tensor)
-        _note_for_pass(seg, size)
+        if loop is not None:
+            if memo.loop is not loop:  # this pass's first check (or a loop that stopped mid-pass before it)
+                memo.end_of_pass()
+                memo.loop = loop
+                loop.call_soon(memo.end_of_pass)
+            memo.sizes[seg] = size
     if size < needed:
         raise SegmentSizeError(seg.name, size, needed, tensor)
 
@@ -147,16 +169,6 @@ def _size_now(seg: SharedMemory, needed: int, tensor: str) -> int:
     if identity is not None and (identity[1] != st.st_dev or identity[2] != st.st_ino):
         raise SegmentSizeError(seg.name, 0, needed, tensor, replaced=True)
     return st.st_size
-
-
-def _note_for_pass(seg: SharedMemory, size: int) -> None:
-    if not _seen_this_pass:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return  # not on an event loop: every check reads the size
-        loop.call_soon(_seen_this_pass.clear)
-    _seen_this_pass[seg] = size
 
 
 def default_arena_bytes(directory: str = SHM_DIR) -> int:

@@ -244,7 +244,10 @@ class WorkerDaemon:
                 link.keep_connected()
             for link in self.all_links:
                 link.keep_trying()
-            self._execute(self.rounds.overdue_rounds(self.sessions.keys(), loop.time(), self.config.cluster.timeout))
+            try:  # (a bug there must not end the heartbeats: pings, reconnects and this watch)
+                self._execute(self.rounds.overdue_rounds(self.sessions.keys(), loop.time(), self.config.cluster.timeout))
+            except Exception:
+                log.exception("internal error in the watch of open rounds")
             for text in self.stalls.warnings(loop.time(), self.rounds, self.all_links):
                 log.warning("%s", text)
             self.fusion.watch(loop.time())

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -132,7 +134,6 @@ def test_a_segment_is_stated_once_per_pass_of_the_event_loop_and_a_truncation_is
     """check_size reads a mapping's size at its first check in a pass of the loop; later checks in the pass (the
     pieces of one read name the same few segments) compare with it, the next pass reads it again. Off the event
     loop every check reads it."""
-    import asyncio
 
     stats: list[str] = []
     real_stat = os.stat
@@ -168,3 +169,57 @@ def test_a_segment_is_stated_once_per_pass_of_the_event_loop_and_a_truncation_is
         for s in (seg, other):
             s.close()
             s.unlink()
+
+
+def _memo_seg(size: int = 8192):
+    return segments.create_segment(segments.segment_name(904), size)
+
+
+def _memo_drop(seg) -> None:
+    seg.close()
+    seg.unlink()
+
+
+def test_a_check_off_the_loop_reads_the_size_even_while_the_loop_holds_a_memo():
+    """The docstring: 'off the event loop every check reads it'. A thread's check while the loop thread is in a
+    pass (after its own check of the mapping) is answered from the loop's memo: a truncation is missed."""
+    seg = _memo_seg()
+    errors: list[BaseException] = []
+
+    def off_loop() -> None:
+        try:
+            segments.check_size(seg, 8192)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    async def main() -> None:
+        segments.check_size(seg, 8192)  # the loop's check: memo 8192 for this pass
+        os.truncate(os.path.join(segments.SHM_DIR, seg.name), 1024)
+        t = threading.Thread(target=off_loop)
+        t.start()
+        t.join()  # (still in the same pass of the loop)
+
+    try:
+        asyncio.run(main())
+        assert errors and isinstance(errors[0], segments.SegmentSizeError), "the thread's check missed the truncation"
+    finally:
+        _memo_drop(seg)
+
+
+def test_the_memo_does_not_outlive_the_loop_that_kept_it():
+    """A loop that stops in the pass of a check never runs the clear it scheduled (close() drops it): the memo
+    then outlives every pass. From then on no clear is ever scheduled again (only the first entry schedules one),
+    so every later check in the process, on any loop or thread, is answered from a size read once."""
+    seg = _memo_seg()
+    loop = asyncio.new_event_loop()
+    try:
+        loop.call_soon(loop.stop)
+        loop.call_soon(segments.check_size, seg, 8192)  # the same pass as the stop
+        loop.run_forever()
+        loop.close()
+        os.truncate(os.path.join(segments.SHM_DIR, seg.name), 1024)
+        with pytest.raises(segments.SegmentSizeError):
+            segments.check_size(seg, 8192)  # off any loop: must read the size
+    finally:
+        segments._pass.end_of_pass()
+        _memo_drop(seg)
