@@ -550,9 +550,10 @@ class RoundTable(Generic[W]):
         key = (push.name, push.part)
         st = self.keys.get(key) or self._open(key, push.round)
         actions: list[Action[W]] = []
-        if push.round > st.round and st.failed is None and not st.waiters:
+        if push.round > st.round and not st.waiters:
             # A later round finished on our predecessor, so every worker pushed it, so nobody can
-            # still need this one: what was held for the later round waits there now.
+            # still need this one (failed here or not: a worker told us it gave it up, and its peers are past
+            # it too): what was held for the later round waits there now.
             held = st.restart.held_next
             st = self._open(key, push.round)
             actions.append(Redispatch(tuple(held)))  # they run once this replay is recorded

@@ -107,24 +107,7 @@ class WorkerDaemon:
         self.timeline = Timeline(config.timeline, f"bps-worker {config.worker_id}") if config.timeline else None
         self.rank_offset = cluster.rank_offset(config.worker_id)
         self.placement = Placement(cluster)
-        per_link_credit = max(1 << 16, cluster.credit_bytes // len(cluster.servers))
-        # A server on this host is offered shared memory (see ServerLink): the one the config puts here
-        # (``worker = <our id>``), and any other whose address is one of this host's own.
-        # Each server gets placement.streams(id) connections (see bps_worker.placement); the first one also
-        # carries control messages (resets, aborts, round queries, releases) and alone may use shared memory.
-        window = self.placement.stream_window(cluster.window_pieces)  # of every connection
-        self.streams = {
-            s.id: [ServerLink(s, config.worker_id, credit_bytes=per_link_credit, window_pieces=window,
-                              stream=stream, timeout=cluster.timeout,
-                              max_payload_bytes=cluster.max_payload_bytes, token=config.token,
-                              shm_mode=config.segment_mode
-                              if stream == 0 and cluster.colocated_shm
-                              and (s.worker == config.worker_id or is_local_address(s.host))
-                              else None,
-                              timeline=self.timeline, config_items=placement_items(cluster))
-                   for stream in range(self.placement.streams(s.id))]
-            for s in cluster.servers
-        }
+        self.streams = self._server_links()
         self.links = {sid: streams[0] for sid, streams in self.streams.items()}
         self.all_links = [link for streams in self.streams.values() for link in streams]
         self._new_epoch()
@@ -160,6 +143,31 @@ class WorkerDaemon:
         self.counters = WorkerCounters()
         self.stopping = False
         self._cuda = self._cuda_starting = None
+
+    def _server_links(self) -> dict[int, list[ServerLink]]:
+        """Each server's connections: placement.streams(id) of them (see bps_worker.placement); the first one also
+        carries control messages (resets, aborts, round queries, releases) and alone may use shared memory. A
+        server on this host is offered shared memory (see ServerLink): the one the config puts here (``worker =
+        <our id>``), and any other whose address is one of this host's own."""
+        config, cluster = self.config, self.config.cluster
+        per_link_credit = max(1 << 16, cluster.credit_bytes // len(cluster.servers))
+        window = self.placement.stream_window(cluster.window_pieces)  # of every connection
+        streams = {
+            s.id: [ServerLink(s, config.worker_id, credit_bytes=per_link_credit, window_pieces=window,
+                              stream=stream, timeout=cluster.timeout,
+                              max_payload_bytes=cluster.max_payload_bytes, token=config.token,
+                              shm_mode=config.segment_mode
+                              if stream == 0 and cluster.colocated_shm
+                              and (s.worker == config.worker_id or is_local_address(s.host))
+                              else None,
+                              timeline=self.timeline, config_items=placement_items(cluster))
+                   for stream in range(self.placement.streams(s.id))]
+            for s in cluster.servers
+        }
+        for links in streams.values():  # a part's aborts go on stream 0, its sums come on its own stream
+            for link in links[1:]:
+                link.given_up = links[0].given_up
+        return streams
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:

@@ -254,6 +254,15 @@ class _LinkProtocol(asyncio.BufferedProtocol):
                                   + (f": {exc}" if exc else ""))
 
 
+def _why_of(failure: Failure) -> Why:
+    """The Why a server's Failure of our push says, to be told again as our Abort: a mismatch with both sides
+    (each peer hears its own as ``ours``, as from a live abort), anything else with its code and facts."""
+    if failure.code == "mismatch" and failure.ours and failure.theirs:
+        return Why.mismatch(failure.name, failure.ours, failure.theirs, failure.detail or failure.message)
+    return Why(failure.message, failure.code, name=failure.name, ours=failure.ours, theirs=failure.theirs,
+               peer=failure.peer, what=failure.what, timeout_s=failure.timeout_s, detail=failure.detail)
+
+
 def _plain(push: Push) -> Push:
     """``push`` without shared-memory references: what goes with its bytes in the payload (a push made while the
     connection shared memory, sent or replayed on one that does not)."""
@@ -366,8 +375,10 @@ class ServerLink:
             credit_bytes=credit_bytes, window_pieces=window_pieces,  # Placement.stream_window; 0: no pacing
             batch_max_bytes=min(BATCH_MAX_BYTES, max_payload_bytes))  # a batch is one frame: the peer's limit
         self.control = ControlMessages()
-        # By (name, part): the last round of it this worker gave up (an Abort) or heard fail here, told again to
-        # a restarted server (see _settle_held) unless a later round's sum came since.
+        # By (name, part): the last round of it this worker gave up (an Abort) or heard fail at this server, told
+        # again to a restarted server (see _settle_held) unless a later round's sum came since. One for all the
+        # server's streams (the daemon shares stream 0's): a part's sums come on its own stream, its aborts go on
+        # stream 0.
         self.given_up: dict[tuple[str, int], Abort] = {}
         self.incarnation: str | None = None  # of the server run we last talked to
         self.epoch = ""  # of this worker's round numbering (set by the daemon)
@@ -785,11 +796,9 @@ class ServerLink:
         self._after_answer(item)
         if item is not None:
             self._round_lost(item)
-            if item.push.kind not in ASYNC_KINDS:
-                why = Why(message.message, message.code, name=message.name, ours=message.ours, theirs=message.theirs,
-                          peer=message.peer, what=message.what, timeout_s=message.timeout_s, detail=message.detail)
+            if item.push.kind not in ASYNC_KINDS and self.window.of_this_job(item):
                 self.given_up[item.key] = Abort(item.push.name, item.push.part, item.push.round, self.worker_id,
-                                                **why.carry())
+                                                **_why_of(message).carry())
             if not item.future.done():
                 item.future.set_exception(failure_error(self.spec.id, message))
 
@@ -996,8 +1005,9 @@ class ServerLink:
                         "partitions again", self.spec.id, self.window.sums_kept, self.window.held_count)
             for item in self.window.restarted():
                 self._replay(proto, item)
-            self._tell_given_up(proto)
-            if self.stream == 0:  # asynchronous values travel on stream 0: every copy of ours is there now
+            if self.stream == 0:  # (every stream's link of a server shares one given_up: told once)
+                self._tell_given_up(proto)
+                # asynchronous values travel on stream 0: every copy of ours is there now
                 self._send(proto, Restored(self.worker_id))
             return
         for item in self.window.resumed():

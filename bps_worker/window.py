@@ -287,8 +287,13 @@ class SendWindow(Generic[P]):
     def keep_sum(self, piece: P) -> None:
         """``piece`` was summed: the last sum of its partition, replayed to a restarted server; not one of a
         job that ended since it was offered (see :meth:`drop_sums`)."""
-        if piece.seq >= self._sums_from:
+        if self.of_this_job(piece):
             self._sums[piece.key] = piece
+
+    def of_this_job(self, piece: P) -> bool:
+        """Whether ``piece`` was offered since the job last ended (:meth:`drop_sums`): an answer to one offered
+        before is the old job's, whose rounds the next job numbers again from 0."""
+        return piece.seq >= self._sums_from
 
     def kept(self) -> Iterator[P]:
         """The pieces whose sums are kept (:meth:`keep_sum`)."""
