@@ -603,7 +603,7 @@ def test_a_launcher_started_with_its_standard_input_closed_runs_the_job(tmp_path
                       "bps.init()\n"
                       "line = sys.stdin.read() if sys.stdin else '<none>'\n"
                       "y = bps.push_pull(np.ones(2), 'x', average=False)\n"
-                      "print(os.environ['BPS_RANK'], repr(line), y[0], flush=True)\n")
+                      "os.write(1, f\"{os.environ['BPS_RANK']} {line!r} {y[0]}\\n\".encode())\n")  # one write a rank
     result = subprocess.run(["bash", "-c", f"exec {PY} -m bps_worker.launch --config {config} -- {PY} {script} <&-"],
                             capture_output=True, text=True, timeout=90)
     assert result.returncode == 0, result.stderr
