@@ -400,6 +400,8 @@ class FusedSums:
             if previous is not None and not previous.done():
                 await asyncio.wait([previous])
             await self.daemon.run_tracked(op.name, op.run())
+            for name in op.failed_steps():  # (as the rounds of a group given up take theirs, see _give_up)
+                self.daemon.unfused_step(name)
         finally:
             self._running[sid] -= 1
             plans = self._plans[sid]
@@ -418,6 +420,7 @@ class FusedSums:
         out: Decisions[ClientSession] = Decisions()
         for fr in members:
             out.fail(fr, Why(f"tensor {fr.name!r}: {reason}", "round_failed"))
+            out.steps.append(fr.name)  # a fused round that fails takes an unfused number, here as where the plan ran
         self.carry_out(out)
         daemon = self.daemon
         daemon.spawn(daemon.abort_when_known(key, local_round, daemon.round_base(key, local_round),

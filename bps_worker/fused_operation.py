@@ -87,6 +87,17 @@ class FusedOperation(Operation):
         self.counts = counts
         self.priority = max(e.priority for fr in rounds for e in fr.entries if e is not None)
         self.path = FusedPath()
+        self.failed = False  # its processes heard a failure
+
+    def failed_steps(self) -> list[str]:
+        """The names whose fused rounds failed with this operation, in the job still running, before its sum was
+        complete: the lane round failed at the server, for every worker that ran the plan, so each name's step
+        takes an unfused round number on every machine (``bps_worker.fusion``, "Each round has an index"), as it
+        does where the plan's group was given up (the round of the culprit failed there before the plan came).
+        A failure after the sum (a segment that shrank) is this machine's alone: the peers' rounds succeeded."""
+        if not self.failed or self.summed or not self._job_current():
+            return []
+        return [fr.name for fr in self.rounds]
 
     def reply_done(self, scattered: Scattered) -> None:
         self.host.counters.fused_tensors += len(self.rounds)
@@ -100,6 +111,7 @@ class FusedOperation(Operation):
                 session.send(DoneBatch(reqs[start:start + MAX_FUSED_ENTRIES]))
 
     def answer_failure(self, failure_for: Callable[[int, bool], Failure]) -> None:
+        self.failed = True
         for fr in self.rounds:
             for e in fr.entries:
                 if e is not None:

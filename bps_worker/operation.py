@@ -163,6 +163,7 @@ class Operation:
         self.path: Path = CudaPath() if op.cuda else CpuPath()
         self.server_round: int | None = None
         self.pushed = False
+        self.summed = False  # every piece's sum arrived (a failure after that is this machine's alone)
         self.epoch = host.epoch  # the job this operation belongs to
 
     def _job_current(self) -> bool:
@@ -186,6 +187,7 @@ class Operation:
             if error is not None:
                 self.reply_failed(error, scattered)
                 return
+            self.summed = True
             counters.bytes_pulled += self.nbytes
             t_back = now_us()
             await self.path.copy_back(self, scattered.out)

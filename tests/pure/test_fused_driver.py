@@ -17,9 +17,10 @@ from bps_server.fusion import Planner
 from bps_server.rounds import Add, Fail, FailRound, RoundTable
 from bps_server.rounds import Why as RoundWhy
 from bps_worker.fused_driver import FusedSums
-from bps_worker.fused_operation import layout_digest
-from protocol.messages import (FuseAbort, FuseFailed, FusePast, FusePlan, FuseReady, FuseResync, FuseRunning, Push,
-                               Spec, Why, fused_name)
+from bps_worker.fused_operation import FusedOperation, layout_digest
+from bps_worker.fusion import Entry, FusedRound
+from protocol.messages import (Failure, FuseAbort, FuseFailed, FusePast, FusePlan, FuseReady, FuseResync, FuseRunning,
+                               Push, Spec, Why, fused_name)
 
 F32: Spec = ("float32", (4,), False, "")
 DROP = Why("worker 0 disconnected", "connection")
@@ -421,12 +422,23 @@ class LaneOp:
     one's layout, and ends with its round."""
 
     def __init__(self, worker: int, plan: int, key: str, local_round: int, names: list[str]) -> None:
-        self.w, self.plan, self.name, self.round = worker, plan, key, local_round
+        self.w, self.plan, self.name, self.round, self.names = worker, plan, key, local_round, names
         self.layout = layout_digest(names)
         self.done = asyncio.get_running_loop().create_future()
+        self.failed = False
 
     async def run(self) -> None:
         await self.done
+
+    def end(self, failed: bool = False) -> None:
+        """Its round was summed, or failed (a push refused, the round failed at the anchor)."""
+        self.failed = failed
+        self.done.set_result(None)
+
+    def failed_steps(self) -> list[str]:
+        """As ``FusedOperation.failed_steps``: a round failed at the anchor fails for every worker that ran the
+        plan, and each name's step takes an unfused round number."""
+        return list(self.names) if self.failed else []
 
 
 class LaneRounds:
@@ -452,7 +464,7 @@ class LaneRounds:
         ``ServerConnection.on_push``)."""
         if self.planner.ended(op.name):
             self.failed.append("ended")
-            op.done.set_result(None)
+            op.end(failed=True)
             return
         p = Push(req=0, name=op.name, part=0, round=op.round, worker=op.w, dtype="float32", shape=[4], offset=0,
                  count=4, layout=op.layout)
@@ -474,14 +486,14 @@ class LaneRounds:
                 assert done is not None
                 self.summed.append({wt.handle.plan for wt in done.waiters})
                 for wt in done.waiters:
-                    wt.handle.done.set_result(None)
+                    wt.handle.end()
             elif isinstance(a, FailRound):
                 self.failed.append(a.why.code)
                 for f in a.fails:
-                    f.handle.done.set_result(None)
+                    f.handle.end(failed=True)
             elif isinstance(a, Fail):  # a push refused by the table (a stale round): its operation fails
                 self.failed.append("refused")
-                a.handle.done.set_result(None)
+                a.handle.end(failed=True)
 
     def hand_out(self, workers: list[Any], seq: int, names: list[str], epochs: tuple[str, str], lanes: str) -> None:
         """Plan ``seq`` reaches the workers, stamped with the epoch the anchor knew each by as it sent it, on the
@@ -504,6 +516,39 @@ def lane_workers(monkeypatch: pytest.MonkeyPatch) -> tuple[LaneRounds, Planner, 
         planner.worker_hello(w, "e1", f"d{w}")
         lanes.table.worker_hello(w, "e1")
     return lanes, planner, workers
+
+
+@pytest.mark.parametrize("how", ["lost", "abandoned"])
+async def test_a_plan_group_given_up_by_one_worker_takes_one_unfused_number_a_name_on_every_worker(
+        monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """fault_soak seed 311 (a hang). Plan 0 (``a``, ``b``) reaches worker 1, which runs it; worker 0 failed ``a``
+    before it came: its connection broke and the plan was lost with it (``lost``: both rounds fail there, the
+    plan comes again), or ``a`` failed after its report (``abandoned``). Worker 0 gives the group up, and worker
+    1's lane round fails. Each failed fused round must take an unfused round number on both workers: before,
+    only those that failed on worker 0 before the plan came did (``FusedRounds._fail``), not worker 0's other
+    members of the group (``_give_up``) nor worker 1's (its operation failed): from then on the names' unfused
+    rounds were numbered one apart, and a step pushed unfused waited for ever."""
+    lanes, planner, (w0, w1) = lane_workers(monkeypatch)
+    for w, fs in enumerate((w0, w1)):
+        await submit(fs, "a", 0)
+        await submit(fs, "b", 1)
+        deliver(planner, w, fs)
+    ((seq, names),) = planner.take_plans()
+    plan = FusePlan(seq, names, "", [["float32", False]], [0, 0], "e1", planner.lanes)
+    w1.on_message(0, plan)
+    (op,) = lanes.ops
+    lanes.push(op)  # worker 1's lane round waits for worker 0
+    if how == "lost":
+        drop_and_reconnect(planner, w0)  # both rounds fail here; the lost plan comes again
+    else:
+        w0.carry_out(w0.rounds.fail_name("a", Why("a process disagreed", "mismatch")))
+        w0.on_message(0, plan)
+    key = fused_name(0, 0, "float32", False, planner.lanes)
+    assert w0.aborted == [(key, 0)] and len(lanes.ops) == 1  # given up, never pushed
+    lanes.carry(lanes.table.abort(key, 0, 0, 0, RoundWhy("worker 0 gave the group up")))  # the anchor takes it
+    for _ in range(3):
+        await asyncio.sleep(0)  # (worker 1's operation ends)
+    assert sorted(w0.steps) == sorted(w1.steps) == ["a", "b"]
 
 
 async def test_a_rejoined_worker_never_sums_its_new_plan_into_a_lane_round_of_a_plan_made_before_its_reset(
@@ -742,3 +787,18 @@ async def test_a_worker_keeps_the_keys_of_an_ended_lane_generation_while_an_oper
         await asyncio.sleep(0)  # (the operations end)
     w0.on_message(0, FusePlan(2, ["c"], "", [["float32", False]], [0], "e1", "r.1"))
     assert set(w0.numbers.next) == set(w0._lanes) == {new} and w0.numbers.next[new] == 2
+
+
+def test_a_fused_operation_that_failed_before_its_sum_says_its_names_steps_take_unfused_numbers():
+    """``FusedOperation.failed_steps``: the names of a failed operation of the job still running, before its sum
+    was complete (the lane round failed at the anchor, for every worker); none after (this machine's alone)."""
+    host = types.SimpleNamespace(rank_offset=0, config=types.SimpleNamespace(local_size=1), epoch="e1")
+    session = Session()
+    rounds = [FusedRound(n, F32, 0, [Entry(session, i, F32, "seg", 16 * i, 0)]) for i, n in enumerate("ab")]
+    ops = [FusedOperation(host, "fused/0/0/float32", 0, rounds) for _ in range(4)]  # type: ignore[arg-type]
+    assert ops[0].failed_steps() == []  # (not failed)
+    ops[1].summed = True  # every piece's sum arrived, then the hand-back failed
+    ops[2].epoch = "e0"  # of the processes before a reset
+    for op in ops[1:]:
+        op.answer_failure(lambda req, _: Failure(req, "lane round failed", code="round_failed"))
+    assert [op.failed_steps() for op in ops] == [[], [], [], ["a", "b"]]

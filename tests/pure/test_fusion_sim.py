@@ -10,7 +10,9 @@ replacing it), the link reconnecting (the same run of the server) or giving up f
 machine giving a round up (``fail_name``), plans going out, a data round completing. Checked: no data round
 pairs two steps, every step of every process ends exactly once, nothing waits for ever, nothing is left in
 the planner or the workers at the end, and both workers took the same lane numbers. Found the queued-report
-give-up of 45fbf5e (126 of 2,000 seeds). Modes: ``base`` (one process a worker), ``local2`` (two processes
+give-up of 45fbf5e (126 of 2,000 seeds). Outside the reset modes, both workers also took as many unfused round
+numbers of each name for their failed fused rounds (``unfused_step``): before a plan group's failure took them
+(``FusedOperation.failed_steps``, ``FakeOp`` here), 127 of seeds 0-249 of base differed (fault_soak seed 311). Modes: ``base`` (one process a worker), ``local2`` (two processes
 on worker 0, one of which may leave; rounds waiting for it then fail as overdue), ``restart`` (the anchor
 server dies and a new run of it starts: a plan a worker gave up in full is not told to the new run in
 FuseRunning, so a peer that lost it in the crash numbers that lane one round less; each run plans on lanes
@@ -108,9 +110,12 @@ class FakeOp:
                         shape=[4], offset=0, count=4)
             if not self.fut.done(): sim.t_do(sim.table.push(push, np.zeros(4, np.float32), self, 0.0))
             ok = await self.fut
+        self.ok = ok
         for fr in self.members:
             for e in fr.members():
                 sim.answer(self.w, e.req, "ok" if ok else "opfail")
+    def failed_steps(self):  # as FusedOperation's: failed (at the server) in the job still running
+        return [fr.name for fr in self.members] if not self.ok and self.epoch == self.sim.W[self.w].wepoch else []
 
 def raise_v(sim, text):
     sim.violations.append(text)
@@ -185,6 +190,7 @@ class Sim:
             numbers.next.clear()
         numbers.reset = nreset
         numbers.forget = lambda key: numbers.next.pop(key, None)  # (total: kept, for the end's comparison)
+        unfused: Counter[str] = Counter()  # per name, the unfused round numbers its failed fused rounds took
         daemon = types.SimpleNamespace(
             sim=self,
             config=types.SimpleNamespace(local_size=self.local[w], worker_id=w, cluster=types.SimpleNamespace(timeout=10.0)),
@@ -195,9 +201,9 @@ class Sim:
             spawn=lambda coro: asyncio.get_running_loop().create_task(coro),
             round_base=lambda key, r: sim.round_base(w, key, r), round_queries={}, run_tracked=lambda name, coro: coro,
             abort_when_known=abort_when_known, forget_sums=lambda keys: None,
-            unfused_step=lambda name: None)  # (the names' unfused rounds are not simulated)
+            unfused_step=lambda name: unfused.update([name]))  # (the unfused rounds themselves are not simulated)
         fs = fd.FusedSums(daemon)
-        fs.sim_w = w; fs.link = link; fs.numbers = numbers
+        fs.sim_w = w; fs.link = link; fs.numbers = numbers; fs.unfused = unfused
         fs.procs = [Session(self, w, r) for r in range(self.local[w])]
         fs.answered = Counter(); fs.reset_pending = False; fs.wepoch = 0; fs.round_queries = daemon.round_queries
         orig_plan = fs.plan
@@ -651,6 +657,8 @@ class Sim:
             def live(numbers): return Counter({k: v for k, v in numbers.items() if STRICT_LANES or fused_lanes(k).rpartition(".")[0] == run})
             n0, n1 = (+live(self.W[0].numbers.total), +live(self.W[1].numbers.total))
             if n0 != n1: self.violations.append(f"lane numbers differ {dict(n0)} vs {dict(n1)}")
+            u0, u1 = self.W[0].unfused, self.W[1].unfused
+            if +u0 != +u1: self.violations.append(f"unfused round numbers taken differ {dict(u0)} vs {dict(u1)}")
 
 def run_seed(seed: int, patch: Any, mode: str = "base") -> Sim:
     """One seed's run; ``patch(module, name, value)`` swaps the driver's loop and operations for fakes."""
