@@ -101,3 +101,44 @@ def test_a_round_given_up_on_a_server_that_then_dies_fails_on_its_restarted_run_
     assert all(r[1].startswith("BPS") for r in (first, second, third)), results
     assert float(first[1].split()[-2]) < 10.0, results  # an error from the servers, not our 15 s wait
     assert first[2:] == second[2:] == third[2:] == ["exact", "exact"], results
+
+
+@pytest.mark.timeout(120)
+def test_a_first_round_given_up_while_its_anchor_is_down_fails_for_the_peer_on_the_anchors_next_run(tmp_path):
+    """Worker 0's processes disagree about the first round of a name while its anchor is down: worker 0 cannot
+    learn the name's round base (the link gives up after the timeout), and its processes hear the mismatch.
+    The anchor restarts, and worker 1 pushes that round to the new run: it must fail, from worker 0's abort,
+    sent once its link is back. Before, the abort was dropped with the failed query, and worker 1 waited for
+    worker 0, which had moved on, for ever (here: until its 15 s wait ran out)."""
+    import threading
+    import time
+
+    import fault_programs as fp
+    from harness import run_ranks
+
+    path = write_config(tmp_path, [2, 1], colocated=False, cpu_servers=1, cluster={"timeout": 4.0})
+    cluster = start_cluster(path)
+    files = str(tmp_path / "f.")
+    results: list = []
+    job = threading.Thread(target=lambda: results.append(run_ranks(
+        cluster, fp.first_round_while_anchor_down, "big", 100_000, files, 3, 15.0, timeout=90)))
+    job.start()
+    try:
+        for rank in range(3):
+            fp.wait_for(f"{files}ready{rank}", 30)
+        cluster.kill("server-0")
+        open(f"{files}down", "w").close()
+        fp.wait_for(f"{files}gave_up0", 30)
+        fp.wait_for(f"{files}gave_up1", 30)
+        cluster.restart("server-0")
+        open(f"{files}up", "w").close()
+        job.join()
+    finally:
+        for f in ("down", "up", "done"):
+            open(f"{files}{f}", "a").close()
+        job.join()
+        cluster.stop()
+    (first, second, third), = results
+    assert all(r[0].startswith("BPS") for r in (first, second, third)), results
+    assert float(third[0].split()[-2]) < 10.0, results  # worker 0's abort, not our 15 s wait
+    assert first[1:] == second[1:] == third[1:] == ["exact", "exact"], results
