@@ -28,7 +28,6 @@ from bps_runtime import kernels
 from bps_runtime import segments as shm
 from protocol.messages import KIND_SUM, MAX_FUSED_ENTRIES, Done, DoneBatch, Failure, Op
 
-from .errors import BPSError, LinkBrokenError
 from .fusion import FusedRound
 from .local_rounds import LocalRound
 from .operation import Contribution, Operation, OperationHost, Scattered
@@ -89,24 +88,16 @@ class FusedOperation(Operation):
         self.priority = max(e.priority for fr in rounds for e in fr.entries if e is not None)
         self.path = FusedPath()
         self.failed = False  # its processes heard a failure
-        self.own_link = False  # ... that our own connection broke with a push's answer (see failed_steps)
 
     def failed_steps(self) -> list[str]:
         """The names whose fused rounds failed with this operation, in the job still running, before its sum was
         complete: the lane round failed at the server, for every worker that ran the plan, so each name's step
         takes an unfused round number on every machine (``bps_worker.fusion``, "Each round has an index"), as it
         does where the plan's group was given up (the round of the culprit failed there before the plan came).
-        None where the failure may be this machine's alone: after the sum (a segment that shrank), or a push
-        whose answer our own broken connection lost (LinkBrokenError), which the server may have summed for the
-        peers all the same (their rounds succeed, and take no number). Left open: a group given up by a peer
-        whose plan was lost, while our connection to the anchor broke too (the peer took numbers, we take none)."""
-        if not self.failed or self.summed or self.own_link or not self._job_current():
+        A failure after the sum (a segment that shrank) is this machine's alone: the peers' rounds succeeded."""
+        if not self.failed or self.summed or not self._job_current():
             return []
         return [fr.name for fr in self.rounds]
-
-    def reply_failed(self, error: BPSError, scattered: Scattered) -> None:
-        self.own_link = isinstance(error, LinkBrokenError)
-        super().reply_failed(error, scattered)
 
     def reply_done(self, scattered: Scattered) -> None:
         self.host.counters.fused_tensors += len(self.rounds)

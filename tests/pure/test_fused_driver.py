@@ -16,7 +16,6 @@ import bps_worker.fused_driver as fd
 from bps_server.fusion import Planner
 from bps_server.rounds import Add, Fail, FailRound, RoundTable
 from bps_server.rounds import Why as RoundWhy
-from bps_worker.errors import BPSError, LinkBrokenError
 from bps_worker.fused_driver import FusedSums
 from bps_worker.fused_operation import FusedOperation, layout_digest
 from bps_worker.fusion import Entry, FusedRound
@@ -793,16 +792,13 @@ async def test_a_worker_keeps_the_keys_of_an_ended_lane_generation_while_an_oper
 def test_a_fused_operation_that_failed_before_its_sum_says_its_names_steps_take_unfused_numbers():
     """``FusedOperation.failed_steps``: the names of a failed operation of the job still running, before its sum
     was complete (the lane round failed at the anchor, for every worker); none after (this machine's alone)."""
-    host = types.SimpleNamespace(rank_offset=0, config=types.SimpleNamespace(local_size=1), epoch="e1",
-                                 counters=types.SimpleNamespace(ops_failed=0))
+    host = types.SimpleNamespace(rank_offset=0, config=types.SimpleNamespace(local_size=1), epoch="e1")
     session = Session()
     rounds = [FusedRound(n, F32, 0, [Entry(session, i, F32, "seg", 16 * i, 0)]) for i, n in enumerate("ab")]
-    ops = [FusedOperation(host, "fused/0/0/float32", 0, rounds) for _ in range(5)]  # type: ignore[arg-type]
+    ops = [FusedOperation(host, "fused/0/0/float32", 0, rounds) for _ in range(4)]  # type: ignore[arg-type]
     assert ops[0].failed_steps() == []  # (not failed)
     ops[1].summed = True  # every piece's sum arrived, then the hand-back failed
     ops[2].epoch = "e0"  # of the processes before a reset
-    scattered: Any = types.SimpleNamespace(futures=[], slots=[])
-    ops[3].reply_failed(LinkBrokenError("connection broke"), scattered)  # the server may have summed it for the peers
-    for op in (ops[1], ops[2], ops[4]):
-        op.reply_failed(BPSError("round 0 aborted by worker 1"), scattered)
-    assert [op.failed_steps() for op in ops] == [[], [], [], [], ["a", "b"]]
+    for op in ops[1:]:
+        op.answer_failure(lambda req, _: Failure(req, "lane round failed", code="round_failed"))
+    assert [op.failed_steps() for op in ops] == [[], [], [], ["a", "b"]]
