@@ -99,7 +99,6 @@ class WorkerDaemon:
 
     _cuda: cuda.CudaBridge | None  # made when the first CUDA tensor arrives...
     _cuda_starting: asyncio.Future[cuda.CudaBridge] | None  # ... in a thread (cuda_bridge)
-    _anchor_waiters: dict[int, list[asyncio.Future[None]]]  # (see _start_fusion)
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -274,7 +273,6 @@ class WorkerDaemon:
             self._heartbeat.cancel()
         if self._server is not None:
             self._server.close()
-        self._cancel_anchor_waiters()
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=2.0)
         for session in list(self.connections):
@@ -462,57 +460,16 @@ class WorkerDaemon:
 
     async def abort_when_known(self, name: str, local_round: int, base: asyncio.Future[int], why: Why,
                                then: Callable[[], None] = lambda: None) -> None:
-        """Abort our round ``local_round`` of ``name`` at its anchor once the base is known; ``then`` after that,
-        or at once where the anchor is unreachable (the query failed: the link gave up). The abort is not dropped
-        then: it goes once the link is back and the base is learned, while our job runs (``_base_when_back``). A
-        peer whose link outlasted ours, or that met the anchor's next run, pushes that round there: without our
-        abort it waited for us for ever (a name's first round, whose base we had never learned)."""
-        epoch = self.epoch
+        """Abort our round ``local_round`` of ``name`` at its anchor once the base is known; ``then``, in any
+        case."""
         try:
             offset = await base
-        except asyncio.CancelledError:
-            then()  # the job is gone (a reset): its rounds with it
-            return
-        except BPSError:
-            then()  # our processes hear it now: the anchor may never come back
-            known = await self._base_when_back(name, local_round, epoch)
-            if known is not None:
-                self.abort_at_anchor(name, local_round + known, why)
-            return
-        self.abort_at_anchor(name, local_round + offset, why)
-        then()
-
-    async def _base_when_back(self, name: str, local_round: int, epoch: str) -> int | None:
-        """``name``'s round base, asked again each time the link to its anchor is back, until it is learned;
-        None once the job of ``epoch`` is over (a reset, or the daemon stops)."""
-        while await self._anchor_back(name, epoch):
-            try:
-                return await self.round_base(name, local_round)
-            except BPSError:
-                continue  # the link gave up again: wait for the next connection
-            except asyncio.CancelledError:
-                return None
-        return None
-
-    async def _anchor_back(self, name: str, epoch: str) -> bool:
-        """Wait until the link to ``name``'s anchor is connected (at once if it is); False where the job of
-        ``epoch`` is over by then (a reset, or the daemon stops): what we meant to tell the anchor is void."""
-        link = self._anchor_link(name)
-        if not link.connected and not self.stopping:
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._anchor_waiters.setdefault(link.spec.id, []).append(waiter)
-            try:
-                await waiter
-            except asyncio.CancelledError:
-                return False
-        return self.epoch == epoch and not self.stopping
-
-    def _cancel_anchor_waiters(self) -> None:
-        """What waits for a link to be back is void (a reset: those aborts were of the old job; the stop)."""
-        waiters, self._anchor_waiters = self._anchor_waiters, {}
-        for futures in waiters.values():
-            for future in futures:
-                future.cancel()
+        except (BPSError, asyncio.CancelledError):
+            return  # the anchor is unreachable, or the job is gone: the peers' rounds fail there anyway
+        else:
+            self.abort_at_anchor(name, local_round + offset, why)
+        finally:
+            then()
 
     def unfused_step(self, name: str) -> None:
         """A fused round of ``name`` failed with no unfused round of its step here: the step takes an unfused
@@ -522,19 +479,13 @@ class WorkerDaemon:
         self.spawn(self._give_up_step(name, self.rounds.numbers.take(name)))
 
     async def _give_up_step(self, name: str, local_round: int) -> None:
-        """See ``unfused_step``. Where the base is not known and the anchor is unreachable, the step is given up
-        once the link is back (as ``abort_when_known`` does), while our job runs."""
         base = self.rounds.numbers.base(name)
-        epoch = self.epoch
-        while base is None:  # the name's first numbered step in this job: learned here unless we rejoined
+        if base is None:  # the name's first numbered step in this job: learned here unless we rejoined
+            epoch = self.epoch
             try:
                 server_round = await self._anchor_link(name).query_round(name, 0, local_round, failed=True)
-            except BPSError:
-                if await self._anchor_back(name, epoch):
-                    continue  # the link gave up, and is back: ask again
-                return  # the job is over meanwhile
-            except asyncio.CancelledError:
-                return  # the job is gone
+            except (BPSError, asyncio.CancelledError):
+                return  # the anchor is unreachable, or the job is gone
             if server_round < 0 or self.epoch != epoch or self.rounds.numbers.base(name) is not None:
                 return  # we rejoined (learned at our next round of the name), the job is over, or learned
             base = self.rounds.numbers.learn(name, local_round, server_round)
@@ -585,7 +536,6 @@ class WorkerDaemon:
         for query in self.round_queries.values():
             query.cancel()
         self.round_queries.clear()
-        self._cancel_anchor_waiters()
         self.async_names.clear()
         self._new_epoch()
         self.reset_since = True
@@ -600,9 +550,6 @@ class WorkerDaemon:
         # Whether every process of ours left (a reset) and none came since: a server that restarted must hear it
         # again (its new run takes every worker that connects for one with processes, and waits for them).
         self.reset_since = False
-        # Per server id, what waits for its link to be connected again (_link_ready): aborts whose base could not
-        # be learned while the server was down (_anchor_back). Cancelled at a reset (those aborts are void), the stop.
-        self._anchor_waiters = {}
         for link in self.links.values():
             link.on_ready = partial(self._link_ready, link, link.on_ready)
 
@@ -612,9 +559,6 @@ class WorkerDaemon:
             link.tell_reset()
         if then is not None:
             then(restarted)
-        for waiter in self._anchor_waiters.pop(link.spec.id, []):  # aborts that waited for it (_anchor_back)
-            if not waiter.done():
-                waiter.set_result(None)
 
     def _new_epoch(self) -> None:
         """Our round numbering (re)starts at 0: servers learn it from the epoch (see RoundQuery)."""

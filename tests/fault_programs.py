@@ -66,21 +66,3 @@ def given_up_while_frozen(name: str, count: int, go: str, gave_up: str, done: st
     else:
         open(done, "w").close()
     return out + [one_step(name, count, step, timeout_s) for step in range(2, steps)]
-
-
-def first_round_while_anchor_down(name: str, count: int, files: str, steps: int, timeout_s: float) -> list[Any]:
-    """Every rank writes file ``<files>ready<rank>``. Step 0, the name's first round: worker 0's processes (ranks
-    0 and 1) push ``name`` once file ``<files>down`` exists (its anchor is down), rank 1 with one element more,
-    so their machine gives the round up, and each writes ``<files>gave_up<rank>`` once answered; rank 2 (worker
-    1) pushes it once ``<files>up`` exists (the anchor is back), then writes ``<files>done``, which the others
-    wait for before the later steps. Every step's outcome."""
-    rank = bps.rank()
-    open(f"{files}ready{rank}", "w").close()
-    wait_for(f"{files}up" if rank == 2 else f"{files}down")
-    out = [one_step(name, count + (rank == 1), 0, timeout_s)]
-    if rank == 2:
-        open(f"{files}done", "w").close()
-    else:
-        open(f"{files}gave_up{rank}", "w").close()
-        wait_for(f"{files}done", 90)
-    return out + [one_step(name, count, step, timeout_s) for step in range(1, steps)]
