@@ -476,19 +476,24 @@ class WorkerDaemon:
         round number all the same, as it does on a peer that pushed the name unfused in that step (see
         ``bps_worker.fusion``, "Each round has an index"), and that round is given up at the anchor, so that
         its round table counts the step too (a machine that rejoins is placed by it)."""
-        self.spawn(self._give_up_step(name, self.rounds.numbers.take(name)))
+        self.spawn(self._give_up_step(name, self.rounds.numbers.take(name), self.epoch))
 
-    async def _give_up_step(self, name: str, local_round: int) -> None:
+    async def _give_up_step(self, name: str, local_round: int, epoch: str) -> None:
+        """See :meth:`unfused_step`; ``epoch``: the job whose step it is (void once that job is over, even before
+        this first runs: the last process's leaving fails its rounds, then resets at once)."""
+        if self.epoch != epoch:
+            return
         base = self.rounds.numbers.base(name)
         if base is None:  # the name's first numbered step in this job: learned here unless we rejoined
-            epoch = self.epoch
             try:
                 server_round = await self._anchor_link(name).query_round(name, 0, local_round, failed=True)
             except (BPSError, asyncio.CancelledError):
                 return  # the anchor is unreachable, or the job is gone
-            if server_round < 0 or self.epoch != epoch or self.rounds.numbers.base(name) is not None:
-                return  # we rejoined (learned at our next round of the name), the job is over, or learned
-            base = self.rounds.numbers.learn(name, local_round, server_round)
+            if server_round < 0 or self.epoch != epoch:
+                return  # we rejoined (learned at our next round of the name), or the job is over
+            base = self.rounds.numbers.base(name)  # learned meanwhile (another step's query, or a round's)
+            if base is None:
+                base = self.rounds.numbers.learn(name, local_round, server_round)
         why = Why(f"tensor {name!r}: the fused round of this step failed on worker {self.worker_id}", "round_failed")
         self.abort_at_anchor(name, local_round + base, why)
 

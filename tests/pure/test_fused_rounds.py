@@ -384,7 +384,7 @@ async def test_a_failed_steps_round_is_given_up_at_the_anchor_once_the_base_is_l
                                                    (4, "e2", None, [])):
         daemon.rounds.numbers.reset()
         daemon.epoch, aborted[:] = "e1", []
-        task = asyncio.ensure_future(WorkerDaemon._give_up_step(daemon, "n", 4))  # type: ignore[arg-type]
+        task = asyncio.ensure_future(WorkerDaemon._give_up_step(daemon, "n", 4, "e1"))  # type: ignore[arg-type]
         await asyncio.sleep(0)
         daemon.epoch = epoch
         answers[-1].set_result(answer)

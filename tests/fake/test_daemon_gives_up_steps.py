@@ -1,0 +1,106 @@
+"""A fused step that failed gives its unfused round number up at the anchor (WorkerDaemon.unfused_step,
+_give_up_step): never into the next job, and every step, also where two steps' base queries overlap.
+(Found by a review; an in-process daemon whose anchor link is a fake.)"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+from bps_worker.daemon import WorkerConfig, WorkerDaemon
+from bps_worker.errors import BPSConnectionError
+from protocol.config import parse_config
+from protocol.messages import Message
+
+F32 = ("float32", (4,), False, "")
+
+
+class FakeSession:
+    def __init__(self, local_rank: int) -> None:
+        self.local_rank = local_rank
+        self.pid = 1000 + local_rank
+        self.answers: list[Message] = []
+
+    def send(self, message: Message) -> None:
+        self.answers.append(message)
+
+    def release_segments(self) -> None:
+        pass
+
+
+class Anchor:
+    """The anchor's link: a round query is answered at once with ``local`` (the server does not take us for a
+    rejoining worker: round_for's first case) while connected, and fails (the link gave up) while not."""
+
+    def __init__(self, daemon: WorkerDaemon, connected: bool) -> None:
+        self.daemon, self.connected = daemon, connected
+        self.rtt = False
+        self.spec = types.SimpleNamespace(id=1)
+        self.queries: list[tuple[str, int, bool]] = []
+        self.aborts: list[tuple[str, str, int]] = []  # (the daemon's epoch as it was sent, name, round)
+
+    def query_round(self, name: str, part: int = 0, local: int = 0, failed: bool = False) -> asyncio.Future[int]:
+        self.queries.append((name, local, failed))
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        if self.connected and self.rtt:
+            asyncio.get_running_loop().call_soon(future.set_result, local)  # (answered after a round trip)
+        elif self.connected:
+            future.set_result(local)
+        else:
+            future.set_exception(BPSConnectionError("cannot reach server 1"))
+        return future
+
+    def abort(self, name: str, part: int, round_: int, why: object) -> None:
+        self.aborts.append((self.daemon.epoch, name, round_))
+
+
+def _daemon(local_size: int = 1, connected: bool = True) -> tuple[WorkerDaemon, Anchor]:
+    cluster = parse_config({"cluster": {"workers": 2},
+                            "server": [{"id": 0, "address": "10.0.0.1:9000", "worker": 0},
+                                       {"id": 1, "address": "10.0.0.2:9000"}],
+                            "worker": [{"id": w, "local_size": local_size, "socket": f"/tmp/w{w}.sock"}
+                                       for w in range(2)]})
+    daemon = WorkerDaemon(WorkerConfig(cluster, 0))
+    for link in daemon.all_links:  # no sockets: what a link must send waits in it
+        link._ensure_connecting = lambda *a, **k: None  # type: ignore[method-assign]
+    anchor = Anchor(daemon, connected)
+    daemon._anchor_link = lambda name: anchor  # type: ignore[method-assign,assignment,return-value]
+    return daemon, anchor
+
+
+async def _settle(daemon: WorkerDaemon) -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def test_a_step_given_up_as_the_last_process_leaves_sends_no_abort_into_the_next_job():
+    """The last process leaves with a fused round of "a" open: FusedRounds.leave fails it (a step: unfused_step
+    spawns _give_up_step with an old-job number), and session_lost resets at once. _give_up_step reads
+    self.epoch when it first runs, after the reset: the new job's epoch. Its query (not one of round_queries:
+    not cancelled) is answered, the epoch check passes, a base is learned for the new job from an old-job
+    number, and the old job's round is aborted at the anchor in the new job."""
+    daemon, anchor = _daemon()
+    session = FakeSession(0)
+    daemon.sessions[0] = session  # type: ignore[assignment]
+    daemon.submit_batch(session, [(1, "a", F32, "seg", 0, 0)])  # complete here (one process): reported
+    daemon.rounds.numbers.take("a")
+    daemon.rounds.numbers.take("a")  # (two earlier steps of "a" took numbers: its next is 2)
+    old = daemon.epoch
+    daemon.session_lost(session)  # leave -> _fail (a step, number 2) -> unfused_step; then _reset()
+    assert daemon.epoch != old
+    await _settle(daemon)
+    assert anchor.aborts == [], f"an abort of the old job's round sent in the new job: {anchor.aborts}"
+    assert daemon.rounds.numbers.base("a") is None, "a base learned in the new job from an old-job number"
+
+
+
+async def test_two_steps_given_up_while_their_base_queries_overlap_are_both_aborted():
+    """Two fused steps of "a" fail before its base is known: each takes an unfused number (0, 1) and asks the
+    anchor. The first answer learns the base; the second found it learned and returned without its abort (round
+    1 never given up at the anchor, whose round table missed the step)."""
+    daemon, anchor = _daemon()
+    anchor.rtt = True
+    daemon.unfused_step("a")
+    daemon.unfused_step("a")
+    await _settle(daemon)
+    assert sorted(r for _, _, r in anchor.aborts) == [0, 1], f"aborts sent: {anchor.aborts}"
