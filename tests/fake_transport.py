@@ -60,3 +60,18 @@ def feed(protocol: Any, data: bytes) -> None:
         buf[:n] = view[:n]
         view = view[n:]
         protocol.buffer_updated(n)
+
+
+class FakeSession:
+    """What a worker daemon answers a training process through: here, a list of its answers."""
+
+    def __init__(self, local_rank: int) -> None:
+        self.local_rank = local_rank
+        self.pid = 1000 + local_rank
+        self.answers: list[Any] = []
+
+    def send(self, message: Any) -> None:
+        self.answers.append(message)
+
+    def release_segments(self) -> None:
+        pass

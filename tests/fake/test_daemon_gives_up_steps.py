@@ -9,23 +9,10 @@ import types
 
 from bps_worker.daemon import WorkerConfig, WorkerDaemon
 from bps_worker.errors import BPSConnectionError
+from fake_transport import FakeSession
 from protocol.config import parse_config
-from protocol.messages import Message
 
 F32 = ("float32", (4,), False, "")
-
-
-class FakeSession:
-    def __init__(self, local_rank: int) -> None:
-        self.local_rank = local_rank
-        self.pid = 1000 + local_rank
-        self.answers: list[Message] = []
-
-    def send(self, message: Message) -> None:
-        self.answers.append(message)
-
-    def release_segments(self) -> None:
-        pass
 
 
 class Anchor:

@@ -16,20 +16,9 @@ from typing import Any
 from bps_worker.daemon import WorkerConfig, WorkerDaemon
 from bps_worker.errors import BPSError
 from bps_worker.local_rounds import LocalRound
+from fake_transport import FakeSession
 from protocol.config import parse_config
-from protocol.messages import Failure, Message, Op
-
-
-class FakeSession:
-    """What the daemon answers a process through: here, a list of its answers."""
-
-    def __init__(self, local_rank: int) -> None:
-        self.local_rank = local_rank
-        self.pid = 1000 + local_rank
-        self.answers: list[Message] = []
-
-    def send(self, message: Message) -> None:
-        self.answers.append(message)
+from protocol.messages import Failure, Op
 
 
 def _daemon(local_size: int) -> WorkerDaemon:
