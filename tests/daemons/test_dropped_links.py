@@ -64,7 +64,11 @@ def test_every_connection_to_a_server_dropped_fails_the_round_for_the_late_peer_
             assert time.monotonic() < deadline, "worker 0's push never reached the server"
             time.sleep(0.01)
         # Worker 1's connection drops first (the server fails the round, and tells worker 0), then worker 0's,
-        # before worker 1 reconnected (it is frozen meanwhile, so that the order is sure).
+        # before worker 1 reconnected (it is frozen meanwhile, so that the order is sure). Both must be connected
+        # when it is frozen (on a loaded box, 4 s of a link's silence make it reconnect).
+        while len(_connections(cluster, 0, [0, 1])) < 2:
+            assert time.monotonic() < deadline, "the workers are not both connected to the server"
+            time.sleep(0.01)
         cluster.kill("worker-1", signal.SIGSTOP)
         try:
             assert _drop(cluster, 0, 1) == 1
