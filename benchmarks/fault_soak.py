@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import queue as _queue
 import random
 import re
 import shutil
@@ -60,38 +59,20 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mismatch_soak as ms  # noqa: E402  (its plan of a step, and what the bad rank pushes)
 
 # Mostly fused (<= 16,384 float32, 8,192 float64), now and then not.
 SIZES = (1, 4, 100, 1000, 4000, 8192, 8193, 16383, 16384, 16385, 20000, 200000)
 WEIGHTS = (3, 3, 3, 3, 2, 2, 1, 2, 2, 1, 1, 1)
-DTYPES = ("float32", "float32", "float64", "int32")
 POOL = 24  # names f0..f23
 KINDS = ("kill-cpu", "kill-colocated", "freeze-kill", "kill-drop", "drop", "drop-all")
 RESTART_DELAY_S = 0.3
 
 
 def plan(seed: int, step: int, size: int, mismatch: float) -> list[tuple[str, int, str, int, str]]:
-    """The step's names, the same on every rank: (name, count, dtype, bad rank or -1, how it disagrees)."""
-    rng = random.Random(seed * 1000 + step)
-    names = list(dict.fromkeys(f"f{rng.randrange(POOL)}" for _ in range(rng.randint(1, 14))))
-    out = []
-    for name in names:
-        count, dtype = rng.choices(SIZES, WEIGHTS)[0], rng.choice(DTYPES)
-        bad = rng.random() < mismatch
-        who, how = rng.randrange(size), rng.choice(("shape", "dtype", "cross"))
-        out.append((name, count, dtype, who if bad else -1, how))
-    return out
-
-
-def mine(rank: int, count: int, dtype: str, bad: int, how: str) -> tuple[int, str]:
-    """What ``rank`` pushes of a planned name: the plan's, or the bad rank's other size or dtype."""
-    if rank != bad:
-        return count, dtype
-    if how == "shape":
-        return count + 1, dtype
-    if how == "dtype":
-        return count, "float64" if dtype != "float64" else "float32"
-    return (20000 if count <= 16384 else 100), dtype  # the other side of the fusion limit
+    """The step's names, the same on every rank (mismatch_soak.plan, with this soak's names and sizes)."""
+    return ms.plan(seed, step, size, mismatch=mismatch, prefix="f", pool=POOL, most=14, sizes=SIZES, weights=WEIGHTS)
 
 
 def base(seed: int, step: int, name: str, count: int) -> Any:
@@ -116,7 +97,7 @@ def run_step(bps: Any, opts: dict[str, Any], step: int, rank: int, size: int) ->
     handles = {}
     for i in order:
         name, count, dtype, bad, how = names[i]
-        c, d = mine(rank, count, dtype, bad, how)
+        c, d = ms.mine(rank, count, dtype, bad, how)
         handles[i] = bps.push_pull_async((base(seed, step, name, c) + rank + 1).astype(d), name, average=False)
     deadline = time.monotonic() + opts["step_timeout"]
     out = []
@@ -289,17 +270,6 @@ def judge(seed: int, opts: dict[str, Any], reports: list[dict[str, Any]], faults
     return v
 
 
-def collect(results: Any, procs: list[Any], deadline: float) -> list[dict[str, Any]]:
-    reports: list[dict[str, Any]] = []
-    while len(reports) < len(procs) and time.monotonic() < deadline:
-        try:
-            reports.append(results.get(timeout=1.0))
-        except _queue.Empty:
-            if not any(p.is_alive() for p in procs) and results.empty():
-                break
-    return reports
-
-
 def last_steps(reports: list[dict[str, Any]]) -> str:
     """What every rank got in the last two steps it ran (printed with a hang)."""
     out = []
@@ -330,7 +300,7 @@ def run_job(cluster: Any, opts: dict[str, Any], faults: list[Fault]) -> list[dic
         p.start()
     thread.start()
     try:
-        reports = collect(results, procs, time.monotonic() + opts["steps"] * opts["step_timeout"] + 60)
+        reports = ms.collect(results, procs, time.monotonic() + opts["steps"] * opts["step_timeout"] + 60)
     finally:
         ended.set()
         thread.join()

@@ -45,14 +45,19 @@ POOL = 21  # names s0..s20
 MISMATCH_P = 0.15
 
 
-def plan(seed: int, step: int, size: int) -> list[tuple[str, int, str, int, str]]:
-    """The step's names, the same on every rank: (name, count, dtype, bad rank or -1, how it disagrees)."""
+def plan(seed: int, step: int, size: int, *, mismatch: float = MISMATCH_P, prefix: str = "s", pool: int = POOL,
+         most: int = 12, sizes: tuple[int, ...] = SIZES, weights: tuple[int, ...] | None = None,
+         ) -> list[tuple[str, int, str, int, str]]:
+    """The step's names, the same on every rank: (name, count, dtype, bad rank or -1, how it disagrees); 1 to
+    ``most`` names ``{prefix}0`` .. of ``pool``, sizes drawn from ``sizes`` (by ``weights`` if given), about
+    one name in 1/``mismatch`` disagreeing (fault_soak.py draws its steps here too)."""
     rng = random.Random(seed * 1000 + step)
-    names = list(dict.fromkeys(f"s{rng.randrange(POOL)}" for _ in range(rng.randint(1, 12))))
+    names = list(dict.fromkeys(f"{prefix}{rng.randrange(pool)}" for _ in range(rng.randint(1, most))))
     out = []
     for name in names:
-        count, dtype = rng.choice(SIZES), rng.choice(DTYPES)
-        bad = rng.random() < MISMATCH_P
+        count = rng.choice(sizes) if weights is None else rng.choices(sizes, weights)[0]
+        dtype = rng.choice(DTYPES)
+        bad = rng.random() < mismatch
         who, how = rng.randrange(size), rng.choice(("shape", "dtype", "cross"))
         out.append((name, count, dtype, who if bad else -1, how))
     return out
@@ -113,6 +118,18 @@ def rank_main(results: Any, sock: str, local_rank: int, seed: int, steps: int, s
     results.put({"problems": problems, **counts})
 
 
+def collect(results: Any, procs: list[Any], deadline: float) -> list[dict[str, Any]]:
+    """The ranks' reports from ``results``, until every one reported, the ranks all died, or ``deadline``."""
+    reports: list[dict[str, Any]] = []
+    while len(reports) < len(procs) and time.monotonic() < deadline:
+        try:
+            reports.append(results.get(timeout=1.0))
+        except _queue.Empty:
+            if not any(p.is_alive() for p in procs) and results.empty():
+                break
+    return reports
+
+
 def run_seed(seed: int, steps: int, step_timeout: float, local_sizes: list[int]) -> dict[str, Any]:
     """One job of ``steps`` steps on a fresh cluster (``local_sizes``: processes per machine): what its ranks
     reported."""
@@ -131,14 +148,7 @@ def run_seed(seed: int, steps: int, step_timeout: float, local_sizes: list[int])
                      for w in cluster.config.worker_specs for local in range(w.local_size)]
             for p in procs:
                 p.start()
-            reports: list[dict[str, Any]] = []
-            deadline = time.monotonic() + steps * step_timeout + 60
-            while len(reports) < len(procs) and time.monotonic() < deadline:
-                try:
-                    reports.append(results.get(timeout=1.0))
-                except _queue.Empty:
-                    if not any(p.is_alive() for p in procs) and results.empty():
-                        break
+            reports = collect(results, procs, time.monotonic() + steps * step_timeout + 60)
             for p in procs:
                 p.join(timeout=5)
                 if p.is_alive():

@@ -116,9 +116,10 @@ def _remember(seg: SharedMemory, st: os.stat_result) -> None:
 
 class _PassSizes(threading.local):
     """The size each mapping's file had at its first check in the current pass of this thread's event loop
-    (check_size): the pieces one read of a connection brought name the same few segments, and a ``stat`` each was
-    a tenth of a server's time on small pieces. Per thread, and for one loop: emptied by a callback at the
-    pass's end, or when a check finds another loop running (one that stopped before its callback ran)."""
+    (check_size): the pieces one read of a connection brought name the same few segments, and a ``stat`` each cost
+    a server more than its sums of small pieces (benchmarks/RESULTS.md). Per thread, and for one loop: emptied by
+    a callback at the pass's end, or when a check finds another loop running (one that stopped before its
+    callback ran)."""
 
     def __init__(self) -> None:
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -37,16 +37,19 @@ class AsyncValues:
     def __init__(self, n_workers: int, timeout_s: float, worker_of_rank: Callable[[int], int]) -> None:
         self.store: ValueStore[Replier] = ValueStore(n_workers, timeout_s=timeout_s, worker_of_rank=worker_of_rank)
         self.timeout_s = timeout_s
-        self.deltas = 0  # deltas received (replays included)
-        self.deltas_by_worker: dict[int, int] = {}
+        self.deltas_by_worker: dict[int, int] = {}  # deltas received from each worker
         self._sweeper: asyncio.TimerHandle | None = None
+
+    @property
+    def deltas(self) -> int:
+        """Deltas received, from every worker."""
+        return sum(self.deltas_by_worker.values())
 
     def has(self, name: str, part: int) -> bool:
         """Whether (name, part) is an asynchronous key here (a synchronous push of it is a misuse)."""
         return self.store.has(name, part)
 
     def push(self, push: Push, data: np.ndarray, replier: Replier, lease: Lease | None) -> None:
-        self.deltas += 1
         self.deltas_by_worker[push.worker] = self.deltas_by_worker.get(push.worker, 0) + 1
         self._run(self.store.push(push, data, replier, time.monotonic(), lease))
 

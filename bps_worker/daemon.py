@@ -36,7 +36,7 @@ from bps_runtime.health import STALL_LIMIT_S, Pulse, Verdict
 from bps_runtime import segments as shm
 from bps_runtime.timeline import Timeline
 from protocol.config import ClusterConfig, placement_items
-from protocol.messages import ASYNC_KINDS, FUSED_PREFIX, Op, Ping, Spec, Why, describe_spec
+from protocol.messages import ASYNC_KINDS, FUSED_PREFIX, Abort, Op, Ping, Spec, Why, describe_spec
 
 from .async_operation import AsyncName, AsyncOperation
 from .errors import BPSError
@@ -152,7 +152,10 @@ class WorkerDaemon:
         config, cluster = self.config, self.config.cluster
         per_link_credit = max(1 << 16, cluster.credit_bytes // len(cluster.servers))
         window = self.placement.stream_window(cluster.window_pieces)  # of every connection
-        streams = {
+        # One record of the rounds given up per server (ServerLink.given_up): a part's aborts go on stream 0, its
+        # sums come on its own stream.
+        given_up: dict[int, dict[tuple[str, int], Abort]] = {s.id: {} for s in cluster.servers}
+        return {
             s.id: [ServerLink(s, config.worker_id, credit_bytes=per_link_credit, window_pieces=window,
                               stream=stream, timeout=cluster.timeout,
                               max_payload_bytes=cluster.max_payload_bytes, token=config.token,
@@ -160,14 +163,10 @@ class WorkerDaemon:
                               if stream == 0 and cluster.colocated_shm
                               and (s.worker == config.worker_id or is_local_address(s.host))
                               else None,
-                              timeline=self.timeline, config_items=placement_items(cluster))
+                              timeline=self.timeline, config_items=placement_items(cluster), given_up=given_up[s.id])
                    for stream in range(self.placement.streams(s.id))]
             for s in cluster.servers
         }
-        for links in streams.values():  # a part's aborts go on stream 0, its sums come on its own stream
-            for link in links[1:]:
-                link.given_up = links[0].given_up
-        return streams
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:

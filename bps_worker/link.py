@@ -110,7 +110,7 @@ from bps_runtime import segments as shm
 from bps_runtime.lowat import ReceiveLowWater
 from bps_runtime.timeline import Timeline, now_us
 
-from .errors import BPSConnectionError, BPSError, LinkBrokenError, error_from_failure
+from .errors import BPSConnectionError, BPSError, LinkBrokenError, error_from_failure, why_from_error
 from .window import BATCH_MAX_BYTES, Piece, SendWindow
 
 log = logging.getLogger("bps.worker.link")
@@ -254,15 +254,6 @@ class _LinkProtocol(asyncio.BufferedProtocol):
                                   + (f": {exc}" if exc else ""))
 
 
-def _why_of(failure: Failure) -> Why:
-    """The Why a server's Failure of our push says, to be told again as our Abort: a mismatch with both sides
-    (each peer hears its own as ``ours``, as from a live abort), anything else with its code and facts."""
-    if failure.code == "mismatch" and failure.ours and failure.theirs:
-        return Why.mismatch(failure.name, failure.ours, failure.theirs, failure.detail or failure.message)
-    return Why(failure.message, failure.code, name=failure.name, ours=failure.ours, theirs=failure.theirs,
-               peer=failure.peer, what=failure.what, timeout_s=failure.timeout_s, detail=failure.detail)
-
-
 def _plain(push: Push) -> Push:
     """``push`` without shared-memory references: what goes with its bytes in the payload (a push made while the
     connection shared memory, sent or replayed on one that does not)."""
@@ -359,7 +350,7 @@ class ServerLink:
                  window_pieces: int = 0, stream: int = 0,
                  max_payload_bytes: int, token: bytes | None = None,
                  shm_mode: int | None = None, timeline: Timeline | None = None,
-                 config_items: Sequence[str] = ()) -> None:
+                 config_items: Sequence[str] = (), given_up: dict[tuple[str, int], Abort] | None = None) -> None:
         self.timeline = timeline
         # Our cluster file's placement entries (protocol.config.placement_items): the server refuses other ones.
         self.config_items = tuple(config_items)
@@ -377,9 +368,9 @@ class ServerLink:
         self.control = ControlMessages()
         # By (name, part): the last round of it this worker gave up (an Abort) or heard fail at this server, told
         # again to a restarted server (see _settle_held) unless a later round's sum came since. One for all the
-        # server's streams (the daemon shares stream 0's): a part's sums come on its own stream, its aborts go on
-        # stream 0.
-        self.given_up: dict[tuple[str, int], Abort] = {}
+        # server's streams (the daemon passes each the same): a part's sums come on its own stream, its aborts go
+        # on stream 0.
+        self.given_up: dict[tuple[str, int], Abort] = {} if given_up is None else given_up
         self.incarnation: str | None = None  # of the server run we last talked to
         self.epoch = ""  # of this worker's round numbering (set by the daemon)
         self.closed = False
@@ -681,15 +672,11 @@ class ServerLink:
         if proto is None:
             return
         announced = proto.announced
-        for s in segments:
-            if s not in announced:
-                break
-        else:
+        if announced.issuperset(segments):
             return  # every piece but a segment's first
         new = [s for s in dict.fromkeys(segments) if s not in announced]
-        if new:
-            proto.announced.update(new)
-            self._send(proto, Announce(new))
+        announced.update(new)
+        self._send(proto, Announce(new))
 
     def _send(self, proto: _LinkProtocol, message: Message, payload: memoryview | None = None) -> None:
         if proto.transport is not None:
@@ -784,7 +771,8 @@ class ServerLink:
                 item.on_result(message)
             item.future.set_result(None)
             self.window.keep_sum(item)
-            if item.key in self.given_up and self.given_up[item.key].round <= item.push.round:
+            given_up = self.given_up.get(item.key)
+            if given_up is not None and given_up.round <= item.push.round:
                 del self.given_up[item.key]
             self._trace(item)
 
@@ -796,11 +784,12 @@ class ServerLink:
         self._after_answer(item)
         if item is not None:
             self._round_lost(item)
-            if item.push.kind not in ASYNC_KINDS and self.window.of_this_job(item):
+            error = failure_error(self.spec.id, message)
+            if item.push.kind not in ASYNC_KINDS and self.window.of_this_job(item):  # (a mismatch: both sides)
                 self.given_up[item.key] = Abort(item.push.name, item.push.part, item.push.round, self.worker_id,
-                                                **_why_of(message).carry())
+                                                **why_from_error(error, message.message).carry())
             if not item.future.done():
-                item.future.set_exception(failure_error(self.spec.id, message))
+                item.future.set_exception(error)
 
     def _round_lost(self, item: OutgoingPush) -> None:
         """``item`` failed or was given up: the last sum of a synchronous partition is no longer replayed. An

@@ -75,3 +75,18 @@ class FakeSession:
 
     def release_segments(self) -> None:
         pass
+
+
+def worker_daemon(local_size: int) -> Any:
+    """Worker 0's daemon, made in this process and not started, of a cluster of two workers of ``local_size``
+    processes, a server colocated with worker 0 (id 0) and a CPU-only one (id 1): its decisions run on the
+    test's loop, and nothing connects."""
+    from bps_worker.daemon import WorkerConfig, WorkerDaemon
+    from protocol.config import parse_config
+
+    cluster = parse_config({"cluster": {"workers": 2},
+                            "server": [{"id": 0, "address": "10.0.0.1:9000", "worker": 0},
+                                       {"id": 1, "address": "10.0.0.2:9000"}],
+                            "worker": [{"id": w, "local_size": local_size, "socket": f"/tmp/w{w}.sock"}
+                                       for w in range(2)]})
+    return WorkerDaemon(WorkerConfig(cluster, 0))

@@ -7,10 +7,9 @@ from __future__ import annotations
 import asyncio
 import types
 
-from bps_worker.daemon import WorkerConfig, WorkerDaemon
+from bps_worker.daemon import WorkerDaemon
 from bps_worker.errors import BPSConnectionError
-from fake_transport import FakeSession
-from protocol.config import parse_config
+from fake_transport import FakeSession, worker_daemon
 
 F32 = ("float32", (4,), False, "")
 
@@ -42,12 +41,7 @@ class Anchor:
 
 
 def _daemon(local_size: int = 1, connected: bool = True) -> tuple[WorkerDaemon, Anchor]:
-    cluster = parse_config({"cluster": {"workers": 2},
-                            "server": [{"id": 0, "address": "10.0.0.1:9000", "worker": 0},
-                                       {"id": 1, "address": "10.0.0.2:9000"}],
-                            "worker": [{"id": w, "local_size": local_size, "socket": f"/tmp/w{w}.sock"}
-                                       for w in range(2)]})
-    daemon = WorkerDaemon(WorkerConfig(cluster, 0))
+    daemon: WorkerDaemon = worker_daemon(local_size)
     for link in daemon.all_links:  # no sockets: what a link must send waits in it
         link._ensure_connecting = lambda *a, **k: None  # type: ignore[method-assign]
     anchor = Anchor(daemon, connected)

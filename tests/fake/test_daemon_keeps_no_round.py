@@ -13,21 +13,15 @@ import asyncio
 import gc
 from typing import Any
 
-from bps_worker.daemon import WorkerConfig, WorkerDaemon
+from bps_worker.daemon import WorkerDaemon
 from bps_worker.errors import BPSError
 from bps_worker.local_rounds import LocalRound
-from fake_transport import FakeSession
-from protocol.config import parse_config
+from fake_transport import FakeSession, worker_daemon
 from protocol.messages import Failure, Op
 
 
 def _daemon(local_size: int) -> WorkerDaemon:
-    cluster = parse_config({"cluster": {"workers": 2},
-                            "server": [{"id": 0, "address": "10.0.0.1:9000", "worker": 0},
-                                       {"id": 1, "address": "10.0.0.2:9000"}],
-                            "worker": [{"id": w, "local_size": local_size, "socket": f"/tmp/w{w}.sock"}
-                                       for w in range(2)]})
-    daemon = WorkerDaemon(WorkerConfig(cluster, 0))
+    daemon: WorkerDaemon = worker_daemon(local_size)
 
     def unreachable(name: str, local_round: int) -> asyncio.Future[int]:  # no server runs here
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
