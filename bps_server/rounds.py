@@ -32,6 +32,15 @@ that round but never got its sum; a replayer's push of the next round waits
 until every worker has either replayed the round or been answered. So no round
 is lost or summed twice, and the bytes are those the predecessor computed.
 
+Dropped connections. A worker whose connection to this same run broke (``worker_lost`` failed the rounds
+that waited for its push) pushes again what it had not heard back of, marked ``resumed``: the push may have
+reached us on the connection that broke. Its round's state answers it. Still open with the worker's push in it:
+the waiter is the new push (its sum goes out on the new connection), nothing is added twice. Open without it:
+an ordinary push. Failed: its failure. The round before the key's open one, summed (``Round.after_sum``): the
+other workers got the sum and this worker's answer died with the connection, so it fails with code
+``answer_lost`` (the worker's processes hear a connection error, and the worker knows the peers' round
+succeeded). Anything older is a stale push, as ever.
+
 A worker machine that comes back (its daemon restarted, or a new job's processes
 on it while other machines' processes keep training) numbers its local rounds
 from 0; before the first round of each name it asks the server holding that
@@ -189,6 +198,7 @@ class Round(Generic[W]):
     failed: Why | None = None
     aborted: set[int] = field(default_factory=set)  # the workers that gave this round up (Abort)
     previous_failure: tuple[int, Why] | None = None  # (round, why) of the round before, if it failed
+    after_sum: bool = False  # opened as the round before was summed (see "Dropped connections")
     restart: Restart[W] = field(default_factory=Restart)
 
     @property
@@ -364,6 +374,8 @@ class RoundTable(Generic[W]):
         self.lag = None
         key = (push.name, push.part)
         st = self.keys.get(key) or self._open(key, push.round)
+        if push.resumed and (answer := self._resumed(st, push, handle)) is not None:
+            return answer
         if push.round < st.round:
             if st.previous_failure is not None and st.previous_failure[0] == push.round:
                 # a late push to a failed round: tell it why
@@ -416,6 +428,18 @@ class RoundTable(Generic[W]):
             return actions + [SumAll(st.token, push, inputs, leases)]
         return actions + [Add(st.token, push, payload, borrowed)]
 
+    def _resumed(self, st: Round[W], push: Push, handle: W) -> list[Action[W]] | None:
+        """A push sent again after its connection broke (see "Dropped connections"): the answer its round's
+        state gives, or None where it is an ordinary push."""
+        if push.round == st.round and st.failed is None and push.worker in st.waiters:
+            st.waiters[push.worker] = Waiter(push, handle)  # (its contribution is in already)
+            return []
+        if push.round == st.round - 1 and st.after_sum:
+            return [Fail(push, handle, Why(
+                f"tensor {push.name!r} part {push.part}: round {push.round} was summed for the other workers, but "
+                f"worker {push.worker}'s answer was lost with its connection", "answer_lost"))]
+        return None
+
     def _broadcast(self, st: Round[W], push: Push, payload: np.ndarray,
                    borrowed: Lease | None) -> list[Action[W]]:
         """One worker's push of a broadcast round: keep the root's data; once every worker pushed, its copy
@@ -462,7 +486,7 @@ class RoundTable(Generic[W]):
         if not self.current(token):
             return None
         st = self.keys[token.key]
-        self._open(token.key, st.round + 1)
+        self._open(token.key, st.round + 1).after_sum = True
         return Complete(token.key, st.round, st.opened, tuple(st.waiters.values()))
 
     def round_for(self, name: str, part: int, worker: int, local: int = 0, failed: bool = False) -> int:
@@ -584,7 +608,7 @@ class RoundTable(Generic[W]):
         next-round pushes in."""
         if len(st.restart.replayers | st.restart.answered) < self.n_workers or self.keys.get(st.key) is not st:
             return []
-        self._open(st.key, st.round + 1)
+        self._open(st.key, st.round + 1).after_sum = True
         return [Settled(st.key, st.round), Redispatch(tuple(st.restart.held_next))]
 
     def waiting_for(self, st: Round[W]) -> list[int]:

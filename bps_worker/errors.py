@@ -23,7 +23,7 @@ from typing import Any
 from protocol.messages import Failure, Why
 
 __all__ = ["BPSError", "BPSMismatchError", "BPSConnectionError", "BPSTimeoutError", "LinkBrokenError",
-           "error_from_failure", "failure_from_error", "why_from_error"]
+           "AnswerLostError", "error_from_failure", "failure_from_error", "why_from_error"]
 
 
 def _join(head: str, detail: str) -> str:
@@ -104,6 +104,12 @@ class LinkBrokenError(BPSConnectionError):
         return {**super()._attributes(), "unanswered_shm": self.unanswered_shm}
 
 
+class AnswerLostError(LinkBrokenError):
+    """A push that a server, the same run, answered again after our connection to it broke: the other workers
+    got its round's sum, ours died with the connection (raised inside the worker daemon). The peers' round
+    succeeded, so this failure is this machine's alone."""
+
+
 class BPSTimeoutError(BPSError):
     """Something did not happen within its timeout.
 
@@ -139,9 +145,9 @@ def error_from_failure(failure: Failure) -> BPSError:
             return BPSMismatchError(failure.detail, name=failure.name, ours=failure.ours, theirs=failure.theirs)
         case "mismatch":
             return BPSMismatchError(failure.message)
-        case "connection" | "protocol_error" | "duplicate" if failure.peer:
+        case "connection" | "protocol_error" | "duplicate" | "answer_lost" if failure.peer:
             return BPSConnectionError(failure.detail, peer=failure.peer)
-        case "connection" | "protocol_error" | "duplicate":
+        case "connection" | "protocol_error" | "duplicate" | "answer_lost":
             return BPSConnectionError(failure.message)
         case "timeout" if failure.what:
             return BPSTimeoutError(failure.detail, what=failure.what, timeout_s=failure.timeout_s)

@@ -95,9 +95,10 @@ class FusedOperation(Operation):
         takes an unfused round number on every machine (``bps_worker.fusion``, "Each round has an index"), as it
         does where the plan's group was given up (the round of the culprit failed there before the plan came).
         A failure after the sum (a segment that shrank) is this machine's alone: the peers' rounds succeeded.
-        Left open: a push whose answer our own broken connection lost (LinkBrokenError) says nothing of the
-        round's fate, which the server may have summed for the peers (their rounds then take no number)."""
-        if not self.failed or self.summed or not self._job_current():
+        A lane push whose answer died with our connection to the server was pushed again, and the server said
+        what became of its round (``bps_worker.link``): summed for the peers (``summed_elsewhere``: their rounds
+        succeeded and take no number, so ours takes none), or failed for every worker."""
+        if not self.failed or self.summed or self.summed_elsewhere or not self._job_current():
             return []
         return [fr.name for fr in self.rounds]
 

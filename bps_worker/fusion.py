@@ -37,8 +37,8 @@ fusion limit) one machine may have an unfused round of that step and another non
 first machine's later unfused rounds of the name were one ahead of the second's for good (a hang). A fused
 round that fails beside an unfused round of its step here (``fail_name``'s ``unfused``) takes no second one.
 A planned round fails with its plan's group: the group's lane round failed at the anchor, for every worker
-that ran the plan (``FusedOperation.failed_steps``, which says where that is unknown here and what is left
-open), or a name of it failed here before the plan came and we give the group up (``FusedSums._give_up``);
+that ran the plan (``FusedOperation.failed_steps``, which asks the anchor where our connection lost the
+answer), or a name of it failed here before the plan came and we give the group up (``FusedSums._give_up``);
 each of its names takes a number then too, on every machine. Before,
 only the round that failed before its plan came took one (``_fail``), its peers' rounds and its group's other
 rounds none (a plan lost with a connection, or a round abandoned after its report: fault_soak seed 311 hung).

@@ -30,7 +30,11 @@ answers is a new incarnation, its predecessor's state is lost: the link first *r
 finished sum of every partition key it got from that server (a peer may not have received it
 before the crash), then pushes again every partition still in flight (the contributions are
 intact: results land in a separate buffer). If it is the same incarnation (the connection alone
-broke, and the server already failed the rounds that needed us), the held pushes fail. Round queries
+broke, and the server already failed the rounds that waited for our push), the held pushes go again
+marked ``resumed``, and the server answers each from its round (``bps_server.rounds``, "Dropped
+connections"): the sum where the round was still open with our push in it (or without it), its failure,
+or an :class:`~bps_worker.errors.AnswerLostError` where the peers got the sum and our answer died with
+the connection. A held asynchronous push fails: its delta may have been applied. Round queries
 sent and not answered are asked again on the new connection, whichever incarnation answers. On
 stream 0 the replays end with ``Restored``, which the link's first connection sends too (it holds no
 copies for a run it never talked to): a server run applies no asynchronous push before every worker
@@ -110,7 +114,7 @@ from bps_runtime import segments as shm
 from bps_runtime.lowat import ReceiveLowWater
 from bps_runtime.timeline import Timeline, now_us
 
-from .errors import BPSConnectionError, BPSError, LinkBrokenError, error_from_failure, why_from_error
+from .errors import AnswerLostError, BPSConnectionError, BPSError, LinkBrokenError, error_from_failure, why_from_error
 from .window import BATCH_MAX_BYTES, Piece, SendWindow
 
 log = logging.getLogger("bps.worker.link")
@@ -784,6 +788,10 @@ class ServerLink:
         self._after_answer(item)
         if item is not None:
             self._round_lost(item)
+            if message.code == "answer_lost":  # (the round was summed: nothing to tell a restarted server)
+                if not item.future.done():
+                    item.future.set_exception(AnswerLostError(f"server {self.spec.id}: {message.message}"))
+                return
             error = failure_error(self.spec.id, message)
             if item.push.kind not in ASYNC_KINDS and self.window.of_this_job(item):  # (a mismatch: both sides)
                 self.given_up[item.key] = Abort(item.push.name, item.push.part, item.push.round, self.worker_id,
@@ -1000,8 +1008,12 @@ class ServerLink:
                 self._send(proto, Restored(self.worker_id))
             return
         for item in self.window.resumed():
-            if not item.future.done():
+            if item.future.done():
+                continue
+            if item.push.kind in ASYNC_KINDS:  # (its delta may be in the value already: not sent twice)
                 item.future.set_exception(connection_error(self._broken_reason, item.via_shm))
+            else:
+                item.push = dataclasses.replace(item.push, resumed=True)
 
     def _tell_given_up(self, proto: _LinkProtocol) -> None:
         """Tell a restarted server the rounds this worker gave up at its predecessor, or heard fail there, that

@@ -42,7 +42,7 @@ from bps_runtime.timeline import Timeline, now_us
 from protocol import dtypes
 from protocol.messages import ROOTED_KINDS, Done, Failure, Op, Result, Why
 
-from .errors import BPSConnectionError, BPSError, LinkBrokenError, failure_from_error, why_from_error
+from .errors import AnswerLostError, BPSConnectionError, BPSError, LinkBrokenError, failure_from_error, why_from_error
 from .link import ServerLink
 from .local_rounds import LocalRound
 from .placement import Piece, Placement
@@ -164,6 +164,8 @@ class Operation:
         self.server_round: int | None = None
         self.pushed = False
         self.summed = False  # every piece's sum arrived (a failure after that is this machine's alone)
+        # Every piece was summed, some for the peers only (AnswerLostError): our failure is ours alone.
+        self.summed_elsewhere = False
         self.epoch = host.epoch  # the job this operation belongs to
 
     def _job_current(self) -> bool:
@@ -255,36 +257,48 @@ class Operation:
         return self.host.streams[piece.server][piece.stream]
 
     async def wait(self, futures: list[tuple[Piece, asyncio.Future[None]]], server_round: int) -> BPSError | None:
-        """Wait for every piece; on the first failure abandon the rest and return its error."""
-        host = self.host
+        """Wait for every piece; on the first failure abandon the rest and return its error. A piece whose sum
+        the peers got while its answer died with our connection (AnswerLostError) is no reason to give the
+        others up: they may be summed too, and then the peers' whole round succeeded (``summed_elsewhere``)."""
         pending = {f for _, f in futures}
+        lost: AnswerLostError | None = None
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-            failed = [f for f in done if f.exception() is not None]
-            if failed:
-                exc = failed[0].exception()
-                error = exc if isinstance(exc, BPSError) else BPSError(f"internal error: {exc!r}")
-                why = why_from_error(error, str(error))
-                # Tell every server that did not deliver this piece's sum: the peers waiting there
-                # must fail now, not at a timeout (the failing server itself may not know, e.g. when
-                # the connection broke before the push arrived).
-                answers = []
-                for piece, fut in futures:
-                    if fut in pending or fut.cancelled() or fut.exception() is not None:
-                        if not self.link_for(piece).forget(fut):
-                            answers.append(fut)  # in the server's hands, in our memory: wait for its answer
-                        if self._job_current() and self.ABORTS:
-                            host.links[piece.server].abort(self.name, piece.part, server_round, why)
-                if answers:
-                    await asyncio.wait(answers)  # the server answers every push; a lost link fails them
-                # A server that went silent with our memory in hand might still write into it.
-                if any(not f.cancelled() and isinstance(e := f.exception(), LinkBrokenError) and e.unanswered_shm
-                       for _, f in futures):
-                    freed = host.results.abandon(self.name)
-                    if freed is not None:
-                        host.segments_freed([freed])
-                return error
-        return None
+            for f in done:
+                exc = f.exception()
+                if isinstance(exc, AnswerLostError):
+                    lost = lost or exc
+                elif exc is not None:
+                    error = exc if isinstance(exc, BPSError) else BPSError(f"internal error: {exc!r}")
+                    await self._give_up_rest(futures, pending, error, server_round)
+                    return error
+        if lost is not None:
+            self.summed_elsewhere = True
+        return lost
+
+    async def _give_up_rest(self, futures: list[tuple[Piece, asyncio.Future[None]]], pending: set[asyncio.Future[None]],
+                            error: BPSError, server_round: int) -> None:
+        """A piece failed with ``error``: tell every server that did not deliver its piece's sum (the peers
+        waiting there must fail now, not at a timeout; the failing server itself may not know, e.g. when the
+        connection broke before the push arrived), and wait for those still in a server's hands."""
+        host = self.host
+        why = why_from_error(error, str(error))
+        answers = []
+        for piece, fut in futures:
+            if fut in pending or fut.cancelled() or (fut.exception() is not None
+                                                     and not isinstance(fut.exception(), AnswerLostError)):
+                if not self.link_for(piece).forget(fut):
+                    answers.append(fut)  # in the server's hands, in our memory: wait for its answer
+                if self._job_current() and self.ABORTS:
+                    host.links[piece.server].abort(self.name, piece.part, server_round, why)
+        if answers:
+            await asyncio.wait(answers)  # the server answers every push; a lost link fails them
+        # A server that went silent with our memory in hand might still write into it.
+        if any(not f.cancelled() and isinstance(e := f.exception(), LinkBrokenError) and e.unanswered_shm
+               for _, f in futures):
+            freed = host.results.abandon(self.name)
+            if freed is not None:
+                host.segments_freed([freed])
 
     # -- replies ---------------------------------------------------------------------
     def reply_done(self, scattered: Scattered) -> None:

@@ -331,14 +331,11 @@ class SendWindow(Generic[P]):
         return list(self._sums.values())
 
     def resumed(self) -> list[P]:
-        """The next server is the same run (it already failed the rounds that needed us): returns the
-        held pieces, taken out of the queue, to be failed."""
+        """The next server is the same run: the held pieces go again, in their places, and are returned (the
+        link says each is a resumed push, or fails it: see ``bps_worker.link``)."""
         held = [piece for _, _, piece in self._queue if piece.held]
-        if held:
-            self._queue = [entry for entry in self._queue if not entry[2].held]
-            heapq.heapify(self._queue)
-            for piece in held:
-                piece.held = False
+        for piece in held:
+            piece.held = False
         return held
 
     @property

@@ -65,6 +65,7 @@ FailureCode = Literal[
     "timeout",         # something did not happen in time (Failure.what, .timeout_s)
     "connection",      # a peer is unreachable or went away (Failure.peer)
     "duplicate",       # refused: another daemon holds this worker id (Failure.peer: where it connects from)
+    "answer_lost",     # a resumed push's round was summed for the other workers; its answer died with a connection
 ]
 FAILURE_CODES: Final[frozenset[str]] = frozenset(get_args(FailureCode))
 
@@ -498,6 +499,10 @@ class Push(Message):
     # push (a worker's copy of the value, see bps_server.values), the vector of steps that value holds.
     staleness: int = -1
     applied: list[int] = field(default_factory=list)
+    # Pushed again after this worker's connection to the same server run broke with the push unanswered: it may
+    # have reached the server on the connection that broke, which answers it from the round's state
+    # (``bps_server.rounds``, "Dropped connections"): never summed twice.
+    resumed: bool = False
 
     def validate(self) -> None:
         _check_tensor(self.name, self.dtype, self.shape, self.kind)
@@ -510,6 +515,9 @@ class Push(Message):
                                      f"asynchronous pushes have one, -1 (none) or at least 0")
         _check_vector("push", self.applied)
         _check_layout("push", self.layout)
+        if self.resumed and (self.replay or self.kind in ASYNC_KINDS):
+            raise LocalProtocolError(f"{self.kind} push of {self.name!r} is resumed, but only a synchronous "
+                                     f"contribution can be (not a replay, nor an asynchronous push)")
         if min(self.part, self.round, self.offset, self.count, self.worker, self.seg_offset, self.out_offset) < 0:
             _check_non_negative("push", part=self.part, round=self.round, offset=self.offset, count=self.count,
                                 worker=self.worker, seg_offset=self.seg_offset, out_offset=self.out_offset)

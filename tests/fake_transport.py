@@ -90,3 +90,18 @@ def worker_daemon(local_size: int) -> Any:
                             "worker": [{"id": w, "local_size": local_size, "socket": f"/tmp/w{w}.sock"}
                                        for w in range(2)]})
     return WorkerDaemon(WorkerConfig(cluster, 0))
+
+
+def reconnect_link(link: Any, proto: Any, *, restarted: bool) -> FakeTransport:
+    """Break ``link``'s connection ``proto`` and give it a new one, ready, on a fake transport (its handshake
+    said the same server run, or a ``restarted`` one); the new transport."""
+    from bps_worker.link import _LinkProtocol
+
+    link.on_broken(proto, "lost connection to server 0")
+    link._connecting.cancel()
+    proto2 = _LinkProtocol(link)
+    transport = FakeTransport()
+    proto2.connection_made(transport)
+    link._proto, link._ready = proto2, True
+    link._settle_held(proto2, restarted=restarted)
+    return transport

@@ -12,6 +12,9 @@ import numpy as np
 import bps_worker.client as bps
 
 
+_last_error = ""  # the text of the last BPSError one_step met
+
+
 def wait_for(path: str, within_s: float = 60.0) -> None:
     deadline = time.monotonic() + within_s
     while not os.path.exists(path):
@@ -30,6 +33,8 @@ def one_step(name: str, count: int, step: int, timeout_s: float) -> str:
         got = bps.synchronize(bps.push_pull_async((base + rank).astype(np.float32), name, average=False),
                               timeout=timeout_s)
     except bps.BPSError as exc:
+        global _last_error
+        _last_error = str(exc)
         return f"{type(exc).__name__} after {time.monotonic() - t0:.1f} s"
     return "exact" if (got == base * size + size * (size - 1) // 2).all() else "wrong"
 
@@ -46,6 +51,21 @@ def late_peer_then_steps(name: str, count: int, go: str, done: str, steps: int, 
     else:
         wait_for(done)
     return out + [one_step(name, count, step, timeout_s) for step in range(1, steps)]
+
+
+def late_peer_said_then_meet(name: str, count: int, go: str, met: str, steps: int, timeout_s: float) -> list[Any]:
+    """Step 0 as in :func:`late_peer_then_steps`, its error said in full (class and text); then every rank waits
+    for every other to end step 0 (files ``met<rank>``) before the later steps."""
+    rank = bps.rank()
+    if rank == 1:
+        wait_for(go)
+    first = one_step(name, count, 0, timeout_s)
+    if first.startswith("BPS"):
+        first = f"{first}: {_last_error}"
+    open(f"{met}{rank}", "w").close()
+    for other in range(bps.size()):
+        wait_for(f"{met}{other}")
+    return [first] + [one_step(name, count, step, timeout_s) for step in range(1, steps)]
 
 
 def given_up_while_frozen(name: str, count: int, go: str, gave_up: str, done: str, steps: int,

@@ -90,3 +90,80 @@ def test_every_connection_to_a_server_dropped_fails_the_round_for_the_late_peer_
     assert first[0].startswith("BPS") and second[0].startswith("BPS"), results
     assert float(second[0].split()[-2]) < 10.0, results  # an error from the server, not our 15 s wait
     assert first[1:] == second[1:] == ["exact", "exact"], results
+
+
+def _wait(what: str, deadline: float, ready) -> None:
+    while not ready():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def _late_peer_job(tmp_path, cluster_keys: dict, fault) -> list:
+    """Steps of a name of 100,000 float32 on two workers of one process each and a CPU-only server (TCP, or
+    shared memory where ``cluster_keys`` allows it): worker 1's process pushes step 0 only once file ``go``
+    exists. Once worker 0's push of it is at the server and both workers are connected, ``fault(cluster, go)``
+    runs (it makes ``go``); every rank's outcome of each step."""
+    path = write_config(tmp_path, [1, 1], colocated=False, cpu_servers=1, cluster=cluster_keys)
+    cluster = start_cluster(path)
+    go = str(tmp_path / "go")
+    try:
+        results: list = []
+        job = threading.Thread(target=lambda: results.append(run_ranks(
+            cluster, fp.late_peer_said_then_meet, "big", 100_000, go, str(tmp_path / "met"), 3, 15.0, timeout=90)))
+        job.start()
+        deadline = time.monotonic() + 30
+        _wait("worker 0's push never reached the server", deadline,
+              lambda: server_stats(cluster, only=0)[0]["rounds_open"])
+        _wait("the workers are not both connected", deadline, lambda: len(_connections(cluster, 0, [0, 1])) == 2)
+        fault(cluster, go, deadline)
+        job.join()
+    finally:
+        open(go, "a").close()
+        cluster.stop()
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_a_connection_dropped_while_its_push_waits_for_a_peer_loses_nothing(tmp_path):
+    """Worker 0 has pushed round 0 of a name and waits for worker 1 when its connection to the server breaks;
+    the server is the same run when it reconnects. The push goes again, marked resumed: the server finds it in
+    the round (its contribution added already) and answers it on the new connection once worker 1 pushed. Every
+    step exact on both machines. Before, the reconnect failed the held push, and its abort failed worker 1's
+    round too."""
+
+    def drop(cluster, go: str, deadline: float) -> None:
+        assert _drop(cluster, 0, 0) == 1
+        _wait("worker 0 never reconnected", deadline, lambda: len(_connections(cluster, 0, [0])) == 1)
+        time.sleep(0.2)
+        open(go, "w").close()
+
+    results = _late_peer_job(tmp_path, {"timeout": 4.0}, drop)
+    assert results == [[["exact"] * 3, ["exact"] * 3]], results
+
+
+@pytest.mark.timeout(120)
+def test_a_sum_whose_answer_died_with_the_connection_fails_that_worker_alone_saying_so(tmp_path):
+    """Worker 0's daemon is frozen with its push of round 0 at the server; worker 1 pushes, the server sums and
+    answers both, and worker 0's connection is reset before it read its answer (over TCP: the part of it that
+    its socket's receive buffer could not take is still in the server's, and dies with the connection; an answer
+    in shared memory, or one the buffer took whole, would still be read). Thawed, it reconnects to the same
+    run and pushes again (resumed): the server says the round was summed for the other workers and the answer
+    lost, so worker 0's process gets a connection error saying just that, worker 1's the exact sum, and the later
+    steps are exact on both (the workers' rounds stay in step: a fused round whose answer was lost so takes no
+    unfused number, FusedOperation.failed_steps)."""
+
+    def lose_the_answer(cluster, go: str, deadline: float) -> None:
+        cluster.kill("worker-0", signal.SIGSTOP)
+        try:
+            open(go, "w").close()
+            _wait("the server never summed round 0", deadline,
+                  lambda: server_stats(cluster, only=0)[0]["rounds_completed"] >= 1)
+            assert _drop(cluster, 0, 0) == 1
+        finally:
+            cluster.kill("worker-0", signal.SIGCONT)
+
+    results = _late_peer_job(tmp_path, {"timeout": 8.0, "colocated_shm": False}, lose_the_answer)
+    ((first, *later0), (second, *later1)), = results
+    assert first.startswith("BPSConnectionError") and "was summed for the other workers" in first, results
+    assert "answer was lost with its connection" in first, results
+    assert second == "exact" and later0 == later1 == ["exact", "exact"], results

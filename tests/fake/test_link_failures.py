@@ -15,6 +15,7 @@ import pytest
 from bps_runtime import segments as shm
 from bps_server.rounds import RoundTable
 from bps_worker.errors import (
+    AnswerLostError,
     BPSConnectionError,
     BPSError,
     BPSMismatchError,
@@ -27,9 +28,9 @@ from bps_worker.daemon import WorkerConfig, WorkerDaemon
 from bps_worker.link import ServerLink, _LinkProtocol, connection_error, failure_error, write_batch, write_message
 from protocol.config import ServerSpec, parse_config
 from protocol.frames import FrameReader, encode_frame, encode_header
-from protocol.messages import (Failure, FuseAbort, FuseReady, FuseResync, Push, Result, RoundInfo, RoundQuery,
-                               Why, batch_header, parse, to_header)
-from fake_transport import FakeTransport, feed
+from protocol.messages import (Batch, Failure, FuseAbort, FuseReady, FuseResync, Push, Result, RoundInfo, RoundQuery,
+                               Why, batch_header, parse, split_batch, to_header)
+from fake_transport import FakeTransport, feed, reconnect_link
 
 
 def _push(worker: int, n: int = 4, *, name: str = "w", req: int = 1) -> Push:
@@ -504,3 +505,39 @@ async def test_a_link_of_a_stopping_daemon_does_not_reconnect_and_its_attempt_en
     other.close()
     await other.wait_closed()
     assert attempt.done()
+
+
+async def test_the_same_run_again_gets_the_held_pushes_again_marked_resumed_and_answers_each_from_its_round():
+    """A connection that broke while pushes were out, the same server run answering the reconnect: the held
+    synchronous pushes go again marked ``resumed`` (the server answers each from its round: the sum, its
+    failure, or "answer lost" where the peers got the sum), a held asynchronous one fails (its delta may be in
+    the value already)."""
+    link, proto, transport = _link()
+    fields = {"part": 0, "round": 3, "dtype": "float32", "shape": [2], "offset": 0, "count": 2}
+    futures = {name: link.push({**fields, "name": name}, memoryview(bytearray(8)), memoryview(bytearray(8)), 0)
+               for name in ("summed", "lost", "failed")}
+    delta = link.push({**fields, "round": 0, "name": "v", "kind": "async"}, memoryview(bytearray(8)),
+                      memoryview(bytearray(8)), 0)
+    assert {m.name for m, _ in transport.messages() if isinstance(m, Push)} == {"summed", "lost", "failed", "v"}
+    transport2 = reconnect_link(link, proto, restarted=False)  # (the Welcome said the same incarnation)
+    proto2 = link._proto
+    link.pump()
+    assert isinstance(delta.exception(), LinkBrokenError)
+    sent = [item for m, p in transport2.messages() for item in (split_batch(m, p) if isinstance(m, Batch) else [(m, p)])]
+    again = {m.name: m for m, _ in sent if isinstance(m, Push)}
+    assert set(again) == {"summed", "lost", "failed"}
+    assert all(m.resumed and m.round == 3 and not m.replay for m in again.values())
+    link.on_message(proto2, Result(again["summed"].req, "summed", 0, 3), memoryview(np.ones(2, np.float32)).cast("B"))
+    link.on_message(proto2, Failure(again["lost"].req, "tensor 'lost' part 0: round 3 was summed for the other "
+                                    "workers, but worker 0's answer was lost with its connection", code="answer_lost"),
+                    None)
+    link.on_message(proto2, Failure(again["failed"].req, "worker 0 is disconnected; round 3 of 'failed' cannot "
+                                    "complete", code="connection", peer="worker 0"), None)
+    assert futures["summed"].exception() is None
+    lost = futures["lost"].exception()
+    assert isinstance(lost, AnswerLostError) and not lost.unanswered_shm and "answer was lost" in str(lost)
+    assert ("lost", 0) not in link.given_up  # (summed: nothing for a restarted server to hear)
+    failed = futures["failed"].exception()
+    assert type(failed) is BPSConnectionError and ("failed", 0) in link.given_up
+    link.close()
+    await asyncio.sleep(0)

@@ -18,7 +18,7 @@ from bps_server.rounds import Answer, RoundTable
 from bps_server.rounds import Why as ServerWhy
 from bps_worker.daemon import WorkerConfig, WorkerDaemon
 from bps_worker.link import ServerLink, _LinkProtocol
-from fake_transport import FakeTransport
+from fake_transport import FakeTransport, reconnect_link
 from protocol.config import ServerSpec, parse_config
 from protocol.messages import Abort, Failure, Push, Result, Why
 
@@ -39,14 +39,7 @@ def _fields(rnd: int, part: int = 0) -> dict:
 
 
 def _restart(link: ServerLink, proto: _LinkProtocol) -> FakeTransport:
-    link.on_broken(proto, "lost connection to server 0")
-    link._connecting.cancel()
-    proto2 = _LinkProtocol(link)
-    t2 = FakeTransport()
-    proto2.connection_made(t2)  # type: ignore[arg-type]
-    link._proto, link._ready = proto2, True
-    link._settle_held(proto2, restarted=True)
-    return t2
+    return reconnect_link(link, proto, restarted=True)
 
 
 async def test_a_failure_of_the_old_jobs_push_after_a_reset_is_not_told_to_a_restarted_server_in_the_next_job():

@@ -11,7 +11,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from bps_worker.errors import BPSConnectionError
+from bps_worker.errors import AnswerLostError, BPSConnectionError
 from bps_worker.local_rounds import LocalRound
 from bps_worker.operation import Operation
 from bps_worker.placement import Piece
@@ -23,6 +23,8 @@ class RecordingLink:
         self.aborts: list[tuple[str, int, int]] = []
 
     def forget(self, future: asyncio.Future[None]) -> bool:
+        if not future.done():
+            future.cancel()  # (as the link does)
         return True  # never in the server's hands: nothing to wait for
 
     def abort(self, name: str, part: int, round_: int, message: str) -> None:
@@ -57,3 +59,35 @@ async def test_no_abort_once_the_job_was_reset():
     host.epoch = "job-2"  # every process left while the pieces were out; a new job numbers from 0 again
     assert "no training processes left" in await _failed_wait(operation)
     assert link.aborts == []
+
+
+def _pieces(n: int) -> list[Piece]:
+    return [Piece(part=p, server=0, offset=4 * p, count=4) for p in range(n)]
+
+
+async def test_an_answer_lost_with_the_connection_gives_no_piece_up_and_says_the_peers_round_was_summed():
+    """A piece whose round the server summed for the peers while our answer died with the connection
+    (AnswerLostError): the other pieces are not aborted (they may be summed too: then the peers' whole round
+    succeeded, and a fused round of ours takes no unfused number, FusedOperation.failed_steps)."""
+    link = RecordingLink()
+    operation, _ = _operation(link)
+    loop = asyncio.get_running_loop()
+    lost, later = loop.create_future(), loop.create_future()
+    lost.set_exception(AnswerLostError("server 0: round 0 was summed for the other workers"))
+    loop.call_later(0.01, later.set_result, None)
+    error = await operation.wait(list(zip(_pieces(2), (lost, later))), server_round=0)
+    assert isinstance(error, AnswerLostError) and operation.summed_elsewhere
+    assert link.aborts == [] and later.done()
+
+
+async def test_an_answer_lost_beside_a_failed_piece_aborts_only_the_pieces_not_summed():
+    link = RecordingLink()
+    operation, _ = _operation(link)
+    loop = asyncio.get_running_loop()
+    lost, failed, pending = loop.create_future(), loop.create_future(), loop.create_future()
+    lost.set_exception(AnswerLostError("server 0: round 0 was summed for the other workers"))
+    loop.call_later(0.01, failed.set_exception, BPSConnectionError("worker 1 is disconnected", peer="worker 1"))
+    error = await operation.wait(list(zip(_pieces(3), (lost, failed, pending))), server_round=0)
+    assert isinstance(error, BPSConnectionError) and not isinstance(error, AnswerLostError)
+    assert not operation.summed_elsewhere
+    assert sorted(link.aborts) == [("x", 1, 0), ("x", 2, 0)]

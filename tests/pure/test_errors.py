@@ -172,6 +172,10 @@ FAILURES = [
                peer="worker 0 from 10.0.0.7:41000 (daemon 5eed, epoch 0e0e)", detail="stop one of them"),
      BPSConnectionError, "connection to worker 0 from 10.0.0.7:41000 (daemon 5eed, epoch 0e0e) failed: stop one of "
                          "them", {"peer": "worker 0 from 10.0.0.7:41000 (daemon 5eed, epoch 0e0e)"}),
+    (m.Failure(9, "tensor 'x' part 0: round 3 was summed for the other workers, but worker 1's answer was lost "
+                  "with its connection", code="answer_lost"),
+     BPSConnectionError, "tensor 'x' part 0: round 3 was summed for the other workers, but worker 1's answer was "
+                         "lost with its connection", {"peer": ""}),
     (m.Failure(6, "tensor 'x' is already in flight", code="bad_request"),
      BPSError, "tensor 'x' is already in flight", {}),
     (m.Failure(7, "round 3 of 'x' aborted by worker 1", code="round_failed"),

@@ -398,6 +398,8 @@ def _push(**changes) -> m.Push:
     (lambda: _push(divisor=0), r"push has divisor < 1: 0"),
     (lambda: _push(dtype="int32", divisor=2), "averages need floats"),
     (lambda: _push(segment="bps_w0_1"), "not both"),
+    (lambda: _push(resumed=True, replay=True), "is resumed, but only a synchronous contribution can be"),
+    (lambda: _push(resumed=True, kind="async", round=0), "async push of 'w' is resumed"),
     (lambda: _push(shape=(8,)), "push message field 'shape' must be list, got tuple"),
     (lambda: _push(count=True), "push message field 'count' must be int, got bool"),
     (lambda: _push(count=np.int64(8)), "push message field 'count' must be int, got int64"),
@@ -412,7 +414,7 @@ def _push(**changes) -> m.Push:
     (lambda: m.Batch([], []), "batch of 0 items; 1 to 1024 allowed"),
     (lambda: m.Failure(1, "x", code="oops"),  # type: ignore[arg-type]
      "failure message field 'code' must be one of 'error', 'mismatch', 'round_failed', 'protocol_error', "
-     "'bad_request', 'timeout', 'connection', 'duplicate', got 'oops'"),
+     "'bad_request', 'timeout', 'connection', 'duplicate', 'answer_lost', got 'oops'"),
     (lambda: m.Failure(1, "x", code="timeout", timeout_s=-1.0), "timeout_s must be finite and >= 0, got -1.0"),
     (lambda: m.Failure(1, "x", code="timeout", timeout_s=float("nan")), "timeout_s must be finite"),
     (lambda: m.Failure(1, None), "failure message field 'message' must be str, got NoneType"),  # type: ignore
@@ -507,7 +509,7 @@ def test_a_received_bad_value_is_the_peers_fault():
 
 def test_a_failure_code_is_one_of_the_closed_set():
     assert m.FAILURE_CODES == {"error", "mismatch", "round_failed", "protocol_error", "bad_request", "timeout",
-                               "connection", "duplicate"}
+                               "connection", "duplicate", "answer_lost"}
     for code in sorted(m.FAILURE_CODES):
         assert m.parse(header("failure", code=code)).code == code
     with pytest.raises(RemoteProtocolError, match="field 'code' must be one of"):

@@ -511,3 +511,53 @@ def test_fail_ended_fails_the_open_rounds_of_the_names_it_is_told_of_every_part_
     actions = table.fail_ended(lambda name: name in ("old", "idle"), Why("lanes ended"))
     assert _fails(actions) == {"old0": "lanes ended", "old1": "lanes ended"}
     assert table.keys[("new", 0)].busy and set(table.keys) == {("new", 0)}  # the ended keys forgotten
+
+
+# -- a push sent again after its worker's connection to the same run broke ------------------------
+
+
+def _resumed(worker: int, rnd: int = 0) -> Push:
+    return dataclasses.replace(_push(worker, rnd=rnd), req=100 + worker, resumed=True)
+
+
+def test_a_resumed_push_of_a_round_that_holds_it_takes_its_answer_on_the_new_connection_and_adds_nothing():
+    table: RoundTable[str] = RoundTable(2)
+    (add0,) = table.push(_push(0), _data(), "w0", 0.0)
+    table.worker_lost(0)  # (its own push is in: the round does not wait for it, and stays open)
+    assert table.push(_resumed(0), _data(), "w0-again", 0.0) == []  # nothing to add: its contribution is in
+    (add1,) = table.push(_push(1), _data(), "w1", 0.0)
+    assert isinstance(add0, Add) and isinstance(add1, Add)
+    assert [table.added(t) for t in (add0.token, add1.token)] == [False, True]
+    done = table.complete(add1.token)
+    assert done is not None and [(w.handle, w.push.req) for w in done.waiters] == [("w0-again", 100), ("w1", 1)]
+
+
+def test_a_resumed_push_of_a_summed_round_hears_that_its_answer_was_lost():
+    table: RoundTable[str] = RoundTable(2)
+    _sum_round(table, 0, range(2))
+    (fail,) = table.push(_resumed(0), _data(), "w0-again", 0.0)
+    assert isinstance(fail, Fail) and fail.handle == "w0-again" and fail.why.code == "answer_lost"
+    assert fail.reason == ("tensor 't' part 0: round 0 was summed for the other workers, but worker 0's answer "
+                           "was lost with its connection")
+    assert table.keys[("t", 0)].round == 1 and not table.keys[("t", 0)].waiters  # round 1 untouched
+
+
+def test_a_resumed_push_of_a_failed_round_hears_its_failure_open_or_past():
+    table: RoundTable[str] = RoundTable(2)
+    table.push(_push(1), _data(), "w1", 0.0)
+    table.worker_lost(0)  # the round waited for worker 0's push, which the broken connection lost: it fails
+    assert _fails(table.push(_resumed(0), _data(), "w0-again", 0.0))["w0-again"].startswith(
+        "worker 0 is disconnected")
+    table.push(_push(1, rnd=1), _data(), "w1", 0.0)  # worker 1 moved on: round 0 is the failed one before
+    (fail,) = table.push(_resumed(0), _data(), "w0-again", 0.0)
+    assert isinstance(fail, Fail) and fail.reason.startswith("worker 0 is disconnected")
+
+
+def test_a_resumed_push_the_server_never_got_is_an_ordinary_push_and_anything_older_is_stale():
+    table: RoundTable[str] = RoundTable(2)
+    (add,) = table.push(_resumed(0), _data(), "w0", 0.0)
+    assert isinstance(add, Add) and table.keys[("t", 0)].waiters[0].handle == "w0"
+    table2: RoundTable[str] = RoundTable(2)
+    _sum_round(table2, 0, range(2))
+    table2.push(_push(0, rnd=2), _data(), "w0", 0.0)  # (round 1 never happened here: round 0 is not the last sum)
+    assert "stale round 0" in _fails(table2.push(_resumed(1), _data(), "w1-again", 0.0))["w1-again"]

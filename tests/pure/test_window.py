@@ -384,7 +384,7 @@ def test_a_restarted_server_gets_the_kept_sums_then_the_held_pieces_again() -> N
     assert frames(window) == [[a], [b], [later]]  # in their first order: ahead of the later piece
 
 
-def test_the_same_server_again_gives_the_held_pieces_back_to_fail() -> None:
+def test_the_same_server_again_sends_the_held_pieces_again_in_their_places() -> None:
     window = make_window(0)
     a, b = piece(1 * MiB, part=1), piece(1 * MiB, part=2)
     window.offer(a)
@@ -392,7 +392,7 @@ def test_the_same_server_again_gives_the_held_pieces_back_to_fail() -> None:
     window.offer(b)
     window.hold()
     assert window.resumed() == [a] and not a.held
-    assert frames(window) == [[b]]
+    assert frames(window) == [[a], [b]]  # (a was offered first: it goes first again)
     assert window.resumed() == []
 
 
