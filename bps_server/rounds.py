@@ -35,11 +35,12 @@ is lost or summed twice, and the bytes are those the predecessor computed.
 Dropped connections. A worker whose connection to this same run broke (``worker_lost`` failed the rounds
 that waited for its push) pushes again what it had not heard back of, marked ``resumed``: the push may have
 reached us on the connection that broke. Its round's state answers it. Still open with the worker's push in it:
-the waiter is the new push (its sum goes out on the new connection), nothing is added twice. Open without it:
-an ordinary push. Failed: its failure. The round before the key's open one, summed (``Round.after_sum``): the
-other workers got the sum and this worker's answer died with the connection, so it fails with code
-``answer_lost`` (the worker's processes hear a connection error, and the worker knows the peers' round
-succeeded). Anything older is a stale push, as ever.
+the waiter is the new push (its sum goes out on the new connection, or at once where a replay answered the
+push already), nothing is added twice. Open without it: an ordinary push. Failed: its failure. The key's last
+summed round (``Round.last_sum``, however many rounds failed after it): the other workers got the sum and
+this worker's answer died with the connection, so it fails with code ``answer_lost`` (the worker's processes
+hear a connection error, and the worker knows the peers' round succeeded). No later round can have been summed
+without this worker's push, so the answer is exact. Anything else is a stale push, as ever.
 
 A worker machine that comes back (its daemon restarted, or a new job's processes
 on it while other machines' processes keep training) numbers its local rounds
@@ -198,7 +199,7 @@ class Round(Generic[W]):
     failed: Why | None = None
     aborted: set[int] = field(default_factory=set)  # the workers that gave this round up (Abort)
     previous_failure: tuple[int, Why] | None = None  # (round, why) of the round before, if it failed
-    after_sum: bool = False  # opened as the round before was summed (see "Dropped connections")
+    last_sum: int | None = None  # the key's last round summed, kept from round to round ("Dropped connections")
     restart: Restart[W] = field(default_factory=Restart)
 
     @property
@@ -432,9 +433,11 @@ class RoundTable(Generic[W]):
         """A push sent again after its connection broke (see "Dropped connections"): the answer its round's
         state gives, or None where it is an ordinary push."""
         if push.round == st.round and st.failed is None and push.worker in st.waiters:
-            st.waiters[push.worker] = Waiter(push, handle)  # (its contribution is in already)
+            waiter = st.waiters[push.worker] = Waiter(push, handle)  # (its contribution is in already)
+            if push.worker in st.restart.answered and st.restart.result is not None:
+                return [Answer((waiter,), st.restart.result)]  # (a replay answered it: the answer died too)
             return []
-        if push.round == st.round - 1 and st.after_sum:
+        if push.round == st.last_sum:
             return [Fail(push, handle, Why(
                 f"tensor {push.name!r} part {push.part}: round {push.round} was summed for the other workers, but "
                 f"worker {push.worker}'s answer was lost with its connection", "answer_lost"))]
@@ -486,7 +489,7 @@ class RoundTable(Generic[W]):
         if not self.current(token):
             return None
         st = self.keys[token.key]
-        self._open(token.key, st.round + 1).after_sum = True
+        self._open(token.key, st.round + 1).last_sum = st.round
         return Complete(token.key, st.round, st.opened, tuple(st.waiters.values()))
 
     def round_for(self, name: str, part: int, worker: int, local: int = 0, failed: bool = False) -> int:
@@ -608,7 +611,7 @@ class RoundTable(Generic[W]):
         next-round pushes in."""
         if len(st.restart.replayers | st.restart.answered) < self.n_workers or self.keys.get(st.key) is not st:
             return []
-        self._open(st.key, st.round + 1).after_sum = True
+        self._open(st.key, st.round + 1).last_sum = st.round
         return [Settled(st.key, st.round), Redispatch(tuple(st.restart.held_next))]
 
     def waiting_for(self, st: Round[W]) -> list[int]:
@@ -752,7 +755,8 @@ class RoundTable(Generic[W]):
     # -- internals -----------------------------------------------------------------------
     def _open(self, key: Key, round_: int) -> Round[W]:
         self._gen += 1
-        st = self.keys[key] = Round(key, round_, self._gen)
+        previous = self.keys.get(key)
+        st = self.keys[key] = Round(key, round_, self._gen, last_sum=previous.last_sum if previous else None)
         return st
 
     def _fail_round(self, st: Round[W], why: Why) -> FailRound[W]:

@@ -769,6 +769,8 @@ class ServerLink:
             if payload is not None and payload is not item.dest:  # a batched result: not received in place
                 item.dest[:] = payload
         if not item.future.done():
+            if item.push.resumed:  # (answered: a restarted server gets this push again as a plain replay)
+                item.push = dataclasses.replace(item.push, resumed=False)
             if message.applied:
                 item.applied, item.kept = message.applied, bytes(item.dest)
             if item.on_result is not None:
@@ -1024,7 +1026,7 @@ class ServerLink:
 
     def _replay(self, proto: _LinkProtocol, item: OutgoingPush) -> None:
         """Give a restarted server the sum of ``item``'s round, which we got from its predecessor."""
-        push = dataclasses.replace(_plain(item.push), replay=True)
+        push = dataclasses.replace(_plain(item.push), replay=True, resumed=False)
         if push.kind in ASYNC_KINDS:  # our copy of the value, and the vector saying which deltas it holds
             self._send(proto, dataclasses.replace(push, applied=item.applied or []), memoryview(item.kept))
             return

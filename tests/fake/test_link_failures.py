@@ -541,3 +541,24 @@ async def test_the_same_run_again_gets_the_held_pushes_again_marked_resumed_and_
     assert type(failed) is BPSConnectionError and ("failed", 0) in link.given_up
     link.close()
     await asyncio.sleep(0)
+
+
+async def test_a_sum_a_resumed_push_got_is_replayed_plain_to_a_restarted_server():
+    """The resumed mark is the push's only until its answer: a sum it got is kept for a restarted server, and
+    replayed then as a replay alone (a push both resumed and replayed is refused: the frame broke the connection,
+    and every replay, given-up round and Restored after it was lost). Found by a review."""
+    link, proto, _ = _link()
+    fields = {"name": "w", "part": 0, "round": 3, "dtype": "float32", "shape": [2], "offset": 0, "count": 2}
+    future = link.push(fields, memoryview(bytearray(8)), memoryview(bytearray(8)), 0)
+    again_transport = reconnect_link(link, proto, restarted=False)
+    link.pump()
+    ((again, _),) = again_transport.messages()
+    assert isinstance(again, Push) and again.resumed
+    link.on_message(link._proto, Result(again.req, "w", 0, 3), memoryview(np.ones(2, np.float32)).cast("B"))
+    assert future.done() and future.exception() is None
+    restarted = reconnect_link(link, link._proto, restarted=True)
+    sent = [parse(f.header) for f in FrameReader().receive_data(bytes(restarted.data))]  # (each one checked)
+    (replay,) = [m for m in sent if isinstance(m, Push)]
+    assert replay.replay and not replay.resumed and replay.round == 3
+    link.close()
+    await asyncio.sleep(0)

@@ -559,5 +559,36 @@ def test_a_resumed_push_the_server_never_got_is_an_ordinary_push_and_anything_ol
     assert isinstance(add, Add) and table.keys[("t", 0)].waiters[0].handle == "w0"
     table2: RoundTable[str] = RoundTable(2)
     _sum_round(table2, 0, range(2))
-    table2.push(_push(0, rnd=2), _data(), "w0", 0.0)  # (round 1 never happened here: round 0 is not the last sum)
+    _sum_round(table2, 1, range(2))  # (round 0 is not the last sum)
     assert "stale round 0" in _fails(table2.push(_resumed(1), _data(), "w1-again", 0.0))["w1-again"]
+
+
+def test_a_resumed_push_of_the_last_sum_hears_its_answer_was_lost_however_far_the_peer_moved_on():
+    """Round 0 summed, its answer to worker 0 died with worker 0's connection; worker_lost(0) failed worker 1's
+    round 1 (it waited for worker 0) and worker 1 moved on to round 2 before worker 0 was back. Round 0 is still
+    the key's last sum: worker 0 must hear "answer lost", not "stale" (it would take the round as failed while
+    the peer summed it: the drift of fused names). Found by a review."""
+    table: RoundTable[str] = RoundTable(2)
+    _sum_round(table, 0, range(2))
+    table.push(_push(1, rnd=1), _data(), "w1-r1", 0.0)
+    assert set(_fails(table.worker_lost(0))) == {"w1-r1"}
+    table.push(_push(1, rnd=2), _data(), "w1-r2", 0.0)  # the peer's next step
+    table.worker_hello(0, "")
+    (fail,) = table.push(_resumed(0), _data(), "w0-again", 0.0)
+    assert isinstance(fail, Fail) and fail.why.code == "answer_lost", fail
+
+
+def test_a_resumed_push_a_replay_answered_already_is_answered_again_at_once():
+    """After a restart (3 workers): worker 0's held push of round 0 is answered by worker 1's replay, the round
+    still open for worker 2; worker 0's connection breaks with that answer on the wire, and its resumed push finds
+    itself in the round. It must get the replayed sum again: the round answers nobody twice, and worker 2's
+    replay then settles it (before, the resumed push waited for ever). Found by a review."""
+    table: RoundTable[str] = RoundTable(3)
+    (answered,) = table.push(_push(0), _data(), "w0", 0.0)  # (a held push, on the restarted run: waits)
+    table.replay(_push(1, replay=True), _data(3.0), 0.0)
+    table.worker_lost(0)
+    table.worker_hello(0, "")
+    (again,) = table.push(_resumed(0), _data(), "w0-again", 0.0)
+    assert isinstance(again, Answer) and [w.handle for w in again.waiters] == ["w0-again"]
+    assert np.array_equal(again.result, _data(3.0))
+    assert any(isinstance(a, Settled) for a in table.replay(_push(2, replay=True), _data(3.0), 0.0))
