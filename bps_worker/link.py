@@ -791,8 +791,9 @@ class ServerLink:
         if item is not None:
             self._round_lost(item)
             if message.code == "answer_lost":  # (the round was summed: nothing to tell a restarted server)
-                if not item.future.done():
-                    item.future.set_exception(AnswerLostError(f"server {self.spec.id}: {message.message}"))
+                if not item.future.done():  # (by reference: the old connection may still be writing the sum)
+                    item.future.set_exception(AnswerLostError(f"server {self.spec.id}: {message.message}",
+                                                              unanswered_shm=item.via_shm))
                 return
             error = failure_error(self.spec.id, message)
             if item.push.kind not in ASYNC_KINDS and self.window.of_this_job(item):  # (a mismatch: both sides)

@@ -274,6 +274,7 @@ class Operation:
                     return error
         if lost is not None:
             self.summed_elsewhere = True
+            self._abandon_if_unanswered(futures)
         return lost
 
     async def _give_up_rest(self, futures: list[tuple[Piece, asyncio.Future[None]]], pending: set[asyncio.Future[None]],
@@ -293,12 +294,16 @@ class Operation:
                     host.links[piece.server].abort(self.name, piece.part, server_round, why)
         if answers:
             await asyncio.wait(answers)  # the server answers every push; a lost link fails them
-        # A server that went silent with our memory in hand might still write into it.
+        self._abandon_if_unanswered(futures)
+
+    def _abandon_if_unanswered(self, futures: list[tuple[Piece, asyncio.Future[None]]]) -> None:
+        """A server that went silent with our memory in hand might still write into it: the name's results
+        memory is not used again."""
         if any(not f.cancelled() and isinstance(e := f.exception(), LinkBrokenError) and e.unanswered_shm
                for _, f in futures):
-            freed = host.results.abandon(self.name)
+            freed = self.host.results.abandon(self.name)
             if freed is not None:
-                host.segments_freed([freed])
+                self.host.segments_freed([freed])
 
     # -- replies ---------------------------------------------------------------------
     def reply_done(self, scattered: Scattered) -> None:
