@@ -293,8 +293,12 @@ class ServerConnection(AdmittedProtocol):
 
     def on_round_query(self, query: RoundQuery, payload: memoryview | None) -> None:
         assert self.worker is not None
-        self.send(RoundInfo(query.req, self.server.aggregator.round_for(query.name, query.part, self.worker,
-                                                                        query.local, query.failed)))
+        aggregator = self.server.aggregator
+        if query.fate >= 0:  # (whether a round was summed: see RoundQuery.fate)
+            self.send(RoundInfo(query.req, int(aggregator.table.summed(query.name, query.part, query.fate))))
+            return
+        self.send(RoundInfo(query.req, aggregator.round_for(query.name, query.part, self.worker, query.local,
+                                                            query.failed)))
 
     def on_announce(self, message: Announce, payload: memoryview | None) -> None:
         """Segments the worker's pushes on this connection will name: the only ones we map. An honest

@@ -509,6 +509,12 @@ class RoundTable(Generic[W]):
                 or worker in st.restart.answered)
         return st.round + (1 if done else 0)
 
+    def summed(self, name: str, part: int, round_: int) -> bool:
+        """Whether round ``round_`` of key (name, part) was summed: it is the key's last sum (a later round
+        could not be summed without the worker that asks, see RoundQuery.fate)."""
+        st = self.keys.get((name, part))
+        return st is not None and st.last_sum == round_
+
     def fail(self, token: Token, why: Why) -> list[Action[W]]:
         """The driver could not sum round ``token`` (a borrowed contribution's memory shrank): fail it
         for every worker, now and for late pushes. Nothing to do where the round is gone already."""

@@ -92,16 +92,21 @@ class LinkBrokenError(BPSConnectionError):
 
     ``unanswered_shm``: the push went as a shared-memory reference and its server never answered, so
     that server may still write the sum into our memory: the caller must not reuse that memory.
+    ``fate_unknown``: the push had reached the connection, and the link gave up reconnecting to the server
+    run that had it: that run may have summed its round for the other workers (``RoundQuery.fate`` asks).
     """
 
     unanswered_shm: bool
+    fate_unknown: bool
 
-    def __init__(self, detail: str = "", *, peer: str = "", unanswered_shm: bool = False) -> None:
+    def __init__(self, detail: str = "", *, peer: str = "", unanswered_shm: bool = False,
+                 fate_unknown: bool = False) -> None:
         super().__init__(detail, peer=peer)
         self.unanswered_shm = unanswered_shm
+        self.fate_unknown = fate_unknown
 
     def _attributes(self) -> dict[str, Any]:
-        return {**super()._attributes(), "unanswered_shm": self.unanswered_shm}
+        return {**super()._attributes(), "unanswered_shm": self.unanswered_shm, "fate_unknown": self.fate_unknown}
 
 
 class AnswerLostError(LinkBrokenError):

@@ -97,7 +97,8 @@ class FusedOperation(Operation):
         A failure after the sum (a segment that shrank) is this machine's alone: the peers' rounds succeeded.
         A lane push whose answer died with our connection to the server was pushed again, and the server said
         what became of its round (``bps_worker.link``): summed for the peers (``summed_elsewhere``: their rounds
-        succeeded and take no number, so ours takes none), or failed for every worker."""
+        succeeded and take no number, so ours takes none), or failed for every worker. Where the link gave up
+        instead (``unsettled``), the driver asks the server first (``FusedSums._steps_unless_summed``)."""
         if not self.failed or self.summed or self.summed_elsewhere or not self._job_current():
             return []
         return [fr.name for fr in self.rounds]

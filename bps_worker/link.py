@@ -498,10 +498,12 @@ class ServerLink:
             future.cancel()
         return True
 
-    def query_round(self, name: str, part: int = 0, local: int = 0, failed: bool = False) -> asyncio.Future[int]:
-        """Ask the server which round our round ``local`` of (name, part) is (see RoundQuery)."""
+    def query_round(self, name: str, part: int = 0, local: int = 0, failed: bool = False,
+                    fate: int = -1) -> asyncio.Future[int]:
+        """Ask the server which round our round ``local`` of (name, part) is, or (``fate``) whether it summed
+        that round (see RoundQuery)."""
         req = next(self._req)
-        query = RoundQuery(req, name, part, local, failed)
+        query = RoundQuery(req, name, part, local, failed, fate)
         future = self.control.ask(query)
         self._send_control(query)
         return future
@@ -863,9 +865,17 @@ class ServerLink:
         self.control.fail_queries(exc)
         if self.on_gave_up is not None:
             self.on_gave_up(str(exc))
-        items = self.window.clear()
-        for item in items:
-            if not item.future.done():
+        # Pushes that had reached a connection of a run we talked to: that run may have summed their rounds.
+        sent = {id(item) for item in self.window.pieces()
+                if self.incarnation is not None and item.push.kind not in ASYNC_KINDS
+                and (item.held or self.window.in_flight(item.req) is item)}
+        for item in self.window.clear():
+            if item.future.done():
+                continue
+            if id(item) in sent:
+                item.future.set_exception(LinkBrokenError(exc.detail, peer=exc.peer, unanswered_shm=item.via_shm,
+                                                          fate_unknown=True))
+            else:
                 item.future.set_exception(connection_error(exc, True) if item.via_shm else exc)
 
     # -- connecting ------------------------------------------------------------------

@@ -166,6 +166,9 @@ class Operation:
         self.summed = False  # every piece's sum arrived (a failure after that is this machine's alone)
         # Every piece was summed, some for the peers only (AnswerLostError): our failure is ours alone.
         self.summed_elsewhere = False
+        # The pieces not summed for us where the first failure left a piece's fate unknown (the link gave up
+        # while its push was out, LinkBrokenError.fate_unknown): their servers may have summed them for the peers.
+        self.unsettled: list[Piece] = []
         self.epoch = host.epoch  # the job this operation belongs to
 
     def _job_current(self) -> bool:
@@ -270,6 +273,8 @@ class Operation:
                     lost = lost or exc
                 elif exc is not None:
                     error = exc if isinstance(exc, BPSError) else BPSError(f"internal error: {exc!r}")
+                    if isinstance(exc, LinkBrokenError) and exc.fate_unknown:  # (each one aborted, then asked)
+                        self.unsettled = [p for p, f in futures if f.cancelled() or not f.done() or f.exception()]
                     await self._give_up_rest(futures, pending, error, server_round)
                     return error
         if lost is not None:

@@ -637,7 +637,11 @@ class RoundQuery(Message):
     of the round it asks for (a worker that did not rejoin is answered with it: its numbers are the
     servers'). ``failed``: that number is a failed fused step's (``bps_worker.fusion``: a step takes an
     unfused round number whichever path it took); a rejoining worker is answered -1 then, "ask again at a
-    round of yours", since the servers cannot tell that step's round from the next one."""
+    round of yours", since the servers cannot tell that step's round from the next one.
+
+    ``fate`` (at least 0): not a round to join, but whether the server summed round ``fate`` of (name, part):
+    RoundInfo.round 1 if so, 0 if not. Asked by a worker whose link gave up while that push of it was out (its
+    answer is unknown), after its Abort of that round on the same connection: the round is settled by then."""
 
     TYPE: ClassVar[str] = "round_query"
     req: int
@@ -645,10 +649,13 @@ class RoundQuery(Message):
     part: int = 0
     local: int = 0
     failed: bool = False
+    fate: int = -1
 
     def validate(self) -> None:
         _check_name(self.name)
         _check_non_negative("round query", part=self.part, local=self.local)
+        if self.fate < -1:
+            raise LocalProtocolError(f"round query asks the fate of round {self.fate}")
 
 
 @dataclass(frozen=True, slots=True)

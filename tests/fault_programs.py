@@ -86,3 +86,22 @@ def given_up_while_frozen(name: str, count: int, go: str, gave_up: str, done: st
     else:
         open(done, "w").close()
     return out + [one_step(name, count, step, timeout_s) for step in range(2, steps)]
+
+
+def fused_then_unfused(name: str, go: str, met: str, go2: str, timeout_s: float) -> list[Any]:
+    """Step 0: ``name`` small (fused); rank 1 issues it at once, rank 0 once file ``go`` exists. Then every rank
+    waits for the others (files ``met<rank>``) and file ``go2``, and steps 1 and 2 push ``name`` too large to
+    fuse; a step's error said in full."""
+    rank = bps.rank()
+    if rank == 0:
+        wait_for(go)
+    first = one_step(name, 4, 0, timeout_s)
+    open(f"{met}{rank}", "w").close()
+    for other in range(bps.size()):
+        wait_for(f"{met}{other}")
+    wait_for(go2)
+    out = [first]
+    for step in (1, 2):
+        got = one_step(name, 100_000, step, timeout_s)
+        out.append(got if got in ("exact", "wrong") else f"{got}: {_last_error}"[:300])
+    return out

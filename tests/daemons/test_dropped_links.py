@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -167,3 +168,17 @@ def test_a_sum_whose_answer_died_with_the_connection_fails_that_worker_alone_say
     assert first.startswith("BPSConnectionError") and "was summed for the other workers" in first, results
     assert "answer was lost with its connection" in first, results
     assert second == "exact" and later0 == later1 == ["exact", "exact"], results
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(shutil.which("unshare") is None or shutil.which("tc") is None or shutil.which("ip") is None,
+                    reason="needs unshare, tc and ip")
+def test_a_summed_lane_round_whose_held_push_the_link_gave_up_on_takes_no_unfused_number():
+    """netns_link_gives_up.py's case, in a network namespace of its own (it blocks new connections on loopback)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    inner = os.path.join(here, "netns_link_gives_up.py")
+    run = subprocess.run(["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {sys.executable} -m pytest -q "
+                          f"-p no:randomly -p no:cacheprovider {inner}"],
+                         cwd=os.path.dirname(os.path.dirname(here)), env={**os.environ, "BPS_TEST_NETNS": "1"},
+                         capture_output=True, text=True, timeout=170)
+    assert run.returncode == 0 and re.search(r"^1 passed", run.stdout, re.M), run.stdout[-4000:] + run.stderr[-2000:]

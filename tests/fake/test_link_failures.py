@@ -562,3 +562,24 @@ async def test_a_sum_a_resumed_push_got_is_replayed_plain_to_a_restarted_server(
     assert replay.replay and not replay.resumed and replay.round == 3
     link.close()
     await asyncio.sleep(0)
+
+
+async def test_a_link_that_gives_up_says_which_pushes_had_gone_out_to_a_run_it_knows():
+    """The fate of a synchronous push that had reached the connection is unknown once the link gives up (that
+    server run may have summed its round for the peers: RoundQuery.fate asks); a push never sent, or an
+    asynchronous one, failed plainly."""
+    link, proto, transport = _link()
+    fields = {"part": 0, "round": 3, "dtype": "float32", "shape": [2], "offset": 0, "count": 2}
+    out = link.push({**fields, "name": "out"}, memoryview(bytearray(8)), memoryview(bytearray(8)), 0)
+    delta = link.push({**fields, "round": 0, "name": "v", "kind": "async"}, memoryview(bytearray(8)),
+                      memoryview(bytearray(8)), 0)
+    link.on_broken(proto, "lost connection to server 0")
+    link._connecting.cancel()
+    queued = link.push({**fields, "name": "queued"}, memoryview(bytearray(8)), memoryview(bytearray(8)), 0)
+    link._fail_all(BPSConnectionError("not within 5 s", peer="server 0 at 127.0.0.1:9"))
+    error = out.exception()
+    assert isinstance(error, LinkBrokenError) and error.fate_unknown and error.peer == "server 0 at 127.0.0.1:9"
+    for plain in (delta.exception(), queued.exception()):
+        assert isinstance(plain, BPSConnectionError) and not getattr(plain, "fate_unknown", False)
+    link.close()
+    await asyncio.sleep(0)

@@ -426,6 +426,7 @@ class LaneOp:
         self.layout = layout_digest(names)
         self.done = asyncio.get_running_loop().create_future()
         self.failed = False
+        self.unsettled: list = []  # (no link gives up here: every piece's fate is known)
 
     async def run(self) -> None:
         await self.done

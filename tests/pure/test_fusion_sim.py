@@ -85,6 +85,7 @@ class FakeOp:
         self.daemon, self.key, self.round, self.members = daemon, key, local_round, members
         self.name = key
         self.sim = daemon.sim; self.w = daemon.worker_id
+        self.unsettled = []  # (no link gives up here: every piece's fate is known)
     async def run(self):
         sim = self.sim; fs = sim.W[self.w]
         self.epoch = fs.wepoch

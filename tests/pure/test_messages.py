@@ -411,6 +411,7 @@ def _push(**changes) -> m.Push:
     (lambda: m.RoundQuery(1, "w", part=-1), "round query has a negative part: -1"),
     (lambda: m.Abort("w", 0, 0, 0, "x" * (m.MAX_MESSAGE_CHARS + 1)), "abort message of 4097 characters"),
     (lambda: m.Abort("w", 0, -1, 0, "bye"), "abort has a negative round: -1"),
+    (lambda: m.RoundQuery(1, "w", fate=-2), "round query asks the fate of round -2"),
     (lambda: m.Batch([], []), "batch of 0 items; 1 to 1024 allowed"),
     (lambda: m.Failure(1, "x", code="oops"),  # type: ignore[arg-type]
      "failure message field 'code' must be one of 'error', 'mismatch', 'round_failed', 'protocol_error', "

@@ -592,3 +592,15 @@ def test_a_resumed_push_a_replay_answered_already_is_answered_again_at_once():
     assert isinstance(again, Answer) and [w.handle for w in again.waiters] == ["w0-again"]
     assert np.array_equal(again.result, _data(3.0))
     assert any(isinstance(a, Settled) for a in table.replay(_push(2, replay=True), _data(3.0), 0.0))
+
+
+def test_summed_says_whether_a_round_is_the_keys_last_sum():
+    """RoundQuery.fate's answer: a worker whose link gave up while its push was out asks it, after its abort."""
+    table: RoundTable[str] = RoundTable(2)
+    assert not table.summed("t", 0, 0)  # (a key never pushed)
+    _sum_round(table, 0, range(2))
+    table.push(_push(1, rnd=1), _data(), "w1", 0.0)
+    table.abort("t", 0, 1, 0, Why("gave up"))
+    assert table.summed("t", 0, 0) and not table.summed("t", 0, 1)
+    table.push(_push(1, rnd=2), _data(), "w1", 0.0)  # (the peer moved on: round 0 is still the last sum)
+    assert table.summed("t", 0, 0) and not table.summed("t", 0, 2)
