@@ -294,8 +294,13 @@ class ServerConnection(AdmittedProtocol):
     def on_round_query(self, query: RoundQuery, payload: memoryview | None) -> None:
         assert self.worker is not None
         aggregator = self.server.aggregator
-        if query.fate >= 0:  # (whether a round was summed: see RoundQuery.fate)
-            self.send(RoundInfo(query.req, int(aggregator.table.summed(query.name, query.part, query.fate))))
+        if query.fate >= 0:  # whether a round was summed (RoundQuery.fate): settled first, whatever came before
+            summed = aggregator.table.summed(query.name, query.part, query.fate)
+            if not summed and not self.server.fusion.ended(query.name):  # (an abort, as the worker's own)
+                aggregator.abort(query.name, query.part, query.fate, self.worker, Why.worker_gone(
+                    self.worker, f"worker {self.worker}'s link to this server gave up while its push of round "
+                                 f"{query.fate} of {query.name!r} was out"))
+            self.send(RoundInfo(query.req, int(summed)))
             return
         self.send(RoundInfo(query.req, aggregator.round_for(query.name, query.part, self.worker, query.local,
                                                             query.failed)))

@@ -401,9 +401,10 @@ class FusedSums:
             if previous is not None and not previous.done():
                 await asyncio.wait([previous])
             await self.daemon.run_tracked(op.name, op.run())
-            if op.failed_steps() and op.unsettled:
-                self.daemon.spawn(self._steps_unless_summed(op))
-            for name in [] if op.unsettled else op.failed_steps():  # (as a group given up takes them: _give_up)
+            steps = op.failed_steps()
+            if steps and op.unsettled:  # (the lane's next operation waits: its round, summed, would hide ours)
+                steps = await self._steps_unless_summed(op)
+            for name in steps:  # (as the rounds of a group given up take theirs, see _give_up)
                 self.daemon.unfused_step(name)
         finally:
             self._running[sid] -= 1
@@ -417,13 +418,13 @@ class FusedSums:
                 self._reports_due = True
                 asyncio.get_running_loop().call_soon(self._send_reports)
 
-    async def _steps_unless_summed(self, op: FusedOperation) -> None:
+    async def _steps_unless_summed(self, op: FusedOperation) -> list[str]:
         """``op`` failed where the link to its server gave up while some of its pieces were out: the server may
         have summed them for the peers, whose rounds then succeeded and take no unfused number. Asked once the
-        link is back (after our aborts of those pieces, which settle what was still open): the steps take their
-        numbers unless every piece was summed, and where it cannot be asked (the link gave up again, or the
-        job ended) as before. Meanwhile a later step of a name can take its number first: then both machines
-        fail that step (the peers gave its round up), never a sum of two steps."""
+        link is back (the server gives up what was still open, RoundQuery.fate): the names whose steps take
+        their numbers, none if every piece was summed, and as before where it cannot be asked (the link gave up
+        again, or the job ended). Meanwhile a later step of a name can take its number first: then both
+        machines fail that step (the peers gave its round up), never a sum of two steps."""
         daemon = self.daemon
         try:
             answers = await asyncio.gather(*(daemon.links[p.server].query_round(op.name, p.part, fate=op.server_round)
@@ -433,9 +434,8 @@ class FusedSums:
             summed = False
         if summed:
             log.info("%s: its round was summed for the other workers: no step taken", op.name)
-            return
-        for name in op.failed_steps():
-            daemon.unfused_step(name)
+            return []
+        return op.failed_steps()
 
     def _give_up(self, key: str, local_round: int, members: list[FusedRound[ClientSession]], culprit: str) -> None:
         """A plan group names a tensor that failed here: it fails on every worker (we never push it)."""

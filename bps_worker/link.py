@@ -145,6 +145,7 @@ class OutgoingPush(Piece):
     applied: list[int] | None = None
     kept: bytes = b""
     times: list[int] | None = None  # timeline: queued, sent, sum arriving
+    reached: str | None = None  # the server run (incarnation) it was last sent to
 
     def settled(self) -> bool:
         return self.future.done()  # the operation already failed elsewhere, or gave the push up
@@ -616,7 +617,10 @@ class ServerLink:
             return
         transport = proto.transport
         now = self.running_loop().time()
+        incarnation = self.incarnation
         while pieces := self.window.next_to_send(now, transport.get_write_buffer_size()):
+            for item in pieces:
+                item.reached = incarnation
             try:
                 if len(pieces) == 1:
                     self._send(proto, *self._wire(pieces[0]))
@@ -865,10 +869,10 @@ class ServerLink:
         self.control.fail_queries(exc)
         if self.on_gave_up is not None:
             self.on_gave_up(str(exc))
-        # Pushes that had reached a connection of a run we talked to: that run may have summed their rounds.
+        # Pushes that reached the run we talked to last (in flight, held, or queued again after a reconnect to
+        # it): that run may have summed their rounds.
         sent = {id(item) for item in self.window.pieces()
-                if self.incarnation is not None and item.push.kind not in ASYNC_KINDS
-                and (item.held or self.window.in_flight(item.req) is item)}
+                if item.reached is not None and item.reached == self.incarnation and item.push.kind not in ASYNC_KINDS}
         for item in self.window.clear():
             if item.future.done():
                 continue

@@ -640,8 +640,9 @@ class RoundQuery(Message):
     round of yours", since the servers cannot tell that step's round from the next one.
 
     ``fate`` (at least 0): not a round to join, but whether the server summed round ``fate`` of (name, part):
-    RoundInfo.round 1 if so, 0 if not. Asked by a worker whose link gave up while that push of it was out (its
-    answer is unknown), after its Abort of that round on the same connection: the round is settled by then."""
+    RoundInfo.round 1 if so, 0 if not; a round not summed is given up first, as this worker's Abort of it would
+    (still open, it could be summed later). Asked by a worker whose link gave up while that push of it was out
+    (its answer is unknown)."""
 
     TYPE: ClassVar[str] = "round_query"
     req: int

@@ -583,3 +583,45 @@ async def test_a_link_that_gives_up_says_which_pushes_had_gone_out_to_a_run_it_k
         assert isinstance(plain, BPSConnectionError) and not getattr(plain, "fate_unknown", False)
     link.close()
     await asyncio.sleep(0)
+
+
+class _FillingTransport(FakeTransport):
+    """Nothing drains: what was written stays in the write buffer (a slow network)."""
+
+    def get_write_buffer_size(self) -> int:
+        return len(self.data)
+
+
+async def test_a_resumed_push_still_queued_when_the_link_gives_up_has_an_unknown_fate():
+    """Our lane push reached the server on connection A. A breaks; the same run answers B, and the held pushes go
+    again marked resumed, but a large one ahead of it fills the write buffer (the credit), so the lane push waits
+    in the queue. B breaks and the link gives up: the lane push had reached that run (on A), so its fate is
+    unknown too, not a plain failure (its operation would take its unfused numbers at once: the drift). Found by
+    a review."""
+    link = ServerLink(ServerSpec(0, "127.0.0.1", 9, None), 0, credit_bytes=64 << 10, timeout=5.0,
+                      max_payload_bytes=1 << 20)
+    link._ensure_connecting = lambda *a, **k: None  # type: ignore[method-assign]  # (connections made by hand)
+    proto = _LinkProtocol(link)
+    transport = FakeTransport()
+    proto.connection_made(transport)  # type: ignore[arg-type]
+    link._proto, link._ready, link.incarnation = proto, True, "run-1"
+    fields = {"part": 0, "dtype": "float32", "offset": 0}
+    big = link.push({**fields, "name": "big", "round": 0, "shape": [64 << 10], "count": 64 << 10},
+                    memoryview(bytearray(256 << 10)), memoryview(bytearray(256 << 10)), 5)
+    lane = link.push({**fields, "name": "lane", "round": 3, "shape": [2], "count": 2}, memoryview(bytearray(8)),
+                     memoryview(bytearray(8)), 0)
+    link.on_broken(proto, "lost connection to server 0")
+    proto_b = _LinkProtocol(link)
+    b = _FillingTransport()
+    proto_b.connection_made(b)  # type: ignore[arg-type]
+    link._proto, link._ready = proto_b, True
+    link._settle_held(proto_b, restarted=False)
+    link.pump()
+    assert [m.name for m, _ in b.messages() if isinstance(m, Push)] == ["big"]  # the lane push waits for credit
+    link.on_broken(proto_b, "lost connection to server 0")
+    link._fail_all(BPSConnectionError("not within 5 s", peer="server 0 at 127.0.0.1:9"))
+    for future in (big, lane):
+        error = future.exception()
+        assert isinstance(error, LinkBrokenError) and error.fate_unknown, error
+    link.close()
+    await asyncio.sleep(0)

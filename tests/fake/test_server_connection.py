@@ -314,3 +314,35 @@ async def test_a_worker_back_on_a_new_connection_gets_the_plans_it_lost_and_the_
     _feed(again, _frame(FuseResync("another-run", ["a"], [5], next_plan=0)))  # counts of another run: ignored
     assert len([m for m, _ in t0.messages() if isinstance(m, FusePlan)]) == 1 and not server.fusion.failed
     await server.stop()
+
+
+async def test_a_fate_query_gives_an_open_round_up_before_it_answers_and_says_summed_of_the_last_sum():
+    """RoundQuery.fate, from a worker whose link gave up while its pushes were out: a round still open (here with
+    its push in it) is given up first, so that it cannot be summed after the answer said it was not (the
+    worker's own Abort of it may have died with a connection); the key's last sum is answered 1."""
+    from protocol.messages import Batch, RoundInfo, RoundQuery, split_batch
+
+    def received(transport: FakeTransport) -> list:
+        return [item for m, p in transport.messages() for item, _ in (split_batch(m, p) if isinstance(m, Batch)
+                                                                      else [(m, p)])]
+
+    server = _server()
+    conns = _workers(server, 2)
+    for name in ("open", "summed"):
+        push = Push(req=1, name=name, part=0, round=0, worker=0, dtype="float32", shape=[4], offset=0, count=4)
+        _feed(conns[0][0], _frame(push, np.ones(4, np.float32).tobytes()))
+    push = Push(req=2, name="summed", part=0, round=0, worker=1, dtype="float32", shape=[4], offset=0, count=4)
+    _feed(conns[1][0], _frame(push, np.ones(4, np.float32).tobytes()))
+    await asyncio.sleep(0.05)
+    _feed(conns[0][0], _frame(RoundQuery(7, "open", 0, fate=0)))
+    _feed(conns[0][0], _frame(RoundQuery(8, "summed", 0, fate=0)))
+    await asyncio.sleep(0.05)
+    answers = {m.req: m.round for m in received(conns[0][1]) if isinstance(m, RoundInfo)}
+    assert answers == {7: 0, 8: 1}
+    late = Push(req=3, name="open", part=0, round=0, worker=1, dtype="float32", shape=[4], offset=0, count=4)
+    _feed(conns[1][0], _frame(late, np.ones(4, np.float32).tobytes()))
+    await asyncio.sleep(0.05)
+    (failure,) = [m for m in received(conns[1][1]) if isinstance(m, Failure) and m.req == 3]
+    assert failure.code == "connection" and "link to this server gave up" in failure.message
+    assert server.stats()["rounds_completed"] == 1
+    await server.stop()

@@ -803,3 +803,49 @@ def test_a_fused_operation_that_failed_before_its_sum_says_its_names_steps_take_
     for op in ops[1:]:
         op.answer_failure(lambda req, _: Failure(req, "lane round failed", code="round_failed"))
     assert [op.failed_steps() for op in ops] == [[], [], [], ["a", "b"]]
+
+
+async def test_the_lanes_next_operation_waits_for_the_fate_of_the_one_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plan 0's lane round 0 holds worker 0's push; worker 0's link gives up (its fate unknown) and worker 1's push
+    sums the round. Worker 0 asks its server whether round 0 was summed (RoundQuery.fate), and its lane waits for
+    the answer (its next report too): were a later round of the lane summed first, round 0 would no longer be the
+    key's last sum, and the answer would say "not summed": worker 0 would take unfused numbers that worker 1 does
+    not. Found by a review."""
+    from bps_worker.placement import Piece
+
+    lanes, planner, (w0, w1) = lane_workers(monkeypatch)
+    loop = asyncio.get_running_loop()
+    queries: list[tuple[str, int, int, asyncio.Future[int]]] = []
+
+    def query_round(name: str, part: int = 0, local: int = 0, failed: bool = False, fate: int = -1) -> Any:
+        future = loop.create_future()
+        queries.append((name, part, fate, future))
+        return future
+
+    w0.link.query_round = query_round
+    for w, fs in enumerate((w0, w1)):
+        await submit(fs, "a", w)
+        deliver(planner, w, fs)
+    assert planner.take_plans() == [(0, ["a"])]
+    lanes.hand_out([w0, w1], 0, ["a"], ("e1", "e1"), planner.lanes)
+    await asyncio.sleep(0)
+    mine, theirs = lanes.ops[0], lanes.ops[1]
+    ghost = type("Lost", (), {"plan": 0, "w": 0, "name": mine.name, "round": mine.round,
+                              "layout": mine.layout, "end": lambda self, failed=False: None})()
+    lanes.push(ghost)  # it reached the anchor (its answer goes nowhere: the link gave up)
+    mine.unsettled, mine.server_round = [Piece(0, 0, 0, 4)], mine.round
+    mine.end(failed=True)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    lanes.push(theirs)  # summed: worker 1's step succeeded
+    for w, fs in enumerate((w0, w1)):
+        await submit(fs, "a", 10 + w)
+        deliver(planner, w, fs)
+    assert planner.take_plans() == []  # (worker 0's next report waits with its lane: no round 1 meanwhile)
+    ((name, part, fate, future),) = queries
+    future.set_result(int(lanes.table.summed(name, part, fate)))
+    for _ in range(6):
+        await asyncio.sleep(0)
+    assert w0.steps == w1.steps == [], f"worker 0 took {w0.steps}, worker 1 {w1.steps}"
+    deliver(planner, 0, w0)
+    assert planner.take_plans() == [(1, ["a"])]
