@@ -96,6 +96,10 @@ from protocol.messages import KIND_BROADCAST, FailureCode, Push
 Key = tuple[str, int]
 W = TypeVar("W")
 
+# How many keys of ended lane generations keep their last sum for fate queries (RoundQuery.fate): a few
+# generations' fused tensors, each one key per lane, dtype and part.
+ENDED_SUMS_KEPT = 4096
+
 # A borrowed payload's lease: the payload is a view of memory a worker owns (its shared memory), and this
 # raises an OSError (``bps_runtime.segments.SegmentSizeError``) unless that memory is still whole. The
 # driver calls it right before every read of the view, not only when the push arrived: a round can hold
@@ -345,6 +349,8 @@ class RoundTable(Generic[W]):
         self.deterministic = deterministic
         self.connected = connected
         self.keys: dict[Key, Round[W]] = {}
+        # The last sums of the keys of ended lane generations (fail_ended), oldest first, for fate queries.
+        self._ended_sums: dict[Key, int] = {}
         self._gen = 0
         # Workers whose connection dropped and which did not come back within lost_grace_s:
         # rounds that need them fail at once instead of waiting.
@@ -513,7 +519,8 @@ class RoundTable(Generic[W]):
         """Whether round ``round_`` of key (name, part) was summed: it is the key's last sum (a later round
         could not be summed without the worker that asks, see RoundQuery.fate)."""
         st = self.keys.get((name, part))
-        return st is not None and st.last_sum == round_
+        last = st.last_sum if st is not None else self._ended_sums.get((name, part))
+        return last is not None and last == round_
 
     def fail(self, token: Token, why: Why) -> list[Action[W]]:
         """The driver could not sum round ``token`` (a borrowed contribution's memory shrank): fail it
@@ -548,6 +555,10 @@ class RoundTable(Generic[W]):
         actions: list[Action[W]] = [self._fail_round(st, why) for st in gone if st.busy]
         for st in gone:
             del self.keys[st.key]
+            if st.last_sum is not None:  # (a worker whose link gave up may still ask it: RoundQuery.fate)
+                self._ended_sums[st.key] = st.last_sum
+        while len(self._ended_sums) > ENDED_SUMS_KEPT:
+            del self._ended_sums[next(iter(self._ended_sums))]
         return actions
 
     def abort(self, name: str, part: int, round_: int, worker: int, why: Why) -> list[Action[W]]:
@@ -739,6 +750,7 @@ class RoundTable(Generic[W]):
             return []
         dropped = len(self.keys)
         self.keys.clear()
+        self._ended_sums.clear()
         self._rejoining.clear()
         # The next job's workers are waited for afresh (a round fails only if one has still neither
         # connected nor pushed after the timeout: sweep), not failed at once for having been gone from the

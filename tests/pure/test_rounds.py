@@ -604,3 +604,13 @@ def test_summed_says_whether_a_round_is_the_keys_last_sum():
     assert table.summed("t", 0, 0) and not table.summed("t", 0, 1)
     table.push(_push(1, rnd=2), _data(), "w1", 0.0)  # (the peer moved on: round 0 is still the last sum)
     assert table.summed("t", 0, 0) and not table.summed("t", 0, 2)
+
+
+def test_a_lane_key_forgotten_as_its_generation_ended_still_says_its_last_sum():
+    """Three workers: round 0 of a lane key is summed, worker 0's answer was lost and its link gave up; a third
+    worker's reset ends the lane generation meanwhile, and the anchor forgets its keys (fail_ended). Worker 0's
+    fate query must still hear "summed" (worker 1 took no unfused number for the step). Found by a review."""
+    table: RoundTable[str] = RoundTable(3)
+    _sum_round(table, 0, range(3))
+    table.fail_ended(lambda name: name == "t", Why("lanes ended"))
+    assert ("t", 0) not in table.keys and table.summed("t", 0, 0) and not table.summed("t", 0, 1)
