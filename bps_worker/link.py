@@ -146,6 +146,7 @@ class OutgoingPush(Piece):
     kept: bytes = b""
     times: list[int] | None = None  # timeline: queued, sent, sum arriving
     reached: str | None = None  # the server run (incarnation) it was last sent to
+    given_up: bool = False  # its caller gave it up (forget) and waits only for the server to be done with it
 
     def settled(self) -> bool:
         return self.future.done()  # the operation already failed elsewhere, or gave the push up
@@ -488,6 +489,7 @@ class ServerLink:
         if item is not None:
             in_flight = self.window.in_flight(item.req) is item
             if item.via_shm and not future.done() and (in_flight or item.held):
+                item.given_up = True  # (never sent again as a contribution: see _settle_held)
                 return False
             self._round_lost(item)
             if self.window.abandon(item):
@@ -1027,7 +1029,8 @@ class ServerLink:
         for item in self.window.resumed():
             if item.future.done():
                 continue
-            if item.push.kind in ASYNC_KINDS:  # (its delta may be in the value already: not sent twice)
+            if item.push.kind in ASYNC_KINDS or item.given_up:  # (a delta may be in the value already: not sent
+                # twice; a push given up, whose abort may have died with the connection, would open its round anew)
                 item.future.set_exception(connection_error(self._broken_reason, item.via_shm))
             else:
                 item.push = dataclasses.replace(item.push, resumed=True)

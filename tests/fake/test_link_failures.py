@@ -625,3 +625,27 @@ async def test_a_resumed_push_still_queued_when_the_link_gives_up_has_an_unknown
         assert isinstance(error, LinkBrokenError) and error.fate_unknown, error
     link.close()
     await asyncio.sleep(0)
+
+
+async def test_a_push_its_caller_gave_up_is_not_resumed_but_fails_when_the_same_run_answers():
+    """A push by shared-memory reference that its operation gave up (another piece failed: the operation aborts
+    this one's round and waits for the server to be done with our memory, ServerLink.forget) is held when the
+    connection breaks. The same run answering the reconnect must not get it again as a contribution: the abort
+    may have died with the connection, and the push would open the round anew, waiting for peers that gave it
+    up (fault_soak seed 738 hung so); it fails, as before resumed pushes."""
+    link, proto, transport = _link()
+    link.window.by_reference = True
+    fields = {"name": "w", "part": 2, "round": 0, "dtype": "float32", "shape": [2], "offset": 0, "count": 2}
+    future = link.push(fields, memoryview(bytearray(8)), memoryview(bytearray(8)), 0,
+                       shm_ref=("bps-0-a", 0), out_ref=("bps-0-a", 8))
+    kept = link.push({**fields, "name": "v"}, memoryview(bytearray(8)), memoryview(bytearray(8)), 0,
+                     shm_ref=("bps-0-a", 16), out_ref=("bps-0-a", 24))
+    assert link.forget(future) is False  # (in the server's hands: its answer is waited for)
+    again = reconnect_link(link, proto, restarted=False)
+    link.pump()
+    error = future.exception()
+    assert isinstance(error, LinkBrokenError) and error.unanswered_shm
+    pushed = [m for m, _ in again.messages() if isinstance(m, Push)]
+    assert [(m.name, m.resumed) for m in pushed] == [("v", True)] and not kept.done()
+    link.close()
+    await asyncio.sleep(0)
