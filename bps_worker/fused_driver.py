@@ -425,11 +425,12 @@ class FusedSums:
         their numbers, none if every piece was summed, and as before where it cannot be asked (the link gave up
         again, or the job ended). Meanwhile a later step of a name can take its number first: then both
         machines fail that step (the peers gave its round up), never a sum of two steps."""
-        daemon = self.daemon
+        links, asked = self.daemon.links, op.server_round
+        assert asked is not None  # (its pieces were pushed)
         try:
-            answers = await asyncio.gather(*(daemon.links[p.server].query_round(op.name, p.part, fate=op.server_round)
-                                             for p in op.unsettled if op.server_round is not None))
-            summed = bool(answers) and all(answers)
+            answers = await asyncio.gather(*(links[p.server].query_round(op.name, p.part, fate=asked)
+                                             for p in op.unsettled))
+            summed = all(answers)
         except (BPSError, asyncio.CancelledError):
             summed = False
         if summed:

@@ -871,14 +871,12 @@ class ServerLink:
         self.control.fail_queries(exc)
         if self.on_gave_up is not None:
             self.on_gave_up(str(exc))
-        # Pushes that reached the run we talked to last (in flight, held, or queued again after a reconnect to
-        # it): that run may have summed their rounds.
-        sent = {id(item) for item in self.window.pieces()
-                if item.reached is not None and item.reached == self.incarnation and item.push.kind not in ASYNC_KINDS}
         for item in self.window.clear():
             if item.future.done():
                 continue
-            if id(item) in sent:
+            # A push that reached the run we talked to last (in flight, held, or queued again after a reconnect to
+            # it): that run may have summed its round.
+            if self.incarnation is not None and item.reached == self.incarnation and item.push.kind not in ASYNC_KINDS:
                 item.future.set_exception(LinkBrokenError(exc.detail, peer=exc.peer, unanswered_shm=item.via_shm,
                                                           fate_unknown=True))
             else:

@@ -274,7 +274,8 @@ class Operation:
                 elif exc is not None:
                     error = exc if isinstance(exc, BPSError) else BPSError(f"internal error: {exc!r}")
                     if isinstance(exc, LinkBrokenError) and exc.fate_unknown:  # (each one aborted, then asked)
-                        self.unsettled = [p for p, f in futures if f.cancelled() or not f.done() or f.exception()]
+                        self.unsettled = [piece for piece, fut in futures
+                                          if fut.cancelled() or not fut.done() or fut.exception()]
                     await self._give_up_rest(futures, pending, error, server_round)
                     return error
         if lost is not None:
@@ -291,8 +292,8 @@ class Operation:
         why = why_from_error(error, str(error))
         answers = []
         for piece, fut in futures:
-            if fut in pending or fut.cancelled() or (fut.exception() is not None
-                                                     and not isinstance(fut.exception(), AnswerLostError)):
+            if fut in pending or fut.cancelled() or ((e := fut.exception()) is not None
+                                                     and not isinstance(e, AnswerLostError)):
                 if not self.link_for(piece).forget(fut):
                     answers.append(fut)  # in the server's hands, in our memory: wait for its answer
                 if self._job_current() and self.ABORTS:

@@ -12,9 +12,6 @@ import numpy as np
 import bps_worker.client as bps
 
 
-_last_error = ""  # the text of the last BPSError one_step met
-
-
 def wait_for(path: str, within_s: float = 60.0) -> None:
     deadline = time.monotonic() + within_s
     while not os.path.exists(path):
@@ -23,9 +20,9 @@ def wait_for(path: str, within_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def one_step(name: str, count: int, step: int, timeout_s: float) -> str:
+def one_step(name: str, count: int, step: int, timeout_s: float, said: bool = False) -> str:
     """Push ``name`` (integers that depend on the step and rank) and wait: ``exact``, ``wrong``, or the error's
-    class name and how long it took."""
+    class name and how long it took (``said``: and its text)."""
     rank, size = bps.rank(), bps.size()
     base = np.arange(count, dtype=np.int64) % 61 + step
     t0 = time.monotonic()
@@ -33,9 +30,7 @@ def one_step(name: str, count: int, step: int, timeout_s: float) -> str:
         got = bps.synchronize(bps.push_pull_async((base + rank).astype(np.float32), name, average=False),
                               timeout=timeout_s)
     except bps.BPSError as exc:
-        global _last_error
-        _last_error = str(exc)
-        return f"{type(exc).__name__} after {time.monotonic() - t0:.1f} s"
+        return f"{type(exc).__name__} after {time.monotonic() - t0:.1f} s" + (f": {exc}" if said else "")
     return "exact" if (got == base * size + size * (size - 1) // 2).all() else "wrong"
 
 
@@ -59,9 +54,7 @@ def late_peer_said_then_meet(name: str, count: int, go: str, met: str, steps: in
     rank = bps.rank()
     if rank == 1:
         wait_for(go)
-    first = one_step(name, count, 0, timeout_s)
-    if first.startswith("BPS"):
-        first = f"{first}: {_last_error}"
+    first = one_step(name, count, 0, timeout_s, said=True)
     open(f"{met}{rank}", "w").close()
     for other in range(bps.size()):
         wait_for(f"{met}{other}")
@@ -102,6 +95,5 @@ def fused_then_unfused(name: str, go: str, met: str, go2: str, timeout_s: float)
     wait_for(go2)
     out = [first]
     for step in (1, 2):
-        got = one_step(name, 100_000, step, timeout_s)
-        out.append(got if got in ("exact", "wrong") else f"{got}: {_last_error}"[:300])
+        out.append(one_step(name, 100_000, step, timeout_s, said=True)[:300])
     return out
