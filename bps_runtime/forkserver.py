@@ -15,8 +15,10 @@ Theory of operation:
   directory) over a ``SOCK_SEQPACKET`` pair, with two descriptors (``SCM_RIGHTS``): the daemon's output
   (stdout and stderr both) and one end of a fresh socket pair, the daemon's *status* socket. The helper
   forks; the child resets what the helper changed (signal handlers, the wake-up descriptor), takes the
-  output as 1 and 2 and ``/dev/null`` as 0, closes every other descriptor, takes the environment and the
-  directory, and runs the module. Its exit is Python's: the status of ``SystemExit``, ``atexit``
+  output as 1 and 2 and ``/dev/null`` as 0, closes every other descriptor, joins the spawner's process group
+  (or makes one of its own, where the spawner asks), takes the environment and the directory, and runs the
+  module. The helper has a process group of its own and ignores SIGINT: a terminal's Ctrl-C is the
+  spawner's, which stops the daemons. Its exit is Python's: the status of ``SystemExit``, ``atexit``
   handlers, flushed output.
 - The helper sends the child's pid on the status socket at once, and its wait status when it has reaped it.
   :class:`ForkedProcess` is the spawner's handle, with the part of :class:`subprocess.Popen`'s interface the
@@ -144,13 +146,15 @@ class Forkserver:
             return False
         return self._requests is None or _netns() == self._netns
 
-    def spawn(self, argv: Sequence[str], env: Mapping[str, str], output: int | None = None) -> ForkedProcess:
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str], output: int | None = None, *,
+              own_group: bool = False) -> ForkedProcess:
         """Fork daemon ``argv`` (``python -m MODULE ARGS``, :meth:`serves`) with ``env``, its stdout and stderr
         on descriptor ``output`` (our descriptor 2 when None, as a Popen child inherits it), in our working
-        directory."""
+        directory, in our process group (as a Popen child) or, ``own_group``, in one of its own."""
         if not self.serves(argv):
             raise ForkserverError(f"not a daemon this forkserver can fork: {' '.join(argv)}")
-        request = msgpack.packb({"argv": list(argv[1:]), "env": dict(env), "cwd": os.getcwd()})
+        request = msgpack.packb({"argv": list(argv[1:]), "env": dict(env), "cwd": os.getcwd(),
+                                 "pgid": 0 if own_group else os.getpgrp()})
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             with self._lock:
@@ -176,8 +180,9 @@ class Forkserver:
         self._close_requests()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
+            # (a group of its own: a terminal's Ctrl-C is the spawner's, even while the helper's interpreter starts)
             self._helper = subprocess.Popen([self.python, "-m", "bps_runtime.forkserver", str(theirs.fileno())],
-                                            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+                                            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, process_group=0)
         ours.settimeout(START_TIMEOUT_S)
         try:
             ready = ours.recv(4096)
@@ -234,6 +239,10 @@ def _child(request: dict[str, Any], output: int) -> None:
         os.dup2(output, 1)
         os.dup2(output, 2)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        try:
+            os.setpgid(0, request["pgid"])
+        except OSError:  # (the spawner's group is gone: the helper's then)
+            pass
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])

@@ -1,5 +1,3 @@
-import sys
+from bps_runtime.commands import bps_server
 
-from .main import main
-
-sys.exit(main())
+bps_server()

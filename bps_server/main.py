@@ -12,6 +12,7 @@ from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
 
 from bps_runtime import kernels
+from bps_runtime.commands import INTERRUPTED_STATUS, interrupts_deferred
 from .server import ServerConfig, SummationServer
 from bps_runtime.health import STALL_LIMIT_S, from_environment
 from bps_runtime.lifecycle import keep_freed_memory, new_event_loop, serve_until_signalled, settle_heap, setup_logging
@@ -62,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
                           timeline=args.timeline, notify_socket=notify_socket, watchdog_s=watchdog_s,
                           stall_limit_s=args.stall_limit)
     keep_freed_memory()
-    kernels.warm_up(blas=False)  # compile before reporting ready, never on a job's first tensor
+    with interrupts_deferred() as interrupted:
+        kernels.warm_up(blas=False)  # compile before reporting ready, never on a job's first tensor
+    if interrupted():
+        return INTERRUPTED_STATUS
     settle_heap()
     loop = new_event_loop()
     try:

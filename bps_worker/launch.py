@@ -40,6 +40,7 @@ import threading
 from types import FrameType
 from typing import Any, Callable, Sequence
 
+from bps_runtime.commands import INTERRUPTED_STATUS, exit_with
 from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
 
@@ -48,7 +49,6 @@ from .observer import server_stats
 from .supervise import Child, Cluster, LaunchError
 from .token_file import ensure_token, make_token
 
-INTERRUPTED_STATUS = 128 + signal.SIGINT  # what a shell reports for a job stopped by Ctrl-C
 
 
 def run_training(cluster: Cluster, command: Sequence[str], *, timeout: float | None = None,
@@ -132,7 +132,8 @@ class SigintFlag:
     SIGHUP, the launcher dying at once and leaving every daemon and rank running: ``kill``, ``timeout``, a CI
     job's time limit, ``docker stop``, a closed ssh session).
 
-    Why: a terminal's Ctrl-C reaches the launcher, its daemons and its ranks at once, so a rank or daemon
+    Why: a terminal's Ctrl-C reached the launcher, its daemons and its ranks at once (they now have process
+    groups of their own, and the launcher signals them), so a rank or daemon
     may be seen exiting from it before the launcher's own ``KeyboardInterrupt`` is raised: the status then
     depended on that order (1 or 130), and an exception raised inside the stop could cut it short. With the
     flag, the waits (:class:`~bps_worker.supervise.Supervisor`) end at their next poll, the stop always
@@ -264,4 +265,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

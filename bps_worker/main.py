@@ -9,6 +9,7 @@ import socket
 import sys
 
 from bps_runtime import kernels
+from bps_runtime.commands import INTERRUPTED_STATUS, interrupts_deferred
 from bps_runtime.health import STALL_LIMIT_S, from_environment
 from bps_runtime.lifecycle import keep_freed_memory, new_event_loop, serve_until_signalled, settle_heap, setup_logging
 from protocol.config import load_config, read_token, socket_path_too_long
@@ -70,7 +71,10 @@ def main(argv: list[str] | None = None) -> int:
                           segment_mode=shm_mode, threads=max(1, args.threads), token=token, timeline=args.timeline,
                           notify_socket=notify_socket, watchdog_s=watchdog_s, stall_limit_s=args.stall_limit)
     keep_freed_memory()
-    kernels.warm_up(blas=False)
+    with interrupts_deferred() as interrupted:
+        kernels.warm_up(blas=False)
+    if interrupted():
+        return INTERRUPTED_STATUS
     settle_heap()
     loop = new_event_loop()
     try:

@@ -27,8 +27,9 @@ Theory of operation:
   clusters (the launcher, a benchmark) pays the daemons' imports once. The tests set it for the scripts they
   run; a user may, on a box where many one-box clusters start.
 - ``interrupted``: a callable the launcher passes to learn of Ctrl-C from its own flag (see
-  ``bps_worker.launch``); both waits check it and raise :class:`KeyboardInterrupt`. Without it a Ctrl-C is
-  Python's ordinary ``KeyboardInterrupt``.
+  ``bps_worker.launch``); both waits check it and raise :class:`KeyboardInterrupt`, and the daemons start in
+  process groups of their own, so that the terminal's Ctrl-C reaches the launcher alone (which stops them).
+  Without it a Ctrl-C is Python's ordinary ``KeyboardInterrupt``, and the daemons get it too.
 """
 
 from __future__ import annotations
@@ -199,6 +200,9 @@ class Supervisor:
         self.ready_timeout_s = ready_timeout_s
         self.grace_s = grace_s
         self.interrupted = interrupted or _never
+        # A caller that learns of Ctrl-C itself (the launcher) stops the daemons: they are kept out of the
+        # terminal's foreground group, where a Ctrl-C in their interpreters' start-up was a traceback from each.
+        self.own_groups = interrupted is not None
         self.children: list[Child] = []
 
     def launch(self, commands: Sequence[DaemonCommand]) -> None:
@@ -222,10 +226,12 @@ class Supervisor:
         proc: subprocess.Popen[Any] | ForkedProcess
         try:
             if self.forkserver is not None and self.forkserver.serves(command.argv, command.prefix):
-                proc = self.forkserver.spawn(command.argv, env, None if out is None else out.fileno())
+                proc = self.forkserver.spawn(command.argv, env, None if out is None else out.fileno(),
+                                             own_group=self.own_groups)
             else:
                 proc = subprocess.Popen([*command.prefix, *command.argv], env=env, stdin=subprocess.DEVNULL,
-                                        stdout=out, stderr=out)  # (a closed fd 0 made uvloop abort)
+                                        stdout=out, stderr=out,  # (a closed fd 0 made uvloop abort)
+                                        process_group=0 if self.own_groups else None)
         finally:
             if out is not None:
                 out.close()

@@ -141,6 +141,63 @@ def test_ready_notification_and_clean_sigterm(tmp_path, module):
         assert not os.path.exists(tmp_path / "w0.sock"), "socket file left behind"
 
 
+def _quiet(stderr: str) -> bool:
+    """No stack of any process in ``stderr`` (a ``KeyboardInterrupt`` shown or swallowed: "Exception ignored")."""
+    return "Traceback" not in stderr and "Exception ignored" not in stderr and "KeyboardInterrupt" not in stderr
+
+
+INTERRUPTED = 128 + signal.SIGINT
+
+# From the interpreter's start: within its imports, numba's warm-up (which calls back through ctypes), the start.
+START_UP_DELAYS_S = [0.1, 0.3, 0.45, 0.6, 1.5]
+
+
+@pytest.mark.parametrize("module", ["bps_server", "bps_worker"])
+@pytest.mark.parametrize("delay", START_UP_DELAYS_S)
+def test_ctrl_c_while_a_daemon_starts_stops_it_without_a_traceback(tmp_path, module, delay):
+    """A Ctrl-C before the daemon handles signals itself was a traceback, or, inside numba's warm-up, a
+    KeyboardInterrupt printed as "Exception ignored" and lost: the daemon went on and never stopped."""
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    proc = subprocess.Popen([PY, "-m", module, "--config", str(config), "--id", "0"], stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = proc.stderr.read()
+    # interrupted while starting (before the interpreter handles SIGINT: killed by it), or a clean stop once it served
+    assert code in (INTERRUPTED, -signal.SIGINT, 0), (code, stderr)
+    assert _quiet(stderr), stderr
+    assert not os.path.exists(tmp_path / "w0.sock")
+
+
+@pytest.mark.parametrize("delay", START_UP_DELAYS_S)
+def test_ctrl_c_while_the_launcher_starts_the_cluster_is_one_line(tmp_path, delay):
+    """A terminal's Ctrl-C reaches the launcher and its daemons at once; while they started, every daemon
+    printed a traceback (several screens for one key press)."""
+    config = write_config(tmp_path, [2], cpu_servers=1)
+    script = tmp_path / "rank.py"  # (a rank's own KeyboardInterrupt is its script's: this one stops quietly)
+    script.write_text("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+                      "import bps_worker.client as bps\nbps.init()\ntime.sleep(60)\n")
+    proc = subprocess.Popen([PY, "-m", "bps_worker.launch", "--config", str(config), "--", PY, str(script)],
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stderr = proc.stderr.read()
+    assert _quiet(stderr), stderr
+    if code != -signal.SIGINT:  # (killed by it before its interpreter handled SIGINT: nothing was started)
+        assert code == INTERRUPTED and "bps-launch: interrupted (SIGINT); cluster stopped" in stderr, stderr
+    assert _pids_with(str(config)) == {} and _pids_with(str(script)) == {}, "daemons or ranks left running"
+
+
 def _scheduler_free_env(**extra: str) -> dict[str, str]:
     """This environment without any variable a daemon takes its id from, plus ``extra``."""
     env = {k: v for k, v in os.environ.items()

@@ -33,3 +33,42 @@ def test_a_bind_error_says_why_in_words_for_errno_and_for_a_name_that_does_not_r
         "cannot listen on x:1: Address already in use"
     assert describe_bind_error(socket.gaierror(-2, "Name or service not known"), "nosuchhost.invalid:9") == \
         "cannot listen on nosuchhost.invalid:9: Name or service not known"
+
+
+def test_a_sigint_inside_interrupts_deferred_is_recorded_not_raised_and_the_handler_before_comes_back():
+    """numba's warm-up calls back into Python through ctypes, where a KeyboardInterrupt is printed and lost."""
+    import os
+    import signal
+
+    from bps_runtime.commands import interrupts_deferred
+
+    before = signal.getsignal(signal.SIGINT)
+    with interrupts_deferred() as interrupted:
+        assert not interrupted()
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(100):  # (Python runs the handler at its next check of pending signals)
+            if interrupted():
+                break
+        assert interrupted()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_exit_with_turns_a_ctrl_c_into_status_130_and_passes_other_statuses_and_errors_through():
+    import pytest
+
+    from bps_runtime.commands import INTERRUPTED_STATUS, exit_with
+
+    def interrupted() -> int:
+        raise KeyboardInterrupt
+
+    def failing() -> int:
+        raise ValueError("a bug")
+
+    with pytest.raises(SystemExit) as stopped:
+        exit_with(interrupted)
+    assert stopped.value.code == INTERRUPTED_STATUS == 130
+    with pytest.raises(SystemExit) as ended:
+        exit_with(lambda: 2)
+    assert ended.value.code == 2
+    with pytest.raises(ValueError, match="a bug"):  # a traceback where there is a bug
+        exit_with(failing)
