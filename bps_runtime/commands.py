@@ -5,7 +5,8 @@ once its event loop runs (a clean stop); before that, while it imports, compiles
 was a ``KeyboardInterrupt`` traceback from each of them, several screens of interleaved stacks for one key
 press. Here the command's module is imported and run inside the guard, so that an interrupted start-up ends with
 status 130 (128 + SIGINT, as a shell reports it) and nothing printed. This module imports nothing of the project
-before the guard; ``python -m bps_worker.launch`` imports the launcher (tens of milliseconds) before it.
+before the guard. ``python -m bps_worker.launch`` imports the launcher before its guard; SIGINT has its default
+action while it does (the process ends, silently).
 
 While numba compiles or loads its cache it calls back into Python through ctypes, where a ``KeyboardInterrupt`` is
 printed ("Exception ignored on calling ctypes callback function") and lost: the daemon went on starting. A daemon

@@ -30,10 +30,14 @@ reads its terminal only while it is the terminal's foreground job.
 
 from __future__ import annotations
 
+import signal
+
+if __name__ == "__main__":  # python -m: a Ctrl-C while the imports below run ends it at once and quietly, as
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # bps-launch's guard does (bps_runtime.commands); main() takes over
+
 import argparse
 import os
 import select
-import signal
 import subprocess
 import sys
 import threading
