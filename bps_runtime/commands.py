@@ -3,26 +3,39 @@
 A terminal's Ctrl-C reaches the launcher and every daemon it started at once. A daemon handles SIGINT itself
 once its event loop runs (a clean stop); before that, while it imports, compiles its kernels and starts, a Ctrl-C
 was a ``KeyboardInterrupt`` traceback from each of them, several screens of interleaved stacks for one key
-press. Here the command's module is imported and run inside the guard, so that an interrupted start-up ends with
-status 130 (128 + SIGINT, as a shell reports it) and nothing printed. This module imports nothing of the project
-before the guard. ``python -m bps_worker.launch`` imports the launcher before its guard; SIGINT has its default
-action while it does (the process ends, silently).
+press. Three things make it quiet:
 
-While numba compiles or loads its cache it calls back into Python through ctypes, where a ``KeyboardInterrupt`` is
-printed ("Exception ignored on calling ctypes callback function") and lost: the daemon went on starting. A daemon
-therefore warms its kernels up with the interrupt deferred (:func:`interrupts_deferred`) and stops after it.
+- The launcher starts its daemons with SIGINT ignored (:func:`sigint_ignored`, inherited through ``exec`` and
+  ``fork``), and a daemon that finds SIGINT ignored keeps it so (the old Unix rule that shells follow for
+  background jobs; Python itself then installs no ``KeyboardInterrupt``): the launcher alone hears a Ctrl-C, and
+  stops ranks, workers and servers in that order. They stay in the launcher's process group, so that what
+  signals the group (a ``kill`` of it, Ctrl-\\\\, a job control stop) reaches them as before.
+- A daemon run by hand (``bps-server`` in a terminal) imports and runs its module inside :func:`exit_with`'s
+  guard: an interrupted start-up ends with status 130 (128 + SIGINT, as a shell reports it) and nothing
+  printed, once the interpreter itself has started (its own start, tens of milliseconds, is not ours).
+- While numba compiles or loads its cache it calls back into Python through ctypes, where a
+  ``KeyboardInterrupt`` is printed ("Exception ignored on calling ctypes callback function") and lost: the
+  daemon went on starting. A daemon therefore warms its kernels up with the interrupt deferred
+  (:class:`interrupts_deferred`) and stops after it.
+
+This module imports only ``sys`` and ``signal`` (both loaded with the interpreter) before the guard.
+``python -m bps_worker.launch`` imports the launcher before its guard; SIGINT has its default action while it
+does (the process ends, silently).
 """
 
 from __future__ import annotations
 
-import importlib
 import signal
 import sys
-import threading
-from contextlib import contextmanager
-from typing import Callable, Iterator, NoReturn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Callable, NoReturn, Sequence
 
 INTERRUPTED_STATUS = 130  # 128 + SIGINT: what a shell reports for a job stopped by Ctrl-C
+# Runs a command with SIGINT ignored: what a shell does for a background job (``trap`` with an empty action
+# sets SIG_IGN, which ``exec`` keeps). A prefix, so that nothing runs between fork and exec in our process.
+_IGNORING_SIGINT = ("/bin/sh", "-c", 'trap "" INT; exec "$@"', "sh")
 
 
 def exit_with(main: Callable[[], int]) -> NoReturn:
@@ -36,7 +49,12 @@ def exit_with(main: Callable[[], int]) -> NoReturn:
 
 def run_command(module: str) -> NoReturn:
     """Import ``module`` and exit with its ``main()``'s status, both inside :func:`exit_with`'s guard."""
-    exit_with(lambda: importlib.import_module(module).main())
+    def main() -> int:
+        import importlib
+
+        return importlib.import_module(module).main()
+
+    exit_with(main)
 
 
 def bps_server() -> NoReturn:
@@ -51,16 +69,38 @@ def bps_launch() -> NoReturn:
     run_command("bps_worker.launch")
 
 
-@contextmanager
-def interrupts_deferred() -> Iterator[Callable[[], bool]]:
-    """Inside the block a SIGINT is recorded, not raised; the callable given says whether one came. The handler
-    before is put back after it. Off the main thread (where no handler can be set) nothing changes."""
-    came: list[bool] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: False
-        return
-    before = signal.signal(signal.SIGINT, lambda signum, frame: came.append(True))
-    try:
-        yield lambda: bool(came)
-    finally:
-        signal.signal(signal.SIGINT, before)
+def sigint_ignored(argv: Sequence[str]) -> list[str]:
+    """``argv`` run with SIGINT ignored from its first instruction (see the module)."""
+    return [*_IGNORING_SIGINT, *argv]
+
+
+def sigint_is_ignored() -> bool:
+    """Whether SIGINT is ignored here: started so by a launcher that stops us itself (never take it over)."""
+    return signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
+class interrupts_deferred:
+    """Inside the block a SIGINT is recorded, not raised; ``with`` gives a callable that says whether one came.
+    The handler before is put back after it. Off the main thread (where no handler can be set), or where SIGINT
+    is ignored, nothing changes."""
+
+    def __init__(self) -> None:
+        self._came = False
+        self._before: object = None
+        self._installed = False
+
+    def _record(self, signum: int, frame: object) -> None:
+        self._came = True
+
+    def __enter__(self) -> Callable[[], bool]:
+        if not sigint_is_ignored():
+            try:
+                self._before = signal.signal(signal.SIGINT, self._record)
+                self._installed = True
+            except ValueError:  # (not the main thread)
+                pass
+        return lambda: self._came
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._before)  # type: ignore[arg-type]

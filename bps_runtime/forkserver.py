@@ -15,10 +15,10 @@ Theory of operation:
   directory) over a ``SOCK_SEQPACKET`` pair, with two descriptors (``SCM_RIGHTS``): the daemon's output
   (stdout and stderr both) and one end of a fresh socket pair, the daemon's *status* socket. The helper
   forks; the child resets what the helper changed (signal handlers, the wake-up descriptor), takes the
-  output as 1 and 2 and ``/dev/null`` as 0, closes every other descriptor, joins the spawner's process group
-  (or makes one of its own, where the spawner asks), takes the environment and the directory, and runs the
-  module. The helper has a process group of its own and ignores SIGINT: a terminal's Ctrl-C is the
-  spawner's, which stops the daemons. Its exit is Python's: the status of ``SystemExit``, ``atexit``
+  output as 1 and 2 and ``/dev/null`` as 0, closes every other descriptor, takes the environment and the
+  directory, and runs the module. The helper ignores SIGINT from its start (a terminal's Ctrl-C is the
+  spawner's, which stops the daemons); a daemon gets Python's handler back, or keeps SIGINT ignored where the
+  spawner asks (the launcher's, as ``bps_runtime.commands`` says). Its exit is Python's: the status of ``SystemExit``, ``atexit``
   handlers, flushed output.
 - The helper sends the child's pid on the status socket at once, and its wait status when it has reaped it.
   :class:`ForkedProcess` is the spawner's handle, with the part of :class:`subprocess.Popen`'s interface the
@@ -47,6 +47,8 @@ import threading
 from typing import Any, Final, Mapping, Sequence
 
 import msgpack
+
+from .commands import sigint_ignored
 
 __all__ = ["DAEMON_MODULES", "ForkedProcess", "Forkserver", "ForkserverError", "serve"]
 
@@ -147,14 +149,14 @@ class Forkserver:
         return self._requests is None or _netns() == self._netns
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], output: int | None = None, *,
-              own_group: bool = False) -> ForkedProcess:
+              ignore_sigint: bool = False) -> ForkedProcess:
         """Fork daemon ``argv`` (``python -m MODULE ARGS``, :meth:`serves`) with ``env``, its stdout and stderr
         on descriptor ``output`` (our descriptor 2 when None, as a Popen child inherits it), in our working
-        directory, in our process group (as a Popen child) or, ``own_group``, in one of its own."""
+        directory; ``ignore_sigint``: as started by :func:`bps_runtime.commands.sigint_ignored`."""
         if not self.serves(argv):
             raise ForkserverError(f"not a daemon this forkserver can fork: {' '.join(argv)}")
         request = msgpack.packb({"argv": list(argv[1:]), "env": dict(env), "cwd": os.getcwd(),
-                                 "pgid": 0 if own_group else os.getpgrp()})
+                                 "ignore_sigint": ignore_sigint})
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             with self._lock:
@@ -180,9 +182,10 @@ class Forkserver:
         self._close_requests()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
-            # (a group of its own: a terminal's Ctrl-C is the spawner's, even while the helper's interpreter starts)
-            self._helper = subprocess.Popen([self.python, "-m", "bps_runtime.forkserver", str(theirs.fileno())],
-                                            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, process_group=0)
+            # (SIGINT ignored from its first instruction: a terminal's Ctrl-C is the spawner's, see serve)
+            self._helper = subprocess.Popen(
+                sigint_ignored([self.python, "-m", "bps_runtime.forkserver", str(theirs.fileno())]),
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         ours.settimeout(START_TIMEOUT_S)
         try:
             ready = ours.recv(4096)
@@ -233,16 +236,12 @@ def _child(request: dict[str, Any], output: int) -> None:
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, signal.SIG_IGN if request["ignore_sigint"] else signal.default_int_handler)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(output, 1)
         os.dup2(output, 2)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-        try:
-            os.setpgid(0, request["pgid"])
-        except OSError:  # (the spawner's group is gone: the helper's then)
-            pass
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])

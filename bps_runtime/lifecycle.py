@@ -15,6 +15,8 @@ from typing import Any, Awaitable, Callable
 
 import uvloop
 
+from .commands import sigint_is_ignored
+
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
@@ -125,9 +127,11 @@ def sd_notify(state: str, notify_socket: str | None) -> bool:
 
 
 def install_stop_signals(loop: asyncio.AbstractEventLoop, stop: Callable[[], None]) -> None:
-    """SIGTERM and SIGINT ask the daemon to stop cleanly."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop)
+    """SIGTERM and SIGINT ask the daemon to stop cleanly; SIGINT stays ignored where we were started with it
+    ignored (``bps-launch``'s daemons: the launcher stops them itself, see ``bps_runtime.commands``)."""
+    loop.add_signal_handler(signal.SIGTERM, stop)
+    if not sigint_is_ignored():
+        loop.add_signal_handler(signal.SIGINT, stop)
 
 
 class ListenError(OSError):

@@ -136,8 +136,8 @@ class SigintFlag:
     SIGHUP, the launcher dying at once and leaving every daemon and rank running: ``kill``, ``timeout``, a CI
     job's time limit, ``docker stop``, a closed ssh session).
 
-    Why: a terminal's Ctrl-C reached the launcher, its daemons and its ranks at once (they now have process
-    groups of their own, and the launcher signals them), so a rank or daemon
+    Why: a terminal's Ctrl-C reached the launcher, its daemons and its ranks at once (now the ranks have
+    process groups of their own and the daemons ignore SIGINT: the launcher signals them), so a rank or daemon
     may be seen exiting from it before the launcher's own ``KeyboardInterrupt`` is raised: the status then
     depended on that order (1 or 130), and an exception raised inside the stop could cut it short. With the
     flag, the waits (:class:`~bps_worker.supervise.Supervisor`) end at their next poll, the stop always

@@ -27,9 +27,10 @@ Theory of operation:
   clusters (the launcher, a benchmark) pays the daemons' imports once. The tests set it for the scripts they
   run; a user may, on a box where many one-box clusters start.
 - ``interrupted``: a callable the launcher passes to learn of Ctrl-C from its own flag (see
-  ``bps_worker.launch``); both waits check it and raise :class:`KeyboardInterrupt`, and the daemons start in
-  process groups of their own, so that the terminal's Ctrl-C reaches the launcher alone (which stops them).
-  Without it a Ctrl-C is Python's ordinary ``KeyboardInterrupt``, and the daemons get it too.
+  ``bps_worker.launch``); both waits check it and raise :class:`KeyboardInterrupt`, and the daemons start with
+  SIGINT ignored, so that the terminal's Ctrl-C is the launcher's alone (which stops them in layers; see
+  ``bps_runtime.commands``). Without it a Ctrl-C is Python's ordinary ``KeyboardInterrupt``, and the daemons
+  get it too.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ from protocol.config import ClusterConfig, load_config
 
 from . import sockdir
 from .cluster_file import free_ports
-from bps_runtime.forkserver import ForkedProcess, Forkserver
+from bps_runtime.commands import sigint_ignored
+from bps_runtime.forkserver import ForkedProcess, Forkserver, ForkserverError
 
 __all__ = ["FORKSERVER_ENV", "READY_TIMEOUT_S", "STOP_GRACE_S", "Child", "Cluster", "DaemonCommand", "Ending",
            "LaunchError", "Supervisor", "daemon_argv", "env_forkserver", "judge", "stop_in_layers"]
@@ -200,9 +202,9 @@ class Supervisor:
         self.ready_timeout_s = ready_timeout_s
         self.grace_s = grace_s
         self.interrupted = interrupted or _never
-        # A caller that learns of Ctrl-C itself (the launcher) stops the daemons: they are kept out of the
-        # terminal's foreground group, where a Ctrl-C in their interpreters' start-up was a traceback from each.
-        self.own_groups = interrupted is not None
+        # A caller that learns of Ctrl-C itself (the launcher) stops the daemons: they start with SIGINT ignored
+        # (bps_runtime.commands), where a Ctrl-C in their interpreters' start-up was a traceback from each.
+        self.ignore_sigint = interrupted is not None
         self.children: list[Child] = []
 
     def launch(self, commands: Sequence[DaemonCommand]) -> None:
@@ -226,12 +228,15 @@ class Supervisor:
         proc: subprocess.Popen[Any] | ForkedProcess
         try:
             if self.forkserver is not None and self.forkserver.serves(command.argv, command.prefix):
-                proc = self.forkserver.spawn(command.argv, env, None if out is None else out.fileno(),
-                                             own_group=self.own_groups)
+                try:
+                    proc = self.forkserver.spawn(command.argv, env, None if out is None else out.fileno(),
+                                                 ignore_sigint=self.ignore_sigint)
+                except ForkserverError as exc:  # (its helper killed or stuck: a daemon that did not start)
+                    raise LaunchError(f"{command.label} did not start: {exc}", command.label) from None
             else:
-                proc = subprocess.Popen([*command.prefix, *command.argv], env=env, stdin=subprocess.DEVNULL,
-                                        stdout=out, stderr=out,  # (a closed fd 0 made uvloop abort)
-                                        process_group=0 if self.own_groups else None)
+                argv = sigint_ignored(command.argv) if self.ignore_sigint else list(command.argv)
+                proc = subprocess.Popen([*command.prefix, *argv], env=env, stdin=subprocess.DEVNULL,
+                                        stdout=out, stderr=out)  # (a closed fd 0 made uvloop abort)
         finally:
             if out is not None:
                 out.close()

@@ -137,3 +137,44 @@ def test_watch_ends_at_the_first_failure_or_a_dead_daemon(tmp_path):
         assert ending.code == 1 and ending.culprit is sup.daemon("worker-0")
     finally:
         sup.stop()
+
+
+def _ignores_sigint(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    sig_ign = int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
+    return bool(sig_ign & (1 << (signal.SIGINT - 1)))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("launcher", [True, False], ids=["launcher", "caller"])
+def test_a_launchers_daemons_start_with_sigint_ignored_and_others_with_it_as_ours(tmp_path, launcher):
+    """The launcher (a caller that learns of Ctrl-C itself, ``interrupted``) stops its daemons: they start
+    with SIGINT ignored (bps_runtime.commands), so that a terminal's Ctrl-C is not a traceback from each.
+    Other callers' daemons hear a Ctrl-C as before."""
+    sup = Supervisor(tmp_path, interrupted=(lambda: False) if launcher else None)
+    try:
+        sup.launch([_command(tmp_path / "notes", "server-0", 0.0)])
+        assert _ignores_sigint(sup.children[0].proc.pid) == launcher
+    finally:
+        sup.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_forkserver_that_cannot_start_is_a_launch_error_naming_the_daemon(tmp_path):
+    """Its helper killed during its start (a Ctrl-C before it ignored SIGINT) was a traceback out of the
+    launcher."""
+    from bps_runtime.forkserver import Forkserver
+
+    python = str(tmp_path / "python")  # (a "python" that exits at once: the helper dies during start-up)
+    Path(python).write_text("#!/bin/sh\nexit 3\n")
+    Path(python).chmod(0o755)
+    forkserver = Forkserver(python)
+    sup = Supervisor(tmp_path, forkserver=forkserver)
+    try:
+        with pytest.raises(LaunchError, match="server-0 did not start: the forkserver exited during start-up "
+                                              "with status 3") as info:
+            sup.launch([DaemonCommand("server-0", (python, "-m", "bps_server", "--config", "x", "--id", "0"))])
+        assert info.value.label == "server-0"
+    finally:
+        sup.stop()
+        forkserver.close()
