@@ -6,36 +6,43 @@ was a ``KeyboardInterrupt`` traceback from each of them, several screens of inte
 press. Three things make it quiet:
 
 - The launcher starts its daemons with SIGINT ignored (:func:`sigint_ignored`, inherited through ``exec`` and
-  ``fork``), and a daemon that finds SIGINT ignored keeps it so (the old Unix rule that shells follow for
-  background jobs; Python itself then installs no ``KeyboardInterrupt``): the launcher alone hears a Ctrl-C, and
-  stops ranks, workers and servers in that order. They stay in the launcher's process group, so that what
-  signals the group (a ``kill`` of it, Ctrl-\\\\, a job control stop) reaches them as before.
-- A daemon run by hand (``bps-server`` in a terminal) imports and runs its module inside :func:`exit_with`'s
-  guard: an interrupted start-up ends with status 130 (128 + SIGINT, as a shell reports it) and nothing
-  printed, once the interpreter itself has started (its own start, tens of milliseconds, is not ours).
+  ``fork``: Python then installs no ``KeyboardInterrupt``) and with :data:`LAUNCHER_ENV` set, and a daemon so
+  started keeps it ignored (:func:`launcher_owns_sigint`): the launcher alone hears a Ctrl-C, and stops ranks,
+  workers and servers in that order. They stay in the launcher's process group, so that what signals the group
+  (a ``kill`` of it, Ctrl-\\\\, a job control stop) reaches them as before. A daemon that finds SIGINT ignored
+  without the variable (a shell script's background job) takes it over as ever.
+- A daemon run by hand (``bps-server`` in a terminal) imports its module with the interrupt deferred (a
+  ``KeyboardInterrupt`` raised inside a compiled module's import can be swallowed: numpy's random module
+  registers its types under a bare ``except``, and the daemon then served for ever) and runs it inside
+  :func:`exit_with`'s guard: an interrupted start-up ends with status 130 (128 + SIGINT, as a shell reports it)
+  and nothing printed, once the interpreter itself has started (its own start, tens of milliseconds, is not
+  ours).
 - While numba compiles or loads its cache it calls back into Python through ctypes, where a
   ``KeyboardInterrupt`` is printed ("Exception ignored on calling ctypes callback function") and lost: the
   daemon went on starting. A daemon therefore warms its kernels up with the interrupt deferred
   (:class:`interrupts_deferred`) and stops after it.
 
-This module imports only ``sys`` and ``signal`` (both loaded with the interpreter) before the guard.
+This module imports only ``sys``, ``os`` and ``signal`` (all loaded with the interpreter) before the guard.
 ``python -m bps_worker.launch`` imports the launcher before its guard; SIGINT has its default action while it
 does (the process ends, silently).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
-from typing import TYPE_CHECKING
 
+TYPE_CHECKING = False  # (not typing's: nothing more is imported before the guard)
 if TYPE_CHECKING:
     from typing import Callable, NoReturn, Sequence
 
 INTERRUPTED_STATUS = 130  # 128 + SIGINT: what a shell reports for a job stopped by Ctrl-C
+LAUNCHER_ENV = "BPS_LAUNCHER_STOPS_ME"  # "1" in the launcher's daemons: it stops them (SIGINT stays ignored)
 # Runs a command with SIGINT ignored: what a shell does for a background job (``trap`` with an empty action
 # sets SIG_IGN, which ``exec`` keeps). A prefix, so that nothing runs between fork and exec in our process.
-_IGNORING_SIGINT = ("/bin/sh", "-c", 'trap "" INT; exec "$@"', "sh")
+_SH = "/bin/sh"
+_IGNORING_SIGINT = (_SH, "-c", 'trap "" INT; exec "$@"', "sh")
 
 
 def exit_with(main: Callable[[], int]) -> NoReturn:
@@ -48,11 +55,16 @@ def exit_with(main: Callable[[], int]) -> NoReturn:
 
 
 def run_command(module: str) -> NoReturn:
-    """Import ``module`` and exit with its ``main()``'s status, both inside :func:`exit_with`'s guard."""
+    """Import ``module`` (with the interrupt deferred) and exit with its ``main()``'s status, both inside
+    :func:`exit_with`'s guard."""
     def main() -> int:
         import importlib
 
-        return importlib.import_module(module).main()
+        with interrupts_deferred() as interrupted:
+            loaded = importlib.import_module(module)
+        if interrupted():
+            return INTERRUPTED_STATUS
+        return loaded.main()
 
     exit_with(main)
 
@@ -70,13 +82,18 @@ def bps_launch() -> NoReturn:
 
 
 def sigint_ignored(argv: Sequence[str]) -> list[str]:
-    """``argv`` run with SIGINT ignored from its first instruction (see the module)."""
-    return [*_IGNORING_SIGINT, *argv]
+    """``argv`` run with SIGINT ignored from its first instruction (see the module); as it is where there is no
+    ``/bin/sh`` (its daemons then hear a terminal's Ctrl-C too, and stop themselves)."""
+    return [*_IGNORING_SIGINT, *argv] if os.path.exists(_SH) else list(argv)
 
 
 def sigint_is_ignored() -> bool:
-    """Whether SIGINT is ignored here: started so by a launcher that stops us itself (never take it over)."""
     return signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
+def launcher_owns_sigint() -> bool:
+    """Whether a launcher that stops us itself started us with SIGINT ignored: never take it over then."""
+    return sigint_is_ignored() and os.environ.get(LAUNCHER_ENV) == "1"
 
 
 class interrupts_deferred:

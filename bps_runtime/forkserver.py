@@ -16,9 +16,10 @@ Theory of operation:
   (stdout and stderr both) and one end of a fresh socket pair, the daemon's *status* socket. The helper
   forks; the child resets what the helper changed (signal handlers, the wake-up descriptor), takes the
   output as 1 and 2 and ``/dev/null`` as 0, closes every other descriptor, takes the environment and the
-  directory, and runs the module. The helper ignores SIGINT from its start (a terminal's Ctrl-C is the
-  spawner's, which stops the daemons); a daemon gets Python's handler back, or keeps SIGINT ignored where the
-  spawner asks (the launcher's, as ``bps_runtime.commands`` says). Its exit is Python's: the status of ``SystemExit``, ``atexit``
+  directory, and runs the module. The helper ignores SIGINT (a terminal's Ctrl-C is the spawner's, which
+  stops the daemons), from its first instruction where its first spawner asks; a daemon gets Python's
+  handler back, or keeps SIGINT ignored where the spawner asks (the launcher's, as ``bps_runtime.commands``
+  says). Its exit is Python's: the status of ``SystemExit``, ``atexit``
   handlers, flushed output.
 - The helper sends the child's pid on the status socket at once, and its wait status when it has reaped it.
   :class:`ForkedProcess` is the spawner's handle, with the part of :class:`subprocess.Popen`'s interface the
@@ -160,7 +161,7 @@ class Forkserver:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             with self._lock:
-                requests = self._started()
+                requests = self._started(ignore_sigint)
                 socket.send_fds(requests, [request], [2 if output is None else output,
                                                       theirs.fileno()])
             theirs.close()
@@ -176,16 +177,17 @@ class Forkserver:
             raise ForkserverError(f"the forkserver did not start {' '.join(argv[2:4])}: it closed the request")
         return ForkedProcess(_PID.unpack(data)[0], ours, argv)
 
-    def _started(self) -> socket.socket:
+    def _started(self, ignore_sigint: bool) -> socket.socket:
         if self._requests is not None and self._helper is not None and self._helper.poll() is None:
             return self._requests
         self._close_requests()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
-            # (SIGINT ignored from its first instruction: a terminal's Ctrl-C is the spawner's, see serve)
-            self._helper = subprocess.Popen(
-                sigint_ignored([self.python, "-m", "bps_runtime.forkserver", str(theirs.fileno())]),
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+            # (for the launcher, SIGINT ignored from its first instruction: a terminal's Ctrl-C is the spawner's;
+            # serve() ignores it once the helper's imports are done, in any case)
+            argv = [self.python, "-m", "bps_runtime.forkserver", str(theirs.fileno())]
+            self._helper = subprocess.Popen(sigint_ignored(argv) if ignore_sigint else argv,
+                                            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         ours.settimeout(START_TIMEOUT_S)
         try:
             ready = ours.recv(4096)

@@ -15,7 +15,7 @@ from typing import Any, Awaitable, Callable
 
 import uvloop
 
-from .commands import sigint_is_ignored
+from .commands import launcher_owns_sigint
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
@@ -127,10 +127,10 @@ def sd_notify(state: str, notify_socket: str | None) -> bool:
 
 
 def install_stop_signals(loop: asyncio.AbstractEventLoop, stop: Callable[[], None]) -> None:
-    """SIGTERM and SIGINT ask the daemon to stop cleanly; SIGINT stays ignored where we were started with it
-    ignored (``bps-launch``'s daemons: the launcher stops them itself, see ``bps_runtime.commands``)."""
+    """SIGTERM and SIGINT ask the daemon to stop cleanly; SIGINT stays ignored in ``bps-launch``'s daemons (the
+    launcher stops them itself, see ``bps_runtime.commands``)."""
     loop.add_signal_handler(signal.SIGTERM, stop)
-    if not sigint_is_ignored():
+    if not launcher_owns_sigint():
         loop.add_signal_handler(signal.SIGINT, stop)
 
 

@@ -50,7 +50,7 @@ from protocol.config import ClusterConfig, load_config
 
 from . import sockdir
 from .cluster_file import free_ports
-from bps_runtime.commands import sigint_ignored
+from bps_runtime.commands import LAUNCHER_ENV, sigint_ignored
 from bps_runtime.forkserver import ForkedProcess, Forkserver, ForkserverError
 
 __all__ = ["FORKSERVER_ENV", "READY_TIMEOUT_S", "STOP_GRACE_S", "Child", "Cluster", "DaemonCommand", "Ending",
@@ -214,6 +214,8 @@ class Supervisor:
         notify.bind(str(notify_path))
         try:
             env = dict(os.environ if self.env is None else self.env, NOTIFY_SOCKET=str(notify_path))
+            if self.ignore_sigint:
+                env[LAUNCHER_ENV] = "1"
             pending = [self._spawn(command, env) for command in commands]
             self._wait_ready(notify, pending)
         finally:
@@ -235,8 +237,11 @@ class Supervisor:
                     raise LaunchError(f"{command.label} did not start: {exc}", command.label) from None
             else:
                 argv = sigint_ignored(command.argv) if self.ignore_sigint else list(command.argv)
-                proc = subprocess.Popen([*command.prefix, *argv], env=env, stdin=subprocess.DEVNULL,
-                                        stdout=out, stderr=out)  # (a closed fd 0 made uvloop abort)
+                try:
+                    proc = subprocess.Popen([*command.prefix, *argv], env=env, stdin=subprocess.DEVNULL,
+                                            stdout=out, stderr=out)  # (a closed fd 0 made uvloop abort)
+                except OSError as exc:
+                    raise LaunchError(f"{command.label} did not start: {exc}", command.label) from None
         finally:
             if out is not None:
                 out.close()

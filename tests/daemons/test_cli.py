@@ -192,6 +192,63 @@ def test_ctrl_c_while_a_daemon_starts_stops_it_without_a_traceback(tmp_path, mod
     assert not os.path.exists(tmp_path / "w0.sock")
 
 
+# A SIGINT while a compiled module registers its memoryview types with collections.abc (numpy.random, which numba
+# imports): inside a bare ``except``, where a KeyboardInterrupt is swallowed (found by a review's reproducer).
+SWALLOWED_SIGINT = """import abc, os, signal, sys
+register = abc.ABCMeta.register
+fired = []
+def register_then_interrupt(cls, subclass):
+    if not fired and subclass.__name__ == "_memoryviewslice":
+        fired.append(1)
+        os.kill(os.getpid(), signal.SIGINT)
+    return register(cls, subclass)
+abc.ABCMeta.register = register_then_interrupt
+import atexit
+atexit.register(lambda: os.write(2, b"fired\\n" if fired else b"not fired\\n"))
+from bps_runtime.commands import run_command
+run_command(sys.argv.pop(1))
+"""
+
+
+@pytest.mark.parametrize("module", ["bps_server.main", "bps_worker.main"])
+def test_a_ctrl_c_swallowed_by_an_import_still_stops_a_daemon_run_by_hand(tmp_path, module):
+    """Before, the daemon went on and served for ever."""
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    result = subprocess.run([PY, "-c", SWALLOWED_SIGINT, module, "--config", str(config), "--id", "0"],
+                            capture_output=True, text=True, timeout=60)
+    assert "fired" in result.stderr.splitlines() and result.returncode in (INTERRUPTED, -signal.SIGINT), result
+    assert "listening" not in result.stderr and _quiet(result.stderr), result.stderr
+
+
+@pytest.mark.parametrize("launcher", [False, True], ids=["background-job", "launcher"])
+def test_sigint_ignored_is_kept_only_for_the_launcher(tmp_path, launcher):
+    """A daemon that a shell script runs in the background (SIGINT ignored, as shells start background jobs)
+    stops on SIGINT as ever; one the launcher started (its variable set) leaves SIGINT to the launcher."""
+    from bps_runtime.commands import LAUNCHER_ENV
+
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    notify, path = _notify_socket(tmp_path)
+    env = dict(os.environ, NOTIFY_SOCKET=path)
+    env.pop(LAUNCHER_ENV, None)
+    if launcher:
+        env[LAUNCHER_ENV] = "1"
+    proc = subprocess.Popen(["/bin/sh", "-c", 'trap "" INT; exec "$@"', "sh", PY, "-m", "bps_server",
+                             "--config", str(config), "--id", "0"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_ready(notify)
+        proc.send_signal(signal.SIGINT)
+        if launcher:
+            with pytest.raises(subprocess.TimeoutExpired):
+                proc.wait(timeout=1.5)
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=15)
+    finally:
+        notify.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, proc.stderr.read()
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -224,7 +281,23 @@ def test_ctrl_c_while_the_launcher_starts_the_cluster_is_one_line(tmp_path, requ
     stderr = proc.stderr.read()
     assert _quiet(stderr), stderr
     assert code == INTERRUPTED and "bps-launch: interrupted (SIGINT); cluster stopped" in stderr, (code, stderr)
-    assert _pids_with(str(config)) == {} and _pids_with(str(script)) == {}, "daemons or ranks left running"
+    assert _pids_with(str(script)) == {}, "ranks left running"
+    # Daemons (forked ones show the forkserver's command line, not the config's) and the forkserver's helper are
+    # in the launcher's process group: none of it may be left.
+    _wait_for(lambda: not _group_members(proc.pid), timeout=15)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members
 
 
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGQUIT])

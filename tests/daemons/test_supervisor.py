@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from bps_runtime.commands import LAUNCHER_ENV
 from bps_worker.supervise import Child, DaemonCommand, LaunchError, Supervisor
 
 PY = sys.executable
@@ -154,7 +155,10 @@ def test_a_launchers_daemons_start_with_sigint_ignored_and_others_with_it_as_our
     sup = Supervisor(tmp_path, interrupted=(lambda: False) if launcher else None)
     try:
         sup.launch([_command(tmp_path / "notes", "server-0", 0.0)])
-        assert _ignores_sigint(sup.children[0].proc.pid) == launcher
+        pid = sup.children[0].proc.pid
+        assert _ignores_sigint(pid) == launcher
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert (f"{LAUNCHER_ENV}=1".encode() in environ) == launcher  # (the daemon keeps it ignored then)
     finally:
         sup.stop()
 
@@ -178,3 +182,14 @@ def test_a_forkserver_that_cannot_start_is_a_launch_error_naming_the_daemon(tmp_
     finally:
         sup.stop()
         forkserver.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_daemon_command_that_cannot_be_started_is_a_launch_error_naming_it(tmp_path):
+    sup = Supervisor(tmp_path)  # (the launcher's go through sh, whose exec fails: a status 127 during start-up)
+    try:
+        with pytest.raises(LaunchError, match="worker-0 did not start: .*No such file") as info:
+            sup.launch([DaemonCommand("worker-0", (str(tmp_path / "no-such-python"), "-m", "bps_worker"))])
+        assert info.value.label == "worker-0"
+    finally:
+        sup.stop()

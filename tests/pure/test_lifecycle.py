@@ -72,3 +72,28 @@ def test_exit_with_turns_a_ctrl_c_into_status_130_and_passes_other_statuses_and_
     assert ended.value.code == 2
     with pytest.raises(ValueError, match="a bug"):  # a traceback where there is a bug
         exit_with(failing)
+
+
+def test_sigint_ignored_runs_through_sh_where_there_is_one_and_the_command_alone_elsewhere(monkeypatch):
+    from bps_runtime import commands
+
+    argv = ["python", "-m", "bps_server"]
+    assert commands.sigint_ignored(argv) == ["/bin/sh", "-c", 'trap "" INT; exec "$@"', "sh", *argv]
+    monkeypatch.setattr(commands, "_SH", "/nonexistent/sh")
+    assert commands.sigint_ignored(argv) == argv  # (its daemons then hear a Ctrl-C, and stop themselves)
+
+
+def test_only_a_launchers_daemon_keeps_sigint_ignored(monkeypatch):
+    import signal
+
+    from bps_runtime.commands import LAUNCHER_ENV, launcher_owns_sigint
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+        assert not launcher_owns_sigint()  # (a shell's background job: it takes SIGINT over as ever)
+        monkeypatch.setenv(LAUNCHER_ENV, "1")
+        assert launcher_owns_sigint()
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert not launcher_owns_sigint()  # (SIGINT not ignored: the variable alone is nothing)
