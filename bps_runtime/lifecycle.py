@@ -15,7 +15,7 @@ from typing import Any, Awaitable, Callable
 
 import uvloop
 
-from .commands import launcher_owns_sigint
+from .commands import interrupts_deferred, launcher_owns_sigint
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
@@ -70,6 +70,21 @@ def keep_freed_memory() -> bool:
         return False
     ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
     return mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1 and ok
+
+
+def prepare_to_serve() -> bool:
+    """A daemon's start before its event loop: glibc keeps freed memory, the kernels are compiled (before the
+    daemon says it is ready, never on a job's first tensor; a Ctrl-C meanwhile is deferred, see
+    ``bps_runtime.commands``) and the heap settled. False where a Ctrl-C came: the daemon ends then."""
+    from . import kernels
+
+    keep_freed_memory()
+    with interrupts_deferred() as interrupted:
+        kernels.warm_up(blas=False)
+    if interrupted():
+        return False
+    settle_heap()
+    return True
 
 
 def settle_heap() -> None:

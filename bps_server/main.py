@@ -11,11 +11,10 @@ import sys
 from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
 
-from bps_runtime import kernels
-from bps_runtime.commands import INTERRUPTED_STATUS, interrupts_deferred
+from bps_runtime.commands import INTERRUPTED_STATUS
 from .server import ServerConfig, SummationServer
 from bps_runtime.health import STALL_LIMIT_S, from_environment
-from bps_runtime.lifecycle import keep_freed_memory, new_event_loop, serve_until_signalled, settle_heap, setup_logging
+from bps_runtime.lifecycle import new_event_loop, prepare_to_serve, serve_until_signalled, setup_logging
 
 log = logging.getLogger("bps.server")
 
@@ -62,12 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     config = ServerConfig(cluster, ident.id, threads=args.threads, host=args.bind, token=token,
                           timeline=args.timeline, notify_socket=notify_socket, watchdog_s=watchdog_s,
                           stall_limit_s=args.stall_limit)
-    keep_freed_memory()
-    with interrupts_deferred() as interrupted:
-        kernels.warm_up(blas=False)  # compile before reporting ready, never on a job's first tensor
-    if interrupted():
+    if not prepare_to_serve():
         return INTERRUPTED_STATUS
-    settle_heap()
     loop = new_event_loop()
     try:
         server = SummationServer(config)

@@ -54,7 +54,6 @@ from .supervise import Child, Cluster, LaunchError
 from .token_file import ensure_token, make_token
 
 
-
 def run_training(cluster: Cluster, command: Sequence[str], *, timeout: float | None = None,
                  env_defaults: dict[str, str] | None = None, prog: str = "bps-launch") -> int:
     """Start ``command`` once per training process; return the first non-zero status, else 0.

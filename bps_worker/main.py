@@ -8,10 +8,9 @@ import os
 import socket
 import sys
 
-from bps_runtime import kernels
-from bps_runtime.commands import INTERRUPTED_STATUS, interrupts_deferred
+from bps_runtime.commands import INTERRUPTED_STATUS
 from bps_runtime.health import STALL_LIMIT_S, from_environment
-from bps_runtime.lifecycle import keep_freed_memory, new_event_loop, serve_until_signalled, settle_heap, setup_logging
+from bps_runtime.lifecycle import new_event_loop, prepare_to_serve, serve_until_signalled, setup_logging
 from protocol.config import load_config, read_token, socket_path_too_long
 from protocol.errors import ConfigError
 
@@ -70,12 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     config = WorkerConfig(cluster, ident.id, socket_path=args.socket, socket_mode=socket_mode,
                           segment_mode=shm_mode, threads=max(1, args.threads), token=token, timeline=args.timeline,
                           notify_socket=notify_socket, watchdog_s=watchdog_s, stall_limit_s=args.stall_limit)
-    keep_freed_memory()
-    with interrupts_deferred() as interrupted:
-        kernels.warm_up(blas=False)
-    if interrupted():
+    if not prepare_to_serve():
         return INTERRUPTED_STATUS
-    settle_heap()
     loop = new_event_loop()
     try:
         daemon = WorkerDaemon(config)
