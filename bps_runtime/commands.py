@@ -60,6 +60,10 @@ def run_command(module: str) -> NoReturn:
     def main() -> int:
         import importlib
 
+        from bps_runtime.orphans import ENDED_STATUS, end_with_parent
+
+        if not end_with_parent():  # (the launcher that started us is gone already)
+            return ENDED_STATUS
         with interrupts_deferred() as interrupted:
             loaded = importlib.import_module(module)
         if interrupted():

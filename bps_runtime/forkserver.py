@@ -50,6 +50,7 @@ from typing import Any, Final, Mapping, Sequence
 import msgpack
 
 from .commands import sigint_ignored
+from .orphans import ENDED_STATUS, PARENT_ENV, end_with_parent
 
 __all__ = ["DAEMON_MODULES", "ForkedProcess", "Forkserver", "ForkserverError", "serve"]
 
@@ -186,7 +187,9 @@ class Forkserver:
             # (for the launcher, SIGINT ignored from its first instruction: a terminal's Ctrl-C is the spawner's;
             # serve() ignores it once the helper's imports are done, in any case)
             argv = [self.python, "-m", "bps_runtime.forkserver", str(theirs.fileno())]
-            self._helper = subprocess.Popen(sigint_ignored(argv) if ignore_sigint else argv,
+            # (the launcher's helper ends with it, and its daemons with the helper: bps_runtime.orphans)
+            env = dict(os.environ, **{PARENT_ENV: str(os.getpid())}) if ignore_sigint else None
+            self._helper = subprocess.Popen(sigint_ignored(argv) if ignore_sigint else argv, env=env,
                                             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         ours.settimeout(START_TIMEOUT_S)
         try:
@@ -231,9 +234,10 @@ def _preload() -> None:
     kernels.warm_up(blas=False)
 
 
-def _child(request: dict[str, Any], output: int) -> None:
-    """In a fresh fork: become the daemon ``request`` names, run it, exit with its status. Never returns.
-    Every descriptor of the helper above 2 is closed here (the caller detached its socket objects)."""
+def _child(request: dict[str, Any], output: int, helper: int) -> None:
+    """In a fresh fork of ``helper``: become the daemon ``request`` names, run it, exit with its status. Never
+    returns. Every descriptor of the helper above 2 is closed here (the caller detached its socket objects). A
+    daemon that would end with the launcher ends with the helper instead (which ends with the launcher)."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -246,6 +250,8 @@ def _child(request: dict[str, Any], output: int) -> None:
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
         os.environ.clear()
         os.environ.update(request["env"])
+        if PARENT_ENV in os.environ:
+            os.environ[PARENT_ENV] = str(helper)
         os.chdir(request["cwd"])
         code = _run_module(request["argv"])
     except BaseException:  # what python -m would print
@@ -302,11 +308,12 @@ def _fork(requests: socket.socket, children: dict[int, socket.socket]) -> bool:
     request = msgpack.unpackb(data)
     sys.stdout.flush()
     sys.stderr.flush()
+    helper = os.getpid()
     pid = os.fork()
     if pid == 0:
         for sock in (requests, status, *children.values()):
             sock.detach()  # (their finalizers must not close a descriptor number the daemon reuses)
-        _child(request, output)
+        _child(request, output, helper)
     os.close(output)
     children[pid] = status
     try:
@@ -336,6 +343,8 @@ def _reap(children: dict[int, socket.socket]) -> None:
 def serve(fd: int) -> None:
     """The helper's loop (see the module): ``fd`` is its end of the request socket pair."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the spawner, which stops daemons
+    if not end_with_parent():  # (started for a launcher that is gone already)
+        os._exit(ENDED_STATUS)
     requests = socket.socket(fileno=fd)
     _preload()
     wake = os.pipe()

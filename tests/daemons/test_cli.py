@@ -11,6 +11,7 @@ import socket
 import stat
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -268,7 +269,12 @@ def test_ctrl_c_while_the_launcher_starts_the_cluster_is_one_line(tmp_path, requ
     script = tmp_path / "rank.py"  # (a rank's own KeyboardInterrupt is its script's: this one stops quietly)
     script.write_text("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_DFL)\n"
                       "import bps_worker.client as bps\nbps.init()\ntime.sleep(60)\n")
-    proc = subprocess.Popen([PY, "-m", "bps_worker.launch", "--config", str(config), "--", PY, str(script)],
+    # The rank's own interpreter starts with SIGINT ignored until the script's first line: a Ctrl-C while it
+    # imports its site module is Python's fatal error, as for any program started at that instant (under
+    # torchrun too), and not the launcher's to silence. (One that comes then is lost: the launcher kills the
+    # rank after its grace period.)
+    rank = ["/bin/sh", "-c", 'trap "" INT; exec "$@"', "sh", PY, str(script)]
+    proc = subprocess.Popen([PY, "-m", "bps_worker.launch", "--config", str(config), "--", *rank],
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _wait_for(lambda: _children(proc.pid) or proc.poll() is not None)
@@ -628,6 +634,57 @@ def test_rank_0_reads_the_launchers_terminal_and_the_others_end_of_file(tmp_path
     assert {name: (out / name).read_text() for name in os.listdir(out)} == \
         {"0": "typed at the terminal", "1": "<end of file>"}
     assert _pids_with(str(config)) == {} and _pids_with(str(script)) == {}, "daemons or ranks left running"
+
+
+@pytest.mark.timeout(120)
+def test_ranks_write_to_a_tostop_terminal_instead_of_stopping(tmp_path):
+    """With ``stty tostop`` a background process group that writes to its terminal is stopped (SIGTTOU): the
+    ranks (groups of their own) stopped at their first line, and the launcher waited for them for ever. They
+    ignore SIGTTOU now (bps_runtime.orphans), and their lines reach the terminal."""
+    config = write_config(tmp_path, [2], cpu_servers=0)
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nos.write(1, f\"rank {os.environ['BPS_RANK']} says hello\\n\".encode())\n")
+    pid, terminal = pty.fork()
+    if pid == 0:
+        try:
+            attrs = termios.tcgetattr(0)
+            attrs[3] |= termios.TOSTOP
+            termios.tcsetattr(0, termios.TCSANOW, attrs)
+            os.execv(PY, [PY, "-m", "bps_worker.launch", "--config", str(config), "--", PY, str(script)])
+        finally:
+            os._exit(127)
+    status, shown = _wait_reading(pid, terminal, 60)
+    if status is None:  # stopped ranks: the launcher stopped the way a user would, then asserted
+        os.kill(pid, signal.SIGTERM)
+        status, more = _wait_reading(pid, terminal, 40)
+        shown += more
+    os.close(terminal)
+    text = shown.decode(errors="replace")
+    assert status is not None and os.waitstatus_to_exitcode(status) == 0, text
+    assert "rank 0 says hello" in text and "rank 1 says hello" in text, text
+    assert _pids_with(str(config)) == {} and _pids_with(str(script)) == {}, "daemons or ranks left running"
+
+
+@pytest.mark.parametrize("forked", ["1", "0"])
+def test_a_launcher_killed_outright_takes_its_daemons_and_ranks_with_it(tmp_path, monkeypatch, forked):
+    """SIGKILL of the launcher alone (``kill -9``, the OOM killer) lets it stop nothing: its daemons served and
+    its ranks slept on, for ever. Each now ends with its parent (PR_SET_PDEATHSIG: the forked daemons with the
+    forkserver's helper, which ends with the launcher)."""
+    monkeypatch.setenv("BPS_FORKSERVER", forked)
+    config, script, proc = _launch_sleepers(tmp_path)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        assert _pids_with(str(script)) and _group_members(proc.pid) != [proc.pid]
+        proc.kill()
+        proc.wait(timeout=30)
+        _wait_for(lambda: not _group_members(proc.pid) and not _pids_with(str(script)), timeout=30)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in _pids_with(str(script)):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _wait_reading(pid: int, terminal: int, seconds: float) -> tuple[int | None, bytes]:
