@@ -50,7 +50,7 @@ from typing import Any, Final, Mapping, Sequence
 import msgpack
 
 from .commands import sigint_ignored
-from .orphans import ENDED_STATUS, PARENT_ENV, end_with_parent
+from .orphans import ENDED_STATUS, PARENT_ENV, end_with_parent, on_main_thread
 
 __all__ = ["DAEMON_MODULES", "ForkedProcess", "Forkserver", "ForkserverError", "serve"]
 
@@ -188,7 +188,7 @@ class Forkserver:
             # serve() ignores it once the helper's imports are done, in any case)
             argv = [self.python, "-m", "bps_runtime.forkserver", str(theirs.fileno())]
             # (the launcher's helper ends with it, and its daemons with the helper: bps_runtime.orphans)
-            env = dict(os.environ, **{PARENT_ENV: str(os.getpid())}) if ignore_sigint else None
+            env = dict(os.environ, **{PARENT_ENV: str(os.getpid())}) if ignore_sigint and on_main_thread() else None
             self._helper = subprocess.Popen(sigint_ignored(argv) if ignore_sigint else argv, env=env,
                                             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         ours.settimeout(START_TIMEOUT_S)

@@ -39,10 +39,8 @@ if __name__ == "__main__":  # python -m: a Ctrl-C while the imports below run en
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # bps-launch's guard does (bps_runtime.commands); main() takes over
 
 import argparse
-import errno
 import os
 import select
-import shutil
 import subprocess
 import sys
 import threading
@@ -50,7 +48,7 @@ from types import FrameType
 from typing import Any, Callable, Sequence
 
 from bps_runtime.commands import INTERRUPTED_STATUS, exit_with
-from bps_runtime.orphans import rank_argv, sigint_blocked
+from bps_runtime.orphans import start_rank
 from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
 
@@ -74,14 +72,10 @@ def run_training(cluster: Cluster, command: Sequence[str], *, timeout: float | N
             for key, value in (env_defaults or {}).items():
                 env.setdefault(key, value)
             first = not procs and sys.stdin is not None  # (None: the launcher was started without one)
-            unstartable = _why_unstartable(command[0], env)
             try:
-                if unstartable is not None:
-                    raise OSError(unstartable)
                 # (through a step that makes it end with us, and write to a tostop terminal: bps_runtime.orphans)
-                with sigint_blocked():
-                    proc = subprocess.Popen(rank_argv(command, os.getpid()), env=env, process_group=0,
-                                            stdin=subprocess.PIPE if first else subprocess.DEVNULL)
+                proc = start_rank(command, env, process_group=0,
+                                  stdin=subprocess.PIPE if first else subprocess.DEVNULL)
             except OSError as exc:  # (the ranks started already are the cluster's children: stopped with it)
                 raise LaunchError(f"cannot start the training command {command[0]!r}: "
                                   f"{exc.strerror or exc}") from None
@@ -94,16 +88,6 @@ def run_training(cluster: Cluster, command: Sequence[str], *, timeout: float | N
         rank_failed = ending.culprit is not None and not ending.culprit.daemon
         print(f"{prog}: {ending.reason}; {'stopping the cluster' if rank_failed else 'stopping'}", file=sys.stderr)
     return ending.code
-
-
-def _why_unstartable(program: str, env: dict[str, str]) -> str | None:
-    """Why ``exec`` of ``program`` would fail in ``env`` (as the system says it), or None: the ranks start
-    through a first step (``rank_argv``), so the launcher checks what ``exec`` would find before it."""
-    path = os.pathsep.join(os.get_exec_path(env))
-    if shutil.which(program, path=path) is not None:
-        return None
-    candidates = [program] if os.sep in program else [os.path.join(d, program) for d in path.split(os.pathsep)]
-    return os.strerror(errno.EACCES if any(os.path.exists(c) for c in candidates) else errno.ENOENT)
 
 
 def forward_stdin(proc: subprocess.Popen[Any], source: int = 0) -> threading.Thread:

@@ -51,7 +51,7 @@ from protocol.config import ClusterConfig, load_config
 from . import sockdir
 from .cluster_file import free_ports
 from bps_runtime.commands import LAUNCHER_ENV, sigint_ignored
-from bps_runtime.orphans import PARENT_ENV
+from bps_runtime.orphans import PARENT_ENV, on_main_thread
 from bps_runtime.forkserver import ForkedProcess, Forkserver, ForkserverError
 
 __all__ = ["FORKSERVER_ENV", "READY_TIMEOUT_S", "STOP_GRACE_S", "Child", "Cluster", "DaemonCommand", "Ending",
@@ -229,8 +229,11 @@ class Supervisor:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"{command.label}.log", "ab")
         proc: subprocess.Popen[Any] | ForkedProcess
-        if self.ignore_sigint and not command.prefix:  # the launcher's end with it, however it ends (a prefix
-            env = {**env, PARENT_ENV: str(os.getpid())}  # may fork: its child's parent would not be us)
+        if self.ignore_sigint and not command.prefix and on_main_thread():
+            # The launcher's end with it, however it ends (bps_runtime.orphans): not through a prefix, which may
+            # fork (its child's parent would not be us), nor when started from another thread, whose end would
+            # end them.
+            env = {**env, PARENT_ENV: str(os.getpid())}
         try:
             if self.forkserver is not None and self.forkserver.serves(command.argv, command.prefix):
                 try:

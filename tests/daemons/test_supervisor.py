@@ -4,16 +4,20 @@ the wait for ranks, the layered stop."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from bps_runtime.commands import LAUNCHER_ENV
-from bps_worker.supervise import Child, DaemonCommand, LaunchError, Supervisor
+from bps_runtime.orphans import PARENT_ENV
+from bps_worker.supervise import Child, Cluster, DaemonCommand, LaunchError, Supervisor
+from harness import write_config
 
 PY = sys.executable
 # argv: log file, label, seconds before READY=1 (negative: never), exit status instead of READY (or "")
@@ -193,3 +197,41 @@ def test_a_daemon_command_that_cannot_be_started_is_a_launch_error_naming_it(tmp
         assert info.value.label == "worker-0"
     finally:
         sup.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("thread", [False, True], ids=["main thread", "other thread"])
+def test_a_launchers_daemons_end_with_it_only_when_started_on_its_main_thread(tmp_path, thread):
+    """A launcher's daemons ask the kernel for SIGTERM when it ends (BPS_PARENT_PID, bps_runtime.orphans); the
+    kernel follows the thread that started a child, so a daemon started from a thread that then ends asks
+    nothing."""
+    sup = Supervisor(tmp_path, interrupted=lambda: False)
+    try:
+        commands = [_command(tmp_path / "notes", "server-0", 0.0)]
+        if thread:
+            starter = threading.Thread(target=sup.launch, args=(commands,))
+            starter.start()
+            starter.join()
+        else:
+            sup.launch(commands)
+        environ = Path(f"/proc/{sup.children[0].proc.pid}/environ").read_bytes().split(b"\0")
+        assert (f"{PARENT_ENV}={os.getpid()}".encode() in environ) == (not thread)
+    finally:
+        sup.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_cluster_a_thread_started_outlives_that_thread(tmp_path, forked_daemons):
+    """A cluster started (with ``interrupted``, as the launcher's) from a thread that then ended: its daemons
+    asked for SIGTERM when their parent's starting thread ended, and were stopped while we lived."""
+    config = write_config(tmp_path, [1], cpu_servers=1)
+    cluster = Cluster(str(config), interrupted=lambda: False)
+    try:
+        starter = threading.Thread(target=cluster.start)
+        starter.start()
+        starter.join()
+        assert len(cluster.children) == 3
+        time.sleep(2.0)
+        assert cluster.dead_daemon() is None
+    finally:
+        cluster.stop()
