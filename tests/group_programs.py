@@ -112,3 +112,20 @@ def group_many(n: int, steps: int) -> dict[str, Any]:
         for i, y in zip(order, results):
             wrong += int(y.shape != (1 + i % 5,) or not (y == size * (step + i % 13) + size * (size - 1) // 2).all())
     return {"wrong": wrong}
+
+
+def group_average_mismatch(bad_rank: int, n: int) -> dict[str, Any]:
+    """A group of ``n`` small sums that ``bad_rank`` averages and the others sum: the error names one of the
+    group's tensors (the packed tensor's internal name before: its agreement did not cover ``average``); then
+    the same group, agreed, is exact."""
+    rank, size = bps.rank(), bps.size()
+    arrays = [np.full(4, rank + i, np.float32) for i in range(n)]
+    names = [f"ga.{i}" for i in range(n)]
+    error: dict[str, Any] = {}
+    try:
+        bps.push_pull_group(arrays, names, average=rank == bad_rank)
+    except bps.BPSError as exc:
+        error = {"type": type(exc).__name__, "text": str(exc), "name": getattr(exc, "name", None)}
+    again = bps.push_pull_group(arrays, names, average=False)
+    wrong = sum(int(not (y == size * i + size * (size - 1) // 2).all()) for i, y in enumerate(again))
+    return {"error": error, "wrong": wrong}

@@ -166,8 +166,9 @@ def push_pull_async(array: np.ndarray, name: str, *, average: bool = True, prior
 
 def poll(handle: Handle) -> bool:
     """True once the operation finished (successfully or not)."""
-    ops = _conn
-    return ops.poll(handle) if ops is not None else handle.done()
+    if _conn is None:  # (after shutdown: what it came to, which synchronize no longer reads)
+        return handle.done()
+    return _operations().poll(handle)  # (in a fork: its error, as every call; a flush there could hang)
 
 
 def synchronize(handle: Handle, timeout: float | None = None) -> np.ndarray:

@@ -71,7 +71,7 @@ class GroupPlan:
     """How one call's entries go: the packed tensors, the large entries, the digests that name them."""
 
     names_digest: str  # of the sorted names alone: the agreement's and the packed tensors' names
-    digest: bytes  # of every entry's name, dtype and shape: what the processes must agree on
+    digest: bytes  # of every entry's name, dtype and shape, and of average: what the processes must agree on
     packed: list[Packed]
     large: list[int]  # indexes of the entries that go by name whatever happens
 
@@ -79,13 +79,15 @@ class GroupPlan:
         return [i for p in self.packed for i, _, _ in p.entries]
 
 
-def plan_group(names: list[str], dtypes: list[np.dtype], shapes: list[tuple[int, ...]], wires: list[str]
-               ) -> GroupPlan:
-    """The plan of checked entries (see the module docstring)."""
+def plan_group(names: list[str], dtypes: list[np.dtype], shapes: list[tuple[int, ...]], wires: list[str], *,
+               average: bool) -> GroupPlan:
+    """The plan of checked entries (see the module docstring). The digest covers ``average`` too: processes that
+    differ in it take the per-name path, where the daemons name the tensor that differs (a packed tensor's
+    mismatch named only the group's internal name)."""
     order = sorted(range(len(names)), key=names.__getitem__)
     sorted_names = "\x00".join(names[i] for i in order).encode()
     names_digest = hashlib.blake2b(sorted_names, digest_size=12).hexdigest()
-    full = hashlib.blake2b(digest_size=16)
+    full = hashlib.blake2b(b"average" if average else b"sum", digest_size=16)
     packs: dict[str, Packed] = {}
     large: list[int] = []
     for i in order:
@@ -131,7 +133,8 @@ def push_pull_group(ops: Operations, arrays: Sequence[Any], names: Sequence[Any]
             raise BPSError(f"tensor {name!r} appears twice in one push_pull_group")
         seen.add(name)
     ops.check_free(names)  # (the large entries are claimed as they start; the packed ones never are)
-    plan = plan_group(names, [c[1] for c in checked], [c[3] for c in checked], [c[2] for c in checked])
+    plan = plan_group(names, [c[1] for c in checked], [c[3] for c in checked], [c[2] for c in checked],
+                      average=average)
     results: list[np.ndarray | None] = [None] * len(arrays)
     large = ops.start_group([arrays[i] for i in plan.large], [names[i] for i in plan.large], average=average,
                             priority=priority) if plan.large else []

@@ -41,6 +41,9 @@ class Handle:
     consumed: bool = field(default=False, repr=False)
     queued: bool = field(default=False, repr=False)  # waits in the fusion buffer, not sent yet
     abandoned: bool = field(default=False, repr=False)  # sent by a failed group call: nobody will synchronize it
+    # The connection (client.operations.Operations) that started it: after shutdown() and init() another one
+    # answers, and this handle's result (a segment of the old connection's) is gone.
+    owner: object = field(default=None, repr=False)
     _finished: bool = field(default=False, repr=False)
     _gate: _thread.LockType | None = field(default=None, repr=False)  # made by the first waiter (see wait)
 

@@ -15,6 +15,8 @@ and submits the ``Op``; the reader thread completes the :class:`Handle`; ``finis
 from __future__ import annotations
 
 import hashlib
+import math
+import numbers
 import operator
 import os
 import threading
@@ -189,21 +191,30 @@ class Operations:
 
         A fused sum comes back into the slot it read (the daemon hands every fused sum back). Where that slot is
         the name's shared array and the sum is not wanted there, the input goes through a slot of our own
-        instead (``INPUT_PREFIX``): a shared array passed without ``out`` is left unchanged, as any input."""
+        instead (``INPUT_PREFIX``): a shared array passed without ``out`` is left unchanged, as any input. So does
+        a part of it (a slice: copied into the slot, it was written over by its own copy, then by the sum)."""
         slot = self.slots.slot_for(name, nbytes)
         view = slot.view(dtype, shape)
         in_place = out is not None and same_memory(view, out)
         if not isinstance(source, np.ndarray):
             source(view)
         elif not same_memory(view, source):
+            if np.may_share_memory(view, source):  # a part of the name's shared array, not the slot: a copy into
+                return self._input_copy(name, nbytes, dtype, shape, source) + (in_place,)  # it wrote over it
             view[...] = source  # np.copyto's dispatch costs more than this copy of a small tensor
         elif fused and not in_place:
-            key = INPUT_PREFIX + hashlib.blake2b(name.encode(), digest_size=16).hexdigest()
-            self._input_of[key] = name
-            slot = self.slots.slot_for(key, nbytes)
-            view = slot.view(dtype, shape)
-            view[...] = source
+            return self._input_copy(name, nbytes, dtype, shape, source) + (in_place,)
         return slot, view, in_place
+
+    def _input_copy(self, name: str, nbytes: int, dtype: np.dtype, shape: tuple[int, ...], source: np.ndarray
+                    ) -> tuple[Slot, np.ndarray]:
+        """``source`` copied into a slot of our own for ``name`` (see :meth:`_fill`), and that slot's view."""
+        key = INPUT_PREFIX + hashlib.blake2b(name.encode(), digest_size=16).hexdigest()
+        self._input_of[key] = name
+        slot = self.slots.slot_for(key, nbytes)
+        view = slot.view(dtype, shape)
+        view[...] = source
+        return slot, view
 
     def start_filled(self, name: str, kind: str, dtype: np.dtype, shape: tuple[int, ...], fill: Fill, *,
                      average: bool, priority: int, root: int, out: np.ndarray | None, layout: str = "",
@@ -337,9 +348,12 @@ class Operations:
         """The arguments checked (:mod:`.arguments`). The same arguments again (every step, for every tensor)
         are checked once: their answer is kept (for up to MAX_CHECKED argument sets)."""
         try:
-            key = (name, dtype, shape, average, priority, layout, internal)
-            known = self._known.get(key)
-        except TypeError:  # an unhashable argument (a list for a shape): checked every time
+            # (with the types: 1.0 == 1 and True == 1 hash alike, and a refused priority=1.0 or shape (3.0,) was
+            # taken once priority=1 or shape (3,) had been checked; a shape that is no tuple is checked each time)
+            key = (name, type(name), dtype, shape, tuple(map(type, shape)), average, type(average), priority,
+                   type(priority), layout, internal) if type(shape) is tuple else None
+            known = None if key is None else self._known.get(key)
+        except TypeError:  # an unhashable argument: checked every time
             key, known = None, None
         if known is not None:
             return known
@@ -384,6 +398,7 @@ class Operations:
             self.conn.check()
             self._check_free(handle.name)
             self.inflight[handle.name] = handle
+            handle.owner = self
             self.handed_out.discard(handle.name)  # (its slot is held as in flight from now on)
 
     def _check_free(self, name: str) -> None:
@@ -419,6 +434,7 @@ class Operations:
                 seen.add(handle.name)
             for handle in handles:
                 self.inflight[handle.name] = handle
+                handle.owner = self
                 self.handed_out.discard(handle.name)
 
     def _unreserve(self, handle: Handle) -> None:
@@ -431,6 +447,11 @@ class Operations:
     def finish(self, handle: Handle, timeout: float | None, view: bool = False) -> np.ndarray:
         """Wait for ``handle``; its result (``out``, a copy, or with ``view`` the shared memory that holds it,
         read-only and valid until the next operation on the same name)."""
+        self._check_ours(handle)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+                                    or math.isnan(timeout)):
+            raise BPSError(f"synchronize of {handle.name!r}: timeout must be a number of seconds or None, "
+                           f"got {timeout!r}")
         if handle.consumed:
             raise BPSError(f"handle of {handle.name!r} was already synchronized")
         if handle.queued and self.fusion is not None:
@@ -483,8 +504,19 @@ class Operations:
         self.timeline.span(handle.name, "worker daemon", filled, done)
         self.timeline.span(handle.name, "copy out", t_copy, now_us())
 
+    def _check_ours(self, handle: Handle) -> None:
+        """BPSError unless this connection started ``handle`` (one from before a shutdown() and init() read
+        another connection's memory: a later round's result, or a segment already freed)."""
+        if not isinstance(handle, Handle):
+            raise TypeError(f"expected a handle from push_pull_async (or the like), got {type(handle).__name__}")
+        if handle.owner is not self:
+            raise BPSError(f"handle of {handle.name!r} belongs to a connection to the worker daemon that was "
+                           "shut down (shutdown(), then init() again): its result went with it; start the "
+                           "operation again")
+
     def poll(self, handle: Handle) -> bool:
         """Whether ``handle``'s operation finished (a waiting fused one is sent now)."""
+        self._check_ours(handle)
         if handle.queued and self.fusion is not None:
             self.fusion.flush()
         return handle.done()

@@ -302,3 +302,79 @@ def test_at_the_least_arena_small_tensors_are_summed_and_one_whose_slab_cannot_f
     result = bps.synchronize(adapter.start_filled("held", np.float32, (n,), average=False))
     np.testing.assert_array_equal(result, np.ones(n, np.float32))
     np.testing.assert_array_equal(bps.push_pull(tiny, "tiny2", average=False), tiny)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("count", [16, 1_000_000], ids=["fused", "unfused"])
+def test_a_handle_from_before_shutdown_and_init_is_refused(client, count):
+    """An old handle read the new connection's memory: another round's result (a review found the sum of a
+    later push of its name), or a segment already freed."""
+    ops = client()
+    socket = ops.settings.socket
+    x = np.ones(count, np.float32)
+    old = bps.push_pull_async(4 * x, "w", average=False)
+    deadline = time.monotonic() + 30
+    while not bps.poll(old):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    bps.shutdown()
+    bps.init(socket=socket, local_rank=0, timeout=5.0)
+    np.testing.assert_array_equal(bps.synchronize(bps.push_pull_async(7 * x, "w", average=False)), 7.0)
+    for call in (bps.synchronize, bps.poll):
+        with pytest.raises(bps.BPSError, match="belongs to a connection to the worker daemon that was shut down"):
+            call(old)
+    np.testing.assert_array_equal(bps.push_pull(x, "w", average=False), 1.0)  # (the name is free)
+
+
+@pytest.mark.timeout(60)
+def test_poll_in_a_forked_child_is_told_it_cannot_use_its_parents_connection(client):
+    """poll() alone skipped the fork check: it flushed the parent's fusion buffer in the child, whose lock a
+    thread of the parent's may have held at the fork (a hang, 1 child in 30 in a review)."""
+    client()
+    handle = bps.push_pull_async(np.ones(4, np.float32), "p", average=False)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.alarm(20)
+            try:
+                bps.poll(handle)
+            except bps.BPSError as exc:
+                code = 0 if "is a fork of it" in str(exc) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    np.testing.assert_array_equal(bps.synchronize(handle), 1.0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("count", [4, 300_000], ids=["fused", "unfused"])
+def test_a_slice_of_a_shared_array_given_as_input_is_left_unchanged(client, count):
+    """Copied into its name's slot, which is the shared array itself, the slice wrote over the array (and the
+    sum landed there too)."""
+    client()
+    shared = bps.shared_array("g", (count + 1,), np.float32)
+    shared[:] = np.arange(count + 1, dtype=np.float32)
+    before = shared.copy()
+    np.testing.assert_array_equal(bps.push_pull(shared[1:], "g", average=False), before[1:])
+    np.testing.assert_array_equal(shared, before)
+
+
+@pytest.mark.timeout(60)
+def test_arguments_are_checked_by_type_as_well_as_value(client):
+    """The argument cache was keyed by value: priority=1.0 (refused) was taken once priority=1 had been."""
+    client()
+    x = np.ones(4, np.float32)
+    with pytest.raises(bps.BPSError, match="priority must be an integer"):
+        bps.push_pull(x, "k", priority=1.0)
+    bps.push_pull(x, "k", priority=1)
+    with pytest.raises(bps.BPSError, match="priority must be an integer"):
+        bps.push_pull(x, "k", priority=1.0)
+    handle = bps.push_pull_async(x, "k")
+    for bad in (math.nan, "5", True):
+        with pytest.raises(bps.BPSError, match="timeout must be a number of seconds or None"):
+            bps.synchronize(handle, timeout=bad)
+    with pytest.raises(TypeError, match="expected a handle from push_pull_async"):
+        bps.synchronize("k")
+    np.testing.assert_array_equal(bps.synchronize(handle, timeout=np.float64(30)), 1.0)

@@ -44,6 +44,16 @@ def test_a_mismatch_in_a_group_names_it_and_the_others_complete(cluster_2x2: Any
 
 
 @pytest.mark.timeout(120)
+def test_a_group_that_one_process_averages_and_the_others_sum_names_a_tensor_of_it(cluster_2x2: Any) -> None:
+    for rank, r in enumerate(run_ranks(cluster_2x2, gp.group_average_mismatch, 3, 20, timeout=100)):
+        error = r["error"]
+        assert error and "\x00" not in error["text"] and "'ga." in error["text"], (rank, error)
+        if error["type"] == "BPSMismatchError":
+            assert error["name"].startswith("ga."), (rank, error)
+        assert r["wrong"] == 0
+
+
+@pytest.mark.timeout(120)
 def test_bad_groups_are_refused_naming_why_and_start_nothing(cluster_2x2: Any) -> None:
     for r in run_ranks(cluster_2x2, gp.group_bad_calls, timeout=100):
         refused = r["refused"]

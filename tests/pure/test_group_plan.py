@@ -12,10 +12,10 @@ from bps_worker.client.group import PACK_MAX_BYTES, agreement, agrees, plan_grou
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
 
 
-def _plan(entries):
+def _plan(entries, average=True):
     names = [n for n, _, _ in entries]
     return plan_group(names, [d for _, d, _ in entries], [s for _, _, s in entries],
-                      ["float32" if d == F32 else "float64" for _, d, _ in entries])
+                      ["float32" if d == F32 else "float64" for _, d, _ in entries], average=average)
 
 
 def test_every_order_of_one_group_packs_alike():
@@ -38,6 +38,8 @@ def test_the_digest_sees_every_dtype_and_shape_and_the_names_digest_only_the_nam
     for other in ([("a", F32, (5,)), ("b", F32, (2,))], [("a", F64, (4,)), ("b", F32, (2,))]):
         plan = _plan(other)
         assert plan.digest != base.digest and plan.names_digest == base.names_digest
+    summed = _plan([("a", F32, (4,)), ("b", F32, (2,))], average=False)  # (a process that sums, not averages)
+    assert summed.digest != base.digest and summed.names_digest == base.names_digest
     assert _plan([("a", F32, (4,)), ("c", F32, (2,))]).names_digest != base.names_digest
 
 
