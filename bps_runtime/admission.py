@@ -4,9 +4,13 @@ A daemon gives a stranger nothing until it proves who it is (the handshake, ``pr
 Until then the connection is *pending*, and what pending connections may take is bounded three ways:
 
 * in number: at most ``per_peer`` pending connections from one peer (a TCP host, or a local uid on a
-  Unix socket) and ``total`` in all. One over is closed at once, before the daemon sends or allocates
-  anything for it. Honest peers are pending for one round trip, so the bounds are far above what a
-  cluster's start (every worker opening all of its streams at once) needs;
+  Unix socket) and ``total`` in all. One over makes room: the *oldest* pending connection of that peer
+  (or, over ``total``, of all) is closed, and the new one waits its turn. Honest peers are pending for one
+  round trip, so the bounds are far above what a cluster's start (every worker opening all of its streams at
+  once) needs, and an honest handshake is closed only by a flood that opens ``per_peer`` connections within
+  that round trip. (Refusing the newest instead let anyone who shares a worker's address, another user of its
+  machine or a host behind the same NAT, hold ``per_peer`` idle connections and refuse that worker's
+  reconnects for as long as it liked, without a token.);
 * in time: a connection that has not finished its handshake ``deadline_s`` after it opened is closed;
 * in the log: the lines about refused and overdue connections are rate-limited (:class:`LogLimit`),
   so that a flood of connections does not become a flood of lines.
@@ -73,16 +77,32 @@ class LogLimit:
             self.suppressed = 0
         logger.log(level, message, *args)
 
+    def flush(self, logger: logging.Logger, level: int, what: str) -> None:
+        """Say how many lines were left out since the last one logged, if any and if the limit allows a line
+        now (call it now and then: a flood that ended has no next line to carry the count)."""
+        if not self.suppressed:
+            return
+        suppressed = self.suppressed
+        if self.allow(time.monotonic()):
+            logger.log(level, "%d more %s left out", suppressed, what)
+            self.suppressed = 0
+        else:
+            self.suppressed = suppressed  # (no line was left out by this call)
+
 
 class Ticket:
-    """One pending connection's place: counted until :meth:`release`, closed by its deadline before that."""
+    """One pending connection's place: counted until :meth:`release`, closed by its deadline (or to make room
+    for a newer one) before that."""
 
-    __slots__ = ("admission", "peer", "_timer")
+    __slots__ = ("admission", "peer", "label", "opened", "_timer", "_close")
 
-    def __init__(self, admission: Admission, peer: str, timer: asyncio.TimerHandle | None) -> None:
+    def __init__(self, admission: Admission, peer: str, label: str, close: Callable[[], None]) -> None:
         self.admission = admission
         self.peer = peer
-        self._timer = timer
+        self.label = label
+        self.opened = time.monotonic()
+        self._timer: asyncio.TimerHandle | None = None
+        self._close = close  # closes the connection (the caller's ``overdue``)
 
     def release(self) -> None:
         """The handshake finished or the connection is gone: free the place (once; later calls do nothing)."""
@@ -90,10 +110,14 @@ class Ticket:
             self._timer.cancel()
             self._timer = None
         if self.peer:
-            self.admission.counts[self.peer] -= 1
-            if not self.admission.counts[self.peer]:
-                del self.admission.counts[self.peer]
+            self.admission._forget(self)
             self.peer = ""
+
+    def close(self) -> None:
+        """Free the place and close the connection (its deadline passed, or a newer one needs the place)."""
+        if self.peer:
+            self.release()
+            self._close()
 
 
 class Admission:
@@ -102,7 +126,8 @@ class Admission:
     ``what`` names the daemon's side in the log lines (``"server 0"``, ``"worker 1's socket"``).
     """
 
-    __slots__ = ("log", "what", "per_peer", "total", "deadline_s", "counts", "refusals_log", "overdue_log", "refused")
+    __slots__ = ("log", "what", "per_peer", "total", "deadline_s", "counts", "_by_peer", "_all", "refusals_log",
+                 "overdue_log", "refused")
 
     def __init__(self, log: logging.Logger, what: str, *, deadline_s: float = HANDSHAKE_DEADLINE_S,
                  per_peer: int = PENDING_PER_PEER, total: int = PENDING_TOTAL) -> None:
@@ -112,51 +137,73 @@ class Admission:
         self.total = total
         self.deadline_s = deadline_s
         self.counts: Counter[str] = Counter()
-        self.refusals_log = LogLimit()  # apart, so that a flood of refusals does not hide the deadline's lines
+        # The pending tickets, oldest first (dicts as ordered sets): by peer, and all of them.
+        self._by_peer: dict[str, dict[Ticket, None]] = {}
+        self._all: dict[Ticket, None] = {}
+        self.refusals_log = LogLimit()  # apart, so that a flood of closes does not hide the deadline's lines
         self.overdue_log = LogLimit()
-        self.refused = 0  # connections refused since start (over a bound)
+        self.refused = 0  # pending connections closed to make room since start (over a bound)
 
     @property
     def pending(self) -> int:
-        return sum(self.counts.values())
+        return len(self._all)
 
-    def refusal(self, peer: str) -> str | None:
-        """Why one more pending connection from ``peer`` is refused, or None if it may wait."""
-        if self.counts[peer] >= self.per_peer:
-            return f"{self.counts[peer]} connections from {peer} have not finished their handshake " \
-                   f"(at most {self.per_peer} per peer)"
-        if self.pending >= self.total:
-            return f"{self.pending} connections have not finished their handshake (at most {self.total})"
+    def _over(self, peer: str) -> tuple[Ticket, str] | None:
+        """The ticket that must make room for one more pending connection from ``peer``, and why; None if
+        there is room."""
+        mine = self._by_peer.get(peer)
+        if mine is not None and len(mine) >= self.per_peer:
+            return next(iter(mine)), f"{len(mine)} connections from {peer} have not finished their handshake " \
+                                     f"(at most {self.per_peer} per peer)"
+        if self._all and len(self._all) >= self.total:
+            return next(iter(self._all)), f"{len(self._all)} connections have not finished their handshake " \
+                                          f"(at most {self.total})"
         return None
 
-    def enter(self, peer: str, label: str, overdue: Callable[[], None]) -> Ticket | None:
-        """A new connection from ``peer`` (``label``: its address for the log): its ticket, or None if it
-        must be closed at once (logged). ``overdue`` is called if the ticket is still held at the deadline."""
-        reason = self.refusal(peer)
-        if reason is not None:
+    def enter(self, peer: str, label: str, overdue: Callable[[], None]) -> Ticket:
+        """A new connection from ``peer`` (``label``: its address for the log): its ticket. Over a bound, the
+        oldest pending connection that counts against it is closed first (logged). ``overdue`` closes this
+        connection: called if the ticket is still held at the deadline, or when a newer one needs its place."""
+        over = self._over(peer)
+        while over is not None:
+            victim, reason = over
             self.refused += 1
-            self.refusals_log.log(self.log, logging.WARNING, "%s refuses a connection from %s: %s", self.what, label,
-                               reason)
-            return None
+            self.refusals_log.log(self.log, logging.WARNING, "%s closes the connection from %s, pending for %.1f s, "
+                                  "for a new one from %s: %s", self.what, victim.label,
+                                  time.monotonic() - victim.opened, label, reason)
+            victim.close()
+            over = self._over(peer)
+        ticket = Ticket(self, peer, label, overdue)
         self.counts[peer] += 1
+        self._by_peer.setdefault(peer, {})[ticket] = None
+        self._all[ticket] = None
 
         def on_deadline() -> None:
             ticket._timer = None
             if ticket.peer:
                 self.overdue_log.log(self.log, logging.WARNING, "%s closes the connection from %s: no handshake "
-                                   "within %g s", self.what, label, self.deadline_s)
-                ticket.release()
-                overdue()
+                                     "within %g s", self.what, label, self.deadline_s)
+                ticket.close()
 
-        ticket = Ticket(self, peer, None)
         ticket._timer = asyncio.get_running_loop().call_later(self.deadline_s, on_deadline)
         return ticket
 
+    def _forget(self, ticket: Ticket) -> None:
+        peer = ticket.peer
+        self.counts[peer] -= 1
+        if not self.counts[peer]:
+            del self.counts[peer]
+        mine = self._by_peer[peer]
+        del mine[ticket]
+        if not mine:
+            del self._by_peer[peer]
+        del self._all[ticket]
+
 
 class AdmittedProtocol(asyncio.BufferedProtocol):
-    """A listening daemon's connection protocol, bounded: :meth:`admit` first in ``connection_made``
-    (False: refused and aborted, do nothing more), :meth:`admitted` once the handshake is verified,
-    :meth:`left` in ``connection_lost``. Until :meth:`admitted` the connection's deadline may abort it."""
+    """A listening daemon's connection protocol, bounded: :meth:`admit` first in ``connection_made``,
+    :meth:`admitted` once the handshake is verified, :meth:`left` in ``connection_lost``. Until :meth:`admitted`
+    the connection's deadline, or a newer connection that needs its place, may abort it."""
 
     closed: bool
     ticket: Ticket | None = None
@@ -164,17 +211,12 @@ class AdmittedProtocol(asyncio.BufferedProtocol):
     _bounded: asyncio.Transport | None = None
 
     def admit(self, transport: asyncio.Transport, admission: Admission, peer: str, label: str,
-              write_high_bytes: int) -> bool:
-        """Take a place among ``admission``'s pending connections and stop reading the peer while more
-        than ``write_high_bytes`` wait to be written to it; False (aborted, logged) if there is no place."""
+              write_high_bytes: int) -> None:
+        """Take a place among ``admission``'s pending connections (an older one may be closed for it) and stop
+        reading the peer while more than ``write_high_bytes`` wait to be written to it."""
         self._bounded = transport
         self.ticket = admission.enter(peer, label, self._handshake_overdue)
-        if self.ticket is None:
-            self.closed = True
-            transport.abort()
-            return False
         self.flow = BackPressure(transport, write_high_bytes)
-        return True
 
     def admitted(self) -> None:
         """The handshake is verified: the connection no longer counts as pending."""
@@ -193,7 +235,8 @@ class AdmittedProtocol(asyncio.BufferedProtocol):
             self.flow.resume_writing()
 
     def _handshake_overdue(self) -> None:
-        """No handshake by the deadline (logged by the admission): drop the peer, unflushed."""
+        """No handshake by the deadline, or a newer connection needs the place (logged by the admission): drop
+        the peer, unflushed."""
         self.closed = True
         if self._bounded is not None:
             self._bounded.abort()

@@ -34,6 +34,7 @@ from protocol import dtypes
 from protocol.messages import Push
 
 from bps_runtime import kernels
+from bps_runtime.admission import LogLimit
 from bps_runtime.metrics import LATENCY_BUCKETS, Histogram
 from bps_runtime.stalls import StallWatch
 from bps_runtime.timeline import Timeline, now_us
@@ -64,6 +65,8 @@ __all__ = ["INLINE_SUM_MAX_BYTES", "Aggregator", "Contributor", "Counters", "Fai
            "describe"]
 
 log = logging.getLogger("bps.server.aggregator")
+# Lines about failed rounds: at most this many per LogLimit interval, then a count (see failures_log).
+FAILURE_LINES_BURST: Final = 10
 
 # A kernel that reads fewer bytes than this runs on the event loop; larger ones go to the summation threads.
 # The hop there and back (the pool's queue, a thread's wake-up, the loop's wake-up by call_soon_threadsafe, a
@@ -155,8 +158,15 @@ class Aggregator:
         self.counters = Counters()
         # Rounds that wait for workers whose processes have not pushed are logged (bps_runtime.stalls).
         self.stalls: StallWatch[tuple[Key, int]] = StallWatch(warn_after_s=lost_grace_s)
+        # Failed rounds are logged a few at a time: a mismatch of a tensor of many partitions, or a worker gone
+        # with thousands of names in flight, failed a round per partition and name, each a line (flush_logs).
+        self.failures_log = LogLimit(burst=FAILURE_LINES_BURST)
         self._sums: dict[Key, _Sum] = {}  # each key's accumulator of its open round, once summing started
         self._tasks: set[asyncio.Future[None]] = set()
+
+    def flush_logs(self) -> None:
+        """Say how many lines about failed rounds were left out (now and then: see ``failures_log``)."""
+        self.failures_log.flush(log, logging.WARNING, "lines about failed rounds")
 
     @property
     def keys(self) -> dict[Key, Round[Contributor]]:
@@ -307,7 +317,7 @@ class Aggregator:
             if isinstance(action, Fail):
                 action.handle.fail(action.push, action.why)
             elif isinstance(action, FailRound):
-                log.warning("%s", action.reason)
+                self.failures_log.log(log, logging.WARNING, "%s", action.reason)
                 self.counters.rounds_failed += 1
                 self._drop_sum(action.key)
                 for f in action.fails:

@@ -166,9 +166,8 @@ class ServerConnection(AdmittedProtocol):
         peername = transport.get_extra_info("peername")
         self.peer = address(peername)
         host = str(peername[0]) if isinstance(peername, tuple) else self.peer
-        if not self.admit(tcp, self.server.admission, host, self.peer,
-                          max(WRITE_BUFFER_HIGH_BYTES, self.server.config.cluster.credit_bytes)):
-            return  # too many strangers from there, or in all (logged): nothing sent, nothing kept
+        self.admit(tcp, self.server.admission, host, self.peer,
+                   max(WRITE_BUFFER_HIGH_BYTES, self.server.config.cluster.credit_bytes))
         self.low_water = ReceiveLowWater(transport)
         self.server.connections.add(self)
         challenge = self.greeting.start()
@@ -466,6 +465,11 @@ class ServerConnection(AdmittedProtocol):
         if push.worker != self.worker:
             raise RemoteProtocolError(f"worker {self.worker} pushed as worker {push.worker}")
         push.check_extent()
+        limit = self.server.config.cluster.max_payload_bytes
+        if push.payload_nbytes > limit:  # (the frame reader's limit, for a push by shared-memory reference too)
+            raise RemoteProtocolError(f"push of {push.name!r} part {push.part} has {push.payload_nbytes} bytes, more "
+                                      f"than cluster.max_payload_bytes", what="push payload",
+                                      size=push.payload_nbytes, limit=limit)
         if push.segment:
             return self._shm_data(push, payload)
         if push.payload_nbytes != (payload.nbytes if payload is not None else 0):

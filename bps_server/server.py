@@ -192,6 +192,7 @@ class SummationServer:
             # Rounds that wait for a worker which is not connected at all (never came, or did not
             # come back after this server restarted) fail rather than wait for ever.
             self.aggregator.sweep(time.monotonic())
+            self.aggregator.flush_logs()
             for text in self.fusion.stall_warnings(time.monotonic()):
                 log.warning("%s", text)
 

@@ -32,6 +32,7 @@ from typing import Any, Callable, Container, Final, cast
 import numpy as np
 
 from bps_runtime import cuda, kernels, metrics
+from bps_runtime.admission import LogLimit
 from bps_runtime.health import STALL_LIMIT_S, Pulse, Verdict
 from bps_runtime import segments as shm
 from bps_runtime.timeline import Timeline
@@ -52,6 +53,10 @@ from .sockdir import ensure_socket_dir
 from .stalls import WorkerStalls
 
 log = logging.getLogger("bps.worker")
+# Lines about failed rounds: at most this many per LogLimit interval, then a count (failures_log); stall
+# warnings: at most STALL_LINES each time the watch looks, then a count.
+FAILURE_LINES_BURST: Final = 10
+STALL_LINES: Final = 10
 
 # The daemon pings its training processes this often, so that they can tell a stalled daemon.
 CLIENT_PING_INTERVAL_S: Final = 1.0
@@ -122,6 +127,10 @@ class WorkerDaemon:
         self.rounds: LocalRounds[ClientSession] = LocalRounds(config.local_size, config.worker_id, self.rank_offset)
         # Rounds that wait for a stalled process are logged after the timeout, then every timeout (see .stalls).
         self.stalls = WorkerStalls(cluster.timeout, config.worker_id, self.rank_offset)
+        # Failed local rounds are logged a few at a time: a rank gone with thousands of names in flight failed
+        # one round per name, each a line (a review's flood: 175,000 lines in 30 s). The count of the rest
+        # follows, from the heartbeat.
+        self.failures_log = LogLimit(burst=FAILURE_LINES_BURST)
         # Per name, the query of the servers' round number (RoundQuery) that learns the name's round base.
         self.round_queries: dict[str, asyncio.Future[int]] = {}
         # Per asynchronous name, its steps and bound as this machine's init learned them (bps_worker.async_operation).
@@ -255,8 +264,12 @@ class WorkerDaemon:
                 self._execute(self.rounds.overdue_rounds(self.sessions.keys(), loop.time(), self.config.cluster.timeout))
             except Exception:
                 log.exception("internal error in the watch of open rounds")
-            for text in self.stalls.warnings(loop.time(), self.rounds, self.all_links):
+            stalled = self.stalls.warnings(loop.time(), self.rounds, self.all_links)
+            for text in stalled[:STALL_LINES]:
                 log.warning("%s", text)
+            if len(stalled) > STALL_LINES:
+                log.warning("stall: %d more rounds have waited as long (not listed)", len(stalled) - STALL_LINES)
+            self.failures_log.flush(log, logging.WARNING, "lines about failed rounds")
             self.fusion.watch(loop.time())
             if loop.time() >= next_link_beat:
                 next_link_beat = loop.time() + link_interval
@@ -424,7 +437,7 @@ class WorkerDaemon:
         on the same connection) reaches the anchor before the abort: it would meet the peers' pushes of this
         round there, as a step of its own."""
         lr = action.round
-        log.warning("%s", action.reason)
+        self.failures_log.log(log, logging.WARNING, "%s", action.reason)
         self.stalls.ended(lr)
         if lr.first.kind in ASYNC_KINDS:  # no round waits for us at the servers
             self._answer_failed(action)

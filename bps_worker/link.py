@@ -961,8 +961,8 @@ class ServerLink:
         _, proto = await asyncio.wait_for(
             loop.create_connection(lambda: _LinkProtocol(self), self.spec.host, self.spec.port),
             timeout=max(0.1, deadline - loop.time()))
-        if proto.transport is None:
-            raise ConnectionError("connection closed as it opened")
+        if proto.transport is None or proto.transport.is_closing():  # (the server closed it at once: a server
+            raise ConnectionError("connection closed as it opened")  # over its bound of pending connections)
         proto.transport.set_write_buffer_limits(high=self.credit_bytes)
         self._proto = proto
         welcome = (await self._handshake(proto, deadline)).welcome  # the server proved itself: now we may talk

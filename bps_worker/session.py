@@ -132,8 +132,8 @@ class ClientSession(AdmittedProtocol):
     # -- asyncio ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = unix = cast(asyncio.Transport, transport)  # a Unix stream transport
-        if self.admit(unix, self.daemon.admission, *_peer(transport), CLIENT_WRITE_BUFFER_HIGH_BYTES):
-            self.daemon.connections.add(self)  # else: too many connections without a Hello (logged), closed
+        self.admit(unix, self.daemon.admission, *_peer(transport), CLIENT_WRITE_BUFFER_HIGH_BYTES)
+        self.daemon.connections.add(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer(sizehint)

@@ -93,3 +93,23 @@ def fused_step_issued_during_a_drop(server_pid: int, stall_s: float, wait_s: flo
             if not (y == want).all():
                 wrong.append(f"step {step} fd.{i}: {y.tolist()} instead of {want}")
     return {"wrong": wrong, "failed": failed}
+
+
+def many_left_unmatched(n: int, flags: str) -> dict[str, Any]:
+    """Rank 0 issues ``n`` names that rank 1 (on its machine) never issues; rank 1 leaves once a file in
+    ``flags`` says that the daemon opened all of their rounds (the test sees its stall warnings): every one of
+    rank 0's rounds fails. Its error count."""
+    rank = bps.rank()
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(flags, "open")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return {"left": True}
+    handles = [bps.push_pull_async(np.ones(1000, np.float32), f"unmatched.{i}", average=False) for i in range(n)]
+    failed = 0
+    for handle in handles:
+        try:
+            bps.synchronize(handle, timeout=60)
+        except bps.BPSError:
+            failed += 1
+    return {"failed": failed}

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import rank_programs as rp
+from handshakes import hello_frame, read_message
 from harness import daemon_logs, run_ranks, start_cluster, write_config
 from protocol import PROTOCOL_VERSION
 from protocol.frames import FrameReader, encode_message
@@ -102,8 +103,9 @@ def test_idle_strangers_are_refused_and_dropped_by_the_server_and_the_worker_soc
         for s in socks + unix_socks:
             s.close()
     log = Path(cluster.log_dir, "server-2.log").read_text(errors="replace")
-    assert re.search(r"server 2 refuses a connection from 127\.0\.0\.1:\d+: 64 connections from 127\.0\.0\.1 have "
-                     r"not finished their handshake \(at most 64 per peer\)", log), log[-3000:]
+    assert re.search(r"server 2 closes the connection from 127\.0\.0\.1:\d+, pending for [\d.]+ s, for a new one "
+                     r"from 127\.0\.0\.1:\d+: 64 connections from 127\.0\.0\.1 have not finished their handshake "
+                     r"\(at most 64 per peer\)", log), log[-3000:]
     assert re.search(r"server 2 closes the connection from 127\.0\.0\.1:\d+: no handshake within 10 s", log)
     lines = [line for line in log.splitlines() if "finished their handshake" in line or "no handshake" in line]
     assert len(lines) < 60, f"{len(lines)} log lines for {FLOOD} connections: the flood flooded the log"
@@ -111,6 +113,27 @@ def test_idle_strangers_are_refused_and_dropped_by_the_server_and_the_worker_soc
     assert re.search(rf"worker 0's socket closes the connection from pid {os.getpid()} \(uid {os.getuid()}\): no "
                      rf"handshake within 10 s", log), log[-3000:]
     _sum_still_exact(cluster, "after.flood")
+
+
+@pytest.mark.timeout(120)
+def test_idle_strangers_from_a_workers_address_do_not_keep_its_handshake_out(cluster):
+    """64 idle connections from 127.0.0.1 (anyone on a worker's machine, or behind its NAT, without a token)
+    made the server refuse every new connection from there until they went: a worker that lost its connection
+    could not reconnect (a review's reproducer). The oldest of them now makes room for the new one."""
+    spec = cluster.config.servers[2]
+    idle = [socket.create_connection((spec.host, spec.port), timeout=10) for _ in range(64)]
+    try:
+        time.sleep(0.5)  # (each is pending at the server by now)
+        with socket.create_connection((spec.host, spec.port), timeout=10) as s:
+            s.sendall(hello_frame(s, cluster.config, 1))  # an honest handshake (worker 1's id is taken: refused
+            answer = read_message(s)                      # as a duplicate, but answered)
+            assert isinstance(answer, (Welcome, Failure)), answer
+            assert not isinstance(answer, Failure) or answer.code == "duplicate", answer
+        assert _wait_closed(idle[:1], 5) == [], "the oldest idle connection was not closed for the new one"
+    finally:
+        for s in idle:
+            s.close()
+    _sum_still_exact(cluster, "after.idle")
 
 
 def _send_until_blocked(sock: socket.socket, chunk: bytes, cap: int, stuck_s: float) -> int:

@@ -390,3 +390,23 @@ async def test_a_lane_generation_that_ends_before_its_addition_starts_leaves_no_
     assert agg.keys == {} and rec.failures == {0: "lanes ended"}
     await later
     assert agg._sums == {} and rec.results == {}
+
+
+async def test_many_failed_rounds_are_a_few_lines_and_a_count(caplog):
+    """One line per failed round: a mismatch of a tensor of many partitions (25 lines in a review), or a worker
+    gone with thousands of names in flight, flooded the log. A few lines, then the count of the rest."""
+    import logging
+
+    from bps_server.aggregator import FAILURE_LINES_BURST
+
+    caplog.set_level(logging.WARNING, "bps.server.aggregator")
+    agg, rec = Aggregator(2), Recorder()
+    await _feed(agg, rec, [_push(0, np.ones(2, np.float32), part=p) for p in range(500)])
+    for p in range(500):
+        agg.abort("t", p, 0, worker=1, why=Why("local mismatch"))
+    assert len(rec.failures) == 1 and "aborted by worker 1" in rec.failures[0]
+    lines = [r.getMessage() for r in caplog.records if "aborted by worker 1" in r.getMessage()]
+    assert len(lines) == FAILURE_LINES_BURST, len(lines)
+    agg.failures_log._window_start = float("-inf")  # (the limit's interval has passed)
+    agg.flush_logs()
+    assert caplog.records[-1].getMessage() == f"{500 - FAILURE_LINES_BURST} more lines about failed rounds left out"

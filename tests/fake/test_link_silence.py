@@ -112,3 +112,28 @@ async def test_a_closed_connection_still_gets_a_whole_reconnect_window():
     # (the retries stop once the next doubled delay would pass the deadline: here after 0.75 s)
     assert 0.7 * TIMEOUT_S <= at - closed <= 1.3 * TIMEOUT_S + 0.3, at - closed
     assert isinstance(error, BPSConnectionError) and "cannot reach server 0" in str(error), error
+
+
+async def test_a_connection_the_server_closes_as_it_opens_is_a_connection_error(monkeypatch):
+    """A server over its bound of pending connections closes the oldest (bps_runtime.admission); one closed
+    before ``_open`` got to it made uvloop raise RuntimeError ('the handler is closed'), logged as a bug of
+    ours with its traceback ('connection attempt failed'). It is a closed connection, tried again as any."""
+    link = ServerLink(ServerSpec(0, "127.0.0.1", free_ports(1)[0], None), 0, credit_bytes=1 << 20,
+                      timeout=TIMEOUT_S, max_payload_bytes=1 << 20)
+    loop = asyncio.get_running_loop()
+
+    class ClosedAtOnce(FakeTransport):
+        def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+            if self.closed:
+                raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+    async def connect(factory, host, port):  # type: ignore[no-untyped-def]
+        proto = factory()
+        transport = ClosedAtOnce()
+        proto.connection_made(transport)
+        transport.abort()
+        return transport, proto
+
+    monkeypatch.setattr(loop, "create_connection", connect)
+    with pytest.raises(ConnectionError, match="connection closed as it opened"):
+        await link._open(loop.time() + TIMEOUT_S)

@@ -83,27 +83,35 @@ async def test_a_stranger_gets_a_small_buffer_and_a_worker_the_full_one():
 
 
 async def test_pending_connections_are_bounded_per_host_and_in_all(caplog):
+    """Over a bound, the oldest pending connection that counts against it is closed for the new one."""
     caplog.set_level(logging.WARNING, "bps.server")
     server = _server(pending_per_host=3, pending_total=5)
     first = [_connect(server, "10.0.0.1", 40000 + i) for i in range(3)]
     conn, t = _connect(server, "10.0.0.1", 40099)
-    assert t.aborted and conn.closed and t.data == b""  # closed at once: not even a challenge
-    assert conn not in server.connections
+    assert not t.closed and conn in server.connections  # the newest waits its turn ...
+    oldest, old_t = first.pop(0)
+    assert old_t.aborted and oldest.closed  # ... and the oldest from that host is closed
+    oldest.connection_lost(None)
+    assert oldest not in server.connections
+    first.append((conn, t))
     others = [_connect(server, "10.0.0.2", 41000 + i) for i in range(2)]
     assert not any(t.closed for _, t in first + others)
     _, t = _connect(server, "10.0.0.3", 42000)
-    assert t.aborted  # five pending in all
-    assert "server 0 refuses a connection from 10.0.0.1:40099: 3 connections from 10.0.0.1 have not finished " \
-           "their handshake (at most 3 per peer)" in caplog.text
-    assert "from 10.0.0.3:42000: 5 connections have not finished their handshake (at most 5)" in caplog.text
+    assert not t.closed and first[0][1].aborted  # five pending in all: the oldest of all goes
+    assert "server 0 closes the connection from 10.0.0.1:40000, pending for " in caplog.text
+    assert "for a new one from 10.0.0.1:40099: 3 connections from 10.0.0.1 have not finished their handshake " \
+           "(at most 3 per peer)" in caplog.text
+    assert "for a new one from 10.0.0.3:42000: 5 connections have not finished their handshake (at most 5)" \
+           in caplog.text
     # A finished handshake, or a connection gone, frees a place.
-    assert isinstance(_hello(first[0][0], 0), Welcome)
-    first[1][0].connection_lost(None)
+    first[0][0].connection_lost(None)
+    assert isinstance(_hello(first[1][0], 0), Welcome)
+    first[2][0].connection_lost(None)
     assert server.admission.pending == 3
     assert not _connect(server, "10.0.0.1", 40100)[1].closed
     assert not _connect(server, "10.0.0.1", 40101)[1].closed
-    assert _connect(server, "10.0.0.1", 40102)[1].aborted
-    assert server.stats()["pending_connections"] == 5 and server.stats()["refused_connections"] == 3
+    assert server.admission.pending == 5
+    assert server.stats()["pending_connections"] == 5 and server.stats()["refused_connections"] == 2
     await server.stop()
 
 

@@ -180,3 +180,25 @@ async def test_a_held_borrowed_push_whose_segment_shrank_fails_the_round_not_the
         assert isinstance(result, Result), result
     assert [np.frombuffer(p, dtype).tolist() for m, p in t1.messages() if isinstance(m, Result)] == [[5.0] * count]
     await server.stop()
+
+
+@pytest.mark.timeout(30)
+async def test_a_push_by_reference_larger_than_max_payload_bytes_is_a_protocol_error(segments):
+    """Over TCP the frame reader refuses a payload over cluster.max_payload_bytes; a push by shared-memory
+    reference was checked only against its segment (a sparse file can be any size), and the server allocated
+    its sum: 2 GiB a push in a review."""
+    from protocol.config import parse_config
+    from bps_server.server import ServerConfig, SummationServer
+
+    cluster = parse_config({"cluster": {"workers": 1, "partition_bytes": 2048, "max_payload_bytes": 2048},
+                            "server": [{"id": 0, "address": "127.0.0.1:9"}],
+                            "worker": [{"id": 0, "local_size": 1, "socket": "/tmp/none0"}]})
+    server = SummationServer(ServerConfig(cluster, 0, threads=1))
+    probe, data, out = segments
+    conn, t = _shm_worker(server, probe)
+    _feed(conn, encode_message(Announce([data.name, out.name])))
+    _feed(conn, encode_message(_push(data, out)))  # 4096 bytes, within both segments
+    failure = t.messages()[-1][0]
+    assert isinstance(failure, Failure) and failure.code == "protocol_error" and t.closed, t.messages()
+    assert "4096 bytes, more than cluster.max_payload_bytes" in failure.message
+    await server.stop()
