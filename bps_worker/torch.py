@@ -490,6 +490,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``s`` steps of the slowest (``None``: unbounded); ``broadcast_parameters`` initialises the values.
     """
 
+    # GradScaler steps an optimizer that says it supports AMP scaling (a fused one: SGD/Adam/AdamW(fused=True))
+    # without unscaling it, handing it grad_scale and found_inf to unscale and skip inf steps in its kernel. Read
+    # through __getattr__ from the wrapped one, that was True: the scaler set them on us, the wrapped kernel never
+    # saw them, and it stepped with the scaled gradients (1024 times too large), inf steps included, silently (a
+    # review). Ours is no such optimizer: the scaler unscales first (after synchronize(), the documented recipe),
+    # on the averaged gradients, so that every process skips the same steps.
+    _step_supports_amp_scaling = False
+
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, Any]] | None = None,
                  compression: _Compressor = Compression.none, backward_passes_per_step: int = 1, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, asynchronous: bool = False,

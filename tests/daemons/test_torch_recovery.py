@@ -6,6 +6,7 @@ layer, session 31)."""
 from __future__ import annotations
 
 import gc
+import math
 from pathlib import Path
 from typing import Iterator
 
@@ -103,12 +104,12 @@ def test_an_asynchronous_push_that_fails_part_way_loses_no_step(client: None) ->
     assert [p.detach().unique().tolist() for p in model] == [[-3.0]] * 4
 
 
-def _linear(tag: str, passes: int = 1) -> tuple[nn.Linear, bps.DistributedOptimizer]:
-    """A 3-to-1 linear model at zero and its DistributedOptimizer (SGD, lr 1): a step moves the weight by
-    exactly its gradient."""
+def _linear(tag: str, passes: int = 1, fused: bool = False) -> tuple[nn.Linear, bps.DistributedOptimizer]:
+    """A 3-to-1 linear model at zero and its DistributedOptimizer (SGD, lr 1, ``fused``: torch's fused kernel): a
+    step moves the weight by exactly its gradient."""
     model = nn.Linear(3, 1, bias=False)
     nn.init.zeros_(model.weight)
-    return model, bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+    return model, bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0, fused=fused),
                                            named_parameters=[(f"{tag}.{n}", p) for n, p in model.named_parameters()],
                                            backward_passes_per_step=passes)
 
@@ -120,19 +121,20 @@ def _backward(model: nn.Module, value: float = 2.0, scaler: torch.amp.GradScaler
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("change", ["clip", "grad_scaler", "replace"])
+@pytest.mark.parametrize("change", ["clip", "grad_scaler", "grad_scaler_fused", "replace"])
 def test_a_gradient_changed_between_backward_and_step_is_an_error(client: None, change: str) -> None:
     """Gradients go to the other processes as backward produces them, so a change made after backward (torch's
     plain GradScaler usage, clipping before step()) was silently lost; now step() says to synchronize() first.
-    GradScaler's unscale does not move the gradient's ``_version``: its step() calling ours is what tells."""
-    model, opt = _linear(f"changed.{change}")
+    GradScaler's unscale does not move the gradient's ``_version``: its step() calling ours is what tells. (A
+    fused optimizer's scaler skipped the unscale: it stepped with the scaled gradients, without an error.)"""
+    model, opt = _linear(f"changed.{change}", fused=change.endswith("fused"))
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    _backward(model, scaler=scaler if change == "grad_scaler" else None)
+    _backward(model, scaler=scaler if change.startswith("grad_scaler") else None)
     with pytest.raises(bps.BPSError, match=r"'changed\.\w+\.weight' changed after backward.*synchronize\(\)"):
         if change == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             opt.step()
-        elif change == "grad_scaler":
+        elif change.startswith("grad_scaler"):
             scaler.step(opt)  # unscales in place, then steps
         else:
             model.weight.grad = model.weight.grad / 2
@@ -146,13 +148,19 @@ def test_a_gradient_changed_between_backward_and_step_is_an_error(client: None, 
 
 @pytest.mark.timeout(60)
 def test_gradients_changed_the_documented_ways_are_not_an_error(client: None) -> None:
-    """The README's recipe (synchronize, unscale, clip, step inside skip_synchronize), accumulation over passes
-    into gradients zeroed in place, and gradients assigned without backward."""
-    model, opt = _linear("recipe")
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    _backward(model, scaler=scaler)
-    scaler_recipe_step(model, opt, scaler)
-    assert model.weight.detach().eq(-2.0).all()
+    """The README's recipe (synchronize, unscale, clip, step inside skip_synchronize), with a fused optimizer too
+    (whose scaler stepped with the scaled gradients, and with inf ones), accumulation over passes into gradients
+    zeroed in place, and gradients assigned without backward."""
+    for fused in (False, True):
+        model, opt = _linear(f"recipe.{fused}", fused=fused)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        _backward(model, scaler=scaler)
+        scaler_recipe_step(model, opt, scaler)
+        assert model.weight.detach().eq(-2.0).all(), (fused, model.weight)
+        opt.zero_grad()
+        _backward(model, value=math.inf, scaler=scaler)  # an inf gradient: the step is skipped
+        scaler_recipe_step(model, opt, scaler)
+        assert model.weight.detach().eq(-2.0).all(), (fused, model.weight)
 
     model, opt = _linear("passes", passes=2)
     for _ in range(2):
