@@ -41,6 +41,7 @@ import hashlib
 import io
 import json
 import sys
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple
@@ -279,8 +280,12 @@ def _named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def broadcast_parameters(params: Any, root_rank: int) -> None:
-    """Overwrite every tensor of ``params`` (state_dict() or named_parameters()) with ``root_rank``'s, in place."""
+    """Overwrite every tensor of ``params`` (state_dict() or named_parameters()) with ``root_rank``'s, in place.
+    Every process must give the same names, shapes and dtypes: checked first (a BPSError on every process), as
+    a name that one process lacked waited for it for ever."""
     named = _named_tensors(params)
+    _agree_on("bps.broadcast_parameters.plan", [f"{name!r} {list(t.shape)} {t.dtype}" for name, t in named],
+              "broadcast_parameters: the processes' tensors differ (names, shapes or dtypes)")
     handles = []
     try:
         for name, tensor in named:
@@ -306,6 +311,18 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
     if first_error is not None:
         raise first_error
     _async.init_all(root_rank)  # asynchronous optimizers: the servers' values start as the root's parameters
+
+
+def _agree_on(name: str, entries: list[str], what: str, digested: list[str] | None = None) -> None:
+    """One small sum under ``name`` whose layout is a digest of ``entries`` (or ``digested``): a BPSError on
+    every process, saying ``what`` and this process's first entries, unless every process's are the same."""
+    digest = hashlib.blake2b("\n".join(entries if digested is None else digested).encode(),
+                             digest_size=16).hexdigest()
+    try:
+        _adapter.finish_view(_adapter.start_filled(name, np.float32, (1,), _zero, average=False, layout=digest))
+    except BPSMismatchError as exc:
+        raise BPSError(f"{what}: this process has {len(entries)}: {', '.join(entries[:6])}"
+                       f"{', ...' if len(entries) > 6 else ''} ({exc})") from exc
 
 
 def _words(raw: np.ndarray) -> np.ndarray:
@@ -337,16 +354,41 @@ def _broadcast_bytes(data: bytes, root_rank: int, name: str) -> bytes:
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
-    """Give every process ``root_rank``'s optimizer state (moments, step counts, hyper-parameters)."""
+    """Give every process ``root_rank``'s optimizer state (moments, step counts, hyper-parameters).
+
+    An optimizer's state is by position in its parameter groups. A DistributedOptimizer given
+    ``named_parameters`` lets processes list its parameters in other orders (it names each gradient): its
+    state goes by those names (the root's positions were taken as ours, and each process whose order differed
+    got other parameters' moments, silently: a review), and each group must hold the same names as the root's
+    (a BPSError on a process whose groups differ)."""
     inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
+    names = optimizer.names_in_groups() if isinstance(optimizer, DistributedOptimizer) else None
     payload = b""
     if _client.rank() == root_rank:
-        stream = io.BytesIO()
-        torch.save(_plain(inner.state_dict()), stream)  # (loaded with weights_only: no numpy objects)
+        stream = io.BytesIO()  # (loaded with weights_only: no numpy objects)
+        torch.save({"state": _plain(inner.state_dict()), "names": names}, stream)
         payload = stream.getvalue()
     data = _broadcast_bytes(payload, root_rank, "bcast.optimizer_state")
-    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    got = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    state = got["state"]
+    if names is not None and got["names"] is not None and got["names"] != names:
+        state = _by_our_positions(state, got["names"], names)
     inner.load_state_dict(state)
+
+
+def _by_our_positions(state: dict[str, Any], theirs: list[list[str]], ours: list[list[str]]) -> dict[str, Any]:
+    """``state`` (an optimizer's state_dict, by the positions of ``theirs``: each group's parameter names) with
+    each parameter's state at its position in ``ours``; BPSError where a group holds other names."""
+    if len(theirs) != len(ours) or any(sorted(t) != sorted(o) for t, o in zip(theirs, ours)):
+        raise BPSError(f"broadcast_optimizer_state: this process's optimizer groups its parameters otherwise than "
+                       f"the root's ({[len(g) for g in ours]} parameters in its groups, the root "
+                       f"{[len(g) for g in theirs]}): every group must hold the same named parameters")
+    index = {name: i for i, name in enumerate(n for group in ours for n in group)}
+    their_names = [n for group in theirs for n in group]
+    groups = []
+    for group, names in zip(state["param_groups"], ours):
+        groups.append({**group, "params": [index[n] for n in names]})
+    return {"state": {index[their_names[i]]: v for i, v in state["state"].items()}, "param_groups": groups}
 
 
 def _plain(value: Any) -> Any:
@@ -368,6 +410,10 @@ DEFAULT_BUCKET_BYTES = 4 << 20
 # attribute on it would go along with a deepcopy or a pickle of the model).
 _HOOKS: Any = WeakIdKeyDictionary()  # (by identity: a tensor's == is elementwise)
 _OPTIMIZERS: weakref.WeakSet[DistributedOptimizer] = weakref.WeakSet()  # this process's, to explain a name clash
+# Each step, after its buckets went, every process's DistributedOptimizer says which buckets it pushed under this
+# name (one name for them all: a process may make an optimizer the others do not, then its number would differ).
+_PLAN_NAME = "bps.optimizer.plan"
+_PLAN_LOCK = threading.Lock()  # (two optimizers synchronized at once, in two threads: one plan at a time)
 
 
 # How many frames above DistributedOptimizer.step() are looked at for a GradScaler's step() (see _scaler_unscaled).
@@ -438,6 +484,10 @@ class _Bucket:
     @property
     def total(self) -> int:
         return self.numel + len(self.params)
+
+
+def _zero(view: np.ndarray) -> None:
+    view[...] = 0
 
 
 def _bucket_layout(names: list[str], params: list[torch.Tensor]) -> str:
@@ -639,6 +689,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise AttributeError(name)
         return getattr(self.optimizer, name)
 
+    def names_in_groups(self) -> list[list[str]] | None:
+        """Each parameter group's parameter names, in the group's order (None: named by position, where every
+        process's order is the same)."""
+        if self._positional:
+            return None
+        return [[self._names[p] for p in group["params"]] for group in self.optimizer.param_groups]
+
     # Gradients ----------------------------------------------------------------------
     def _resolve_names(self, named_parameters: Iterable[tuple[str, Any]] | None) -> dict[torch.Tensor, str]:
         """Each optimizer parameter's name on the wire, in the order buckets take them: that of
@@ -718,6 +775,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return BPSError(f"gradient bucket {bucket.name!r} is being summed for another DistributedOptimizer of this "
                         f"process: {how}")
 
+    def _agree(self) -> None:
+        """Once this step's buckets went: every process pushed buckets of the same names, or a BPSError on every
+        process. Buckets that differ by name (a parameter frozen on one process only, names given another
+        prefix, another model) were never compared: each waited for the others' bucket of its name, for ever,
+        with stall warnings in the daemons' logs alone (a review). One small sum a step under one name for every
+        optimizer (processes step their optimizers in the same order), whose layout is a digest of the buckets'
+        names: the daemons compare it. (Buckets of the same names meet, and one whose contents differ is the
+        daemons' mismatch of that bucket, whose error says what it holds here: _bucket_error.)"""
+        with _PLAN_LOCK:
+            _agree_on(_PLAN_NAME, [f"{b.name!r} ({len(b.params)} gradients)" for b in self._buckets],
+                      "DistributedOptimizer: the processes disagree about the gradients they sum (which "
+                      "parameters require a gradient, their names, shapes or dtypes, or bucket_bytes); in "
+                      "gradient buckets", [b.name for b in self._buckets])
+
+    def _agree_or_give_up(self) -> None:
+        """:meth:`_agree`; where the processes disagree, this step's buckets are given up here, unwaited (the
+        peers never push buckets of their names: each would wait out the timeout)."""
+        try:
+            self._agree()
+        except BPSError:
+            for bucket in self._buckets:
+                if bucket.handle is not None:
+                    _adapter.abandon(bucket.handle)
+                    bucket.handle = None
+            raise
+
     def _start(self, bucket: _Bucket) -> None:
         bucket.slot = None  # no reference to the slot outlives the push (it may move, or close at shutdown)
         # the gradients are in the slot already (_fill wrote them through shared_slot)
@@ -738,6 +821,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return  # nothing to wait for: every gradient stays here
         try:
             self._start_rest()
+            self._agree_or_give_up()
             changed = self._changed_gradient()
             first_error = self._finish_all(write=changed is None) or changed
         finally:

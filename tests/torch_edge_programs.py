@@ -184,3 +184,61 @@ def mismatched_bucket() -> dict[str, Any]:
     except bps.BPSError as exc:
         return {"error": _error(exc)}
     return {"error": ""}
+
+
+def differing_buckets(how: str) -> dict[str, Any]:
+    """Rank 0's buckets have other names than rank 1's: a parameter frozen on rank 0 alone, or its names given
+    a prefix. Each bucket waited for the other's of its name, for ever; now every rank's step() (or backward,
+    whose hooks push) is a BPSError."""
+    r = bps.rank()
+    m = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    if how == "frozen" and r == 0:
+        m[1].bias.requires_grad_(False)
+    prefix = "module." if how == "names" and r == 0 else ""
+    opt = bps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=[(f"{how}.{prefix}{n}", p) for n, p in m.named_parameters()])
+    try:
+        m(torch.ones(1, 4)).sum().backward()
+        opt.step()
+    except bps.BPSError as exc:
+        return {"error": _error(exc)}
+    return {"error": ""}
+
+
+def broadcast_of_differing_models() -> dict[str, Any]:
+    """Rank 1's model has a layer more: its broadcast of that layer waited for rank 0's, for ever."""
+    layers = [nn.Linear(4, 3)] + ([nn.Linear(3, 2)] if bps.rank() == 1 else [])
+    m = nn.Sequential(*layers)
+    try:
+        bps.broadcast_parameters(m.state_dict(), 0)
+    except bps.BPSError as exc:
+        return {"error": _error(exc)}
+    return {"error": ""}
+
+
+def optimizer_state_in_other_orders() -> dict[str, Any]:
+    """Rank 1 lists the optimizer's parameters in another order (named by named_parameters); after a step with
+    momentum the buffers are the same on every rank, and a broadcast of the optimizer state keeps each
+    parameter's own (it gave rank 1 the other parameter's). Then a rank whose groups differ: a BPSError there."""
+    r = bps.rank()
+    torch.manual_seed(0)
+    m = nn.ModuleDict({"a": nn.Linear(3, 3, bias=False), "b": nn.Linear(3, 3, bias=False)})
+    params = [m["a"].weight, m["b"].weight] if r == 0 else [m["b"].weight, m["a"].weight]
+    opt = bps.DistributedOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                                   named_parameters=[(f"ostate.{n}", p) for n, p in m.named_parameters()])
+    bps.broadcast_parameters(m.state_dict(), 0)
+    x = torch.ones(1, 3)
+    (m["a"](x).sum() + m["b"](x).sum() * 100.0).backward()
+    opt.step()
+    before = {n: opt.state[p]["momentum_buffer"].tolist() for n, p in m.named_parameters()}
+    bps.broadcast_optimizer_state(opt, 0)
+    after = {n: opt.state[p]["momentum_buffer"].tolist() for n, p in m.named_parameters()}
+    groups = [{"params": params}] if r == 0 else [{"params": params[:1]}, {"params": params[1:]}]
+    other = bps.DistributedOptimizer(torch.optim.SGD(groups, lr=0.1, momentum=0.9),
+                                     named_parameters=[(f"ogroups.{n}", p) for n, p in m.named_parameters()])
+    try:
+        bps.broadcast_optimizer_state(other, 0)
+        error = ""
+    except bps.BPSError as exc:
+        error = _error(exc)
+    return {"kept": before == after, "a": after["a.weight"][0][0], "b": after["b.weight"][0][0], "error": error}
