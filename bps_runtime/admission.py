@@ -90,6 +90,10 @@ class LogLimit:
             self.suppressed = suppressed  # (no line was left out by this call)
 
 
+def _nothing() -> None:
+    pass
+
+
 class Ticket:
     """One pending connection's place: counted until :meth:`release`, closed by its deadline (or to make room
     for a newer one) before that."""
@@ -112,12 +116,14 @@ class Ticket:
         if self.peer:
             self.admission._forget(self)
             self.peer = ""
+        self._close = _nothing  # (the connection's method: it holds us, and a cycle left it to the collector)
 
     def close(self) -> None:
         """Free the place and close the connection (its deadline passed, or a newer one needs the place)."""
         if self.peer:
+            close = self._close
             self.release()
-            self._close()
+            close()
 
 
 class Admission:

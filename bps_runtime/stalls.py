@@ -42,3 +42,16 @@ class StallWatch(Generic[K]):
                 self._warned[key] = now
                 due.append((key, now - began))
         return due
+
+
+STALL_LINES = 10  # stall warnings logged each time a daemon looks; the rest as a count (capped)
+
+
+def capped(lines: list[str], what: str, limit: int = STALL_LINES) -> list[str]:
+    """The first ``limit`` of ``lines`` and, for the rest, one line that counts them (``what``: e.g. "rounds
+    have waited as long"). Thousands of rounds can stall at once (a rank that lags with a model's whole step
+    in flight): a line each, every look, flooded the log."""
+    if len(lines) <= limit:
+        return lines
+    return [*lines[:limit], f"stall: {len(lines) - limit} more {what} (not listed)"]
+

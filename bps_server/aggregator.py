@@ -36,7 +36,7 @@ from protocol.messages import Push
 from bps_runtime import kernels
 from bps_runtime.admission import LogLimit
 from bps_runtime.metrics import LATENCY_BUCKETS, Histogram
-from bps_runtime.stalls import StallWatch
+from bps_runtime.stalls import StallWatch, capped
 from bps_runtime.timeline import Timeline, now_us
 
 from .rounds import (
@@ -260,11 +260,14 @@ class Aggregator:
         said in the log after the grace, and again every grace: which workers pushed and which did not."""
         waits = {(st.key, st.round): st.opened for st in self.table.keys.values()
                  if st.busy and self.table.waiting_for(st)}
+        lines = []
         for (key, round_), waited in self.stalls.due(now, waits):
             st = self.table.keys[key]
-            log.warning("stall: round %d of %r part %d has waited %.1f s for worker %s, whose processes have not "
-                        "pushed it (pushed by worker %s)", round_, key[0], key[1], waited,
-                        ", ".join(map(str, self.table.waiting_for(st))), ", ".join(map(str, sorted(st.waiters))))
+            lines.append(f"stall: round {round_} of {key[0]!r} part {key[1]} has waited {waited:.1f} s for worker "
+                         f"{', '.join(map(str, self.table.waiting_for(st)))}, whose processes have not pushed it "
+                         f"(pushed by worker {', '.join(map(str, sorted(st.waiters)))})")
+        for line in capped(lines, "rounds have waited as long"):
+            log.warning("%s", line)
 
     def abort(self, name: str, part: int, round_: int, worker: int, why: Why) -> None:
         """A worker gave up a round (``why``): fail it for every worker (now and for late pushes)."""

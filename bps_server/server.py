@@ -23,6 +23,7 @@ from protocol.messages import FusePlan, FuseFailed
 from bps_runtime import metrics
 from bps_runtime.health import STALL_LIMIT_S, Pulse, Verdict
 from bps_runtime.admission import HANDSHAKE_DEADLINE_S, PENDING_PER_PEER, PENDING_TOTAL, Admission, LogLimit
+from bps_runtime.stalls import capped
 from bps_runtime.timeline import Timeline
 
 from .aggregator import Aggregator
@@ -193,7 +194,7 @@ class SummationServer:
             # come back after this server restarted) fail rather than wait for ever.
             self.aggregator.sweep(time.monotonic())
             self.aggregator.flush_logs()
-            for text in self.fusion.stall_warnings(time.monotonic()):
+            for text in capped(self.fusion.stall_warnings(time.monotonic()), "fused names have waited as long"):
                 log.warning("%s", text)
 
     def holder(self, worker: int, daemon: str) -> ServerConnection | None:

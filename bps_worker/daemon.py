@@ -34,6 +34,7 @@ import numpy as np
 from bps_runtime import cuda, kernels, metrics
 from bps_runtime.admission import LogLimit
 from bps_runtime.health import STALL_LIMIT_S, Pulse, Verdict
+from bps_runtime.stalls import capped
 from bps_runtime import segments as shm
 from bps_runtime.timeline import Timeline
 from protocol.config import ClusterConfig, placement_items
@@ -53,10 +54,8 @@ from .sockdir import ensure_socket_dir
 from .stalls import WorkerStalls
 
 log = logging.getLogger("bps.worker")
-# Lines about failed rounds: at most this many per LogLimit interval, then a count (failures_log); stall
-# warnings: at most STALL_LINES each time the watch looks, then a count.
+# Lines about failed rounds: at most this many per LogLimit interval, then a count (failures_log).
 FAILURE_LINES_BURST: Final = 10
-STALL_LINES: Final = 10
 
 # The daemon pings its training processes this often, so that they can tell a stalled daemon.
 CLIENT_PING_INTERVAL_S: Final = 1.0
@@ -264,11 +263,9 @@ class WorkerDaemon:
                 self._execute(self.rounds.overdue_rounds(self.sessions.keys(), loop.time(), self.config.cluster.timeout))
             except Exception:
                 log.exception("internal error in the watch of open rounds")
-            stalled = self.stalls.warnings(loop.time(), self.rounds, self.all_links)
-            for text in stalled[:STALL_LINES]:
+            for text in capped(self.stalls.warnings(loop.time(), self.rounds, self.all_links),
+                               "rounds have waited as long"):
                 log.warning("%s", text)
-            if len(stalled) > STALL_LINES:
-                log.warning("stall: %d more rounds have waited as long (not listed)", len(stalled) - STALL_LINES)
             self.failures_log.flush(log, logging.WARNING, "lines about failed rounds")
             self.fusion.watch(loop.time())
             if loop.time() >= next_link_beat:

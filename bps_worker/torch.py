@@ -41,7 +41,6 @@ import hashlib
 import io
 import json
 import sys
-import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple
@@ -280,12 +279,8 @@ def _named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def broadcast_parameters(params: Any, root_rank: int) -> None:
-    """Overwrite every tensor of ``params`` (state_dict() or named_parameters()) with ``root_rank``'s, in place.
-    Every process must give the same names, shapes and dtypes: checked first (a BPSError on every process), as
-    a name that one process lacked waited for it for ever."""
+    """Overwrite every tensor of ``params`` (state_dict() or named_parameters()) with ``root_rank``'s, in place."""
     named = _named_tensors(params)
-    _agree_on("bps.broadcast_parameters.plan", [f"{name!r} {list(t.shape)} {t.dtype}" for name, t in named],
-              "broadcast_parameters: the processes' tensors differ (names, shapes or dtypes)")
     handles = []
     try:
         for name, tensor in named:
@@ -311,18 +306,6 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
     if first_error is not None:
         raise first_error
     _async.init_all(root_rank)  # asynchronous optimizers: the servers' values start as the root's parameters
-
-
-def _agree_on(name: str, entries: list[str], what: str, digested: list[str] | None = None) -> None:
-    """One small sum under ``name`` whose layout is a digest of ``entries`` (or ``digested``): a BPSError on
-    every process, saying ``what`` and this process's first entries, unless every process's are the same."""
-    digest = hashlib.blake2b("\n".join(entries if digested is None else digested).encode(),
-                             digest_size=16).hexdigest()
-    try:
-        _adapter.finish_view(_adapter.start_filled(name, np.float32, (1,), _zero, average=False, layout=digest))
-    except BPSMismatchError as exc:
-        raise BPSError(f"{what}: this process has {len(entries)}: {', '.join(entries[:6])}"
-                       f"{', ...' if len(entries) > 6 else ''} ({exc})") from exc
 
 
 def _words(raw: np.ndarray) -> np.ndarray:
@@ -373,6 +356,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     state = got["state"]
     if names is not None and got["names"] is not None and got["names"] != names:
         state = _by_our_positions(state, got["names"], names)
+        for group, ours in zip(state["param_groups"], inner.param_groups):
+            if "param_names" in ours:  # (an optimizer made from named parameters labels its state with them)
+                group["param_names"] = list(ours["param_names"])
     inner.load_state_dict(state)
 
 
@@ -410,10 +396,6 @@ DEFAULT_BUCKET_BYTES = 4 << 20
 # attribute on it would go along with a deepcopy or a pickle of the model).
 _HOOKS: Any = WeakIdKeyDictionary()  # (by identity: a tensor's == is elementwise)
 _OPTIMIZERS: weakref.WeakSet[DistributedOptimizer] = weakref.WeakSet()  # this process's, to explain a name clash
-# Each step, after its buckets went, every process's DistributedOptimizer says which buckets it pushed under this
-# name (one name for them all: a process may make an optimizer the others do not, then its number would differ).
-_PLAN_NAME = "bps.optimizer.plan"
-_PLAN_LOCK = threading.Lock()  # (two optimizers synchronized at once, in two threads: one plan at a time)
 
 
 # How many frames above DistributedOptimizer.step() are looked at for a GradScaler's step() (see _scaler_unscaled).
@@ -484,10 +466,6 @@ class _Bucket:
     @property
     def total(self) -> int:
         return self.numel + len(self.params)
-
-
-def _zero(view: np.ndarray) -> None:
-    view[...] = 0
 
 
 def _bucket_layout(names: list[str], params: list[torch.Tensor]) -> str:
@@ -775,32 +753,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return BPSError(f"gradient bucket {bucket.name!r} is being summed for another DistributedOptimizer of this "
                         f"process: {how}")
 
-    def _agree(self) -> None:
-        """Once this step's buckets went: every process pushed buckets of the same names, or a BPSError on every
-        process. Buckets that differ by name (a parameter frozen on one process only, names given another
-        prefix, another model) were never compared: each waited for the others' bucket of its name, for ever,
-        with stall warnings in the daemons' logs alone (a review). One small sum a step under one name for every
-        optimizer (processes step their optimizers in the same order), whose layout is a digest of the buckets'
-        names: the daemons compare it. (Buckets of the same names meet, and one whose contents differ is the
-        daemons' mismatch of that bucket, whose error says what it holds here: _bucket_error.)"""
-        with _PLAN_LOCK:
-            _agree_on(_PLAN_NAME, [f"{b.name!r} ({len(b.params)} gradients)" for b in self._buckets],
-                      "DistributedOptimizer: the processes disagree about the gradients they sum (which "
-                      "parameters require a gradient, their names, shapes or dtypes, or bucket_bytes); in "
-                      "gradient buckets", [b.name for b in self._buckets])
-
-    def _agree_or_give_up(self) -> None:
-        """:meth:`_agree`; where the processes disagree, this step's buckets are given up here, unwaited (the
-        peers never push buckets of their names: each would wait out the timeout)."""
-        try:
-            self._agree()
-        except BPSError:
-            for bucket in self._buckets:
-                if bucket.handle is not None:
-                    _adapter.abandon(bucket.handle)
-                    bucket.handle = None
-            raise
-
     def _start(self, bucket: _Bucket) -> None:
         bucket.slot = None  # no reference to the slot outlives the push (it may move, or close at shutdown)
         # the gradients are in the slot already (_fill wrote them through shared_slot)
@@ -821,7 +773,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return  # nothing to wait for: every gradient stays here
         try:
             self._start_rest()
-            self._agree_or_give_up()
             changed = self._changed_gradient()
             first_error = self._finish_all(write=changed is None) or changed
         finally:

@@ -96,16 +96,17 @@ def fused_step_issued_during_a_drop(server_pid: int, stall_s: float, wait_s: flo
 
 
 def many_left_unmatched(n: int, flags: str) -> dict[str, Any]:
-    """Rank 0 issues ``n`` names that rank 1 (on its machine) never issues; rank 1 leaves once a file in
-    ``flags`` says that the daemon opened all of their rounds (the test sees its stall warnings): every one of
-    rank 0's rounds fails. Its error count."""
+    """Rank 0 issues ``n`` names that rank 1 (on its machine) never issues; rank 1 leaves a second after rank 0
+    issued them all (a file in ``flags``): every one of rank 0's rounds fails. Its error count."""
     rank = bps.rank()
     if rank == 1:
         deadline = time.monotonic() + 60
-        while not os.path.exists(os.path.join(flags, "open")) and time.monotonic() < deadline:
+        while not os.path.exists(os.path.join(flags, "issued")) and time.monotonic() < deadline:
             time.sleep(0.02)
+        time.sleep(1.0)
         return {"left": True}
     handles = [bps.push_pull_async(np.ones(1000, np.float32), f"unmatched.{i}", average=False) for i in range(n)]
+    open(os.path.join(flags, "issued"), "w").close()
     failed = 0
     for handle in handles:
         try:

@@ -186,36 +186,6 @@ def mismatched_bucket() -> dict[str, Any]:
     return {"error": ""}
 
 
-def differing_buckets(how: str) -> dict[str, Any]:
-    """Rank 0's buckets have other names than rank 1's: a parameter frozen on rank 0 alone, or its names given
-    a prefix. Each bucket waited for the other's of its name, for ever; now every rank's step() (or backward,
-    whose hooks push) is a BPSError."""
-    r = bps.rank()
-    m = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
-    if how == "frozen" and r == 0:
-        m[1].bias.requires_grad_(False)
-    prefix = "module." if how == "names" and r == 0 else ""
-    opt = bps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
-                                   named_parameters=[(f"{how}.{prefix}{n}", p) for n, p in m.named_parameters()])
-    try:
-        m(torch.ones(1, 4)).sum().backward()
-        opt.step()
-    except bps.BPSError as exc:
-        return {"error": _error(exc)}
-    return {"error": ""}
-
-
-def broadcast_of_differing_models() -> dict[str, Any]:
-    """Rank 1's model has a layer more: its broadcast of that layer waited for rank 0's, for ever."""
-    layers = [nn.Linear(4, 3)] + ([nn.Linear(3, 2)] if bps.rank() == 1 else [])
-    m = nn.Sequential(*layers)
-    try:
-        bps.broadcast_parameters(m.state_dict(), 0)
-    except bps.BPSError as exc:
-        return {"error": _error(exc)}
-    return {"error": ""}
-
-
 def optimizer_state_in_other_orders() -> dict[str, Any]:
     """Rank 1 lists the optimizer's parameters in another order (named by named_parameters); after a step with
     momentum the buffers are the same on every rank, and a broadcast of the optimizer state keeps each
@@ -241,4 +211,11 @@ def optimizer_state_in_other_orders() -> dict[str, Any]:
         error = ""
     except bps.BPSError as exc:
         error = _error(exc)
-    return {"kept": before == after, "a": after["a.weight"][0][0], "b": after["b.weight"][0][0], "error": error}
+    # An optimizer made from named parameters labels its state with their names: ours, in our order.
+    named = [(n, p) for p in params for n, q in m.named_parameters() if q is p]
+    labelled = bps.DistributedOptimizer(torch.optim.SGD(named, lr=0.1, momentum=0.9),
+                                        named_parameters=[(f"olabels.{n}", p) for n, p in m.named_parameters()])
+    bps.broadcast_optimizer_state(labelled, 0)
+    labels = labelled.state_dict()["param_groups"][0]["param_names"]
+    return {"kept": before == after, "a": after["a.weight"][0][0], "b": after["b.weight"][0][0], "error": error,
+            "labels_ours": labels == [n for n, _ in named]}

@@ -35,7 +35,7 @@ from .handle import Handle
 from .operations import Fill
 from .settings import Settings
 
-__all__ = ["Fill", "abandon", "finish_view", "settings", "settle", "shared_slot", "start_async", "start_async_init",
+__all__ = ["Fill", "finish_view", "settings", "settle", "shared_slot", "start_async", "start_async_init",
            "start_broadcast", "start_cuda", "start_filled"]
 
 
@@ -93,11 +93,6 @@ def finish_view(handle: Handle, timeout: float | None = None) -> np.ndarray:
     """Wait for ``handle`` and return its result in place: read-only, valid until the next operation on the
     same name (``out``, if the operation had one)."""
     return _operations().finish(handle, timeout, view=True)
-
-
-def abandon(handle: Handle) -> None:
-    """Give ``handle`` up unwaited: nobody will synchronize it, and its name is free again once it ends."""
-    handle.abandoned = True
 
 
 def settle(handles: list[Handle]) -> None:

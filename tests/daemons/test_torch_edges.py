@@ -94,28 +94,10 @@ def test_a_bucket_mismatch_names_the_parameters_and_the_rule(cluster: Cluster) -
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("how", ["frozen", "names"])
-def test_processes_whose_buckets_differ_by_name_all_fail_saying_why(cluster: Cluster, how: str) -> None:
-    for r in run_ranks(cluster, tp.differing_buckets, how, timeout=60, client_timeout=10):
-        assert r["error"].startswith("BPSError: DistributedOptimizer: the processes disagree about the gradients "
-                                     "they sum"), r
-        assert f"'grad.{how}." in r["error"] and "mismatch" in r["error"], r
-
-
-@pytest.mark.timeout(90)
-def test_a_broadcast_of_models_that_differ_fails_on_every_process(cluster: Cluster) -> None:
-    results = _run(cluster, tp.broadcast_of_differing_models)
-    for r, count in zip(results, (2, 4)):
-        assert r["error"].startswith(f"BPSError: broadcast_parameters: the processes' tensors differ (names, "
-                                     f"shapes or dtypes): this process has {count}: '0.weight' [3, 4] "
-                                     f"torch.float32"), r
-
-
-@pytest.mark.timeout(90)
 def test_optimizer_state_goes_by_parameter_name_where_the_orders_differ(cluster: Cluster) -> None:
     results = _run(cluster, tp.optimizer_state_in_other_orders)
     for r in results:
-        assert r["kept"] and (r["a"], r["b"]) == (1.0, 100.0), r
+        assert r["kept"] and (r["a"], r["b"]) == (1.0, 100.0) and r["labels_ours"], r
     assert results[0]["error"] == "", results
     assert results[1]["error"].startswith("BPSError: broadcast_optimizer_state: this process's optimizer groups "
                                           "its parameters otherwise than the root's ([1, 1] parameters in its "

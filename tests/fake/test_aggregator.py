@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import ml_dtypes
@@ -410,3 +411,18 @@ async def test_many_failed_rounds_are_a_few_lines_and_a_count(caplog):
     agg.failures_log._window_start = float("-inf")  # (the limit's interval has passed)
     agg.flush_logs()
     assert caplog.records[-1].getMessage() == f"{500 - FAILURE_LINES_BURST} more lines about failed rounds left out"
+
+
+async def test_thousands_of_stalled_rounds_are_a_few_lines_and_a_count(caplog):
+    import logging
+
+    from bps_runtime.stalls import STALL_LINES
+
+    caplog.set_level(logging.WARNING, "bps.server.aggregator")
+    agg, rec = Aggregator(2, lost_grace_s=0.01), Recorder()
+    await _feed(agg, rec, [_push(0, np.ones(2, np.float32), name=f"late.{i}") for i in range(300)])
+    await asyncio.sleep(0.05)
+    agg.sweep(time.monotonic())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stall: ")]
+    assert len(lines) == STALL_LINES + 1 and lines[-1] == f"stall: {300 - STALL_LINES} more rounds have waited " \
+                                                          "as long (not listed)", lines

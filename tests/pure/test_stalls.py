@@ -36,3 +36,15 @@ def test_several_waits_come_oldest_first_each_on_its_own_clock():
     assert watch.due(5.0, waits) == [(("a", 0), 4.0), (("b", 0), 2.0)]
     assert watch.due(6.5, waits) == [(("c", 1), 2.0)]
     assert watch.due(7.0, waits) == [(("a", 0), 6.0), (("b", 0), 4.0)]
+
+
+def test_thousands_of_stall_warnings_are_a_few_lines_and_a_count():
+    """Thousands of rounds can stall at once (a rank that lags with a model's whole step in flight): a line
+    each, every look, flooded the daemons' logs (804 lines for 500 names in a review)."""
+    from bps_runtime.stalls import STALL_LINES, capped
+
+    few = [f"stall: {i}" for i in range(STALL_LINES)]
+    assert capped(few, "rounds have waited as long") == few
+    many = [f"stall: {i}" for i in range(500)]
+    assert capped(many, "rounds have waited as long") == [
+        *many[:STALL_LINES], f"stall: {500 - STALL_LINES} more rounds have waited as long (not listed)"]
