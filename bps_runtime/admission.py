@@ -27,10 +27,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from typing import Callable, Final
 
 from .backpressure import BackPressure
+from .loglimit import LogLimit
 
 # At most this many pending connections from one peer (TCP host, or local uid), and in all.
 PENDING_PER_PEER: Final = 64
@@ -40,56 +40,6 @@ PENDING_TOTAL: Final = 512
 # is closed, never a worker failed, so the bound is not tied to it), and short enough that the places of a
 # flood free up soon.
 HANDSHAKE_DEADLINE_S: Final = 10.0
-# Of the lines about refused or overdue connections: at most LOG_BURST per LOG_INTERVAL_S.
-LOG_BURST: Final = 5
-LOG_INTERVAL_S: Final = 10.0
-
-
-class LogLimit:
-    """At most ``burst`` lines per ``interval_s``; the next line allowed says how many were left out."""
-
-    __slots__ = ("burst", "interval_s", "_window_start", "_in_window", "suppressed")
-
-    def __init__(self, *, burst: int = LOG_BURST, interval_s: float = LOG_INTERVAL_S) -> None:
-        self.burst = burst
-        self.interval_s = interval_s
-        self._window_start = float("-inf")
-        self._in_window = 0
-        self.suppressed = 0  # lines left out since the last one allowed
-
-    def allow(self, now: float) -> bool:
-        """May a line be logged now? (If so, :attr:`suppressed` says how many were left out before it.)"""
-        if now - self._window_start >= self.interval_s:
-            self._window_start, self._in_window = now, 0
-        if self._in_window >= self.burst:
-            self.suppressed += 1
-            return False
-        self._in_window += 1
-        return True
-
-    def log(self, logger: logging.Logger, level: int, message: str, *args: object) -> None:
-        """``logger.log(level, message, *args)`` unless over the limit, with the count left out before it."""
-        if not self.allow(time.monotonic()):
-            return
-        if self.suppressed:
-            message += " (%d similar lines left out)"
-            args = (*args, self.suppressed)
-            self.suppressed = 0
-        logger.log(level, message, *args)
-
-    def flush(self, logger: logging.Logger, level: int, what: str) -> None:
-        """Say how many lines were left out since the last one logged, if any and if the limit allows a line
-        now (call it now and then: a flood that ended has no next line to carry the count)."""
-        if not self.suppressed:
-            return
-        suppressed = self.suppressed
-        if self.allow(time.monotonic()):
-            logger.log(level, "%d more %s left out", suppressed, what)
-            self.suppressed = 0
-        else:
-            self.suppressed = suppressed  # (no line was left out by this call)
-
-
 def _nothing() -> None:
     pass
 
@@ -132,8 +82,8 @@ class Admission:
     ``what`` names the daemon's side in the log lines (``"server 0"``, ``"worker 1's socket"``).
     """
 
-    __slots__ = ("log", "what", "per_peer", "total", "deadline_s", "counts", "_by_peer", "_all", "refusals_log",
-                 "overdue_log", "refused")
+    __slots__ = ("log", "what", "per_peer", "total", "deadline_s", "_by_peer", "_all", "refusals_log", "overdue_log",
+                 "refused")
 
     def __init__(self, log: logging.Logger, what: str, *, deadline_s: float = HANDSHAKE_DEADLINE_S,
                  per_peer: int = PENDING_PER_PEER, total: int = PENDING_TOTAL) -> None:
@@ -142,7 +92,6 @@ class Admission:
         self.per_peer = per_peer
         self.total = total
         self.deadline_s = deadline_s
-        self.counts: Counter[str] = Counter()
         # The pending tickets, oldest first (dicts as ordered sets): by peer, and all of them.
         self._by_peer: dict[str, dict[Ticket, None]] = {}
         self._all: dict[Ticket, None] = {}
@@ -153,6 +102,11 @@ class Admission:
     @property
     def pending(self) -> int:
         return len(self._all)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Pending connections by peer."""
+        return {peer: len(tickets) for peer, tickets in self._by_peer.items()}
 
     def _over(self, peer: str) -> tuple[Ticket, str] | None:
         """The ticket that must make room for one more pending connection from ``peer``, and why; None if
@@ -180,7 +134,6 @@ class Admission:
             victim.close()
             over = self._over(peer)
         ticket = Ticket(self, peer, label, overdue)
-        self.counts[peer] += 1
         self._by_peer.setdefault(peer, {})[ticket] = None
         self._all[ticket] = None
 
@@ -196,9 +149,6 @@ class Admission:
 
     def _forget(self, ticket: Ticket) -> None:
         peer = ticket.peer
-        self.counts[peer] -= 1
-        if not self.counts[peer]:
-            del self.counts[peer]
         mine = self._by_peer[peer]
         del mine[ticket]
         if not mine:

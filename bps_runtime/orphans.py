@@ -38,8 +38,8 @@ import sys
 import threading
 from typing import Any, Final, Iterator, Mapping, Sequence
 
-__all__ = ["ENDED_STATUS", "PARENT_ENV", "ask_to_end_with_parent", "end_with_parent", "rank_argv", "sigint_blocked",
-           "on_main_thread", "start_rank"]
+__all__ = ["ENDED_STATUS", "PARENT_ENV", "end_with_parent", "on_main_thread", "rank_argv", "sigint_blocked",
+           "start_rank"]
 
 PARENT_ENV: Final = "BPS_PARENT_PID"  # the pid of the parent a process ends with (set by the launcher)
 _PR_SET_PDEATHSIG: Final = 1
@@ -86,24 +86,19 @@ def on_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def ask_to_end_with_parent(parent: int, sig: int = signal.SIGTERM) -> bool:
-    """Ask the kernel for ``sig`` when our parent ends; False if ``parent`` is no longer our parent (it ended
-    before the request could be seen). Where ``prctl`` cannot be called nothing is asked (True)."""
+def end_with_parent() -> bool:
+    """Where :data:`PARENT_ENV` names our parent, ask the kernel for SIGTERM when it ends; False if it has ended
+    already (``getppid`` is another process now: the caller exits with :data:`ENDED_STATUS`). True where the
+    variable is not set, or where ``prctl`` cannot be called (nothing is asked)."""
+    value = os.environ.get(PARENT_ENV, "")
+    if not value.isdigit():
+        return True
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return True
-    prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    return os.getppid() == parent
-
-
-def end_with_parent() -> bool:
-    """Where :data:`PARENT_ENV` names our parent, end when it does; False if it has ended already (the caller
-    exits with :data:`ENDED_STATUS`). True where the variable is not set."""
-    value = os.environ.get(PARENT_ENV, "")
-    if not value.isdigit():
-        return True
-    return ask_to_end_with_parent(int(value))
+    prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    return os.getppid() == int(value)
 
 
 def rank_argv(command: Sequence[str], parent: int, status_fd: int, env: Mapping[str, str],

@@ -15,10 +15,11 @@ repeating): the one setting a user already chose for "too long".
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
 
 
 class StallWatch(Generic[K]):
@@ -47,11 +48,11 @@ class StallWatch(Generic[K]):
 STALL_LINES = 10  # stall warnings logged each time a daemon looks; the rest as a count (capped)
 
 
-def capped(lines: list[str], what: str, limit: int = STALL_LINES) -> list[str]:
-    """The first ``limit`` of ``lines`` and, for the rest, one line that counts them (``what``: e.g. "rounds
-    have waited as long"). Thousands of rounds can stall at once (a rank that lags with a model's whole step
-    in flight): a line each, every look, flooded the log."""
-    if len(lines) <= limit:
-        return lines
-    return [*lines[:limit], f"stall: {len(lines) - limit} more {what} (not listed)"]
-
+def capped(items: Sequence[T], what: str, line: Callable[[T], str] = str, limit: int = STALL_LINES) -> list[str]:
+    """The lines of the first ``limit`` of ``items`` (``line`` makes each) and, for the rest, one line that counts
+    them (``what``: e.g. "rounds have waited as long"). Thousands of rounds can stall at once (a rank that lags
+    with a model's whole step in flight): a line each, every look, flooded the log."""
+    lines = [line(item) for item in items[:limit]]
+    if len(items) > limit:
+        lines.append(f"stall: {len(items) - limit} more {what} (not listed)")
+    return lines

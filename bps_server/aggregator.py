@@ -34,7 +34,7 @@ from protocol import dtypes
 from protocol.messages import Push
 
 from bps_runtime import kernels
-from bps_runtime.admission import LogLimit
+from bps_runtime.loglimit import failed_rounds_log
 from bps_runtime.metrics import LATENCY_BUCKETS, Histogram
 from bps_runtime.stalls import StallWatch, capped
 from bps_runtime.timeline import Timeline, now_us
@@ -65,8 +65,6 @@ __all__ = ["INLINE_SUM_MAX_BYTES", "Aggregator", "Contributor", "Counters", "Fai
            "describe"]
 
 log = logging.getLogger("bps.server.aggregator")
-# Lines about failed rounds: at most this many per LogLimit interval, then a count (see failures_log).
-FAILURE_LINES_BURST: Final = 10
 
 # A kernel that reads fewer bytes than this runs on the event loop; larger ones go to the summation threads.
 # The hop there and back (the pool's queue, a thread's wake-up, the loop's wake-up by call_soon_threadsafe, a
@@ -160,13 +158,13 @@ class Aggregator:
         self.stalls: StallWatch[tuple[Key, int]] = StallWatch(warn_after_s=lost_grace_s)
         # Failed rounds are logged a few at a time: a mismatch of a tensor of many partitions, or a worker gone
         # with thousands of names in flight, failed a round per partition and name, each a line (flush_logs).
-        self.failures_log = LogLimit(burst=FAILURE_LINES_BURST)
+        self.failures_log = failed_rounds_log()
         self._sums: dict[Key, _Sum] = {}  # each key's accumulator of its open round, once summing started
         self._tasks: set[asyncio.Future[None]] = set()
 
     def flush_logs(self) -> None:
         """Say how many lines about failed rounds were left out (now and then: see ``failures_log``)."""
-        self.failures_log.flush(log, logging.WARNING, "lines about failed rounds")
+        self.failures_log.flush(log)
 
     @property
     def keys(self) -> dict[Key, Round[Contributor]]:
@@ -260,14 +258,15 @@ class Aggregator:
         said in the log after the grace, and again every grace: which workers pushed and which did not."""
         waits = {(st.key, st.round): st.opened for st in self.table.keys.values()
                  if st.busy and self.table.waiting_for(st)}
-        lines = []
-        for (key, round_), waited in self.stalls.due(now, waits):
-            st = self.table.keys[key]
-            lines.append(f"stall: round {round_} of {key[0]!r} part {key[1]} has waited {waited:.1f} s for worker "
-                         f"{', '.join(map(str, self.table.waiting_for(st)))}, whose processes have not pushed it "
-                         f"(pushed by worker {', '.join(map(str, sorted(st.waiters)))})")
-        for line in capped(lines, "rounds have waited as long"):
+        for line in capped(self.stalls.due(now, waits), "rounds have waited as long", self._stall_line):
             log.warning("%s", line)
+
+    def _stall_line(self, due: tuple[tuple[Key, int], float]) -> str:
+        (key, round_), waited = due
+        st = self.table.keys[key]
+        return (f"stall: round {round_} of {key[0]!r} part {key[1]} has waited {waited:.1f} s for worker "
+                f"{', '.join(map(str, self.table.waiting_for(st)))}, whose processes have not pushed it (pushed by "
+                f"worker {', '.join(map(str, sorted(st.waiters)))})")
 
     def abort(self, name: str, part: int, round_: int, worker: int, why: Why) -> None:
         """A worker gave up a round (``why``): fail it for every worker (now and for late pushes)."""

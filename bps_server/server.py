@@ -22,7 +22,8 @@ from protocol.messages import FusePlan, FuseFailed
 
 from bps_runtime import metrics
 from bps_runtime.health import STALL_LIMIT_S, Pulse, Verdict
-from bps_runtime.admission import HANDSHAKE_DEADLINE_S, PENDING_PER_PEER, PENDING_TOTAL, Admission, LogLimit
+from bps_runtime.admission import HANDSHAKE_DEADLINE_S, PENDING_PER_PEER, PENDING_TOTAL, Admission
+from bps_runtime.loglimit import LogLimit
 from bps_runtime.stalls import capped
 from bps_runtime.timeline import Timeline
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Container, Final, cast
 import numpy as np
 
 from bps_runtime import cuda, kernels, metrics
-from bps_runtime.admission import LogLimit
+from bps_runtime.loglimit import failed_rounds_log
 from bps_runtime.health import STALL_LIMIT_S, Pulse, Verdict
 from bps_runtime.stalls import capped
 from bps_runtime import segments as shm
@@ -54,8 +54,6 @@ from .sockdir import ensure_socket_dir
 from .stalls import WorkerStalls
 
 log = logging.getLogger("bps.worker")
-# Lines about failed rounds: at most this many per LogLimit interval, then a count (failures_log).
-FAILURE_LINES_BURST: Final = 10
 
 # The daemon pings its training processes this often, so that they can tell a stalled daemon.
 CLIENT_PING_INTERVAL_S: Final = 1.0
@@ -129,7 +127,7 @@ class WorkerDaemon:
         # Failed local rounds are logged a few at a time: a rank gone with thousands of names in flight failed
         # one round per name, each a line (a review's flood: 175,000 lines in 30 s). The count of the rest
         # follows, from the heartbeat.
-        self.failures_log = LogLimit(burst=FAILURE_LINES_BURST)
+        self.failures_log = failed_rounds_log()
         # Per name, the query of the servers' round number (RoundQuery) that learns the name's round base.
         self.round_queries: dict[str, asyncio.Future[int]] = {}
         # Per asynchronous name, its steps and bound as this machine's init learned them (bps_worker.async_operation).
@@ -266,7 +264,7 @@ class WorkerDaemon:
             for text in capped(self.stalls.warnings(loop.time(), self.rounds, self.all_links),
                                "rounds have waited as long"):
                 log.warning("%s", text)
-            self.failures_log.flush(log, logging.WARNING, "lines about failed rounds")
+            self.failures_log.flush(log)
             self.fusion.watch(loop.time())
             if loop.time() >= next_link_beat:
                 next_link_beat = loop.time() + link_interval

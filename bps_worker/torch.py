@@ -355,16 +355,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     got = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     state = got["state"]
     if names is not None and got["names"] is not None and got["names"] != names:
-        state = _by_our_positions(state, got["names"], names)
-        for group, ours in zip(state["param_groups"], inner.param_groups):
-            if "param_names" in ours:  # (an optimizer made from named parameters labels its state with them)
-                group["param_names"] = list(ours["param_names"])
+        state = _by_our_positions(state, got["names"], names, inner.param_groups)
     inner.load_state_dict(state)
 
 
-def _by_our_positions(state: dict[str, Any], theirs: list[list[str]], ours: list[list[str]]) -> dict[str, Any]:
+def _by_our_positions(state: dict[str, Any], theirs: list[list[str]], ours: list[list[str]],
+                      our_groups: list[dict[str, Any]]) -> dict[str, Any]:
     """``state`` (an optimizer's state_dict, by the positions of ``theirs``: each group's parameter names) with
-    each parameter's state at its position in ``ours``; BPSError where a group holds other names."""
+    each parameter's state at its position in ``ours`` (and torch's labels, ``param_names``, those of
+    ``our_groups``: an optimizer made from named parameters labels its state with them); BPSError where a group
+    holds other names."""
     if len(theirs) != len(ours) or any(sorted(t) != sorted(o) for t, o in zip(theirs, ours)):
         raise BPSError(f"broadcast_optimizer_state: this process's optimizer groups its parameters otherwise than "
                        f"the root's ({[len(g) for g in ours]} parameters in its groups, the root "
@@ -372,8 +372,10 @@ def _by_our_positions(state: dict[str, Any], theirs: list[list[str]], ours: list
     index = {name: i for i, name in enumerate(n for group in ours for n in group)}
     their_names = [n for group in theirs for n in group]
     groups = []
-    for group, names in zip(state["param_groups"], ours):
+    for group, names, mine in zip(state["param_groups"], ours, our_groups):
         groups.append({**group, "params": [index[n] for n in names]})
+        if "param_names" in mine:
+            groups[-1]["param_names"] = list(mine["param_names"])
     return {"state": {index[their_names[i]]: v for i, v in state["state"].items()}, "param_groups": groups}
 
 

@@ -57,7 +57,7 @@ def test_a_machine_whose_rank_never_submits_is_named_by_the_server(tmp_path):
 def test_thousands_of_failed_rounds_are_a_few_lines(tmp_path, monkeypatch):
     """A rank that leaves with thousands of rounds that await it failed each with a line of its own (a review's
     flood: 175,000 lines, 48 MB of log in 30 s). A few lines now (their count: LogLimit, test_admission)."""
-    from bps_worker.daemon import FAILURE_LINES_BURST
+    from bps_runtime.loglimit import FAILURE_LINES_BURST
 
     monkeypatch.setenv("BPS_FUSION_BYTES", "0")  # (unfused: a local round per name)
     cluster = start_cluster(write_config(tmp_path, [2], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))

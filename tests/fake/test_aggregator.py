@@ -398,7 +398,7 @@ async def test_many_failed_rounds_are_a_few_lines_and_a_count(caplog):
     gone with thousands of names in flight, flooded the log. A few lines, then the count of the rest."""
     import logging
 
-    from bps_server.aggregator import FAILURE_LINES_BURST
+    from bps_runtime.loglimit import FAILURE_LINES_BURST
 
     caplog.set_level(logging.WARNING, "bps.server.aggregator")
     agg, rec = Aggregator(2), Recorder()

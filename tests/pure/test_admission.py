@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from bps_runtime.admission import Admission, LogLimit
+from bps_runtime.admission import Admission
+from bps_runtime.loglimit import LogLimit
 
 log = logging.getLogger("test.admission")
 
@@ -93,12 +94,12 @@ def test_a_flood_is_a_few_lines_per_interval(burst):
 def test_a_flood_that_ended_still_has_its_count_said(caplog):
     """The count of lines left out went with the next line allowed: a flood that ended had none."""
     caplog.set_level(logging.WARNING, "test.admission")
-    limit = LogLimit(burst=2, interval_s=1000.0)
+    limit = LogLimit(burst=2, interval_s=1000.0, what="lines")
     for i in range(7):
         limit.log(log, logging.WARNING, "line %d", i)
-    limit.flush(log, logging.WARNING, "lines")  # the window is full: not now
+    limit.flush(log, logging.WARNING)  # the window is full: not now
     assert [r.getMessage() for r in caplog.records] == ["line 0", "line 1"] and limit.suppressed == 5
     limit._window_start = float("-inf")  # (the interval has passed)
-    limit.flush(log, logging.WARNING, "lines")
-    limit.flush(log, logging.WARNING, "lines")  # said once
+    limit.flush(log, logging.WARNING)
+    limit.flush(log, logging.WARNING)  # said once
     assert [r.getMessage() for r in caplog.records] == ["line 0", "line 1", "5 more lines left out"]
