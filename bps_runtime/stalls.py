@@ -11,12 +11,21 @@ it began, on one clock) to :meth:`StallWatch.due`, which answers which to warn a
 it is ``warn_after_s`` old, then again every ``repeat_s`` while it lasts. Waits that ended are
 forgotten. Both daemons warn after ``cluster.timeout`` and repeat every timeout (Horovod: after 60 s,
 repeating): the one setting a user already chose for "too long".
+
+The lines reach the training processes too (:class:`Stall`, ``Notice``): a worker daemon tells each process
+the lines about its rounds, and a server tells each worker that waits the lines about its rounds, which the
+worker passes on to its processes. A process logs them as warnings: its own output then says which of its
+tensors stall and who it waits for, as Horovod's stall inspector says on rank 0, and not only a daemon's log
+that a systemd journal may hold.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+from protocol.messages import notice_lines
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
@@ -56,3 +65,25 @@ def capped(items: Sequence[T], what: str, line: Callable[[T], str] = str, limit:
     if len(items) > limit:
         lines.append(f"stall: {len(items) - limit} more {what} (not listed)")
     return lines
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """One stall warning: its line, and whom it is told to beside the log (a ``Notice``): the local ranks of a
+    worker daemon's round (those that submitted it and those it waits for), or the workers a server's round
+    waits with (those that pushed it)."""
+
+    text: str
+    told: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def told_lines(stalls: Sequence[Stall], what: str) -> dict[int, list[str]]:
+    """The lines of ``stalls`` each party is told (capped as the log is, and made to fit one Notice)."""
+    theirs: dict[int, list[Stall]] = {}
+    for stall in stalls:
+        for party in stall.told:
+            theirs.setdefault(party, []).append(stall)
+    return {party: notice_lines(capped(mine, what)) for party, mine in theirs.items()}

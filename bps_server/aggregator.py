@@ -36,7 +36,7 @@ from protocol.messages import Push
 from bps_runtime import kernels
 from bps_runtime.loglimit import failed_rounds_log
 from bps_runtime.metrics import LATENCY_BUCKETS, Histogram
-from bps_runtime.stalls import StallWatch, capped
+from bps_runtime.stalls import Stall, StallWatch
 from bps_runtime.timeline import Timeline, now_us
 
 from .rounds import (
@@ -247,26 +247,24 @@ class Aggregator:
 
     def sweep(self, now: float) -> int:
         """Fail every round that waited longer than ``lost_grace_s`` for a worker that is not connected
-        or has no training processes (``now``: ``time.monotonic()``); returns how many failed. Logs the
-        rounds that have waited ``lost_grace_s`` for connected workers (see :meth:`_warn_stalls`)."""
-        failed = self._run(self.table.sweep(now))
-        self._warn_stalls(now)
-        return failed
+        or has no training processes (``now``: ``time.monotonic()``); returns how many failed."""
+        return self._run(self.table.sweep(now))
 
-    def _warn_stalls(self, now: float) -> None:
+    def stall_warnings(self, now: float) -> list[Stall]:
         """A round waiting for a connected worker is not failed (its processes may be slow, not dead), but
-        said in the log after the grace, and again every grace: which workers pushed and which did not."""
+        said after the grace, and again every grace: which workers pushed and which did not (told to both:
+        those that pushed wait, and the others' processes learn who waits for them)."""
         waits = {(st.key, st.round): st.opened for st in self.table.keys.values()
                  if st.busy and self.table.waiting_for(st)}
-        for line in capped(self.stalls.due(now, waits), "rounds have waited as long", self._stall_line):
-            log.warning("%s", line)
-
-    def _stall_line(self, due: tuple[tuple[Key, int], float]) -> str:
-        (key, round_), waited = due
-        st = self.table.keys[key]
-        return (f"stall: round {round_} of {key[0]!r} part {key[1]} has waited {waited:.1f} s for worker "
-                f"{', '.join(map(str, self.table.waiting_for(st)))}, whose processes have not pushed it (pushed by "
-                f"worker {', '.join(map(str, sorted(st.waiters)))})")
+        stalls = []
+        for (key, round_), waited in self.stalls.due(now, waits):
+            st = self.table.keys[key]
+            missing = self.table.waiting_for(st)
+            stalls.append(Stall(
+                f"stall: round {round_} of {key[0]!r} part {key[1]} has waited {waited:.1f} s for worker "
+                f"{', '.join(map(str, missing))}, whose processes have not pushed it (pushed by "
+                f"worker {', '.join(map(str, sorted(st.waiters)))})", tuple(sorted({*st.waiters, *missing}))))
+        return stalls
 
     def abort(self, name: str, part: int, round_: int, worker: int, why: Why) -> None:
         """A worker gave up a round (``why``): fail it for every worker (now and for late pushes)."""

@@ -65,7 +65,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Callable, Final
 
-from bps_runtime.stalls import StallWatch
+from bps_runtime.stalls import Stall, StallWatch
 from protocol.messages import PlanResent, Spec, Why, describe_spec, fused_chunks, fused_lanes
 
 __all__ = ["Failed", "Planner", "Resend"]
@@ -338,18 +338,18 @@ class Planner:
         """``plan`` (seq, lane generation) of our previous run, to send ``worker`` again (see ``running``)."""
         return Resend(worker, plan[0], self.running_plans[plan], how, plan[1])
 
-    def stall_warnings(self, now: float) -> list[str]:
+    def stall_warnings(self, now: float) -> list[Stall]:
         """The names that waited ``warn_after_s`` (and again every ``warn_after_s``) for workers whose processes
-        have not issued them, in words for the log (as the round table's stalls are said)."""
+        have not issued them, in words (as the round table's stalls are said), told to every worker."""
         old = {name: w.opened for name, w in self.waiting.items() if now - w.opened >= self.stalls.warn_after_s}
-        texts = []
+        stalls = []
         for name, waited in self.stalls.due(now, old):
             w = self.waiting[name]
             missing = ", ".join(str(r) for r in range(self.workers) if r not in w.workers)
-            texts.append(f"stall: round {w.counts.get(w.first, 0)} of {name!r} part 0 has waited {waited:.1f} s for "
-                         f"worker {missing}, whose processes have not pushed it (pushed by worker "
-                         f"{', '.join(map(str, sorted(w.workers)))})")
-        return texts
+            stalls.append(Stall(f"stall: round {w.counts.get(w.first, 0)} of {name!r} part 0 has waited {waited:.1f} s "
+                                f"for worker {missing}, whose processes have not pushed it (pushed by worker "
+                                f"{', '.join(map(str, sorted(w.workers)))})", tuple(range(self.workers))))
+        return stalls
 
     def groups(self, names: list[str]) -> tuple[list[list[Any]], list[int]]:
         """The groups of a plan of ``names`` (as FusePlan says them): [dtype, average] each, and each name's

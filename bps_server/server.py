@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.config import ClusterConfig, placement_items
-from protocol.messages import FusePlan, FuseFailed
+from protocol.messages import FusePlan, FuseFailed, Notice
 
 from bps_runtime import metrics
 from bps_runtime.health import STALL_LIMIT_S, Pulse, Verdict
 from bps_runtime.admission import HANDSHAKE_DEADLINE_S, PENDING_PER_PEER, PENDING_TOTAL, Admission
 from bps_runtime.loglimit import LogLimit
-from bps_runtime.stalls import capped
+from bps_runtime.stalls import Stall, capped, told_lines
 from bps_runtime.timeline import Timeline
 
 from .aggregator import Aggregator
@@ -195,8 +195,18 @@ class SummationServer:
             # come back after this server restarted) fail rather than wait for ever.
             self.aggregator.sweep(time.monotonic())
             self.aggregator.flush_logs()
-            for text in capped(self.fusion.stall_warnings(time.monotonic()), "fused names have waited as long"):
-                log.warning("%s", text)
+            self.say_stalls(self.aggregator.stall_warnings(time.monotonic()), "rounds have waited as long")
+            self.say_stalls(self.fusion.stall_warnings(time.monotonic()), "fused names have waited as long")
+
+    def say_stalls(self, stalls: list[Stall], what: str) -> None:
+        """Log the stall warnings of one look (a few lines and a count: capped), and tell each worker that waits
+        the lines about its rounds (``Notice``): its daemon passes them on to its processes."""
+        for text in capped(stalls, what):
+            log.warning("%s", text)
+        for worker, lines in told_lines(stalls, f"{what} at server {self.config.server_id}").items():
+            conn = self.links.get(worker)
+            if conn is not None and not conn.closed:
+                conn.send(Notice(lines))
 
     def holder(self, worker: int, daemon: str) -> ServerConnection | None:
         """A connection of ``worker`` from another daemon than ``daemon`` that still holds the worker id:

@@ -27,18 +27,19 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Container, Final, cast
+from typing import Any, Callable, Container, Final, Sequence, cast
 
 import numpy as np
 
 from bps_runtime import cuda, kernels, metrics
 from bps_runtime.loglimit import failed_rounds_log
 from bps_runtime.health import STALL_LIMIT_S, Pulse, Verdict
-from bps_runtime.stalls import capped
+from bps_runtime.stalls import Stall, capped, told_lines
 from bps_runtime import segments as shm
 from bps_runtime.timeline import Timeline
 from protocol.config import ClusterConfig, placement_items
-from protocol.messages import ASYNC_KINDS, FUSED_PREFIX, Abort, Op, Ping, Spec, Why, describe_spec
+from protocol.messages import (ASYNC_KINDS, FUSED_PREFIX, Abort, Notice, Op, Ping, Spec, Why, describe_spec,
+                               notice_lines)
 
 from .async_operation import AsyncName, AsyncOperation
 from .errors import BPSError
@@ -112,6 +113,8 @@ class WorkerDaemon:
         self.streams = self._server_links()
         self.links = {sid: streams[0] for sid, streams in self.streams.items()}
         self.all_links = [link for streams in self.streams.values() for link in streams]
+        for link in self.all_links:  # every local rank is in a round that waits at a server: each hears its lines
+            link.on_notice = partial(self.tell, None)
         self._new_epoch()
         # Tensors of at most this many bytes are fused (Welcome.fusion_bytes; bps_worker.fusion).
         self.fusion_bytes = self.placement.small_tensor_bytes
@@ -261,15 +264,27 @@ class WorkerDaemon:
                 self._execute(self.rounds.overdue_rounds(self.sessions.keys(), loop.time(), self.config.cluster.timeout))
             except Exception:
                 log.exception("internal error in the watch of open rounds")
-            for text in capped(self.stalls.warnings(loop.time(), self.rounds, self.all_links),
-                               "rounds have waited as long"):
-                log.warning("%s", text)
+            self.say_stalls(self.stalls.warnings(loop.time(), self.rounds, self.all_links), "rounds have waited as long")
             self.failures_log.flush(log)
             self.fusion.watch(loop.time())
             if loop.time() >= next_link_beat:
                 next_link_beat = loop.time() + link_interval
                 for link in self.all_links:
                     link.heartbeat()
+
+    def say_stalls(self, stalls: Sequence[Stall], what: str) -> None:
+        """Log the stall warnings of one look (a few lines and a count: capped), and tell each process the
+        lines about its own rounds (``Notice``), so that it says them in its own output."""
+        for text in capped(stalls, what):
+            log.warning("%s", text)
+        for local_rank, lines in told_lines(stalls, f"of this process's {what}").items():
+            self.tell(local_rank, lines)
+
+    def tell(self, local_rank: int | None, lines: list[str]) -> None:
+        """A ``Notice`` of ``lines`` to the process of ``local_rank`` (None: to every process)."""
+        for rank, session in list(self.sessions.items()):
+            if (local_rank is None or rank == local_rank) and not session.closed:
+                session.send(Notice(lines))
 
     async def stop(self) -> None:
         self.stopping = True

@@ -51,7 +51,7 @@ from protocol.messages import (
     fused_chunks,
 )
 
-from bps_runtime.stalls import StallWatch
+from bps_runtime.stalls import Stall, StallWatch
 
 from .errors import BPSError
 from .fused_operation import FusedOperation
@@ -136,17 +136,16 @@ class FusedSums:
         if self.rounds.collecting:
             daemon = self.daemon
             self.carry_out(self.rounds.overdue(daemon.sessions.keys(), now, daemon.config.cluster.timeout))
-        for text in self.stall_warnings(now):
-            log.warning("%s", text)
+        self.daemon.say_stalls(self.stall_warnings(now), "fused rounds have waited as long")
 
-    def stall_warnings(self, now: float) -> list[str]:
+    def stall_warnings(self, now: float) -> list[Stall]:
         """The rounds that waited the timeout (and again every timeout), as the local rounds' stalls are said
         (bps_worker.stalls): for local ranks, or at their anchor for the other machines."""
         after = self._stalls.warn_after_s
         rounds = self.rounds
         waits = {fr: fr.opened for fr in rounds.collecting.values() if now - fr.opened >= after}
         waits.update({fr: fr.reported_at for fr in rounds.reported.values() if now - fr.reported_at >= after})
-        texts = []
+        texts: list[Stall] = []
         worker, offset = self.daemon.worker_id, self.daemon.rank_offset
         for fr, waited in self._stalls.due(now, waits):
             where = (f"tensor {fr.name!r} (round {rounds.counts.get(fr.name, 0)} on worker {worker}) has waited "
@@ -154,12 +153,13 @@ class FusedSums:
             if fr.name in rounds.collecting:
                 absent = [r for r, e in enumerate(fr.entries) if e is None]
                 present = [r for r, e in enumerate(fr.entries) if e is not None]
-                texts.append(f"stall: {where} for {local_ranks(absent, offset)}, which did not submit it; submitted "
-                             f"by {local_ranks(present, offset)}. Every process must push every name once per "
-                             f"round: is one stuck, or skipping it?")
+                text = (f"stall: {where} for {local_ranks(absent, offset)}, which did not submit it; submitted by "
+                        f"{local_ranks(present, offset)}. Every process must push every name once per round: is one "
+                        f"stuck, or skipping it?")
             else:
-                texts.append(f"stall: {where} at server {fr.server}: every local rank submitted it, other workers "
-                             f"have not pushed it (the server's log names them)")
+                text = (f"stall: {where} at server {fr.server}: every local rank submitted it, other workers have "
+                        f"not pushed it (the server's log names them)")
+            texts.append(Stall(text, tuple(range(len(fr.entries)))))
         return texts
 
     def carry_out(self, out: Decisions[ClientSession]) -> None:

@@ -95,6 +95,7 @@ from protocol.messages import (
     FuseRunning,
     Hello,
     Message,
+    Notice,
     Ping,
     Push,
     Release,
@@ -400,6 +401,8 @@ class ServerLink:
         self.on_lost: Callable[[str], None] | None = None
         self.on_ready: Callable[[bool], None] | None = None
         self.on_gave_up: Callable[[str], None] | None = None
+        # The server's stall lines about rounds that wait with our pushes in them (Notice): for our processes.
+        self.on_notice: Callable[[list[str]], None] | None = None
 
     @property
     def connected(self) -> bool:
@@ -736,6 +739,9 @@ class ServerLink:
                 self.control.answer(message)
             case FusePlan() | FuseFailed() if self.on_fused is not None and self.stream == 0:
                 self.on_fused(message)
+            case Notice():
+                if self.on_notice is not None:
+                    self.on_notice(message.lines)
             case Failure():
                 self._on_failure(proto, message)
             case _:

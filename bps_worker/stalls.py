@@ -8,6 +8,8 @@ times per timeout what to log (:meth:`WorkerStalls.warnings`); when is decided b
 :class:`bps_runtime.stalls.StallWatch` (after the timeout, then every timeout). Once a round is due, it is
 still waiting if it is open and not failed, or if a partition of it is still in a link's window; else it is
 forgotten (one whose end was not said).
+Each warning is a :class:`~bps_runtime.stalls.Stall`, told to the local ranks of its round too (those that
+submitted it and those it waits for).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from bps_runtime.stalls import StallWatch
+from bps_runtime.stalls import Stall, StallWatch
 
 from .link import ServerLink
 from .local_rounds import LocalRound, LocalRounds
@@ -48,7 +50,7 @@ class WorkerStalls:
         ended is forgotten at the first look after it became due; until then it was kept, with its ops.)"""
         self._since.pop(lr, None)
 
-    def warnings(self, now: float, rounds: LocalRounds[Any], links: Sequence[ServerLink]) -> list[str]:
+    def warnings(self, now: float, rounds: LocalRounds[Any], links: Sequence[ServerLink]) -> list[Stall]:
         """What to log now about the rounds that waited ``warn_after_s`` or more (and again later)."""
         old = [(lr, began) for lr, began in self._since.items() if now - began >= self.watch.warn_after_s]
         if not old:
@@ -65,7 +67,8 @@ class WorkerStalls:
                 del self._since[lr]  # it completed or failed
             else:
                 waits[lr], where[lr] = began, at
-        return [self._text(lr, waited, where[lr]) for lr, waited in self.watch.due(now, waits)]
+        return [Stall(self._text(lr, waited, where[lr]), tuple(sorted({*lr.members, *lr.expected})))
+                for lr, waited in self.watch.due(now, waits)]
 
     @staticmethod
     def _at(lr: LocalRound[Any], rounds: LocalRounds[Any], pieces: dict[tuple[str, int], set[int]]

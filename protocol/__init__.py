@@ -13,7 +13,8 @@ reads and validates the cluster configuration (``config``).
 # FuseFailed (epoch); Welcome.fusion_bytes. 6: lane generations: FusePlan.lanes and FuseRunning.lanes, and the
 # fused tensors' names carry theirs (a version-5 worker would sum on lanes the anchor no longer runs). 7:
 # Failure.auth (a refusal at the handshake proves the token); Taken (a client mapped the results its Dones named;
-# a version-6 worker would refuse it as an unknown message).
-PROTOCOL_VERSION = 7
+# a version-6 worker would refuse it as an unknown message). 8: Notice (stall lines told to the processes and
+# workers that wait; a version-7 client or worker would refuse it as an unknown message).
+PROTOCOL_VERSION = 8
 
 __all__ = ["PROTOCOL_VERSION"]

@@ -974,6 +974,39 @@ class Taken(Message):
         _check_indexes("taken", "requests", self.reqs, len(self.reqs))
 
 
+# A Notice: at most this many lines, each at most this many characters (a stall line names a tensor, at most
+# MAX_NAME_CHARS, and a few ranks or workers), so that one always fits a frame's header (4 UTF-8 bytes a
+# character at most: 12 x 1,280 x 4 bytes, under 64 KiB).
+MAX_NOTICE_LINES: Final = 12
+MAX_NOTICE_LINE_CHARS: Final = 1280
+
+
+@dataclass(frozen=True, slots=True)
+class Notice(Message):
+    """Lines a training process should see that fail nothing: its tensors that stall. A worker daemon sends a
+    process the ``stall:`` lines of its log about the rounds that process is part of (one it submitted that
+    waits for its peers, or one its peers submitted that waits for it), and those its servers sent it about
+    them; a server sends a worker the lines about the rounds that wait for other workers. After the timeout,
+    then every timeout while the wait lasts. The client logs each line as a warning."""
+
+    TYPE: ClassVar[str] = "notice"
+    lines: list[str]
+
+    def validate(self) -> None:
+        if not 1 <= len(self.lines) <= MAX_NOTICE_LINES:
+            raise LocalProtocolError(f"notice of {len(self.lines)} lines; 1 to {MAX_NOTICE_LINES} allowed",
+                                     what="notice", size=len(self.lines), limit=MAX_NOTICE_LINES, unit="lines")
+        for line in self.lines:
+            if not isinstance(line, str) or len(line) > MAX_NOTICE_LINE_CHARS:
+                raise LocalProtocolError(f"notice line is not text of at most {MAX_NOTICE_LINE_CHARS} characters")
+
+
+def notice_lines(lines: list[str]) -> list[str]:
+    """``lines`` made fit for a :class:`Notice` (the first MAX_NOTICE_LINES, each cut at MAX_NOTICE_LINE_CHARS)."""
+    cut = MAX_NOTICE_LINE_CHARS - 3
+    return [line if len(line) <= MAX_NOTICE_LINE_CHARS else line[:cut] + "..." for line in lines[:MAX_NOTICE_LINES]]
+
+
 @dataclass(frozen=True, slots=True)
 class FuseReady(Message):
     """Worker to the anchor server of ``names``: every local process issued these small sums (tensor
@@ -1221,7 +1254,8 @@ MESSAGES: Final[dict[str, type[Message]]] = {
     cls.TYPE: cls
     for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, Announce, Release, RoundQuery,
                 RoundInfo, Ping, StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch, OpBatch, DoneBatch,
-                FuseReady, FuseAbort, FusePlan, FuseRunning, FusePast, FuseResync, FuseFailed, Restored, Taken)
+                FuseReady, FuseAbort, FusePlan, FuseRunning, FusePast, FuseResync, FuseFailed, Restored, Taken,
+                Notice)
 }
 
 class _Field(NamedTuple):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -45,9 +46,23 @@ def push_while_a_server_stalls(server_pid: int, resume_after_s: float | None, n:
     return {"error": None, "exact": bool((out == total).all()), "seconds": time.monotonic() - start}
 
 
+class _Heard(logging.Handler):
+    """The warnings the client logged (its daemon's notices)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def late_rank(late: int, delay_s: float, n: int) -> dict[str, Any]:
     """Three rounds of tensor "late" by every rank; rank ``late`` comes ``delay_s`` late to round 1 (it
-    stalls, alive). Round 0 connects every link (a worker connects to a server at its first push)."""
+    stalls, alive). Round 0 connects every link (a worker connects to a server at its first push). Reports
+    whether every sum was exact and what the client logged meanwhile (``heard``)."""
+    heard = _Heard()
+    logging.getLogger("bps_worker.client").addHandler(heard)
     rank = bps.rank()
     outs = []
     for round_ in range(3):
@@ -55,7 +70,7 @@ def late_rank(late: int, delay_s: float, n: int) -> dict[str, Any]:
             time.sleep(delay_s)
         outs.append(bps.push_pull(np.full(n, rank + 1, np.float32), "late", average=False))
     total = sum(range(1, bps.size() + 1))
-    return {"exact": all(bool((out == total).all()) for out in outs)}
+    return {"exact": all(bool((out == total).all()) for out in outs), "heard": heard.lines}
 
 
 def fused_step_issued_during_a_drop(server_pid: int, stall_s: float, wait_s: float, names: int, steps: int,

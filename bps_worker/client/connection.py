@@ -10,11 +10,16 @@ when the daemon asks (a ``Ping``: its periodic one, or one it sends where it wai
 One reader thread receives everything. When the connection breaks (the daemon closed it, sent a bad frame,
 dropped this process, or fell silent for ``timeout`` while something was pending) every waiting request
 fails with one :class:`BPSConnectionError`, and every later request is refused with it.
+
+The daemon also tells the process what fails nothing but it should know (``Notice``): its tensors that stall
+(a peer that never pushed one, after the timeout and every timeout again). The reader logs each line as a
+warning of the ``bps_worker.client`` logger: on stderr where the program set up no logging.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import select
 import socket as _socket
@@ -28,7 +33,7 @@ from protocol.errors import ProtocolError
 from protocol.frames import Frame, FrameReader, encode_message
 from protocol.handshake import ClientHandshake, Established, HandshakeRefused
 from protocol.messages import (MAX_FUSED_ENTRIES, ROLE_CLIENT, Alloc, Allocated, Done, DoneBatch, Failure, Hello,
-                               Message, Ping, Taken, Welcome, parse)
+                               Message, Notice, Ping, Taken, Welcome, parse)
 
 from bps_runtime.segments import SHM_DIR
 from bps_runtime.timeline import now_us
@@ -37,6 +42,8 @@ from ..errors import BPSConnectionError, BPSError, BPSTimeoutError, error_from_f
 from .handle import Handle
 
 __all__ = ["CONNECT_RETRY_S", "Connection"]
+
+log = logging.getLogger("bps_worker.client")
 
 CONNECT_RETRY_S: Final = 0.05  # between attempts while the daemon's socket is not there yet
 
@@ -250,6 +257,10 @@ class Connection:
         self._fail_everything(BPSConnectionError(reason, peer=self.peer))
 
     def _dispatch(self, message: Message) -> None:
+        if isinstance(message, Notice):
+            for line in message.lines:
+                log.warning("%s", line)
+            return
         if isinstance(message, DoneBatch):
             with self.lock:
                 handles = self.handles

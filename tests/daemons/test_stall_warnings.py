@@ -1,6 +1,7 @@
 """A training process that stalls (alive and connected, it never pushes a tensor its peers pushed) fails
 nothing, but the daemons say so in their logs after the timeout: the worker daemon names the tensor
-and the local ranks that did and did not submit it, and the server the workers it waits for."""
+and the local ranks that did and did not submit it, and the server the workers it waits for. The ranks
+involved hear the same lines (Notice) and log them as warnings."""
 
 from __future__ import annotations
 
@@ -21,7 +22,13 @@ def _log(cluster, label: str) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_that_never_submits_is_named_in_its_worker_daemons_log(tmp_path):
+@pytest.mark.parametrize("fusion", ["default", "0"])
+def test_a_rank_that_never_submits_is_named_in_its_worker_daemons_log_and_to_the_ranks(tmp_path, monkeypatch,
+                                                                                       fusion):
+    """Also told to both ranks (Notice), which log it as a warning: the one that waits for its peer, and the
+    late one itself (its reader thread logs it while the program sleeps). Fused and unfused alike."""
+    if fusion != "default":
+        monkeypatch.setenv("BPS_FUSION_BYTES", fusion)
     cluster = start_cluster(write_config(tmp_path, [2], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))
     try:
         results = run_ranks(cluster, sp.late_rank, 1, LATE_S, 1000, timeout=90)
@@ -29,14 +36,19 @@ def test_a_rank_that_never_submits_is_named_in_its_worker_daemons_log(tmp_path):
     finally:
         cluster.stop()
     assert all(r["exact"] for r in results), results  # a stall is not an error: the round completes
-    warnings = re.findall(r"WARNING stall: tensor 'late' \(round 1 on worker 0\) has waited [\d.]+ s for local "
-                          r"rank 1 \(rank 1\), which did not submit it; submitted by local rank 0 \(rank 0\)", log)
-    assert warnings, log
+    said = (r"stall: tensor 'late' \(round 1 on worker 0\) has waited [\d.]+ s for local rank 1 \(rank 1\), which did "
+            r"not submit it; submitted by local rank 0 \(rank 0\)")
+    assert re.findall("WARNING " + said, log), log
     assert "tensor 'late' (round 0" not in log and "tensor 'late' (round 2" not in log, log  # on time
+    for rank, r in enumerate(results):
+        assert r["heard"] and all(re.match(said, line) for line in r["heard"]), (rank, r["heard"])
 
 
 @pytest.mark.timeout(120)
-def test_a_machine_whose_rank_never_submits_is_named_by_the_server(tmp_path):
+@pytest.mark.parametrize("fusion", ["default", "0"])  # the anchor's planner, or the round table
+def test_a_machine_whose_rank_never_submits_is_named_by_the_server_and_to_the_ranks(tmp_path, monkeypatch, fusion):
+    if fusion != "default":
+        monkeypatch.setenv("BPS_FUSION_BYTES", fusion)
     cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))
     try:
         results = run_ranks(cluster, sp.late_rank, 1, LATE_S, 1000, timeout=90)
@@ -49,8 +61,14 @@ def test_a_machine_whose_rank_never_submits_is_named_by_the_server(tmp_path):
     assert re.search(r"WARNING stall: tensor 'late' \(round 1 on worker 0\) has waited [\d.]+ s at server \d: "
                      r"every local rank submitted it, other workers have not pushed it", worker_log), worker_log
     # That server knows who: worker 1 (whose rank 1 is late) has not pushed, worker 0 has.
-    assert re.search(r"WARNING stall: round \d+ of 'late' part 0 has waited [\d.]+ s for worker 1, whose "
-                     r"processes have not pushed it \(pushed by worker 0\)", server_logs), server_logs
+    said = (r"stall: round \d+ of 'late' part 0 has waited [\d.]+ s for worker 1, whose processes have not pushed it "
+            r"\(pushed by worker 0\)")
+    assert re.search("WARNING " + said, server_logs), server_logs
+    # Both ranks hear the server's line (a Notice to both workers, passed on); rank 0 its worker's too.
+    assert any(re.match(said, line) for line in results[0]["heard"]), results[0]["heard"]
+    assert any(re.match(said, line) for line in results[1]["heard"]), results[1]["heard"]
+    assert any(re.match(r"stall: tensor 'late' \(round 1 on worker 0\) has waited [\d.]+ s at server \d: every "
+                        r"local rank submitted it", line) for line in results[0]["heard"]), results[0]["heard"]
 
 
 @pytest.mark.timeout(120)

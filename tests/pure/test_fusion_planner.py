@@ -148,8 +148,9 @@ def test_a_name_that_waits_for_a_worker_is_said_in_the_log_after_the_timeout_and
     p.report(0, ["late"], [F32], [1], now=100.0)
     p.report(2, ["late"], [F32], [1], now=101.0)
     assert p.stall_warnings(104.0) == []
-    [text] = p.stall_warnings(105.5)
-    assert text == ("stall: round 1 of 'late' part 0 has waited 5.5 s for worker 1, whose processes have not pushed "
+    [stall] = p.stall_warnings(105.5)
+    assert stall.told == (0, 1, 2)  # told to every worker: those that wait, and the one waited for
+    assert stall.text == ("stall: round 1 of 'late' part 0 has waited 5.5 s for worker 1, whose processes have not pushed "
                     "it (pushed by worker 0, 2)")
     assert p.stall_warnings(107.0) == [] and len(p.stall_warnings(110.6)) == 1
     p.report(1, ["late"], [F32], [1], now=111.0)

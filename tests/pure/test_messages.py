@@ -11,7 +11,7 @@ import pytest
 
 from protocol import messages as m
 from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
-from protocol.frames import FrameReader, encode_header
+from protocol.frames import DEFAULT_MAX_HEADER_BYTES, FrameReader, encode_header
 
 # One fully populated instance per message type, with non-default values everywhere.
 SAMPLES: dict[str, m.Message] = {
@@ -51,6 +51,7 @@ SAMPLES: dict[str, m.Message] = {
                           offsets=[0, 64, 128], priority=[0, -1, 3]),
     "done_batch": m.DoneBatch(reqs=[4, 5, 6]),
     "taken": m.Taken(reqs=[4, 6]),
+    "notice": m.Notice(lines=["stall: tensor 'w' (round 3 on worker 0) has waited 30.0 s for local rank 1 (rank 1)"]),
     "fuse_ready": m.FuseReady(names=["a", "b"], specs=[["int64", [3], False, ""]], spec=[0, 0], counts=[3, 0],
                               rounds=[7, 0]),
     "fuse_running": m.FuseRunning(seq=4, names=["a", "b"], counts=[4, 1], rounds=[9, 2], lanes="0123abcd.2"),
@@ -695,3 +696,18 @@ def test_the_relayed_why_says_who_gave_the_round_up_before_its_text_and_detail()
         "float32[5]"
     assert told.detail == "worker 0 gave the fused sum up: rank 0 has float32[4] but rank 1 has float32[5]"
     assert told.sides == why.sides and m.Why("gone").relayed("worker 2").detail == "worker 2"
+
+
+def test_a_notice_is_bounded_and_its_lines_made_to_fit():
+    with pytest.raises(LocalProtocolError, match="notice of 0 lines; 1 to 12 allowed"):
+        m.Notice([])
+    with pytest.raises(LocalProtocolError, match="notice of 13 lines"):
+        m.Notice(["x"] * 13)
+    with pytest.raises(LocalProtocolError, match="notice line is not text of at most 1280 characters"):
+        m.Notice(["x" * 1281])
+    with pytest.raises(RemoteProtocolError, match="notice line is not text"):
+        m.parse({"t": "notice", "lines": ["ok", 3]})
+    lines = m.notice_lines(["a" * 5000, "b"] + ["c"] * 20)
+    assert len(lines) == 12 and lines[0] == "a" * 1277 + "..." and lines[1:] == ["b"] + ["c"] * 10
+    encoded = m.to_header(m.Notice(m.notice_lines(["\U0001f600" * 5000] * 20)))
+    assert len(msgpack.packb(encoded, use_bin_type=True)) < DEFAULT_MAX_HEADER_BYTES  # always one frame

@@ -34,8 +34,9 @@ def test_a_round_waiting_for_a_local_rank_names_it_and_who_submitted():
     stalls.began(opened.round, 10.0)
     rounds.submit("s2", 2, _op(2))
     assert stalls.warnings(13.9, rounds, []) == []
-    (text,) = stalls.warnings(14.0, rounds, [])
-    assert text == ("stall: tensor 'w' (round 0 on worker 1) has waited 4.0 s for local rank 1 (rank 4), which did "
+    (stall,) = stalls.warnings(14.0, rounds, [])
+    assert stall.told == (0, 1, 2)  # told to those that submitted and to the one it waits for
+    assert str(stall) == stall.text == ("stall: tensor 'w' (round 0 on worker 1) has waited 4.0 s for local rank 1 (rank 4), which did "
                     "not submit it; submitted by local ranks 0, 2 (ranks 3, 5). Every process must push every "
                     "name once per round: is one stuck, or skipping it?")
     assert stalls.warnings(15.0, rounds, []) == []  # said; again after another timeout
@@ -50,8 +51,9 @@ def test_a_round_every_local_rank_submitted_waits_at_the_servers_holding_its_par
     rounds.numbers.learn("w", 0, 7)  # our round 0 is the servers' round 7
     stalls.began(ready.round, 20.0)
     links = [_link(0, ("w", 7), ("v", 7)), _link(2, ("w", 7)), _link(1, ("w", 6))]
-    (text,) = stalls.warnings(24.5, rounds, links)
-    assert text == ("stall: tensor 'w' (round 0 on worker 0) has waited 4.5 s at servers 0, 2: every local rank "
+    (stall,) = stalls.warnings(24.5, rounds, links)
+    assert stall.told == (0,)
+    assert stall.text == ("stall: tensor 'w' (round 0 on worker 0) has waited 4.5 s at servers 0, 2: every local rank "
                     "submitted it, other workers have not pushed it (the server's log names them)")
     assert stalls.warnings(30.0, rounds, [_link(1, ("w", 6))]) == []  # answered: forgotten
     assert stalls.warnings(40.0, rounds, links) == []
