@@ -60,14 +60,14 @@ class AsyncValues:
     def restored(self, worker: int) -> None:
         self._run(self.store.worker_restored(worker, time.monotonic()))
 
-    def connected(self, worker: int) -> None:
-        self.store.worker_connected(worker)
+    def connected(self, worker: int, epoch: str = "") -> None:
+        self._run(self.store.worker_connected(worker, epoch))
 
     def disconnected(self, worker: int) -> None:
         self.store.worker_disconnected(worker, time.monotonic())
 
-    def reset(self, worker: int) -> None:
-        self._run(self.store.worker_reset(worker))
+    def reset(self, worker: int, epoch: str = "") -> None:
+        self._run(self.store.worker_reset(worker, epoch))
 
     def sweep(self) -> None:
         self._sweeper = None
@@ -75,11 +75,14 @@ class AsyncValues:
         self._arm()
 
     def _arm(self) -> None:
-        """Sweep a quarter timeout from now while anything waits (or a machine is away): nothing else asks."""
+        """Sweep a quarter timeout from now while anything could wait (a value is held, a push waits for a
+        restore, a machine is away): nothing else asks. Decided in constant time: it runs after every push (a
+        look over every key for waiters made a push's cost grow with the keys held, 30 times at 10,000)."""
+        if self._sweeper is not None:
+            return
         s = self.store
-        busy = s.pending or set(s.disconnected) - s.excluded or s.restoring_since is not None or any(
-            st.inits or st.held for st in s.keys.values())
-        if busy and self._sweeper is None:
+        busy = s.keys or s.pending or s.restoring_since is not None or set(s.disconnected) - s.excluded
+        if busy:
             every = self.timeout_s / 4 if s.restoring_since is None else min(self.timeout_s / 4, s.restore_grace_s())
             self._sweeper = asyncio.get_running_loop().call_later(every, self.sweep)
 

@@ -331,7 +331,7 @@ class ServerConnection(AdmittedProtocol):
         if reset.worker != self.worker:
             raise RemoteProtocolError(f"worker {self.worker} sent a reset for worker {reset.worker}")
         failed = self.server.aggregator.worker_reset(reset.worker, reset.epoch)
-        self.server.values.reset(reset.worker)
+        self.server.values.reset(reset.worker, reset.epoch)
         endings = self.server.fusion.endings
         self.server.fused(self.server.fusion.worker_gone(reset.worker, Why(
             f"every training process of worker {reset.worker} left", "round_failed"), reset=True,
@@ -635,7 +635,7 @@ class ServerConnection(AdmittedProtocol):
             self.server.aggregator.worker_hello(hello.id, hello.epoch)
             if self.server.fusion.endings != endings:  # (its Reset was lost with a connection)
                 self.server.lanes_ended()
-            self.server.values.connected(hello.id)
+            self.server.values.connected(hello.id, hello.epoch)
 
     def _fused_drop(self) -> None:
         """This worker's connection is gone (closed, or replaced by its reconnect): the fused sums waiting on

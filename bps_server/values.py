@@ -45,6 +45,7 @@ right after it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Generic, TypeVar, Union
@@ -145,6 +146,7 @@ class ValueStore(Generic[W]):
         self.seen: set[int] = set()
         self.excluded: set[int] = set()  # declared dead, or reset: they hold nobody back
         self.reset_workers: set[int] = set()
+        self.epochs: dict[int, str] = {}  # each worker's numbering (its daemon's epoch), as it last connected
         self.replays = 0  # pushes whose step the value held already (answered, not added again)
 
     def has(self, name: str, part: int) -> bool:
@@ -216,15 +218,23 @@ class ValueStore(Generic[W]):
         return fails
 
     def _refusal(self, st: _Key[W], push: Push) -> Why | None:
-        """Why ``push`` disagrees with the key, as its sender hears it; None if it agrees."""
+        """Why ``push`` disagrees with the key, as its sender hears it; None if it agrees. A key restored from a
+        copy of a delta (a server restart) knows its bound but not its root: an init is held to that bound, and
+        the first one that agrees stands for the root from then on (``_init``)."""
         first = st.first
         if _descriptor(push) != _descriptor(first):
             return Why.pushes_disagree(first, push).for_push(push)
-        if push.kind == KIND_ASYNC_INIT and first.kind == KIND_ASYNC_INIT and (
-                push.root != first.root or push.staleness != first.staleness):
+        if push.kind != KIND_ASYNC_INIT:
+            return None
+        if first.kind == KIND_ASYNC_INIT and (push.root != first.root or push.staleness != first.staleness):
             ours, theirs = describe(first), describe(push)  # (with their roots and bounds)
             return Why.mismatch(push.name, ours, theirs, f"worker {first.worker} initialised it as {ours} but "
                                                          f"worker {push.worker} as {theirs}").heard_by(theirs)
+        if first.kind != KIND_ASYNC_INIT and _staleness(push) != st.staleness:
+            ours, theirs = describe(dataclasses.replace(push, staleness=first.staleness)), describe(push)
+            return Why.mismatch(push.name, ours, theirs, f"the value restored from worker {first.worker}'s copy has "
+                                                         f"the bound of {ours} but worker {push.worker} initialised "
+                                                         f"it as {theirs}").heard_by(theirs)
         return None
 
     def _init(self, st: _Key[W], w: _Waiter[W], payload: np.ndarray, now: float) -> list[Action[W]]:
@@ -238,6 +248,8 @@ class ValueStore(Generic[W]):
         if st.value is None:
             st.inits.append(w)
             return []
+        if st.first.kind != KIND_ASYNC_INIT:  # restored from a delta's copy: this init (it agreed) names the root
+            st.first = push
         return [self._answer(st, w)]
 
     def _delta(self, st: _Key[W], w: _Waiter[W], payload: np.ndarray, now: float) -> list[Action[W]]:
@@ -350,19 +362,32 @@ class ValueStore(Generic[W]):
         if worker not in self.disconnected:
             self.excluded.discard(worker)
 
-    def worker_connected(self, worker: int) -> None:
+    def worker_connected(self, worker: int, epoch: str = "") -> list[Action[W]]:
         """A connection of ``worker`` (again): it holds others back again, unless its processes all left (a
-        reset): then only once they are back, i.e. it pushes again (``_joined``)."""
+        reset): then only once they are back, i.e. it pushes again (``_joined``). A worker back with another
+        ``epoch`` (its numbering: a daemon that started anew, or reset while its Reset was lost with a
+        connection) has none of the processes it had: that is a reset, as the round table takes it (without
+        it, a machine whose daemon a supervisor restarted held the others back by the staleness bound for ever,
+        and the next job found the last one's values)."""
+        previous = self.epochs.get(worker)
+        if epoch:
+            self.epochs[worker] = epoch
         self.seen.add(worker)
         self.disconnected.pop(worker, None)
+        if epoch and previous is not None and previous != epoch and worker not in self.reset_workers:
+            return self.worker_reset(worker)
         if worker not in self.reset_workers:
             self.excluded.discard(worker)
+        return []
 
     def worker_disconnected(self, worker: int, now: float) -> None:
         self.disconnected.setdefault(worker, now)
 
-    def worker_reset(self, worker: int) -> list[Action[W]]:
-        """Every process of ``worker`` left: it holds nobody back; once all did, every key is dropped."""
+    def worker_reset(self, worker: int, epoch: str = "") -> list[Action[W]]:
+        """Every process of ``worker`` left: it holds nobody back; once all did, every key is dropped. ``epoch``:
+        its new numbering (a later connection with it is the same daemon, see ``worker_connected``)."""
+        if epoch:
+            self.epochs[worker] = epoch
         self.reset_workers.add(worker)
         self.excluded.add(worker)
         if len(self.reset_workers) >= self.n:

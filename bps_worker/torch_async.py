@@ -29,6 +29,7 @@ import torch
 
 from .client import BPSError, Handle
 from .client import adapter as _adapter
+from .client.arguments import check_staleness
 from .client import synchronize as _synchronize
 
 _CREATED = itertools.count()  # the order of AsyncParameters made in this process
@@ -49,13 +50,12 @@ class AsyncParameters:
     """The asynchronous buckets of one optimizer's parameters (see the module docstring)."""
 
     def __init__(self, params: list[tuple[str, torch.Tensor]], bucket_bytes: int, staleness: int | None) -> None:
-        if staleness is not None and (not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0):
-            raise BPSError(f"staleness must be None or an integer >= 0, got {staleness!r}")
+        bound = check_staleness(staleness)  # (any integer type, as numpy's)
         for name, p in params:
             if p.dtype not in _DTYPES:
                 raise BPSError(f"parameter {name!r} has dtype {p.dtype}; asynchronous mode holds float32, float64, "
                                f"float16 and bfloat16 parameters")
-        self.staleness = staleness
+        self.staleness = None if bound < 0 else bound
         self.buckets = _buckets(params, bucket_bytes)
         self.initialised = False
         self.replaced = False  # by a newer AsyncParameters (or a synchronous optimizer) over the same parameters

@@ -81,6 +81,20 @@ def check_priority(name: str, priority: object) -> int:
     return value
 
 
+def check_staleness(staleness: object) -> int:
+    """An async_init's staleness bound on the wire: -1 for None, else the bound (an integer >= 0 of any integer
+    type, as numpy's; not a bool)."""
+    if staleness is None:
+        return -1
+    try:
+        bound = operator.index(staleness)  # type: ignore[arg-type]
+    except TypeError:
+        bound = -1
+    if isinstance(staleness, (bool, np.bool_)) or bound < 0:
+        raise BPSError(f"staleness must be None or an integer >= 0, got {staleness!r}")
+    return bound
+
+
 def check_average(name: str, average: object, wire: str) -> bool:
     """``average`` as a bool; averaging needs a floating dtype (an integer mean would be rounded)."""
     flag = bool(average)

@@ -33,7 +33,7 @@ from bps_runtime.timeline import Timeline, now_us
 
 from ..errors import BPSError, BPSTimeoutError
 from .arguments import (INPUT_PREFIX, check_average, check_dtype, check_layout, check_name, check_out,
-                        check_priority, check_shape)
+                        check_priority, check_shape, check_staleness)
 from .arrays import NUMPY_DTYPES, same_memory, view_of
 from .connection import Connection
 from .fusion import Entry, FusionBuffer
@@ -128,18 +128,10 @@ class Operations:
             raise BPSError(f"root_rank must be an integer in 0..{self.size - 1}, got {root_rank!r}")
         return root
 
-    def check_staleness(self, staleness: object) -> int:
-        """An async_init's staleness bound on the wire: -1 for None, else the bound (an integer >= 0)."""
-        if staleness is None:
-            return -1
-        if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
-            raise BPSError(f"staleness must be None or an integer >= 0, got {staleness!r}")
-        return staleness
-
     def start_async_init(self, array: np.ndarray, name: str, root_rank: int, staleness: int | None) -> Handle:
         """Start ``async_init`` (see :func:`bps_worker.client.async_init`)."""
         return self.start(array, name, KIND_ASYNC_INIT, average=False, priority=0, root=self.check_root(root_rank),
-                          out=None, staleness=self.check_staleness(staleness))
+                          out=None, staleness=check_staleness(staleness))
 
     def start_async(self, delta: np.ndarray, name: str) -> Handle:
         """Start ``async_push_pull`` (see :func:`bps_worker.client.async_push_pull`)."""

@@ -41,9 +41,10 @@ def test_a_server_killed_and_restarted_mid_run_keeps_every_delta_exactly_once(tm
 TIMEOUT_S = 2.0
 
 
-def _kill_when_running(cluster, victim: str, killed_at: list[float]) -> threading.Thread:
+def _kill_when_running(cluster, victim: str, killed_at: list[float], restart: bool = False) -> threading.Thread:
     """Kill ``victim`` -9 once the servers took 10 deltas of every machine (each is past its init: without a
-    bound the others push on their own, and 30 of theirs could come before the victim's process connected)."""
+    bound the others push on their own, and 30 of theirs could come before the victim's process connected);
+    ``restart``: start it again at once, as a supervisor would."""
     workers = [str(w.id) for w in cluster.config.worker_specs]
 
     def pushed() -> int:
@@ -58,6 +59,8 @@ def _kill_when_running(cluster, victim: str, killed_at: list[float]) -> threadin
             time.sleep(0.02)
         killed_at.append(time.time())
         cluster.kill(victim)
+        if restart:
+            cluster.restart(victim)
 
     thread = threading.Thread(target=kill, daemon=True)
     thread.start()
@@ -90,6 +93,31 @@ def test_a_worker_machine_killed(tmp_path, staleness):
             assert r["error"] == "BPSConnectionError" and r["peer"] == "worker 2", (r, logs)
             assert TIMEOUT_S - 0.5 < r["at"] - killed_at[0] < 1.25 * TIMEOUT_S + 2, r["at"] - killed_at[0]
             assert r["after"] == 5, r  # declared dead, it holds nobody back: the next pushes return
+
+
+def test_a_worker_machine_whose_daemon_is_restarted_without_its_process_holds_nobody_back(tmp_path):
+    """As above with a bound, but machine 2's daemon is started again at once (a supervisor's restart) and no
+    process comes back: the new daemon connects with another numbering, which the servers take as that
+    machine's processes gone (a review's case: it counted as live again, and held the others back for ever).
+    The others go on: unhindered where it connected within the timeout, else after the error that declared it
+    dead."""
+    cluster = start_cluster(write_config(tmp_path, [1, 1, 1], cluster={"timeout": TIMEOUT_S}))
+    killed_at: list[float] = []
+    try:
+        killer = _kill_when_running(cluster, "worker-2", killed_at, restart=True)
+        results = run_ranks(cluster, ap.push_until_error, "dead", 1, 2.5 * TIMEOUT_S + 1, timeout=60,
+                            client_timeout=TIMEOUT_S)
+        killer.join()
+        logs = daemon_logs(cluster)
+    finally:
+        cluster.stop()
+    assert killed_at, "the job never ran"
+    assert results[2]["error"] == "BPSConnectionError", results[2]  # its own daemon died
+    for r in results[:2]:
+        if r["error"] is None:
+            assert sum(t > killed_at[0] + TIMEOUT_S for t in r["times"]) > 10, (r, logs)
+        else:
+            assert r["error"] == "BPSConnectionError" and r["after"] == 5, (r, logs)
 
 
 @pytest.mark.timeout(120)

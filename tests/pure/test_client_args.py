@@ -17,6 +17,7 @@ from bps_worker.client.arguments import (
     check_out,
     check_priority,
     check_shape,
+    check_staleness,
 )
 from protocol.messages import MAX_DIMS, MAX_NAME_CHARS
 
@@ -110,3 +111,17 @@ def test_a_dtype_that_is_no_dtype_is_a_bps_error():
 
     with pytest.raises(BPSError, match="unsupported dtype"):
         check_dtype(np.zeros(3))
+
+
+@pytest.mark.parametrize("bound, wire", [(None, -1), (0, 0), (3, 3), (np.int64(1), 1), (np.uint8(2), 2)])
+def test_a_staleness_bound_of_any_integer_type_passes(bound, wire) -> None:
+    """numpy's integers too, as for a root rank (a review's case: np.int64(1) was refused, np.int64(0) as a root
+    taken)."""
+    got = check_staleness(bound)
+    assert got == wire and type(got) is int
+
+
+@pytest.mark.parametrize("bound", [-1, True, np.True_, 1.0, "1", np.float32(1)])
+def test_a_staleness_bound_that_is_no_integer_at_least_0_is_refused(bound) -> None:
+    with pytest.raises(BPSError, match="staleness must be None or an integer >= 0"):
+        check_staleness(bound)

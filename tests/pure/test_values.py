@@ -320,3 +320,69 @@ def test_a_run_without_asynchronous_values_ends_its_restore_without_a_word() -> 
         s.worker_connected(w)
         s.worker_restored(w, 0.0)
     assert s.sweep(RESTORE_GRACE_S) == [] and s.restoring_since is None
+
+
+def test_a_worker_back_with_another_numbering_is_a_reset_and_the_same_one_is_not() -> None:
+    """A machine's daemon killed and started again by its supervisor, with no training process: it connects with
+    another epoch and never sends a Reset. It used to count as live again, and held the others back by the bound
+    for ever (a review's reproducer: 30 s, ten timeouts). Back with the same epoch (a dropped connection), its
+    processes are still there and it is waited for."""
+    s = store()
+    for w in range(3):
+        s.worker_connected(w, f"e{w}")
+    initialised(s, arr(0, 0, 0, 0), staleness=0)
+    s.worker_disconnected(1, 1.0)
+    assert s.worker_connected(1, "e1") == []  # the same daemon: waited for
+    s.push(delta(0, 1), arr(1, 1, 1, 1), "a", 2.0)
+    assert s.push(delta(2, 1), arr(1, 1, 1, 1), "b", 2.0) == []  # both wait for worker 1
+    s.worker_disconnected(1, 3.0)
+    released = answers(s.worker_connected(1, "new"))  # a new daemon: its processes are gone
+    assert released.keys() == {"a", "b"} and s.reset_workers == {1}
+    s.push(delta(1, 1), arr(1, 1, 1, 1), "c", 4.0)  # its processes came back: waited for again
+    s.push(delta(0, 2), arr(1, 1, 1, 1), "d", 5.0)
+    assert answers(s.push(delta(2, 2), arr(1, 1, 1, 1), "e", 5.0)) == {}  # both wait for worker 1's step 2
+
+
+def test_a_reset_says_its_numbering_so_a_later_reconnect_is_not_another() -> None:
+    s = store()
+    for w in range(3):
+        s.worker_connected(w, f"e{w}")
+    initialised(s, arr(0, 0, 0, 0), staleness=0)
+    s.worker_reset(2, "e2b")  # its processes left; it numbers anew from now on
+    s.push(delta(2, 1), arr(1, 1, 1, 1), "a", 1.0)  # and came back
+    s.worker_disconnected(2, 2.0)
+    s.worker_connected(2, "e2b")  # a dropped connection of that daemon: not a reset
+    assert s.reset_workers == set() and 2 not in s.excluded
+
+
+def test_the_next_job_does_not_find_the_values_of_one_whose_daemon_started_anew() -> None:
+    """Worker 0's processes ended (Reset), worker 1's daemon crashed and was started again (no Reset, another
+    epoch): every machine's processes are gone, so the job is over and its values go. The next job's root
+    init sets the value again (it was answered with the last job's)."""
+    s = store(2)
+    for w in range(2):
+        s.worker_connected(w, f"e{w}")
+    initialised(s, arr(1, 1, 1, 1))
+    s.push(delta(1, 1), arr(5, 5, 5, 5), "d", 1.0)
+    s.worker_reset(0, "e0b")
+    s.worker_disconnected(1, 2.0)
+    actions = s.worker_connected(1, "e1b")
+    assert s.keys == {} and any(isinstance(a, Note) and "dropping 1 asynchronous values" in a.message
+                                for a in actions)
+    got = answers(s.push(init(0), arr(100, 100, 100, 100), "next", 3.0))
+    assert got["next"].value.tolist() == [100] * 4 and got["next"].applied == [0, 0]
+
+
+def test_an_init_after_a_restore_from_a_delta_is_held_to_its_bound_then_to_the_first_root() -> None:
+    """A restarted run rebuilt "w" from a copy of a delta's answer (bound 1, no root): an init with bound 3 was
+    answered as if it agreed (before the restart it is refused). Now it is refused; the first init that agrees
+    stands for the root, and a later one with another root is refused as before a restart."""
+    s = restarted(2)
+    s.restore(restore_push(0, [5, 4], staleness=1), arr(9, 9, 9, 9), 0.0)
+    for w in range(2):
+        s.worker_restored(w, 0.0)
+    (refused,) = s.push(init(1, staleness=3), arr(0, 0, 0, 0), "bound", 1.0)
+    assert isinstance(refused, Fail) and refused.why.code == "mismatch" and "restored" in refused.why.text
+    assert answers(s.push(init(1, staleness=1), arr(0, 0, 0, 0), "agrees", 1.0))["agrees"].value.tolist() == [9] * 4
+    (other_root,) = s.push(init(0, root=2, staleness=1), arr(0, 0, 0, 0), "root", 1.0)
+    assert isinstance(other_root, Fail) and other_root.why.code == "mismatch"
