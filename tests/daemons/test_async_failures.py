@@ -67,16 +67,14 @@ def _kill_when_running(cluster, victim: str, killed_at: list[float], restart: bo
     return thread
 
 
-@pytest.mark.parametrize("staleness", [1, None], ids=["bound-1", "unbounded"])
-def test_a_worker_machine_killed(tmp_path, staleness):
-    """Three machines of one process push; machine 2's worker daemon is killed -9 (its process loses it).
-    With a bound, the others' pushes are held back by it until the timeout declares it dead: then they get
-    a BPSConnectionError naming worker 2, within the timeout (plus the sweep's quarter) of the kill, and
-    their next pushes return at once. Without one, they never notice and go on pushing."""
+def _worker_2_killed(tmp_path, staleness: int | None, restart: bool) -> tuple[list[dict], float, str]:
+    """Three machines of one process push (``push_until_error``) while machine 2's worker daemon is killed -9
+    (its process loses it) and, with ``restart``, started again at once: the ranks' results, when it was
+    killed, and the daemons' logs. Machine 2's own process gets a BPSConnectionError (checked here)."""
     cluster = start_cluster(write_config(tmp_path, [1, 1, 1], cluster={"timeout": TIMEOUT_S}))
     killed_at: list[float] = []
     try:
-        killer = _kill_when_running(cluster, "worker-2", killed_at)
+        killer = _kill_when_running(cluster, "worker-2", killed_at, restart)
         results = run_ranks(cluster, ap.push_until_error, "dead", staleness, 2.5 * TIMEOUT_S + 1, timeout=60,
                             client_timeout=TIMEOUT_S)
         killer.join()
@@ -85,13 +83,22 @@ def test_a_worker_machine_killed(tmp_path, staleness):
         cluster.stop()
     assert killed_at, "the job never ran"
     assert results[2]["error"] == "BPSConnectionError", results[2]  # its own daemon died
+    return results, killed_at[0], logs
+
+
+@pytest.mark.parametrize("staleness", [1, None], ids=["bound-1", "unbounded"])
+def test_a_worker_machine_killed(tmp_path, staleness):
+    """With a bound, the others' pushes are held back by the dead machine until the timeout declares it dead:
+    then they get a BPSConnectionError naming worker 2, within the timeout (plus the sweep's quarter) of the
+    kill, and their next pushes return at once. Without one, they never notice and go on pushing."""
+    results, killed_at, logs = _worker_2_killed(tmp_path, staleness, restart=False)
     for r in results[:2]:
         if staleness is None:
             assert r["error"] is None, (r, logs)
-            assert sum(t > killed_at[0] + TIMEOUT_S for t in r["times"]) > 10  # well after it died: still going
+            assert sum(t > killed_at + TIMEOUT_S for t in r["times"]) > 10  # well after it died: still going
         else:
             assert r["error"] == "BPSConnectionError" and r["peer"] == "worker 2", (r, logs)
-            assert TIMEOUT_S - 0.5 < r["at"] - killed_at[0] < 1.25 * TIMEOUT_S + 2, r["at"] - killed_at[0]
+            assert TIMEOUT_S - 0.5 < r["at"] - killed_at < 1.25 * TIMEOUT_S + 2, r["at"] - killed_at
             assert r["after"] == 5, r  # declared dead, it holds nobody back: the next pushes return
 
 
@@ -101,21 +108,10 @@ def test_a_worker_machine_whose_daemon_is_restarted_without_its_process_holds_no
     machine's processes gone (a review's case: it counted as live again, and held the others back for ever).
     The others go on: unhindered where it connected within the timeout, else after the error that declared it
     dead."""
-    cluster = start_cluster(write_config(tmp_path, [1, 1, 1], cluster={"timeout": TIMEOUT_S}))
-    killed_at: list[float] = []
-    try:
-        killer = _kill_when_running(cluster, "worker-2", killed_at, restart=True)
-        results = run_ranks(cluster, ap.push_until_error, "dead", 1, 2.5 * TIMEOUT_S + 1, timeout=60,
-                            client_timeout=TIMEOUT_S)
-        killer.join()
-        logs = daemon_logs(cluster)
-    finally:
-        cluster.stop()
-    assert killed_at, "the job never ran"
-    assert results[2]["error"] == "BPSConnectionError", results[2]  # its own daemon died
+    results, killed_at, logs = _worker_2_killed(tmp_path, 1, restart=True)
     for r in results[:2]:
         if r["error"] is None:
-            assert sum(t > killed_at[0] + TIMEOUT_S for t in r["times"]) > 10, (r, logs)
+            assert sum(t > killed_at + TIMEOUT_S for t in r["times"]) > 10, (r, logs)
         else:
             assert r["error"] == "BPSConnectionError" and r["after"] == 5, (r, logs)
 
