@@ -87,6 +87,18 @@ def test_offload_benchmark_tiny_prints_one_row_per_size():
         assert abs(hop - (offloaded_cpu - inline_cpu)) <= 0.15, row  # each figure rounded to 0.1
 
 
+def test_async_keys_benchmark_tiny_prints_one_row_per_key_count():
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "async_keys.py"), "--keys", "10,50",
+                             "--reps", "1"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    header = [i for i, line in enumerate(lines) if line.strip().startswith("keys")]
+    assert len(header) == 1, result.stdout
+    rows = [line.split() for line in lines[header[0] + 2:] if line.strip()]
+    assert [row[0] for row in rows] == ["10", "50"] and rows[0][3] == "1.00", result.stdout
+    assert all(float(row[1]) > 0 and float(row[2]) > 0 for row in rows), result.stdout
+
+
 def test_soak_tiny_restarts_a_server_and_reports_no_wrong_or_failed_round():
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "soak.py"), "--rounds", "60", "--max-elems",
                              "70000", "--max-seconds", "40"],
