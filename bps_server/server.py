@@ -176,7 +176,8 @@ class SummationServer:
     async def _watch_silence(self) -> None:
         """Drop a worker that has sent nothing (not even a ping) for ``cluster.timeout``: it died or
         stalled without closing its connection, and the rounds waiting for it must fail, not hang.
-        Checks every ``timeout / 4``, so a round fails within 1.25 x the timeout."""
+        Checks every ``timeout / 4``, so a round fails within 1.25 x the timeout. An observer silent as long
+        is closed too."""
         timeout = self.config.cluster.timeout
         loop = asyncio.get_running_loop()
         while not self.stopping:
@@ -191,6 +192,12 @@ class SummationServer:
                     if conn.transport is not None:
                         conn.transport.abort()  # close() would wait to flush to a peer that reads nothing
                     conn.connection_lost(None)
+            for conn in [c for c in self.connections if c.observer and not c.closed and now - c.last_seen > timeout]:
+                # An observer asks and leaves (bps_worker.observer): one silent for the timeout holds a socket
+                # for nothing (without a token, anyone could hold thousands).
+                log.info("observer %s asked nothing for %.1f s (limit %g s): closing it", conn.peer,
+                         now - conn.last_seen, timeout)
+                conn.close()
             # Rounds that wait for a worker which is not connected at all (never came, or did not
             # come back after this server restarted) fail rather than wait for ever.
             self.aggregator.sweep(time.monotonic())

@@ -17,7 +17,7 @@ from handshakes import hello_frame, read_message
 from harness import daemon_logs, run_ranks, start_cluster, write_config
 from protocol import PROTOCOL_VERSION
 from protocol.frames import FrameReader, encode_message
-from protocol.messages import ROLE_CLIENT, Failure, Hello, Op, Ping, Welcome, parse
+from protocol.messages import ROLE_CLIENT, ROLE_OBSERVER, Failure, Hello, Op, Ping, StatsRequest, Welcome, parse
 
 TIMEOUT_S = 10.0  # the cluster's (generous: the ranks of a busy machine start slowly)
 DEADLINE_S = 10.0  # a connection must finish its handshake within this (bps_runtime.admission)
@@ -203,3 +203,38 @@ def _wait_for_log_lines(cluster, labels: list[str], text: str, within_s: float) 
                    if text not in Path(cluster.log_dir, f"{label}.log").read_text(errors="replace")]
         time.sleep(0.2)
     assert not missing, f"no {text!r} in the logs of {missing}"
+
+
+@pytest.mark.timeout(120)
+def test_observers_that_ask_nothing_for_the_timeout_are_closed_and_one_that_asks_stays(tmp_path):
+    """An observer asks for the counters and leaves (bps_worker.observer). Idle ones were kept for ever: a
+    stranger of a token-less cluster could hold every descriptor of the server. Now one that asks nothing
+    for the timeout is closed, as a silent worker is; one that keeps asking is served."""
+    timeout = 2.0
+    cluster = start_cluster(write_config(tmp_path, [1], cluster={"timeout": timeout}))
+    spec = cluster.config.servers[0]
+    socks = []
+    try:
+        for _ in range(20):
+            s = socket.create_connection((spec.host, spec.port), timeout=10)
+            socks.append(s)
+            s.sendall(hello_frame(s, cluster.config, 0, role=ROLE_OBSERVER))
+            assert isinstance(read_message(s), Welcome)
+        asking = socks.pop()
+        deadline = time.monotonic() + 3 * timeout
+        req = 0
+        while time.monotonic() < deadline:  # one that asks twice a timeout
+            req += 1
+            asking.sendall(encode_message(StatsRequest(req)))
+            assert read_message(asking).req == req
+            time.sleep(timeout / 2)
+        assert not _wait_closed(socks, timeout), "observers silent for 2 timeouts are still open"
+        asking.sendall(encode_message(StatsRequest(req + 1)))
+        assert read_message(asking).req == req + 1  # still served
+        socks.append(asking)
+    finally:
+        for s in socks:
+            s.close()
+        cluster.stop()
+    log = Path(cluster.log_dir, "server-0.log").read_text(errors="replace")
+    assert re.search(r"observer 127\.0\.0\.1:\d+ asked nothing for [\d.]+ s \(limit 2 s\): closing it", log), log[-2000:]
