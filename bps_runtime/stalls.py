@@ -13,15 +13,16 @@ forgotten. Both daemons warn after ``cluster.timeout`` and repeat every timeout 
 repeating): the one setting a user already chose for "too long".
 
 The lines reach the training processes too (:class:`Stall`, ``Notice``): a worker daemon tells each process
-the lines about its rounds, and a server tells each worker that waits the lines about its rounds, which the
-worker passes on to its processes. A process logs them as warnings: its own output then says which of its
-tensors stall and who it waits for, as Horovod's stall inspector says on rank 0, and not only a daemon's log
-that a systemd journal may hold.
+the lines about its rounds, and a server tells each worker of a round the lines about it, which the worker
+passes on to its processes; each party hears one Notice a look, of a few lines whoever said them
+(:class:`Notices`). A process logs them as warnings: its own output then says which of its tensors stall and
+who it waits for, as Horovod's stall inspector says on rank 0, and not only a daemon's log that a systemd
+journal may hold.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -80,10 +81,44 @@ class Stall:
         return self.text
 
 
-def told_lines(stalls: Sequence[Stall], what: str) -> dict[int, list[str]]:
-    """The lines of ``stalls`` each party is told (capped as the log is, and made to fit one Notice)."""
-    theirs: dict[int, list[Stall]] = {}
-    for stall in stalls:
-        for party in stall.told:
-            theirs.setdefault(party, []).append(stall)
-    return {party: notice_lines(capped(mine, what)) for party, mine in theirs.items()}
+class Notices:
+    """The stall lines each party is to be told, gathered over one look (a daemon's own, and a worker's also those
+    its servers sent it) and told in one ``Notice`` a party: at most STALL_LINES lines and a count of the rest,
+    whoever said them (each server's own cap let a process be told one look's lines once per server). Party
+    None is every party. Holds at most STALL_LINES lines a party, whatever comes."""
+
+    __slots__ = ("_lines", "_more")
+
+    def __init__(self) -> None:
+        self._lines: dict[int | None, list[str]] = {}
+        self._more: dict[int | None, int] = {}
+
+    def add(self, party: int | None, lines: Sequence[str]) -> None:
+        kept = self._lines.setdefault(party, [])
+        room = max(0, STALL_LINES - len(kept))
+        kept += lines[:room]
+        if len(lines) > room:
+            self._more[party] = self._more.get(party, 0) + len(lines) - room
+
+    def add_stalls(self, stalls: Sequence[Stall]) -> None:
+        """Each stall's line, for each party it is told to."""
+        for stall in stalls:
+            for party in stall.told:
+                self.add(party, [stall.text])
+
+    def take(self, parties: Iterable[int]) -> dict[int, list[str]]:
+        """The lines of each of ``parties`` (its own, then those for every party), fit for one Notice; all
+        gathered lines are forgotten."""
+        common, common_more = self._lines.pop(None, []), self._more.pop(None, 0)
+        out = {}
+        for party in parties:
+            mine = self._lines.get(party, []) + common
+            more = self._more.get(party, 0) + common_more + max(0, len(mine) - STALL_LINES)
+            mine = mine[:STALL_LINES]
+            if more:
+                mine.append(f"stall: {more} more stall lines (not listed)")
+            if mine:
+                out[party] = notice_lines(mine)
+        self._lines.clear()
+        self._more.clear()
+        return out

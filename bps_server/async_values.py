@@ -39,6 +39,7 @@ class AsyncValues:
         self.timeout_s = timeout_s
         self.deltas_by_worker: dict[int, int] = {}  # deltas received from each worker
         self._sweeper: asyncio.TimerHandle | None = None
+        self._stopped = False
 
     @property
     def deltas(self) -> int:
@@ -78,7 +79,7 @@ class AsyncValues:
         """Sweep a quarter timeout from now while anything could wait (a value is held, a push waits for a
         restore, a machine is away): nothing else asks. Decided in constant time: it runs after every push (a
         look over every key for waiters made a push's cost grow with the keys held, 30 times at 10,000)."""
-        if self._sweeper is not None:
+        if self._sweeper is not None or self._stopped:
             return
         s = self.store
         busy = s.keys or s.pending or s.restoring_since is not None or set(s.disconnected) - s.excluded
@@ -87,6 +88,8 @@ class AsyncValues:
             self._sweeper = asyncio.get_running_loop().call_later(every, self.sweep)
 
     def stop(self) -> None:
+        """No sweep from now on (the server stops: what it still reads is not swept)."""
+        self._stopped = True
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None

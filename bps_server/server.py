@@ -24,7 +24,7 @@ from bps_runtime import metrics
 from bps_runtime.health import STALL_LIMIT_S, Pulse, Verdict
 from bps_runtime.admission import HANDSHAKE_DEADLINE_S, PENDING_PER_PEER, PENDING_TOTAL, Admission
 from bps_runtime.loglimit import LogLimit
-from bps_runtime.stalls import Stall, capped, told_lines
+from bps_runtime.stalls import Notices, Stall, capped
 from bps_runtime.timeline import Timeline
 
 from .aggregator import Aggregator
@@ -82,6 +82,7 @@ class SummationServer:
                                      connected=lambda w: w in self.links, timeline=self.timeline)
         self.values = AsyncValues(config.cluster.workers, config.cluster.timeout, config.cluster.worker_of_rank)
         self.connections: set[ServerConnection] = set()
+        self.notices = Notices()  # each worker's stall lines of a look (tell_stalls)
         # The fused small sums this server is the anchor of (their lane generations named by this run).
         self.fusion = Planner(config.cluster.workers, warn_after_s=config.cluster.timeout, run=self.incarnation)
         self._plans_due = False
@@ -204,15 +205,21 @@ class SummationServer:
             self.aggregator.flush_logs()
             self.say_stalls(self.aggregator.stall_warnings(time.monotonic()), "rounds have waited as long")
             self.say_stalls(self.fusion.stall_warnings(time.monotonic()), "fused names have waited as long")
+            self.tell_stalls()
 
     def say_stalls(self, stalls: list[Stall], what: str) -> None:
-        """Log the stall warnings of one look (a few lines and a count: capped), and tell each worker that waits
-        the lines about its rounds (``Notice``): its daemon passes them on to its processes."""
+        """Log the stall warnings of one look (a few lines and a count: capped), and keep each worker's lines
+        about its rounds for its ``Notice`` (:meth:`tell_stalls`)."""
         for text in capped(stalls, what):
             log.warning("%s", text)
-        for worker, lines in told_lines(stalls, f"{what} at server {self.config.server_id}").items():
-            conn = self.links.get(worker)
-            if conn is not None and not conn.closed:
+        self.notices.add_stalls(stalls)
+
+    def tell_stalls(self) -> None:
+        """Tell each worker this look's stall lines about its rounds (at most a few: ``Notices``): its daemon
+        passes them on to its processes."""
+        for worker, lines in self.notices.take(self.links.keys()).items():
+            conn = self.links[worker]
+            if not conn.closed:
                 conn.send(Notice(lines))
 
     def holder(self, worker: int, daemon: str) -> ServerConnection | None:

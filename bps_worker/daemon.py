@@ -34,7 +34,7 @@ import numpy as np
 from bps_runtime import cuda, kernels, metrics
 from bps_runtime.loglimit import failed_rounds_log
 from bps_runtime.health import STALL_LIMIT_S, Pulse, Verdict
-from bps_runtime.stalls import Stall, capped, told_lines
+from bps_runtime.stalls import Notices, Stall, capped
 from bps_runtime import segments as shm
 from bps_runtime.timeline import Timeline
 from protocol.config import ClusterConfig, placement_items
@@ -113,8 +113,11 @@ class WorkerDaemon:
         self.streams = self._server_links()
         self.links = {sid: streams[0] for sid, streams in self.streams.items()}
         self.all_links = [link for streams in self.streams.values() for link in streams]
-        for link in self.all_links:  # every local rank is in a round that waits at a server: each hears its lines
-            link.on_notice = partial(self.tell, None)
+        # Stall lines for our processes, told once a look: ours, and those our servers send about rounds that wait
+        # with our pushes in them (every local rank is in such a round: each hears them).
+        self.notices = Notices()
+        for link in self.all_links:
+            link.on_notice = partial(self.notices.add, None)
         self._new_epoch()
         # Tensors of at most this many bytes are fused (Welcome.fusion_bytes; bps_worker.fusion).
         self.fusion_bytes = self.placement.small_tensor_bytes
@@ -267,23 +270,24 @@ class WorkerDaemon:
             self.say_stalls(self.stalls.warnings(loop.time(), self.rounds, self.all_links), "rounds have waited as long")
             self.failures_log.flush(log)
             self.fusion.watch(loop.time())
+            self.tell_stalls()
             if loop.time() >= next_link_beat:
                 next_link_beat = loop.time() + link_interval
                 for link in self.all_links:
                     link.heartbeat()
 
     def say_stalls(self, stalls: Sequence[Stall], what: str) -> None:
-        """Log the stall warnings of one look (a few lines and a count: capped), and tell each process the
-        lines about its own rounds (``Notice``), so that it says them in its own output."""
+        """Log the stall warnings of one look (a few lines and a count: capped), and keep each process's lines
+        about its own rounds for its ``Notice`` (:meth:`tell_stalls`), so that it says them in its own output."""
         for text in capped(stalls, what):
             log.warning("%s", text)
-        for local_rank, lines in told_lines(stalls, f"of this process's {what}").items():
-            self.tell(local_rank, lines)
+        self.notices.add_stalls(stalls)
 
-    def tell(self, local_rank: int | None, lines: list[str]) -> None:
-        """A ``Notice`` of ``lines`` to the process of ``local_rank`` (None: to every process)."""
-        for rank, session in list(self.sessions.items()):
-            if (local_rank is None or rank == local_rank) and not session.closed:
+    def tell_stalls(self) -> None:
+        """Each process's stall lines of this look, ours and its servers' (at most a few: ``Notices``)."""
+        for local_rank, lines in self.notices.take(self.sessions.keys()).items():
+            session = self.sessions[local_rank]
+            if not session.closed:
                 session.send(Notice(lines))
 
     async def stop(self) -> None:

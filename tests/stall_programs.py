@@ -57,12 +57,22 @@ class _Heard(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+class _Strict(logging.Handler):
+    """A program's logging that raises on the client's warnings (a "no warnings" setup): its reader must go on."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name == "bps_worker.client":
+            raise RuntimeError("strict handler: no warnings allowed")
+
+
 def late_rank(late: int, delay_s: float, n: int) -> dict[str, Any]:
     """Three rounds of tensor "late" by every rank; rank ``late`` comes ``delay_s`` late to round 1 (it
     stalls, alive). Round 0 connects every link (a worker connects to a server at its first push). Reports
-    whether every sum was exact and what the client logged meanwhile (``heard``)."""
+    whether every sum was exact and what the client logged meanwhile (``heard``), with a root handler that
+    raises on each of those lines."""
     heard = _Heard()
     logging.getLogger("bps_worker.client").addHandler(heard)
+    logging.getLogger().addHandler(_Strict())
     rank = bps.rank()
     outs = []
     for round_ in range(3):

@@ -259,7 +259,10 @@ class Connection:
     def _dispatch(self, message: Message) -> None:
         if isinstance(message, Notice):
             for line in message.lines:
-                log.warning("%s", line)
+                try:  # (the program's logging runs here: whatever it raises must not end this thread's reading)
+                    log.warning("%s", line)
+                except Exception:
+                    pass
             return
         if isinstance(message, DoneBatch):
             with self.lock:

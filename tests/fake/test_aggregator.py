@@ -414,7 +414,7 @@ async def test_many_failed_rounds_are_a_few_lines_and_a_count(caplog):
 
 
 async def test_thousands_of_stalled_rounds_are_a_few_lines_and_a_count():
-    from bps_runtime.stalls import STALL_LINES, capped, told_lines
+    from bps_runtime.stalls import STALL_LINES, Notices, capped
 
     agg, rec = Aggregator(2, lost_grace_s=0.01), Recorder()
     await _feed(agg, rec, [_push(0, np.ones(2, np.float32), name=f"late.{i}") for i in range(300)])
@@ -426,5 +426,38 @@ async def test_thousands_of_stalled_rounds_are_a_few_lines_and_a_count():
     lines = capped(stalls, "rounds have waited as long")
     assert len(lines) == STALL_LINES + 1 and lines[-1] == f"stall: {300 - STALL_LINES} more rounds have waited " \
                                                           "as long (not listed)", lines
-    told = told_lines(stalls, "rounds have waited as long at server 0")
-    assert list(told) == [0, 1] and len(told[1]) == STALL_LINES + 1 and told[1][-1].endswith("at server 0 (not listed)")
+    notices = Notices()
+    notices.add_stalls(stalls)
+    told = notices.take([0, 1, 2])
+    assert list(told) == [0, 1] and len(told[1]) == STALL_LINES + 1, told  # (worker 2: not in these rounds)
+    assert told[1][-1] == f"stall: {300 - STALL_LINES} more stall lines (not listed)"
+
+
+async def test_the_value_stores_sweep_is_not_armed_again_after_stop():
+    """The sweep is armed while keys exist; a server that stops still reads for a while (its tasks drain):
+    a push then must not arm it again, or it swept for ever in a loop that outlives the server (a review's
+    case)."""
+    from bps_server.async_values import AsyncValues
+    from protocol.messages import KIND_ASYNC_INIT
+
+    values = AsyncValues(1, 8.0, lambda rank: 0)
+    values.restored(0)
+    init = Push(req=1, name="v", part=0, round=0, worker=0, dtype="float32", shape=[2], offset=0, count=2,
+                kind=KIND_ASYNC_INIT, root=0, holds_root=True)
+    answered = []
+
+    class Replier:
+        def reply(self, push: Push, out: np.ndarray, applied: list[int] | None = None) -> None:
+            answered.append(out.tolist())
+
+        def fail(self, push: Push, why: Why) -> None:
+            raise AssertionError(why.text)
+
+    rec = Replier()
+    values.push(init, np.ones(2, np.float32), rec, None)
+    assert answered == [[1.0, 1.0]] and values._sweeper is not None  # a key exists: swept every quarter timeout
+    values.stop()
+    assert values._sweeper is None
+    values.push(init, np.ones(2, np.float32), rec, None)  # read while the server drains
+    values.connected(0, "e")
+    assert values._sweeper is None

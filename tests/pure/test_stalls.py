@@ -48,3 +48,33 @@ def test_thousands_of_stall_warnings_are_a_few_lines_and_a_count():
     many = [f"stall: {i}" for i in range(500)]
     assert capped(many, "rounds have waited as long") == [
         *many[:STALL_LINES], f"stall: {500 - STALL_LINES} more rounds have waited as long (not listed)"]
+
+
+def test_each_party_is_told_a_few_lines_a_look_whoever_said_them():
+    """A process was told one look's lines once per server beside its daemon's (44 lines with 3 servers, a
+    review's case): the lines of a look are gathered and each party told at most STALL_LINES and a count."""
+    from bps_runtime.stalls import STALL_LINES, Notices, Stall
+
+    notices = Notices()
+    notices.add_stalls([Stall("mine", (0,)), Stall("both", (0, 1))])
+    for server in range(3):  # each server's capped lines, passed on for every process
+        notices.add(None, [f"server {server} line {i}" for i in range(STALL_LINES)] + ["stall: 4 more (not listed)"])
+    told = notices.take([0, 1, 2])
+    assert set(told) == {0, 1, 2}
+    assert told[0][:3] == ["mine", "both", "server 0 line 0"] and told[1][:2] == ["both", "server 0 line 0"]
+    assert len(told[0]) == STALL_LINES + 1
+    assert told[0][-1] == f"stall: {2 + 3 * (STALL_LINES + 1) - STALL_LINES} more stall lines (not listed)"
+    assert told[2][-1] == f"stall: {3 * (STALL_LINES + 1) - STALL_LINES} more stall lines (not listed)"
+    assert notices.take([0, 1, 2]) == {}  # a look's lines are told once
+
+
+def test_what_a_party_is_told_is_bounded_whatever_comes():
+    from bps_runtime.stalls import STALL_LINES, Notices
+
+    notices = Notices()
+    for _ in range(1000):
+        notices.add(None, ["x" * 5000] * 50)
+    assert len(notices._lines[None]) == STALL_LINES  # held: a few, the rest counted
+    (lines,) = notices.take([7]).values()
+    assert len(lines) == STALL_LINES + 1 and len(lines[0]) <= 1280
+    assert lines[-1] == f"stall: {50_000 - STALL_LINES} more stall lines (not listed)"
