@@ -153,6 +153,10 @@ class Planner:
         self.epochs: dict[int, str] = {}
         self.daemons: dict[int, str] = {}  # each worker's daemon at its last hello
         self.excused: set[int] = set()  # the workers whose processes were replaced in this run (_excuse)
+        # The workers whose processes are gone (a reset, or a new epoch) and have reported nothing since: a name
+        # that waits for one fails after the timeout (sweep), as the round table's rounds do (RoundTable.sweep);
+        # once every worker is one, the job is over and no failure of it waits for the next (_excuse).
+        self.without_processes: set[int] = set()
         # Per name, per worker: the index below which that worker's rounds are past (FusePast; 0: not said),
         # and its count of the name's plans then (-1: not said).
         self.floors: dict[str, list[int]] = {}
@@ -178,6 +182,7 @@ class Planner:
         a plan of our previous run that another worker runs: the worker lost it (``_missed``). A round below
         another worker's (waiting, or failed) is one the others are past: it fails for its worker alone."""
         out: list[Failed] = []
+        self.without_processes.discard(worker)
         waiting, failed, ready, everyone, heard = self.waiting, self.failed, self.ready, self.workers, self.heard
         counts, indexes = counts or [0] * len(names), rounds if rounds and worker not in self.excused else [-1] * len(names)
         running = self.running_names
@@ -350,6 +355,24 @@ class Planner:
                                 f"for worker {missing}, whose processes have not pushed it (pushed by worker "
                                 f"{', '.join(map(str, sorted(w.workers)))})", tuple(range(self.workers))))
         return stalls
+
+    def sweep(self, now: float, connected: AbstractSet[int], grace_s: float) -> list[Failed]:
+        """Fail every name that has waited ``grace_s`` for a worker that is not connected or has no training
+        processes (``without_processes``), as the round table fails its rounds: its reporters hear now. A job
+        run where another machine's processes were gone waited for ever (a review's case)."""
+        out: list[Failed] = []
+        for name, w in list(self.waiting.items()):
+            if now - w.opened < grace_s:
+                continue
+            absent = [r for r in range(self.workers)
+                      if r not in w.workers and (r not in connected or r in self.without_processes)]
+            if absent:
+                gone = "has no training processes" if absent[0] in connected else "is not connected to this server"
+                what = f"round {w.counts.get(w.first, 0)} of {name!r}"
+                out += self._fail(name, w, Why(f"worker {absent[0]} {gone} (waited {grace_s:g} s); {what} cannot "
+                                               f"complete", "timeout", what=what, timeout_s=grace_s,
+                                               detail=f"worker {absent[0]} {gone}"))
+        return out
 
     def groups(self, names: list[str]) -> tuple[list[list[Any]], list[int]]:
         """The groups of a plan of ``names`` (as FusePlan says them): [dtype, average] each, and each name's
@@ -606,6 +629,9 @@ class Planner:
         for counts in self.past_counts.values():
             counts[worker] = -1
         self.excused.add(worker)
+        self.without_processes.add(worker)
+        if len(self.without_processes) >= self.workers:  # every machine's processes are gone: the job ended
+            self.failed.clear()  # (a failure made after a worker's reset waited for its next processes: a job's)
 
     def _take_failed(self, name: str, worker: int, index: int = -1) -> Why | None:
         """``worker``'s report or abort of ``name`` (round ``index``, -1: not said) is of the oldest failed

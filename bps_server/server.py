@@ -202,6 +202,7 @@ class SummationServer:
             # Rounds that wait for a worker which is not connected at all (never came, or did not
             # come back after this server restarted) fail rather than wait for ever.
             self.aggregator.sweep(time.monotonic())
+            self.fused(self.fusion.sweep(time.monotonic(), self.links.keys(), timeout))
             self.aggregator.flush_logs()
             self.say_stalls(self.aggregator.stall_warnings(time.monotonic()), "rounds have waited as long")
             self.say_stalls(self.fusion.stall_warnings(time.monotonic()), "fused names have waited as long")

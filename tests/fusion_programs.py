@@ -263,3 +263,24 @@ def reset_loop(role: str, n: int, steps: int, kill_after: int, max_seconds: floa
             time.sleep(0.05)
     return {"seen": seen, "restarted": restarted, "errors": errors[:3], "error_count": len(errors),
             "steps": step}
+
+
+def small_sums(names: list[str], n: int, die_after_s: float | None = None) -> dict[str, Any]:
+    """One small (fused) sum of each of ``names``, of ``rank + 1`` each: each name's sum, or its error's class
+    and text, and how long the process waited. ``die_after_s``: killed (-9) that long after issuing them (a job
+    killed while it waits)."""
+    rank, size = bps.rank(), bps.size()
+    start = time.monotonic()
+    handles = [bps.push_pull_async(np.full(n, rank + 1, np.float32), name, average=False) for name in names]
+    if die_after_s is not None:
+        time.sleep(die_after_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+    out: dict[str, Any] = {"waited": 0.0, "exact": {}, "errors": {}}
+    for name, h in zip(names, handles):
+        try:
+            y = bps.synchronize(h, timeout=60)
+            out["exact"][name] = bool((y == sum(range(1, size + 1))).all())
+        except bps.BPSError as exc:
+            out["errors"][name] = (type(exc).__name__, str(exc))
+    out["waited"] = time.monotonic() - start
+    return out

@@ -173,3 +173,52 @@ def test_a_machines_process_killed_mid_fused_step_and_started_again_sums_exactly
     # machine 1's reset (a loaded box: 1 run in about 20 under a busy loop), that step waits for the new
     # process's step 0 instead, and none fails: the sums above are exact either way.
     assert all("worker 1" in e for e in healthy["errors"]), healthy["errors"]
+
+
+def _run_on(cluster: Any, workers: list[int], target: Any, *args: Any, die: bool = False) -> dict[int, Any]:
+    """``target(*args)`` in one process on each of ``workers`` (local rank 0, one process a machine): each
+    one's result (None for one that ``die``s, killed -9 by itself)."""
+    ctx = rank_context()
+    queue = ctx.Queue()
+    sockets = [w.socket for w in cluster.config.worker_specs]
+    procs = [ctx.Process(target=_rank_main, args=(queue, sockets[w], 0, w, target, args, 10.0), daemon=True)
+             for w in workers]
+    for p in procs:
+        p.start()
+    try:
+        if die:
+            for p in procs:
+                p.join(timeout=60)
+                assert p.exitcode == -9, "the process did not reach its kill"
+            return {w: None for w in workers}
+        results = {}
+        while len(results) < len(workers):
+            r, status, value = queue.get(timeout=60)
+            assert status == "ok", f"rank {r}: {value}\n{daemon_logs(cluster)[-6000:]}"
+            results[r] = value
+        return results
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.mark.timeout(180)
+def test_a_small_sum_whose_peer_machine_has_no_processes_fails_after_the_timeout_and_the_next_job_is_clean(
+        make_cluster: Any) -> None:
+    """Machine 1's processes ran a job and left (its daemon reset). Machine 0's next process alone pushes small
+    (fused) sums: they waited for ever (a review's case; unfused rounds fail after the timeout), and a process
+    killed while they waited left the next job's first step failing on every process with that job's errors.
+    Now they fail after the timeout naming the machine without processes, and the next job sums exactly."""
+    cluster = make_cluster([1, 1], cluster={"timeout": TIMEOUT_S})
+    first = _run_on(cluster, [0, 1], fp.small_sums, ["x", "y"], 8)
+    assert all(r["exact"] == {"x": True, "y": True} for r in first.values()), first
+    (alone,) = _run_on(cluster, [0], fp.small_sums, ["x"], 8).values()
+    assert list(alone["errors"]) == ["x"] and alone["errors"]["x"][0] == "BPSTimeoutError", alone
+    assert "worker 1 has no training processes" in alone["errors"]["x"][1], alone
+    assert TIMEOUT_S - 0.5 < alone["waited"] < 2.5 * TIMEOUT_S + 2, alone["waited"]
+    _run_on(cluster, [0], fp.small_sums, ["y"], 8, 1.0, die=True)  # killed while "y" waits for machine 1
+    for _ in range(2):  # the next jobs: clean
+        after = _run_on(cluster, [0, 1], fp.small_sums, ["x", "y"], 8)
+        assert all(r["exact"] == {"x": True, "y": True} and not r["errors"] for r in after.values()), after

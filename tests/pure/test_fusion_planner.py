@@ -669,3 +669,51 @@ def test_a_restarted_worker_daemon_ends_our_previous_runs_lanes_as_a_reset_does(
     assert p.report(1, ["a"], [F32], [2], rounds=[2]) == [] and p.take_resends() == []  # one plan behind: not sent
     p.running(0, 1, ["a"], [3], [2], "r1.0")  # told again (a reconnect): ignored
     assert not p.running_plans and p.take_resends() == []
+
+
+def test_a_name_that_waits_for_a_worker_without_processes_fails_after_the_timeout():
+    """Worker 1's processes left (its Reset) and worker 0's issue "x": it waited for ever (a review's case; the
+    unfused rounds fail after the timeout, RoundTable.sweep). Now it fails for worker 0 after the timeout; as
+    any failure, it waits for worker 1's processes to report "x" (they come at the peers' step)."""
+    p = Planner(2)
+    p.worker_gone(1, Why("every training process of worker 1 left", "round_failed"), reset=True)
+    p.report(0, ["x"], [F32], now=100.0)
+    assert p.sweep(104.9, {0, 1}, 5.0) == []
+    (failed,) = p.sweep(105.0, {0, 1}, 5.0)
+    assert failed.worker == 0 and failed.name == "x" and failed.why.code == "timeout"
+    assert failed.why.text == "worker 1 has no training processes (waited 5 s); round 0 of 'x' cannot complete"
+    assert "x" not in p.waiting and p.failed["x"][0][1] == {1}
+    [heard] = p.report(1, ["x"], [F32], now=106.0)  # its processes are back: they hear that round's failure
+    assert heard.worker == 1 and "no training processes" in heard.why.text
+    p.report(1, ["y"], [F32], now=110.0)
+    assert p.sweep(200.0, {0, 1}, 5.0) == []  # worker 0 has processes (it reported): "y" waits for it
+
+
+def test_a_name_that_waits_for_a_worker_not_connected_fails_after_the_timeout_and_it_hears_it_later():
+    p = Planner(2)
+    p.report(0, ["x"], [F32], now=100.0)
+    assert p.sweep(104.0, {0}, 5.0) == []
+    (failed,) = p.sweep(105.5, {0}, 5.0)
+    assert failed.why.text == "worker 1 is not connected to this server (waited 5 s); round 0 of 'x' cannot complete"
+    assert p.failed["x"][0][1] == {1}  # its processes live on: they hear it when they report it
+
+
+def test_a_name_that_waits_for_a_connected_worker_that_never_reported_is_not_failed():
+    """A job's start: a machine's processes may come long after the others' (a stall note says so)."""
+    p = Planner(2)
+    p.report(0, ["x"], [F32], now=100.0)
+    assert p.sweep(1000.0, {0, 1}, 5.0) == [] and "x" in p.waiting
+
+
+def test_no_failure_of_a_job_waits_for_the_next_job():
+    """Worker 1's processes were gone (a Reset) when worker 0's job issued "x" and was killed (its Reset): the
+    failure of that round waited for worker 1, whose next job's first report of "x" heard it (a review's case:
+    every process of the next job failed its first step). Once every worker's processes are gone, the job is
+    over: none of its failures waits for the next."""
+    p = Planner(2)
+    p.worker_gone(1, Why("every training process of worker 1 left", "round_failed"), reset=True)
+    p.report(0, ["x"], [F32])
+    assert p.worker_gone(0, Why("every training process of worker 0 left", "round_failed"), reset=True) == []
+    assert p.failed == {} and p.waiting == {}
+    assert p.report(1, ["x"], [F32]) == [] and p.report(0, ["x"], [F32]) == []  # the next job: a clean slate
+    assert [names for _, names in p.take_plans()] == [["x"]]

@@ -686,11 +686,13 @@ def test_random_breaks_losses_and_give_ups_never_pair_two_steps_nor_hang(monkeyp
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("seed", [43, 421, 448, 501, 606, 691])
+@pytest.mark.parametrize("seed", [43, 421, 501, 606, 691, 729])
 def test_after_resets_a_trailing_round_fails_when_the_finished_processes_exit(monkeypatch: pytest.MonkeyPatch,
                                                                               seed: int):
-    """Reset mode: 421 and 501 end with a trailing round failed and left for the finished worker, 448, 606 and 691
-    with one waiting in a name a step off while the other name is in step; 43 too (seeds 0-399)."""
+    """Reset mode: 43, 421 and 501 end with a trailing round failed and left for the finished worker, 606, 691
+    and 729 with one waiting in a name a step off while the other name is in step (seeds 0-399, and 729). (448
+    did too until the planner forgot a job's failures once every worker's processes were gone: both workers
+    reset at once there, and the old job's failure no longer waits for the new processes.)"""
     sim = run_seed(seed, monkeypatch.setattr, "reset")
     assert not sim.violations, f"seed {seed}: {sim.violations}\n" + "\n".join(sim.trace[-60:])
     assert sim.artefacts and sim.counts["exits"], "the finished processes never exited"
