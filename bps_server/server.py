@@ -104,12 +104,12 @@ class SummationServer:
         sockname = self._server.sockets[0].getsockname()
         log.info("summation service %d listening on %s:%d (%d workers)", self.config.server_id,
                  sockname[0], sockname[1], self.config.cluster.workers)
-        self._silence_watch = asyncio.ensure_future(self._watch_silence())
-        self.pulse.start()
         spec = self.config.cluster.server(self.config.server_id)
-        if spec.metrics is not None:
+        if spec.metrics is not None:  # (before any task: a busy metrics port is one line, no task left pending)
             self._endpoint = metrics.Endpoint(*spec.metrics, loop=loop, families=self.metric_families,
                                               health=lambda: self.pulse.latest, stall_limit_s=self.config.stall_limit_s)
+        self._silence_watch = asyncio.ensure_future(self._watch_silence())
+        self.pulse.start()
         return sockname[0], sockname[1]
 
     def verdict(self) -> Verdict:

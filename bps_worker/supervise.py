@@ -226,8 +226,12 @@ class Supervisor:
     def _spawn(self, command: DaemonCommand, env: Mapping[str, str]) -> Child:
         out: IO[bytes] | None = None
         if self.log_dir:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / f"{command.label}.log", "ab")
+            try:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                out = open(self.log_dir / f"{command.label}.log", "ab")
+            except OSError as exc:
+                raise LaunchError(f"{command.label}: cannot write its log in {self.log_dir}: {exc.strerror or exc}",
+                                  command.label) from None
         proc: subprocess.Popen[Any] | ForkedProcess
         if self.ignore_sigint and not command.prefix and on_main_thread():
             # The launcher's end with it, however it ends (bps_runtime.orphans): not through a prefix, which may

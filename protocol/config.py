@@ -414,8 +414,10 @@ def token_file_problem(mode: int, owner: int, *, uid: int, group_readable: bool 
     if not loose:
         return None
     who = "others" if loose & stat.S_IRWXO else "its group"
-    fix = "chmod 640 (cluster.token_group_readable = true)" if group_readable else "chmod 600"
-    return f"is open to {who} (mode {stat.S_IMODE(mode):03o}); run `{fix}` on it"
+    if group_readable:
+        return (f"is open to {who} (mode {stat.S_IMODE(mode):03o}); run `chmod 640` on it "
+                f"(cluster.token_group_readable = true: its group may read it, no more)")
+    return f"is open to {who} (mode {stat.S_IMODE(mode):03o}); run `chmod 600` on it"
 
 
 def read_token(config: ClusterConfig) -> bytes | None:

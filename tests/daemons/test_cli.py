@@ -110,6 +110,17 @@ def test_busy_metrics_port_exits_1_naming_it(tmp_path, module):
     reasons = [line for line in result.stderr.splitlines() if line.startswith(module.replace("_", "-") + ":")]
     assert reasons == [f"{module.replace('_', '-')}: cannot listen on metrics address 127.0.0.1:{port}: "
                        f"Address already in use"], result.stderr
+    assert "Traceback" not in result.stderr and "Task was destroyed" not in result.stderr, result.stderr
+
+
+def test_a_log_directory_the_launcher_cannot_make_is_one_line(tmp_path):
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    result = subprocess.run([PY, "-m", "bps_worker.launch", "--config", str(config), "--log-dir", "/proc/nope",
+                             "--", PY, "-c", "pass"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == ["bps-launch: server-0: cannot write its log in /proc/nope: No such "
+                                                  "file or directory"], result.stderr
+    assert _pids_with(str(config)) == {}
 
 
 def _notify_socket(tmp_path: Path) -> tuple[socket.socket, str]:

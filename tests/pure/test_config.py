@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import textwrap
 from pathlib import Path
 
@@ -620,6 +622,9 @@ def test_token_group_readable_allows_group_read_only(tmp_path):
     for mode in (0o660, 0o644):
         with pytest.raises(ConfigError, match=f"mode {mode:03o}.*chmod 640"):
             read_token(_token_config(tmp_path, mode, group_readable=True))
+    # The command in backquotes runs as written (a review: it held the setting's name in parentheses).
+    with pytest.raises(ConfigError, match=re.escape("run `chmod 640` on it (cluster.token_group_readable = true")):
+        read_token(_token_config(tmp_path, 0o660, group_readable=True))
 
 
 def test_token_file_problem_decisions():
