@@ -234,6 +234,9 @@ class ServerConnection(AdmittedProtocol):
             self.handle(item, item_payload)
 
     def on_push(self, push: Push, payload: memoryview | None) -> None:
+        fusion = self.server.fusion
+        if push.worker in fusion.without_processes or push.worker not in fusion.active:
+            fusion.processes_seen(push.worker)  # (its processes are there: the planner's sweep does not fail it)
         data = self.push_data(push, payload)
         if data is None:
             return  # answered already (a segment the server cannot map)

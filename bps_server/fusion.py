@@ -153,10 +153,14 @@ class Planner:
         self.epochs: dict[int, str] = {}
         self.daemons: dict[int, str] = {}  # each worker's daemon at its last hello
         self.excused: set[int] = set()  # the workers whose processes were replaced in this run (_excuse)
-        # The workers whose processes are gone (a reset, or a new epoch) and have reported nothing since: a name
-        # that waits for one fails after the timeout (sweep), as the round table's rounds do (RoundTable.sweep);
-        # once every worker is one, the job is over and no failure of it waits for the next (_excuse).
+        # The workers whose processes are gone (a reset, or a new epoch) and have reported or pushed nothing
+        # here since: a name that waits for one fails after the timeout (sweep), as the round table's rounds do
+        # (RoundTable.sweep). ``active``: those that reported or pushed here in this run. Once every worker is
+        # without processes or was never active, the job is over and none of its failures waits for the next
+        # (_excuse): a daemon idle since it started never says Reset, and a failure that waited for it shifted
+        # the next job's rounds by one (wrong sums, a review's case).
         self.without_processes: set[int] = set()
+        self.active: set[int] = set()
         # Per name, per worker: the index below which that worker's rounds are past (FusePast; 0: not said),
         # and its count of the name's plans then (-1: not said).
         self.floors: dict[str, list[int]] = {}
@@ -182,7 +186,7 @@ class Planner:
         a plan of our previous run that another worker runs: the worker lost it (``_missed``). A round below
         another worker's (waiting, or failed) is one the others are past: it fails for its worker alone."""
         out: list[Failed] = []
-        self.without_processes.discard(worker)
+        self.processes_seen(worker)
         waiting, failed, ready, everyone, heard = self.waiting, self.failed, self.ready, self.workers, self.heard
         counts, indexes = counts or [0] * len(names), rounds if rounds and worker not in self.excused else [-1] * len(names)
         running = self.running_names
@@ -630,8 +634,13 @@ class Planner:
             counts[worker] = -1
         self.excused.add(worker)
         self.without_processes.add(worker)
-        if len(self.without_processes) >= self.workers:  # every machine's processes are gone: the job ended
-            self.failed.clear()  # (a failure made after a worker's reset waited for its next processes: a job's)
+        if all(w in self.without_processes or w not in self.active for w in range(self.workers)):
+            self.failed.clear()  # the job ended (a failure made after a worker's reset waited for its next processes)
+
+    def processes_seen(self, worker: int) -> None:
+        """``worker`` reported, or pushed anything here (an unfused round, a fused lane): it has processes."""
+        self.without_processes.discard(worker)
+        self.active.add(worker)
 
     def _take_failed(self, name: str, worker: int, index: int = -1) -> Why | None:
         """``worker``'s report or abort of ``name`` (round ``index``, -1: not said) is of the oldest failed

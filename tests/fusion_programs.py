@@ -284,3 +284,18 @@ def small_sums(names: list[str], n: int, die_after_s: float | None = None) -> di
             out["errors"][name] = (type(exc).__name__, str(exc))
     out["waited"] = time.monotonic() - start
     return out
+
+
+def big_then_small(late: int, delay_s: float) -> dict[str, Any]:
+    """A large (unfused) sum by every process, then a small (fused) one that rank ``late`` issues ``delay_s``
+    late: whether both are exact, or the error."""
+    rank, size = bps.rank(), bps.size()
+    total = sum(range(1, size + 1))
+    try:
+        big = bps.push_pull(np.full(200_000, rank + 1, np.float32), "bts.big", average=False)
+        if rank == late:
+            time.sleep(delay_s)
+        small = bps.push_pull(np.full(8, rank + 1, np.float32), "bts.small", average=False)
+    except bps.BPSError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"error": None, "exact": bool((big == total).all() and (small == total).all())}

@@ -222,3 +222,8 @@ def test_a_small_sum_whose_peer_machine_has_no_processes_fails_after_the_timeout
     for _ in range(2):  # the next jobs: clean
         after = _run_on(cluster, [0, 1], fp.small_sums, ["x", "y"], 8)
         assert all(r["exact"] == {"x": True, "y": True} and not r["errors"] for r in after.values()), after
+    # A machine whose processes pushed (a large, unfused sum) has processes, also where it falls behind on a small
+    # sum for longer than the timeout: a stall, not a timeout (the planner only took a report as its processes
+    # back: "worker 1 has no training processes", a review's case).
+    late = _run_on(cluster, [0, 1], fp.big_then_small, 1, 1.5 * TIMEOUT_S)
+    assert all(r == {"error": None, "exact": True} for r in late.values()), late

@@ -717,3 +717,34 @@ def test_no_failure_of_a_job_waits_for_the_next_job():
     assert p.failed == {} and p.waiting == {}
     assert p.report(1, ["x"], [F32]) == [] and p.report(0, ["x"], [F32]) == []  # the next job: a clean slate
     assert [names for _, names in p.take_plans()] == [["x"]]
+
+
+def test_a_daemon_idle_since_it_started_leaves_no_failure_for_the_next_job():
+    """Fresh daemons; worker 0's job alone issued "x" and was killed (its Reset). Worker 1's daemon never had
+    processes, so it never said Reset, and the failure waited for it: the next job's first report from worker 1
+    heard it while worker 0's waited, and every later step of worker 1 was summed with worker 0's previous one
+    (wrong sums, a review's case). A worker never active here counts as without processes for the clean slate."""
+    p = Planner(2)
+    p.report(0, ["x"], [F32], rounds=[0])
+    p.worker_gone(0, Why("every training process of worker 0 left", "round_failed"), reset=True, epoch="e0b")
+    assert p.failed == {}
+    assert p.report(1, ["x"], [F32], rounds=[0]) == [] and p.report(0, ["x"], [F32], rounds=[0]) == []
+    assert [names for _, names in p.take_plans()] == [["x"]]
+
+
+def test_a_failure_still_waits_for_a_worker_whose_processes_were_seen_here():
+    p = Planner(2)
+    p.processes_seen(1)  # it pushed here (an unfused round): its processes live on
+    p.report(0, ["x"], [F32])
+    p.worker_gone(0, Why("every training process of worker 0 left", "round_failed"), reset=True)
+    assert p.failed["x"][0][1] == {1}  # they hear it when they report "x"
+
+
+def test_a_worker_that_pushed_since_its_reset_has_processes_and_is_waited_for():
+    """Its processes pushed an unfused tensor here and fall behind on a small one: a stall, not a timeout (the
+    round table takes any push as its processes back; the planner only took a report: a review's case)."""
+    p = Planner(2)
+    p.worker_gone(1, Why("every training process of worker 1 left", "round_failed"), reset=True)
+    p.processes_seen(1)
+    p.report(0, ["x"], [F32], now=100.0)
+    assert p.sweep(1000.0, {0, 1}, 5.0) == [] and "x" in p.waiting
