@@ -364,6 +364,9 @@ class RoundTable(Generic[W]):
         self._epochs: dict[int, str] = {}  # each worker's round numbering (Hello.epoch, Reset.epoch)
         # Workers whose numbering restarted while other workers were mid-job: they rejoin (round_for).
         self._rejoining: set[int] = set()
+        # Workers that pushed (or replayed) here in this run: one that never did (a daemon idle since it
+        # started never says Reset) is as one without processes when the others' job ends (_clear_if_all_reset).
+        self._active: set[int] = set()
         # The last push's lag: its arrival after its round's first push (or replay), on the caller's clock;
         # None where the push joined no round (refused, stale, held, a mismatch). Straggler attribution.
         self.lag: float | None = None
@@ -400,8 +403,8 @@ class RoundTable(Generic[W]):
             failed = (st.round, st.failed) if st.failed is not None else None
             st = self._open(key, push.round)
             st.previous_failure = failed
-        if push.worker in self._gone or push.worker in self._reset:
-            self.worker_joined(push.worker)  # a push means its processes are back
+        if push.worker in self._gone or push.worker in self._reset or push.worker not in self._active:
+            self._pushed(push.worker)
         refusal = self._refusal(st, push)
         if refusal is not None:
             return actions + [Fail(push, handle, refusal)]
@@ -592,6 +595,7 @@ class RoundTable(Generic[W]):
     def replay(self, push: Push, data: np.ndarray, now: float) -> list[Action[W]]:
         """A worker's copy of a round's sum from this server's previous run (see "Server restarts")."""
         key = (push.name, push.part)
+        self._active.add(push.worker)
         st = self.keys.get(key) or self._open(key, push.round)
         actions: list[Action[W]] = []
         if push.round > st.round and not st.waiters:
@@ -726,6 +730,12 @@ class RoundTable(Generic[W]):
             self._numbering_restarted(worker)
         return actions + cleared
 
+    def _pushed(self, worker: int) -> None:
+        """A push of ``worker``'s after it was gone or reset (its processes are back), or its first here."""
+        if worker in self._gone or worker in self._reset:
+            self.worker_joined(worker)
+        self._active.add(worker)
+
     def worker_joined(self, worker: int) -> None:
         """The worker is back (a hello, or a push after a reset)."""
         self._gone.pop(worker, None)
@@ -745,8 +755,11 @@ class RoundTable(Generic[W]):
         daemon's hello): the job is over everywhere; the next one starts at round 0 on a clean slate.
         Connections that all dropped prove nothing: their daemons come back with the same processes, mid-job,
         and a round that failed meanwhile must stay failed for the worker that pushes it late (a hang
-        before: it opened the round afresh and waited for peers that had given it up)."""
-        if len(self._reset) < self.n_workers or self._reset <= self._dropped:
+        before: it opened the round afresh and waited for peers that had given it up). A worker that never pushed
+        here counts as one without processes: a daemon idle since it started never says Reset, and a failure of
+        the last job that waited for it made the next job's rounds one apart (wrong sums, a review's case)."""
+        gone = self._reset | (set(range(self.n_workers)) - self._active)
+        if len(gone) < self.n_workers or self._reset <= self._dropped:
             return []
         dropped = len(self.keys)
         self.keys.clear()

@@ -227,3 +227,20 @@ def test_a_small_sum_whose_peer_machine_has_no_processes_fails_after_the_timeout
     # back: "worker 1 has no training processes", a review's case).
     late = _run_on(cluster, [0, 1], fp.big_then_small, 1, 1.5 * TIMEOUT_S)
     assert all(r == {"error": None, "exact": True} for r in late.values()), late
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fusion", ["default", "0"])
+def test_a_job_killed_beside_a_daemon_idle_since_it_started_leaves_the_next_job_exact(
+        make_cluster: Any, monkeypatch: pytest.MonkeyPatch, fusion: str) -> None:
+    """Fresh daemons: machine 0's process alone issues its sums (machine 1's never started) and is killed while
+    they wait. Machine 1's daemon never had processes, so it never said Reset, and the failed rounds waited for
+    it: the next job's first step failed on machine 1 and every later step was summed one apart on both (wrong
+    sums without an error, a review's case). Fused (the planner) and unfused (the round table)."""
+    if fusion != "default":
+        monkeypatch.setenv("BPS_FUSION_BYTES", fusion)
+    cluster = make_cluster([1, 1], cluster={"timeout": TIMEOUT_S})
+    _run_on(cluster, [0], fp.small_sums, ["x", "y"], 8, 1.0, die=True)
+    for _ in range(2):
+        after = _run_on(cluster, [0, 1], fp.small_sums, ["x", "y"], 8)
+        assert all(r["exact"] == {"x": True, "y": True} and not r["errors"] for r in after.values()), after

@@ -614,3 +614,26 @@ def test_a_lane_key_forgotten_as_its_generation_ended_still_says_its_last_sum():
     _sum_round(table, 0, range(3))
     table.fail_ended(lambda name: name == "t", Why("lanes ended"))
     assert ("t", 0) not in table.keys and table.summed("t", 0, 0) and not table.summed("t", 0, 1)
+
+
+def test_a_job_that_ends_beside_a_daemon_idle_since_it_started_leaves_a_clean_slate():
+    """Fresh daemons; worker 0's job alone pushed "G" and was killed (its Reset). Worker 1's daemon never had
+    processes, so it never said Reset, and the failed round stayed: the next job's first push from worker 1
+    was refused with it, worker 0's processes were placed at round 1, and from then on each step of one machine
+    was summed with the next step of the other (wrong sums, a review's case). A worker that never pushed here is
+    as one without processes when the others' job ends."""
+    table: RoundTable[str] = RoundTable(2, lost_grace_s=3.0, connected=lambda w: True)
+    table.worker_hello(0, "e0")
+    table.worker_hello(1, "e1")
+    table.push(_push(0, name="G"), _data(), "a0", 0.0)
+    assert Cleared(1) in table.worker_reset(0, "e0b")
+    assert not _fails(table.push(_push(1, name="G"), _data(), "b1", 1.0))  # the next job's round 0
+    assert table.round_for("G", 0, 0, 0) == 0
+
+
+def test_a_worker_that_pushed_here_keeps_the_last_jobs_failure_until_it_resets():
+    table: RoundTable[str] = RoundTable(2, lost_grace_s=3.0, connected=lambda w: True)
+    table.push(_push(1, name="H"), _data(), "h1", 0.0)  # worker 1 is active here
+    table.push(_push(0, name="G"), _data(), "a0", 0.0)
+    assert not any(isinstance(a, Cleared) for a in table.worker_reset(0, "e0b"))
+    assert "G" in {k[0] for k in table.keys}
