@@ -22,6 +22,7 @@ journal may hold.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -71,8 +72,8 @@ def capped(items: Sequence[T], what: str, line: Callable[[T], str] = str, limit:
 @dataclass(frozen=True, slots=True)
 class Stall:
     """One stall warning: its line, and whom it is told to beside the log (a ``Notice``): the local ranks of a
-    worker daemon's round (those that submitted it and those it waits for), or the workers a server's round
-    waits with (those that pushed it)."""
+    worker daemon's round (those that submitted it and those it waits for), or the workers of a server's round
+    (those that pushed it and those it waits for)."""
 
     text: str
     told: tuple[int, ...]
@@ -100,8 +101,11 @@ class Notices:
         if len(lines) > room:
             self._more[party] = self._more.get(party, 0) + len(lines) - room
 
-    def add_stalls(self, stalls: Sequence[Stall]) -> None:
-        """Each stall's line, for each party it is told to."""
+    def say(self, stalls: Sequence[Stall], what: str, log: logging.Logger) -> None:
+        """A daemon's stall warnings of one look: logged (a few lines and a count: capped), and each stall's line
+        kept for each party it is told to (:meth:`take`)."""
+        for text in capped(stalls, what):
+            log.warning("%s", text)
         for stall in stalls:
             for party in stall.told:
                 self.add(party, [stall.text])

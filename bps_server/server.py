@@ -24,7 +24,7 @@ from bps_runtime import metrics
 from bps_runtime.health import STALL_LIMIT_S, Pulse, Verdict
 from bps_runtime.admission import HANDSHAKE_DEADLINE_S, PENDING_PER_PEER, PENDING_TOTAL, Admission
 from bps_runtime.loglimit import LogLimit
-from bps_runtime.stalls import Notices, Stall, capped
+from bps_runtime.stalls import Notices
 from bps_runtime.timeline import Timeline
 
 from .aggregator import Aggregator
@@ -204,16 +204,9 @@ class SummationServer:
             self.aggregator.sweep(time.monotonic())
             self.fused(self.fusion.sweep(time.monotonic(), self.links.keys(), timeout))
             self.aggregator.flush_logs()
-            self.say_stalls(self.aggregator.stall_warnings(time.monotonic()), "rounds have waited as long")
-            self.say_stalls(self.fusion.stall_warnings(time.monotonic()), "fused names have waited as long")
+            self.notices.say(self.aggregator.stall_warnings(time.monotonic()), "rounds have waited as long", log)
+            self.notices.say(self.fusion.stall_warnings(time.monotonic()), "fused names have waited as long", log)
             self.tell_stalls()
-
-    def say_stalls(self, stalls: list[Stall], what: str) -> None:
-        """Log the stall warnings of one look (a few lines and a count: capped), and keep each worker's lines
-        about its rounds for its ``Notice`` (:meth:`tell_stalls`)."""
-        for text in capped(stalls, what):
-            log.warning("%s", text)
-        self.notices.add_stalls(stalls)
 
     def tell_stalls(self) -> None:
         """Tell each worker this look's stall lines about its rounds (at most a few: ``Notices``): its daemon

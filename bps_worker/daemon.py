@@ -27,19 +27,18 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Container, Final, Sequence, cast
+from typing import Any, Callable, Container, Final, cast
 
 import numpy as np
 
 from bps_runtime import cuda, kernels, metrics
 from bps_runtime.loglimit import failed_rounds_log
 from bps_runtime.health import STALL_LIMIT_S, Pulse, Verdict
-from bps_runtime.stalls import Notices, Stall, capped
+from bps_runtime.stalls import Notices
 from bps_runtime import segments as shm
 from bps_runtime.timeline import Timeline
 from protocol.config import ClusterConfig, placement_items
-from protocol.messages import (ASYNC_KINDS, FUSED_PREFIX, Abort, Notice, Op, Ping, Spec, Why, describe_spec,
-                               notice_lines)
+from protocol.messages import ASYNC_KINDS, FUSED_PREFIX, Abort, Notice, Op, Ping, Spec, Why, describe_spec
 
 from .async_operation import AsyncName, AsyncOperation
 from .errors import BPSError
@@ -267,7 +266,8 @@ class WorkerDaemon:
                 self._execute(self.rounds.overdue_rounds(self.sessions.keys(), loop.time(), self.config.cluster.timeout))
             except Exception:
                 log.exception("internal error in the watch of open rounds")
-            self.say_stalls(self.stalls.warnings(loop.time(), self.rounds, self.all_links), "rounds have waited as long")
+            self.notices.say(self.stalls.warnings(loop.time(), self.rounds, self.all_links), "rounds have waited as long",
+                             log)
             self.failures_log.flush(log)
             self.fusion.watch(loop.time())
             self.tell_stalls()
@@ -275,13 +275,6 @@ class WorkerDaemon:
                 next_link_beat = loop.time() + link_interval
                 for link in self.all_links:
                     link.heartbeat()
-
-    def say_stalls(self, stalls: Sequence[Stall], what: str) -> None:
-        """Log the stall warnings of one look (a few lines and a count: capped), and keep each process's lines
-        about its own rounds for its ``Notice`` (:meth:`tell_stalls`), so that it says them in its own output."""
-        for text in capped(stalls, what):
-            log.warning("%s", text)
-        self.notices.add_stalls(stalls)
 
     def tell_stalls(self) -> None:
         """Each process's stall lines of this look, ours and its servers' (at most a few: ``Notices``)."""

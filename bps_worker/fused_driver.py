@@ -136,7 +136,7 @@ class FusedSums:
         if self.rounds.collecting:
             daemon = self.daemon
             self.carry_out(self.rounds.overdue(daemon.sessions.keys(), now, daemon.config.cluster.timeout))
-        self.daemon.say_stalls(self.stall_warnings(now), "fused rounds have waited as long")
+        self.daemon.notices.say(self.stall_warnings(now), "fused rounds have waited as long", log)
 
     def stall_warnings(self, now: float) -> list[Stall]:
         """The rounds that waited the timeout (and again every timeout), as the local rounds' stalls are said

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import asyncio
 import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -427,7 +429,7 @@ async def test_thousands_of_stalled_rounds_are_a_few_lines_and_a_count():
     assert len(lines) == STALL_LINES + 1 and lines[-1] == f"stall: {300 - STALL_LINES} more rounds have waited " \
                                                           "as long (not listed)", lines
     notices = Notices()
-    notices.add_stalls(stalls)
+    notices.say(stalls, "rounds have waited as long", logging.getLogger("test"))
     told = notices.take([0, 1, 2])
     assert list(told) == [0, 1] and len(told[1]) == STALL_LINES + 1, told  # (worker 2: not in these rounds)
     assert told[1][-1] == f"stall: {300 - STALL_LINES} more stall lines (not listed)"

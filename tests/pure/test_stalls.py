@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from bps_runtime.stalls import StallWatch
@@ -56,7 +58,7 @@ def test_each_party_is_told_a_few_lines_a_look_whoever_said_them():
     from bps_runtime.stalls import STALL_LINES, Notices, Stall
 
     notices = Notices()
-    notices.add_stalls([Stall("mine", (0,)), Stall("both", (0, 1))])
+    notices.say([Stall("mine", (0,)), Stall("both", (0, 1))], "stalls", logging.getLogger("test"))
     for server in range(3):  # each server's capped lines, passed on for every process
         notices.add(None, [f"server {server} line {i}" for i in range(STALL_LINES)] + ["stall: 4 more (not listed)"])
     told = notices.take([0, 1, 2])
