@@ -371,11 +371,8 @@ class Planner:
             absent = [r for r in range(self.workers)
                       if r not in w.workers and (r not in connected or r in self.without_processes)]
             if absent:
-                gone = "has no training processes" if absent[0] in connected else "is not connected to this server"
-                what = f"round {w.counts.get(w.first, 0)} of {name!r}"
-                out += self._fail(name, w, Why(f"worker {absent[0]} {gone} (waited {grace_s:g} s); {what} cannot "
-                                               f"complete", "timeout", what=what, timeout_s=grace_s,
-                                               detail=f"worker {absent[0]} {gone}"))
+                out += self._fail(name, w, Why.absent_worker(absent[0], absent[0] in connected, grace_s,
+                                                              f"round {w.counts.get(w.first, 0)} of {name!r}"))
         return out
 
     def groups(self, names: list[str]) -> tuple[list[list[Any]], list[int]]:

@@ -650,12 +650,8 @@ class RoundTable(Generic[W]):
                 continue
             absent = [w for w in self.waiting_for(st) if not self.connected(w) or w in self._reset]
             if absent:
-                why = "has no training processes" if self.connected(absent[0]) else "is not connected to this server"
-                text = (f"worker {absent[0]} {why} (waited {self.lost_grace_s:g} s); round {st.round} of "
-                        f"{st.key[0]!r} cannot complete")
-                actions.append(self._fail_round(st, Why(text, "timeout", what=f"round {st.round} of {st.key[0]!r}",
-                                                        timeout_s=self.lost_grace_s,
-                                                        detail=f"worker {absent[0]} {why}")))
+                actions.append(self._fail_round(st, Why.absent_worker(
+                    absent[0], self.connected(absent[0]), self.lost_grace_s, f"round {st.round} of {st.key[0]!r}")))
         return actions
 
     def worker_lost(self, worker: int) -> list[Action[W]]:
