@@ -4,7 +4,10 @@ A training process that never submits a tensor its peers did (a hang, a slow eva
 skips a step) blocks them without any error: it is alive and connected, so no timeout fails the
 round. As Horovod's stall inspector does, the daemons say so in their logs instead: the worker daemon
 names the tensor and the local ranks that have and have not submitted it; a server names the
-workers it still waits for in a round. Nothing fails: the round completes if the process comes.
+workers it still waits for in a round. Nothing fails: the round completes if the process comes, unless
+``cluster.stall_timeout`` is set (Horovod's stall shutdown time): a round that waited that long fails then,
+naming them (the watches that fail rounds for absent processes do it: ``LocalRounds.overdue_rounds``,
+``FusedRounds.overdue``, ``RoundTable.sweep``, ``Planner.sweep``).
 
 Each time a daemon looks (a few times per timeout), it passes every wait going on (a key and when
 it began, on one clock) to :meth:`StallWatch.due`, which answers which to warn about now: a wait once

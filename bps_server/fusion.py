@@ -360,19 +360,22 @@ class Planner:
                                 f"{', '.join(map(str, sorted(w.workers)))})", tuple(range(self.workers))))
         return stalls
 
-    def sweep(self, now: float, connected: AbstractSet[int], grace_s: float) -> list[Failed]:
+    def sweep(self, now: float, connected: AbstractSet[int], grace_s: float, stall_s: float = 0.0) -> list[Failed]:
         """Fail every name that has waited ``grace_s`` for a worker that is not connected or has no training
         processes (``without_processes``), as the round table fails its rounds: its reporters hear now. A job
-        run where another machine's processes were gone waited for ever (a review's case)."""
+        run where another machine's processes were gone waited for ever (a review's case). With ``stall_s``
+        (cluster.stall_timeout; 0: never) also every name that has waited that long for connected workers."""
         out: list[Failed] = []
         for name, w in list(self.waiting.items()):
             if now - w.opened < grace_s:
                 continue
-            absent = [r for r in range(self.workers)
-                      if r not in w.workers and (r not in connected or r in self.without_processes)]
+            waiting = [r for r in range(self.workers) if r not in w.workers]
+            absent = [r for r in waiting if r not in connected or r in self.without_processes]
+            what = f"round {w.counts.get(w.first, 0)} of {name!r}"
             if absent:
-                out += self._fail(name, w, Why.absent_worker(absent[0], absent[0] in connected, grace_s,
-                                                              f"round {w.counts.get(w.first, 0)} of {name!r}"))
+                out += self._fail(name, w, Why.absent_worker(absent[0], absent[0] in connected, grace_s, what))
+            elif waiting and 0.0 < stall_s <= now - w.opened:
+                out += self._fail(name, w, Why.stalled_workers(waiting, stall_s, what))
         return out
 
     def groups(self, names: list[str]) -> tuple[list[list[Any]], list[int]]:

@@ -343,9 +343,10 @@ class RoundTable(Generic[W]):
     """
 
     def __init__(self, n_workers: int, *, lost_grace_s: float = 30.0, deterministic: bool = False,
-                 connected: Callable[[int], bool] = lambda worker: True) -> None:
+                 connected: Callable[[int], bool] = lambda worker: True, stall_s: float = 0.0) -> None:
         self.n_workers = n_workers
         self.lost_grace_s = lost_grace_s
+        self.stall_s = stall_s  # cluster.stall_timeout: a round waiting this long for connected workers fails
         self.deterministic = deterministic
         self.connected = connected
         self.keys: dict[Key, Round[W]] = {}
@@ -642,16 +643,21 @@ class RoundTable(Generic[W]):
     # -- workers coming and going ------------------------------------------------------
     def sweep(self, now: float) -> list[Action[W]]:
         """Fail every round that has waited longer than ``lost_grace_s`` (since its first push) for a
-        worker that is not connected or has no training processes (reset and not pushed since); the
-        server calls this periodically."""
+        worker that is not connected or has no training processes (reset and not pushed since), and with
+        ``stall_s`` every one that has waited that long for connected workers; the server calls this
+        periodically."""
         actions: list[Action[W]] = []
         for st in list(self.keys.values()):
             if not st.busy or now - st.opened < self.lost_grace_s:
                 continue
-            absent = [w for w in self.waiting_for(st) if not self.connected(w) or w in self._reset]
+            waiting = self.waiting_for(st)
+            absent = [w for w in waiting if not self.connected(w) or w in self._reset]
+            what = f"round {st.round} of {st.key[0]!r}"
             if absent:
                 actions.append(self._fail_round(st, Why.absent_worker(
-                    absent[0], self.connected(absent[0]), self.lost_grace_s, f"round {st.round} of {st.key[0]!r}")))
+                    absent[0], self.connected(absent[0]), self.lost_grace_s, what)))
+            elif waiting and 0.0 < self.stall_s <= now - st.opened:
+                actions.append(self._fail_round(st, Why.stalled_workers(waiting, self.stall_s, what)))
         return actions
 
     def worker_lost(self, worker: int) -> list[Action[W]]:

@@ -79,7 +79,8 @@ class SummationServer:
         self.timeline = Timeline(config.timeline, f"bps-server {config.server_id}") if config.timeline else None
         self.aggregator = Aggregator(config.cluster.workers, self.executor, lost_grace_s=config.cluster.timeout,
                                      deterministic=config.cluster.deterministic,
-                                     connected=lambda w: w in self.links, timeline=self.timeline)
+                                     connected=lambda w: w in self.links, timeline=self.timeline,
+                                     stall_s=config.cluster.stall_timeout)
         self.values = AsyncValues(config.cluster.workers, config.cluster.timeout, config.cluster.worker_of_rank)
         self.connections: set[ServerConnection] = set()
         self.notices = Notices()  # each worker's stall lines of a look (tell_stalls)
@@ -202,7 +203,8 @@ class SummationServer:
             # Rounds that wait for a worker which is not connected at all (never came, or did not
             # come back after this server restarted) fail rather than wait for ever.
             self.aggregator.sweep(time.monotonic())
-            self.fused(self.fusion.sweep(time.monotonic(), self.links.keys(), timeout))
+            self.fused(self.fusion.sweep(time.monotonic(), self.links.keys(), timeout,
+                                         self.config.cluster.stall_timeout))
             self.aggregator.flush_logs()
             self.notices.say(self.aggregator.stall_warnings(time.monotonic()), "rounds have waited as long", log)
             self.notices.say(self.fusion.stall_warnings(time.monotonic()), "fused names have waited as long", log)

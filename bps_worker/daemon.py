@@ -263,7 +263,9 @@ class WorkerDaemon:
             for link in self.all_links:
                 link.keep_trying()
             try:  # (a bug there must not end the heartbeats: pings, reconnects and this watch)
-                self._execute(self.rounds.overdue_rounds(self.sessions.keys(), loop.time(), self.config.cluster.timeout))
+                cluster = self.config.cluster
+                self._execute(self.rounds.overdue_rounds(self.sessions.keys(), loop.time(), cluster.timeout,
+                                                         cluster.stall_timeout))
             except Exception:
                 log.exception("internal error in the watch of open rounds")
             self.notices.say(self.stalls.warnings(loop.time(), self.rounds, self.all_links), "rounds have waited as long",

@@ -131,11 +131,12 @@ class FusedSums:
         self.carry_out(self.rounds.submit(session, session.local_rank, entries, now))
 
     def watch(self, now: float) -> None:
-        """Fail the rounds that waited the timeout for a process that is not connected, and say which wait
-        longer for a connected one (every second)."""
+        """Fail the rounds that waited the timeout for a process that is not connected (or the stall timeout for
+        one that is), and say which wait longer for a connected one (every second)."""
         if self.rounds.collecting:
             daemon = self.daemon
-            self.carry_out(self.rounds.overdue(daemon.sessions.keys(), now, daemon.config.cluster.timeout))
+            cluster = daemon.config.cluster
+            self.carry_out(self.rounds.overdue(daemon.sessions.keys(), now, cluster.timeout, cluster.stall_timeout))
         self.daemon.notices.say(self.stall_warnings(now), "fused rounds have waited as long", log)
 
     def stall_warnings(self, now: float) -> list[Stall]:

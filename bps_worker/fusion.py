@@ -58,6 +58,8 @@ from typing import Generic, TypeVar
 
 from protocol.messages import Failure, Spec, Why, describe_spec
 
+from .local_rounds import waited_why
+
 M = TypeVar("M")
 
 
@@ -401,17 +403,18 @@ class FusedRounds(Generic[M]):
                 self._settle(fr)
         return out
 
-    def overdue(self, connected: Collection[int], now: float, timeout: float) -> Decisions[M]:
+    def overdue(self, connected: Collection[int], now: float, timeout: float, stall_s: float = 0.0) -> Decisions[M]:
         """The rounds that waited ``timeout`` for a local rank that is not even connected fail (a process that
-        died, or never came, must not make its peers wait for ever); slow ones wait on."""
+        died, or never came, must not make its peers wait for ever); slow ones wait on, unless they waited
+        ``stall_s`` (cluster.stall_timeout; 0: never), as the local rounds' (``LocalRounds.overdue``)."""
         out: Decisions[M] = Decisions()
         for fr in [fr for fr in self.collecting.values() if now - fr.opened >= timeout]:
-            absent = [r for r, e in enumerate(fr.entries) if e is None and r not in connected]
+            missing = [r for r, e in enumerate(fr.entries) if e is None]
+            absent = [r for r in missing if r not in connected]
             if absent:
-                ranks = ", ".join(str(self.rank_offset + r) for r in absent)
-                text = f"rank {ranks} of worker {self.worker_id} is not connected"
-                self._fail(fr, Why(f"tensor {fr.name!r}: {text} (waited {timeout:g} s)", "timeout",
-                                   what=f"tensor {fr.name!r}", timeout_s=timeout, detail=text), out)
+                self._fail(fr, waited_why(fr.name, absent, self.worker_id, self.rank_offset, timeout, False), out)
+            elif 0.0 < stall_s <= now - fr.opened:
+                self._fail(fr, waited_why(fr.name, missing, self.worker_id, self.rank_offset, stall_s, True), out)
         return out
 
     def reset(self) -> Decisions[M]:

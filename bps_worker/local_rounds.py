@@ -57,6 +57,20 @@ def failure_for(why: Why, op: Op) -> Failure:
     return why.heard_by(describe(op)).failure(op.req)
 
 
+def waited_why(name: str, ranks: list[int], worker_id: int, rank_offset: int, waited_s: float,
+               connected: bool) -> Why:
+    """Tensor ``name``'s round on this machine waited ``waited_s`` for local ``ranks``: not connected (the timeout),
+    or connected but never submitting it (``connected``: cluster.stall_timeout). Local and fused rounds alike."""
+    listed = ", ".join(str(rank_offset + r) for r in ranks)
+    if connected:
+        text = f"rank {listed} of worker {worker_id} did not submit it (cluster.stall_timeout)"
+        return Why(f"tensor {name!r}: {text}, waited {waited_s:g} s", "timeout",
+                   what=f"tensor {name!r}", timeout_s=waited_s, detail=text)
+    text = f"rank {listed} of worker {worker_id} is not connected"
+    return Why(f"tensor {name!r}: {text} (waited {waited_s:g} s)", "timeout", what=f"tensor {name!r}",
+               timeout_s=waited_s, detail=text)
+
+
 @dataclass(eq=False)
 class LocalRound(Generic[M]):
     """One name's round on this machine: the local processes' contributions so far."""
@@ -275,31 +289,34 @@ class LocalRounds(Generic[M]):
                     self.retire(lr)
         return actions
 
-    def overdue_rounds(self, connected: Collection[int], now: float, timeout_s: float) -> list[Action[M]]:
+    def overdue_rounds(self, connected: Collection[int], now: float, timeout_s: float,
+                       stall_s: float = 0.0) -> list[Action[M]]:
         """The watch of every open round, which the daemon runs a few times per timeout: each one open for
-        ``timeout_s`` or more (since its ``opened_at``) that waits for a process that is not even connected fails
-        (see :meth:`overdue`). One pass over the open rounds, and nothing kept per round in between: a timer per
-        round held every round of the last timeout, with its ops, until it fired."""
+        ``timeout_s`` or more (since its ``opened_at``) that waits for a process that is not even connected fails,
+        and, with ``stall_s`` (cluster.stall_timeout; 0: never), each open that long for a connected one (see
+        :meth:`overdue`). One pass over the open rounds, and nothing kept per round in between: a timer per round
+        held every round of the last timeout, with its ops, until it fired."""
         actions: list[Action[M]] = []
         for rounds in list(self.open.values()):
             for lr in list(rounds):
                 if lr.opened_at is not None and now - lr.opened_at >= timeout_s:
-                    actions += self.overdue(lr, connected, timeout_s) or []
+                    stalled = 0.0 < stall_s <= now - lr.opened_at
+                    actions += self.overdue(lr, connected, stall_s if stalled else timeout_s, stalled=stalled) or []
         return actions
 
-    def overdue(self, lr: LocalRound[M], connected: Collection[int], waited_s: float) -> list[Action[M]] | None:
+    def overdue(self, lr: LocalRound[M], connected: Collection[int], waited_s: float,
+                stalled: bool = False) -> list[Action[M]] | None:
         """The watch of an open round after ``waited_s``: None when there is nothing left to watch (the
         round started, or failed), [] when every rank it waits for is connected (merely slow: look
-        again later), else its failure: a process that is not connected must not make its peers hang."""
+        again later; ``stalled``: it waited the stall timeout, and fails all the same), else its failure: a
+        process that is not connected must not make its peers hang."""
         if lr.failed is not None or not self.is_open(lr):
             return None
         absent = sorted(r for r in lr.expected if r not in connected)
-        if not absent:
+        if not absent and not stalled:
             return []
-        ranks = ", ".join(str(self.rank_offset + r) for r in absent)
-        absent_text = f"rank {ranks} of worker {self.worker_id} is not connected"
-        return self.fail(lr, Why(f"tensor {lr.name!r}: {absent_text} (waited {waited_s:g} s)", "timeout",
-                                 what=f"tensor {lr.name!r}", timeout_s=waited_s, detail=absent_text))
+        return self.fail(lr, waited_why(lr.name, absent or sorted(lr.expected), self.worker_id, self.rank_offset,
+                                        waited_s, connected=not absent))
 
     def reset(self) -> list[Action[M]]:
         """Every process left: fail every open round, and start numbering at 0 again."""

@@ -50,6 +50,7 @@ _CLUSTER_KEYS: Final = {
     "token_file": (str, False),
     "token_group_readable": (bool, False),
     "timeout": ((int, float), False),
+    "stall_timeout": ((int, float), False),
     "credit_bytes": (int, False),
     "max_payload_bytes": (int, False),
     "colocated_shm": (bool, False),
@@ -97,6 +98,9 @@ class ClusterConfig:
     token_file: str | None = None
     token_group_readable: bool = False  # the token file may be readable (never writable) by its group
     timeout: float = DEFAULT_TIMEOUT_S
+    # A round that waits this long (seconds) for a process or a machine that is connected but never submits it
+    # fails, naming them (Horovod's stall shutdown time); 0: never, it is only warned about (stall: lines).
+    stall_timeout: float = 0.0
     credit_bytes: int = DEFAULT_CREDIT_BYTES
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     colocated_shm: bool = True  # a worker and the server on its host exchange partitions in shared memory
@@ -178,6 +182,7 @@ def parse_config(data: dict[str, Any], source: str = "<memory>") -> ClusterConfi
         token_file=c.get("token_file"),
         token_group_readable=c.get("token_group_readable", False),
         timeout=c["timeout"],
+        stall_timeout=c["stall_timeout"],
         credit_bytes=c["credit_bytes"],
         max_payload_bytes=c["max_payload_bytes"],
         colocated_shm=c.get("colocated_shm", True),
@@ -213,6 +218,10 @@ def _parse_cluster_table(cluster: dict[str, Any], source: str) -> dict[str, Any]
     if not (math.isfinite(timeout) and MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S):
         raise ConfigError(f"{source}: cluster.timeout must be between {MIN_TIMEOUT_S:g} and {MAX_TIMEOUT_S:g} "
                           f"seconds, got {timeout}")
+    stall = c["stall_timeout"] = float(c.get("stall_timeout", 0.0))
+    if not (stall == 0.0 or (math.isfinite(stall) and timeout <= stall <= MAX_TIMEOUT_S)):
+        raise ConfigError(f"{source}: cluster.stall_timeout must be 0 (never) or between cluster.timeout "
+                          f"({timeout:g}) and {MAX_TIMEOUT_S:g} seconds, got {stall}")
     credit = c.setdefault("credit_bytes", DEFAULT_CREDIT_BYTES)
     _positive(credit, "cluster.credit_bytes", source)
     if credit > MAX_CREDIT_BYTES:

@@ -403,6 +403,15 @@ class Why:
         return cls(f"worker {worker} {gone} (waited {waited_s:g} s); {what} cannot complete", "timeout",
                    what=what, timeout_s=waited_s, detail=f"worker {worker} {gone}")
 
+    @classmethod
+    def stalled_workers(cls, workers: list[int], waited_s: float, what: str) -> Self:
+        """``what`` waited ``waited_s`` (cluster.stall_timeout) for ``workers``, connected, whose processes never
+        pushed it (one of them stuck, or skipping it)."""
+        s = "s" if len(workers) > 1 else ""
+        text = f"worker{s} {', '.join(map(str, workers))} did not push it (cluster.stall_timeout)"
+        return cls(f"{what} failed: {text}, waited {waited_s:g} s", "timeout",
+                   what=what, timeout_s=waited_s, detail=text)
+
     def heard_by(self, own: str) -> Self:
         """This failure as the side whose tensor ``own`` describes hears it."""
         if self.sides is None:

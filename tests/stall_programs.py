@@ -139,3 +139,24 @@ def many_left_unmatched(n: int, flags: str) -> dict[str, Any]:
         except bps.BPSError:
             failed += 1
     return {"failed": failed}
+
+
+def names_differ(odd: int, n: int) -> dict[str, Any]:
+    """Every rank sums "w"; then rank ``odd`` pushes a name of its own ("mine") where the others push "shared"
+    (a rank that names its tensor differently: each waits for the others for ever, but for
+    cluster.stall_timeout); then every rank sums "w" again. Reports each of the middle push's error (class,
+    text) and whether both sums of "w" were exact."""
+    rank, size = bps.rank(), bps.size()
+    total = sum(range(1, size + 1))
+    data = np.full(n, rank + 1, np.float32)
+    exact = bool((bps.push_pull(data, "w", average=False) == total).all())
+    name = "mine" if rank == odd else "shared"
+    start = time.monotonic()
+    try:
+        bps.push_pull(data, name, average=False)
+        error: tuple[str, str] | None = None
+    except bps.BPSError as exc:
+        error = (type(exc).__name__, str(exc))
+    waited = time.monotonic() - start
+    exact = exact and bool((bps.push_pull(data, "w", average=False) == total).all())
+    return {"error": error, "waited": waited, "exact": exact}

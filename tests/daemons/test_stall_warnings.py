@@ -91,3 +91,37 @@ def test_thousands_of_failed_rounds_are_a_few_lines(tmp_path, monkeypatch):
     failures = [line for line in log.splitlines() if "'unmatched." in line and "stall" not in line]
     assert len(failures) <= 2 * FAILURE_LINES_BURST, (len(failures), failures[:30])
 
+
+
+STALL_S = 2.0  # cluster.stall_timeout of the tests below (at least the timeout)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fusion", ["default", "0"])
+@pytest.mark.parametrize("layout", [[2], [1, 1]], ids=["one machine", "two machines"])
+def test_with_a_stall_timeout_ranks_whose_names_differ_fail_naming_who_did_not_push(tmp_path, monkeypatch, fusion,
+                                                                                     layout):
+    """cluster.stall_timeout (Horovod's stall shutdown time): a round that waits that long for a connected process
+    (one machine: its local round, fused or not) or machine (two: the server's round table, or the anchor's
+    planner for a fused name) fails with a BPSTimeoutError naming them, instead of waiting for ever with stall
+    warnings; the job goes on (the next sum exact). Without it nothing fails (the tests above)."""
+    if fusion != "default":
+        monkeypatch.setenv("BPS_FUSION_BYTES", fusion)
+    cluster = start_cluster(write_config(tmp_path, layout, cpu_servers=1,
+                                         cluster={"timeout": 1.0, "stall_timeout": STALL_S}))
+    try:
+        results = run_ranks(cluster, sp.names_differ, 1, 1000, timeout=90)
+    finally:
+        cluster.stop()
+    assert all(r["exact"] for r in results), results
+    for rank, r in enumerate(results):
+        name = "mine" if rank == 1 else "shared"
+        other = 0 if rank == 1 else 1
+        assert r["error"] is not None and r["error"][0] == "BPSTimeoutError", (rank, r)
+        if layout == [2]:  # its worker daemon's local round: the local rank it waited for
+            said = rf"tensor '{name}' timed out after 2 s: rank {other} of worker 0 did not submit it"
+        else:  # the server's round (or fused name) waited for the other machine
+            said = rf"'{name}'.* timed out after 2 s: worker {other} did not push it"
+        said += r" \(cluster.stall_timeout\)"
+        assert re.search(said, r["error"][1]), (rank, r)
+        assert STALL_S - 0.5 <= r["waited"] <= STALL_S + 8, (rank, r)

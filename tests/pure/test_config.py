@@ -149,6 +149,16 @@ def test_defaults(tmp_path):
     assert cfg.one_host  # both servers at 127.0.0.1
 
 
+def test_stall_timeout_is_off_by_default_and_at_least_the_timeout(tmp_path):
+    assert load_config(write(tmp_path, CLUSTER + SERVERS + WORKERS)).stall_timeout == 0.0
+    cfg = load_config(write(tmp_path, CLUSTER + "timeout = 5\nstall_timeout = 300\n" + SERVERS + WORKERS))
+    assert cfg.stall_timeout == 300.0 and isinstance(cfg.stall_timeout, float)
+    assert load_config(write(tmp_path, CLUSTER + "timeout = 5\nstall_timeout = 5\n" + SERVERS + WORKERS)
+                       ).stall_timeout == 5.0
+    assert "cluster.stall_timeout must be 0 (never) or between cluster.timeout (30) and 86400 seconds, got 10.0" in \
+        config_error(tmp_path, CLUSTER + "stall_timeout = 10\n" + SERVERS + WORKERS)
+
+
 def test_integer_timeout_becomes_float(tmp_path):
     cfg = load_config(write(tmp_path, CLUSTER + "timeout = 5\n" + SERVERS + WORKERS))
     assert cfg.timeout == 5.0 and isinstance(cfg.timeout, float)
@@ -284,6 +294,7 @@ def test_missing_worker_keys(tmp_path, key):
     ("workers = 2", "workers = 2\npartition_bytes = 1.5", "cluster.partition_bytes"),
     ("workers = 2", 'workers = 2\ntimeout = "30s"', "cluster.timeout"),
     ("workers = 2", "workers = 2\ntimeout = false", "cluster.timeout"),
+    ("workers = 2", "workers = 2\nstall_timeout = true", "cluster.stall_timeout"),
     ("workers = 2", "workers = 2\ntoken_file = 5", "cluster.token_file"),
     ("workers = 2", "workers = 2\ncredit_bytes = [1]", "cluster.credit_bytes"),
     ("workers = 2", "workers = 2\nmax_payload_bytes = true", "cluster.max_payload_bytes"),
@@ -321,6 +332,9 @@ def test_wrong_worker_types(tmp_path, old, new, key):
     ("workers = 2", "workers = 2\ntimeout = 0", "cluster.timeout"),
     ("workers = 2", "workers = 2\ntimeout = -1.5", "cluster.timeout"),
     ("workers = 2", "workers = 2\ntimeout = nan", "cluster.timeout"),
+    ("workers = 2", "workers = 2\ntimeout = 10\nstall_timeout = 5", "cluster.stall_timeout"),
+    ("workers = 2", "workers = 2\nstall_timeout = -1", "cluster.stall_timeout"),
+    ("workers = 2", "workers = 2\nstall_timeout = inf", "cluster.stall_timeout"),
     ("workers = 2", "workers = 2\ncredit_bytes = -5", "cluster.credit_bytes"),
     ("workers = 2", "workers = 2\nwindow_pieces = -1", "cluster.window_pieces"),
     ("workers = 2", "workers = 2\nmax_payload_bytes = 0", "cluster.max_payload_bytes"),

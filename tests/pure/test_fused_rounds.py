@@ -390,3 +390,13 @@ async def test_a_failed_steps_round_is_given_up_at_the_anchor_once_the_base_is_l
         answers[-1].set_result(answer)
         await task
         assert daemon.rounds.numbers.base("n") == want_base and aborted == want_aborted, (answer, epoch)
+
+
+def test_with_a_stall_timeout_a_fused_round_that_waits_for_a_connected_process_fails():
+    fr = rounds(2)
+    fr.submit("p0", 0, entries(["a"]), now=100.0)
+    assert fr.overdue({0, 1}, now=159.9, timeout=5.0, stall_s=60.0).answers == []
+    out = fr.overdue({0, 1}, now=160.0, timeout=5.0, stall_s=60.0)
+    assert [(m, f.req, f.code, f.timeout_s) for m, f in out.answers] == [("p0", 1, "timeout", 60.0)]
+    assert "rank 4 of worker 1 did not submit it (cluster.stall_timeout)" in out.answers[0][1].message
+    assert [name for name, _, _ in out.aborts] == ["a"] and not fr.collecting

@@ -748,3 +748,19 @@ def test_a_worker_that_pushed_since_its_reset_has_processes_and_is_waited_for():
     p.processes_seen(1)
     p.report(0, ["x"], [F32], now=100.0)
     assert p.sweep(1000.0, {0, 1}, 5.0) == [] and "x" in p.waiting
+
+
+def test_with_a_stall_timeout_a_name_that_waits_for_a_connected_worker_fails_naming_it():
+    """cluster.stall_timeout: a connected worker whose processes never report the name (they name their tensor
+    otherwise, or are stuck) fails it for the reporters once it waited that long; it hears it when it reports."""
+    p = Planner(3)
+    p.report(0, ["x"], [F32], now=100.0)
+    assert p.sweep(119.9, {0, 1, 2}, 5.0, stall_s=20.0) == []
+    (failed,) = p.sweep(120.0, {0, 1, 2}, 5.0, stall_s=20.0)
+    assert failed.worker == 0 and failed.name == "x" and failed.why.code == "timeout"
+    assert failed.why.text == ("round 0 of 'x' failed: workers 1, 2 did not push it (cluster.stall_timeout), "
+                               "waited 20 s")
+    assert failed.why.timeout_s == 20.0 and failed.why.detail == "workers 1, 2 did not push it (cluster.stall_timeout)"
+    assert "x" not in p.waiting and p.failed["x"][0][1] == {1, 2}
+    [heard] = p.report(1, ["x"], [F32], now=130.0)
+    assert heard.worker == 1 and "cluster.stall_timeout" in heard.why.text

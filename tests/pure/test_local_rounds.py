@@ -314,3 +314,22 @@ def test_a_failed_round_still_waits_for_a_rank_that_heard_nothing():
     assert lr.open["w"][0].expected == {2}
     (refused,) = lr.submit("p2", 2, op(req=3))  # the late rank gets the round's error, and then it is gone
     assert isinstance(refused, Refused) and refused.code == "mismatch" and "w" not in lr.open
+
+
+def test_with_a_stall_timeout_the_watch_fails_a_round_that_waits_for_a_connected_process():
+    """cluster.stall_timeout: a round open that long for processes that are connected but never submit it fails,
+    naming them; one open less long is looked at again (a process not connected fails after the timeout, as
+    before)."""
+    lr = rounds(3)
+    stuck = lr.submit("s0", 0, op(name="stuck"))[0].round
+    young = lr.submit("s0", 0, op(name="young"))[0].round
+    stuck.opened_at, young.opened_at = 100.0, 140.0
+    assert lr.overdue_rounds(connected={0, 1, 2}, now=159.9, timeout_s=5.0, stall_s=60.0) == []
+    actions = lr.overdue_rounds(connected={0, 1, 2}, now=160.0, timeout_s=5.0, stall_s=60.0)
+    assert kinds(actions) == ["Failed"] and actions[0].round is stuck
+    assert actions[0].reason == ("tensor 'stuck': rank 4, 5 of worker 1 did not submit it (cluster.stall_timeout), "
+                                 "waited 60 s")
+    f = actions[0].failure(op(req=7))
+    assert (f.code, f.timeout_s, f.detail) == ("timeout", 60.0, "rank 4, 5 of worker 1 did not submit it "
+                                                                "(cluster.stall_timeout)")
+    assert young.failed is None and lr.overdue_rounds(connected={0, 1, 2}, now=1000.0, timeout_s=5.0) == []

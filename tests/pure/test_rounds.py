@@ -637,3 +637,17 @@ def test_a_worker_that_pushed_here_keeps_the_last_jobs_failure_until_it_resets()
     table.push(_push(0, name="G"), _data(), "a0", 0.0)
     assert not any(isinstance(a, Cleared) for a in table.worker_reset(0, "e0b"))
     assert "G" in {k[0] for k in table.keys}
+
+
+def test_with_a_stall_timeout_sweep_fails_a_round_waiting_for_a_connected_worker():
+    """cluster.stall_timeout: the round waits for worker 2, connected, whose processes never push it (stuck, or
+    naming their tensor otherwise): it fails once it waited that long, not before; without it, never."""
+    table: RoundTable[str] = RoundTable(3, lost_grace_s=10, stall_s=60)
+    for w in (0, 1):
+        table.push(_push(w), _data(), f"w{w}", 100.0)
+    assert table.sweep(159.9) == []
+    actions = table.sweep(160.0)
+    why = "round 0 of 't' failed: worker 2 did not push it (cluster.stall_timeout), waited 60 s"
+    assert len(actions) == 1 and _fails(actions) == {"w0": why, "w1": why}
+    assert _facts(actions)["w0"] == ("timeout", "", "", "", "", "round 0 of 't'", 60)
+    assert table.sweep(1000.0) == []  # failed once
