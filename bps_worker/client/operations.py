@@ -192,7 +192,9 @@ class Operations:
             source(view)
         elif not same_memory(view, source):
             if np.may_share_memory(view, source):  # a part of the name's shared array, not the slot: a copy into
-                return self._input_copy(name, nbytes, dtype, shape, source) + (in_place,)  # it wrote over it
+                # it wrote over it. The sum then comes into the copy's slot, not into ``out`` (were it the shared
+                # array): it is copied there, as into any out (it came back unchanged, a review's case).
+                return self._input_copy(name, nbytes, dtype, shape, source) + (False,)
             view[...] = source  # np.copyto's dispatch costs more than this copy of a small tensor
         elif fused and not in_place:
             return self._input_copy(name, nbytes, dtype, shape, source) + (in_place,)

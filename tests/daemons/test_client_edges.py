@@ -362,6 +362,21 @@ def test_a_slice_of_a_shared_array_given_as_input_is_left_unchanged(client, coun
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("count", [4, 300_000], ids=["fused", "unfused"])
+def test_another_view_of_a_shared_array_summed_into_it_lands_there(client, count):
+    """``push_pull(a[::-1], name, out=a)`` with ``a`` the name's shared array: the view went through a copy of
+    our own (it would have written over the array) and the sum landed in that copy: ``a`` came back unchanged,
+    no error (a review's case)."""
+    client()
+    shared = bps.shared_array("h", (count,), np.float32)
+    shared[:] = np.arange(count, dtype=np.float32)
+    want = shared[::-1].copy()
+    got = bps.push_pull(shared[::-1], "h", out=shared, average=False)
+    assert got is shared
+    np.testing.assert_array_equal(shared, want)
+
+
+@pytest.mark.timeout(60)
 def test_arguments_are_checked_by_type_as_well_as_value(client):
     """The argument cache was keyed by value: priority=1.0 (refused) was taken once priority=1 had been."""
     client()
