@@ -145,3 +145,42 @@ def cuda_ops_checked_as_any() -> dict[str, str]:
         handle.wait(30)
         out[label] = str(handle.error)
     return out
+
+
+def failed_init_beside_an_open_round(sock: str, flags: str) -> dict[str, Any]:
+    """Local rank 1 leaves, rank 0 issues "p" (its round waits for rank 1), then rank 1's ``init`` fails on a timeline
+    it cannot write and it inits again and pushes "p". Its failed ``init`` connected and left before, which failed
+    rank 0's round ("rank 1 disconnected during the fused round", a review's case). Both sums, exact or the error."""
+    import os
+
+    rank = bps.local_rank()
+    flag = os.path.join(flags, "{}")
+    x = np.full(4, rank + 1, np.float32)
+    try:
+        if rank == 1:
+            bps.shutdown()
+            open(flag.format("left"), "w").close()
+            _wait_for(flag.format("issued"))
+            time.sleep(0.3)  # rank 0's op reaches the daemon
+            try:
+                bps.init(socket=sock, local_rank=1, timeout=10.0, timeline="/proc/no/such/t.json")
+                return {"error": "init with a bad timeline did not fail"}
+            except bps.BPSError:
+                pass
+            bps.init(socket=sock, local_rank=1, timeout=10.0)
+            return {"sum": bps.push_pull(x, "p", average=False).tolist()}
+        _wait_for(flag.format("left"))
+        time.sleep(0.3)  # the daemon saw rank 1 leave
+        handle = bps.push_pull_async(x, "p", average=False)
+        open(flag.format("issued"), "w").close()
+        return {"sum": bps.synchronize(handle, timeout=30).tolist()}
+    except bps.BPSError as exc:
+        return {"error": str(exc)}
+
+
+def _wait_for(path: str) -> None:
+    import os
+
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)

@@ -38,7 +38,7 @@ from .arrays import NUMPY_DTYPES, same_memory, view_of
 from .connection import Connection
 from .fusion import Entry, FusionBuffer
 from .handle import Handle
-from .settings import Settings, timeline_path
+from .settings import Settings, timeline_directory, timeline_path
 from .slots import Slot, SlotMap
 
 __all__ = ["Checked", "Fill", "Operations"]
@@ -83,6 +83,8 @@ class Operations:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.pid = os.getpid()  # the process that connected (a fork of it cannot use the connection)
+        if settings.timeline is not None:
+            timeline_directory(settings.timeline)
         self.conn = Connection(settings.socket, settings.local_rank, settings.timeout)
         try:
             self._set_up(settings)

@@ -25,6 +25,7 @@ setting             environment default                        meaning
 from __future__ import annotations
 
 import math
+import operator
 import os
 from dataclasses import dataclass
 from typing import Final, Mapping
@@ -67,6 +68,13 @@ def resolve(socket: str | None, local_rank: int | None, timeout: float, timeline
             local_rank = int(text)
         except ValueError:
             raise BPSError(f"local rank must be an integer, got {text!r}") from None
+    elif isinstance(local_rank, bool):
+        raise BPSError(f"local rank must be an integer, got {local_rank!r}")
+    else:
+        try:  # any integer type, numpy's too (it failed the handshake's type check: no BPSError, a socket left open)
+            local_rank = operator.index(local_rank)
+        except TypeError:
+            raise BPSError(f"local rank must be an integer, got {local_rank!r}") from None
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
         raise BPSError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if timeline is None:
@@ -95,6 +103,20 @@ def _number(what: str, value: float | None, environ: Mapping[str, str], variable
             or (kind is int and value != int(value)):
         raise BPSError(f"{source} must be a non-negative {kind.__name__}, got {value!r}")
     return value
+
+
+def timeline_directory(target: str) -> str:
+    """Made now if need be, the directory where ``init(timeline=target)`` will write this process's trace (its
+    name needs the rank, which the daemon says): BPSError naming it where it cannot be made or written to. Checked
+    before connecting: a process that connects and then leaves fails every round its peers opened meanwhile."""
+    where = os.path.dirname(os.path.abspath(target)) if target.endswith(".json") else target
+    try:
+        os.makedirs(where, exist_ok=True)
+    except OSError as exc:
+        raise BPSError(f"cannot write the timeline in {where!r}: {exc.strerror or exc}") from None
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise BPSError(f"cannot write the timeline in {where!r}: permission denied")
+    return where
 
 
 def timeline_path(target: str, rank: int) -> str:

@@ -57,3 +57,21 @@ def test_an_op_naming_a_cuda_tensor_gets_every_ops_checks(tmp_path):
         assert "root rank 99 is outside 0..0" in errors["root"], errors
     finally:
         cluster.stop()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("fusion", ["default", "0"])
+def test_an_init_that_fails_on_its_timeline_never_connects(tmp_path, monkeypatch, fusion):
+    """The timeline's directory is checked before connecting: an init that failed on it connected and left, and
+    failed the rounds its peers had open (a review's case)."""
+    if fusion != "default":
+        monkeypatch.setenv("BPS_FUSION_BYTES", fusion)
+    cluster = start_cluster(write_config(tmp_path, [2], cpu_servers=1))
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    try:
+        results = run_ranks(cluster, cp.failed_init_beside_an_open_round, cluster.config.worker_specs[0].socket,
+                            str(flags), timeout=60)
+    finally:
+        cluster.stop()
+    assert results == [{"sum": [3.0] * 4}, {"sum": [3.0] * 4}], results

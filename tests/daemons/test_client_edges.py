@@ -152,7 +152,7 @@ def test_a_name_stays_claimed_until_its_result_is_read(client, monkeypatch):
 
 
 @pytest.mark.timeout(60)
-def test_an_init_that_fails_after_connecting_says_why_and_may_be_retried(tmp_path: Path):
+def test_an_init_that_fails_on_its_timeline_says_why_and_may_be_retried(tmp_path: Path):
     cluster = start_cluster(write_config(tmp_path, [1], cpu_servers=0))
     try:
         with pytest.raises(bps.BPSError, match="cannot write the timeline"):

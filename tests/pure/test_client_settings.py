@@ -74,3 +74,24 @@ def test_fusion_bounds_from_arguments_or_the_environment() -> None:
 def test_bad_fusion_bounds_are_refused_by_name(env: dict[str, str], kwargs: dict[str, object], says: str) -> None:
     with pytest.raises(BPSError, match=re.escape(says)):
         _resolve({"BPS_SOCKET": "/s", "BPS_LOCAL_RANK": "0", **env}, **kwargs)
+
+
+def test_a_local_rank_of_any_integer_type_is_taken_and_others_refused_by_name() -> None:
+    """numpy's integers too (one failed the handshake's type check: a LocalProtocolError, not a BPSError, and the
+    socket left open; a review's case)."""
+    import numpy as np
+
+    s = _resolve({"BPS_SOCKET": "/run/w.sock"}, local_rank=np.int64(1))
+    assert s.local_rank == 1 and type(s.local_rank) is int
+    for bad in ("1", 1.0, True):
+        with pytest.raises(BPSError, match="local rank must be an integer, got"):
+            _resolve({"BPS_SOCKET": "/run/w.sock"}, local_rank=bad)
+
+
+def test_the_timeline_directory_is_made_or_refused_before_connecting(tmp_path) -> None:
+    from bps_worker.client.settings import timeline_directory
+
+    assert timeline_directory(str(tmp_path / "a" / "t.json")) == str(tmp_path / "a") and (tmp_path / "a").is_dir()
+    assert timeline_directory(str(tmp_path / "b")) == str(tmp_path / "b") and (tmp_path / "b").is_dir()
+    with pytest.raises(BPSError, match="cannot write the timeline in '/proc/no': "):
+        timeline_directory("/proc/no/t.json")
