@@ -27,7 +27,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Container, Final, cast
+from typing import Any, Callable, Container, Coroutine, Final, cast
 
 import numpy as np
 
@@ -479,16 +479,24 @@ class WorkerDaemon:
         hears ``why`` (its code and facts: a mismatch, each its own side of it)."""
         self._anchor_link(name).abort(name, 0, server_round, why)
 
-    async def abort_when_known(self, name: str, local_round: int, base: asyncio.Future[int], why: Why,
-                               then: Callable[[], None] = lambda: None) -> None:
-        """Abort our round ``local_round`` of ``name`` at its anchor once the base is known; ``then``, in any
-        case."""
+    def abort_when_known(self, name: str, local_round: int, base: asyncio.Future[int], why: Why,
+                         then: Callable[[], None] = lambda: None) -> Coroutine[Any, Any, None]:
+        """Abort our round ``local_round`` of ``name`` (of the job running now) at its anchor once the base is
+        known; ``then``, in any case (to be spawned)."""
+        return self._abort_when_known(name, local_round, base, why, then, self.epoch)
+
+    async def _abort_when_known(self, name: str, local_round: int, base: asyncio.Future[int], why: Why,
+                                then: Callable[[], None], epoch: str) -> None:
         try:
             offset = await base
         except (BPSError, asyncio.CancelledError):
             return  # the anchor is unreachable, or the job is gone: the peers' rounds fail there anyway
         else:
-            self.abort_at_anchor(name, local_round + offset, why)
+            # Not once the job is over (every process left meanwhile: our Reset failed its rounds there): the
+            # abort would fail the next job's round of that number, whose first step then failed with this one's
+            # error (shutdown() with a sum in flight, then init() on every process: a review's case).
+            if self.epoch == epoch:
+                self.abort_at_anchor(name, local_round + offset, why)
         finally:
             then()
 

@@ -10,6 +10,7 @@ import types
 from bps_worker.daemon import WorkerDaemon
 from bps_worker.errors import BPSConnectionError
 from fake_transport import FakeSession, worker_daemon
+from protocol.messages import Op
 
 F32 = ("float32", (4,), False, "")
 
@@ -85,3 +86,30 @@ async def test_two_steps_given_up_while_their_base_queries_overlap_are_both_abor
     daemon.unfused_step("a")
     await _settle(daemon)
     assert sorted(r for _, _, r in anchor.aborts) == [0, 1], f"aborts sent: {anchor.aborts}"
+
+
+async def test_a_round_aborted_once_its_base_is_known_is_not_aborted_into_the_next_job():
+    """Local rank 0 leaves during its round of "g" (unfused) while the base query is out: its abort waits for the
+    answer (abort_when_known). The answer comes, and before the abort's task runs, rank 1 leaves too (under uvloop
+    the socket's end is read before the callbacks the answer scheduled): the daemon resets. The abort then went
+    out in the next job and failed its round 0 of "g" (shutdown() with a sum in flight, then init() on every
+    process: the next job's first step failed with the old one's error, a review's case)."""
+    daemon, anchor = _daemon(local_size=2)
+    answer: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    anchor.query_round = lambda *args, **kwargs: answer  # type: ignore[method-assign,assignment]
+    sessions = [FakeSession(0), FakeSession(1)]
+    for s in sessions:
+        daemon.sessions[s.local_rank] = s  # type: ignore[assignment]
+    daemon.submit(sessions[0], Op(req=1, name="g", kind="sum", segment="seg", offset=0, dtype="float32",
+                                  shape=[4]))  # type: ignore[arg-type]
+    await _settle(daemon)
+    daemon.session_lost(sessions[0])  # its round fails: the abort waits for the base
+    await _settle(daemon)
+    assert anchor.aborts == []
+    answer.set_result(0)
+    await asyncio.sleep(0)  # the query's task learns the base and ends; the abort's task is woken next
+    old = daemon.epoch
+    daemon.session_lost(sessions[1])  # the last process leaves first: reset
+    assert daemon.epoch != old
+    await _settle(daemon)
+    assert anchor.aborts == [], f"an abort of the old job's round sent in the new job: {anchor.aborts}"
