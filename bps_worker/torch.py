@@ -546,6 +546,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self.bucket_bytes = bucket_bytes
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._shape = self._groups_shape()  # (see _check_groups)
         self._positional = named_parameters is None
         self._names = self._resolve_names(named_parameters)  # (in the order buckets take them)
         self._buckets = self._make_buckets()
@@ -761,6 +762,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket.handle = _adapter.start_filled(bucket.name, _numpy_of(bucket.dtype), (bucket.total,), average=True,
                                               priority=bucket.priority, layout=bucket.layout)
 
+    def _groups_shape(self) -> list[int]:
+        return [len(group["params"]) for group in self.optimizer.param_groups]
+
+    def _check_groups(self) -> None:
+        """The wrapped optimizer has the parameters it had when wrapped: one added since (its own
+        ``add_param_group``, a group appended to ``param_groups``) would be stepped with this process's own
+        gradient, unlike the others (the models drift apart, no error: a review's case). Counted per group, a
+        few list lengths a step."""
+        if self._groups_shape() != self._shape:
+            known = dict.fromkeys(self._params)
+            new = [p for group in self.optimizer.param_groups for p in group["params"] if p not in known]
+            raise BPSError(f"the wrapped optimizer's parameters changed after DistributedOptimizer wrapped it "
+                           f"({len(new)} new, e.g. of shape {tuple(new[0].shape) if new else '?'}: a param group "
+                           f"added to it, or parameters appended to one): they would be stepped with this "
+                           f"process's own gradient. Wrap the optimizer once it has all its parameters")
+
     def synchronize(self) -> None:
         """Wait for every gradient of this step and write the averages into ``.grad``.
 
@@ -772,8 +789,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         BPSError, once every sum has come back (the sums are not written): its change would be lost.
         """
         if self._async is not None:
+            self._check_groups()
             return  # nothing to wait for: every gradient stays here
         try:
+            self._check_groups()  # (in here: the buckets already started are drained all the same)
             self._start_rest()
             changed = self._changed_gradient()
             first_error = self._finish_all(write=changed is None) or changed
@@ -873,6 +892,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:
         if self._async is not None:
+            self._check_groups()
             if not self._async.initialised:
                 self._async.init(0)
             loss = self.optimizer.step(closure)

@@ -94,6 +94,34 @@ def unfrozen_after_wrapping() -> dict[str, Any]:
     return {"first": first, "w0": m[0].weight.detach().sum().item()}
 
 
+def group_added_to_the_wrapped_optimizer(asynchronous: bool) -> dict[str, Any]:
+    """A param group added to the wrapped optimizer itself after wrapping (not through the wrapper, which refuses
+    it): its parameters were stepped with each process's own gradient, no error (a review's case). Then the same
+    optimizer wrapped again: averaged."""
+    m = nn.Linear(3, 1)
+    inner = torch.optim.SGD(m.parameters(), lr=1.0)
+    opt = bps.DistributedOptimizer(inner, named_parameters=m.named_parameters(), asynchronous=asynchronous)
+    if asynchronous:
+        bps.broadcast_parameters(m.state_dict(), 0)
+    head = nn.Parameter(torch.zeros(3))
+    inner.add_param_group({"params": [head]})
+    opt.zero_grad()
+    (m(torch.ones(1, 3)).sum() + (head * (bps.rank() + 1)).sum()).backward()
+    try:
+        opt.step()
+        first = ""
+    except bps.BPSError as exc:
+        first = str(exc)
+    if asynchronous:
+        return {"first": first, "head": head.detach().tolist()}
+    opt.zero_grad()
+    named = [*m.named_parameters(), ("head", head)]
+    again = bps.DistributedOptimizer(inner, named_parameters=named)
+    (m(torch.ones(1, 3)).sum() + (head * (bps.rank() + 1)).sum()).backward()
+    again.step()
+    return {"first": first, "head": head.detach().tolist()}
+
+
 def numpy_hyperparameters() -> dict[str, Any]:
     m = nn.Linear(4, 3)
     base = torch.optim.SGD(m.parameters(), lr=0.1)

@@ -55,6 +55,19 @@ def test_a_parameter_unfrozen_after_wrapping_is_an_error_until_wrapped_again(clu
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_group_added_to_the_wrapped_optimizer_is_an_error_until_wrapped_again(cluster: Cluster,
+                                                                                 asynchronous: bool) -> None:
+    results = run_ranks(cluster, tp.group_added_to_the_wrapped_optimizer, asynchronous, timeout=60,
+                        client_timeout=10)
+    for r in results:
+        assert "the wrapped optimizer's parameters changed after DistributedOptimizer wrapped it (1 new" in \
+            r["first"], r
+        # untouched by the refused step; then averaged (-(1 + 2) / 2) once wrapped again
+        assert r["head"] == ([0.0] * 3 if asynchronous else [-1.5] * 3), r
+
+
+@pytest.mark.timeout(90)
 def test_numpy_hyperparameters_are_broadcast(cluster: Cluster) -> None:
     for r in _run(cluster, tp.numpy_hyperparameters):
         assert r == {"lr": 0.1, "type": "float"}, r
