@@ -281,6 +281,7 @@ def _named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
 def broadcast_parameters(params: Any, root_rank: int) -> None:
     """Overwrite every tensor of ``params`` (state_dict() or named_parameters()) with ``root_rank``'s, in place."""
     named = _named_tensors(params)
+    _async.check_broadcast([t for _, t in named])
     handles = []
     try:
         for name, tensor in named:

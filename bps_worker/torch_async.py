@@ -163,11 +163,27 @@ class AsyncParameters:
 
 
 def init_all(root_rank: int) -> None:
-    """``broadcast_parameters``'s part: every asynchronous optimizer of this process initialises its values, in
-    the order they were made (the same on every process: a set's order would differ, and two processes each
-    waiting in another optimizer's init would wait for ever)."""
+    """``broadcast_parameters``'s part: every asynchronous optimizer of this process not initialised yet initialises
+    its values, in the order they were made (the same on every process: a set's order would differ, and two
+    processes each waiting in another optimizer's init would wait for ever)."""
     for params in sorted(_LIVE, key=lambda p: p.created):
-        params.init(root_rank)
+        if not params.initialised:
+            params.init(root_rank)
+
+
+def check_broadcast(tensors: list[torch.Tensor]) -> None:
+    """Before ``broadcast_parameters`` of ``tensors``: none may be a parameter of an asynchronous optimizer whose
+    values the servers hold already (initialised). A job's values are set once (a process that rejoins takes them
+    as they are): the broadcast wrote the root's tensors, then the init again wrote the servers' values over them
+    (a checkpoint restored on the root mid-job was silently lost, a review's case). Compared by memory: a
+    state_dict's tensors are other objects over the parameters' storage."""
+    where = {(t.device, t.data_ptr()) for t in tensors if t.numel()}
+    for params in _LIVE:
+        if params.initialised and any((p.device, p.data_ptr()) in where for b in params.buckets for p in b.params):
+            raise BPSError("broadcast_parameters of parameters whose asynchronous values the servers hold already "
+                           "(set by an earlier broadcast_parameters or step() in this job): a job's values are set "
+                           "once, and a process that rejoins takes them as they are. Restore a checkpoint before "
+                           "the first broadcast_parameters, or start a new job")
 
 
 def release(params: list[torch.Tensor]) -> None:

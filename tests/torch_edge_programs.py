@@ -122,6 +122,35 @@ def group_added_to_the_wrapped_optimizer(asynchronous: bool) -> dict[str, Any]:
     return {"first": first, "head": head.detach().tolist()}
 
 
+def async_broadcast_again() -> dict[str, Any]:
+    """Asynchronous mode: a second broadcast_parameters of the model (the root restored a checkpoint mid-job)
+    wrote the root's tensors, then the init again wrote the servers' values over them, silently (a review's
+    case). Refused now before anything is written; a buffer-only broadcast (no asynchronous parameter) goes on."""
+    m = nn.Linear(3, 1, bias=False)
+    nn.init.zeros_(m.weight)
+    opt = bps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1.0), named_parameters=m.named_parameters(),
+                                   asynchronous=True, staleness=0)
+    bps.broadcast_parameters(m.state_dict(), 0)
+    for _ in range(2):
+        opt.zero_grad()
+        m.weight.grad = torch.ones(1, 3)
+        opt.step()
+    before = m.weight.detach().clone()
+    with torch.no_grad():
+        m.weight.fill_(7.0 if bps.rank() == 0 else -3.0)
+    try:
+        bps.broadcast_parameters(m.state_dict(), 0)
+        refused = ""
+    except bps.BPSError as exc:
+        refused = str(exc)
+    kept = m.weight.detach().tolist()
+    with torch.no_grad():
+        m.weight.copy_(before)
+    other = {"steps": torch.tensor([float(bps.rank())])}
+    bps.broadcast_parameters(other, 0)
+    return {"refused": refused, "kept": kept, "other": other["steps"].tolist()}
+
+
 def numpy_hyperparameters() -> dict[str, Any]:
     m = nn.Linear(4, 3)
     base = torch.optim.SGD(m.parameters(), lr=0.1)

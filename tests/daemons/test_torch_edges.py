@@ -68,6 +68,14 @@ def test_a_group_added_to_the_wrapped_optimizer_is_an_error_until_wrapped_again(
 
 
 @pytest.mark.timeout(90)
+def test_a_second_broadcast_of_asynchronous_parameters_is_refused_before_writing(cluster: Cluster) -> None:
+    for rank, r in enumerate(_run(cluster, tp.async_broadcast_again)):
+        assert "whose asynchronous values the servers hold already" in r["refused"], r
+        assert r["kept"] == [[7.0 if rank == 0 else -3.0] * 3], r  # nothing written
+        assert r["other"] == [0.0], r
+
+
+@pytest.mark.timeout(90)
 def test_numpy_hyperparameters_are_broadcast(cluster: Cluster) -> None:
     for r in _run(cluster, tp.numpy_hyperparameters):
         assert r == {"lr": 0.1, "type": "float"}, r
