@@ -725,6 +725,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _fill(self, bucket: _Bucket, index: int, grad: torch.Tensor | None, hooked: bool = True) -> None:
         """Copy one gradient (cast for the wire) into the bucket's slot, or zeros where this process has none."""
         if bucket.slot is None:
+            # Before the slot is touched: another optimizer's bucket of this name is filled into it, or read from it
+            # in flight (two optimizers named by position: a review's case wrote over the other's gradients, then
+            # failed "already in flight").
+            clash = self._clash(bucket)
+            if clash is not None:
+                raise clash
             try:
                 view = _adapter.shared_slot(bucket.name, (bucket.total,), _numpy_of(bucket.dtype))
             except BPSError as exc:
@@ -744,17 +750,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket.filled[index] = _Seen.of(grad, hooked)
 
     def _clash(self, bucket: _Bucket) -> BPSError | None:
-        """Where another DistributedOptimizer of this process is summing a bucket of the same name (so that the
-        name is in flight), the error that says how to name them apart."""
-        busy = [o for o in _OPTIMIZERS if o is not self and any(b.name == bucket.name and b.handle is not None
-                                                                  for b in o._buckets)]
+        """Where another DistributedOptimizer of this process is filling or summing a bucket of the same name (its
+        shared slot, which is the name's), the error that says how to name them apart."""
+        busy = [o for o in _OPTIMIZERS if o is not self and any(
+            b.name == bucket.name and (b.handle is not None or b.filled) for b in o._buckets)]
         if not busy:
             return None
         how = ("pass named_parameters to each (e.g. model.named_parameters()): without it a gradient is named by "
                "its position in its optimizer, the same in every optimizer" if self._positional else
                "give each optimizer's parameters their own names (named_parameters with a prefix, e.g. "
                "[('critic.' + n, p) for n, p in ...])")
-        return BPSError(f"gradient bucket {bucket.name!r} is being summed for another DistributedOptimizer of this "
+        return BPSError(f"gradient bucket {bucket.name!r} is in use by another DistributedOptimizer of this "
                         f"process: {how}")
 
     def _start(self, bucket: _Bucket) -> None:

@@ -234,10 +234,26 @@ def test_two_optimizers_without_names_are_told_to_pass_named_parameters(client: 
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     first = bps.DistributedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1))
     second = bps.DistributedOptimizer(torch.optim.SGD(model[2].parameters(), lr=0.1))
-    with pytest.raises(bps.BPSError, match=r"bucket 'grad\.1' is being summed for another .*pass named_parameters"):
+    with pytest.raises(bps.BPSError, match=r"bucket 'grad\.1' is in use by another .*pass named_parameters"):
         model(torch.ones(1, 4)).sum().backward()
     second.step()  # each step still works, one after the other
     first.step()
+
+
+@pytest.mark.timeout(60)
+def test_two_optimizers_without_names_over_one_models_parts_are_told_before_either_slot_is_written(
+        client: None) -> None:
+    """The matrices in one, the biases in the other (a common split): both first buckets are 'grad.1', and the
+    second's gradients were written into the first's slot (the name's) before it met the first in flight with
+    'already in flight' (a review's case). Told as soon as the second fills the name while the first does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    first = bps.DistributedOptimizer(torch.optim.SGD([p for p in model.parameters() if p.dim() == 2], lr=0.1))
+    second = bps.DistributedOptimizer(torch.optim.SGD([p for p in model.parameters() if p.dim() < 2], lr=0.1))
+    with pytest.raises(bps.BPSError, match=r"bucket 'grad\.1' is in use by another .*pass named_parameters"):
+        model(torch.ones(5, 4)).pow(2).mean().backward()
+    # told to the second to fill the name, before it wrote into the slot: one of them wrote there
+    assert [any(b.filled for b in o._buckets) for o in (first, second)].count(True) == 1
 
 
 @pytest.mark.timeout(60)
