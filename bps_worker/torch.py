@@ -40,6 +40,7 @@ import contextlib
 import hashlib
 import io
 import json
+import re
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -353,11 +354,27 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
         torch.save({"state": _plain(inner.state_dict()), "names": names}, stream)
         payload = stream.getvalue()
     data = _broadcast_bytes(payload, root_rank, "bcast.optimizer_state")
-    got = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    got = _load_state(data)
     state = got["state"]
     if names is not None and got["names"] is not None and got["names"] != names:
         state = _by_our_positions(state, got["names"], names, inner.param_groups)
     inner.load_state_dict(state)
+
+
+def _load_state(data: bytes) -> dict[str, Any]:
+    """The root's optimizer state from its bytes, loaded as weights only (tensors, numbers, strings and containers
+    of them: a peer's bytes run no code here); every process loads the same bytes, so all fail alike, with a
+    BPSError naming what the state held (it was torch's UnpicklingError about a checkpoint: a review's case)."""
+    try:
+        got: dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return got
+    except Exception as exc:  # (pickle.UnpicklingError, or a RuntimeError of torch's)
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        what = f"a {found.group(1)}" if found else (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise BPSError(f"broadcast_optimizer_state: the root's optimizer state holds {what}, which is not "
+                       f"broadcast (only tensors, numbers, strings, and lists, tuples and dicts of them are "
+                       f"loaded from another process): keep such state out of the optimizer's state_dict, or "
+                       f"convert it (e.g. a deque to a list)") from None
 
 
 def _by_our_positions(state: dict[str, Any], theirs: list[list[str]], ours: list[list[str]],

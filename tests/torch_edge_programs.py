@@ -151,6 +151,28 @@ def async_broadcast_again() -> dict[str, Any]:
     return {"refused": refused, "kept": kept, "other": other["steps"].tolist()}
 
 
+def optimizer_state_not_broadcast() -> dict[str, Any]:
+    """Optimizer state holding an object the weights-only load refuses (a deque, as some optimizers keep a history
+    in): torch's UnpicklingError about a checkpoint on every process, not a BPSError (a review's case); then the
+    same state as a list goes."""
+    import collections
+
+    m = nn.Linear(3, 1)
+    inner = torch.optim.SGD(m.parameters(), lr=0.1)
+    for p in m.parameters():
+        inner.state[p]["history"] = collections.deque([1.0, float(bps.rank())], maxlen=4)
+    opt = bps.DistributedOptimizer(inner, named_parameters=m.named_parameters())
+    try:
+        bps.broadcast_optimizer_state(opt, 0)
+        refused = ""
+    except bps.BPSError as exc:
+        refused = str(exc)
+    for p in m.parameters():
+        inner.state[p]["history"] = list(inner.state[p]["history"])
+    bps.broadcast_optimizer_state(opt, 0)
+    return {"refused": refused, "history": inner.state[m.weight]["history"]}
+
+
 def numpy_hyperparameters() -> dict[str, Any]:
     m = nn.Linear(4, 3)
     base = torch.optim.SGD(m.parameters(), lr=0.1)

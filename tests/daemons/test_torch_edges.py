@@ -76,6 +76,13 @@ def test_a_second_broadcast_of_asynchronous_parameters_is_refused_before_writing
 
 
 @pytest.mark.timeout(90)
+def test_optimizer_state_that_is_not_broadcast_is_a_bps_error_naming_it(cluster: Cluster) -> None:
+    for r in _run(cluster, tp.optimizer_state_not_broadcast):
+        assert "the root's optimizer state holds a collections.deque, which is not broadcast" in r["refused"], r
+        assert r["history"] == [1.0, 0.0], r  # as a list: the root's
+
+
+@pytest.mark.timeout(90)
 def test_numpy_hyperparameters_are_broadcast(cluster: Cluster) -> None:
     for r in _run(cluster, tp.numpy_hyperparameters):
         assert r == {"lr": 0.1, "type": "float"}, r
