@@ -184,3 +184,25 @@ def _wait_for(path: str) -> None:
     deadline = time.monotonic() + 30
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def shutdown_under_a_waiting_thread() -> dict[str, Any]:
+    """Rank 0: a thread waits in push_pull (rank 1 never pushes the name) and the main thread calls shutdown(): the
+    waiting call's error said "the socket failed: [Errno 9] Bad file descriptor" (a review's case)."""
+    if bps.rank() != 0:
+        time.sleep(2.0)
+        return {}
+    heard: list[str] = []
+
+    def waiting() -> None:
+        try:
+            bps.push_pull(np.ones(4, np.float32), "never", average=False)
+        except bps.BPSError as exc:
+            heard.append(str(exc))
+
+    thread = threading.Thread(target=waiting)
+    thread.start()
+    time.sleep(0.5)
+    bps.shutdown()
+    thread.join(10)
+    return {"heard": heard, "alive": thread.is_alive()}

@@ -89,7 +89,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def init(socket: str | None = None, local_rank: int | None = None, timeout: float = DEFAULT_TIMEOUT_S, *,
          timeline: str | None = None, cuda_ipc: bool | None = None, fusion_bytes: int | None = None,
          cycle_time_ms: float | None = None) -> None:
-    """Connect this process to its machine's worker daemon (a second call does nothing).
+    """Connect this process to its machine's worker daemon (a second call does nothing, unless the connection
+    broke: the daemon died or was restarted; it then connects again, and handles from before are refused).
 
     ``socket`` defaults to the environment variable ``BPS_SOCKET``; ``local_rank``
     to ``BPS_LOCAL_RANK``, else ``LOCAL_RANK`` (as set by torchrun). ``timeout``
@@ -106,7 +107,10 @@ def init(socket: str | None = None, local_rank: int | None = None, timeout: floa
     global _conn
     with _lock:
         if _conn is not None and _conn.pid == os.getpid():
-            return
+            if _conn.conn.broken is None:
+                return
+            # (its daemon is gone: this init returned and every later call failed with the old error; a review)
+            _conn.close()
         _conn = None  # (a forked child's copy of its parent's state: forgotten, see _after_fork_in_child)
         _conn = Operations(resolve(socket, local_rank, timeout, timeline, cuda_ipc, os.environ, fusion_bytes,
                                    cycle_time_ms))

@@ -67,6 +67,7 @@ class Connection:
         self.handles: dict[int, Handle] = {}
         self.rpcs: dict[int, tuple[threading.Event, list[Message]]] = {}
         self.broken: BPSConnectionError | None = None
+        self.closing = False  # close() was called: what the reader then meets is that
         # Maps a Done's results segment (tensor name, segment) as the Done arrives, not at synchronize: a mapping
         # keeps it alive, and the daemon may free it for room once told it is mapped (or after its timeout).
         self.map_result: Callable[[str, str], SharedMemory] | None = None
@@ -254,6 +255,8 @@ class Connection:
             reason = f"the worker daemon dropped this process: {exc}"
         except Exception as exc:  # a bug of ours: every waiter must still hear it, never wait for ever
             reason = f"the client's reader failed: {exc!r}"
+        if self.closing:  # (its callers on other threads heard "the socket failed: Bad file descriptor"; a review)
+            reason = "shutdown() was called in this process"
         self._fail_everything(BPSConnectionError(reason, peer=self.peer))
 
     def _dispatch(self, message: Message) -> None:
@@ -330,6 +333,7 @@ class Connection:
 
     def close(self) -> None:
         """Shut the socket and wait (briefly) for the reader thread."""
+        self.closing = True
         try:
             self.sock.shutdown(_socket.SHUT_RDWR)
         except OSError:

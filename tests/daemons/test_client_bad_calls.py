@@ -60,6 +60,17 @@ def test_an_op_naming_a_cuda_tensor_gets_every_ops_checks(tmp_path):
 
 
 @pytest.mark.timeout(90)
+def test_a_call_waiting_on_another_thread_hears_that_shutdown_was_called(tmp_path):
+    cluster = start_cluster(write_config(tmp_path, [2], cpu_servers=0))
+    try:
+        first, _ = run_ranks(cluster, cp.shutdown_under_a_waiting_thread, timeout=60)
+    finally:
+        cluster.stop()
+    assert not first["alive"] and len(first["heard"]) == 1, first
+    assert first["heard"][0].endswith("failed: shutdown() was called in this process"), first
+
+
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("fusion", ["default", "0"])
 def test_an_init_that_fails_on_its_timeline_never_connects(tmp_path, monkeypatch, fusion):
     """The timeline's directory is checked before connecting: an init that failed on it connected and left, and

@@ -165,6 +165,26 @@ def test_an_init_that_fails_on_its_timeline_says_why_and_may_be_retried(tmp_path
 
 
 @pytest.mark.timeout(60)
+def test_init_again_after_the_daemon_died_connects_to_its_restarted_daemon(tmp_path: Path):
+    """The worker daemon killed and started again (systemd's Restart=on-failure): init() did nothing (already
+    initialised) and every later call failed with the old connection's error (a review's case)."""
+    cluster = start_cluster(write_config(tmp_path, [1], cpu_servers=0))
+    sock = str(tmp_path / "w0.sock")
+    try:
+        bps.init(socket=sock, local_rank=0, timeout=10.0)
+        np.testing.assert_array_equal(bps.push_pull(np.ones(4, np.float32), "d", average=False), 1.0)
+        cluster.kill("worker-0")
+        with pytest.raises(bps.BPSConnectionError):
+            bps.push_pull(np.ones(4, np.float32), "d", average=False)
+        cluster.restart("worker-0")
+        bps.init(socket=sock, local_rank=0, timeout=10.0)
+        np.testing.assert_array_equal(bps.push_pull(np.full(4, 2.0, np.float32), "d", average=False), 2.0)
+    finally:
+        bps.shutdown()
+        cluster.stop()
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("timeout", [math.inf, 1e10])
 def test_a_wait_longer_than_a_lock_can_wait_is_a_wait_for_ever(client, timeout):
     client()
