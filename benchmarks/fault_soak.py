@@ -323,7 +323,10 @@ def run_seed(seed: int, opts: dict[str, Any]) -> tuple[Verdict, list[Fault], str
     opts = dict(opts, seed=seed)
     faults = fault_plan(seed, opts["steps"], opts["faults"], opts["kinds"])
     with tempfile.TemporaryDirectory(prefix="bps-fault-soak-") as tmp:
-        config = write_config(Path(tmp), [2, 2], cpu_servers=1, cluster={"timeout": opts["timeout"]})
+        keys = {"timeout": opts["timeout"]}
+        if opts["stall_timeout"]:
+            keys["stall_timeout"] = opts["stall_timeout"]
+        config = write_config(Path(tmp), [2, 2], cpu_servers=1, cluster=keys)
         log_dir = Path(tmp) / "logs"
         cluster = Cluster(str(config), log_level="info", log_dir=str(log_dir))
         cluster.start()
@@ -352,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--faults", type=int, default=3, help="faults per seed (default 3)")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"faults to draw from (default {','.join(KINDS)})")
     p.add_argument("--mismatch", type=float, default=0.0, help="share of mismatched names (default 0)")
+    p.add_argument("--stall-timeout", type=float, default=0.0,
+                   help="the cluster file's stall_timeout (default 0: none); no fault must make a round fail by it")
     p.add_argument("--keep-logs", default="", help="copy the daemons' logs of a failed seed to DIR/seed<N>")
     args = p.parse_args(argv)
     kinds = args.kinds.split(",")
@@ -360,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         kinds = [k for k in kinds if "drop" not in k] or ["kill-cpu"]
     opts = {"steps": args.steps, "step_timeout": args.step_timeout, "timeout": args.timeout,
             "faults": args.faults, "kinds": kinds, "mismatch": args.mismatch,
-            "keep_logs": args.keep_logs}
+            "keep_logs": args.keep_logs, "stall_timeout": args.stall_timeout}
     failing = ran = 0
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         try:

@@ -126,9 +126,9 @@ def test_mismatch_soak_tiny_gets_every_sum_and_every_planned_mismatch():
 
 def test_fault_soak_tiny_restarts_servers_and_gets_every_sum():
     """Seed 0's first 6 steps with two faults (both freeze-kill: a server frozen, killed and restarted mid-step):
-    every sum exact, none failed."""
+    every sum exact, none failed, also none by the cluster's stall_timeout (12 s: the restarts are no stall)."""
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fault_soak.py"), "--seeds", "1",
-                             "--steps", "6", "--faults", "2", "--step-timeout", "15",
+                             "--steps", "6", "--faults", "2", "--step-timeout", "15", "--stall-timeout", "12",
                              "--kinds", "kill-cpu,freeze-kill"],
                             capture_output=True, text=True, timeout=90, cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr
