@@ -34,8 +34,10 @@ class Replier(Protocol):
 class AsyncValues:
     """Every asynchronous key of this server, driven on the event loop."""
 
-    def __init__(self, n_workers: int, timeout_s: float, worker_of_rank: Callable[[int], int]) -> None:
-        self.store: ValueStore[Replier] = ValueStore(n_workers, timeout_s=timeout_s, worker_of_rank=worker_of_rank)
+    def __init__(self, n_workers: int, timeout_s: float, worker_of_rank: Callable[[int], int],
+                 stall_s: float = 0.0) -> None:
+        self.store: ValueStore[Replier] = ValueStore(n_workers, timeout_s=timeout_s, worker_of_rank=worker_of_rank,
+                                                     stall_s=stall_s)
         self.timeout_s = timeout_s
         self.deltas_by_worker: dict[int, int] = {}  # deltas received from each worker
         self._sweeper: asyncio.TimerHandle | None = None

@@ -130,11 +130,14 @@ def _dominates(a: list[int], b: list[int]) -> bool:
 
 class ValueStore(Generic[W]):
     """Every asynchronous key of one server (see the module docstring). ``worker_of_rank`` names the
-    machine of a root rank in errors; ``timeout_s`` is the cluster's timeout."""
+    machine of a root rank in errors; ``timeout_s`` is the cluster's timeout; ``stall_s`` its stall_timeout (an
+    answer held that long for connected machines behind the staleness bound fails; 0: never)."""
 
-    def __init__(self, n_workers: int, *, timeout_s: float, worker_of_rank: Callable[[int], int]) -> None:
+    def __init__(self, n_workers: int, *, timeout_s: float, worker_of_rank: Callable[[int], int],
+                 stall_s: float = 0.0) -> None:
         self.n = n_workers
         self.timeout_s = timeout_s
+        self.stall_s = stall_s
         self.worker_of_rank = worker_of_rank
         self.keys: dict[Key, _Key[W]] = {}
         self.pending: list[_Waiter[W]] = []  # pushes and inits that wait for a restore or a value, in order
@@ -408,7 +411,8 @@ class ValueStore(Generic[W]):
 
     def sweep(self, now: float) -> list[Action[W]]:
         """The timeout's decisions: a restore that waited long enough ends, inits and pushes that waited for
-        a value fail, machines disconnected for the timeout are declared dead, slow ones noted."""
+        a value fail, machines disconnected for the timeout are declared dead, slow ones noted (and with
+        ``stall_s``, answers they held that long fail)."""
         actions: list[Action[W]] = []
         if self.restoring_since is not None:
             actions += self._restore_sweep(now)
@@ -423,7 +427,7 @@ class ValueStore(Generic[W]):
             if now - since >= self.timeout_s and worker not in self.excluded and self.keys:
                 actions += self._declare_dead(worker, now - since)
         for st in self.keys.values():
-            actions += self._stall_notes(st, now)
+            actions += self._watch_held(st, now)
         return actions
 
     def restore_grace_s(self) -> float:
@@ -478,8 +482,21 @@ class ValueStore(Generic[W]):
             actions += self._release(st)
         return actions
 
-    def _stall_notes(self, st: _Key[W], now: float) -> list[Action[W]]:
+    def _watch_held(self, st: _Key[W], now: float) -> list[Action[W]]:
+        """The answers held by the staleness bound: failed once held ``stall_s`` (where set), else noted once
+        held the timeout (a stall warning)."""
         notes: list[Action[W]] = []
+        if self.stall_s:
+            stalled = [w for w in st.held if now - w.since >= self.stall_s]
+            st.held = [w for w in st.held if w not in stalled]
+            for w in stalled:
+                behind = ", ".join(map(str, self._blockers(st, w.push.round)))
+                text = (f"worker {behind} did not come within the staleness bound {st.staleness} "
+                        f"(cluster.stall_timeout)")
+                what = f"step {w.push.round} of {w.push.name!r}"
+                notes.append(Fail(w.handle, w.push, Why(f"{what} failed: {text}, waited {self.stall_s:g} s (the "
+                                                        f"delta was applied)", "timeout", what=what,
+                                                        timeout_s=self.stall_s, detail=text)))
         for w in st.held:
             if not w.warned and now - w.since >= self.timeout_s:
                 w.warned = True

@@ -160,3 +160,21 @@ def names_differ(odd: int, n: int) -> dict[str, Any]:
     waited = time.monotonic() - start
     exact = exact and bool((bps.push_pull(data, "w", average=False) == total).all())
     return {"error": error, "waited": waited, "exact": exact}
+
+
+def async_straggler(sleep_s: float) -> dict[str, Any]:
+    """Asynchronous name, staleness 0: rank 1 (the other machine) stalls alive for ``sleep_s`` before its first
+    delta; rank 0's first delta is applied and its answer held by the bound, which cluster.stall_timeout fails.
+    Then rank 1's delta goes: its answer is both deltas summed (rank 0 waits for it without a round)."""
+    rank = bps.rank()
+    bps.async_init(np.zeros(4, np.float32), "a", root_rank=0, staleness=0)
+    if rank == 1:
+        time.sleep(sleep_s)
+    try:
+        value = bps.async_push_pull(np.full(4, rank + 1, np.float32), "a").tolist()
+        error: tuple[str, str] | None = None
+    except bps.BPSError as exc:
+        value, error = None, (type(exc).__name__, str(exc))
+    if rank == 0:
+        time.sleep(sleep_s)  # (rank 1 pushes meanwhile; rank 0's leaving must not fail it)
+    return {"error": error, "value": value}

@@ -121,7 +121,24 @@ def test_with_a_stall_timeout_ranks_whose_names_differ_fail_naming_who_did_not_p
         if layout == [2]:  # its worker daemon's local round: the local rank it waited for
             said = rf"tensor '{name}' timed out after 2 s: rank {other} of worker 0 did not submit it"
         else:  # the server's round (or fused name) waited for the other machine
-            said = rf"'{name}'.* timed out after 2 s: worker {other} did not push it"
+            said = rf"'{name}'.* timed out after 2 s: (server \d: )?worker {other} did not push it"
         said += r" \(cluster.stall_timeout\)"
         assert re.search(said, r["error"][1]), (rank, r)
         assert STALL_S - 0.5 <= r["waited"] <= STALL_S + 8, (rank, r)
+
+
+@pytest.mark.timeout(120)
+def test_with_a_stall_timeout_an_asynchronous_answer_held_by_a_stalled_machine_fails(tmp_path):
+    """The staleness bound held rank 0's answer for ever while the other machine's process stalled alive (a
+    stall note only); with cluster.stall_timeout it fails, naming that worker, and the delta stands."""
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=1,
+                                         cluster={"timeout": 1.0, "stall_timeout": STALL_S}))
+    try:
+        first, second = run_ranks(cluster, sp.async_straggler, STALL_S + 3.0, timeout=90)
+    finally:
+        cluster.stop()
+    assert first["error"] is not None and first["error"][0] == "BPSTimeoutError", first
+    assert re.search(r"step \d+ of 'a' timed out after 2 s: server \d: worker 1 did not come within the staleness "
+                     r"bound 0 "
+                     r"\(cluster.stall_timeout\)", first["error"][1]), first
+    assert second["error"] is None and second["value"] == [3.0] * 4, second  # rank 0's delta was applied

@@ -386,3 +386,22 @@ def test_an_init_after_a_restore_from_a_delta_is_held_to_its_bound_then_to_the_f
     assert answers(s.push(init(1, staleness=1), arr(0, 0, 0, 0), "agrees", 1.0))["agrees"].value.tolist() == [9] * 4
     (other_root,) = s.push(init(0, root=2, staleness=1), arr(0, 0, 0, 0), "root", 1.0)
     assert isinstance(other_root, Fail) and other_root.why.code == "mismatch"
+
+
+def test_with_a_stall_timeout_an_answer_held_for_a_connected_machine_fails_naming_it() -> None:
+    """cluster.stall_timeout: a machine alive and connected but not pushing (stuck) held the others' answers by the
+    staleness bound for ever, with a stall note; now they fail once held that long (the delta was applied)."""
+    s = ValueStore(N, timeout_s=T, worker_of_rank=lambda rank: rank // 2, stall_s=60.0)
+    for w in range(N):
+        s.worker_restored(w, 0.0)
+    initialised(s, arr(0, 0, 0, 0), staleness=0)
+    s.push(delta(0, 1), arr(1, 1, 1, 1), "a", 1.0)
+    assert [a for a in s.sweep(60.9) if not isinstance(a, Note)] == []
+    (fail,) = [a for a in s.sweep(61.0) if isinstance(a, Fail)]
+    assert fail.handle == "a" and fail.why.code == "timeout" and fail.why.timeout_s == 60.0
+    assert fail.why.text == ("step 1 of 'w' failed: worker 1, 2 did not come within the staleness bound 0 "
+                             "(cluster.stall_timeout), waited 60 s (the delta was applied)")
+    assert not [a for a in s.sweep(200.0) if isinstance(a, Fail)]  # failed once
+    # the delta stands: the others' steps add to it
+    s.push(delta(1, 1), arr(2, 2, 2, 2), "b", 201.0)
+    assert answers(s.push(delta(2, 1), arr(3, 3, 3, 3), "c", 202.0))["c"].value.tolist() == [6, 6, 6, 6]
