@@ -59,6 +59,17 @@ class StallWatch(Generic[K]):
         return due
 
 
+def stalled(waiting: list[int], opened: float, now: float, stall_s: float, heard: Mapping[int, float]) -> bool:
+    """Whether a round open since ``opened`` that waits for ``waiting`` (connected parties: local ranks, or
+    workers) has stalled: ``stall_s`` (cluster.stall_timeout; 0: never) since it opened, and since each of them
+    was last ``heard`` (a submission to a worker daemon; a push or a fused report to a server): one that is busy
+    with its other tensors, in its own order, is not stalled however long the round waits for it (a review's
+    case: every round failed where machines issued the names in other orders)."""
+    if not waiting or not 0.0 < stall_s <= now - opened:
+        return False
+    return all(now - heard.get(w, opened) >= stall_s for w in waiting)
+
+
 STALL_LINES = 10  # stall warnings logged each time a daemon looks; the rest as a count (capped)
 
 

@@ -61,11 +61,13 @@ theirs would wait for ever; and the plans its old processes were in are given up
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Callable, Final
 
-from bps_runtime.stalls import Stall, StallWatch
+from bps_runtime.stalls import Stall, StallWatch, stalled
 from protocol.messages import PlanResent, Spec, Why, describe_spec, fused_chunks, fused_lanes
 
 __all__ = ["Failed", "Planner", "Resend"]
@@ -148,6 +150,9 @@ class Planner:
         self.resends: list[Resend] = []
         # Per name, per worker: the rounds heard of (its reports, and its aborts of rounds it had not reported).
         self.heard: dict[str, list[int]] = {}
+        # When each worker last reported a name another had reported here (see sweep's stall_s, and the round
+        # table's joined_at)
+        self.reported_at: dict[int, float] = {}
         # Each worker's epoch, from its last hello or Reset (new processes: a new one); the fused answers to it
         # carry it (FusePlan.epoch, FuseFailed.epoch), and its new processes ignore those of their predecessors.
         self.epochs: dict[int, str] = {}
@@ -225,13 +230,10 @@ class Planner:
             elif worker in w.workers:
                 continue  # reported again (a reconnect): nothing new
             elif spec != w.spec:
-                detail = (f"worker {w.first} has {describe_spec(w.spec)} but worker {worker} has "
-                          f"{describe_spec(spec)}")
-                w.workers.add(worker)
-                why = Why.mismatch(name, describe_spec(w.spec), describe_spec(spec), detail)
-                out += self._fail(name, w, why, specs={w.first: w.spec, worker: spec})
+                out += self._mismatch(name, w, worker, spec)
             else:
                 w.join(worker, count, index)
+                self.reported_at[worker] = now  # (a name others reported: it catches up, see sweep's stall_s)
                 if len(w.workers) == everyone:
                     del waiting[name]
                     ready.append(name)
@@ -239,6 +241,13 @@ class Planner:
         self.resends += [self._resend(worker, plan, "restart" if plan in lost else "restart_lost")
                          for plan in sorted(lost | behind)]
         return out
+
+    def _mismatch(self, name: str, w: _Waiting, worker: int, spec: Spec) -> list[Failed]:
+        """``worker`` reported ``name`` with another spec than the first reporter of the round ``w``: it fails."""
+        detail = f"worker {w.first} has {describe_spec(w.spec)} but worker {worker} has {describe_spec(spec)}"
+        w.workers.add(worker)
+        why = Why.mismatch(name, describe_spec(w.spec), describe_spec(spec), detail)
+        return self._fail(name, w, why, specs={w.first: w.spec, worker: spec})
 
     def _missed(self, name: str, spec: Spec, index: int, run: tuple[tuple[int, str], int, int],
                 lost: set[tuple[int, str]], behind: set[tuple[int, str]]) -> bool:
@@ -360,23 +369,31 @@ class Planner:
                                 f"{', '.join(map(str, sorted(w.workers)))})", tuple(range(self.workers))))
         return stalls
 
-    def sweep(self, now: float, connected: AbstractSet[int], grace_s: float, stall_s: float = 0.0) -> list[Failed]:
+    def sweep(self, now: float, connected: AbstractSet[int], grace_s: float, stall_s: float = 0.0,
+              pushed: Mapping[int, float] | None = None) -> list[Failed]:
         """Fail every name that has waited ``grace_s`` for a worker that is not connected or has no training
         processes (``without_processes``), as the round table fails its rounds: its reporters hear now. A job
         run where another machine's processes were gone waited for ever (a review's case). With ``stall_s``
-        (cluster.stall_timeout; 0: never) also every name that has waited that long for connected workers."""
+        (cluster.stall_timeout; 0: never) also every name that has waited that long for connected workers that
+        did not catch up on the others' names since, by a report or a push (``pushed``: the round table's
+        ``joined_at``)."""
         out: list[Failed] = []
         for name, w in list(self.waiting.items()):
             if now - w.opened < grace_s:
                 continue
             waiting = [r for r in range(self.workers) if r not in w.workers]
             absent = [r for r in waiting if r not in connected or r in self.without_processes]
-            what = f"round {w.counts.get(w.first, 0)} of {name!r}"
+            # (the step's index where the reporters said it: the count of plans misses the failed steps, a review)
+            what = f"round {w.index if w.index >= 0 else w.counts.get(w.first, 0)} of {name!r}"
             if absent:
                 out += self._fail(name, w, Why.absent_worker(absent[0], absent[0] in connected, grace_s, what))
-            elif waiting and 0.0 < stall_s <= now - w.opened:
+            elif waiting and stalled(waiting, w.opened, now, stall_s, self._heard_from(waiting, pushed or {})):
                 out += self._fail(name, w, Why.stalled_workers(waiting, stall_s, what))
         return out
+
+    def _heard_from(self, workers: list[int], pushed: Mapping[int, float]) -> dict[int, float]:
+        """When each of ``workers`` last caught up here: its last report or push of what another had sent first."""
+        return {r: max(self.reported_at.get(r, -math.inf), pushed.get(r, -math.inf)) for r in workers}
 
     def groups(self, names: list[str]) -> tuple[list[list[Any]], list[int]]:
         """The groups of a plan of ``names`` (as FusePlan says them): [dtype, average] each, and each name's

@@ -90,6 +90,7 @@ from typing import AbstractSet, Callable, Generic, TypeVar, Union
 
 import numpy as np
 
+from bps_runtime.stalls import stalled
 from protocol import dtypes, messages
 from protocol.messages import KIND_BROADCAST, FailureCode, Push
 
@@ -347,6 +348,11 @@ class RoundTable(Generic[W]):
         self.n_workers = n_workers
         self.lost_grace_s = lost_grace_s
         self.stall_s = stall_s  # cluster.stall_timeout: a round waiting this long for connected workers fails
+        # When each worker last pushed into a round another worker had opened here: one catching up on the others'
+        # tensors (in its own order) is busy, not stalled, however long a round waits for it (a review's case:
+        # every round failed). A round it opens itself does not count: a worker whose processes moved on to
+        # their next step after a failure of their own is no busier for the round that waits for them.
+        self.joined_at: dict[int, float] = {}
         self.deterministic = deterministic
         self.connected = connected
         self.keys: dict[Key, Round[W]] = {}
@@ -388,11 +394,7 @@ class RoundTable(Generic[W]):
         if push.resumed and (answer := self._resumed(st, push, handle)) is not None:
             return answer
         if push.round < st.round:
-            if st.previous_failure is not None and st.previous_failure[0] == push.round:
-                # a late push to a failed round: tell it why
-                return [Fail(push, handle, st.previous_failure[1].for_push(push))]
-            return [Fail(push, handle, Why(f"tensor {push.name!r} part {push.part}: stale round {push.round}, "
-                                           f"the server is at round {st.round}"))]
+            return [Fail(push, handle, self._past(st, push))]
         if push.round == st.round + 1 and push.worker in st.restart.replayers and st.failed is None:
             st.restart.held_next.append(Held(push, payload, borrowed, handle))  # see "Server restarts"
             return []
@@ -420,6 +422,8 @@ class RoundTable(Generic[W]):
         elif descriptor(st.first) != descriptor(push):
             st.waiters[push.worker] = Waiter(push, handle)
             return actions + [self._fail_round(st, Why.pushes_disagree(st.first, push))]
+        else:
+            self.joined_at[push.worker] = now  # (see joined_at)
         waiter = st.waiters[push.worker] = Waiter(push, handle)
         self.lag = now - st.opened
         if st.restart.result is not None:  # the sum is known from a replay
@@ -438,6 +442,15 @@ class RoundTable(Generic[W]):
             st.held.clear()
             return actions + [SumAll(st.token, push, inputs, leases)]
         return actions + [Add(st.token, push, payload, borrowed)]
+
+    @staticmethod
+    def _past(st: Round[W], push: Push) -> Why:
+        """Why ``push``, of a round ``st``'s key is past, fails: that round's failure (a late push to a failed
+        round hears why), else a stale round."""
+        if st.previous_failure is not None and st.previous_failure[0] == push.round:
+            return st.previous_failure[1].for_push(push)
+        return Why(f"tensor {push.name!r} part {push.part}: stale round {push.round}, the server is at round "
+                   f"{st.round}")
 
     def _resumed(self, st: Round[W], push: Push, handle: W) -> list[Action[W]] | None:
         """A push sent again after its connection broke (see "Dropped connections"): the answer its round's
@@ -656,7 +669,7 @@ class RoundTable(Generic[W]):
             if absent:
                 actions.append(self._fail_round(st, Why.absent_worker(
                     absent[0], self.connected(absent[0]), self.lost_grace_s, what)))
-            elif waiting and 0.0 < self.stall_s <= now - st.opened:
+            elif waiting and stalled(waiting, st.opened, now, self.stall_s, self.joined_at):
                 actions.append(self._fail_round(st, Why.stalled_workers(waiting, self.stall_s, what)))
         return actions
 

@@ -205,7 +205,7 @@ class SummationServer:
             # come back after this server restarted) fail rather than wait for ever.
             self.aggregator.sweep(time.monotonic())
             self.fused(self.fusion.sweep(time.monotonic(), self.links.keys(), timeout,
-                                         self.config.cluster.stall_timeout))
+                                         self.config.cluster.stall_timeout, self.aggregator.table.joined_at))
             self.aggregator.flush_logs()
             self.notices.say(self.aggregator.stall_warnings(time.monotonic()), "rounds have waited as long", log)
             self.notices.say(self.fusion.stall_warnings(time.monotonic()), "fused names have waited as long", log)

@@ -53,6 +53,7 @@ from typing import Callable, Generic, TypeVar, Union
 import numpy as np
 
 from bps_runtime import kernels
+from bps_runtime.stalls import stalled
 from protocol.messages import KIND_ASYNC_INIT, Push
 
 from .rounds import Lease, Why, describe
@@ -151,6 +152,7 @@ class ValueStore(Generic[W]):
         self.reset_workers: set[int] = set()
         self.epochs: dict[int, str] = {}  # each worker's numbering (its daemon's epoch), as it last connected
         self.replays = 0  # pushes whose step the value held already (answered, not added again)
+        self.pushed_at: dict[int, float] = {}  # each worker's last push here (busy, not stalled: see _watch_held)
 
     def has(self, name: str, part: int) -> bool:
         return (name, part) in self.keys
@@ -161,6 +163,7 @@ class ValueStore(Generic[W]):
         """An ``async_init`` or ``async`` push of ``payload`` (read now, or copied if it must wait)."""
         self._contact(now)
         self._joined(push.worker)
+        self.pushed_at[push.worker] = now
         waiter = _Waiter(push, handle, now)
         if self.restoring_since is not None or (
                 push.kind != KIND_ASYNC_INIT and self._value_of(push) is None):
@@ -483,13 +486,14 @@ class ValueStore(Generic[W]):
         return actions
 
     def _watch_held(self, st: _Key[W], now: float) -> list[Action[W]]:
-        """The answers held by the staleness bound: failed once held ``stall_s`` (where set), else noted once
-        held the timeout (a stall warning)."""
+        """The answers held by the staleness bound: failed once held ``stall_s`` (where set) with the machines
+        they wait for silent here as long, else noted once held the timeout (a stall warning)."""
         notes: list[Action[W]] = []
         if self.stall_s:
-            stalled = [w for w in st.held if now - w.since >= self.stall_s]
-            st.held = [w for w in st.held if w not in stalled]
-            for w in stalled:
+            late = [w for w in st.held
+                    if stalled(self._blockers(st, w.push.round), w.since, now, self.stall_s, self.pushed_at)]
+            st.held = [w for w in st.held if w not in late]
+            for w in late:
                 behind = ", ".join(map(str, self._blockers(st, w.push.round)))
                 text = (f"worker {behind} did not come within the staleness bound {st.staleness} "
                         f"(cluster.stall_timeout)")

@@ -129,6 +129,10 @@ class WorkerDaemon:
         self.rounds: LocalRounds[ClientSession] = LocalRounds(config.local_size, config.worker_id, self.rank_offset)
         # Rounds that wait for a stalled process are logged after the timeout, then every timeout (see .stalls).
         self.stalls = WorkerStalls(cluster.timeout, config.worker_id, self.rank_offset)
+        # When each local rank last submitted a name another had opened a round of here: one catching up on its
+        # peers is not stalled (cluster.stall_timeout), one that moved on to names of its own is no busier for
+        # a round that waits for it (see the servers' RoundTable.joined_at)
+        self.submitted_at: dict[int, float] = {}
         # Failed local rounds are logged a few at a time: a rank gone with thousands of names in flight failed
         # one round per name, each a line (a review's flood: 175,000 lines in 30 s). The count of the rest
         # follows, from the heartbeat.
@@ -265,7 +269,7 @@ class WorkerDaemon:
             try:  # (a bug there must not end the heartbeats: pings, reconnects and this watch)
                 cluster = self.config.cluster
                 self._execute(self.rounds.overdue_rounds(self.sessions.keys(), loop.time(), cluster.timeout,
-                                                         cluster.stall_timeout))
+                                                         cluster.stall_timeout, self.submitted_at))
             except Exception:
                 log.exception("internal error in the watch of open rounds")
             self.notices.say(self.stalls.warnings(loop.time(), self.rounds, self.all_links), "rounds have waited as long",
@@ -333,6 +337,8 @@ class WorkerDaemon:
     def submit(self, session: ClientSession, op: Op) -> None:
         """A handshaken process asks for ``op`` (checked against its memory by the session)."""
         assert session.local_rank is not None  # sessions submit only after their handshake
+        if op.name in self.rounds.open:  # (it catches up on its peers: see submitted_at)
+            self.submitted_at[session.local_rank] = asyncio.get_running_loop().time()
         late = self.fusion.rounds.late_unfused(op.name, session.local_rank)
         if late is not None:  # its step's fused round failed before it came: it hears why (as a fused entry would)
             session.send(failure_for(late, op))
@@ -348,6 +354,9 @@ class WorkerDaemon:
     def submit_batch(self, session: ClientSession, entries: list[tuple[int, str, Spec, str, int, int]]) -> None:
         """A handshaken process issued small sums to fuse (checked against its memory by the session)."""
         assert session.local_rank is not None
+        collecting = self.fusion.rounds.collecting
+        if collecting and any(entry[1] in collecting for entry in entries):  # (it catches up: see submitted_at)
+            self.submitted_at[session.local_rank] = asyncio.get_running_loop().time()
         if self.rounds.open:
             kept = []
             for entry in entries:

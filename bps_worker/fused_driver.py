@@ -136,7 +136,8 @@ class FusedSums:
         if self.rounds.collecting:
             daemon = self.daemon
             cluster = daemon.config.cluster
-            self.carry_out(self.rounds.overdue(daemon.sessions.keys(), now, cluster.timeout, cluster.stall_timeout))
+            self.carry_out(self.rounds.overdue(daemon.sessions.keys(), now, cluster.timeout, cluster.stall_timeout,
+                                               daemon.submitted_at))
         self.daemon.notices.say(self.stall_warnings(now), "fused rounds have waited as long", log)
 
     def stall_warnings(self, now: float) -> list[Stall]:

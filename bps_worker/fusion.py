@@ -52,10 +52,11 @@ answers a process through (its session).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from bps_runtime.stalls import stalled
 from protocol.messages import Failure, Spec, Why, describe_spec
 
 from .local_rounds import waited_why
@@ -403,17 +404,19 @@ class FusedRounds(Generic[M]):
                 self._settle(fr)
         return out
 
-    def overdue(self, connected: Collection[int], now: float, timeout: float, stall_s: float = 0.0) -> Decisions[M]:
+    def overdue(self, connected: Collection[int], now: float, timeout: float, stall_s: float = 0.0,
+                heard: Mapping[int, float] | None = None) -> Decisions[M]:
         """The rounds that waited ``timeout`` for a local rank that is not even connected fail (a process that
         died, or never came, must not make its peers wait for ever); slow ones wait on, unless they waited
-        ``stall_s`` (cluster.stall_timeout; 0: never), as the local rounds' (``LocalRounds.overdue``)."""
+        ``stall_s`` (cluster.stall_timeout; 0: never) for ranks that submitted nothing for as long (``heard``),
+        as the local rounds' (``LocalRounds.overdue_rounds``)."""
         out: Decisions[M] = Decisions()
         for fr in [fr for fr in self.collecting.values() if now - fr.opened >= timeout]:
             missing = [r for r, e in enumerate(fr.entries) if e is None]
             absent = [r for r in missing if r not in connected]
             if absent:
                 self._fail(fr, waited_why(fr.name, absent, self.worker_id, self.rank_offset, timeout, False), out)
-            elif 0.0 < stall_s <= now - fr.opened:
+            elif stalled(missing, fr.opened, now, stall_s, heard or {}):
                 self._fail(fr, waited_why(fr.name, missing, self.worker_id, self.rank_offset, stall_s, True), out)
         return out
 

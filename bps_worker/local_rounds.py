@@ -24,10 +24,11 @@ the daemon uses to answer a process (its session); the rounds only keep it to ha
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar, Union
 
+from bps_runtime.stalls import stalled
 from protocol.messages import Failure, FailureCode, Op, Why, describe_tensor
 
 M = TypeVar("M")  # what the daemon answers a process through (its session)
@@ -289,19 +290,20 @@ class LocalRounds(Generic[M]):
                     self.retire(lr)
         return actions
 
-    def overdue_rounds(self, connected: Collection[int], now: float, timeout_s: float,
-                       stall_s: float = 0.0) -> list[Action[M]]:
+    def overdue_rounds(self, connected: Collection[int], now: float, timeout_s: float, stall_s: float = 0.0,
+                       heard: Mapping[int, float] | None = None) -> list[Action[M]]:
         """The watch of every open round, which the daemon runs a few times per timeout: each one open for
         ``timeout_s`` or more (since its ``opened_at``) that waits for a process that is not even connected fails,
-        and, with ``stall_s`` (cluster.stall_timeout; 0: never), each open that long for a connected one (see
-        :meth:`overdue`). One pass over the open rounds, and nothing kept per round in between: a timer per round
-        held every round of the last timeout, with its ops, until it fired."""
+        and, with ``stall_s`` (cluster.stall_timeout; 0: never), each open that long for connected ones that
+        submitted nothing for as long (``heard``: when each local rank last submitted; see :meth:`overdue`). One
+        pass over the open rounds, and nothing kept per round in between: a timer per round held every round of
+        the last timeout, with its ops, until it fired."""
         actions: list[Action[M]] = []
         for rounds in list(self.open.values()):
             for lr in list(rounds):
                 if lr.opened_at is not None and now - lr.opened_at >= timeout_s:
-                    stalled = 0.0 < stall_s <= now - lr.opened_at
-                    actions += self.overdue(lr, connected, stall_s if stalled else timeout_s, stalled=stalled) or []
+                    late = stalled(sorted(lr.expected), lr.opened_at, now, stall_s, heard or {})
+                    actions += self.overdue(lr, connected, stall_s if late else timeout_s, stalled=late) or []
         return actions
 
     def overdue(self, lr: LocalRound[M], connected: Collection[int], waited_s: float,

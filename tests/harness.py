@@ -143,9 +143,16 @@ def shm_segments(cluster: Cluster | None = None) -> set[str]:
 
 
 def _rank_main(queue: Any, sock: str, local_rank: int, rank: int, target: Callable[..., Any],
-               args: tuple[Any, ...], client_timeout: float) -> None:
+               args: tuple[Any, ...], client_timeout: float, settings: dict[str, str] | None = None) -> None:
     import bps_worker.client as bps
 
+    # ``settings``: the test's BPS_ variables as they were when it started the rank (a monkeypatch.setenv): the
+    # forkserver's environment is pytest's when it started, and a test that had set BPS_FUSION_BYTES=0 then made
+    # it every later test's (their small sums went unfused).
+    if settings is not None:
+        for key in [k for k in os.environ if k.startswith("BPS_")]:
+            del os.environ[key]
+        os.environ.update(settings)
     try:
         bps.init(socket=sock, local_rank=local_rank, timeout=client_timeout)
         result = target(*args)
@@ -166,12 +173,13 @@ def run_ranks(cluster: Cluster, target: Callable[..., Any], *args: Any, timeout:
     ctx = rank_context()
     queue = ctx.Queue()
     procs = []
+    settings = {k: v for k, v in os.environ.items() if k.startswith("BPS_")}
     for w in cluster.config.worker_specs:
         for local in range(w.local_size):
             rank = cluster.config.rank_offset(w.id) + local
             rank_args = per_rank_args(rank) if per_rank_args else args
-            p = ctx.Process(target=_rank_main, args=(queue, cluster.socket_path(w.id), local, rank, target, rank_args, client_timeout),
-                            daemon=True)
+            p = ctx.Process(target=_rank_main, args=(queue, cluster.socket_path(w.id), local, rank, target, rank_args,
+                                                     client_timeout, settings), daemon=True)
             p.start()
             procs.append(p)
     results: dict[int, Any] = {}

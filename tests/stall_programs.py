@@ -178,3 +178,29 @@ def async_straggler(sleep_s: float) -> dict[str, Any]:
     if rank == 0:
         time.sleep(sleep_s)  # (rank 1 pushes meanwhile; rank 0's leaving must not fail it)
     return {"error": error, "value": value}
+
+
+def busy_in_another_order(k: int, n: int, interval_s: float) -> dict[str, Any]:
+    """Machine 0's ranks issue ``k`` names at once; machine 1's issue them in the reverse order, one every
+    ``interval_s`` (busy, never stalled): machine 0's first names wait at the servers about ``k * interval_s``
+    while machine 1 pushes its others. cluster.stall_timeout below that failed them (a review's case: it counted
+    from the first push, not from the waiting machine's last). Every sum must be exact."""
+    rank, size = bps.rank(), bps.size()
+    names = [f"o{i:02d}" for i in range(k)]
+    late = rank >= size // 2  # machine 1
+    if late:
+        names = names[::-1]
+    handles = []
+    for name in names:
+        handles.append((name, bps.push_pull_async(np.full(n, rank + 1, np.float32), name, average=False)))
+        if late:
+            time.sleep(interval_s)
+    total = sum(range(1, size + 1))
+    errors = []
+    for name, handle in handles:
+        try:
+            if not (bps.synchronize(handle) == total).all():
+                errors.append(f"{name}: wrong sum")
+        except bps.BPSError as exc:
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+    return {"errors": errors}

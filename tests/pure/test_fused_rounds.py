@@ -332,7 +332,7 @@ def daemon_of(fr: FusedRounds[Any]) -> Any:
     daemon = types.SimpleNamespace(
         fusion=types.SimpleNamespace(rounds=fr), rounds=LocalRounds(fr.local_size, WORKER, OFFSET),
         stalls=types.SimpleNamespace(began=lambda lr, now: None), round_base=lambda name, r: None,
-        watched=[])
+        watched=[], submitted_at={})
     daemon._watch = daemon.watched.append
     daemon._execute = types.MethodType(WorkerDaemon._execute, daemon)
     daemon.submit = types.MethodType(WorkerDaemon.submit, daemon)
@@ -400,3 +400,10 @@ def test_with_a_stall_timeout_a_fused_round_that_waits_for_a_connected_process_f
     assert [(m, f.req, f.code, f.timeout_s) for m, f in out.answers] == [("p0", 1, "timeout", 60.0)]
     assert "rank 4 of worker 1 did not submit it (cluster.stall_timeout)" in out.answers[0][1].message
     assert [name for name, _, _ in out.aborts] == ["a"] and not fr.collecting
+
+
+def test_with_a_stall_timeout_a_fused_round_waiting_for_a_rank_that_keeps_submitting_does_not_fail():
+    fr = rounds(2)
+    fr.submit("p0", 0, entries(["a"]), now=100.0)
+    assert fr.overdue({0, 1}, now=200.0, timeout=5.0, stall_s=60.0, heard={1: 150.0}).answers == []
+    assert fr.overdue({0, 1}, now=210.0, timeout=5.0, stall_s=60.0, heard={1: 150.0}).answers != []

@@ -764,3 +764,25 @@ def test_with_a_stall_timeout_a_name_that_waits_for_a_connected_worker_fails_nam
     assert "x" not in p.waiting and p.failed["x"][0][1] == {1, 2}
     [heard] = p.report(1, ["x"], [F32], now=130.0)
     assert heard.worker == 1 and "cluster.stall_timeout" in heard.why.text
+
+
+def test_with_a_stall_timeout_a_name_waiting_for_a_worker_that_reports_or_pushes_other_names_does_not_fail():
+    """Worker 1 catches up on names worker 0 reported first (in its own order): busy; a name only it reports
+    (its processes moved on) does not count."""
+    p = Planner(2)
+    p.report(0, ["x", "y"], [F32, F32], now=100.0)
+    p.report(1, ["y"], [F32], now=150.0)  # (planned: both reported it)
+    p.report(1, ["z"], [F32], now=190.0)  # its own: no catching up
+    assert p.sweep(200.0, {0, 1}, 5.0, stall_s=60.0) == []
+    assert p.sweep(230.0, {0, 1}, 5.0, stall_s=60.0, pushed={1: 190.0}) == []  # a push here (the round table's)
+    (failed,) = [f for f in p.sweep(250.0, {0, 1}, 5.0, stall_s=60.0, pushed={1: 190.0}) if f.name == "x"]
+    assert failed.name == "x" and "worker 1 did not push it (cluster.stall_timeout)" in failed.why.text
+
+
+def test_a_sweeps_failure_names_the_round_by_its_step_index_where_the_reporters_say_it():
+    """The count of plans the name was in misses its failed steps: the second failed step said "round 0" (a
+    review's case); the index the reports carry says which."""
+    p = Planner(2)
+    p.report(0, ["x"], [F32], now=100.0, rounds=[3])
+    (failed,) = p.sweep(200.0, {0, 1}, 5.0, stall_s=60.0)
+    assert failed.why.text.startswith("round 3 of 'x' failed")

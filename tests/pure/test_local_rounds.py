@@ -333,3 +333,16 @@ def test_with_a_stall_timeout_the_watch_fails_a_round_that_waits_for_a_connected
     assert (f.code, f.timeout_s, f.detail) == ("timeout", 60.0, "rank 4, 5 of worker 1 did not submit it "
                                                                 "(cluster.stall_timeout)")
     assert young.failed is None and lr.overdue_rounds(connected={0, 1, 2}, now=1000.0, timeout_s=5.0) == []
+
+
+def test_with_a_stall_timeout_a_round_waiting_for_a_rank_that_keeps_submitting_does_not_fail():
+    """A rank issuing its names in another order submits others while this round waits for it: busy, not
+    stalled (``heard``: when each local rank last submitted)."""
+    lr = rounds(3)
+    waiting = lr.submit("s0", 0, op(name="w1"))[0].round
+    waiting.opened_at = 100.0
+    assert lr.overdue_rounds(connected={0, 1, 2}, now=200.0, timeout_s=5.0, stall_s=60.0,
+                             heard={1: 190.0, 2: 150.0}) == []  # rank 1 (local 1) busy
+    (failed,) = lr.overdue_rounds(connected={0, 1, 2}, now=251.0, timeout_s=5.0, stall_s=60.0,
+                                  heard={1: 190.0, 2: 150.0})
+    assert "rank 4, 5 of worker 1 did not submit it" in failed.reason

@@ -651,3 +651,19 @@ def test_with_a_stall_timeout_sweep_fails_a_round_waiting_for_a_connected_worker
     assert len(actions) == 1 and _fails(actions) == {"w0": why, "w1": why}
     assert _facts(actions)["w0"] == ("timeout", "", "", "", "", "round 0 of 't'", 60)
     assert table.sweep(1000.0) == []  # failed once
+
+
+def test_with_a_stall_timeout_a_round_waiting_for_a_worker_busy_pushing_its_other_tensors_does_not_fail():
+    """Worker 2 issues the names in another order: it pushes the others' other keys while this round waits for it.
+    The sweep counted from the round's first push and failed it (a review's case); it counts from worker 2's last
+    push into a round another worker had opened. A round it opens itself (it moved on) does not count."""
+    table: RoundTable[str] = RoundTable(3, lost_grace_s=10, stall_s=60)
+    for w in (0, 1):
+        table.push(_push(w), _data(), f"w{w}", 100.0)
+    for t in (130.0, 170.0, 210.0):
+        for w in (0, 1, 2):
+            table.push(_push(w, name=f"other{t}"), _data(), f"o{w}", t)
+    table.push(_push(2, name="its.own"), _data(), "mine", 240.0)
+    assert table.sweep(250.0) == []  # worker 2 caught up 40 s ago
+    (failed,) = table.sweep(270.0)  # (its own round, 30 s old, waits on)
+    assert _fails([failed])["w0"].startswith("round 0 of 't' failed: worker 2 did not push it")

@@ -80,3 +80,16 @@ def test_what_a_party_is_told_is_bounded_whatever_comes():
     (lines,) = notices.take([7]).values()
     assert len(lines) == STALL_LINES + 1 and len(lines[0]) <= 1280
     assert lines[-1] == f"stall: {50_000 - STALL_LINES} more stall lines (not listed)"
+
+
+def test_a_round_has_stalled_once_it_and_every_party_it_waits_for_were_silent_as_long() -> None:
+    """cluster.stall_timeout's rule: from the round's opening, and from each waited-for party's last word (a worker
+    still pushing its other tensors, in its own order, is busy, not stalled)."""
+    from bps_runtime.stalls import stalled
+
+    assert not stalled([1], 100.0, 159.9, 60.0, {})
+    assert stalled([1], 100.0, 160.0, 60.0, {})  # never heard: silent since the round opened
+    assert not stalled([1], 100.0, 160.0, 60.0, {1: 150.0}) and stalled([1], 100.0, 210.0, 60.0, {1: 150.0})
+    assert stalled([1], 100.0, 160.0, 60.0, {1: 20.0})  # (heard before the round opened)
+    assert not stalled([1, 2], 100.0, 200.0, 60.0, {2: 190.0})  # one of them busy
+    assert not stalled([], 100.0, 1000.0, 60.0, {}) and not stalled([1], 100.0, 1e9, 0.0, {})  # nobody; off

@@ -405,3 +405,14 @@ def test_with_a_stall_timeout_an_answer_held_for_a_connected_machine_fails_namin
     # the delta stands: the others' steps add to it
     s.push(delta(1, 1), arr(2, 2, 2, 2), "b", 201.0)
     assert answers(s.push(delta(2, 1), arr(3, 3, 3, 3), "c", 202.0))["c"].value.tolist() == [6, 6, 6, 6]
+
+
+def test_with_a_stall_timeout_an_answer_held_for_a_machine_still_pushing_does_not_fail() -> None:
+    s = ValueStore(N, timeout_s=T, worker_of_rank=lambda rank: rank // 2, stall_s=60.0)
+    for w in range(N):
+        s.worker_restored(w, 0.0)
+    initialised(s, arr(0, 0, 0, 0), staleness=0)
+    s.push(delta(0, 1), arr(1, 1, 1, 1), "a", 1.0)
+    s.pushed_at.update({1: 50.0, 2: 50.0})  # (their pushes of other keys here)
+    assert [a for a in s.sweep(100.0) if isinstance(a, Fail)] == []
+    assert [a.handle for a in s.sweep(110.0) if isinstance(a, Fail)] == ["a"]
