@@ -6,13 +6,16 @@ import os
 import pty
 import re
 import select
+import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import termios
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,18 @@ import pytest
 from harness import write_config
 
 PY = sys.executable
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _launchers_temporary_files() -> Iterator[None]:
+    """The launchers these tests kill outright (SIGKILL, SIGQUIT) cannot remove their private directory: it goes
+    in a directory of the tests' own (TMPDIR, short: a worker's socket may be moved into it), removed after them,
+    not in /tmp (four a run were left there)."""
+    where = tempfile.mkdtemp(prefix="bps-cli-")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", where)
+        yield
+    shutil.rmtree(where, ignore_errors=True)
 
 
 def _run(args: list[str], timeout: float = 30) -> subprocess.CompletedProcess[str]:

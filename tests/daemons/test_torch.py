@@ -311,7 +311,8 @@ def test_torchrun_processes_find_their_worker(make_cluster, tmp_path):
     out = tmp_path / "results"
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("BPS_LOCAL_RANK", "LOCAL_RANK")}
-    env.update(BPS_SOCKET=cluster.config.worker_specs[0].socket, OMP_NUM_THREADS="1")
+    # (TMPDIR: torchrun's own temporary directory, which it leaves, goes in the test's)
+    env.update(BPS_SOCKET=cluster.config.worker_specs[0].socket, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
     script = Path(__file__).resolve().parents[1] / "torchrun_push_pull.py"
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
