@@ -387,7 +387,7 @@ class Planner:
             what = f"round {w.index if w.index >= 0 else w.counts.get(w.first, 0)} of {name!r}"
             if absent:
                 out += self._fail(name, w, Why.absent_worker(absent[0], absent[0] in connected, grace_s, what))
-            elif waiting and stalled(waiting, w.opened, now, stall_s, self._heard_from(waiting, pushed or {})):
+            elif stalled(waiting, w.opened, now, stall_s, self._heard_from(waiting, pushed or {})):
                 out += self._fail(name, w, Why.stalled_workers(waiting, stall_s, what))
         return out
 

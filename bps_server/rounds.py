@@ -669,7 +669,7 @@ class RoundTable(Generic[W]):
             if absent:
                 actions.append(self._fail_round(st, Why.absent_worker(
                     absent[0], self.connected(absent[0]), self.lost_grace_s, what)))
-            elif waiting and stalled(waiting, st.opened, now, self.stall_s, self.joined_at):
+            elif stalled(waiting, st.opened, now, self.stall_s, self.joined_at):
                 actions.append(self._fail_round(st, Why.stalled_workers(waiting, self.stall_s, what)))
         return actions
 

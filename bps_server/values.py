@@ -490,11 +490,13 @@ class ValueStore(Generic[W]):
         they wait for silent here as long, else noted once held the timeout (a stall warning)."""
         notes: list[Action[W]] = []
         if self.stall_s:
-            late = [w for w in st.held
-                    if stalled(self._blockers(st, w.push.round), w.since, now, self.stall_s, self.pushed_at)]
-            st.held = [w for w in st.held if w not in late]
-            for w in late:
-                behind = ", ".join(map(str, self._blockers(st, w.push.round)))
+            held, st.held = st.held, []
+            for w in held:
+                blockers = self._blockers(st, w.push.round)
+                if not stalled(blockers, w.since, now, self.stall_s, self.pushed_at):
+                    st.held.append(w)
+                    continue
+                behind = ", ".join(map(str, blockers))
                 text = (f"worker {behind} did not come within the staleness bound {st.staleness} "
                         f"(cluster.stall_timeout)")
                 what = f"step {w.push.round} of {w.push.name!r}"

@@ -408,8 +408,8 @@ class FusedRounds(Generic[M]):
                 heard: Mapping[int, float] | None = None) -> Decisions[M]:
         """The rounds that waited ``timeout`` for a local rank that is not even connected fail (a process that
         died, or never came, must not make its peers wait for ever); slow ones wait on, unless they waited
-        ``stall_s`` (cluster.stall_timeout; 0: never) for ranks that submitted nothing for as long (``heard``),
-        as the local rounds' (``LocalRounds.overdue_rounds``)."""
+        ``stall_s`` (cluster.stall_timeout; 0: never) for ranks that did not catch up for as long (``heard``), as
+        the local rounds' (``LocalRounds.overdue_rounds``)."""
         out: Decisions[M] = Decisions()
         for fr in [fr for fr in self.collecting.values() if now - fr.opened >= timeout]:
             missing = [r for r, e in enumerate(fr.entries) if e is None]

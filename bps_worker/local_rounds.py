@@ -294,8 +294,8 @@ class LocalRounds(Generic[M]):
                        heard: Mapping[int, float] | None = None) -> list[Action[M]]:
         """The watch of every open round, which the daemon runs a few times per timeout: each one open for
         ``timeout_s`` or more (since its ``opened_at``) that waits for a process that is not even connected fails,
-        and, with ``stall_s`` (cluster.stall_timeout; 0: never), each open that long for connected ones that
-        submitted nothing for as long (``heard``: when each local rank last submitted; see :meth:`overdue`). One
+        and, with ``stall_s`` (cluster.stall_timeout; 0: never), each open that long for connected ones that did
+        not catch up for as long (``heard``: when each local rank last joined a round its peers opened). One
         pass over the open rounds, and nothing kept per round in between: a timer per round held every round of
         the last timeout, with its ops, until it fired."""
         actions: list[Action[M]] = []
@@ -303,19 +303,19 @@ class LocalRounds(Generic[M]):
             for lr in list(rounds):
                 if lr.opened_at is not None and now - lr.opened_at >= timeout_s:
                     late = stalled(sorted(lr.expected), lr.opened_at, now, stall_s, heard or {})
-                    actions += self.overdue(lr, connected, stall_s if late else timeout_s, stalled=late) or []
+                    actions += self.overdue(lr, connected, stall_s if late else timeout_s, late=late) or []
         return actions
 
     def overdue(self, lr: LocalRound[M], connected: Collection[int], waited_s: float,
-                stalled: bool = False) -> list[Action[M]] | None:
+                late: bool = False) -> list[Action[M]] | None:
         """The watch of an open round after ``waited_s``: None when there is nothing left to watch (the
-        round started, or failed), [] when every rank it waits for is connected (merely slow: look
-        again later; ``stalled``: it waited the stall timeout, and fails all the same), else its failure: a
-        process that is not connected must not make its peers hang."""
+        round started, or failed), [] when every rank it waits for is connected (merely slow: look again
+        later; ``late``: it stalled, see :func:`bps_runtime.stalls.stalled`, and fails all the same), else its
+        failure: a process that is not connected must not make its peers hang."""
         if lr.failed is not None or not self.is_open(lr):
             return None
         absent = sorted(r for r in lr.expected if r not in connected)
-        if not absent and not stalled:
+        if not absent and not late:
             return []
         return self.fail(lr, waited_why(lr.name, absent or sorted(lr.expected), self.worker_id, self.rank_offset,
                                         waited_s, connected=not absent))

@@ -564,7 +564,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self.bucket_bytes = bucket_bytes
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._shape = self._groups_shape()  # (see _check_groups)
+        self._group_sizes = self._groups_shape()  # (see _check_groups)
         self._positional = named_parameters is None
         self._names = self._resolve_names(named_parameters)  # (in the order buckets take them)
         self._buckets = self._make_buckets()
@@ -748,10 +748,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             clash = self._clash(bucket)
             if clash is not None:
                 raise clash
-            try:
-                view = _adapter.shared_slot(bucket.name, (bucket.total,), _numpy_of(bucket.dtype))
-            except BPSError as exc:
-                raise self._clash(bucket) or exc
+            view = _adapter.shared_slot(bucket.name, (bucket.total,), _numpy_of(bucket.dtype))
             bucket.slot = _from_numpy(view)
         p = bucket.params[index]
         if grad is not None and grad.layout != torch.strided:
@@ -794,7 +791,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``add_param_group``, a group appended to ``param_groups``) would be stepped with this process's own
         gradient, unlike the others (the models drift apart, no error: a review's case). Counted per group, a
         few list lengths a step."""
-        if self._groups_shape() != self._shape:
+        if self._groups_shape() != self._group_sizes:
             known = dict.fromkeys(self._params)
             new = [p for group in self.optimizer.param_groups for p in group["params"] if p not in known]
             raise BPSError(f"the wrapped optimizer's parameters changed after DistributedOptimizer wrapped it "
