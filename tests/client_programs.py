@@ -193,16 +193,20 @@ def shutdown_under_a_waiting_thread() -> dict[str, Any]:
         time.sleep(2.0)
         return {}
     heard: list[str] = []
+    issued = threading.Event()
 
     def waiting() -> None:
         try:
-            bps.push_pull(np.ones(4, np.float32), "never", average=False)
+            handle = bps.push_pull_async(np.ones(4, np.float32), "never", average=False)
+            issued.set()
+            bps.synchronize(handle)
         except bps.BPSError as exc:
             heard.append(str(exc))
 
     thread = threading.Thread(target=waiting)
     thread.start()
-    time.sleep(0.5)
+    issued.wait(30)
+    time.sleep(0.5)  # (it waits in synchronize: a call made after shutdown() hears "not initialized")
     bps.shutdown()
     thread.join(10)
     return {"heard": heard, "alive": thread.is_alive()}
