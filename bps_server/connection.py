@@ -137,7 +137,8 @@ class ServerConnection(AdmittedProtocol):
                                   buffer_bytes=HANDSHAKE_BUFFER_BYTES, payload_sink=_fresh_payload)
         self.greeting = ServerHandshake(
             peers={ROLE_WORKER: server.config.cluster.workers, ROLE_OBSERVER: None}, token=server.config.token,
-            config_items=server.placement_items, who=f"server {server.config.server_id}")
+            config_items=server.placement_items, server=server.config.server_id,
+            who=f"server {server.config.server_id}")
         # HMAC key of this connection, for MACs on later frames (None without a token); see protocol.handshake.
         self.session_key: bytes | None = None
         self.transport: asyncio.Transport | None = None

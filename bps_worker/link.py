@@ -1002,7 +1002,7 @@ class ServerLink:
             Hello(PROTOCOL_VERSION, ROLE_WORKER, self.worker_id, shm=probe[0].name if probe else "",
                   shm_key=probe[1] if probe else "", epoch=self.epoch, stream=self.stream,
                   config_items=list(self.config_items), daemon=daemon_id()),
-            token=self.token, who=f"server {self.spec.id} at {self.spec.address}")
+            token=self.token, server=self.spec.id, who=f"server {self.spec.id} at {self.spec.address}")
         try:
             self._send(proto, greeting.receive(challenge))
             answer = await asyncio.wait_for(asyncio.shield(proto.welcome), timeout=max(0.1, deadline - loop.time()))

@@ -48,7 +48,7 @@ def server_stats(cluster: HasConfig | ClusterConfig, *, timeout_s: float = STATS
 def _ask(s: socket.socket, server_id: int, token: bytes | None) -> dict[str, Any]:
     """One server's Stats on connected socket ``s``: the handshake, the request, the verified answer."""
     who = f"server {server_id}"
-    greeting = ClientHandshake(Hello(PROTOCOL_VERSION, ROLE_OBSERVER, 0), token=token, who=who)
+    greeting = ClientHandshake(Hello(PROTOCOL_VERSION, ROLE_OBSERVER, 0), token=token, server=server_id, who=who)
     reader = FrameReader()
     welcomed = False
     while True:

@@ -37,10 +37,17 @@ of everything said so far:
 
 So a proof holds for one connection (its two nonces) and one set of values: a relay that forwards a
 worker's Hello to another connection (another Ns), or changes ``stream``, ``shm``, ``shm_key``,
-``epoch``, ``daemon``, ``id``, ``role`` or the config description on the way, is refused by the server; a fake
-server (no token) or a replayed Welcome (another Nc) is refused by the worker before it sends anything
-else, so a restart replay never goes to an unproven server. The labels keep a Hello proof from ever
+``epoch``, ``daemon``, ``id``, ``role``, ``server`` or the config description on the way, is refused by the
+server; a fake server (no token) or a replayed Welcome (another Nc) is refused by the worker before it sends
+anything else, so a restart replay never goes to an unproven server. The labels keep a Hello proof from ever
 passing for a Welcome proof.
+
+The proofs also say *which* server: every server holds the same token, so a stranger on a free server's
+address could relay the whole handshake, untouched, to another server's, and pass that server's proof off
+as the free one's (then answer the worker's pushes itself). So a worker's or observer's Hello names the
+server it is for (``Hello.server``: a server refuses a Hello for another, before registering anything), and
+the Welcome the server that answers (``Welcome.server``: a worker refuses any other). A Hello that names no
+server (-1) is taken: only a holder of the token can prove one, and our worker and observer always name it.
 
 What the token gives: both ends know the other holds it, and the handshake's fields are the ones both
 ends sent. What it does not give: the frames after the handshake are neither encrypted nor MACed (a
@@ -64,7 +71,7 @@ closed), as :class:`protocol.frames.FrameReader` does.
 How each of the five sites uses it
 ----------------------------------
 * Server (``bps_server`` ServerConnection): ``hs = ServerHandshake(peers={ROLE_WORKER: workers,
-  ROLE_OBSERVER: None}, token=token, config_items=placement_items(cluster), who=f"server {id}")``;
+  ROLE_OBSERVER: None}, token=token, config_items=placement_items(cluster), server=id, who=f"server {id}")``;
   in ``connection_made`` send ``hs.start()`` (the Challenge) and size the reader with
   :data:`HANDSHAKE_MAX_HEADER_BYTES` and :data:`HANDSHAKE_BUFFER_BYTES`; on the first message ``hello = hs.receive(message)``, then
   ``shm = self._accept_shm(hs.shm_offer, hello.id)`` (owner check, map, read the key), the
@@ -74,7 +81,8 @@ How each of the five sites uses it
   ``hs.refuse(Failure(-1, str(exc), code="protocol_error"))`` and close (every refusal is signed). Keep ``.session_key`` for result MACs.
 * Worker link to a server (``bps_worker`` ServerLink._connect): ``hs = ClientHandshake(Hello(
   PROTOCOL_VERSION, ROLE_WORKER, worker_id, shm=probe_name, shm_key=key, epoch=epoch, stream=stream,
-  config_items=list(placement_items(cluster)), daemon=daemon_id()), token=token, who=f"server {spec.id} at {address}")``;
+  config_items=list(placement_items(cluster)), daemon=daemon_id()), token=token, server=spec.id,
+  who=f"server {spec.id} at {address}")``;
   on the Challenge send ``hs.receive(challenge)`` (a Hello); on the Welcome (or a Failure during the
   handshake) ``est = hs.receive(message)`` (raises HandshakeRefused / AuthenticationError / ...:
   close and reconnect, or fail with the error's text); ``self.shm = est.welcome.shm``; the
@@ -88,9 +96,9 @@ How each of the five sites uses it
   who=f"the worker daemon at {path}")``; send ``hs.start()`` (the Hello), then ``welcome =
   hs.receive(parse(first_frame)).welcome``; HandshakeRefused -> the BPSError "refused local rank".
 * Launcher's stats observer (``bps_worker.launch.server_stats``): ``hs = ClientHandshake(Hello(
-  PROTOCOL_VERSION, ROLE_OBSERVER, 0), token=token, who=f"server {spec.id}")``; on the Challenge send
-  ``hs.receive(challenge)`` and the StatsRequest; feed the Welcome to ``hs.receive`` before believing
-  the Stats that follow.
+  PROTOCOL_VERSION, ROLE_OBSERVER, 0), token=token, server=spec.id, who=f"server {spec.id}")``; on the
+  Challenge send ``hs.receive(challenge)`` and the StatsRequest; feed the Welcome to ``hs.receive`` before
+  believing the Stats that follow.
 """
 
 from __future__ import annotations
@@ -316,17 +324,20 @@ class ServerHandshake(_Machine):
 
     ``peers`` maps each role this side accepts to its number of ids (``0..n-1``), or None for any id.
     ``config_items``: this side's placement description; a Hello that carries another is refused.
-    ``who`` names this side in errors (``"server 1"``, ``"worker 0"``).
+    ``server``: this side's server id (a server's connections): a Hello for another server is refused, and
+    the Welcome names this one. ``who`` names this side in errors (``"server 1"``, ``"worker 0"``).
     """
 
-    __slots__ = ("peers", "token", "config_items", "challenge", "_nonce", "_challenge", "_hello", "_proven")
+    __slots__ = ("peers", "token", "config_items", "server", "challenge", "_nonce", "_challenge", "_hello",
+                 "_proven")
 
     def __init__(self, *, peers: Mapping[str, int | None], token: bytes | None = None,
                  config_items: Sequence[str] | None = None, challenge: bool = True, nonce: str | None = None,
-                 who: str = "server") -> None:
+                 server: int | None = None, who: str = "server") -> None:
         super().__init__(who)
         _check_token_mode(token, challenge)
         self.peers = dict(peers)
+        self.server = server
         self.token = token
         self.config_items = None if config_items is None else tuple(config_items)
         self.challenge = challenge
@@ -369,12 +380,14 @@ class ServerHandshake(_Machine):
         return _offer(self.hello)
 
     def accept(self, welcome: Welcome) -> Established:
-        """Sign the caller's Welcome (its ``auth`` and ``config_digest`` are filled in here); send
+        """Sign the caller's Welcome (its ``auth``, ``config_digest`` and ``server`` are filled in here); send
         ``.welcome`` of the result."""
         self._expect("deciding")
         hello = self.hello
-        if welcome.version != PROTOCOL_VERSION or welcome.auth or welcome.config_digest:
-            raise LocalProtocolError("accept() takes a Welcome of our version without auth or config_digest")
+        if welcome.version != PROTOCOL_VERSION or welcome.auth or welcome.config_digest or welcome.server != -1:
+            raise LocalProtocolError("accept() takes a Welcome of our version without auth, config_digest or server")
+        if self.server is not None:
+            welcome = dataclasses.replace(welcome, server=self.server)
         if welcome.shm and not hello.shm:
             raise LocalProtocolError(f"a welcome accepting shared memory that {hello.role} {hello.id} did not offer")
         if self.config_items is not None:
@@ -413,6 +426,12 @@ class ServerHandshake(_Machine):
         self._check_peer(message, peer)
         if self.config_items is not None and message.config_items:
             self._check_config(message, peer)
+        # (after the config: another cluster file puts servers elsewhere, which the mismatch's refusal explains)
+        if self.server is not None and message.server not in (-1, self.server):
+            raise UnexpectedPeerError(f"{self.who} refuses {peer}: its hello is for server {message.server} (a "
+                                      f"handshake relayed from that server's address, or a cluster file that puts "
+                                      f"that server at this one's)", who=self.who, role=message.role,
+                                      ident=message.id)
         return message
 
     def _check_peer(self, hello: Hello, peer: str) -> None:
@@ -449,21 +468,24 @@ class ServerHandshake(_Machine):
 class ClientHandshake(_Machine):
     """The connecting side: answer the Challenge with the Hello, then verify the Welcome.
 
-    ``hello``: what to say (role, id, pid, shm offer, epoch, stream, config_items); its ``nonce`` and
-    ``auth`` are filled in here. ``who`` names the peer in errors (``"server 1 at 10.0.0.2:9001"``).
+    ``hello``: what to say (role, id, pid, shm offer, epoch, stream, config_items); its ``nonce``, ``auth``
+    and ``server`` are filled in here. ``server``: the server id this connection is meant to reach (a
+    worker's or an observer's): the Hello names it, and a Welcome from another server is refused. ``who``
+    names the peer in errors (``"server 1 at 10.0.0.2:9001"``).
     """
 
-    __slots__ = ("token", "challenge", "_template", "_nonce", "_challenge", "_hello")
+    __slots__ = ("token", "challenge", "server", "_template", "_nonce", "_challenge", "_hello")
 
     def __init__(self, hello: Hello, *, token: bytes | None = None, challenge: bool = True,
-                 nonce: str | None = None, who: str = "server") -> None:
+                 nonce: str | None = None, server: int | None = None, who: str = "server") -> None:
         super().__init__(who)
         _check_token_mode(token, challenge)
-        if hello.version != PROTOCOL_VERSION or hello.auth or hello.nonce:
-            raise LocalProtocolError("ClientHandshake takes a Hello of our version without auth or nonce")
+        if hello.version != PROTOCOL_VERSION or hello.auth or hello.nonce or hello.server != -1:
+            raise LocalProtocolError("ClientHandshake takes a Hello of our version without auth, nonce or server")
         self.token = token
         self.challenge = challenge
-        self._template = hello
+        self.server = server
+        self._template = hello if server is None else dataclasses.replace(hello, server=server)
         self._nonce = nonce or _new_nonce()
         self._challenge: Challenge | None = None
         self._hello: Hello | None = None
@@ -557,6 +579,11 @@ class ClientHandshake(_Machine):
             key = session_key(self.token, self._challenge, hello, message)
         if message.shm and not hello.shm:
             raise HandshakeError(f"{self.who} accepted a shared-memory offer that was not made", who=self.who)
+        if self.server is not None and message.server != self.server:
+            raise HandshakeError(f"{self.who} answered as " + (f"server {message.server}" if message.server >= 0
+                                 else "no server") + f", not as server {self.server}: our handshake was relayed "
+                                 f"to another server (or that server is at this address); not connected",
+                                 who=self.who)
         if hello.config_items and message.config_digest:
             ours = placement_digest(hello.config_items)
             if ours != message.config_digest:

@@ -235,10 +235,16 @@ class Hello(Message):
     # A worker daemon's random id for this run of it (kept across its epochs): a server tells a reconnect
     # of the daemon that holds a worker id from a second daemon with the same id (bps_server.connection).
     daemon: str = ""
+    # The server this Hello is for (a worker's or an observer's connection; -1: none named). The proof covers
+    # it, and a server refuses a Hello for another: a handshake relayed unchanged to another server's address
+    # is refused there (see protocol.handshake).
+    server: int = -1
 
     def validate(self) -> None:
         if self.role not in (ROLE_WORKER, ROLE_CLIENT, ROLE_OBSERVER):
             raise LocalProtocolError(f"unknown role {shown(self.role)}")
+        if self.server < -1:
+            raise LocalProtocolError(f"hello: server {self.server}; a server id is at least 0 (-1: none named)")
         if not 0 <= self.stream < MAX_STREAMS:
             raise LocalProtocolError(f"hello: stream {self.stream} outside 0..{MAX_STREAMS - 1}")
         for what, text, limit in (("shared-memory probe name", self.shm, MAX_SEGMENT_CHARS),
@@ -286,8 +292,13 @@ class Welcome(Message):
     arena_bytes: int = 0
     # To a training process: sums of at most this many bytes may go in an OpBatch (0: none; issue 16).
     fusion_bytes: int = 0
+    # The server that answers (-1: not a server): its proof covers it, and a worker takes a Welcome only from
+    # the server it meant to reach (see Hello.server).
+    server: int = -1
 
     def validate(self) -> None:
+        if self.server < -1:
+            raise LocalProtocolError(f"welcome: server {self.server}; a server id is at least 0 (-1: not a server)")
         for what, text, limit in (("proof", self.auth, MAX_PROOF_CHARS),
                                   ("config digest", self.config_digest, MAX_PROOF_CHARS),
                                   ("incarnation", self.incarnation, MAX_NONCE_CHARS)):
@@ -1224,7 +1235,7 @@ MAX_BATCH_ITEMS: Final = 1024
 BATCH_HEADER_BUDGET: Final = 32 * 1024
 
 
-_FREE_TEXT: Final = ("name", "message", "ours", "theirs", "peer", "what", "detail", "layout")
+_FREE_TEXT: Final = ("name", "message", "ours", "theirs", "peer", "what", "detail", "layout", "auth")
 
 
 # Per message class: which of _FREE_TEXT it has, and whether it has a shape (estimated_header_bytes runs for every

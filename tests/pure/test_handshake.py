@@ -234,6 +234,49 @@ def test_a_welcome_from_another_connection_is_refused():
         victim.receive(wire(welcome))
 
 
+def test_a_handshake_relayed_untouched_to_another_server_is_refused_by_both():
+    """Every server holds the token: a stranger on server 2's free address relays the worker's handshake,
+    untouched, to server 1, whose proofs hold for that connection. The Hello names server 2 (its proof covers
+    that), so server 1 refuses it, signed, before registering anything; and were a server to answer all the
+    same, the worker takes no Welcome from another server than the one it meant to reach."""
+    server = tcp_server(server=1)
+    client = ClientHandshake(worker_hello(), token=TOKEN, server=2, who="server 2 at 10.0.0.3:9002")
+    hello = client.receive(wire(server.start()))
+    assert isinstance(hello, Hello) and hello.server == 2
+    with pytest.raises(UnexpectedPeerError, match="server 1 refuses worker 1: its hello is for server 2") as info:
+        server.receive(wire(hello))
+    # The refusal is signed (the Hello proved the token) and relayed back: an ordinary one, which the worker
+    # retries (it gives up only on a proven ``duplicate`` or ``mismatch``).
+    refusal = server.refuse(Failure(-1, str(info.value), code="protocol_error"))
+    with pytest.raises(HandshakeRefused) as refused:
+        client.receive(wire(refusal))
+    assert refused.value.code == "protocol_error"
+    lax = tcp_server()  # a server that does not check (no id of its own) welcomes it
+    client = ClientHandshake(worker_hello(), token=TOKEN, server=2, who="server 2 at 10.0.0.3:9002")
+    lax.receive(wire(client.receive(wire(lax.start()))))
+    answer = lax.accept(worker_welcome(lax.hello)).welcome
+    assert answer.server == -1
+    with pytest.raises(HandshakeError, match="server 2 at 10.0.0.3:9002 answered as no server, not as server 2"):
+        client.receive(wire(answer))
+    assert client.state == "error"
+
+
+def test_each_side_names_the_server_and_a_hello_naming_none_is_taken():
+    server = tcp_server(server=1)
+    ours, theirs = shake(server, ClientHandshake(worker_hello(), token=TOKEN, server=1))
+    assert theirs.hello.server == 1 and theirs.welcome.server == 1 and ours.welcome == theirs.welcome
+    signed = tcp_server(server=1)
+    client = ClientHandshake(worker_hello(), token=TOKEN, server=1)
+    signed.receive(wire(client.receive(wire(signed.start()))))
+    forged = dataclasses.replace(signed.accept(worker_welcome(signed.hello)).welcome, server=2)
+    with pytest.raises(AuthenticationError, match="proof is wrong"):  # the proof covers the Welcome's server
+        client.receive(wire(forged))
+    # Only a holder of the token can prove a Hello, and ours always name their server: one naming none is taken
+    assert shake(tcp_server(server=1), ClientHandshake(worker_hello(), token=TOKEN))[0].hello.server == -1
+    with pytest.raises(LocalProtocolError, match="without auth, nonce or server"):
+        ClientHandshake(worker_hello(server=1), token=TOKEN)
+
+
 def test_a_server_without_the_token_is_refused_by_the_worker():
     server, client = tcp_server(token=None), ClientHandshake(worker_hello(), token=TOKEN, who="server 1 at h:9")
     server.receive(wire(client.receive(wire(server.start()))))
