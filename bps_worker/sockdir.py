@@ -88,18 +88,37 @@ def socket_dir_problem(path: str, *, uid: int | None = None, mounts: frozenset[s
 
 def _ancestor_problem(path: str, trusted: tuple[int, ...], me: int, mounts: frozenset[str]) -> Problem | None:
     """What lets another user rename the directory away and put theirs in its place: a directory above it
-    owned by someone else, or one that others may write without the sticky bit (``/tmp``'s 1777 protects it).
+    owned by someone else, or one that others may write without the sticky bit (``/tmp``'s 1777 protects it);
+    or point the path elsewhere: a symbolic link above it that someone else owns.
+
+    Both the path as written and the one its links lead to are walked up: the first holds the links (and the
+    directories they sit in, where another user could replace a link), the second the directories the
+    socket really is in.
 
     A mount point that others may write is not refused: a volume mounted to be shared, such as a Kubernetes
     pod's emptyDir (0777, or 2777 with fsGroup), may be written by whom it was mounted for (the pod's own
     containers), which is its mounter's decision; a directory a user made writable for all is not."""
-    parent = os.path.dirname(os.path.realpath(path))
+    for parent in (os.path.dirname(os.path.abspath(path)), os.path.dirname(os.path.realpath(path))):
+        problem = _chain_problem(parent, trusted, me, mounts)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _chain_problem(parent: str, trusted: tuple[int, ...], me: int, mounts: frozenset[str]) -> Problem | None:
+    """:func:`_ancestor_problem`'s checks of ``parent`` and every directory above it, as written (a link
+    our own: the directory it sits in is checked next; where it leads, by the walk of the real path)."""
     while True:
-        st = os.stat(parent)
-        if st.st_uid not in trusted:
+        st = os.lstat(parent)
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in trusted:
+                return Problem("foreign_link", f"is reached through {parent}, a symbolic link owned by uid "
+                                               f"{st.st_uid}, not by this user (uid {me}); it could be pointed "
+                                               "elsewhere")
+        elif st.st_uid not in trusted:
             return Problem("foreign_owner", f"is in {parent}, owned by uid {st.st_uid}, not by this user "
                                             f"(uid {me}); it could replace the directory")
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX and parent not in mounts:
+        elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX and parent not in mounts:
             who = "others" if st.st_mode & stat.S_IWOTH else "its group"
             return Problem("writable", f"is in {parent}, writable by {who} without the sticky bit (mode "
                                        f"{stat.S_IMODE(st.st_mode):o}); they could replace the directory")

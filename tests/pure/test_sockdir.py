@@ -134,6 +134,38 @@ def test_a_symbolic_link_owned_by_another_user_is_refused_even_to_our_directory(
     assert problem is not None and problem.kind == "foreign_link"
 
 
+@pytest.mark.skipif(ME != 0, reason="lchown to another uid needs root")
+def test_a_symbolic_link_of_another_user_higher_up_the_path_is_refused(tmp_path):
+    """Another user's link in /tmp pointing at a safe directory of ours: the socket directory below it was
+    taken (the directories above it were judged by the real path only), then the link's owner pointed it at
+    a directory of theirs, and the training processes connected to their socket (a review's reproducer)."""
+    safe = _dir(tmp_path, "real", 0o755)
+    os.mkdir(os.path.join(safe, "run"), 0o755)
+    link = tmp_path / "link"
+    link.symlink_to(safe)
+    assert sockdir.socket_dir_problem(str(link / "run")) is None  # our own link: followed
+    os.lchown(link, NOBODY, -1)
+    problem = sockdir.socket_dir_problem(str(link / "run"))
+    assert problem is not None and problem.kind == "foreign_link", problem
+    assert problem.text == (f"is reached through {link}, a symbolic link owned by uid {NOBODY}, not by this user "
+                            f"(uid {ME}); it could be pointed elsewhere")
+    with pytest.raises(sockdir.UnsafeSocketDirError, match="is reached through"):
+        sockdir.ensure_socket_dir(str(link / "run" / "deeper"))
+
+
+def test_a_link_of_ours_in_a_directory_others_may_write_is_refused(tmp_path):
+    """Our own link, but in a directory anyone may write without the sticky bit: they could replace it."""
+    safe = _dir(tmp_path, "real", 0o755)
+    shared = _dir(tmp_path, "shared", 0o777)
+    link = Path(shared) / "link"
+    link.symlink_to(safe)
+    problem = sockdir.socket_dir_problem(str(link / "."), mounts=frozenset())
+    assert problem is not None and problem.kind == "writable" and f"is in {shared}," in problem.text, problem
+    sticky = _dir(tmp_path, "sticky", 0o1777)
+    (Path(sticky) / "link").symlink_to(safe)
+    assert sockdir.socket_dir_problem(str(Path(sticky) / "link" / "."), mounts=frozenset()) is None
+
+
 def test_missing_and_not_a_directory(tmp_path):
     missing = sockdir.socket_dir_problem(str(tmp_path / "nope"))
     assert missing is not None and missing.kind == "missing"
