@@ -231,7 +231,9 @@ class WorkerDaemon:
         return [
             metrics.Family("bps_worker_ops_total", "counter", "Collective operations completed (one per local round)",
                            ((label, float(c.ops)),)),
-            metrics.Family("bps_worker_ops_failed_total", "counter", "Collective operations that failed",
+            metrics.Family("bps_worker_ops_failed_total", "counter",
+                           "Collective operations that failed (a small tensor's fused round that failed before its "
+                           "plan is one)",
                            ((label, float(c.ops_failed)),)),
             metrics.Family("bps_worker_fused_tensors_total", "counter",
                            "Small tensors summed fused, many per operation (each tensor's round on this machine)",
@@ -455,6 +457,7 @@ class WorkerDaemon:
         on the same connection) reaches the anchor before the abort: it would meet the peers' pushes of this
         round there, as a step of its own."""
         lr = action.round
+        self.counters.ops_failed += 1
         self.failures_log.log(log, logging.WARNING, "%s", action.reason)
         self.stalls.ended(lr)
         if lr.first.kind in ASYNC_KINDS:  # no round waits for us at the servers

@@ -165,6 +165,7 @@ class FusedSums:
         return texts
 
     def carry_out(self, out: Decisions[ClientSession]) -> None:
+        self.daemon.counters.ops_failed += out.failed
         for member, failure in out.answers:
             member.send(failure)
         for name in out.steps:

@@ -119,6 +119,7 @@ class Decisions(Generic[M]):
     aborts: list[tuple[str, Why, bool]] = field(default_factory=list)
     abort_rounds: list[int] = field(default_factory=list)  # the index of each abort's round (FuseAbort.rounds)
     steps: list[str] = field(default_factory=list)  # names whose step takes an unfused round number (see module)
+    failed: int = 0  # rounds failed (each once; its processes hear it): operations that failed, for the metrics
 
     def abort(self, name: str, why: Why, reported: bool, index: int) -> None:
         """Give up round ``index`` of ``name`` at its anchor (see ``aborts``)."""
@@ -127,6 +128,7 @@ class Decisions(Generic[M]):
 
     def fail(self, fr: FusedRound[M], why: Why) -> None:
         """Answer every entry of ``fr`` so far with ``why`` (each side of a mismatch hears its own tensor)."""
+        self.failed += 1
         for e in fr.entries:
             if e is not None:
                 self.answers.append((e.member, why.heard_by(describe_spec(e.spec)).failure(e.req)))

@@ -145,6 +145,20 @@ def mismatch(bad_rank: int, kind: str) -> dict[str, Any]:
             "error_type": None if error is None else "BPSError", "size": size}
 
 
+def mismatches(sizes: list[int], odd: int) -> dict[str, Any]:
+    """Rank ``odd`` pushes each of ``sizes`` float32 elements as float64, the others as float32 (one name each:
+    a mismatch, small ones fused); then one sum that works. The errors' classes, and that sum."""
+    errors = []
+    for n in sizes:
+        try:
+            bps.push_pull(np.ones(n, np.float64 if bps.rank() == odd else np.float32), f"mm.{n}", average=False)
+            errors.append(None)
+        except bps.BPSError as exc:
+            errors.append(type(exc).__name__)
+    after = bps.push_pull(np.ones(1, np.float32), "mm.after", average=False)
+    return {"errors": errors, "after": float(after[0])}
+
+
 def ranks_info() -> dict[str, int]:
     return {"rank": bps.rank(), "size": bps.size(), "local_rank": bps.local_rank(), "local_size": bps.local_size()}
 

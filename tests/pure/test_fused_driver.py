@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import bps_worker.fused_driver as fd
+from bps_worker.daemon import WorkerCounters
 from bps_server.fusion import Planner
 from bps_server.rounds import Add, Fail, FailRound, RoundTable
 from bps_server.rounds import Why as RoundWhy
@@ -95,7 +96,7 @@ def worker(wid: int, local_size: int = 1) -> Any:
 
     daemon = types.SimpleNamespace(
         config=types.SimpleNamespace(local_size=local_size, worker_id=wid, cluster=types.SimpleNamespace(timeout=10.0)),
-        rank_offset=wid, worker_id=wid, links={0: link}, sessions={},
+        rank_offset=wid, worker_id=wid, links={0: link}, sessions={}, counters=WorkerCounters(),
         placement=types.SimpleNamespace(server_ids=[0], anchor=lambda n: 0,
                                         fused_key=lambda sid, lane, dtype, avg, lanes: fused_name(sid, lane, dtype, avg, lanes)
                                         if lanes else f"fused/{sid}/{lane}/{dtype}"),

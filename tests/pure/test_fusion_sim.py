@@ -49,6 +49,7 @@ import numpy as np
 import pytest
 
 from bps_worker.link import _FUSED_TOLD
+from bps_worker.daemon import WorkerCounters
 import bps_worker.fused_driver as fd
 from bps_server import rounds as srounds
 from bps_server.fusion import Planner
@@ -200,7 +201,7 @@ class Sim:
         daemon = types.SimpleNamespace(
             sim=self,
             config=types.SimpleNamespace(local_size=self.local[w], worker_id=w, cluster=types.SimpleNamespace(timeout=10.0)),
-            rank_offset=w, worker_id=w, links={0: link}, sessions={},
+            rank_offset=w, worker_id=w, links={0: link}, sessions={}, counters=WorkerCounters(),
             placement=types.SimpleNamespace(server_ids=[0], anchor=lambda n: 0,
                                             fused_key=fused_name),
             rounds=types.SimpleNamespace(numbers=numbers),
