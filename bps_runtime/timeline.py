@@ -12,12 +12,18 @@ receiving the round's pushes and summing, answering). A slow step shows as a
 long bar; a gap between bars is time nobody worked on that tensor.
 
 The file is written as it goes in the Trace Event "JSON Array Format", whose
-closing bracket is optional, so a daemon that dies still leaves a readable trace.
+closing bracket is optional, so a daemon that dies still leaves a readable trace: an event
+is written at most ``FLUSH_S`` after it happened (a timer, also when nothing follows it: a
+stalled job's trace shows what it did until the stall), and the file is closed at the
+interpreter's exit (also one by an exception, without ``shutdown()``). A process that opens
+its timeline again after closing it (``shutdown()``, then ``init()``) goes on in the same
+file, on the same lanes, rather than starting it over.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import sys
@@ -36,6 +42,13 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
+# What :meth:`Timeline.close` writes last (an empty event keeps the array valid after the trailing comma).
+_END: Final = "{}]\n"
+
+# The timelines this process closed, by absolute path: (pid, their lanes), so that one opened again goes on.
+_CLOSED: dict[str, tuple[int, dict[str, int]]] = {}
+
+
 class Timeline:
     """A trace file being written by one process; thread-safe."""
 
@@ -43,15 +56,38 @@ class Timeline:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
         self.pid = os.getpid()
-        self._file: TextIO | None = open(path, "w", encoding="utf-8")
         self._lock = threading.Lock()
         self._pending: list[str] = []
         self._pending_bytes = 0
         self._flushed_at = time.monotonic()
+        self._timer: threading.Timer | None = None
         self._lanes: dict[str, int] = {}
-        self._file.write("[\n")
-        self._emit({"name": "process_name", "ph": "M", "pid": self.pid, "args": {"name": process}})
+        self._file: TextIO | None = self._reopen(os.path.abspath(path))
+        if self._file is None:
+            self._file = open(path, "w", encoding="utf-8")
+            self._file.write("[\n")
+            self._emit({"name": "process_name", "ph": "M", "pid": self.pid, "args": {"name": process}})
         self.flush()
+        atexit.register(self.close)
+
+    def _reopen(self, where: str) -> TextIO | None:
+        """The file this process closed at ``where`` (its lanes kept), opened to go on after its last event;
+        None if it closed none there, or the file is not as it left it."""
+        closed = _CLOSED.pop(where, None)
+        if closed is None or closed[0] != self.pid:
+            return None
+        end = _END.encode()
+        try:
+            with open(where, "rb+") as f:
+                size = f.seek(0, os.SEEK_END)
+                if size < len(end) or (f.seek(size - len(end)), f.read())[1] != end:
+                    return None
+                f.truncate(size - len(end))
+            reopened = open(where, "a", encoding="utf-8")
+        except OSError:
+            return None
+        self._lanes = closed[1]
+        return reopened
 
     def lane(self, name: str) -> int:
         """The thread id that shows as the lane called ``name``."""
@@ -80,6 +116,15 @@ class Timeline:
             self._pending_bytes += len(text)
             if self._pending_bytes >= FLUSH_BYTES or time.monotonic() - self._flushed_at >= FLUSH_S:
                 self._flush_locked()
+            elif self._timer is None:  # written within FLUSH_S even if no event follows
+                self._timer = threading.Timer(FLUSH_S, self._flush_due)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _flush_due(self) -> None:
+        with self._lock:
+            self._timer = None
+            self._flush_locked()
 
     def flush(self) -> None:
         with self._lock:
@@ -94,12 +139,21 @@ class Timeline:
         self._flushed_at = time.monotonic()
 
     def close(self) -> None:
+        """Write what is pending and end the file (a valid JSON array); once (also called at exit). A forked
+        child's exit leaves its parent's file alone."""
+        atexit.unregister(self.close)
+        if os.getpid() != self.pid:
+            return
         with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
             self._flush_locked()
             if self._file is not None:
-                self._file.write("{}]\n")  # an empty event keeps the array valid after the trailing comma
+                self._file.write(_END)
                 self._file.close()
                 self._file = None
+                _CLOSED[os.path.abspath(self.path)] = (self.pid, self._lanes)
 
 
 def load(path: str) -> list[dict[str, Any]]:

@@ -37,6 +37,7 @@ class Handle:
     in_place: bool = field(default=False, repr=False)  # the input was the slot itself (a shared array)
     result_at: tuple[str, int] | None = field(default=None, repr=False)  # the worker's segment holding the result
     times: list[int] | None = field(default=None, repr=False)  # timeline: start, filled, done
+    call: str = field(default="push_pull", repr=False)  # the call that started it, as the timeline names it
     error: BPSError | None = field(default=None, repr=False)
     consumed: bool = field(default=False, repr=False)
     queued: bool = field(default=False, repr=False)  # waits in the fusion buffer, not sent yet

@@ -22,12 +22,12 @@ import os
 import threading
 import time
 from math import prod
-from typing import Any, Callable, Iterable, NamedTuple, Sequence, SupportsIndex
+from typing import Any, Callable, Final, Iterable, NamedTuple, Sequence, SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
 
-from protocol.messages import ASYNC_KINDS, KIND_ASYNC, KIND_ASYNC_INIT, KIND_SUM, Op, Spec
+from protocol.messages import ASYNC_KINDS, KIND_ASYNC, KIND_ASYNC_INIT, KIND_BROADCAST, KIND_SUM, Op, Spec
 
 from bps_runtime.timeline import Timeline, now_us
 
@@ -62,6 +62,10 @@ class Checked(NamedTuple):
     nbytes: int
     spec: Spec  # (wire, shape, average, layout): the operation in an OpBatch
 
+
+# The timeline's name for an operation of each kind: the call that starts it.
+_CALLS: Final = {KIND_SUM: "push_pull", KIND_BROADCAST: "broadcast", KIND_ASYNC_INIT: "async_init",
+                 KIND_ASYNC: "async_push_pull"}
 
 # push_pull_group sends its small sums in batches of this many as it copies them in, so that the daemon's work
 # overlaps the copying of the rest (one batch at the end would leave the daemon idle until then).
@@ -241,6 +245,7 @@ class Operations:
             slot, handle.view, handle.in_place = self._fill(name, nbytes, dtype, shape, source, out, fused)
             if self.timeline is not None:
                 handle.times = [t_start, now_us(), 0]
+                handle.call = _CALLS.get(kind, kind)
             if fused:
                 assert self.fusion is not None
                 handle.queued = True
@@ -278,8 +283,11 @@ class Operations:
         try:
             queued: list[Entry] = []
             for array, (name, dtype, wire, shape, avg, prio, layout, nbytes, spec), handle in prepared:
+                t_start = now_us() if self.timeline is not None else 0
                 fused = self.fusion is not None and nbytes <= self.fuse_max
                 slot, handle.view, _ = self._fill(name, nbytes, dtype, shape, array, None, fused)
+                if self.timeline is not None:
+                    handle.times, handle.call = [t_start, now_us(), 0], "push_pull_group"
                 if fused:
                     assert self.fusion is not None
                     handle.queued = True
@@ -495,7 +503,7 @@ class Operations:
         assert self.timeline is not None and handle.times is not None
         start, filled, done = handle.times
         nbytes = prod(handle.shape) * handle.dtype.itemsize
-        self.timeline.span(handle.name, "push_pull", start, now_us(), bytes=nbytes, in_place=handle.in_place)
+        self.timeline.span(handle.name, handle.call, start, now_us(), bytes=nbytes, in_place=handle.in_place)
         self.timeline.span(handle.name, "copy in", start, filled)
         self.timeline.span(handle.name, "worker daemon", filled, done)
         self.timeline.span(handle.name, "copy out", t_copy, now_us())

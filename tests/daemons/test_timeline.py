@@ -19,6 +19,11 @@ bps.init()
 for step in range(3):
     bps.push_pull(np.full(300_000, float(bps.rank()), np.float32), "w", average=False)
     bps.push_pull(np.ones(3, np.float32), "b")
+bps.broadcast(np.ones(3, np.float32), 0, "bc")
+bps.push_pull_group([np.ones(2, np.float32), np.ones(5, np.float32)], ["g1", "g2"])
+bps.shutdown()
+bps.init()
+bps.push_pull(np.ones(3, np.float32), "again")
 bps.shutdown()
 """
 
@@ -33,14 +38,60 @@ def test_a_trace_is_valid_json_even_if_its_writer_died(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text())[-1] == {}
 
 
+def test_a_timeline_opened_again_by_its_process_goes_on_where_it_ended(tmp_path):
+    """shutdown() then init() opened the rank's timeline again with "w": everything traced before was lost."""
+    path = str(tmp_path / "t.json")
+    first = Timeline(path, "rank 0")
+    first.span("a", "one", 10, 20)
+    first.close()
+    again = Timeline(path, "rank 0")
+    again.span("a", "two", 30, 40)
+    again.span("b", "three", 50, 60)
+    again.close()
+    events = json.loads(Path(path).read_text())  # strict JSON: the first close's end is gone
+    spans = {e["name"]: e["tid"] for e in events if e.get("ph") == "X"}
+    assert list(spans) == ["one", "two", "three"] and spans["one"] == spans["two"] != spans["three"]
+    assert [e["args"]["name"] for e in events if e.get("name") == "thread_name"] == ["a", "b"]
+    assert sum(e.get("name") == "process_name" for e in events) == 1 and events[-1] == {}
+    Path(path).write_text("[\n")  # not as its process left it (another writer's): started over
+    other = Timeline(path, "rank 0")
+    other.close()
+    assert [e["name"] for e in json.loads(Path(path).read_text()) if e] == ["process_name"]
+
+
+STALLED_WRITER = """
+import os, signal, sys, time
+from bps_runtime.timeline import Timeline
+t = Timeline(sys.argv[1], "stalled")
+t.span("lane", "only", 10, 20)
+if sys.argv[2] == "raise":
+    raise SystemExit("an exception, no close()")
+time.sleep(2.5)  # a stalled job: nothing follows the last event (then killed)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("end", ["stall", "raise"])
+def test_the_last_event_is_written_within_a_second_and_the_file_ends_at_exit(tmp_path, end):
+    """The writer flushed only when a later event came a second after: a stalled job's trace lacked what it did
+    last, and a program that ended by an exception (no shutdown()) left no spans at all (a review)."""
+    path = tmp_path / "t.json"
+    subprocess.run([sys.executable, "-c", STALLED_WRITER, str(path), end], timeout=30)
+    assert [e["name"] for e in load(str(path)) if e["ph"] == "X"] == ["only"]
+    if end == "raise":
+        assert json.loads(path.read_text())[-1] == {}  # closed at exit: strict JSON
+
+
 KILLED_WRITER = """
 import os, signal, sys, time
 from bps_runtime.timeline import Timeline
 t = Timeline(sys.argv[1], "doomed")
 for i in range(100):
     t.span("lane", "work", i * 10, i * 10 + 5)
-time.sleep(1.2)  # (the writer flushes what waited a second, at its next event)
+time.sleep(1.2)
 t.span("lane", "last", 2000, 2005)
+time.sleep(1.5)  # (each event is written within a second: a timer)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -103,8 +154,16 @@ def test_launch_timeline_records_every_stage(tmp_path):
     # client: copy in / waiting / copy out; worker: local sum, per-partition queue/server/pull, hand-back;
     # server: each worker's add and the round.
     for stage in ("push_pull", "copy in", "worker daemon", "copy out", "local sum", "queued", "push, server sum",
-                  "hand-back", "add worker 0", "add worker 1", "round 2"):
+                  "hand-back", "add worker 0", "add worker 1", "round 2", "broadcast", "push_pull_group"):
         assert stage in names, (stage, sorted(names))
+    # each call is named as such on its lane (a broadcast and a group's were "push_pull" and nothing), and a
+    # rank's second session (shutdown, init) goes on in its file: its first session's lanes are still there
+    rank0 = json.loads((out / "rank0.json").read_text())
+    calls = {(lanes[e["tid"]], e["name"]) for lanes in [{e["tid"]: e["args"]["name"] for e in rank0
+                                                          if e.get("name") == "thread_name"}]
+             for e in rank0 if e.get("ph") == "X" and e["name"] in ("push_pull", "broadcast", "push_pull_group")}
+    assert calls == {("w", "push_pull"), ("b", "push_pull"), ("bc", "broadcast"), ("g1", "push_pull_group"),
+                     ("g2", "push_pull_group"), ("again", "push_pull")}, calls
     # one box: every server shares the host, so sums come back through shared memory (no "pull" over TCP)
     assert all(e["args"]["shm"] for e in spans if e["name"] == "push, server sum")
     assert all(e["dur"] >= 0 and e["ts"] > 0 for e in spans)
