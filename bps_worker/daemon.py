@@ -22,6 +22,7 @@ import logging
 import os
 import secrets
 import socket
+import stat
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -689,10 +690,16 @@ def is_local_address(host: str) -> bool:
 
 def _claim_socket_path(path: str) -> None:
     """Refuse a socket directory that another user could write (bps_worker.sockdir); remove a stale socket
-    file; refuse if a live daemon still listens there."""
+    file; refuse if a live daemon still listens there, or if what is there is no socket (a typo'd path must
+    not cost a file: it was taken for a stale socket and removed)."""
     ensure_socket_dir(os.path.dirname(os.path.abspath(path)))
-    if not os.path.exists(path):
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
         return
+    if not stat.S_ISSOCK(st.st_mode):
+        # (no errno: lifecycle.describe_bind_error shows this text)
+        raise OSError(f"{path} exists and is not a socket; not removed (is the worker's socket path right?)")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.settimeout(1.0)
