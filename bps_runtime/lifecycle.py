@@ -20,6 +20,23 @@ from .commands import interrupts_deferred, launcher_owns_sigint
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
+def open_standard_fds() -> None:
+    """Descriptors 0-2 open, on /dev/null where they were closed (``bps-launch ... >&-``, a supervisor that
+    closes them): what the process opens next would otherwise take their numbers, and uvloop aborts when it
+    closes a descriptor below 3 (``uv__close`` asserts). Each is inheritable, as a standard descriptor is, so
+    that a launcher's children get it too (``os.open`` makes a descriptor close-on-exec)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # (the lowest free number: this one, or a lower one just made)
+            if null != fd:
+                os.dup2(null, fd)  # (dup2 makes it inheritable)
+                os.close(null)
+            else:
+                os.set_inheritable(fd, True)
+
+
 def setup_logging(level: str, log_file: str | None = None) -> None:
     """Log to stderr (journald picks it up under systemd), or to ``log_file`` (reopened on SIGHUP); ValueError
     (one line, as for a bad config) where that file cannot be opened."""

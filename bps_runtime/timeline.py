@@ -49,11 +49,31 @@ _END: Final = "{}]\n"
 _CLOSED: dict[str, tuple[int, dict[str, int]]] = {}
 
 
+class TimelineError(OSError):
+    """The trace file cannot be made (its directory, or the file itself); says which and why."""
+
+    def __init__(self, path: str, cause: OSError) -> None:
+        super().__init__(cause.errno, cause.strerror or str(cause))
+        self.path = path
+
+    def __str__(self) -> str:
+        return f"cannot write the timeline {self.path}: {self.strerror}"
+
+
 class Timeline:
-    """A trace file being written by one process; thread-safe."""
+    """A trace file being written by one process; thread-safe. :class:`TimelineError` if it cannot be made."""
 
     def __init__(self, path: str, process: str) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._start(path, process)
+        except TimelineError:
+            raise
+        except OSError as exc:
+            raise TimelineError(path, exc) from None
+        atexit.register(self.close)
+
+    def _start(self, path: str, process: str) -> None:
         self.path = path
         self.pid = os.getpid()
         self._lock = threading.Lock()
@@ -68,7 +88,6 @@ class Timeline:
             self._file.write("[\n")
             self._emit({"name": "process_name", "ph": "M", "pid": self.pid, "args": {"name": process}})
         self.flush()
-        atexit.register(self.close)
 
     def _reopen(self, where: str) -> TextIO | None:
         """The file this process closed at ``where`` (its lanes kept), opened to go on after its last event;

@@ -14,7 +14,9 @@ from protocol.errors import ConfigError
 from bps_runtime.commands import INTERRUPTED_STATUS
 from .server import ServerConfig, SummationServer
 from bps_runtime.health import STALL_LIMIT_S, from_environment
-from bps_runtime.lifecycle import new_event_loop, prepare_to_serve, serve_until_signalled, setup_logging
+from bps_runtime.lifecycle import (new_event_loop, open_standard_fds, prepare_to_serve, serve_until_signalled,
+                                   setup_logging)
+from bps_runtime.timeline import TimelineError
 
 log = logging.getLogger("bps.server")
 
@@ -37,6 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    open_standard_fds()  # (started with one closed: uvloop aborted at the stop)
     args = parse_args(argv)
     try:
         setup_logging(args.log_level, args.log_file)
@@ -65,7 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         return INTERRUPTED_STATUS
     loop = new_event_loop()
     try:
-        server = SummationServer(config)
+        try:
+            server = SummationServer(config)
+        except TimelineError as exc:
+            print(f"bps-server: {exc}", file=sys.stderr)
+            return 1
         host, port = config.bind
         return loop.run_until_complete(serve_until_signalled(
             server.start, server.stop, prog="bps-server", listen_on=f"{host}:{port}",

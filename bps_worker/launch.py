@@ -48,6 +48,7 @@ from types import FrameType
 from typing import Any, Callable, Sequence
 
 from bps_runtime.commands import INTERRUPTED_STATUS, exit_with
+from bps_runtime.lifecycle import open_standard_fds
 from bps_runtime.orphans import start_rank
 from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
@@ -178,7 +179,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bps-launch", description=(__doc__ or "").split("\n\n")[0].replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/local.toml", help="cluster TOML file (default: configs/local.toml)")
-    p.add_argument("--log-level", default="warning", help="daemons' log level (default: warning)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="daemons' log level (default: warning)")
     p.add_argument("--log-dir", default=None, help="write each daemon's log to DIR/<name>.log instead of stderr")
     p.add_argument("--timeline", default=None, metavar="DIR",
                    help="write Chrome-trace timelines of every daemon and rank into DIR (merge them with "
@@ -216,21 +218,8 @@ def _make_token_only(path: str) -> int:
     return 0
 
 
-def _open_standard_fds() -> None:
-    """Descriptors 0-2 open, on /dev/null where they were closed (``bps-launch ... <&-``): what the launcher
-    opens next would otherwise take their numbers, and every daemon inherited a closed one (uvloop aborts)."""
-    for fd in (0, 1, 2):
-        try:
-            os.fstat(fd)
-        except OSError:
-            null = os.open(os.devnull, os.O_RDWR)  # (the lowest free number: this one, or a lower one just made)
-            if null != fd:
-                os.dup2(null, fd)
-                os.close(null)
-
-
 def main(argv: list[str] | None = None) -> int:
-    _open_standard_fds()
+    open_standard_fds()  # (bps-launch ... <&- or >&-: every daemon and rank inherited a closed one)
     p = _parser()
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

@@ -10,7 +10,9 @@ import sys
 
 from bps_runtime.commands import INTERRUPTED_STATUS
 from bps_runtime.health import STALL_LIMIT_S, from_environment
-from bps_runtime.lifecycle import new_event_loop, prepare_to_serve, serve_until_signalled, setup_logging
+from bps_runtime.lifecycle import (new_event_loop, open_standard_fds, prepare_to_serve, serve_until_signalled,
+                                   setup_logging)
+from bps_runtime.timeline import TimelineError
 from protocol.config import load_config, read_token, socket_path_too_long
 from protocol.errors import ConfigError
 
@@ -40,6 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    open_standard_fds()  # (started with one closed: uvloop aborted at the stop)
     args = parse_args(argv)
     try:
         setup_logging(args.log_level, args.log_file)
@@ -73,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         return INTERRUPTED_STATUS
     loop = new_event_loop()
     try:
-        daemon = WorkerDaemon(config)
+        try:
+            daemon = WorkerDaemon(config)
+        except TimelineError as exc:
+            print(f"bps-worker: {exc}", file=sys.stderr)
+            return 1
         return loop.run_until_complete(serve_until_signalled(
             daemon.start, daemon.stop, prog="bps-worker", listen_on=config.socket,
             notify_socket=notify_socket))

@@ -278,7 +278,7 @@ def _parse_workers(data: dict[str, Any], workers: int, source: str) -> list[Work
     ids = [w.id for w in worker_specs]
     _no_duplicates(ids, "worker id", source)
     _no_duplicates([w.socket for w in worker_specs], "worker socket", source)
-    if sorted(ids) != list(range(workers)):
+    if len(ids) != workers or sorted(ids) != list(range(workers)):  # (the count first: never a list of a huge one)
         raise ConfigError(
             f"{source}: cluster.workers = {workers} needs [[worker]] tables with ids 0..{workers - 1}, "
             f"found ids {sorted(ids)}"

@@ -93,6 +93,33 @@ def test_a_log_file_that_cannot_be_opened_is_one_line(tmp_path, module):
                                        "No such file or directory"
 
 
+@pytest.mark.parametrize("module", ["bps_server", "bps_worker"])
+def test_a_timeline_that_cannot_be_written_is_one_line(tmp_path, module):
+    """It was os.makedirs' traceback (a review)."""
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    result = _run([module, "--config", str(config), "--id", "0", "--timeline", "/proc/nope/t.json"])
+    assert result.returncode == 1
+    assert _one_line(result.stderr) == f"{module.replace('_', '-')}: cannot write the timeline /proc/nope/t.json: " \
+                                       "No such file or directory"
+
+
+def test_a_huge_worker_count_is_one_line(tmp_path):
+    """cluster.workers = 10**12 built a list of that many ids to compare: a MemoryError traceback (a review)."""
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    config.write_text(config.read_text().replace("workers = 1\n", "workers = 1000000000000\n"))
+    result = _run(["bps_server", "--config", str(config), "--id", "0"])
+    assert result.returncode == 2
+    assert "cluster.workers = 1000000000000 needs [[worker]] tables" in _one_line(result.stderr)
+
+
+def test_the_launcher_refuses_an_unknown_log_level_before_starting_anything(tmp_path):
+    """It passed it to every daemon, which refused it: "server-0 exited with status 2 during start-up"."""
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    result = _run(["bps_worker.launch", "--config", str(config), "--log-level", "bogus", "--", PY, "-c", "pass"])
+    assert result.returncode == 2 and "argument --log-level: invalid choice: 'bogus'" in result.stderr
+    assert "exited" not in result.stderr
+
+
 def test_unknown_id_exits_2(tmp_path):
     config = write_config(tmp_path, [1], cpu_servers=0)
     result = _run(["bps_server", "--config", str(config), "--id", "9"])
@@ -436,6 +463,40 @@ def test_stale_socket_file_is_replaced(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
         notify.close()
+
+
+def test_a_socket_path_that_names_another_file_is_refused_and_the_file_kept(tmp_path):
+    """A failed connect made any file at the socket path "a stale socket": a typo'd --socket naming a file (a
+    token, a config) removed it, and the stop removed the socket bound in its place (a review)."""
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    precious = tmp_path / "precious.txt"
+    precious.write_text("precious data")
+    result = _run(["bps_worker", "--config", str(config), "--id", "0", "--socket", str(precious)])
+    assert result.returncode == 1
+    line = [line for line in result.stderr.splitlines() if line.startswith("bps-worker:")][0]
+    assert line.startswith(f"bps-worker: cannot listen on {precious}: {precious} exists and is not a socket; not "
+                           f"removed"), result.stderr
+    assert precious.read_text() == "precious data"
+
+
+@pytest.mark.parametrize("module", ["bps_server", "bps_worker"])
+def test_a_daemon_started_with_its_standard_output_closed_stops_cleanly(tmp_path, module):
+    """``bps-server ... >&-`` (a supervisor that closes it): uvloop aborted at the stop (it asserts fd > 2 when
+    it closes a descriptor), exit status 134 instead of 0 (a review)."""
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    notify, path = _notify_socket(tmp_path)
+    proc = subprocess.Popen(["bash", "-c", f'exec "$0" -m {module} --config {config} --id 0 >&-', PY],
+                            env=dict(os.environ, NOTIFY_SOCKET=path), stderr=subprocess.PIPE, text=True)
+    try:
+        while (message := notify.recv(100)) != b"READY=1":
+            assert message.startswith(b"STATUS="), message
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        notify.close()
+    assert proc.stderr is not None and "Assertion" not in proc.stderr.read()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
@@ -869,4 +930,17 @@ def test_a_launcher_started_with_its_standard_input_closed_runs_the_job(tmp_path
                             capture_output=True, text=True, timeout=90)
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.split("\n")[:2]) == ["0 '' 2.0", "1 '' 2.0"], result.stdout
+    assert "Assertion" not in result.stderr
+
+
+def test_a_launcher_started_with_its_standard_output_closed_gives_its_processes_one(tmp_path):
+    """``bps-launch ... >&-``: its stand-in for descriptor 1 was close-on-exec, so every daemon and rank had it
+    closed (the daemons aborted at the stop, uvloop's assertion, and the launcher still said 0; a review)."""
+    config = write_config(tmp_path, [2], cpu_servers=1)
+    check = "import os, sys; os.fstat(1); sys.stderr.write('rank ' + os.environ['BPS_RANK'] + ': fd 1 open\\n')"
+    result = subprocess.run(["bash", "-c", f'exec {PY} -m bps_worker.launch --config {config} -- {PY} -c "{check}" '
+                                           '>&-'], capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert sorted(line for line in result.stderr.splitlines() if line.startswith("rank")) == \
+        ["rank 0: fd 1 open", "rank 1: fd 1 open"], result.stderr
     assert "Assertion" not in result.stderr
