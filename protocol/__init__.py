@@ -14,7 +14,9 @@ reads and validates the cluster configuration (``config``).
 # fused tensors' names carry theirs (a version-5 worker would sum on lanes the anchor no longer runs). 7:
 # Failure.auth (a refusal at the handshake proves the token); Taken (a client mapped the results its Dones named;
 # a version-6 worker would refuse it as an unknown message). 8: Notice (stall lines told to the processes and
-# workers that wait; a version-7 client or worker would refuse it as an unknown message).
-PROTOCOL_VERSION = 8
+# workers that wait; a version-7 client or worker would refuse it as an unknown message). 9: Hello.server and
+# Welcome.server, under the proofs (a version-8 peer drops the field it does not know, and each side's proof
+# would cover other bytes: "a wrong proof" instead of the version mismatch).
+PROTOCOL_VERSION = 9
 
 __all__ = ["PROTOCOL_VERSION"]
