@@ -51,7 +51,7 @@ from .operation import run_operation, segment_buffer
 from .placement import Placement
 from .result_holds import ResultHolds
 from .session import ClientSession, client_admission
-from .sockdir import ensure_socket_dir
+from .sockdir import absolute, ensure_socket_dir
 from .stalls import WorkerStalls
 
 log = logging.getLogger("bps.worker")
@@ -397,6 +397,8 @@ class WorkerDaemon:
         why = Why.mismatch(name, fused, unfused, detail)
         decisions = self.fusion.rounds.fail_name(name, why, set(range(self.config.local_size)) - fused_ranks,
                                                  unfused=True)
+        if self.rounds.open.get(name):  # one operation of the processes failed: counted as the unfused round's
+            decisions.failed = 0
         self.fusion.carry_out(decisions)
         if decisions.aborts:  # the fused round here told the planner; else the unfused one does (_failed)
             for lr in self.rounds.open.get(name, ()):
@@ -692,7 +694,7 @@ def _claim_socket_path(path: str) -> None:
     """Refuse a socket directory that another user could write (bps_worker.sockdir); remove a stale socket
     file; refuse if a live daemon still listens there, or if what is there is no socket (a typo'd path must
     not cost a file: it was taken for a stale socket and removed)."""
-    ensure_socket_dir(os.path.dirname(os.path.abspath(path)))
+    ensure_socket_dir(os.path.dirname(absolute(path)))
     try:
         st = os.lstat(path)
     except FileNotFoundError:

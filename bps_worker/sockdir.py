@@ -19,13 +19,14 @@ Decisions only look at ``os.lstat``/``os.stat`` and ``/proc/self/mountinfo``; no
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
 from dataclasses import dataclass
 from typing import Final, Literal, Mapping
 
-__all__ = ["Problem", "UnsafeSocketDirError", "ensure_socket_dir", "launch_socket_path", "mount_points",
+__all__ = ["Problem", "UnsafeSocketDirError", "absolute", "ensure_socket_dir", "launch_socket_path", "mount_points",
            "private_base", "socket_dir_problem"]
 
 #: Mode of a socket directory the worker daemon creates: others may reach the socket (its own mode,
@@ -87,44 +88,70 @@ def socket_dir_problem(path: str, *, uid: int | None = None, mounts: frozenset[s
 
 
 def _ancestor_problem(path: str, trusted: tuple[int, ...], me: int, mounts: frozenset[str]) -> Problem | None:
-    """What lets another user rename the directory away and put theirs in its place: a directory above it
-    owned by someone else, or one that others may write without the sticky bit (``/tmp``'s 1777 protects it);
-    or point the path elsewhere: a symbolic link above it that someone else owns.
+    """What lets another user rename the directory away and put theirs in its place: a directory it is looked
+    up in (or one above) owned by someone else, or one that others may write without the sticky bit (``/tmp``'s
+    1777 protects it); or point the path elsewhere: a symbolic link on the way that someone else owns.
 
-    Both the path as written and the one its links lead to are walked up: the first holds the links (and the
-    directories they sit in, where another user could replace a link), the second the directories the
-    socket really is in.
+    The path is resolved as the kernel resolves it (:func:`_lookups`): a textual normalisation would hide a
+    link followed by ``..``, which leads out of the link's target, not back to where the link is.
 
     A mount point that others may write is not refused: a volume mounted to be shared, such as a Kubernetes
     pod's emptyDir (0777, or 2777 with fsGroup), may be written by whom it was mounted for (the pod's own
     containers), which is its mounter's decision; a directory a user made writable for all is not."""
-    for parent in (os.path.dirname(os.path.abspath(path)), os.path.dirname(os.path.realpath(path))):
-        problem = _chain_problem(parent, trusted, me, mounts)
-        if problem is not None:
-            return problem
+    looked_in, problem = _lookups(path, trusted, me)
+    if problem is not None:
+        return problem
+    for directory in looked_in:
+        st = os.stat(directory)
+        if st.st_uid not in trusted:
+            return Problem("foreign_owner", f"is in {directory}, owned by uid {st.st_uid}, not by this user "
+                                            f"(uid {me}); it could replace the directory")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX and directory not in mounts:
+            who = "others" if st.st_mode & stat.S_IWOTH else "its group"
+            return Problem("writable", f"is in {directory}, writable by {who} without the sticky bit (mode "
+                                       f"{stat.S_IMODE(st.st_mode):o}); they could replace the directory")
     return None
 
 
-def _chain_problem(parent: str, trusted: tuple[int, ...], me: int, mounts: frozenset[str]) -> Problem | None:
-    """:func:`_ancestor_problem`'s checks of ``parent`` and every directory above it, as written (a link
-    our own: the directory it sits in is checked next; where it leads, by the walk of the real path)."""
-    while True:
-        st = os.lstat(parent)
-        if stat.S_ISLNK(st.st_mode):
-            if st.st_uid not in trusted:
-                return Problem("foreign_link", f"is reached through {parent}, a symbolic link owned by uid "
-                                               f"{st.st_uid}, not by this user (uid {me}); it could be pointed "
-                                               "elsewhere")
-        elif st.st_uid not in trusted:
-            return Problem("foreign_owner", f"is in {parent}, owned by uid {st.st_uid}, not by this user "
-                                            f"(uid {me}); it could replace the directory")
-        elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX and parent not in mounts:
-            who = "others" if st.st_mode & stat.S_IWOTH else "its group"
-            return Problem("writable", f"is in {parent}, writable by {who} without the sticky bit (mode "
-                                       f"{stat.S_IMODE(st.st_mode):o}); they could replace the directory")
-        if parent == os.path.dirname(parent):
-            return None
-        parent = os.path.dirname(parent)
+MAX_LINKS: Final = 40  # symbolic links followed in one path, as Linux's limit (then ELOOP)
+
+
+def _lookups(path: str, trusted: tuple[int, ...], me: int) -> tuple[list[str], Problem | None]:
+    """The directories (real paths, from ``/`` down) in which resolving ``path`` looks a name up, resolved as the
+    kernel does, component by component; or, with them so far, the first symbolic link on the way that someone
+    other than ``trusted`` owns. The last component may be missing (a directory about to be made)."""
+    whole = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+    pending = [c for c in reversed(whole.split("/")) if c and c != "."]  # a stack: the next component last
+    current, looked_in, links = "/", [], 0
+    while pending:
+        name = pending.pop()
+        if name == "..":
+            current = os.path.dirname(current)
+            continue
+        if current not in looked_in:
+            looked_in.append(current)
+        entry = os.path.join(current, name)
+        try:
+            st = os.lstat(entry)
+        except FileNotFoundError:
+            if pending:
+                raise
+            break
+        if not stat.S_ISLNK(st.st_mode):
+            current = entry
+            continue
+        if st.st_uid not in trusted:
+            return looked_in, Problem("foreign_link", f"is reached through {entry}, a symbolic link owned by uid "
+                                                      f"{st.st_uid}, not by this user (uid {me}); it could be "
+                                                      "pointed elsewhere")
+        links += 1
+        if links > MAX_LINKS:
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+        target = os.readlink(entry)
+        if target.startswith("/"):
+            current = "/"
+        pending.extend(c for c in reversed(target.split("/")) if c and c != ".")
+    return looked_in, None
 
 
 def mount_points(mountinfo: str = "/proc/self/mountinfo") -> frozenset[str]:
@@ -140,16 +167,27 @@ def mount_points(mountinfo: str = "/proc/self/mountinfo") -> frozenset[str]:
                      for line in lines if line.count(" ") >= 4)
 
 
+def absolute(path: str) -> str:
+    """``path`` made absolute from the working directory, not normalised (``os.path.abspath`` would drop
+    ``link/..`` as text, where the kernel follows the link first)."""
+    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+
+
 def ensure_socket_dir(path: str) -> None:
     """Create socket directory ``path`` (mode 755) if it is missing; refuse it unless it is safe.
 
     For the worker daemon before it binds its socket. Raises :class:`UnsafeSocketDirError`.
     """
     missing = []
-    head = os.path.abspath(path)
+    head = absolute(path)  # (not normalised: the kernel resolves a ``..`` after a link, see _lookups)
     while not os.path.lexists(head):  # (each made 755 whatever the umask: a parent too is checked, below)
         missing.append(head)
         head = os.path.dirname(head)
+    if missing:  # nothing made where it would be refused: the directories it is made in, checked first
+        me = os.geteuid()
+        problem = _ancestor_problem(missing[-1], (me, ROOT_UID), me, mount_points())
+        if problem is not None:
+            raise UnsafeSocketDirError(path, problem)
     for made in reversed(missing):
         try:
             os.mkdir(made, CREATE_MODE)
@@ -175,7 +213,7 @@ def launch_socket_path(configured: str, private_dir: str, worker_id: int) -> tup
     ``configured`` itself when its directory exists and is safe; else ``worker-<id>.sock`` in ``private_dir``
     (the launcher's own, mode 700). The second value is the problem that moved it, or None.
     """
-    problem = socket_dir_problem(os.path.dirname(os.path.abspath(configured)))
+    problem = socket_dir_problem(os.path.dirname(absolute(configured)))
     if problem is None:
         return configured, None
     return os.path.join(private_dir, f"worker-{worker_id}.sock"), problem

@@ -153,6 +153,34 @@ def test_a_symbolic_link_of_another_user_higher_up_the_path_is_refused(tmp_path)
         sockdir.ensure_socket_dir(str(link / "run" / "deeper"))
 
 
+@pytest.mark.skipif(ME != 0, reason="lchown to another uid needs root")
+def test_a_foreign_link_followed_by_dot_dot_is_resolved_as_the_kernel_does(tmp_path):
+    """``link/..`` is the parent of the link's target, not the directory the link is in: a textual normalisation
+    (os.path.abspath) dropped both, and the foreign link (and the directory it leads to) went unchecked; a
+    socket at ``link2/../w0.sock`` was bound in another user's directory (a review's reproducer)."""
+    safe = _dir(tmp_path, "safe", 0o755)
+    os.mkdir(os.path.join(safe, "run"), 0o755)
+    os.mkdir(os.path.join(safe, "sockdir"), 0o755)
+    link = tmp_path / "link"
+    link.symlink_to(os.path.join(safe, "run"))
+    assert sockdir.socket_dir_problem(f"{link}/../sockdir") is None  # our own link: followed
+    os.lchown(link, NOBODY, -1)
+    problem = sockdir.socket_dir_problem(f"{link}/../sockdir")
+    assert problem is not None and problem.kind == "foreign_link" and f"through {link}," in problem.text, problem
+    evil = _dir(tmp_path, "evil", 0o755, owner=NOBODY)
+    os.mkdir(os.path.join(evil, "sub"), 0o755)
+    os.chown(os.path.join(evil, "sub"), NOBODY, -1)
+    theirs = tmp_path / "theirs"
+    theirs.symlink_to(os.path.join(evil, "sub"))
+    os.lchown(theirs, NOBODY, -1)
+    with pytest.raises(sockdir.UnsafeSocketDirError, match="a symbolic link owned by uid 65534"):
+        sockdir.ensure_socket_dir(f"{theirs}/../made")
+    assert os.listdir(evil) == ["sub"]  # nothing made there before the refusal
+    os.lchown(theirs, ME, -1)  # our link now, to their directory: the directory is theirs
+    with pytest.raises(sockdir.UnsafeSocketDirError, match=f"owned by uid {NOBODY}"):
+        sockdir.ensure_socket_dir(f"{theirs}/..")
+
+
 def test_a_link_of_ours_in_a_directory_others_may_write_is_refused(tmp_path):
     """Our own link, but in a directory anyone may write without the sticky bit: they could replace it."""
     safe = _dir(tmp_path, "real", 0o755)
