@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import logging
 import os
 import sys
 import threading
@@ -45,15 +46,25 @@ def now_us() -> int:
 # What :meth:`Timeline.close` writes last (an empty event keeps the array valid after the trailing comma).
 _END: Final = "{}]\n"
 
-# The timelines this process closed, by absolute path: (pid, their lanes), so that one opened again goes on.
-_CLOSED: dict[str, tuple[int, dict[str, int]]] = {}
+# The timelines this process closed, by absolute path: (pid, their lanes, the file's identity as it left it:
+# inode, size, modification time), so that one opened again goes on; a file changed since is started over.
+_CLOSED: dict[str, tuple[int, dict[str, int], tuple[int, int, int]]] = {}
+
+log = logging.getLogger("bps.timeline")
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 class TimelineError(OSError):
     """The trace file cannot be made (its directory, or the file itself); says which and why."""
 
     def __init__(self, path: str, cause: OSError) -> None:
-        super().__init__(cause.errno, cause.strerror or str(cause))
+        reason = cause.strerror or str(cause)
+        if isinstance(cause, FileExistsError):  # (os.makedirs: a component of the directory is a file)
+            reason = f"{os.path.dirname(os.path.abspath(path))} is not a directory"
+        super().__init__(cause.errno, reason)
         self.path = path
 
     def __str__(self) -> str:
@@ -99,7 +110,8 @@ class Timeline:
         try:
             with open(where, "rb+") as f:
                 size = f.seek(0, os.SEEK_END)
-                if size < len(end) or (f.seek(size - len(end)), f.read())[1] != end:
+                if _identity(os.fstat(f.fileno())) != closed[2] or size < len(end) or \
+                        (f.seek(size - len(end)), f.read())[1] != end:
                     return None
                 f.truncate(size - len(end))
             reopened = open(where, "a", encoding="utf-8")
@@ -151,8 +163,11 @@ class Timeline:
 
     def _flush_locked(self) -> None:
         if self._file is not None and self._pending:
-            self._file.write("".join(self._pending))
-            self._file.flush()
+            try:
+                self._file.write("".join(self._pending))
+                self._file.flush()
+            except OSError as exc:  # (a full disk, a size limit): the trace ends here, the program goes on
+                self._give_up(exc)
         self._pending.clear()
         self._pending_bytes = 0
         self._flushed_at = time.monotonic()
@@ -169,10 +184,25 @@ class Timeline:
                 self._timer = None
             self._flush_locked()
             if self._file is not None:
-                self._file.write(_END)
-                self._file.close()
+                try:
+                    self._file.write(_END)
+                    self._file.close()
+                    identity = _identity(os.stat(self.path))
+                except OSError as exc:
+                    self._give_up(exc)
+                    return
                 self._file = None
-                _CLOSED[os.path.abspath(self.path)] = (self.pid, self._lanes)
+                _CLOSED[os.path.abspath(self.path)] = (self.pid, dict(self._lanes), identity)
+
+    def _give_up(self, exc: OSError) -> None:
+        """Stop tracing after a write failed (under the lock): one warning, and nothing raised into the program."""
+        log.warning("timeline %s: cannot write it (%s); tracing stops", self.path, exc.strerror or exc)
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError:
+                pass
 
 
 def load(path: str) -> list[dict[str, Any]]:

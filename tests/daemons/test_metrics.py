@@ -181,20 +181,21 @@ def _collected(text: str) -> float:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout", [[2], [1, 1]], ids=["local processes", "machines"])
 def test_every_failed_operation_is_counted_fused_or_not(tmp_path, layout):
-    """A mismatch of a small (fused) tensor, and of a large one, counts one failed operation on every worker
-    whose processes heard it: between the processes of one machine (its local round, fused or not), or
-    between machines (the anchor's planner, or the server's round). Failures of small tensors were not
-    counted at all (a review: an alert on the counter missed every tensor up to the fusion limit), nor those
-    of a machine's own local rounds."""
+    """A mismatch of a small (fused) tensor, of a large one, and of one on both sides of the fusion limit (40 kB
+    as float32, 80 kB as float64) counts one failed operation on every worker whose processes heard it:
+    between the processes of one machine (its local round, fused or not, or both: once), or between machines
+    (the anchor's planner, or the server's round). Failures of small tensors were not counted at all (a
+    review: an alert on the counter missed every tensor up to the fusion limit), nor those of a machine's own
+    local rounds; then a tensor on both sides counted twice (a second review)."""
     cluster = start_cluster(write_config(tmp_path, layout, cpu_servers=1, metrics=True))
     try:
-        results = run_ranks(cluster, rp.mismatches, [3, 100_000], 1)
+        results = run_ranks(cluster, rp.mismatches, [3, 100_000, 10_000], 1)
         texts = [_scrape(spec.metrics) for spec in cluster.config.worker_specs]
     finally:
         cluster.stop()
-    assert all(r == {"errors": ["BPSMismatchError"] * 2, "after": 2.0} for r in results), results
+    assert all(r == {"errors": ["BPSMismatchError"] * 3, "after": 2.0} for r in results), results
     for worker, text in enumerate(texts):
-        assert _sample(text, "bps_worker_ops_failed_total", worker=str(worker)) == 2, (layout, worker)
+        assert _sample(text, "bps_worker_ops_failed_total", worker=str(worker)) == 3, (layout, worker)
         assert _sample(text, "bps_worker_ops_total", worker=str(worker)) == 1  # mm.after, fused
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -53,10 +54,38 @@ def test_a_timeline_opened_again_by_its_process_goes_on_where_it_ended(tmp_path)
     assert list(spans) == ["one", "two", "three"] and spans["one"] == spans["two"] != spans["three"]
     assert [e["args"]["name"] for e in events if e.get("name") == "thread_name"] == ["a", "b"]
     assert sum(e.get("name") == "process_name" for e in events) == 1 and events[-1] == {}
-    Path(path).write_text("[\n")  # not as its process left it (another writer's): started over
-    other = Timeline(path, "rank 0")
+    again.span("late", "after close", 70, 80)  # (dropped, and its lane is not kept unnamed for the next opening)
+    foreign = Timeline(str(tmp_path / "other.json"), "someone else")  # another trace written over ours...
+    foreign.span("theirs", "x", 1, 2)
+    foreign.close()
+    os.replace(foreign.path, path)
+    other = Timeline(path, "rank 0")  # ... is not gone on from: started over, named
+    other.span("late", "four", 90, 95)
     other.close()
-    assert [e["name"] for e in json.loads(Path(path).read_text()) if e] == ["process_name"]
+    events = json.loads(Path(path).read_text())
+    assert [e["name"] for e in events if e.get("ph") in ("X", "M") and e["name"] != "thread_sort_index"] == \
+        ["process_name", "thread_name", "four"]
+    assert [e["args"]["name"] for e in events if e.get("ph") == "M" and "args" in e and "name" in e["args"]] == \
+        ["rank 0", "late"]
+
+
+def test_a_timeline_that_cannot_be_written_any_more_stops_with_one_warning(tmp_path, caplog):
+    """A full disk or a size limit: the timer's thread and the exit printed tracebacks (a review)."""
+    path = tmp_path / "t.json"
+    t = Timeline(str(path), "rank 0")
+    assert t._file is not None
+    t._file.close()  # (what a failing write does: an OSError from write or flush)
+    t._file = open("/dev/full", "w")
+    with caplog.at_level("WARNING", logger="bps.timeline"):
+        t.span("lane", "work", 1, 2)
+        t.flush()
+        t.span("lane", "more", 3, 4)  # nothing raised into the program
+        t.close()
+    assert [r.getMessage() for r in caplog.records] == \
+        [f"timeline {path}: cannot write it (No space left on device); tracing stops"]
+    with pytest.raises(OSError, match="cannot write the timeline /etc/hostname/t.json: /etc/hostname is not a "
+                                      "directory"):
+        Timeline("/etc/hostname/t.json", "x")
 
 
 STALLED_WRITER = """
