@@ -141,25 +141,30 @@ def theorem1_shares(n: int, k: int) -> tuple[Fraction, Fraction]:
 
 
 def server_shares(config: ClusterConfig) -> dict[int, Fraction]:
-    """Each server's share of every round's bytes (sums to 1)."""
+    """Each server's share of every round's bytes (sums to 1).
+
+    Theorem 1 is about machines: where a worker's machine runs several servers (``extra_servers_per_worker``,
+    for more cores), they share its ``M_gpu`` evenly, and its link carries what one server would. One worker
+    machine sends nothing over a network: its own servers take everything (the paper's denominator is 0)."""
     n = config.workers
     cpu = [s.id for s in config.servers if s.worker is None]
     colocated: dict[int, list[int]] = {}
     for s in config.servers:
         if s.worker is not None:
             colocated.setdefault(s.worker, []).append(s.id)
-    one_each = len(colocated) == n and all(len(v) == 1 for v in colocated.values())
-    if one_each and len(cpu) <= n:
-        m_cpu, m_gpu = theorem1_shares(n, len(cpu))
-        shares = {sid: m_cpu for sid in cpu}
-        shares.update({ids[0]: m_gpu for ids in colocated.values()})
+    every_worker = len(colocated) == n
+    if every_worker and (len(cpu) <= n or n == 1):
+        m_cpu, m_gpu = theorem1_shares(n, min(len(cpu), n))
+        shares = {sid: (Fraction(0) if n == 1 else m_cpu) for sid in cpu}
+        for ids in colocated.values():
+            shares.update({sid: m_gpu / len(ids) for sid in ids})
         return shares
     if len(cpu) >= n:
         log.info("%d CPU-only servers for %d workers (k %s n): spreading evenly over the CPU-only servers",
-                 len(cpu), n, ">" if one_each else ">=")
+                 len(cpu), n, ">" if every_worker else ">=")
         chosen = cpu
     else:
-        log.info("server layout is not one colocated server per worker plus k <= n CPU-only servers: "
+        log.info("server layout has workers without a colocated server and fewer CPU-only servers than workers: "
                  "spreading evenly over all %d servers", len(config.servers))
         chosen = [s.id for s in config.servers]
     shares = {s.id: Fraction(0) for s in config.servers}
@@ -202,6 +207,7 @@ class Placement:
 
     def __init__(self, config: ClusterConfig) -> None:
         self.partition_bytes = config.partition_bytes
+        self.max_payload_bytes = config.max_payload_bytes
         self.one_host = config.one_host
         if config.one_host:
             self.depth, self.min_bytes = PIPELINE_DEPTH, MIN_PIPELINE_BYTES
@@ -296,7 +302,10 @@ class Placement:
         start = fused if fused is not None else self._hashed_index(name)
         if count * itemsize <= self.small_tensor_bytes:
             return [Piece(0, self.server_ids[start], 0, count)]
-        largest = max(1, self.partition_bytes // itemsize, -(-count // MAX_PIECES))  # elements of a piece
+        # Elements of a piece: at most a partition, more where that would make over MAX_PIECES, never more than a
+        # frame may carry (a server drops a worker whose push is larger: it reconnected and pushed it again).
+        largest = min(max(1, self.partition_bytes // itemsize, -(-count // MAX_PIECES)),
+                      self.max_payload_bytes // itemsize)
         if fused is not None:  # a fused tensor: partitions of at most ``largest``, all on its server
             sid = self.server_ids[start]
             streams = self._streams[sid]

@@ -18,8 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Sequence
 
+from .dtypes import ITEMSIZE
 from .errors import ConfigError
 from .messages import MAX_CONFIG_CHARS, MAX_CONFIG_ITEMS
+
+MAX_ITEMSIZE: Final = max(ITEMSIZE.values())  # a piece holds at least one element, and goes in one frame
 
 DEFAULT_PARTITION_BYTES: Final = 4 * 1024 * 1024
 DEFAULT_TIMEOUT_S: Final = 30.0
@@ -235,10 +238,12 @@ def _parse_cluster_table(cluster: dict[str, Any], source: str) -> dict[str, Any]
         raise ConfigError(f"{source}: cluster.arena_bytes must be at least {MIN_ARENA_BYTES} (4 MiB: the slabs "
                           f"small tensors share), got {arena}")
     c["link_bits_per_s"] = parse_rate(c.get("link_rate", 0), "cluster.link_rate", source)
-    if max_payload < partition_bytes:
+    if max_payload < max(partition_bytes, MAX_ITEMSIZE):
         raise ConfigError(
             f"{source}: cluster.max_payload_bytes ({max_payload}) is smaller than cluster.partition_bytes "
-            f"({partition_bytes})"
+            f"({partition_bytes})" if max_payload < partition_bytes else
+            f"{source}: cluster.max_payload_bytes must be at least {MAX_ITEMSIZE} (one element of every dtype), got "
+            f"{max_payload}"
         )
     return c
 
