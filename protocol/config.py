@@ -480,6 +480,8 @@ def placement_items(config: ClusterConfig) -> tuple[str, ...]:
     items = [f"workers={config.workers}", f"partition_bytes={config.partition_bytes}"]
     if config.link_bits_per_s:  # it sizes the pieces (absent from files without it: their digests stay)
         items.append(f"link_bits_per_s={config.link_bits_per_s}")
+    if config.max_payload_bytes != DEFAULT_MAX_PAYLOAD_BYTES:  # it caps the pieces, and a server refuses a larger
+        items.append(f"max_payload_bytes={config.max_payload_bytes}")  # one: a worker pushed it again for ever
     items += [f"worker.{w.id}.local_size={w.local_size}" for w in config.worker_specs]
     for s in config.servers:
         items.append(f"server.{s.id}.address={s.address}")

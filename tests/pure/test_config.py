@@ -746,3 +746,13 @@ def test_a_socket_path_too_long_for_a_unix_socket_is_refused_naming_the_worker_t
         layout(tmp_path, CLUSTER + SERVERS + WORKERS.replace("/tmp/w1.sock", long))
     assert str(info.value) == (f"{tmp_path}/a.toml: worker[1].socket (the [[worker]] with id = 1) is 108 bytes "
                                "long; a Unix socket's path may have at most 107 bytes")
+
+
+def test_the_payload_limit_caps_pieces_so_it_counts_where_given(tmp_path):
+    """A worker whose file allowed larger frames than its server's cut pieces the server refused: the server
+    dropped it at every push, and it pushed the piece again on its next connection, for ever. Given, the limit
+    is part of the placement (refused at the handshake, naming it); the default leaves the digests as they were."""
+    ours = placement_items(layout(tmp_path))
+    limited = LAYOUT.replace("partition_bytes = 1048576", "partition_bytes = 1048576\nmax_payload_bytes = 2097152", 1)
+    theirs = placement_items(layout(tmp_path, limited, "b.toml"))
+    assert placement_differences(ours, theirs) == ["max_payload_bytes is absent here, 2097152 there"]
