@@ -85,7 +85,7 @@ class Timeline:
         atexit.register(self.close)
 
     def _start(self, path: str, process: str) -> None:
-        self.path = path
+        self.path = os.path.abspath(path)  # (where it is, whatever the working directory later)
         self.pid = os.getpid()
         self._lock = threading.Lock()
         self._pending: list[str] = []
@@ -123,12 +123,17 @@ class Timeline:
     def lane(self, name: str) -> int:
         """The thread id that shows as the lane called ``name``."""
         tid = self._lanes.get(name)
-        if tid is None:
-            tid = self._lanes[name] = len(self._lanes) + 1
-            self._emit({"name": "thread_name", "ph": "M", "pid": self.pid, "tid": tid, "args": {"name": name}})
-            self._emit({"name": "thread_sort_index", "ph": "M", "pid": self.pid, "tid": tid,
-                        "args": {"sort_index": tid}})
-        return tid
+        if tid is not None:
+            return tid
+        with self._lock:  # (made and named at once: a close() meanwhile keeps no lane whose name was not written)
+            tid = self._lanes.get(name)
+            if tid is None and self._file is not None:
+                tid = self._lanes[name] = len(self._lanes) + 1
+                self._add_locked(json.dumps({"name": "thread_name", "ph": "M", "pid": self.pid, "tid": tid,
+                                             "args": {"name": name}}, separators=(",", ":")) + ",\n")
+                self._add_locked(json.dumps({"name": "thread_sort_index", "ph": "M", "pid": self.pid, "tid": tid,
+                                             "args": {"sort_index": tid}}, separators=(",", ":")) + ",\n")
+        return tid or 0
 
     def span(self, lane: str, name: str, start_us: int, end_us: int, **args: Any) -> None:
         """A bar called ``name`` from ``start_us`` to ``end_us`` in lane ``lane``."""
@@ -141,8 +146,11 @@ class Timeline:
     def _emit(self, event: dict[str, Any]) -> None:
         text = json.dumps(event, separators=(",", ":")) + ",\n"
         with self._lock:
-            if self._file is None:
-                return
+            self._add_locked(text)
+
+    def _add_locked(self, text: str) -> None:
+        """One event's line, written within FLUSH_S (under the lock); nothing once the file is closed."""
+        if self._file is not None:
             self._pending.append(text)
             self._pending_bytes += len(text)
             if self._pending_bytes >= FLUSH_BYTES or time.monotonic() - self._flushed_at >= FLUSH_S:

@@ -72,6 +72,8 @@ def socket_dir_problem(path: str, *, uid: int | None = None, mounts: frozenset[s
         st = os.stat(path)
     except FileNotFoundError:
         return Problem("missing", "does not exist")
+    except OSError as exc:  # (a component that is a file, a loop of links: one line, not a traceback)
+        return Problem("not_a_directory", f"cannot be reached: {exc.strerror or exc}")
     if stat.S_ISLNK(link.st_mode) and link.st_uid not in trusted:
         return Problem("foreign_link", f"is a symbolic link owned by uid {link.st_uid}, not by this user "
                                        f"(uid {me})")
@@ -84,7 +86,10 @@ def socket_dir_problem(path: str, *, uid: int | None = None, mounts: frozenset[s
         who = "others" if st.st_mode & stat.S_IWOTH else "its group"
         return Problem("writable", f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}); they could "
                                    "replace the socket")
-    return _ancestor_problem(path, trusted, me, mount_points() if mounts is None else mounts)
+    try:
+        return _ancestor_problem(path, trusted, me, mount_points() if mounts is None else mounts)
+    except OSError as exc:  # (the path changed under the walk)
+        return Problem("not_a_directory", f"cannot be reached: {exc.strerror or exc}")
 
 
 def _ancestor_problem(path: str, trusted: tuple[int, ...], me: int, mounts: frozenset[str]) -> Problem | None:

@@ -194,6 +194,19 @@ def test_a_link_of_ours_in_a_directory_others_may_write_is_refused(tmp_path):
     assert sockdir.socket_dir_problem(str(Path(sticky) / "link" / "."), mounts=frozenset()) is None
 
 
+def test_a_directory_that_cannot_be_reached_is_a_problem_not_an_exception(tmp_path):
+    """A component that is a file, a loop of links: the launcher printed a traceback (a review)."""
+    (tmp_path / "file").write_text("")
+    problem = sockdir.socket_dir_problem(str(tmp_path / "file" / "sub"))
+    assert problem is not None and problem.kind == "not_a_directory" and problem.text == \
+        "cannot be reached: Not a directory", problem
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    problem = sockdir.socket_dir_problem(str(tmp_path / "loop" / "sub"))
+    assert problem is not None and "Too many levels of symbolic links" in problem.text, problem
+    moved, why = sockdir.launch_socket_path(str(tmp_path / "file" / "sub" / "w0.sock"), str(tmp_path), 0)
+    assert moved == str(tmp_path / "worker-0.sock") and why is not None and why.kind == "not_a_directory"
+
+
 def test_missing_and_not_a_directory(tmp_path):
     missing = sockdir.socket_dir_problem(str(tmp_path / "nope"))
     assert missing is not None and missing.kind == "missing"
