@@ -45,8 +45,9 @@ def settings() -> Settings:
 
 
 def shared_slot(name: str, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
-    """The shared slot of ``name`` as an array to fill in place (the memory :func:`shared_array` gives)."""
-    return _operations().shared_array(name, shape, dtype)
+    """The shared slot of ``name`` as an array to fill in place (the memory :func:`shared_array` gives), held until
+    the name is next pushed (then given up for room like any idle slot: the layer asks for it again each step)."""
+    return _operations().shared_array(name, shape, dtype, pinned=False)
 
 
 def _already_filled(view: np.ndarray) -> None:

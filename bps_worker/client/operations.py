@@ -111,6 +111,10 @@ class Operations:
         # Names whose slot was handed out (shared_array) and not pushed since: the slot may be being filled in
         # place (a framework's gradient bucket, then start_filled with no fill), so it is never given up either.
         self.handed_out: set[str] = set()
+        # Names given out by the user's shared_array: the user's array is that memory, which the same name gives
+        # again while the size fits (its docstring). Held for good: given up for room after its first sum, a
+        # second shared_array gave new, zeroed memory (a review).
+        self.pinned: set[str] = set()
         self._input_of: dict[str, str] = {}  # the slot of our own that a shared array's fused sum reads -> its name
         self.slots = SlotMap(self.conn.allocate, welcome.arena_bytes, self._holds)
         self.conn.map_result = self.slots.result_segment
@@ -164,23 +168,29 @@ class Operations:
         return self._start(name, kind, array.dtype, array.shape, array, average, priority, root, out, "", staleness,
                            internal, waited)
 
-    def shared_array(self, name: str, shape: Iterable[SupportsIndex], dtype: npt.DTypeLike) -> np.ndarray:
-        """The slot of ``name`` as an array of ``shape`` and ``dtype`` (see ``bps.shared_array``)."""
+    def shared_array(self, name: str, shape: Iterable[SupportsIndex], dtype: npt.DTypeLike, *,
+                     pinned: bool = True) -> np.ndarray:
+        """The slot of ``name`` as an array of ``shape`` and ``dtype`` (see ``bps.shared_array``): held for good
+        (``pinned``), or until the name is next pushed (a framework's slot filled in place each step)."""
         name = check_name(name)
         dtype, _ = check_dtype(dtype)
         shape = check_shape(name, shape, dtype)
         with self.lock:
             self._check_free(name)
             self.handed_out.add(name)  # (before slot_for: no other thread gives it up from now on)
+            if pinned:
+                self.pinned.add(name)
         slot = self.slots.slot_for(name, prod(shape) * dtype.itemsize)
         return view_of(slot.segment.buf, dtype, shape, slot.offset)  # the user's own array (see Slot.view)
 
     def _holds(self, name: str) -> bool:
         """Whether ``name``'s slot must stay where it is (SlotMap's ``busy``): in flight (but for an operation
-        a failed group gave up, once it ended: see :meth:`_check_free`), or handed out. A copy's slot of a shared
-        array (:meth:`_fill`) is held while its name is in flight."""
+        a failed group gave up, once it ended: see :meth:`_check_free`), handed out and not pushed since, or
+        pinned (a shared array's). A copy's slot of a shared array (:meth:`_fill`) is held while its name is in
+        flight."""
         held = self.inflight.get(self._input_of.get(name, name))
-        return (held is not None and not (held.abandoned and held.done())) or name in self.handed_out
+        return (held is not None and not (held.abandoned and held.done())) or name in self.handed_out \
+            or name in self.pinned
 
     def _fill(self, name: str, nbytes: int, dtype: np.dtype, shape: tuple[int, ...], source: np.ndarray | Fill,
               out: np.ndarray | None, fused: bool) -> tuple[Slot, np.ndarray, bool]:

@@ -68,3 +68,29 @@ def test_a_tensor_that_grows_out_of_its_slab_under_a_tight_cap_gives_the_slab_up
             assert r["sums"] == [(100, expected, expected), (ELEMS, expected, expected), (ELEMS, expected, expected)]
     finally:
         cluster.stop()
+
+
+def shared_array_after_other_names(n: int, others: int) -> dict[str, object]:
+    """A shared array summed in place, then other names' sums through the capped arena: the same name's
+    shared_array is still that memory, holding the sum."""
+    sh = bps.shared_array("W", (n,), np.float32)
+    sh[...] = 1.0
+    bps.push_pull(sh, "W", average=False, out=sh)
+    for i in range(others):
+        bps.push_pull(np.ones(ELEMS, np.float32), f"other{i}", average=False)
+    again = bps.shared_array("W", (n,), np.float32)
+    return {"same": bool(np.shares_memory(sh, again)), "values": sorted(set(again.tolist()))}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [300_000, 1000], ids=["own segment", "in a slab"])
+def test_a_shared_array_keeps_its_memory_whatever_other_names_need(tmp_path: Path, n: int):
+    """shared_array promises the same memory for the same name while the size fits. After its first sum the slot
+    was idle like any other and given up for room: shared_array then gave new, zeroed memory, and the sum was
+    gone from it (a review)."""
+    cluster = start_cluster(write_config(tmp_path, [1], cpu_servers=0, cluster={"arena_bytes": 2 * CAP}))
+    try:
+        result, = run_ranks(cluster, shared_array_after_other_names, n, 40, timeout=100)
+    finally:
+        cluster.stop()
+    assert result == {"same": True, "values": [1.0]}, result
