@@ -47,6 +47,10 @@ log = logging.getLogger("bps_worker.client")
 
 CONNECT_RETRY_S: Final = 0.05  # between attempts while the daemon's socket is not there yet
 
+# When this process last closed its connection to a daemon's socket as a local rank: a new handshake for that
+# rank soon after may meet the old connection not yet ended there (see Connection._welcomed).
+_CLOSED_AT: dict[tuple[str, int], float] = {}
+
 
 class _FatalFailure(Exception):
     """The daemon sent a Failure for no request (req -1): it dropped this process."""
@@ -77,7 +81,7 @@ class Connection:
         # send_lock). Both go ahead of the next message, or with the reader's next try (see _acknowledge).
         self._taken: list[int] = []
         self._owed = b""
-        self.welcome = self._handshake(local_rank)
+        self.welcome = self._welcomed(local_rank)
         self.thread = threading.Thread(target=self._read_loop, name="bps-client-reader", daemon=True)
         self.thread.start()
 
@@ -85,6 +89,24 @@ class Connection:
         return next(self.reqs)
 
     # -- set-up ----------------------------------------------------------------------
+    def _welcomed(self, local_rank: int) -> Welcome:
+        """The handshake, tried again while the daemon still holds this process's own previous connection (it
+        was closed a moment ago: shutdown(), then init(); the daemon may read the new Hello before the old
+        connection's end, and refused it as "already connected", about one re-init in five with operations in
+        flight). A local rank held by another live process is refused at once, as before."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return self._handshake(local_rank)
+            except BPSError as exc:
+                closed = _CLOSED_AT.get((self.path, local_rank))
+                if ("is already connected" not in str(exc) or closed is None
+                        or time.monotonic() - closed > self.timeout or time.monotonic() >= deadline):
+                    raise
+            time.sleep(CONNECT_RETRY_S)
+            self.sock = _connect(self.path, self.peer, max(0.0, deadline - time.monotonic()))
+            self.reader = FrameReader(max_payload_bytes=0)
+
     def _handshake(self, local_rank: int) -> Welcome:
         """Hello -> Welcome (or a Failure naming why the daemon refuses this local rank), as the connecting
         side of ``protocol.handshake`` without a challenge (the Unix socket has no token)."""
@@ -334,6 +356,7 @@ class Connection:
     def close(self) -> None:
         """Shut the socket and wait (briefly) for the reader thread."""
         self.closing = True
+        _CLOSED_AT[(self.path, self.welcome.local_rank)] = time.monotonic()
         try:
             self.sock.shutdown(_socket.SHUT_RDWR)
         except OSError:
