@@ -21,6 +21,8 @@ import operator
 import os
 import threading
 import time
+import weakref
+from collections import Counter
 from math import prod
 from typing import Any, Callable, Final, Iterable, NamedTuple, Sequence, SupportsIndex
 
@@ -111,10 +113,14 @@ class Operations:
         # Names whose slot was handed out (shared_array) and not pushed since: the slot may be being filled in
         # place (a framework's gradient bucket, then start_filled with no fill), so it is never given up either.
         self.handed_out: set[str] = set()
-        # Names given out by the user's shared_array: the user's array is that memory, which the same name gives
-        # again while the size fits (its docstring). Held for good: given up for room after its first sum, a
-        # second shared_array gave new, zeroed memory (a review).
-        self.pinned: set[str] = set()
+        # Names given out by the user's shared_array, with how many of those arrays are alive: the user's array
+        # is that memory, which the same name gives again while the size fits (its docstring). Held while one
+        # lives (given up for room after its first sum, a second shared_array gave new, zeroed memory, a
+        # review). An array's end appends its name to ``_released`` (a finalizer may run in any thread, at any
+        # allocation: a list's append, no lock), which ``_pins`` drains.
+        self.pinned: Counter[str] = Counter()
+        self._released: list[str] = []
+        self._pin_lock = threading.Lock()
         self._input_of: dict[str, str] = {}  # the slot of our own that a shared array's fused sum reads -> its name
         self.slots = SlotMap(self.conn.allocate, welcome.arena_bytes, self._holds)
         self.conn.map_result = self.slots.result_segment
@@ -170,8 +176,9 @@ class Operations:
 
     def shared_array(self, name: str, shape: Iterable[SupportsIndex], dtype: npt.DTypeLike, *,
                      pinned: bool = True) -> np.ndarray:
-        """The slot of ``name`` as an array of ``shape`` and ``dtype`` (see ``bps.shared_array``): held for good
-        (``pinned``), or until the name is next pushed (a framework's slot filled in place each step)."""
+        """The slot of ``name`` as an array of ``shape`` and ``dtype`` (see ``bps.shared_array``): held while the
+        array (or a view of it) lives (``pinned``), or until the name is next pushed (a framework's slot filled in
+        place each step)."""
         name = check_name(name)
         dtype, _ = check_dtype(dtype)
         shape = check_shape(name, shape, dtype)
@@ -179,18 +186,37 @@ class Operations:
             self._check_free(name)
             self.handed_out.add(name)  # (before slot_for: no other thread gives it up from now on)
             if pinned:
-                self.pinned.add(name)
-        slot = self.slots.slot_for(name, prod(shape) * dtype.itemsize)
-        return view_of(slot.segment.buf, dtype, shape, slot.offset)  # the user's own array (see Slot.view)
+                with self._pin_lock:
+                    self.pinned[name] += 1
+        try:
+            slot = self.slots.slot_for(name, prod(shape) * dtype.itemsize)
+        except BaseException:
+            if pinned:
+                self._released.append(name)
+            raise
+        array = view_of(slot.segment.buf, dtype, shape, slot.offset)  # the user's own array (see Slot.view)
+        if pinned:
+            weakref.finalize(array, self._released.append, name)  # (its views keep it alive)
+        return array
+
+    def _pins(self, name: str) -> bool:
+        """Whether a shared array of ``name`` is alive (the ended ones counted out first)."""
+        with self._pin_lock:
+            while self._released:
+                ended = self._released.pop()
+                self.pinned[ended] -= 1
+                if self.pinned[ended] <= 0:
+                    del self.pinned[ended]
+            return name in self.pinned
 
     def _holds(self, name: str) -> bool:
         """Whether ``name``'s slot must stay where it is (SlotMap's ``busy``): in flight (but for an operation
         a failed group gave up, once it ended: see :meth:`_check_free`), handed out and not pushed since, or
-        pinned (a shared array's). A copy's slot of a shared array (:meth:`_fill`) is held while its name is in
+        pinned (a shared array of it is alive). A copy's slot of a shared array (:meth:`_fill`) is held while its name is in
         flight."""
         held = self.inflight.get(self._input_of.get(name, name))
         return (held is not None and not (held.abandoned and held.done())) or name in self.handed_out \
-            or name in self.pinned
+            or self._pins(name)
 
     def _fill(self, name: str, nbytes: int, dtype: np.dtype, shape: tuple[int, ...], source: np.ndarray | Fill,
               out: np.ndarray | None, fused: bool) -> tuple[Slot, np.ndarray, bool]:

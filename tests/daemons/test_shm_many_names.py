@@ -79,7 +79,10 @@ def shared_array_after_other_names(n: int, others: int) -> dict[str, object]:
     for i in range(others):
         bps.push_pull(np.ones(ELEMS, np.float32), f"other{i}", average=False)
     again = bps.shared_array("W", (n,), np.float32)
-    return {"same": bool(np.shares_memory(sh, again)), "values": sorted(set(again.tolist()))}
+    result = {"same": bool(np.shares_memory(sh, again)), "values": sorted(set(again.tolist()))}
+    del sh, again  # no array of it left: its slot may be given up for room like any idle one
+    result["held_after"] = bps._operations()._pins("W")
+    return result
 
 
 @pytest.mark.timeout(120)
@@ -93,4 +96,4 @@ def test_a_shared_array_keeps_its_memory_whatever_other_names_need(tmp_path: Pat
         result, = run_ranks(cluster, shared_array_after_other_names, n, 40, timeout=100)
     finally:
         cluster.stop()
-    assert result == {"same": True, "values": [1.0]}, result
+    assert result == {"same": True, "values": [1.0], "held_after": False}, result
