@@ -160,9 +160,11 @@ def shared_array(name: str, shape: tuple[int, ...], dtype: npt.DTypeLike = np.fl
 
     ``push_pull(a, name, out=a)`` on it sums in place: the worker daemon reads the
     input from and writes the result into this memory. The same name always gives
-    the same memory while the size fits (it is reused across rounds); a larger size
-    moves the slot, and arrays from before no longer take part. Passed with another
-    (or no) ``out``, it is left unchanged like any input. Valid until :func:`shutdown`.
+    the same memory while the size fits and an array of it (or a view of one) is alive:
+    it is reused across rounds, never given up for another name's room meanwhile; a
+    larger size moves the slot, and arrays from before no longer take part. Passed with
+    another (or no) ``out``, it is left unchanged like any input. Valid until
+    :func:`shutdown`.
     """
     return _operations().shared_array(name, shape, dtype)
 
