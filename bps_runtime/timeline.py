@@ -53,6 +53,11 @@ _CLOSED: dict[str, tuple[int, dict[str, int], tuple[int, int, int]]] = {}
 log = logging.getLogger("bps.timeline")
 
 
+def _line(event: dict[str, Any]) -> str:
+    """One event as the file holds it: compact JSON, a comma, a line of its own."""
+    return json.dumps(event, separators=(",", ":")) + ",\n"
+
+
 def _identity(st: os.stat_result) -> tuple[int, int, int]:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
@@ -78,8 +83,6 @@ class Timeline:
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._start(path, process)
-        except TimelineError:
-            raise
         except OSError as exc:
             raise TimelineError(path, exc) from None
         atexit.register(self.close)
@@ -93,7 +96,7 @@ class Timeline:
         self._flushed_at = time.monotonic()
         self._timer: threading.Timer | None = None
         self._lanes: dict[str, int] = {}
-        self._file: TextIO | None = self._reopen(os.path.abspath(path))
+        self._file: TextIO | None = self._reopen(self.path)
         if self._file is None:
             self._file = open(path, "w", encoding="utf-8")
             self._file.write("[\n")
@@ -129,10 +132,10 @@ class Timeline:
             tid = self._lanes.get(name)
             if tid is None and self._file is not None:
                 tid = self._lanes[name] = len(self._lanes) + 1
-                self._add_locked(json.dumps({"name": "thread_name", "ph": "M", "pid": self.pid, "tid": tid,
-                                             "args": {"name": name}}, separators=(",", ":")) + ",\n")
-                self._add_locked(json.dumps({"name": "thread_sort_index", "ph": "M", "pid": self.pid, "tid": tid,
-                                             "args": {"sort_index": tid}}, separators=(",", ":")) + ",\n")
+                self._add_locked(_line({"name": "thread_name", "ph": "M", "pid": self.pid, "tid": tid,
+                                        "args": {"name": name}}))
+                self._add_locked(_line({"name": "thread_sort_index", "ph": "M", "pid": self.pid, "tid": tid,
+                                        "args": {"sort_index": tid}}))
         return tid or 0
 
     def span(self, lane: str, name: str, start_us: int, end_us: int, **args: Any) -> None:
@@ -144,7 +147,7 @@ class Timeline:
         self._emit(event)
 
     def _emit(self, event: dict[str, Any]) -> None:
-        text = json.dumps(event, separators=(",", ":")) + ",\n"
+        text = _line(event)
         with self._lock:
             self._add_locked(text)
 
