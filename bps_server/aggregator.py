@@ -292,9 +292,9 @@ class Aggregator:
         later ones wait ``lost_grace_s`` for it. Returns how many rounds failed now."""
         return self._run(self.table.worker_lost(worker))
 
-    def worker_hello(self, worker: int, epoch: str) -> None:
-        """A worker daemon connected, with its round numbering."""
-        self._run(self.table.worker_hello(worker, epoch))
+    def worker_hello(self, worker: int, epoch: str, fresh: bool = False) -> None:
+        """A worker daemon connected, with its round numbering (``fresh``: unused, Hello.fresh)."""
+        self._run(self.table.worker_hello(worker, epoch, fresh))
 
     def worker_reset(self, worker: int, epoch: str = "") -> int:
         """The worker has no training processes any more; returns how many rounds failed."""

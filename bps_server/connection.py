@@ -636,7 +636,7 @@ class ServerConnection(AdmittedProtocol):
         if not hello.stream:
             endings = self.server.fusion.endings
             self.server.fusion.worker_hello(hello.id, hello.epoch, hello.daemon)
-            self.server.aggregator.worker_hello(hello.id, hello.epoch)
+            self.server.aggregator.worker_hello(hello.id, hello.epoch, hello.fresh)
             if self.server.fusion.endings != endings:  # (its Reset was lost with a connection)
                 self.server.lanes_ended()
             self.server.values.connected(hello.id, hello.epoch)

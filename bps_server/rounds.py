@@ -184,6 +184,9 @@ class Restart(Generic[W]):
     replayed: Push | None = None  # the first replay: what the round's pushes must be (none may have come first)
     replayers: set[int] = field(default_factory=set)
     answered: set[int] = field(default_factory=set)
+    # Rejoining workers (new processes, placed at the others' round) that had no part in the round: it does
+    # not wait for them (see RoundTable.worker_hello).
+    passed: set[int] = field(default_factory=set)
     held_next: list[Held[W]] = field(default_factory=list)
 
 
@@ -371,6 +374,12 @@ class RoundTable(Generic[W]):
         self._epochs: dict[int, str] = {}  # each worker's round numbering (Hello.epoch, Reset.epoch)
         # Workers whose numbering restarted while other workers were mid-job: they rejoin (round_for).
         self._rejoining: set[int] = set()
+        # Workers whose first hello to this run said their numbering is unused (Hello.fresh) and which have
+        # not pushed since; and those whose last hello said it is in use (they are mid-job, perhaps with our
+        # predecessor). Together they tell a machine that came back while this server was down from a job
+        # starting (worker_hello).
+        self._fresh: set[int] = set()
+        self._mid_job: set[int] = set()
         # Workers that pushed (or replayed) here in this run: one that never did (a daemon idle since it
         # started never says Reset) is as one without processes when the others' job ends (_clear_if_all_reset).
         self._active: set[int] = set()
@@ -529,7 +538,7 @@ class RoundTable(Generic[W]):
         if st is None:
             return 0
         done = (st.failed is not None or worker in st.waiters or worker in st.restart.replayers
-                or worker in st.restart.answered)
+                or worker in st.restart.answered or worker in st.restart.passed)
         return st.round + (1 if done else 0)
 
     def summed(self, name: str, part: int, round_: int) -> bool:
@@ -635,6 +644,7 @@ class RoundTable(Generic[W]):
         if not restart.replayers and st.first is None:
             st.opened = now
         restart.replayers.add(push.worker)
+        restart.passed |= self._rejoining - restart.replayers - set(st.waiters)
         unanswered = tuple(w for worker, w in st.waiters.items() if worker not in restart.answered)
         restart.answered.update(w.push.worker for w in unanswered)
         if unanswered:
@@ -644,14 +654,16 @@ class RoundTable(Generic[W]):
     def _settle(self, st: Round[W]) -> list[Action[W]]:
         """Once every worker replayed the round or got its replayed sum, move on and let the held
         next-round pushes in."""
-        if len(st.restart.replayers | st.restart.answered) < self.n_workers or self.keys.get(st.key) is not st:
+        if (len(st.restart.replayers | st.restart.answered | st.restart.passed) < self.n_workers
+                or self.keys.get(st.key) is not st):
             return []
         self._open(st.key, st.round + 1).last_sum = st.round
         return [Settled(st.key, st.round), Redispatch(tuple(st.restart.held_next))]
 
     def waiting_for(self, st: Round[W]) -> list[int]:
         """The workers round ``st`` still waits for: neither pushed nor replayed it, nor got its sum."""
-        return sorted(set(range(self.n_workers)) - set(st.waiters) - st.restart.replayers - st.restart.answered)
+        return sorted(set(range(self.n_workers)) - set(st.waiters) - st.restart.replayers - st.restart.answered
+                      - st.restart.passed)
 
     # -- workers coming and going ------------------------------------------------------
     def sweep(self, now: float) -> list[Action[W]]:
@@ -694,12 +706,19 @@ class RoundTable(Generic[W]):
         self.lost_workers.add(worker)
         return self._fail_waiting_for(worker, why)
 
-    def worker_hello(self, worker: int, epoch: str) -> list[Action[W]]:
+    def worker_hello(self, worker: int, epoch: str, fresh: bool = False) -> list[Action[W]]:
         """A worker daemon connected, with its round numbering. A hello alone does not bring training
         processes back (a worker that reset, or a new daemon, stays one without processes until it pushes);
         the same numbering back after a dropped connection is the same processes, waited for as any
         connected worker's (a slow one fails nothing). A dropped worker back with another numbering is a
-        new daemon: its processes are gone, as a Reset would have said (the job may be over everywhere now)."""
+        new daemon: its processes are gone, as a Reset would have said (the job may be over everywhere now).
+
+        ``fresh`` (Hello.fresh): the worker's processes numbered nothing against the servers yet. A worker
+        this run never heard of, fresh, while another connected worker's hello said its numbering is in use
+        (it is mid-job, numbered against our predecessor: this server restarted), is a machine that came back
+        while this server was down (a double fault): it rejoins as one whose new numbering we saw would (else
+        its first steps failed as stale rounds until its numbering caught up), whichever of the two hellos
+        comes first. Where every hello says fresh, a first hello is a job starting."""
         self._gone.pop(worker, None)
         self.lost_workers.discard(worker)
         previous = self._epochs.get(worker)
@@ -712,6 +731,16 @@ class RoundTable(Generic[W]):
                 cleared = self._clear_if_all_reset()
         if epoch:
             self._epochs[worker] = epoch
+        if epoch and not fresh:
+            self._mid_job.add(worker)
+            for other in sorted(self._fresh - self._rejoining - {worker}):
+                cleared += self._rejoin_unknown(other)
+        else:
+            self._mid_job.discard(worker)
+        if previous is None and fresh and epoch:
+            self._fresh.add(worker)
+            return cleared + self._rejoin_unknown(worker)
+        self._fresh.discard(worker)
         # A first hello is a job (or this server) starting, not a worker coming back: the workers of a
         # job do not connect at the same instant, and must not line up with each other's first rounds.
         if epoch and previous is not None and previous != epoch:
@@ -736,6 +765,7 @@ class RoundTable(Generic[W]):
                     worker, f"worker {worker} has no training processes left (they exited or died); round "
                             f"{st.round} of {st.key[0]!r} cannot complete")))
         actions.append(self._mark_gone(worker, "has no training processes"))
+        self._mid_job.discard(worker)
         self._reset.add(worker)
         self._dropped.discard(worker)
         if epoch:
@@ -745,8 +775,26 @@ class RoundTable(Generic[W]):
             self._numbering_restarted(worker)
         return actions + cleared
 
+    def _rejoin_unknown(self, worker: int) -> list[Action[W]]:
+        """``worker``, fresh and unknown to this run, rejoins if another connected worker is mid-job (see
+        worker_hello): the rounds replayed from our predecessor no longer wait for it (its new processes had
+        no part in them)."""
+        if not any(w != worker and w in self._mid_job and w not in self._reset and self.connected(w)
+                   for w in range(self.n_workers)):
+            return []
+        self._rejoining.add(worker)
+        actions: list[Action[W]] = [Note(logging.INFO, f"worker {worker} came back (a new daemon, or new "
+                                                       f"processes) while this server was down and other workers "
+                                                       f"are mid-job: it rejoins them")]
+        for st in list(self.keys.values()):
+            if st.restart.replayers and st.failed is None and worker not in st.waiters:
+                st.restart.passed.add(worker)
+                actions += self._settle(st)
+        return actions
+
     def _pushed(self, worker: int) -> None:
         """A push of ``worker``'s after it was gone or reset (its processes are back), or its first here."""
+        self._fresh.discard(worker)
         if worker in self._gone or worker in self._reset:
             self.worker_joined(worker)
         self._active.add(worker)
@@ -780,6 +828,8 @@ class RoundTable(Generic[W]):
         self.keys.clear()
         self._ended_sums.clear()
         self._rejoining.clear()
+        self._fresh.clear()
+        self._mid_job.clear()
         # The next job's workers are waited for afresh (a round fails only if one has still neither
         # connected nor pushed after the timeout: sweep), not failed at once for having been gone from the
         # last job. They stay in _reset until they push.

@@ -118,6 +118,7 @@ class WorkerDaemon:
         self.notices = Notices()
         for link in self.all_links:
             link.on_notice = partial(self.notices.add, None)
+            link.numbering_fresh = self.numbering_fresh
         self._new_epoch()
         # Tensors of at most this many bytes are fused (Welcome.fusion_bytes; bps_worker.fusion).
         self.fusion_bytes = self.placement.small_tensor_bytes
@@ -608,6 +609,11 @@ class WorkerDaemon:
             link.tell_reset()
         if then is not None:
             then(restarted)
+
+    def numbering_fresh(self) -> bool:
+        """Whether our processes numbered no round of this epoch against the servers yet (Hello.fresh): no
+        name's base learned, no fused round told to an anchor, no asynchronous name pushed."""
+        return not self.rounds.numbers.learned() and not self.fusion.rounds.told and not self.async_names
 
     def _new_epoch(self) -> None:
         """Our round numbering (re)starts at 0: servers learn it from the epoch (see RoundQuery)."""

@@ -380,6 +380,8 @@ class ServerLink:
         self.given_up: dict[tuple[str, int], Abort] = {} if given_up is None else given_up
         self.incarnation: str | None = None  # of the server run we last talked to
         self.epoch = ""  # of this worker's round numbering (set by the daemon)
+        # Whether that numbering is unused yet (Hello.fresh; set by the daemon).
+        self.numbering_fresh: Callable[[], bool] = lambda: False
         self.closed = False
         self.stopping = False  # the daemon stops: a connection lost now is not reconnected (see on_broken)
         self._proto: _LinkProtocol | None = None
@@ -1000,7 +1002,8 @@ class ServerLink:
         probe = make_probe(self.worker_id, self.shm_mode, self.spec.id) if self.shm_mode is not None else None
         greeting = ClientHandshake(
             Hello(PROTOCOL_VERSION, ROLE_WORKER, self.worker_id, shm=probe[0].name if probe else "",
-                  shm_key=probe[1] if probe else "", epoch=self.epoch, stream=self.stream,
+                  shm_key=probe[1] if probe else "", epoch=self.epoch, fresh=self.numbering_fresh(),
+                  stream=self.stream,
                   config_items=list(self.config_items), daemon=daemon_id()),
             token=self.token, server=self.spec.id, who=f"server {self.spec.id} at {self.spec.address}")
         try:

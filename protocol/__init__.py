@@ -16,7 +16,8 @@ reads and validates the cluster configuration (``config``).
 # a version-6 worker would refuse it as an unknown message). 8: Notice (stall lines told to the processes and
 # workers that wait; a version-7 client or worker would refuse it as an unknown message). 9: Hello.server and
 # Welcome.server, under the proofs (a version-8 peer drops the field it does not know, and each side's proof
-# would cover other bytes: "a wrong proof" instead of the version mismatch).
-PROTOCOL_VERSION = 9
+# would cover other bytes: "a wrong proof" instead of the version mismatch). 10: Hello.fresh (a worker's numbering
+# is unused: a restarted server places a machine that came back meanwhile at its peers' round; under the proofs).
+PROTOCOL_VERSION = 10
 
 __all__ = ["PROTOCOL_VERSION"]

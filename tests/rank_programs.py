@@ -463,15 +463,14 @@ def steady_rounds(rounds: int, pause: float) -> dict[str, Any]:
             "seconds": time.monotonic() - started}
 
 
-def rejoin_loop(role: str, steps: int, max_seconds: float) -> dict[str, Any]:
+def rejoin_loop(role: str, steps: int, max_seconds: float, n: int = 200_003) -> dict[str, Any]:
     """Two ranks, one per worker. Each pushes ``base(rank) + step``; the sum is ``base(0) + base(1) +
     my step + the other's step``, so each side can read which step of the other it was summed with.
 
     healthy: keeps training through errors until it has been summed with a restarted partner's steps
     0 .. ``steps`` - 1 (the partner's step going back marks the restart); victim: pushes until its
-    worker daemon is killed; new: a restarted process, ``steps`` steps."""
+    worker daemon is killed; new: a restarted process, ``steps`` steps. ``n`` float64 elements a step."""
     rank = bps.rank()
-    n = 200_003
     bases = [np.random.default_rng(500 + r).integers(-1000, 1000, n).astype(np.float64) for r in range(2)]
     both = bases[0] + bases[1]
     partner_steps: list[float] = []

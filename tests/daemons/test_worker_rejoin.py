@@ -27,7 +27,14 @@ def _collect(queue, want: set[int], timeout: float, cluster) -> dict[int, dict]:
 
 
 @pytest.mark.timeout(180)
-def test_a_killed_worker_machine_rejoins_the_running_job(tmp_path):
+@pytest.mark.parametrize("servers_restart", [False, True], ids=["servers-stay", "every-server-restarts-too"])
+@pytest.mark.parametrize("n", [200_003, 1000], ids=["partitioned", "fused"])
+def test_a_killed_worker_machine_rejoins_the_running_job(tmp_path, servers_restart, n):
+    """``every-server-restarts-too``: while the machine is down every server restarts as well (a double
+    fault), so no server knows the machine's earlier numbering; the healthy machine replays its last sums to
+    the new runs. The restarted machine's new daemon says its numbering is fresh (Hello.fresh), and the
+    servers place it at the healthy machine's round, as they do when they knew it (it used to be taken for a
+    job starting: its first steps failed as stale rounds until its numbering caught up)."""
     path = write_config(tmp_path, [1, 1], cluster={"timeout": 4.0, "partition_bytes": 256 * 1024})
     cluster = start_cluster(path)
     ctx = rank_context()
@@ -37,7 +44,7 @@ def test_a_killed_worker_machine_rejoins_the_running_job(tmp_path):
 
     def rank(worker: int, role: str, seconds: float) -> None:
         p = ctx.Process(target=_rank_main, args=(queue, sockets[worker], 0, worker, rp.rejoin_loop,
-                                                 (role, STEPS, seconds), 10.0), daemon=True)
+                                                 (role, STEPS, seconds, n), 10.0), daemon=True)
         p.start()
         procs.append(p)
 
@@ -55,6 +62,12 @@ def test_a_killed_worker_machine_rejoins_the_running_job(tmp_path):
             time.sleep(0.05)
         cluster.kill("worker-1")  # the machine's daemon dies; its process loses it and stops
         victim = _collect(queue, {1}, 30, cluster)[1]
+        if servers_restart:
+            servers = [f"server-{s.id}" for s in cluster.config.servers]
+            for label in servers:
+                cluster.kill(label)
+            for label in servers:
+                cluster.restart(label)
         time.sleep(1.0)
         cluster.restart("worker-1")
         rank(1, "new", 60)  # the machine's training process, started again from scratch

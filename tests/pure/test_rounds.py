@@ -444,6 +444,68 @@ def test_round_for_a_rejoining_worker_is_the_round_the_others_are_in():
     assert table.round_for("unknown", 0, 1) == 0
 
 
+def test_a_fresh_worker_unknown_to_a_restarted_server_rejoins_when_another_is_mid_job():
+    """A double fault: this server restarted while worker 1's machine was down too, so it never saw worker 1's
+    earlier numbering. Worker 0's hello says its numbering is in use (mid-job, numbered against our
+    predecessor) and it tells the round it gave up (7); worker 1's new daemon says its numbering is fresh. It
+    rejoins at worker 0's next round, in either order of the hellos, and is never waited for in a round it had
+    no part in."""
+    for first in (0, 1):
+        table: RoundTable[str] = RoundTable(2)
+        hellos = {0: lambda: table.worker_hello(0, "epoch-0", fresh=False),
+                  1: lambda: table.worker_hello(1, "new-daemon", fresh=True)}
+        actions = hellos[first]() + hellos[1 - first]()
+        assert [a.message for a in actions if isinstance(a, Note)] == [
+            "worker 1 came back (a new daemon, or new processes) while this server was down and other workers "
+            "are mid-job: it rejoins them"], first
+        table.abort("t", 0, 7, 0, Why("given up", "round_failed"))
+        assert table.round_for("t", 0, 1) == 8  # not 0: round 0 would be a stale push here
+        table.push(_push(0, rnd=8), _data(2), "w0", 0.0)
+        (add,) = table.push(_push(1, rnd=8), _data(3), "w1", 0.0)[-1:]
+        assert isinstance(add, Add) and add.token.round == 8
+
+
+def test_a_replayed_round_does_not_wait_for_a_worker_that_rejoined_after_a_double_fault():
+    """Worker 0 replays round 4's sum (it pushed round 5 next): a round our predecessor summed with worker 1's
+    old processes. Worker 1's new processes rejoin: the replayed round settles without them, worker 0's held
+    push of round 5 goes on, and worker 1 is placed at round 5, whichever came first."""
+    for replay_first in (True, False):
+        table: RoundTable[str] = RoundTable(2)
+        table.worker_hello(0, "epoch-0", fresh=False)
+        actions = []
+        if replay_first:
+            table.replay(_push(0, rnd=4, replay=True), _data(2), 0.0)
+            assert table.push(_push(0, rnd=5), _data(1), "w0r5", 0.0) == []  # held: round 4 waits for worker 1
+            actions = table.worker_hello(1, "new-daemon", fresh=True)
+        else:
+            table.worker_hello(1, "new-daemon", fresh=True)
+            actions = table.replay(_push(0, rnd=4, replay=True), _data(2), 0.0)
+            actions += table.push(_push(0, rnd=5), _data(1), "w0r5", 0.0)
+        redispatched = [h.handle for a in actions if isinstance(a, Redispatch) for h in a.held]
+        assert Settled(("t", 0), 4) in actions and redispatched == (["w0r5"] if replay_first else []), actions
+        if replay_first:
+            assert table.keys[("t", 0)].round == 5 and table.round_for("t", 0, 1) == 5
+            continue
+        assert table.round_for("t", 0, 1) == 5
+        assert isinstance(table.push(_push(1, rnd=5), _data(3), "w1", 0.0)[-1], Add)
+
+
+def test_fresh_workers_alone_are_a_job_starting_not_a_rejoin():
+    """Every hello says fresh (a job's daemons starting, in any order, or all of them after a restart of
+    this server with nothing in flight): no worker rejoins, each is asked its own round (0). Nor does a worker
+    whose numbering is in use make a fresh one rejoin once it has no processes (a Reset)."""
+    table: RoundTable[str] = RoundTable(2)
+    assert table.worker_hello(0, "e0", fresh=True) == []
+    table.push(_push(0), _data(), "w0", 0.0)
+    assert table.worker_hello(1, "e1", fresh=True) == []
+    assert table.round_for("t", 0, 1) == 0 and table.round_for("t", 0, 1, local=0, failed=True) == 0
+    other: RoundTable[str] = RoundTable(2)
+    other.worker_hello(0, "e0", fresh=False)
+    other.worker_reset(0, "e0b")
+    assert not [a for a in other.worker_hello(1, "e1", fresh=True) if isinstance(a, Note)]
+    assert other.round_for("t", 0, 1, local=2) == 2
+
+
 def test_tokens_of_past_rounds_are_never_current():
     table: RoundTable[str] = RoundTable(1)
     (add,) = table.push(_push(0), _data(), "w0", 0.0)
