@@ -123,6 +123,9 @@ log = logging.getLogger("bps.worker.link")
 # Between connection attempts: doubling from the first to the last, until the link's timeout.
 RECONNECT_DELAY_S: Final = 0.05
 RECONNECT_DELAY_MAX_S: Final = 1.0
+# Connections in a row that the server closed for a protocol error of ours, with nothing answered between:
+# what we send again on each is what it refuses, so the link fails it instead (see ServerLink._on_failure).
+REFUSED_IN_A_ROW: Final = 3
 
 Wire = tuple[Push, memoryview | None]  # a push as written: the message and its payload (None: by reference)
 
@@ -390,6 +393,7 @@ class ServerLink:
         self._req = itertools.count(1)
         self._pings = itertools.count()
         self._broken_reason = ""
+        self._refused = 0  # connections in a row closed by the server for a protocol error (REFUSED_IN_A_ROW)
         self._attempt_error = ""  # the last reason an idle attempt failed (logged once: see _attempt)
         self._attempt_after = 0.0  # no idle attempt before then (loop time)
         self._stall: asyncio.TimerHandle | None = None  # wakes the link at the window's stall deadline
@@ -663,6 +667,7 @@ class ServerLink:
 
     def _after_answer(self, item: OutgoingPush | None) -> None:
         """``item`` left the window (answered, failed or abandoned): what it held back may go."""
+        self._refused = 0  # (the server answers what we send)
         if item is None:
             return
         if self.window.has_queued and self._proto is not None:
@@ -738,6 +743,7 @@ class ServerLink:
             case Result():
                 self._on_result(message, payload)
             case RoundInfo():
+                self._refused = 0
                 self.control.answer(message)
             case FusePlan() | FuseFailed() if self.on_fused is not None and self.stream == 0:
                 self.on_fused(message)
@@ -800,7 +806,17 @@ class ServerLink:
 
     def _on_failure(self, proto: _LinkProtocol, message: Failure) -> None:
         if message.req == -1:
-            self.on_broken(proto, f"server {self.spec.id} refused the connection: {message.message}")
+            # The server closes the connection. Usually something broke on the way (it is retried, as any lost
+            # connection); but where the same pushes are refused again on every new connection, holding them
+            # would resend them for ever (a push no error ever ended: a hang), so they fail.
+            self._refused += 1
+            reason = f"server {self.spec.id} refused the connection: {message.message}"
+            if self._refused < REFUSED_IN_A_ROW:
+                self.on_broken(proto, reason)
+                return
+            self._refused = 0
+            self.on_broken(proto, f"{reason} ({REFUSED_IN_A_ROW} connections in a row refused, nothing answered "
+                                  f"between: what they carried fails)", give_up=True)
             return
         item = self.window.answered(message.req, self.running_loop().time())
         self._after_answer(item)
@@ -839,8 +855,10 @@ class ServerLink:
             self.timeline.span(lane, "pull", arriving, done, **args)
 
     # -- losing the connection -------------------------------------------------------
-    def on_broken(self, proto: _LinkProtocol, reason: str, since: float | None = None) -> None:
-        """``proto``'s connection is gone: hold what is in flight while reconnecting, or fail it.
+    def on_broken(self, proto: _LinkProtocol, reason: str, since: float | None = None, *,
+                  give_up: bool = False) -> None:
+        """``proto``'s connection is gone: hold what is in flight while reconnecting, or fail it (``give_up``:
+        at once, whoever answers next).
 
         ``since``: the server's last sign of life (default: now, as for a closed connection); the
         reconnect window ends one timeout after it."""
@@ -865,7 +883,7 @@ class ServerLink:
             return  # lost during the handshake: the connecting loop retries (see _connect), nothing was sent
         if self.on_lost is not None:
             self.on_lost(reason)
-        if self.incarnation is None or self.closed or self.stopping:
+        if self.incarnation is None or self.closed or self.stopping or give_up:
             self._fail_all(BPSConnectionError(reason))
             return
         # The server may be restarting: hold what is in flight until we know (see the module docstring).

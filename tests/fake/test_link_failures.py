@@ -25,7 +25,8 @@ from bps_worker.errors import (
     failure_from_error,
 )
 from bps_worker.daemon import WorkerConfig, WorkerDaemon
-from bps_worker.link import ServerLink, _LinkProtocol, connection_error, failure_error, write_batch, write_message
+from bps_worker.link import (REFUSED_IN_A_ROW, ServerLink, _LinkProtocol, connection_error, failure_error, write_batch,
+                             write_message)
 from protocol.config import ServerSpec, parse_config
 from protocol.frames import FrameReader, encode_frame, encode_header
 from protocol.messages import (Batch, Failure, FuseAbort, FuseReady, FuseResync, Push, Result, RoundInfo, RoundQuery,
@@ -539,6 +540,58 @@ async def test_the_same_run_again_gets_the_held_pushes_again_marked_resumed_and_
     assert ("lost", 0) not in link.given_up  # (summed: nothing for a restarted server to hear)
     failed = futures["failed"].exception()
     assert type(failed) is BPSConnectionError and ("failed", 0) in link.given_up
+    link.close()
+    await asyncio.sleep(0)
+
+
+def _refused_then_reconnected(link: ServerLink, proto: _LinkProtocol) -> tuple[_LinkProtocol, FakeTransport]:
+    """The server closes ``proto`` for a protocol error of ours (a Failure with req -1); the same run takes the
+    reconnect, and what the link held goes again on the new connection (and its transport)."""
+    link.on_message(proto, Failure(-1, "push of 'bad' part 0: refused", code="protocol_error"), None)
+    if link._connecting is not None:
+        link._connecting.cancel()
+    proto2 = _LinkProtocol(link)
+    transport = FakeTransport()
+    proto2.connection_made(transport)  # type: ignore[arg-type]
+    link._proto, link._ready = proto2, True
+    link._settle_held(proto2, restarted=False)
+    link.pump()
+    return proto2, transport
+
+
+async def test_a_push_the_server_refuses_on_every_connection_fails_instead_of_going_again_for_ever():
+    """The server closes the connection for a protocol error of ours: retried, as any broken connection (the
+    push goes again, resumed). But the same push refused again on the next connections, with nothing answered
+    between, fails with the server's reason: it went again for ever before (no error in 240 s, a review's case:
+    pieces larger than the server's frames)."""
+    link, proto, transport = _link()
+    fields = {"part": 0, "round": 3, "dtype": "float32", "shape": [2], "offset": 0, "count": 2}
+    future = link.push({**fields, "name": "bad"}, memoryview(bytearray(8)), memoryview(bytearray(8)), 0)
+    for _ in range(REFUSED_IN_A_ROW - 1):
+        proto, transport = _refused_then_reconnected(link, proto)
+        ((again, _),) = transport.messages()
+        assert isinstance(again, Push) and again.name == "bad" and again.resumed and not future.done()
+    link.on_message(proto, Failure(-1, "push of 'bad' part 0: refused", code="protocol_error"), None)
+    error = future.exception()
+    assert isinstance(error, BPSConnectionError) and "server 0 refused the connection: push of 'bad' part 0: " \
+        "refused (3 connections in a row refused, nothing answered between: what they carried fails)" in str(error)
+    link.close()
+    await asyncio.sleep(0)
+
+
+async def test_a_refusal_after_answers_is_a_broken_connection_again():
+    """Refusals with answers between them are connections that broke and worked again: what is held is held,
+    however many there are in all."""
+    link, proto, transport = _link()
+    fields = {"part": 0, "round": 3, "dtype": "float32", "shape": [2], "offset": 0, "count": 2}
+    held = link.push({**fields, "name": "held"}, memoryview(bytearray(8)), memoryview(bytearray(8)), 0)
+    for step in range(2 * REFUSED_IN_A_ROW):
+        proto, transport = _refused_then_reconnected(link, proto)
+        other = link.push({**fields, "name": f"ok{step}"}, memoryview(bytearray(8)), memoryview(bytearray(8)), 0)
+        sent = {m.name: m for m, _ in transport.messages() if isinstance(m, Push)}
+        link.on_message(proto, Result(sent[f"ok{step}"].req, f"ok{step}", 0, 3),
+                        memoryview(np.ones(2, np.float32)).cast("B"))
+        assert other.done() and other.exception() is None and not held.done(), step
     link.close()
     await asyncio.sleep(0)
 
