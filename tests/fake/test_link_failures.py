@@ -548,15 +548,10 @@ def _refused_then_reconnected(link: ServerLink, proto: _LinkProtocol) -> tuple[_
     """The server closes ``proto`` for a protocol error of ours (a Failure with req -1); the same run takes the
     reconnect, and what the link held goes again on the new connection (and its transport)."""
     link.on_message(proto, Failure(-1, "push of 'bad' part 0: refused", code="protocol_error"), None)
-    if link._connecting is not None:
-        link._connecting.cancel()
-    proto2 = _LinkProtocol(link)
-    transport = FakeTransport()
-    proto2.connection_made(transport)  # type: ignore[arg-type]
-    link._proto, link._ready = proto2, True
-    link._settle_held(proto2, restarted=False)
+    transport = reconnect_link(link, proto, restarted=False)  # (its connection is already broken)
     link.pump()
-    return proto2, transport
+    assert link._proto is not None
+    return link._proto, transport
 
 
 async def test_a_push_the_server_refuses_on_every_connection_fails_instead_of_going_again_for_ever():
