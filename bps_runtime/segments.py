@@ -94,14 +94,27 @@ class ArenaFullError(OSError):
     """A tensor's shared memory cannot fit under its arena's cap (``arena_bytes``), even with every idle
     tensor's memory freed: the tensor itself is larger than the cap, or the rest is in flight."""
 
-    def __init__(self, tensor: str, nbytes: int, held: int, cap: int) -> None:
-        why = "larger than the cap" if nbytes > cap else f"{held} bytes are held by tensors in flight"
-        super().__init__(errno.ENOSPC, f"tensor {tensor!r} needs {nbytes} bytes of shared memory in {SHM_DIR}, "
-                                       f"but its arena may hold {cap} bytes ({why}); raise cluster.arena_bytes")
+    def __init__(self, tensor: str, nbytes: int, held: int, cap: int, *, in_flight: tuple[int, int] = (0, 0),
+                 what: str = "") -> None:
+        self.what = what or f"tensor {tensor!r}"
+        if nbytes > cap:
+            why = "larger than the cap"
+        elif in_flight[0]:
+            why = (f"{held} bytes of its segments are held by {in_flight[0]} tensors in flight, {in_flight[1]} bytes "
+                   f"of their own: small tensors share segments")
+        else:
+            why = f"{held} bytes are held by tensors in flight"
+        super().__init__(errno.ENOSPC, f"{self.what} needs {nbytes} bytes of shared memory in {SHM_DIR}, but its "
+                                       f"arena may hold {cap} bytes ({why}); raise cluster.arena_bytes")
         self.tensor = tensor
         self.nbytes = nbytes
         self.held = held
         self.cap = cap
+        self.in_flight = in_flight  # (tensors, their bytes) in the segments held
+
+    def about(self, what: str) -> ArenaFullError:
+        """The same error, saying ``what`` needed the memory (a fused tensor: the names in it)."""
+        return ArenaFullError(self.tensor, self.nbytes, self.held, self.cap, in_flight=self.in_flight, what=what)
 
 
 # The file each mapping was made from (st_dev, st_ino), read when it was mapped, and its path: check_size
@@ -330,10 +343,23 @@ def _alive(pid: int) -> bool:
 
 
 # Tensors up to SLAB_ITEM_MAX_BYTES share SLAB_BYTES segments (one mapping and no fd for thousands of biases);
-# a cluster file's arena_bytes is at least one slab.
+# a cluster file's arena_bytes is at least one slab. Under a cap of less than SLAB_CAPS slabs they are smaller
+# (slab_bytes), at least MIN_SLAB_BYTES.
 SLAB_BYTES: Final = MIN_ARENA_BYTES
 SLAB_ITEM_MAX_BYTES: Final = 64 << 10
 SLOT_ALIGN: Final = 64
+SLAB_CAPS: Final = 16
+MIN_SLAB_BYTES: Final = 4 * SLAB_ITEM_MAX_BYTES
+
+
+def slab_bytes(cap_bytes: int | None) -> int:
+    """The size of the slabs of an arena capped at ``cap_bytes`` (None or 0: no cap): SLAB_BYTES, or a
+    SLAB_CAPS-th of a smaller cap (at least MIN_SLAB_BYTES). A slab is held while any tensor in it is in flight:
+    under the 4 MiB minimum, one busy slab of 4 MiB left no room for anything else (a review's case: 200 tensors
+    of 1 KiB in flight failed), where sixteen of 256 KiB leave fifteen."""
+    if not cap_bytes or cap_bytes >= SLAB_CAPS * SLAB_BYTES:
+        return SLAB_BYTES
+    return max(MIN_SLAB_BYTES, cap_bytes // SLAB_CAPS // SLOT_ALIGN * SLOT_ALIGN)
 
 
 def slab_slot_bytes(nbytes: int) -> int:
@@ -370,6 +396,7 @@ class Arena:
         self.worker_id = worker_id
         self.mode = mode
         self.cap_bytes = cap_bytes
+        self.slab_bytes = slab_bytes(cap_bytes)
         self.segments: dict[str, SharedMemory] = {}
         self.slots: dict[str, Slot] = {}  # changed only through _put and _take (they keep _living)
         self._living: dict[str, int] = {}  # segment -> how many slots live in it (whether it may go: O(1))
@@ -412,10 +439,10 @@ class Arena:
             freed += self._release_if_empty(old.segment)
         if nbytes <= SLAB_ITEM_MAX_BYTES:
             need = slab_slot_bytes(nbytes)
-            if self._slab is None or self._slab_used + need > SLAB_BYTES:
+            if self._slab is None or self._slab_used + need > self.slab_bytes:
                 full = self._slab
-                freed += self._make_room(name, SLAB_BYTES, busy)
-                self._slab = self._new_segment(SLAB_BYTES).name
+                freed += self._make_room(name, self.slab_bytes, busy)
+                self._slab = self._new_segment(self.slab_bytes).name
                 self._slab_used = 0
                 if full is not None:  # (its slots may all have gone while it was the one carved from)
                     freed += self._release_if_empty(full)
@@ -481,8 +508,10 @@ class Arena:
         idle = sorted((max(self._used.get(t, -1) for t in tensors), seg, tensors)
                       for seg, tensors in by_segment.items() if not (busy is not None and any(map(busy, tensors))))
         in_use = self.held_bytes - sum(self.segments[seg].size for _, seg, _ in idle)
-        if in_use + nbytes > cap:
-            raise ArenaFullError(name, nbytes, in_use, cap)  # checked first: nothing is freed in vain
+        if in_use + nbytes > cap:  # checked first: nothing is freed in vain
+            idle_tensors = {t for _, _, tensors in idle for t in tensors}
+            flying = [slot.capacity for t, slot in self.slots.items() if t not in idle_tensors]
+            raise ArenaFullError(name, nbytes, in_use, cap, in_flight=(len(flying), sum(flying)))
         freed: list[str] = []
         for _, seg, tensors in idle:
             if self.held_bytes + nbytes <= cap:

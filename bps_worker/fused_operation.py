@@ -103,6 +103,12 @@ class FusedOperation(Operation):
             return []
         return [fr.name for fr in self.rounds]
 
+    def memory_of(self) -> str:
+        """The names summed as this fused tensor (the processes never heard of its own name)."""
+        names = [repr(fr.name) for fr in self.rounds]
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        return f"the fused tensor of {', '.join(names[:3])}{more} ({len(names)} small tensors summed as one)"
+
     def reply_done(self, scattered: Scattered) -> None:
         self.host.counters.fused_tensors += len(self.rounds)
         by_session: dict[ClientSession, list[int]] = {}

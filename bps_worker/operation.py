@@ -226,7 +226,10 @@ class Operation:
         """Push every piece on its server's link; the sums land in the name's results buffer (room for it may have
         to wait for results that processes have yet to take: ``results_buffer``)."""
         host, op, name, itemsize = self.host, self.op, self.name, self.itemsize
-        out, out_segment, out_base = await host.results_buffer(name, self.nbytes, op.dtype, self.count)
+        try:
+            out, out_segment, out_base = await host.results_buffer(name, self.nbytes, op.dtype, self.count)
+        except shm.ArenaFullError as exc:
+            raise exc.about(self.memory_of()) from None
         raw = contribution.buf.data.cast("B") if self.nbytes else memoryview(b"")
         out_raw = out.data.cast("B") if self.nbytes else memoryview(b"")
         priority = self.priority
@@ -370,7 +373,14 @@ class Operation:
     # -- memory ----------------------------------------------------------------------
     def staging(self) -> tuple[np.ndarray, str, int]:
         """The name's staging buffer: where the local sum goes."""
-        return self.host.staging_buffer(self.host.staging, self.name, self.nbytes, self.op.dtype, self.count)
+        try:
+            return self.host.staging_buffer(self.host.staging, self.name, self.nbytes, self.op.dtype, self.count)
+        except shm.ArenaFullError as exc:
+            raise exc.about(self.memory_of()) from None
+
+    def memory_of(self) -> str:
+        """Whose memory this operation's buffers are, in its processes' words (an ArenaFullError's)."""
+        return f"tensor {self.name!r}"
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run a sum or copy over ``args[0]`` in the thread pool if it is large, else right here."""

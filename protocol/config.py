@@ -37,8 +37,8 @@ MAX_CREDIT_BYTES: Final = 2**31 - 1
 MIN_TIMEOUT_S: Final = 0.5
 MAX_TIMEOUT_S: Final = 24 * 3600.0
 # cluster.arena_bytes: every arena of a worker daemon (and each process's slots) carves small tensors from
-# slabs of this size (bps_runtime.segments.SLAB_BYTES is this); under a smaller cap no slab fits, and every
-# small tensor failed at run time.
+# slabs of this size (bps_runtime.segments.SLAB_BYTES is this; a sixteenth of a cap under 64 MiB, at least
+# 256 KiB: segments.slab_bytes); a smaller cap is refused, as below it every small tensor once failed at run time.
 MIN_ARENA_BYTES: Final = 4 << 20
 # A Unix socket's path: at most 107 bytes (sun_path's 108, less the NUL). A longer [[worker]] socket failed
 # only at bind, with "AF_UNIX path too long" (exit status 1, not naming the key).

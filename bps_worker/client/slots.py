@@ -2,8 +2,9 @@
 
 The daemon creates every segment; this process only attaches (maps) them. A name's *slot* is where its input
 is handed over, reused while the size fits. A large tensor's (over ``SLAB_ITEM_MAX_BYTES``) is asked of the
-daemon once per name (``Alloc``). Small ones are carved here from *slabs*: segments of ``SLAB_BYTES`` asked of
-the daemon under names of our own (``SLAB_PREFIX``), one slot each on its side. A model's first step with
+daemon once per name (``Alloc``). Small ones are carved here from *slabs*: segments of ``SLAB_BYTES`` (less under
+a small cap, as the daemon's own arenas: ``segments.slab_bytes``) asked of the daemon under names of our own
+(``SLAB_PREFIX``), one slot each on its side. A model's first step with
 thousands of small tensors then makes one ``Alloc`` per slab, not one round trip per tensor (5,000 of them
 took 10 s on the one-box cluster); the daemon checks each op's memory against the segments it made for us,
 whatever our tables say, and frees no slab an op in flight reads. A slab no slot lives in any more is given
@@ -89,7 +90,7 @@ class SlotMap:
     """Segments mapped in this process, each name's slot, and each name's last result segment."""
 
     __slots__ = ("_allocate", "_allocating", "_lock", "_busy", "_clock", "_slab", "_slab_ids", "_slabs", "_dead",
-                 "_swept_at", "_living", "attached", "cap_bytes", "results", "slots")
+                 "_swept_at", "_living", "attached", "cap_bytes", "results", "slab_bytes", "slots")
 
     def __init__(self, allocate: Allocate, cap_bytes: int = 0, busy: Callable[[str], bool] = _never) -> None:
         self._allocate = allocate
@@ -99,6 +100,7 @@ class SlotMap:
         # given up, nor its last result unmapped.
         self._busy = busy
         self.cap_bytes = cap_bytes  # 0: no cap (a daemon that sets none)
+        self.slab_bytes = shm.slab_bytes(cap_bytes)  # as the daemon's arenas carve under that cap
         self.attached: dict[str, SharedMemory] = {}  # segment name -> our mapping
         self.slots: dict[str, Slot] = {}  # tensor name -> its slot
         self.results: dict[str, str] = {}  # tensor name -> the worker's segment that held its last result
@@ -126,11 +128,11 @@ class SlotMap:
                     self._dead = []
                 asked = f"{SLAB_PREFIX}{next(self._slab_ids)}" if small else name
                 try:
-                    segment, offset, capacity = self._allocate(asked, shm.SLAB_BYTES if small else nbytes, free)
+                    segment, offset, capacity = self._allocate(asked, self.slab_bytes if small else nbytes, free)
                 except BPSError as exc:  # (a lost daemon's BPSConnectionError, or the like, stays as it is)
                     if not small or type(exc) is not BPSError:
                         raise
-                    raise BPSError(f"tensor {name!r} of {nbytes} bytes is carved from a slab of {shm.SLAB_BYTES} "
+                    raise BPSError(f"tensor {name!r} of {nbytes} bytes is carved from a slab of {self.slab_bytes} "
                                    f"bytes of shared memory, which cannot be had: {exc}") from None
                 if small:
                     self._slabs[segment] = asked
@@ -184,7 +186,7 @@ class SlotMap:
         """The bytes of the segment the daemon makes for a new slot of ``nbytes`` (0: it fits our slab)."""
         if nbytes > shm.SLAB_ITEM_MAX_BYTES:
             return nbytes
-        return 0 if self._slab_fits(shm.slab_slot_bytes(nbytes)) else shm.SLAB_BYTES
+        return 0 if self._slab_fits(shm.slab_slot_bytes(nbytes)) else self.slab_bytes
 
     def _give_up(self, name: str, nbytes: int) -> list[str]:
         """The least recently used idle slots to give up so that ``name``'s new one fits under the cap

@@ -13,7 +13,7 @@ import bps_worker.client as bps
 from bps_runtime import segments
 from harness import daemon_logs, run_ranks, start_cluster, write_config
 
-CAP = 4 << 20  # the least arena_bytes: one slab of small tensors
+CAP = 4 << 20  # the least arena_bytes: sixteen slabs of small tensors (segments.slab_bytes)
 ELEMS = 1 << 16  # 256 KiB of float32: a segment of its own per name (above the slab size)
 
 
@@ -23,6 +23,37 @@ def too_large() -> str:
     except bps.BPSError as exc:
         return str(exc)
     return ""
+
+
+def small_ones_in_flight(count: int, steps: int) -> list[str]:
+    """``count`` tensors of 1 KiB issued asynchronously, then synchronized, ``steps`` times; what went wrong."""
+    rank, size = bps.rank(), bps.size()
+    wrong = []
+    for step in range(steps):
+        handles = [bps.push_pull_async(np.full(256, float(rank + i), np.float32), f"small{i}", average=False)
+                   for i in range(count)]
+        for i, handle in enumerate(handles):
+            try:
+                y = bps.synchronize(handle)
+            except bps.BPSError as exc:
+                wrong.append(f"step {step} small{i}: {exc}")
+                continue
+            if not np.array_equal(y, np.full(256, float(sum(range(size)) + i * size), np.float32)):
+                wrong.append(f"step {step} small{i}: {y[:3]}")
+    return wrong
+
+
+@pytest.mark.timeout(120)
+def test_hundreds_of_small_tensors_in_flight_fit_the_smallest_cap(tmp_path: Path):
+    """Under the 4 MiB minimum a slab was 4 MiB: one slab busy with small tensors in flight (and the fused
+    tensors' own) left no room, and 200 of 1 KiB in flight (200 KiB) failed, each naming an internal fused
+    tensor and "4194304 bytes held by tensors in flight". Slabs are a sixteenth of a small cap now."""
+    cluster = start_cluster(write_config(tmp_path, [2, 2], cluster={"arena_bytes": CAP}))
+    try:
+        results = run_ranks(cluster, small_ones_in_flight, 200, 3, timeout=100)
+    finally:
+        cluster.stop()
+    assert results == [[]] * 4, [r[:2] for r in results]
 
 
 @pytest.mark.timeout(240)

@@ -54,7 +54,7 @@ def test_a_slab_goes_with_its_last_slot():
         assert arena.drop("a") == []  # b still lives in the slab
         assert arena.drop("b") == [slot_a.segment] and arena.held_bytes == 0
         arena.alloc("c", 100)  # a new slab
-        assert arena.held_bytes == segments.SLAB_BYTES
+        assert arena.held_bytes == arena.slab_bytes == segments.slab_bytes(segments.SLAB_BYTES)
     finally:
         arena.release_all()
 
@@ -78,6 +78,29 @@ def test_a_slab_whose_slots_were_outgrown_or_abandoned_goes_too():
         if any(s.segment == old for n, s in arena.slots.items() if n != "x"):
             pytest.skip("another slot shares x's slab")
         assert arena.abandon("x") == old and old not in arena.segments
+    finally:
+        arena.release_all()
+
+
+def test_under_the_smallest_cap_small_tensors_in_flight_leave_room_and_the_error_counts_them():
+    """Under the 4 MiB minimum a slab is 256 KiB: tensors in flight in one slab leave fifteen for the rest (one
+    slab of 4 MiB left none). Where there is no room, the error says how many tensors in flight hold the
+    segments and how many bytes of their own: small tensors share segments. A fused tensor's says its names."""
+    arena = Arena(906, cap_bytes=4 << 20)
+    try:
+        for i in range(200):  # 200 KiB of small tensors in flight
+            arena.alloc(f"t{i}", 1024)
+        arena.alloc("fused", 90 << 10, busy=lambda t: True)  # a segment of its own beside their slab
+        with pytest.raises(ArenaFullError) as info:
+            arena.alloc("huge", (4 << 20) - (128 << 10), busy=lambda t: t != "fused")
+        error = info.value
+        assert error.in_flight == (200, 200 * 1024) and error.held == 256 << 10
+        assert "(262144 bytes of its segments are held by 200 tensors in flight, 204800 bytes of their own: small " \
+               "tensors share segments)" in error.strerror and error.strerror.startswith("tensor 'huge' needs")
+        about = error.about("the fused tensor of 'a', 'b' (2 small tensors summed as one)")
+        assert about.strerror.startswith("the fused tensor of 'a', 'b' (2 small tensors summed as one) needs 4063232 "
+                                     "bytes") and (about.tensor, about.held, about.in_flight) == ("huge", error.held,
+                                                                                                  error.in_flight)
     finally:
         arena.release_all()
 

@@ -14,6 +14,8 @@ from bps_worker.client.slots import FREE_MAX_NAMES, SlotMap
 from bps_worker.errors import BPSError
 
 BIG = 256 << 10  # above the slab item size: a segment of its own
+# The slabs under the small caps of the tests below (segments.slab_bytes): the smallest.
+SLAB = segments.MIN_SLAB_BYTES
 
 
 class Daemon:
@@ -40,6 +42,30 @@ def daemon():
 
 def _spans(slots: SlotMap, names) -> list[tuple[str, int, int]]:
     return sorted((slots.slots[n].segment_name, slots.slots[n].offset, slots.slots[n].capacity) for n in names)
+
+
+def test_slabs_are_smaller_under_a_small_cap_on_both_sides():
+    """Under a cap of fewer than 16 slabs of 4 MiB the slabs are a sixteenth of it (at least 256 KiB), in the
+    daemon's arenas and the slabs a process asks for alike: a busy slab holds less of the cap (under the 4 MiB
+    minimum, one busy slab of 4 MiB left no room: 200 tensors of 1 KiB in flight failed)."""
+    assert segments.slab_bytes(None) == segments.slab_bytes(0) == segments.SLAB_BYTES
+    assert segments.slab_bytes(64 << 20) == segments.slab_bytes(1 << 40) == segments.SLAB_BYTES
+    assert segments.slab_bytes(8 << 20) == 512 << 10 and segments.slab_bytes(4 << 20) == 256 << 10 == SLAB
+    assert segments.slab_bytes(1 << 20) == SLAB and segments.slab_bytes((32 << 20) + 100) % segments.SLOT_ALIGN == 0
+    daemon = Daemon(cap_bytes=4 << 20)
+    busy: set[str] = set()
+    slots = SlotMap(daemon.allocate, cap_bytes=4 << 20, busy=busy.__contains__)
+    try:
+        for i in range(16 * (SLAB // 1024)):  # sixteen slabs, each with a tensor in flight
+            slots.slot_for(f"t{i}", 1024)
+            busy.add(f"t{i}")
+        assert [a[1] for a in daemon.asked] == [SLAB] * 16 and daemon.arena.held_bytes == 4 << 20
+        with pytest.raises(Exception, match=r"slab/16' needs 262144 bytes.*4194304 bytes of its segments are held "
+                                            r"by 16 tensors in flight"):  # (the slabs: the daemon's tensors)
+            slots.slot_for("more", 1024)
+    finally:
+        slots.close()
+        daemon.arena.release_all()
 
 
 def test_thousands_of_small_tensors_take_one_alloc_and_never_overlap(daemon: Daemon):
@@ -79,28 +105,28 @@ def test_a_full_slab_makes_the_next_one(daemon: Daemon):
 
 def test_under_the_cap_a_slab_is_given_up_by_its_name_whatever_its_tensors():
     """More tensors in the slab than one Alloc may name (FREE_MAX_NAMES): the slab is one name."""
-    daemon = Daemon(cap_bytes=2 * segments.SLAB_BYTES)
+    daemon = Daemon(cap_bytes=2 * SLAB)
     busy: set[str] = set()
-    slots = SlotMap(daemon.allocate, cap_bytes=2 * segments.SLAB_BYTES, busy=busy.__contains__)
+    slots = SlotMap(daemon.allocate, cap_bytes=2 * SLAB, busy=busy.__contains__)
     try:
         first = [f"a{i}" for i in range(FREE_MAX_NAMES + 50)]
         for name in first:
-            slots.slot_for(name, 4096)
-        per_slab = segments.SLAB_BYTES // 4096
+            slots.slot_for(name, 256)
+        per_slab = SLAB // 256
         second = [f"b{i}" for i in range(per_slab - len(first) + per_slab)]  # fills slab 0, then all of slab 1
         for name in second:
-            slots.slot_for(name, 4096)
+            slots.slot_for(name, 256)
         assert [a[0] for a in daemon.asked] == [f"{SLAB_PREFIX}0", f"{SLAB_PREFIX}1"]
         busy.update(second)  # slab 1's tensors, and slab 0's later ones, are in flight: slab 0 is not idle
         with pytest.raises(Exception, match="may hold"):
-            slots.slot_for("c", 4096)
-        assert daemon.asked[-1] == (f"{SLAB_PREFIX}2", segments.SLAB_BYTES, [])  # nothing idle: nothing given up
+            slots.slot_for("c", 256)
+        assert daemon.asked[-1] == (f"{SLAB_PREFIX}2", SLAB, [])  # nothing idle: nothing given up
         busy.clear()
         busy.update(second[-per_slab:])  # only slab 1's: slab 0 is idle, the least recently used
-        slots.slot_for("c", 4096)
-        assert daemon.asked[-1] == (f"{SLAB_PREFIX}3", segments.SLAB_BYTES, [f"{SLAB_PREFIX}0"])
+        slots.slot_for("c", 256)
+        assert daemon.asked[-1] == (f"{SLAB_PREFIX}3", SLAB, [f"{SLAB_PREFIX}0"])
         assert not set(first) & set(slots.slots) and "c" in slots.slots
-        assert len(slots.attached) == 2 and daemon.arena.held_bytes == 2 * segments.SLAB_BYTES
+        assert len(slots.attached) == 2 and daemon.arena.held_bytes == 2 * SLAB
     finally:
         slots.close()
         daemon.arena.release_all()
@@ -153,7 +179,7 @@ def test_under_the_cap_a_carved_slot_that_moves_leaves_its_slab_counted_in_full(
     (the slab is one slot there, ours to give up), so while another tensor lives in the slab, the client counts
     the whole slab as held, and the next allocation that does not fit gives up the least recently used idle
     segment: the slab by its name, or, with the slab's tensor in flight, the moved tensor's own."""
-    cap = segments.SLAB_BYTES + BIG
+    cap = SLAB + BIG
     daemon = Daemon(cap_bytes=cap)
     busy: set[str] = set()
     slots = SlotMap(daemon.allocate, cap_bytes=cap, busy=busy.__contains__)
@@ -187,7 +213,7 @@ def test_under_a_cap_too_small_for_both_a_slot_that_moves_out_of_its_slab_gives_
     would keep the slab (it frees no carved slot), so the client gives the slab up by its name in the Alloc that
     asks for the new slot, and the daemon has room. Also when the tensor is in flight (``reserved``: a push
     marks its name before it asks for the slot): its old slot is the one being replaced, nothing reads it."""
-    cap = segments.SLAB_BYTES + BIG - segments.SLOT_ALIGN
+    cap = SLAB + BIG - segments.SLOT_ALIGN
     daemon = Daemon(cap_bytes=cap)
     busy = {"s"} if reserved else set()
     slots = SlotMap(daemon.allocate, cap_bytes=cap, busy=busy.__contains__)
@@ -200,7 +226,7 @@ def test_under_a_cap_too_small_for_both_a_slot_that_moves_out_of_its_slab_gives_
         assert daemon.arena.held_bytes == BIG and slots.slots["s"].capacity >= BIG
         busy.clear()
         slots.slot_for("t", 100)  # a new slab beside s does not fit either: s goes; the old slab is not named twice
-        assert daemon.asked[-1] == (f"{SLAB_PREFIX}1", segments.SLAB_BYTES, ["s"])
+        assert daemon.asked[-1] == (f"{SLAB_PREFIX}1", SLAB, ["s"])
     finally:
         slots.close()
         daemon.arena.release_all()
