@@ -185,8 +185,9 @@ class Restart(Generic[W]):
     replayers: set[int] = field(default_factory=set)
     answered: set[int] = field(default_factory=set)
     # Rejoining workers (new processes, placed at the others' round) that had no part in the round: it does
-    # not wait for them (see RoundTable.worker_hello).
+    # not wait for them (see RoundTable.worker_hello); and those told it is theirs (round_for), which it does.
     passed: set[int] = field(default_factory=set)
+    placed: set[int] = field(default_factory=set)
     held_next: list[Held[W]] = field(default_factory=list)
 
 
@@ -404,7 +405,8 @@ class RoundTable(Generic[W]):
             return answer
         if push.round < st.round:
             return [Fail(push, handle, self._past(st, push))]
-        if push.round == st.round + 1 and push.worker in st.restart.replayers and st.failed is None:
+        if push.round == st.round + 1 and st.failed is None and (push.worker in st.restart.replayers
+                                                                 or push.worker in st.restart.passed):
             st.restart.held_next.append(Held(push, payload, borrowed, handle))  # see "Server restarts"
             return []
         actions: list[Action[W]] = []
@@ -539,6 +541,8 @@ class RoundTable(Generic[W]):
             return 0
         done = (st.failed is not None or worker in st.waiters or worker in st.restart.replayers
                 or worker in st.restart.answered or worker in st.restart.passed)
+        if not done:
+            st.restart.placed.add(worker)  # (a replay of it that comes now no longer passes it: its push comes)
         return st.round + (1 if done else 0)
 
     def summed(self, name: str, part: int, round_: int) -> bool:
@@ -644,7 +648,7 @@ class RoundTable(Generic[W]):
         if not restart.replayers and st.first is None:
             st.opened = now
         restart.replayers.add(push.worker)
-        restart.passed |= self._rejoining - restart.replayers - set(st.waiters)
+        restart.passed |= self._rejoining - restart.replayers - restart.placed - set(st.waiters)
         unanswered = tuple(w for worker, w in st.waiters.items() if worker not in restart.answered)
         restart.answered.update(w.push.worker for w in unanswered)
         if unanswered:
@@ -731,11 +735,11 @@ class RoundTable(Generic[W]):
                 cleared = self._clear_if_all_reset()
         if epoch:
             self._epochs[worker] = epoch
-        if epoch and not fresh:
+        if previous is None and epoch and not fresh:  # numbered against our predecessor: it restarted mid-job
             self._mid_job.add(worker)
             for other in sorted(self._fresh - self._rejoining - {worker}):
                 cleared += self._rejoin_unknown(other)
-        else:
+        elif fresh or previous != epoch:  # (the same numbering back on a new connection: as it was)
             self._mid_job.discard(worker)
         if previous is None and fresh and epoch:
             self._fresh.add(worker)
@@ -787,7 +791,8 @@ class RoundTable(Generic[W]):
                                                        f"processes) while this server was down and other workers "
                                                        f"are mid-job: it rejoins them")]
         for st in list(self.keys.values()):
-            if st.restart.replayers and st.failed is None and worker not in st.waiters:
+            if (st.restart.replayers and st.failed is None and worker not in st.waiters
+                    and worker not in st.restart.placed):
                 st.restart.passed.add(worker)
                 actions += self._settle(st)
         return actions

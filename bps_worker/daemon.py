@@ -118,7 +118,7 @@ class WorkerDaemon:
         self.notices = Notices()
         for link in self.all_links:
             link.on_notice = partial(self.notices.add, None)
-            link.numbering_fresh = self.numbering_fresh
+            link.numbering_fresh = partial(self.numbering_fresh, link.spec.id)
         self._new_epoch()
         # Tensors of at most this many bytes are fused (Welcome.fusion_bytes; bps_worker.fusion).
         self.fusion_bytes = self.placement.small_tensor_bytes
@@ -610,16 +610,19 @@ class WorkerDaemon:
         if then is not None:
             then(restarted)
 
-    def numbering_fresh(self) -> bool:
-        """Whether our processes numbered no round of this epoch against the servers yet (Hello.fresh): no
-        name's base learned, no fused round told to an anchor, no asynchronous name pushed."""
-        return not self.rounds.numbers.learned() and not self.fusion.rounds.told and not self.async_names
+    def numbering_fresh(self, server: int) -> bool:
+        """Whether our processes numbered no round of this epoch against server ``server`` yet (Hello.fresh): no
+        link to it carried a push, an abort or a fused report, nor learned a round from it. Per server: a machine
+        that came back while every server restarted learns its first names' rounds from the servers that came
+        back first, and is still new to the others (a review's case)."""
+        return not any(link.numbered for link in self.streams[server])
 
     def _new_epoch(self) -> None:
         """Our round numbering (re)starts at 0: servers learn it from the epoch (see RoundQuery)."""
         self.epoch = epoch = secrets.token_hex(8)
         for link in self.all_links:
             link.epoch = epoch
+            link.numbered = False
 
     def forget_sums(self, names: Container[str]) -> None:
         """Tensors ``names`` are never pushed again (an ended lane generation's fused keys): no link keeps

@@ -383,8 +383,10 @@ class ServerLink:
         self.given_up: dict[tuple[str, int], Abort] = {} if given_up is None else given_up
         self.incarnation: str | None = None  # of the server run we last talked to
         self.epoch = ""  # of this worker's round numbering (set by the daemon)
-        # Whether that numbering is unused yet (Hello.fresh; set by the daemon).
-        self.numbering_fresh: Callable[[], bool] = lambda: False
+        # Whether this link carried a round of that numbering (a push, an abort, a fused report) or learned one (a
+        # round query's answer); and whether no link to this server did (Hello.fresh; set by the daemon).
+        self.numbered = False
+        self.numbering_fresh: Callable[[], bool] = lambda: not self.numbered
         self.closed = False
         self.stopping = False  # the daemon stops: a connection lost now is not reconnected (see on_broken)
         self._proto: _LinkProtocol | None = None
@@ -468,6 +470,7 @@ class ServerLink:
         answered (a restarted server may need them again).
         """
         future: asyncio.Future[None] = self.running_loop().create_future()
+        self.numbered = True
         if self.shm and shm_ref is not None and out_ref is not None:  # as _wire sends it: no copy per piece there
             push = Push(req=next(self._req), worker=self.worker_id, segment=shm_ref[0], seg_offset=shm_ref[1],
                         out_segment=out_ref[0], out_offset=out_ref[1], **push_fields)
@@ -518,16 +521,25 @@ class ServerLink:
         query = RoundQuery(req, name, part, local, failed, fate)
         future = self.control.ask(query)
         self._send_control(query)
+        if fate < 0:
+            future.add_done_callback(self._learned)
         return future
+
+    def _learned(self, answer: asyncio.Future[int]) -> None:
+        """A round query's answer came: our numbering is this server's now (Hello.fresh)."""
+        if not answer.cancelled() and answer.exception() is None:
+            self.numbered = True
 
     def abort(self, name: str, part: int, round_: int, why: Why) -> None:
         """Tell the server that this worker gave up a round, and why (sent once connected, if need be)."""
         message = Abort(name, part, round_, self.worker_id, **why.carry())
+        self.numbered = True
         self.given_up[(name, part)] = message
         self._send_control(message)
 
     def fuse(self, message: FuseReady | FuseAbort | FuseRunning | FusePast) -> None:
         """Report fused sums to this server (their anchor), or give them up (sent once connected)."""
+        self.numbered = True
         self._send_control(message)
 
     def first_on_reconnect(self, message: FuseResync) -> None:

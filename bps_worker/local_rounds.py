@@ -181,10 +181,6 @@ class RoundNumbers:
         base = self._base[name] = server_round - local_round
         return base
 
-    def learned(self) -> bool:
-        """Whether any name's base was learned in this job."""
-        return bool(self._base)
-
     def base(self, name: str) -> int | None:
         """The base of ``name`` if learned in this job."""
         return self._base.get(name)

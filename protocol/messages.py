@@ -223,7 +223,7 @@ class Hello(Message):
     shm_key: str = ""
     # A worker's round numbering: a new epoch (its daemon restarted) means its rounds start again at 0.
     epoch: str = ""
-    # A worker whose processes numbered no round of this epoch against the servers yet (none learned, told
+    # A worker whose processes numbered no round of this epoch against this server yet (none learned, told
     # or pushed): a server that restarted while the worker's machine was down too places it at the others'
     # round (bps_server.rounds.RoundTable.worker_hello).
     fresh: bool = False

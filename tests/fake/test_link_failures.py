@@ -289,6 +289,41 @@ async def test_a_reset_drops_what_the_old_processes_queued_of_fused_sums():
     await asyncio.sleep(0)
 
 
+async def test_a_link_says_its_numbering_is_fresh_until_a_round_of_it_goes_to_or_comes_from_its_server():
+    """Hello.fresh, per server: a push, an abort or a fused report numbered a round against this server, and so
+    did a round query's answer (not the query alone: its answer may come from a later run); a fate query did
+    not. The daemon asks every stream of a server, and a new epoch makes them fresh again."""
+    fields = {"name": "w", "part": 0, "round": 0, "dtype": "float32", "shape": [2], "offset": 0, "count": 2}
+    for act in ("push", "abort", "fuse", "query", "fate"):
+        link, proto, transport = _link()
+        assert link.numbering_fresh()
+        if act == "push":
+            link.push(fields, memoryview(bytearray(8)), memoryview(bytearray(8)), 0)
+        elif act == "abort":
+            link.abort("w", 0, 3, Why("rank 0 left"))
+        elif act == "fuse":
+            link.fuse(FuseReady(["x"], [["float32", [4], False, ""]], [0], [0], []))
+        else:
+            answer = link.query_round("w", 0, 0, fate=3 if act == "fate" else -1)
+            assert link.numbering_fresh()  # asked, not answered
+            ((query, _),) = transport.messages()
+            link.on_message(proto, RoundInfo(query.req, 5), None)
+            await asyncio.sleep(0)  # (the future's callbacks)
+            assert answer.result() == 5
+        assert link.numbering_fresh() is (act == "fate"), act
+        link.close()
+    servers = [{"id": i, "address": f"127.0.0.1:{9400 + i}", "worker": i} for i in range(2)]
+    workers = [{"id": i, "local_size": 1, "socket": f"/tmp/w{i}.sock"} for i in range(2)]
+    daemon = WorkerDaemon(WorkerConfig(parse_config({"cluster": {"workers": 2}, "server": servers,
+                                                     "worker": workers}), 0))
+    daemon.streams[1][-1].numbered = True
+    assert daemon.numbering_fresh(0) and not daemon.numbering_fresh(1)
+    assert daemon.links[0].numbering_fresh() and not daemon.links[1].numbering_fresh()
+    daemon._new_epoch()
+    assert daemon.numbering_fresh(1)
+    await asyncio.sleep(0)
+
+
 async def test_a_round_query_lost_with_its_connection_goes_again_on_the_next():
     """A server restart rides out a round query as it does a push: the query in flight when the connection
     broke is asked again once the link reconnects, and answered then; only a link that gives up fails it."""

@@ -490,6 +490,54 @@ def test_a_replayed_round_does_not_wait_for_a_worker_that_rejoined_after_a_doubl
         assert isinstance(table.push(_push(1, rnd=5), _data(3), "w1", 0.0)[-1], Add)
 
 
+def test_with_three_workers_a_rejoiner_waits_for_the_replayed_round_to_settle():
+    """Worker 0 replayed round 4 and holds its push of round 5; worker 1's replay has not come yet. The rejoiner
+    (worker 2) is told round 5 and its push is held with worker 0's until round 4 settles, not taken for a
+    worker that moved on (round 4 abandoned, worker 0's held push failed: a review's case)."""
+    table: RoundTable[str] = RoundTable(3)
+    table.worker_hello(0, "e0", fresh=False)
+    table.worker_hello(1, "e1", fresh=False)
+    table.worker_hello(2, "new", fresh=True)
+    table.replay(_push(0, rnd=4, replay=True), _data(2), 0.0)
+    assert table.push(_push(0, rnd=5), _data(1), "w0r5", 0.0) == []
+    assert table.round_for("t", 0, 2) == 5
+    assert table.push(_push(2, rnd=5), _data(3), "w2r5", 0.0) == []  # held too
+    actions = table.replay(_push(1, rnd=4, replay=True), _data(2), 0.0)
+    (redispatch,) = [a for a in actions if isinstance(a, Redispatch)]
+    assert [h.handle for h in redispatch.held] == ["w0r5", "w2r5"] and table.keys[("t", 0)].round == 5
+
+
+def test_a_rejoiner_told_a_round_is_waited_for_in_it_when_a_replay_of_it_comes_later():
+    """Worker 0 pushed round 4 again (it never got its sum); the rejoiner is told round 4; then worker 1 replays
+    round 4. The round waits for the rejoiner's push (answered with the replayed sum, as every worker's), not
+    settled without it (its push was then a stale round: a review's case)."""
+    table: RoundTable[str] = RoundTable(3)
+    table.worker_hello(0, "e0", fresh=False)
+    table.worker_hello(1, "e1", fresh=False)
+    table.worker_hello(2, "new", fresh=True)
+    table.push(_push(0, rnd=4), _data(1), "w0r4", 0.0)
+    assert table.round_for("t", 0, 2) == 4
+    table.replay(_push(1, rnd=4, replay=True), _data(2), 0.0)
+    actions = table.push(_push(2, rnd=4), _data(3), "w2", 0.0)
+    assert isinstance(actions[0], Answer) and [w.handle for w in actions[0].waiters] == ["w2"]
+    assert Settled(("t", 0), 4) in actions and _fails(actions) == {}
+
+
+def test_a_peer_back_on_a_server_that_never_restarted_makes_no_starting_worker_rejoin():
+    """A job starts (every hello fresh) and worker 0's connection drops and comes back, its numbering now in use:
+    that is no restart of this server. Worker 1, which pushed nothing here yet, is a worker starting, asked its
+    own round: its step 0 of a name whose step 0 failed at worker 0 fails too, not summed with worker 0's step
+    1 (and every later step one off: a review's case)."""
+    table: RoundTable[str] = RoundTable(2)
+    table.worker_hello(0, "e0", fresh=True)
+    table.worker_hello(1, "e1", fresh=True)
+    table.push(_push(0, name="A"), _data(), "w0A0", 0.0)
+    table.worker_lost(0)
+    assert not [a for a in table.worker_hello(0, "e0", fresh=False) if isinstance(a, Note)]
+    table.abort("B", 0, 0, 0, Why("local mismatch", "round_failed"))
+    assert table.round_for("B", 0, 1, local=0) == 0
+
+
 def test_fresh_workers_alone_are_a_job_starting_not_a_rejoin():
     """Every hello says fresh (a job's daemons starting, in any order, or all of them after a restart of
     this server with nothing in flight): no worker rejoins, each is asked its own round (0). Nor does a worker
