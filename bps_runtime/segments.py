@@ -100,8 +100,8 @@ class ArenaFullError(OSError):
         if nbytes > cap:
             why = "larger than the cap"
         elif in_flight[0]:
-            why = (f"{held} bytes of its segments are held by {in_flight[0]} tensors in flight, {in_flight[1]} bytes "
-                   f"of their own: small tensors share segments")
+            why = (f"{held} bytes of its segments are held by {in_flight[0]} slots in use, {in_flight[1]} bytes of "
+                   f"them: small ones share segments")
         else:
             why = f"{held} bytes are held by tensors in flight"
         super().__init__(errno.ENOSPC, f"{self.what} needs {nbytes} bytes of shared memory in {SHM_DIR}, but its "
@@ -110,7 +110,7 @@ class ArenaFullError(OSError):
         self.nbytes = nbytes
         self.held = held
         self.cap = cap
-        self.in_flight = in_flight  # (tensors, their bytes) in the segments held
+        self.in_flight = in_flight  # (slots in use, their bytes) in the segments held
 
     def about(self, what: str) -> ArenaFullError:
         """The same error, saying ``what`` needed the memory (a fused tensor: the names in it)."""
@@ -441,6 +441,7 @@ class Arena:
             need = slab_slot_bytes(nbytes)
             if self._slab is None or self._slab_used + need > self.slab_bytes:
                 full = self._slab
+                freed += self._empty_slab_for_room(self.slab_bytes)
                 freed += self._make_room(name, self.slab_bytes, busy)
                 self._slab = self._new_segment(self.slab_bytes).name
                 self._slab_used = 0
@@ -449,6 +450,7 @@ class Arena:
             slot = Slot(self._slab, self._slab_used, need, dedicated=False)
             self._slab_used += need
         else:
+            freed += self._empty_slab_for_room(nbytes)
             freed += self._make_room(name, nbytes, busy)
             seg = self._new_segment(nbytes)
             slot = Slot(seg.name, 0, seg.size, dedicated=True)
@@ -495,6 +497,15 @@ class Arena:
         self._used.pop(name, None)
         return [] if old is None else self._release_if_empty(old.segment, current=True)
 
+    def _empty_slab_for_room(self, nbytes: int) -> list[str]:
+        """The slab we carve from, unlinked, if no slot lives in it any more (its tensors outgrew it, or were
+        abandoned) and ``nbytes`` more would not fit under the cap beside it (it was never given up: a review's
+        case, a sixteenth of the cap held by nothing)."""
+        slab, cap = self._slab, self.cap_bytes
+        if slab is None or slab in self._living or cap is None or self.held_bytes + nbytes <= cap:
+            return []
+        return self._release_if_empty(slab, current=True)
+
     def _make_room(self, name: str, nbytes: int, busy: Callable[[str], bool] | None) -> list[str]:
         """Free least recently used idle segments until ``nbytes`` more fit under the cap."""
         cap = self.cap_bytes
@@ -509,8 +520,7 @@ class Arena:
                       for seg, tensors in by_segment.items() if not (busy is not None and any(map(busy, tensors))))
         in_use = self.held_bytes - sum(self.segments[seg].size for _, seg, _ in idle)
         if in_use + nbytes > cap:  # checked first: nothing is freed in vain
-            idle_tensors = {t for _, _, tensors in idle for t in tensors}
-            flying = [slot.capacity for t, slot in self.slots.items() if t not in idle_tensors]
+            flying = [slot.capacity for t, slot in self.slots.items() if busy is None or busy(t)]
             raise ArenaFullError(name, nbytes, in_use, cap, in_flight=(len(flying), sum(flying)))
         freed: list[str] = []
         for _, seg, tensors in idle:

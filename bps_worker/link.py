@@ -679,7 +679,6 @@ class ServerLink:
 
     def _after_answer(self, item: OutgoingPush | None) -> None:
         """``item`` left the window (answered, failed or abandoned): what it held back may go."""
-        self._refused = 0  # (the server answers what we send)
         if item is None:
             return
         if self.window.has_queued and self._proto is not None:
@@ -769,6 +768,7 @@ class ServerLink:
 
     def _on_result(self, message: Result, payload: memoryview | None) -> None:
         self._check_result(message, payload)  # (while its piece is in flight: a refusal holds it for the next server)
+        self._refused = 0  # (the server answers what we send)
         item = self.window.answered(message.req, self.running_loop().time())
         self._after_answer(item)
         if item is None:
@@ -830,6 +830,7 @@ class ServerLink:
             self.on_broken(proto, f"{reason} ({REFUSED_IN_A_ROW} connections in a row refused, nothing answered "
                                   f"between: what they carried fails)", give_up=True)
             return
+        self._refused = 0
         item = self.window.answered(message.req, self.running_loop().time())
         self._after_answer(item)
         if item is not None:
@@ -870,7 +871,7 @@ class ServerLink:
     def on_broken(self, proto: _LinkProtocol, reason: str, since: float | None = None, *,
                   give_up: bool = False) -> None:
         """``proto``'s connection is gone: hold what is in flight while reconnecting, or fail it (``give_up``:
-        at once, whoever answers next).
+        what it carried fails at once, the queries and fused reports too; what never went on it goes on the next).
 
         ``since``: the server's last sign of life (default: now, as for a closed connection); the
         reconnect window ends one timeout after it."""
@@ -895,9 +896,11 @@ class ServerLink:
             return  # lost during the handshake: the connecting loop retries (see _connect), nothing was sent
         if self.on_lost is not None:
             self.on_lost(reason)
-        if self.incarnation is None or self.closed or self.stopping or give_up:
+        if self.incarnation is None or self.closed or self.stopping:
             self._fail_all(BPSConnectionError(reason))
             return
+        if give_up:
+            self._fail_sent(BPSConnectionError(reason), self.window.take_inflight())
         # The server may be restarting: hold what is in flight until we know (see the module docstring).
         self.control.ask_again()
         self._broken_reason = reason
@@ -906,10 +909,14 @@ class ServerLink:
         self._ensure_connecting((loop.time() if since is None else since) + self.timeout, reason)
 
     def _fail_all(self, exc: BPSConnectionError) -> None:
+        self._fail_sent(exc, self.window.clear())
+
+    def _fail_sent(self, exc: BPSConnectionError, items: list[OutgoingPush]) -> None:
+        """Fail ``items`` (taken out of the window), the round queries, and the fused sums that wait on us."""
         self.control.fail_queries(exc)
         if self.on_gave_up is not None:
             self.on_gave_up(str(exc))
-        for item in self.window.clear():
+        for item in items:
             if item.future.done():
                 continue
             # A push that reached the run we talked to last (in flight, held, or queued again after a reconnect to

@@ -346,6 +346,14 @@ class SendWindow(Generic[P]):
     def sums_kept(self) -> int:
         return len(self._sums)
 
+    def take_inflight(self) -> list[P]:
+        """Take the pieces in flight out (those that went on the connection that broke), to be failed; the queued
+        ones stay."""
+        pieces = list(self._inflight.values())
+        self._inflight.clear()
+        self._reset_pacing()
+        return pieces
+
     def clear(self) -> list[P]:
         """Take every piece out (in flight first, then queued), to be failed."""
         pieces = [*self._inflight.values(), *(piece for _, _, piece in self._queue)]

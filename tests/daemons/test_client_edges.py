@@ -325,16 +325,16 @@ def test_a_small_max_payload_still_takes_small_tensors(client):
 
 @pytest.mark.timeout(60)
 def test_at_the_least_arena_small_tensors_are_summed_and_one_whose_slab_cannot_fit_is_named(client):
-    """At the least arena_bytes, one 4 MiB slab (a smaller cap is refused: every small tensor failed under it),
-    small tensors are summed. Where the rest of the cap is in use, the error names the tensor: it named only the
-    slab ('\\x00slab/0'), an internal name the user never gave."""
+    """At the least arena_bytes (slabs of 256 KiB there; a smaller cap is refused: every small tensor failed
+    under it), small tensors are summed. Where the rest of the cap is in use, the error names the tensor: it named
+    only the slab ('\\x00slab/0'), an internal name the user never gave."""
     client(arena_bytes=4 * MB)
     tiny = np.arange(4, dtype=np.float32)
     np.testing.assert_array_equal(bps.push_pull(tiny, "tiny", average=False), tiny)
-    n = MB // 4  # 1 MiB of float32: a segment of its own
+    n = (4 * MB - 256 * 1024) // 4 + 16  # a segment of its own, with less room beside it than a slab
     view = adapter.shared_slot("held", (n,), np.float32)  # handed out to be filled: never given up for room
     view[...] = 1.0
-    with pytest.raises(bps.BPSError, match=r"tensor 'tiny2' of 16 bytes is carved from a slab of 4194304 bytes.*"
+    with pytest.raises(bps.BPSError, match=r"tensor 'tiny2' of 16 bytes is carved from a slab of 262144 bytes.*"
                                            r"arena_bytes"):
         bps.push_pull(tiny, "tiny2")
     result = bps.synchronize(adapter.start_filled("held", np.float32, (n,), average=False))

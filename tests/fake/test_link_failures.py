@@ -609,6 +609,25 @@ async def test_a_push_the_server_refuses_on_every_connection_fails_instead_of_go
     await asyncio.sleep(0)
 
 
+async def test_refusals_fail_what_the_connections_carried_and_only_the_servers_answers_count():
+    """What the refused connections never carried (queued behind a full write buffer) goes on the next one, not
+    failed with them; and a push given up here (``forget``: another operation's piece failed) is no answer from
+    the server: the refused push still fails at the third refusal (a review's cases)."""
+    link, proto, transport = _link()
+    fields = {"part": 0, "round": 3, "dtype": "float32", "shape": [2], "offset": 0, "count": 2}
+    bad = link.push({**fields, "name": "bad"}, memoryview(bytearray(8)), memoryview(bytearray(8)), 0)
+    for step in range(REFUSED_IN_A_ROW - 1):
+        other = link.push({**fields, "name": f"other{step}"}, memoryview(bytearray(8)), memoryview(bytearray(8)), 0)
+        proto, transport = _refused_then_reconnected(link, proto)
+        link.forget(other)
+    link.window.pause_writing()  # nothing more goes on this connection
+    queued = link.push({**fields, "name": "queued"}, memoryview(bytearray(8)), memoryview(bytearray(8)), 0)
+    link.on_message(proto, Failure(-1, "push of 'bad' part 0: refused", code="protocol_error"), None)
+    assert isinstance(bad.exception(), BPSConnectionError) and not queued.done()
+    link.close()
+    await asyncio.sleep(0)
+
+
 async def test_a_refusal_after_answers_is_a_broken_connection_again():
     """Refusals with answers between them are connections that broke and worked again: what is held is held,
     however many there are in all."""

@@ -95,12 +95,35 @@ def test_under_the_smallest_cap_small_tensors_in_flight_leave_room_and_the_error
             arena.alloc("huge", (4 << 20) - (128 << 10), busy=lambda t: t != "fused")
         error = info.value
         assert error.in_flight == (200, 200 * 1024) and error.held == 256 << 10
-        assert "(262144 bytes of its segments are held by 200 tensors in flight, 204800 bytes of their own: small " \
-               "tensors share segments)" in error.strerror and error.strerror.startswith("tensor 'huge' needs")
+        assert "(262144 bytes of its segments are held by 200 slots in use, 204800 bytes of them: small ones share " \
+               "segments)" in error.strerror and error.strerror.startswith("tensor 'huge' needs")
         about = error.about("the fused tensor of 'a', 'b' (2 small tensors summed as one)")
         assert about.strerror.startswith("the fused tensor of 'a', 'b' (2 small tensors summed as one) needs 4063232 "
                                      "bytes") and (about.tensor, about.held, about.in_flight) == ("huge", error.held,
                                                                                                   error.in_flight)
+    finally:
+        arena.release_all()
+
+
+def test_the_slab_carved_from_is_given_up_for_room_once_nothing_lives_in_it():
+    """A name grown out of its slab (or abandoned) leaves the slab we carve from empty: it went only with a slot
+    dropped, so a sixteenth of the smallest cap stayed held by nothing, and a tensor that fits beside everything
+    alive failed as 'held by tensors in flight' (a review's case). It is given up when the room is needed, and
+    said freed; the error counts only the slots in use, and their bytes."""
+    arena = Arena(907, cap_bytes=4 << 20)
+    try:
+        arena.alloc("g", 1024)
+        slab = arena.slots["g"].segment
+        arena.alloc("g", 100 << 10)  # a segment of its own now
+        assert slab in arena.segments
+        _, freed = arena.alloc("big", (4 << 20) - (100 << 10), busy=lambda t: t == "g")
+        assert freed == [slab] and arena.held_bytes == 4 << 20
+        arena.drop("big")
+        for i in range(100):
+            arena.alloc(f"t{i}", 4)
+        with pytest.raises(ArenaFullError) as info:
+            arena.alloc("huge", (4 << 20) - (64 << 10), busy=lambda t: t in ("t0", "g"))
+        assert info.value.in_flight == (2, 64 + (100 << 10))
     finally:
         arena.release_all()
 

@@ -61,7 +61,7 @@ def test_slabs_are_smaller_under_a_small_cap_on_both_sides():
             busy.add(f"t{i}")
         assert [a[1] for a in daemon.asked] == [SLAB] * 16 and daemon.arena.held_bytes == 4 << 20
         with pytest.raises(Exception, match=r"slab/16' needs 262144 bytes.*4194304 bytes of its segments are held "
-                                            r"by 16 tensors in flight"):  # (the slabs: the daemon's tensors)
+                                            r"by 16 slots in use"):  # (the slabs: the daemon's tensors)
             slots.slot_for("more", 1024)
     finally:
         slots.close()
