@@ -286,6 +286,8 @@ class ServerConnection(AdmittedProtocol):
             raise RemoteProtocolError(f"worker {self.worker} sent a restored message for worker {message.worker}")
         self._stream_zero(message)
         self.server.values.restored(message.worker)
+        self.server.aggregator.table.worker_restored(message.worker)
+        self.server.answer_waiting_queries()
 
     def on_abort(self, abort: Abort, payload: memoryview | None) -> None:
         assert self.worker is not None  # dispatched after the handshake only
@@ -305,8 +307,16 @@ class ServerConnection(AdmittedProtocol):
                                  f"{query.fate} of {query.name!r} was out"))
             self.send(RoundInfo(query.req, int(summed)))
             return
-        self.send(RoundInfo(query.req, aggregator.round_for(query.name, query.part, self.worker, query.local,
-                                                            query.failed)))
+        if aggregator.table.query_waits(self.worker):
+            self.server.wait_query(self, query)
+            return
+        self.answer_round_query(query)
+
+    def answer_round_query(self, query: RoundQuery) -> None:
+        """Which round our worker's round ``query.local`` of the key is (RoundTable.round_for)."""
+        assert self.worker is not None
+        self.send(RoundInfo(query.req, self.server.aggregator.round_for(query.name, query.part, self.worker,
+                                                                        query.local, query.failed)))
 
     def on_announce(self, message: Announce, payload: memoryview | None) -> None:
         """Segments the worker's pushes on this connection will name: the only ones we map. An honest
@@ -637,6 +647,7 @@ class ServerConnection(AdmittedProtocol):
             endings = self.server.fusion.endings
             self.server.fusion.worker_hello(hello.id, hello.epoch, hello.daemon)
             self.server.aggregator.worker_hello(hello.id, hello.epoch, hello.fresh)
+            self.server.answer_waiting_queries()
             if self.server.fusion.endings != endings:  # (its Reset was lost with a connection)
                 self.server.lanes_ended()
             self.server.values.connected(hello.id, hello.epoch)

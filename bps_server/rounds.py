@@ -381,6 +381,10 @@ class RoundTable(Generic[W]):
         # starting (worker_hello).
         self._fresh: set[int] = set()
         self._mid_job: set[int] = set()
+        # Workers that told this run their replays are in (Restored: on a first connection to a run, and after
+        # a restart's replays): until every other worker did, a new worker's round is not known (query_waits).
+        self._restored: set[int] = set()
+        self.waited_out: set[int] = set()  # workers whose query waited its longest once: none waits again
         # Workers that pushed (or replayed) here in this run: one that never did (a daemon idle since it
         # started never says Reset) is as one without processes when the others' job ends (_clear_if_all_reset).
         self._active: set[int] = set()
@@ -544,6 +548,20 @@ class RoundTable(Generic[W]):
         if not done:
             st.restart.placed.add(worker)  # (a replay of it that comes now no longer passes it: its push comes)
         return st.round + (1 if done else 0)
+
+    def query_waits(self, worker: int) -> bool:
+        """Whether a round query of ``worker`` waits before :meth:`round_for` answers it: the worker is new to
+        this run (fresh, or rejoining) while another worker has not told it its replays yet (Restored). Whether
+        that one is mid-job (so the new one rejoins, worker_hello), and where (its replays and given-up rounds),
+        is not known before: answered at once, a machine back while this server was down too took a job
+        starting for its own and failed its first steps as stale rounds (a review's case). The caller bounds
+        the wait: a worker that never comes leaves the rounds to the sweep, as ever."""
+        return (worker in self._fresh or worker in self._rejoining) and worker not in self.waited_out and any(
+            w != worker and w not in self._restored for w in range(self.n_workers))
+
+    def worker_restored(self, worker: int) -> None:
+        """``worker`` told this run its replays are in (Restored)."""
+        self._restored.add(worker)
 
     def summed(self, name: str, part: int, round_: int) -> bool:
         """Whether round ``round_`` of key (name, part) was summed: it is the key's last sum (a later round
@@ -835,6 +853,7 @@ class RoundTable(Generic[W]):
         self._rejoining.clear()
         self._fresh.clear()
         self._mid_job.clear()
+        self.waited_out.clear()
         # The next job's workers are waited for afresh (a round fails only if one has still neither
         # connected nor pushed after the timeout: sweep), not failed at once for having been gone from the
         # last job. They stay in _reset until they push.

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.config import ClusterConfig, placement_items
-from protocol.messages import FusePlan, FuseFailed, Notice
+from protocol.messages import FusePlan, FuseFailed, Notice, RoundQuery
 
 from bps_runtime import metrics
 from bps_runtime.health import STALL_LIMIT_S, Pulse, Verdict
@@ -32,6 +32,12 @@ from .async_values import AsyncValues
 from .fusion import Failed, Planner
 from .rounds import Why
 from .connection import BATCH_REPLY_MAX_BYTES, HANDSHAKE_MAX_HEADER_BYTES, HOLDER_SILENCE_FRACTION, ServerConnection
+
+# How long a round query of a worker new to this run waits for the other workers to say hello and tell their
+# replays (RoundTable.query_waits), at most (and at most the cluster's timeout): after a restart each live worker
+# is back within its reconnect delay (at most a second, bps_worker.link); one that is not is answered as a job
+# starting, as before.
+QUERY_WAIT_S = 2.0
 
 __all__ = ["BATCH_REPLY_MAX_BYTES", "HANDSHAKE_MAX_HEADER_BYTES", "ServerConfig", "ServerConnection",
            "SummationServer"]
@@ -91,6 +97,9 @@ class SummationServer:
         self.admission = Admission(log, f"server {config.server_id}", deadline_s=config.handshake_deadline_s,
                                    per_peer=config.pending_per_host, total=config.pending_total)
         self.refusals = LogLimit()  # of the lines about second daemons with a worker's id
+        # Round queries of workers new to this run, until it is known whether they rejoin (RoundTable.query_waits),
+        # each at most QUERY_WAIT_S: its connection, the query, until when (loop time).
+        self.waiting_queries: list[tuple[ServerConnection, RoundQuery, float]] = []
         self.tasks: set[asyncio.Task[Any]] = set()
         self.stopping = False
         self._server: asyncio.AbstractServer | None = None
@@ -269,6 +278,31 @@ class SummationServer:
         what = f"fused tensor {name!r}" if name else "fused tensors"
         return Why(f"{what} of plans made before a worker's processes left: that worker dropped those plans, so "
                    f"they cannot complete", "round_failed")
+
+    def wait_query(self, conn: ServerConnection, query: RoundQuery) -> None:
+        """Answer ``query`` once its worker's round is known (RoundTable.query_waits), or after QUERY_WAIT_S."""
+        loop = asyncio.get_running_loop()
+        wait_s = min(QUERY_WAIT_S, self.config.cluster.timeout)
+        self.waiting_queries.append((conn, query, loop.time() + wait_s))
+        loop.call_later(wait_s, self.answer_waiting_queries)
+
+    def answer_waiting_queries(self) -> None:
+        """Answer the waiting round queries that wait no more (a hello, a Restored, their time): in their order."""
+        if not self.waiting_queries:
+            return
+        now = asyncio.get_running_loop().time()
+        table = self.aggregator.table
+        waiting, self.waiting_queries = self.waiting_queries, []
+        for conn, query, until in waiting:
+            worker = conn.worker
+            if conn.closed or worker is None or self.links.get(worker) is not conn:  # (asked again when back)
+                continue
+            if table.query_waits(worker):
+                if now < until:
+                    self.waiting_queries.append((conn, query, until))
+                    continue
+                table.waited_out.add(worker)
+            conn.answer_round_query(query)
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

@@ -346,3 +346,53 @@ async def test_a_fate_query_gives_an_open_round_up_before_it_answers_and_says_su
     assert failure.code == "connection" and "link to this server gave up" in failure.message
     assert server.stats()["rounds_completed"] == 1
     await server.stop()
+
+
+async def test_a_new_workers_round_query_waits_for_the_others_replays_and_is_answered_as_a_rejoin():
+    """A restarted server: the machine of worker 1 came back too (its hello says its numbering is fresh) and its
+    process asks its first name's round before worker 0, mid-job, is back. The answer waits for worker 0's hello
+    and replays (its Restored), then places worker 1 at worker 0's next round; answered at once, it was round 0
+    (a job starting) and worker 1's first steps failed as stale rounds (a review's case)."""
+    from protocol.messages import Abort, RoundInfo, RoundQuery, Restored
+
+    server = _server()
+    new, new_t = _connect(server)
+    _feed(new, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 1, epoch="new", fresh=True)))
+    _feed(new, _frame(Restored(1)))
+    _feed(new, _frame(RoundQuery(5, "w", 0, 0)))
+    await asyncio.sleep(0)
+    assert not [m for m, _ in new_t.messages() if isinstance(m, RoundInfo)]  # waits
+    old, _ = _connect(server)
+    _feed(old, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, epoch="e0", fresh=False)))
+    _feed(old, _frame(Abort("w", 0, 6, 0, "given up at the server's previous run")))
+    await asyncio.sleep(0)
+    assert not [m for m, _ in new_t.messages() if isinstance(m, RoundInfo)]  # its replays are not all in yet
+    _feed(old, _frame(Restored(0)))
+    await asyncio.sleep(0)  # (what a connection sends goes out at the end of the loop's pass)
+    (info,) = [m for m, _ in new_t.messages() if isinstance(m, RoundInfo)]
+    assert (info.req, info.round) == (5, 7)
+    await server.stop()
+
+
+async def test_a_waiting_round_query_is_answered_at_its_time_when_nobody_comes():
+    """Nobody else comes within the wait (a job starting where a machine never came): answered as before (its
+    own round), once; the worker's later queries do not wait again."""
+    from bps_server import server as server_module
+    from protocol.messages import RoundInfo, RoundQuery, Restored
+
+    server = _server()
+    server_module.QUERY_WAIT_S, saved = 0.05, server_module.QUERY_WAIT_S
+    try:
+        conn, transport = _connect(server)
+        _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 1, epoch="e1", fresh=True)))
+        _feed(conn, _frame(Restored(1)))
+        _feed(conn, _frame(RoundQuery(5, "w", 0, 0)))
+        await asyncio.sleep(0)
+        assert not [m for m, _ in transport.messages() if isinstance(m, RoundInfo)]
+        await asyncio.sleep(0.2)
+        _feed(conn, _frame(RoundQuery(6, "v", 0, 0)))
+        await asyncio.sleep(0)
+        assert [(m.req, m.round) for m, _ in transport.messages() if isinstance(m, RoundInfo)] == [(5, 0), (6, 0)]
+    finally:
+        server_module.QUERY_WAIT_S = saved
+    await server.stop()

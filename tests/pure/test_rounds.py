@@ -538,6 +538,26 @@ def test_a_peer_back_on_a_server_that_never_restarted_makes_no_starting_worker_r
     assert table.round_for("B", 0, 1, local=0) == 0
 
 
+def test_a_new_workers_query_waits_for_every_other_workers_replays_once():
+    """Only a worker new to this run (fresh, or rejoining) waits, and only until every other worker told its
+    replays (Restored) or once its wait ran out (the server's bound): never again then."""
+    table: RoundTable[str] = RoundTable(3)
+    table.worker_hello(0, "e0", fresh=False)
+    table.worker_restored(0)
+    assert not table.query_waits(0)  # mid-job: answered at once
+    table.worker_hello(1, "e1", fresh=True)
+    assert table.query_waits(1)  # worker 2 has not told its replays
+    table.worker_hello(2, "e2", fresh=False)
+    assert table.query_waits(1)
+    table.worker_restored(2)
+    assert not table.query_waits(1) and table.round_for("t", 0, 1, local=3) == 0  # rejoins: at the others' round
+    other: RoundTable[str] = RoundTable(2)
+    other.worker_hello(1, "e1", fresh=True)
+    assert other.query_waits(1)
+    other.waited_out.add(1)
+    assert not other.query_waits(1)
+
+
 def test_fresh_workers_alone_are_a_job_starting_not_a_rejoin():
     """Every hello says fresh (a job's daemons starting, in any order, or all of them after a restart of
     this server with nothing in flight): no worker rejoins, each is asked its own round (0). Nor does a worker
