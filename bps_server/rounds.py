@@ -551,13 +551,14 @@ class RoundTable(Generic[W]):
 
     def query_waits(self, worker: int) -> bool:
         """Whether a round query of ``worker`` waits before :meth:`round_for` answers it: the worker is new to
-        this run (fresh, or rejoining) while another worker has not told it its replays yet (Restored). Whether
+        this run (fresh, or rejoining) while another worker has not told it its replays yet (Restored), or is
+        not connected now (back, it may make the new one rejoin: a dropped connection's gap). Whether
         that one is mid-job (so the new one rejoins, worker_hello), and where (its replays and given-up rounds),
         is not known before: answered at once, a machine back while this server was down too took a job
         starting for its own and failed its first steps as stale rounds (a review's case). The caller bounds
         the wait: a worker that never comes leaves the rounds to the sweep, as ever."""
         return (worker in self._fresh or worker in self._rejoining) and worker not in self.waited_out and any(
-            w != worker and w not in self._restored for w in range(self.n_workers))
+            w != worker and (w not in self._restored or not self.connected(w)) for w in range(self.n_workers))
 
     def worker_restored(self, worker: int) -> None:
         """``worker`` told this run its replays are in (Restored)."""
@@ -755,10 +756,11 @@ class RoundTable(Generic[W]):
             self._epochs[worker] = epoch
         if previous is None and epoch and not fresh:  # numbered against our predecessor: it restarted mid-job
             self._mid_job.add(worker)
-            for other in sorted(self._fresh - self._rejoining - {worker}):
-                cleared += self._rejoin_unknown(other)
         elif fresh or previous != epoch:  # (the same numbering back on a new connection: as it was)
             self._mid_job.discard(worker)
+        if worker in self._mid_job:  # (back after a drop too: a new worker may have come meanwhile)
+            for other in sorted(self._fresh - self._rejoining - {worker}):
+                cleared += self._rejoin_unknown(other)
         if previous is None and fresh and epoch:
             self._fresh.add(worker)
             return cleared + self._rejoin_unknown(worker)

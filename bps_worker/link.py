@@ -62,6 +62,7 @@ import logging
 import os
 import secrets
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Callable, Container, Final, Sequence, cast
 
@@ -158,6 +159,8 @@ class OutgoingPush(Piece):
 
 # What a worker tells an anchor of its processes' fused sums (see ControlMessages.drop_fused).
 _FUSED_TOLD: Final = (FuseReady, FuseAbort, FuseResync, FusePast, FuseRunning)
+# What says a round of ours to a server (with pushes): once one reached it, our numbering is not fresh there.
+_NUMBERED: Final = (Abort, FuseReady, FuseAbort, FusePast, FuseRunning)
 
 
 class ControlMessages:
@@ -383,8 +386,9 @@ class ServerLink:
         self.given_up: dict[tuple[str, int], Abort] = {} if given_up is None else given_up
         self.incarnation: str | None = None  # of the server run we last talked to
         self.epoch = ""  # of this worker's round numbering (set by the daemon)
-        # Whether this link carried a round of that numbering (a push, an abort, a fused report) or learned one (a
-        # round query's answer); and whether no link to this server did (Hello.fresh; set by the daemon).
+        # Whether a round of that numbering reached the server on this link (a push, an abort, a fused report; sent,
+        # not queued: a server down meanwhile never heard of it) or was learned from it (a round query's answer);
+        # and whether that holds for no link to this server (Hello.fresh; set by the daemon).
         self.numbered = False
         self.numbering_fresh: Callable[[], bool] = lambda: not self.numbered
         self.closed = False
@@ -470,7 +474,6 @@ class ServerLink:
         answered (a restarted server may need them again).
         """
         future: asyncio.Future[None] = self.running_loop().create_future()
-        self.numbered = True
         if self.shm and shm_ref is not None and out_ref is not None:  # as _wire sends it: no copy per piece there
             push = Push(req=next(self._req), worker=self.worker_id, segment=shm_ref[0], seg_offset=shm_ref[1],
                         out_segment=out_ref[0], out_offset=out_ref[1], **push_fields)
@@ -522,24 +525,22 @@ class ServerLink:
         future = self.control.ask(query)
         self._send_control(query)
         if fate < 0:
-            future.add_done_callback(self._learned)
+            future.add_done_callback(partial(self._learned, self.epoch))
         return future
 
-    def _learned(self, answer: asyncio.Future[int]) -> None:
-        """A round query's answer came: our numbering is this server's now (Hello.fresh)."""
-        if not answer.cancelled() and answer.exception() is None:
+    def _learned(self, epoch: str, answer: asyncio.Future[int]) -> None:
+        """A round query's answer came: our numbering (of ``epoch``, if still ours) is this server's now."""
+        if epoch == self.epoch and not answer.cancelled() and answer.exception() is None:
             self.numbered = True
 
     def abort(self, name: str, part: int, round_: int, why: Why) -> None:
         """Tell the server that this worker gave up a round, and why (sent once connected, if need be)."""
         message = Abort(name, part, round_, self.worker_id, **why.carry())
-        self.numbered = True
         self.given_up[(name, part)] = message
         self._send_control(message)
 
     def fuse(self, message: FuseReady | FuseAbort | FuseRunning | FusePast) -> None:
         """Report fused sums to this server (their anchor), or give them up (sent once connected)."""
-        self.numbered = True
         self._send_control(message)
 
     def first_on_reconnect(self, message: FuseResync) -> None:
@@ -642,6 +643,7 @@ class ServerLink:
         now = self.running_loop().time()
         incarnation = self.incarnation
         while pieces := self.window.next_to_send(now, transport.get_write_buffer_size()):
+            self.numbered = True  # (Hello.fresh: a push of ours reached this server)
             for item in pieces:
                 item.reached = incarnation
             try:
@@ -717,6 +719,7 @@ class ServerLink:
 
     def _send_control(self, message: Message) -> None:
         if self._proto is not None and self._ready:
+            self.numbered = self.numbered or isinstance(message, _NUMBERED)
             self._send(self._proto, message)
         else:
             self.control.keep(message)
@@ -1019,7 +1022,8 @@ class ServerLink:
         self._attempt_error = ""
         proto.last_seen = loop.time()
         self._watch_silence(proto)
-        for message in self.control.take():
+        for message in self.control.take():  # (after our Hello: a run that never heard of them)
+            self.numbered = self.numbered or isinstance(message, _NUMBERED)
             self._send(proto, message)
         restarted = previous is not None and previous != welcome.incarnation
         self._settle_held(proto, restarted=restarted)

@@ -294,7 +294,7 @@ async def test_a_link_says_its_numbering_is_fresh_until_a_round_of_it_goes_to_or
     did a round query's answer (not the query alone: its answer may come from a later run); a fate query did
     not. The daemon asks every stream of a server, and a new epoch makes them fresh again."""
     fields = {"name": "w", "part": 0, "round": 0, "dtype": "float32", "shape": [2], "offset": 0, "count": 2}
-    for act in ("push", "abort", "fuse", "query", "fate"):
+    for act in ("push", "abort", "fuse", "query", "fate", "old-query"):
         link, proto, transport = _link()
         assert link.numbering_fresh()
         if act == "push":
@@ -307,11 +307,25 @@ async def test_a_link_says_its_numbering_is_fresh_until_a_round_of_it_goes_to_or
             answer = link.query_round("w", 0, 0, fate=3 if act == "fate" else -1)
             assert link.numbering_fresh()  # asked, not answered
             ((query, _),) = transport.messages()
+            if act == "old-query":  # a new epoch's before its answer (a failed step's query: a reset leaves it)
+                link.epoch = "new"
             link.on_message(proto, RoundInfo(query.req, 5), None)
             await asyncio.sleep(0)  # (the future's callbacks)
             assert answer.result() == 5
-        assert link.numbering_fresh() is (act == "fate"), act
+        assert link.numbering_fresh() is (act in ("fate", "old-query")), act
         link.close()
+    # Queued while the server is down, a push reached nothing of it yet: its run is still new to us (a review's
+    # case: both servers restarted, a tensor's pieces for the later one queued meanwhile).
+    link, proto, _ = _link()
+    link.on_broken(proto, "lost connection to server 0")
+    link._connecting.cancel()
+    link.push(fields, memoryview(bytearray(8)), memoryview(bytearray(8)), 0)
+    link.abort("w", 0, 3, Why("rank 0 left"))
+    assert link.numbering_fresh()
+    reconnect_link(link, proto, restarted=True)
+    link.pump()
+    assert not link.numbering_fresh()
+    link.close()
     servers = [{"id": i, "address": f"127.0.0.1:{9400 + i}", "worker": i} for i in range(2)]
     workers = [{"id": i, "local_size": 1, "socket": f"/tmp/w{i}.sock"} for i in range(2)]
     daemon = WorkerDaemon(WorkerConfig(parse_config({"cluster": {"workers": 2}, "server": servers,

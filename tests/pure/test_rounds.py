@@ -558,6 +558,25 @@ def test_a_new_workers_query_waits_for_every_other_workers_replays_once():
     assert not other.query_waits(1)
 
 
+def test_a_new_worker_rejoins_when_the_mid_job_peer_comes_back_from_a_dropped_connection():
+    """The mid-job peer's connection dropped just as the restarted machine said hello: its query waits for the
+    peer (not connected: it may come back), and the peer back with its numbering makes it rejoin (it was taken
+    for a job starting: a review's case)."""
+    links = {0, 1}
+    table: RoundTable[str] = RoundTable(2, lost_grace_s=10, connected=links.__contains__)
+    table.worker_hello(0, "e0", fresh=False)
+    table.worker_restored(0)
+    table.replay(_push(0, rnd=7, replay=True), _data(), 0.0)
+    links.discard(0)
+    table.worker_lost(0)
+    table.worker_hello(1, "new", fresh=True)
+    table.worker_restored(1)
+    assert table.query_waits(1)
+    links.add(0)
+    table.worker_hello(0, "e0", fresh=False)
+    assert not table.query_waits(1) and table.round_for("t", 0, 1) == 8
+
+
 def test_fresh_workers_alone_are_a_job_starting_not_a_rejoin():
     """Every hello says fresh (a job's daemons starting, in any order, or all of them after a restart of
     this server with nothing in flight): no worker rejoins, each is asked its own round (0). Nor does a worker
