@@ -183,3 +183,14 @@ def test_lone_floor_tiny_prints_every_process():
     assert sorted(key.strip() for key in rows) == sorted(
         ["p50 ms", "server CPU us", "worker0 CPU us", "worker1 CPU us"] + [f"rank{r} CPU us" for r in range(4)])
     assert all(float(value) > 0 for value in rows.values()), result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_double_fault_tiny_rejoins_a_machine_back_from_a_double_fault():
+    """One job of the test's order (every server and a worker machine restarted, then the machine's new process):
+    every sum exact, the new process summed with the healthy one's steps in order, no error on it."""
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "double_fault.py"), "--sched", "test",
+                             "--reps", "1", "--names", "2", "--elems", "1000", "--steps", "4"],
+                            capture_output=True, text=True, timeout=100, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[-2:] == ["test rep 0: ok", "1 of 1 jobs as expected"], result.stdout
