@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import shutil
 import sys
 import tempfile
 import threading
@@ -220,9 +221,12 @@ def run_rep(rep: int, opts: dict[str, Any]) -> list[str]:
                 if p.is_alive():
                     p.kill()
             cluster.stop()
-    found = [f"{opts['workers'] + 1 - len(reports)} of {opts['workers'] + 1} processes never reported (a hang)"
-             ] if len(reports) < opts["workers"] + 1 else []
-    return found + [p for out in reports for p in problems_of(out, opts)]
+        found = [f"{opts['workers'] + 1 - len(reports)} of {opts['workers'] + 1} processes never reported (a hang)"
+                 ] if len(reports) < opts["workers"] + 1 else []
+        found += [p for out in reports for p in problems_of(out, opts)]
+        if found and opts["keep_logs"]:
+            shutil.copytree(Path(tmp) / "logs", Path(opts["keep_logs"]) / f"{opts['sched']}-{rep}", dirs_exist_ok=True)
+    return found
 
 
 def main() -> int:
@@ -236,6 +240,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=4.0, help="the cluster's timeout (default 4 s)")
     ap.add_argument("--delay", type=float, default=6.0, help="seconds the servers stay down (default 6)")
     ap.add_argument("--seconds", type=float, default=90.0, help="longest a process trains (default 90)")
+    ap.add_argument("--keep-logs", default="", help="copy the daemons' logs of a failed job to DIR/SCHED-REP")
     opts = vars(ap.parse_args())
     failed = 0
     total = 0

@@ -290,7 +290,8 @@ class SummationServer:
         """Answer the waiting round queries that wait no more (a hello, a Restored, their time): in their order."""
         if not self.waiting_queries:
             return
-        now = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         table = self.aggregator.table
         waiting, self.waiting_queries = self.waiting_queries, []
         for conn, query, until in waiting:
@@ -303,6 +304,8 @@ class SummationServer:
                     continue
                 table.waited_out.add(worker)
             conn.answer_round_query(query)
+        if self.waiting_queries:  # (a timer may fire a little before its time: the loop's clock is coarser)
+            loop.call_at(min(until for _, _, until in self.waiting_queries) + 0.01, self.answer_waiting_queries)
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

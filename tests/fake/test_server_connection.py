@@ -396,3 +396,23 @@ async def test_a_waiting_round_query_is_answered_at_its_time_when_nobody_comes()
     finally:
         server_module.QUERY_WAIT_S = saved
     await server.stop()
+
+
+async def test_a_query_kept_waiting_always_has_a_timer_to_answer_it():
+    """A timer of the loop may fire a hair before the time it was set for (a coarser clock): the query it was
+    for waited still, and nothing answered it ever after (a hang, found by benchmarks/double_fault.py). Every
+    query kept waiting has a timer again."""
+    from protocol.messages import RoundInfo, RoundQuery, Restored
+
+    server = _server()
+    conn, transport = _connect(server)
+    _feed(conn, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 1, epoch="e1", fresh=True)))
+    _feed(conn, _frame(Restored(1)))
+    loop = asyncio.get_running_loop()
+    server.waiting_queries.append((conn, RoundQuery(5, "w", 0, 0), loop.time() + 0.05))  # as if its timer fired
+    server.answer_waiting_queries()  # early: it still waits
+    await asyncio.sleep(0)
+    assert not [m for m, _ in transport.messages() if isinstance(m, RoundInfo)]
+    await asyncio.sleep(0.2)
+    assert [(m.req, m.round) for m, _ in transport.messages() if isinstance(m, RoundInfo)] == [(5, 0)]
+    await server.stop()
