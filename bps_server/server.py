@@ -100,6 +100,7 @@ class SummationServer:
         # Round queries of workers new to this run, until it is known whether they rejoin (RoundTable.query_waits),
         # each at most QUERY_WAIT_S: its connection, the query, until when (loop time).
         self.waiting_queries: list[tuple[ServerConnection, RoundQuery, float]] = []
+        self._query_timer: asyncio.TimerHandle | None = None  # at the first one's time
         self.tasks: set[asyncio.Task[Any]] = set()
         self.stopping = False
         self._server: asyncio.AbstractServer | None = None
@@ -281,17 +282,16 @@ class SummationServer:
 
     def wait_query(self, conn: ServerConnection, query: RoundQuery) -> None:
         """Answer ``query`` once its worker's round is known (RoundTable.query_waits), or after QUERY_WAIT_S."""
-        loop = asyncio.get_running_loop()
         wait_s = min(QUERY_WAIT_S, self.config.cluster.timeout)
-        self.waiting_queries.append((conn, query, loop.time() + wait_s))
-        loop.call_later(wait_s, self.answer_waiting_queries)
+        self.waiting_queries.append((conn, query, asyncio.get_running_loop().time() + wait_s))
+        if self._query_timer is None:  # (else it is at an earlier one's time: they wait alike, in order)
+            self._arm_query_timer()
 
     def answer_waiting_queries(self) -> None:
         """Answer the waiting round queries that wait no more (a hello, a Restored, their time): in their order."""
         if not self.waiting_queries:
             return
-        loop = asyncio.get_running_loop()
-        now = loop.time()
+        now = asyncio.get_running_loop().time()
         table = self.aggregator.table
         waiting, self.waiting_queries = self.waiting_queries, []
         for conn, query, until in waiting:
@@ -304,8 +304,17 @@ class SummationServer:
                     continue
                 table.waited_out.add(worker)
             conn.answer_round_query(query)
-        if self.waiting_queries:  # (a timer may fire a little before its time: the loop's clock is coarser)
-            loop.call_at(min(until for _, _, until in self.waiting_queries) + 0.01, self.answer_waiting_queries)
+        self._arm_query_timer()
+
+    def _arm_query_timer(self) -> None:
+        """One timer, at the first waiting query's time (the earliest: they wait alike, in order), a little after
+        it: a timer may fire a hair early (the loop's clock is coarser), and the query then waits on."""
+        if self._query_timer is not None:
+            self._query_timer.cancel()
+        self._query_timer = None
+        if self.waiting_queries:
+            self._query_timer = asyncio.get_running_loop().call_at(self.waiting_queries[0][2] + 0.01,
+                                                                   self.answer_waiting_queries)
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
