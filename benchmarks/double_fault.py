@@ -19,7 +19,8 @@ and ends), and then, by ``--sched``:
   seconds later the other servers.
 
 The healthy processes train until they have been summed with ``--steps`` steps of the new process; the new one
-until ``--steps`` of its steps went through. Expected: every sum exact; after the restart each process sees
+until ``--steps`` of its steps went through (it numbers them from 500, the victim from 0: a healthy process
+tells them apart whichever of them failed). Expected: every sum exact; after the restart each process sees
 every other process's steps one after the other, and the same step of it in every name of a step (a name a step
 off the others is a silent drift); the new process's steps may fail while a server is down (longer than the
 timeout: ``--delay``), none after its first sum; no hang.
@@ -30,6 +31,7 @@ Exit status: 0 if every rep was as expected, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import shutil
 import sys
@@ -44,6 +46,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 M = 1000  # rank r's step is digit r of every sum, base M
+NEW_FIRST = 500  # the new process's first step: its steps are told from the victim's by value
 SCHEDULES = ("test", "early", "stagger")
 
 
@@ -100,7 +103,7 @@ def rank_main(queue: Any, sock: str, role: str, opts: dict[str, Any]) -> None:
         totals = [sum(base[(r, j)] for r in range(opts["workers"])) for j in range(opts["names"])]
         victim = opts["workers"] - 1
         deadline = time.monotonic() + opts["seconds"]
-        step = 0
+        step = NEW_FIRST if role == "new" else 0
         while time.monotonic() < deadline:
             failed = run_step(bps, step, rank, opts, base, totals, out)
             step += 1
@@ -108,9 +111,8 @@ def rank_main(queue: Any, sock: str, role: str, opts: dict[str, Any]) -> None:
                 break
             if role == "new" and len(out["seen"]) >= opts["steps"]:
                 break
-            back = [s[0][victim] for _, s in out["seen"]]
-            restart = next((i for i in range(1, len(back)) if back[i] < back[i - 1]), None)
-            if role == "healthy" and restart is not None and len(back) - restart >= opts["steps"]:
+            back = [s[0][victim] for _, s in out["seen"] if s[0][victim] >= NEW_FIRST]
+            if role == "healthy" and len(back) >= opts["steps"]:
                 break
             if failed:
                 time.sleep(0.05)
@@ -140,9 +142,9 @@ def problems_of(out: dict[str, Any], opts: dict[str, Any]) -> list[str]:
             found.append(f"new: the healthy process's steps {peer[:20]}")
     if out["role"] == "healthy":
         back = [steps[0][-1] for _, steps in out["seen"]]
-        restart = next((i for i in range(1, len(back)) if back[i] < back[i - 1]), None)
-        after = back[restart:] if restart is not None else []
-        if len(after) < opts["steps"] or after != list(range(after[0], after[0] + len(after))):
+        after = [b for b in back if b >= NEW_FIRST]  # (a victim's step after one of the new's: wrong order)
+        if (len(after) < opts["steps"] or after != list(range(after[0], after[0] + len(after)))
+                or back[len(back) - len(after):] != after):
             found.append(f"healthy: the restarted machine's steps {back[-opts['steps'] - 4:]}")
     return found
 
@@ -225,7 +227,9 @@ def run_rep(rep: int, opts: dict[str, Any]) -> list[str]:
                  ] if len(reports) < opts["workers"] + 1 else []
         found += [p for out in reports for p in problems_of(out, opts)]
         if found and opts["keep_logs"]:
-            shutil.copytree(Path(tmp) / "logs", Path(opts["keep_logs"]) / f"{opts['sched']}-{rep}", dirs_exist_ok=True)
+            kept = Path(opts["keep_logs"]) / f"{opts['sched']}-{rep}"
+            shutil.copytree(Path(tmp) / "logs", kept, dirs_exist_ok=True)
+            (kept / "reports.json").write_text(json.dumps(reports, indent=1))  # every step's sums and errors
     return found
 
 
@@ -240,7 +244,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=4.0, help="the cluster's timeout (default 4 s)")
     ap.add_argument("--delay", type=float, default=6.0, help="seconds the servers stay down (default 6)")
     ap.add_argument("--seconds", type=float, default=90.0, help="longest a process trains (default 90)")
-    ap.add_argument("--keep-logs", default="", help="copy the daemons' logs of a failed job to DIR/SCHED-REP")
+    ap.add_argument("--keep-logs", default="", help="copy the daemons' logs of a failed job, and every process's "
+                                                     "steps (reports.json), to DIR/SCHED-REP")
     opts = vars(ap.parse_args())
     failed = 0
     total = 0

@@ -242,9 +242,10 @@ class Aggregator:
         """A worker's copy of a round's sum from this server's previous run (see "Server restarts")."""
         self._run(self.table.replay(push, data, time.monotonic()))
 
-    def round_for(self, name: str, part: int, worker: int, local: int = 0, failed: bool = False) -> int:
+    def round_for(self, name: str, part: int, worker: int, local: int = 0, failed: bool = False,
+                  given_up: bool = False) -> int:
         """The round ``worker``'s round ``local`` of (name, part) is (see RoundTable.round_for)."""
-        return self.table.round_for(name, part, worker, local, failed)
+        return self.table.round_for(name, part, worker, local, failed, given_up)
 
     def sweep(self, now: float) -> int:
         """Fail every round that waited longer than ``lost_grace_s`` for a worker that is not connected

@@ -258,6 +258,8 @@ class ServerConnection(AdmittedProtocol):
                 return
             if later is not None:
                 self.server.spawn(later)
+            if self.server.waiting_queries and push.part == 0:  # (a rejoiner's query may wait for this key)
+                self.server.answer_waiting_queries()
             if push.part == 0 and (push.name in self.server.fusion.waiting or push.name in self.server.fusion.failed):
                 self._pushed_unfused(push)
 
@@ -307,7 +309,7 @@ class ServerConnection(AdmittedProtocol):
                                  f"{query.fate} of {query.name!r} was out"))
             self.send(RoundInfo(query.req, int(summed)))
             return
-        if aggregator.table.query_waits(self.worker):
+        if aggregator.table.query_waits(self.worker, query.name, query.part, query.failed, query.given_up):
             self.server.wait_query(self, query)
             return
         self.answer_round_query(query)
@@ -316,7 +318,7 @@ class ServerConnection(AdmittedProtocol):
         """Which round our worker's round ``query.local`` of the key is (RoundTable.round_for)."""
         assert self.worker is not None
         self.send(RoundInfo(query.req, self.server.aggregator.round_for(query.name, query.part, self.worker,
-                                                                        query.local, query.failed)))
+                                                                        query.local, query.failed, query.given_up)))
 
     def on_announce(self, message: Announce, payload: memoryview | None) -> None:
         """Segments the worker's pushes on this connection will name: the only ones we map. An honest
@@ -516,9 +518,19 @@ class ServerConnection(AdmittedProtocol):
 
     def _lease(self, push: Push) -> Lease:
         """The check the aggregator makes right before each read of this push's view (``rounds.Lease``):
-        its data segment is still the file we mapped, and still large enough."""
-        seg, needed, tensor = self.segments[push.segment], push.seg_offset + push.payload_nbytes, push.name
-        return lambda: check_size(seg, needed, tensor)
+        its data segment is still the file we mapped, and still large enough. Its error names the worker whose
+        memory it is (the round fails for every worker: a peer whose daemon died meanwhile took its segments
+        with it, and the others hear whose)."""
+        seg, needed, tensor, worker = (self.segments[push.segment], push.seg_offset + push.payload_nbytes, push.name,
+                                       push.worker)
+
+        def lease() -> None:
+            try:
+                check_size(seg, needed, tensor)
+            except SegmentSizeError as exc:
+                exc.strerror = f"worker {worker}'s {exc.strerror}"
+                raise
+        return lease
 
     def _segment(self, push: Push, name: str, needed: int) -> SharedMemory | None:
         """Our mapping of segment ``name`` for ``push``, with ``needed`` bytes right now; None, and the push

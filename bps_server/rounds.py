@@ -381,6 +381,10 @@ class RoundTable(Generic[W]):
         # starting (worker_hello).
         self._fresh: set[int] = set()
         self._mid_job: set[int] = set()
+        # Workers whose first hello to this run said fresh, pushed since or not: one is new to the job of a
+        # mid-job worker whose hello comes later, whatever it pushed before that hello (its queued pushes can
+        # reach the last server back before the peer's hello: a hang, benchmarks/double_fault.py).
+        self._came_fresh: set[int] = set()
         # Workers that told this run their replays are in (Restored: on a first connection to a run, and after
         # a restart's replays): until every other worker did, a new worker's round is not known (query_waits).
         self._restored: set[int] = set()
@@ -530,12 +534,15 @@ class RoundTable(Generic[W]):
         self._open(token.key, st.round + 1).last_sum = st.round
         return Complete(token.key, st.round, st.opened, tuple(st.waiters.values()))
 
-    def round_for(self, name: str, part: int, worker: int, local: int = 0, failed: bool = False) -> int:
+    def round_for(self, name: str, part: int, worker: int, local: int = 0, failed: bool = False,
+                  given_up: bool = False) -> int:
         """The round that ``worker``'s round ``local`` of key (name, part) is, for a worker whose round
         numbering starts afresh (see RoundQuery). ``local`` when no other worker was mid-job as the worker's
         numbering started (every worker starts a job together: the numbers are the same); for a rejoining
         worker, the round the others are in, or the next one if that one failed or already has the worker;
-        -1 if ``local`` is a failed fused step's (that step's round and the next one look alike here)."""
+        -1 if ``local`` is a failed fused step's (that step's round and the next one look alike here); the
+        round the others are in, failed or not, if ``local`` is a round given up beside a step's other names
+        (``given_up``: the peers' step that failed by the same fault as ours is that one)."""
         if worker not in self._rejoining:
             return local
         if failed:
@@ -543,22 +550,46 @@ class RoundTable(Generic[W]):
         st = self.keys.get((name, part))
         if st is None:
             return 0
-        done = (st.failed is not None or worker in st.waiters or worker in st.restart.replayers
-                or worker in st.restart.answered or worker in st.restart.passed)
+        mine = (worker in st.waiters or worker in st.restart.replayers or worker in st.restart.answered
+                or worker in st.restart.passed)
+        if given_up:
+            return st.round + (1 if mine else 0)
+        done = st.failed is not None or mine
         if not done:
             st.restart.placed.add(worker)  # (a replay of it that comes now no longer passes it: its push comes)
         return st.round + (1 if done else 0)
 
-    def query_waits(self, worker: int) -> bool:
-        """Whether a round query of ``worker`` waits before :meth:`round_for` answers it: the worker is new to
-        this run (fresh, or rejoining) while another worker has not told it its replays yet (Restored), or is
-        not connected now (back, it may make the new one rejoin: a dropped connection's gap). Whether
-        that one is mid-job (so the new one rejoins, worker_hello), and where (its replays and given-up rounds),
-        is not known before: answered at once, a machine back while this server was down too took a job
-        starting for its own and failed its first steps as stale rounds (a review's case). The caller bounds
-        the wait: a worker that never comes leaves the rounds to the sweep, as ever."""
-        return (worker in self._fresh or worker in self._rejoining) and worker not in self.waited_out and any(
-            w != worker and (w not in self._restored or not self.connected(w)) for w in range(self.n_workers))
+    def query_waits(self, worker: int, name: str, part: int = 0, failed: bool = False, given_up: bool = False) -> bool:
+        """Whether a round query of ``worker`` for key (name, part) waits before :meth:`round_for` answers it.
+
+        The worker is new to this run (fresh, or rejoining) while another worker has not told it its replays
+        yet (Restored), or is not connected now (back, it may make the new one rejoin: a dropped connection's
+        gap). Whether that one is mid-job (so the new one rejoins, worker_hello), and where (its replays and
+        given-up rounds), is not known before: answered at once, a machine back while this server was down too
+        took a job starting for its own and failed its first steps as stale rounds (a review's case).
+
+        Or the worker rejoins peers that are mid-job with our predecessor, and none of them pushed the key
+        here yet: the peers' round of it is not known (no state is not "a name nobody pushed yet" after a
+        restart), nor is a failed round's next one (their aborts of earlier rounds come first). Answered
+        with what this run had seen, the new machine's names were placed a step apart (a hang). Not for a
+        failed round (answered -1 whatever the peers do).
+
+        The caller bounds the wait: a worker that never comes leaves the rounds to the sweep, as ever."""
+        if (worker in self._fresh or worker in self._rejoining) and worker not in self.waited_out and any(
+                w != worker and (w not in self._restored or not self.connected(w)) for w in range(self.n_workers)):
+            return True
+        return (not failed and worker in self._rejoining
+                and not self._peers_round_known(worker, (name, part), failed_too=given_up))
+
+    def _peers_round_known(self, worker: int, key: Key, failed_too: bool) -> bool:
+        """Whether key's round among the peers of rejoining ``worker`` is known here (see query_waits); a
+        failed round is, ``failed_too``, for a round given up (RoundQuery.given_up)."""
+        if not any(w != worker and w in self._mid_job and w not in self._reset and self.connected(w)
+                   for w in range(self.n_workers)):
+            return True  # (no peer numbered against our predecessor: what this run saw is all there is)
+        st = self.keys.get(key)
+        return st is not None and (st.last_sum is not None or bool(st.restart.replayers)
+                                   or any(w != worker for w in st.waiters) or (failed_too and st.failed is not None))
 
     def worker_restored(self, worker: int) -> None:
         """``worker`` told this run its replays are in (Restored)."""
@@ -759,12 +790,15 @@ class RoundTable(Generic[W]):
         elif fresh or previous != epoch:  # (the same numbering back on a new connection: as it was)
             self._mid_job.discard(worker)
         if worker in self._mid_job:  # (back after a drop too: a new worker may have come meanwhile)
-            for other in sorted(self._fresh - self._rejoining - {worker}):
+            for other in sorted(self._came_fresh - self._rejoining - {worker}):
                 cleared += self._rejoin_unknown(other)
         if previous is None and fresh and epoch:
             self._fresh.add(worker)
+            self._came_fresh.add(worker)
             return cleared + self._rejoin_unknown(worker)
         self._fresh.discard(worker)
+        if previous != epoch:  # (a new numbering: see _numbering_restarted)
+            self._came_fresh.discard(worker)
         # A first hello is a job (or this server) starting, not a worker coming back: the workers of a
         # job do not connect at the same instant, and must not line up with each other's first rounds.
         if epoch and previous is not None and previous != epoch:
@@ -790,6 +824,7 @@ class RoundTable(Generic[W]):
                             f"{st.round} of {st.key[0]!r} cannot complete")))
         actions.append(self._mark_gone(worker, "has no training processes"))
         self._mid_job.discard(worker)
+        self._came_fresh.discard(worker)
         self._reset.add(worker)
         self._dropped.discard(worker)
         if epoch:
@@ -854,6 +889,7 @@ class RoundTable(Generic[W]):
         self._ended_sums.clear()
         self._rejoining.clear()
         self._fresh.clear()
+        self._came_fresh.clear()
         self._mid_job.clear()
         self.waited_out.clear()
         # The next job's workers are waited for afresh (a round fails only if one has still neither

@@ -298,7 +298,7 @@ class SummationServer:
             worker = conn.worker
             if conn.closed or worker is None or self.links.get(worker) is not conn:  # (asked again when back)
                 continue
-            if table.query_waits(worker):
+            if table.query_waits(worker, query.name, query.part, query.failed, query.given_up):
                 if now < until:
                     self.waiting_queries.append((conn, query, until))
                     continue

@@ -521,17 +521,37 @@ class WorkerDaemon:
         round number all the same, as it does on a peer that pushed the name unfused in that step (see
         ``bps_worker.fusion``, "Each round has an index"), and that round is given up at the anchor, so that
         its round table counts the step too (a machine that rejoins is placed by it)."""
-        self.spawn(self._give_up_step(name, self.rounds.numbers.take(name), self.epoch))
+        why = Why(f"tensor {name!r}: the fused round of this step failed on worker {self.worker_id}", "round_failed")
+        self.spawn(self.give_up_failed_round(name, self.rounds.numbers.take(name), why))
 
-    async def _give_up_step(self, name: str, local_round: int, epoch: str) -> None:
-        """See :meth:`unfused_step`; ``epoch``: the job whose step it is (void once that job is over, even before
-        this first runs: the last process's leaving fails its rounds, then resets at once)."""
+    def give_up_failed_round(self, name: str, local_round: int, why: Why) -> Coroutine[Any, Any, None]:
+        """Give up our round ``local_round`` of ``name``, which failed here before it was pushed (to be spawned):
+        at its anchor once its base is known.
+
+        Where it is not, a machine that rejoins the others cannot tell which of the peers' rounds this one
+        would have been: asked as a failed round's (``RoundQuery.failed``) it is answered -1 and gives up
+        nothing, and its next round of the name is placed at the peers' (a machine back while the servers were
+        down fails its first steps in every name). Placed as a round to join, such a round failed the peers'
+        in some names and not others, where their state differed at each anchor's answer (a name a step off
+        the others for the rest of the job, or a hang: ``benchmarks/double_fault.py``). But where another
+        name's round of the same number went to the servers (its anchor answered, this one's did not), the
+        step is the peers' current one, and this name's round of it is given up at the peers' current round
+        (``RoundQuery.given_up``: open, or failed by the same fault as ours; not the next one): left alone, the
+        peers' step would have had the other names' sums and waited for this one's, which then came from our
+        next step."""
+        return self._give_up_step(name, local_round, self.epoch, why,
+                                  beside=self.rounds.numbers.placed_beside(name, local_round))
+
+    async def _give_up_step(self, name: str, local_round: int, epoch: str, why: Why, beside: bool = False) -> None:
+        """See :meth:`give_up_failed_round`; ``epoch``: the job whose step it is (void once that job is over, even
+        before this first runs: the last process's leaving fails its rounds, then resets at once)."""
         if self.epoch != epoch:
             return
         base = self.rounds.numbers.base(name)
         if base is None:  # the name's first numbered step in this job: learned here unless we rejoined
             try:
-                server_round = await self._anchor_link(name).query_round(name, 0, local_round, failed=True)
+                server_round = await self._anchor_link(name).query_round(name, 0, local_round, failed=not beside,
+                                                                         given_up=beside)
             except (BPSError, asyncio.CancelledError):
                 return  # the anchor is unreachable, or the job is gone
             if server_round < 0 or self.epoch != epoch:
@@ -539,7 +559,6 @@ class WorkerDaemon:
             base = self.rounds.numbers.base(name)  # learned meanwhile (another step's query, or a round's)
             if base is None:
                 base = self.rounds.numbers.learn(name, local_round, server_round)
-        why = Why(f"tensor {name!r}: the fused round of this step failed on worker {self.worker_id}", "round_failed")
         self.abort_at_anchor(name, local_round + base, why)
 
     def round_base(self, name: str, local_round: int) -> asyncio.Future[int]:

@@ -517,11 +517,11 @@ class ServerLink:
         return True
 
     def query_round(self, name: str, part: int = 0, local: int = 0, failed: bool = False,
-                    fate: int = -1) -> asyncio.Future[int]:
+                    fate: int = -1, given_up: bool = False) -> asyncio.Future[int]:
         """Ask the server which round our round ``local`` of (name, part) is, or (``fate``) whether it summed
         that round (see RoundQuery)."""
         req = next(self._req)
-        query = RoundQuery(req, name, part, local, failed, fate)
+        query = RoundQuery(req, name, part, local, failed, fate, given_up)
         future = self.control.ask(query)
         self._send_control(query)
         if fate < 0:

@@ -163,11 +163,12 @@ Action = Union[Opened[M], Refused[M], Failed[M], Ready[M]]
 class RoundNumbers:
     """Per name: the next local round number, and the base that turns ours into the servers'."""
 
-    __slots__ = ("_next", "_base")
+    __slots__ = ("_next", "_base", "_learned_from")
 
     def __init__(self) -> None:
         self._next: dict[str, int] = {}
         self._base: dict[str, int] = {}
+        self._learned_from: dict[str, int] = {}  # the first local round whose servers' number was learned
 
     def take(self, name: str) -> int:
         """The number of a new local round of ``name`` (every round consumes one)."""
@@ -179,7 +180,15 @@ class RoundNumbers:
         """The servers said that our round ``local_round`` of ``name`` is their ``server_round``:
         remember and return the base (the offset from ours to theirs)."""
         base = self._base[name] = server_round - local_round
+        if local_round < self._learned_from.get(name, local_round + 1):
+            self._learned_from[name] = local_round
         return base
+
+    def placed_beside(self, name: str, local_round: int) -> bool:
+        """Whether another name's round ``local_round`` (the same step, where every step issues every name) was
+        numbered with a learned base: that step went to the servers (see WorkerDaemon.give_up_failed_round)."""
+        return any(first <= local_round < self._next.get(other, 0)
+                   for other, first in self._learned_from.items() if other != name)
 
     def base(self, name: str) -> int | None:
         """The base of ``name`` if learned in this job."""
@@ -194,11 +203,13 @@ class RoundNumbers:
         """``name`` is never numbered again (a fused tensor of a lane generation that ended)."""
         self._next.pop(name, None)
         self._base.pop(name, None)
+        self._learned_from.pop(name, None)
 
     def reset(self) -> None:
         """A new job: numbering starts at 0 again and every base must be learned again."""
         self._next.clear()
         self._base.clear()
+        self._learned_from.clear()
 
 
 class LocalRounds(Generic[M]):

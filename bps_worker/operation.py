@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from math import prod
 from multiprocessing.shared_memory import SharedMemory
-from typing import TYPE_CHECKING, Any, Callable, Final, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Final, Protocol
 
 import numpy as np
 
@@ -107,7 +107,7 @@ class OperationHost(Protocol):
 
     def abort_at_anchor(self, name: str, server_round: int, why: Why) -> None: ...
 
-    async def abort_when_known(self, name: str, local_round: int, base: asyncio.Future[int], why: Why) -> None: ...
+    def give_up_failed_round(self, name: str, local_round: int, why: Why) -> Coroutine[Any, Any, None]: ...
 
     def spawn(self, coro: Any) -> asyncio.Future[Any]: ...
 
@@ -216,10 +216,7 @@ class Operation:
             self.answer_failure(lambda req, _: replace(failure_from_error(req, exc) if isinstance(exc, BPSError)
                                                        else Failure(req, reason), message=reason))
             if self._job_current():  # peers that learned it wait for our pushes: they fail once we learn it
-                host = self.host
-                host.spawn(host.abort_when_known(self.name, self.local_round,
-                                                 host.round_base(self.name, self.local_round),
-                                                 why_from_error(exc, reason)))
+                self.host.spawn(self.host.give_up_failed_round(self.name, self.local_round, why_from_error(exc, reason)))
             return None
 
     async def scatter(self, contribution: Contribution, server_round: int) -> Scattered:

@@ -18,6 +18,8 @@ reads and validates the cluster configuration (``config``).
 # Welcome.server, under the proofs (a version-8 peer drops the field it does not know, and each side's proof
 # would cover other bytes: "a wrong proof" instead of the version mismatch). 10: Hello.fresh (a worker's numbering
 # is unused: a restarted server places a machine that came back meanwhile at its peers' round; under the proofs).
-PROTOCOL_VERSION = 10
+# 11: RoundQuery.given_up (a version-10 server would drop it and place the round as one to join: after a failed
+# round, the next one, which the rejoining machine's next step takes too).
+PROTOCOL_VERSION = 11
 
 __all__ = ["PROTOCOL_VERSION"]

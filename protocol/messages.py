@@ -668,8 +668,12 @@ class RoundQuery(Message):
     a worker machine that comes back joins the round the others are in. ``local``: the worker's own number
     of the round it asks for (a worker that did not rejoin is answered with it: its numbers are the
     servers'). ``failed``: that number is a failed fused step's (``bps_worker.fusion``: a step takes an
-    unfused round number whichever path it took); a rejoining worker is answered -1 then, "ask again at a
-    round of yours", since the servers cannot tell that step's round from the next one.
+    unfused round number whichever path it took, or a round that failed before its number was known); a
+    rejoining worker is answered -1 then, "ask again at a round of yours", since the servers cannot tell that
+    step's round from the next one. ``given_up``: that number is a round that failed here before its push, of a
+    step whose other names went to the servers (``WorkerDaemon.give_up_failed_round``); a rejoining worker is
+    answered the peers' current round, open or failed (not the next one after a failed round), to give it up
+    there.
 
     ``fate`` (at least 0): not a round to join, but whether the server summed round ``fate`` of (name, part):
     RoundInfo.round 1 if so, 0 if not; a round not summed is given up first, as this worker's Abort of it would
@@ -683,6 +687,7 @@ class RoundQuery(Message):
     local: int = 0
     failed: bool = False
     fate: int = -1
+    given_up: bool = False
 
     def validate(self) -> None:
         _check_name(self.name)

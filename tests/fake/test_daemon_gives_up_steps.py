@@ -26,7 +26,8 @@ class Anchor:
         self.queries: list[tuple[str, int, bool]] = []
         self.aborts: list[tuple[str, str, int]] = []  # (the daemon's epoch as it was sent, name, round)
 
-    def query_round(self, name: str, part: int = 0, local: int = 0, failed: bool = False) -> asyncio.Future[int]:
+    def query_round(self, name: str, part: int = 0, local: int = 0, failed: bool = False,
+                    given_up: bool = False) -> asyncio.Future[int]:
         self.queries.append((name, local, failed))
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         if self.connected and self.rtt:
@@ -113,3 +114,92 @@ async def test_a_round_aborted_once_its_base_is_known_is_not_aborted_into_the_ne
     assert daemon.epoch != old
     await _settle(daemon)
     assert anchor.aborts == [], f"an abort of the old job's round sent in the new job: {anchor.aborts}"
+
+
+class RejoinAnchor(Anchor):
+    """The anchor of a machine that rejoins peers at their round ``peers`` (RoundTable.round_for): a failed
+    round's query is answered -1, any other is placed at the peers' round. While a name is in ``down`` (its
+    server is down), its queries wait in the link: :meth:`time_out` fails those asked so far (the timeout),
+    :meth:`up` answers the rest."""
+
+    def __init__(self, daemon: WorkerDaemon, peers: int, down: set[str]) -> None:
+        super().__init__(daemon, True)
+        self.peers, self.down = peers, set(down)
+        self.held: list[tuple[asyncio.Future[int], bool]] = []
+        self.given_up: list[tuple[str, int]] = []
+
+    def query_round(self, name: str, part: int = 0, local: int = 0, failed: bool = False,
+                    given_up: bool = False) -> asyncio.Future[int]:
+        self.queries.append((name, local, failed))
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        if given_up:
+            self.given_up.append((name, local))
+        if name in self.down:
+            self.held.append((future, failed))
+        else:
+            future.set_result(-1 if failed else self.peers)
+        return future
+
+    async def time_out(self, daemon: WorkerDaemon, session: FakeSession) -> None:
+        """Fail the queries asked so far, until the process heard its round failed (a query asked again after a
+        failed one is asked in the same timeout); those asked after it wait."""
+        while self.held and not session.answers:
+            held, self.held = self.held, []
+            for future, _ in held:
+                future.set_exception(BPSConnectionError("cannot reach server 1 within 4 s"))
+            await _settle(daemon)
+
+    def up(self) -> None:
+        self.down.clear()
+        for future, failed in self.held:
+            future.set_result(-1 if failed else self.peers)
+
+
+def _rejoining(down: set[str]) -> tuple[WorkerDaemon, RejoinAnchor, FakeSession]:
+    daemon, _ = _daemon()
+    anchor = RejoinAnchor(daemon, 7, down)
+    daemon._anchor_link = lambda name: anchor  # type: ignore[method-assign,assignment,return-value]
+    session = FakeSession(0)
+    daemon.sessions[0] = session  # type: ignore[assignment]
+    return daemon, anchor, session
+
+
+def _op(req: int, name: str) -> Op:
+    return Op(req=req, name=name, kind="sum", segment="seg", offset=0, dtype="float32", shape=[4])  # type: ignore[arg-type]
+
+
+async def test_a_rejoiners_step_that_could_not_learn_its_round_gives_up_nothing_of_the_peers():
+    """A machine back while the servers were down: its first step of "a" fails ("cannot learn its round"). It
+    gives the round up as a failed round's (answered -1: it rejoins): nothing is aborted and no base learned, so
+    its next round is placed at the peers' round. Before, the round was placed as one to join (the peers' round
+    7) and aborted there: the peers' step failed in this name, and where another name's anchor answered
+    differently, the names went a step apart for the rest of the job (benchmarks/double_fault.py)."""
+    daemon, anchor, session = _rejoining({"a"})
+    daemon.submit(session, _op(1, "a"))  # type: ignore[arg-type]
+    await _settle(daemon)
+    await anchor.time_out(daemon, session)
+    assert [a.message for a in session.answers if "cannot learn its round" in getattr(a, "message", "")]
+    anchor.up()
+    await _settle(daemon)
+    assert ("a", 0, True) in anchor.queries and anchor.aborts == []
+    assert daemon.rounds.numbers.base("a") is None
+
+
+async def test_a_rejoiners_round_that_failed_beside_a_placed_name_of_its_step_is_aborted_at_the_peers_round():
+    """The step's "b" learned its round (its anchor answered: the peers' round 7) and went to the servers; "a"
+    could not (its anchor was down longer than the timeout). The step is the peers' current one: "a"'s round of
+    it is given up at the peers' round (RoundQuery.given_up), so that the peers' step fails in "a" as here (left
+    alone, the peers' round 7 of "a" waited and took this machine's next step: "a" a step off "b")."""
+    daemon, anchor, session = _rejoining({"a"})
+    daemon.submit(session, _op(1, "b"))  # type: ignore[arg-type]
+    await _settle(daemon)
+    assert daemon.rounds.numbers.base("b") == 7
+    session.answers.clear()  # ("b" failed in the gather: this fake process has no shared memory)
+    daemon.submit(session, _op(2, "a"))  # type: ignore[arg-type]
+    await _settle(daemon)
+    await anchor.time_out(daemon, session)
+    anchor.up()
+    await _settle(daemon)
+    assert anchor.given_up == [("a", 0)]
+    assert [(name, round_) for _, name, round_ in anchor.aborts if name == "a"] == [("a", 7)]
+    assert daemon.rounds.numbers.base("a") == 7

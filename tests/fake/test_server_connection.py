@@ -352,7 +352,9 @@ async def test_a_new_workers_round_query_waits_for_the_others_replays_and_is_ans
     """A restarted server: the machine of worker 1 came back too (its hello says its numbering is fresh) and its
     process asks its first name's round before worker 0, mid-job, is back. The answer waits for worker 0's hello
     and replays (its Restored), then places worker 1 at worker 0's next round; answered at once, it was round 0
-    (a job starting) and worker 1's first steps failed as stale rounds (a review's case)."""
+    (a job starting) and worker 1's first steps failed as stale rounds (a review's case). A round given up there
+    is not where worker 0 goes next: the answer waits for its push of the name (its aborts of earlier rounds come
+    first; answered at the first of them, the new machine's names were placed a step apart)."""
     from protocol.messages import Abort, RoundInfo, RoundQuery, Restored
 
     server = _server()
@@ -368,6 +370,10 @@ async def test_a_new_workers_round_query_waits_for_the_others_replays_and_is_ans
     await asyncio.sleep(0)
     assert not [m for m, _ in new_t.messages() if isinstance(m, RoundInfo)]  # its replays are not all in yet
     _feed(old, _frame(Restored(0)))
+    await asyncio.sleep(0)
+    assert not [m for m, _ in new_t.messages() if isinstance(m, RoundInfo)]  # round 6 failed: the next is its push
+    push = Push(req=1, name="w", part=0, round=7, worker=0, dtype="float32", shape=[4], offset=0, count=4)
+    _feed(old, _frame(push, np.ones(4, np.float32).tobytes()))
     await asyncio.sleep(0)  # (what a connection sends goes out at the end of the loop's pass)
     (info,) = [m for m, _ in new_t.messages() if isinstance(m, RoundInfo)]
     assert (info.req, info.round) == (5, 7)

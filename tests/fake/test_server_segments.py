@@ -151,7 +151,8 @@ def _tcp_push(dtype: str, round_: int, value: float) -> tuple[Push, bytes]:
 async def test_a_held_borrowed_push_whose_segment_shrank_fails_the_round_not_the_server(segments, dtype):
     """Worker 0's push is a view of its memory, held (not copied) until worker 1 pushes; the segment is
     truncated in that wait. Before, the sum read the view: a SIGBUS of the server. Now the round fails for
-    both workers, naming the segment and both sizes, and the next round is summed."""
+    both workers, naming the segment, whose it is (a peer's daemon that died took its segments with it: the
+    other worker's processes heard of a segment, not of a worker) and both sizes, and the next round is summed."""
     server, (conn0, t0), (conn1, t1) = _two_workers(segments)
     _, data, out = segments
     count = NBYTES // np.dtype(dtype).itemsize
@@ -166,7 +167,8 @@ async def test_a_held_borrowed_push_whose_segment_shrank_fails_the_round_not_the
     for t, req in ((t0, 1), (t1, push1.req)):
         failure = await _answer(t)
         assert isinstance(failure, Failure) and failure.req == req, failure
-        assert f"{data.name!r} of tensor 'w' has 0 bytes now; {NBYTES} bytes are needed" in failure.message
+        assert f"worker 0's shared memory {data.name!r} of tensor 'w' has 0 bytes now; {NBYTES} bytes are needed" \
+            in failure.message
         assert not t.closed
     assert server.aggregator.counters.rounds_failed == 1
     # the server keeps serving: round 1, both on TCP now (worker 0's segment is gone)

@@ -371,8 +371,8 @@ async def test_a_failed_steps_round_is_given_up_at_the_anchor_once_the_base_is_l
     aborted: list[tuple[str, int]] = []
     answers: list[asyncio.Future[int]] = []
 
-    def query_round(name: str, part: int, local: int, failed: bool) -> asyncio.Future[int]:
-        assert failed and part == 0
+    def query_round(name: str, part: int, local: int, failed: bool, given_up: bool) -> asyncio.Future[int]:
+        assert failed and not given_up and part == 0
         answers.append(asyncio.get_running_loop().create_future())
         return answers[-1]
 
@@ -384,7 +384,8 @@ async def test_a_failed_steps_round_is_given_up_at_the_anchor_once_the_base_is_l
                                                    (4, "e2", None, [])):
         daemon.rounds.numbers.reset()
         daemon.epoch, aborted[:] = "e1", []
-        task = asyncio.ensure_future(WorkerDaemon._give_up_step(daemon, "n", 4, "e1"))  # type: ignore[arg-type]
+        task = asyncio.ensure_future(WorkerDaemon._give_up_step(daemon, "n", 4, "e1",  # type: ignore[arg-type]
+                                                                Why("failed here", "round_failed")))
         await asyncio.sleep(0)
         daemon.epoch = epoch
         answers[-1].set_result(answer)
