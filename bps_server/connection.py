@@ -297,6 +297,8 @@ class ServerConnection(AdmittedProtocol):
             return  # its rounds fail anyway (see on_push)
         why = Why.carried(abort, abort.name)  # the worker's reason, code and facts
         self.server.aggregator.abort(abort.name, abort.part, abort.round, self.worker, why)
+        if self.server.waiting_queries and abort.part == 0:  # (a round given up may wait for a failed round)
+            self.server.answer_waiting_queries()
 
     def on_round_query(self, query: RoundQuery, payload: memoryview | None) -> None:
         assert self.worker is not None

@@ -587,9 +587,10 @@ class RoundTable(Generic[W]):
         if not any(w != worker and w in self._mid_job and w not in self._reset and self.connected(w)
                    for w in range(self.n_workers)):
             return True  # (no peer numbered against our predecessor: what this run saw is all there is)
-        st = self.keys.get(key)
+        st = self.keys.get(key)  # (a push of another rejoiner's is no peer's round: it was placed by a guess too)
         return st is not None and (st.last_sum is not None or bool(st.restart.replayers)
-                                   or any(w != worker for w in st.waiters) or (failed_too and st.failed is not None))
+                                   or any(w in self._mid_job for w in st.waiters if w != worker)
+                                   or (failed_too and st.failed is not None))
 
     def worker_restored(self, worker: int) -> None:
         """``worker`` told this run its replays are in (Restored)."""

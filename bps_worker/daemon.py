@@ -538,9 +538,18 @@ class WorkerDaemon:
         step is the peers' current one, and this name's round of it is given up at the peers' current round
         (``RoundQuery.given_up``: open, or failed by the same fault as ours; not the next one): left alone, the
         peers' step would have had the other names' sums and waited for this one's, which then came from our
-        next step."""
-        return self._give_up_step(name, local_round, self.epoch, why,
-                                  beside=self.rounds.numbers.placed_beside(name, local_round))
+        next step. Which of the two is decided once the other names' queries of the step are answered or failed
+        (decided at once, a name whose answer was a moment late went to the servers beside a round already given
+        up as void: a review's case)."""
+        return self._give_up_after_step(name, local_round, self.epoch, why)
+
+    async def _give_up_after_step(self, name: str, local_round: int, epoch: str, why: Why) -> None:
+        numbers = self.rounds.numbers
+        asked = [query for other, query in self.round_queries.items() if other != name and not query.done()
+                 and numbers.base(other) is None and numbers.issued(other, local_round)]
+        if asked:
+            await asyncio.wait(asked)  # (each ends within the timeout: answered, or the link gave up)
+        await self._give_up_step(name, local_round, epoch, why, beside=numbers.placed_beside(name, local_round))
 
     async def _give_up_step(self, name: str, local_round: int, epoch: str, why: Why, beside: bool = False) -> None:
         """See :meth:`give_up_failed_round`; ``epoch``: the job whose step it is (void once that job is over, even
@@ -563,15 +572,22 @@ class WorkerDaemon:
 
     def round_base(self, name: str, local_round: int) -> asyncio.Future[int]:
         """The offset from our round numbers of ``name`` to the servers' (asked once per job, and
-        again after a failed attempt). 0 for a fused tensor: every worker numbers a lane generation's
-        rounds from 0 (``bps_worker.fused_driver``), so none is placed among the peers' by asking."""
+        again after a failed attempt, unless a round given up meanwhile learned it). 0 for a fused tensor: every
+        worker numbers a lane generation's rounds from 0 (``bps_worker.fused_driver``), so none is placed among
+        the peers' by asking."""
         if name.startswith(FUSED_PREFIX):
             known: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             known.set_result(0)
             return known
         query = self.round_queries.get(name)
         if query is None or (query.done() and (query.cancelled() or query.exception() is not None)):
-            query = self.round_queries[name] = asyncio.ensure_future(self._ask_round(name, local_round))
+            learned = self.rounds.numbers.base(name)
+            if learned is not None:
+                query = asyncio.get_running_loop().create_future()
+                query.set_result(learned)
+            else:
+                query = asyncio.ensure_future(self._ask_round(name, local_round))
+            self.round_queries[name] = query
         return query
 
     async def _ask_round(self, name: str, local_round: int) -> int:

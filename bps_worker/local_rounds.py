@@ -184,6 +184,10 @@ class RoundNumbers:
             self._learned_from[name] = local_round
         return base
 
+    def issued(self, name: str, local_round: int) -> bool:
+        """Whether our round ``local_round`` of ``name`` was numbered (taken) in this job."""
+        return self._next.get(name, 0) > local_round
+
     def placed_beside(self, name: str, local_round: int) -> bool:
         """Whether another name's round ``local_round`` (the same step, where every step issues every name) was
         numbered with a learned base: that step went to the servers (see WorkerDaemon.give_up_failed_round)."""

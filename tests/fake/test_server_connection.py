@@ -380,6 +380,28 @@ async def test_a_new_workers_round_query_waits_for_the_others_replays_and_is_ans
     await server.stop()
 
 
+async def test_a_given_up_round_query_is_answered_when_the_peers_abort_makes_its_round_known():
+    """A round given up beside its step's other names (RoundQuery.given_up) is placed at the peers' round, open or
+    failed: the peer's Abort of it makes it known and answers the waiting query (it waited QUERY_WAIT_S: only a
+    push, a hello or a Restored re-checked the waiting queries, a review's case)."""
+    from protocol.messages import Abort, RoundInfo, RoundQuery, Restored
+
+    server = _server()
+    old, _ = _connect(server)
+    _feed(old, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, epoch="e0", fresh=False)))
+    _feed(old, _frame(Restored(0)))
+    new, new_t = _connect(server)
+    _feed(new, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 1, epoch="new", fresh=True)))
+    _feed(new, _frame(Restored(1)))
+    _feed(new, _frame(RoundQuery(5, "w", 0, 0, given_up=True)))
+    await asyncio.sleep(0)
+    assert not [m for m, _ in new_t.messages() if isinstance(m, RoundInfo)]  # nothing known of "w" here yet
+    _feed(old, _frame(Abort("w", 0, 6, 0, "cannot reach a server")))  # the peer's step failed by the same fault
+    await asyncio.sleep(0.01)
+    assert [(m.req, m.round) for m, _ in new_t.messages() if isinstance(m, RoundInfo)] == [(5, 6)]
+    await server.stop()
+
+
 async def test_a_waiting_round_query_is_answered_at_its_time_when_nobody_comes():
     """Nobody else comes within the wait (a job starting where a machine never came): answered as before (its
     own round), once; the worker's later queries do not wait again."""

@@ -625,6 +625,24 @@ def test_a_rejoiners_round_given_up_beside_its_steps_other_names_is_placed_at_th
     assert other.round_for("t", 0, 1, local=2, given_up=True) == 2
 
 
+def test_another_rejoiners_push_does_not_tell_a_rejoiner_the_peers_round():
+    """Two machines back from a double fault: worker 2's query of "t" waited its longest and was answered 0
+    (nothing known here), and it pushed round 0. That push is no mid-job peer's round: worker 1's query still
+    waits for worker 0's (a review's case: answered 0 at once, while worker 0 was at round 5)."""
+    table: RoundTable[str] = RoundTable(3)
+    table.worker_hello(0, "e0", fresh=False)
+    table.worker_restored(0)
+    for w in (1, 2):
+        table.worker_hello(w, f"new{w}", fresh=True)
+        table.worker_restored(w)
+    table.waited_out.add(2)
+    assert table.round_for("t", 0, 2, local=0) == 0
+    table.push(_push(2, rnd=0), _data(), "w2", 0.0)
+    assert table.query_waits(1, "t")
+    table.push(_push(0, rnd=5), _data(), "w0", 0.0)
+    assert not table.query_waits(1, "t") and table.round_for("t", 0, 1, local=0) == 5
+
+
 def test_a_new_worker_rejoins_when_the_mid_job_peer_comes_back_from_a_dropped_connection():
     """The mid-job peer's connection dropped just as the restarted machine said hello: its query waits for the
     peer (not connected: it may come back), and the peer back with its numbering makes it rejoin (it was taken
