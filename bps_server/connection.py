@@ -259,7 +259,7 @@ class ServerConnection(AdmittedProtocol):
             if later is not None:
                 self.server.spawn(later)
             if self.server.waiting_queries and push.part == 0:  # (a rejoiner's query may wait for this key)
-                self.server.answer_waiting_queries()
+                self.server.recheck_waiting_queries()
             if push.part == 0 and (push.name in self.server.fusion.waiting or push.name in self.server.fusion.failed):
                 self._pushed_unfused(push)
 
@@ -298,7 +298,7 @@ class ServerConnection(AdmittedProtocol):
         why = Why.carried(abort, abort.name)  # the worker's reason, code and facts
         self.server.aggregator.abort(abort.name, abort.part, abort.round, self.worker, why)
         if self.server.waiting_queries and abort.part == 0:  # (a round given up may wait for a failed round)
-            self.server.answer_waiting_queries()
+            self.server.recheck_waiting_queries()
 
     def on_round_query(self, query: RoundQuery, payload: memoryview | None) -> None:
         assert self.worker is not None

@@ -101,6 +101,7 @@ class SummationServer:
         # each at most QUERY_WAIT_S: its connection, the query, until when (loop time).
         self.waiting_queries: list[tuple[ServerConnection, RoundQuery, float]] = []
         self._query_timer: asyncio.TimerHandle | None = None  # at the first one's time
+        self._recheck_soon = False  # a re-check of the waiting queries is scheduled (recheck_waiting_queries)
         self.tasks: set[asyncio.Task[Any]] = set()
         self.stopping = False
         self._server: asyncio.AbstractServer | None = None
@@ -305,6 +306,18 @@ class SummationServer:
                 table.waited_out.add(worker)
             conn.answer_round_query(query)
         self._arm_query_timer()
+
+    def recheck_waiting_queries(self) -> None:
+        """A peer's push or abort may tell a waiting query its key's round: answer what waits no more once the
+        frames read with it are in too (a peer back from a restart sends its aborts of earlier rounds and its
+        next push in one go; answered at the first abort, a round given up was placed at a round long past)."""
+        if not self._recheck_soon:
+            self._recheck_soon = True
+            asyncio.get_running_loop().call_soon(self._recheck)
+
+    def _recheck(self) -> None:
+        self._recheck_soon = False
+        self.answer_waiting_queries()
 
     def _arm_query_timer(self) -> None:
         """One timer, at the first waiting query's time (the earliest: they wait alike, in order), a little after

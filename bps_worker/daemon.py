@@ -572,22 +572,17 @@ class WorkerDaemon:
 
     def round_base(self, name: str, local_round: int) -> asyncio.Future[int]:
         """The offset from our round numbers of ``name`` to the servers' (asked once per job, and
-        again after a failed attempt, unless a round given up meanwhile learned it). 0 for a fused tensor: every
-        worker numbers a lane generation's rounds from 0 (``bps_worker.fused_driver``), so none is placed among
-        the peers' by asking."""
+        again after a failed attempt: placed again at the peers' round, rather than by a base a round given up
+        learned meanwhile, whose answer may be of a round long past). 0 for a fused tensor: every worker numbers
+        a lane generation's rounds from 0 (``bps_worker.fused_driver``), so none is placed among the peers' by
+        asking."""
         if name.startswith(FUSED_PREFIX):
             known: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             known.set_result(0)
             return known
         query = self.round_queries.get(name)
         if query is None or (query.done() and (query.cancelled() or query.exception() is not None)):
-            learned = self.rounds.numbers.base(name)
-            if learned is not None:
-                query = asyncio.get_running_loop().create_future()
-                query.set_result(learned)
-            else:
-                query = asyncio.ensure_future(self._ask_round(name, local_round))
-            self.round_queries[name] = query
+            query = self.round_queries[name] = asyncio.ensure_future(self._ask_round(name, local_round))
         return query
 
     async def _ask_round(self, name: str, local_round: int) -> int:

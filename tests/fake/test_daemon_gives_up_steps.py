@@ -255,8 +255,4 @@ async def test_a_round_that_failed_just_before_its_steps_other_name_was_placed_i
     await _settle(daemon)
     assert anchor.given_up == [("a", 0)] and ("a", 7) in [(name, round_) for _, name, round_ in anchor.aborts]
     assert daemon.rounds.numbers.base("a") == daemon.rounds.numbers.base("b") == 7
-    asked = len(anchor.queries)
-    daemon.submit(session, _op(3, "a"))  # type: ignore[arg-type]  # the next step: the base the give-up learned
-    await _settle(daemon)
-    assert len(anchor.queries) == asked and daemon.rounds.numbers.server_round("a", 1) == 8
 

@@ -374,19 +374,18 @@ async def test_a_new_workers_round_query_waits_for_the_others_replays_and_is_ans
     assert not [m for m, _ in new_t.messages() if isinstance(m, RoundInfo)]  # round 6 failed: the next is its push
     push = Push(req=1, name="w", part=0, round=7, worker=0, dtype="float32", shape=[4], offset=0, count=4)
     _feed(old, _frame(push, np.ones(4, np.float32).tobytes()))
-    await asyncio.sleep(0)  # (what a connection sends goes out at the end of the loop's pass)
+    await asyncio.sleep(0.01)  # (re-checked once the frames read with the push are in; sent at the pass's end)
     (info,) = [m for m, _ in new_t.messages() if isinstance(m, RoundInfo)]
     assert (info.req, info.round) == (5, 7)
     await server.stop()
 
 
-async def test_a_given_up_round_query_is_answered_when_the_peers_abort_makes_its_round_known():
-    """A round given up beside its step's other names (RoundQuery.given_up) is placed at the peers' round, open or
-    failed: the peer's Abort of it makes it known and answers the waiting query (it waited QUERY_WAIT_S: only a
-    push, a hello or a Restored re-checked the waiting queries, a review's case)."""
-    from protocol.messages import Abort, RoundInfo, RoundQuery, Restored
+def _given_up_query_waiting(server: SummationServer) -> tuple[ServerConnection, FakeTransport]:
+    """Worker 0 mid-job (back to this restarted server), worker 1 back from a double fault; worker 1's round
+    given up beside its step's other names asks where round 0 of "w" is (RoundQuery.given_up): worker 0's
+    connection, and worker 1's transport."""
+    from protocol.messages import RoundQuery, Restored
 
-    server = _server()
     old, _ = _connect(server)
     _feed(old, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, epoch="e0", fresh=False)))
     _feed(old, _frame(Restored(0)))
@@ -394,11 +393,38 @@ async def test_a_given_up_round_query_is_answered_when_the_peers_abort_makes_its
     _feed(new, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 1, epoch="new", fresh=True)))
     _feed(new, _frame(Restored(1)))
     _feed(new, _frame(RoundQuery(5, "w", 0, 0, given_up=True)))
+    return old, new_t
+
+
+async def test_a_given_up_round_query_is_answered_when_the_peers_abort_makes_its_round_known():
+    """A round given up beside its step's other names (RoundQuery.given_up) is placed at the peers' round, open or
+    failed: the peer's Abort of it makes it known and answers the waiting query (it waited QUERY_WAIT_S: only a
+    push, a hello or a Restored re-checked the waiting queries, a review's case)."""
+    from protocol.messages import Abort, RoundInfo
+
+    server = _server()
+    old, new_t = _given_up_query_waiting(server)
     await asyncio.sleep(0)
     assert not [m for m, _ in new_t.messages() if isinstance(m, RoundInfo)]  # nothing known of "w" here yet
     _feed(old, _frame(Abort("w", 0, 6, 0, "cannot reach a server")))  # the peer's step failed by the same fault
     await asyncio.sleep(0.01)
     assert [(m.req, m.round) for m, _ in new_t.messages() if isinstance(m, RoundInfo)] == [(5, 6)]
+    await server.stop()
+
+
+async def test_a_given_up_round_query_is_answered_once_the_peers_burst_is_read_not_at_its_first_abort():
+    """A peer back from a restart sends its aborts of the rounds that failed meanwhile and its next push in one
+    go. The waiting query is answered after all of them: at the first abort, a round given up was placed at a
+    round long past (5 instead of 7: the name's base two rounds off its step's other names')."""
+    from protocol.messages import Abort, RoundInfo
+
+    server = _server()
+    old, new_t = _given_up_query_waiting(server)
+    push = Push(req=1, name="w", part=0, round=7, worker=0, dtype="float32", shape=[4], offset=0, count=4)
+    _feed(old, _frame(Abort("w", 0, 5, 0, "cannot reach a server")) + _frame(Abort("w", 0, 6, 0, "cannot reach"))
+          + _frame(push, np.ones(4, np.float32).tobytes()))
+    await asyncio.sleep(0.01)
+    assert [(m.req, m.round) for m, _ in new_t.messages() if isinstance(m, RoundInfo)] == [(5, 7)]
     await server.stop()
 
 
