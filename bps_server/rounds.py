@@ -584,8 +584,7 @@ class RoundTable(Generic[W]):
     def _peers_round_known(self, worker: int, key: Key, failed_too: bool) -> bool:
         """Whether key's round among the peers of rejoining ``worker`` is known here (see query_waits); a
         failed round is, ``failed_too``, for a round given up (RoundQuery.given_up)."""
-        if not any(w != worker and w in self._mid_job and w not in self._reset and self.connected(w)
-                   for w in range(self.n_workers)):
+        if not self._mid_job_peer(worker):
             return True  # (no peer numbered against our predecessor: what this run saw is all there is)
         st = self.keys.get(key)  # (a push of another rejoiner's is no peer's round: it was placed by a guess too)
         return st is not None and (st.last_sum is not None or bool(st.restart.replayers)
@@ -839,8 +838,7 @@ class RoundTable(Generic[W]):
         """``worker``, fresh and unknown to this run, rejoins if another connected worker is mid-job (see
         worker_hello): the rounds replayed from our predecessor no longer wait for it (its new processes had
         no part in them)."""
-        if not any(w != worker and w in self._mid_job and w not in self._reset and self.connected(w)
-                   for w in range(self.n_workers)):
+        if not self._mid_job_peer(worker):
             return []
         self._rejoining.add(worker)
         actions: list[Action[W]] = [Note(logging.INFO, f"worker {worker} came back (a new daemon, or new "
@@ -852,6 +850,11 @@ class RoundTable(Generic[W]):
                 st.restart.passed.add(worker)
                 actions += self._settle(st)
         return actions
+
+    def _mid_job_peer(self, worker: int) -> bool:
+        """Whether another worker, connected and with processes, is mid-job with our predecessor (worker_hello)."""
+        return any(w != worker and w in self._mid_job and w not in self._reset and self.connected(w)
+                   for w in range(self.n_workers))
 
     def _pushed(self, worker: int) -> None:
         """A push of ``worker``'s after it was gone or reset (its processes are back), or its first here."""
