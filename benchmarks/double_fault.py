@@ -17,6 +17,9 @@ and ends), and then, by ``--sched``:
   the servers restarted, one after the other;
 - ``stagger``: every server killed; the first restarted; the machine's daemon and its new process; ``--delay``
   seconds later the other servers.
+- ``machine``: not a double fault but the common machine crash: only the machine's own colocated server is
+  killed with its daemon; ``--delay`` seconds later the machine is back (its server, its daemon, its new
+  process), while the other servers served the healthy process all along.
 
 The healthy processes train until they have been summed with ``--steps`` steps of the new process; the new one
 until ``--steps`` of its steps went through (it numbers them from 500, the victim from 0: a healthy process
@@ -47,7 +50,7 @@ if str(REPO) not in sys.path:
 
 M = 1000  # rank r's step is digit r of every sum, base M
 NEW_FIRST = 500  # the new process's first step: its steps are told from the victim's by value
-SCHEDULES = ("test", "early", "stagger")
+SCHEDULES = ("test", "early", "stagger", "machine")
 
 
 def bases(opts: dict[str, Any]) -> dict[tuple[int, int], Any]:
@@ -153,6 +156,16 @@ def chaos(cluster: Any, opts: dict[str, Any], start_new: Any) -> None:
     """Kill the last machine's daemon and the servers, bring them back by ``opts['sched']``."""
     servers = [f"server-{s.id}" for s in cluster.config.servers]
     victim = f"worker-{opts['workers'] - 1}"
+    if opts["sched"] == "machine":
+        own = [f"server-{s.id}" for s in cluster.config.servers if s.worker == opts["workers"] - 1]
+        for label in own:
+            cluster.kill(label)
+        time.sleep(opts["delay"])
+        for label in own:
+            cluster.restart(label)
+        cluster.restart(victim)
+        start_new()
+        return
     for label in servers:
         cluster.kill(label)
     if opts["sched"] == "test":

@@ -27,10 +27,13 @@ def _collect(queue, want: set[int], timeout: float, cluster) -> dict[int, dict]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("servers_restart", [False, True], ids=["servers-stay", "every-server-restarts-too"])
+@pytest.mark.parametrize("servers_restart", ["none", "own", "every"],
+                         ids=["servers-stay", "its-own-server-too", "every-server-restarts-too"])
 @pytest.mark.parametrize("n", [200_003, 1000], ids=["partitioned", "fused"])
-def test_a_killed_worker_machine_rejoins_the_running_job(tmp_path, servers_restart, n):
-    """``every-server-restarts-too``: while the machine is down every server restarts as well (a double
+def test_a_killed_worker_machine_rejoins_the_running_job(tmp_path, servers_restart: str, n: int):
+    """``its-own-server-too``: the common machine crash, its colocated server dies with its daemon and is back
+    (as a reboot brings both) after more than the cluster's timeout, the other servers up all along.
+    ``every-server-restarts-too``: while the machine is down every server restarts as well (a double
     fault), so no server knows the machine's earlier numbering; the healthy machine replays its last sums to
     the new runs. The restarted machine's new daemon says its numbering is fresh (Hello.fresh), and the
     servers place it at the healthy machine's round, as they do when they knew it (it used to be taken for a
@@ -62,7 +65,11 @@ def test_a_killed_worker_machine_rejoins_the_running_job(tmp_path, servers_resta
             time.sleep(0.05)
         cluster.kill("worker-1")  # the machine's daemon dies; its process loses it and stops
         victim = _collect(queue, {1}, 30, cluster)[1]
-        if servers_restart:
+        if servers_restart == "own":
+            cluster.kill("server-1")  # (colocated with worker 1)
+            time.sleep(5.0)  # down past cluster.timeout: the healthy process's rounds there fail
+            cluster.restart("server-1")
+        if servers_restart == "every":
             servers = [f"server-{s.id}" for s in cluster.config.servers]
             for label in servers:
                 cluster.kill(label)
