@@ -55,6 +55,7 @@ from bps_runtime import cuda as _cuda
 from . import client as _client
 from . import torch_async as _async
 from .client import adapter as _adapter
+from .client.handle import checked
 from .client import (  # re-exported: the same on every framework
     BPSConnectionError,
     BPSError,
@@ -166,12 +167,12 @@ def push_pull_async(tensor: torch.Tensor, name: str, *, average: bool = True, pr
 
 
 def poll(handle: Handle) -> bool:
-    return _client.poll(handle.inner)
+    return _client.poll(checked(handle, "poll", Handle).inner)
 
 
 def synchronize(handle: Handle, timeout: float | None = None) -> torch.Tensor:
     """Wait for ``handle``; return its output tensor (on the input's device)."""
-    _client.synchronize(handle.inner, timeout)
+    _client.synchronize(checked(handle, "synchronize", Handle).inner, timeout)
     if handle.staging is not None:
         handle.output.copy_(handle.staging)
     return handle.output
@@ -734,9 +735,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 bucket.filled[index] = _Seen.of(p.grad)
             raise BPSError(f"gradient {self._names[p]!r} was produced more than backward_passes_per_step = "
                            f"{self.backward_passes_per_step} times before step(); call step() or synchronize()")
-        self._fill(bucket, index, p.grad)
-        if len(bucket.filled) == len(bucket.params):
-            self._start(bucket)
+        try:
+            self._fill(bucket, index, p.grad)
+            if len(bucket.filled) == len(bucket.params):
+                self._start(bucket)
+        except BPSError:  # (a sparse gradient, a clash, a daemon gone): backward ends here, and so does this pass
+            self._drop_pass()
+            raise
         self._synchronized = False
 
     def _fill(self, bucket: _Bucket, index: int, grad: torch.Tensor | None, hooked: bool = True) -> None:
@@ -762,6 +767,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 part.copy_(grad.detach().reshape(-1))
         bucket.slot[bucket.numel + index] = 0.0 if grad is None else 1.0
         bucket.filled[index] = _Seen.of(grad, hooked)
+
+    def _drop_pass(self) -> None:
+        """Forget this pass's gradients: every bucket emptied, the sums of those that started drained (bounded by the
+        timeout; where _start or _finish_all failed part-way, or backward raised, their rounds must not stay in
+        flight: the next zero_grad() said "gradients are being summed" at every later step, a review's case)."""
+        for bucket in self._buckets:
+            bucket.filled.clear()
+            bucket.slot = None
+            if bucket.handle is not None:
+                with contextlib.suppress(BPSError):
+                    _adapter.finish_view(bucket.handle, _adapter.settings().timeout)
+                bucket.handle = None
+        self._passes.clear()
 
     def _clash(self, bucket: _Bucket) -> BPSError | None:
         """Where another DistributedOptimizer of this process is filling or summing a bucket of the same name (its
@@ -818,14 +836,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             changed = self._changed_gradient()
             first_error = self._finish_all(write=changed is None) or changed
         finally:
-            for bucket in self._buckets:
-                bucket.filled.clear()
-                bucket.slot = None
-                if bucket.handle is not None:  # _start failed part-way: drain what did start (bounded)
-                    with contextlib.suppress(BPSError):
-                        _adapter.finish_view(bucket.handle, _adapter.settings().timeout)
-                    bucket.handle = None
-            self._passes.clear()
+            self._drop_pass()
         if first_error is not None:
             raise first_error
         late = [self._names[p] for p in self._unbucketed if p.requires_grad and p.grad is not None]

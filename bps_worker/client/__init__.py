@@ -43,7 +43,7 @@ from protocol.messages import KIND_BROADCAST, KIND_SUM
 from ..errors import BPSConnectionError, BPSError, BPSMismatchError, BPSTimeoutError
 from . import group
 from .arrays import NUMPY_DTYPES, dtype_name
-from .handle import Handle
+from .handle import Handle, checked
 from .operations import Operations
 from .settings import DEFAULT_TIMEOUT_S, resolve
 
@@ -178,7 +178,7 @@ def push_pull_async(array: np.ndarray, name: str, *, average: bool = True, prior
 def poll(handle: Handle) -> bool:
     """True once the operation finished (successfully or not)."""
     if _conn is None:  # (after shutdown: what it came to, which synchronize no longer reads)
-        return handle.done()
+        return checked(handle, "poll").done()
     return _operations().poll(handle)  # (in a fork: its error, as every call; a flush there could hang)
 
 

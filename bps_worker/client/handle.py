@@ -10,12 +10,15 @@ from __future__ import annotations
 import _thread
 import threading
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from ..errors import BPSError
 
-__all__ = ["Handle"]
+__all__ = ["Handle", "checked"]
+
+H = TypeVar("H")
 
 
 # Makes a handle's gate when a first thread waits for an unfinished one (most finish before anyone waits).
@@ -101,3 +104,11 @@ class Handle:
             self.times[2] = now
         self.error = error
         self._finish()
+
+
+def checked(handle: object, call: str, kind: type[H] = Handle) -> H:  # type: ignore[assignment]
+    """``handle`` if it is a ``kind`` (a :class:`Handle`, or the torch layer's); else a BPSError naming ``call``
+    and what it got (every failure a user can meet is a BPSError, a wrong argument's too)."""
+    if not isinstance(handle, kind):
+        raise BPSError(f"{call}: expected a handle from push_pull_async (or the like), got {type(handle).__name__}")
+    return handle

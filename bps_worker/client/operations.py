@@ -39,7 +39,7 @@ from .arguments import (INPUT_PREFIX, check_average, check_dtype, check_layout, 
 from .arrays import NUMPY_DTYPES, same_memory, view_of
 from .connection import Connection
 from .fusion import Entry, FusionBuffer
-from .handle import Handle
+from .handle import Handle, checked
 from .settings import Settings, timeline_directory, timeline_path
 from .slots import Slot, SlotMap
 
@@ -487,7 +487,7 @@ class Operations:
     def finish(self, handle: Handle, timeout: float | None, view: bool = False) -> np.ndarray:
         """Wait for ``handle``; its result (``out``, a copy, or with ``view`` the shared memory that holds it,
         read-only and valid until the next operation on the same name)."""
-        self._check_ours(handle)
+        self._check_ours(handle, "synchronize")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
                                     or math.isnan(timeout)):
             raise BPSError(f"synchronize of {handle.name!r}: timeout must be a number of seconds or None, "
@@ -544,19 +544,17 @@ class Operations:
         self.timeline.span(handle.name, "worker daemon", filled, done)
         self.timeline.span(handle.name, "copy out", t_copy, now_us())
 
-    def _check_ours(self, handle: Handle) -> None:
-        """BPSError unless this connection started ``handle`` (one from before a shutdown() and init() read
+    def _check_ours(self, handle: Handle, call: str) -> None:
+        """BPSError unless ``handle`` is one this connection started (one from before a shutdown() and init() read
         another connection's memory: a later round's result, or a segment already freed)."""
-        if not isinstance(handle, Handle):
-            raise TypeError(f"expected a handle from push_pull_async (or the like), got {type(handle).__name__}")
-        if handle.owner is not self:
+        if checked(handle, call).owner is not self:
             raise BPSError(f"handle of {handle.name!r} belongs to a connection to the worker daemon that was "
                            "shut down (shutdown(), then init() again): its result went with it; start the "
                            "operation again")
 
     def poll(self, handle: Handle) -> bool:
         """Whether ``handle``'s operation finished (a waiting fused one is sent now)."""
-        self._check_ours(handle)
+        self._check_ours(handle, "poll")
         if handle.queued and self.fusion is not None:
             self.fusion.flush()
         return handle.done()

@@ -428,6 +428,8 @@ def test_arguments_are_checked_by_type_as_well_as_value(client):
     for bad in (math.nan, "5", True):
         with pytest.raises(bps.BPSError, match="timeout must be a number of seconds or None"):
             bps.synchronize(handle, timeout=bad)
-    with pytest.raises(TypeError, match="expected a handle from push_pull_async"):
-        bps.synchronize("k")
+    # Not a handle: a BPSError, as every failure a user can meet (a TypeError, and AttributeError from poll).
+    for call in (lambda: bps.synchronize("k"), lambda: bps.poll("k"), lambda: bps.poll(None)):
+        with pytest.raises(bps.BPSError, match="expected a handle from push_pull_async"):
+            call()
     np.testing.assert_array_equal(bps.synchronize(handle, timeout=np.float64(30)), 1.0)

@@ -102,8 +102,14 @@ def test_a_model_wrapped_twice_trains_under_the_second_optimizer(cluster: Cluste
 
 @pytest.mark.timeout(90)
 def test_a_sparse_gradient_is_a_bps_error(cluster: Cluster) -> None:
-    for r in _run(cluster, tp.sparse_gradient):
-        assert r["error"].startswith("BPSError") and "sparse=False" in r["error"], r
+    results = _run(cluster, tp.sparse_gradient)
+    for r in results:
+        assert len(r["errors"]) == 3, r
+        for error in r["errors"]:
+            assert error.startswith("BPSError") and "'emb.weight' has a torch.sparse_coo gradient" in error, r
+    mean = sum(range(len(results))) / len(results)  # (each rank's input is its rank)
+    for r in results:
+        assert r["grad"] == [[mean, mean, mean]], r
 
 
 @pytest.mark.timeout(90)

@@ -72,3 +72,20 @@ def test_ends_racing_waits_never_leave_a_waiter_behind() -> None:
         h.succeed(None, None)
         t.join(10.0)
         assert result == [True]
+
+
+@pytest.mark.parametrize("bad", [None, "x", 3])
+def test_poll_and_synchronize_of_no_handle_are_bps_errors_without_a_connection(bad: object) -> None:
+    """Every failure a user can meet is a BPSError (the contract): poll() of something that is not a handle, with
+    no connection (before init, after shutdown), raised AttributeError; the torch layer's poll and synchronize
+    read ``.inner`` of it (AttributeError)."""
+    import bps_worker.client as bps
+    import bps_worker.torch as bps_torch
+
+    assert not bps.is_initialized()
+    for call in (lambda: bps.poll(bad), lambda: bps_torch.poll(bad), lambda: bps_torch.synchronize(bad)):
+        with pytest.raises(BPSError, match=f"expected a handle from push_pull_async .*got {type(bad).__name__}"):
+            call()
+    with pytest.raises(BPSError):  # (not initialized: said first)
+        bps.synchronize(bad)
+    assert bps.poll(_handle()) is False  # (a real one, never sent: not done)
