@@ -22,6 +22,12 @@ press. Three things make it quiet:
   daemon went on starting. A daemon therefore warms its kernels up with the interrupt deferred
   (:class:`interrupts_deferred`) and stops after it.
 
+A daemon that a fatal signal ends (SIGSEGV; SIGBUS, where another process truncated a shared-memory segment
+between a check of its size and a sum over it; SIGFPE, SIGABRT, SIGILL) writes every thread's Python stack to
+stderr first (the standard library's ``faulthandler``): the journal then says where it died, where a bare "bus
+error" from systemd said nothing. The launcher and the training processes are left as they are (the client
+library does not change its user's process).
+
 This module imports only ``sys``, ``os`` and ``signal`` (all loaded with the interpreter) before the guard.
 ``python -m bps_worker.launch`` imports the launcher before its guard; SIGINT has its default action while it
 does (the process ends, silently).
@@ -64,6 +70,10 @@ def run_command(module: str) -> NoReturn:
 
         if not end_with_parent():  # (the launcher that started us is gone already)
             return ENDED_STATUS
+        if module != "bps_worker.launch":
+            import faulthandler
+
+            faulthandler.enable()  # (see the module docstring)
         with interrupts_deferred() as interrupted:
             loaded = importlib.import_module(module)
         if interrupted():

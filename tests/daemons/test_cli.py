@@ -195,6 +195,28 @@ def test_ready_notification_and_clean_sigterm(tmp_path, module):
         assert not os.path.exists(tmp_path / "w0.sock"), "socket file left behind"
 
 
+@pytest.mark.parametrize("module", ["bps_server", "bps_worker"])
+def test_a_fatal_signal_writes_the_daemons_python_stacks(tmp_path, module):
+    """A daemon that a bus error ends (a segment truncated under a sum) says where: every thread's Python stack on
+    stderr, for the journal (it died with nothing but systemd's "status=7/BUS")."""
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    notify, path = _notify_socket(tmp_path)
+    proc = subprocess.Popen([PY, "-m", module, "--config", str(config), "--id", "0"],
+                            env=dict(os.environ, NOTIFY_SOCKET=path), stderr=subprocess.PIPE, text=True)
+    try:
+        while notify.recv(100) != b"READY=1":
+            pass
+        proc.send_signal(signal.SIGBUS)
+        _, stderr = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        notify.close()
+    assert proc.returncode == -signal.SIGBUS, (proc.returncode, stderr)
+    assert "Fatal Python error: Bus error" in stderr, stderr
+    assert re.search(rf"File \".*/{module}/main\.py\", line \d+ in main", stderr), stderr
+
+
 def _quiet(stderr: str) -> bool:
     """No stack of any process in ``stderr`` (a ``KeyboardInterrupt`` shown or swallowed: "Exception ignored")."""
     return "Traceback" not in stderr and "Exception ignored" not in stderr and "KeyboardInterrupt" not in stderr
