@@ -41,6 +41,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _octal(socket_mode: str, shm_mode: str) -> tuple[int, int]:
+    """The two modes' values; ConfigError unless both are octal (only theirs: a ValueError of the cluster file's
+    reading was blamed on them)."""
+    try:
+        return int(socket_mode, 8), int(shm_mode, 8)
+    except ValueError:
+        raise ConfigError(f"--socket-mode and --shm-mode must be octal, got {socket_mode!r}, {shm_mode!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     open_standard_fds()  # (started with one closed: uvloop aborted at the stop)
     args = parse_args(argv)
@@ -59,14 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.socket is not None and (too_long := socket_path_too_long(args.socket)) is not None:
             raise ConfigError(f"--socket {args.socket!r} {too_long}")
         token = read_token(cluster)
-        socket_mode = int(args.socket_mode, 8)
-        shm_mode = int(args.shm_mode, 8)
+        socket_mode, shm_mode = _octal(args.socket_mode, args.shm_mode)
     except ConfigError as exc:
         print(f"bps-worker: {exc}", file=sys.stderr)
-        return 2
-    except ValueError:
-        print(f"bps-worker: --socket-mode and --shm-mode must be octal, got {args.socket_mode!r}, "
-              f"{args.shm_mode!r}", file=sys.stderr)
         return 2
     notify_socket, watchdog_s = settings.notify_socket, settings.watchdog_s
     config = WorkerConfig(cluster, ident.id, socket_path=args.socket, socket_mode=socket_mode,

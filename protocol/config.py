@@ -163,6 +163,10 @@ def load_config(path: str | Path) -> ClusterConfig:
         raise ConfigError(f"{source}: cannot read: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # (a ValueError, not a TOMLDecodeError: a traceback, or another key's message)
+        line = exc.object[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"{source}: not valid TOML: not UTF-8 (byte 0x{exc.object[exc.start]:02x} on line "
+                          f"{line})") from None
     return parse_config(data, source)
 
 

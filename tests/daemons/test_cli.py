@@ -58,6 +58,25 @@ def test_bad_config_exits_2_naming_key_and_file(tmp_path, module):
     assert "cluster.bogus" in line and str(bad) in line
 
 
+@pytest.mark.parametrize("module", ["bps_server", "bps_worker", "bps_worker.launch"])
+def test_a_cluster_file_that_is_not_utf8_exits_2_naming_the_file_and_the_byte(tmp_path, module):
+    """tomllib reads UTF-8 only: a Latin-1 comment was a UnicodeDecodeError traceback (the server, the launcher), or
+    the worker's message about its octal modes (a review's case)."""
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes('[cluster]\nworkers = 1  # caf\u00e9\n'.encode("latin-1"))
+    result = _run([module, "--config", str(bad), *(["--", "true"] if module.endswith("launch") else ["--id", "0"])])
+    assert result.returncode == 2, result
+    line = _one_line(result.stderr)
+    assert f"{bad}: not valid TOML: not UTF-8 (byte 0xe9 on line 2)" in line, line
+
+
+def test_a_worker_mode_that_is_not_octal_exits_2_naming_both_modes(tmp_path):
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    result = _run(["bps_worker", "--config", str(config), "--id", "0", "--socket-mode", "9x"])
+    assert result.returncode == 2, result
+    assert _one_line(result.stderr) == "bps-worker: --socket-mode and --shm-mode must be octal, got '9x', '600'"
+
+
 def test_an_arena_below_one_slab_exits_2_naming_the_key_and_the_least_value(tmp_path):
     """Under 4 MiB no slab of small tensors fit: the daemon started, and every small tensor failed at run time."""
     config = write_config(tmp_path, [1], cpu_servers=0, cluster={"arena_bytes": 2 << 20})
