@@ -302,8 +302,12 @@ class Aggregator:
         return self._run(self.table.worker_reset(worker, epoch))
 
     def worker_joined(self, worker: int) -> None:
-        """The worker is back (a hello, or a push after a reset)."""
+        """The worker has training processes again (its Joined)."""
         self.table.worker_joined(worker)
+
+    def worker_idle(self, worker: int) -> None:
+        """The worker's daemon has no training processes (its Hello.processes)."""
+        self.table.worker_idle(worker)
 
     # -- carrying out the table's actions ----------------------------------------------
     def _run(self, actions: list[Action[Contributor]]) -> int:

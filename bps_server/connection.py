@@ -59,6 +59,7 @@ from protocol.messages import (
     Push,
     Release,
     Announce,
+    Joined,
     Reset,
     Restored,
     Result,
@@ -357,6 +358,12 @@ class ServerConnection(AdmittedProtocol):
         if self.server.fusion.endings != endings:
             self.server.lanes_ended()
         log.info("worker %d has no training processes; %d pending rounds failed", reset.worker, failed)
+
+    def on_joined(self, joined: Joined, payload: memoryview | None) -> None:
+        if joined.worker != self.worker:
+            raise RemoteProtocolError(f"worker {self.worker} sent a Joined for worker {joined.worker}")
+        self.server.aggregator.worker_joined(joined.worker)
+        self.server.fusion.worker_joined(joined.worker)
 
     def on_fuse_ready(self, message: FuseReady, payload: memoryview | None) -> None:
         assert self.worker is not None
@@ -661,6 +668,9 @@ class ServerConnection(AdmittedProtocol):
             endings = self.server.fusion.endings
             self.server.fusion.worker_hello(hello.id, hello.epoch, hello.daemon)
             self.server.aggregator.worker_hello(hello.id, hello.epoch, hello.fresh)
+            if not hello.processes:  # (a daemon idle since it started, or since its processes left)
+                self.server.aggregator.worker_idle(hello.id)
+                self.server.fusion.worker_idle(hello.id)
             self.server.answer_waiting_queries()
             if self.server.fusion.endings != endings:  # (its Reset was lost with a connection)
                 self.server.lanes_ended()
@@ -789,6 +799,7 @@ ServerConnection.HANDLERS = {
     Announce: ServerConnection.on_announce,
     Ping: ServerConnection.on_ping,
     Reset: ServerConnection.on_reset,
+    Joined: ServerConnection.on_joined,
     StatsRequest: ServerConnection.on_stats_request,
     FuseReady: ServerConnection.on_fuse_ready,
     FuseAbort: ServerConnection.on_fuse_abort,

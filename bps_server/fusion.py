@@ -654,6 +654,15 @@ class Planner:
         if all(w in self.without_processes or w not in self.active for w in range(self.workers)):
             self.failed.clear()  # the job ended (a failure made after a worker's reset waited for its next processes)
 
+    def worker_idle(self, worker: int) -> None:
+        """``worker``'s daemon says it has no training processes (Hello.processes): a name that waits for it fails
+        after the timeout (sweep), as after its Reset, until it says Joined or reports (see RoundTable.worker_idle)."""
+        self.without_processes.add(worker)
+
+    def worker_joined(self, worker: int) -> None:
+        """``worker`` has training processes again (its Joined): names wait for them as for any."""
+        self.without_processes.discard(worker)
+
     def processes_seen(self, worker: int) -> None:
         """``worker`` reported, or pushed anything here (an unfused round, a fused lane): it has processes."""
         self.without_processes.discard(worker)

@@ -808,6 +808,15 @@ class RoundTable(Generic[W]):
                                                      f"workers are mid-job: it rejoins them")]
         return cleared
 
+    def worker_idle(self, worker: int) -> None:
+        """``worker``'s daemon says it has no training processes (Hello.processes: it never had since it started,
+        or they left): as after its Reset, a round that waits for them fails after the timeout (sweep) until it says
+        Joined or pushes. A daemon idle since it started never says Reset: a round that waited for processes of it
+        that never came waited for ever (stall warnings only), where after a job's end it failed naming the worker
+        (a review's case). Nothing fails now: it had no rounds here."""
+        self._reset.add(worker)
+        self._mid_job.discard(worker)
+
     def worker_reset(self, worker: int, epoch: str = "") -> list[Action[W]]:
         """The worker has no training processes any more (its job ended or died).
 

@@ -119,6 +119,7 @@ class WorkerDaemon:
         for link in self.all_links:
             link.on_notice = partial(self.notices.add, None)
             link.numbering_fresh = partial(self.numbering_fresh, link.spec.id)
+            link.has_processes = self.has_processes
         self._new_epoch()
         # Tensors of at most this many bytes are fused (Welcome.fusion_bytes; bps_worker.fusion).
         self.fusion_bytes = self.placement.small_tensor_bytes
@@ -639,6 +640,16 @@ class WorkerDaemon:
             link.tell_reset()
         if then is not None:
             then(restarted)
+
+    def has_processes(self) -> bool:
+        """Whether a training process of ours is connected (Hello.processes)."""
+        return bool(self.sessions)
+
+    def processes_joined(self) -> None:
+        """Our first training process connected while we had none (since we started, or since a reset): the servers
+        hear it (Joined), having heard we had none (a hello said so, or our Reset)."""
+        for link in self.links.values():
+            link.tell_joined()
 
     def numbering_fresh(self, server: int) -> bool:
         """Whether our processes numbered no round of this epoch against server ``server`` yet (Hello.fresh): no

@@ -91,6 +91,7 @@ from protocol.messages import (
     FuseFailed,
     FusePlan,
     FuseReady,
+    Joined,
     FuseResync,
     FusePast,
     FuseRunning,
@@ -391,6 +392,8 @@ class ServerLink:
         # and whether that holds for no link to this server (Hello.fresh; set by the daemon).
         self.numbered = False
         self.numbering_fresh: Callable[[], bool] = lambda: not self.numbered
+        # Whether our daemon has training processes now (Hello.processes; set by the daemon).
+        self.has_processes: Callable[[], bool] = lambda: True
         self.closed = False
         self.stopping = False  # the daemon stops: a connection lost now is not reconnected (see on_broken)
         self._proto: _LinkProtocol | None = None
@@ -593,6 +596,12 @@ class ServerLink:
         """Tell the server that this worker has no training processes (again, to a server that restarted: the
         run before heard it, this one knows only that the worker connected)."""
         self._send_control(Reset(self.worker_id, self.epoch))
+
+    def tell_joined(self) -> None:
+        """Tell the server that this worker, which had no training processes (its Reset, or its hello said so), has
+        some now: a round that waits for them waits on (a process busy with other servers' tensors is waited for
+        as any, not failed as a machine without processes)."""
+        self._send_control(Joined(self.worker_id))
 
     def forget_sums(self, names: Container[str]) -> None:
         """Tensors ``names`` are never pushed again: their last sums are not kept for a restarted server."""
@@ -1044,6 +1053,7 @@ class ServerLink:
         greeting = ClientHandshake(
             Hello(PROTOCOL_VERSION, ROLE_WORKER, self.worker_id, shm=probe[0].name if probe else "",
                   shm_key=probe[1] if probe else "", epoch=self.epoch, fresh=self.numbering_fresh(),
+                  processes=self.has_processes(),
                   stream=self.stream,
                   config_items=list(self.config_items), daemon=daemon_id()),
             token=self.token, server=self.spec.id, who=f"server {self.spec.id} at {self.spec.address}")

@@ -96,6 +96,8 @@ class SessionHost(Protocol):
 
     def session_lost(self, session: ClientSession) -> None: ...
 
+    def processes_joined(self) -> None: ...
+
     def segments_freed(self, names: list[str]) -> None: ...
 
 
@@ -180,8 +182,11 @@ class ClientSession(AdmittedProtocol):
             raise RemoteProtocolError(f"local rank {hello.id} is already connected ({other!r})")
         self.local_rank = hello.id
         self.pid = hello.pid
+        first = not self.daemon.sessions
         self.daemon.sessions[hello.id] = self
         self.daemon.reset_since = False
+        if first:
+            self.daemon.processes_joined()
         self.admitted()
         self.reader.set_limits(max_header_bytes=CLIENT_MAX_HEADER_BYTES, max_payload_bytes=0)
         cfg = self.daemon.config.cluster

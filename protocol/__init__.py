@@ -19,7 +19,8 @@ reads and validates the cluster configuration (``config``).
 # would cover other bytes: "a wrong proof" instead of the version mismatch). 10: Hello.fresh (a worker's numbering
 # is unused: a restarted server places a machine that came back meanwhile at its peers' round; under the proofs).
 # 11: RoundQuery.given_up (a version-10 server would drop it and place the round as one to join: after a failed
-# round, the next one, which the rejoining machine's next step takes too).
-PROTOCOL_VERSION = 11
+# round, the next one, which the rejoining machine's next step takes too). 12: Hello.processes and Joined (a daemon
+# idle since it started is one without processes; a version-11 server would wait for its processes for ever).
+PROTOCOL_VERSION = 12
 
 __all__ = ["PROTOCOL_VERSION"]

@@ -227,6 +227,10 @@ class Hello(Message):
     # or pushed): a server that restarted while the worker's machine was down too places it at the others'
     # round (bps_server.rounds.RoundTable.worker_hello).
     fresh: bool = False
+    # Whether a worker has training processes now. A daemon idle since it started never says Reset: one that
+    # says none here is as one that did (a round that waits for it fails after the timeout, naming it), until it
+    # says Joined or pushes.
+    processes: bool = True
     # Which of a worker's connections to this server (0: the one for control messages; others carry pushes
     # only, see bps_worker.placement: a server with a larger share gets more, so TCP's fair sharing of a
     # link gives it a proportionally larger part).
@@ -624,6 +628,14 @@ class Reset(Message):
     TYPE: ClassVar[str] = "reset"
     worker: int
     epoch: str = ""  # the worker's new round numbering (see Hello.epoch)
+
+
+@dataclass(frozen=True, slots=True)
+class Joined(Message):
+    """A worker that had no training processes (it said so: a Reset, or Hello.processes) has some now."""
+
+    TYPE: ClassVar[str] = "joined"
+    worker: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -1292,7 +1304,7 @@ MESSAGES: Final[dict[str, type[Message]]] = {
     for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, Announce, Release, RoundQuery,
                 RoundInfo, Ping, StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch, OpBatch, DoneBatch,
                 FuseReady, FuseAbort, FusePlan, FuseRunning, FusePast, FuseResync, FuseFailed, Restored, Taken,
-                Notice)
+                Notice, Joined)
 }
 
 class _Field(NamedTuple):

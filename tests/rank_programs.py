@@ -311,6 +311,20 @@ def push_until_error(max_seconds: float) -> dict[str, Any]:
     return {"error": None, "at": time.time(), "rounds": rounds}
 
 
+def lonely_step(names: int, n: int) -> dict[str, Any]:
+    """One step of ``names`` tensors of ``n`` float32 each, issued at once: each one's error, and when it came."""
+    start = time.monotonic()
+    handles = [bps.push_pull_async(np.ones(n, np.float32), f"lonely.{j}") for j in range(names)]
+    errors: list[str | None] = []
+    for handle in handles:
+        try:
+            bps.synchronize(handle)
+            errors.append(None)
+        except bps.BPSError as exc:
+            errors.append(str(exc))
+    return {"errors": errors, "seconds": time.monotonic() - start}
+
+
 def late_rank_after_mismatch() -> dict[str, Any]:
     """Rank 0 pushes a wrong shape at step 0 and rank 2 (same worker) comes 1 s late; step 1 is clean."""
     rank, size = bps.rank(), bps.size()

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import rank_programs as rp
-from harness import run_ranks, server_stats, start_cluster, write_config
+from harness import _rank_main, rank_context, run_ranks, server_stats, start_cluster, write_config
 
 TIMEOUT_S = 3.0
 TRIALS = 10
@@ -67,6 +67,31 @@ def test_dead_processes_behind_a_live_worker_daemon_fail_their_peers(tmp_path):
         assert "worker 1" in r["error"], r["error"]
         assert r["at"] - start < TIMEOUT_S + 10
     finally:
+        cluster.stop()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n", [1000, 300_000], ids=["fused", "partitioned"])
+def test_a_machine_whose_processes_never_start_fails_its_peers_naming_it(tmp_path, n):
+    """Machine 0's daemon runs, but its training processes never start: machine 1's step fails within the
+    timeout, naming worker 0 (a daemon idle since it started never says Reset: its rounds waited for ever, with
+    stall warnings only, where after a job's end they failed naming it)."""
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))
+    ctx = rank_context()
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_rank_main, args=(queue, cluster.socket_path(1), 0, 1, rp.lonely_step, (3, n), 10.0),
+                       daemon=True)
+    try:
+        proc.start()
+        rank, status, result = queue.get(timeout=TIMEOUT_S + 30)
+        assert (rank, status) == (1, "ok"), result
+        assert result["seconds"] < TIMEOUT_S + 10, result
+        for error in result["errors"]:
+            assert error is not None and "worker 0 has no training processes" in error, result
+    finally:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
         cluster.stop()
 
 

@@ -786,3 +786,16 @@ def test_a_sweeps_failure_names_the_round_by_its_step_index_where_the_reporters_
     p.report(0, ["x"], [F32], now=100.0, rounds=[3])
     (failed,) = p.sweep(200.0, {0, 1}, 5.0, stall_s=60.0)
     assert failed.why.text.startswith("round 3 of 'x' failed")
+
+
+def test_a_worker_that_says_it_has_no_processes_fails_the_names_that_wait_for_it_until_it_says_joined():
+    """Hello.processes (see the round table's test): a name waiting for a daemon idle since it started fails after
+    the timeout naming it; once it says Joined, it is waited for (stall warnings, no failure)."""
+    p = Planner(2)
+    p.worker_idle(1)
+    p.report(0, ["x"], [F32], now=100.0)
+    (failed,) = p.sweep(106.0, {0, 1}, 5.0)
+    assert failed.worker == 0 and "worker 1 has no training processes" in failed.why.text
+    p.worker_joined(1)
+    p.report(0, ["y"], [F32], now=200.0)
+    assert p.sweep(1000.0, {0, 1}, 5.0) == []

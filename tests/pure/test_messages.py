@@ -31,6 +31,7 @@ SAMPLES: dict[str, m.Message] = {
                      ours="float32[4]", theirs="float32[5]", peer="rank 1", what="tensor 'emb'", timeout_s=1.5,
                      detail="rank 0 has float32[4] but rank 1 has float32[5]", sides=["float32[4]", "float32[5]"]),
     "reset": m.Reset(worker=1, epoch="beef"),
+    "joined": m.Joined(worker=1),
     "release": m.Release(segment="bps_w1_9_ff"),
     "announce": m.Announce(segments=["bps_w1_9_ff", "bps_w1_9_fe"]),
     "round_query": m.RoundQuery(req=3, name="layer1.weight", part=2),

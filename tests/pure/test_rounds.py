@@ -335,6 +335,21 @@ def test_sweep_fails_a_round_waiting_for_a_worker_without_processes():
         "w0": "worker 1 has no training processes (waited 10 s); round 0 of 't' cannot complete"}
 
 
+def test_a_daemon_that_says_it_has_no_processes_is_one_without_them_until_it_says_joined():
+    """Hello.processes: a daemon idle since it started (it never says Reset) fails the rounds that wait for it after
+    the timeout, as one that reset does; once it says Joined, it is waited for as any connected worker (its
+    processes may be busy with other servers' tensors)."""
+    table: RoundTable[str] = RoundTable(2, lost_grace_s=10)
+    table.worker_hello(1, "e1", fresh=True)
+    table.worker_idle(1)
+    table.push(_push(0), _data(), "w0", 0.0)
+    assert _fails(table.sweep(11.0)) == {
+        "w0": "worker 1 has no training processes (waited 10 s); round 0 of 't' cannot complete"}
+    table.worker_joined(1)
+    table.push(_push(0, rnd=1), _data(), "w0", 20.0)
+    assert table.sweep(1000.0) == []
+
+
 def test_a_worker_back_after_a_dropped_connection_is_waited_for_as_a_connected_one():
     # The same daemon (the same numbering) back after its connection dropped: its processes never left, so a
     # round waiting for them is not failed for "no training processes" however slow they are.
