@@ -137,9 +137,12 @@ class FusedPath:
     def __init__(self) -> None:
         self._runs: list[_Runs] | None = None
 
-    def runs(self, o: FusedOperation) -> list[_Runs]:
+    def runs(self, o: FusedOperation, *, departed: bool = False) -> list[_Runs]:
         """The runs of every (local rank, segment) the tensors live in, each segment checked to still hold
-        them (a process may shrink its segments: issue 14, item 3); checked again on every call."""
+        them (a process may shrink its segments: issue 14, item 3); checked again on every call. With
+        ``departed``, not those of processes that left meanwhile: their memory went with them, and nobody waits for
+        their sums (the copy back: a process killed with a fused step in flight failed its live local peers'
+        names, whose sums the other machines got, blaming a truncated segment: a review's case)."""
         if self._runs is None:
             tables: dict[tuple[int, str], _Runs] = {}
             itemsize = o.itemsize
@@ -152,13 +155,14 @@ class FusedPath:
                             runs = tables[(rank, e.segment)] = _Runs(e.member, rank, e.segment)
                         runs.add(lo, e.offset, nbytes)
             self._runs = [runs.freeze() for runs in tables.values()]
-        for r in self._runs:
+        kept = [r for r in self._runs if not r.member.closed] if departed else self._runs
+        for r in kept:
             seg = r.member.arena.segments.get(r.segment)
             if seg is None or seg.buf is None:
                 raise shm.SegmentSizeError(r.segment, 0, r.end, o.name, replaced=True)
             shm.check_size(seg, r.end, o.name)
             r.flat = np.frombuffer(seg.buf, np.uint8)
-        return self._runs
+        return kept
 
     async def gather(self, o: Operation) -> Contribution:
         assert isinstance(o, FusedOperation)
@@ -186,7 +190,7 @@ class FusedPath:
     async def copy_back(self, o: Operation, out: np.ndarray) -> None:
         assert isinstance(o, FusedOperation)
         raw = out.view(np.uint8)
-        for r in self.runs(o):  # checked again: the processes had the network's time to shrink them
+        for r in self.runs(o, departed=True):  # checked again: the processes had the network's time to shrink them
             kernels.copy_runs(r.flat, r.at, raw, r.fused, r.sizes)
 
     def done(self, op: Op, out_segment: str, out_base: int) -> Done:

@@ -850,3 +850,33 @@ async def test_the_lanes_next_operation_waits_for_the_fate_of_the_one_before(mon
     assert w0.steps == w1.steps == [], f"worker 0 took {w0.steps}, worker 1 {w1.steps}"
     deliver(planner, 0, w0)
     assert planner.take_plans() == [(1, ["a"])]
+
+
+async def test_a_fused_copy_back_leaves_out_a_process_that_left() -> None:
+    """A process killed with a fused step in flight: its memory went with it, but its live local peer gets the sums
+    of the names (they failed for it, blaming a truncated segment, while the other machines got them: a review's
+    case, 7 runs in 10)."""
+    from multiprocessing.shared_memory import SharedMemory
+
+    host = types.SimpleNamespace(rank_offset=0, config=types.SimpleNamespace(local_size=2), epoch="e1")
+    segments = [SharedMemory(create=True, size=64) for _ in range(2)]
+    try:
+        members = [Session(), Session()]
+        for member, seg in zip(members, segments):
+            member.arena = types.SimpleNamespace(segments={seg.name: seg})  # type: ignore[attr-defined]
+            member.closed = False  # type: ignore[attr-defined]
+        rounds = [FusedRound(n, F32, 0, [Entry(m, i, F32, seg.name, 16 * i, 0) for m, seg in zip(members, segments)])
+                  for i, n in enumerate("ab")]
+        op = FusedOperation(host, "fused/0/0/float32", 0, rounds)  # type: ignore[arg-type]
+        op.path.runs(op)  # (made while both are there, as gather does)
+        members[1].closed = True  # type: ignore[attr-defined]  # it left: its segment is freed
+        del members[1].arena.segments[segments[1].name]  # type: ignore[attr-defined]
+        out = np.arange(8, dtype=np.float32)
+        await op.path.copy_back(op, out)
+        got = np.frombuffer(segments[0].buf, np.float32, 8).copy()
+        np.testing.assert_array_equal(got, out)
+    finally:
+        del op  # (its runs map the segments)
+        for seg in segments:
+            seg.close()
+            seg.unlink()
