@@ -394,6 +394,7 @@ class CpuPath:
 
     def __init__(self) -> None:
         self.views: list[np.ndarray] = []
+        self.targets: list[np.ndarray] = []  # the slots that get the sum (handback_slots, check_slots)
         self._checked = False  # check_slots passed in this pass of the event loop (see intact)
 
     async def gather(self, o: Operation) -> Contribution:
@@ -415,19 +416,30 @@ class CpuPath:
 
     def handback_slots(self, o: Operation) -> list[np.ndarray]:
         """Only the processes that want the result in their slot (a shared array) get it copied there, a
-        piece at a time as the sums arrive; the others read it from our results segment (Op.handback)."""
-        return [v for v, (_, m) in zip(self.views, o.members) if m.handback]
+        piece at a time as the sums arrive; the others read it from our results segment (Op.handback). The list
+        is kept current by :meth:`check_slots` (the pieces' hand-backs hold it): a process that left gets no
+        more of the sum."""
+        self.targets = [v for v, (_, m) in zip(self.views, o.members) if m.handback]
+        return self.targets
 
     async def copy_back(self, o: Operation, out: np.ndarray) -> None:
         """Nothing left: the slots got their pieces as they arrived (unless one shrank meanwhile: its error)."""
         self.check_slots(o)
 
-    @staticmethod
-    def check_slots(o: Operation) -> None:
-        """SegmentSizeError unless the slots that get the sum, and the results segment, still have their size."""
+    def check_slots(self, o: Operation) -> None:
+        """SegmentSizeError unless the slots that get the sum, of the processes still here, and the results
+        segment still have their size. A process that left meanwhile gets no more pieces (its memory went with
+        it; nothing is copied into it unchecked), and its live local peers get theirs: the round was summed for
+        every machine (a process killed with a step in flight failed its local peers' sums, a review's case)."""
+        left = False
         for session, m in o.members:
             if m.handback:
+                if session.closed:
+                    left = True
+                    continue
                 shm.check_size(member_segment(session, m.segment, o.name), m.offset + o.nbytes, o.name)
+        if left:
+            self.targets[:] = [v for v, (s, m) in zip(self.views, o.members) if m.handback and not s.closed]
         slot = o.host.results.slots.get(o.name)
         if slot is not None:
             shm.check_size(o.host.results.segments[slot.segment], slot.offset + o.nbytes, o.name)
