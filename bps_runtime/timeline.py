@@ -218,8 +218,17 @@ class Timeline:
 
 def load(path: str) -> list[dict[str, Any]]:
     """The events of a trace file, also of one whose writer died before closing it: what it had written, up to
-    a last event cut short (one per line, as :class:`Timeline` writes them); ValueError if it is no trace."""
+    a last event cut short (one per line, as :class:`Timeline` writes them), or of a merged one (Chrome's object
+    form, ``{"traceEvents": [...]}``, as :func:`merge` writes it); ValueError if it is no trace."""
     text = open(path, encoding="utf-8").read().rstrip()
+    if text.startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = None
+        if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+            raise ValueError(f"{path} is not a trace file (a JSON array of events, or an object of traceEvents)")
+        return [e for e in data["traceEvents"] if isinstance(e, dict) and e]
     if not text.endswith("]"):
         text = text.rstrip(",") + "]"
     try:
@@ -245,22 +254,34 @@ def load(path: str) -> list[dict[str, Any]]:
 def merge(out: str, inputs: list[str]) -> tuple[int, list[str]]:
     """Write the events of ``inputs`` into ``out``; (the number of events, one problem per input skipped).
 
-    Each input is one process: its events get a pid of their own (the file's place among the inputs, from 1),
-    and its name says the pid it had. Processes in containers often have the same pid (1 in a pod's
-    containers), and two processes with one pid would share their lanes."""
+    Each process gets a pid of its own (in the order of the inputs, from 1), and a process file's name says the
+    pid it had. Processes in containers often have the same pid (1 in a pod's containers), and two processes with
+    one pid would share their lanes. A merged file (an earlier ``all.json``) keeps its processes apart as they were.
+    Nothing is written where every input was skipped (a typo must not empty an earlier merge)."""
     events: list[dict[str, Any]] = []
     skipped = []
-    for index, path in enumerate(inputs, 1):
+    pids = 0
+    for path in inputs:
         try:
             loaded = load(path)
         except (OSError, ValueError) as exc:
             skipped.append(f"{path}: {exc}")
             continue
+        mine: dict[Any, int] = {}
+        with open(path, encoding="utf-8") as fh:
+            merged = fh.read(1) == "{"  # (Chrome's object form: merge's own; its names say their pids already)
         for event in loaded:
-            if event.get("name") == "process_name" and isinstance(event.get("args"), dict) and "pid" in event:
+            pid = mine.get(event.get("pid"))
+            if pid is None:
+                pids += 1
+                pid = mine[event.get("pid")] = pids
+            if (not merged and event.get("name") == "process_name" and isinstance(event.get("args"), dict)
+                    and "pid" in event):
                 event["args"] = dict(event["args"], name=f"{event['args'].get('name', '')} (pid {event['pid']})")
-            event["pid"] = index
+            event["pid"] = pid
         events.extend(loaded)
+    if inputs and len(skipped) == len(inputs):
+        return 0, skipped
     with open(out, "w", encoding="utf-8") as fh:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fh)
     return len(events), skipped

@@ -246,3 +246,23 @@ def test_launch_timeline_records_every_stage(tmp_path):
     assert all(e["dur"] >= 0 and e["ts"] > 0 for e in spans)
     lanes = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     assert "w" in lanes and any(lane.startswith("w p") and "server" in lane for lane in lanes)
+
+
+def test_merge_reads_its_own_output_and_keeps_its_processes_apart(tmp_path):
+    """A merged file (Chrome's object form, merge's own) merged again with one more process: it was "not a trace
+    file", and the output was overwritten with nothing (a review's case)."""
+    for name in ("server", "worker", "rank"):
+        t = Timeline(str(tmp_path / f"{name}.json"), name)
+        t.span(f"{name} lane", "work", 1, 2)
+        t.close()
+    merge(str(tmp_path / "ab.json"), [str(tmp_path / "server.json"), str(tmp_path / "worker.json")])
+    count, skipped = merge(str(tmp_path / "all.json"), [str(tmp_path / "ab.json"), str(tmp_path / "rank.json")])
+    events = json.loads((tmp_path / "all.json").read_text())["traceEvents"]
+    assert not skipped and count == len(events)
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    pid = os.getpid()
+    assert names == {1: f"server (pid {pid})", 2: f"worker (pid {pid})", 3: f"rank (pid {pid})"}
+    assert {e["pid"] for e in events if e["ph"] == "X"} == {1, 2, 3}
+    before = (tmp_path / "all.json").read_text()
+    count, skipped = merge(str(tmp_path / "all.json"), [str(tmp_path / "missing.json")])
+    assert count == 0 and len(skipped) == 1 and (tmp_path / "all.json").read_text() == before  # (left as it was)
