@@ -146,6 +146,27 @@ class LoopCollector(Collector):
             yield to_prometheus(family)
 
 
+class _Registry(CollectorRegistry):
+    """A registry whose ``name[]`` filter (``/metrics?name[]=...``) works for collectors that cannot say their
+    names ahead: prometheus_client maps names to collectors when they register, from their ``describe()``, and
+    ours say none (the loop's families are known only when collected, on the loop), so every filtered scrape was
+    an empty 200 (a review's case). The filter takes what a full scrape collects, restricted to the names."""
+
+    def restricted_registry(self, names: Iterable[str]) -> Any:
+        return _Restricted(self, set(names))
+
+
+class _Restricted:
+    def __init__(self, registry: CollectorRegistry, names: set[str]) -> None:
+        self.registry, self.names = registry, names
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.registry.collect():
+            restricted = metric._restricted_metric(self.names)
+            if restricted is not None:
+                yield restricted
+
+
 class _Quiet(WSGIRequestHandler):
     """No line per request on stderr (probes come every few seconds); a deadline on each read."""
 
@@ -174,7 +195,7 @@ class Endpoint:
                  families: Callable[[], list[Family]], health: Callable[[], Health | None],
                  stall_limit_s: float = health_.STALL_LIMIT_S, collect_timeout_s: float = COLLECT_TIMEOUT_S,
                  request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry = _Registry(auto_describe=False)
         self.registry.register(LoopCollector(loop, families, collect_timeout_s))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)

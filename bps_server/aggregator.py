@@ -124,6 +124,13 @@ class Counters:
     round_seconds: Histogram = field(default_factory=Histogram)  # first push to sum sent
     push_lag: dict[int, Histogram] = field(default_factory=dict)  # worker -> its push after the round's first
 
+    def received(self, worker: int, nbytes: int, shm: bool) -> None:
+        """A push's tensor bytes from ``worker`` (``shm``: read from its shared memory), synchronous or not."""
+        self.bytes_received += nbytes
+        self.bytes_by_worker[worker] = self.bytes_by_worker.get(worker, 0) + nbytes
+        if shm:
+            self.bytes_shm += nbytes
+
     def as_dict(self) -> dict[str, object]:
         return {
             "bytes_received": self.bytes_received,
@@ -196,12 +203,8 @@ class Aggregator:
         return self._submit(push, payload, reply, fail, borrowed)
 
     def _count(self, push: Push, payload: np.ndarray, borrowed: Lease | None) -> None:
-        c = self.counters
-        c.pushes += 1
-        c.bytes_received += payload.nbytes
-        c.bytes_by_worker[push.worker] = c.bytes_by_worker.get(push.worker, 0) + payload.nbytes
-        if borrowed is not None:
-            c.bytes_shm += payload.nbytes
+        self.counters.pushes += 1
+        self.counters.received(push.worker, payload.nbytes, borrowed is not None)
 
     def _submit(self, push: Push, payload: np.ndarray, reply: ReplyFn, fail: FailFn,
                 borrowed: Lease | None) -> Coroutine[Any, Any, None] | None:

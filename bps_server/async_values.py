@@ -17,6 +17,7 @@ import numpy as np
 
 from protocol.messages import Push
 
+from .aggregator import Counters
 from .rounds import Lease, Why
 from .values import Action, Answer, Fail, Note, ValueStore
 
@@ -35,10 +36,13 @@ class AsyncValues:
     """Every asynchronous key of this server, driven on the event loop."""
 
     def __init__(self, n_workers: int, timeout_s: float, worker_of_rank: Callable[[int], int],
-                 stall_s: float = 0.0) -> None:
+                 stall_s: float = 0.0, counters: Counters | None = None) -> None:
         self.store: ValueStore[Replier] = ValueStore(n_workers, timeout_s=timeout_s, worker_of_rank=worker_of_rank,
                                                      stall_s=stall_s)
         self.timeout_s = timeout_s
+        # The server's byte counts (bps_server_bytes_*), which the asynchronous pushes and answers are part of:
+        # they counted the synchronous rounds' alone (a whole asynchronous job showed no bytes: a review's case).
+        self.counters = Counters() if counters is None else counters
         self.deltas_by_worker: dict[int, int] = {}  # deltas received from each worker
         self._sweeper: asyncio.TimerHandle | None = None
         self._stopped = False
@@ -54,6 +58,7 @@ class AsyncValues:
 
     def push(self, push: Push, data: np.ndarray, replier: Replier, lease: Lease | None) -> None:
         self.deltas_by_worker[push.worker] = self.deltas_by_worker.get(push.worker, 0) + 1
+        self.counters.received(push.worker, data.nbytes, lease is not None)
         self._run(self.store.push(push, data, replier, time.monotonic(), lease))
 
     def restore(self, push: Push, data: np.ndarray) -> None:
@@ -99,6 +104,7 @@ class AsyncValues:
     def _run(self, actions: list[Action[Replier]]) -> None:
         for action in actions:
             if isinstance(action, Answer):
+                self.counters.bytes_sent += action.value.nbytes
                 action.handle.reply(action.push, action.value, action.applied)
             elif isinstance(action, Fail):
                 log.warning("%s", action.why.text)

@@ -88,7 +88,7 @@ class SummationServer:
                                      connected=lambda w: w in self.links, timeline=self.timeline,
                                      stall_s=config.cluster.stall_timeout)
         self.values = AsyncValues(config.cluster.workers, config.cluster.timeout, config.cluster.worker_of_rank,
-                                  config.cluster.stall_timeout)
+                                  config.cluster.stall_timeout, self.aggregator.counters)
         self.connections: set[ServerConnection] = set()
         self.notices = Notices()  # each worker's stall lines of a look (tell_stalls)
         # The fused small sums this server is the anchor of (their lane generations named by this run).

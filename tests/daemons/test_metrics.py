@@ -78,6 +78,13 @@ def _scrape(address: tuple[str, int], path: str = "/metrics") -> str:
         return response.read().decode()
 
 
+def _bytes(text: str, name: str, server: int) -> float:
+    """A server's ``bps_server_bytes_*_total`` (received: over its workers' series)."""
+    if name.endswith("received_total"):
+        return sum(_sample(text, name, server=str(server), worker=w) for w in ("0", "1"))
+    return _sample(text, name, server=str(server))
+
+
 def _lag(text: str, server: str, worker: str) -> tuple[float, float, float]:
     """(pushes, pushes later than 0.25 s after their round's first, seconds in all) of ``worker`` at ``server``."""
     labels = {"server": server, "worker": worker}
@@ -151,7 +158,14 @@ def test_daemons_serve_live_metrics(tmp_path):
         # the job's end (every worker reset) drops them, the counts stay.
         steps = 4
         urls = [f"http://{spec.metrics[0]}:{spec.metrics[1]}/metrics" for spec in cluster.config.servers]
+        pre = [_scrape(spec.metrics) for spec in cluster.config.servers]
         live = run_ranks(cluster, ap.scraped_while_live, "m.async", steps, urls)[0]
+        # Its bytes are the servers' too (they counted the synchronous rounds' alone: a review's case): each
+        # worker's init and deltas of 60,000 bytes in, each answered with the value, beside two 4-byte barriers.
+        moved = {name: sum(_bytes(after, name, spec.id) - _bytes(old, name, spec.id)
+                           for spec, old, after in zip(cluster.config.servers, pre, live["texts"]))
+                 for name in ("bps_server_bytes_received_total", "bps_server_bytes_sent_total")}
+        assert all(2 * (1 + steps) * 60_000 <= v <= 2 * (1 + steps) * 60_000 + 64 for v in moved.values()), moved
         assert live["first"] == 1.0
         keys, deltas = {}, {}
         for spec, text in zip(cluster.config.servers, live["texts"]):
@@ -166,6 +180,12 @@ def test_daemons_serve_live_metrics(tmp_path):
                   for spec in cluster.config.servers):
             assert time.monotonic() < deadline, "the job ended, but its asynchronous keys stayed"
             time.sleep(0.1)
+        # A scrape of some names only (prometheus_client's name[] filter) has them (an empty 200 before: our
+        # collectors say their names only when collected, a review's case).
+        only = _scrape(cluster.config.worker_specs[0].metrics,
+                       "/metrics?name[]=bps_worker_ops_total&name[]=process_open_fds")
+        assert set(_types(only)) == {"bps_worker_ops", "process_open_fds"}, only
+        assert _sample(only, "bps_worker_ops_total", worker="0") >= 2
         with pytest.raises(urllib.error.HTTPError) as info:
             _scrape(cluster.config.worker_specs[0].metrics, "/other")
         assert info.value.code == 404
