@@ -163,8 +163,9 @@ def shared_array(name: str, shape: tuple[int, ...], dtype: npt.DTypeLike = np.fl
     the same memory while the size fits and an array of it (or a view of one) is alive:
     it is reused across rounds, never given up for another name's room meanwhile; a
     larger size moves the slot, and arrays from before no longer take part. Passed with
-    another (or no) ``out``, it is left unchanged like any input. Valid until
-    :func:`shutdown`.
+    another (or no) ``out``, it is left unchanged like any input. Being the name's slot, it is
+    also where any other array pushed under the same name is handed over: such a push
+    overwrites it (with its input, then its sum). Valid until :func:`shutdown`.
     """
     return _operations().shared_array(name, shape, dtype)
 

@@ -130,6 +130,8 @@ class SlotMap:
                 try:
                     segment, offset, capacity = self._allocate(asked, self.slab_bytes if small else nbytes, free)
                 except BPSError as exc:  # (a lost daemon's BPSConnectionError, or the like, stays as it is)
+                    if not small:
+                        self._forget_replaced(name)
                     if not small or type(exc) is not BPSError:
                         raise
                     raise BPSError(f"tensor {name!r} of {nbytes} bytes is carved from a slab of {self.slab_bytes} "
@@ -151,6 +153,18 @@ class SlotMap:
                     self._unliving(slot.segment_name)
                     self._release_unused(slot.segment_name)  # the tensor moved: its old segment may be unused
         return new
+
+    def _forget_replaced(self, name: str) -> None:
+        """The daemon refused ``name``'s larger slot (no room under the cap, say): it had dropped the slot the new
+        one was to replace, before it found no room (not one carved from a slab of ours: see _give_up). Ours is
+        forgotten too, or the name's next push, at its old size, named memory the daemon no longer counted as
+        ours, and failed so for the rest of the job (a review's case)."""
+        with self._lock:
+            old = self.slots.get(name)
+            if old is not None and old.segment_name not in self._slabs:
+                del self.slots[name]
+                self._unliving(old.segment_name)
+                self._release_unused(old.segment_name)
 
     def _slab_fits(self, need: int) -> bool:
         """Whether ``need`` more bytes fit the slab we carve from (still ours)."""

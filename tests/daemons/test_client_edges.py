@@ -80,6 +80,20 @@ def test_a_slot_handed_out_to_be_filled_is_never_given_up_for_another_name(clien
 
 
 @pytest.mark.timeout(60)
+def test_a_name_whose_larger_slot_was_refused_works_again_at_a_size_that_fits(client):
+    """The daemon drops the slot a larger one replaces before it finds no room under the cap: the process kept
+    it, and every later push of the name, at its old size, named memory the daemon no longer counted as ours
+    ("not allocated by this connection") for the rest of the job (a review's case)."""
+    client(arena_bytes=4 * MB)
+    n = MB // 4  # 1 MiB of int32: a slot of its own
+    np.testing.assert_array_equal(bps.push_pull(np.full(n, 3, np.int32), "A", average=False), 3)
+    with pytest.raises(bps.BPSError, match="arena_bytes"):
+        bps.push_pull(np.full(5 * n, 3, np.int32), "A", average=False)
+    for size in (n, n, n // 2):
+        np.testing.assert_array_equal(bps.push_pull(np.full(size, 4, np.int32), "A", average=False), 4)
+
+
+@pytest.mark.timeout(60)
 def test_a_finished_handles_result_survives_the_sweep_of_freed_result_segments(client):
     client(arena_bytes=4 * MB)
     a = np.ones(MB // 4, np.float32)
