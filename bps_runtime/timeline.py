@@ -220,6 +220,11 @@ def load(path: str) -> list[dict[str, Any]]:
     """The events of a trace file, also of one whose writer died before closing it: what it had written, up to
     a last event cut short (one per line, as :class:`Timeline` writes them), or of a merged one (Chrome's object
     form, ``{"traceEvents": [...]}``, as :func:`merge` writes it); ValueError if it is no trace."""
+    return _read(path)[0]
+
+
+def _read(path: str) -> tuple[list[dict[str, Any]], bool]:
+    """:func:`load`'s events, and whether the file is a merged one (its process names say their pids already)."""
     text = open(path, encoding="utf-8").read().rstrip()
     if text.startswith("{"):
         try:
@@ -228,7 +233,12 @@ def load(path: str) -> list[dict[str, Any]]:
             data = None
         if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
             raise ValueError(f"{path} is not a trace file (a JSON array of events, or an object of traceEvents)")
-        return [e for e in data["traceEvents"] if isinstance(e, dict) and e]
+        return [e for e in data["traceEvents"] if isinstance(e, dict) and e], True
+    return _read_array(path, text), False
+
+
+def _read_array(path: str, text: str) -> list[dict[str, Any]]:
+    """The events of a trace in :class:`Timeline`'s array form (see :func:`load`)."""
     if not text.endswith("]"):
         text = text.rstrip(",") + "]"
     try:
@@ -263,13 +273,11 @@ def merge(out: str, inputs: list[str]) -> tuple[int, list[str]]:
     pids = 0
     for path in inputs:
         try:
-            loaded = load(path)
+            loaded, merged = _read(path)
         except (OSError, ValueError) as exc:
             skipped.append(f"{path}: {exc}")
             continue
         mine: dict[Any, int] = {}
-        with open(path, encoding="utf-8") as fh:
-            merged = fh.read(1) == "{"  # (Chrome's object form: merge's own; its names say their pids already)
         for event in loaded:
             pid = mine.get(event.get("pid"))
             if pid is None:
