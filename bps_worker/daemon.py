@@ -39,7 +39,7 @@ from bps_runtime.stalls import Notices
 from bps_runtime import segments as shm
 from bps_runtime.timeline import Timeline
 from protocol.config import ClusterConfig, placement_items
-from protocol.messages import ASYNC_KINDS, FUSED_PREFIX, Abort, Notice, Op, Ping, Spec, Why, describe_spec
+from protocol.messages import ASYNC_KINDS, FUSED_PREFIX, Abort, Done, Notice, Op, Ping, Spec, Why, describe_spec
 
 from .async_operation import AsyncName, AsyncOperation
 from .errors import BPSError
@@ -591,16 +591,38 @@ class WorkerDaemon:
         return self.rounds.numbers.learn(name, local_round, server_round)
 
     def session_lost(self, session: ClientSession) -> None:
-        if session.local_rank is not None and self.sessions.get(session.local_rank) is session:
-            del self.sessions[session.local_rank]
-            if not self.stopping:
-                log.info("client %r disconnected", session)
-            self._execute(self.rounds.leave(session.local_rank, session.pid))
-            self.fusion.carry_out(self.fusion.rounds.leave(session.local_rank, session.pid))
-            if not self.sessions and not self.stopping:
-                self._reset()
+        self._session_ended(session, "disconnected")
         self.holds.drop(session)
         session.release_segments()
+
+    def session_left(self, session: ClientSession, req: int) -> None:
+        """The process said Leave (shutdown()): its leave takes effect now, as at a disconnect, and it hears Done
+        once it did: where it was our last process, once every connected server answered a Ping sent after our
+        Reset (so a barrier of the job's after every shutdown starts the next init() clean everywhere; see Leave).
+        Its memory is freed when it closes the connection, as ever."""
+        if self._session_ended(session, "left (shutdown)"):
+            self.spawn(self._answer_leave(session, req, [link.acknowledged() for link in self.links.values()]))
+        else:
+            session.send(Done(req))
+
+    async def _answer_leave(self, session: ClientSession, req: int, acks: list[asyncio.Future[None]]) -> None:
+        await asyncio.wait(acks, timeout=self.config.cluster.timeout)  # (a server that answers nothing: not ours)
+        session.send(Done(req))
+
+    def _session_ended(self, session: ClientSession, how: str) -> bool:
+        """``session``'s process is gone (``how``): the rounds that awaited it fail, and where it was our last, the
+        job ended here (_reset). Whether that reset happened now."""
+        if session.local_rank is None or self.sessions.get(session.local_rank) is not session:
+            return False  # (not handshaken, or its leave was taken already)
+        del self.sessions[session.local_rank]
+        if not self.stopping:
+            log.info("client %r %s", session, how)
+        self._execute(self.rounds.leave(session.local_rank, session.pid))
+        self.fusion.carry_out(self.fusion.rounds.leave(session.local_rank, session.pid))
+        if self.sessions or self.stopping:
+            return False
+        self._reset()
+        return True
 
     def _reset(self) -> None:
         """No training process is connected: the job ended or died. Start the next one clean.

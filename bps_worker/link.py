@@ -401,6 +401,7 @@ class ServerLink:
         self._connecting: asyncio.Task[None] | None = None
         self._req = itertools.count(1)
         self._pings = itertools.count()
+        self._acks: list[tuple[int, asyncio.Future[None]]] = []  # (Ping seq, its waiter): see acknowledged
         self._broken_reason = ""
         self._refused = 0  # connections in a row closed by the server for a protocol error (REFUSED_IN_A_ROW)
         self._attempt_error = ""  # the last reason an idle attempt failed (logged once: see _attempt)
@@ -564,6 +565,33 @@ class ServerLink:
         if proto is not None and self._ready:
             self._send(proto, Ping(next(self._pings)))
 
+    def acknowledged(self) -> asyncio.Future[None]:
+        """Done once the server answered a Ping sent now: it handled everything we sent before on this connection
+        (a server handles a connection's frames in order; a worker's Reset, for one). Done at once where the link is
+        not ready (nothing went: a server that comes back hears what it must from our hello, see the daemon's
+        _link_ready), and when the connection is lost meanwhile."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        proto = self._proto
+        if proto is None or not self._ready:
+            done.set_result(None)
+            return done
+        seq = next(self._pings)
+        self._acks.append((seq, done))
+        self._send(proto, Ping(seq))
+        return done
+
+    def _pinged(self, seq: int | None) -> None:
+        """The server answered our Ping ``seq`` (None: the connection is gone): every waiter up to it is done."""
+        if not self._acks:
+            return
+        keep = []
+        for sent, done in self._acks:
+            if seq is not None and sent > seq:
+                keep.append((sent, done))
+            elif not done.done():
+                done.set_result(None)
+        self._acks = keep
+
     def _watch_silence(self, proto: _LinkProtocol) -> None:
         """Wake up once ``proto``'s connection will have been silent for the timeout (module docstring)."""
         if self._silence is not None:
@@ -640,6 +668,7 @@ class ServerLink:
             self._connecting.cancel()
         if self._proto is not None and self._proto.transport is not None:
             self._proto.transport.close()
+        self._pinged(None)
         self._fail_all(BPSConnectionError("worker daemon is stopping"))
 
     # -- sending ---------------------------------------------------------------------
@@ -754,7 +783,7 @@ class ServerLink:
                 for inner, inner_payload in split_batch(message, payload):
                     self.on_message(proto, inner, inner_payload)
             case Ping():
-                pass  # the server's answer to our heartbeat: last_seen is already updated
+                self._pinged(message.seq)  # (a heartbeat's answer: last_seen is already updated)
             case Challenge():
                 if not proto.challenge.done():
                     proto.challenge.set_result(message)
@@ -896,6 +925,7 @@ class ServerLink:
             log.log(logging.INFO if self.stopping else logging.WARNING, "%s", reason)
         self._proto = None
         was_ready, self._ready = self._ready, False
+        self._pinged(None)
         self.window.by_reference = False
         self.window.resume_writing()
         for waiter in (proto.welcome, proto.challenge):

@@ -2,8 +2,9 @@
 
 The session is thin: it turns the bytes of the socket into messages (``protocol.frames``), checks the
 one message that comes first (the handshake: ``Hello`` -> ``Welcome``), and dispatches the others by
-type: ``Alloc`` (room for a tensor in this process's shared-memory arena) and ``Op`` (a collective on
-a tensor, checked against the arena and handed to the daemon's local rounds). It owns the process's
+type: ``Alloc`` (room for a tensor in this process's shared-memory arena), ``Op`` (a collective on
+a tensor, checked against the arena and handed to the daemon's local rounds) and ``Leave`` (shutdown(),
+answered once it took effect). It owns the process's
 arena, so the segments go when the process does. A peer that breaks the protocol gets one ``Failure``
 with code ``protocol_error`` and is disconnected.
 
@@ -43,6 +44,7 @@ from protocol.messages import (
     Done,
     DoneBatch,
     Failure,
+    Leave,
     Message,
     Op,
     OpBatch,
@@ -96,6 +98,8 @@ class SessionHost(Protocol):
 
     def session_lost(self, session: ClientSession) -> None: ...
 
+    def session_left(self, session: ClientSession, req: int) -> None: ...
+
     def processes_joined(self) -> None: ...
 
     def segments_freed(self, names: list[str]) -> None: ...
@@ -114,6 +118,7 @@ class ClientSession(AdmittedProtocol):
         self.pid = 0
         self.arena = shm.Arena(daemon.worker_id, daemon.config.segment_mode, daemon.arena_bytes)  # its tensors
         self.closed = False
+        self.leaving = False  # it said Leave (shutdown()): nothing but a Taken may follow
         self._outbox: list[bytes] = []  # frames of this pass of the event loop, not yet written (see send)
         # This process's ops handed to the local rounds and not answered yet: req -> tensor name, and how
         # many per name (an Alloc must not move the slot an op in flight reads).
@@ -169,6 +174,8 @@ class ClientSession(AdmittedProtocol):
         handler = HANDLERS.get(type(message))
         if handler is None:
             raise RemoteProtocolError(f"unexpected {message.TYPE} message from a client")
+        if self.leaving and not isinstance(message, Taken):
+            raise RemoteProtocolError(f"{message.TYPE} message from a client after its Leave")
         handler(self, message)
 
     def handshake(self, message: Message) -> None:
@@ -288,6 +295,14 @@ class ClientSession(AdmittedProtocol):
         if entries:
             self.daemon.submit_batch(self, entries)
 
+    def leave(self, message: Leave) -> None:
+        """shutdown(): the process leaves now, answered once that took effect (Leave); anything after it is a
+        protocol error."""
+        if self.leaving:
+            raise RemoteProtocolError(f"{self!r} said Leave twice")
+        self.leaving = True
+        self.daemon.session_left(self, message.req)
+
     def taken(self, message: Taken) -> None:
         """The process mapped the results segments of these requests' Dones: they may be freed for room again."""
         self.daemon.holds.release(self, message.reqs)
@@ -374,7 +389,8 @@ class ClientSession(AdmittedProtocol):
 # A handshaken process's messages, by type: functions of the class (bound methods kept by each session would
 # make every session, with its 256 KiB read buffer, a cycle that only the cyclic collector could free).
 HANDLERS: Final[dict[type[Message], Callable[[ClientSession, Any], None]]] = {
-    Alloc: ClientSession.alloc, Op: ClientSession.op, OpBatch: ClientSession.op_batch, Taken: ClientSession.taken}
+    Alloc: ClientSession.alloc, Op: ClientSession.op, OpBatch: ClientSession.op_batch, Taken: ClientSession.taken,
+    Leave: ClientSession.leave}
 
 
 def _peer(transport: asyncio.BaseTransport) -> tuple[str, str]:

@@ -16,7 +16,8 @@ Connections (who sends what):
   the worker's host), ``Abort``, ``Reset``, ``Announce``, ``Release``, ``RoundQuery`` and ``Restored``; server -> worker:
   ``Result`` (+ payload, or written in place), ``RoundInfo`` or ``Failure``; ``StatsRequest``/``Stats`` on both links;
 * client -> worker (Unix socket, never a payload): ``Alloc``/``Allocated``,
-  ``Op``/``Done``/``Failure``, ``OpBatch``/``DoneBatch``, and ``Taken`` (results a ``Done`` named, mapped).
+  ``Op``/``Done``/``Failure``, ``OpBatch``/``DoneBatch``, ``Taken`` (results a ``Done`` named, mapped), and
+  ``Leave``/``Done`` (shutdown: answered once the leave took effect).
 """
 
 from __future__ import annotations
@@ -1007,6 +1008,19 @@ class DoneBatch(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Leave(Message):
+    """Client tells the worker it is leaving (``shutdown()``), answered by ``Done(req)`` once its leave took effect:
+    the rounds that awaited it failed, and, where it was the machine's last process, every connected server has
+    taken the worker's ``Reset`` (the worker pinged each after it and heard the answer). A barrier of the job's own
+    after every process's shutdown then starts the next ``init()`` on a clean slate everywhere: without the answer
+    a peer's new processes could report a round before this machine's daemon or a server had heard the leave, and
+    that leave failed their round. The client sends nothing after it but closes the connection."""
+
+    TYPE: ClassVar[str] = "leave"
+    req: int
+
+
+@dataclass(frozen=True, slots=True)
 class Taken(Message):
     """Client tells the worker that it mapped the results segments the ``Done`` of requests ``reqs`` named: its
     mapping keeps them from now on, so the worker may free them for room again. Sent by the client's reader
@@ -1304,7 +1318,7 @@ MESSAGES: Final[dict[str, type[Message]]] = {
     for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, Announce, Release, RoundQuery,
                 RoundInfo, Ping, StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch, OpBatch, DoneBatch,
                 FuseReady, FuseAbort, FusePlan, FuseRunning, FusePast, FuseResync, FuseFailed, Restored, Taken,
-                Notice, Joined)
+                Notice, Joined, Leave)
 }
 
 class _Field(NamedTuple):

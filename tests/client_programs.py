@@ -210,3 +210,32 @@ def shutdown_under_a_waiting_thread() -> dict[str, Any]:
     bps.shutdown()
     thread.join(10)
     return {"heard": heard, "alive": thread.is_alive()}
+
+
+def shutdown_and_init_again(barrier: str, cycles: int) -> list[str]:
+    """Each cycle: a fused and an unfused sum of names every cycle reuses (each cycle's own values), shutdown(), a
+    barrier of the job's own (a file per rank, as the docstring of shutdown() asks), init() again. Without the
+    daemons' answer to Leave, a peer's new process could report a round before this machine's daemon or a server had
+    heard the leave, and the leave failed that round (the timeline test, a CI run). Returns the errors met."""
+    import os
+
+    rank, size, local_rank = bps.rank(), bps.size(), bps.local_rank()
+    settings = bps._operations().settings
+    errors: list[str] = []
+    for cycle in range(cycles):
+        value = float(cycle * 10 + rank)
+        expected = sum(cycle * 10 + r for r in range(size))
+        try:
+            small = bps.push_pull(np.full(3, value, np.float32), "again.small", average=False)
+            large = bps.push_pull(np.full(300_000, value, np.float32), "again.large", average=False)
+            if not (np.all(small == expected) and np.all(large == expected)):
+                errors.append(f"cycle {cycle}: sums {small[0]} and {large[0]}, expected {expected}")
+        except bps.BPSError as exc:
+            errors.append(f"cycle {cycle}: {exc}")
+        bps.shutdown()
+        open(os.path.join(barrier, f"{cycle}.{rank}"), "w").close()
+        deadline = time.monotonic() + 30
+        while sum(f.startswith(f"{cycle}.") for f in os.listdir(barrier)) < size and time.monotonic() < deadline:
+            time.sleep(0.005)
+        bps.init(socket=settings.socket, local_rank=local_rank, timeout=settings.timeout)
+    return errors

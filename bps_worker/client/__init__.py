@@ -122,12 +122,14 @@ def is_initialized() -> bool:
 
 
 def shutdown() -> None:
-    """Disconnect; the daemon frees this process's shared memory. Safe to call twice.
+    """Leave and disconnect; the daemon frees this process's shared memory. Safe to call twice.
 
     A process that leaves fails every round that awaits it, on every machine (a dead peer is an error, never a
     hang), and the daemon cannot tell a leave from a crash. So ``shutdown()`` then ``init()`` again within a job
     is for every process together: each must have left before any of them starts an operation again (a barrier
-    of the job's own between the two; handles from before are refused after it)."""
+    of the job's own between the two; handles from before are refused after it). ``shutdown()`` returns once its
+    leave took effect: where this was its machine's last process, every server has heard that the machine has
+    none (within the cluster's timeout), so the barrier alone starts the next ``init()`` clean everywhere."""
     global _conn
     with _lock:
         if _conn is not None and _conn.pid == os.getpid():

@@ -33,7 +33,7 @@ from protocol.errors import ProtocolError
 from protocol.frames import Frame, FrameReader, encode_message
 from protocol.handshake import ClientHandshake, Established, HandshakeRefused
 from protocol.messages import (MAX_FUSED_ENTRIES, ROLE_CLIENT, Alloc, Allocated, Done, DoneBatch, Failure, Hello,
-                               Message, Notice, Ping, Taken, Welcome, parse)
+                               Leave, Message, Notice, Ping, Taken, Welcome, parse)
 
 from bps_runtime.segments import SHM_DIR
 from bps_runtime.timeline import now_us
@@ -174,7 +174,7 @@ class Connection:
                     self.handles.pop(handle.req, None)
             raise
 
-    def rpc(self, message: Alloc) -> Message:
+    def rpc(self, message: Alloc | Leave) -> Message:
         """Send a control request and wait (at most ``timeout``) for its answer."""
         event = threading.Event()
         box: list[Message] = []
@@ -354,7 +354,12 @@ class Connection:
         self.sock.close()
 
     def close(self) -> None:
-        """Shut the socket and wait (briefly) for the reader thread."""
+        """Leave (the daemon answers once the leave took effect, see Leave), shut the socket and wait (briefly)
+        for the reader thread. A daemon that is gone or does not answer within the timeout is left all the same."""
+        try:
+            self.rpc(Leave(self.next_req()))
+        except BPSError:
+            pass
         self.closing = True
         _CLOSED_AT[(self.path, self.welcome.local_rank)] = time.monotonic()
         try:

@@ -17,7 +17,8 @@ from harness import daemon_logs, run_ranks, server_stats, shm_segments, start_cl
 from protocol import PROTOCOL_VERSION
 from protocol.frames import PREFIX, FrameReader, encode_header
 from protocol.handshake import ClientHandshake
-from protocol.messages import ROLE_CLIENT, ROLE_WORKER, Alloc, Allocated, Failure, Hello, Op, Welcome, parse, to_header
+from protocol.messages import (ROLE_CLIENT, ROLE_WORKER, Alloc, Allocated, Done, Failure, Hello, Leave, Op, Ping, Welcome,
+                               parse, to_header)
 
 CASES = [("ok.f32", "float32", (70_001,), True, 3), ("ok.bf16", "bfloat16", (5,), False, 4)]
 
@@ -176,6 +177,10 @@ def test_worker_drops_bad_clients_and_keeps_serving(cluster):
         messages, _ = _exchange(a, _frame(Hello(PROTOCOL_VERSION, ROLE_CLIENT, 0)), timeout=1.0)
         assert isinstance(messages[0], Welcome)
         _assert_dropped(*_exchange(b, _frame(Hello(PROTOCOL_VERSION, ROLE_CLIENT, 0))), "already connected")
+        messages, _ = _exchange(a, _frame(Leave(7)), timeout=1.0)  # (shutdown(): answered once it took effect)
+        answers = [m for m in messages if not isinstance(m, Ping)]
+        assert len(answers) == 1 and isinstance(answers[0], Done) and answers[0].req == 7, messages
+        _assert_dropped(*_exchange(a, _frame(Alloc(8, "t", 64))), "alloc message from a client after its Leave")
     segments_before = shm_segments(cluster)
     with connect() as s:  # a client that allocates, then disconnects in the middle of an op frame
         messages, _ = _exchange(s, _frame(Hello(PROTOCOL_VERSION, ROLE_CLIENT, 1)) + _frame(Alloc(1, "t", 1 << 20)),

@@ -23,7 +23,12 @@ for step in range(3):
     bps.push_pull(np.ones(3, np.float32), "b")
 bps.broadcast(np.ones(3, np.float32), 0, "bc")
 bps.push_pull_group([np.ones(2, np.float32), np.ones(5, np.float32)], ["g1", "g2"])
+rank, size = bps.rank(), bps.size()
 bps.shutdown()
+import os, time  # every process left before any starts again (see shutdown()'s docstring): a barrier of files
+open(os.path.join(os.environ["BARRIER"], str(rank)), "w").close()
+while len(os.listdir(os.environ["BARRIER"])) < size:
+    time.sleep(0.005)
 bps.init()
 bps.push_pull(np.ones(3, np.float32), "again")
 bps.shutdown()
@@ -214,9 +219,10 @@ def test_merge_keeps_processes_with_the_same_pid_apart(tmp_path, monkeypatch):
 def test_launch_timeline_records_every_stage(tmp_path):
     config = write_config(tmp_path, [2, 1], cluster={"partition_bytes": 256 * 1024})
     out = tmp_path / "trace"
+    (tmp_path / "barrier").mkdir()
     result = subprocess.run([sys.executable, "-m", "bps_worker.launch", "--config", str(config), "--timeline",
                              str(out), "--", sys.executable, "-c", PROGRAM], cwd=REPO, capture_output=True, text=True,
-                            timeout=100)
+                            timeout=100, env={**os.environ, "BARRIER": str(tmp_path / "barrier")})
     assert result.returncode == 0, result.stderr
     files = sorted(p.name for p in out.iterdir())
     assert files == ["rank0.json", "rank1.json", "rank2.json", "server-0.json", "server-1.json", "server-2.json",

@@ -52,6 +52,7 @@ SAMPLES: dict[str, m.Message] = {
                           offsets=[0, 64, 128], priority=[0, -1, 3]),
     "done_batch": m.DoneBatch(reqs=[4, 5, 6]),
     "taken": m.Taken(reqs=[4, 6]),
+    "leave": m.Leave(req=9),
     "notice": m.Notice(lines=["stall: tensor 'w' (round 3 on worker 0) has waited 30.0 s for local rank 1 (rank 1)"]),
     "fuse_ready": m.FuseReady(names=["a", "b"], specs=[["int64", [3], False, ""]], spec=[0, 0], counts=[3, 0],
                               rounds=[7, 0]),
