@@ -425,9 +425,20 @@ class WorkerDaemon:
             elif isinstance(action, Failed):
                 self._failed(action)
             elif isinstance(action, Ready):
-                self.spawn(self._run(action.round))
+                self.spawn(self._run(action.round, self.epoch))
 
-    async def _run(self, lr: LocalRound[ClientSession]) -> None:
+    async def _run(self, lr: LocalRound[ClientSession], epoch: str) -> None:
+        """Run ready round ``lr`` of job ``epoch``: not once that job ended here (every process left before the
+        task started; its Leave and its last op read together). Run, it took the next job's numbering for its own
+        and pushed the old job's round behind our Reset: the next job's first rounds met it as stale (a review's
+        case: shutdown() with a sum in flight on another thread, init() again)."""
+        if epoch != self.epoch:
+            self.stalls.ended(lr)
+            why = Why(f"tensor {lr.name!r}: every training process of worker {self.worker_id} left: its job ended "
+                      f"here", "connection")
+            for session, op in lr.ordered():
+                session.send(failure_for(why, op))
+            return
         try:
             if lr.first.kind in ASYNC_KINDS:
                 await self.run_tracked(lr.name, AsyncOperation(self, lr, self.async_names).run())

@@ -613,8 +613,15 @@ class ServerLink:
                               f"(limit {self.timeout:g} s)", since=proto.last_seen)
 
     def reset(self) -> None:
-        """Tell the server that this worker has no training processes left (see Reset)."""
+        """Tell the server that this worker has no training processes left (see Reset). What their operations had
+        queued and not sent fails unsent: behind the Reset it would open the ended job's rounds again at the server,
+        and the next job's first rounds met them as stale (a review's case: shutdown() with a large sum in flight,
+        init() again)."""
         self.window.drop_sums()  # the next job starts at round 0; the buffers are being freed
+        ended = BPSError(f"every training process of worker {self.worker_id} left: its job ended here")
+        for item in self.window.take_queued():
+            if not item.future.done():
+                item.future.set_exception(ended)
         self.given_up.clear()
         self.control.drop_fused()
         if self.stream == 0:  # the server's state of this worker follows its first connection

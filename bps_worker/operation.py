@@ -227,6 +227,8 @@ class Operation:
             out, out_segment, out_base = await host.results_buffer(name, self.nbytes, op.dtype, self.count)
         except shm.ArenaFullError as exc:
             raise exc.about(self.memory_of()) from None
+        if not self._job_current():  # every process left meanwhile (a reset): nothing of the ended job goes
+            raise BPSError("every training process of this machine left: its job ended here")
         raw = contribution.buf.data.cast("B") if self.nbytes else memoryview(b"")
         out_raw = out.data.cast("B") if self.nbytes else memoryview(b"")
         priority = self.priority

@@ -354,6 +354,14 @@ class SendWindow(Generic[P]):
         self._reset_pacing()
         return pieces
 
+    def take_queued(self) -> list[P]:
+        """Take the queued pieces out (held ones too), to be failed; those in flight stay, answered as ever. The job
+        ended here: nothing more of it goes (ServerLink.reset)."""
+        pieces = [piece for _, _, piece in self._queue]
+        self._queue = []
+        self._stalled_since = None
+        return pieces
+
     def clear(self) -> list[P]:
         """Take every piece out (in flight first, then queued), to be failed."""
         pieces = [*self._inflight.values(), *(piece for _, _, piece in self._queue)]

@@ -72,6 +72,7 @@ class Connection:
         self.rpcs: dict[int, tuple[threading.Event, list[Message]]] = {}
         self.broken: BPSConnectionError | None = None
         self.closing = False  # close() was called: what the reader then meets is that
+        self.leaving = False  # close() sent Leave: no other thread's message may follow it (the daemon drops us)
         # Maps a Done's results segment (tensor name, segment) as the Done arrives, not at synchronize: a mapping
         # keeps it alive, and the daemon may free it for room once told it is mapped (or after its timeout).
         self.map_result: Callable[[str, str], SharedMemory] | None = None
@@ -174,14 +175,14 @@ class Connection:
                     self.handles.pop(handle.req, None)
             raise
 
-    def rpc(self, message: Alloc | Leave) -> Message:
-        """Send a control request and wait (at most ``timeout``) for its answer."""
+    def rpc(self, message: Alloc | Leave, *, last: bool = False) -> Message:
+        """Send a control request and wait (at most ``timeout``) for its answer (``last``: see _send)."""
         event = threading.Event()
         box: list[Message] = []
         with self.lock:
             self.check()
             self.rpcs[message.req] = (event, box)
-        self._send(message)
+        self._send(message, last=last)
         if not event.wait(self.timeout):
             with self.lock:
                 self.rpcs.pop(message.req, None)
@@ -199,9 +200,14 @@ class Connection:
         return reply.segment, reply.offset, reply.nbytes
 
     # -- I/O -------------------------------------------------------------------------
-    def _send(self, message: Message) -> None:
+    def _send(self, message: Message, *, last: bool = False) -> None:
+        """Send ``message`` (``last``: our Leave; after it only the reader's Taken go, and another thread's call
+        hears that shutdown() was called, as it would a moment later)."""
         data = encode_message(message)
         with self.send_lock:
+            if self.leaving:
+                raise self.cut()
+            self.leaving = last
             if self._taken or self._owed:
                 data = self._unsent() + data
             try:
@@ -278,7 +284,8 @@ class Connection:
         except Exception as exc:  # a bug of ours: every waiter must still hear it, never wait for ever
             reason = f"the client's reader failed: {exc!r}"
         if self.closing:  # (its callers on other threads heard "the socket failed: Bad file descriptor"; a review)
-            reason = "shutdown() was called in this process"
+            self._fail_everything(self.cut())
+            return
         self._fail_everything(BPSConnectionError(reason, peer=self.peer))
 
     def _dispatch(self, message: Message) -> None:
@@ -306,7 +313,8 @@ class Connection:
         if handle is not None:
             now = now_us() if handle.times is not None else None
             if isinstance(message, Failure):
-                handle.fail(error_from_failure(message), now)
+                # (one cut by our Leave hears that, not how the daemon's teardown of our job failed it)
+                handle.fail(self.cut() if self.leaving else error_from_failure(message), now)
             else:
                 assert isinstance(message, Done)
                 if message.segment and self.map_result is not None:
@@ -316,7 +324,8 @@ class Connection:
                     try:
                         self.map_result(handle.name, message.segment)  # finish() finds it mapped
                     except (OSError, BPSError) as exc:
-                        handle.fail(self._unmapped(handle.name, message.segment, exc), now)
+                        handle.fail(self.cut() if self.leaving else self._unmapped(handle.name, message.segment, exc),
+                                    now)
                         return
                     finally:
                         if first:
@@ -325,6 +334,10 @@ class Connection:
         elif rpc is not None:
             rpc[1].append(message)
             rpc[0].set()
+
+    def cut(self) -> BPSConnectionError:
+        """The error of a call cut by shutdown() (see _read_loop)."""
+        return BPSConnectionError("shutdown() was called in this process", peer=self.peer)
 
     def _unmapped(self, name: str, segment: str, exc: Exception) -> BPSError:
         """The error of an operation whose result could not be mapped, saying why where the segment is gone."""
@@ -357,7 +370,7 @@ class Connection:
         """Leave (the daemon answers once the leave took effect, see Leave), shut the socket and wait (briefly)
         for the reader thread. A daemon that is gone or does not answer within the timeout is left all the same."""
         try:
-            self.rpc(Leave(self.next_req()))
+            self.rpc(Leave(self.next_req()), last=True)
         except BPSError:
             pass
         self.closing = True

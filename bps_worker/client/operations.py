@@ -517,7 +517,13 @@ class Operations:
         held = handle.view  # where the result is: the slot, ...
         if handle.result_at is not None:  # ... or the worker's results segment, mapped as the Done arrived
             segment, offset = handle.result_at
-            held = view_of(self.slots.result_segment(handle.name, segment).buf, handle.dtype, handle.shape, offset)
+            try:
+                mapped = self.slots.result_segment(handle.name, segment)
+            except BPSError:
+                if self.conn.closing:  # shutdown() on another thread unmapped it, and the daemon freed it
+                    raise self.conn.cut() from None
+                raise
+            held = view_of(mapped.buf, handle.dtype, handle.shape, offset)
         result: Any
         if handle.in_place:  # `out` is the slot itself (or a CUDA tensor): the daemon wrote the result there
             result = handle.out

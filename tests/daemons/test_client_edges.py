@@ -214,6 +214,49 @@ def test_every_process_shut_down_behind_a_barrier_then_inited_again_sums_exactly
         cluster.stop()
 
 
+@pytest.mark.timeout(120)
+def test_shutdown_while_another_thread_sums_cuts_that_call_and_the_next_init_starts_clean(tmp_path: Path):
+    """A thread keeps summing a partitioned and a fused name while the main thread calls shutdown(), then init() and
+    the same names again (the process is the whole job: no barrier needed). The thread's call hears that shutdown()
+    was called, and nothing else; the sums after init() are exact. Before (review of c91bc2c): the thread's next
+    call reached the daemon after the Leave, which dropped the process for it ("op message from a client after its
+    Leave"; most cycles), and shutdown() then returned unanswered; a round made ready with the Leave read beside it
+    ran after the reset, took the next job's numbering and pushed the old round behind the Reset, so the next job's
+    first sum of the name was "stale round 0, the server is at round N" (a cycle in ten); and a Done read while the
+    main thread unmapped the results failed "cannot attach shared-memory segment"."""
+    cluster = start_cluster(write_config(tmp_path, [1], cluster={"partition_bytes": 64 * 1024}))
+    sock = str(tmp_path / "w0.sock")
+    big, small = np.ones(300_000, np.float32), np.ones(8, np.float32)
+    heard: list[str] = []
+    try:
+        for cycle in range(30):
+            bps.init(socket=sock, local_rank=0, timeout=5.0)
+            np.testing.assert_array_equal(bps.push_pull(big, "b", average=False), 1.0)  # the job's first sums
+            np.testing.assert_array_equal(bps.push_pull(small, "a", average=False), 1.0)
+            stop = threading.Event()
+
+            def summing() -> None:
+                try:
+                    while not stop.is_set():
+                        bps.push_pull(small, "a", average=False)
+                        bps.push_pull(big, "b", average=False)
+                except bps.BPSError as exc:
+                    heard.append(str(exc))
+
+            thread = threading.Thread(target=summing)
+            thread.start()
+            time.sleep(0.02 + 0.01 * (cycle % 7))
+            bps.shutdown()
+            stop.set()
+            thread.join(10)
+            assert not thread.is_alive()
+    finally:
+        bps.shutdown()
+        cluster.stop()
+    assert heard and all(h.endswith("failed: shutdown() was called in this process") or "not initialized" in h
+                         for h in heard), sorted(set(heard))
+
+
 @pytest.mark.timeout(60)
 def test_init_again_after_the_daemon_died_connects_to_its_restarted_daemon(tmp_path: Path):
     """The worker daemon killed and started again (systemd's Restart=on-failure): init() did nothing (already
