@@ -150,6 +150,11 @@ class ServerConnection(AdmittedProtocol):
         self.daemon = ""  # the worker daemon's id for its run (Hello.daemon), and its round numbering:
         self.epoch = ""   # the two say which daemon holds the worker id (see handshake)
         self.stream = 0  # which of the worker's connections (Hello.stream)
+        # An extra connection's job: the numbering its Hello or its latest Reset said. While the worker's first
+        # connection has said a later one (its Reset) and this one has not yet, what comes here is of the ended job
+        # (``draining``: its pushes are refused; see on_reset).
+        self.job = ""
+        self.draining = False
         self.observer = False
         self.peer = "?"
         self.closed = False
@@ -236,6 +241,10 @@ class ServerConnection(AdmittedProtocol):
             self.handle(item, item_payload)
 
     def on_push(self, push: Push, payload: memoryview | None) -> None:
+        if self.draining:  # (see on_reset)
+            self.fail(push, Why(f"tensor {push.name!r} round {push.round}: of a job that ended on worker {push.worker} "
+                                f"(every training process left)", "round_failed"))
+            return
         fusion = self.server.fusion
         if push.worker in fusion.without_processes or push.worker not in fusion.active:
             fusion.processes_seen(push.worker)  # (its processes are there: the planner's sweep does not fail it)
@@ -347,8 +356,18 @@ class ServerConnection(AdmittedProtocol):
         self.send(Ping(ping.seq))
 
     def on_reset(self, reset: Reset, payload: memoryview | None) -> None:
+        """Every training process of the worker left. On its first connection the worker's state here resets; each
+        extra connection carries the same Reset behind the ended job's last pushes on it, and what reaches us there
+        between the two is refused: the Reset may overtake a piece on another connection, which would open the ended
+        job's round again after it (the next job's first sum of that partition was stale)."""
         if reset.worker != self.worker:
             raise RemoteProtocolError(f"worker {self.worker} sent a reset for worker {reset.worker}")
+        if self.stream:
+            self.job, self.draining = reset.epoch, False
+            return
+        for (worker, _), conn in self.server.streams.items():
+            if worker == reset.worker and conn.job != reset.epoch:  # (connected since, or its Reset came first)
+                conn.draining = True
         failed = self.server.aggregator.worker_reset(reset.worker, reset.epoch)
         self.server.values.reset(reset.worker, reset.epoch)
         endings = self.server.fusion.endings
@@ -652,6 +671,7 @@ class ServerConnection(AdmittedProtocol):
     def _register(self, hello: Hello) -> None:
         """Make this the connection of (worker, stream), replacing (and closing) the daemon's old one."""
         self.worker, self.stream, self.daemon, self.epoch = hello.id, hello.stream, hello.daemon, hello.epoch
+        self.job = hello.epoch
         if hello.stream:
             # An extra connection for pushes (see Hello.stream): the worker's state follows stream 0.
             old = self.server.streams.get((hello.id, hello.stream))

@@ -609,10 +609,11 @@ class WorkerDaemon:
     def session_left(self, session: ClientSession, req: int) -> None:
         """The process said Leave (shutdown()): its leave takes effect now, as at a disconnect, and it hears Done
         once it did: where it was our last process, once every connected server answered a Ping sent after our
-        Reset (so a barrier of the job's after every shutdown starts the next init() clean everywhere; see Leave).
+        Reset on each connection (so a barrier of the job's after every shutdown starts the next init() clean
+        everywhere; see Leave).
         Its memory is freed when it closes the connection, as ever."""
         if self._session_ended(session, "left (shutdown)"):
-            self.spawn(self._answer_leave(session, req, [link.acknowledged() for link in self.links.values()]))
+            self.spawn(self._answer_leave(session, req, [link.acknowledged() for link in self.all_links]))
         else:
             session.send(Done(req))
 

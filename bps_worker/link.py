@@ -387,13 +387,14 @@ class ServerLink:
         self.given_up: dict[tuple[str, int], Abort] = {} if given_up is None else given_up
         self.incarnation: str | None = None  # of the server run we last talked to
         self.epoch = ""  # of this worker's round numbering (set by the daemon)
+        self._hello_epoch: str | None = None  # the numbering our last Hello said (see _told_on_ready)
+        self._reset_told: str | None = None  # the numbering whose Reset this connection carried (see tell_reset)
         # Whether a round of that numbering reached the server on this link (a push, an abort, a fused report; sent,
         # not queued: a server down meanwhile never heard of it) or was learned from it (a round query's answer);
         # and whether that holds for no link to this server (Hello.fresh; set by the daemon).
         self.numbered = False
         self.numbering_fresh: Callable[[], bool] = lambda: not self.numbered
-        # Whether our daemon has training processes now (Hello.processes; set by the daemon).
-        self.has_processes: Callable[[], bool] = lambda: True
+        self.has_processes: Callable[[], bool] = lambda: True  # whether our daemon has any now (Hello.processes)
         self.closed = False
         self.stopping = False  # the daemon stops: a connection lost now is not reconnected (see on_broken)
         self._proto: _LinkProtocol | None = None
@@ -624,13 +625,20 @@ class ServerLink:
                 item.future.set_exception(ended)
         self.given_up.clear()
         self.control.drop_fused()
-        if self.stream == 0:  # the server's state of this worker follows its first connection
+        # On every connection: the server's state of this worker follows its first, where the Reset acts; on the
+        # others (Hello.stream) it says that the ended job's pushes on it are all in. Without it, a piece still on
+        # its way there reached the server after the Reset and opened the ended job's round again: the next job's
+        # first sum of that partition was stale (several connections to a server: separate hosts). An extra one that
+        # is down says nothing: its next Hello carries the new numbering.
+        if self.stream == 0 or (self._proto is not None and self._ready):
             self.tell_reset()
 
     def tell_reset(self) -> None:
         """Tell the server that this worker has no training processes (again, to a server that restarted: the
-        run before heard it, this one knows only that the worker connected)."""
-        self._send_control(Reset(self.worker_id, self.epoch))
+        run before heard it, this one knows only that the worker connected); once per numbering a connection."""
+        if self._reset_told != self.epoch:
+            self._reset_told = self.epoch
+            self._send_control(Reset(self.worker_id, self.epoch))
 
     def tell_joined(self) -> None:
         """Tell the server that this worker, which had no training processes (its Reset, or its hello said so), has
@@ -1064,6 +1072,7 @@ class ServerLink:
                  " (shared memory)" if self.shm else "")
         previous, self.incarnation = self.incarnation, welcome.incarnation
         self._ready = True
+        self._told_on_ready()
         self._held_elsewhere = None  # the server took us: whoever held our id is gone
         self._attempt_error = ""
         proto.last_seen = loop.time()
@@ -1079,6 +1088,13 @@ class ServerLink:
             self.on_ready(restarted)
         self.pump()
 
+    def _told_on_ready(self) -> None:
+        """A new connection is ready: it carried no Reset yet; where every process of ours left during its handshake
+        (our Hello said the numbering before), the server hears it first."""
+        self._reset_told = None
+        if self._hello_epoch != self.epoch:
+            self.tell_reset()
+
     async def _handshake(self, proto: _LinkProtocol, deadline: float) -> Established:
         """Challenge, Hello (with the shared-memory offer), the Welcome verified by
         :class:`~protocol.handshake.ClientHandshake`; sets :attr:`shm` from it. HandshakeError for a
@@ -1087,6 +1103,7 @@ class ServerLink:
         loop = asyncio.get_running_loop()
         challenge = await asyncio.wait_for(asyncio.shield(proto.challenge), timeout=max(0.1, deadline - loop.time()))
         probe = make_probe(self.worker_id, self.shm_mode, self.spec.id) if self.shm_mode is not None else None
+        self._hello_epoch = self.epoch
         greeting = ClientHandshake(
             Hello(PROTOCOL_VERSION, ROLE_WORKER, self.worker_id, shm=probe[0].name if probe else "",
                   shm_key=probe[1] if probe else "", epoch=self.epoch, fresh=self.numbering_fresh(),

@@ -21,7 +21,8 @@ reads and validates the cluster configuration (``config``).
 # 11: RoundQuery.given_up (a version-10 server would drop it and place the round as one to join: after a failed
 # round, the next one, which the rejoining machine's next step takes too). 12: Hello.processes and Joined (a daemon
 # idle since it started is one without processes; a version-11 server would wait for its processes for ever).
-# 13: Leave (a client's shutdown answered once it took effect; a version-12 worker would refuse it as unknown).
+# 13: Leave (a client's shutdown answered once it took effect; a version-12 worker would refuse it as unknown), and
+# Reset on every connection of a worker (a version-12 server would reset the worker again at each).
 PROTOCOL_VERSION = 13
 
 __all__ = ["PROTOCOL_VERSION"]

@@ -624,7 +624,9 @@ class Abort(CarriesWhy):
 
 @dataclass(frozen=True, slots=True)
 class Reset(Message):
-    """A worker lost all its training processes: its pending rounds are void, its rounds restart at 0."""
+    """A worker lost all its training processes: its pending rounds are void, its rounds restart at 0. Sent on every
+    connection of the worker to the server: the first (stream 0) resets the worker's state there; each other one says
+    that the ended job's pushes on it are all in (the server refuses what comes there between the two)."""
 
     TYPE: ClassVar[str] = "reset"
     worker: int
@@ -1011,7 +1013,7 @@ class DoneBatch(Message):
 class Leave(Message):
     """Client tells the worker it is leaving (``shutdown()``), answered by ``Done(req)`` once its leave took effect:
     the rounds that awaited it failed, and, where it was the machine's last process, every connected server has
-    taken the worker's ``Reset`` (the worker pinged each after it and heard the answer). A barrier of the job's own
+    taken the worker's ``Reset`` (the worker pinged each connection after it and heard the answer). A barrier of the job's own
     after every process's shutdown then starts the next ``init()`` on a clean slate everywhere: without the answer
     a peer's new processes could report a round before this machine's daemon or a server had heard the leave, and
     that leave failed their round. The client sends nothing after it but closes the connection."""

@@ -239,3 +239,36 @@ def shutdown_and_init_again(barrier: str, cycles: int) -> list[str]:
             time.sleep(0.005)
         bps.init(socket=settings.socket, local_rank=local_rank, timeout=settings.timeout)
     return errors
+
+
+def shutdown_with_sums_in_flight_then_init_again(barrier: str, cycles: int) -> list[str]:
+    """Each cycle: several large sums started (push_pull_async) and shutdown() at once with them in flight, a
+    barrier of the job's own, init() again and the same names summed: exact, each cycle's own values. Where a
+    machine has several connections to a server (separate hosts), pieces of the ended job still on their way on one
+    connection could reach the server after the machine's Reset on another, and reopen the ended job's rounds there:
+    the next job's first sums of those partitions were stale. Returns the errors of the next jobs' sums."""
+    import os
+
+    rank, size, local_rank = bps.rank(), bps.size(), bps.local_rank()
+    settings = bps._operations().settings
+    errors: list[str] = []
+    names = [f"big{i}" for i in range(4)]
+    for cycle in range(cycles):
+        value = float(cycle * 10 + rank)
+        expected = sum(cycle * 10 + r for r in range(size))
+        try:
+            for name in names:
+                result = bps.push_pull(np.full(500_000, value, np.float32), name, average=False)
+                if not np.all(result == expected):
+                    errors.append(f"cycle {cycle}: {name} summed {result[0]}, expected {expected}")
+        except bps.BPSError as exc:
+            errors.append(f"cycle {cycle}: {exc}")
+        for name in names:  # the ended job's pushes, in flight at the shutdown
+            bps.push_pull_async(np.full(500_000, value, np.float32), name, average=False)
+        bps.shutdown()
+        open(os.path.join(barrier, f"{cycle}.{rank}"), "w").close()
+        deadline = time.monotonic() + 30
+        while sum(f.startswith(f"{cycle}.") for f in os.listdir(barrier)) < size and time.monotonic() < deadline:
+            time.sleep(0.005)
+        bps.init(socket=settings.socket, local_rank=local_rank, timeout=settings.timeout)
+    return errors

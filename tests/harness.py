@@ -143,7 +143,8 @@ def shm_segments(cluster: Cluster | None = None) -> set[str]:
 
 
 def _rank_main(queue: Any, sock: str, local_rank: int, rank: int, target: Callable[..., Any],
-               args: tuple[Any, ...], client_timeout: float, settings: dict[str, str] | None = None) -> None:
+               args: tuple[Any, ...], client_timeout: float, settings: dict[str, str] | None = None,
+               together: Any = None) -> None:
     import bps_worker.client as bps
 
     # ``settings``: the test's BPS_ variables as they were when it started the rank (a monkeypatch.setenv): the
@@ -155,6 +156,8 @@ def _rank_main(queue: Any, sock: str, local_rank: int, rank: int, target: Callab
         os.environ.update(settings)
     try:
         bps.init(socket=sock, local_rank=local_rank, timeout=client_timeout)
+        if together is not None:
+            together.wait(60)
         result = target(*args)
         queue.put((rank, "ok", result))
     except BaseException as exc:  # report everything to the test
@@ -165,21 +168,25 @@ def _rank_main(queue: Any, sock: str, local_rank: int, rank: int, target: Callab
 
 def run_ranks(cluster: Cluster, target: Callable[..., Any], *args: Any, timeout: float = 60.0,
               per_rank_args: Callable[[int], tuple[Any, ...]] | None = None,
-              may_die: frozenset[int] = frozenset(), client_timeout: float = 20.0) -> list[Any]:
+              may_die: frozenset[int] = frozenset(), client_timeout: float = 20.0,
+              start_together: bool = False) -> list[Any]:
     """Run ``target(*args)`` in one process per rank (after ``init``); return the results in rank order.
 
-    Ranks in ``may_die`` are expected to kill themselves; their result is None.
+    Ranks in ``may_die`` are expected to kill themselves; their result is None. ``start_together``: every rank
+    waits for all to have connected before it starts: a test whose cluster ``timeout`` is short (1 s) fails its
+    first round where one machine's processes start later than that (on a loaded box), as documented.
     """
     ctx = rank_context()
     queue = ctx.Queue()
     procs = []
+    together = ctx.Barrier(sum(w.local_size for w in cluster.config.worker_specs)) if start_together else None
     settings = {k: v for k, v in os.environ.items() if k.startswith("BPS_")}
     for w in cluster.config.worker_specs:
         for local in range(w.local_size):
             rank = cluster.config.rank_offset(w.id) + local
             rank_args = per_rank_args(rank) if per_rank_args else args
             p = ctx.Process(target=_rank_main, args=(queue, cluster.socket_path(w.id), local, rank, target, rank_args,
-                                                     client_timeout, settings), daemon=True)
+                                                     client_timeout, settings, together), daemon=True)
             p.start()
             procs.append(p)
     results: dict[int, Any] = {}

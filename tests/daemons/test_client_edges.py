@@ -214,6 +214,23 @@ def test_every_process_shut_down_behind_a_barrier_then_inited_again_sums_exactly
         cluster.stop()
 
 
+@pytest.mark.timeout(180)
+def test_shutdown_with_large_sums_in_flight_on_several_connections_then_init_again_sums_exactly(tmp_path: Path):
+    """Every process calls shutdown() with large sums in flight, a barrier, init() again, the same names: exact.
+    Servers on separate hosts, so a machine has several connections to one (streams)."""
+    import client_programs as cp
+
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cluster={"partition_bytes": 256 * 1024, "timeout": 5.0},
+                                         separate_hosts=True))
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    try:
+        assert run_ranks(cluster, cp.shutdown_with_sums_in_flight_then_init_again, str(barrier), 15,
+                         timeout=150) == [[], []]
+    finally:
+        cluster.stop()
+
+
 @pytest.mark.timeout(120)
 def test_shutdown_while_another_thread_sums_cuts_that_call_and_the_next_init_starts_clean(tmp_path: Path):
     """A thread keeps summing a partitioned and a fused name while the main thread calls shutdown(), then init() and

@@ -31,7 +31,7 @@ def test_a_rank_that_never_submits_is_named_in_its_worker_daemons_log_and_to_the
         monkeypatch.setenv("BPS_FUSION_BYTES", fusion)
     cluster = start_cluster(write_config(tmp_path, [2], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))
     try:
-        results = run_ranks(cluster, sp.late_rank, 1, LATE_S, 1000, timeout=90)
+        results = run_ranks(cluster, sp.late_rank, 1, LATE_S, 1000, timeout=90, start_together=True)
         log = _log(cluster, "worker-0")
     finally:
         cluster.stop()
@@ -51,7 +51,7 @@ def test_a_machine_whose_rank_never_submits_is_named_by_the_server_and_to_the_ra
         monkeypatch.setenv("BPS_FUSION_BYTES", fusion)
     cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))
     try:
-        results = run_ranks(cluster, sp.late_rank, 1, LATE_S, 1000, timeout=90)
+        results = run_ranks(cluster, sp.late_rank, 1, LATE_S, 1000, timeout=90, start_together=True)
         worker_log = _log(cluster, "worker-0")
         server_logs = "".join(_log(cluster, f"server-{sid}") for sid in range(3))
     finally:
@@ -83,7 +83,7 @@ def test_thousands_of_failed_rounds_are_a_few_lines(tmp_path, monkeypatch):
     flags.mkdir()
     n = 2000
     try:
-        results = run_ranks(cluster, sp.many_left_unmatched, n, str(flags), timeout=100)
+        results = run_ranks(cluster, sp.many_left_unmatched, n, str(flags), timeout=100, start_together=True)
         assert results[0] == {"failed": n}, results
         log = _log(cluster, "worker-0")
     finally:
@@ -110,7 +110,7 @@ def test_with_a_stall_timeout_ranks_whose_names_differ_fail_naming_who_did_not_p
     cluster = start_cluster(write_config(tmp_path, layout, cpu_servers=1,
                                          cluster={"timeout": 1.0, "stall_timeout": STALL_S}))
     try:
-        results = run_ranks(cluster, sp.names_differ, 1, 1000, timeout=90)
+        results = run_ranks(cluster, sp.names_differ, 1, 1000, timeout=90, start_together=True)
     finally:
         cluster.stop()
     assert all(r["exact"] for r in results), results
@@ -134,7 +134,7 @@ def test_with_a_stall_timeout_an_asynchronous_answer_held_by_a_stalled_machine_f
     cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=1,
                                          cluster={"timeout": 1.0, "stall_timeout": STALL_S}))
     try:
-        first, second = run_ranks(cluster, sp.async_straggler, STALL_S + 3.0, timeout=90)
+        first, second = run_ranks(cluster, sp.async_straggler, STALL_S + 3.0, timeout=90, start_together=True)
     finally:
         cluster.stop()
     assert first["error"] is not None and first["error"][0] == "BPSTimeoutError", first
@@ -159,7 +159,7 @@ def test_a_stall_timeout_fails_nothing_while_the_machine_waited_for_is_busy_with
                                          cluster={"timeout": 1.0, "stall_timeout": STALL_S}))
     try:
         results = run_ranks(cluster, sp.busy_in_another_order, 32, 100_000 if fusion == "0" else 64, 0.1,
-                            timeout=90)
+                            timeout=90, start_together=True)
     finally:
         cluster.stop()
     assert all(r == {"errors": []} for r in results), results

@@ -470,3 +470,37 @@ async def test_a_query_kept_waiting_always_has_a_timer_to_answer_it():
     await asyncio.sleep(0.2)
     assert [(m.req, m.round) for m, _ in transport.messages() if isinstance(m, RoundInfo)] == [(5, 0)]
     await server.stop()
+
+
+@pytest.mark.parametrize("fence_first", [False, True], ids=["reset-first", "fence-first"])
+async def test_a_reset_refuses_the_ended_jobs_pushes_on_another_stream_until_its_reset_there(fence_first):
+    """A worker's Reset on stream 0 may overtake its ended job's last pushes on stream 1 (separate connections): those
+    are refused, not summed as a round of the next job (whose first sum of the partition was then stale). Stream 1's
+    own Reset says they are all in; in whichever order the two come, the next job's pushes there are summed."""
+    from protocol.messages import Reset
+
+    server = _server()
+    (zero, t0), (other, t_other) = _workers(server, 2)
+    extra, t1 = _connect(server)
+    _feed(extra, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, stream=1, epoch="e0")))
+
+    def push(conn, req: int, round_: int, worker: int = 0) -> None:
+        _feed(conn, _frame(Push(req=req, name="y", part=1, round=round_, worker=worker, dtype="float32", shape=[4],
+                                offset=0, count=4), np.ones(4, np.float32).tobytes()))
+
+    if fence_first:
+        _feed(extra, _frame(Reset(0, "e1")))
+    _feed(zero, _frame(Reset(0, "e1")))
+    _feed(other, _frame(Reset(1, "f1")))  # (the job ended everywhere: the next starts at round 0)
+    if not fence_first:
+        push(extra, 7, 117)  # the ended job's, behind the Reset on stream 0
+        await asyncio.sleep(0.05)
+        refused = t1.messages()[-1][0]
+        assert isinstance(refused, Failure) and refused.req == 7 and "of a job that ended" in refused.message
+        _feed(extra, _frame(Reset(0, "e1")))
+    push(extra, 8, 0)
+    push(other, 9, 0, worker=1)
+    await asyncio.sleep(0.05)
+    summed = [m for m, _ in t1.messages() if isinstance(m, Result)]
+    assert [(r.req, r.round) for r in summed] == [(8, 0)], t1.messages()
+    await server.stop()
