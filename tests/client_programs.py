@@ -212,15 +212,26 @@ def shutdown_under_a_waiting_thread() -> dict[str, Any]:
     return {"heard": heard, "alive": thread.is_alive()}
 
 
+def _shutdown_barrier_init(barrier: str, tag: str, rank: int, size: int) -> None:
+    """shutdown(), a barrier of the job's own (a file per rank in ``barrier``, named by ``tag``: as the docstring of
+    shutdown() asks), and init() again on the same socket."""
+    import os
+
+    settings, local_rank = bps._operations().settings, bps.local_rank()
+    bps.shutdown()
+    open(os.path.join(barrier, f"{tag}.{rank}"), "w").close()
+    deadline = time.monotonic() + 30
+    while sum(f.startswith(f"{tag}.") for f in os.listdir(barrier)) < size and time.monotonic() < deadline:
+        time.sleep(0.005)
+    bps.init(socket=settings.socket, local_rank=local_rank, timeout=settings.timeout)
+
+
 def shutdown_and_init_again(barrier: str, cycles: int) -> list[str]:
     """Each cycle: a fused and an unfused sum of names every cycle reuses (each cycle's own values), shutdown(), a
     barrier of the job's own (a file per rank, as the docstring of shutdown() asks), init() again. Without the
     daemons' answer to Leave, a peer's new process could report a round before this machine's daemon or a server had
     heard the leave, and the leave failed that round (the timeline test, a CI run). Returns the errors met."""
-    import os
-
-    rank, size, local_rank = bps.rank(), bps.size(), bps.local_rank()
-    settings = bps._operations().settings
+    rank, size = bps.rank(), bps.size()
     errors: list[str] = []
     for cycle in range(cycles):
         value = float(cycle * 10 + rank)
@@ -232,12 +243,7 @@ def shutdown_and_init_again(barrier: str, cycles: int) -> list[str]:
                 errors.append(f"cycle {cycle}: sums {small[0]} and {large[0]}, expected {expected}")
         except bps.BPSError as exc:
             errors.append(f"cycle {cycle}: {exc}")
-        bps.shutdown()
-        open(os.path.join(barrier, f"{cycle}.{rank}"), "w").close()
-        deadline = time.monotonic() + 30
-        while sum(f.startswith(f"{cycle}.") for f in os.listdir(barrier)) < size and time.monotonic() < deadline:
-            time.sleep(0.005)
-        bps.init(socket=settings.socket, local_rank=local_rank, timeout=settings.timeout)
+        _shutdown_barrier_init(barrier, f"{cycle}", rank, size)
     return errors
 
 
@@ -249,8 +255,7 @@ def shutdown_with_sums_in_flight_then_init_again(barrier: str, cycles: int) -> l
     the next job's first sums of those partitions were stale. Returns the errors of the next jobs' sums."""
     import os
 
-    rank, size, local_rank = bps.rank(), bps.size(), bps.local_rank()
-    settings = bps._operations().settings
+    rank, size = bps.rank(), bps.size()
     errors: list[str] = []
     names = [f"big{i}" for i in range(4)]
     for cycle in range(cycles):
@@ -265,10 +270,5 @@ def shutdown_with_sums_in_flight_then_init_again(barrier: str, cycles: int) -> l
             errors.append(f"cycle {cycle}: {exc}")
         for name in names:  # the ended job's pushes, in flight at the shutdown
             bps.push_pull_async(np.full(500_000, value, np.float32), name, average=False)
-        bps.shutdown()
-        open(os.path.join(barrier, f"{cycle}.{rank}"), "w").close()
-        deadline = time.monotonic() + 30
-        while sum(f.startswith(f"{cycle}.") for f in os.listdir(barrier)) < size and time.monotonic() < deadline:
-            time.sleep(0.005)
-        bps.init(socket=settings.socket, local_rank=local_rank, timeout=settings.timeout)
+        _shutdown_barrier_init(barrier, f"{cycle}", rank, size)
     return errors
