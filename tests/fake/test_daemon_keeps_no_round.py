@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from typing import Any
+from typing import Any, AsyncIterator
+
+import pytest
 
 from bps_worker.daemon import WorkerDaemon
 from bps_worker.errors import BPSError
@@ -20,8 +22,25 @@ from fake_transport import FakeSession, worker_daemon
 from protocol.messages import Failure, Op
 
 
-def _daemon(local_size: int) -> WorkerDaemon:
+@pytest.fixture
+async def made() -> AsyncIterator[list[WorkerDaemon]]:
+    """The daemons a test made: their links closed and their tasks ended before the test's loop closes (its
+    teardown waited 30 s, the cluster's timeout, under pytest -n: a link still connecting, started by a task
+    that the loop's own cancelling of every task set off again)."""
+    daemons: list[WorkerDaemon] = []
+    yield daemons
+    for daemon in daemons:
+        for link in daemon.all_links:
+            link.close()
+        for task in list(daemon.tasks):
+            task.cancel()
+        if daemon.tasks:
+            await asyncio.wait(list(daemon.tasks), timeout=5.0)
+
+
+def _daemon(local_size: int, made: list[WorkerDaemon]) -> WorkerDaemon:
     daemon: WorkerDaemon = worker_daemon(local_size)
+    made.append(daemon)
 
     def unreachable(name: str, local_round: int) -> asyncio.Future[int]:  # no server runs here
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -41,8 +60,8 @@ def _holders(obj: Any, *known: Any) -> list[str]:
             if id(r) not in ignore and not isinstance(r, type(gc.get_referrers)) and type(r).__name__ != "frame"]
 
 
-async def test_a_round_that_ended_is_kept_by_nothing():
-    daemon = _daemon(local_size=1)
+async def test_a_round_that_ended_is_kept_by_nothing(made):
+    daemon = _daemon(1, made)
     session = FakeSession(0)
     op = Op(req=1, name="w", kind="sum", segment="seg", offset=0, dtype="float32", shape=[4])
     daemon.submit(session, op)  # opened and ready at once (one local process); its round cannot be learned
@@ -56,8 +75,8 @@ async def test_a_round_that_ended_is_kept_by_nothing():
     assert _holders(lr) == [], "an ended round is still referred to"
 
 
-async def test_an_open_round_is_kept_by_the_rounds_alone_and_failed_by_the_tick_watch():
-    daemon = _daemon(local_size=2)
+async def test_an_open_round_is_kept_by_the_rounds_alone_and_failed_by_the_tick_watch(made):
+    daemon = _daemon(2, made)
     session = FakeSession(0)
     daemon.sessions[0] = session  # type: ignore[assignment]  # local rank 1 never connects
     op = Op(req=1, name="w", kind="sum", segment="seg", offset=0, dtype="float32", shape=[4])
