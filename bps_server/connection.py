@@ -98,6 +98,9 @@ WRITE_BUFFER_HIGH_BYTES: Final = 16 * 1024 * 1024
 # A worker's connection silent for more than this fraction of the timeout no longer holds the worker id for
 # its daemon against another one (its daemon pings every timeout / 4): see ServerConnection.handshake.
 HOLDER_SILENCE_FRACTION: Final = 0.5
+# The numberings an extra connection of a worker remembers having been told (its Hello's, its Resets'): a Reset on
+# the worker's first connection that names one of them came after it there (see ServerConnection.on_reset).
+MAX_JOBS_KEPT: Final = 16
 
 
 def address(peername: object) -> str:
@@ -150,11 +153,11 @@ class ServerConnection(AdmittedProtocol):
         self.daemon = ""  # the worker daemon's id for its run (Hello.daemon), and its round numbering:
         self.epoch = ""   # the two say which daemon holds the worker id (see handshake)
         self.stream = 0  # which of the worker's connections (Hello.stream)
-        # An extra connection's job: the numbering its Hello or its latest Reset said. While the worker's first
-        # connection has said a later one (its Reset) and this one has not yet, what comes here is of the ended job
-        # (``draining``: its pushes are refused; see on_reset).
-        self.job = ""
-        self.draining = False
+        # An extra connection's numberings: the one its Hello said and those its Resets said since (the last few).
+        # While the worker's first connection has said one (its Reset) that this one has not yet, what comes here is
+        # of an ended job (``draining`` for that one: its pushes are refused; see on_reset).
+        self.jobs: list[str] = []
+        self.draining: str | None = None
         self.observer = False
         self.peer = "?"
         self.closed = False
@@ -241,7 +244,7 @@ class ServerConnection(AdmittedProtocol):
             self.handle(item, item_payload)
 
     def on_push(self, push: Push, payload: memoryview | None) -> None:
-        if self.draining:  # (see on_reset)
+        if self.draining is not None:  # (see on_reset)
             self.fail(push, Why(f"tensor {push.name!r} round {push.round}: of a job that ended on worker {push.worker} "
                                 f"(every training process left)", "round_failed"))
             return
@@ -362,12 +365,14 @@ class ServerConnection(AdmittedProtocol):
         job's round again after it (the next job's first sum of that partition was stale)."""
         if reset.worker != self.worker:
             raise RemoteProtocolError(f"worker {self.worker} sent a reset for worker {reset.worker}")
-        if self.stream:
-            self.job, self.draining = reset.epoch, False
+        if self.stream:  # (an older one, behind which came the next ended job's pushes, does not end the draining)
+            self.jobs = [*self.jobs[-(MAX_JOBS_KEPT - 1):], reset.epoch]
+            if self.draining == reset.epoch:
+                self.draining = None
             return
         for (worker, _), conn in self.server.streams.items():
-            if worker == reset.worker and conn.job != reset.epoch:  # (connected since, or its Reset came first)
-                conn.draining = True
+            if worker == reset.worker and reset.epoch not in conn.jobs:  # (connected since, or its Reset came first)
+                conn.draining = reset.epoch
         failed = self.server.aggregator.worker_reset(reset.worker, reset.epoch)
         self.server.values.reset(reset.worker, reset.epoch)
         endings = self.server.fusion.endings
@@ -671,7 +676,7 @@ class ServerConnection(AdmittedProtocol):
     def _register(self, hello: Hello) -> None:
         """Make this the connection of (worker, stream), replacing (and closing) the daemon's old one."""
         self.worker, self.stream, self.daemon, self.epoch = hello.id, hello.stream, hello.daemon, hello.epoch
-        self.job = hello.epoch
+        self.jobs = [hello.epoch]
         if hello.stream:
             # An extra connection for pushes (see Hello.stream): the worker's state follows stream 0.
             old = self.server.streams.get((hello.id, hello.stream))

@@ -619,10 +619,7 @@ class ServerLink:
         and the next job's first rounds met them as stale (a review's case: shutdown() with a large sum in flight,
         init() again)."""
         self.window.drop_sums()  # the next job starts at round 0; the buffers are being freed
-        ended = BPSError(f"every training process of worker {self.worker_id} left: its job ended here")
-        for item in self.window.take_queued():
-            if not item.future.done():
-                item.future.set_exception(ended)
+        self._fail_ended(self.window.take_queued())
         self.given_up.clear()
         self.control.drop_fused()
         # On every connection: the server's state of this worker follows its first, where the Reset acts; on the
@@ -632,6 +629,13 @@ class ServerLink:
         # is down says nothing: its next Hello carries the new numbering.
         if self.stream == 0 or (self._proto is not None and self._ready):
             self.tell_reset()
+
+    def _fail_ended(self, items: list[OutgoingPush]) -> None:
+        """Fail ``items``, of a job that ended here: none goes (again)."""
+        ended = BPSError(f"every training process of worker {self.worker_id} left: its job ended here")
+        for item in items:
+            if not item.future.done():
+                item.future.set_exception(ended)
 
     def tell_reset(self) -> None:
         """Tell the server that this worker has no training processes (again, to a server that restarted: the
@@ -961,7 +965,7 @@ class ServerLink:
         # The server may be restarting: hold what is in flight until we know (see the module docstring).
         self.control.ask_again()
         self._broken_reason = reason
-        self.window.hold()  # (its stall deadline cleared: a wake-up still armed finds nothing to open)
+        self._fail_ended(self.window.hold())  # (its stall deadline cleared: a wake-up still armed finds nothing)
         loop = asyncio.get_running_loop()
         self._ensure_connecting((loop.time() if since is None else since) + self.timeout, reason)
 
@@ -1072,12 +1076,13 @@ class ServerLink:
                  " (shared memory)" if self.shm else "")
         previous, self.incarnation = self.incarnation, welcome.incarnation
         self._ready = True
-        self._told_on_ready()
+        waited = self.control.take()
+        self._told_on_ready(waited)
         self._held_elsewhere = None  # the server took us: whoever held our id is gone
         self._attempt_error = ""
         proto.last_seen = loop.time()
         self._watch_silence(proto)
-        for message in self.control.take():  # (after our Hello: a run that never heard of them)
+        for message in waited:  # (after our Hello: a run that never heard of them)
             self.numbered = self.numbered or isinstance(message, _NUMBERED)
             self._send(proto, message)
         restarted = previous is not None and previous != welcome.incarnation
@@ -1088,10 +1093,11 @@ class ServerLink:
             self.on_ready(restarted)
         self.pump()
 
-    def _told_on_ready(self) -> None:
-        """A new connection is ready: it carried no Reset yet; where every process of ours left during its handshake
-        (our Hello said the numbering before), the server hears it first."""
-        self._reset_told = None
+    def _told_on_ready(self, waited: list[Message]) -> None:
+        """A new connection is ready, to carry ``waited`` (what waited for it): it carried no Reset yet but the one
+        that waited, if any; where every process of ours left during its handshake (our Hello said the numbering
+        before), the server hears it first."""
+        self._reset_told = self.epoch if any(isinstance(m, Reset) and m.epoch == self.epoch for m in waited) else None
         if self._hello_epoch != self.epoch:
             self.tell_reset()
 

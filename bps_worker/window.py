@@ -315,14 +315,21 @@ class SendWindow(Generic[P]):
         self._sums.clear()
         self._sums_from = next(self._seq)
 
-    def hold(self) -> None:
+    def hold(self) -> list[P]:
         """The connection broke and the server may be restarting: what was in flight is queued again,
-        held until the next server's verdict (:meth:`restarted` or :meth:`resumed`)."""
+        held until the next server's verdict (:meth:`restarted` or :meth:`resumed`); but not what a job that ended
+        since it went had in flight (:meth:`drop_sums`): returned, to be failed. Sent again, behind the Reset, it
+        opened the ended job's round at the server again (a review's case: a server restarted after a reset)."""
+        ended = []
         for piece in self._inflight.values():
+            if not self.of_this_job(piece):
+                ended.append(piece)
+                continue
             piece.held = True
             heapq.heappush(self._queue, (-piece.priority, piece.seq, piece))
         self._inflight.clear()
         self._reset_pacing()
+        return ended
 
     def restarted(self) -> list[P]:
         """The next server is a new run: returns the kept sums to replay first; the held pieces go again."""

@@ -765,3 +765,42 @@ async def test_a_push_its_caller_gave_up_is_not_resumed_but_fails_when_the_same_
     assert [(m.name, m.resumed) for m in pushed] == [("v", True)] and not kept.done()
     link.close()
     await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("restarted", [False, True], ids=["same-run", "restarted"])
+async def test_a_push_in_flight_when_the_job_ended_is_never_sent_again(restarted):
+    """Every process left (a reset) while a push was in flight, then the connection broke: the push fails with the
+    job's end, and is not sent again on the next connection (a restarted server, or the same run). Sent again, behind
+    the Reset, it opened the ended job's round there: the next job's first sum of it was stale (a review's case)."""
+    link, proto, transport = _link()
+    fields = {"name": "w", "part": 0, "round": 3, "dtype": "float32", "shape": [2], "offset": 0, "count": 2}
+    old = link.push(fields, memoryview(np.ones(2, np.float32)).cast("B"), memoryview(bytearray(8)), 0)
+    link.epoch = "e2"  # (the daemon's new numbering, then its links' reset)
+    link.reset()
+    assert [type(m).__name__ for m, _ in transport.messages()] == ["Push", "Reset"]
+    again = reconnect_link(link, proto, restarted=restarted)
+    assert isinstance(old.exception(), BPSError) and "its job ended here" in str(old.exception())
+    new = link.push(fields | {"round": 0}, memoryview(np.ones(2, np.float32)).cast("B"), memoryview(bytearray(8)), 0)
+    link.pump()
+    assert [m.round for m, _ in again.messages() if isinstance(m, Push)] == [0]  # (a restarted run: Restored too)
+    assert not new.done()
+    link.close()
+    await asyncio.sleep(0)
+
+
+async def test_a_handshake_that_spans_a_reset_carries_one_reset():
+    """Every process left during the first connection's handshake (its Hello said the old numbering): the Reset
+    that waited for the connection goes once, first (the ready path had sent it twice)."""
+    link, proto, transport = _link()
+    link.epoch = link._hello_epoch = "e1"
+    link._ready = False  # (our Hello went; the Welcome is on its way)
+    link.epoch = "e2"
+    link.reset()  # (queued: the connection is not ready)
+    link._ready = True  # the Welcome: as ServerLink._open goes on from there
+    waited = link.control.take()
+    link._told_on_ready(waited)
+    for message in waited:
+        link._send(proto, message)
+    assert [(type(m).__name__, m.epoch) for m, _ in transport.messages()] == [("Reset", "e2")]
+    link.close()
+    await asyncio.sleep(0)

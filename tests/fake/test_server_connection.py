@@ -504,3 +504,34 @@ async def test_a_reset_refuses_the_ended_jobs_pushes_on_another_stream_until_its
     summed = [m for m, _ in t1.messages() if isinstance(m, Result)]
     assert [(r.req, r.round) for r in summed] == [(8, 0)], t1.messages()
     await server.stop()
+
+
+async def test_an_older_reset_on_another_stream_does_not_end_a_newer_ones_draining():
+    """Two jobs ended in a row (Resets e1 and e2 on stream 0, read first); stream 1 then says e1, behind which come
+    pushes of the job e2 ended: refused too (a review's case: they were summed, and the next job's first sum of that
+    partition was stale). Its e2 ends the draining."""
+    from protocol.messages import Reset
+
+    server = _server()
+    (zero, _), (other, _) = _workers(server, 2)
+    extra, t1 = _connect(server)
+    _feed(extra, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, stream=1, epoch="e0")))
+    _feed(zero, _frame(Reset(0, "e1")))
+    _feed(zero, _frame(Reset(0, "e2")))
+    _feed(other, _frame(Reset(1, "f1")))
+    _feed(extra, _frame(Reset(0, "e1")))
+
+    def push(conn, req: int, round_: int, worker: int = 0) -> None:
+        _feed(conn, _frame(Push(req=req, name="y", part=1, round=round_, worker=worker, dtype="float32", shape=[4],
+                                offset=0, count=4), np.ones(4, np.float32).tobytes()))
+
+    push(extra, 7, 0)  # job e1's round 0, ended by e2's Reset
+    await asyncio.sleep(0.05)
+    refused = t1.messages()[-1][0]
+    assert isinstance(refused, Failure) and refused.req == 7 and "of a job that ended" in refused.message
+    _feed(extra, _frame(Reset(0, "e2")))
+    push(extra, 8, 0)
+    push(other, 9, 0, worker=1)
+    await asyncio.sleep(0.05)
+    assert [(m.req, m.round) for m, _ in t1.messages() if isinstance(m, Result)] == [(8, 0)], t1.messages()
+    await server.stop()
