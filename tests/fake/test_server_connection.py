@@ -472,6 +472,12 @@ async def test_a_query_kept_waiting_always_has_a_timer_to_answer_it():
     await server.stop()
 
 
+def push(conn: ServerConnection, req: int, round_: int, worker: int = 0) -> None:
+    """Worker ``worker``'s push of round ``round_`` of partition 1 of "y" (4 ones) on ``conn``."""
+    _feed(conn, _frame(Push(req=req, name="y", part=1, round=round_, worker=worker, dtype="float32", shape=[4],
+                            offset=0, count=4), np.ones(4, np.float32).tobytes()))
+
+
 @pytest.mark.parametrize("fence_first", [False, True], ids=["reset-first", "fence-first"])
 async def test_a_reset_refuses_the_ended_jobs_pushes_on_another_stream_until_its_reset_there(fence_first):
     """A worker's Reset on stream 0 may overtake its ended job's last pushes on stream 1 (separate connections): those
@@ -483,10 +489,6 @@ async def test_a_reset_refuses_the_ended_jobs_pushes_on_another_stream_until_its
     (zero, t0), (other, t_other) = _workers(server, 2)
     extra, t1 = _connect(server)
     _feed(extra, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, stream=1, epoch="e0")))
-
-    def push(conn, req: int, round_: int, worker: int = 0) -> None:
-        _feed(conn, _frame(Push(req=req, name="y", part=1, round=round_, worker=worker, dtype="float32", shape=[4],
-                                offset=0, count=4), np.ones(4, np.float32).tobytes()))
 
     if fence_first:
         _feed(extra, _frame(Reset(0, "e1")))
@@ -520,10 +522,6 @@ async def test_an_older_reset_on_another_stream_does_not_end_a_newer_ones_draini
     _feed(zero, _frame(Reset(0, "e2")))
     _feed(other, _frame(Reset(1, "f1")))
     _feed(extra, _frame(Reset(0, "e1")))
-
-    def push(conn, req: int, round_: int, worker: int = 0) -> None:
-        _feed(conn, _frame(Push(req=req, name="y", part=1, round=round_, worker=worker, dtype="float32", shape=[4],
-                                offset=0, count=4), np.ones(4, np.float32).tobytes()))
 
     push(extra, 7, 0)  # job e1's round 0, ended by e2's Reset
     await asyncio.sleep(0.05)
