@@ -370,9 +370,7 @@ class ServerConnection(AdmittedProtocol):
             if self.draining == reset.epoch:
                 self.draining = None
             return
-        for (worker, _), conn in self.server.streams.items():
-            if worker == reset.worker and reset.epoch not in conn.jobs:  # (connected since, or its Reset came first)
-                conn.draining = reset.epoch
+        self.drain_streams(reset.epoch)
         failed = self.server.aggregator.worker_reset(reset.worker, reset.epoch)
         self.server.values.reset(reset.worker, reset.epoch)
         endings = self.server.fusion.endings
@@ -382,6 +380,19 @@ class ServerConnection(AdmittedProtocol):
         if self.server.fusion.endings != endings:
             self.server.lanes_ended()
         log.info("worker %d has no training processes; %d pending rounds failed", reset.worker, failed)
+
+    def drain_streams(self, epoch: str) -> None:
+        """Our worker's stream 0 said numbering ``epoch`` (a Reset, or a Hello: a Reset lost with a connection is
+        heard so): each extra connection of the worker that has not said it is of an ended job, and refused, until
+        it does; not one that said it already, nor one that said a numbering stream 0 never did (a newer one: its
+        Hello came first)."""
+        assert self.worker is not None
+        said = self.server.numberings.setdefault(self.worker, [])
+        if epoch not in said:
+            said[:] = [*said[-(MAX_JOBS_KEPT - 1):], epoch]
+        for (worker, _), conn in self.server.streams.items():
+            if worker == self.worker and epoch not in conn.jobs and all(job in said for job in conn.jobs):
+                conn.draining = epoch
 
     def on_joined(self, joined: Joined, payload: memoryview | None) -> None:
         if joined.worker != self.worker:
@@ -690,6 +701,8 @@ class ServerConnection(AdmittedProtocol):
             if not hello.stream:  # its loss will not be heard as this worker's (it is not its link now)
                 self._fused_drop()
         if not hello.stream:
+            if hello.epoch:
+                self.drain_streams(hello.epoch)
             endings = self.server.fusion.endings
             self.server.fusion.worker_hello(hello.id, hello.epoch, hello.daemon)
             self.server.aggregator.worker_hello(hello.id, hello.epoch, hello.fresh)

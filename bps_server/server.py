@@ -82,6 +82,9 @@ class SummationServer:
         self.executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="bps-sum")
         self.links: dict[int, ServerConnection] = {}  # each worker's stream 0
         self.streams: dict[tuple[int, int], ServerConnection] = {}  # (worker, stream) for streams 1, 2, ...
+        # The numberings each worker's stream 0 said (its Hellos, its Resets), the last few: what an extra
+        # connection says that is not among them is newer (see ServerConnection.drain_streams).
+        self.numberings: dict[int, list[str]] = {}
         self.timeline = Timeline(config.timeline, f"bps-server {config.server_id}") if config.timeline else None
         self.aggregator = Aggregator(config.cluster.workers, self.executor, lost_grace_s=config.cluster.timeout,
                                      deterministic=config.cluster.deterministic,

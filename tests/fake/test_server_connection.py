@@ -478,6 +478,17 @@ def push(conn: ServerConnection, req: int, round_: int, worker: int = 0) -> None
                             offset=0, count=4), np.ones(4, np.float32).tobytes()))
 
 
+def _worker_0_on_two_streams(server: SummationServer) -> tuple[ServerConnection, ServerConnection, ServerConnection,
+                                                                FakeTransport]:
+    """Worker 0 connected on streams 0 and 1 (numbering "e0"), and worker 1: (stream 0, worker 1, stream 1, and
+    stream 1's transport)."""
+    zero, other, extra = _connect(server)[0], _connect(server)[0], _connect(server)
+    _feed(zero, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, epoch="e0")))
+    _feed(other, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 1)))
+    _feed(extra[0], _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, stream=1, epoch="e0")))
+    return zero, other, extra[0], extra[1]
+
+
 @pytest.mark.parametrize("fence_first", [False, True], ids=["reset-first", "fence-first"])
 async def test_a_reset_refuses_the_ended_jobs_pushes_on_another_stream_until_its_reset_there(fence_first):
     """A worker's Reset on stream 0 may overtake its ended job's last pushes on stream 1 (separate connections): those
@@ -486,9 +497,7 @@ async def test_a_reset_refuses_the_ended_jobs_pushes_on_another_stream_until_its
     from protocol.messages import Reset
 
     server = _server()
-    (zero, t0), (other, t_other) = _workers(server, 2)
-    extra, t1 = _connect(server)
-    _feed(extra, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, stream=1, epoch="e0")))
+    zero, other, extra, t1 = _worker_0_on_two_streams(server)
 
     if fence_first:
         _feed(extra, _frame(Reset(0, "e1")))
@@ -515,9 +524,7 @@ async def test_an_older_reset_on_another_stream_does_not_end_a_newer_ones_draini
     from protocol.messages import Reset
 
     server = _server()
-    (zero, _), (other, _) = _workers(server, 2)
-    extra, t1 = _connect(server)
-    _feed(extra, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, stream=1, epoch="e0")))
+    zero, other, extra, t1 = _worker_0_on_two_streams(server)
     _feed(zero, _frame(Reset(0, "e1")))
     _feed(zero, _frame(Reset(0, "e2")))
     _feed(other, _frame(Reset(1, "f1")))
@@ -532,4 +539,24 @@ async def test_an_older_reset_on_another_stream_does_not_end_a_newer_ones_draini
     push(other, 9, 0, worker=1)
     await asyncio.sleep(0.05)
     assert [(m.req, m.round) for m, _ in t1.messages() if isinstance(m, Result)] == [(8, 0)], t1.messages()
+    await server.stop()
+
+
+async def test_a_reset_heard_only_from_a_hello_drains_the_other_streams_but_a_newer_streams_hello_is_not_drained():
+    """Stream 0's Reset lost with its connection: its next Hello says the new numbering, and the other stream is of
+    the ended job until it says so too. A stream whose Hello says a numbering stream 0 never did (newer: it came
+    first) is not drained by an older Reset."""
+    from protocol.messages import Reset
+
+    server = _server()
+    zero, other, extra, t1 = _worker_0_on_two_streams(server)
+    again = _connect(server)[0]
+    _feed(again, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, epoch="e1")))  # (replaces stream 0)
+    assert extra.draining == "e1"
+    _feed(extra, _frame(Reset(0, "e1")))
+    assert extra.draining is None
+    newer = _connect(server)[0]
+    _feed(newer, _frame(Hello(PROTOCOL_VERSION, ROLE_WORKER, 0, stream=2, epoch="e3")))
+    _feed(again, _frame(Reset(0, "e2")))
+    assert extra.draining == "e2" and newer.draining is None
     await server.stop()
