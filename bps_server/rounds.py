@@ -372,6 +372,8 @@ class RoundTable(Generic[W]):
         # Those of them only because their connection dropped (no Reset came): the same daemon back with the
         # same numbering (Hello.epoch) is the same processes, not a worker without any (worker_hello).
         self._dropped: set[int] = set()
+        # And those only because their daemon said it had none since it started (Hello.processes: worker_idle).
+        self._idle: set[int] = set()
         self._epochs: dict[int, str] = {}  # each worker's round numbering (Hello.epoch, Reset.epoch)
         # Workers whose numbering restarted while other workers were mid-job: they rejoin (round_for).
         self._rejoining: set[int] = set()
@@ -814,6 +816,8 @@ class RoundTable(Generic[W]):
         Joined or pushes. A daemon idle since it started never says Reset: a round that waited for processes of it
         that never came waited for ever (stall warnings only), where after a job's end it failed naming the worker
         (a review's case). Nothing fails now: it had no rounds here."""
+        if worker not in self._reset:
+            self._idle.add(worker)
         self._reset.add(worker)
         self._mid_job.discard(worker)
 
@@ -836,6 +840,7 @@ class RoundTable(Generic[W]):
         self._came_fresh.discard(worker)
         self._reset.add(worker)
         self._dropped.discard(worker)
+        self._idle.discard(worker)
         if epoch:
             self._epochs[worker] = epoch
         cleared = self._clear_if_all_reset()
@@ -878,6 +883,7 @@ class RoundTable(Generic[W]):
         self.lost_workers.discard(worker)
         self._reset.discard(worker)
         self._dropped.discard(worker)
+        self._idle.discard(worker)
 
     def _numbering_restarted(self, worker: int) -> None:
         others_mid_job = any(w != worker and w not in self._reset and self.connected(w) for w in range(self.n_workers))
@@ -895,7 +901,11 @@ class RoundTable(Generic[W]):
         here counts as one without processes: a daemon idle since it started never says Reset, and a failure of
         the last job that waited for it made the next job's rounds one apart (wrong sums, a review's case)."""
         gone = self._reset | (set(range(self.n_workers)) - self._active)
-        if len(gone) < self.n_workers or self._reset <= self._dropped:
+        # Not unless one of them said its processes left (a Reset, or a new daemon's hello): a worker only
+        # disconnected may have them still, and so may a dropped one beside one idle since it started (a hang
+        # otherwise: the two were taken for the job's end, the round that failed on the idle machine's drop was
+        # forgotten, and its late process's push opened it afresh and waited for ever, test_dropped_links).
+        if len(gone) < self.n_workers or not self._reset - self._dropped - self._idle:
             return []
         dropped = len(self.keys)
         self.keys.clear()

@@ -413,6 +413,28 @@ def test_reset_fails_pending_rounds_and_once_every_worker_reset_clears_all_keys(
     assert isinstance(table.push(_push(0, name="x", rnd=0), _data(), "w0", 0.0)[0], Add)  # round 0 again
 
 
+def test_a_machine_idle_since_it_started_beside_a_dropped_one_is_not_the_jobs_end():
+    """Worker 1's processes have not started (its daemon said so) and its connection drops (the round waiting for
+    it fails), then worker 0's: neither said its processes left, so nothing is cleared, and worker 1's late push of
+    the failed round fails at once. Taken for the job's end, the failure was forgotten and the late push opened the
+    round afresh, waiting for ever for worker 0, which had moved on (test_dropped_links, 1 run in 5)."""
+    table: RoundTable[str] = RoundTable(2, lost_grace_s=10)
+    for w in range(2):
+        table.worker_hello(w, f"epoch-{w}")
+    table.worker_idle(1)
+    table.push(_push(0), _data(), "w0", 0.0)
+    assert "worker 1 is disconnected" in _fails(table.worker_lost(1))["w0"]
+    assert not any(isinstance(a, Cleared) for a in table.worker_lost(0)) and table.keys
+    table.worker_hello(0, "epoch-0")
+    table.worker_hello(1, "epoch-1")
+    table.worker_joined(1)
+    assert "worker 1 is disconnected" in _fails(table.push(_push(1), _data(), "w1", 1.0))["w1"]
+    # Its processes left for good instead (a Reset): the job is over, as before.
+    table.worker_lost(0)
+    table.worker_reset(1, "epoch-1b")
+    assert table.keys == {}
+
+
 def test_connections_that_all_dropped_keep_the_keys_and_a_failed_round_stays_failed():
     # Worker 1's connection drops (the round waiting for it fails), then worker 0's: no worker said its
     # processes left, so nothing is cleared, and worker 1's late push of the failed round fails at once.
