@@ -107,7 +107,9 @@ class AsyncOperation(Operation):
             self.applied[result.part] = result.applied[self.worker]
 
     def reply_done(self, scattered: Scattered) -> None:
-        if self.init:  # before the processes hear it: their next push may come in the next callback
+        # Before the processes hear it: their next push may come in the next callback. Not where the job ended here
+        # meanwhile (an init answered after every process left would be the next job's, which never made it).
+        if self.init and self._job_current():
             self.names[self.name] = AsyncName(self.op.staleness, self.op.dtype, tuple(self.op.shape),
                                               {part: step + 1 for part, step in self.applied.items()})
         super().reply_done(scattered)
