@@ -489,6 +489,24 @@ def _worker_0_on_two_streams(server: SummationServer) -> tuple[ServerConnection,
     return zero, other, extra[0], extra[1]
 
 
+async def _refused_until_its_reset(extra: ServerConnection, other: ServerConnection, t1: FakeTransport,
+                                   ended_round: int | None, epoch: str) -> None:
+    """Worker 0's push of ``ended_round`` (None: none) on its extra connection ``extra`` is refused as of a job that
+    ended; after that connection's Reset(``epoch``), its push of round 0 is summed with worker 1's (on ``other``)."""
+    from protocol.messages import Reset
+
+    if ended_round is not None:
+        push(extra, 7, ended_round)
+        await asyncio.sleep(0.05)
+        refused = t1.messages()[-1][0]
+        assert isinstance(refused, Failure) and refused.req == 7 and "of a job that ended" in refused.message
+        _feed(extra, _frame(Reset(0, epoch)))
+    push(extra, 8, 0)
+    push(other, 9, 0, worker=1)
+    await asyncio.sleep(0.05)
+    assert [(m.req, m.round) for m, _ in t1.messages() if isinstance(m, Result)] == [(8, 0)], t1.messages()
+
+
 @pytest.mark.parametrize("fence_first", [False, True], ids=["reset-first", "fence-first"])
 async def test_a_reset_refuses_the_ended_jobs_pushes_on_another_stream_until_its_reset_there(fence_first):
     """A worker's Reset on stream 0 may overtake its ended job's last pushes on stream 1 (separate connections): those
@@ -503,17 +521,7 @@ async def test_a_reset_refuses_the_ended_jobs_pushes_on_another_stream_until_its
         _feed(extra, _frame(Reset(0, "e1")))
     _feed(zero, _frame(Reset(0, "e1")))
     _feed(other, _frame(Reset(1, "f1")))  # (the job ended everywhere: the next starts at round 0)
-    if not fence_first:
-        push(extra, 7, 117)  # the ended job's, behind the Reset on stream 0
-        await asyncio.sleep(0.05)
-        refused = t1.messages()[-1][0]
-        assert isinstance(refused, Failure) and refused.req == 7 and "of a job that ended" in refused.message
-        _feed(extra, _frame(Reset(0, "e1")))
-    push(extra, 8, 0)
-    push(other, 9, 0, worker=1)
-    await asyncio.sleep(0.05)
-    summed = [m for m, _ in t1.messages() if isinstance(m, Result)]
-    assert [(r.req, r.round) for r in summed] == [(8, 0)], t1.messages()
+    await _refused_until_its_reset(extra, other, t1, None if fence_first else 117, "e1")
     await server.stop()
 
 
@@ -530,15 +538,7 @@ async def test_an_older_reset_on_another_stream_does_not_end_a_newer_ones_draini
     _feed(other, _frame(Reset(1, "f1")))
     _feed(extra, _frame(Reset(0, "e1")))
 
-    push(extra, 7, 0)  # job e1's round 0, ended by e2's Reset
-    await asyncio.sleep(0.05)
-    refused = t1.messages()[-1][0]
-    assert isinstance(refused, Failure) and refused.req == 7 and "of a job that ended" in refused.message
-    _feed(extra, _frame(Reset(0, "e2")))
-    push(extra, 8, 0)
-    push(other, 9, 0, worker=1)
-    await asyncio.sleep(0.05)
-    assert [(m.req, m.round) for m, _ in t1.messages() if isinstance(m, Result)] == [(8, 0)], t1.messages()
+    await _refused_until_its_reset(extra, other, t1, 0, "e2")  # (round 0 of job e1, ended by e2's Reset)
     await server.stop()
 
 
