@@ -23,6 +23,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import deque
 from multiprocessing.shared_memory import SharedMemory
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Final, cast
 
@@ -156,7 +157,7 @@ class ServerConnection(AdmittedProtocol):
         # An extra connection's numberings: the one its Hello said and those its Resets said since (the last few).
         # While the worker's first connection has said one (its Reset) that this one has not yet, what comes here is
         # of an ended job (``draining`` for that one: its pushes are refused; see on_reset).
-        self.jobs: list[str] = []
+        self.jobs: deque[str] = deque(maxlen=MAX_JOBS_KEPT)
         self.draining: str | None = None
         self.observer = False
         self.peer = "?"
@@ -366,7 +367,7 @@ class ServerConnection(AdmittedProtocol):
         if reset.worker != self.worker:
             raise RemoteProtocolError(f"worker {self.worker} sent a reset for worker {reset.worker}")
         if self.stream:  # (an older one, behind which came the next ended job's pushes, does not end the draining)
-            self.jobs = [*self.jobs[-(MAX_JOBS_KEPT - 1):], reset.epoch]
+            self.jobs.append(reset.epoch)
             if self.draining == reset.epoch:
                 self.draining = None
             return
@@ -387,9 +388,9 @@ class ServerConnection(AdmittedProtocol):
         it does; not one that said it already, nor one that said a numbering stream 0 never did (a newer one: its
         Hello came first)."""
         assert self.worker is not None
-        said = self.server.numberings.setdefault(self.worker, [])
+        said = self.server.numberings.setdefault(self.worker, deque(maxlen=MAX_JOBS_KEPT))
         if epoch not in said:
-            said[:] = [*said[-(MAX_JOBS_KEPT - 1):], epoch]
+            said.append(epoch)
         for (worker, _), conn in self.server.streams.items():
             if worker == self.worker and epoch not in conn.jobs and all(job in said for job in conn.jobs):
                 conn.draining = epoch
@@ -687,7 +688,7 @@ class ServerConnection(AdmittedProtocol):
     def _register(self, hello: Hello) -> None:
         """Make this the connection of (worker, stream), replacing (and closing) the daemon's old one."""
         self.worker, self.stream, self.daemon, self.epoch = hello.id, hello.stream, hello.daemon, hello.epoch
-        self.jobs = [hello.epoch]
+        self.jobs = deque([hello.epoch], maxlen=MAX_JOBS_KEPT)
         if hello.stream:
             # An extra connection for pushes (see Hello.stream): the worker's state follows stream 0.
             old = self.server.streams.get((hello.id, hello.stream))

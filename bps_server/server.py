@@ -13,6 +13,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -84,7 +85,7 @@ class SummationServer:
         self.streams: dict[tuple[int, int], ServerConnection] = {}  # (worker, stream) for streams 1, 2, ...
         # The numberings each worker's stream 0 said (its Hellos, its Resets), the last few: what an extra
         # connection says that is not among them is newer (see ServerConnection.drain_streams).
-        self.numberings: dict[int, list[str]] = {}
+        self.numberings: dict[int, deque[str]] = {}
         self.timeline = Timeline(config.timeline, f"bps-server {config.server_id}") if config.timeline else None
         self.aggregator = Aggregator(config.cluster.workers, self.executor, lost_grace_s=config.cluster.timeout,
                                      deterministic=config.cluster.deterministic,

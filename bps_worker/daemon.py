@@ -618,7 +618,8 @@ class WorkerDaemon:
             session.send(Done(req))
 
     async def _answer_leave(self, session: ClientSession, req: int, acks: list[asyncio.Future[None]]) -> None:
-        await asyncio.wait(acks, timeout=self.config.cluster.timeout)  # (a server that answers nothing: not ours)
+        if acks:  # (a daemon always has a link to every server; asyncio.wait refuses an empty list)
+            await asyncio.wait(acks, timeout=self.config.cluster.timeout)  # (a server that answers nothing: not ours)
         session.send(Done(req))
 
     def _session_ended(self, session: ClientSession, how: str) -> bool:
