@@ -36,6 +36,9 @@ from typing import Any, Final, TextIO
 # an event waits to be written (so that a daemon killed, or an OOM kill, leaves what happened until then).
 FLUSH_BYTES: Final = 1 << 16
 FLUSH_S: Final = 1.0
+# How long close() waits for the lock: a signal handler's shutdown() may have interrupted its own thread while it
+# held it (bps_worker.client.locks); the file is then ended at exit instead.
+CLOSE_LOCK_WAIT_S: Final = 1.0
 
 
 def now_us() -> int:
@@ -189,7 +192,11 @@ class Timeline:
         atexit.unregister(self.close)
         if os.getpid() != self.pid:
             return
-        with self._lock:
+        if not self._lock.acquire(timeout=CLOSE_LOCK_WAIT_S):
+            # A signal handler's shutdown() that interrupted this thread inside a span (its lock held): at exit, then.
+            atexit.register(self.close)
+            return
+        try:
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
@@ -204,6 +211,8 @@ class Timeline:
                     return
                 self._file = None
                 _CLOSED[os.path.abspath(self.path)] = (self.pid, dict(self._lanes), identity)
+        finally:
+            self._lock.release()
 
     def _give_up(self, exc: OSError) -> None:
         """Stop tracing after a write failed (under the lock): one warning, and nothing raised into the program."""

@@ -272,3 +272,49 @@ def shutdown_with_sums_in_flight_then_init_again(barrier: str, cycles: int) -> l
             bps.push_pull_async(np.full(500_000, value, np.float32), name, average=False)
         _shutdown_barrier_init(barrier, f"{cycle}", rank, size)
     return errors
+
+
+def shutdown_from_a_signal_handler_inside(held: str) -> dict[str, Any]:
+    """A signal handler that calls shutdown() (what a pod's SIGTERM handler does) runs while this very thread holds
+    one of the client's locks (``held``): as when the signal lands in the middle of a call. shutdown() waited for
+    ever on the lock its own thread held. Returns how long it took and what the client says after it."""
+    import os
+    import signal
+
+    from bps_worker import client
+
+    bps.push_pull(np.ones(3, np.float32), "sig.small", average=False)  # (slots, a fusion buffer, a result)
+    ops = client._operations()
+    assert ops.fusion is not None
+    lock = {"module": client._lock, "send": ops.conn.send_lock, "handles": ops.conn.lock,
+            "fusion": ops.fusion._cond, "slots": ops.slots._lock,
+            "timeline": ops.timeline._lock if ops.timeline is not None else None}[held]
+    assert lock is not None
+    took: list[float] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        start = time.monotonic()
+        bps.shutdown()
+        took.append(time.monotonic() - start)
+
+    import atexit
+
+    registered: list[Any] = []  # what shutdown() leaves for the exit (the timeline's close, where it could not end it)
+    register = atexit.register
+    atexit.register = lambda fn, *a, **k: (registered.append(fn), register(fn, *a, **k))[1]  # type: ignore
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        with lock:
+            os.kill(os.getpid(), signal.SIGUSR1)  # (the handler runs in this thread, at once)
+            deadline = time.monotonic() + 30
+            while not took and time.monotonic() < deadline:
+                time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        atexit.register = register
+    outcome: dict[str, Any] = {"took": took, "initialized": bps.is_initialized()}
+    if held == "timeline":  # its file is ended at exit then, which a forked rank skips (os._exit): as exit would
+        assert ops.timeline is not None
+        outcome.update(tracing=ops.timeline._file is not None, at_exit=ops.timeline.close in registered)
+        ops.timeline.close()
+    return outcome

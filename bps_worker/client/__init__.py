@@ -44,6 +44,7 @@ from ..errors import BPSConnectionError, BPSError, BPSMismatchError, BPSTimeoutE
 from . import group
 from .arrays import NUMPY_DTYPES, dtype_name
 from .handle import Handle, checked
+from .locks import held_within
 from .operations import Operations
 from .settings import DEFAULT_TIMEOUT_S, resolve
 
@@ -129,9 +130,11 @@ def shutdown() -> None:
     is for every process together: each must have left before any of them starts an operation again (a barrier
     of the job's own between the two; handles from before are refused after it). ``shutdown()`` returns once its
     leave took effect: where this was its machine's last process, every server has heard that the machine has
-    none (within the cluster's timeout), so the barrier alone starts the next ``init()`` clean everywhere."""
+    none (within the cluster's timeout), so the barrier alone starts the next ``init()`` clean everywhere.
+    It may be called from a signal handler (a pod's SIGTERM): where the signal interrupted a call of this thread's,
+    it returns within seconds all the same (see :mod:`bps_worker.client.locks`)."""
     global _conn
-    with _lock:
+    with held_within(_lock):  # (a signal handler's shutdown() may have interrupted this thread inside init())
         if _conn is not None and _conn.pid == os.getpid():
             _conn.close()
         _conn = None  # (a forked child's copy of its parent's state is only forgotten: the parent still uses it)

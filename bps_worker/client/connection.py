@@ -40,6 +40,7 @@ from bps_runtime.timeline import now_us
 
 from ..errors import BPSConnectionError, BPSError, BPSTimeoutError, error_from_failure
 from .handle import Handle
+from .locks import SHUTDOWN_LOCK_WAIT_S, held_within
 
 __all__ = ["CONNECT_RETRY_S", "Connection"]
 
@@ -179,7 +180,9 @@ class Connection:
         """Send a control request and wait (at most ``timeout``) for its answer (``last``: see _send)."""
         event = threading.Event()
         box: list[Message] = []
-        with self.lock:
+        with held_within(self.lock, SHUTDOWN_LOCK_WAIT_S if last else -1) as held:
+            if not held:
+                raise BPSError("the client's lock did not come: shutdown() interrupted a call holding it")
             self.check()
             self.rpcs[message.req] = (event, box)
         self._send(message, last=last)
@@ -202,9 +205,13 @@ class Connection:
     # -- I/O -------------------------------------------------------------------------
     def _send(self, message: Message, *, last: bool = False) -> None:
         """Send ``message`` (``last``: our Leave; after it only the reader's Taken go, and another thread's call
-        hears that shutdown() was called, as it would a moment later)."""
+        hears that shutdown() was called, as it would a moment later; it waits a little only for the send lock, see
+        bps_worker.client.locks)."""
         data = encode_message(message)
-        with self.send_lock:
+        lock = self.send_lock
+        if not lock.acquire(timeout=SHUTDOWN_LOCK_WAIT_S if last else -1):  # (no context manager: every op sends)
+            raise BPSError("the send lock did not come: shutdown() interrupted a send")
+        try:
             if self.leaving:
                 raise self.cut()
             self.leaving = last
@@ -214,6 +221,8 @@ class Connection:
                 self.sock.sendall(data)
             except OSError as exc:
                 raise BPSConnectionError(f"lost the connection: {exc}", peer=self.peer) from None
+        finally:
+            lock.release()
 
     def _unsent(self) -> bytes:
         """(Under send_lock.) What must go before any other message: the rest of a frame begun, then the Taken of

@@ -20,6 +20,7 @@ from protocol.messages import OpBatch, Spec, fused_chunks
 
 from ..errors import BPSError
 from .handle import Handle
+from .locks import held_within
 
 __all__ = ["FusionBuffer"]
 
@@ -134,8 +135,11 @@ class FusionBuffer:
                 self._flush_locked()
 
     def close(self) -> None:
-        with self._cond:
-            self._flush_locked()
-            self._closed = True
-            self._cond.notify()
+        """Send what waits and stop the flusher (shutdown(): skipped where the buffer's lock does not come, see
+        bps_worker.client.locks; the flusher, a daemon thread, then ends with the process)."""
+        with held_within(self._cond) as held:
+            if held:
+                self._flush_locked()
+                self._closed = True
+                self._cond.notify()
 

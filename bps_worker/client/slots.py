@@ -46,6 +46,7 @@ from bps_runtime import segments as shm
 from ..errors import BPSError
 from .arguments import SLAB_PREFIX
 from .arrays import view_of
+from .locks import held_within
 
 __all__ = ["Allocate", "Slot", "SlotMap"]
 
@@ -183,8 +184,12 @@ class SlotMap:
         return seg
 
     def close(self) -> None:
-        """Unmap everything (the daemon frees the segments when this process disconnects)."""
-        with self._lock:
+        """Unmap everything (the daemon frees the segments when this process disconnects); where the slots' lock does
+        not come (shutdown() from a signal handler that interrupted a call holding it, see bps_worker.client.locks),
+        nothing: the memory stays mapped until the process ends."""
+        with held_within(self._lock) as held:
+            if not held:
+                return
             for seg in self.attached.values():
                 shm.release(seg, unlink=False)
             self.attached.clear()

@@ -6,6 +6,7 @@ leak before its fix (a review of the client, session 29)."""
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import signal
@@ -194,6 +195,30 @@ def test_init_at_once_after_shutdown_with_operations_in_flight(tmp_path: Path):
     finally:
         bps.shutdown()
         cluster.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("held", ["module", "send", "handles", "fusion", "slots", "timeline"])
+def test_shutdown_from_a_signal_handler_returns_where_the_signal_landed_inside_a_lock(tmp_path: Path, held: str,
+                                                                                       monkeypatch):
+    """A SIGTERM handler calling shutdown() (a pod's stop) while its thread was inside a call that holds one of the
+    client's locks: shutdown() waited for ever on the lock its own thread held. It goes on without what it cannot
+    take (the daemon sees the process leave when its connection closes), within a few seconds."""
+    import client_programs as cp
+
+    if held == "timeline":  # (its file is ended at exit instead: the lock is the thread's own until then)
+        monkeypatch.setenv("BPS_TIMELINE", str(tmp_path / "timeline"))
+    cluster = start_cluster(write_config(tmp_path, [1], cpu_servers=0))
+    try:
+        [outcome] = run_ranks(cluster, cp.shutdown_from_a_signal_handler_inside, held, timeout=40)
+    finally:
+        cluster.stop()
+    assert len(outcome["took"]) == 1 and outcome["took"][0] < 10, outcome
+    assert outcome["initialized"] is False
+    if held == "timeline":  # not ended in the handler, but at exit (the program calls it, as exit would)
+        assert outcome["tracing"] and outcome["at_exit"], outcome
+        [trace] = (tmp_path / "timeline").glob("*.json")
+        assert json.loads(trace.read_text())  # a whole JSON array
 
 
 @pytest.mark.timeout(120)
