@@ -44,7 +44,7 @@ import re
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -419,8 +419,8 @@ _HOOKS: Any = WeakIdKeyDictionary()  # (by identity: a tensor's == is elementwis
 _OPTIMIZERS: weakref.WeakSet[DistributedOptimizer] = weakref.WeakSet()  # this process's, to explain a name clash
 
 
-# How many frames above DistributedOptimizer.step() are looked at for a GradScaler's step() (see _scaler_unscaled).
-_SCALER_FRAMES = 4
+# The names of GradScaler's methods that call an optimizer's step() (see _scaler_unscaled).
+_SCALER_METHODS = frozenset({"step", "_maybe_opt_step"})
 
 
 class _Seen(NamedTuple):
@@ -446,16 +446,18 @@ class _Seen(NamedTuple):
 def _scaler_unscaled(optimizer: object) -> bool:
     """Whether a torch GradScaler's ``step(optimizer)`` is calling ours after it unscaled the gradients in place
     (torch's documented AMP usage: ``scaler.step`` unscales first, and its kernel leaves ``_version`` alone): the
-    few frames above ``step()``, looked at once a step."""
-    frame = sys._getframe(1)
-    for _ in range(_SCALER_FRAMES):
-        frame = frame.f_back  # type: ignore[assignment]
-        if frame is None:
-            return False
-        scaler = frame.f_locals.get("self")
-        if isinstance(scaler, torch.amp.GradScaler):
-            state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
-            return getattr(state.get("stage"), "name", "") == "UNSCALED"
+    frames above ``step()``, looked at once a step, all of them (only those of a method named as GradScaler's are
+    read). Any number of wrappers may stand between: an LR scheduler's of ``optimizer.step``, a user's decorator;
+    only the nearest four were looked at, and a second wrapper made the step silently apply the scaled gradients
+    (1024 times too large, a review)."""
+    frame = sys._getframe(1).f_back
+    while frame is not None:
+        if frame.f_code.co_name in _SCALER_METHODS:
+            scaler = frame.f_locals.get("self")
+            if isinstance(scaler, torch.amp.GradScaler):
+                state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
+                return getattr(state.get("stage"), "name", "") == "UNSCALED"
+        frame = frame.f_back
     return False
 
 
@@ -532,6 +534,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     shared-memory slot when it is ready, and the average is copied from the slot into ``.grad``.
     ``bucket_bytes=0`` pushes every gradient on its own. Every process must use the same
     ``bucket_bytes`` (a different one is a mismatch error naming the bucket).
+
+    ``step(closure)``: the closure (zero the gradients, forward, backward, return the loss) runs inside the wrapped
+    optimizer's step, and its gradients are averaged before that optimizer reads them, at each evaluation (LBFGS
+    evaluates several times a step). The loss it returns is this process's own: an optimizer that decides from it
+    (LBFGS's line search and tolerances) must see the same on every process, or processes evaluate different
+    numbers of times and their sums pair different evaluations; return the average from the closure
+    (``bps.push_pull(loss.detach(), "loss")``), as under DDP.
 
     ``asynchronous=True``: parameter-server training (:mod:`bps_worker.torch_async`). No gradient is
     pushed; ``step()`` steps the wrapped optimizer on this process's own gradients, pushes each bucket's
@@ -930,12 +939,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
             loss = self.optimizer.step(closure)
             self._async.push()
             return loss
+        if closure is not None:  # (the gradients are the closure's: it evaluates the model inside the step)
+            self._synchronized = False
+            return self.optimizer.step(self._averaging(closure))
         if not self._skip_sync:
             self.synchronize()
         elif not self._synchronized:
             raise BPSError("step() inside skip_synchronize() without a synchronize() call before it")
         self._synchronized = False
-        return self.optimizer.step(closure)
+        return self.optimizer.step()
+
+    def _averaging(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` (it zeroes the gradients, runs forward and backward, returns the loss), followed by
+        :meth:`synchronize`: the wrapped optimizer reads each evaluation's gradients averaged, as DDP gives them
+        (LBFGS evaluates several times a step; its loss is this process's own, as under DDP). Before, the averages
+        were taken before the closure ran, and each process stepped on its own gradients, silently (a review)."""
+        def evaluate() -> Any:
+            loss = closure()
+            self.synchronize()
+            self._synchronized = False
+            return loss
+        return evaluate
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         busy = sum(len(b.filled) for b in self._buckets)

@@ -205,6 +205,49 @@ def grad_scaler() -> dict[str, Any]:
     return {"moved": (before - m.weight.detach()).tolist()}
 
 
+def scaler_without_the_recipe_behind_wrappers() -> dict[str, Any]:
+    """``scaler.step(opt)`` without synchronize() first, with an LR scheduler's wrapper of ``opt.step`` and a
+    decorator of the user's around that: a BPSError (the unscale would be lost), as without the wrappers. The
+    scaler was looked for four frames up only: it stepped with the scaled gradients, 1024 times too large."""
+    import functools
+
+    m, opt = _one_weight_model()
+    torch.optim.lr_scheduler.StepLR(opt, step_size=10)
+    inner = opt.step
+
+    @functools.wraps(inner)
+    def logged(*args: Any, **kwargs: Any) -> Any:  # (a timing or logging decorator)
+        return inner(*args, **kwargs)
+
+    opt.step = logged  # type: ignore[method-assign]
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(m(torch.full((1, 3), float(bps.rank() + 1))).sum()).backward()
+    try:
+        scaler.step(opt)
+        error = ""
+    except bps.BPSError as exc:
+        error = str(exc)
+    return {"error": error, "weight": m.weight.detach().tolist()}
+
+
+def closure_steps() -> dict[str, Any]:
+    """``opt.step(closure)``, the closure zeroing, evaluating and back-propagating (as SGD(closure) and LBFGS
+    users write it), two steps at lr 1 from zero, each rank's input its rank + 1: every step applies the average
+    gradient, 1.5. The closure ran inside the wrapped step, after the averages were taken: each rank stepped
+    on its own gradient, silently."""
+    m, opt = _one_weight_model()
+    x = torch.full((1, 3), float(bps.rank() + 1))
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = m(x).sum()
+        loss.backward()
+        return loss
+
+    losses = [float(opt.step(closure)) for _ in range(2)]
+    return {"weight": m.weight.detach().tolist(), "losses": losses}
+
+
 def wrapped_twice() -> dict[str, Any]:
     """A second training phase wraps a new optimizer round the same model."""
     r = bps.rank()

@@ -95,6 +95,20 @@ def test_grad_scaler_steps_with_the_unscaled_average(cluster: Cluster) -> None:
 
 
 @pytest.mark.timeout(90)
+def test_grad_scaler_without_the_recipe_is_an_error_behind_any_wrappers_of_step(cluster: Cluster) -> None:
+    for r in _run(cluster, tp.scaler_without_the_recipe_behind_wrappers):
+        assert "changed after backward() handed it to DistributedOptimizer" in r["error"], r
+        assert r["weight"] == [[0.0, 0.0, 0.0]], r  # (nothing stepped)
+
+
+@pytest.mark.timeout(90)
+def test_step_with_a_closure_applies_the_averaged_gradients(cluster: Cluster) -> None:
+    for rank, r in enumerate(_run(cluster, tp.closure_steps)):
+        assert r["weight"] == [[-3.0, -3.0, -3.0]], r
+        assert r["losses"] == [0.0, -4.5 * (rank + 1)], r  # (each process's own loss, as under DDP)
+
+
+@pytest.mark.timeout(90)
 def test_a_model_wrapped_twice_trains_under_the_second_optimizer(cluster: Cluster) -> None:
     first, second = _run(cluster, tp.wrapped_twice)
     assert first["weight"] == second["weight"]
