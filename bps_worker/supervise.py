@@ -269,7 +269,8 @@ class Supervisor:
             for child in pending:
                 code = child.proc.poll()
                 if code is not None:
-                    raise LaunchError(f"{child.describe()} exited with status {code} during start-up", child.label)
+                    raise LaunchError(f"{child.describe()} exited with status {code} during start-up"
+                                      f"{self.last_log_line(child.label)}", child.label)
             if time.monotonic() > deadline:
                 raise LaunchError(f"the cluster was not ready within {self.ready_timeout_s:g} s "
                                   f"({ready} of {len(pending)} daemons ready)")
@@ -323,6 +324,19 @@ class Supervisor:
             if ending is not None:
                 return ending
             time.sleep(WATCH_POLL_S)
+
+    def last_log_line(self, label: str) -> str:
+        """The last line of daemon ``label``'s log and where the log is, as a message suffix (empty without
+        ``log_dir``: its stderr is ours, and its reason is on the terminal already). With ``--log-dir`` a daemon
+        that failed to start was reported with no reason (a review)."""
+        if not self.log_dir:
+            return ""
+        path = self.log_dir / f"{label}.log"
+        try:
+            lines = path.read_bytes()[-4096:].decode(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return f": {lines[-1].strip()} (its log: {path})" if lines else f" (its log: {path})"
 
     def log_tail(self, label: str, limit: int = 2000) -> str:
         """The end of daemon ``label``'s log as a message suffix (empty without ``log_dir``)."""

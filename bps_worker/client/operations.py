@@ -78,7 +78,7 @@ def _timeline(path: str, rank: int) -> Timeline:
     """The process's timeline file (``init(timeline=...)``); BPSError naming the path if it cannot be made."""
     where = timeline_path(path, rank)
     try:
-        return Timeline(where, f"rank {rank} (pid {os.getpid()})")
+        return Timeline(where, f"rank {rank}")  # (merge adds the pid to every process's name)
     except OSError as exc:
         raise BPSError(f"cannot write the timeline {where!r}: {exc.strerror or exc}") from None
 

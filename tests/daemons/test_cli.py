@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pty
 import re
@@ -145,13 +146,20 @@ def test_unknown_id_exits_2(tmp_path):
     assert result.returncode == 2 and "id = 9" in _one_line(result.stderr)
 
 
-def test_busy_port_exits_1_with_one_line(tmp_path):
-    config = write_config(tmp_path, [1], cpu_servers=0)
+@contextlib.contextmanager
+def _server_port_taken(config: Path) -> Iterator[int]:
+    """A port listened on here, written into ``config`` as its server's address, for the block."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
         config.write_text(re.sub(r"127\.0\.0\.1:\d+", f"127.0.0.1:{port}", config.read_text()))
+        yield port
+
+
+def test_busy_port_exits_1_with_one_line(tmp_path):
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    with _server_port_taken(config) as port:
         result = _run(["bps_server", "--config", str(config), "--id", "0"])
     assert result.returncode == 1
     reasons = [line for line in result.stderr.splitlines() if line.startswith("bps-server:")]
@@ -181,6 +189,21 @@ def test_a_log_directory_the_launcher_cannot_make_is_one_line(tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == ["bps-launch: server-0: cannot write its log in /proc/nope: No such "
                                                   "file or directory"], result.stderr
+    assert _pids_with(str(config)) == {}
+
+
+@pytest.mark.usefixtures("forked_daemons")  # (about the launcher's line, not the daemons' start)
+def test_a_daemon_that_cannot_start_under_a_log_dir_is_one_line_with_its_reason_and_log(tmp_path):
+    """With ``--log-dir`` a daemon's stderr goes to its log: the launcher's line said only that it exited."""
+    config = write_config(tmp_path, [1], cpu_servers=0)
+    with _server_port_taken(config) as port:
+        result = subprocess.run([PY, "-m", "bps_worker.launch", "--config", str(config), "--log-dir",
+                                 str(tmp_path / "logs"), "--", PY, "-c", "pass"], capture_output=True, text=True,
+                                timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"bps-launch: server-0 exited with status 1 during start-up: bps-server: cannot listen on 127.0.0.1:{port}: "
+        f"Address already in use (its log: {tmp_path / 'logs' / 'server-0.log'})"], result.stderr
     assert _pids_with(str(config)) == {}
 
 

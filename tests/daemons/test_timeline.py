@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -232,6 +233,10 @@ def test_launch_timeline_records_every_stage(tmp_path):
     events = json.loads(merged.read_text())["traceEvents"]
     assert count == len(events) and skipped == []
     assert len({e["pid"] for e in events}) == len(files)  # one process each
+    processes = sorted(e["args"]["name"] for e in events if e["name"] == "process_name")
+    assert [re.sub(r" \(pid \d+\)$", "", name) for name in processes] == [
+        "bps-server 0", "bps-server 1", "bps-server 2", "bps-worker 0", "bps-worker 1", "rank 0", "rank 1", "rank 2"], \
+        processes  # (each pid once: a rank's name held its pid already, and merge added it again)
     spans = [e for e in events if e["ph"] == "X"]
     names = {e["name"] for e in spans}
     # client: copy in / waiting / copy out; worker: local sum, per-partition queue/server/pull, hand-back;
