@@ -380,8 +380,9 @@ class Connection:
         for the reader thread. A daemon that is gone or does not answer within the timeout is left all the same."""
         try:
             self.rpc(Leave(self.next_req()), last=True)
-        except BPSError:
-            pass
+            left = True
+        except BPSError:  # (the daemon is gone or silent, or a lock did not come: see bps_worker.client.locks)
+            left = False
         self.closing = True
         _CLOSED_AT[(self.path, self.welcome.local_rank)] = time.monotonic()
         try:
@@ -389,7 +390,8 @@ class Connection:
         except OSError:
             pass
         self.sock.close()
-        self.thread.join(timeout=5.0)
+        # (the reader ends at the socket's end, unless it waits for a lock this thread holds: then not for long)
+        self.thread.join(timeout=5.0 if left else 0.5)
 
 
 def _connect(path: str, peer: str, timeout: float) -> _socket.socket:
