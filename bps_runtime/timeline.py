@@ -32,13 +32,12 @@ import threading
 import time
 from typing import Any, Final, TextIO
 
+from .locks import OwnedLock
+
 # Bytes of events buffered before a write (a trace costs little when off and not much when on), and the longest
 # an event waits to be written (so that a daemon killed, or an OOM kill, leaves what happened until then).
 FLUSH_BYTES: Final = 1 << 16
 FLUSH_S: Final = 1.0
-# How long close() waits for the lock: a signal handler's shutdown() may have interrupted its own thread while it
-# held it (bps_worker.client.locks); the file is then ended at exit instead.
-CLOSE_LOCK_WAIT_S: Final = 1.0
 
 
 def now_us() -> int:
@@ -93,7 +92,7 @@ class Timeline:
     def _start(self, path: str, process: str) -> None:
         self.path = os.path.abspath(path)  # (where it is, whatever the working directory later)
         self.pid = os.getpid()
-        self._lock = threading.Lock()
+        self._lock = OwnedLock()
         self._pending: list[str] = []
         self._pending_bytes = 0
         self._flushed_at = time.monotonic()
@@ -192,10 +191,11 @@ class Timeline:
         atexit.unregister(self.close)
         if os.getpid() != self.pid:
             return
-        if not self._lock.acquire(timeout=CLOSE_LOCK_WAIT_S):
+        if self._lock.mine():
             # A signal handler's shutdown() that interrupted this thread inside a span (its lock held): at exit, then.
             atexit.register(self.close)
             return
+        self._lock.acquire()
         try:
             if self._timer is not None:
                 self._timer.cancel()

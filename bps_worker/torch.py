@@ -940,6 +940,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._async.push()
             return loss
         if closure is not None:  # (the gradients are the closure's: it evaluates the model inside the step)
+            if any(bucket.filled for bucket in self._buckets):  # a backward before it: its sums are drained first
+                self.synchronize()
             self._synchronized = False
             return self.optimizer.step(self._averaging(closure))
         if not self._skip_sync:
@@ -955,7 +957,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         (LBFGS evaluates several times a step; its loss is this process's own, as under DDP). Before, the averages
         were taken before the closure ran, and each process stepped on its own gradients, silently (a review)."""
         def evaluate() -> Any:
-            loss = closure()
+            try:
+                loss = closure()
+            except BaseException:
+                # Where it raised (before or after backward), this process still takes part in the sums its peers
+                # wait for (zeros for what it lacks), and none is left in flight to refuse the next step's zero_grad().
+                with contextlib.suppress(BPSError):
+                    self.synchronize()
+                self._synchronized = False
+                raise
             self.synchronize()
             self._synchronized = False
             return loss

@@ -318,3 +318,28 @@ def shutdown_from_a_signal_handler_inside(held: str) -> dict[str, Any]:
         outcome.update(tracing=ops.timeline._file is not None, at_exit=ops.timeline.close in registered)
         ops.timeline.close()
     return outcome
+
+
+def two_threads_shut_down(marker: str, go: str) -> dict[str, float]:
+    """A sum, then (once the test froze the server) two threads call shutdown() 0.2 s apart: seconds from the first
+    call to each return. The second waits for the first, which returns once its leave took effect."""
+    import os
+
+    bps.push_pull(np.ones(3, np.float32), "x", average=False)
+    open(marker, "w").close()
+    while not os.path.exists(go):
+        time.sleep(0.02)
+    took: dict[str, float] = {}
+    start = time.monotonic()
+
+    def call(who: str) -> None:
+        bps.shutdown()
+        took[who] = time.monotonic() - start
+
+    threads = [threading.Thread(target=call, args=(who,)) for who in ("first", "second")]
+    threads[0].start()
+    time.sleep(0.2)
+    threads[1].start()
+    for t in threads:
+        t.join()
+    return took

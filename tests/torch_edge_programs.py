@@ -248,6 +248,34 @@ def closure_steps() -> dict[str, Any]:
     return {"weight": m.weight.detach().tolist(), "losses": losses}
 
 
+def closure_that_raises() -> dict[str, Any]:
+    """``opt.step(closure)`` whose closure raises: on rank 0 before its backward, on every rank after it, a step each;
+    then a normal step. A rank whose closure raised still takes part in the sums its peers wait for (zeros where it
+    has no gradient: rank 1's first step moves by half its gradient), and nothing is left in flight: the closure
+    raised after backward left its sums in flight, and every later step failed in zero_grad() (a review)."""
+    m, opt = _one_weight_model()
+    x = torch.full((1, 3), float(bps.rank() + 1))
+    raised: list[str] = []
+
+    def closure(fail_before: bool, fail_after: bool) -> torch.Tensor:
+        if fail_before:
+            raise ValueError("before backward")
+        opt.zero_grad()
+        loss = m(x).sum()
+        loss.backward()
+        if fail_after:
+            raise ValueError("after backward")
+        return loss
+
+    for before, after in ((bps.rank() == 0, False), (False, True), (False, False)):
+        try:
+            opt.step(lambda: closure(before, after))
+        except ValueError as exc:
+            raised.append(str(exc))
+        opt.zero_grad()
+    return {"raised": raised, "weight": m.weight.detach().tolist()}
+
+
 def wrapped_twice() -> dict[str, Any]:
     """A second training phase wraps a new optimizer round the same model."""
     r = bps.rank()

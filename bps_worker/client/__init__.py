@@ -32,7 +32,6 @@ timeline), ``adapter`` (the one door for framework layers such as :mod:`bps_work
 from __future__ import annotations
 
 import os
-import threading
 from typing import Sequence
 
 import numpy as np
@@ -40,11 +39,12 @@ import numpy.typing as npt
 
 from protocol.messages import KIND_BROADCAST, KIND_SUM
 
+from bps_runtime.locks import OwnedLock
+
 from ..errors import BPSConnectionError, BPSError, BPSMismatchError, BPSTimeoutError
 from . import group
 from .arrays import NUMPY_DTYPES, dtype_name
 from .handle import Handle, checked
-from .locks import held_within
 from .operations import Operations
 from .settings import DEFAULT_TIMEOUT_S, resolve
 
@@ -57,7 +57,7 @@ __all__ = [
 ]
 
 _conn: Operations | None = None
-_lock = threading.Lock()
+_lock = OwnedLock()
 
 
 def _operations() -> Operations:
@@ -78,7 +78,7 @@ def _after_fork_in_child() -> None:
     parent's connection open after the parent is gone, which the daemon would then not see leave. (The module's
     lock is made anew: a thread of the parent's may have held it, and no thread of the parent's runs here.)"""
     global _lock
-    _lock = threading.Lock()
+    _lock = OwnedLock()
     conn = _conn
     if conn is not None:
         conn.conn.forget()
@@ -132,12 +132,19 @@ def shutdown() -> None:
     leave took effect: where this was its machine's last process, every server has heard that the machine has
     none (within the cluster's timeout), so the barrier alone starts the next ``init()`` clean everywhere.
     It may be called from a signal handler (a pod's SIGTERM): where the signal interrupted a call of this thread's,
-    it returns within seconds all the same (see :mod:`bps_worker.client.locks`)."""
+    it returns all the same (see :mod:`bps_runtime.locks`)."""
+    if _lock.mine():  # a signal handler's shutdown() that interrupted init() or shutdown() in this thread
+        _close_in_process()
+        return
+    with _lock:
+        _close_in_process()
+
+
+def _close_in_process() -> None:
     global _conn
-    with held_within(_lock):  # (a signal handler's shutdown() may have interrupted this thread inside init())
-        if _conn is not None and _conn.pid == os.getpid():
-            _conn.close()
-        _conn = None  # (a forked child's copy of its parent's state is only forgotten: the parent still uses it)
+    if _conn is not None and _conn.pid == os.getpid():
+        _conn.close()
+    _conn = None  # (a forked child's copy of its parent's state is only forgotten: the parent still uses it)
 
 
 def rank() -> int:

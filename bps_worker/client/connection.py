@@ -35,12 +35,12 @@ from protocol.handshake import ClientHandshake, Established, HandshakeRefused
 from protocol.messages import (MAX_FUSED_ENTRIES, ROLE_CLIENT, Alloc, Allocated, Done, DoneBatch, Failure, Hello,
                                Leave, Message, Notice, Ping, Taken, Welcome, parse)
 
+from bps_runtime.locks import OwnedLock
 from bps_runtime.segments import SHM_DIR
 from bps_runtime.timeline import now_us
 
 from ..errors import BPSConnectionError, BPSError, BPSTimeoutError, error_from_failure
 from .handle import Handle
-from .locks import SHUTDOWN_LOCK_WAIT_S, held_within
 
 __all__ = ["CONNECT_RETRY_S", "Connection"]
 
@@ -66,8 +66,8 @@ class Connection:
         self.timeout = timeout
         self.sock = _connect(path, self.peer, timeout)
         self.reader = FrameReader(max_payload_bytes=0)
-        self.send_lock = threading.Lock()
-        self.lock = threading.Lock()  # guards handles, rpcs and broken
+        self.send_lock = OwnedLock()
+        self.lock = OwnedLock()  # guards handles, rpcs and broken
         self.reqs = itertools.count(1)
         self.handles: dict[int, Handle] = {}
         self.rpcs: dict[int, tuple[threading.Event, list[Message]]] = {}
@@ -180,9 +180,9 @@ class Connection:
         """Send a control request and wait (at most ``timeout``) for its answer (``last``: see _send)."""
         event = threading.Event()
         box: list[Message] = []
-        with held_within(self.lock, SHUTDOWN_LOCK_WAIT_S if last else -1) as held:
-            if not held:
-                raise BPSError("the client's lock did not come: shutdown() interrupted a call holding it")
+        if last and self.lock.mine():  # (see bps_runtime.locks)
+            raise BPSError("shutdown() interrupted a call of this thread's holding the client's lock")
+        with self.lock:
             self.check()
             self.rpcs[message.req] = (event, box)
         self._send(message, last=last)
@@ -205,12 +205,12 @@ class Connection:
     # -- I/O -------------------------------------------------------------------------
     def _send(self, message: Message, *, last: bool = False) -> None:
         """Send ``message`` (``last``: our Leave; after it only the reader's Taken go, and another thread's call
-        hears that shutdown() was called, as it would a moment later; it waits a little only for the send lock, see
-        bps_worker.client.locks)."""
+        hears that shutdown() was called, as it would a moment later)."""
         data = encode_message(message)
         lock = self.send_lock
-        if not lock.acquire(timeout=SHUTDOWN_LOCK_WAIT_S if last else -1):  # (no context manager: every op sends)
-            raise BPSError("the send lock did not come: shutdown() interrupted a send")
+        if last and lock.mine():  # (see bps_runtime.locks)
+            raise BPSError("shutdown() interrupted a send of this thread's")
+        lock.acquire()
         try:
             if self.leaving:
                 raise self.cut()
@@ -381,7 +381,7 @@ class Connection:
         try:
             self.rpc(Leave(self.next_req()), last=True)
             left = True
-        except BPSError:  # (the daemon is gone or silent, or a lock did not come: see bps_worker.client.locks)
+        except BPSError:  # (the daemon is gone or silent, or this thread holds a lock: see bps_runtime.locks)
             left = False
         self.closing = True
         _CLOSED_AT[(self.path, self.welcome.local_rank)] = time.monotonic()

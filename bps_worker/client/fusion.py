@@ -18,9 +18,10 @@ from typing import Any, Callable
 
 from protocol.messages import OpBatch, Spec, fused_chunks
 
+from bps_runtime.locks import OwnedLock
+
 from ..errors import BPSError
 from .handle import Handle
-from .locks import held_within
 
 __all__ = ["FusionBuffer"]
 
@@ -35,7 +36,8 @@ class FusionBuffer:
         self._send = send  # registers the handles and sends (Connection.submit_many)
         self.limit_bytes = limit_bytes
         self.cycle_s = cycle_s
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = OwnedLock()
+        self._cond = threading.Condition(self._lock)  # type: ignore[arg-type]
         # What waits, as columns (no tuple per entry to keep alive until it is sent, for the collector to walk):
         self._handles: list[Handle] = []
         self._specs: list[Spec] = []
@@ -135,11 +137,12 @@ class FusionBuffer:
                 self._flush_locked()
 
     def close(self) -> None:
-        """Send what waits and stop the flusher (shutdown(): skipped where the buffer's lock does not come, see
-        bps_worker.client.locks; the flusher, a daemon thread, then ends with the process)."""
-        with held_within(self._cond) as held:
-            if held:
-                self._flush_locked()
-                self._closed = True
-                self._cond.notify()
+        """Send what waits and stop the flusher (shutdown(): skipped where this thread holds the buffer's lock, a
+        signal handler inside it, see bps_runtime.locks; the flusher, a daemon thread, then ends with the process)."""
+        if self._lock.mine():
+            return
+        with self._cond:
+            self._flush_locked()
+            self._closed = True
+            self._cond.notify()
 

@@ -43,10 +43,11 @@ import numpy as np
 
 from bps_runtime import segments as shm
 
+from bps_runtime.locks import OwnedLock
+
 from ..errors import BPSError
 from .arguments import SLAB_PREFIX
 from .arrays import view_of
-from .locks import held_within
 
 __all__ = ["Allocate", "Slot", "SlotMap"]
 
@@ -95,7 +96,7 @@ class SlotMap:
 
     def __init__(self, allocate: Allocate, cap_bytes: int = 0, busy: Callable[[str], bool] = _never) -> None:
         self._allocate = allocate
-        self._lock = threading.Lock()
+        self._lock = OwnedLock()
         self._allocating = threading.Lock()  # one allocation at a time: each sees what the last one holds
         # Whether a name is in flight (or about to be, or its slot handed out to be filled): its slot is never
         # given up, nor its last result unmapped.
@@ -184,12 +185,12 @@ class SlotMap:
         return seg
 
     def close(self) -> None:
-        """Unmap everything (the daemon frees the segments when this process disconnects); where the slots' lock does
-        not come (shutdown() from a signal handler that interrupted a call holding it, see bps_worker.client.locks),
+        """Unmap everything (the daemon frees the segments when this process disconnects); where this thread holds
+        the slots' lock (shutdown() from a signal handler that interrupted a call holding it, see bps_runtime.locks),
         nothing: the memory stays mapped until the process ends."""
-        with held_within(self._lock) as held:
-            if not held:
-                return
+        if self._lock.mine():
+            return
+        with self._lock:
             for seg in self.attached.values():
                 shm.release(seg, unlink=False)
             self.attached.clear()

@@ -221,6 +221,35 @@ def test_shutdown_from_a_signal_handler_returns_where_the_signal_landed_inside_a
         assert json.loads(trace.read_text())  # a whole JSON array
 
 
+@pytest.mark.timeout(60)
+def test_a_second_shutdown_waits_for_the_first_whose_leave_waits_for_a_frozen_server(tmp_path: Path):
+    """Two threads' shutdown(): the second waits for the first, which returns once its leave took effect (here the
+    cluster's timeout, the server being frozen). A second caller that stopped waiting for the module's lock after a
+    second closed the connection under the first, and both returned before the leave took effect (a review)."""
+    import client_programs as cp
+
+    cluster = start_cluster(write_config(tmp_path, [1], cpu_servers=0, cluster={"timeout": 3.0}))
+    marker, go = tmp_path / "summed", tmp_path / "go"
+    server = cluster.supervisor.daemon("server-0").proc.pid
+    out: dict[str, Any] = {}
+    ranks = threading.Thread(target=lambda: out.update(r=run_ranks(cluster, cp.two_threads_shut_down, str(marker),
+                                                                   str(go), timeout=40)))
+    ranks.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(server, signal.SIGSTOP)
+        go.touch()
+        time.sleep(4.0)
+    finally:
+        os.kill(server, signal.SIGCONT)
+        ranks.join()
+        cluster.stop()
+    [took] = out["r"]
+    assert took["first"] > 2.0 and took["second"] >= took["first"], took
+
+
 @pytest.mark.timeout(120)
 def test_every_process_shut_down_behind_a_barrier_then_inited_again_sums_exactly_every_cycle(tmp_path: Path):
     """shutdown() returns once its leave took effect (Leave): where the process was its machine's last, every server

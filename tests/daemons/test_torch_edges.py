@@ -109,6 +109,15 @@ def test_step_with_a_closure_applies_the_averaged_gradients(cluster: Cluster) ->
 
 
 @pytest.mark.timeout(90)
+def test_a_closure_that_raises_fails_only_its_step(cluster: Cluster) -> None:
+    first, second = _run(cluster, tp.closure_that_raises)
+    assert first["raised"] == ["before backward", "after backward"], first
+    assert second["raised"] == ["after backward"], second
+    # step 1: rank 0 took part with zeros (the mean 1.0 moved rank 1 only); step 2 moved nobody; step 3: the mean 1.5
+    assert first["weight"] == [[-1.5, -1.5, -1.5]] and second["weight"] == [[-2.5, -2.5, -2.5]], (first, second)
+
+
+@pytest.mark.timeout(90)
 def test_a_model_wrapped_twice_trains_under_the_second_optimizer(cluster: Cluster) -> None:
     first, second = _run(cluster, tp.wrapped_twice)
     assert first["weight"] == second["weight"]
