@@ -207,6 +207,7 @@ class Supervisor:
         # (bps_runtime.commands), where a Ctrl-C in their interpreters' start-up was a traceback from each.
         self.ignore_sigint = interrupted is not None
         self.children: list[Child] = []
+        self._log_starts: dict[str, int] = {}  # each daemon's log's size when this start of it began (appended to)
 
     def launch(self, commands: Sequence[DaemonCommand]) -> None:
         """Start ``commands`` and return once every one has sent ``READY=1``; LaunchError if one exits first."""
@@ -229,6 +230,7 @@ class Supervisor:
             try:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
                 out = open(self.log_dir / f"{command.label}.log", "ab")
+                self._log_starts[command.label] = out.seek(0, os.SEEK_END)
             except OSError as exc:
                 raise LaunchError(f"{command.label}: cannot write its log in {self.log_dir}: {exc.strerror or exc}",
                                   command.label) from None
@@ -332,10 +334,11 @@ class Supervisor:
         if not self.log_dir:
             return ""
         path = self.log_dir / f"{label}.log"
-        try:
-            lines = path.read_bytes()[-4096:].decode(errors="replace").strip().splitlines()
+        try:  # (what this start wrote: the log is appended to, and an earlier run's last line is not this one's)
+            lines = path.read_bytes()[self._log_starts.get(label, 0):][-4096:].decode(errors="replace").splitlines()
         except OSError:
             return ""
+        lines = [line for line in lines if line.strip()]
         return f": {lines[-1].strip()} (its log: {path})" if lines else f" (its log: {path})"
 
     def log_tail(self, label: str, limit: int = 2000) -> str:

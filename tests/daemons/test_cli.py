@@ -196,6 +196,8 @@ def test_a_log_directory_the_launcher_cannot_make_is_one_line(tmp_path):
 def test_a_daemon_that_cannot_start_under_a_log_dir_is_one_line_with_its_reason_and_log(tmp_path):
     """With ``--log-dir`` a daemon's stderr goes to its log: the launcher's line said only that it exited."""
     config = write_config(tmp_path, [1], cpu_servers=0)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "server-0.log").write_text("an earlier run's last line\n")  # (logs are appended to)
     with _server_port_taken(config) as port:
         result = subprocess.run([PY, "-m", "bps_worker.launch", "--config", str(config), "--log-dir",
                                  str(tmp_path / "logs"), "--", PY, "-c", "pass"], capture_output=True, text=True,

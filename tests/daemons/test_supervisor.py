@@ -72,11 +72,15 @@ def test_launch_returns_once_every_daemon_is_ready_and_stop_goes_in_layers(tmp_p
 @pytest.mark.timeout(60)
 def test_a_daemon_that_exits_during_start_up_is_named(tmp_path):
     sup = Supervisor(tmp_path, log_dir=tmp_path / "logs")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "worker-1.log").write_text("an earlier run's last line\n")  # (logs are appended to)
     try:
         with pytest.raises(LaunchError, match="worker-1 exited with status 3 during start-up") as info:
             sup.launch([_command(tmp_path / "notes", "server-0", -1), _command(tmp_path / "notes", "worker-1",
                                                                                status="3")])
         assert info.value.label == "worker-1"
+        # it wrote nothing: no line of its own (not the earlier run's), and where its log is
+        assert str(info.value).endswith(f"during start-up (its log: {tmp_path / 'logs' / 'worker-1.log'})"), info.value
         assert (tmp_path / "logs" / "worker-1.log").exists()
         assert sup.log_tail("worker-1").startswith(f"; its log ({tmp_path / 'logs' / 'worker-1.log'})")
     finally:
