@@ -195,8 +195,7 @@ class Timeline:
             # A signal handler's shutdown() that interrupted this thread inside a span (its lock held): at exit, then.
             atexit.register(self.close)
             return
-        self._lock.acquire()
-        try:
+        with self._lock:
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
@@ -211,8 +210,6 @@ class Timeline:
                     return
                 self._file = None
                 _CLOSED[os.path.abspath(self.path)] = (self.pid, dict(self._lanes), identity)
-        finally:
-            self._lock.release()
 
     def _give_up(self, exc: OSError) -> None:
         """Stop tracing after a write failed (under the lock): one warning, and nothing raised into the program."""

@@ -942,8 +942,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:  # (the gradients are the closure's: it evaluates the model inside the step)
             if any(bucket.filled for bucket in self._buckets):  # a backward before it: its sums are drained first
                 self.synchronize()
-            self._synchronized = False
-            return self.optimizer.step(self._averaging(closure))
+            try:
+                return self.optimizer.step(self._averaging(closure))
+            finally:
+                self._synchronized = False
         if not self._skip_sync:
             self.synchronize()
         elif not self._synchronized:
@@ -964,10 +966,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 # wait for (zeros for what it lacks), and none is left in flight to refuse the next step's zero_grad().
                 with contextlib.suppress(BPSError):
                     self.synchronize()
-                self._synchronized = False
                 raise
             self.synchronize()
-            self._synchronized = False
             return loss
         return evaluate
 

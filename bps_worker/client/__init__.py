@@ -31,6 +31,7 @@ timeline), ``adapter`` (the one door for framework layers such as :mod:`bps_work
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Sequence
 
@@ -133,18 +134,12 @@ def shutdown() -> None:
     none (within the cluster's timeout), so the barrier alone starts the next ``init()`` clean everywhere.
     It may be called from a signal handler (a pod's SIGTERM): where the signal interrupted a call of this thread's,
     it returns all the same (see :mod:`bps_runtime.locks`)."""
-    if _lock.mine():  # a signal handler's shutdown() that interrupted init() or shutdown() in this thread
-        _close_in_process()
-        return
-    with _lock:
-        _close_in_process()
-
-
-def _close_in_process() -> None:
     global _conn
-    if _conn is not None and _conn.pid == os.getpid():
-        _conn.close()
-    _conn = None  # (a forked child's copy of its parent's state is only forgotten: the parent still uses it)
+    # (without the lock where this thread holds it: a signal handler's shutdown() inside init() or shutdown())
+    with contextlib.nullcontext() if _lock.mine() else _lock:
+        if _conn is not None and _conn.pid == os.getpid():
+            _conn.close()
+        _conn = None  # (a forked child's copy of its parent's state is only forgotten: the parent still uses it)
 
 
 def rank() -> int:

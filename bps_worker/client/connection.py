@@ -207,11 +207,9 @@ class Connection:
         """Send ``message`` (``last``: our Leave; after it only the reader's Taken go, and another thread's call
         hears that shutdown() was called, as it would a moment later)."""
         data = encode_message(message)
-        lock = self.send_lock
-        if last and lock.mine():  # (see bps_runtime.locks)
+        if last and self.send_lock.mine():  # (see bps_runtime.locks)
             raise BPSError("shutdown() interrupted a send of this thread's")
-        lock.acquire()
-        try:
+        with self.send_lock:
             if self.leaving:
                 raise self.cut()
             self.leaving = last
@@ -221,8 +219,6 @@ class Connection:
                 self.sock.sendall(data)
             except OSError as exc:
                 raise BPSConnectionError(f"lost the connection: {exc}", peer=self.peer) from None
-        finally:
-            lock.release()
 
     def _unsent(self) -> bytes:
         """(Under send_lock.) What must go before any other message: the rest of a frame begun, then the Taken of

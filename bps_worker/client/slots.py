@@ -42,7 +42,6 @@ from typing import Callable, Final, Sequence
 import numpy as np
 
 from bps_runtime import segments as shm
-
 from bps_runtime.locks import OwnedLock
 
 from ..errors import BPSError
