@@ -79,11 +79,15 @@ class SegmentSizeError(OSError):
     of a segment (:func:`check_size`), and a shrunk segment fails that one operation (issue 14, item 3).
     ``size`` is the file's size now (0 when it is gone or another file took its name)."""
 
-    def __init__(self, name: str, size: int, needed: int, tensor: str = "", replaced: bool = False) -> None:
+    def __init__(self, name: str, size: int, needed: int, tensor: str = "", replaced: bool = False,
+                 backed: int | None = None) -> None:
         state = "was removed or replaced" if replaced else f"has {size} bytes now"
+        why = "a process truncated it?"
+        if backed is not None:  # (a file's holes are unmapped pages as much as a truncated end)
+            state = f"has only {backed} of its {size} bytes in memory"
+            why = "a sparse file: made with ftruncate alone, or holes punched in it"
         of = f" of tensor {tensor!r}" if tensor else ""
-        super().__init__(errno.EFAULT, f"shared memory {name!r}{of} {state}; {needed} bytes are needed "
-                                       f"(a process truncated it?)")
+        super().__init__(errno.EFAULT, f"shared memory {name!r}{of} {state}; {needed} bytes are needed ({why})")
         self.segment = name
         self.size = size
         self.needed = needed
@@ -174,7 +178,8 @@ def check_size(seg: SharedMemory, needed: int, tensor: str = "") -> None:
 
 def _size_now(seg: SharedMemory, needed: int, tensor: str) -> int:
     """The size of the file ``seg`` maps, from a ``stat`` of its name; SegmentSizeError if the name is gone or
-    names another file now."""
+    names another file now, or if the file has holes (pages no memory backs: touching one is a SIGBUS where
+    ``/dev/shm`` is full, as past a truncated end)."""
     identity = getattr(seg, _IDENTITY_ATTR, None)
     try:
         st = os.stat(identity[0] if identity is not None else os.path.join(SHM_DIR, seg.name))
@@ -182,6 +187,8 @@ def _size_now(seg: SharedMemory, needed: int, tensor: str) -> int:
         raise SegmentSizeError(seg.name, 0, needed, tensor, replaced=True) from None
     if identity is not None and (identity[1] != st.st_dev or identity[2] != st.st_ino):
         raise SegmentSizeError(seg.name, 0, needed, tensor, replaced=True)
+    if st.st_blocks * 512 < st.st_size:  # every segment of ours is allocated whole (create_segment)
+        raise SegmentSizeError(seg.name, st.st_size, needed, tensor, backed=st.st_blocks * 512)
     return st.st_size
 
 

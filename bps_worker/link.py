@@ -229,7 +229,7 @@ class _LinkProtocol(asyncio.BufferedProtocol):
 
     def __init__(self, link: ServerLink) -> None:
         self.link = link
-        self.reader = FrameReader(max_payload_bytes=link.max_payload_bytes, payload_sink=link.payload_destination)
+        self.reader = FrameReader(max_payload_bytes=link.max_payload_bytes, payload_sink=self._payload_destination)
         self.transport: asyncio.Transport | None = None
         self.low_water: ReceiveLowWater | None = None
         self.loop = loop = asyncio.get_running_loop()  # asked once: every ask is a getpid system call
@@ -237,6 +237,10 @@ class _LinkProtocol(asyncio.BufferedProtocol):
         self.welcome: asyncio.Future[Welcome | Failure] = loop.create_future()  # or the server's refusal
         self.last_seen = loop.time()  # loop time of the last bytes from the server
         self.announced: set[str] = set()  # the segments this connection announced (Announce)
+        # The server proved the token (its Welcome verified): only then is anything it sends acted on. What it
+        # sends before that waits here (headers only: a payload before it is refused).
+        self.proven = False
+        self.early: list[Message] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # create_connection's: a TCP transport
@@ -256,6 +260,12 @@ class _LinkProtocol(asyncio.BufferedProtocol):
         if self.low_water is not None:
             self.low_water.follow(self.reader.payload_wanted)
 
+    def _payload_destination(self, header: dict[str, Any], nbytes: int) -> memoryview:
+        if not self.proven:  # (no handshake message has one: nothing of an unproven peer is written anywhere)
+            raise RemoteProtocolError(f"a payload of {nbytes} bytes before the server proved the token",
+                                      what="payload before the handshake", size=nbytes)
+        return self.link.payload_destination(header, nbytes)
+
     def pause_writing(self) -> None:
         self.link.window.pause_writing()
 
@@ -266,6 +276,27 @@ class _LinkProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.link.on_broken(self, f"lost connection to server {self.link.spec.id} at {self.link.spec.address}"
                                   + (f": {exc}" if exc else ""))
+
+
+# Messages a server may send before the worker has verified its Welcome (they wait; more is refused): an honest
+# one's registration of us may fail our old rounds or resend plans on the new connection before its Welcome.
+MAX_EARLY_MESSAGES: Final = 256
+
+
+def _handshake_message(proto: _LinkProtocol, message: Message) -> bool:
+    """Whether ``message`` is part of the handshake (acted on before the server proved the token): its Challenge,
+    its Welcome, or its refusal before a Welcome."""
+    return isinstance(message, (Challenge, Welcome)) or (
+        isinstance(message, Failure) and message.req == -1 and not proto.welcome.done())
+
+
+def _hold_early(proto: _LinkProtocol, message: Message, server: int) -> None:
+    """Keep what a server sent before it proved the token, for once it has (dropped with the connection if
+    it never does): nothing an unproven peer says fails, answers or tells the worker anything."""
+    if len(proto.early) >= MAX_EARLY_MESSAGES:
+        raise RemoteProtocolError(f"server {server} sent more than {MAX_EARLY_MESSAGES} messages before it proved "
+                                  f"the token", what="messages before the handshake")
+    proto.early.append(message)
 
 
 def _plain(push: Push) -> Push:
@@ -797,6 +828,9 @@ class ServerLink:
         return memoryview(bytearray(nbytes))  # a late result of an abandoned push: discard
 
     def on_message(self, proto: _LinkProtocol, message: Message, payload: memoryview | None) -> None:
+        if not proto.proven and not _handshake_message(proto, message):
+            _hold_early(proto, message, self.spec.id)
+            return
         match message:
             case Batch():
                 for inner, inner_payload in split_batch(message, payload):
@@ -1126,6 +1160,13 @@ class ServerLink:
         established = greeting.receive(answer)
         if self._proto is not proto:
             raise ConnectionError("connection closed during the handshake")
+        proto.proven = True
+        early, proto.early = proto.early, []
+        try:
+            for message in early:  # (what it sent around its Welcome, in order: as if it came now)
+                self.on_message(proto, message, None)
+        except ProtocolError as exc:
+            raise ConnectionError(f"server {self.spec.id} sent a bad frame: {exc}") from None
         self.window.by_reference = established.welcome.shm and probe is not None
         if probe is not None and not self.shm:
             log.warning("server %d shares this host but cannot map this worker's shared memory (other "

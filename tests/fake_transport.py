@@ -102,6 +102,7 @@ def reconnect_link(link: Any, proto: Any, *, restarted: bool) -> FakeTransport:
     proto2 = _LinkProtocol(link)
     transport = FakeTransport()
     proto2.connection_made(transport)
+    proto2.proven = True  # (as once its Welcome is verified)
     link._proto, link._ready = proto2, True
     link._settle_held(proto2, restarted=restarted)
     return transport

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -20,3 +21,19 @@ def one_sum(n: int, name: str) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
     expected = size * (size + 1) / 2
     return {"error": None, "wrong": int((y != expected).sum()), "seconds": time.monotonic() - start}
+
+
+def one_sum_hearing(n: int, name: str) -> dict[str, Any]:
+    """:func:`one_sum`, plus every line the client logged meanwhile (the stall notices its daemon passed on)."""
+    heard: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            heard.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("bps_worker.client").addHandler(handler)
+    try:
+        return dict(one_sum(n, name), heard=heard)
+    finally:
+        logging.getLogger("bps_worker.client").removeHandler(handler)

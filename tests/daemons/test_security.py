@@ -29,8 +29,8 @@ from harness import daemon_logs, run_ranks
 from protocol import PROTOCOL_VERSION
 from protocol.config import load_config, placement_digest, placement_items
 from protocol.frames import FrameReader, encode_header
-from protocol.messages import Announce, Batch, Challenge, Failure, Hello, Message, Push, Result, Welcome, parse, \
-    split_batch, to_header
+from protocol.messages import Announce, Batch, Challenge, Failure, FuseFailed, Hello, Message, Notice, Push, Result, \
+    Welcome, parse, split_batch, to_header
 
 from bps_runtime.segments import create_segment, release, segment_name
 
@@ -58,6 +58,14 @@ def _read(sock: socket.socket, reader: FrameReader, timeout: float, until: Calla
             return out, True
         out += [(parse(f.header), bytes(f.payload or b"")) for f in reader.receive_data(chunk)]
     return out, False
+
+
+def _challenge(worker: socket.socket, reader: FrameReader, version: int = PROTOCOL_VERSION) -> Hello | None:
+    """A stranger's start: its Challenge (no token behind it) to ``worker``, and the Hello that answers it (None
+    if the worker hung up first: a reconnect cut short by the cluster's stop)."""
+    worker.sendall(_frame(Challenge("f00d" * 8, version)))
+    got, _ = _read(worker, reader, 5, lambda ms: any(isinstance(m, Hello) for m in ms))
+    return next((m for m, _ in got if isinstance(m, Hello)), None)
 
 
 def _connect(host: str, port: int, within: float = 15.0) -> socket.socket:
@@ -202,9 +210,7 @@ def test_a_fake_server_is_refused_and_never_sent_sums(tmp_path):
 
     def fake(worker: socket.socket) -> None:
         reader = FrameReader()
-        worker.sendall(_frame(Challenge("f00d" * 8, PROTOCOL_VERSION)))
-        got, _ = _read(worker, reader, 5, lambda ms: any(isinstance(m, Hello) for m in ms))
-        hello = next((m for m, _ in got if isinstance(m, Hello)), None)
+        hello = _challenge(worker, reader)
         if hello is None:
             return  # the worker hung up before its Hello: a reconnect cut short by the cluster's stop
         worker.sendall(_frame(Welcome(PROTOCOL_VERSION, worker=hello.id, workers=2, incarnation="fa4e" * 4,
@@ -234,6 +240,66 @@ def test_a_fake_server_is_refused_and_never_sent_sums(tmp_path):
     assert "did not prove the cluster token" in logs
 
 
+@pytest.mark.parametrize("what", ["messages", "payload"])
+@pytest.mark.parametrize("n", [10, 20_000], ids=["fused", "unfused"])
+def test_nothing_a_server_says_before_it_proves_the_token_is_acted_on(tmp_path, what, n):
+    """A stranger on the only server's port sends its Challenge, reads the Hello (its epoch is in clear), and
+    never a Welcome: instead, every 0.1 s, what fails or warns a training process (the tensor's fused round
+    failed, a stall notice, failures of its first pushes), or a result with its bytes. A review's reproducer:
+    the process failed with the stranger's words in 0.6 s, and logged its notices (the worker acted on every
+    message of a connection, its handshake done or not). Now what it sends before its proof waits for it, and
+    is dropped with the connection; bytes before it close the connection at once."""
+    path = write_config(tmp_path / "c", [1], colocated=False, cpu_servers=1,
+                        cluster={"timeout": 3.0, "partition_bytes": 16384})
+    port = load_config(path).servers[0].port
+    hung_up: list[float] = []
+    name = f"injected.{what}"
+
+    def stranger(worker: socket.socket) -> None:
+        reader = FrameReader()
+        hello = _challenge(worker, reader)
+        if hello is None:
+            return
+        said = f"INJECTED by a server without the token ({what})"
+        start, deadline = time.monotonic(), time.monotonic() + 8
+        while time.monotonic() < deadline:
+            if what == "payload":
+                frames = [_frame(Result(0, name, 0, 0), np.full(4, 666.0, np.float32).tobytes())]
+            else:
+                frames = [_frame(FuseFailed(name, said, epoch=hello.epoch, code="round_failed")),
+                          _frame(Notice([f"stall: {said}"]))]
+                frames += [_frame(Failure(req, said, code="round_failed")) for req in range(4)]
+            try:
+                worker.sendall(b"".join(frames))
+            except OSError:
+                hung_up.append(time.monotonic() - start)
+                return
+            _, closed = _read(worker, reader, 0.1, lambda ms: False)
+            if closed:
+                hung_up.append(time.monotonic() - start)
+                return
+
+    stranger_thread = Stranger(port, stranger)
+    stranger_thread.start()
+    cluster = _start(path, ["worker-0"])
+    try:
+        results = run_ranks(cluster, sp.one_sum_hearing, n, name, timeout=60)
+        logs = daemon_logs(cluster)
+    finally:
+        cluster.stop()
+        stranger_thread.stop()
+    assert not stranger_thread.errors, stranger_thread.errors
+    [r] = results
+    assert r["error"] is not None and "INJECTED" not in r["error"], r
+    assert "cannot reach server 0" in r["error"], r  # (its handshake never ended: a timeout)
+    assert not any("INJECTED" in line for line in r["heard"]), r["heard"]
+    assert r["seconds"] > 2.5, r  # the cluster's timeout, not the stranger's word
+    assert "INJECTED" not in logs
+    if what == "payload":  # each connection: hung up on at its first bytes, not at the handshake's deadline
+        assert hung_up and max(hung_up) < 1.0, hung_up
+        assert "before the server proved the token" in logs
+
+
 @pytest.mark.parametrize("words", ["duplicate", "version"])
 def test_a_strangers_refusal_is_not_taken_as_the_servers_word(tmp_path, words):
     """A stranger on server 2's port says, without the token's proof, what makes a worker give up at once and
@@ -245,10 +311,7 @@ def test_a_strangers_refusal_is_not_taken_as_the_servers_word(tmp_path, words):
     free = load_config(path).servers[2]
 
     def refuse(worker: socket.socket) -> None:
-        reader = FrameReader()
-        worker.sendall(_frame(Challenge("f00d" * 8, PROTOCOL_VERSION if words == "duplicate" else 6)))
-        got, _ = _read(worker, reader, 5, lambda ms: any(isinstance(m, Hello) for m in ms))
-        hello = next((m for m, _ in got if isinstance(m, Hello)), None)
+        hello = _challenge(worker, FrameReader(), PROTOCOL_VERSION if words == "duplicate" else 6)
         if hello is not None:
             worker.sendall(_frame(Failure(-1, f"worker {hello.id} is already served by another daemon",
                                           code="duplicate", peer=f"worker {hello.id}", auth="00" * 32)))

@@ -18,6 +18,7 @@ def _connected(link: ServerLink) -> tuple[_LinkProtocol, FakeTransport]:
     proto = _LinkProtocol(link)
     transport = FakeTransport()
     proto.connection_made(transport)  # type: ignore[arg-type]
+    proto.proven = True  # (as once its Welcome is verified)
     link._proto, link._ready = proto, True  # as after a handshake
     return proto, transport
 

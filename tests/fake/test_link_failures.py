@@ -126,6 +126,7 @@ def _link() -> tuple[ServerLink, _LinkProtocol, FakeTransport]:
     proto = _LinkProtocol(link)
     transport = FakeTransport()
     proto.connection_made(transport)  # type: ignore[arg-type]
+    proto.proven = True  # (as once its Welcome is verified)
     link._proto, link._ready = proto, True  # as after a handshake
     link.incarnation = "run-1"
     return link, proto, transport
@@ -257,6 +258,7 @@ async def test_a_kept_sum_in_a_freed_results_segment_is_copied_out_and_replayed_
         proto2 = _LinkProtocol(link)
         transport2 = FakeTransport()
         proto2.connection_made(transport2)  # type: ignore[arg-type]
+        proto2.proven = True  # (as once its Welcome is verified)
         link._proto, link._ready, link.window.by_reference = proto2, True, True
         link._settle_held(proto2, restarted=True)
         replays = {m.name: (m, p) for m, p in transport2.messages() if isinstance(m, Push) and m.replay}
@@ -364,6 +366,7 @@ def _paced_link() -> tuple[ServerLink, _LinkProtocol, FakeTransport]:
     proto = _LinkProtocol(link)
     transport = FakeTransport()
     proto.connection_made(transport)  # type: ignore[arg-type]
+    proto.proven = True  # (as once its Welcome is verified)
     link._proto, link._ready, link.incarnation = proto, True, "run-1"
     return link, proto, transport
 
@@ -720,6 +723,7 @@ async def test_a_resumed_push_still_queued_when_the_link_gives_up_has_an_unknown
     proto = _LinkProtocol(link)
     transport = FakeTransport()
     proto.connection_made(transport)  # type: ignore[arg-type]
+    proto.proven = True  # (as once its Welcome is verified)
     link._proto, link._ready, link.incarnation = proto, True, "run-1"
     fields = {"part": 0, "dtype": "float32", "offset": 0}
     big = link.push({**fields, "name": "big", "round": 0, "shape": [64 << 10], "count": 64 << 10},
@@ -730,6 +734,7 @@ async def test_a_resumed_push_still_queued_when_the_link_gives_up_has_an_unknown
     proto_b = _LinkProtocol(link)
     b = _FillingTransport()
     proto_b.connection_made(b)  # type: ignore[arg-type]
+    proto_b.proven = True  # (as once its Welcome is verified)
     link._proto, link._ready = proto_b, True
     link._settle_held(proto_b, restarted=False)
     link.pump()

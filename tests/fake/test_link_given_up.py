@@ -29,6 +29,7 @@ def _link(stream: int = 0) -> tuple[ServerLink, _LinkProtocol, FakeTransport]:
     proto = _LinkProtocol(link)
     transport = FakeTransport()
     proto.connection_made(transport)  # type: ignore[arg-type]
+    proto.proven = True  # (as once its Welcome is verified)
     link._proto, link._ready = proto, True
     link.incarnation = "run-1"
     return link, proto, transport

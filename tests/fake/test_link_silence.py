@@ -28,6 +28,7 @@ def _connected_link() -> tuple[ServerLink, _LinkProtocol]:
                       timeout=TIMEOUT_S, max_payload_bytes=1 << 20)
     proto = _LinkProtocol(link)
     proto.connection_made(FakeTransport())  # type: ignore[arg-type]
+    proto.proven = True  # (as once its Welcome is verified)
     link._proto, link._ready = proto, True
     link.incarnation = "run-1"  # a server we talked to: a broken connection holds what is in flight
     link._watch_silence(proto)

@@ -113,6 +113,24 @@ async def test_a_truncated_segment_fails_its_push_and_the_connection_stays(segme
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("which", ["data", "out"])
+async def test_a_sparse_segment_fails_its_push_and_the_connection_stays(segments, which):
+    """A segment with holes (grown with ftruncate: a review's reproducer announced segments made that way) is
+    memory no page backs yet: where /dev/shm is full, the server's first touch of one was a SIGBUS that killed
+    it. It fails the push alone, naming what is backed, before anything reads or writes it."""
+    server, conn, t = _announced(segments)
+    _, data, out = segments
+    os.truncate(f"/dev/shm/{(data if which == 'data' else out).name}", 4 * NBYTES)  # the last 3/4 are a hole
+    assert conn.push_data(_push(data, out), None) is None
+    failure = await _answer(t)
+    assert isinstance(failure, Failure) and failure.req == 1 and not t.closed
+    sparse = (data if which == "data" else out).name
+    assert f"{sparse!r} of tensor 'w' has only {NBYTES} of its {4 * NBYTES} bytes in memory" in failure.message
+    assert "sparse" in failure.message
+    await server.stop()
+
+
+@pytest.mark.timeout(30)
 async def test_no_sum_is_written_into_a_result_segment_that_shrank(segments):
     server, conn, t = _announced(segments)
     _, data, out = segments
