@@ -7,8 +7,9 @@ sums. In asynchronous mode the server *holds* each key's value (a parameter) and
   (``Push.holds_root``) sets the value, unless the key has one; every init is answered with the value
   (held until the root's arrived; failed after the timeout, naming the root's machine) and the key's
   *applied vector*: per worker, the last step of its deltas that the value holds. The worker numbers its
-  later pushes of the key from its own entry, so a worker daemon that rejoins (counting its rounds from 0
-  again) is not taken for a replay of old steps.
+  later pushes of the key from the vector's largest entry, so a worker daemon that rejoins (counting its
+  rounds from 0 again) is not taken for a replay of old steps, and a machine whose processes come back to a
+  job that went on without them holds nobody back by the staleness bound for the steps it missed.
 * ``async`` (a machine's delta, the sum of its local processes' deltas, step ``t``): ``t <= applied[w]``
   is a replay (the delta is in the value already: answered, not added again); a later ``t`` is added at
   once, in float32 for float16/bfloat16 (the kernels' accumulate), and ``applied[w] = t``. Steps may skip

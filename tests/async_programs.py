@@ -6,6 +6,7 @@ of the whole cluster by itself.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 import urllib.request
@@ -237,6 +238,40 @@ def rejoin(role: str) -> list[float]:
         time.sleep(0.05)
         value = bps.async_push_pull(np.zeros(4, np.float32), "rejoin")
     return value.tolist()
+
+
+def rejoin_bounded(role: str, flags: str) -> dict[str, Any]:
+    """:func:`rejoin` under ``staleness=1``: "steady" (machine 0) pushes 1s, and counts its pushes that returned
+    while "again" (machine 1's second process, back after machine 0 went on alone) pushed its 100s, ten at 0.1 s
+    apart; "first" pushed 10s three times before. Then zeros until the value holds every delta."""
+    value = bps.async_init(np.zeros(4, np.float32), "rejoin.bounded", staleness=1)
+    start, done = os.path.join(flags, "again.start"), os.path.join(flags, "again.done")
+    if role != "steady":
+        if role == "again":
+            with open(start, "w") as f:
+                f.write(repr(time.monotonic()))
+        for _ in range(3 if role == "first" else 10):
+            value = bps.async_push_pull(np.full(4, 10.0 if role == "first" else 100.0, np.float32), "rejoin.bounded")
+            time.sleep(0.1 if role == "again" else 0.02)
+        if role == "again":
+            with open(done, "w") as f:
+                f.write(repr(time.monotonic()))
+        return {"value": value.tolist()}
+    returned: list[float] = []
+    while not os.path.exists(done):
+        value = bps.async_push_pull(np.ones(4, np.float32), "rejoin.bounded")
+        returned.append(time.monotonic())
+        time.sleep(0.01)
+    ones = len(returned)
+    with open(start) as f, open(done) as g:
+        window = (float(f.read()), float(g.read()))
+    total = ones + 3 * 10.0 + 10 * 100.0
+    deadline = time.monotonic() + 30
+    while value[0] < total and time.monotonic() < deadline:
+        time.sleep(0.05)
+        value = bps.async_push_pull(np.zeros(4, np.float32), "rejoin.bounded")
+    return {"value": value.tolist(), "total": total, "window": window[1] - window[0],
+            "during": sum(window[0] <= t <= window[1] for t in returned)}
 
 
 def scraped_while_live(name: str, steps: int, urls: list[str]) -> dict[str, Any]:

@@ -149,6 +149,41 @@ def test_a_machine_whose_processes_come_back_goes_on_from_its_step(tmp_path):
     assert got[0] == [ap.REJOIN_TOTAL] * 4, got
 
 
+@pytest.mark.timeout(120)
+def test_a_machine_whose_processes_come_back_holds_nobody_back_for_the_steps_it_missed(tmp_path):
+    """Under a bound of 1, machine 1's process pushes three deltas and leaves; machine 0 goes on alone (its
+    steps run far ahead); a new process on machine 1 initialises again and pushes ten, 0.1 s apart. A review's
+    reproducer: numbered from its own old step, machine 1 looked hundreds of steps behind, and machine 0 was
+    held for the whole time machine 1 was back (one push in that window). Its steps now go on from the
+    furthest machine's: machine 0 keeps pace with it, and every delta is in the value once."""
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cluster={"timeout": 4.0}))
+    ctx = rank_context()
+    queue = ctx.Queue()
+    sockets = [w.socket for w in cluster.config.worker_specs]
+
+    def rank(worker: int, role: str) -> mp.Process:
+        p = ctx.Process(target=_rank_main, args=(queue, sockets[worker], 0, worker, ap.rejoin_bounded,
+                                                 (role, str(tmp_path)), 10.0), daemon=True)
+        p.start()
+        return p
+
+    procs = [rank(0, "steady"), rank(1, "first")]
+    try:
+        reports = [queue.get(timeout=60)]
+        assert reports[0][:2] == (1, "ok"), (reports, daemon_logs(cluster))
+        time.sleep(1.0)  # machine 0 alone: tens of steps ahead
+        procs.append(rank(1, "again"))
+        for _ in range(2):
+            reports.append(queue.get(timeout=60))
+            assert reports[-1][1] == "ok", (reports[-1], daemon_logs(cluster))
+        steady = next(r[2] for r in reports[1:] if r[0] == 0)
+    finally:
+        reap(procs)
+        cluster.stop()
+    assert steady["value"] == [steady["total"]] * 4, steady
+    assert steady["during"] >= 4, steady  # (10 or so; 1 before)
+
+
 @pytest.mark.timeout(150)
 def test_a_machine_whose_processes_ended_holds_nobody_back_after_a_server_restart(tmp_path):
     """Machine 1's processes ended (its daemon reset, and said so). The servers then restart: their new runs
