@@ -702,6 +702,8 @@ class ServerConnection(AdmittedProtocol):
             if not hello.stream:  # its loss will not be heard as this worker's (it is not its link now)
                 self._fused_drop()
         if not hello.stream:
+            if self.server.daemons.setdefault(hello.id, hello.daemon) != hello.daemon:
+                self._daemon_restarted(hello)
             if hello.epoch:
                 self.drain_streams(hello.epoch)
             endings = self.server.fusion.endings
@@ -714,6 +716,26 @@ class ServerConnection(AdmittedProtocol):
             if self.server.fusion.endings != endings:  # (its Reset was lost with a connection)
                 self.server.lanes_ended()
             self.server.values.connected(hello.id, hello.epoch)
+
+    def _daemon_restarted(self, hello: Hello) -> None:
+        """Worker ``hello.id`` is back with another daemon run than the one this server knew: the old daemon died
+        (killed, or its machine), and every round in flight with it died too, for its processes: each heard a
+        connection error, and one that lives on (``init()`` again) goes on with its next step. Those rounds fail
+        here now, as the old daemon's Reset would have failed them. They waited for the worker (or for what it
+        had reported), and the new daemon's first pushes and reports would otherwise have completed them: with a
+        surviving process's next step, summed into its peers' step before (a review's reproducer: every later
+        step of those names a step apart, silently)."""
+        worker = hello.id
+        self.server.daemons[worker] = hello.daemon
+        why = Why(f"worker {worker}'s daemon restarted: its processes' rounds in flight were lost with it",
+                  "connection", peer=f"worker {worker}")
+        failed = self.server.aggregator.worker_reset(worker, hello.epoch)
+        endings = self.server.fusion.endings
+        self.server.fused(self.server.fusion.worker_gone(worker, why, reset=True, epoch=hello.epoch))
+        if self.server.fusion.endings != endings:
+            self.server.lanes_ended()
+        log.warning("worker %d is back with a new daemon (%s): the rounds in flight with its old one fail (%d here)",
+                    worker, self.describe_daemon(), failed)
 
     def _fused_drop(self) -> None:
         """This worker's connection is gone (closed, or replaced by its reconnect): the fused sums waiting on

@@ -636,7 +636,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 front = min(position[p] for p in group)
                 # Named after its first gradient. The same name with other contents on another process (other
                 # parameters, shapes or dtypes, in another order, or a different bucket_bytes) is a mismatch
-                # error: the daemons compare the layout, a digest of the contents.
+                # error: the daemons compare the layout, a digest of the contents. An order that starts the
+                # bucket with another gradient names it otherwise: the processes then wait for each other's
+                # names, as for any names that differ (stall: lines; an error with cluster.stall_timeout).
                 names = [self._names[p] for p in group]
                 buckets.append(_Bucket(f"grad.{names[0]}", group, offsets, numel, self._wire_dtype(group[0]),
                                        -front, _bucket_layout(names, group), names))

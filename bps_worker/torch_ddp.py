@@ -265,8 +265,10 @@ def ddp_comm_hook(state: DDPHookState | str | None, bucket: dist.GradBucket) -> 
         hook_state.check_world()
         index = bucket.index()
         if buffer.layout != torch.strided:
-            raise BPSError(f"DDP bucket {index} holds {buffer.layout} gradients: ddp_comm_hook sums dense ones "
-                           f"only (sparse gradients need DDP's own all-reduce)")
+            shapes = ", ".join("x".join(map(str, p.shape)) for p in bucket.parameters())
+            raise BPSError(f"DDP bucket {index} holds {buffer.layout} gradients (of the parameters of shapes "
+                           f"{shapes}, e.g. an nn.Embedding(sparse=True)): ddp_comm_hook sums dense ones only "
+                           f"(sparse gradients need DDP's own all-reduce)")
         name = hook_state.claim(index, buffer.dtype, buffer.numel(), _graph_task())
         try:
             # DDP's last buckets hold the first layers, whose sums the next forward pass needs first.

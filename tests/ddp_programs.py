@@ -178,14 +178,18 @@ def _error_of(call: Callable[[], Any]) -> dict[str, Any]:
 class Bucket:
     """What the hook reads of DDP's GradBucket (index and buffer): to call the hook outside backward."""
 
-    def __init__(self, index: int, buffer: torch.Tensor) -> None:
+    def __init__(self, index: int, buffer: torch.Tensor, parameters: list[torch.Tensor] | None = None) -> None:
         self._index, self._buffer = index, buffer
+        self._parameters = parameters if parameters is not None else [buffer]
 
     def index(self) -> int:
         return self._index
 
     def buffer(self) -> torch.Tensor:
         return self._buffer
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._parameters
 
 
 def twin_models(rank: int) -> dict[str, Any]:

@@ -517,6 +517,37 @@ def rejoin_loop(role: str, steps: int, max_seconds: float, n: int = 200_003) -> 
             "restarted_at": restarted_at}
 
 
+def survivor_steps(sock: str, steps: int, n: int, flags: str) -> list[dict[str, Any]]:
+    """``steps`` steps of ``n`` small names issued together (pushing ``10 * step + rank``), each step's outcome:
+    its errors and the distinct sums its names got. A step with an error is skipped, then ``init()`` again (it
+    reconnects where the worker daemon died and was restarted under this process) after 1 s, as a training loop
+    that survives its daemon would. Writes ``flags/<rank>.<step>`` as each step starts; rank 0 issues its names
+    over about 50 ms."""
+    rank = bps.rank()
+    out: list[dict[str, Any]] = []
+    for step in range(steps):
+        open(f"{flags}/{rank}.{step}", "w").close()
+        handles, sums, errors = [], set(), 0
+        for i in range(n):
+            try:
+                handles.append(bps.push_pull_async(np.full(4, 10 * step + rank, np.float32), f"surv.{i}",
+                                                   average=False))
+            except bps.BPSError:  # (the daemon is gone: the issue itself fails)
+                errors += 1
+            if rank == 0 and i % 50 == 49:
+                time.sleep(0.002)  # (a backward pass issues its names over time: the fault lands mid-issue)
+        for h in handles:
+            try:
+                sums.add(float(bps.synchronize(h, timeout=30)[0]))
+            except bps.BPSError:
+                errors += 1
+        out.append({"step": step, "errors": errors, "sums": sorted(sums)})
+        if errors:
+            time.sleep(1.0)
+            bps.init(socket=sock, local_rank=0, timeout=10.0)
+    return out
+
+
 def cuda_push_pulls(n: int) -> dict[str, Any]:
     """CUDA tensors through CUDA IPC: sum, average, in place, float16 (integer values: exact)."""
     import torch

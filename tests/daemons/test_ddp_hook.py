@@ -132,8 +132,9 @@ def test_bad_state_and_no_init_fail_the_future_without_a_cluster():
         bps.ddp_comm_hook(42, bucket).wait()  # type: ignore[arg-type]
     with pytest.raises(bps.BPSError, match="not initialized"):
         bps.ddp_comm_hook(None, bucket).wait()  # type: ignore[arg-type]
-    sparse = dp.Bucket(2, torch.ones(3).to_sparse())
-    with pytest.raises(bps.BPSError, match="DDP bucket 2 holds torch.sparse_coo gradients"):
+    sparse = dp.Bucket(2, torch.ones(12).to_sparse(), [torch.ones(3, 4)])
+    with pytest.raises(bps.BPSError, match="DDP bucket 2 holds torch.sparse_coo gradients \\(of the parameters of "
+                                           "shapes 3x4, e.g. an nn.Embedding\\(sparse=True\\)\\)"):
         bps.ddp_comm_hook(bps.DDPHookState("sparse"), sparse).wait()  # type: ignore[arg-type]
     with pytest.raises(bps.BPSError, match="prefix must be a str, got bytes"):
         bps.DDPHookState(b"x")  # type: ignore[arg-type]

@@ -107,6 +107,50 @@ def test_a_killed_worker_machine_rejoins_the_running_job(tmp_path, servers_resta
     assert mine == [mine[0] + i for i in range(STEPS)] and mine[0] >= len(victim["partner_steps"]), new
 
 
+@pytest.mark.timeout(120)
+def test_a_process_that_outlives_its_daemon_sums_each_later_step_in_one_round(tmp_path):
+    """Worker 1's daemon is killed at step 3 and restarted (systemd) while its process lives on: the process's
+    step fails, and it calls init() again and goes on. The healthy process's rounds of that step that were
+    still open (reported after the old daemon's connection dropped) used to be completed by the survivor's
+    next step, and every later step of those names stayed a step apart from the others (a review's reproducer:
+    37 names of 200, silently). The servers fail what was open when the new daemon connects: every later step
+    is summed in one round, the same rounds on both processes."""
+    path = write_config(tmp_path, [1, 1], cluster={"timeout": 5.0})
+    cluster = start_cluster(path)
+    ctx = rank_context()
+    queue = ctx.Queue()
+    sockets = [w.socket for w in cluster.config.worker_specs]
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    procs = [ctx.Process(target=_rank_main, args=(queue, sockets[w], 0, w, rp.survivor_steps,
+                                                 (sockets[w], 8, 1000, str(flags)), 10.0), daemon=True)
+             for w in (0, 1)]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 60
+        while not all((flags / f"{r}.3").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        cluster.kill("worker-1")
+        time.sleep(0.3)
+        cluster.restart("worker-1")
+        results = _collect(queue, {0, 1}, 90, cluster)
+        logs = daemon_logs(cluster)
+    finally:
+        reap(procs)
+        cluster.stop()
+    summed = {}
+    for rank, steps in results.items():
+        # The step the daemon died in fails on both (on the healthy side, names whose round the old daemon had
+        # pushed before it died may have completed: their answers died with it, as ever).
+        assert steps[3]["errors"] > 0 and steps[3]["sums"] in ([], [61.0]), (rank, steps)
+        for s in steps[:3] + steps[4:]:
+            assert s["errors"] in (0, 1000) and len(s["sums"]) == (0 if s["errors"] else 1), (rank, steps, logs)
+        summed[rank] = [s["sums"][0] for s in steps[:3] + steps[4:] if not s["errors"]]
+    assert summed[0][:3] == summed[1][:3] == [1.0, 21.0, 41.0], summed
+    assert len(summed[0]) >= 5 and summed[0][3:] == summed[1][3:], summed  # the same rounds after it
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("cross", [False, True], ids=["unfused", "its-first-step-fused"])
 def test_a_machine_that_rejoins_after_a_failed_fused_step_lines_up_with_its_peer(tmp_path, cross):

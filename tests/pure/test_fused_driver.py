@@ -860,6 +860,8 @@ async def test_a_fused_copy_back_leaves_out_a_process_that_left() -> None:
 
     host = types.SimpleNamespace(rank_offset=0, config=types.SimpleNamespace(local_size=2), epoch="e1")
     segments = [SharedMemory(create=True, size=64) for _ in range(2)]
+    for seg in segments:
+        seg.buf[:] = bytes(seg.size)  # (allocated, as the client's create_segment makes them: not sparse)
     try:
         members = [Session(), Session()]
         for member, seg in zip(members, segments):

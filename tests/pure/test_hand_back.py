@@ -21,6 +21,8 @@ async def test_a_process_that_left_mid_operation_gets_no_pieces_and_its_local_pe
     came. Rank 0 gets the second piece and its operation succeeds: the round was summed for every machine (it
     failed, "its memory went with the process", while the other machines got the sum: a review's case)."""
     segments = [SharedMemory(create=True, size=32) for _ in range(2)]
+    for seg in segments:
+        seg.buf[:] = bytes(seg.size)  # (allocated, as the client's create_segment makes them: not sparse)
     try:
         members = []
         for rank, seg in enumerate(segments):
