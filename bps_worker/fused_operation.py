@@ -17,6 +17,7 @@ with a mismatch at the server instead of summing unrelated tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from itertools import accumulate
 from math import prod
@@ -125,7 +126,18 @@ class FusedOperation(Operation):
         for fr in self.rounds:
             for e in fr.entries:
                 if e is not None:
-                    e.member.send(failure_for(e.req, False))
+                    e.member.send(self._as_heard(failure_for(e.req, False), fr.name))
+
+    def _as_heard(self, failure: Failure, name: str) -> Failure:
+        """``failure`` as the process of small tensor ``name`` hears it: the server's and the links' texts name
+        the fused tensor, whose key (``\x00fused/...``) the process never saw; they name its tensor instead."""
+        key, said = repr(self.name), f"{name!r} (summed fused with {len(self.rounds) - 1} other small tensors)"
+        fields = {f: getattr(failure, f).replace(key, said).replace(self.name, name)
+                  for f in ("message", "what", "detail")
+                  if key in getattr(failure, f) or self.name in getattr(failure, f)}
+        if failure.name == self.name:
+            fields["name"] = name
+        return dataclasses.replace(failure, **fields) if fields else failure
 
 
 class FusedPath:

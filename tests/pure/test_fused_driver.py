@@ -852,6 +852,26 @@ async def test_the_lanes_next_operation_waits_for_the_fate_of_the_one_before(mon
     assert planner.take_plans() == [(1, ["a"])]
 
 
+def test_a_fused_tensors_failure_names_each_small_tensor_not_the_fused_key() -> None:
+    """A failure the servers or the links say about the fused tensor (its key starts with a NUL byte) reached
+    each process naming that key, which it never saw (a review's find: "round 3 of '\\x00fused/0/5/float64@...'
+    cannot complete"). Each process hears its own tensor's name, the rest of the story unchanged."""
+    host = types.SimpleNamespace(rank_offset=0, config=types.SimpleNamespace(local_size=1), epoch="e1")
+    member = Session()
+    key = fused_name(0, 5, "float64", False, "run.0")
+    rounds = [FusedRound(n, F32, 0, [Entry(member, i, F32, "seg", 16 * i, 0)]) for i, n in enumerate(["a", "b"])]
+    op = FusedOperation(host, key, 3, rounds)  # type: ignore[arg-type]
+    said = f"server 0: worker 1 is disconnected; round 3 of {key!r} cannot complete"
+    op.answer_failure(lambda req, _: Failure(req, said, code="connection", name=key, what=f"round 3 of {key!r}",
+                                             peer="worker 1"))
+    first, second = member.got
+    assert first.message == ("server 0: worker 1 is disconnected; round 3 of 'a' (summed fused with 1 other small "
+                             "tensors) cannot complete")
+    assert (first.name, first.what, first.peer, first.code) == ("a", "round 3 of 'a' (summed fused with 1 other "
+                                                                "small tensors)", "worker 1", "connection")
+    assert second.req == 1 and second.name == "b" and "\x00" not in second.message and key not in second.message
+
+
 async def test_a_fused_copy_back_leaves_out_a_process_that_left() -> None:
     """A process killed with a fused step in flight: its memory went with it, but its live local peer gets the sums
     of the names (they failed for it, blaming a truncated segment, while the other machines got them: a review's
