@@ -304,6 +304,10 @@ class Aggregator:
         """The worker has no training processes any more; returns how many rounds failed."""
         return self._run(self.table.worker_reset(worker, epoch))
 
+    def had_processes(self, worker: int) -> bool:
+        """Whether the worker's processes were there when its daemon was last heard of (RoundTable.had_processes)."""
+        return self.table.had_processes(worker)
+
     def worker_joined(self, worker: int) -> None:
         """The worker has training processes again (its Joined)."""
         self.table.worker_joined(worker)

@@ -703,7 +703,9 @@ class ServerConnection(AdmittedProtocol):
                 self._fused_drop()
         if not hello.stream:
             if self.server.daemons.setdefault(hello.id, hello.daemon) != hello.daemon:
-                self._daemon_restarted(hello)
+                self.server.daemons[hello.id] = hello.daemon
+                if self.server.aggregator.had_processes(hello.id):  # (else it ended them, or had none: the next
+                    self._daemon_restarted(hello)                   # job's first rounds may wait for it now)
             if hello.epoch:
                 self.drain_streams(hello.epoch)
             endings = self.server.fusion.endings
@@ -724,9 +726,11 @@ class ServerConnection(AdmittedProtocol):
         here now, as the old daemon's Reset would have failed them. They waited for the worker (or for what it
         had reported), and the new daemon's first pushes and reports would otherwise have completed them: with a
         surviving process's next step, summed into its peers' step before (a review's reproducer: every later
-        step of those names a step apart, silently)."""
+        step of those names a step apart, silently). Only where the old daemon's processes were there when it
+        went: one whose processes had left (its Reset) or never came had nothing open, and the rounds open now
+        are the next job's first ones, waiting for the new daemon's processes (a review of this change: a CPU
+        server serving job after job failed each new job's first rounds)."""
         worker = hello.id
-        self.server.daemons[worker] = hello.daemon
         why = Why(f"worker {worker}'s daemon restarted: its processes' rounds in flight were lost with it",
                   "connection", peer=f"worker {worker}")
         failed = self.server.aggregator.worker_reset(worker, hello.epoch)

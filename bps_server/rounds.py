@@ -877,6 +877,11 @@ class RoundTable(Generic[W]):
             self.worker_joined(worker)
         self._active.add(worker)
 
+    def had_processes(self, worker: int) -> bool:
+        """Whether ``worker``'s processes were there when we last heard of its daemon: it said no Reset (nor, in
+        its hello, that it had none) since its last push or Joined; a dropped connection alone leaves them."""
+        return worker not in self._reset or worker in self._dropped
+
     def worker_joined(self, worker: int) -> None:
         """The worker is back (a hello, or a push after a reset)."""
         self._gone.pop(worker, None)

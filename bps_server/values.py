@@ -7,9 +7,13 @@ sums. In asynchronous mode the server *holds* each key's value (a parameter) and
   (``Push.holds_root``) sets the value, unless the key has one; every init is answered with the value
   (held until the root's arrived; failed after the timeout, naming the root's machine) and the key's
   *applied vector*: per worker, the last step of its deltas that the value holds. The worker numbers its
-  later pushes of the key from the vector's largest entry, so a worker daemon that rejoins (counting its
-  rounds from 0 again) is not taken for a replay of old steps, and a machine whose processes come back to a
-  job that went on without them holds nobody back by the staleness bound for the steps it missed.
+  later pushes of the key from its own entry, so a worker daemon that rejoins (counting its rounds from 0
+  again) is not taken for a replay of old steps. The init of a machine that left the job (its processes
+  reset, or it was declared dead) raises its entry to the furthest machine's before it is answered: back in
+  a job that went on without it, it would otherwise hold the others back by the staleness bound until it had
+  pushed as many steps as they did meanwhile (a review's find: for as long as it was away). Its skipped steps
+  are ones it never pushed, which the replay check and the bound allow. A machine that inits late at a job's
+  start (it never left) keeps its entry: the bound holds it to the others' pace from its first step.
 * ``async`` (a machine's delta, the sum of its local processes' deltas, step ``t``): ``t <= applied[w]``
   is a replay (the delta is in the value already: answered, not added again); a later ``t`` is added at
   once, in float32 for float16/bfloat16 (the kernels' accumulate), and ``applied[w] = t``. Steps may skip
@@ -104,6 +108,7 @@ class _Waiter(Generic[W]):
     since: float
     data: np.ndarray | None = None  # a pending push's own copy of its delta
     warned: bool = False
+    rejoining: bool = False  # an init of a machine that had left the job (see the module docstring)
 
 
 @dataclass(slots=True)
@@ -163,9 +168,9 @@ class ValueStore(Generic[W]):
              ) -> list[Action[W]]:
         """An ``async_init`` or ``async`` push of ``payload`` (read now, or copied if it must wait)."""
         self._contact(now)
+        waiter = _Waiter(push, handle, now, rejoining=push.kind == KIND_ASYNC_INIT and push.worker in self.excluded)
         self._joined(push.worker)
         self.pushed_at[push.worker] = now
-        waiter = _Waiter(push, handle, now)
         if self.restoring_since is not None or (
                 push.kind != KIND_ASYNC_INIT and self._value_of(push) is None):
             return self._wait(waiter, payload, lease)
@@ -251,13 +256,22 @@ class ValueStore(Generic[W]):
             kernels.accumulate(st.value, payload, push.dtype, first=True)
             st.first, st.staleness = push, _staleness(push)
             waiting, st.inits = st.inits, []
-            return [self._answer(st, x) for x in (*waiting, w)]
+            return [a for x in (*waiting, w) for a in self._answer_init(st, x)]
         if st.value is None:
             st.inits.append(w)
             return []
         if st.first.kind != KIND_ASYNC_INIT:  # restored from a delta's copy: this init (it agreed) names the root
             st.first = push
-        return [self._answer(st, w)]
+        return self._answer_init(st, w)
+
+    def _answer_init(self, st: _Key[W], w: _Waiter[W]) -> list[Action[W]]:
+        """Answer init ``w``; a rejoining machine's entry first goes up to the furthest machine's (the answers it
+        held back by the bound go with it)."""
+        worker = w.push.worker
+        if not w.rejoining or st.applied[worker] >= max(st.applied):
+            return [self._answer(st, w)]
+        st.applied[worker] = max(st.applied)
+        return [self._answer(st, w), *self._release(st)]
 
     def _delta(self, st: _Key[W], w: _Waiter[W], payload: np.ndarray, now: float) -> list[Action[W]]:
         push, worker = w.push, w.push.worker

@@ -4,13 +4,11 @@ The stages are :class:`~bps_worker.operation.Operation`'s (gather: the local pro
 root's tensor for an init; scatter; wait; hand back; reply), with three differences:
 
 * no round to learn: each piece is a key of the servers' value store (``bps_server.values``), and its push
-  carries this machine's *step* for that key. The init's answer says, per key and machine, the last step
-  that the value holds (``Result.applied``); our steps go on from the largest, one per push that reached the
-  servers. So a worker daemon that rejoins a running job (its rounds counted from 0 again) is not taken for a
-  replay (its own entry is at most that), and a machine whose processes come back to a job that went on
-  without them is not taken for the slowest by the staleness bound until it has pushed as many steps as the
-  others did meanwhile (numbered from its own entry, it froze the others for that long: a review's find);
-  steps a machine skips are ones it never pushed, which the bound and the replay check both allow.
+  carries this machine's *step* for that key. The init's answer says, per key, the last step of ours that
+  the value holds (``Result.applied``); the steps go on from there, one per push that reached the servers,
+  so a worker daemon that rejoins a running job (its rounds counted from 0 again) is not taken for a replay.
+  (Where our processes come back to a job that went on without them, the server raised our entry to the
+  furthest machine's first: see ``bps_server.values``.)
   A push refused before it was sent (another dtype or shape than the init's), or refused by the servers as a
   mismatch (nothing added), takes no step: the staleness bound compares the machines' steps, and one a step
   ahead for ever held its own answers back for ever under ``staleness=0``. A push that failed otherwise
@@ -107,8 +105,8 @@ class AsyncOperation(Operation):
         return self.host.links[piece.server]
 
     def _learn(self, result: Result) -> None:
-        if self.worker < len(result.applied):  # (from the furthest machine's step: see the module docstring)
-            self.applied[result.part] = max(result.applied)
+        if self.worker < len(result.applied):
+            self.applied[result.part] = result.applied[self.worker]
 
     def reply_done(self, scattered: Scattered) -> None:
         # Before the processes hear it: their next push may come in the next callback. Not where the job ended here

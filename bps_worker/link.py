@@ -1167,6 +1167,8 @@ class ServerLink:
                 self.on_message(proto, message, None)
         except ProtocolError as exc:
             raise ConnectionError(f"server {self.spec.id} sent a bad frame: {exc}") from None
+        if self._proto is not proto:  # (what it sent broke the connection: a refusal after its Welcome)
+            raise ConnectionError("connection closed during the handshake")
         self.window.by_reference = established.welcome.shm and probe is not None
         if probe is not None and not self.shm:
             log.warning("server %d shares this host but cannot map this worker's shared memory (other "

@@ -517,6 +517,11 @@ def rejoin_loop(role: str, steps: int, max_seconds: float, n: int = 200_003) -> 
             "restarted_at": restarted_at}
 
 
+def three_sums(name: str) -> list[float]:
+    """Three push_pulls of ``rank + 1`` under ``name``: what each summed to."""
+    return [float(bps.push_pull(np.full(4, bps.rank() + 1.0), name, average=False)[0]) for _ in range(3)]
+
+
 def survivor_steps(sock: str, steps: int, n: int, flags: str) -> list[dict[str, Any]]:
     """``steps`` steps of ``n`` small names issued together (pushing ``10 * step + rank``), each step's outcome:
     its errors and the distinct sums its names got. A step with an error is skipped, then ``init()`` again (it

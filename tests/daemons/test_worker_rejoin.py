@@ -3,6 +3,7 @@ goes on from the next round, with the restarted machine's new processes, without
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -149,6 +150,44 @@ def test_a_process_that_outlives_its_daemon_sums_each_later_step_in_one_round(tm
         summed[rank] = [s["sums"][0] for s in steps[:3] + steps[4:] if not s["errors"]]
     assert summed[0][:3] == summed[1][:3] == [1.0, 21.0, 41.0], summed
     assert len(summed[0]) >= 5 and summed[0][3:] == summed[1][3:], summed  # the same rounds after it
+
+
+@pytest.mark.timeout(120)
+def test_a_new_daemon_for_the_next_job_fails_none_of_its_first_rounds(tmp_path):
+    """The servers outlive a job (a StatefulSet of CPU-only servers, job after job); machine 1's daemon goes with
+    its job (its processes had left) and a new one comes 1.5 s after machine 0's trainer of the next job pushed.
+    The first version of the restarted-daemon reset took the new daemon for one that died under its processes and
+    failed that first round (a review of it); nothing of the old daemon was open: both sum every step."""
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cluster={"timeout": 10.0}))
+    ctx = rank_context()
+    queue = ctx.Queue()
+    sockets = [w.socket for w in cluster.config.worker_specs]
+    procs: list = []
+
+    def rank(worker: int) -> None:
+        p = ctx.Process(target=_rank_main, args=(queue, sockets[worker], 0, worker, rp.three_sums, ("x",), 20.0),
+                        daemon=True)
+        p.start()
+        procs.append(p)
+
+    try:
+        rank(0), rank(1)
+        first = _collect(queue, {0, 1}, 60, cluster)
+        assert first == {0: [3.0, 3.0, 3.0], 1: [3.0, 3.0, 3.0]}, first
+        reap(procs)
+        time.sleep(1.0)
+        cluster.kill("worker-1", signal.SIGTERM)  # the job is over: machine 1's daemon goes with its pod
+        time.sleep(0.5)
+        rank(0)  # the next job: machine 0's trainer first
+        time.sleep(1.5)
+        cluster.restart("worker-1")
+        time.sleep(0.5)
+        rank(1)
+        results = _collect(queue, {0, 1}, 60, cluster)
+    finally:
+        reap(procs, 5)
+        cluster.stop()
+    assert results == {0: [3.0, 3.0, 3.0], 1: [3.0, 3.0, 3.0]}, results
 
 
 @pytest.mark.timeout(180)

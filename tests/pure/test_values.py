@@ -271,6 +271,34 @@ def test_a_machine_whose_processes_left_holds_nobody_back_until_it_pushes_again_
     assert answers(s.push(delta(1, 2), arr(1, 1, 1, 1), "e", 4.0)) == {}  # both wait for worker 2's step 2
 
 
+def test_a_machine_back_in_a_job_that_went_on_is_level_with_the_furthest_and_a_late_starter_is_not() -> None:
+    """Worker 2's processes leave under a bound of 1; the others go on to step 5; its new process inits again.
+    Its entry goes up to 5 at that init (its skipped steps were never pushed): the others' steps 6 are not held
+    for steps it never pushes (its steps went on from 2 before, and held them for as many as it missed: a
+    review's find). A machine that inits late at the job's start never left: its entry stays, and the bound
+    holds the early one to its pace (a first version, numbering from the vector's largest entry in the
+    worker, let the early machine run 3 steps ahead under a bound of 2)."""
+    s = store()
+    initialised(s, arr(0, 0, 0, 0), staleness=1)
+    one = arr(1, 1, 1, 1)
+    for step in (1, 2):
+        for w in range(3):
+            s.push(delta(w, step), one, f"{w}.{step}", float(step))
+    s.worker_reset(2)
+    for step in (3, 4, 5):
+        assert answers(s.push(delta(0, step), one, f"0.{step}", float(step))).keys() >= {f"0.{step}"}
+        assert f"1.{step}" in answers(s.push(delta(1, step), one, f"1.{step}", float(step)))
+    back = answers(s.push(init(2, staleness=1), arr(0, 0, 0, 0), "again", 6.0))["again"]
+    assert back.applied == [5, 5, 5] and back.value.tolist() == [12, 12, 12, 12]
+    assert "0.6" in answers(s.push(delta(0, 6), one, "0.6", 6.1))  # 6 - 1 = 5: nobody is below (was: held)
+    late = store()
+    late.push(init(0, staleness=1), arr(0, 0, 0, 0), "i0", 0.0)
+    late.push(init(1, staleness=1), arr(0, 0, 0, 0), "i1", 0.0)
+    late.push(delta(0, 1), one, "early.1", 0.1)
+    assert late.push(delta(0, 2), one, "early.2", 0.2) == []  # worker 2 (connected, at 0) holds it
+    assert answers(late.push(init(2, staleness=1), arr(0, 0, 0, 0), "i2", 0.3))["i2"].applied == [2, 0, 0]
+
+
 def test_a_restarted_run_takes_the_copies_before_a_push_that_came_first() -> None:
     """After a restart, the rejoining root's machine (a new daemon: no copies) reached the new run first. Its init
     was applied at once and became the value; the survivor's copy then replaced it (the root's next steps, from
