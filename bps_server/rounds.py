@@ -374,6 +374,8 @@ class RoundTable(Generic[W]):
         self._dropped: set[int] = set()
         # And those only because their daemon said it had none since it started (Hello.processes: worker_idle).
         self._idle: set[int] = set()
+        # Dropped workers whose job then ended everywhere (_clear_if_all_reset): nothing of their processes is open.
+        self._ended_dropped: set[int] = set()
         self._epochs: dict[int, str] = {}  # each worker's round numbering (Hello.epoch, Reset.epoch)
         # Workers whose numbering restarted while other workers were mid-job: they rejoin (round_for).
         self._rejoining: set[int] = set()
@@ -750,6 +752,7 @@ class RoundTable(Generic[W]):
         actions: list[Action[W]] = [self._mark_gone(worker, "is disconnected")]
         if worker not in self._reset:  # (a worker that reset stays one without processes)
             self._dropped.add(worker)
+            self._ended_dropped.discard(worker)
         self._reset.add(worker)
         actions += self._fail_waiting_for(worker, "is disconnected")
         return actions + self._clear_if_all_reset()
@@ -879,8 +882,9 @@ class RoundTable(Generic[W]):
 
     def had_processes(self, worker: int) -> bool:
         """Whether ``worker``'s processes were there when we last heard of its daemon: it said no Reset (nor, in
-        its hello, that it had none) since its last push or Joined; a dropped connection alone leaves them."""
-        return worker not in self._reset or worker in self._dropped
+        its hello, that it had none) since its last push or Joined; a dropped connection alone leaves them,
+        unless the job ended everywhere since (its rounds went with it: a crashed machine's next job)."""
+        return worker not in self._reset or (worker in self._dropped and worker not in self._ended_dropped)
 
     def worker_joined(self, worker: int) -> None:
         """The worker is back (a hello, or a push after a reset)."""
@@ -888,6 +892,7 @@ class RoundTable(Generic[W]):
         self.lost_workers.discard(worker)
         self._reset.discard(worker)
         self._dropped.discard(worker)
+        self._ended_dropped.discard(worker)
         self._idle.discard(worker)
 
     def _numbering_restarted(self, worker: int) -> None:
@@ -925,6 +930,7 @@ class RoundTable(Generic[W]):
         # last job. They stay in _reset until they push.
         self.lost_workers.clear()
         self._gone.clear()
+        self._ended_dropped = set(self._dropped)
         return [Cleared(dropped)]
 
     def _mark_gone(self, worker: int, why: str) -> StartGrace:

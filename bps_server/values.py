@@ -8,8 +8,9 @@ sums. In asynchronous mode the server *holds* each key's value (a parameter) and
   (held until the root's arrived; failed after the timeout, naming the root's machine) and the key's
   *applied vector*: per worker, the last step of its deltas that the value holds. The worker numbers its
   later pushes of the key from its own entry, so a worker daemon that rejoins (counting its rounds from 0
-  again) is not taken for a replay of old steps. The init of a machine that left the job (its processes
-  reset, or it was declared dead) raises its entry to the furthest machine's before it is answered: back in
+  again) is not taken for a replay of old steps. The next init of each key by a machine that left the job
+  (its processes reset, or it was declared dead) while the key was there raises its entry to the furthest
+  machine's before it is answered (``_Key.behind``; a restarted server's keys owe none: lost): back in
   a job that went on without it, it would otherwise hold the others back by the staleness bound until it had
   pushed as many steps as they did meanwhile (a review's find: for as long as it was away). Its skipped steps
   are ones it never pushed, which the replay check and the bound allow. A machine that inits late at a job's
@@ -108,7 +109,6 @@ class _Waiter(Generic[W]):
     since: float
     data: np.ndarray | None = None  # a pending push's own copy of its delta
     warned: bool = False
-    rejoining: bool = False  # an init of a machine that had left the job (see the module docstring)
 
 
 @dataclass(slots=True)
@@ -121,6 +121,9 @@ class _Key(Generic[W]):
     applied: list[int]
     inits: list[_Waiter[W]] = field(default_factory=list)  # inits waiting for the root's value
     held: list[_Waiter[W]] = field(default_factory=list)  # answers waiting for the staleness bound
+    # Machines that left the job while the key was there (their processes reset, or declared dead): their next
+    # init of it raises their entry to the furthest machine's (see the module docstring, _answer_init).
+    behind: set[int] = field(default_factory=set)
 
 
 def _descriptor(push: Push) -> tuple[object, ...]:
@@ -168,9 +171,9 @@ class ValueStore(Generic[W]):
              ) -> list[Action[W]]:
         """An ``async_init`` or ``async`` push of ``payload`` (read now, or copied if it must wait)."""
         self._contact(now)
-        waiter = _Waiter(push, handle, now, rejoining=push.kind == KIND_ASYNC_INIT and push.worker in self.excluded)
         self._joined(push.worker)
         self.pushed_at[push.worker] = now
+        waiter = _Waiter(push, handle, now)
         if self.restoring_since is not None or (
                 push.kind != KIND_ASYNC_INIT and self._value_of(push) is None):
             return self._wait(waiter, payload, lease)
@@ -198,8 +201,8 @@ class ValueStore(Generic[W]):
         push = w.push
         key = (push.name, push.part)
         st = self.keys.get(key)
-        if st is None:
-            st = self.keys[key] = _Key(push, _staleness(push), None, [0] * self.n)
+        if st is None:  # (the machines away now owe a raise at their init of it too)
+            st = self.keys[key] = _Key(push, _staleness(push), None, [0] * self.n, behind=set(self.excluded))
         actions: list[Action[W]] = []
         if st.value is None and push.kind == KIND_ASYNC_INIT and push.holds_root:
             actions = self._root_decides(st, push)
@@ -265,10 +268,13 @@ class ValueStore(Generic[W]):
         return self._answer_init(st, w)
 
     def _answer_init(self, st: _Key[W], w: _Waiter[W]) -> list[Action[W]]:
-        """Answer init ``w``; a rejoining machine's entry first goes up to the furthest machine's (the answers it
-        held back by the bound go with it)."""
+        """Answer init ``w``; where its machine left the job since the key was made (``behind``), its entry first
+        goes up to the furthest machine's (the answers it held back by the bound go with it)."""
         worker = w.push.worker
-        if not w.rejoining or st.applied[worker] >= max(st.applied):
+        if worker not in st.behind:
+            return [self._answer(st, w)]
+        st.behind.discard(worker)
+        if st.applied[worker] >= max(st.applied):
             return [self._answer(st, w)]
         st.applied[worker] = max(st.applied)
         return [self._answer(st, w), *self._release(st)]
@@ -339,7 +345,7 @@ class ValueStore(Generic[W]):
         st.applied = applied
         st.staleness = _staleness(push)  # every asynchronous push carries its name's bound
         waiting, st.inits = st.inits, []
-        actions: list[Action[W]] = [self._answer(st, x) for x in waiting]
+        actions: list[Action[W]] = [a for x in waiting for a in self._answer_init(st, x)]
         if self.pending and self.restoring_since is None:
             actions += self._retry_pending(now)  # a late copy: the pushes that waited for a value
         return actions
@@ -411,6 +417,8 @@ class ValueStore(Generic[W]):
             self.epochs[worker] = epoch
         self.reset_workers.add(worker)
         self.excluded.add(worker)
+        for st in self.keys.values():
+            st.behind.add(worker)
         if len(self.reset_workers) >= self.n:
             keys, self.keys = self.keys, {}
             pending, self.pending = self.pending, []
@@ -495,6 +503,7 @@ class ValueStore(Generic[W]):
             blocked = [w for w in st.held if worker in self._blockers(st, w.push.round)]
             st.held = [w for w in st.held if w not in blocked]
             actions += [Fail(w.handle, w.push, Why.worker_gone(worker, text)) for w in blocked]
+            st.behind.add(worker)
         self.excluded.add(worker)
         for st in self.keys.values():
             actions += self._release(st)

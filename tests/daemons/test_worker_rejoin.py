@@ -153,30 +153,36 @@ def test_a_process_that_outlives_its_daemon_sums_each_later_step_in_one_round(tm
 
 
 @pytest.mark.timeout(120)
-def test_a_new_daemon_for_the_next_job_fails_none_of_its_first_rounds(tmp_path):
+@pytest.mark.parametrize("how", ["ended", "crashed"])
+def test_a_new_daemon_for_the_next_job_fails_none_of_its_first_rounds(tmp_path, how):
     """The servers outlive a job (a StatefulSet of CPU-only servers, job after job); machine 1's daemon goes with
-    its job (its processes had left) and a new one comes 1.5 s after machine 0's trainer of the next job pushed.
-    The first version of the restarted-daemon reset took the new daemon for one that died under its processes and
-    failed that first round (a review of it); nothing of the old daemon was open: both sum every step."""
+    its job (``ended``: its processes had left; ``crashed``: killed with its process still connected, the job
+    then ended by machine 0's leaving) and a new one comes 1.5 s after machine 0's trainer of the next job
+    pushed. The first versions of the restarted-daemon reset took the new daemon for one that died under its
+    processes and failed that first round (reviews of it); nothing of the old daemon was open: both sum every
+    step."""
     cluster = start_cluster(write_config(tmp_path, [1, 1], cluster={"timeout": 10.0}))
     ctx = rank_context()
     queue = ctx.Queue()
     sockets = [w.socket for w in cluster.config.worker_specs]
     procs: list = []
 
-    def rank(worker: int) -> None:
-        p = ctx.Process(target=_rank_main, args=(queue, sockets[worker], 0, worker, rp.three_sums, ("x",), 20.0),
-                        daemon=True)
+    def rank(worker: int, linger: float = 0.0) -> None:
+        p = ctx.Process(target=_rank_main, args=(queue, sockets[worker], 0, worker, rp.three_sums, ("x", linger),
+                                                 20.0), daemon=True)
         p.start()
         procs.append(p)
 
     try:
-        rank(0), rank(1)
-        first = _collect(queue, {0, 1}, 60, cluster)
-        assert first == {0: [3.0, 3.0, 3.0], 1: [3.0, 3.0, 3.0]}, first
-        reap(procs)
+        rank(0), rank(1, 30.0 if how == "crashed" else 0.0)
+        first = _collect(queue, {0} if how == "crashed" else {0, 1}, 60, cluster)
+        assert set(map(tuple, first.values())) == {(3.0, 3.0, 3.0)}, first
+        procs[0].join(10)
         time.sleep(1.0)
-        cluster.kill("worker-1", signal.SIGTERM)  # the job is over: machine 1's daemon goes with its pod
+        cluster.kill("worker-1", signal.SIGKILL if how == "crashed" else signal.SIGTERM)
+        if how == "crashed":
+            procs[1].kill()  # (the machine's trainer goes with it)
+        reap(procs)
         time.sleep(0.5)
         rank(0)  # the next job: machine 0's trainer first
         time.sleep(1.5)

@@ -444,3 +444,68 @@ def test_with_a_stall_timeout_an_answer_held_for_a_machine_still_pushing_does_no
     s.pushed_at.update({1: 50.0, 2: 50.0})  # (their pushes of other keys here)
     assert [a for a in s.sweep(100.0) if isinstance(a, Fail)] == []
     assert [a.handle for a in s.sweep(110.0) if isinstance(a, Fail)] == ["a"]
+
+
+def _init_key(worker: int, name: str, part: int = 0, staleness: int = 1) -> Push:
+    """An init of partition ``part`` (4 of 8 floats) of ``name``, bound ``staleness``."""
+    return Push(0, name, part, 0, worker, "float32", [8], 4 * part, 4, kind=KIND_ASYNC_INIT, root=0,
+                holds_root=worker == 0, staleness=staleness)
+
+
+def _delta_key(worker: int, name: str, step: int, part: int = 0) -> Push:
+    return Push(step, name, part, step, worker, "float32", [8], 4 * part, 4, kind=KIND_ASYNC)
+
+
+ONES, ZEROS = np.ones(4, np.float32), np.zeros(4, np.float32)
+KEYS = [("w", 0), ("w", 1), ("v", 0)]  # two partitions of one name and a second name, all on this server
+
+
+def _job_that_went_on(s: ValueStore[str]) -> None:
+    for name, part in KEYS:
+        for w in range(N):
+            s.push(_init_key(w, name, part), ZEROS, f"i{w}{name}{part}", 0.0)
+    for step in (1, 2):
+        for w in range(N):
+            for name, part in KEYS:
+                s.push(_delta_key(w, name, step, part), ONES, f"{w}.{name}{part}.{step}", float(step))
+
+
+def test_every_key_of_a_machine_back_in_the_job_is_raised_not_only_its_first_init() -> None:
+    """Worker 2's processes leave (Reset); workers 0 and 1 go on to step 5 on every key; worker 2's new process
+    inits every key again. Each key's entry of worker 2 goes up to 5 (the module docstring). A first version
+    raised only the first init after the reset (push() clears `excluded` via _joined): the other keys kept entry
+    2, and workers 0/1's step 6 of those keys was held (6 - 1 > 2) until worker 2 pushed 3 more steps."""
+    s = store()
+    _job_that_went_on(s)
+    s.worker_reset(2)
+    for step in (3, 4, 5):
+        for w in (0, 1):
+            for name, part in KEYS:
+                s.push(_delta_key(w, name, step, part), ONES, f"{w}.{name}{part}.{step}", float(step))
+    got = {}
+    for name, part in KEYS:
+        got[(name, part)] = answers(s.push(_init_key(2, name, part), ZEROS, f"back.{name}{part}", 6.0)
+                                    )[f"back.{name}{part}"]
+    entries = {k: a.applied[2] for k, a in got.items()}
+    held = [k for k in KEYS if f"0.{k[0]}{k[1]}.6" not in answers(s.push(_delta_key(0, k[0], 6, k[1]), ONES,
+                                                                           f"0.{k[0]}{k[1]}.6", 6.1))]
+    assert entries == {k: 5 for k in KEYS} and held == [], f"worker 2's entries {entries}; step 6 held on {held}"
+
+
+def test_a_machine_declared_dead_is_raised_at_its_init_as_the_docstring_says() -> None:
+    """Worker 2 disconnects (same daemon) past the timeout: declared dead, excluded; 0 and 1 go on to step 5.
+    It reconnects (same epoch) and inits again: its entry goes up to 5. A first version never raised it
+    (worker_connected() drops it from `excluded` at the hello, before any init can come): entry 2."""
+    s = store()
+    for w in range(N):
+        s.worker_connected(w, "e")
+    _job_that_went_on(s)
+    s.worker_disconnected(2, 3.0)
+    s.sweep(3.0 + T)  # declared dead
+    assert 2 in s.excluded
+    for step in (3, 4, 5):
+        for w in (0, 1):
+            s.push(_delta_key(w, "w", step), ONES, f"{w}.{step}", 14.0)
+    s.worker_connected(2, "e")  # its connection again: the hello comes before any push on it
+    back = answers(s.push(_init_key(2, "w"), ZEROS, "back", 15.0))["back"]
+    assert back.applied[2] == 5, f"worker 2's entry after its init: {back.applied}"
