@@ -286,6 +286,7 @@ class ValueStore(Generic[W]):
             return [Fail(w.handle, push, Why(f"async push of {push.name!r} part {push.part} by worker {worker} "
                                              f"has step 0; steps start at 1", "error"))]
         fresh = push.round > st.applied[worker]
+        st.behind.discard(worker)  # (back without an init: its processes go on with their own numbering)
         if fresh:
             kernels.accumulate(st.value, payload, push.dtype, first=False)
             st.applied[worker] = push.round

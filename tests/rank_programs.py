@@ -7,6 +7,7 @@ the numpy reference of the whole cluster's sum by itself.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from typing import Any
 
@@ -529,8 +530,9 @@ def survivor_steps(sock: str, steps: int, n: int, flags: str) -> list[dict[str, 
     """``steps`` steps of ``n`` small names issued together (pushing ``10 * step + rank``), each step's outcome:
     its errors and the distinct sums its names got. A step with an error is skipped, then ``init()`` again (it
     reconnects where the worker daemon died and was restarted under this process) after 1 s, as a training loop
-    that survives its daemon would. Writes ``flags/<rank>.<step>`` as each step starts; rank 0 issues its names
-    over about 50 ms."""
+    that survives its daemon would. Writes ``flags/<rank>.<step>`` as each step starts. At step 3 each rank issues
+    half its names, writes ``flags/<rank>.half`` and waits for ``flags/killed`` before the rest (the fault lands
+    mid-issue, as in a backward pass that issues its names over time)."""
     rank = bps.rank()
     out: list[dict[str, Any]] = []
     for step in range(steps):
@@ -542,8 +544,11 @@ def survivor_steps(sock: str, steps: int, n: int, flags: str) -> list[dict[str, 
                                                    average=False))
             except bps.BPSError:  # (the daemon is gone: the issue itself fails)
                 errors += 1
-            if rank == 0 and i % 50 == 49:
-                time.sleep(0.002)  # (a backward pass issues its names over time: the fault lands mid-issue)
+            if step == 3 and i == n // 2 - 1:
+                open(f"{flags}/{rank}.half", "w").close()
+                deadline = time.monotonic() + 30
+                while not os.path.exists(f"{flags}/killed") and time.monotonic() < deadline:
+                    time.sleep(0.002)
         for h in handles:
             try:
                 sums.add(float(bps.synchronize(h, timeout=30)[0]))

@@ -130,9 +130,11 @@ def test_a_process_that_outlives_its_daemon_sums_each_later_step_in_one_round(tm
         for p in procs:
             p.start()
         deadline = time.monotonic() + 60
-        while not all((flags / f"{r}.3").exists() for r in (0, 1)) and time.monotonic() < deadline:
-            time.sleep(0.002)
+        while not all((flags / f"{r}.half").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # (the first halves reported: summed, or in flight when the daemon dies)
         cluster.kill("worker-1")
+        (flags / "killed").touch()  # rank 0 issues the rest of step 3 after the drop, before the new daemon
         time.sleep(0.3)
         cluster.restart("worker-1")
         results = _collect(queue, {0, 1}, 90, cluster)
