@@ -372,15 +372,20 @@ class ServerConnection(AdmittedProtocol):
                 self.draining = None
             return
         self.drain_streams(reset.epoch)
-        failed = self.server.aggregator.worker_reset(reset.worker, reset.epoch)
+        failed = self._processes_gone(reset.worker, reset.epoch, Why(
+            f"every training process of worker {reset.worker} left", "round_failed"))
         self.server.values.reset(reset.worker, reset.epoch)
+        log.info("worker %d has no training processes; %d pending rounds failed", reset.worker, failed)
+
+    def _processes_gone(self, worker: int, epoch: str, why: Why) -> int:
+        """Every training process of ``worker`` is gone (its Reset, or its daemon's restart), its numbering now
+        ``epoch``: the rounds and the fused sums that waited for them fail (``why``); how many rounds."""
+        failed = self.server.aggregator.worker_reset(worker, epoch)
         endings = self.server.fusion.endings
-        self.server.fused(self.server.fusion.worker_gone(reset.worker, Why(
-            f"every training process of worker {reset.worker} left", "round_failed"), reset=True,
-            epoch=reset.epoch))
+        self.server.fused(self.server.fusion.worker_gone(worker, why, reset=True, epoch=epoch))
         if self.server.fusion.endings != endings:
             self.server.lanes_ended()
-        log.info("worker %d has no training processes; %d pending rounds failed", reset.worker, failed)
+        return failed
 
     def drain_streams(self, epoch: str) -> None:
         """Our worker's stream 0 said numbering ``epoch`` (a Reset, or a Hello: a Reset lost with a connection is
@@ -702,10 +707,9 @@ class ServerConnection(AdmittedProtocol):
             if not hello.stream:  # its loss will not be heard as this worker's (it is not its link now)
                 self._fused_drop()
         if not hello.stream:
-            if self.server.daemons.setdefault(hello.id, hello.daemon) != hello.daemon:
-                self.server.daemons[hello.id] = hello.daemon
-                if self.server.aggregator.had_processes(hello.id):  # (else it ended them, or had none: the next
-                    self._daemon_restarted(hello)                   # job's first rounds may wait for it now)
+            known = self.server.fusion.daemons.get(hello.id)  # (its daemon at its last hello: worker_hello below)
+            if known is not None and known != hello.daemon and self.server.aggregator.had_processes(hello.id):
+                self._daemon_restarted(hello)  # (one that ended its processes, or had none, left nothing open)
             if hello.epoch:
                 self.drain_streams(hello.epoch)
             endings = self.server.fusion.endings
@@ -731,13 +735,9 @@ class ServerConnection(AdmittedProtocol):
         are the next job's first ones, waiting for the new daemon's processes (a review of this change: a CPU
         server serving job after job failed each new job's first rounds)."""
         worker = hello.id
-        why = Why(f"worker {worker}'s daemon restarted: its processes' rounds in flight were lost with it",
-                  "connection", peer=f"worker {worker}")
-        failed = self.server.aggregator.worker_reset(worker, hello.epoch)
-        endings = self.server.fusion.endings
-        self.server.fused(self.server.fusion.worker_gone(worker, why, reset=True, epoch=hello.epoch))
-        if self.server.fusion.endings != endings:
-            self.server.lanes_ended()
+        failed = self._processes_gone(worker, hello.epoch, Why(
+            f"worker {worker}'s daemon restarted: its processes' rounds in flight were lost with it", "connection",
+            peer=f"worker {worker}"))
         log.warning("worker %d is back with a new daemon (%s): the rounds in flight with its old one fail (%d here)",
                     worker, self.describe_daemon(), failed)
 

@@ -86,8 +86,6 @@ class SummationServer:
         # The numberings each worker's stream 0 said (its Hellos, its Resets), the last few: what an extra
         # connection says that is not among them is newer (see ServerConnection.drain_streams).
         self.numberings: dict[int, deque[str]] = {}
-        # Each worker's daemon run (Hello.daemon) as its stream 0 last said: another one is a daemon that restarted.
-        self.daemons: dict[int, str] = {}
         self.timeline = Timeline(config.timeline, f"bps-server {config.server_id}") if config.timeline else None
         self.aggregator = Aggregator(config.cluster.workers, self.executor, lost_grace_s=config.cluster.timeout,
                                      deterministic=config.cluster.deterministic,
