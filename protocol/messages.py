@@ -419,7 +419,8 @@ class Why:
     def absent_worker(cls, worker: int, connected: bool, waited_s: float, what: str) -> Self:
         """``what`` (a round, said as "round R of 'name'") waited ``waited_s`` for ``worker``, which is not
         connected to this server or (``connected``) has no training processes: the sweeps' timeout."""
-        gone = "has no training processes" if connected else "is not connected to this server"
+        gone = ("had no training processes: none had started yet, or they had left" if connected
+                else "was not connected to this server")
         return cls(f"worker {worker} {gone} (waited {waited_s:g} s); {what} cannot complete", "timeout",
                    what=what, timeout_s=waited_s, detail=f"worker {worker} {gone}")
 

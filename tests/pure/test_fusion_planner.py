@@ -681,7 +681,7 @@ def test_a_name_that_waits_for_a_worker_without_processes_fails_after_the_timeou
     assert p.sweep(104.9, {0, 1}, 5.0) == []
     (failed,) = p.sweep(105.0, {0, 1}, 5.0)
     assert failed.worker == 0 and failed.name == "x" and failed.why.code == "timeout"
-    assert failed.why.text == "worker 1 has no training processes (waited 5 s); round 0 of 'x' cannot complete"
+    assert failed.why.text == "worker 1 had no training processes: none had started yet, or they had left (waited 5 s); round 0 of 'x' cannot complete"
     assert "x" not in p.waiting and p.failed["x"][0][1] == {1}
     [heard] = p.report(1, ["x"], [F32], now=106.0)  # its processes are back: they hear that round's failure
     assert heard.worker == 1 and "no training processes" in heard.why.text
@@ -694,7 +694,7 @@ def test_a_name_that_waits_for_a_worker_not_connected_fails_after_the_timeout_an
     p.report(0, ["x"], [F32], now=100.0)
     assert p.sweep(104.0, {0}, 5.0) == []
     (failed,) = p.sweep(105.5, {0}, 5.0)
-    assert failed.why.text == "worker 1 is not connected to this server (waited 5 s); round 0 of 'x' cannot complete"
+    assert failed.why.text == "worker 1 was not connected to this server (waited 5 s); round 0 of 'x' cannot complete"
     assert p.failed["x"][0][1] == {1}  # its processes live on: they hear it when they report it
 
 
@@ -795,7 +795,7 @@ def test_a_worker_that_says_it_has_no_processes_fails_the_names_that_wait_for_it
     p.worker_idle(1)
     p.report(0, ["x"], [F32], now=100.0)
     (failed,) = p.sweep(106.0, {0, 1}, 5.0)
-    assert failed.worker == 0 and "worker 1 has no training processes" in failed.why.text
+    assert failed.worker == 0 and "worker 1 had no training processes" in failed.why.text
     p.worker_joined(1)
     p.report(0, ["y"], [F32], now=200.0)
     assert p.sweep(1000.0, {0, 1}, 5.0) == []

@@ -318,10 +318,10 @@ def test_sweep_fails_a_round_waiting_for_an_unconnected_worker_after_the_grace()
         table.push(_push(w), _data(), f"w{w}", 100.0)
     assert table.sweep(109.0) == []  # too early
     actions = table.sweep(110.5)
-    why = "worker 2 is not connected to this server (waited 10 s); round 0 of 't' cannot complete"
+    why = "worker 2 was not connected to this server (waited 10 s); round 0 of 't' cannot complete"
     assert len(actions) == 1 and _fails(actions) == {"w0": why, "w1": why}
     assert _facts(actions)["w0"] == ("timeout", "", "", "", "", "round 0 of 't'", 10)
-    assert actions[0].why.failure(0).detail == "worker 2 is not connected to this server"
+    assert actions[0].why.failure(0).detail == "worker 2 was not connected to this server"
     slow: RoundTable[str] = RoundTable(3, lost_grace_s=10)  # connected but slow: waited for
     slow.push(_push(0), _data(), "w0", 100.0)
     assert slow.sweep(1000.0) == []
@@ -332,7 +332,7 @@ def test_sweep_fails_a_round_waiting_for_a_worker_without_processes():
     table.worker_reset(1)
     table.push(_push(0), _data(), "w0", 0.0)
     assert _fails(table.sweep(11.0)) == {
-        "w0": "worker 1 has no training processes (waited 10 s); round 0 of 't' cannot complete"}
+        "w0": "worker 1 had no training processes: none had started yet, or they had left (waited 10 s); round 0 of 't' cannot complete"}
 
 
 def test_a_daemon_that_says_it_has_no_processes_is_one_without_them_until_it_says_joined():
@@ -344,7 +344,7 @@ def test_a_daemon_that_says_it_has_no_processes_is_one_without_them_until_it_say
     table.worker_idle(1)
     table.push(_push(0), _data(), "w0", 0.0)
     assert _fails(table.sweep(11.0)) == {
-        "w0": "worker 1 has no training processes (waited 10 s); round 0 of 't' cannot complete"}
+        "w0": "worker 1 had no training processes: none had started yet, or they had left (waited 10 s); round 0 of 't' cannot complete"}
     table.worker_joined(1)
     table.push(_push(0, rnd=1), _data(), "w0", 20.0)
     assert table.sweep(1000.0) == []
@@ -364,14 +364,14 @@ def test_a_worker_back_after_a_dropped_connection_is_waited_for_as_a_connected_o
     table.worker_hello(1, "epoch-b")
     table.push(_push(0, name="u"), _data(), "u0", 1000.0)
     assert _fails(table.sweep(1011.0)) == {
-        "u0": "worker 1 has no training processes (waited 10 s); round 0 of 'u' cannot complete"}
+        "u0": "worker 1 had no training processes: none had started yet, or they had left (waited 10 s); round 0 of 'u' cannot complete"}
     # A worker that reset stays one without processes across a dropped connection and the same numbering.
     table.worker_reset(1, "epoch-c")
     table.worker_lost(1)
     table.worker_hello(1, "epoch-c")
     table.push(_push(0, name="v"), _data(), "v0", 2000.0)
     assert _fails(table.sweep(2011.0)) == {
-        "v0": "worker 1 has no training processes (waited 10 s); round 0 of 'v' cannot complete"}
+        "v0": "worker 1 had no training processes: none had started yet, or they had left (waited 10 s); round 0 of 'v' cannot complete"}
 
 
 def test_a_lost_worker_fails_pending_rounds_now_and_later_ones_once_its_grace_expires():
