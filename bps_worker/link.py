@@ -457,6 +457,11 @@ class ServerLink:
         """The handshake of the current connection is done: pushes may flow."""
         return self._ready
 
+    @property
+    def peer(self) -> str:
+        """The server as BPSConnectionError.peer names it."""
+        return f"server {self.spec.id} at {self.spec.address}"
+
     def keep_connected(self) -> None:
         """Connect while idle, so that the daemon is ready before the first push and again after a server
         comes back (its readiness is being connected to every server). One attempt at a time, which fails
@@ -992,10 +997,10 @@ class ServerLink:
         if self.on_lost is not None:
             self.on_lost(reason)
         if self.incarnation is None or self.closed or self.stopping:
-            self._fail_all(BPSConnectionError(reason))
+            self._fail_all(BPSConnectionError(reason, peer=self.peer))
             return
         if give_up:
-            self._fail_sent(BPSConnectionError(reason), self.window.take_inflight())
+            self._fail_sent(BPSConnectionError(reason, peer=self.peer), self.window.take_inflight())
         # The server may be restarting: hold what is in flight until we know (see the module docstring).
         self.control.ask_again()
         self._broken_reason = reason
@@ -1049,7 +1054,7 @@ class ServerLink:
                 last_error = str(exc)
                 permanent = _cannot_change(exc) or _held_elsewhere(exc)
                 if _held_elsewhere(exc):
-                    self._held_elsewhere = (loop.time() + self.timeout, BPSConnectionError(last_error))
+                    self._held_elsewhere = (loop.time() + self.timeout, BPSConnectionError(last_error, peer=self.peer))
             except (OSError, asyncio.TimeoutError, ConnectionError) as exc:
                 last_error = str(exc) or exc.__class__.__name__
             except Exception as exc:  # a bug of ours: said, and the attempt fails as any (never a task that
@@ -1059,14 +1064,13 @@ class ServerLink:
                 self._proto.transport.close()
             self._proto = None
             if permanent:
-                self._fail_all(BPSConnectionError(last_error))
+                self._fail_all(BPSConnectionError(last_error, peer=self.peer))
                 return
             if loop.time() + delay > deadline:
                 break
             await asyncio.sleep(delay)
             delay = min(delay * 2, RECONNECT_DELAY_MAX_S)
-        self._fail_all(BPSConnectionError(
-            f"cannot reach server {self.spec.id} at {self.spec.address} within {self.timeout:g} s: {last_error}"))
+        self._fail_all(BPSConnectionError(f"cannot reach it within {self.timeout:g} s: {last_error}", peer=self.peer))
 
     async def _attempt(self) -> None:
         """One connection attempt of :meth:`keep_connected`. A failure is logged when its reason changes
@@ -1077,7 +1081,7 @@ class ServerLink:
             return
         except HandshakeError as exc:
             if _held_elsewhere(exc):
-                self._held_elsewhere = (loop.time() + self.timeout, BPSConnectionError(str(exc)))
+                self._held_elsewhere = (loop.time() + self.timeout, BPSConnectionError(str(exc), peer=self.peer))
             if _cannot_change(exc):  # e.g. another token: no attempt per second (nor a refusal logged by each)
                 self._attempt_after = loop.time() + self.timeout
             if str(exc) != self._attempt_error:

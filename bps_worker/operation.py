@@ -211,10 +211,12 @@ class Operation:
             return self.server_round
         except (BPSError, asyncio.CancelledError) as exc:
             self.host.counters.ops_failed += 1
-            reason = f"tensor {self.name!r}: cannot learn its round from the servers: {str(exc) or 'job reset'}"
-            # The servers' error keeps its class and facts (a connection, a timeout); the text says why here.
-            self.answer_failure(lambda req, _: replace(failure_from_error(req, exc) if isinstance(exc, BPSError)
-                                                       else Failure(req, reason), message=reason))
+            why = f"tensor {self.name!r}: cannot learn its round from the servers"
+            reason = f"{why}: {str(exc) or 'job reset'}"
+            # The servers' error keeps its class and facts (a connection's peer, a timeout); the text, and the
+            # detail that the process builds its text from beside them, say why here.
+            self.answer_failure(lambda req, _: _said(failure_from_error(req, exc), self.name, why, reason)
+                                if isinstance(exc, BPSError) else Failure(req, reason))
             if self._job_current():  # peers that learned it wait for our pushes: they fail once we learn it
                 self.host.spawn(self.host.give_up_failed_round(self.name, self.local_round, why_from_error(exc, reason)))
             return None
@@ -334,7 +336,7 @@ class Operation:
         def failure(req: int, handback: bool) -> Failure:
             note = (f" (the array pushed in place now holds the sums of {summed} of its {len(futures)} "
                     f"partitions)" if summed and handback and scattered.slots else "")
-            return failure_from_error(req, error, note)
+            return _said(failure_from_error(req, error, note), self.name, f"tensor {self.name!r}", f"{error}{note}")
 
         self.answer_failure(failure)
 
@@ -352,8 +354,8 @@ class Operation:
             reason = f"tensor {self.name!r}: internal error in the worker: {exc!r}"
             log.exception("round %d of %r failed", self.local_round, self.name)
         # A typed error keeps its class and facts (failure_from_error); the text names the tensor.
-        self.answer_failure(lambda req, _: replace(failure_from_error(req, exc) if isinstance(exc, BPSError)
-                                                   else Failure(req, reason), message=reason))
+        self.answer_failure(lambda req, _: _said(failure_from_error(req, exc), self.name, f"tensor {self.name!r}",
+                                                 reason) if isinstance(exc, BPSError) else Failure(req, reason))
         if self.server_round is not None and not self.pushed and self._job_current() and self.ABORTS:
             self.host.abort_at_anchor(self.name, self.server_round, why_from_error(exc, reason))  # peers wait there
 
@@ -504,6 +506,17 @@ class CudaPath:
 
     def done(self, op: Op, out_segment: str, out_base: int) -> Done:
         return Done(op.req)
+
+
+def _said(failure: Failure, name: str, why: str, reason: str) -> Failure:
+    """``failure`` (tensor ``name``'s error handed on to its processes) with ``reason`` as its text, and ``why``
+    (what it is about) before its detail: a process builds its error's text from the attributes and the detail
+    (``error_from_failure``), so ``reason`` alone was lost where they are set (a connection's peer said which
+    server, and no longer which tensor). Not where the rest names the tensor already (a mismatch's name, a
+    timeout's ``what``, the detail itself)."""
+    if failure.code == "mismatch" or repr(name) in failure.what or repr(name) in failure.detail:
+        return replace(failure, message=reason)
+    return replace(failure, message=reason, detail=f"{why}: {failure.detail}" if failure.detail else why)
 
 
 class HandBack:

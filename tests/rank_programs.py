@@ -713,3 +713,13 @@ def phantom_rejoin(role: str, go: Any, cross: bool) -> dict[str, Any]:
     for n in (1, 2, 3):
         step(n, 3 if cross and role == "again" and n == 1 else 400, 10.0 ** n)
     return out
+
+
+def error_attributes(name: str, n: int) -> dict[str, Any]:
+    """push_pull of ``n`` float32 under ``name``; the error's class and the attributes the contract names."""
+    try:
+        bps.push_pull(np.ones(n, np.float32), name)
+    except bps.BPSError as exc:
+        return {"class": type(exc).__name__, "message": str(exc),
+                **{key: getattr(exc, key) for key in ("peer", "what", "timeout_s", "name") if hasattr(exc, key)}}
+    return {"class": None}

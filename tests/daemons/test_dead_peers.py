@@ -87,7 +87,7 @@ def test_a_machine_whose_processes_never_start_fails_its_peers_naming_it(tmp_pat
         assert (rank, status) == (1, "ok"), result
         assert result["seconds"] < TIMEOUT_S + 10, result
         for error in result["errors"]:
-            assert error is not None and "worker 0 has no training processes" in error, result
+            assert error is not None and "worker 0 had no training processes: none had started yet" in error, result
     finally:
         proc.join(timeout=5)
         if proc.is_alive():
@@ -210,6 +210,24 @@ def test_a_failed_in_place_push_says_how_many_partitions_hold_sums(tmp_path):
     finally:
         cluster.kill("server-2", signal.SIGCONT)
         cluster.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_server_that_cannot_be_reached_is_the_errors_peer(tmp_path):
+    """The CPU-only server is down when the job starts: every process's BPSConnectionError says which server
+    in ``peer``, as the contract shows it ("server 2 at host:port"), not only in its text (a review: ``peer``
+    was empty, so code that follows the contract learned nothing)."""
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))
+    try:
+        spec = cluster.config.servers[2]
+        cluster.kill("server-2")
+        results = run_ranks(cluster, rp.error_attributes, "unreached", 1 << 20, timeout=60)  # a part on each
+    finally:
+        cluster.stop()
+    for r in results:
+        assert r["class"] == "BPSConnectionError" and r["peer"] == f"server 2 at {spec.address}", r
+        assert r["message"] == (f"connection to server 2 at {spec.address} failed: tensor 'unreached': cannot "
+                                f"reach it within 3 s: [Errno 111] Connection refused"), r
 
 
 @pytest.mark.timeout(120)

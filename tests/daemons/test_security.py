@@ -291,7 +291,7 @@ def test_nothing_a_server_says_before_it_proves_the_token_is_acted_on(tmp_path, 
     assert not stranger_thread.errors, stranger_thread.errors
     [r] = results
     assert r["error"] is not None and "INJECTED" not in r["error"], r
-    assert "cannot reach server 0" in r["error"], r  # (its handshake never ended: a timeout)
+    assert "connection to server 0 at" in r["error"] and "cannot reach it" in r["error"], r  # (its handshake never ended: a timeout)
     assert not any("INJECTED" in line for line in r["heard"]), r["heard"]
     assert r["seconds"] > 2.5, r  # the cluster's timeout, not the stranger's word
     assert "INJECTED" not in logs
@@ -320,7 +320,7 @@ def test_a_strangers_refusal_is_not_taken_as_the_servers_word(tmp_path, words):
     said = {"duplicate": "without a proof of the cluster token", "version": "speaks protocol version 6"}[words]
     for r in results:
         assert r["error"] is not None and r.get("wrong") is None, r
-        assert "cannot reach server 2" in r["error"] and said in r["error"], r
+        assert "connection to server 2 at" in r["error"] and said in r["error"], r
         assert "not taken as the server's word" in r["error"], r
     assert "ERROR" not in logs  # a duplicate daemon is an error in the log; a stranger's say-so is not
 

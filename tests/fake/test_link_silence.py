@@ -112,7 +112,7 @@ async def test_a_closed_connection_still_gets_a_whole_reconnect_window():
         link.close()
     # (the retries stop once the next doubled delay would pass the deadline: here after 0.75 s)
     assert 0.7 * TIMEOUT_S <= at - closed <= 1.3 * TIMEOUT_S + 0.3, at - closed
-    assert isinstance(error, BPSConnectionError) and "cannot reach server 0" in str(error), error
+    assert isinstance(error, BPSConnectionError) and "connection to server 0 at" in str(error) and "cannot reach it" in str(error), error
 
 
 async def test_a_connection_the_server_closes_as_it_opens_is_a_connection_error(monkeypatch):
