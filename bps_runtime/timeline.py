@@ -17,7 +17,11 @@ is written at most ``FLUSH_S`` after it happened (a timer, also when nothing fol
 stalled job's trace shows what it did until the stall), and the file is closed at the
 interpreter's exit (also one by an exception, without ``shutdown()``). A process that opens
 its timeline again after closing it (``shutdown()``, then ``init()``) goes on in the same
-file, on the same lanes, rather than starting it over.
+file, on the same lanes, rather than starting it over. A process that opens a file that a
+process which died left (it does not end as :meth:`Timeline.close` ends it: a daemon killed, then
+restarted by its supervisor with the same ``--timeline``) first moves it aside, as
+``NAME.crashed-YYYYmmddTHHMMSS.json`` (its last write's time), rather than write over the trace
+of the crash.
 """
 
 from __future__ import annotations
@@ -78,6 +82,29 @@ class TimelineError(OSError):
         return f"cannot write the timeline {self.path}: {self.strerror}"
 
 
+def _keep_crashed(path: str) -> None:
+    """Move aside the trace at ``path`` if a process that died left it (not ended by :meth:`Timeline.close`);
+    one that cannot be read or moved is written over, as before (said in the log)."""
+    end = _END.encode()
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0 or (f.seek(max(size - len(end), 0)), f.read())[1] == end:
+                return
+            stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime(os.fstat(f.fileno()).st_mtime))
+    except FileNotFoundError:
+        return
+    root, ext = os.path.splitext(path)
+    kept = f"{root}.crashed-{stamp}{ext}"
+    try:
+        os.rename(path, kept)
+    except OSError as exc:
+        log.warning("timeline %s was left by a process that died; cannot keep it as %s (%s): written over",
+                    path, kept, exc.strerror or exc)
+        return
+    log.warning("timeline %s was left by a process that died: kept as %s", path, kept)
+
+
 class Timeline:
     """A trace file being written by one process; thread-safe. :class:`TimelineError` if it cannot be made."""
 
@@ -100,6 +127,7 @@ class Timeline:
         self._lanes: dict[str, int] = {}
         self._file: TextIO | None = self._reopen(self.path)
         if self._file is None:
+            _keep_crashed(self.path)
             self._file = open(path, "w", encoding="utf-8")
             self._file.write("[\n")
             self._emit({"name": "process_name", "ph": "M", "pid": self.pid, "args": {"name": process}})

@@ -179,7 +179,8 @@ def shared_array(name: str, shape: tuple[int, ...], dtype: npt.DTypeLike = np.fl
 
 def push_pull_async(array: np.ndarray, name: str, *, average: bool = True, priority: int = 0,
                     out: np.ndarray | None = None) -> Handle:
-    """Start summing ``array`` across every process of the cluster (the mean if ``average``)."""
+    """Start summing ``array`` across every process of the cluster (the mean if ``average``, which needs a
+    floating dtype); a larger ``priority`` is served first."""
     return _operations().start(array, name, KIND_SUM, average=average, priority=priority, root=-1, out=out)
 
 
@@ -197,7 +198,8 @@ def synchronize(handle: Handle, timeout: float | None = None) -> np.ndarray:
 
 def push_pull(array: np.ndarray, name: str, *, average: bool = True, priority: int = 0,
               out: np.ndarray | None = None) -> np.ndarray:
-    """Sum (or mean over ``size()``) of ``array`` across every process; identical bytes everywhere."""
+    """Sum (or mean over ``size()``, floating dtypes only) of ``array`` across every process; identical bytes
+    everywhere. A larger ``priority`` is served first."""
     ops = _operations()
     return ops.finish(ops.start(array, name, KIND_SUM, average=average, priority=priority, root=-1, out=out,
                                 waited=True), None)

@@ -71,7 +71,10 @@ def check_layout(name: str, layout: object) -> str:
 
 
 def check_priority(name: str, priority: object) -> int:
-    """``priority`` as an int, if it is an integer msgpack can carry."""
+    """``priority`` as an int, if it is an integer msgpack can carry (not a bool: ``priority=True`` is a slip for
+    another argument, e.g. ``average``, not priority 1)."""
+    if isinstance(priority, (bool, np.bool_)):
+        raise BPSError(f"tensor {name!r}: priority must be an integer, got {priority!r}")
     try:
         value = operator.index(priority)  # type: ignore[arg-type]
     except TypeError:

@@ -202,6 +202,28 @@ def test_a_killed_writer_leaves_its_events_and_merge_reads_them(tmp_path):
     assert result.returncode == 0 and "skipped" in result.stderr and "from 2 files" in result.stdout
 
 
+def test_a_trace_a_killed_writer_left_is_kept_when_the_next_run_opens_its_file(tmp_path, caplog):
+    """A daemon killed, then restarted by its supervisor with the same ``--timeline``: the new run opened the file
+    with "w" and the crash's trace was gone (a review: 54,965 events, then 1). Now it is moved aside first; a trace
+    its writer ended (closed) is written over, as before."""
+    path = tmp_path / "worker.json"
+    subprocess.run([sys.executable, "-c", KILLED_WRITER, str(path)], timeout=30)
+    died = path.read_bytes()
+    with caplog.at_level("WARNING", logger="bps.timeline"):
+        again = Timeline(str(path), "restarted")
+    again.span("lane", "new", 1, 2)
+    again.close()
+    [kept] = tmp_path.glob("worker.crashed-*.json")
+    assert re.fullmatch(r"worker\.crashed-\d{8}T\d{6}\.json", kept.name) and kept.read_bytes() == died
+    assert [e["name"] for e in load(str(kept)) if e["ph"] == "X"] == ["work"] * 100 + ["last"]
+    assert [e["name"] for e in json.loads(path.read_text()) if e.get("ph") == "X"] == ["new"]
+    assert f"kept as {kept}" in caplog.text
+    subprocess.run([sys.executable, "-c", "import sys; from bps_runtime.timeline import Timeline; "
+                    "Timeline(sys.argv[1], 'a third run').close()", str(path)], timeout=30, check=True, cwd=REPO)
+    assert len(list(tmp_path.glob("worker.crashed-*.json"))) == 1
+    assert [e for e in json.loads(path.read_text()) if e.get("ph") == "X"] == []
+
+
 def test_merge_keeps_processes_with_the_same_pid_apart(tmp_path, monkeypatch):
     """Two processes with one pid (the daemons of a pod's containers are each pid 1) used to share their lanes."""
     monkeypatch.setattr("os.getpid", lambda: 1)  # as in a container

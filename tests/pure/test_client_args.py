@@ -46,7 +46,7 @@ def test_bad_names_are_bps_errors_naming_the_limit(name: object, words: list[str
         assert word in str(info.value)
 
 
-@pytest.mark.parametrize("priority", [0, -5, 7, True, np.int64(3), WIRE_INT_MIN, WIRE_INT_MAX])
+@pytest.mark.parametrize("priority", [0, -5, 7, np.int64(3), WIRE_INT_MIN, WIRE_INT_MAX])
 def test_priorities_msgpack_carries_pass(priority: object) -> None:
     value = check_priority("w", priority)
     assert type(value) is int and value == int(priority)  # type: ignore[call-overload]
@@ -57,6 +57,8 @@ def test_priorities_msgpack_carries_pass(priority: object) -> None:
     (WIRE_INT_MIN - 1, ["tensor 'w'", "out of range"]),
     (1.5, ["tensor 'w': priority must be an integer, got 1.5"]),
     ("1", ["priority must be an integer, got '1'"]),
+    (True, ["tensor 'w': priority must be an integer, got True"]),  # (a review: taken as 1)
+    (np.False_, ["tensor 'w': priority must be an integer, got "]),
 ])
 def test_bad_priorities_are_bps_errors(priority: object, words: list[str]) -> None:
     with pytest.raises(BPSError) as info:
