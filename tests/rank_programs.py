@@ -723,3 +723,28 @@ def error_attributes(name: str, n: int) -> dict[str, Any]:
         return {"class": type(exc).__name__, "message": str(exc),
                 **{key: getattr(exc, key) for key in ("peer", "what", "timeout_s", "name") if hasattr(exc, key)}}
     return {"class": None}
+
+
+def names_that_never_repeat(count: int, table: int) -> dict[str, Any]:
+    """``count`` sums of names used once (``step{i}``), issued async in tens as a JAX step's leaves are, with this
+    process keeping at most ``table`` small slots and ``table`` names' modes; then the first ten names again
+    (forgotten by then), and a delta of an asynchronous name initialised first (its mode is never forgotten).
+    Reports whether every sum was exact and the most slots and modes the process kept."""
+    from bps_worker.client import _operations
+    from bps_worker.client import operations as operations_module
+    from bps_worker.client import slots as slots_module
+    slots_module.MAX_SMALL_SLOTS = operations_module.MAX_MODES = table
+    bps.async_init(np.zeros(4, np.float32), "value")
+    size, exact, most, modes = bps.size(), True, 0, 0
+    for i in range(0, count, 10):
+        handles = [(j, bps.push_pull_async(np.full(8, j + bps.rank(), np.float32), f"step{j}", average=False))
+                   for j in range(i, i + 10)]
+        for j, handle in handles:
+            exact &= bps.synchronize(handle).tolist() == [size * j + size * (size - 1) / 2] * 8
+        most = max(most, len(_operations().slots.slots))
+        modes = max(modes, len(_operations().modes))
+    for j in range(10):
+        exact &= bps.push_pull(np.full(8, j + bps.rank(), np.float32), f"step{j}", average=False).tolist() == \
+            [size * j + size * (size - 1) / 2] * 8
+    value = bps.async_push_pull(np.ones(4, np.float32), "value")
+    return {"exact": exact, "most": most, "modes": modes, "value": value.tolist()}

@@ -49,6 +49,10 @@ __all__ = ["Checked", "Fill", "Operations"]
 Fill = Callable[[np.ndarray], None]
 # Argument sets whose checks are remembered (Operations._checked): a model's tensors, many times over.
 MAX_CHECKED = 1 << 16
+# The most names whose mode (synchronous or asynchronous) the process keeps: past it, the oldest quarter of the
+# synchronous ones are forgotten (names that never repeat kept an entry each for good, a review); the servers
+# still refuse a name used both ways across the job, but for one only ever packed in a push_pull_group.
+MAX_MODES = 1 << 18
 
 
 class Checked(NamedTuple):
@@ -161,10 +165,19 @@ class Operations:
             if asynchronous and kind != KIND_ASYNC_INIT:
                 raise BPSError(f"tensor {name!r}: async_push_pull before async_init; call async_init first")
             self.modes[name] = asynchronous
+            if len(self.modes) > MAX_MODES:
+                self._forget_modes()
         elif mode != asynchronous:
             used, now = ("asynchronously", "synchronously") if mode else ("synchronously", "asynchronously")
             raise BPSError(f"tensor {name!r} was used {used} in this process and now {now}; a name is either "
                            f"synchronous or asynchronous for the life of a job")
+
+    def _forget_modes(self) -> None:
+        """Forget the oldest quarter of the synchronous names' modes (never an asynchronous one's: its
+        ``async_push_pull`` before ``async_init`` is refused by it)."""
+        drop = [name for name, asynchronous in list(self.modes.items())[:MAX_MODES // 4] if not asynchronous]
+        for name in drop:
+            self.modes.pop(name, None)
 
     def start(self, array: np.ndarray, name: str, kind: str, *, average: bool, priority: int, root: int,
               out: np.ndarray | None, staleness: int = -1, internal: bool = False, waited: bool = False) -> Handle:

@@ -54,6 +54,11 @@ __all__ = ["Allocate", "Slot", "SlotMap"]
 # (segment name, offset, capacity).
 Allocate = Callable[[str, int, Sequence[str]], tuple[str, int, int]]
 
+# The most names with a slot carved from a slab that this process keeps: past it, the least recently used idle ones
+# are forgotten, down to three quarters of it (a job whose names never repeat, ``f"loss.{step}"``, kept about a
+# kilobyte of this process's memory per name for good, a review; a slab's slot costs the daemon nothing).
+MAX_SMALL_SLOTS: Final = 1 << 16
+
 # The most names one Alloc frees, and their characters together: the Alloc stays a small frame.
 FREE_MAX_NAMES: Final = 256
 FREE_MAX_CHARS: Final = 8 * 1024
@@ -69,9 +74,10 @@ class Slot:
 
     __slots__ = ("segment", "segment_name", "offset", "capacity", "used", "_view")
 
-    def __init__(self, segment: SharedMemory, offset: int, capacity: int, used: int) -> None:
+    def __init__(self, segment: SharedMemory, offset: int, capacity: int, used: int, segment_name: str = "") -> None:
         self.segment = segment
-        self.segment_name = segment.name  # SharedMemory.name is a property that builds it each time
+        # (SharedMemory.name is a property that builds a new string each time: the table's own, where given)
+        self.segment_name = segment_name or segment.name
         self.offset = offset
         self.capacity = capacity
         self.used = used  # when it was last asked for (SlotMap's clock): the least recently used go first
@@ -146,14 +152,34 @@ class SlotMap:
                     segment, offset, end = self._slab
                     capacity = need
                     self._slab = (segment, offset + need, end)
-                new = Slot(self._attach_new(segment, name), offset, capacity, next(self._clock))
+                new = Slot(self._attach_new(segment, name), offset, capacity, next(self._clock), segment)
                 slot = self.slots.get(name)
                 self.slots[name] = new
                 self._living[segment] += 1
                 if slot is not None:
                     self._unliving(slot.segment_name)
                     self._release_unused(slot.segment_name)  # the tensor moved: its old segment may be unused
+                elif small and len(self.slots) > MAX_SMALL_SLOTS:
+                    self._forget_idle(name)
         return new
+
+    def _forget_idle(self, name: str) -> None:
+        """Forget the least recently used idle slots carved from slabs, but ``name``'s, down to three quarters of
+        MAX_SMALL_SLOTS of them (a name forgotten is carved a new slot at its next push, as a new name is); the
+        slabs no slot lives in any more are given up at the next Alloc."""
+        small = [(slot.used, tensor) for tensor, slot in self.slots.items()
+                 if slot.segment_name in self._slabs and tensor != name and not self._busy(tensor)]
+        excess = len(small) + 1 - MAX_SMALL_SLOTS * 3 // 4
+        if excess <= 0:
+            return
+        small.sort()
+        segments = set()
+        for _, tensor in small[:excess]:
+            segment = self.slots.pop(tensor).segment_name
+            self._unliving(segment)
+            segments.add(segment)
+        for segment in segments:
+            self._release_unused(segment)
 
     def _forget_replaced(self, name: str) -> None:
         """The daemon refused ``name``'s larger slot (no room under the cap, say): it had dropped the slot the new

@@ -128,3 +128,21 @@ def test_a_shared_array_keeps_its_memory_whatever_other_names_need(tmp_path: Pat
     finally:
         cluster.stop()
     assert result == {"same": True, "values": [1.0], "held_after": False}, result
+
+
+@pytest.mark.timeout(120)
+def test_names_that_never_repeat_keep_each_process_a_bounded_table_and_sum_exactly(tmp_path: Path):
+    """Each process issues 1,500 names used once, in tens (a review: every such name kept about a kilobyte of the
+    process's memory for the rest of the job); with at most 200 small slots kept, the table stays under it, every
+    sum is exact, and names forgotten by then sum exactly when used again. The names' modes are kept alike (not an
+asynchronous name's)."""
+    import rank_programs as rp
+
+    cluster = start_cluster(write_config(tmp_path, [2, 1], cpu_servers=1))
+    try:
+        results = run_ranks(cluster, rp.names_that_never_repeat, 1500, 200, timeout=100)
+    finally:
+        cluster.stop()
+    assert all(r["exact"] for r in results), results
+    assert all(150 <= r["most"] <= 200 and 150 <= r["modes"] <= 201 for r in results), results
+    assert all(1 <= r["value"][0] <= 3 and len(set(r["value"])) == 1 for r in results), results  # (asynchronous)
