@@ -16,7 +16,9 @@ Bounded: the daemon lets a process hold at most ``cap_bytes`` of slots (``Welcom
 ``arena_bytes``). Before asking for a slot that would take us over it, we give up the least recently used
 slots of names not in flight (``busy``), whole segments at a time, in the same ``Alloc`` (``free``); the
 daemon frees them, and refuses (a BPSError naming the tensor and the cap) what still does not fit. Only this
-process chooses, because only it knows which slot a thread is about to fill. Result segments the daemon
+process chooses, because only it knows which slot a thread is about to fill. The table is bounded in names too:
+past ``MAX_SMALL_SLOTS`` names with slots carved from slabs, the least recently used idle ones are forgotten
+(a job whose names never repeat), and the slabs left without a slot are given up. Result segments the daemon
 freed (its results arena is capped too) are unmapped here once noticed: every time the mappings doubled,
 one ``stat`` per result segment tells which names are gone.
 
@@ -125,7 +127,8 @@ class SlotMap:
         slot = self.slots.get(name)
         if slot is not None and slot.capacity >= nbytes:
             slot.used = next(self._clock)
-            return slot
+            if self.slots.get(name) is slot:  # (not forgotten meanwhile by another thread: _forget_idle)
+                return slot
         small = nbytes <= shm.SLAB_ITEM_MAX_BYTES
         need = shm.slab_slot_bytes(nbytes)
         with self._allocating:
@@ -174,10 +177,13 @@ class SlotMap:
             return
         small.sort()
         segments = set()
-        for _, tensor in small[:excess]:
-            segment = self.slots.pop(tensor).segment_name
-            self._unliving(segment)
-            segments.add(segment)
+        for used, tensor in small[:excess]:
+            slot = self.slots[tensor]
+            if slot.used != used or self._busy(tensor):  # another thread took it up since (see slot_for)
+                continue
+            del self.slots[tensor]
+            self._unliving(slot.segment_name)
+            segments.add(slot.segment_name)
         for segment in segments:
             self._release_unused(segment)
 
