@@ -492,8 +492,13 @@ class ValueStore(Generic[W]):
         root = late[0].push.root
         machine = self.worker_of_rank(root)
         what = f"async_init of {st.first.name!r} from root rank {root} on worker {machine}"
+        # (Said in the detail, which the process's error shows: the root's machine may have failed its init
+        # there, e.g. its processes disagreed about the tensor, and its peers hear so only from it.)
+        detail = (f"the root's value did not arrive (worker {machine} never pushed it: its processes may have "
+                  f"failed this async_init there, e.g. disagreeing about the tensor; their error says why)")
         return [Fail(w.handle, w.push, Why(f"{what}: its value did not arrive within {self.timeout_s:g} s",
-                                           "timeout", what=what, timeout_s=self.timeout_s)) for w in late]
+                                           "timeout", what=what, timeout_s=self.timeout_s, detail=detail))
+                for w in late]
 
     def _declare_dead(self, worker: int, silent: float) -> list[Action[W]]:
         actions: list[Action[W]] = [Note(logging.WARNING, f"worker {worker} has been disconnected for "

@@ -155,6 +155,10 @@ def test_an_init_without_its_root_fails_naming_the_root_machine() -> None:
     s.push(init(1, root=4), arr(0, 0, 0, 0), "a", 0.0)
     (fail,) = [a for a in s.sweep(T) if isinstance(a, Fail)]
     assert fail.why.code == "timeout" and "root rank 4 on worker 2" in fail.why.what
+    # The detail (what the process's error shows after "timed out after T s") says what to look for, rather
+    # than nothing (the worker's link then gave "server 0" alone: the server, healthy, read as the culprit).
+    assert fail.why.detail.startswith("the root's value did not arrive (worker 2 never pushed it: its processes "
+                                      "may have failed this async_init there"), fail.why.detail
 
 
 def test_mismatches_name_both_sides() -> None:
