@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -83,8 +84,9 @@ class TimelineError(OSError):
 
 
 def _keep_crashed(path: str) -> None:
-    """Move aside the trace at ``path`` if a process that died left it (not ended by :meth:`Timeline.close`);
-    one that cannot be read or moved is written over, as before (said in the log)."""
+    """Move aside the trace at ``path`` if a process that died left it (not ended by :meth:`Timeline.close`),
+    under a name no other trace has (a crash loop leaves several within a second); one that cannot be read or
+    moved is written over, as before, with a word in the log."""
     end = _END.encode()
     try:
         with open(path, "rb") as f:
@@ -94,15 +96,30 @@ def _keep_crashed(path: str) -> None:
             stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime(os.fstat(f.fileno()).st_mtime))
     except FileNotFoundError:
         return
-    root, ext = os.path.splitext(path)
-    kept = f"{root}.crashed-{stamp}{ext}"
-    try:
-        os.rename(path, kept)
     except OSError as exc:
-        log.warning("timeline %s was left by a process that died; cannot keep it as %s (%s): written over",
-                    path, kept, exc.strerror or exc)
+        log.warning("timeline %s cannot be read (%s): written over", path, exc.strerror or exc)
         return
-    log.warning("timeline %s was left by a process that died: kept as %s", path, kept)
+    root, ext = os.path.splitext(path)
+    for n in range(1000):
+        kept = f"{root}.crashed-{stamp}{f'-{n}' if n else ''}{ext}"
+        try:
+            os.link(path, kept)  # (never over another: a rename would replace it)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            log.warning("timeline %s was left by a process that died; cannot keep it as %s (%s): written over",
+                        path, kept, exc.strerror or exc)
+            return
+        try:
+            os.unlink(path)  # (the new trace is a new file: opened with "w" here, it would empty the kept one)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(kept)
+            log.warning("timeline %s was left by a process that died; cannot keep it (%s): written over", path,
+                        exc.strerror or exc)
+            return
+        log.warning("timeline %s was left by a process that died: kept as %s", path, kept)
+        return
 
 
 class Timeline:

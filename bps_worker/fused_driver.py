@@ -321,7 +321,7 @@ class FusedSums:
         this generation, goes when it is back, with an abort behind it)."""
         self.carry_out(self.rounds.link_lost(sid, Why(
             f"the connection to server {sid} failed while fused sums waited there: {reason}", "connection",
-            peer=f"server {sid}", detail=reason), queued=self._generation[sid]))
+            peer=self.daemon.links[sid].peer, detail=reason), queued=self._generation[sid]))
 
     def plan(self, sid: int, plan: FusePlan) -> None:
         """Run plan ``plan.seq`` of server ``sid``: one fused operation per dtype group, on the plan's lane (of

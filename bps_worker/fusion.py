@@ -131,7 +131,7 @@ class Decisions(Generic[M]):
         self.failed += 1
         for e in fr.entries:
             if e is not None:
-                self.answers.append((e.member, why.heard_by(describe_spec(e.spec)).failure(e.req)))
+                self.answers.append((e.member, why.heard_by(describe_spec(e.spec)).about(fr.name).failure(e.req)))
 
 
 def spec_mismatch(name: str, first: Spec, first_rank: int, other: Spec, other_rank: int) -> Why:
@@ -232,7 +232,8 @@ class FusedRounds(Generic[M]):
         assert failed.why is not None
         failed.entries[local_rank] = entry
         failed.count += 1
-        out.answers.append((entry.member, failed.why.heard_by(describe_spec(entry.spec)).failure(entry.req)))
+        heard = failed.why.heard_by(describe_spec(entry.spec)).about(name)
+        out.answers.append((entry.member, heard.failure(entry.req)))
         self._settle(failed)
         return True
 

@@ -1015,7 +1015,7 @@ class ServerLink:
         """Fail ``items`` (taken out of the window), the round queries, and the fused sums that wait on us."""
         self.control.fail_queries(exc)
         if self.on_gave_up is not None:
-            self.on_gave_up(str(exc))
+            self.on_gave_up(exc.detail or str(exc))  # (the reason: the fused sums' failure says the peer)
         for item in items:
             if item.future.done():
                 continue

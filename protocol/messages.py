@@ -433,6 +433,16 @@ class Why:
         return cls(f"{what} failed: {text}, waited {waited_s:g} s", "timeout",
                    what=what, timeout_s=waited_s, detail=text)
 
+    def about(self, name: str) -> Self:
+        """This failure as tensor ``name``'s processes hear it: the tensor said before its text and its detail
+        (a process builds its error's text from the facts and the detail), unless they say it already (a
+        mismatch's name, a timeout's ``what``, the detail)."""
+        if self.code == "mismatch" or repr(name) in self.what or repr(name) in self.detail:
+            return self
+        said = f"tensor {name!r}"
+        return dataclasses.replace(self, text=self.text if repr(name) in self.text else f"{said}: {self.text}",
+                                   detail=f"{said}: {self.detail}" if self.detail else said)
+
     def heard_by(self, own: str) -> Self:
         """This failure as the side whose tensor ``own`` describes hears it."""
         if self.sides is None:

@@ -748,3 +748,17 @@ def names_that_never_repeat(count: int, table: int) -> dict[str, Any]:
             [size * j + size * (size - 1) / 2] * 8
     value = bps.async_push_pull(np.ones(4, np.float32), "value")
     return {"exact": exact, "most": most, "modes": modes, "value": value.tolist()}
+
+
+def fused_error_attributes(names: list[str]) -> dict[str, Any]:
+    """Small sums of ``names`` issued together (fused), then each synchronized: per name, None or its error's
+    class and contract attributes."""
+    handles = [(name, bps.push_pull_async(np.ones(4, np.float32), name)) for name in names]
+    out: dict[str, Any] = {}
+    for name, handle in handles:
+        try:
+            bps.synchronize(handle)
+            out[name] = None
+        except bps.BPSError as exc:
+            out[name] = {"class": type(exc).__name__, "message": str(exc), "peer": getattr(exc, "peer", None)}
+    return out

@@ -49,9 +49,10 @@ __all__ = ["Checked", "Fill", "Operations"]
 Fill = Callable[[np.ndarray], None]
 # Argument sets whose checks are remembered (Operations._checked): a model's tensors, many times over.
 MAX_CHECKED = 1 << 16
-# The most names whose mode (synchronous or asynchronous) the process keeps: past it, the oldest quarter of the
-# synchronous ones are forgotten (names that never repeat kept an entry each for good, a review); the servers
-# still refuse a name used both ways across the job, but for one only ever packed in a push_pull_group.
+# The most names whose mode (synchronous or asynchronous) the process keeps: past it, the quarter of them that it
+# fixed first are forgotten (names that never repeat kept an entry each for good, a review). A name forgotten is
+# fixed again at its next use; the daemons still refuse a name used both ways across the job (but for one only
+# ever packed in a push_pull_group), and a delta before its name's init (their own words then).
 MAX_MODES = 1 << 18
 
 
@@ -113,6 +114,7 @@ class Operations:
         # Each name's mode in this process (True: asynchronous), fixed by its first use: a name is either
         # synchronous or asynchronous for the life of a job (the daemons check it across processes too).
         self.modes: dict[str, bool] = {}
+        self._modes_forgotten = False  # some were (MAX_MODES): an unknown name's delta may have had its init
         # Names in flight keep their slots when others are given up for room (cluster.arena_bytes).
         # Names whose slot was handed out (shared_array) and not pushed since: the slot may be being filled in
         # place (a framework's gradient bucket, then start_filled with no fill), so it is never given up either.
@@ -162,7 +164,7 @@ class Operations:
         asynchronous = kind in ASYNC_KINDS
         mode = self.modes.get(name)
         if mode is None:
-            if asynchronous and kind != KIND_ASYNC_INIT:
+            if asynchronous and kind != KIND_ASYNC_INIT and not self._modes_forgotten:
                 raise BPSError(f"tensor {name!r}: async_push_pull before async_init; call async_init first")
             self.modes[name] = asynchronous
             if len(self.modes) > MAX_MODES:
@@ -173,11 +175,12 @@ class Operations:
                            f"synchronous or asynchronous for the life of a job")
 
     def _forget_modes(self) -> None:
-        """Forget the oldest quarter of the synchronous names' modes (never an asynchronous one's: its
-        ``async_push_pull`` before ``async_init`` is refused by it)."""
-        drop = [name for name, asynchronous in list(self.modes.items())[:MAX_MODES // 4] if not asynchronous]
-        for name in drop:
+        """Forget the modes this process fixed first, a quarter of MAX_MODES of them (from then on a delta of a
+        name it knows no mode of goes to the daemon, which refuses it if it has no init). Every mode may go, so
+        each walk frees a quarter: one walk per MAX_MODES // 4 new names."""
+        for name in list(self.modes)[:MAX_MODES // 4]:  # (a copy: other threads may fix modes meanwhile)
             self.modes.pop(name, None)
+        self._modes_forgotten = True
 
     def start(self, array: np.ndarray, name: str, kind: str, *, average: bool, priority: int, root: int,
               out: np.ndarray | None, staleness: int = -1, internal: bool = False, waited: bool = False) -> Handle:

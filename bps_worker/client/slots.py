@@ -99,7 +99,7 @@ class SlotMap:
     """Segments mapped in this process, each name's slot, and each name's last result segment."""
 
     __slots__ = ("_allocate", "_allocating", "_lock", "_busy", "_clock", "_slab", "_slab_ids", "_slabs", "_dead",
-                 "_swept_at", "_living", "attached", "cap_bytes", "results", "slab_bytes", "slots")
+                 "_swept_at", "_living", "_forget_at", "attached", "cap_bytes", "results", "slab_bytes", "slots")
 
     def __init__(self, allocate: Allocate, cap_bytes: int = 0, busy: Callable[[str], bool] = _never) -> None:
         self._allocate = allocate
@@ -120,6 +120,10 @@ class SlotMap:
         self._dead: list[str] = []  # slabs no slot lives in any more: given up at the next Alloc
         self._swept_at = 1  # how many segments were mapped at the last sweep of freed result segments
         self._living: Counter[str] = Counter()  # segment name -> how many of our slots live in it
+        # Past MAX_SMALL_SLOTS, the table's size at which small slots are next forgotten (_forget_idle): a
+        # quarter of it above the size the last forgetting left (slots in use, or large ones, are never
+        # forgotten: a table full of them is not walked again at every new name, a review).
+        self._forget_at = 0
 
     def slot_for(self, name: str, nbytes: int) -> Slot:
         """The slot where tensor ``name`` is handed over: a large tensor's is asked of the daemon once per name,
@@ -162,8 +166,9 @@ class SlotMap:
                 if slot is not None:
                     self._unliving(slot.segment_name)
                     self._release_unused(slot.segment_name)  # the tensor moved: its old segment may be unused
-                elif small and len(self.slots) > MAX_SMALL_SLOTS:
+                elif small and len(self.slots) > max(self._forget_at, MAX_SMALL_SLOTS):
                     self._forget_idle(name)
+                    self._forget_at = len(self.slots) + MAX_SMALL_SLOTS // 4
         return new
 
     def _forget_idle(self, name: str) -> None:

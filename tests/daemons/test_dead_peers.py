@@ -222,12 +222,21 @@ def test_a_server_that_cannot_be_reached_is_the_errors_peer(tmp_path):
         spec = cluster.config.servers[2]
         cluster.kill("server-2")
         results = run_ranks(cluster, rp.error_attributes, "unreached", 1 << 20, timeout=60)  # a part on each
+        names = [f"small.{i}" for i in range(12)]  # fused: those anchored on server 2 fail there
+        fused = run_ranks(cluster, rp.fused_error_attributes, names, timeout=60)
     finally:
         cluster.stop()
     for r in results:
         assert r["class"] == "BPSConnectionError" and r["peer"] == f"server 2 at {spec.address}", r
         assert r["message"] == (f"connection to server 2 at {spec.address} failed: tensor 'unreached': cannot "
                                 f"reach it within 3 s: [Errno 111] Connection refused"), r
+    anchored = [name for name in names if fused[0][name] is not None]
+    assert anchored and all(r[name] is None for r in fused for name in names if name not in anchored), fused
+    for r in fused:  # (the review of the change: "connection to server 2 failed: connection to server 2 at ...")
+        for name in anchored:
+            assert r[name] == {"class": "BPSConnectionError", "peer": f"server 2 at {spec.address}", "message":
+                               f"connection to server 2 at {spec.address} failed: tensor {name!r}: cannot reach it "
+                               f"within 3 s: [Errno 111] Connection refused"}, r[name]
 
 
 @pytest.mark.timeout(120)

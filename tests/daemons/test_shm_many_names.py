@@ -144,5 +144,6 @@ asynchronous name's)."""
     finally:
         cluster.stop()
     assert all(r["exact"] for r in results), results
-    assert all(150 <= r["most"] <= 200 and 150 <= r["modes"] <= 201 for r in results), results
+    # (the limit, beside the slots in use: the ten names in flight, and the one being carved)
+    assert all(150 <= r["most"] <= 200 + 10 + 1 and 150 <= r["modes"] <= 200 for r in results), results
     assert all(1 <= r["value"][0] <= 3 and len(set(r["value"])) == 1 for r in results), results  # (asynchronous)

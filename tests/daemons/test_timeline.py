@@ -222,6 +222,15 @@ def test_a_trace_a_killed_writer_left_is_kept_when_the_next_run_opens_its_file(t
                     "Timeline(sys.argv[1], 'a third run').close()", str(path)], timeout=30, check=True, cwd=REPO)
     assert len(list(tmp_path.glob("worker.crashed-*.json"))) == 1
     assert [e for e in json.loads(path.read_text()) if e.get("ph") == "X"] == []
+    # A crash loop: two more traces cut short within one second (the same stamp) are each kept, none over another.
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", KILLED_WRITER, str(path)], timeout=30)
+        os.utime(path, (kept.stat().st_mtime, kept.stat().st_mtime))
+        Timeline(str(path), "restarted again").close()
+    stamp = kept.name[len("worker.crashed-"):-len(".json")]
+    assert {p.name for p in tmp_path.glob("worker.crashed-*.json")} == \
+        {f"worker.crashed-{stamp}{n}.json" for n in ("", "-1", "-2")}
+    assert all(len(load(str(p))) > 100 for p in tmp_path.glob("worker.crashed-*.json"))
 
 
 def test_merge_keeps_processes_with_the_same_pid_apart(tmp_path, monkeypatch):

@@ -4,6 +4,8 @@ a name the daemon refused by dropping the whole connection)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -127,3 +129,33 @@ def test_a_staleness_bound_of_any_integer_type_passes(bound, wire) -> None:
 def test_a_staleness_bound_that_is_no_integer_at_least_0_is_refused(bound) -> None:
     with pytest.raises(BPSError, match="staleness must be None or an integer >= 0"):
         check_staleness(bound)
+
+
+def test_a_process_forgets_the_modes_it_fixed_first_and_the_daemon_then_judges_a_delta() -> None:
+    """Past MAX_MODES names, the quarter fixed first are forgotten, asynchronous ones too (a review: keeping those
+    left them unbounded, and a table of them was copied at every new name). A delta of a name never initialised is
+    refused here while nothing was forgotten; after, it goes to the daemon, which refuses it there if it has no
+    init (a forgotten name's may have had one)."""
+    from types import SimpleNamespace
+
+    from bps_worker.client import operations
+    from protocol.messages import KIND_ASYNC, KIND_ASYNC_INIT, KIND_SUM
+
+    ops: Any = SimpleNamespace(modes={}, _modes_forgotten=False)
+    ops._forget_modes = lambda: operations.Operations._forget_modes(ops)
+    claim = operations.Operations.claim_mode
+    with pytest.raises(BPSError, match="tensor 'never': async_push_pull before async_init"):
+        claim(ops, "never", KIND_ASYNC)
+    limit = operations.MAX_MODES
+    try:
+        operations.MAX_MODES = 100
+        for i in range(1000):
+            claim(ops, f"a{i}", KIND_ASYNC_INIT if i % 2 else KIND_SUM)
+            assert len(ops.modes) <= 100, i
+    finally:
+        operations.MAX_MODES = limit
+    assert "a999" in ops.modes and "a1" not in ops.modes
+    claim(ops, "a1", KIND_ASYNC)  # forgotten: the daemon judges it
+    assert ops.modes["a1"] is True
+    with pytest.raises(BPSError, match="was used asynchronously in this process and now synchronously"):
+        claim(ops, "a999", KIND_SUM)

@@ -55,6 +55,7 @@ class Link:
         self.wire: list[Any] = []
         self.incarnation = "run-1"
         self.epoch = "e1"
+        self.peer = "server 0 at 127.0.0.1:9100"
 
     def fuse(self, message: Any) -> None:
         (self.wire if self.up else self.queue).append(message)

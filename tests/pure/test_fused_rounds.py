@@ -109,8 +109,9 @@ def test_a_failure_at_the_anchor_fails_the_reported_round_only():
     assert fr.failed_at_anchor("a", Why("stale", "round_failed")).answers == [] and "a" in fr.collecting
     fr.submit("p1", 1, entries(["a"], 10))
     out = fr.failed_at_anchor("a", Why("worker 0 disagrees", "round_failed"))
-    assert sorted((m, f.req, f.message) for m, f in out.answers) == [("p0", 1, "worker 0 disagrees"),
-                                                                      ("p1", 10, "worker 0 disagrees")]
+    # (each process's answer names its tensor: a fused failure's words may be about the whole plan)
+    assert sorted((m, f.req, f.message) for m, f in out.answers) == [("p0", 1, "tensor 'a': worker 0 disagrees"),
+                                                                      ("p1", 10, "tensor 'a': worker 0 disagrees")]
     assert out.aborts == [] and not fr.failed and not fr.abandoned  # the anchor knows; nobody is late
     assert fr.submit("p0", 0, entries(["a"], 2)).answers == [] and "a" in fr.collecting  # the next round
 

@@ -132,7 +132,7 @@ class Link:
     def __init__(self, sim, w):
         self.sim, self.w = sim, w
         self.up = False; self.conn = None; self.queue = []
-        self.incarnation = "run-1"; self.epoch = "e1"; self.gave_up = False
+        self.incarnation = "run-1"; self.epoch = "e1"; self.gave_up = False; self.peer = "server 0 at sim"
     def fuse(self, m):
         if self.up: self.conn.w2s.append(m)
         else: self.queue.append(m)
