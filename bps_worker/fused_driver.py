@@ -252,7 +252,7 @@ class FusedSums:
                 self.rounds.tell(name, count)
             self.carry_out(self.rounds.link_lost(sid, Why(
                 f"the connection to server {sid} broke while fused sums waited there", "connection",
-                peer=f"server {sid}", detail="the connection broke while fused sums waited there"),
+                peer=self.daemon.links[sid].peer, detail="the connection broke while fused sums waited there"),
                 before=self._generation[sid]))
             if sid in self._told_past:  # (it may have been lost with the connection; it says a state: again)
                 self._tell_past(sid)

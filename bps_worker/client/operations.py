@@ -164,8 +164,11 @@ class Operations:
         asynchronous = kind in ASYNC_KINDS
         mode = self.modes.get(name)
         if mode is None:
-            if asynchronous and kind != KIND_ASYNC_INIT and not self._modes_forgotten:
-                raise BPSError(f"tensor {name!r}: async_push_pull before async_init; call async_init first")
+            if asynchronous and kind != KIND_ASYNC_INIT:
+                if not self._modes_forgotten:
+                    raise BPSError(f"tensor {name!r}: async_push_pull before async_init; call async_init first")
+                return  # (its mode may be among those forgotten: the daemon judges, and nothing is fixed here on
+                #        a delta it may refuse, which left the name unusable synchronously, a review)
             self.modes[name] = asynchronous
             if len(self.modes) > MAX_MODES:
                 self._forget_modes()

@@ -155,7 +155,9 @@ def test_a_process_forgets_the_modes_it_fixed_first_and_the_daemon_then_judges_a
     finally:
         operations.MAX_MODES = limit
     assert "a999" in ops.modes and "a1" not in ops.modes
-    claim(ops, "a1", KIND_ASYNC)  # forgotten: the daemon judges it
-    assert ops.modes["a1"] is True
+    claim(ops, "a1", KIND_ASYNC)  # forgotten: the daemon judges it, and nothing is fixed here (it may refuse)
+    assert "a1" not in ops.modes
+    claim(ops, "a1", KIND_SUM)  # (had the daemon refused that delta, the name is still usable synchronously)
+    assert ops.modes["a1"] is False
     with pytest.raises(BPSError, match="was used asynchronously in this process and now synchronously"):
         claim(ops, "a999", KIND_SUM)
