@@ -77,6 +77,10 @@ class AsyncValues:
     def reset(self, worker: int, epoch: str = "") -> None:
         self._run(self.store.worker_reset(worker, epoch))
 
+    def init_failed(self, name: str, why: Why) -> None:
+        """The root's machine failed an async_init of ``name`` (InitFailed)."""
+        self._run(self.store.init_failed(name, why))
+
     def sweep(self) -> None:
         self._sweeper = None
         self._run(self.store.sweep(time.monotonic()))

@@ -46,6 +46,7 @@ from protocol.messages import (
     ROLE_WORKER,
     Abort,
     Batch,
+    InitFailed,
     Failure,
     FuseAbort,
     FuseFailed,
@@ -313,6 +314,13 @@ class ServerConnection(AdmittedProtocol):
         self.server.aggregator.abort(abort.name, abort.part, abort.round, self.worker, why)
         if self.server.waiting_queries and abort.part == 0:  # (a round given up may wait for a failed round)
             self.server.recheck_waiting_queries()
+
+    def on_init_failed(self, message: InitFailed, payload: memoryview | None) -> None:
+        """The root's machine of an asynchronous name failed its init before pushing it (see InitFailed)."""
+        if message.worker != self.worker:
+            raise RemoteProtocolError(f"worker {self.worker} sent an init failure for worker {message.worker}")
+        self.server.values.init_failed(message.name, Why.carried(message, message.name).relayed(
+            f"worker {message.worker} (the root's machine) failed async_init of {message.name!r} before pushing it"))
 
     def on_round_query(self, query: RoundQuery, payload: memoryview | None) -> None:
         assert self.worker is not None
@@ -859,6 +867,7 @@ ServerConnection.HANDLERS = {
     Batch: ServerConnection.on_batch,
     Push: ServerConnection.on_push,
     Abort: ServerConnection.on_abort,
+    InitFailed: ServerConnection.on_init_failed,
     RoundQuery: ServerConnection.on_round_query,
     Release: ServerConnection.on_release,
     Announce: ServerConnection.on_announce,

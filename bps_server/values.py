@@ -134,6 +134,12 @@ def _staleness(push: Push) -> int | None:
     return None if push.staleness < 0 else push.staleness
 
 
+def _heard(why: Why, push: Push) -> Why:
+    """``why`` as the machine of ``push`` hears it: a mismatch among the root's processes, with its own tensor as
+    "ours" where it is one of the two sides."""
+    return why.heard_by(describe(push)) if why.sides else why
+
+
 def _dominates(a: list[int], b: list[int]) -> bool:
     return len(a) == len(b) and all(x >= y for x, y in zip(a, b))
 
@@ -162,6 +168,9 @@ class ValueStore(Generic[W]):
         self.epochs: dict[int, str] = {}  # each worker's numbering (its daemon's epoch), as it last connected
         self.replays = 0  # pushes whose step the value held already (answered, not added again)
         self.pushed_at: dict[int, float] = {}  # each worker's last push here (busy, not stalled: see _watch_held)
+        # Names whose root's machine failed an init before pushing it (init_failed): why, and the (worker, part)
+        # inits failed for it so far (each worker's next init of a part is a new attempt, which waits again).
+        self.failed_inits: dict[str, tuple[Why, set[tuple[int, int]]]] = {}
 
     def has(self, name: str, part: int) -> bool:
         return (name, part) in self.keys
@@ -205,7 +214,10 @@ class ValueStore(Generic[W]):
             st = self.keys[key] = _Key(push, _staleness(push), None, [0] * self.n, behind=set(self.excluded))
         actions: list[Action[W]] = []
         if st.value is None and push.kind == KIND_ASYNC_INIT and push.holds_root:
+            self.failed_inits.pop(push.name, None)  # (its next attempt)
             actions = self._root_decides(st, push)
+        elif push.kind == KIND_ASYNC_INIT and (failed := self._failed_attempt(st, push)) is not None:
+            return [Fail(w.handle, push, failed)]
         refusal = self._refusal(st, push)
         if refusal is not None:
             return [*actions, Fail(w.handle, push, refusal)]
@@ -217,6 +229,30 @@ class ValueStore(Generic[W]):
             return actions + self._delta(st, w, payload, now)
         except OSError as exc:
             return [*actions, Fail(w.handle, push, Why(f"{exc}", "error"))]
+
+    def init_failed(self, name: str, why: Why) -> list[Action[W]]:
+        """The root's machine failed its ``async_init`` of ``name`` before pushing it (InitFailed): the inits of
+        it that wait here for the root's value fail with ``why`` (each side of a mismatch hears its own), and so
+        does each other machine's next init of a part, if it comes before the root's (the same attempt: they
+        waited the whole timeout for a value that never came, a review)."""
+        told: set[tuple[int, int]] = set()
+        actions: list[Action[W]] = []
+        for (key, part), st in self.keys.items():
+            if key == name and st.value is None:
+                told |= {(w.push.worker, part) for w in st.inits}
+                actions += [Fail(w.handle, w.push, _heard(why, w.push)) for w in st.inits]
+                st.inits = []
+        self.failed_inits[name] = (why, told)
+        return actions
+
+    def _failed_attempt(self, st: _Key[W], push: Push) -> Why | None:
+        """Why an init of a key without a value fails at once: its root's machine failed this attempt (see
+        init_failed), and this is the first init of the part from its machine since."""
+        failed = self.failed_inits.get(push.name)
+        if failed is None or st.value is not None or (push.worker, push.part) in failed[1]:
+            return None
+        failed[1].add((push.worker, push.part))
+        return _heard(failed[0], push)
 
     def _root_decides(self, st: _Key[W], root: Push) -> list[Action[W]]:
         """The root's init describes the value: the inits that waited for it and disagree fail."""
@@ -421,6 +457,7 @@ class ValueStore(Generic[W]):
         for st in self.keys.values():
             st.behind.add(worker)
         if len(self.reset_workers) >= self.n:
+            self.failed_inits.clear()
             keys, self.keys = self.keys, {}
             pending, self.pending = self.pending, []
             self.restoring_since, self.restored = None, set(range(self.n))  # no worker keeps a copy of them

@@ -39,7 +39,8 @@ from bps_runtime.stalls import Notices
 from bps_runtime import segments as shm
 from bps_runtime.timeline import Timeline
 from protocol.config import ClusterConfig, placement_items
-from protocol.messages import ASYNC_KINDS, FUSED_PREFIX, Abort, Done, Notice, Op, Ping, Spec, Why, describe_spec
+from protocol.messages import (ASYNC_KINDS, FUSED_PREFIX, KIND_ASYNC_INIT, Abort, Done, Notice, Op, Ping, Spec, Why,
+                               describe_spec)
 
 from .async_operation import AsyncName, AsyncOperation
 from .errors import BPSError
@@ -476,6 +477,9 @@ class WorkerDaemon:
         self.counters.ops_failed += 1
         self.failures_log.log(log, logging.WARNING, "%s", action.reason)
         self.stalls.ended(lr)
+        if self._holds_root_init(action.members):  # the other machines' inits wait for our value at the servers
+            for link in self.links.values():
+                link.init_failed(lr.name, action.why)
         if lr.first.kind in ASYNC_KINDS:  # no round waits for us at the servers
             self._answer_failed(action)
             return
@@ -492,6 +496,12 @@ class WorkerDaemon:
             return
         self.abort_at_anchor(lr.name, action.server_round, action.why)
         self._answer_failed(action)
+
+    def _holds_root_init(self, members: tuple[tuple[ClientSession, Op], ...]) -> bool:
+        """Whether an ``async_init`` among ``members`` names a root rank of this machine's (its value is ours to
+        push: see InitFailed)."""
+        local = range(self.rank_offset, self.rank_offset + self.config.local_size)
+        return any(op.kind == KIND_ASYNC_INIT and op.root in local for _, op in members)
 
     @staticmethod
     def _answer_failed(action: Failed[ClientSession]) -> None:

@@ -85,6 +85,7 @@ from protocol.messages import (
     Abort,
     Announce,
     Batch,
+    InitFailed,
     Challenge,
     Failure,
     FuseAbort,
@@ -579,6 +580,11 @@ class ServerLink:
         message = Abort(name, part, round_, self.worker_id, **why.carry())
         self.given_up[(name, part)] = message
         self._send_control(message)
+
+    def init_failed(self, name: str, why: Why) -> None:
+        """Tell the server that this machine, the root's, failed an async_init of ``name`` before pushing it (sent
+        once connected)."""
+        self._send_control(InitFailed(name, self.worker_id, **why.carry()))
 
     def fuse(self, message: FuseReady | FuseAbort | FuseRunning | FusePast) -> None:
         """Report fused sums to this server (their anchor), or give them up (sent once connected)."""

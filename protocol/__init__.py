@@ -22,7 +22,8 @@ reads and validates the cluster configuration (``config``).
 # round, the next one, which the rejoining machine's next step takes too). 12: Hello.processes and Joined (a daemon
 # idle since it started is one without processes; a version-11 server would wait for its processes for ever).
 # 13: Leave (a client's shutdown answered once it took effect; a version-12 worker would refuse it as unknown), and
-# Reset on every connection of a worker (a version-12 server would reset the worker again at each).
-PROTOCOL_VERSION = 13
+# Reset on every connection of a worker (a version-12 server would reset the worker again at each). 14: InitFailed
+# (the root's machine failed an async_init before pushing it; a version-13 server would refuse it as unknown).
+PROTOCOL_VERSION = 14
 
 __all__ = ["PROTOCOL_VERSION"]

@@ -471,7 +471,7 @@ class Why:
                 "sides": [side[:clip] for side in self.sides] if self.sides else []}
 
     @classmethod
-    def carried(cls, message: Abort | FuseAbort | FuseFailed, name: str = "") -> Self:
+    def carried(cls, message: Abort | FuseAbort | FuseFailed | InitFailed, name: str = "") -> Self:
         """The failure ``message`` carries (:class:`CarriesWhy`), about tensor ``name``."""
         sides = message.sides
         return cls(message.message, message.code, name=name, ours=message.ours, theirs=message.theirs,
@@ -631,6 +631,24 @@ class Abort(CarriesWhy):
         _check_name(self.name)
         _check_non_negative("abort", part=self.part, round=self.round, worker=self.worker)
         self._check_why("abort", self.message)
+
+
+@dataclass(frozen=True, slots=True)
+class InitFailed(CarriesWhy):
+    """The machine of ``name``'s root rank (``worker``) failed an ``async_init`` of it before pushing it (its
+    processes disagreed about the tensor, or one failed): every server fails the inits of other machines that
+    wait for its value, and the next one of each that comes (the same attempt), with its why (``message`` and
+    the rest, see :class:`CarriesWhy`). Sent to every server: each holds the parts it holds."""
+
+    TYPE: ClassVar[str] = "init_failed"
+    name: str
+    worker: int
+    message: str
+
+    def validate(self) -> None:
+        _check_name(self.name)
+        _check_non_negative("init failed", worker=self.worker)
+        self._check_why("init failed", self.message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1331,7 +1349,7 @@ MESSAGES: Final[dict[str, type[Message]]] = {
     for cls in (Challenge, Hello, Welcome, Failure, Push, Result, Abort, Reset, Announce, Release, RoundQuery,
                 RoundInfo, Ping, StatsRequest, Stats, Alloc, Allocated, Op, Done, Batch, OpBatch, DoneBatch,
                 FuseReady, FuseAbort, FusePlan, FuseRunning, FusePast, FuseResync, FuseFailed, Restored, Taken,
-                Notice, Joined, Leave)
+                Notice, Joined, Leave, InitFailed)
 }
 
 class _Field(NamedTuple):

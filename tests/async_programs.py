@@ -359,3 +359,21 @@ def sync_side_of_a_misuse(name: str, n: int = 4) -> str:
         return "ok"
     except bps.BPSMismatchError as exc:
         return f"{exc.ours}|{exc.theirs}"
+
+
+def split_root_machine(name: str, n: int) -> dict[str, Any]:
+    """The root's machine (worker 0; root rank 1) disagrees within itself about ``name`` (rank 0 has one element
+    more), ``n`` float32 each: every rank's error and how long it took; then every rank inits it again alike (a
+    retry), and reports the value it got."""
+    shape = (n + 1,) if bps.rank() == 0 else (n,)
+    started = time.monotonic()
+    try:
+        bps.async_init(np.full(shape, float(bps.rank()), np.float32), name, root_rank=1)
+        error = None
+    except bps.BPSError as exc:
+        error = {"class": type(exc).__name__, "message": str(exc),
+                 **{key: getattr(exc, key) for key in ("name", "ours", "theirs") if hasattr(exc, key)}}
+    waited = time.monotonic() - started
+    barrier(f"{name}.retry")
+    value = bps.async_init(np.full(n, float(bps.rank()), np.float32), name, root_rank=1)
+    return {"error": error, "waited": waited, "value": sorted(set(value.tolist()))}

@@ -539,3 +539,28 @@ def test_a_machine_back_without_an_init_owes_no_raise_at_a_later_one() -> None:
             s.push(_delta_key(w, "w", step), ONES, f"{w}.{step}", 17.0)
     back = answers(s.push(_init_key(2, "w", staleness=2), ZEROS, "reinit", 18.0))["reinit"]
     assert back.applied == [22, 22, 20], back.applied
+
+
+def test_the_root_machines_failed_init_fails_the_inits_that_wait_and_the_next_of_each_but_not_a_retry() -> None:
+    """Worker 0 (the root's machine) failed its async_init before pushing it, its processes disagreeing about the
+    tensor (InitFailed): the other machines' inits waited the whole timeout for a value that never came (a
+    review). Now those waiting fail at once, each with its own side of the mismatch as "ours", and so does the
+    next init of each machine that was not waiting yet (the same attempt); a machine's init after that is a
+    retry, which waits for the root's, and the root's retry makes the value."""
+    from protocol.messages import Why
+
+    s = store()
+    assert s.push(init(1), arr(0, 0, 0, 0), "w1", 0.0) == []  # waits for worker 0's value
+    ours, other = "float32[4] (async_init from rank 0, unbounded)", "float32[5] (async_init from rank 0, unbounded)"
+    why = Why.mismatch("w", other, ours, f"rank 0 has {other} but rank 1 has {ours}")
+    (failed,) = s.init_failed("w", why)
+    assert isinstance(failed, Fail) and failed.handle == "w1" and failed.why.code == "mismatch"
+    assert (failed.why.ours, failed.why.theirs) == (ours, other)  # (its own side: "ours")
+    (late,) = s.push(init(2), arr(0, 0, 0, 0), "w2", 1.0)  # worker 2's init of the same attempt, after it
+    assert isinstance(late, Fail) and late.handle == "w2" and late.why.name == "w"
+    assert s.push(init(1), arr(0, 0, 0, 0), "w1 again", 2.0) == []  # a retry: waits for the root's
+    assert s.push(init(2), arr(0, 0, 0, 0), "w2 again", 2.0) == []
+    got = answers(s.push(init(0), arr(1, 2, 3, 4), "w0 again", 3.0))
+    assert set(got) == {"w1 again", "w2 again", "w0 again"} and got["w2 again"].value.tolist() == [1, 2, 3, 4]
+    assert s.failed_inits == {}
+    assert answers(s.push(init(1), arr(0, 0, 0, 0), "w1 third", 4.0))  # the value is there: answered at once
