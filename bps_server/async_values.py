@@ -77,9 +77,9 @@ class AsyncValues:
     def reset(self, worker: int, epoch: str = "") -> None:
         self._run(self.store.worker_reset(worker, epoch))
 
-    def init_failed(self, name: str, why: Why) -> None:
+    def init_failed(self, name: str, root: int, round_: int, why: Why) -> None:
         """The root's machine failed an async_init of ``name`` (InitFailed)."""
-        self._run(self.store.init_failed(name, why))
+        self._run(self.store.init_failed(name, root, round_, why))
 
     def sweep(self) -> None:
         self._sweeper = None

@@ -319,8 +319,9 @@ class ServerConnection(AdmittedProtocol):
         """The root's machine of an asynchronous name failed its init before pushing it (see InitFailed)."""
         if message.worker != self.worker:
             raise RemoteProtocolError(f"worker {self.worker} sent an init failure for worker {message.worker}")
-        self.server.values.init_failed(message.name, Why.carried(message, message.name).relayed(
-            f"worker {message.worker} (the root's machine) failed async_init of {message.name!r} before pushing it"))
+        self.server.values.init_failed(message.name, message.root, message.round, Why.carried(
+            message, message.name).relayed(f"worker {message.worker} (the root's machine) failed async_init of "
+                                           f"{message.name!r} before pushing it"))
 
     def on_round_query(self, query: RoundQuery, payload: memoryview | None) -> None:
         assert self.worker is not None

@@ -168,9 +168,9 @@ class ValueStore(Generic[W]):
         self.epochs: dict[int, str] = {}  # each worker's numbering (its daemon's epoch), as it last connected
         self.replays = 0  # pushes whose step the value held already (answered, not added again)
         self.pushed_at: dict[int, float] = {}  # each worker's last push here (busy, not stalled: see _watch_held)
-        # Names whose root's machine failed an init before pushing it (init_failed): why, and the (worker, part)
-        # inits failed for it so far (each worker's next init of a part is a new attempt, which waits again).
-        self.failed_inits: dict[str, tuple[Why, set[tuple[int, int]]]] = {}
+        # Names whose root's machine failed an init before pushing it (init_failed): why, the root, and the
+        # attempt (the machines' local round of the name), until the root's next init.
+        self.failed_inits: dict[str, tuple[Why, int, int]] = {}
 
     def has(self, name: str, part: int) -> bool:
         return (name, part) in self.keys
@@ -230,28 +230,29 @@ class ValueStore(Generic[W]):
         except OSError as exc:
             return [*actions, Fail(w.handle, push, Why(f"{exc}", "error"))]
 
-    def init_failed(self, name: str, why: Why) -> list[Action[W]]:
-        """The root's machine failed its ``async_init`` of ``name`` before pushing it (InitFailed): the inits of
-        it that wait here for the root's value fail with ``why`` (each side of a mismatch hears its own), and so
-        does each other machine's next init of a part, if it comes before the root's (the same attempt: they
-        waited the whole timeout for a value that never came, a review)."""
-        told: set[tuple[int, int]] = set()
+    def init_failed(self, name: str, root: int, round_: int, why: Why) -> list[Action[W]]:
+        """Root rank ``root``'s machine failed its ``async_init`` of ``name`` (its local round ``round_``) before
+        pushing it (InitFailed): the inits of that attempt from that root that wait here for its value fail with
+        ``why`` (each side of a mismatch hears its own), and so do those that come later (they waited the whole
+        timeout for a value that never came, a review). An attempt is a local round of the name, which every
+        machine counts alike, a failed one too: a retry is a later round, and waits for the root's value (a
+        machine whose own attempt failed too, or timed out here, retries so; failing its next init instead
+        failed a good retry, a review of the first version)."""
+        self.failed_inits[name] = (why, root, round_)
         actions: list[Action[W]] = []
-        for (key, part), st in self.keys.items():
+        for (key, _), st in self.keys.items():
             if key == name and st.value is None:
-                told |= {(w.push.worker, part) for w in st.inits}
-                actions += [Fail(w.handle, w.push, _heard(why, w.push)) for w in st.inits]
-                st.inits = []
-        self.failed_inits[name] = (why, told)
+                failed = [w for w in st.inits if (w.push.root, w.push.round) == (root, round_)]
+                st.inits = [w for w in st.inits if w not in failed]
+                actions += [Fail(w.handle, w.push, _heard(why, w.push)) for w in failed]
         return actions
 
     def _failed_attempt(self, st: _Key[W], push: Push) -> Why | None:
         """Why an init of a key without a value fails at once: its root's machine failed this attempt (see
-        init_failed), and this is the first init of the part from its machine since."""
+        init_failed)."""
         failed = self.failed_inits.get(push.name)
-        if failed is None or st.value is not None or (push.worker, push.part) in failed[1]:
+        if failed is None or st.value is not None or (push.root, push.round) != failed[1:]:
             return None
-        failed[1].add((push.worker, push.part))
         return _heard(failed[0], push)
 
     def _root_decides(self, st: _Key[W], root: Push) -> list[Action[W]]:

@@ -477,9 +477,10 @@ class WorkerDaemon:
         self.counters.ops_failed += 1
         self.failures_log.log(log, logging.WARNING, "%s", action.reason)
         self.stalls.ended(lr)
-        if self._holds_root_init(action.members):  # the other machines' inits wait for our value at the servers
+        root = self._root_of_init(action.members)
+        if root is not None:  # the other machines' inits wait for our value at the servers
             for link in self.links.values():
-                link.init_failed(lr.name, action.why)
+                link.init_failed(lr.name, root, lr.round, action.why)
         if lr.first.kind in ASYNC_KINDS:  # no round waits for us at the servers
             self._answer_failed(action)
             return
@@ -497,11 +498,11 @@ class WorkerDaemon:
         self.abort_at_anchor(lr.name, action.server_round, action.why)
         self._answer_failed(action)
 
-    def _holds_root_init(self, members: tuple[tuple[ClientSession, Op], ...]) -> bool:
-        """Whether an ``async_init`` among ``members`` names a root rank of this machine's (its value is ours to
-        push: see InitFailed)."""
+    def _root_of_init(self, members: tuple[tuple[ClientSession, Op], ...]) -> int | None:
+        """The root rank, one of this machine's, that an ``async_init`` among ``members`` names (its value is ours
+        to push: see InitFailed); None if none does."""
         local = range(self.rank_offset, self.rank_offset + self.config.local_size)
-        return any(op.kind == KIND_ASYNC_INIT and op.root in local for _, op in members)
+        return next((op.root for _, op in members if op.kind == KIND_ASYNC_INIT and op.root in local), None)
 
     @staticmethod
     def _answer_failed(action: Failed[ClientSession]) -> None:

@@ -581,10 +581,10 @@ class ServerLink:
         self.given_up[(name, part)] = message
         self._send_control(message)
 
-    def init_failed(self, name: str, why: Why) -> None:
-        """Tell the server that this machine, the root's, failed an async_init of ``name`` before pushing it (sent
-        once connected)."""
-        self._send_control(InitFailed(name, self.worker_id, **why.carry()))
+    def init_failed(self, name: str, root: int, round_: int, why: Why) -> None:
+        """Tell the server that this machine, root rank ``root``'s, failed its async_init of ``name`` (our local
+        round ``round_`` of it) before pushing it (sent once connected)."""
+        self._send_control(InitFailed(name, self.worker_id, root, round_, **why.carry()))
 
     def fuse(self, message: FuseReady | FuseAbort | FuseRunning | FusePast) -> None:
         """Report fused sums to this server (their anchor), or give them up (sent once connected)."""

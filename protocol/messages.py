@@ -635,19 +635,22 @@ class Abort(CarriesWhy):
 
 @dataclass(frozen=True, slots=True)
 class InitFailed(CarriesWhy):
-    """The machine of ``name``'s root rank (``worker``) failed an ``async_init`` of it before pushing it (its
-    processes disagreed about the tensor, or one failed): every server fails the inits of other machines that
-    wait for its value, and the next one of each that comes (the same attempt), with its why (``message`` and
-    the rest, see :class:`CarriesWhy`). Sent to every server: each holds the parts it holds."""
+    """The machine of root rank ``root`` (``worker``) failed its ``async_init`` of ``name`` before pushing it
+    (its processes disagreed about the tensor, or one failed): every server fails the inits of that attempt from
+    root ``root`` (``round``: each machine's count of its local rounds of the name, which a failed one takes too,
+    so a retry's is a later one) that wait for its value or come later, with its why (``message`` and the rest,
+    see :class:`CarriesWhy`). Sent to every server: each holds the parts it holds."""
 
     TYPE: ClassVar[str] = "init_failed"
     name: str
     worker: int
+    root: int
+    round: int
     message: str
 
     def validate(self) -> None:
         _check_name(self.name)
-        _check_non_negative("init failed", worker=self.worker)
+        _check_non_negative("init failed", worker=self.worker, root=self.root, round=self.round)
         self._check_why("init failed", self.message)
 
 

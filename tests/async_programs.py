@@ -361,11 +361,12 @@ def sync_side_of_a_misuse(name: str, n: int = 4) -> str:
         return f"{exc.ours}|{exc.theirs}"
 
 
-def split_root_machine(name: str, n: int) -> dict[str, Any]:
+def split_root_machine(name: str, n: int, everywhere: bool) -> dict[str, Any]:
     """The root's machine (worker 0; root rank 1) disagrees within itself about ``name`` (rank 0 has one element
-    more), ``n`` float32 each: every rank's error and how long it took; then every rank inits it again alike (a
-    retry), and reports the value it got."""
-    shape = (n + 1,) if bps.rank() == 0 else (n,)
+    more; with ``everywhere`` every machine's local rank 0 does), ``n`` float32 each: every rank's error and how
+    long it took; then every rank inits it again alike (a retry; the root's machine a second later), and reports
+    the value it got."""
+    shape = (n + 1,) if bps.local_rank() == 0 and (everywhere or bps.rank() == 0) else (n,)
     started = time.monotonic()
     try:
         bps.async_init(np.full(shape, float(bps.rank()), np.float32), name, root_rank=1)
@@ -375,5 +376,7 @@ def split_root_machine(name: str, n: int) -> dict[str, Any]:
                  **{key: getattr(exc, key) for key in ("name", "ours", "theirs") if hasattr(exc, key)}}
     waited = time.monotonic() - started
     barrier(f"{name}.retry")
+    if bps.rank() < bps.local_size():
+        time.sleep(1.0)  # (the other machines' retries reach the servers first)
     value = bps.async_init(np.full(n, float(bps.rank()), np.float32), name, root_rank=1)
     return {"error": error, "waited": waited, "value": sorted(set(value.tolist()))}

@@ -95,23 +95,27 @@ def test_each_side_of_a_misuse_hears_its_own_use_as_ours(cluster_2x2, n):
             assert ours.endswith(", asynchronously") and theirs == "used synchronously in this job", (rank, r)
 
 
-def test_a_root_machine_that_disagrees_within_itself_fails_every_machines_init_at_once(tmp_path):
+@pytest.mark.parametrize("everywhere", [False, True], ids=["root-machine", "every-machine"])
+def test_a_root_machine_that_disagrees_within_itself_fails_every_machines_init_at_once(tmp_path, everywhere):
     """Root rank 1's machine fails its async_init locally (its two processes disagree about the shape): the other
     machine's processes waited the whole timeout for the value, then heard a timeout that named neither shape (a
-    review). Now every process hears the mismatch at once, and a retry alike everywhere gets the root's value.
-    Large enough to be cut into parts on several servers (each fails its own)."""
+    review). Now every process hears the mismatch at once, and a retry alike everywhere gets the root's value, also
+    where the other machine failed the attempt at home too and retried before the root's machine (the first
+    version failed that retry, a review of it). Large enough to be cut into parts on several servers (each fails
+    its own)."""
     from harness import start_cluster, write_config
 
     cluster = start_cluster(write_config(tmp_path, [2, 2], cpu_servers=1,
                                          cluster={"partition_bytes": 65536, "timeout": 20.0}))
     try:
-        results = run_ranks(cluster, ap.split_root_machine, "split", 50_000, timeout=120)
+        results = run_ranks(cluster, ap.split_root_machine, "split", 50_000, everywhere, timeout=120)
     finally:
         cluster.stop()
     for rank, r in enumerate(results):
         assert r["error"] is not None and r["error"]["class"] == "BPSMismatchError", (rank, r)
         assert r["error"]["name"] == "split" and "float32[50001]" in r["error"]["message"], (rank, r)
-        ours, theirs = ("float32[50001]", "float32[50000]") if rank == 0 else ("float32[50000]", "float32[50001]")
+        first = rank % 2 == 0 and (everywhere or rank == 0)
+        ours, theirs = ("float32[50001]", "float32[50000]") if first else ("float32[50000]", "float32[50001]")
         assert r["error"]["ours"].startswith(ours) and r["error"]["theirs"].startswith(theirs), (rank, r)
         assert r["waited"] < 5.0, (rank, r)  # not the timeout (20 s)
         assert r["value"] == [1.0], (rank, r)

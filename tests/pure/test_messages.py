@@ -30,7 +30,7 @@ SAMPLES: dict[str, m.Message] = {
     "abort": m.Abort(name="emb", part=0, round=3, worker=1, message="tensor 'emb' mismatch", code="mismatch",
                      ours="float32[4]", theirs="float32[5]", peer="rank 1", what="tensor 'emb'", timeout_s=1.5,
                      detail="rank 0 has float32[4] but rank 1 has float32[5]", sides=["float32[4]", "float32[5]"]),
-    "init_failed": m.InitFailed(name="emb", worker=1, message="tensor 'emb' mismatch", code="mismatch",
+    "init_failed": m.InitFailed(name="emb", worker=1, root=3, round=2, message="tensor 'emb' mismatch", code="mismatch",
                                 ours="float32[4]", theirs="float32[5]", detail="rank 0 has float32[4] but rank 1 has "
                                 "float32[5]", sides=["float32[4]", "float32[5]"]),
     "reset": m.Reset(worker=1, epoch="beef"),

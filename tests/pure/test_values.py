@@ -541,26 +541,47 @@ def test_a_machine_back_without_an_init_owes_no_raise_at_a_later_one() -> None:
     assert back.applied == [22, 22, 20], back.applied
 
 
-def test_the_root_machines_failed_init_fails_the_inits_that_wait_and_the_next_of_each_but_not_a_retry() -> None:
-    """Worker 0 (the root's machine) failed its async_init before pushing it, its processes disagreeing about the
-    tensor (InitFailed): the other machines' inits waited the whole timeout for a value that never came (a
-    review). Now those waiting fail at once, each with its own side of the mismatch as "ours", and so does the
-    next init of each machine that was not waiting yet (the same attempt); a machine's init after that is a
-    retry, which waits for the root's, and the root's retry makes the value."""
+def test_the_root_machines_failed_init_fails_its_attempts_inits_waiting_or_late_and_never_a_retry() -> None:
+    """Worker 0 (root rank 1's machine) failed its async_init, local round 0 of the name, before pushing it (its
+    processes disagreed about the tensor: InitFailed): the other machines' inits waited the whole timeout for a
+    value that never came (a review). Now the inits of that attempt fail, waiting or late, each with its own side
+    of the mismatch as "ours"; a retry (the machines' next local round of the name) waits for the root's value,
+    also from a machine whose attempt never came here (failed at home too, or timed out here): the first version
+    failed such a machine's good retry (a review of it)."""
+    import dataclasses
+
+    from protocol.messages import Why
+
+    def attempt(worker: int, round_: int) -> Push:
+        return dataclasses.replace(init(worker, root=1), round=round_)
+
+    s = store()
+    assert s.push(attempt(1, 0), arr(0, 0, 0, 0), "w1", 0.0) == []  # waits for worker 0's value
+    ours, other = "float32[4] (async_init from rank 1, unbounded)", "float32[5] (async_init from rank 1, unbounded)"
+    why = Why.mismatch("w", other, ours, f"rank 0 has {other} but rank 1 has {ours}")
+    assert s.init_failed("w", 3, 0, why) == []  # (another root's attempt: not this one)
+    (failed,) = s.init_failed("w", 1, 0, why)
+    assert isinstance(failed, Fail) and failed.handle == "w1" and failed.why.code == "mismatch"
+    assert (failed.why.ours, failed.why.theirs) == (ours, other)  # (its own side: "ours")
+    (late,) = s.push(attempt(2, 0), arr(0, 0, 0, 0), "w2", 1.0)  # worker 2's init of the same attempt, after it
+    assert isinstance(late, Fail) and late.handle == "w2" and late.why.name == "w"
+    assert s.push(attempt(1, 1), arr(0, 0, 0, 0), "w1 again", 2.0) == []  # a retry: waits for the root's
+    assert s.push(attempt(2, 1), arr(0, 0, 0, 0), "w2 again", 2.0) == []
+    got = answers(s.push(attempt(0, 1), arr(1, 2, 3, 4), "w0 again", 3.0))
+    assert set(got) == {"w1 again", "w2 again", "w0 again"} and got["w2 again"].value.tolist() == [1, 2, 3, 4]
+    assert s.failed_inits == {}
+
+
+def test_a_retry_of_a_machine_whose_attempt_never_came_waits_for_the_root() -> None:
+    """Worker 2 failed the attempt at home too (or its init timed out here before the InitFailed came): its retry
+    is its next local round of the name, which waits for the root's value, however soon it comes."""
+    import dataclasses
+
     from protocol.messages import Why
 
     s = store()
-    assert s.push(init(1), arr(0, 0, 0, 0), "w1", 0.0) == []  # waits for worker 0's value
-    ours, other = "float32[4] (async_init from rank 0, unbounded)", "float32[5] (async_init from rank 0, unbounded)"
-    why = Why.mismatch("w", other, ours, f"rank 0 has {other} but rank 1 has {ours}")
-    (failed,) = s.init_failed("w", why)
-    assert isinstance(failed, Fail) and failed.handle == "w1" and failed.why.code == "mismatch"
-    assert (failed.why.ours, failed.why.theirs) == (ours, other)  # (its own side: "ours")
-    (late,) = s.push(init(2), arr(0, 0, 0, 0), "w2", 1.0)  # worker 2's init of the same attempt, after it
-    assert isinstance(late, Fail) and late.handle == "w2" and late.why.name == "w"
-    assert s.push(init(1), arr(0, 0, 0, 0), "w1 again", 2.0) == []  # a retry: waits for the root's
-    assert s.push(init(2), arr(0, 0, 0, 0), "w2 again", 2.0) == []
-    got = answers(s.push(init(0), arr(1, 2, 3, 4), "w0 again", 3.0))
-    assert set(got) == {"w1 again", "w2 again", "w0 again"} and got["w2 again"].value.tolist() == [1, 2, 3, 4]
-    assert s.failed_inits == {}
-    assert answers(s.push(init(1), arr(0, 0, 0, 0), "w1 third", 4.0))  # the value is there: answered at once
+    s.init_failed("w", 1, 0, Why("rank 0 and rank 1 disagree", "error"))
+    retry = dataclasses.replace(init(2, root=1), round=1)
+    assert s.push(retry, arr(0, 0, 0, 0), "w2 retry", 1.0) == []
+    got = answers(s.push(dataclasses.replace(init(0, root=1), round=1), arr(5, 5, 5, 5), "w0 retry", 2.0))
+    assert set(got) == {"w2 retry", "w0 retry"}
