@@ -232,9 +232,9 @@ class ValueStore(Generic[W]):
 
     def init_failed(self, name: str, root: int, round_: int, why: Why) -> list[Action[W]]:
         """Root rank ``root``'s machine failed its ``async_init`` of ``name`` (its local round ``round_``) before
-        pushing it (InitFailed): the inits of that attempt from that root that wait here for its value fail with
-        ``why`` (each side of a mismatch hears its own), and so do those that come later (they waited the whole
-        timeout for a value that never came, a review). An attempt is a local round of the name, which every
+        pushing it (InitFailed): the inits from that root that wait here for its value fail with ``why`` (each side
+        of a mismatch hears its own), and so do those of that attempt that come later (they waited the whole
+        timeout for a value that never came, a review); until the root's next init, or any machine's reset. An attempt is a local round of the name, which every
         machine counts alike, a failed one too: a retry is a later round, and waits for the root's value (a
         machine whose own attempt failed too, or timed out here, retries so; failing its next init instead
         failed a good retry, a review of the first version)."""
@@ -242,7 +242,10 @@ class ValueStore(Generic[W]):
         actions: list[Action[W]] = []
         for (key, _), st in self.keys.items():
             if key == name and st.value is None:
-                failed = [w for w in st.inits if (w.push.root, w.push.round) == (root, round_)]
+                # Every init from that root waiting now, whatever its round: none is answered by this attempt,
+                # and a machine that reset counts its rounds from 0 again (the root's machine, restarted, failed
+                # its round 0 while the others waited in their round 1: they waited the timeout, a review).
+                failed = [w for w in st.inits if w.push.root == root]
                 st.inits = [w for w in st.inits if w not in failed]
                 actions += [Fail(w.handle, w.push, _heard(why, w.push)) for w in failed]
         return actions
@@ -453,6 +456,9 @@ class ValueStore(Generic[W]):
         its new numbering (a later connection with it is the same daemon, see ``worker_connected``)."""
         if epoch:
             self.epochs[worker] = epoch
+        # Its processes, new, count their rounds from 0 again: a failed attempt's record no longer names the
+        # same attempt on every machine (a restarted machine's good init of its round 0 was failed, a review).
+        self.failed_inits.clear()
         self.reset_workers.add(worker)
         self.excluded.add(worker)
         for st in self.keys.values():

@@ -585,3 +585,28 @@ def test_a_retry_of_a_machine_whose_attempt_never_came_waits_for_the_root() -> N
     assert s.push(retry, arr(0, 0, 0, 0), "w2 retry", 1.0) == []
     got = answers(s.push(dataclasses.replace(init(0, root=1), round=1), arr(5, 5, 5, 5), "w0 retry", 2.0))
     assert set(got) == {"w2 retry", "w0 retry"}
+
+
+def test_a_machine_that_reset_counts_its_attempts_anew_and_is_neither_failed_nor_left_waiting() -> None:
+    """Rounds count from 0 again on a machine whose processes were replaced (a reset), so attempts no longer
+    align across machines (a review of the numbered attempts): a non-root machine back with its round 0 was
+    failed by the record of the root's failed round 0, and the root's machine, restarted, failed its round 0
+    while another waited in its round 1, which then waited the whole timeout. Now a reset drops the records, and
+    a failed attempt fails every init from that root that waits, whatever its round."""
+    import dataclasses
+
+    from protocol.messages import Why
+
+    def attempt(worker: int, round_: int) -> Push:
+        return dataclasses.replace(init(worker, root=1), round=round_)
+
+    s = store()
+    why = Why("rank 0 and rank 1 disagree", "error")
+    s.init_failed("w", 1, 0, why)
+    s.worker_reset(2)  # worker 2's processes exit; new ones come
+    assert s.push(attempt(2, 0), arr(0, 0, 0, 0), "w2 new", 1.0) == []  # waits for the root's value
+    assert s.push(attempt(1, 1), arr(0, 0, 0, 0), "w1 retry", 1.0) == []
+    s.worker_reset(0)  # the root's machine restarted: its next attempt is its round 0 again, and fails
+    failed = s.init_failed("w", 1, 0, why)
+    assert sorted(a.handle for a in failed if isinstance(a, Fail)) == ["w1 retry", "w2 new"]
+
