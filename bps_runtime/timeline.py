@@ -35,7 +35,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Final, TextIO
+from typing import Any, BinaryIO, Final, TextIO
 
 from .locks import OwnedLock
 
@@ -83,15 +83,20 @@ class TimelineError(OSError):
         return f"cannot write the timeline {self.path}: {self.strerror}"
 
 
+def _ends_closed(f: BinaryIO, size: int) -> bool:
+    """Whether the trace open as ``f`` (``size`` bytes) ends as :meth:`Timeline.close` ends it."""
+    end = _END.encode()
+    return size >= len(end) and (f.seek(size - len(end)), f.read())[1] == end
+
+
 def _keep_crashed(path: str) -> None:
     """Move aside the trace at ``path`` if a process that died left it (not ended by :meth:`Timeline.close`),
     under a name no other trace has (a crash loop leaves several within a second); one that cannot be read or
     moved is written over, as before, with a word in the log."""
-    end = _END.encode()
     try:
         with open(path, "rb") as f:
             size = f.seek(0, os.SEEK_END)
-            if size == 0 or (f.seek(max(size - len(end), 0)), f.read())[1] == end:
+            if size == 0 or _ends_closed(f, size):
                 return
             stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime(os.fstat(f.fileno()).st_mtime))
     except FileNotFoundError:
@@ -156,14 +161,12 @@ class Timeline:
         closed = _CLOSED.pop(where, None)
         if closed is None or closed[0] != self.pid:
             return None
-        end = _END.encode()
         try:
             with open(where, "rb+") as f:
                 size = f.seek(0, os.SEEK_END)
-                if _identity(os.fstat(f.fileno())) != closed[2] or size < len(end) or \
-                        (f.seek(size - len(end)), f.read())[1] != end:
+                if _identity(os.fstat(f.fileno())) != closed[2] or not _ends_closed(f, size):
                     return None
-                f.truncate(size - len(end))
+                f.truncate(size - len(_END.encode()))
             reopened = open(where, "a", encoding="utf-8")
         except OSError:
             return None

@@ -234,10 +234,10 @@ class ValueStore(Generic[W]):
         """Root rank ``root``'s machine failed its ``async_init`` of ``name`` (its local round ``round_``) before
         pushing it (InitFailed): the inits from that root that wait here for its value fail with ``why`` (each side
         of a mismatch hears its own), and so do those of that attempt that come later (they waited the whole
-        timeout for a value that never came, a review); until the root's next init, or any machine's reset. An attempt is a local round of the name, which every
-        machine counts alike, a failed one too: a retry is a later round, and waits for the root's value (a
-        machine whose own attempt failed too, or timed out here, retries so; failing its next init instead
-        failed a good retry, a review of the first version)."""
+        timeout for a value that never came, a review); until the root's next init, or any machine's reset.
+        An attempt is a local round of the name, which every machine counts alike, a failed one too: a retry is
+        a later round, and waits for the root's value (a machine whose own attempt failed too, or timed out
+        here, retries so; failing its next init instead failed a good retry, a review of the first version)."""
         self.failed_inits[name] = (why, root, round_)
         actions: list[Action[W]] = []
         for (key, _), st in self.keys.items():
@@ -464,7 +464,6 @@ class ValueStore(Generic[W]):
         for st in self.keys.values():
             st.behind.add(worker)
         if len(self.reset_workers) >= self.n:
-            self.failed_inits.clear()
             keys, self.keys = self.keys, {}
             pending, self.pending = self.pending, []
             self.restoring_since, self.restored = None, set(range(self.n))  # no worker keeps a copy of them

@@ -40,7 +40,7 @@ from bps_runtime import cuda, kernels
 from bps_runtime import segments as shm
 from bps_runtime.timeline import Timeline, now_us
 from protocol import dtypes
-from protocol.messages import ROOTED_KINDS, Done, Failure, Op, Result, Why
+from protocol.messages import ROOTED_KINDS, Done, Failure, Op, Result, Why, detail_about
 
 from .errors import AnswerLostError, BPSConnectionError, BPSError, LinkBrokenError, failure_from_error, why_from_error
 from .link import ServerLink
@@ -513,10 +513,9 @@ def _said(failure: Failure, name: str, why: str, reason: str) -> Failure:
     (what it is about) before its detail: a process builds its error's text from the attributes and the detail
     (``error_from_failure``), so ``reason`` alone was lost where they are set (a connection's peer said which
     server, and no longer which tensor). Not where the rest names the tensor already (a mismatch's name, a
-    timeout's ``what``, the detail itself)."""
-    if failure.code == "mismatch" or repr(name) in failure.what or repr(name) in failure.detail:
-        return replace(failure, message=reason)
-    return replace(failure, message=reason, detail=f"{why}: {failure.detail}" if failure.detail else why)
+    timeout's ``what``, the detail itself: :func:`~protocol.messages.detail_about`)."""
+    detail = detail_about(name, failure.code, failure.what, failure.detail, why)
+    return replace(failure, message=reason, detail=failure.detail if detail is None else detail)
 
 
 class HandBack:

@@ -435,13 +435,14 @@ class Why:
 
     def about(self, name: str) -> Self:
         """This failure as tensor ``name``'s processes hear it: the tensor said before its text and its detail
-        (a process builds its error's text from the facts and the detail), unless they say it already (a
-        mismatch's name, a timeout's ``what``, the detail)."""
-        if self.code == "mismatch" or repr(name) in self.what or repr(name) in self.detail:
+        (a process builds its error's text from the facts and the detail), unless they say it already
+        (:func:`detail_about`)."""
+        detail = detail_about(name, self.code, self.what, self.detail)
+        if detail is None:
             return self
         said = f"tensor {name!r}"
         return dataclasses.replace(self, text=self.text if repr(name) in self.text else f"{said}: {self.text}",
-                                   detail=f"{said}: {self.detail}" if self.detail else said)
+                                   detail=detail)
 
     def heard_by(self, own: str) -> Self:
         """This failure as the side whose tensor ``own`` describes hears it."""
@@ -477,6 +478,16 @@ class Why:
         return cls(message.message, message.code, name=name, ours=message.ours, theirs=message.theirs,
                    peer=message.peer, what=message.what, timeout_s=message.timeout_s, detail=message.detail,
                    sides=(sides[0], sides[1]) if sides else None)
+
+
+def detail_about(name: str, code: str, what: str, detail: str, said: str = "") -> str | None:
+    """A failure's ``detail`` with what it is about (``said``; by default the tensor, "tensor 'name'") before it,
+    for the processes of tensor ``name``, which build their error's text from the facts and the detail; None
+    where these name the tensor already (a mismatch's name, a timeout's ``what``, the detail itself)."""
+    if code == "mismatch" or repr(name) in what or repr(name) in detail:
+        return None
+    said = said or f"tensor {name!r}"
+    return f"{said}: {detail}" if detail else said
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
