@@ -347,6 +347,7 @@ class SummationServer:
         data = self.aggregator.counters.as_dict()
         data["server"] = self.config.server_id
         data["connections"] = len(self.connections)
+        data["workers"] = len(self.links)  # worker daemons connected (their main connections)
         data["pending_connections"] = self.admission.pending  # not handshaken yet
         data["refused_connections"] = self.admission.refused
         data["streams"] = len(self.streams)  # workers' extra connections (Hello.stream > 0)
