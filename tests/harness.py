@@ -23,7 +23,7 @@ from bps_worker.observer import server_stats
 from bps_worker.supervise import Cluster
 
 __all__ = ["SHM_DIR", "daemon_logs", "free_ports", "rank_context", "restart_mid_run", "run_ranks",
-           "run_through_restart", "server_stats", "shm_segments", "start_cluster", "write_config"]
+           "run_through_restart", "server_stats", "shm_segments", "start_cluster", "wait_linked", "write_config"]
 
 SHM_DIR = Path("/dev/shm")
 # What every rank process imports, loaded once into the forkserver (see rank_context). Not the rank programs
@@ -48,6 +48,16 @@ def start_cluster(config_path: Path, log_dir: Path | None = None) -> Cluster:
     cluster = Cluster(str(config_path), log_level="info", log_dir=str(log_dir or config_path.parent / "logs"))
     cluster.start()
     return cluster
+
+
+def wait_linked(cluster: Cluster, server: int, timeout: float = 30.0) -> None:
+    """Wait until every worker daemon is connected to ``server``. The daemons are ready before their links
+    are: a link whose first try met a server not yet listening connects at its next try, up to a second
+    later. A test that speaks as a worker must wait, or its hello takes the id of one not yet connected."""
+    deadline = time.monotonic() + timeout
+    while (stats := server_stats(cluster, only=server)[server])["workers"] < len(cluster.config.worker_specs):
+        assert time.monotonic() < deadline, f"the workers did not all connect to server {server}: {stats}"
+        time.sleep(0.05)
 
 
 def restart_mid_run(cluster: Cluster, victim: str, after_rounds: int, counter: str = "rounds_completed",

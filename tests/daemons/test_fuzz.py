@@ -12,7 +12,7 @@ import msgpack
 
 import rank_programs as rp
 from handshakes import hello_frame
-from harness import run_ranks, start_cluster, write_config
+from harness import run_ranks, start_cluster, wait_linked, write_config
 from protocol import PROTOCOL_VERSION
 from protocol.frames import PREFIX, encode_header
 from protocol.messages import ROLE_CLIENT, ROLE_WORKER, Alloc, Hello, Op, Push, to_header
@@ -82,6 +82,8 @@ def test_fuzzed_frames_never_take_a_daemon_down(tmp_path):
         server = cluster.config.servers[2]
         worker = cluster.config.worker_specs[1]
         daemons = {c.label: c.proc for c in cluster.children}
+        wait_linked(cluster, 2)  # (a fuzzed hello must not take worker 1's id before its daemon connected)
+
         def worker_hello(s: socket.socket) -> bytes:
             return hello_frame(s, cluster.config, 1)
 

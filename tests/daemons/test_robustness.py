@@ -13,7 +13,7 @@ import pytest
 
 import rank_programs as rp
 from handshakes import hello_frame, read_message
-from harness import daemon_logs, run_ranks, server_stats, shm_segments, start_cluster, write_config
+from harness import daemon_logs, run_ranks, server_stats, shm_segments, start_cluster, wait_linked, write_config
 from protocol import PROTOCOL_VERSION
 from protocol.frames import PREFIX, FrameReader, encode_header
 from protocol.handshake import ClientHandshake
@@ -109,6 +109,7 @@ def test_server_drops_bad_frames_and_keeps_serving(cluster, holder_silent):
     # id (it connects at start): a hello from another daemon is refused, naming the holder (unless the holder
     # was not heard lately: then it is taken over); a hello in the holder's name is its reconnect, and takes the
     # id over (the daemon reconnects at once, as after a blip).
+    wait_linked(cluster, 2)  # (else our hello could take worker 1's id before its daemon ever connected)
     reconnects = _connections_to(cluster, worker=1, server=2)
     if holder_silent:
         cluster.kill("worker-1", signal.SIGSTOP)

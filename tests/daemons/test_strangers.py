@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 import rank_programs as rp
-from bps_worker.observer import server_stats
 from handshakes import hello_frame, read_message
-from harness import daemon_logs, run_ranks, start_cluster, write_config
+from harness import daemon_logs, run_ranks, start_cluster, wait_linked, write_config
 from protocol import PROTOCOL_VERSION
 from protocol.frames import FrameReader, encode_message
 from protocol.messages import ROLE_CLIENT, ROLE_OBSERVER, Failure, Hello, Op, Ping, StatsRequest, Welcome, parse
@@ -65,15 +64,6 @@ def cluster(tmp_path: Path):
         yield c
     finally:
         c.stop()
-
-
-def _wait_workers_linked(cluster, sid: int, timeout: float = 30.0) -> None:
-    """Wait until every worker daemon is connected to server ``sid`` (a link may still be retrying when the
-    cluster's daemons are ready: a server that started later than a worker is reached at the next try)."""
-    deadline = time.monotonic() + timeout
-    while (stats := server_stats(cluster, only=sid)[sid])["workers"] < len(cluster.config.worker_specs):
-        assert time.monotonic() < deadline, f"the workers did not all connect to server {sid}: {stats}"
-        time.sleep(0.05)
 
 
 def _sum_still_exact(cluster, tag: str) -> None:
@@ -131,7 +121,7 @@ def test_idle_strangers_from_a_workers_address_do_not_keep_its_handshake_out(clu
     made the server refuse every new connection from there until they went: a worker that lost its connection
     could not reconnect (a review's reproducer). The oldest of them now makes room for the new one."""
     spec = cluster.config.servers[2]
-    _wait_workers_linked(cluster, 2)  # else the handshake below could take worker 1's place, and leave
+    wait_linked(cluster, 2)  # else the handshake below could take worker 1's place, and leave
     idle = [socket.create_connection((spec.host, spec.port), timeout=10) for _ in range(64)]
     try:
         time.sleep(0.5)  # (each is pending at the server by now)
