@@ -42,6 +42,7 @@ import io
 import json
 import re
 import sys
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
@@ -499,6 +500,9 @@ def _bucket_layout(names: list[str], params: list[torch.Tensor]) -> str:
 
 
 _LISTED_PARAMS = 8  # a bucket mismatch names this many of the bucket's parameters
+_BUCKET_RULE = ("every process must give the same parameters (names, shapes, dtypes) in the same order: that of "
+                "named_parameters, or without it that of the optimizer's param groups; and the same bucket_bytes "
+                "and compression")
 
 
 def _bucket_error(bucket: _Bucket, error: BPSError) -> BPSError:
@@ -508,8 +512,7 @@ def _bucket_error(bucket: _Bucket, error: BPSError) -> BPSError:
     sum given up for a mismatch names no tensor: it may be about another bucket fused with this one.)"""
     if not isinstance(error, BPSMismatchError):
         return error
-    rule = ("every process must give the same parameters (names, shapes, dtypes) in the same order: that of "
-            "named_parameters, or without it that of the optimizer's param groups; and the same bucket_bytes")
+    rule = _BUCKET_RULE
     if error.name != bucket.name:
         return BPSMismatchError(f"{error.detail}; {rule}", name=error.name, ours=error.ours, theirs=error.theirs)
     listed = ", ".join(f"{n!r} {p.dtype} {tuple(p.shape)}"
@@ -518,6 +521,111 @@ def _bucket_error(bucket: _Bucket, error: BPSError) -> BPSError:
     listed += f" and {more} more" if more > 0 else ""
     detail = f"{error.detail}; this process's bucket {bucket.name!r} holds {listed}; {rule}"
     return BPSMismatchError(detail, name=error.name, ours=error.ours, theirs=error.theirs)
+
+
+class _LayoutCheck:
+    """Whether every process's DistributedOptimizer over these parameters made the same buckets: one small sum
+    at its first push, whose ``Op.layout`` is a digest of every bucket (name and contents).
+
+    Buckets are named after their first gradient: a process whose ``named_parameters`` come in another order
+    (the same model, listed otherwise) makes buckets of other names, so its peers and it would wait for each
+    other's names (stall: lines, for ever without ``stall_timeout``). The check's name is the same there (a
+    digest of the parameters' names, in any order), its layout is not: every process gets a
+    :class:`BPSMismatchError` at its first step, as DDP's constructor check gives one.
+
+    It never holds a bucket back: it is sent before the first bucket, and ``synchronize`` waits for it while a
+    bucket is unfinished, or once every bucket was summed (then every process sent it: it is answered within
+    moments); not where a bucket failed (processes whose names differ have no common check: their buckets tell)."""
+
+    def __init__(self, buckets: list[_Bucket]) -> None:
+        names = sorted(n for b in buckets for n in b.names)
+        self.name = f"grad.layout.{hashlib.blake2b(chr(0).join(names).encode(), digest_size=6).hexdigest()}"
+        described = json.dumps(sorted([b.name, b.layout, str(b.dtype)] for b in buckets))  # (issued in any order)
+        self.layout = (f"{len(names)} params in {len(buckets)} buckets "
+                       f"{hashlib.blake2b(described.encode(), digest_size=8).hexdigest()}")
+        self.handle: _client.Handle | None = None
+        self.passed = False  # answered: the buckets agree (or the check could not tell: its buckets will)
+        # They differ: what later steps raise, pushing nothing, while a bucket given up then has not ended (its
+        # name is in flight until its peers' come, or the timeout); then the next step checks again.
+        self.error: BPSError | None = None
+        self.stuck: list[_client.Handle] = []
+
+    def blocking(self) -> BPSError | None:
+        """``error``, where this step must push nothing and raise it (see there)."""
+        if self.error is not None and all(h.done() for h in self.stuck):
+            self.error, self.stuck = None, []
+        return self.error
+
+    def send(self) -> None:
+        """Start the check once (before the optimizer's first bucket), sent at once (not left to fusion's cycle)."""
+        if self.handle is None and not self.passed:
+            self.handle = _adapter.start_filled(self.name, np.float32, (1,), _zero, average=False,
+                                                layout=self.layout)
+            _client.poll(self.handle)
+
+    def settle(self, buckets: list[_Bucket]) -> BPSMismatchError | None:
+        """Wait for the check while any bucket is unfinished; its mismatch, once the buckets of names every
+        process has (which fail with it) ended too, within ``LAYOUT_GRACE_S``."""
+        handle = self.handle
+        if handle is None or self.passed:
+            return None
+        try:
+            _wait_for(lambda: _client.poll(handle) or _ended(buckets), None)
+        except BPSError:  # (a handle of a connection shutdown() ended: sent again after init())
+            self.handle = None
+            return None
+        if not handle.done() and not any(b.handle is not None and b.handle.error is not None for b in buckets):
+            # Every bucket was summed: every process has these buckets, and sent this check before them (its
+            # answer comes within moments). Not left in flight: a DistributedOptimizer wrapped again over these
+            # parameters sends it again.
+            _wait_for(lambda: _client.poll(handle), _adapter.settings().timeout)
+        if not handle.done():
+            return None  # a bucket failed first (processes whose names differ have no common check)
+        self.handle = None
+        try:
+            _adapter.finish_view(handle, 0)
+        except BPSMismatchError as exc:
+            _wait_for(lambda: _ended(buckets), LAYOUT_GRACE_S)
+            return BPSMismatchError(f"{exc.detail}: the processes' DistributedOptimizers over these parameters "
+                                    f"made different gradient buckets; {_listed(buckets)}; {_BUCKET_RULE}",
+                                    name=exc.name, ours=exc.ours, theirs=exc.theirs)
+        except BPSError:
+            pass  # (a timeout, a lost peer: the buckets' own errors say it)
+        self.passed = True
+        return None
+
+
+LAYOUT_GRACE_S = 2.0  # after a layout mismatch, how long buckets are waited for (those whose names differ never end)
+
+
+def _ended(buckets: list[_Bucket]) -> bool:
+    return all(b.handle is None or b.handle.done() for b in buckets)
+
+
+def _wait_for(ended: Callable[[], bool], timeout: float | None) -> None:
+    """Poll ``ended`` (1 ms, doubling to 50 ms) until it is true or ``timeout`` seconds passed."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = 0.001
+    while not ended() and (deadline is None or time.monotonic() < deadline):
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
+def _listed(buckets: list[_Bucket]) -> str:
+    """This process's buckets and their parameters, in order (at most ``_LISTED_PARAMS`` parameters)."""
+    parts, left = [], _LISTED_PARAMS
+    for b in buckets:
+        if left <= 0:
+            break
+        shown = ", ".join(f"{n!r} {p.dtype} {tuple(p.shape)}" for n, p in zip(b.names[:left], b.params))
+        parts.append(f"{b.name!r} holds {shown}" + (" ..." if len(b.names) > left else ""))
+        left -= len(b.names)
+    more = len(buckets) - len(parts)
+    return f"this process's buckets: {'; '.join(parts)}" + (f"; and {more} more" if more > 0 else "")
+
+
+def _zero(view: np.ndarray) -> None:
+    view[...] = 0
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -579,6 +687,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._names = self._resolve_names(named_parameters)  # (in the order buckets take them)
         self._buckets = self._make_buckets()
         self._bucket_of = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
+        self._layout = _LayoutCheck(self._buckets) if self._buckets and not asynchronous else None
         self._passes: dict[torch.Tensor, int] = {}
         self._synchronized = False
         self._skip_sync = False
@@ -740,6 +849,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes[p] = count
         if count < self.backward_passes_per_step:
             return
+        if self._layout is not None and self._layout.blocking() is not None:
+            return  # the processes' buckets differ: nothing is filled or pushed (synchronize raises it)
         bucket, index = self._bucket_of[p]
         if count > self.backward_passes_per_step or bucket.handle is not None:
             if index in bucket.filled:  # this error reports the change: step() applies the sum as handed over
@@ -808,6 +919,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _start(self, bucket: _Bucket) -> None:
         bucket.slot = None  # no reference to the slot outlives the push (it may move, or close at shutdown)
+        if self._layout is not None:
+            self._layout.send()
         # the gradients are in the slot already (_fill wrote them through shared_slot)
         bucket.handle = _adapter.start_filled(bucket.name, _numpy_of(bucket.dtype), (bucket.total,), average=True,
                                               priority=bucket.priority, layout=bucket.layout)
@@ -843,7 +956,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return  # nothing to wait for: every gradient stays here
         try:
             self._check_groups()  # (in here: the buckets already started are drained all the same)
+            blocking = self._layout.blocking() if self._layout is not None else None
+            if blocking is not None:
+                raise blocking  # (the hooks started nothing)
             self._start_rest()
+            self._check_layout()
             changed = self._changed_gradient()
             first_error = self._finish_all(write=changed is None) or changed
         finally:
@@ -856,6 +973,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
                            f"DistributedOptimizer was made ({len(late)} such): wrap the optimizer again after "
                            f"unfreezing parameters")
         self._synchronized = True
+
+    def _check_layout(self) -> None:
+        """Where the processes' buckets differ (:class:`_LayoutCheck`): raise at once, with a bucket's own mismatch
+        (it names the bucket) or else the check's, every bucket of this pass given up unwaited (those whose names
+        differ would wait for the timeout); the next steps raise it too while one of those is in flight."""
+        layout = self._layout
+        if layout is None:
+            return
+        mismatch = layout.settle(self._buckets)
+        if mismatch is None:
+            return
+        layout.error = next((_bucket_error(b, b.handle.error) for b in self._buckets if b.handle is not None
+                             and b.handle.done() and isinstance(b.handle.error, BPSMismatchError)), mismatch)
+        layout.stuck = [b.handle for b in self._buckets if b.handle is not None and not b.handle.done()]
+        started = [b.handle for b in self._buckets if b.handle is not None]
+        for bucket in self._buckets:
+            bucket.handle = None
+        _adapter.abandon(started)
+        raise layout.error
 
     def _start_rest(self) -> None:
         """Start every bucket not started yet, its missing gradients taken as they are now."""

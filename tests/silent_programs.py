@@ -104,3 +104,40 @@ def optimizer_cases(cases: list[tuple[Any, ...]], steps: int) -> list[dict[str, 
                 outcomes.append({"error": _facts(exc), "elapsed": time.monotonic() - start})
         results.append({"outcomes": outcomes})
     return results
+
+
+def optimizer_in_another_order(reversed_ranks: list[int]) -> dict[str, Any]:
+    """A DistributedOptimizer whose ``named_parameters`` come reversed on ``reversed_ranks``: three layers, in
+    buckets of two parameters (80 bytes: a bias and its weight), which those ranks name after the weights and
+    the others after the biases (no name in common). Two steps, each one's error and seconds; then, on the same
+    processes, buckets of one parameter each (``bucket_bytes=0``: the same names and contents in any order),
+    whose step must average exactly."""
+    import torch
+
+    import bps_worker.torch as tbps
+
+    torch.set_num_threads(1)
+    rank = tbps.rank()
+    layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+    named = [(f"reorder.{n}", p) for n, p in layers.named_parameters()]
+    opt = tbps.DistributedOptimizer(torch.optim.SGD(layers.parameters(), lr=1.0),
+                                    named_parameters=named[::-1] if rank in reversed_ranks else named,
+                                    bucket_bytes=80)
+    steps: list[dict[str, Any]] = []
+    for _ in range(2):
+        opt.zero_grad()
+        sum(layer(torch.ones(1, 4)).sum() for layer in layers).backward()
+        start = time.monotonic()
+        try:
+            opt.step()
+            steps.append({"error": None})
+        except tbps.BPSError as exc:
+            steps.append({"error": _facts(exc), "elapsed": time.monotonic() - start})
+    single = torch.nn.Parameter(torch.zeros(3))
+    other = torch.nn.Parameter(torch.zeros(2))
+    pairs = [("single.a", single), ("single.b", other)]
+    opt2 = tbps.DistributedOptimizer(torch.optim.SGD([single, other], lr=1.0), bucket_bytes=0,
+                                     named_parameters=pairs[::-1] if rank in reversed_ranks else pairs)
+    (single.sum() * (1 + rank) + other.sum() * 10 * (1 + rank)).backward()
+    opt2.step()
+    return {"steps": steps, "grads": [single.grad.tolist(), other.grad.tolist()]}

@@ -35,7 +35,7 @@ from .handle import Handle
 from .operations import Fill
 from .settings import Settings
 
-__all__ = ["Fill", "finish_view", "settings", "settle", "shared_slot", "start_async", "start_async_init",
+__all__ = ["Fill", "abandon", "finish_view", "settings", "settle", "shared_slot", "start_async", "start_async_init",
            "start_broadcast", "start_cuda", "start_filled"]
 
 
@@ -106,3 +106,10 @@ def settle(handles: list[Handle]) -> None:
     if ops.fusion is not None:  # (a small sum may wait in the fusion buffer for its cycle)
         ops.fusion.flush()
     ops._settle(handles)
+
+
+def abandon(handles: list[Handle]) -> None:
+    """Forget ``handles`` without waiting (sums that cannot succeed, e.g. whose peers issued other names): those
+    not ended are given up, and each name is free again once its operation ends (its timeout at the latest)."""
+    if handles:
+        _operations()._settle(handles, within=0.0)

@@ -384,11 +384,12 @@ class Operations:
             raise first
         return results
 
-    def _settle(self, handles: list[Handle]) -> None:
-        """Wait, within one timeout for them all, for operations that were sent, and forget them, whatever they
-        ended in. One that has not ended by then is given up (``abandoned``): nobody will synchronize it, so its
-        name is free again once it ends (:meth:`_check_free`)."""
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+    def _settle(self, handles: list[Handle], within: float | None = None) -> None:
+        """Wait, within one timeout (or ``within`` seconds) for them all, for operations that were sent, and forget
+        them, whatever they ended in. One that has not ended by then is given up (``abandoned``): nobody will
+        synchronize it, so its name is free again once it ends (:meth:`_check_free`)."""
+        limit = self.timeout if within is None else within
+        deadline = None if limit is None else time.monotonic() + limit
         for handle in handles:
             if handle.wait(None if deadline is None else deadline - time.monotonic()):
                 try:

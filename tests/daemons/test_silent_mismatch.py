@@ -96,3 +96,31 @@ def sp_names(rank: int, tag: str) -> list[str]:
     cases, _ = _cases(rank)
     index = {"local": 1, "remote": 2, "shape": 3}[tag]
     return list(cases[index][0])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reversed_ranks", [[2, 3], [3]], ids=["another-machine", "one-process"])
+def test_named_parameters_in_another_order_fail_every_process_at_once(cluster_2x2: Any,
+                                                                      reversed_ranks: list[int]) -> None:
+    """Buckets are named after their first parameter: a process listing named_parameters in another order
+    made buckets of other names, and every process waited for the others' (stall: lines; the cluster's timeout,
+    or for ever without stall_timeout). The optimizers' first push now compares every bucket: each process
+    gets a BPSMismatchError within seconds, naming its own buckets, and the same at the next step without
+    waiting. Buckets that agree in any order (one parameter each) average as before."""
+    results = run_ranks(cluster_2x2, sp.optimizer_in_another_order, reversed_ranks, timeout=100)
+    mean = sum(1 + r for r in range(SIZE)) / SIZE
+    for rank, r in enumerate(results):
+        first, second = r["steps"]
+        for step in (first, second):
+            error = step["error"]
+            assert error is not None and error["type"] == "BPSMismatchError", (rank, r["steps"])
+            assert error["name"].startswith("grad.layout."), (rank, error)
+            assert "the processes' DistributedOptimizers over these parameters made different gradient " \
+                   "buckets; this process's buckets: 'grad.reorder." in error["text"], (rank, error)
+            assert "in the same order: that of named_parameters" in error["text"], (rank, error)
+        assert first["elapsed"] < 8.0 and second["elapsed"] < 0.5, (rank, first["elapsed"], second["elapsed"])
+        assert second["error"] == first["error"], rank
+        names = "'grad.reorder.0.weight' holds 'reorder.0.weight'" if rank in reversed_ranks else \
+            "'grad.reorder.2.bias' holds 'reorder.2.bias'"
+        assert names in first["error"]["text"], (rank, first["error"]["text"])
+        assert r["grads"] == [[mean] * 3, [10 * mean] * 2], (rank, r["grads"])
