@@ -37,6 +37,7 @@ Theory of operation:
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import select
 import signal
@@ -232,6 +233,10 @@ def _preload() -> None:
     for module in DAEMON_MODULES:
         importlib.import_module(f"{module}.main")
     kernels.warm_up(blas=False)
+    # What the imports built, out of every collection's walk in the daemons (each daemon's own settle_heap walked
+    # it all once more, writing every object's header: a copy of most of the heap's pages in each fork).
+    gc.collect()
+    gc.freeze()
 
 
 def _child(request: dict[str, Any], output: int, helper: int) -> None:
