@@ -525,26 +525,29 @@ def _bucket_error(bucket: _Bucket, error: BPSError) -> BPSError:
 
 class _LayoutCheck:
     """Whether every process's DistributedOptimizer over these parameters made the same buckets: one small sum
-    at its first push, whose ``Op.layout`` is a digest of every bucket (name and contents).
+    each step, sent before the first bucket, whose ``Op.layout`` is a digest of every bucket (name, contents and
+    dtype, as a set: buckets of one parameter each agree in any order).
 
     Buckets are named after their first gradient: a process whose ``named_parameters`` come in another order
     (the same model, listed otherwise) makes buckets of other names, so its peers and it would wait for each
     other's names (stall: lines, for ever without ``stall_timeout``). The check's name is the same there (a
     digest of the parameters' names, in any order), its layout is not: every process gets a
-    :class:`BPSMismatchError` at its first step, as DDP's constructor check gives one.
+    :class:`BPSMismatchError` at once, as DDP's constructor check gives one.
 
-    It never holds a bucket back: it is sent before the first bucket, and ``synchronize`` waits for it while a
-    bucket is unfinished, or once every bucket was summed (then every process sent it: it is answered within
-    moments); not where a bucket failed (processes whose names differ have no common check: their buckets tell)."""
+    Every step, as the buckets: a process that wraps its optimizer again, or a new process of a machine back
+    from a crash, sends it when its peers do (once per optimizer, those were lone checks that nobody answered,
+    and a later optimizer's check met them: a review's cases). It never holds a bucket back. ``synchronize``
+    waits for the buckets, and meanwhile heeds the check's mismatch; then for the check, which every process
+    sent before its buckets, but only a little where a bucket failed (processes whose names differ have no
+    common check: their buckets tell)."""
 
     def __init__(self, buckets: list[_Bucket]) -> None:
         names = sorted(n for b in buckets for n in b.names)
         self.name = f"grad.layout.{hashlib.blake2b(chr(0).join(names).encode(), digest_size=6).hexdigest()}"
-        described = json.dumps(sorted([b.name, b.layout, str(b.dtype)] for b in buckets))  # (issued in any order)
+        described = json.dumps(sorted([b.name, b.layout, str(b.dtype)] for b in buckets))
         self.layout = (f"{len(names)} params in {len(buckets)} buckets "
                        f"{hashlib.blake2b(described.encode(), digest_size=8).hexdigest()}")
-        self.handle: _client.Handle | None = None
-        self.passed = False  # answered: the buckets agree (or the check could not tell: its buckets will)
+        self.handle: _client.Handle | None = None  # this step's
         # They differ: what later steps raise, pushing nothing, while a bucket given up then has not ended (its
         # name is in flight until its peers' come, or the timeout); then the next step checks again.
         self.error: BPSError | None = None
@@ -557,56 +560,59 @@ class _LayoutCheck:
         return self.error
 
     def send(self) -> None:
-        """Start the check once (before the optimizer's first bucket), sent at once (not left to fusion's cycle)."""
-        if self.handle is None and not self.passed:
+        """Start this step's check (before the first bucket), sent at once (not left to fusion's cycle)."""
+        if self.handle is not None:
+            return
+        try:
             self.handle = _adapter.start_filled(self.name, np.float32, (1,), _zero, average=False,
                                                 layout=self.layout)
             _client.poll(self.handle)
+        except BPSError:  # (still in flight from a step that failed: this step goes unchecked)
+            self.handle = None
 
     def settle(self, buckets: list[_Bucket]) -> BPSMismatchError | None:
-        """Wait for the check while any bucket is unfinished; its mismatch, once the buckets of names every
-        process has (which fail with it) ended too, within ``LAYOUT_GRACE_S``."""
-        handle = self.handle
-        if handle is None or self.passed:
+        """Wait for this step's buckets, or for the check's mismatch if it comes first; then for the check. Its
+        mismatch, unless every bucket was summed (then they agree: the check met another optimizer's)."""
+        handle, self.handle = self.handle, None
+        if handle is None:
             return None
-        try:
-            _wait_for(lambda: _client.poll(handle) or _ended(buckets), None)
-        except BPSError:  # (a handle of a connection shutdown() ended: sent again after init())
-            self.handle = None
-            return None
-        if not handle.done() and not any(b.handle is not None and b.handle.error is not None for b in buckets):
-            # Every bucket was summed: every process has these buckets, and sent this check before them (its
-            # answer comes within moments). Not left in flight: a DistributedOptimizer wrapped again over these
-            # parameters sends it again.
-            _wait_for(lambda: _client.poll(handle), _adapter.settings().timeout)
+        started = [b.handle for b in buckets if b.handle is not None]
+        for h in started:
+            _client.poll(h)  # (one waiting in fusion's buffer goes now)
+            while not h.wait(0.05) and not _mismatched(handle):
+                pass
+        summed = all(h.done() and h.error is None for h in started)
+        if not _mismatched(handle):
+            handle.wait(_adapter.settings().timeout if summed else LAYOUT_GRACE_S)
         if not handle.done():
-            return None  # a bucket failed first (processes whose names differ have no common check)
-        self.handle = None
+            _adapter.abandon([handle])  # a bucket failed first, and the check may never come (other names)
+            return None
         try:
             _adapter.finish_view(handle, 0)
         except BPSMismatchError as exc:
-            _wait_for(lambda: _ended(buckets), LAYOUT_GRACE_S)
+            _wait_for(lambda: all(h.done() for h in started), LAYOUT_GRACE_S)
+            if all(h.done() and h.error is None for h in started):
+                return None
             return BPSMismatchError(f"{exc.detail}: the processes' DistributedOptimizers over these parameters "
                                     f"made different gradient buckets; {_listed(buckets)}; {_BUCKET_RULE}",
                                     name=exc.name, ours=exc.ours, theirs=exc.theirs)
         except BPSError:
             pass  # (a timeout, a lost peer: the buckets' own errors say it)
-        self.passed = True
         return None
 
 
-LAYOUT_GRACE_S = 2.0  # after a layout mismatch, how long buckets are waited for (those whose names differ never end)
+LAYOUT_GRACE_S = 2.0  # after a layout mismatch or a failed bucket: how long buckets, or the check, are waited for
 
 
-def _ended(buckets: list[_Bucket]) -> bool:
-    return all(b.handle is None or b.handle.done() for b in buckets)
+def _mismatched(handle: _client.Handle) -> bool:
+    return handle.done() and isinstance(handle.error, BPSMismatchError)
 
 
-def _wait_for(ended: Callable[[], bool], timeout: float | None) -> None:
+def _wait_for(ended: Callable[[], bool], timeout: float) -> None:
     """Poll ``ended`` (1 ms, doubling to 50 ms) until it is true or ``timeout`` seconds passed."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = time.monotonic() + timeout
     pause = 0.001
-    while not ended() and (deadline is None or time.monotonic() < deadline):
+    while not ended() and time.monotonic() < deadline:
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
 

@@ -141,3 +141,67 @@ def optimizer_in_another_order(reversed_ranks: list[int]) -> dict[str, Any]:
     (single.sum() * (1 + rank) + other.sum() * 10 * (1 + rank)).backward()
     opt2.step()
     return {"steps": steps, "grads": [single.grad.tolist(), other.grad.tolist()]}
+
+
+def rewrap_on_one_rank(rewrap_rank: int, steps: int) -> dict[str, Any]:
+    """Every rank trains one model with a DistributedOptimizer; at step 2 ``rewrap_rank`` alone wraps a new one
+    over the same parameters (the same names and buckets: as a process of a machine back from a crash, or a rank
+    that rebuilt its optimizer, does). The buckets agree on every process: each step's seconds and gradient."""
+    import torch
+
+    import bps_worker.torch as tbps
+
+    torch.set_num_threads(1)
+    rank = tbps.rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+
+    def wrap():
+        return tbps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                         named_parameters=model.named_parameters())
+
+    opt = wrap()
+    times, grads = [], []
+    for step in range(steps):
+        if step == 2 and rank == rewrap_rank:
+            opt = wrap()
+        opt.zero_grad()
+        (model(torch.ones(1, 4)) * (1 + rank)).sum().backward()
+        start = time.monotonic()
+        opt.step()
+        times.append(round(time.monotonic() - start, 2))
+        grads.append(model[1].bias.grad.item())
+    return {"times": times, "grads": grads}
+
+
+def rewrap_then_phase_two(rewrap_rank: int) -> dict[str, Any]:
+    """As rewrap_on_one_rank (3 steps, ``rewrap_rank`` wraps again at step 2), then every rank wraps a phase-2
+    optimizer over the same model with bucket_bytes=0 (the same on every rank) and steps twice."""
+    import torch
+
+    import bps_worker.torch as tbps
+
+    torch.set_num_threads(1)
+    rank = tbps.rank()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+
+    def wrap(**kw):
+        return tbps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                         named_parameters=model.named_parameters(), **kw)
+
+    opt = wrap()
+    out = []
+    for step in range(5):
+        if step == 2 and rank == rewrap_rank:
+            opt = wrap()
+        if step == 3:
+            opt = wrap(bucket_bytes=0)  # phase 2, every rank
+        opt.zero_grad()
+        (model(torch.ones(1, 4)) * (1 + rank)).sum().backward()
+        start = time.monotonic()
+        try:
+            opt.step()
+            out.append(["ok", round(time.monotonic() - start, 2), model[1].bias.grad.item()])
+        except tbps.BPSError as exc:
+            out.append([type(exc).__name__, round(time.monotonic() - start, 2), str(exc)[:400]])
+    return {"steps": out}

@@ -707,8 +707,8 @@ child = subprocess.Popen([sys.executable, "-c", "import os, signal, time; signal
 while not os.path.exists(os.path.join({mark!r}, "child-%d" % child.pid)):
     time.sleep(0.01)
 open(os.path.join({mark!r}, "ids-%d" % os.getpid()), "w").write("%d %d" % (os.getsid(0), os.getpgid(0)))
-os.write(1, b"up\\n")
-try:
+try:  # (from before "up": a SIGINT the moment the test reads it, before a sleep, is inside)
+    os.write(1, b"up\\n")
     time.sleep(60)
 except KeyboardInterrupt:
     open(os.path.join({mark!r}, "interrupted-%d" % os.getpid()), "w").close()

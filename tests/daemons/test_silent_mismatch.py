@@ -124,3 +124,26 @@ def test_named_parameters_in_another_order_fail_every_process_at_once(cluster_2x
             "'grad.reorder.2.bias' holds 'reorder.2.bias'"
         assert names in first["error"]["text"], (rank, first["error"]["text"])
         assert r["grads"] == [[mean] * 3, [10 * mean] * 2], (rank, r["grads"])
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_wraps_its_optimizer_again_is_neither_slowed_nor_refused(cluster_2x2: Any) -> None:
+    """Rank 1 alone wraps its optimizer again at step 2 (a review's case): checked once per optimizer, its new
+    check was one nobody answered, and it waited the client's timeout at every step (and its peers with it);
+    checked every step, it meets its peers' check of that step."""
+    results = run_ranks(cluster_2x2, sp.rewrap_on_one_rank, 1, 10, timeout=100, client_timeout=5.0)
+    mean = sum(1 + r for r in range(SIZE)) / SIZE
+    for rank, r in enumerate(results):
+        assert r["grads"] == [mean] * 10, (rank, r)
+        assert max(r["times"][1:]) < 2.0, (rank, r["times"])
+
+
+@pytest.mark.timeout(120)
+def test_a_second_phase_after_one_rank_wrapped_again_has_no_false_mismatch(cluster_2x2: Any) -> None:
+    """As above, then every rank wraps a phase-2 optimizer with bucket_bytes=0 (a review's case): rank 1's
+    unanswered check of its second wrap met the others' phase-2 check, a mismatch where every bucket agreed."""
+    mean = sum(1 + r for r in range(SIZE)) / SIZE
+    for rank, r in enumerate(run_ranks(cluster_2x2, sp.rewrap_then_phase_two, 1, timeout=100, client_timeout=5.0)):
+        assert [s[0] for s in r["steps"]] == ["ok"] * 5, (rank, r)
+        assert [s[2] for s in r["steps"]] == [mean] * 5, (rank, r)
+
