@@ -201,7 +201,9 @@ def test_a_forked_daemon_shares_the_helper_s_heap_rather_than_copying_it(forkser
     try:
         for child in cluster.children:
             memory = _memory_mib(child.proc.pid)
-            assert memory["Private_Dirty"] < memory["Shared_Dirty"], (child.label, memory)
+            # 9-10 MiB private against 58 shared; before, 34-35 against 33 (46 against 100 where the helper had
+            # compiled the kernels itself: a cold numba cache), a review's measures
+            assert 3 * memory["Private_Dirty"] < memory["Shared_Dirty"], (child.label, memory)
     finally:
         cluster.stop()
 
