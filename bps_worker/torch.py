@@ -505,6 +505,13 @@ _BUCKET_RULE = ("every process must give the same parameters (names, shapes, dty
                 "and compression")
 
 
+def _holds(bucket: _Bucket, limit: int = _LISTED_PARAMS) -> str:
+    """``bucket``'s first ``limit`` parameters as an error lists them (name, dtype, shape), and how many more."""
+    listed = ", ".join(f"{n!r} {p.dtype} {tuple(p.shape)}" for n, p in zip(bucket.names[:limit], bucket.params))
+    more = len(bucket.names) - limit
+    return listed + (f" and {more} more" if more > 0 else "")
+
+
 def _bucket_error(bucket: _Bucket, error: BPSError) -> BPSError:
     """A mismatch of a gradient bucket, with what makes the buckets of processes agree; where it is about
     ``bucket`` by name, also naming this process's parameters in it: the digest alone does not say which
@@ -512,14 +519,10 @@ def _bucket_error(bucket: _Bucket, error: BPSError) -> BPSError:
     sum given up for a mismatch names no tensor: it may be about another bucket fused with this one.)"""
     if not isinstance(error, BPSMismatchError):
         return error
-    rule = _BUCKET_RULE
     if error.name != bucket.name:
-        return BPSMismatchError(f"{error.detail}; {rule}", name=error.name, ours=error.ours, theirs=error.theirs)
-    listed = ", ".join(f"{n!r} {p.dtype} {tuple(p.shape)}"
-                       for n, p in zip(bucket.names[:_LISTED_PARAMS], bucket.params))
-    more = len(bucket.names) - _LISTED_PARAMS
-    listed += f" and {more} more" if more > 0 else ""
-    detail = f"{error.detail}; this process's bucket {bucket.name!r} holds {listed}; {rule}"
+        return BPSMismatchError(f"{error.detail}; {_BUCKET_RULE}", name=error.name, ours=error.ours,
+                                theirs=error.theirs)
+    detail = f"{error.detail}; this process's bucket {bucket.name!r} holds {_holds(bucket)}; {_BUCKET_RULE}"
     return BPSMismatchError(detail, name=error.name, ours=error.ours, theirs=error.theirs)
 
 
@@ -623,8 +626,7 @@ def _listed(buckets: list[_Bucket]) -> str:
     for b in buckets:
         if left <= 0:
             break
-        shown = ", ".join(f"{n!r} {p.dtype} {tuple(p.shape)}" for n, p in zip(b.names[:left], b.params))
-        parts.append(f"{b.name!r} holds {shown}" + (" ..." if len(b.names) > left else ""))
+        parts.append(f"{b.name!r} holds {_holds(b, left)}")
         left -= len(b.names)
     more = len(buckets) - len(parts)
     return f"this process's buckets: {'; '.join(parts)}" + (f"; and {more} more" if more > 0 else "")
