@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import write_config
+import rank_programs as rp
+from harness import daemon_logs, run_ranks, start_cluster, write_config
 
 PY = sys.executable
 
@@ -207,6 +208,34 @@ def test_a_daemon_that_cannot_start_under_a_log_dir_is_one_line_with_its_reason_
         f"bps-launch: server-0 exited with status 1 during start-up: bps-server: cannot listen on 127.0.0.1:{port}: "
         f"Address already in use (its log: {tmp_path / 'logs' / 'server-0.log'})"], result.stderr
     assert _pids_with(str(config)) == {}
+
+
+@pytest.mark.usefixtures("forked_daemons")
+def test_a_second_launch_of_a_running_cluster_file_says_why_and_leaves_the_first_alone(tmp_path):
+    """The launcher starts the servers first and the workers once every server listens. A second launch of a
+    cluster file whose cluster runs stops at its servers' busy ports: before, its workers started beside them,
+    connected to the running cluster's servers and were refused there as second daemons of their ids, a
+    screenful of lines in both launches before the one that said why."""
+    config = write_config(tmp_path, [1, 1], cpu_servers=1)
+    first = start_cluster(config, log_dir=tmp_path / "first")
+    try:
+        ports = sorted(int(port) for port in re.findall(r"127\.0\.0\.1:(\d+)", config.read_text()))
+        result = subprocess.run([PY, "-m", "bps_worker.launch", "--config", str(config), "--", PY, "-c",
+                                 "print('ran')"], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 1 and "ran" not in result.stdout, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert re.fullmatch(r"bps-launch: server-\d exited with status 1 during start-up", lines[-1]), result.stderr
+        busy = [int(m.group(1)) for line in lines[:-1]
+                if (m := re.fullmatch(r"bps-server: cannot listen on 127\.0\.0\.1:(\d+): Address already in use",
+                                      line))]
+        assert busy and len(busy) == len(lines) - 1 and set(busy) <= set(ports), result.stderr
+        logs = daemon_logs(first)
+        assert "second daemon" not in logs and "refused" not in logs, logs[-3000:]
+        # The running cluster never noticed: its sums are exact.
+        cases = [("after", "float32", (1000,), False, 1)]
+        assert all(r["exact"] for report in run_ranks(first, rp.sum_cases, cases) for r in report)
+    finally:
+        first.stop()
 
 
 def _notify_socket(tmp_path: Path) -> tuple[socket.socket, str]:
