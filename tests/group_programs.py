@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import numpy as np
@@ -128,4 +129,37 @@ def group_average_mismatch(bad_rank: int, n: int) -> dict[str, Any]:
         error = {"type": type(exc).__name__, "text": str(exc), "name": getattr(exc, "name", None)}
     again = bps.push_pull_group(arrays, names, average=False)
     wrong = sum(int(not (y == size * i + size * (size - 1) // 2).all()) for i, y in enumerate(again))
+    return {"error": error, "wrong": wrong}
+
+
+def group_names_differ(how: str, n: int, stall_s: float) -> dict[str, Any]:
+    """A group of ``n`` small entries in which rank 0 names one entry more ("extra"), names its last one otherwise
+    ("rename"), or (n = 7, "straddle") has one more, so that its group takes the vote and the others' not. Under
+    cluster.stall_timeout: each process's group raises, naming a name that differs (or returns, where its names are
+    all the others'), every shared name having completed (the same shared group again runs at once, exact); then
+    a group the processes share, packed, is exact."""
+    rank, size = bps.rank(), bps.size()
+    begun = time.time()  # (the ranks start together: the same moment on every one)
+    arrays = [np.full(3, rank + i, np.float32) for i in range(n)]
+    names = [f"gd.{i}" for i in range(n)]
+    mine_a, mine_n = list(arrays), list(names)
+    if rank == 0 and how in ("extra", "straddle"):
+        mine_a.append(np.ones(3, np.float32))
+        mine_n.append("gd.extra")
+    elif rank == 0 and how == "rename":
+        mine_n[-1] = "gd.mine"
+    error: dict[str, Any] = {}
+    try:
+        bps.push_pull_group(mine_a, mine_n, average=False)
+    except bps.BPSError as exc:
+        error = {"type": type(exc).__name__, "text": str(exc)}
+    # A group that failed by the stall timeout returns that late: the others wait for it before their next sums,
+    # which would wait as long for it (and fail so).
+    time.sleep(max(0.0, begun + stall_s + 3.0 - time.time()))
+    shared = n if how != "rename" else n - 1
+    again = bps.push_pull_group(arrays[:shared], names[:shared], average=False)
+    wrong = sum(int(not (y == size * i + size * (size - 1) // 2).all()) for i, y in enumerate(again))
+    tree = [np.full(5, rank * 10 + i, np.float32) for i in range(12)]
+    packed = bps.push_pull_group(tree, [f"gd.tree.{i}" for i in range(12)], average=False)
+    wrong += sum(int(not (y == 10 * size * (size - 1) // 2 + size * i).all()) for i, y in enumerate(packed))
     return {"error": error, "wrong": wrong}

@@ -111,6 +111,7 @@ class Operations:
         self.worker = welcome.worker
         self.lock = threading.Lock()  # guards inflight
         self.inflight: dict[str, Handle] = {}
+        self.group_lock = threading.Lock()  # one push_pull_group's vote at a time (its name is shared: client.group)
         # Each name's mode in this process (True: asynchronous), fixed by its first use: a name is either
         # synchronous or asynchronous for the life of a job (the daemons check it across processes too).
         self.modes: dict[str, bool] = {}

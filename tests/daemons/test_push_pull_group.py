@@ -3,12 +3,13 @@ sizes; a mismatch fails its name alone; bad groups start nothing."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 
 import group_programs as gp
-from harness import run_ranks, server_stats
+from harness import run_ranks, server_stats, start_cluster, write_config
 
 
 @pytest.mark.timeout(120)
@@ -63,3 +64,29 @@ def test_bad_groups_are_refused_naming_why_and_start_nothing(cluster_2x2: Any) -
         assert refused["in flight"].startswith("tensor 'gb.1' is already in flight")
         assert r["held"] == [4.0, 4.0]
         assert r["ok"] == [[4.0] * 3, [4.0] * 2]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how, n", [("extra", 10), ("rename", 10), ("straddle", 7)])
+def test_groups_that_name_other_tensors_sum_what_they_share_and_fail_naming_the_rest(tmp_path: Any, how: str,
+                                                                                       n: int) -> None:
+    """The vote is one name for every group. Named after the group's names, processes whose groups named other
+    tensors (one entry more on one, or another name) each waited for ever for a vote of their own, every shared
+    entry with it, the stall warnings naming only the vote; and a group of 7 met one of 8 the same way. Now they go
+    by name: the shared names complete, each differing one fails naming itself (cluster.stall_timeout)."""
+    cluster = start_cluster(write_config(tmp_path, [2, 2], cpu_servers=1,
+                                         cluster={"timeout": 1.0, "stall_timeout": 2.0}))
+    try:
+        results = run_ranks(cluster, gp.group_names_differ, how, n, 2.0, timeout=90, start_together=True)
+    finally:
+        cluster.stop()
+    for rank, r in enumerate(results):
+        assert r["wrong"] == 0, (rank, r)
+        error = r["error"]
+        if how != "rename" and rank > 0:  # every name of theirs is every process's: summed, no error
+            assert error == {}, (rank, error)
+            continue
+        differs = {"extra": "gd.extra", "straddle": "gd.extra", "rename": "gd.mine" if rank == 0 else f"gd.{n - 1}"}
+        assert error["type"] == "BPSTimeoutError", (rank, error)
+        assert re.search(rf"'{differs[how]}'.* timed out after 2 s", error["text"]), (rank, error)
+        assert "\x00" not in error["text"] and "vote" not in error["text"], (rank, error)
