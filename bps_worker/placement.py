@@ -143,8 +143,8 @@ def theorem1_shares(n: int, k: int) -> tuple[Fraction, Fraction]:
 def server_shares(config: ClusterConfig) -> dict[int, Fraction]:
     """Each server's share of every round's bytes (sums to 1).
 
-    Theorem 1 is about machines: where a worker's machine runs several servers (``extra_servers_per_worker``,
-    for more cores), they share its ``M_gpu`` evenly, and its link carries what one server would. One worker
+    Theorem 1 is about machines: where a worker's machine runs several servers (several ``[[server]]`` tables
+    with its ``worker``, for more cores), they share its ``M_gpu`` evenly, and its link carries what one server would. One worker
     machine sends nothing over a network: its own servers take everything (the paper's denominator is 0)."""
     n = config.workers
     cpu = [s.id for s in config.servers if s.worker is None]
@@ -155,6 +155,8 @@ def server_shares(config: ClusterConfig) -> dict[int, Fraction]:
     every_worker = len(colocated) == n
     if every_worker and (len(cpu) <= n or n == 1):
         m_cpu, m_gpu = theorem1_shares(n, min(len(cpu), n))
+        log.info("Theorem 1's split for n = %d, k = %d: %s of every round's bytes on each CPU-only server, %s on "
+                 "each worker machine's servers", n, len(cpu), m_cpu, m_gpu)
         shares = {sid: (Fraction(0) if n == 1 else m_cpu) for sid in cpu}
         for ids in colocated.values():
             shares.update({sid: m_gpu / len(ids) for sid in ids})
