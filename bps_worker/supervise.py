@@ -36,6 +36,7 @@ Theory of operation:
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -155,6 +156,52 @@ def judge(ranks: Sequence[tuple[Child, int | None]], dead_daemon: Child | None, 
     if overdue:
         return Ending(1, f"ranks did not finish within {timeout:g} s")
     return None
+
+
+class ExitOrder:
+    """The order in which processes exit, as well as it can be seen: each one's pidfd (``pidfd_open``) wakes
+    :meth:`wait` as it exits. A job's first failure makes its peers fail a moment later (their connections
+    break), and judged by rank within one poll of their statuses the launcher named a peer, its status and all,
+    about one run in six (a review). Processes that exit within one wake-up of ours are taken by rank; one
+    without a pidfd (an old kernel) is judged after those seen to exit."""
+
+    def __init__(self, children: Sequence[Child]) -> None:
+        self.children = list(children)
+        self.seen: list[Child] = []  # exited, in the order their pidfds woke us
+        self._fds: dict[int, Child] = {}
+        self._poller = select.poll()
+        for child in self.children:
+            try:
+                fd = os.pidfd_open(child.proc.pid)
+            except OSError:
+                continue
+            self._fds[fd] = child
+            self._poller.register(fd, select.POLLIN)
+
+    def __enter__(self) -> "ExitOrder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait at most ``timeout_s`` for one of them to exit; note those that did, in the order seen."""
+        if not self._fds:
+            time.sleep(timeout_s)
+            return
+        for fd, _ in self._poller.poll(timeout_s * 1000):
+            child = self._fds.pop(fd, None)
+            if child is not None:
+                self._poller.unregister(fd)
+                os.close(fd)
+                self.seen.append(child)
+
+    def statuses(self) -> list[tuple[Child, int | None]]:
+        """Every process with its status (None while it runs): those seen to exit first, in that order."""
+        seen = set(map(id, self.seen))
+        return [(child, child.proc.poll()) for child in self.seen + [c for c in self.children if id(c) not in seen]]
 
 
 def stop_in_layers(layers: list[list[Child]], grace_s: float = STOP_GRACE_S,
@@ -315,17 +362,18 @@ class Supervisor:
         return None
 
     def watch(self, ranks: Sequence[Child], timeout: float | None = None) -> Ending:
-        """Wait until ``ranks`` have all exited 0, one failed, a daemon died or ``timeout`` passed (:func:`judge`)."""
+        """Wait until ``ranks`` have all exited 0, one failed, a daemon died or ``timeout`` passed (:func:`judge`,
+        which meets the ranks in the order they exited: :class:`ExitOrder`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if self.interrupted():
-                raise KeyboardInterrupt
-            statuses = [(child, child.proc.poll()) for child in ranks]
-            overdue = deadline is not None and time.monotonic() > deadline
-            ending = judge(statuses, self.dead_daemon(), overdue, timeout)
-            if ending is not None:
-                return ending
-            time.sleep(WATCH_POLL_S)
+        with ExitOrder(ranks) as exits:
+            while True:
+                if self.interrupted():
+                    raise KeyboardInterrupt
+                overdue = deadline is not None and time.monotonic() > deadline
+                ending = judge(exits.statuses(), self.dead_daemon(), overdue, timeout)
+                if ending is not None:
+                    return ending
+                exits.wait(WATCH_POLL_S)
 
     def last_log_line(self, label: str) -> str:
         """The last line of daemon ``label``'s log and where the log is, as a message suffix (empty without

@@ -4,14 +4,16 @@ where a one-box cluster puts its worker sockets."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from bps_worker.cluster_file import write_config
-from bps_worker.supervise import Child, Cluster, Ending, daemon_argv, judge
+from bps_worker.supervise import Child, Cluster, Ending, ExitOrder, Supervisor, daemon_argv, judge
 
 
 @dataclass
@@ -49,6 +51,38 @@ def test_a_dead_daemon_then_the_deadline():
     dead = _child("server-2", -9, daemon=True)
     assert judge([(_child("rank 0"), None)], dead, True, 5.0) == Ending(1, "server-2 exited with status -9", dead)
     assert judge([(_child("rank 0"), None)], None, True, 2.5) == Ending(1, "ranks did not finish within 2.5 s")
+
+
+def _exits(at: float, code: int) -> subprocess.Popen[bytes]:
+    """A process that exits with ``code`` at wall-clock time ``at`` (however long its start took)."""
+    return subprocess.Popen([sys.executable, "-c",
+                             f"import os, time; time.sleep(max(0.0, {at} - time.time())); os._exit({code})"])
+
+
+@pytest.mark.timeout(60)
+def test_the_rank_that_failed_first_is_named_not_the_lowest_of_those_that_followed_it(tmp_path):
+    """Rank 2 fails, and ranks 0 and 1 fail after it (their connections broke): judged by rank within one poll
+    of the statuses (every 50 ms), the launcher named rank 0, its status and all, about one run in six (a
+    review). Each exit now wakes the watch (a pidfd each), which meets the ranks in the order they exited."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for watched in (False, True):
+            at = time.time() + 2.0
+            procs += [_exits(at + 0.15, 3), _exits(at + 0.2, 3), _exits(at, 7)]
+            ranks = [Child(f"rank {i}", proc, daemon=False) for i, proc in enumerate(procs[-3:])]
+            if watched:  # the launcher's wait: it ends at the first failure seen
+                assert Supervisor(tmp_path).watch(ranks) == Ending(7, "rank 2 exited with status 7", ranks[2])
+                continue
+            with ExitOrder(ranks) as exits:
+                while len(exits.seen) < 3:
+                    exits.wait(5.0)
+                assert [c.label for c in exits.seen] == ["rank 2", "rank 0", "rank 1"]
+                assert [(c.label, code) for c, code in exits.statuses()] == [("rank 2", 7), ("rank 0", 3),
+                                                                             ("rank 1", 3)]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def test_daemon_argv():
