@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import random
+import threading
 import time
 from typing import Any
 
@@ -133,17 +135,20 @@ def group_average_mismatch(bad_rank: int, n: int) -> dict[str, Any]:
 
 
 def group_names_differ(how: str, n: int, stall_s: float) -> dict[str, Any]:
-    """A group of ``n`` small entries in which rank 0 names one entry more ("extra"), names its last one otherwise
-    ("rename"), or (n = 7, "straddle") has one more, so that its group takes the vote and the others' not. Under
-    cluster.stall_timeout: each process's group raises, naming a name that differs (or returns, where its names are
-    all the others'), every shared name having completed (the same shared group again runs at once, exact); then
-    a group the processes share, packed, is exact."""
+    """A group of ``n`` small entries in which rank 0 names one entry more ("extra") or names its last one
+    otherwise ("rename"). Under cluster.stall_timeout every process's group fails, its error and the stall lines
+    it logged naming the group (its first names), never the agreement's internal name; then the group the
+    processes share, packed, is exact."""
     rank, size = bps.rank(), bps.size()
     begun = time.time()  # (the ranks start together: the same moment on every one)
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("bps_worker.client").addHandler(handler)
     arrays = [np.full(3, rank + i, np.float32) for i in range(n)]
     names = [f"gd.{i}" for i in range(n)]
     mine_a, mine_n = list(arrays), list(names)
-    if rank == 0 and how in ("extra", "straddle"):
+    if rank == 0 and how == "extra":
         mine_a.append(np.ones(3, np.float32))
         mine_n.append("gd.extra")
     elif rank == 0 and how == "rename":
@@ -152,14 +157,32 @@ def group_names_differ(how: str, n: int, stall_s: float) -> dict[str, Any]:
     try:
         bps.push_pull_group(mine_a, mine_n, average=False)
     except bps.BPSError as exc:
-        error = {"type": type(exc).__name__, "text": str(exc)}
-    # A group that failed by the stall timeout returns that late: the others wait for it before their next sums,
-    # which would wait as long for it (and fail so).
-    time.sleep(max(0.0, begun + stall_s + 3.0 - time.time()))
-    shared = n if how != "rename" else n - 1
-    again = bps.push_pull_group(arrays[:shared], names[:shared], average=False)
+        error = {"type": type(exc).__name__, "text": str(exc), "what": getattr(exc, "what", None)}
+    time.sleep(max(0.0, begun + stall_s + 3.0 - time.time()))  # (every group failed by now: the next is a step)
+    # Another group: its agreement is a name no process pushed yet. (The group of gd.* again would not do: the
+    # processes that pushed its agreement once, failed, are a round ahead of rank 0 on that name, as on any name
+    # some processes push and others do not.)
+    names = [f"gd2.{i}" for i in range(n)]
+    again = bps.push_pull_group(arrays, names, average=False)
     wrong = sum(int(not (y == size * i + size * (size - 1) // 2).all()) for i, y in enumerate(again))
-    tree = [np.full(5, rank * 10 + i, np.float32) for i in range(12)]
-    packed = bps.push_pull_group(tree, [f"gd.tree.{i}" for i in range(12)], average=False)
-    wrong += sum(int(not (y == 10 * size * (size - 1) // 2 + size * i).all()) for i, y in enumerate(packed))
-    return {"error": error, "wrong": wrong}
+    return {"error": error, "wrong": wrong, "stall_lines": [line for line in lines if line.startswith("stall")]}
+
+
+def group_threads(n: int) -> dict[str, Any]:
+    """Two threads, each with a group of its own, started in another order on every other rank: both sum."""
+    rank, size = bps.rank(), bps.size()
+    done: dict[str, bool] = {}
+    order = ["A", "B"] if rank % 2 == 0 else ["B", "A"]
+
+    def run(label: str) -> None:
+        ys = bps.push_pull_group([np.full(2, rank, np.float32) for _ in range(n)], [f"gt.{label}.{i}" for i in range(n)],
+                                 average=False)
+        done[label] = all(bool((y == size * (size - 1) // 2).all()) for y in ys)
+
+    threads = [threading.Thread(target=run, args=(label,), daemon=True) for label in order]
+    threads[0].start()
+    time.sleep(0.3)
+    threads[1].start()
+    for t in threads:
+        t.join(30)
+    return {"done": done, "alive": [t.is_alive() for t in threads]}

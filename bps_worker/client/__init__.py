@@ -214,8 +214,9 @@ def push_pull_group(arrays: Sequence[np.ndarray], names: Sequence[str], *, avera
     entries travel packed into one tensor per dtype (:mod:`bps_worker.client.group`): the daemons see a few
     tensors instead of thousands. Every entry is checked before anything is sent (a bad entry or a name given
     twice starts nothing). A name that differs between processes fails alone, with the error naming it: the
-    others all complete, then the first failure is raised. A name that only some processes list waits for the
-    others, as one pushed alone would (stall warnings, ``cluster.stall_timeout``).
+    others all complete, then the first failure is raised. Groups that name other tensors on other processes
+    cannot meet: they wait, as names pushed one by one would (stall warnings, ``cluster.stall_timeout``), naming
+    the group.
     """
     return group.push_pull_group(_operations(), arrays, names, average=average, priority=priority)
 

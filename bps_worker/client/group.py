@@ -18,21 +18,16 @@ The sums equal ``size`` times one's own chunks and squares only where every proc
 - any differs: every process takes the per-name path (:meth:`Operations.start_group`) for the small entries,
   which names the tensor that differs, on every process, and completes the others.
 
-The vote is one name for every group (``VOTE_NAME``): every call of every process pushes one round of it, so
-the k-th calls of the processes meet whatever their groups name. (Named after the group's names, as it was,
-processes whose groups named different tensors, one entry more on one of them, pushed votes of different
-names and each waited for ever for its own, every common entry with them, the daemons' stall warnings naming
-only the vote: a review's case.) A group smaller than ``PACK_MIN_ENTRIES`` is not worth waiting for the vote:
-it goes by name at once, its vote (zeros, which agree with no group's digest) beside its entries, so a process
-whose group packs and one whose group does not still meet, and go by name. Processes whose groups name
-different tensors then wait for each other's differing names as processes that push different names one by
-one do (the stall warnings name them; ``stall_timeout`` fails them), and sum every name they share. Calls of
-one process are one after another (``Operations.group_lock``): the vote is in flight once at a time. Calls of
-several threads may meet other groups' votes on other processes: those go by name, as any difference does.
-
-The large entries always go by name, started at once (a per-name sum needs no agreement). The packed tensors'
-names are the client's own (``GROUP_PREFIX`` and a digest of the group's names), so two calls with the same
-names use the same slots every step.
+The large entries always go by name, started at once (a per-name sum needs no agreement). The agreement's
+name and the packed tensors' are the client's own (``GROUP_PREFIX`` and a digest of the group's names), so
+two calls with the same names use the same slots every step. A group smaller than ``PACK_MIN_ENTRIES`` is not
+worth a round trip for the agreement and goes by name throughout (its size is the same on every process that
+names the same tensors). Processes whose groups name different tensors push agreements of different names:
+each waits for its own, as processes that push different names one by one wait (for ever, or
+``cluster.stall_timeout``). The stall warnings and the error then name the group (a few of its names, and how
+many), not the agreement's internal name. (One agreement name for every group, tried to let such groups meet
+and go by name, put the agreements of one process's threads' groups in a lock cycle with the peers', and one
+process's extra call a round out of step with its peers' calls for good: a review.)
 """
 
 from __future__ import annotations
@@ -46,21 +41,19 @@ import numpy as np
 
 from protocol.messages import KIND_SUM
 
-from ..errors import BPSError
+from ..errors import BPSError, _rebuild
 from .arguments import GROUP_PREFIX
 from .handle import Handle
 
 if TYPE_CHECKING:
     from .operations import Operations
 
-__all__ = ["PACK_MAX_BYTES", "PACK_MIN_ENTRIES", "VOTE_NAME", "GroupPlan", "agreement", "agrees", "push_pull_group"]
+__all__ = ["PACK_MAX_BYTES", "PACK_MIN_ENTRIES", "GroupPlan", "agreement", "agrees", "push_pull_group"]
 
 # Entries of at most this many bytes are packed (a constant, not a setting: every process must pack alike).
 PACK_MAX_BYTES: Final = 64 * 1024
 # Groups with fewer entries go by name (the agreement's round trip would cost more than it saves).
 PACK_MIN_ENTRIES: Final = 8
-# The agreement's name: one for every group (see the module docstring).
-VOTE_NAME: Final = f"{GROUP_PREFIX}vote"
 # The digest is compared as this many chunks of CHUNK_BITS bits: a chunk's square times the job's size stays
 # far inside int64 (2**40 * 2**20 processes).
 CHUNKS: Final = 4
@@ -81,7 +74,7 @@ class Packed:
 class GroupPlan:
     """How one call's entries go: the packed tensors, the large entries, the digests that name them."""
 
-    names_digest: str  # of the sorted names alone: the packed tensors' names
+    names_digest: str  # of the sorted names alone: the agreement's and the packed tensors' names
     digest: bytes  # of every entry's name, dtype and shape, and of average: what the processes must agree on
     packed: list[Packed]
     large: list[int]  # indexes of the entries that go by name whatever happens
@@ -131,50 +124,8 @@ def push_pull_group(ops: Operations, arrays: Sequence[Any], names: Sequence[Any]
     if len(arrays) != len(names):
         raise BPSError(f"push_pull_group: {len(arrays)} arrays but {len(names)} names")
     arrays = [np.asarray(a) for a in arrays]
-    with ops.group_lock:
-        if len(arrays) < PACK_MIN_ENTRIES:
-            return _by_name(ops, arrays, names, average, priority)
-        return _agreed(ops, arrays, names, average, priority)
-
-
-def _vote(ops: Operations, mine: np.ndarray, priority: int) -> Handle:
-    vote = ops.start(mine, VOTE_NAME, KIND_SUM, average=False, priority=priority, root=-1, out=None, internal=True)
-    vote.call = "push_pull_group"  # (the timeline's name of the call it is part of)
-    return vote
-
-
-def _by_name(ops: Operations, arrays: list[np.ndarray], names: Sequence[Any], average: bool,
-             priority: int) -> list[np.ndarray]:
-    """A small group: its entries by name, its vote (zeros: no group agrees with it) beside them."""
-    handles = ops.start_group(arrays, names, average=average, priority=priority)
-    try:
-        vote = _vote(ops, agreement(bytes(16)), priority)
-    except BaseException:
-        ops.finish_group(handles)  # (no entry stays in flight; its error, if any, first)
-        raise
-    try:
-        results = ops.finish_group(handles)
-    except BPSError:
-        _end_vote(ops, vote)
-        raise
-    except BaseException:  # (an interrupt: not kept waiting for the peers' votes)
-        ops._settle([vote], within=0.0)
-        raise
-    _end_vote(ops, vote)
-    return results
-
-
-def _end_vote(ops: Operations, vote: Handle) -> None:
-    """Wait for a small group's vote (its peers' votes come with their groups); its sum says nothing."""
-    try:
-        ops.finish(vote, None)
-    except BPSError:
-        pass  # (what failed it failed the entries too, or concerns no entry of this group)
-
-
-def _agreed(ops: Operations, arrays: list[np.ndarray], names: Sequence[Any], average: bool,
-            priority: int) -> list[np.ndarray]:
-    """A group of ``PACK_MIN_ENTRIES`` or more: the vote, then packed where every process agrees."""
+    if len(arrays) < PACK_MIN_ENTRIES:
+        return ops.finish_group(ops.start_group(arrays, names, average=average, priority=priority))
     checked = [ops.checked(name, a.dtype, a.shape, average, priority) for a, name in zip(arrays, names)]
     names = [c[0] for c in checked]
     for name in names:  # packed, the daemons never see these names: the process checks their mode alone
@@ -194,7 +145,7 @@ def _agreed(ops: Operations, arrays: list[np.ndarray], names: Sequence[Any], ave
     failure: BaseException | None = None
     try:
         mine = agreement(plan.digest)
-        summed = ops.finish(_vote(ops, mine, priority), None)
+        summed = _agree(ops, mine, f"{GROUP_PREFIX}{plan.names_digest}/agree", names, priority)
         if agrees(mine, summed, ops.size):
             _sum_packed(ops, plan, arrays, results, average, priority)
         else:  # some process's group differs: by name, so that the one that differs is named
@@ -214,6 +165,25 @@ def _agreed(ops: Operations, arrays: list[np.ndarray], names: Sequence[Any], ave
         raise failure
     assert all(r is not None for r in results)
     return results  # type: ignore[return-value]
+
+
+def _agree(ops: Operations, mine: np.ndarray, name: str, names: list[str], priority: int) -> np.ndarray:
+    """The agreement's sum. While it is in flight the daemons' stall notices that name it name the group instead
+    (:meth:`Operations.describe_notice`), and so does its error."""
+    shown = ", ".join(repr(n) for n in sorted(names)[:3])
+    about = (f"the agreement of a push_pull_group of {len(names)} tensors ({shown}{', ...' if len(names) > 3 else ''}"
+             f"; every process's group must name the same tensors)")
+    ops.group_votes[name] = about
+    try:
+        return ops.finish(ops.start(mine, name, KIND_SUM, average=False, priority=priority, root=-1, out=None,
+                                    internal=True), None)
+    except BPSError as exc:
+        def named(text: Any) -> Any:
+            return text.replace(f"tensor {name!r}", about).replace(repr(name), about) if isinstance(text, str) else text
+        raise _rebuild(type(exc), tuple(map(named, exc.args)),
+                       {k: named(v) for k, v in exc._attributes().items()}) from None
+    finally:
+        ops.group_votes.pop(name, None)
 
 
 def _sum_packed(ops: Operations, plan: GroupPlan, arrays: list[np.ndarray], results: list[np.ndarray | None],
