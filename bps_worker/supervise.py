@@ -162,8 +162,9 @@ class ExitOrder:
     """The order in which processes exit, as well as it can be seen: each one's pidfd (``pidfd_open``) wakes
     :meth:`wait` as it exits. A job's first failure makes its peers fail a moment later (their connections
     break), and judged by rank within one poll of their statuses the launcher named a peer, its status and all,
-    about one run in six (a review). Processes that exit within one wake-up of ours are taken by rank; one
-    without a pidfd (an old kernel) is judged after those seen to exit."""
+    about one run in six (a review). Processes that exit within one wake-up of ours are taken by rank, and so
+    are those that exited before the watch began (first); one without a pidfd (an old kernel) is judged after
+    those seen to exit."""
 
     def __init__(self, children: Sequence[Child]) -> None:
         self.children = list(children)
@@ -171,9 +172,14 @@ class ExitOrder:
         self._fds: dict[int, Child] = {}
         self._poller = select.poll()
         for child in self.children:
+            if child.proc.poll() is not None:  # exited before the watch began (reaped, maybe, by another wait)
+                self.seen.append(child)
+                continue
             try:
                 fd = os.pidfd_open(child.proc.pid)
             except OSError:
+                if child.proc.poll() is not None:
+                    self.seen.append(child)
                 continue
             self._fds[fd] = child
             self._poller.register(fd, select.POLLIN)

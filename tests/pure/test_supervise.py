@@ -85,6 +85,21 @@ def test_the_rank_that_failed_first_is_named_not_the_lowest_of_those_that_follow
             proc.wait()
 
 
+def test_a_rank_that_exited_before_the_watch_began_is_judged_first():
+    early = subprocess.Popen([sys.executable, "-c", "import os; os._exit(5)"])
+    early.wait()  # (reaped, as the launcher's stdin thread may reap rank 0)
+    later = _exits(time.time() + 0.5, 3)
+    ranks = [Child("rank 0", later, daemon=False), Child("rank 1", early, daemon=False)]
+    try:
+        with ExitOrder(ranks) as exits:
+            assert exits.seen == [ranks[1]]
+            exits.wait(5.0)
+            assert [(c.label, code) for c, code in exits.statuses()] == [("rank 1", 5), ("rank 0", 3)]
+    finally:
+        later.kill()
+        later.wait()
+
+
 def test_daemon_argv():
     assert daemon_argv(["py", "-m", "bps_server"], Path("/c.toml"), 2, log_level="info") == (
         "py", "-m", "bps_server", "--config", "/c.toml", "--id", "2", "--log-level", "info")
