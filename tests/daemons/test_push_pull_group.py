@@ -74,7 +74,8 @@ def test_groups_that_name_other_tensors_fail_naming_the_group_not_its_internal_a
     names and wait for them as for names pushed one by one. Their stall lines and (cluster.stall_timeout) errors
     named only the agreement's internal name ('\\x00group/<digest>/agree', a review); they name the group now.
     The job goes on: the shared group next is exact."""
-    cluster = start_cluster(write_config(tmp_path, [2, 2], cpu_servers=1,
+    # (one process a machine: each group waits at the servers alone, its error the planner's timeout)
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=1,
                                          cluster={"timeout": 1.0, "stall_timeout": 2.0}))
     try:
         results = run_ranks(cluster, gp.group_names_differ, how, 10, 2.0, timeout=90, start_together=True)
@@ -87,7 +88,8 @@ def test_groups_that_name_other_tensors_fail_naming_the_group_not_its_internal_a
         assert error["type"] == "BPSTimeoutError", (rank, error)
         assert re.search(group + r".*every process's group must name the same tensors\) timed out after 2 s",
                         error["text"]), (rank, error)
-        assert error["what"].startswith("the agreement of a push_pull_group"), (rank, error)
+        # (its worker's local round, or the server's round: "round 0 of ...", whichever timed out first)
+        assert "the agreement of a push_pull_group of 1" in error["what"], (rank, error)
         assert "\\x00" not in error["text"] and "agree'" not in error["text"], (rank, error)
         assert all("\\x00group" not in line for line in r["stall_lines"]), (rank, r["stall_lines"])
     lines = [line for r in results for line in r["stall_lines"]]
