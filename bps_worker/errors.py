@@ -18,12 +18,12 @@ and :func:`why_from_error` hands one on to the peers on other machines (an abort
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from protocol.messages import Failure, Why
 
 __all__ = ["BPSError", "BPSMismatchError", "BPSConnectionError", "BPSTimeoutError", "LinkBrokenError",
-           "AnswerLostError", "error_from_failure", "failure_from_error", "why_from_error"]
+           "AnswerLostError", "error_from_failure", "failure_from_error", "reworded", "why_from_error"]
 
 
 def _join(head: str, detail: str) -> str:
@@ -39,6 +39,14 @@ class BPSError(RuntimeError):
     def __reduce__(self) -> tuple[Any, ...]:
         # Keep the attributes across pickling (an error handed from a worker process or thread pool).
         return (_rebuild, (type(self), self.args, self._attributes()))
+
+
+def reworded(error: BPSError, change: Callable[[str], str]) -> BPSError:
+    """``error`` again, of its class, with ``change`` applied to its message and to each of its text attributes
+    (an internal name put in the words of the call that used it)."""
+    def text(value: Any) -> Any:
+        return change(value) if isinstance(value, str) else value
+    return _rebuild(type(error), tuple(map(text, error.args)), {k: text(v) for k, v in error._attributes().items()})
 
 
 def _rebuild(cls: type[BPSError], args: tuple[Any, ...], attributes: dict[str, Any]) -> BPSError:

@@ -144,8 +144,9 @@ def server_shares(config: ClusterConfig) -> dict[int, Fraction]:
     """Each server's share of every round's bytes (sums to 1).
 
     Theorem 1 is about machines: where a worker's machine runs several servers (several ``[[server]]`` tables
-    with its ``worker``, for more cores), they share its ``M_gpu`` evenly, and its link carries what one server would. One worker
-    machine sends nothing over a network: its own servers take everything (the paper's denominator is 0)."""
+    with its ``worker``, for more cores), they share its ``M_gpu`` evenly, and its link carries what one server
+    would. One worker machine sends nothing over a network: its own servers take everything (the paper's
+    denominator is 0)."""
     n = config.workers
     cpu = [s.id for s in config.servers if s.worker is None]
     colocated: dict[int, list[int]] = {}

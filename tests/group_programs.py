@@ -175,8 +175,8 @@ def group_threads(n: int) -> dict[str, Any]:
     order = ["A", "B"] if rank % 2 == 0 else ["B", "A"]
 
     def run(label: str) -> None:
-        ys = bps.push_pull_group([np.full(2, rank, np.float32) for _ in range(n)], [f"gt.{label}.{i}" for i in range(n)],
-                                 average=False)
+        ys = bps.push_pull_group([np.full(2, rank, np.float32) for _ in range(n)],
+                                 [f"gt.{label}.{i}" for i in range(n)], average=False)
         done[label] = all(bool((y == size * (size - 1) // 2).all()) for y in ys)
 
     threads = [threading.Thread(target=run, args=(label,), daemon=True) for label in order]

@@ -41,7 +41,7 @@ import numpy as np
 
 from protocol.messages import KIND_SUM
 
-from ..errors import BPSError, _rebuild
+from ..errors import BPSError, reworded
 from .arguments import GROUP_PREFIX
 from .handle import Handle
 
@@ -178,10 +178,7 @@ def _agree(ops: Operations, mine: np.ndarray, name: str, names: list[str], prior
         return ops.finish(ops.start(mine, name, KIND_SUM, average=False, priority=priority, root=-1, out=None,
                                     internal=True), None)
     except BPSError as exc:
-        def named(text: Any) -> Any:
-            return text.replace(f"tensor {name!r}", about).replace(repr(name), about) if isinstance(text, str) else text
-        raise _rebuild(type(exc), tuple(map(named, exc.args)),
-                       {k: named(v) for k, v in exc._attributes().items()}) from None
+        raise reworded(exc, lambda text: text.replace(f"tensor {name!r}", about).replace(repr(name), about)) from None
     finally:
         ops.group_votes.pop(name, None)
 

@@ -9,7 +9,7 @@ from typing import get_args
 import pytest
 
 from bps_worker.errors import (BPSConnectionError, BPSError, BPSMismatchError, BPSTimeoutError, error_from_failure,
-                               why_from_error)
+                               reworded, why_from_error)
 from protocol import messages as m
 from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from protocol.frames import FrameReader, encode_header
@@ -237,3 +237,15 @@ def test_an_error_told_on_to_the_peers_keeps_its_code_and_facts_and_a_mismatch_b
     assert (late.code, late.what, late.timeout_s) == ("timeout", "round 2 of 'w'", 5.0)
     assert why_from_error(KeyError("a bug"), "internal error") == m.Why("internal error")
     assert why_from_error(BPSError("plain"), "plain") == m.Why("plain")
+
+
+def test_reworded_keeps_the_class_and_changes_every_text():
+    slow = reworded(BPSTimeoutError("worker 0 did not push it", what="round 0 of 'x'", timeout_s=2.0),
+                    lambda text: text.replace("'x'", "the agreement"))
+    assert type(slow) is BPSTimeoutError and (slow.what, slow.timeout_s, slow.detail) == (
+        "round 0 of the agreement", 2.0, "worker 0 did not push it")
+    assert str(slow) == "round 0 of the agreement timed out after 2 s: worker 0 did not push it"
+    gone = reworded(BPSConnectionError("lost 'x'", peer="server 1"), lambda text: text.replace("'x'", "it"))
+    assert type(gone) is BPSConnectionError and (gone.peer, gone.detail, str(gone)) == (
+        "server 1", "lost it", "connection to server 1 failed: lost it")
+    assert str(reworded(BPSError("plain 'x'"), lambda text: text.upper())) == "PLAIN 'X'"
