@@ -994,8 +994,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         layout.error = next((_bucket_error(b, b.handle.error) for b in self._buckets if b.handle is not None
                              and b.handle.done() and isinstance(b.handle.error, BPSMismatchError)), mismatch)
-        layout.stuck = [b.handle for b in self._buckets if b.handle is not None and not b.handle.done()]
         started = [b.handle for b in self._buckets if b.handle is not None]
+        layout.stuck = [h for h in started if not h.done()]
         for bucket in self._buckets:
             bucket.handle = None
         _adapter.abandon(started)

@@ -137,8 +137,8 @@ def group_average_mismatch(bad_rank: int, n: int) -> dict[str, Any]:
 def group_names_differ(how: str, n: int, stall_s: float) -> dict[str, Any]:
     """A group of ``n`` small entries in which rank 0 names one entry more ("extra") or names its last one
     otherwise ("rename"). Under cluster.stall_timeout every process's group fails, its error and the stall lines
-    it logged naming the group (its first names), never the agreement's internal name; then the group the
-    processes share, packed, is exact."""
+    it logged naming the group (its first names), never the agreement's internal name; then another group,
+    the same on every process, packed, is exact."""
     rank, size = bps.rank(), bps.size()
     begun = time.time()  # (the ranks start together: the same moment on every one)
     lines: list[str] = []

@@ -78,7 +78,7 @@ class Connection:
         # keeps it alive, and the daemon may free it for room once told it is mapped (or after its timeout).
         self.map_result: Callable[[str, str], SharedMemory] | None = None
         self.mapped_result: Callable[[str], str | None] | None = None  # the segment a name's last result was in
-        self.describe_notice: Callable[[str], str] | None = None  # a notice's line as logged (client.operations)
+        self.describe_notice: Callable[[str], str] | None = None  # a notice's line as logged (client.group.described)
         # The daemon keeps such a segment until told it is mapped (Taken): the requests of the Dones mapped and
         # not told yet (appended by the reader thread), and the part of a frame that could not go at once (under
         # send_lock). Both go ahead of the next message, or with the reader's next try (see _acknowledge).

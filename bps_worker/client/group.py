@@ -33,9 +33,10 @@ process's extra call a round out of step with its peers' calls for good: a revie
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from math import prod
-from typing import TYPE_CHECKING, Any, Final, Sequence
+from typing import TYPE_CHECKING, Any, Final, Mapping, Sequence
 
 import numpy as np
 
@@ -48,7 +49,8 @@ from .handle import Handle
 if TYPE_CHECKING:
     from .operations import Operations
 
-__all__ = ["PACK_MAX_BYTES", "PACK_MIN_ENTRIES", "GroupPlan", "agreement", "agrees", "push_pull_group"]
+__all__ = ["PACK_MAX_BYTES", "PACK_MIN_ENTRIES", "GroupPlan", "agreement", "agrees", "described",
+           "push_pull_group"]
 
 # Entries of at most this many bytes are packed (a constant, not a setting: every process must pack alike).
 PACK_MAX_BYTES: Final = 64 * 1024
@@ -167,12 +169,27 @@ def push_pull_group(ops: Operations, arrays: Sequence[Any], names: Sequence[Any]
     return results  # type: ignore[return-value]
 
 
+# What an agreement's words end with, and how a notice names one this process does not wait for (repr: NUL
+# escaped).
+_RULE: Final = "every process's group must name the same tensors"
+_OTHER_AGREEMENT: Final = re.compile(r"(tensor )?'" + re.escape(repr(GROUP_PREFIX)[1:-1]) + r"[0-9a-f]+/agree'")
+
+
+def described(votes: Mapping[str, str], line: str) -> str:
+    """A daemon's notice as the process logs it: each agreement of ``votes`` (in flight here: its name -> its
+    words) named as its group, any other as another process's group, of other tensors."""
+    for name, about in list(votes.items()):  # (the reader thread: a copy, the dict may change)
+        line = line.replace(f"tensor {name!r}", about).replace(repr(name), about)
+    return _OTHER_AGREEMENT.sub(f"the agreement of another process's push_pull_group, of other tensors than this "
+                                f"process's ({_RULE})", line)
+
+
 def _agree(ops: Operations, mine: np.ndarray, name: str, names: list[str], priority: int) -> np.ndarray:
     """The agreement's sum. While it is in flight the daemons' stall notices that name it name the group instead
-    (:meth:`Operations.describe_notice`), and so does its error."""
+    (:func:`described`), and so does its error."""
     shown = ", ".join(repr(n) for n in sorted(names)[:3])
     about = (f"the agreement of a push_pull_group of {len(names)} tensors ({shown}{', ...' if len(names) > 3 else ''}"
-             f"; every process's group must name the same tensors)")
+             f"; {_RULE})")
     ops.group_votes[name] = about
     try:
         return ops.finish(ops.start(mine, name, KIND_SUM, average=False, priority=priority, root=-1, out=None,

@@ -19,11 +19,11 @@ import math
 import numbers
 import operator
 import os
-import re
 import threading
 import time
 import weakref
 from collections import Counter
+from functools import partial
 from math import prod
 from typing import Any, Callable, Final, Iterable, NamedTuple, Sequence, SupportsIndex
 
@@ -35,8 +35,9 @@ from protocol.messages import ASYNC_KINDS, KIND_ASYNC, KIND_ASYNC_INIT, KIND_BRO
 from bps_runtime.timeline import Timeline, now_us
 
 from ..errors import BPSError, BPSTimeoutError
-from .arguments import (GROUP_PREFIX, INPUT_PREFIX, check_average, check_dtype, check_layout, check_name, check_out,
+from .arguments import (INPUT_PREFIX, check_average, check_dtype, check_layout, check_name, check_out,
                         check_priority, check_shape, check_staleness)
+from . import group
 from .arrays import NUMPY_DTYPES, same_memory, view_of
 from .connection import Connection
 from .fusion import Entry, FusionBuffer
@@ -89,10 +90,6 @@ def _timeline(path: str, rank: int) -> Timeline:
         raise BPSError(f"cannot write the timeline {where!r}: {exc.strerror or exc}") from None
 
 
-# A push_pull_group's agreement (client.group) as a notice names it (repr: its NUL escaped).
-_OTHER_AGREEMENT: Final = re.compile(r"(tensor )?'" + re.escape(repr(GROUP_PREFIX)[1:-1]) + r"[0-9a-f]+/agree'")
-
-
 class Operations:
     """The process's connection to its worker daemon and its operations (one per process)."""
 
@@ -136,7 +133,7 @@ class Operations:
         self._pin_lock = threading.Lock()
         self._input_of: dict[str, str] = {}  # the slot of our own that a shared array's fused sum reads -> its name
         self.slots = SlotMap(self.conn.allocate, welcome.arena_bytes, self._holds)
-        self.conn.describe_notice = self.describe_notice
+        self.conn.describe_notice = partial(group.described, self.group_votes)
         self.conn.map_result = self.slots.result_segment
         self.conn.mapped_result = self.slots.results.get
         self.timeline = None if settings.timeline is None else _timeline(settings.timeline, self.rank)
@@ -585,14 +582,6 @@ class Operations:
             raise BPSError(f"handle of {handle.name!r} belongs to a connection to the worker daemon that was "
                            "shut down (shutdown(), then init() again): its result went with it; start the "
                            "operation again")
-
-    def describe_notice(self, line: str) -> str:
-        """A daemon's notice as the process logs it: a push_pull_group's agreement named as its group (as another
-        process's group, of other tensors, where this process waits for none of that name)."""
-        for name, about in list(self.group_votes.items()):  # (the reader thread: a copy, the dict may change)
-            line = line.replace(f"tensor {name!r}", about).replace(repr(name), about)
-        return _OTHER_AGREEMENT.sub("the agreement of another process's push_pull_group, of other tensors than this "
-                                    "process's (every process's group must name the same tensors)", line)
 
     def poll(self, handle: Handle) -> bool:
         """Whether ``handle``'s operation finished (a waiting fused one is sent now)."""

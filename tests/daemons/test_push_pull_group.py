@@ -73,7 +73,7 @@ def test_groups_that_name_other_tensors_fail_naming_the_group_not_its_internal_a
     """Processes whose groups name other tensors (one entry more on one, or another name) push agreements of other
     names and wait for them as for names pushed one by one. Their stall lines and (cluster.stall_timeout) errors
     named only the agreement's internal name ('\\x00group/<digest>/agree', a review); they name the group now.
-    The job goes on: the shared group next is exact."""
+    The job goes on: a group the same on every process, next, is exact."""
     # (one process a machine: each group waits at the servers alone, its error the planner's timeout)
     cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=1,
                                          cluster={"timeout": 1.0, "stall_timeout": 2.0}))
