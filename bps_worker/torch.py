@@ -40,6 +40,7 @@ import contextlib
 import hashlib
 import io
 import json
+import operator
 import re
 import sys
 import time
@@ -444,6 +445,18 @@ class _Seen(NamedTuple):
         return grad is not self.grad or (grad is not None and grad._version != self.version)
 
 
+class _GradientChanged(BPSError):
+    """A gradient changed between backward() and the step (see :meth:`DistributedOptimizer.synchronize`);
+    ``written``: the averages were written into ``.grad`` all the same."""
+
+    def __init__(self, message: str, *, written: bool) -> None:
+        super().__init__(message)
+        self.written = written
+
+    def _attributes(self) -> dict[str, Any]:
+        return {"written": self.written}
+
+
 def _scaler_unscaled(optimizer: object) -> bool:
     """Whether a torch GradScaler's ``step(optimizer)`` is calling ours after it unscaled the gradients in place
     (torch's documented AMP usage: ``scaler.step`` unscales first, and its kernel leaves ``_version`` alone): the
@@ -690,7 +703,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self.bucket_bytes = bucket_bytes
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._group_sizes = self._groups_shape()  # (see _check_groups)
+        self._groups = self._groups_now()  # (see _check_groups)
         self._positional = named_parameters is None
         self._names = self._resolve_names(named_parameters)  # (in the order buckets take them)
         self._buckets = self._make_buckets()
@@ -933,21 +946,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket.handle = _adapter.start_filled(bucket.name, _numpy_of(bucket.dtype), (bucket.total,), average=True,
                                               priority=bucket.priority, layout=bucket.layout)
 
-    def _groups_shape(self) -> list[int]:
-        return [len(group["params"]) for group in self.optimizer.param_groups]
+    def _groups_now(self) -> list[tuple[torch.Tensor, ...]]:
+        return [tuple(group["params"]) for group in self.optimizer.param_groups]
 
     def _check_groups(self) -> None:
         """The wrapped optimizer has the parameters it had when wrapped: one added since (its own
-        ``add_param_group``, a group appended to ``param_groups``) would be stepped with this process's own
-        gradient, unlike the others (the models drift apart, no error: a review's case). Counted per group, a
-        few list lengths a step."""
-        if self._groups_shape() != self._group_sizes:
-            known = dict.fromkeys(self._params)
-            new = [p for group in self.optimizer.param_groups for p in group["params"] if p not in known]
-            raise BPSError(f"the wrapped optimizer's parameters changed after DistributedOptimizer wrapped it "
-                           f"({len(new)} new, e.g. of shape {tuple(new[0].shape) if new else '?'}: a param group "
-                           f"added to it, or parameters appended to one): they would be stepped with this "
-                           f"process's own gradient. Wrap the optimizer once it has all its parameters")
+        ``add_param_group``, a group appended to ``param_groups``) or put in another's place (a re-initialised
+        layer's) would be stepped with this process's own gradient, unlike the others (the models drift apart, no
+        error: two reviews' cases; counting them per group missed the one put in another's place). Compared by
+        identity, in C: well under a microsecond a parameter, a step."""
+        groups = self.optimizer.param_groups
+        if len(groups) == len(self._groups) and all(
+                len(group["params"]) == len(known) and all(map(operator.is_, group["params"], known))
+                for group, known in zip(groups, self._groups)):
+            return
+        known_params = dict.fromkeys(self._params)
+        new = [p for group in groups for p in group["params"] if p not in known_params]
+        raise BPSError(f"the wrapped optimizer's parameters changed after DistributedOptimizer wrapped it "
+                       f"({len(new)} new, e.g. of shape {tuple(new[0].shape) if new else '?'}: a param group "
+                       f"added to it, or parameters appended to one or put in another's place): they would be "
+                       f"stepped with this process's own gradient. Wrap the optimizer once it has all its "
+                       f"parameters (again after replacing any)")
 
     def synchronize(self) -> None:
         """Wait for every gradient of this step and write the averages into ``.grad``.
@@ -956,8 +975,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         all have (or has only partly accumulated) are pushed now, before any wait, with zeros for the
         missing ones, so that no two processes wait for each other.
 
-        A gradient changed since backward handed it over (clipped, unscaled: see :class:`_Seen`) is a
-        BPSError, once every sum has come back (the sums are not written): its change would be lost.
+        A gradient changed since backward handed it over (clipped, replaced: see :class:`_Seen`) is a
+        BPSError (:class:`_GradientChanged`), once every sum has come back: its change is lost. The averages are
+        written all the same, as every other process has them (``written``), so that a caller that catches the
+        error and goes on (a guard that zeroed a bad batch's gradients on one process only) keeps the replicas
+        identical; its ``step()`` steps with them before it raises. Where GradScaler's ``step()`` unscaled them
+        (its documented usage without our recipe: the sums are of the scaled gradients) nothing is written:
+        every process uses its scaler alike, and none steps.
         """
         if self._async is not None:
             self._check_groups()
@@ -970,10 +994,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._start_rest()
             self._check_layout()
             changed = self._changed_gradient()
-            first_error = self._finish_all(write=changed is None) or changed
+            first_error = self._finish_all(write=changed is None or changed.written) or changed
         finally:
             self._drop_pass()
         if first_error is not None:
+            if first_error is changed and changed.written:
+                self._synchronized = True  # (the averages are in .grad, as after a synchronize that succeeded)
             raise first_error
         late = [self._names[p] for p in self._unbucketed if p.requires_grad and p.grad is not None]
         if late:  # it would be stepped with this process's own gradient, unlike the others: never silently
@@ -1011,7 +1037,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     self._fill(bucket, index, p.grad, hooked=False)
             self._start(bucket)
 
-    def _changed_gradient(self) -> BPSError | None:
+    def _changed_gradient(self) -> _GradientChanged | None:
         """The error for the first gradient that changed since it was copied (see :class:`_Seen`), if any."""
         changed = hooked = None
         for bucket in self._buckets:
@@ -1020,16 +1046,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     changed = changed or bucket.names[index]
                 if seen.hooked:
                     hooked = hooked or bucket.names[index]
-        if changed is None and hooked is not None and _scaler_unscaled(self):  # (copied before the unscale)
+        unscaled = changed is None and hooked is not None and _scaler_unscaled(self)  # (copied before the unscale)
+        if unscaled:
             changed = hooked
         if changed is None:
             return None
-        return BPSError(f"the gradient of parameter {changed!r} changed after backward() handed it to "
-                        f"DistributedOptimizer (changed in place, e.g. unscaled or clipped, or replaced); step() "
-                        f"would apply the average of the gradients as they were, without the change. Call "
-                        f"optimizer.synchronize() before changing gradients, then step() inside "
-                        f"optimizer.skip_synchronize() (with a GradScaler: synchronize(), scaler.unscale_(optimizer), "
-                        f"then scaler.step(optimizer) inside it)")
+        if unscaled:
+            what = "unscaled by GradScaler's step(); the sums are of the scaled gradients, so nothing was stepped"
+        else:
+            what = ("e.g. clipped, zeroed or replaced; the averages of the gradients as backward produced them were "
+                    "written over the change, as every other process has them, and step() applies them")
+        return _GradientChanged(
+            f"the gradient of parameter {changed!r} changed after backward() handed it to DistributedOptimizer "
+            f"({what}). Call optimizer.synchronize() before changing gradients, then step() inside "
+            f"optimizer.skip_synchronize() (with a GradScaler: synchronize(), scaler.unscale_(optimizer), then "
+            f"scaler.step(optimizer) inside it)", written=not unscaled)
 
     def _finish_all(self, *, write: bool) -> BPSError | None:
         """Wait for every bucket's sum; with ``write``, and until an error, the averages into ``.grad``; the
@@ -1093,7 +1124,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             finally:
                 self._synchronized = False
         if not self._skip_sync:
-            self.synchronize()
+            try:
+                self.synchronize()
+            except _GradientChanged as exc:
+                if exc.written:  # as every other process steps (see synchronize)
+                    self._synchronized = False
+                    self.optimizer.step()
+                raise
         elif not self._synchronized:
             raise BPSError("step() inside skip_synchronize() without a synchronize() call before it")
         self._synchronized = False

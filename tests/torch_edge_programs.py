@@ -94,17 +94,24 @@ def unfrozen_after_wrapping() -> dict[str, Any]:
     return {"first": first, "w0": m[0].weight.detach().sum().item()}
 
 
-def group_added_to_the_wrapped_optimizer(asynchronous: bool) -> dict[str, Any]:
+def group_added_to_the_wrapped_optimizer(asynchronous: bool, how: str = "added") -> dict[str, Any]:
     """A param group added to the wrapped optimizer itself after wrapping (not through the wrapper, which refuses
-    it): its parameters were stepped with each process's own gradient, no error (a review's case). Then the same
+    it), or (``how="replaced"``) a new parameter put in another's place in a group (a re-initialised head): its
+    parameters were stepped with each process's own gradient, no error (two reviews' cases). Then the same
     optimizer wrapped again: averaged."""
     m = nn.Linear(3, 1)
-    inner = torch.optim.SGD(m.parameters(), lr=1.0)
-    opt = bps.DistributedOptimizer(inner, named_parameters=m.named_parameters(), asynchronous=asynchronous)
+    old = nn.Parameter(torch.zeros(3))
+    inner = torch.optim.SGD([{"params": m.parameters()}] + ([{"params": [old]}] if how == "replaced" else []),
+                            lr=1.0)
+    named = [*m.named_parameters()] + ([("old", old)] if how == "replaced" else [])
+    opt = bps.DistributedOptimizer(inner, named_parameters=named, asynchronous=asynchronous)
     if asynchronous:
         bps.broadcast_parameters(m.state_dict(), 0)
     head = nn.Parameter(torch.zeros(3))
-    inner.add_param_group({"params": [head]})
+    if how == "replaced":
+        inner.param_groups[1]["params"] = [head]  # as many parameters as before: only which ones changed
+    else:
+        inner.add_param_group({"params": [head]})
     opt.zero_grad()
     (m(torch.ones(1, 3)).sum() + (head * (bps.rank() + 1)).sum()).backward()
     try:
@@ -228,6 +235,26 @@ def scaler_without_the_recipe_behind_wrappers() -> dict[str, Any]:
     except bps.BPSError as exc:
         error = str(exc)
     return {"error": error, "weight": m.weight.detach().tolist()}
+
+
+def guard_on_one_rank() -> dict[str, Any]:
+    """A bad-batch guard written the DDP way (look at the gradients after backward(), zero them) that fires on
+    rank 0 only, in a loop that catches BPSError and goes on: rank 0's step() raised without stepping while its
+    peers stepped, and it stayed a step apart for good (a review's case). Two steps, each rank's gradient its
+    rank + 1."""
+    m, opt = _one_weight_model()
+    errors = []
+    for step in range(2):
+        opt.zero_grad()
+        m(torch.full((1, 3), float(bps.rank() + 1))).sum().backward()
+        if step == 0 and bps.rank() == 0:
+            m.weight.grad.zero_()
+        try:
+            opt.step()
+            errors.append("")
+        except bps.BPSError as exc:
+            errors.append(str(exc))
+    return {"errors": errors, "weight": m.weight.detach().tolist()}
 
 
 def closure_steps() -> dict[str, Any]:

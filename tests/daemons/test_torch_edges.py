@@ -55,10 +55,12 @@ def test_a_parameter_unfrozen_after_wrapping_is_an_error_until_wrapped_again(clu
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["added", "replaced"])
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_a_group_added_to_the_wrapped_optimizer_is_an_error_until_wrapped_again(cluster: Cluster,
-                                                                                 asynchronous: bool) -> None:
-    results = run_ranks(cluster, tp.group_added_to_the_wrapped_optimizer, asynchronous, timeout=60,
+                                                                                 asynchronous: bool, how: str) -> None:
+    """``replaced``: a parameter put in another's place, the groups' sizes unchanged (failed before: counted)."""
+    results = run_ranks(cluster, tp.group_added_to_the_wrapped_optimizer, asynchronous, how, timeout=60,
                         client_timeout=10)
     for r in results:
         assert "the wrapped optimizer's parameters changed after DistributedOptimizer wrapped it (1 new" in \
@@ -99,6 +101,18 @@ def test_grad_scaler_without_the_recipe_is_an_error_behind_any_wrappers_of_step(
     for r in _run(cluster, tp.scaler_without_the_recipe_behind_wrappers):
         assert "changed after backward() handed it to DistributedOptimizer" in r["error"], r
         assert r["weight"] == [[0.0, 0.0, 0.0]], r  # (nothing stepped)
+
+
+@pytest.mark.timeout(90)
+def test_a_gradient_changed_on_one_process_only_leaves_the_replicas_identical(cluster: Cluster) -> None:
+    for rank, r in enumerate(_run(cluster, tp.guard_on_one_rank)):
+        assert r["weight"] == [[-3.0, -3.0, -3.0]], r  # the average, 1.5, stepped twice on every process
+        if rank == 0:
+            assert "changed after backward()" in r["errors"][0] and "as every other process has them" in \
+                r["errors"][0], r
+            assert r["errors"][1] == "", r
+        else:
+            assert r["errors"] == ["", ""], r
 
 
 @pytest.mark.timeout(90)
