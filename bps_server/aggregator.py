@@ -153,14 +153,14 @@ class Aggregator:
 
     def __init__(self, n_workers: int, executor: Executor | None = None, lost_grace_s: float = 30.0,
                  deterministic: bool = False, connected: Callable[[int], bool] = lambda worker: True,
-                 timeline: Timeline | None = None, stall_s: float = 0.0) -> None:
+                 timeline: Timeline | None = None, stall_s: float = 0.0, server: str = "this server") -> None:
         self.n_workers = n_workers
         self.executor = executor
         self.lost_grace_s = lost_grace_s
         self.timeline = timeline
         self.table: RoundTable[Contributor] = RoundTable(n_workers, lost_grace_s=lost_grace_s,
                                                          deterministic=deterministic, connected=connected,
-                                                         stall_s=stall_s)
+                                                         stall_s=stall_s, server=server)
         self.counters = Counters()
         # Rounds that wait for workers whose processes have not pushed are logged (bps_runtime.stalls).
         self.stalls: StallWatch[tuple[Key, int]] = StallWatch(warn_after_s=lost_grace_s)

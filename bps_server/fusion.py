@@ -123,8 +123,10 @@ class _Waiting:
 class Planner:
     """The fused names this server is the anchor of, from report to plan."""
 
-    def __init__(self, workers: int, warn_after_s: float = 30.0, run: str = "") -> None:
+    def __init__(self, workers: int, warn_after_s: float = 30.0, run: str = "", server: str = "this server"
+                 ) -> None:
         self.workers = workers
+        self.server = server  # how its failures name this server ("server 2")
         # The lane generation of the plans made now (FusePlan.lanes): ``run`` (this run of the server, so that
         # no other run's names meet ours) and a count of the resets handled (see _new_lanes).
         self.run = run
@@ -386,7 +388,8 @@ class Planner:
             # (the step's index where the reporters said it: the count of plans misses the failed steps, a review)
             what = f"round {w.index if w.index >= 0 else w.counts.get(w.first, 0)} of {name!r}"
             if absent:
-                out += self._fail(name, w, Why.absent_worker(absent[0], absent[0] in connected, grace_s, what))
+                out += self._fail(name, w, Why.absent_worker(absent[0], absent[0] in connected, grace_s, what,
+                                                                   self.server))
             elif stalled(waiting, w.opened, now, stall_s, self._heard_from(waiting, pushed or {})):
                 out += self._fail(name, w, Why.stalled_workers(waiting, stall_s, what))
         return out

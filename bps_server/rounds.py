@@ -348,8 +348,10 @@ class RoundTable(Generic[W]):
     """
 
     def __init__(self, n_workers: int, *, lost_grace_s: float = 30.0, deterministic: bool = False,
-                 connected: Callable[[int], bool] = lambda worker: True, stall_s: float = 0.0) -> None:
+                 connected: Callable[[int], bool] = lambda worker: True, stall_s: float = 0.0,
+                 server: str = "this server") -> None:
         self.n_workers = n_workers
+        self.server = server  # how its failures name this server ("server 2")
         self.lost_grace_s = lost_grace_s
         self.stall_s = stall_s  # cluster.stall_timeout: a round waiting this long for connected workers fails
         # When each worker last pushed into a round another worker had opened here: one catching up on the others'
@@ -738,7 +740,7 @@ class RoundTable(Generic[W]):
             what = f"round {st.round} of {st.key[0]!r}"
             if absent:
                 actions.append(self._fail_round(st, Why.absent_worker(
-                    absent[0], self.connected(absent[0]), self.lost_grace_s, what)))
+                    absent[0], self.connected(absent[0]), self.lost_grace_s, what, self.server)))
             elif stalled(waiting, st.opened, now, self.stall_s, self.joined_at):
                 actions.append(self._fail_round(st, Why.stalled_workers(waiting, self.stall_s, what)))
         return actions

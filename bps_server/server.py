@@ -90,13 +90,14 @@ class SummationServer:
         self.aggregator = Aggregator(config.cluster.workers, self.executor, lost_grace_s=config.cluster.timeout,
                                      deterministic=config.cluster.deterministic,
                                      connected=lambda w: w in self.links, timeline=self.timeline,
-                                     stall_s=config.cluster.stall_timeout)
+                                     stall_s=config.cluster.stall_timeout, server=f"server {config.server_id}")
         self.values = AsyncValues(config.cluster.workers, config.cluster.timeout, config.cluster.worker_of_rank,
                                   config.cluster.stall_timeout, self.aggregator.counters)
         self.connections: set[ServerConnection] = set()
         self.notices = Notices()  # each worker's stall lines of a look (tell_stalls)
         # The fused small sums this server is the anchor of (their lane generations named by this run).
-        self.fusion = Planner(config.cluster.workers, warn_after_s=config.cluster.timeout, run=self.incarnation)
+        self.fusion = Planner(config.cluster.workers, warn_after_s=config.cluster.timeout, run=self.incarnation,
+                              server=f"server {config.server_id}")
         self._plans_due = False
         self.admission = Admission(log, f"server {config.server_id}", deadline_s=config.handshake_deadline_s,
                                    per_peer=config.pending_per_host, total=config.pending_total)

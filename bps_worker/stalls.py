@@ -88,4 +88,5 @@ class WorkerStalls:
                     f"it; submitted by {local_ranks(sorted(lr.members), self.rank_offset)}. Every process must push "
                     f"every name once per round: is one stuck, or skipping it?")
         return (f"stall: {where} at server{'s' if len(servers) > 1 else ''} {', '.join(map(str, servers))}: "
-                f"every local rank submitted it, other workers have not pushed it (the server's log names them)")
+                f"every local rank submitted it; other workers have not pushed it, or the server is slow or out of reach "
+                f"(the server's log names whom it waits for)")

@@ -416,11 +416,13 @@ class Why:
                    sides=(first, other))
 
     @classmethod
-    def absent_worker(cls, worker: int, connected: bool, waited_s: float, what: str) -> Self:
+    def absent_worker(cls, worker: int, connected: bool, waited_s: float, what: str, server: str = "this server"
+                      ) -> Self:
         """``what`` (a round, said as "round R of 'name'") waited ``waited_s`` for ``worker``, which is not
-        connected to this server or (``connected``) has no training processes: the sweeps' timeout."""
+        connected to ``server`` (the server that says it: "server 2") or (``connected``) has no training
+        processes: the sweeps' timeout."""
         gone = ("had no training processes: none had started yet, or they had left" if connected
-                else "was not connected to this server")
+                else f"was not connected to {server}")
         return cls(f"worker {worker} {gone} (waited {waited_s:g} s); {what} cannot complete", "timeout",
                    what=what, timeout_s=waited_s, detail=f"worker {worker} {gone}")
 

@@ -59,7 +59,7 @@ def test_a_machine_whose_rank_never_submits_is_named_by_the_server_and_to_the_ra
     assert all(r["exact"] for r in results), results
     # Worker 0's own rank submitted: its daemon says the round waits at a server, for other workers.
     assert re.search(r"WARNING stall: tensor 'late' \(round 1 on worker 0\) has waited [\d.]+ s at server \d: "
-                     r"every local rank submitted it, other workers have not pushed it", worker_log), worker_log
+                     r"every local rank submitted it; other workers have not pushed it", worker_log), worker_log
     # That server knows who: worker 1 (whose rank 1 is late) has not pushed, worker 0 has.
     said = (r"stall: round \d+ of 'late' part 0 has waited [\d.]+ s for worker 1, whose processes have not pushed it "
             r"\(pushed by worker 0\)")

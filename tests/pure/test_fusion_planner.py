@@ -696,6 +696,10 @@ def test_a_name_that_waits_for_a_worker_not_connected_fails_after_the_timeout_an
     (failed,) = p.sweep(105.5, {0}, 5.0)
     assert failed.why.text == "worker 1 was not connected to this server (waited 5 s); round 0 of 'x' cannot complete"
     assert p.failed["x"][0][1] == {1}  # its processes live on: they hear it when they report it
+    named = Planner(2, server="server 3")  # (the daemon names itself: its workers' processes hear which server)
+    named.report(0, ["x"], [F32], now=100.0)
+    (failed,) = named.sweep(105.5, {0}, 5.0)
+    assert failed.why.text.startswith("worker 1 was not connected to server 3 (waited 5 s)")
 
 
 def test_a_name_that_waits_for_a_connected_worker_that_never_reported_is_not_failed():
