@@ -123,10 +123,8 @@ class _Waiting:
 class Planner:
     """The fused names this server is the anchor of, from report to plan."""
 
-    def __init__(self, workers: int, warn_after_s: float = 30.0, run: str = "", server: str = "this server"
-                 ) -> None:
-        self.workers = workers
-        self.server = server  # how its failures name this server ("server 2")
+    def __init__(self, workers: int, warn_after_s: float = 30.0, run: str = "", server: str = "this server") -> None:
+        self.workers, self.server = workers, server  # (server: how its failures name this server, "server 2")
         # The lane generation of the plans made now (FusePlan.lanes): ``run`` (this run of the server, so that
         # no other run's names meet ours) and a count of the resets handled (see _new_lanes).
         self.run = run

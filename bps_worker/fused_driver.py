@@ -57,7 +57,7 @@ from .errors import BPSError
 from .fused_operation import FusedOperation
 from .fusion import Decisions, FusedRound, FusedRounds
 from .session import ClientSession
-from .stalls import local_ranks
+from .stalls import local_stall, server_stall
 
 if TYPE_CHECKING:
     from .daemon import WorkerDaemon
@@ -155,12 +155,9 @@ class FusedSums:
             if fr.name in rounds.collecting:
                 absent = [r for r, e in enumerate(fr.entries) if e is None]
                 present = [r for r, e in enumerate(fr.entries) if e is not None]
-                text = (f"stall: {where} for {local_ranks(absent, offset)}, which did not submit it; submitted by "
-                        f"{local_ranks(present, offset)}. Every process must push every name once per round: is one "
-                        f"stuck, or skipping it?")
+                text = local_stall(where, absent, present, offset)
             else:
-                text = (f"stall: {where} at server {fr.server}: every local rank submitted it, other workers have "
-                        f"not pushed it (the server's log names them)")
+                text = server_stall(where, [fr.server])
             texts.append(Stall(text, tuple(range(len(fr.entries)))))
         return texts
 

@@ -23,6 +23,21 @@ from .link import ServerLink
 from .local_rounds import LocalRound, LocalRounds
 
 
+def local_stall(where: str, absent: Sequence[int], present: Sequence[int], rank_offset: int) -> str:
+    """The stall line of a round ``where`` (its tensor, round and wait) that local ranks ``absent`` did not submit."""
+    return (f"stall: {where} for {local_ranks(absent, rank_offset)}, which did not submit it; submitted by "
+            f"{local_ranks(present, rank_offset)}. Every process must push every name once per round: is one stuck, "
+            f"or skipping it?")
+
+
+def server_stall(where: str, servers: Sequence[int]) -> str:
+    """The stall line of a round ``where`` that every local rank submitted, waiting at ``servers``: for the other
+    workers, or for a server that is slow or out of reach (a network cut, a frozen host: a review's case)."""
+    return (f"stall: {where} at server{'s' if len(servers) > 1 else ''} {', '.join(map(str, servers))}: every "
+            f"local rank submitted it; other workers have not pushed it, or the server is slow or out of reach (the "
+            f"server's log names whom it waits for)")
+
+
 def local_ranks(local: Sequence[int], rank_offset: int) -> str:
     """``local ranks 0, 1 (ranks 4, 5)``."""
     s = "s" if len(local) != 1 else ""
@@ -84,9 +99,5 @@ class WorkerStalls:
     def _text(self, lr: LocalRound[Any], waited: float, servers: list[int]) -> str:
         where = f"tensor {lr.name!r} (round {lr.round} on worker {self.worker_id}) has waited {waited:.1f} s"
         if not servers:
-            return (f"stall: {where} for {local_ranks(sorted(lr.expected), self.rank_offset)}, which did not submit "
-                    f"it; submitted by {local_ranks(sorted(lr.members), self.rank_offset)}. Every process must push "
-                    f"every name once per round: is one stuck, or skipping it?")
-        return (f"stall: {where} at server{'s' if len(servers) > 1 else ''} {', '.join(map(str, servers))}: "
-                f"every local rank submitted it; other workers have not pushed it, or the server is slow or out of reach "
-                f"(the server's log names whom it waits for)")
+            return local_stall(where, sorted(lr.expected), sorted(lr.members), self.rank_offset)
+        return server_stall(where, servers)
