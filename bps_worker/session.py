@@ -30,6 +30,7 @@ from bps_runtime import cuda
 from bps_runtime import segments as shm
 from bps_runtime.admission import Admission, AdmittedProtocol
 from protocol import PROTOCOL_VERSION, dtypes
+from protocol.config import MAX_TENSOR_PAYLOADS
 from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.frames import FrameReader, encode_message
 from protocol.handshake import HANDSHAKE_BUFFER_BYTES, ServerHandshake
@@ -68,9 +69,6 @@ CLIENT_MAX_HEADER_BYTES: Final = 64 * 1024  # an OpBatch: up to FUSED_NAMES_BUDG
 # Above this many bytes waiting to be written to a training process (answers are small control messages:
 # thousands of them) the daemon stops reading it until they drain (bps_runtime.backpressure).
 CLIENT_WRITE_BUFFER_HIGH_BYTES: Final = 256 * 1024
-# The largest tensor a process may allocate, in units of the cluster's max_payload_bytes (a process's slab of
-# small tensors, shm.SLAB_BYTES, always fits).
-MAX_TENSOR_PAYLOADS: Final = 64
 
 
 def _kept(name: str) -> bool:
@@ -227,8 +225,10 @@ class ClientSession(AdmittedProtocol):
             self.send(Failure(message.req, f"tensor {message.name!r}: its memory is read by an operation in flight; "
                                            f"synchronize that before allocating it again", code="bad_request"))
             return
-        if message.nbytes > max(self.daemon.config.cluster.max_payload_bytes * MAX_TENSOR_PAYLOADS, shm.SLAB_BYTES):
-            self.send(Failure(message.req, f"tensor {message.name!r} of {message.nbytes} bytes is too large"))
+        limit = self.daemon.config.cluster.max_payload_bytes * MAX_TENSOR_PAYLOADS  # (a slab always fits: config)
+        if message.nbytes > limit:
+            self.send(Failure(message.req, f"tensor {message.name!r} of {message.nbytes} bytes is too large: at most "
+                                           f"{limit} bytes ({MAX_TENSOR_PAYLOADS} times cluster.max_payload_bytes)"))
             return
         try:
             # Only the process frees its slots (Alloc.free): it knows which one a thread is about to fill.

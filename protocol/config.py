@@ -18,11 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Sequence
 
-from .dtypes import ITEMSIZE
 from .errors import ConfigError
 from .messages import MAX_CONFIG_CHARS, MAX_CONFIG_ITEMS
 
-MAX_ITEMSIZE: Final = max(ITEMSIZE.values())  # a piece holds at least one element, and goes in one frame
 
 DEFAULT_PARTITION_BYTES: Final = 4 * 1024 * 1024
 DEFAULT_TIMEOUT_S: Final = 30.0
@@ -40,6 +38,14 @@ MAX_TIMEOUT_S: Final = 24 * 3600.0
 # slabs of this size (bps_runtime.segments.SLAB_BYTES is this; a sixteenth of a cap under 64 MiB, at least
 # 256 KiB: segments.slab_bytes); a smaller cap is refused, as below it every small tensor once failed at run time.
 MIN_ARENA_BYTES: Final = 4 << 20
+# The largest tensor a process may allocate, in units of the cluster's max_payload_bytes: no more pieces than
+# that where the frame limit, not partition_bytes, cuts them.
+MAX_TENSOR_PAYLOADS: Final = 64
+# cluster.max_payload_bytes: at least this, so that a slab of small tensors (MIN_ARENA_BYTES, always allocated
+# whatever the limit) is MAX_TENSOR_PAYLOADS frames at most. 8 bytes was taken: a 1 MiB tensor went as 131,072
+# pieces of 8 bytes, 28 s with a 3 s timeout and stall warnings meanwhile, and tensors of 4 MiB passed the
+# "64 times" limit (a review's case).
+MIN_MAX_PAYLOAD_BYTES: Final = MIN_ARENA_BYTES // MAX_TENSOR_PAYLOADS
 # A Unix socket's path: at most 107 bytes (sun_path's 108, less the NUL). A longer [[worker]] socket failed
 # only at bind, with "AF_UNIX path too long" (exit status 1, not naming the key).
 MAX_SOCKET_PATH_BYTES: Final = 107
@@ -242,11 +248,12 @@ def _parse_cluster_table(cluster: dict[str, Any], source: str) -> dict[str, Any]
         raise ConfigError(f"{source}: cluster.arena_bytes must be at least {MIN_ARENA_BYTES} (4 MiB: the slabs "
                           f"small tensors share), got {arena}")
     c["link_bits_per_s"] = parse_rate(c.get("link_rate", 0), "cluster.link_rate", source)
-    if max_payload < max(partition_bytes, MAX_ITEMSIZE):
+    if max_payload < max(partition_bytes, MIN_MAX_PAYLOAD_BYTES):
         raise ConfigError(
             f"{source}: cluster.max_payload_bytes ({max_payload}) is smaller than cluster.partition_bytes "
             f"({partition_bytes})" if max_payload < partition_bytes else
-            f"{source}: cluster.max_payload_bytes must be at least {MAX_ITEMSIZE} (one element of every dtype), got "
+            f"{source}: cluster.max_payload_bytes must be at least {MIN_MAX_PAYLOAD_BYTES} (64 KiB: a tensor may be "
+            f"{MAX_TENSOR_PAYLOADS} times as large, and a slab of small tensors is {MIN_ARENA_BYTES}), got "
             f"{max_payload}"
         )
     return c

@@ -459,14 +459,18 @@ def test_a_group_that_packs_a_name_in_flight_is_refused(client):
 
 @pytest.mark.timeout(60)
 def test_a_small_max_payload_still_takes_small_tensors(client):
-    """The daemon refused any allocation over 64 payloads: under a 64 KiB max_payload_bytes that was the client's
-    4 MiB slab of small tensors, and every call failed naming the slab."""
-    client(partition_bytes=32768, max_payload_bytes=32768)
+    """The daemon refused any allocation over 64 payloads: under a 64 KiB max_payload_bytes (the least: a smaller
+    one is refused) that was the client's 4 MiB slab of small tensors, and every call failed naming the slab. A
+    tensor of 64 payloads is summed; a larger one is refused naming the limit (it did not say it)."""
+    client(partition_bytes=32768, max_payload_bytes=65536)
     for n in (1, 1000):
         x = np.arange(n, dtype=np.float32)
         assert np.array_equal(bps.push_pull(x, f"small.{n}", average=False), x)
-    with pytest.raises(bps.BPSError, match="'big' of 8388608 bytes is too large"):  # 64 payloads: 2 MiB here
-        bps.push_pull(np.zeros(2 << 20, np.float32), "big")
+    x = np.arange(1 << 20, dtype=np.float32)  # 4 MiB: 64 payloads
+    assert np.array_equal(bps.push_pull(x, "at_limit", average=False), x)
+    with pytest.raises(bps.BPSError, match=r"'big' of 4194308 bytes is too large: at most 4194304 bytes \(64 times "
+                                           r"cluster.max_payload_bytes\)"):
+        bps.push_pull(np.zeros((1 << 20) + 1, np.float32), "big")
 
 
 @pytest.mark.timeout(60)

@@ -339,6 +339,8 @@ def test_wrong_worker_types(tmp_path, old, new, key):
     ("workers = 2", "workers = 2\nwindow_pieces = -1", "cluster.window_pieces"),
     ("workers = 2", "workers = 2\nmax_payload_bytes = 0", "cluster.max_payload_bytes"),
     ("workers = 2", "workers = 2\npartition_bytes = 2048\nmax_payload_bytes = 1024", "cluster.max_payload_bytes"),
+    ("workers = 2", "workers = 2\npartition_bytes = 8\nmax_payload_bytes = 65535",  # (8 was taken: a review)
+     "cluster.max_payload_bytes must be at least 65536"),
 ])
 def test_out_of_range_cluster_values(tmp_path, old, new, key):
     msg = config_error(tmp_path, CLUSTER.replace(old, new) + SERVERS + WORKERS)
