@@ -26,6 +26,7 @@ import logging
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import AbstractSet, Any, Callable, Coroutine, Final, Iterator, NamedTuple
 
 import numpy as np
@@ -59,6 +60,7 @@ from .rounds import (
     Token,
     Why,
     describe,
+    spare_none,
 )
 
 __all__ = ["INLINE_SUM_MAX_BYTES", "Aggregator", "Contributor", "Counters", "FailFn", "Key", "ReplyFn", "Why",
@@ -300,9 +302,14 @@ class Aggregator:
         """A worker daemon connected, with its round numbering (``fresh``: unused, Hello.fresh)."""
         self._run(self.table.worker_hello(worker, epoch, fresh))
 
-    def worker_reset(self, worker: int, epoch: str = "") -> int:
-        """The worker has no training processes any more; returns how many rounds failed."""
-        return self._run(self.table.worker_reset(worker, epoch))
+    def worker_reset(self, worker: int, epoch: str = "", spared: Callable[[Collection[int]], bool] = spare_none) -> int:
+        """The worker has no training processes any more; returns how many rounds failed (not those ``spared``
+        says are of a later job: RoundTable.worker_reset)."""
+        return self._run(self.table.worker_reset(worker, epoch, spared))
+
+    def processes_ended(self, worker: int) -> Callable[[Collection[int]], bool]:
+        """``worker``'s processes ended: whether a round of given pushers is of a later job (RoundTable's)."""
+        return self.table.processes_ended(worker)
 
     def had_processes(self, worker: int) -> bool:
         """Whether the worker's processes were there when its daemon was last heard of (RoundTable.had_processes)."""

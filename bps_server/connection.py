@@ -389,9 +389,10 @@ class ServerConnection(AdmittedProtocol):
     def _processes_gone(self, worker: int, epoch: str, why: Why) -> int:
         """Every training process of ``worker`` is gone (its Reset, or its daemon's restart), its numbering now
         ``epoch``: the rounds and the fused sums that waited for them fail (``why``); how many rounds."""
-        failed = self.server.aggregator.worker_reset(worker, epoch)
+        spared = self.server.aggregator.processes_ended(worker)  # (a later job's rounds: bps_server.jobs)
+        failed = self.server.aggregator.worker_reset(worker, epoch, spared)
         endings = self.server.fusion.endings
-        self.server.fused(self.server.fusion.worker_gone(worker, why, reset=True, epoch=epoch))
+        self.server.fused(self.server.fusion.worker_gone(worker, why, reset=True, epoch=epoch, spared=spared))
         if self.server.fusion.endings != endings:
             self.server.lanes_ended()
         return failed

@@ -598,17 +598,22 @@ class Planner:
             self._excuse(worker)  # (its Reset may have been lost with a connection)
             self.first_plan[worker] = self.seq
 
-    def worker_gone(self, worker: int, why: Why, reset: bool, epoch: str = "") -> list[Failed]:
+    def worker_gone(self, worker: int, why: Why, reset: bool, epoch: str = "",
+                    spared: Callable[[AbstractSet[int]], bool] | None = None) -> list[Failed]:
         """``worker``'s connection dropped, or its processes are gone (``reset``): every name waiting here
         fails, since it waits for that worker or for what it reported (which the worker fails itself, see
         ``bps_worker.fusion``'s ``link_lost``). After a reset the failures no longer wait for the worker (its
         processes will not report those rounds); after a drop they do, and so do the rounds failed now that it
         had not reported: its processes live on and report them when it is back. ``epoch``: the worker's new
         one (a Reset says it), so that its next hello does not excuse its new processes again (nor, where a
-        hello brought it first, this Reset: see _excuse)."""
+        hello brought it first, this Reset: see _excuse). ``spared`` (a reset's): whether the names its reporters
+        reported are of a later job than the processes that left (bps_server.jobs): those wait for the worker's
+        next processes."""
         out: list[Failed] = []
         self._resent = {sent for sent in self._resent if sent[0] != worker}  # (resent again if lost with it)
         for name, w in list(self.waiting.items()):
+            if reset and spared is not None and spared(w.workers):
+                continue
             out += self._fail(name, w, why, skip=worker if reset or worker in w.workers else -1)
         if self.ready:  # reported by every worker, its report too (failed there): not planned
             out += [Failed(r, name, why) for name in self.ready for r in range(self.workers) if r != worker]

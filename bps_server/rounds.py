@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import AbstractSet, Callable, Generic, TypeVar, Union
 
 import numpy as np
@@ -93,6 +94,8 @@ import numpy as np
 from bps_runtime.stalls import stalled
 from protocol import dtypes, messages
 from protocol.messages import KIND_BROADCAST, FailureCode, Push
+
+from .jobs import Jobs
 
 Key = tuple[str, int]
 W = TypeVar("W")
@@ -107,6 +110,11 @@ ENDED_SUMS_KEPT = 4096
 # a borrowed view while it waits for the other workers, and a segment truncated meanwhile would make
 # the read a SIGBUS. ``None``: the payload is the server's own (received over TCP).
 Lease = Callable[[], None]
+
+
+def spare_none(workers: Collection[int]) -> bool:
+    """No round is of a later job (RoundTable.worker_reset's default ``spared``)."""
+    return False
 
 
 def describe(push: Push) -> str:
@@ -359,6 +367,7 @@ class RoundTable(Generic[W]):
         # every round failed). A round it opens itself does not count: a worker whose processes moved on to
         # their next step after a failure of their own is no busier for the round that waits for them.
         self.joined_at: dict[int, float] = {}
+        self.jobs = Jobs()  # whose processes may be of a later job than whose (processes_ended)
         self.deterministic = deterministic
         self.connected = connected
         self.keys: dict[Key, Round[W]] = {}
@@ -538,6 +547,8 @@ class RoundTable(Generic[W]):
             return None
         st = self.keys[token.key]
         self._open(token.key, st.round + 1).last_sum = st.round
+        if self.jobs.pending:
+            self.jobs.met(st.waiters.keys())
         return Complete(token.key, st.round, st.opened, tuple(st.waiters.values()))
 
     def round_for(self, name: str, part: int, worker: int, local: int = 0, failed: bool = False,
@@ -826,17 +837,19 @@ class RoundTable(Generic[W]):
         self._reset.add(worker)
         self._mid_job.discard(worker)
 
-    def worker_reset(self, worker: int, epoch: str = "") -> list[Action[W]]:
+    def worker_reset(self, worker: int, epoch: str = "", spared: Callable[[Collection[int]], bool] = spare_none
+                     ) -> list[Action[W]]:
         """The worker has no training processes any more (its job ended or died).
 
-        Every incomplete round fails: none can complete as pushed. Later rounds that need
-        the worker wait up to ``lost_grace_s`` for a new job's processes. Once every worker
-        has reset, all key state is dropped, so the next job starts at round 0 on a clean
-        slate instead of meeting the last job's leftovers.
+        Every incomplete round fails: none can complete as pushed. But those ``spared`` (by their pushers) are
+        of a later job than the processes that left (bps_server.jobs): they wait for the worker's next ones.
+        Later rounds that need the worker wait up to ``lost_grace_s`` for a new job's processes. Once every
+        worker has reset, all key state is dropped, so the next job starts at round 0 on a clean slate instead
+        of meeting the last job's leftovers.
         """
         actions: list[Action[W]] = []
         for st in list(self.keys.values()):
-            if st.waiters and st.failed is None:
+            if st.waiters and st.failed is None and not spared(st.waiters.keys()):
                 actions.append(self._fail_round(st, Why.worker_gone(
                     worker, f"worker {worker} has no training processes left (they exited or died); round "
                             f"{st.round} of {st.key[0]!r} cannot complete")))
@@ -881,6 +894,12 @@ class RoundTable(Generic[W]):
         if worker in self._gone or worker in self._reset:
             self.worker_joined(worker)
         self._active.add(worker)
+
+    def processes_ended(self, worker: int) -> Callable[[Collection[int]], bool]:
+        """``worker``'s processes ended (a Reset, its daemon's restart): whether a round that given workers pushed
+        is of a later job than those processes (bps_server.jobs), for :meth:`worker_reset` and the fused planner."""
+        alive = [w for w in range(self.n_workers) if w != worker and self.connected(w) and self.had_processes(w)]
+        return self.jobs.ended(worker, alive)
 
     def had_processes(self, worker: int) -> bool:
         """Whether ``worker``'s processes were there when we last heard of its daemon: it said no Reset (nor, in

@@ -518,10 +518,10 @@ def rejoin_loop(role: str, steps: int, max_seconds: float, n: int = 200_003) -> 
             "restarted_at": restarted_at}
 
 
-def three_sums(name: str, linger: float = 0.0) -> list[float]:
-    """Three push_pulls of ``rank + 1`` under ``name``: what each summed to (after ``linger`` seconds more, still
-    connected)."""
-    out = [float(bps.push_pull(np.full(4, bps.rank() + 1.0), name, average=False)[0]) for _ in range(3)]
+def three_sums(name: str, linger: float = 0.0, n: int = 4) -> list[float]:
+    """Three push_pulls of ``n`` times ``rank + 1`` under ``name``: what each summed to (after ``linger`` seconds
+    more, still connected)."""
+    out = [float(bps.push_pull(np.full(n, bps.rank() + 1.0), name, average=False)[0]) for _ in range(3)]
     time.sleep(linger)
     return out
 

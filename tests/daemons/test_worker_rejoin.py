@@ -198,6 +198,44 @@ def test_a_new_daemon_for_the_next_job_fails_none_of_its_first_rounds(tmp_path, 
     assert results == {0: [3.0, 3.0, 3.0], 1: [3.0, 3.0, 3.0]}, results
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [4, 200_003], ids=["fused", "unfused"])
+def test_the_next_job_begun_where_the_last_one_ended_first_outlives_its_end_elsewhere(tmp_path, n: int):
+    """Daemons that outlive jobs: machine 0's trainer of the next job starts once its own trainer of the last
+    job left, while machine 1's still lingers (connected, 3 s after its last step: a checkpoint, an evaluation),
+    and machine 1's trainer of the next job comes 0.5 s after that one leaves. Its leaving (a Reset) failed the
+    next job's first round, which machine 0's trainer had opened: every machine's next job failed (a review's
+    case). Now that round waits for machine 1's next processes, as it would have for a machine that never ran the
+    last job, and both sum every step."""
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cluster={"timeout": 10.0}))
+    ctx = rank_context()
+    queue = ctx.Queue()
+    sockets = [w.socket for w in cluster.config.worker_specs]
+    procs: list = []
+
+    def rank(worker: int, name: str, linger: float = 0.0) -> None:
+        p = ctx.Process(target=_rank_main, args=(queue, sockets[worker], 0, worker, rp.three_sums,
+                                                 (name, linger, n), 20.0), daemon=True)
+        p.start()
+        procs.append(p)
+
+    try:
+        rank(0, "last"), rank(1, "last", 3.0)
+        assert _collect(queue, {0}, 60, cluster) == {0: [3.0, 3.0, 3.0]}
+        procs[0].join(10)
+        time.sleep(0.3)
+        rank(0, "next")  # machine 1's trainer of the last job is still connected
+        assert _collect(queue, {1}, 60, cluster) == {1: [3.0, 3.0, 3.0]}
+        procs[1].join(10)
+        time.sleep(0.5)
+        rank(1, "next")
+        results = _collect(queue, {0, 1}, 60, cluster)
+    finally:
+        reap(procs, 5)
+        cluster.stop()
+    assert results == {0: [3.0, 3.0, 3.0], 1: [3.0, 3.0, 3.0]}, results
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("cross", [False, True], ids=["unfused", "its-first-step-fused"])
 def test_a_machine_that_rejoins_after_a_failed_fused_step_lines_up_with_its_peer(tmp_path, cross):

@@ -89,6 +89,19 @@ def test_a_reset_worker_fails_every_waiting_name_and_no_failure_waits_for_it():
     assert p.failed["b"][0][1] == {0} and "a" not in p.failed and "c" not in p.failed
 
 
+def test_a_reset_spares_the_names_it_is_told_are_of_a_later_job_and_they_are_planned_with_its_next_processes():
+    """As the round table's (bps_server.jobs): worker 0's trainer of the next job reported 'next' while worker 1's
+    of the last job lingered (and reported 'last'); worker 1's Reset failed 'next' too."""
+    p = Planner(2)
+    p.report(1, ["last"], [F32])
+    p.report(0, ["next"], [F32])
+    failed = p.worker_gone(1, Why("every process of worker 1 left", "round_failed"), reset=True, epoch="b",
+                           spared=lambda workers: 1 not in workers)
+    assert failed == [] and "last" not in p.waiting and "next" in p.waiting  # ('last': 1 is gone, nobody to tell)
+    p.report(1, ["next"], [F32])
+    assert p.take_plans() and "next" not in p.waiting
+
+
 def test_a_worker_whose_connection_dropped_still_hears_the_rounds_it_had_not_reported():
     """Its processes live on: once it is back it reports the rounds it had not reported, and each must meet
     its failure, not wait here as a new round that the peers' next step would join (steps summed together)."""

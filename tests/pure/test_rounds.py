@@ -416,6 +416,20 @@ def test_reset_fails_pending_rounds_and_once_every_worker_reset_clears_all_keys(
     assert isinstance(table.push(_push(0, name="x", rnd=0), _data(), "w0", 0.0)[0], Add)  # round 0 again
 
 
+def test_a_reset_spares_the_rounds_it_is_told_are_of_a_later_job_and_they_complete_with_its_next_processes():
+    """Worker 0's trainer of the next job opened 'next' while worker 1's of the last job lingered (its 'last'
+    open): worker 1's Reset failed 'next' too (bps_server.jobs). Spared, it waits for worker 1's next processes,
+    whose push joins it."""
+    table: RoundTable[str] = RoundTable(2, lost_grace_s=10)
+    table.push(_push(1, name="last", rnd=3), _data(), "l1", 0.0)
+    table.push(_push(0, name="next", rnd=0), _data(), "n0", 0.0)
+    actions = table.worker_reset(1, "epoch-b", spared=lambda workers: 1 not in workers)
+    assert _fails(actions) == {"l1": "worker 1 has no training processes left (they exited or died); round 3 of "
+                                     "'last' cannot complete"}
+    assert not any(isinstance(a, Fail) for a in table.push(_push(1, name="next", rnd=0), _data(), "n1", 1.0))
+    assert set(table.keys[("next", 0)].waiters) == {0, 1}
+
+
 def test_a_machine_idle_since_it_started_beside_a_dropped_one_is_not_the_jobs_end():
     """Worker 1's processes have not started (its daemon said so) and its connection drops (the round waiting for
     it fails), then worker 0's: neither said its processes left, so nothing is cleared, and worker 1's late push of

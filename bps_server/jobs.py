@@ -1,0 +1,63 @@
+"""Which workers' training processes are of a later job than another's: pure bookkeeping, no I/O.
+
+Daemons outlive jobs, and a job need not end on every machine at once: machine 0's trainer of the next job may
+start (and open that job's first rounds here) while machine 1's trainer of the last one still lingers, connected
+(a checkpoint, an evaluation). When that one leaves, its Reset must not fail the rounds machine 0's new trainer
+opened: they wait for machine 1's next processes, as rounds wait for any machine's that have not come yet (up to
+the timeout: ``RoundTable.sweep``). A review's case: every machine's next job failed at its first round.
+
+Names carry no job, so the server tells by time and by meeting: a worker's processes *began* at its last Reset
+(or its daemon's restart), and every worker whose processes were alive then, and which they have not met since
+(completed a round with), may be of an earlier job. A round all of whose pushers (reporters, for a fused name)
+are such for ``v``, and to which ``v`` never pushed, is of a later job than ``v``'s processes: their leaving
+spares it. Every other round fails at once, as before (a trainer that died mid-step fails its peers' step fast).
+Processes of one job meet at their first round together, so the relation lasts only until then: the next job's
+trainer that began after its peer's (the same job) is not "later" than it once they summed a round.
+
+A worker whose daemon restarted mid-job and whose new processes have not completed a round yet is "later" by this
+rule too: where a peer dies in that moment, the rounds the new processes opened fail after the timeout (the
+sweep) rather than at once. Bounded, and that double fault is rare.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from typing import Callable
+
+__all__ = ["Jobs"]
+
+
+class Jobs:
+    """For each worker, the workers whose processes were alive when its own began (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._alive_at_start: dict[int, set[int]] = {}  # (empty sets dropped: see pending)
+
+    @property
+    def pending(self) -> bool:
+        """Whether any worker's processes began beside others they have not met (the hot path asks this)."""
+        return bool(self._alive_at_start)
+
+    def ended(self, worker: int, alive: Iterable[int]) -> Callable[[Collection[int]], bool]:
+        """``worker``'s processes ended (its next ones begin now); ``alive``: the workers with processes now.
+        Returns whether a round that ``workers`` pushed (or reported) is of a later job than the processes that
+        ended: spared by their end."""
+        later = frozenset(r for r, alive_then in self._alive_at_start.items() if worker in alive_then)
+        for r in later:
+            self._drop(r, (worker,))  # (they began before its next processes: no later than those)
+        self._alive_at_start.pop(worker, None)
+        if any(w != worker for w in alive):
+            self._alive_at_start[worker] = set(alive) - {worker}
+        return lambda workers: bool(workers) and worker not in workers and later.issuperset(workers)
+
+    def met(self, workers: Collection[int]) -> None:
+        """``workers``' processes completed a round together: one job."""
+        for r in workers:
+            if r in self._alive_at_start:
+                self._drop(r, workers)
+
+    def _drop(self, worker: int, others: Collection[int]) -> None:
+        alive_then = self._alive_at_start[worker]
+        alive_then.difference_update(others)
+        if not alive_then:
+            del self._alive_at_start[worker]
