@@ -113,6 +113,7 @@ class ClientSession(AdmittedProtocol):
                                   buffer_bytes=HANDSHAKE_BUFFER_BYTES)
         self.transport: asyncio.Transport | None = None
         self.local_rank: int | None = None  # set by the handshake
+        self.claimed: int | None = None  # the local rank its Hello asked for (its log lines before it has one)
         self.pid = 0
         self.arena = shm.Arena(daemon.worker_id, daemon.config.segment_mode, daemon.arena_bytes)  # its tensors
         self.closed = False
@@ -132,6 +133,9 @@ class ClientSession(AdmittedProtocol):
         return self.daemon.rank_offset + (self.local_rank or 0)
 
     def __repr__(self) -> str:
+        if self.local_rank is None:  # (refused at its hello: "local rank None (pid 0)" said nothing, a review)
+            return "a process before its hello" if self.claimed is None else \
+                f"a process (pid {self.pid}) asking for local rank {self.claimed}"
         return f"local rank {self.local_rank} (pid {self.pid})"
 
     # -- asyncio ---------------------------------------------------------------------
@@ -182,11 +186,11 @@ class ClientSession(AdmittedProtocol):
         The checks of what it is, its version, role and local rank are the handshake's
         (``ServerHandshake``, its errors are RemoteProtocolErrors); whether the rank is free is ours."""
         hello = self.handshaker.receive(message)
+        self.claimed, self.pid = hello.id, hello.pid
         other = self.daemon.sessions.get(hello.id)
         if other is not None and not other.closed:
             raise RemoteProtocolError(f"local rank {hello.id} is already connected ({other!r})")
         self.local_rank = hello.id
-        self.pid = hello.pid
         first = not self.daemon.sessions
         self.daemon.sessions[hello.id] = self
         self.daemon.reset_since = False

@@ -177,7 +177,10 @@ def test_worker_drops_bad_clients_and_keeps_serving(cluster):
     with connect() as a, connect() as b:  # one local rank, two processes
         messages, _ = _exchange(a, _frame(Hello(PROTOCOL_VERSION, ROLE_CLIENT, 0)), timeout=1.0)
         assert isinstance(messages[0], Welcome)
-        _assert_dropped(*_exchange(b, _frame(Hello(PROTOCOL_VERSION, ROLE_CLIENT, 0))), "already connected")
+        _assert_dropped(*_exchange(b, _frame(Hello(PROTOCOL_VERSION, ROLE_CLIENT, 0, pid=4242))), "already connected")
+        # (the log said "dropping client local rank None (pid 0)": not who was refused, a review)
+        assert "dropping client a process (pid 4242) asking for local rank 0: local rank 0 is already connected" \
+            in Path(cluster.log_dir, "worker-0.log").read_text(errors="replace")
         messages, _ = _exchange(a, _frame(Leave(7)), timeout=1.0)  # (shutdown(): answered once it took effect)
         answers = [m for m in messages if not isinstance(m, Ping)]
         assert len(answers) == 1 and isinstance(answers[0], Done) and answers[0].req == 7, messages
