@@ -57,7 +57,7 @@ class AsyncParameters:
                                f"float16 and bfloat16 parameters")
         self.staleness = None if bound < 0 else bound
         self.buckets = _buckets(params, bucket_bytes)
-        self.initialised = False
+        self._initialised_on: weakref.ref[object] | None = None  # the connection its init ran on (initialised)
         self.replaced = False  # by a newer AsyncParameters (or a synchronous optimizer) over the same parameters
         earlier = [o for o in _LIVE if o.overlaps(self)]
         for other in earlier:
@@ -96,8 +96,17 @@ class AsyncParameters:
         if _layout(self) == _layout(other):
             for mine, theirs in zip(self.buckets, other.buckets):
                 mine.old = theirs.old
-            self.initialised = other.initialised
+            self._initialised_on = other._initialised_on
         other.retire()
+
+    @property
+    def initialised(self) -> bool:
+        """Whether :meth:`init` ran on the process's connection now. After ``shutdown()`` and ``init()`` (a
+        restarted worker daemon, a rejoin) it runs again: a process that rejoins takes the job's values as they
+        are, as the numpy client's ``async_init`` does. Before, the flag outlived the connection: every step
+        failed ("async_push_pull before async_init") and broadcast_parameters was refused, for good (a review)."""
+        conn = _adapter.connection()
+        return conn is not None and self._initialised_on is not None and self._initialised_on() is conn
 
     def retire(self) -> None:
         """Replaced: out of ``init_all``, and every later use a BPSError (see :meth:`_take_over`)."""
@@ -109,7 +118,8 @@ class AsyncParameters:
         rejoins), and take it as this process's parameters."""
         self._check_current()
         self._start_all(lambda b: _adapter.start_async_init(_flat(b), b.name, root_rank, self.staleness))
-        self.initialised = True
+        conn = _adapter.connection()
+        self._initialised_on = None if conn is None else weakref.ref(conn)
 
     def push(self) -> None:
         """Push every bucket's ``new - old``; the values that come back become the parameters."""

@@ -16,6 +16,7 @@ import numpy as np
 
 import bps_worker.client as bps
 from bps_worker.client import NUMPY_DTYPES
+from bps_worker.client import adapter as _adapter
 
 SHAPE = (3, 5000)  # 60 KB in float32: several partitions on several servers with 64 KiB partitions
 
@@ -213,6 +214,51 @@ def torch_async_sgd(steps: int, staleness: int | None, device: str = "cpu") -> d
     plain = value.tolist()
     return {"same_after_broadcast": same, "exact": exact, "errors": errors, "seconds": time.monotonic() - t0,
             "plain": plain, "devices": sorted({str(p.device) for p in model.parameters()})}
+
+
+def torch_async_after_reinit(steps: int, flags: str) -> dict[str, Any]:
+    """``steps`` plain SGD steps (lr 1/4, each rank's gradient its rank + 1), then rank 0 (its machine's only
+    process) leaves and comes back (``shutdown()``, ``init()``: a restarted worker daemon's process does so) while
+    the others wait for ``flags``/back, then ``steps`` more. Rank 0's optimizer took its values for initialised on the new connection: every step failed
+    ("async_push_pull before async_init") and broadcast_parameters was refused, for good (a review). Now its
+    first step there initialises again (the job's value as it stands: a rejoin), and every step of every rank is
+    in the value, exactly."""
+    import torch
+
+    import bps_worker.torch as bt
+
+    model = torch.nn.Linear(3, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    opt = bt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.25),
+                                  [("reinit." + n, p) for n, p in model.named_parameters()], asynchronous=True)
+    bt.broadcast_parameters(model.state_dict(), root_rank=0)
+    barrier("reinit.start")
+
+    def step() -> None:
+        opt.zero_grad()
+        (model.weight * float(bps.rank() + 1)).sum().backward()
+        opt.step()
+
+    for _ in range(steps):
+        step()
+    barrier("reinit.left")
+    if bps.rank() == 0:
+        settings = _adapter.settings()
+        bps.shutdown()
+        bps.init(socket=settings.socket, local_rank=settings.local_rank, timeout=settings.timeout)
+        open(os.path.join(flags, "back"), "w").close()
+    else:  # (a round of the others' open as its machine leaves would fail: that process left)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(os.path.join(flags, "back")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    barrier("reinit.back")
+    for _ in range(steps):
+        step()
+    barrier("reinit.end")
+    opt.zero_grad()
+    opt.step()  # no gradient: a zero delta, the value back
+    total = sum(r + 1 for r in range(bps.size()))
+    return {"weight": model.weight.detach().tolist(), "want": [[-0.25 * 2 * steps * total] * 3]}
 
 
 REJOIN_STEADY_STEPS = 60

@@ -8,6 +8,14 @@ import async_programs as ap
 from harness import run_ranks
 
 
+def test_an_asynchronous_optimizer_initialises_again_after_its_process_init_again(make_cluster, tmp_path):
+    """Rank 0 leaves and comes back (shutdown(), init()) between steps: its optimizer's steps go on, and every
+    step of every rank is in the value, exactly (it failed every step after, before)."""
+    cluster = make_cluster([1, 1], cpu_servers=0)
+    for r in run_ranks(cluster, ap.torch_async_after_reinit, 5, str(tmp_path), timeout=90):
+        assert r["weight"] == r["want"], r
+
+
 @pytest.mark.parametrize("staleness,device",
                          [(None, "cpu"), (1, "cpu"), pytest.param(None, "cuda", marks=pytest.mark.cuda)])
 def test_async_sgd_puts_every_process_step_in_the_servers_value(cluster_2x2, staleness, device):
