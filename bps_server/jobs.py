@@ -14,9 +14,14 @@ spares it. Every other round fails at once, as before (a trainer that died mid-s
 Processes of one job meet at their first round together, so the relation lasts only until then: the next job's
 trainer that began after its peer's (the same job) is not "later" than it once they summed a round.
 
-A worker whose daemon restarted mid-job and whose new processes have not completed a round yet is "later" by this
-rule too: where a peer dies in that moment, the rounds the new processes opened fail after the timeout (the
-sweep) rather than at once. Bounded, and that double fault is rare.
+Until they meet, a real failure is slower: a worker whose daemon restarted mid-job, or the next job's trainer
+that began beside a lingering one, is "later" than its peers; where one of those peers' processes die before
+they completed a round together, the rounds the later ones opened fail after the timeout (the sweep) rather than
+at once (a review measured 8 s against 3 s, with an 8 s timeout), and the dead peer's relaunched processes may
+join them meanwhile. Bounded by the timeout, and only in that window.
+
+Asynchronous values (``bps_server.values``) do not follow this: a next job's ``async_init`` beside a lingering
+process of the last job is taken for a rejoin, and gets the last job's value (README, "Asynchronous training").
 """
 
 from __future__ import annotations

@@ -1046,8 +1046,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     changed = changed or bucket.names[index]
                 if seen.hooked:
                     hooked = hooked or bucket.names[index]
-        unscaled = changed is None and hooked is not None and _scaler_unscaled(self)  # (copied before the unscale)
-        if unscaled:
+        # GradScaler's step() after its unscale (copied before it: scaled sums) is never stepped over, whatever else
+        # changed too: torch's own AMP recipe clips after unscale_, and stepping its sums moved the weights 1024
+        # times too far (a review of the first version, which asked the scaler only where nothing else changed).
+        unscaled = hooked is not None and _scaler_unscaled(self)
+        if unscaled and changed is None:
             changed = hooked
         if changed is None:
             return None

@@ -121,7 +121,7 @@ def _backward(model: nn.Module, value: float = 2.0, scaler: torch.amp.GradScaler
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("change", ["clip", "grad_scaler", "grad_scaler_fused", "replace"])
+@pytest.mark.parametrize("change", ["clip", "grad_scaler", "grad_scaler_fused", "grad_scaler_clipped", "replace"])
 def test_a_gradient_changed_between_backward_and_step_is_an_error(client: None, change: str) -> None:
     """Gradients go to the other processes as backward produces them, so a change made after backward (torch's
     plain GradScaler usage, clipping before step()) was silently lost; now step() says to synchronize() first.
@@ -136,6 +136,10 @@ def test_a_gradient_changed_between_backward_and_step_is_an_error(client: None, 
         if change == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             opt.step()
+        elif change == "grad_scaler_clipped":  # torch's own AMP recipe with clipping, without our synchronize()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # (in place: the scaled sums stepped, 1024x)
+            scaler.step(opt)
         elif change.startswith("grad_scaler"):
             scaler.step(opt)  # unscales in place, then steps
         else:
