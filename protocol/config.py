@@ -187,6 +187,7 @@ def parse_config(data: dict[str, Any], source: str = "<memory>") -> ClusterConfi
     c = _parse_cluster_table(cluster, source)
     worker_specs = _parse_workers(data, c["workers"], source)
     servers = _parse_servers(data, [w.id for w in worker_specs], source)
+    _no_shared_listeners(servers, worker_specs, source)
     config = ClusterConfig(
         workers=c["workers"],
         servers=tuple(sorted(servers, key=lambda s: s.id)),
@@ -328,6 +329,30 @@ def _parse_servers(data: dict[str, Any], worker_ids: list[int], source: str) -> 
     _no_duplicates([s.id for s in servers], "server id", source)
     _no_duplicates([(s.host, s.port) for s in servers], "server address", source)
     return servers
+
+
+_ANY_HOST: Final = frozenset({"0.0.0.0", "::"})  # an unspecified address: the machine's every address
+
+
+def _no_shared_listeners(servers: list[ServerSpec], workers: list[WorkerSpec], source: str) -> None:
+    """Two daemons cannot listen on one address: a ``metrics`` equal to another daemon's ``metrics`` or server
+    ``address`` failed only when the second daemon started, after the first (two lines, exit status 1: a review).
+    Refused here where the file says it: the same specific host and port (an IP address or name is one machine's),
+    or one port of one machine (a worker and its colocated servers) where either side listens on every address.
+    An unspecified host (``0.0.0.0``, ``::``) on different machines is each machine's own: allowed."""
+    listeners = [(f"server {s.id}'s address", s.worker, (s.host, s.port)) for s in servers]
+    listeners += [(f"server {s.id}'s metrics", s.worker, s.metrics) for s in servers if s.metrics is not None]
+    listeners += [(f"worker {w.id}'s metrics", w.id, w.metrics) for w in workers if w.metrics is not None]
+    by_port: dict[int, list[tuple[str, int | None, str]]] = {}  # (a port's listeners are few: not every pair)
+    for what, machine, (host, port) in listeners:
+        for other, other_machine, other_host in by_port.setdefault(port, []):
+            same_host = host == other_host and host not in _ANY_HOST
+            any_host_here = machine is not None and machine == other_machine and (
+                host in _ANY_HOST or other_host in _ANY_HOST)
+            if same_host or any_host_here:
+                raise ConfigError(f"{source}: {what} {host}:{port} is also {other} ({other_host}:{port}): two "
+                                  f"daemons cannot listen on one address")
+        by_port[port].append((what, machine, host))
 
 
 def _check_table(table: Any, keys: dict[str, tuple[Any, bool]], where: str, source: str) -> dict[str, Any]:

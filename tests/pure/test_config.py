@@ -197,6 +197,35 @@ def test_port_zero_is_refused(tmp_path, address, key):
     assert f"{key} has port 0 outside 1..65535" in config_error(tmp_path, text)
 
 
+def _with_metrics(server0: str = "", server1: str = "", worker0: str = "", worker1: str = "") -> str:
+    """The test cluster with these ``metrics`` addresses (an empty one: none)."""
+    servers = SERVERS.replace('worker = 0\n', 'worker = 0\n' + (f'metrics = "{server0}"\n' if server0 else ""))
+    servers = servers.replace('worker = 1\n', 'worker = 1\n' + (f'metrics = "{server1}"\n' if server1 else ""))
+    workers = WORKERS.replace('socket = "/tmp/w0.sock"\n', 'socket = "/tmp/w0.sock"\n' +
+                              (f'metrics = "{worker0}"\n' if worker0 else ""))
+    workers = workers.replace('socket = "/tmp/w1.sock"\n', 'socket = "/tmp/w1.sock"\n' +
+                              (f'metrics = "{worker1}"\n' if worker1 else ""))
+    return CLUSTER + servers + workers
+
+
+@pytest.mark.parametrize("metrics,said", [
+    (dict(worker0="127.0.0.1:9200", worker1="127.0.0.1:9200"),
+     "worker 1's metrics 127.0.0.1:9200 is also worker 0's metrics (127.0.0.1:9200)"),
+    (dict(server1="127.0.0.1:9100"), "server 1's metrics 127.0.0.1:9100 is also server 0's address"),
+    (dict(server0="0.0.0.0:9300", worker0="127.0.0.1:9300"),  # (one machine: every address there)
+     "worker 0's metrics 127.0.0.1:9300 is also server 0's metrics (0.0.0.0:9300)"),
+])
+def test_two_daemons_listening_on_one_address_are_refused(tmp_path, metrics, said):
+    """They failed only when the second daemon started (a review); an unspecified host is each machine's own."""
+    assert said in config_error(tmp_path, _with_metrics(**metrics))
+
+
+def test_every_machines_metrics_on_one_port_of_any_address_loads(tmp_path):
+    config = load_config(write(tmp_path, _with_metrics(server0="0.0.0.0:9300", server1="0.0.0.0:9300",
+                                                        worker0="0.0.0.0:9301", worker1="[::]:9301")))
+    assert [w.metrics for w in config.worker_specs] == [("0.0.0.0", 9301), ("::", 9301)]
+
+
 def test_repo_local_toml_loads():
     path = REPO / "configs" / "local.toml"
     cfg = load_config(path)
