@@ -203,22 +203,29 @@ async def test_a_held_borrowed_push_whose_segment_shrank_fails_the_round_not_the
 
 
 @pytest.mark.timeout(30)
-async def test_a_push_by_reference_larger_than_max_payload_bytes_is_a_protocol_error(segments):
+async def test_a_push_by_reference_larger_than_max_payload_bytes_is_a_protocol_error():
     """Over TCP the frame reader refuses a payload over cluster.max_payload_bytes; a push by shared-memory
     reference was checked only against its segment (a sparse file can be any size), and the server allocated
-    its sum: 2 GiB a push in a review."""
+    its sum: 2 GiB a push in a review. (At the least max_payload_bytes, 64 KiB, segments of twice that.)"""
     from protocol.config import parse_config
     from bps_server.server import ServerConfig, SummationServer
 
-    cluster = parse_config({"cluster": {"workers": 1, "partition_bytes": 2048, "max_payload_bytes": 2048},
+    cluster = parse_config({"cluster": {"workers": 1, "partition_bytes": 2048, "max_payload_bytes": 1 << 16},
                             "server": [{"id": 0, "address": "127.0.0.1:9"}],
                             "worker": [{"id": 0, "local_size": 1, "socket": "/tmp/none0"}]})
     server = SummationServer(ServerConfig(cluster, 0, threads=1))
-    probe, data, out = segments
-    conn, t = _shm_worker(server, probe)
-    _feed(conn, encode_message(Announce([data.name, out.name])))
-    _feed(conn, encode_message(_push(data, out)))  # 4096 bytes, within both segments
-    failure = t.messages()[-1][0]
-    assert isinstance(failure, Failure) and failure.code == "protocol_error" and t.closed, t.messages()
-    assert "4096 bytes, more than cluster.max_payload_bytes" in failure.message
-    await server.stop()
+    probe, data, out = made = [create_segment(segment_name(0), 1 << 17) for _ in range(3)]
+    try:
+        probe.buf[:32] = bytes(range(32))
+        conn, t = _shm_worker(server, probe)
+        _feed(conn, encode_message(Announce([data.name, out.name])))
+        push = Push(req=1, name="w", part=0, round=0, worker=0, dtype="float32", shape=[1 << 15], offset=0,
+                    count=1 << 15, segment=data.name, out_segment=out.name)
+        _feed(conn, encode_message(push))  # 131072 bytes, within both segments
+        failure = t.messages()[-1][0]
+        assert isinstance(failure, Failure) and failure.code == "protocol_error" and t.closed, t.messages()
+        assert "131072 bytes, more than cluster.max_payload_bytes" in failure.message
+    finally:
+        await server.stop()
+        for seg in made:
+            release(seg, unlink=True)
