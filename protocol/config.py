@@ -334,25 +334,46 @@ def _parse_servers(data: dict[str, Any], worker_ids: list[int], source: str) -> 
 _ANY_HOST: Final = frozenset({"0.0.0.0", "::"})  # an unspecified address: the machine's every address
 
 
+def _loopback(host: str) -> bool:
+    """``localhost``, 127.0.0.0/8, ``::1``: every machine's own."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _no_shared_listeners(servers: list[ServerSpec], workers: list[WorkerSpec], source: str) -> None:
     """Two daemons cannot listen on one address: a ``metrics`` equal to another daemon's ``metrics`` or server
     ``address`` failed only when the second daemon started, after the first (two lines, exit status 1: a review).
-    Refused here where the file says it: the same specific host and port (an IP address or name is one machine's),
-    or one port of one machine (a worker and its colocated servers) where either side listens on every address.
-    An unspecified host (``0.0.0.0``, ``::``) on different machines is each machine's own: allowed."""
-    listeners = [(f"server {s.id}'s address", s.worker, (s.host, s.port)) for s in servers]
-    listeners += [(f"server {s.id}'s metrics", s.worker, s.metrics) for s in servers if s.metrics is not None]
-    listeners += [(f"worker {w.id}'s metrics", w.id, w.metrics) for w in workers if w.metrics is not None]
-    by_port: dict[int, list[tuple[str, int | None, str]]] = {}  # (a port's listeners are few: not every pair)
-    for what, machine, (host, port) in listeners:
+    Refused here where the file says it, on one port: the same host, where it names one machine (an address or a
+    name of the network's); or one machine's listeners (a worker and its colocated servers; every daemon of a
+    one-box cluster, whose servers are all at loopback addresses) where both are its loopback or either listens on
+    every address. An unspecified or loopback host on different machines is each machine's own: allowed (a
+    review of the first version refused 127.0.0.1:9300 on two machines)."""
+    one_box = all(_loopback(s.host) for s in servers)
+    listeners: list[tuple[str, int | None, tuple[str, int], int | None]] = [
+        (f"server {s.id}'s address", s.worker, (s.host, s.port), s.id) for s in servers]
+    listeners += [(f"server {s.id}'s metrics", s.worker, s.metrics, s.id) for s in servers if s.metrics is not None]
+    listeners += [(f"worker {w.id}'s metrics", w.id, w.metrics, None) for w in workers if w.metrics is not None]
+    by_port: dict[int, list[tuple[str, object, str]]] = {}  # (a port's listeners are few: not every pair)
+    for what, worker, (host, port), server in listeners:
+        machine: object = "box" if one_box else ("worker", worker) if worker is not None else ("server", server)
+        local = host in _ANY_HOST or _loopback(host)
         for other, other_machine, other_host in by_port.setdefault(port, []):
-            same_host = host == other_host and host not in _ANY_HOST
-            any_host_here = machine is not None and machine == other_machine and (
-                host in _ANY_HOST or other_host in _ANY_HOST)
-            if same_host or any_host_here:
-                raise ConfigError(f"{source}: {what} {host}:{port} is also {other} ({other_host}:{port}): two "
-                                  f"daemons cannot listen on one address")
+            other_local = other_host in _ANY_HOST or _loopback(other_host)
+            one_host = host == other_host and not local
+            one_machine = machine == other_machine and (
+                host == other_host or host in _ANY_HOST or other_host in _ANY_HOST or (local and other_local))
+            if one_host or one_machine:
+                raise ConfigError(f"{source}: {what} {_hostport(host, port)} is also {other} "
+                                  f"({_hostport(other_host, port)}): two daemons cannot listen on one address")
         by_port[port].append((what, machine, host))
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _check_table(table: Any, keys: dict[str, tuple[Any, bool]], where: str, source: str) -> dict[str, Any]:

@@ -209,8 +209,9 @@ def _with_metrics(server0: str = "", server1: str = "", worker0: str = "", worke
 
 
 @pytest.mark.parametrize("metrics,said", [
-    (dict(worker0="127.0.0.1:9200", worker1="127.0.0.1:9200"),
+    (dict(worker0="127.0.0.1:9200", worker1="127.0.0.1:9200"),  # (a one-box cluster: its servers' addresses)
      "worker 1's metrics 127.0.0.1:9200 is also worker 0's metrics (127.0.0.1:9200)"),
+    (dict(worker0="localhost:9200", worker1="[::1]:9200"), "worker 1's metrics [::1]:9200 is also worker 0's"),
     (dict(server1="127.0.0.1:9100"), "server 1's metrics 127.0.0.1:9100 is also server 0's address"),
     (dict(server0="0.0.0.0:9300", worker0="127.0.0.1:9300"),  # (one machine: every address there)
      "worker 0's metrics 127.0.0.1:9300 is also server 0's metrics (0.0.0.0:9300)"),
@@ -221,9 +222,26 @@ def test_two_daemons_listening_on_one_address_are_refused(tmp_path, metrics, sai
 
 
 def test_every_machines_metrics_on_one_port_of_any_address_loads(tmp_path):
-    config = load_config(write(tmp_path, _with_metrics(server0="0.0.0.0:9300", server1="0.0.0.0:9300",
-                                                        worker0="0.0.0.0:9301", worker1="[::]:9301")))
+    text = _with_metrics(server0="0.0.0.0:9300", server1="0.0.0.0:9300", worker0="0.0.0.0:9301",
+                         worker1="[::]:9301")  # (machines at the network's addresses: not one box)
+    config = load_config(write(tmp_path, text.replace('"127.0.0.1:9100"', '"10.0.0.1:9100"').replace(
+        '"127.0.0.1:9101"', '"10.0.0.2:9101"')))
     assert [w.metrics for w in config.worker_specs] == [("0.0.0.0", 9301), ("::", 9301)]
+
+
+@pytest.mark.parametrize("hosts,refused", [
+    (("127.0.0.1", "localhost"), False),  # a node-local scraper on each machine (a review of the first version)
+    (("[::1]", "[::1]"), False),
+    (("10.0.0.1", "10.0.0.1"), True),  # one address is one machine
+])
+def test_loopback_metrics_on_different_machines_load(tmp_path, hosts, refused):
+    """Machines at the network's addresses, each worker's metrics at a loopback (or one) address on one port."""
+    text = _with_metrics(worker0=f"{hosts[0]}:9300", worker1=f"{hosts[1]}:9300").replace(
+        '"127.0.0.1:9100"', '"10.0.0.1:9100"').replace('"127.0.0.1:9101"', '"10.0.0.2:9101"')
+    if refused:
+        assert "worker 1's metrics 10.0.0.1:9300 is also worker 0's metrics" in config_error(tmp_path, text)
+    else:
+        assert load_config(write(tmp_path, text)).worker_specs[1].metrics[1] == 9300
 
 
 def test_repo_local_toml_loads():
