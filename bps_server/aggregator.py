@@ -309,7 +309,7 @@ class Aggregator:
 
     def processes_ended(self, worker: int) -> Callable[[Collection[int]], bool]:
         """``worker``'s processes ended: whether a round of given pushers is of a later job (RoundTable's)."""
-        return self.table.processes_ended(worker)
+        return self.table.processes_ended(worker, time.monotonic())
 
     def had_processes(self, worker: int) -> bool:
         """Whether the worker's processes were there when its daemon was last heard of (RoundTable.had_processes)."""

@@ -14,7 +14,10 @@ spares it. Every other round fails at once, as before (a trainer that died mid-s
 Processes of one job meet at their first round together, so the relation lasts only until then: the next job's
 trainer that began after its peer's (the same job) is not "later" than it once they summed a round.
 
-Until they meet, a real failure is slower: a worker whose daemon restarted mid-job, or the next job's trainer
+The relation lasts at most ``window`` (the cluster's timeout) after the later processes began: a round waiting that
+long for a machine without processes fails anyway (``RoundTable.sweep``), so a spare past it would only delay a
+failure (a server that holds none of the job's first names sees no meeting: a review). Until they meet, and within
+that window, a real failure is slower: a worker whose daemon restarted mid-job, or the next job's trainer
 that began beside a lingering one, is "later" than its peers; where one of those peers' processes die before
 they completed a round together, the rounds the later ones opened fail after the timeout (the sweep) rather than
 at once (a review measured 8 s against 3 s, with an 8 s timeout), and the dead peer's relaunched processes may
@@ -35,24 +38,31 @@ __all__ = ["Jobs"]
 class Jobs:
     """For each worker, the workers whose processes were alive when its own began (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: float = 30.0) -> None:
+        self.window = window
         self._alive_at_start: dict[int, set[int]] = {}  # (empty sets dropped: see pending)
+        self._began: dict[int, float] = {}  # when each one's processes began (the caller's clock)
 
     @property
     def pending(self) -> bool:
         """Whether any worker's processes began beside others they have not met (the hot path asks this)."""
         return bool(self._alive_at_start)
 
-    def ended(self, worker: int, alive: Iterable[int]) -> Callable[[Collection[int]], bool]:
-        """``worker``'s processes ended (its next ones begin now); ``alive``: the workers with processes now.
+    def ended(self, worker: int, alive: Iterable[int], now: float) -> Callable[[Collection[int]], bool]:
+        """``worker``'s processes ended (its next ones begin ``now``); ``alive``: the workers with processes now.
         Returns whether a round that ``workers`` pushed (or reported) is of a later job than the processes that
         ended: spared by their end."""
+        for r in [r for r, began in self._began.items() if now - began >= self.window]:
+            self._alive_at_start.pop(r, None)  # (past the window: see the module docstring)
+            del self._began[r]
         later = frozenset(r for r, alive_then in self._alive_at_start.items() if worker in alive_then)
         for r in later:
             self._drop(r, (worker,))  # (they began before its next processes: no later than those)
         self._alive_at_start.pop(worker, None)
+        self._began.pop(worker, None)
         if any(w != worker for w in alive):
             self._alive_at_start[worker] = set(alive) - {worker}
+            self._began[worker] = now
         return lambda workers: bool(workers) and worker not in workers and later.issuperset(workers)
 
     def met(self, workers: Collection[int]) -> None:
@@ -66,3 +76,4 @@ class Jobs:
         alive_then.difference_update(others)
         if not alive_then:
             del self._alive_at_start[worker]
+            del self._began[worker]

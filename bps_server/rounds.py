@@ -367,7 +367,7 @@ class RoundTable(Generic[W]):
         # every round failed). A round it opens itself does not count: a worker whose processes moved on to
         # their next step after a failure of their own is no busier for the round that waits for them.
         self.joined_at: dict[int, float] = {}
-        self.jobs = Jobs()  # whose processes may be of a later job than whose (processes_ended)
+        self.jobs = Jobs(lost_grace_s)  # whose processes may be of a later job than whose (processes_ended)
         self.deterministic = deterministic
         self.connected = connected
         self.keys: dict[Key, Round[W]] = {}
@@ -895,11 +895,12 @@ class RoundTable(Generic[W]):
             self.worker_joined(worker)
         self._active.add(worker)
 
-    def processes_ended(self, worker: int) -> Callable[[Collection[int]], bool]:
-        """``worker``'s processes ended (a Reset, its daemon's restart): whether a round that given workers pushed
-        is of a later job than those processes (bps_server.jobs), for :meth:`worker_reset` and the fused planner."""
+    def processes_ended(self, worker: int, now: float) -> Callable[[Collection[int]], bool]:
+        """``worker``'s processes ended (a Reset, its daemon's restart) at ``now`` (``time.monotonic()``): whether a
+        round that given workers pushed is of a later job than those processes (bps_server.jobs), for
+        :meth:`worker_reset` and the fused planner."""
         alive = [w for w in range(self.n_workers) if w != worker and self.connected(w) and self.had_processes(w)]
-        return self.jobs.ended(worker, alive)
+        return self.jobs.ended(worker, alive, now)
 
     def had_processes(self, worker: int) -> bool:
         """Whether ``worker``'s processes were there when we last heard of its daemon: it said no Reset (nor, in
