@@ -37,6 +37,7 @@ DDP users keep ``DistributedDataParallel`` and change one line:
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import io
 import json
@@ -472,6 +473,18 @@ def _scaler_unscaled(optimizer: object) -> bool:
                 state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
                 return getattr(state.get("stage"), "name", "") == "UNSCALED"
         frame = frame.f_back
+    return False
+
+
+def _unscaled_by_any_scaler(optimizer: object) -> bool:
+    """Whether any live GradScaler unscaled ``optimizer``'s gradients since its last ``update()`` (its
+    ``unscale_(optimizer)``, then our ``step()`` called directly, not through ``scaler.step``: no frame of it above
+    us). Every object is looked at: only where a gradient changed (the error's path, once), never a step."""
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.amp.GradScaler):  # (not isinstance: a deprecated proxy's __class__ warns)
+            state = getattr(obj, "_per_optimizer_states", {}).get(id(optimizer), {})
+            if getattr(state.get("stage"), "name", "") == "UNSCALED":
+                return True
     return False
 
 
@@ -1052,6 +1065,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         unscaled = hooked is not None and _scaler_unscaled(self)
         if unscaled and changed is None:
             changed = hooked
+        elif changed is not None and not unscaled:  # (unscale_ and a clip, then our step() called directly)
+            unscaled = _unscaled_by_any_scaler(self)
         if changed is None:
             return None
         if unscaled:

@@ -121,7 +121,8 @@ def _backward(model: nn.Module, value: float = 2.0, scaler: torch.amp.GradScaler
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("change", ["clip", "grad_scaler", "grad_scaler_fused", "grad_scaler_clipped", "replace"])
+@pytest.mark.parametrize("change", ["clip", "grad_scaler", "grad_scaler_fused", "grad_scaler_clipped",
+                                    "unscaled_clipped_plain_step", "replace"])
 def test_a_gradient_changed_between_backward_and_step_is_an_error(client: None, change: str) -> None:
     """Gradients go to the other processes as backward produces them, so a change made after backward (torch's
     plain GradScaler usage, clipping before step()) was silently lost; now step() says to synchronize() first.
@@ -131,7 +132,7 @@ def test_a_gradient_changed_between_backward_and_step_is_an_error(client: None, 
     (they may not have changed theirs); the scaler's unscaled sums are stepped nowhere."""
     model, opt = _linear(f"changed.{change}", fused=change.endswith("fused"))
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    _backward(model, scaler=scaler if change.startswith("grad_scaler") else None)
+    _backward(model, scaler=scaler if change.startswith(("grad_scaler", "unscaled")) else None)
     with pytest.raises(bps.BPSError, match=r"'changed\.\w+\.weight' changed after backward.*synchronize\(\)"):
         if change == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -140,12 +141,16 @@ def test_a_gradient_changed_between_backward_and_step_is_an_error(client: None, 
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # (in place: the scaled sums stepped, 1024x)
             scaler.step(opt)
+        elif change == "unscaled_clipped_plain_step":  # the same, then our step() called directly
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+            opt.step()
         elif change.startswith("grad_scaler"):
             scaler.step(opt)  # unscales in place, then steps
         else:
             model.weight.grad = model.weight.grad / 2
             opt.step()
-    stepped = 0.0 if change.startswith("grad_scaler") else -2.0  # the average of what backward produced: 2
+    stepped = 0.0 if change.startswith(("grad_scaler", "unscaled")) else -2.0  # the average of backward's: 2
     assert model.weight.detach().eq(stepped).all(), model.weight
     opt.zero_grad()  # nothing stays in flight: the next step is a plain one
     _backward(model)
