@@ -174,7 +174,12 @@ def test_busy_metrics_port_exits_1_naming_it(tmp_path, module):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        config.write_text(re.sub(r'metrics = "127\.0\.0\.1:\d+"', f'metrics = "127.0.0.1:{port}"', config.read_text()))
+        # (only the daemon's own: two daemons' one address is refused by the config's validation, exit 2)
+        text = config.read_text()
+        table = "[[server]]" if module == "bps_server" else "[[worker]]"
+        start = text.index(table)
+        config.write_text(text[:start] + re.sub(r'metrics = "127\.0\.0\.1:\d+"', f'metrics = "127.0.0.1:{port}"',
+                                                text[start:], count=1))
         result = _run([module, "--config", str(config), "--id", "0"])
     assert result.returncode == 1
     reasons = [line for line in result.stderr.splitlines() if line.startswith(module.replace("_", "-") + ":")]
