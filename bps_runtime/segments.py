@@ -82,7 +82,9 @@ class SegmentSizeError(OSError):
     def __init__(self, name: str, size: int, needed: int, tensor: str = "", replaced: bool = False,
                  backed: int | None = None) -> None:
         state = "was removed or replaced" if replaced else f"has {size} bytes now"
-        why = "a process truncated it?"
+        why = ("removed from /dev/shm by something other than its worker daemon, e.g. a cleanup of /dev/shm or "
+               "systemd-logind's RemoveIPC?" if replaced else "a process truncated it?")  # (a review: "truncated"
+        # was said of a removed one too, where a script of its own was deleting every bps_ segment)
         if backed is not None:  # (a file's holes are unmapped pages as much as a truncated end)
             state = f"has only {backed} of its {size} bytes in memory"
             why = "a sparse file: made with ftruncate alone, or holes punched in it"

@@ -156,7 +156,8 @@ def test_check_size_sees_a_truncated_or_replaced_segment():
         os.unlink(path)
         with open(path, "wb") as f:  # another file under the same name: not the one mapped
             f.write(b"\0" * 8192)
-        with pytest.raises(SegmentSizeError, match="was removed or replaced"):
+        with pytest.raises(SegmentSizeError, match="was removed or replaced; 8192 bytes are needed "
+                                                   r"\(removed from /dev/shm by something other than its worker"):
             segments.check_size(seg, 8192)
     finally:
         segments.release(seg, unlink=True)
