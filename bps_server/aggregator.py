@@ -26,7 +26,6 @@ import logging
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from collections.abc import Collection
 from typing import AbstractSet, Any, Callable, Coroutine, Final, Iterator, NamedTuple
 
 import numpy as np
@@ -60,8 +59,8 @@ from .rounds import (
     Token,
     Why,
     describe,
-    spare_none,
 )
+from .jobs import Spared, spare_none
 
 __all__ = ["INLINE_SUM_MAX_BYTES", "Aggregator", "Contributor", "Counters", "FailFn", "Key", "ReplyFn", "Why",
            "describe"]
@@ -302,12 +301,12 @@ class Aggregator:
         """A worker daemon connected, with its round numbering (``fresh``: unused, Hello.fresh)."""
         self._run(self.table.worker_hello(worker, epoch, fresh))
 
-    def worker_reset(self, worker: int, epoch: str = "", spared: Callable[[Collection[int]], bool] = spare_none) -> int:
+    def worker_reset(self, worker: int, epoch: str = "", spared: Spared = spare_none) -> int:
         """The worker has no training processes any more; returns how many rounds failed (not those ``spared``
         says are of a later job: RoundTable.worker_reset)."""
         return self._run(self.table.worker_reset(worker, epoch, spared))
 
-    def processes_ended(self, worker: int) -> Callable[[Collection[int]], bool]:
+    def processes_ended(self, worker: int) -> Spared:
         """``worker``'s processes ended: whether a round of given pushers is of a later job (RoundTable's)."""
         return self.table.processes_ended(worker, time.monotonic())
 

@@ -70,6 +70,8 @@ from typing import AbstractSet, Any, Callable, Final
 from bps_runtime.stalls import Stall, StallWatch, stalled
 from protocol.messages import PlanResent, Spec, Why, describe_spec, fused_chunks, fused_lanes
 
+from .jobs import Spared, spare_none
+
 __all__ = ["Failed", "Planner", "Resend"]
 
 # Plans kept to send again to a worker whose connection broke before it got them (see Planner.sent_since),
@@ -598,8 +600,8 @@ class Planner:
             self._excuse(worker)  # (its Reset may have been lost with a connection)
             self.first_plan[worker] = self.seq
 
-    def worker_gone(self, worker: int, why: Why, reset: bool, epoch: str = "",
-                    spared: Callable[[AbstractSet[int]], bool] | None = None) -> list[Failed]:
+    def worker_gone(self, worker: int, why: Why, reset: bool, epoch: str = "", spared: Spared = spare_none
+                    ) -> list[Failed]:
         """``worker``'s connection dropped, or its processes are gone (``reset``): every name waiting here
         fails, since it waits for that worker or for what it reported (which the worker fails itself, see
         ``bps_worker.fusion``'s ``link_lost``). After a reset the failures no longer wait for the worker (its
@@ -612,7 +614,7 @@ class Planner:
         out: list[Failed] = []
         self._resent = {sent for sent in self._resent if sent[0] != worker}  # (resent again if lost with it)
         for name, w in list(self.waiting.items()):
-            if reset and spared is not None and spared(w.workers):
+            if reset and spared(w.workers):
                 continue
             out += self._fail(name, w, why, skip=worker if reset or worker in w.workers else -1)
         if self.ready:  # reported by every worker, its report too (failed there): not planned

@@ -32,7 +32,15 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from typing import Callable
 
-__all__ = ["Jobs"]
+__all__ = ["Jobs", "Spared", "spare_none"]
+
+# Whether a round (or fused name) pushed by these workers is of a later job than the processes that ended.
+Spared = Callable[[Collection[int]], bool]
+
+
+def spare_none(workers: Collection[int]) -> bool:
+    """No round is of a later job (the default where nothing is known of jobs)."""
+    return False
 
 
 class Jobs:
@@ -48,7 +56,7 @@ class Jobs:
         """Whether any worker's processes began beside others they have not met (the hot path asks this)."""
         return bool(self._alive_at_start)
 
-    def ended(self, worker: int, alive: Iterable[int], now: float) -> Callable[[Collection[int]], bool]:
+    def ended(self, worker: int, alive: Iterable[int], now: float) -> Spared:
         """``worker``'s processes ended (its next ones begin ``now``); ``alive``: the workers with processes now.
         Returns whether a round that ``workers`` pushed (or reported) is of a later job than the processes that
         ended: spared by their end."""

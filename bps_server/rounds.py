@@ -86,7 +86,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from collections.abc import Collection
 from typing import AbstractSet, Callable, Generic, TypeVar, Union
 
 import numpy as np
@@ -95,7 +94,7 @@ from bps_runtime.stalls import stalled
 from protocol import dtypes, messages
 from protocol.messages import KIND_BROADCAST, FailureCode, Push
 
-from .jobs import Jobs
+from .jobs import Jobs, Spared, spare_none
 
 Key = tuple[str, int]
 W = TypeVar("W")
@@ -110,11 +109,6 @@ ENDED_SUMS_KEPT = 4096
 # a borrowed view while it waits for the other workers, and a segment truncated meanwhile would make
 # the read a SIGBUS. ``None``: the payload is the server's own (received over TCP).
 Lease = Callable[[], None]
-
-
-def spare_none(workers: Collection[int]) -> bool:
-    """No round is of a later job (RoundTable.worker_reset's default ``spared``)."""
-    return False
 
 
 def describe(push: Push) -> str:
@@ -837,8 +831,7 @@ class RoundTable(Generic[W]):
         self._reset.add(worker)
         self._mid_job.discard(worker)
 
-    def worker_reset(self, worker: int, epoch: str = "", spared: Callable[[Collection[int]], bool] = spare_none
-                     ) -> list[Action[W]]:
+    def worker_reset(self, worker: int, epoch: str = "", spared: Spared = spare_none) -> list[Action[W]]:
         """The worker has no training processes any more (its job ended or died).
 
         Every incomplete round fails: none can complete as pushed. But those ``spared`` (by their pushers) are
@@ -895,7 +888,7 @@ class RoundTable(Generic[W]):
             self.worker_joined(worker)
         self._active.add(worker)
 
-    def processes_ended(self, worker: int, now: float) -> Callable[[Collection[int]], bool]:
+    def processes_ended(self, worker: int, now: float) -> Spared:
         """``worker``'s processes ended (a Reset, its daemon's restart) at ``now`` (``time.monotonic()``): whether a
         round that given workers pushed is of a later job than those processes (bps_server.jobs), for
         :meth:`worker_reset` and the fused planner."""

@@ -219,8 +219,8 @@ def torch_async_sgd(steps: int, staleness: int | None, device: str = "cpu") -> d
 def torch_async_after_reinit(steps: int, flags: str) -> dict[str, Any]:
     """``steps`` plain SGD steps (lr 1/4, each rank's gradient its rank + 1), then rank 0 (its machine's only
     process) leaves and comes back (``shutdown()``, ``init()``: a restarted worker daemon's process does so) while
-    the others wait for ``flags``/back, then ``steps`` more. Rank 0's optimizer took its values for initialised on the new connection: every step failed
-    ("async_push_pull before async_init") and broadcast_parameters was refused, for good (a review). Now its
+    the others wait for ``flags``/back, then ``steps`` more. Rank 0's optimizer took its values for initialised on
+    the new connection: every step failed ("async_push_pull before async_init") and broadcast_parameters was refused, for good (a review). Now its
     first step there initialises again (the job's value as it stands: a rejoin), and every step of every rank is
     in the value, exactly."""
     import torch

@@ -61,6 +61,12 @@ _conn: Operations | None = None
 _lock = OwnedLock()
 
 
+def _current() -> Operations | None:
+    """The process's operations, or None where it has none: never connected, shut down, or a fork's copy."""
+    conn = _conn
+    return conn if conn is not None and conn.pid == os.getpid() else None
+
+
 def _operations() -> Operations:
     """The process's operations (the adapter's and the public functions' one way to them)."""
     conn = _conn

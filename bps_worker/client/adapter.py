@@ -23,7 +23,6 @@ public API. Handles are the public :class:`~bps_worker.client.Handle`: :func:`~b
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -31,22 +30,20 @@ import numpy.typing as npt
 
 from protocol.messages import KIND_BROADCAST, KIND_SUM
 
-from . import _operations
+from . import _current, _operations
 from .handle import Handle
 from .operations import Fill
 from .settings import Settings
 
-__all__ = ["Fill", "abandon", "connection", "finish_view", "settings", "settle", "shared_slot", "start_async", "start_async_init",
-           "start_broadcast", "start_cuda", "start_filled"]
+__all__ = ["Fill", "abandon", "connection", "finish_view", "settings", "settle", "shared_slot", "start_async",
+           "start_async_init", "start_broadcast", "start_cuda", "start_filled"]
 
 
 def connection() -> object | None:
     """The process's connection now, or None (none yet, or shut down): another object after ``shutdown()`` and
     ``init()``, so that a layer tells state it made on an earlier connection (asynchronous values it initialised
     there) from this one's. Never raises."""
-    from . import _conn
-
-    return _conn if _conn is not None and _conn.pid == os.getpid() else None
+    return _current()
 
 
 def settings() -> Settings:

@@ -53,9 +53,9 @@ def test_a_round_every_local_rank_submitted_waits_at_the_servers_holding_its_par
     links = [_link(0, ("w", 7), ("v", 7)), _link(2, ("w", 7)), _link(1, ("w", 6))]
     (stall,) = stalls.warnings(24.5, rounds, links)
     assert stall.told == (0,)
-    assert stall.text == ("stall: tensor 'w' (round 0 on worker 0) has waited 4.5 s at servers 0, 2: every local rank "
-                    "submitted it; other workers have not pushed it, or the server is slow or out of reach (the server's log "
-                    "names whom it waits for)")
+    assert stall.text == ("stall: tensor 'w' (round 0 on worker 0) has waited 4.5 s at servers 0, 2: every local "
+                          "rank submitted it; other workers have not pushed it, or the server is slow or out of reach "
+                          "(the server's log names whom it waits for)")
     assert stalls.warnings(30.0, rounds, [_link(1, ("w", 6))]) == []  # answered: forgotten
     assert stalls.warnings(40.0, rounds, links) == []
 
