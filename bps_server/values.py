@@ -43,6 +43,14 @@ from a copy lose the float32 accumulator's extra bits (the copy travelled in the
 
 Job reset: when every worker reset (its processes all left), every key is dropped, as the round table's.
 
+Jobs. Daemons outlive jobs, and jobs end at different times per machine: the next job's init may come while a
+machine of the last one still lingers (connected after its last step), so no job reset came between them. Each
+push names its machine's job (``Push.job``, from its processes' hellos; empty: not known), and a key is its
+first named job's: an init of another job begins the key anew from that job's root (the old value's waiters
+fail, naming both jobs), and a delta of another job is refused, naming both (the last job's processes pushed
+after the next one began: two jobs through one cluster's names). Without it, the next job's init was taken for a
+rejoin and answered with the last job's value. Where either side names no job, pushes are taken as one job's.
+
 Like :mod:`bps_server.rounds`, the store makes every decision and does no I/O: the caller passes ``now``
 and carries out the returned actions (answer, fail, note). Unlike the round table it also adds, with the
 same kernels, in the call: a delta is one pass over its partition, and the answer must be the value
@@ -124,6 +132,12 @@ class _Key(Generic[W]):
     # Machines that left the job while the key was there (their processes reset, or declared dead): their next
     # init of it raises their entry to the furthest machine's (see the module docstring, _answer_init).
     behind: set[int] = field(default_factory=set)
+    job: str = ""  # the job whose value it is (the first push naming one; see "Jobs")
+
+
+def _other_job(job: str, push: Push) -> bool:
+    """Whether ``push`` is of another job than a key of ``job`` (both named, and not alike)."""
+    return bool(job and push.job and push.job != job)
 
 
 def _descriptor(push: Push) -> tuple[object, ...]:
@@ -210,12 +224,23 @@ class ValueStore(Generic[W]):
         push = w.push
         key = (push.name, push.part)
         st = self.keys.get(key)
-        if st is None:  # (the machines away now owe a raise at their init of it too)
-            st = self.keys[key] = _Key(push, _staleness(push), None, [0] * self.n, behind=set(self.excluded))
         actions: list[Action[W]] = []
+        if st is not None and _other_job(st.job, push):
+            if push.kind != KIND_ASYNC_INIT:
+                return [Fail(w.handle, push, Why(f"async push of {push.name!r} part {push.part} by worker "
+                                                 f"{push.worker} is job {push.job!r}'s, but the value is job "
+                                                 f"{st.job!r}'s now (its async_init began it anew): the last "
+                                                 f"job's processes pushed after the next job began", "error"))]
+            actions = self._begin_anew(key, st, push)
+            st = None
+        if st is None:  # (the machines away now owe a raise at their init of it too)
+            st = self.keys[key] = _Key(push, _staleness(push), None, [0] * self.n, behind=set(self.excluded),
+                                       job=push.job)
+        elif not st.job:
+            st.job = push.job
         if st.value is None and push.kind == KIND_ASYNC_INIT and push.holds_root:
             self.failed_inits.pop(push.name, None)  # (its next attempt)
-            actions = self._root_decides(st, push)
+            actions += self._root_decides(st, push)
         elif push.kind == KIND_ASYNC_INIT and (failed := self._failed_attempt(st, push)) is not None:
             return [Fail(w.handle, push, failed)]
         refusal = self._refusal(st, push)
@@ -229,6 +254,14 @@ class ValueStore(Generic[W]):
             return actions + self._delta(st, w, payload, now)
         except OSError as exc:
             return [*actions, Fail(w.handle, push, Why(f"{exc}", "error"))]
+
+    def _begin_anew(self, key: Key, st: _Key[W], push: Push) -> list[Action[W]]:
+        """Another job's init of ``key`` (see "Jobs"): the old job's value goes, and what waited on it fails."""
+        del self.keys[key]
+        why = Why(f"the value of {push.name!r} part {push.part} was job {st.job!r}'s; job {push.job!r} began it "
+                  f"anew (worker {push.worker}'s async_init)", "round_failed")
+        return [*(Fail(w.handle, w.push, why) for w in (*st.inits, *st.held)),
+                Note(logging.INFO, f"{why.text}: the last job's value dropped")]
 
     def init_failed(self, name: str, root: int, round_: int, why: Why) -> list[Action[W]]:
         """Root rank ``root``'s machine failed its ``async_init`` of ``name`` (its local round ``round_``) before
@@ -369,9 +402,14 @@ class ValueStore(Generic[W]):
         if len(applied) != self.n:
             return [Note(logging.WARNING, f"worker {push.worker}'s copy of {push.name!r} part {push.part} has a "
                                           f"vector of {len(applied)} workers, not {self.n}: ignored")]
+        if st is not None and _other_job(st.job, push):
+            return [Note(logging.WARNING, f"worker {push.worker}'s copy of {push.name!r} part {push.part} is job "
+                                          f"{push.job!r}'s, but the value is job {st.job!r}'s: ignored")]
         if st is None:
-            st = self.keys[key] = _Key(push, _staleness(push), None, [0] * self.n)
-        elif _descriptor(push) != _descriptor(st.first):
+            st = self.keys[key] = _Key(push, _staleness(push), None, [0] * self.n, job=push.job)
+        elif not st.job:
+            st.job = push.job
+        if _descriptor(push) != _descriptor(st.first):
             return [Note(logging.WARNING, f"worker {push.worker}'s copy of {push.name!r} part {push.part} is "
                                           f"{describe(push)}, not {describe(st.first)}: ignored")]
         if st.value is not None and not _dominates(applied, st.applied):

@@ -15,7 +15,10 @@ root's tensor for an init; scatter; wait; hand back; reply), with three differen
   (a lost connection, a peer declared dead) may have been added: its step is taken, and the next one skips;
 * every piece travels on the server's first link (stream 0), where a restarted server gets our copies of
   the values before anything else (``bps_worker.link``, ``Restored``);
-* a failure is not told to the servers: an asynchronous push has no round that peers wait for.
+* a failure is not told to the servers: an asynchronous push has no round that peers wait for;
+* every piece names the job of this machine's processes (``Push.job``, from their hellos): a server holds a
+  value for one job, so the next job's init is not taken for a rejoin of the last one's value where a machine
+  of the last job still lingers (``bps_server.values``, "Jobs").
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class AsyncOperation(Operation):
         self.names = names
         self.worker = host.config.worker_id
         self.init = self.op.kind == KIND_ASYNC_INIT
+        self.job = host.job  # of the processes whose round this is (the servers hold a value for one job)
         self.applied: dict[int, int] = {}  # an init's answer: per part, our last step in the value
         if self.init:
             self.on_result = self._learn
@@ -84,12 +88,12 @@ class AsyncOperation(Operation):
     def push_fields(self, piece: Piece, server_round: int) -> dict[str, Any]:
         fields = super().push_fields(piece, server_round)
         if self.init:
-            fields.update(staleness=self.op.staleness)
+            fields.update(staleness=self.op.staleness, job=self.job)
             return fields
         known = self.names[self.name]
         step = known.next_step[piece.part]
         known.next_step[piece.part] = step + 1  # taken as the piece is pushed (given back if refused: see wait)
-        fields.update(round=step, staleness=known.staleness)
+        fields.update(round=step, staleness=known.staleness, job=self.job)
         return fields
 
     async def wait(self, futures: list[tuple[Piece, asyncio.Future[None]]], server_round: int) -> BPSError | None:

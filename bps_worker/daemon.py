@@ -145,6 +145,8 @@ class WorkerDaemon:
         self.round_queries: dict[str, asyncio.Future[int]] = {}
         # Per asynchronous name, its steps and bound as this machine's init learned them (bps_worker.async_operation).
         self.async_names: dict[str, AsyncName] = {}
+        # The job of the processes connected now (their Hello.job; bps_worker.session): the asynchronous pushes carry it.
+        self.job = ""
         # Per name, the machine's local sum (pushed) and the global sum (where results land), in shared memory for a
         # colocated server to read and write in place; apart, so that a contribution stays intact until its result
         # is complete and a result until the next one (both for a restarted server), and, for room, until
@@ -664,6 +666,7 @@ class WorkerDaemon:
             query.cancel()
         self.round_queries.clear()
         self.async_names.clear()
+        self.job = ""
         self._new_epoch()
         self.reset_since = True
         for link in self.all_links:

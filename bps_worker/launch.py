@@ -40,6 +40,7 @@ if __name__ == "__main__":  # python -m: a Ctrl-C while the imports below run en
 
 import argparse
 import os
+import secrets
 import select
 import subprocess
 import sys
@@ -64,12 +65,15 @@ def run_training(cluster: Cluster, command: Sequence[str], *, timeout: float | N
     """Start ``command`` once per training process; return the first non-zero status, else 0.
 
     A daemon that dies, or ranks still running after ``timeout`` seconds, make it return 1.
-    ``env_defaults`` are set in each rank's environment unless already there.
+    ``env_defaults`` are set in each rank's environment unless already there. Each start is a job of its own
+    (``BPS_JOB``, unless set: a job's asynchronous values are its own, see bps_worker.client.settings).
     """
     procs: list[Child] = []
+    job = secrets.token_hex(8)
     for w in cluster.config.worker_specs:
         for local in range(w.local_size):
             env = cluster.env_for(w.id, local)
+            env.setdefault("BPS_JOB", job)
             for key, value in (env_defaults or {}).items():
                 env.setdefault(key, value)
             first = not procs and sys.stdin is not None  # (None: the launcher was started without one)

@@ -93,6 +93,7 @@ class OperationHost(Protocol):
     timeline: Timeline | None
     rank_offset: int
     epoch: str  # of the round numbering: a new one after every reset (the job ended or died)
+    job: str  # the job of the processes connected now (Hello.job; "" where they named none)
 
     def round_base(self, name: str, local_round: int) -> asyncio.Future[int]: ...
 

@@ -87,6 +87,7 @@ class SessionHost(Protocol):
     admission: Admission  # of the connections that have not sent their Hello yet
     reset_since: bool  # every process left (a reset) and none came since
     holds: ResultHolds  # results answered in the results segment, not yet mapped by their processes
+    job: str  # the job of the processes connected now (Hello.job; set by the first of them)
 
     fusion_bytes: int  # sums of at most this many bytes may come fused (OpBatch)
 
@@ -190,8 +191,12 @@ class ClientSession(AdmittedProtocol):
         other = self.daemon.sessions.get(hello.id)
         if other is not None and not other.closed:
             raise RemoteProtocolError(f"local rank {hello.id} is already connected ({other!r})")
-        self.local_rank = hello.id
         first = not self.daemon.sessions
+        if not first and hello.job != self.daemon.job:
+            raise RemoteProtocolError(self._other_job(hello.job))
+        self.local_rank = hello.id
+        if first:
+            self.daemon.job = hello.job
         self.daemon.sessions[hello.id] = self
         self.daemon.reset_since = False
         if first:
@@ -205,6 +210,15 @@ class ClientSession(AdmittedProtocol):
                                                  worker=self.daemon.worker_id, workers=cfg.workers,
                                                  arena_bytes=self.daemon.arena_bytes,
                                                  fusion_bytes=self.daemon.fusion_bytes)).welcome)
+
+    def _other_job(self, job: str) -> str:
+        """Why a process of ``job`` is refused beside this machine's processes of another: a worker daemon serves
+        one job at a time (its rounds, and the servers' asynchronous values, are that job's)."""
+        def named(j: str) -> str:
+            return f"job {j!r}" if j else "no job (BPS_JOB unset)"
+        others = ", ".join(repr(s) for s in self.daemon.sessions.values())
+        return (f"this process is of {named(job)} but the processes connected here ({others}) are of "
+                f"{named(self.daemon.job)}; start the next job once the last one's processes have left this machine")
 
     def alloc(self, message: Alloc) -> None:
         """Find (or make) room for tensor ``name``: small ones share slab segments, large ones get their own.

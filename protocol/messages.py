@@ -38,6 +38,8 @@ MAX_MESSAGE_CHARS: Final = 4096
 MAX_SEGMENT_CHARS: Final = 200
 MAX_STREAMS: Final = 16  # TCP connections a worker may open to one server (Hello.stream)
 MAX_LAYOUT_CHARS: Final = 64  # Op.layout, Push.layout: a digest and a count, not a list
+# Hello.job, Push.job: a job's identity as its launcher names it (BPS_JOB, torchrun's run id, Slurm's job and step)
+MAX_JOB_CHARS: Final = 128
 
 ROLE_WORKER: Final = "worker"
 ROLE_CLIENT: Final = "client"
@@ -248,6 +250,9 @@ class Hello(Message):
     # it, and a server refuses a Hello for another: a handshake relayed unchanged to another server's address
     # is refused there (see protocol.handshake).
     server: int = -1
+    # A training process's job (a client's Hello; empty: not known), as its launcher names it: a worker daemon's
+    # processes are of one job at a time (bps_worker.session), and its asynchronous pushes carry it (Push.job).
+    job: str = ""
 
     def validate(self) -> None:
         if self.role not in (ROLE_WORKER, ROLE_CLIENT, ROLE_OBSERVER):
@@ -259,7 +264,8 @@ class Hello(Message):
         for what, text, limit in (("shared-memory probe name", self.shm, MAX_SEGMENT_CHARS),
                                   ("shared-memory key", self.shm_key, MAX_SHM_KEY_CHARS),
                                   ("proof", self.auth, MAX_PROOF_CHARS), ("nonce", self.nonce, MAX_NONCE_CHARS),
-                                  ("daemon id", self.daemon, MAX_NONCE_CHARS), ("epoch", self.epoch, MAX_NONCE_CHARS)):
+                                  ("daemon id", self.daemon, MAX_NONCE_CHARS), ("epoch", self.epoch, MAX_NONCE_CHARS),
+                                  ("job", self.job, MAX_JOB_CHARS)):
             if len(text) > limit:
                 raise LocalProtocolError(f"hello: {what} of {len(text)} characters; at most {limit}",
                                          what=f"hello {what}", size=len(text), limit=limit, unit="characters")
@@ -564,9 +570,16 @@ class Push(Message):
     # have reached the server on the connection that broke, which answers it from the round's state
     # (``bps_server.rounds``, "Dropped connections"): never summed twice.
     resumed: bool = False
+    # Asynchronous pushes: the job of the pushing machine's processes (Hello.job; empty: not known). A server
+    # holds each asynchronous value for one job: another job's init begins the name anew, and another job's
+    # delta is refused (bps_server.values, "Jobs").
+    job: str = ""
 
     def validate(self) -> None:
         _check_tensor(self.name, self.dtype, self.shape, self.kind)
+        if self.job and (self.kind not in ASYNC_KINDS or len(self.job) > MAX_JOB_CHARS):
+            raise LocalProtocolError(f"{self.kind} push of {self.name!r} names job {shown(self.job)}; only an "
+                                     f"asynchronous push names one, of at most {MAX_JOB_CHARS} characters")
         if self.kind in ROOTED_KINDS and self.root < 0:
             raise LocalProtocolError(f"{self.kind} push of {self.name!r} has no root (root {self.root})")
         if self.kind not in ROOTED_KINDS and (self.root != -1 or self.holds_root):

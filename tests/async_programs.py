@@ -426,3 +426,28 @@ def split_root_machine(name: str, n: int, everywhere: bool) -> dict[str, Any]:
         time.sleep(1.0)  # (the other machines' retries reach the servers first)
     value = bps.async_init(np.full(n, float(bps.rank()), np.float32), name, root_rank=1)
     return {"error": error, "waited": waited, "value": sorted(set(value.tolist()))}
+
+
+def last_job(name: str, linger: Any = None) -> dict[str, Any]:
+    """A job's process: inits ``name`` to 1s (rank 0 the root) and adds one delta of 1s. ``linger``: an event
+    to wait for before one more delta (after the next job began) and leaving; what that delta raised."""
+    bps.async_init(np.ones(8, np.float32), name)
+    out: dict[str, Any] = {"value": bps.async_push_pull(np.ones(8, np.float32), name).tolist()}
+    if linger is not None:
+        assert linger.wait(60), "the next job did not begin"
+        try:
+            out["late"] = bps.async_push_pull(np.ones(8, np.float32), name).tolist()
+        except bps.BPSError as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def next_job(name: str, base: float, hold: Any = None, said: Any = None) -> list[float]:
+    """The next job's process: its async_init of ``name`` (``base`` where it is the root's); ``hold``: an event to
+    wait for before leaving (its machine keeps the job's value alive meanwhile), after putting the value on queue
+    ``said``."""
+    value = bps.async_init(np.full(8, base, np.float32), name).tolist()
+    if hold is not None:
+        said.put(value)
+        assert hold.wait(60), "the test did not release this process"
+    return value

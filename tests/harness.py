@@ -176,6 +176,23 @@ def _rank_main(queue: Any, sock: str, local_rank: int, rank: int, target: Callab
         bps.shutdown()
 
 
+def collect_reports(queue: Any, want: set[int], timeout: float, cluster: Cluster, *,
+                    allow_errors: bool = False) -> dict[int, Any]:
+    """The reports of ranks ``want`` (as ``_rank_main`` puts them: each one's result, or with ``allow_errors`` its
+    error's text), within ``timeout`` seconds; an error report, or one missing, fails the test with the daemons'
+    logs."""
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while want - set(out):
+        try:
+            rank, status, value = queue.get(timeout=max(0.1, deadline - time.monotonic()))
+        except Exception:
+            raise TimeoutError(f"ranks {sorted(want - set(out))} did not report\n{daemon_logs(cluster)}") from None
+        assert status == "ok" or allow_errors, f"rank {rank}: {value}"
+        out[rank] = value
+    return out
+
+
 def run_ranks(cluster: Cluster, target: Callable[..., Any], *args: Any, timeout: float = 60.0,
               per_rank_args: Callable[[int], tuple[Any, ...]] | None = None,
               may_die: frozenset[int] = frozenset(), client_timeout: float = 20.0,

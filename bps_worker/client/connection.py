@@ -60,8 +60,9 @@ class _FatalFailure(Exception):
 class Connection:
     """The process's connection to its worker daemon (one per process)."""
 
-    def __init__(self, path: str, local_rank: int, timeout: float) -> None:
+    def __init__(self, path: str, local_rank: int, timeout: float, job: str = "") -> None:
         self.path = path
+        self.job = job  # (Hello.job)
         self.peer = f"the worker daemon at {path}"  # BPSConnectionError.peer
         self.timeout = timeout
         self.sock = _connect(path, self.peer, timeout)
@@ -113,8 +114,8 @@ class Connection:
     def _handshake(self, local_rank: int) -> Welcome:
         """Hello -> Welcome (or a Failure naming why the daemon refuses this local rank), as the connecting
         side of ``protocol.handshake`` without a challenge (the Unix socket has no token)."""
-        handshake = ClientHandshake(Hello(PROTOCOL_VERSION, ROLE_CLIENT, local_rank, os.getpid()), challenge=False,
-                                    who=self.peer)
+        handshake = ClientHandshake(Hello(PROTOCOL_VERSION, ROLE_CLIENT, local_rank, os.getpid(), job=self.job),
+                                    challenge=False, who=self.peer)
         self.sock.settimeout(self.timeout)
         try:
             hello = handshake.start()

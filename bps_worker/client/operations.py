@@ -98,7 +98,7 @@ class Operations:
         self.pid = os.getpid()  # the process that connected (a fork of it cannot use the connection)
         if settings.timeline is not None:
             timeline_directory(settings.timeline)
-        self.conn = Connection(settings.socket, settings.local_rank, settings.timeout)
+        self.conn = Connection(settings.socket, settings.local_rank, settings.timeout, settings.job)
         try:
             self._set_up(settings)
         except BaseException:  # the daemon must not keep this local rank connected: init() may be retried

@@ -19,6 +19,10 @@ setting             environment default                        meaning
                                                                wait (``0``: each alone, no fusion)
 ``cycle_time_ms``   ``BPS_CYCLE_TIME_MS`` (1)                  ... or once the first waited this long (a
                                                                synchronize sends at once)
+``job``             ``BPS_JOB``, else ``TORCHELASTIC_RUN_ID``   the job this process belongs to, the same on
+                    (torchrun's ``--rdzv-id``; not ``none``),  every machine of it: a job's asynchronous
+                    else ``SLURM_JOB_ID.SLURM_STEP_ID``        values are its own (another job's async_init
+                                                               begins them anew); empty: not known
 ==================  =========================================  ==============================================
 """
 
@@ -30,9 +34,11 @@ import os
 from dataclasses import dataclass
 from typing import Final, Mapping
 
+from protocol.messages import MAX_JOB_CHARS
+
 from ..errors import BPSError
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Settings", "resolve", "timeline_path"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Settings", "job_from", "resolve", "timeline_path"]
 
 DEFAULT_TIMEOUT_S: Final = 30.0
 DEFAULT_FUSION_BYTES: Final = 64 << 20  # as Horovod's fusion threshold
@@ -50,6 +56,7 @@ class Settings:
     cuda_ipc: bool = True
     fusion_bytes: int = DEFAULT_FUSION_BYTES
     cycle_time_ms: float = DEFAULT_CYCLE_TIME_MS
+    job: str = ""
 
 
 def resolve(socket: str | None, local_rank: int | None, timeout: float, timeline: str | None,
@@ -83,7 +90,26 @@ def resolve(socket: str | None, local_rank: int | None, timeout: float, timeline
         cuda_ipc = environ.get("BPS_CUDA_IPC", "1") != "0"
     fusion = _number("fusion_bytes", fusion_bytes, environ, "BPS_FUSION_BYTES", DEFAULT_FUSION_BYTES, int)
     cycle = _number("cycle_time_ms", cycle_time_ms, environ, "BPS_CYCLE_TIME_MS", DEFAULT_CYCLE_TIME_MS, float)
-    return Settings(path, local_rank, float(timeout), timeline, bool(cuda_ipc), int(fusion), float(cycle))
+    return Settings(path, local_rank, float(timeout), timeline, bool(cuda_ipc), int(fusion), float(cycle),
+                    job_from(environ))
+
+
+def job_from(environ: Mapping[str, str]) -> str:
+    """The job this process belongs to, as its launcher names it (see the table above); "" where none does.
+
+    torchrun's run id is ``none`` unless ``--rdzv-id`` is given (every job alike: not an identity); Slurm's
+    steps of one allocation are jobs of their own (``srun`` within ``sbatch``), so the step is part of it."""
+    job = environ.get("BPS_JOB", "")
+    if not job:
+        run = environ.get("TORCHELASTIC_RUN_ID", "")
+        job = run if run != "none" else ""
+    if not job and environ.get("SLURM_JOB_ID"):
+        step = environ.get("SLURM_STEP_ID", "")
+        job = f"{environ['SLURM_JOB_ID']}.{step}" if step else environ["SLURM_JOB_ID"]
+    if len(job) > MAX_JOB_CHARS:
+        raise BPSError(f"the job's name is {len(job)} characters (BPS_JOB, TORCHELASTIC_RUN_ID or SLURM_JOB_ID); "
+                       f"at most {MAX_JOB_CHARS}")
+    return job
 
 
 def _number(what: str, value: float | None, environ: Mapping[str, str], variable: str, default: float,

@@ -5,6 +5,8 @@ Restarts and dead machines are in test_async_failures.py.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -119,3 +121,69 @@ def test_a_root_machine_that_disagrees_within_itself_fails_every_machines_init_a
         assert r["error"]["ours"].startswith(ours) and r["error"]["theirs"].startswith(theirs), (rank, r)
         assert r["waited"] < 5.0, (rank, r)  # not the timeout (20 s)
         assert r["value"] == [1.0], (rank, r)
+
+
+@pytest.mark.timeout(120)
+def test_the_next_jobs_init_beside_a_lingering_process_of_the_last_job_gets_its_own_value(tmp_path):
+    """Daemons outlive jobs (bps-launch names each start a job, BPS_JOB): machine 0's process of job 'A' left,
+    machine 1's lingers (connected after its last step), and machine 0's process of job 'B' inits the same name
+    with its own value. It was taken for a rejoin and got job A's value (3s for 100s, a review's case); now it gets
+    its own, the lingering process's late delta is refused naming both jobs (not added to B's value), and machine
+    1's process of job B, once A's left, gets B's value."""
+    from harness import collect_reports, _rank_main, rank_context, reap, start_cluster, write_config
+
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cluster={"timeout": 10.0}))
+    ctx = rank_context()
+    queue, said, b_began, b_may_leave = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    sockets = [w.socket for w in cluster.config.worker_specs]
+    procs: list = []
+
+    def start(key: int, machine: int, job: str, target, args) -> None:
+        p = ctx.Process(target=_rank_main, args=(queue, sockets[machine], 0, key, target, args, 20.0,
+                                                 {"BPS_JOB": job}), daemon=True)
+        p.start()
+        procs.append(p)
+
+    try:
+        start(0, 0, "A", ap.last_job, ("jobs.w",))
+        start(1, 1, "A", ap.last_job, ("jobs.w", b_began))
+        assert set(collect_reports(queue, {0}, 60, cluster)[0]["value"]) <= {2.0, 3.0}
+        procs[0].join(10)
+        start(10, 0, "B", ap.next_job, ("jobs.w", 100.0, b_may_leave, said))
+        began = said.get(timeout=60)
+        b_began.set()
+        lingering = collect_reports(queue, {1}, 60, cluster)[1]
+        procs[1].join(10)
+        start(11, 1, "B", ap.next_job, ("jobs.w", 0.0))
+        joined = collect_reports(queue, {11}, 60, cluster)[11]
+        b_may_leave.set()
+    finally:
+        reap(procs, 5)
+        cluster.stop()
+    assert began == [100.0] * 8, began
+    assert "late" not in lingering and "job 'A'" in lingering["error"] and "job 'B'" in lingering["error"], lingering
+    assert joined == [100.0] * 8, joined
+
+
+@pytest.mark.timeout(60)
+def test_a_process_of_another_job_than_its_machines_connected_ones_is_refused_naming_both(tmp_path):
+    from harness import collect_reports, _rank_main, rank_context, reap, start_cluster, write_config
+
+    cluster = start_cluster(write_config(tmp_path, [2], cluster={"timeout": 10.0}))
+    ctx = rank_context()
+    queue, said, release = ctx.Queue(), ctx.Queue(), ctx.Event()
+    sock = cluster.config.worker_specs[0].socket
+    procs = [ctx.Process(target=_rank_main, args=(queue, sock, local, local, ap.next_job,
+                                                  ("jobs.x", 1.0, hold, said), 20.0, {"BPS_JOB": job}), daemon=True)
+             for local, job, hold in ((0, "A", release), (1, "B", None))]
+    try:
+        procs[0].start()
+        time.sleep(0.5)  # (rank 0 connected: its init waits for its machine's other process)
+        procs[1].start()
+        refused = collect_reports(queue, {1}, 30, cluster, allow_errors=True)[1]
+        release.set()
+    finally:
+        reap(procs, 5)
+        cluster.stop()
+    assert "refused local rank 1" in refused and "this process is of job 'B'" in refused, refused
+    assert "local rank 0 (pid" in refused and "are of job 'A'" in refused, refused

@@ -626,13 +626,14 @@ def test_launcher_runs_a_script_on_every_rank(tmp_path):
         "import os, numpy as np, bps_worker.client as bps\n"
         "bps.init()\n"
         "y = bps.push_pull(np.array([bps.rank() + 1.0]), 'x', average=False)\n"
-        f"open(os.path.join({str(out)!r}, str(bps.rank())), 'w').write(str(y[0]))\n"
+        f"open(os.path.join({str(out)!r}, str(bps.rank())), 'w').write(str(y[0]) + ' ' + os.environ['BPS_JOB'])\n"
         "bps.shutdown()\n")
     result = subprocess.run([PY, "-m", "bps_worker.launch", "--config", str(config), "--", PY, str(script)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert sorted(os.listdir(out)) == ["0", "1", "2"]
-    assert {(out / r).read_text() for r in "012"} == {"6.0"}
+    said = {(out / r).read_text() for r in "012"}
+    assert len(said) == 1 and re.fullmatch(r"6\.0 [0-9a-f]{16}", said.pop()), said  # one job: BPS_JOB, the same
 
 
 @pytest.mark.usefixtures("forked_daemons")  # about the straggler report / token, not the daemons' start

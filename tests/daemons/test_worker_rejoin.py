@@ -9,22 +9,10 @@ import time
 import pytest
 
 import rank_programs as rp
-from harness import _rank_main, daemon_logs, rank_context, reap, server_stats, start_cluster, write_config
+from harness import _rank_main, collect_reports, daemon_logs, rank_context, reap, server_stats, start_cluster, \
+    write_config
 
 STEPS = 12
-
-
-def _collect(queue, want: set[int], timeout: float, cluster) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    deadline = time.monotonic() + timeout
-    while want - set(out):
-        try:
-            rank, status, value = queue.get(timeout=max(0.1, deadline - time.monotonic()))
-        except Exception:
-            raise TimeoutError(f"ranks {sorted(want - set(out))} did not report\n{daemon_logs(cluster)}") from None
-        assert status == "ok", f"rank {rank}: {value}"
-        out[rank] = value
-    return out
 
 
 @pytest.mark.timeout(180)
@@ -65,7 +53,7 @@ def test_a_killed_worker_machine_rejoins_the_running_job(tmp_path, servers_resta
                and time.monotonic() < deadline):
             time.sleep(0.05)
         cluster.kill("worker-1")  # the machine's daemon dies; its process loses it and stops
-        victim = _collect(queue, {1}, 30, cluster)[1]
+        victim = collect_reports(queue, {1}, 30, cluster)[1]
         if servers_restart == "own":
             cluster.kill("server-1")  # (colocated with worker 1)
             time.sleep(5.0)  # down past cluster.timeout: the healthy process's rounds there fail
@@ -79,7 +67,7 @@ def test_a_killed_worker_machine_rejoins_the_running_job(tmp_path, servers_resta
         time.sleep(1.0)
         cluster.restart("worker-1")
         rank(1, "new", 60)  # the machine's training process, started again from scratch
-        results = _collect(queue, {0, 1}, 120, cluster)
+        results = collect_reports(queue, {0, 1}, 120, cluster)
         logs = daemon_logs(cluster)
     finally:
         for p in procs:
@@ -137,7 +125,7 @@ def test_a_process_that_outlives_its_daemon_sums_each_later_step_in_one_round(tm
         (flags / "killed").touch()  # rank 0 issues the rest of step 3 after the drop, before the new daemon
         time.sleep(0.3)
         cluster.restart("worker-1")
-        results = _collect(queue, {0, 1}, 90, cluster)
+        results = collect_reports(queue, {0, 1}, 90, cluster)
         logs = daemon_logs(cluster)
     finally:
         reap(procs)
@@ -177,7 +165,7 @@ def test_a_new_daemon_for_the_next_job_fails_none_of_its_first_rounds(tmp_path, 
 
     try:
         rank(0), rank(1, 30.0 if how == "crashed" else 0.0)
-        first = _collect(queue, {0} if how == "crashed" else {0, 1}, 60, cluster)
+        first = collect_reports(queue, {0} if how == "crashed" else {0, 1}, 60, cluster)
         assert set(map(tuple, first.values())) == {(3.0, 3.0, 3.0)}, first
         procs[0].join(10)
         time.sleep(1.0)
@@ -191,7 +179,7 @@ def test_a_new_daemon_for_the_next_job_fails_none_of_its_first_rounds(tmp_path, 
         cluster.restart("worker-1")
         time.sleep(0.5)
         rank(1)
-        results = _collect(queue, {0, 1}, 60, cluster)
+        results = collect_reports(queue, {0, 1}, 60, cluster)
     finally:
         reap(procs, 5)
         cluster.stop()
@@ -221,15 +209,15 @@ def test_the_next_job_begun_where_the_last_one_ended_first_outlives_its_end_else
 
     try:
         rank(0, "last"), rank(1, "last", 3.0)
-        assert _collect(queue, {0}, 60, cluster) == {0: [3.0, 3.0, 3.0]}
+        assert collect_reports(queue, {0}, 60, cluster) == {0: [3.0, 3.0, 3.0]}
         procs[0].join(10)
         time.sleep(0.3)
         rank(0, "next")  # machine 1's trainer of the last job is still connected
-        assert _collect(queue, {1}, 60, cluster) == {1: [3.0, 3.0, 3.0]}
+        assert collect_reports(queue, {1}, 60, cluster) == {1: [3.0, 3.0, 3.0]}
         procs[1].join(10)
         time.sleep(0.5)
         rank(1, "next")
-        results = _collect(queue, {0, 1}, 60, cluster)
+        results = collect_reports(queue, {0, 1}, 60, cluster)
     finally:
         reap(procs, 5)
         cluster.stop()
@@ -260,13 +248,13 @@ def test_a_machine_that_rejoins_after_a_failed_fused_step_lines_up_with_its_peer
     try:
         rank(0, "steady")
         rank(1, "first")
-        first = _collect(queue, {1}, 60, cluster)[1]
+        first = collect_reports(queue, {1}, 60, cluster)[1]
         procs[1].join(timeout=10)
         time.sleep(1.0)  # machine 1 has no processes (it resets) while machine 0's stays in the job
         rank(1, "again")
         time.sleep(1.0)
         go.set()
-        results = _collect(queue, {0, 1}, 120, cluster)
+        results = collect_reports(queue, {0, 1}, 120, cluster)
     finally:
         reap(procs, timeout=5)
         cluster.stop()

@@ -325,14 +325,14 @@ def test_a_proof_made_with_another_token_is_refused():
 
 # -- versions -------------------------------------------------------------------------------------
 
-def test_protocol_version_is_14():
-    assert PROTOCOL_VERSION == 14  # 14: InitFailed (protocol/__init__.py)
+def test_protocol_version_is_15():
+    assert PROTOCOL_VERSION == 15  # 15: Hello.job and Push.job (protocol/__init__.py)
 
 
 def test_the_server_refuses_another_version():
     server = tcp_server(token=None)
     server.start()
-    with pytest.raises(VersionMismatchError, match="protocol version 1 not supported \\(server 1 speaks 14\\)") \
+    with pytest.raises(VersionMismatchError, match="protocol version 1 not supported \\(server 1 speaks 15\\)") \
             as info:
         server.receive(wire(Hello(1, ROLE_WORKER, 0)))
     assert (info.value.ours, info.value.theirs) == (PROTOCOL_VERSION, 1)
@@ -343,7 +343,7 @@ def test_the_client_refuses_another_version_before_saying_anything():
     so a worker retries rather than give up; without one (the Unix-socket client) they are the peer's."""
     for token, proven in ((TOKEN, False), (None, True)):
         client = ClientHandshake(worker_hello(), token=token, who="server 1")
-        with pytest.raises(VersionMismatchError, match="server 1 speaks protocol version 1; this side speaks 14") \
+        with pytest.raises(VersionMismatchError, match="server 1 speaks protocol version 1; this side speaks 15") \
                 as info:
             client.receive(wire(Challenge("ab" * 16, 1)))
         assert info.value.proven is proven and ("not taken as the server's word" in str(info.value)) is not proven

@@ -716,3 +716,14 @@ def test_a_notice_is_bounded_and_its_lines_made_to_fit():
     assert len(lines) == 12 and lines[0] == "a" * 1277 + "..." and lines[1:] == ["b"] + ["c"] * 10
     encoded = m.to_header(m.Notice(m.notice_lines(["\U0001f600" * 5000] * 20)))
     assert len(msgpack.packb(encoded, use_bin_type=True)) < DEFAULT_MAX_HEADER_BYTES  # always one frame
+
+
+def test_only_an_asynchronous_push_names_a_job_and_a_jobs_name_is_bounded():
+    assert m.parse(header("push", kind=m.KIND_ASYNC, job="job-7")).job == "job-7"
+    with pytest.raises(ProtocolError, match="sum push of 'layer1.weight' names job 'job-7'; only an asynchronous"):
+        m.parse(header("push", job="job-7"))
+    with pytest.raises(ProtocolError, match=f"at most {m.MAX_JOB_CHARS} characters"):
+        m.parse(header("push", kind=m.KIND_ASYNC, job="j" * (m.MAX_JOB_CHARS + 1)))
+    assert m.parse(header("hello", job="j" * m.MAX_JOB_CHARS)).job == "j" * m.MAX_JOB_CHARS
+    with pytest.raises(ProtocolError, match="hello: job of 129 characters; at most 128"):
+        m.parse(header("hello", job="j" * (m.MAX_JOB_CHARS + 1)))

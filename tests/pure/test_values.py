@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -610,3 +611,65 @@ def test_a_machine_that_reset_counts_its_attempts_anew_and_is_neither_failed_nor
     failed = s.init_failed("w", 1, 0, why)
     assert sorted(a.handle for a in failed if isinstance(a, Fail)) == ["w1 retry", "w2 new"]
 
+
+
+# -- jobs ----------------------------------------------------------------------------------------------
+
+def of(push: Push, job: str) -> Push:
+    return dataclasses.replace(push, job=job)
+
+
+def test_the_next_jobs_init_beside_a_lingering_machine_of_the_last_one_begins_the_value_anew() -> None:
+    """Job a's machines 1 and 2 linger (connected, after their last step: no reset) while machine 0 starts job
+    b. Its init was taken for a rejoin and answered with job a's value; now it begins the value from job b's
+    root, and a delta of job a after that is refused, naming both jobs (nothing added to b's value)."""
+    s = store()
+    for w in range(N):
+        s.push(of(init(w), "a"), arr(1, 1, 1, 1), f"a{w}", 0.0)
+    s.push(of(delta(1, 1), "a"), arr(5, 5, 5, 5), "a-delta", 0.5)
+    s.worker_reset(0)  # job a's processes left machine 0 only
+    got = answers(s.push(of(init(0), "b"), arr(7, 8, 9, 10), "b0", 1.0))
+    assert got["b0"].value.tolist() == [7, 8, 9, 10] and got["b0"].applied == [0, 0, 0]
+    (refused,) = s.push(of(delta(1, 2), "a"), arr(100, 100, 100, 100), "late-a", 1.1)
+    assert isinstance(refused, Fail) and refused.handle == "late-a"
+    assert "job 'a'" in refused.why.text and "job 'b'" in refused.why.text, refused.why.text
+    later = answers(s.push(of(init(1), "b"), arr(0, 0, 0, 0), "b1", 1.2))  # machine 1's job b: the value as is
+    assert later["b1"].value.tolist() == [7, 8, 9, 10]
+    assert answers(s.push(of(delta(0, 1), "b"), arr(1, 1, 1, 1), "b-delta", 1.3))["b-delta"].value.tolist() \
+        == [8, 9, 10, 11]
+
+
+def test_a_rejoin_within_the_same_job_or_where_no_job_is_named_still_takes_the_value_as_it_is() -> None:
+    for first, again in (("a", "a"), ("", ""), ("a", ""), ("", "a")):
+        s = store()
+        for w in range(N):
+            s.push(of(init(w), first), arr(1, 1, 1, 1), f"i{w}", 0.0)
+        s.push(of(delta(1, 1), first), arr(5, 5, 5, 5), "d", 0.5)
+        s.worker_reset(0)
+        got = answers(s.push(of(init(0), again), arr(7, 7, 7, 7), "back", 1.0))
+        assert got["back"].value.tolist() == [6, 6, 6, 6], (first, again)
+
+
+def test_the_inits_that_waited_for_the_last_jobs_root_fail_naming_both_jobs() -> None:
+    """Job a's init of machine 1 waits for its root (machine 0), which never came: job b's root init begins the
+    value anew, and the waiting init fails at once instead of being answered with job b's value."""
+    s = store()
+    assert s.push(of(init(1), "a"), arr(3, 3, 3, 3), "a1", 0.0) == []
+    actions = s.push(of(init(0), "b"), arr(7, 7, 7, 7), "b0", 1.0)
+    fails = [a for a in actions if isinstance(a, Fail)]
+    assert [f.handle for f in fails] == ["a1"] and "job 'a'" in fails[0].why.text and "job 'b'" in fails[0].why.text
+    assert answers(actions)["b0"].value.tolist() == [7, 7, 7, 7]
+
+
+def test_a_restarted_servers_copies_are_of_their_job() -> None:
+    """A restarted server: machine 1 (job a, lingering) gives its copy back, and machine 0's init of job b waits
+    for the restore's end; then it begins the value anew from job b's root, not from job a's copy, and a later
+    copy of job a is ignored."""
+    s = restarted()
+    assert s.push(of(init(0), "b"), arr(7, 7, 7, 7), "b0", 0.0) == []
+    copy = dataclasses.replace(delta(1, 3), replay=True, applied=[0, 3, 0])
+    assert s.restore(of(copy, "a"), arr(9, 9, 9, 9), 0.1) == []
+    actions = [a for w in range(N) for a in s.worker_restored(w, 0.2)]
+    assert answers(actions)["b0"].value.tolist() == [7, 7, 7, 7]
+    (note,) = s.restore(of(dataclasses.replace(copy, applied=[0, 4, 0]), "a"), arr(1, 1, 1, 1), 0.3)
+    assert isinstance(note, Note) and "job 'a'" in note.message and "ignored" in note.message
