@@ -71,6 +71,9 @@ class AsyncValues:
     def connected(self, worker: int, epoch: str = "") -> None:
         self._run(self.store.worker_connected(worker, epoch))
 
+    def joined(self, worker: int) -> None:
+        self.store.worker_joined(worker)
+
     def disconnected(self, worker: int) -> None:
         self.store.worker_disconnected(worker, time.monotonic())
 

@@ -45,11 +45,17 @@ Job reset: when every worker reset (its processes all left), every key is droppe
 
 Jobs. Daemons outlive jobs, and jobs end at different times per machine: the next job's init may come while a
 machine of the last one still lingers (connected after its last step), so no job reset came between them. Each
-push names its machine's job (``Push.job``, from its processes' hellos; empty: not known), and a key is its
-first named job's: an init of another job begins the key anew from that job's root (the old value's waiters
-fail, naming both jobs), and a delta of another job is refused, naming both (the last job's processes pushed
-after the next one began: two jobs through one cluster's names). Without it, the next job's init was taken for a
-rejoin and answered with the last job's value. Where either side names no job, pushes are taken as one job's.
+push names its machine's job (``Push.job``, from its processes' hellos, ``BPS_JOB``; empty: not known), and a key
+is its first named job's. A cluster runs one job at a time (every machine takes part in it), so the first push
+of a job this run has not seen means the jobs it saw before ended: their keys are dropped (what waited on them
+fails, naming both jobs), and a later push of theirs is refused, naming both (a process of the last job that
+pushed after the next one began: nothing added). Without it, the next job's init was taken for a rejoin and
+answered with the last job's value. A machine whose last push was another job's holds none of a job's keys back
+(the staleness bound), and its first init of them raises its entry, as for a machine that left. A worker's
+``Joined`` (processes connected again) ends its reset: its machine's next job is there, though it has not pushed
+yet. Where either side names no job, pushes are taken as one job's. Copies given back to a restarted server
+register no job (a run restarted while two jobs overlap keeps the first copy of each key, whichever job's): its
+first pushes say which job is the newest.
 
 Like :mod:`bps_server.rounds`, the store makes every decision and does no I/O: the caller passes ``now``
 and carries out the returned actions (answer, fail, note). Unlike the round table it also adds, with the
@@ -135,9 +141,9 @@ class _Key(Generic[W]):
     job: str = ""  # the job whose value it is (the first push naming one; see "Jobs")
 
 
-def _other_job(job: str, push: Push) -> bool:
-    """Whether ``push`` is of another job than a key of ``job`` (both named, and not alike)."""
-    return bool(job and push.job and push.job != job)
+def _other_job(job: str, other: str) -> bool:
+    """Whether ``job`` and ``other`` are two jobs (both named, and not alike; see "Jobs")."""
+    return bool(job and other and other != job)
 
 
 def _descriptor(push: Push) -> tuple[object, ...]:
@@ -185,6 +191,8 @@ class ValueStore(Generic[W]):
         # Names whose root's machine failed an init before pushing it (init_failed): why, the root, and the
         # attempt (the machines' local round of the name), until the root's next init.
         self.failed_inits: dict[str, tuple[Why, int, int]] = {}
+        self.job_order: dict[str, int] = {}  # the named jobs this run saw pushing, in order (see "Jobs")
+        self.worker_job: dict[int, str] = {}  # each worker's job as its last named push said, until its reset
 
     def has(self, name: str, part: int) -> bool:
         return (name, part) in self.keys
@@ -194,15 +202,60 @@ class ValueStore(Generic[W]):
              ) -> list[Action[W]]:
         """An ``async_init`` or ``async`` push of ``payload`` (read now, or copied if it must wait)."""
         self._contact(now)
+        refusal, actions = self._job_of(push)
+        if refusal is not None:
+            return [Fail(handle, push, refusal)]
         self._joined(push.worker)
         self.pushed_at[push.worker] = now
         waiter = _Waiter(push, handle, now)
         if self.restoring_since is not None or (
                 push.kind != KIND_ASYNC_INIT and self._value_of(push) is None):
-            return self._wait(waiter, payload, lease)
-        actions = self._apply(waiter, payload, lease, now)
+            return actions + self._wait(waiter, payload, lease)
+        actions += self._apply(waiter, payload, lease, now)
         if self.pending and push.kind == KIND_ASYNC_INIT:
             actions += self._retry_pending(now)  # the root's init may have given their key a value
+        return actions
+
+    def _job_of(self, push: Push) -> tuple[Why | None, list[Action[W]]]:
+        """Where ``push``'s job stands (see "Jobs"): why it is refused (a later job pushed here since), and what
+        the first push of a job does (the jobs before it end: their keys go)."""
+        job = push.job
+        if not job:
+            return None, []
+        order = self.job_order.get(job)
+        if order is not None and order < len(self.job_order) - 1:
+            newest = next(reversed(self.job_order))
+            what = "async_init" if push.kind == KIND_ASYNC_INIT else "async push"
+            return Why(f"{what} of {push.name!r} part {push.part} by worker {push.worker} is job {job!r}'s, but job "
+                       f"{newest!r} began after it: a process of the last job pushed after the next job began "
+                       f"(nothing added)", "error"), []
+        self.worker_job[push.worker] = job
+        if order is not None:
+            return None, []
+        self.job_order[job] = len(self.job_order)
+        return None, self._end_jobs_before(job)
+
+    def _end_jobs_before(self, job: str) -> list[Action[W]]:
+        """Job ``job`` pushed here for the first time: the keys of every other named job go, and what waited on
+        them (or waits in ``pending``) fails."""
+        ended = [key for key, st in self.keys.items() if st.job and st.job != job]
+        actions: list[Action[W]] = []
+        for key in ended:
+            st = self.keys.pop(key)
+            why = Why(f"the value of {key[0]!r} part {key[1]} was job {st.job!r}'s; job {job!r} began after it",
+                      "round_failed")
+            actions += [Fail(w.handle, w.push, why) for w in (*st.inits, *st.held)]
+        keep: list[_Waiter[W]] = []
+        for w in self.pending:
+            if w.push.job and w.push.job != job:
+                actions.append(Fail(w.handle, w.push, Why(f"job {job!r} began after job {w.push.job!r}",
+                                                          "round_failed")))
+            else:
+                keep.append(w)
+        self.pending = keep
+        if ended:
+            actions.append(Note(logging.INFO, f"job {job!r} began: dropping {len(ended)} asynchronous values of "
+                                              f"the jobs before it"))
         return actions
 
     def _value_of(self, push: Push) -> np.ndarray | None:
@@ -225,17 +278,17 @@ class ValueStore(Generic[W]):
         key = (push.name, push.part)
         st = self.keys.get(key)
         actions: list[Action[W]] = []
-        if st is not None and _other_job(st.job, push):
+        if st is not None and _other_job(st.job, push.job):  # a copy of an ended job's, given back to this run
+            del self.keys[key]
+            why = Why(f"this server restarted, and the copy of {push.name!r} part {push.part} it was given back is "
+                      f"job {st.job!r}'s, not job {push.job!r}'s: call async_init again", "round_failed")
+            actions = [Fail(x.handle, x.push, why) for x in (*st.inits, *st.held)]
             if push.kind != KIND_ASYNC_INIT:
-                return [Fail(w.handle, push, Why(f"async push of {push.name!r} part {push.part} by worker "
-                                                 f"{push.worker} is job {push.job!r}'s, but the value is job "
-                                                 f"{st.job!r}'s now (its async_init began it anew): the last "
-                                                 f"job's processes pushed after the next job began", "error"))]
-            actions = self._begin_anew(key, st, push)
+                return [*actions, Fail(w.handle, push, why)]
             st = None
-        if st is None:  # (the machines away now owe a raise at their init of it too)
-            st = self.keys[key] = _Key(push, _staleness(push), None, [0] * self.n, behind=set(self.excluded),
-                                       job=push.job)
+        if st is None:  # (the machines away now owe a raise at their init of it too, and those in another job)
+            st = self.keys[key] = _Key(push, _staleness(push), None, [0] * self.n,
+                                       behind=set(self.excluded) | self._in_other_jobs(push.job), job=push.job)
         elif not st.job:
             st.job = push.job
         if st.value is None and push.kind == KIND_ASYNC_INIT and push.holds_root:
@@ -255,13 +308,9 @@ class ValueStore(Generic[W]):
         except OSError as exc:
             return [*actions, Fail(w.handle, push, Why(f"{exc}", "error"))]
 
-    def _begin_anew(self, key: Key, st: _Key[W], push: Push) -> list[Action[W]]:
-        """Another job's init of ``key`` (see "Jobs"): the old job's value goes, and what waited on it fails."""
-        del self.keys[key]
-        why = Why(f"the value of {push.name!r} part {push.part} was job {st.job!r}'s; job {push.job!r} began it "
-                  f"anew (worker {push.worker}'s async_init)", "round_failed")
-        return [*(Fail(w.handle, w.push, why) for w in (*st.inits, *st.held)),
-                Note(logging.INFO, f"{why.text}: the last job's value dropped")]
+    def _in_other_jobs(self, job: str) -> set[int]:
+        """The workers whose last push was another named job's than ``job`` (see "Jobs")."""
+        return {w for w, theirs in self.worker_job.items() if _other_job(theirs, job)}
 
     def init_failed(self, name: str, root: int, round_: int, why: Why) -> list[Action[W]]:
         """Root rank ``root``'s machine failed its ``async_init`` of ``name`` (its local round ``round_``) before
@@ -383,7 +432,8 @@ class ValueStore(Generic[W]):
         if st.staleness is None:
             return []
         floor = step - st.staleness
-        return [w for w in range(self.n) if w not in self.excluded and st.applied[w] < floor]
+        return [w for w in range(self.n) if w not in self.excluded and st.applied[w] < floor
+                and not _other_job(self.worker_job.get(w, ""), st.job)]
 
     def _release(self, st: _Key[W]) -> list[Action[W]]:
         free = [w for w in st.held if not self._blockers(st, w.push.round)]
@@ -402,9 +452,12 @@ class ValueStore(Generic[W]):
         if len(applied) != self.n:
             return [Note(logging.WARNING, f"worker {push.worker}'s copy of {push.name!r} part {push.part} has a "
                                           f"vector of {len(applied)} workers, not {self.n}: ignored")]
-        if st is not None and _other_job(st.job, push):
+        if st is not None and _other_job(st.job, push.job):
             return [Note(logging.WARNING, f"worker {push.worker}'s copy of {push.name!r} part {push.part} is job "
                                           f"{push.job!r}'s, but the value is job {st.job!r}'s: ignored")]
+        if push.job in self.job_order and self.job_order[push.job] < len(self.job_order) - 1:
+            return [Note(logging.WARNING, f"worker {push.worker}'s copy of {push.name!r} part {push.part} is job "
+                                          f"{push.job!r}'s, which ended here: ignored")]
         if st is None:
             st = self.keys[key] = _Key(push, _staleness(push), None, [0] * self.n, job=push.job)
         elif not st.job:
@@ -468,6 +521,11 @@ class ValueStore(Generic[W]):
         if worker not in self.disconnected:
             self.excluded.discard(worker)
 
+    def worker_joined(self, worker: int) -> None:
+        """``worker`` has training processes again (its Joined): its reset is over, though it has not pushed yet
+        (its machine's restart of a process of the job must not drop the job's values, a review)."""
+        self.reset_workers.discard(worker)
+
     def worker_connected(self, worker: int, epoch: str = "") -> list[Action[W]]:
         """A connection of ``worker`` (again): it holds others back again, unless its processes all left (a
         reset): then only once they are back, i.e. it pushes again (``_joined``). A worker back with another
@@ -499,10 +557,12 @@ class ValueStore(Generic[W]):
         self.failed_inits.clear()
         self.reset_workers.add(worker)
         self.excluded.add(worker)
+        self.worker_job.pop(worker, None)
         for st in self.keys.values():
             st.behind.add(worker)
         if len(self.reset_workers) >= self.n:
             keys, self.keys = self.keys, {}
+            self.job_order.clear()
             pending, self.pending = self.pending, []
             self.restoring_since, self.restored = None, set(range(self.n))  # no worker keeps a copy of them
             self.reset_workers.clear()

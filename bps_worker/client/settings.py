@@ -19,9 +19,9 @@ setting             environment default                        meaning
                                                                wait (``0``: each alone, no fusion)
 ``cycle_time_ms``   ``BPS_CYCLE_TIME_MS`` (1)                  ... or once the first waited this long (a
                                                                synchronize sends at once)
-``job``             ``BPS_JOB``, else ``TORCHELASTIC_RUN_ID``   the job this process belongs to, the same on
-                    (torchrun's ``--rdzv-id``; not ``none``),  every machine of it: a job's asynchronous
-                    else ``SLURM_JOB_ID.SLURM_STEP_ID``        values are its own (another job's async_init
+``job``             ``BPS_JOB`` (``bps-launch`` sets one)      the job this process belongs to, the same on
+                                                               every machine of it: a job's asynchronous
+                                                               values are its own (another job's async_init
                                                                begins them anew); empty: not known
 ==================  =========================================  ==============================================
 """
@@ -95,20 +95,15 @@ def resolve(socket: str | None, local_rank: int | None, timeout: float, timeline
 
 
 def job_from(environ: Mapping[str, str]) -> str:
-    """The job this process belongs to, as its launcher names it (see the table above); "" where none does.
+    """The job this process belongs to (``BPS_JOB``); "" where none is named.
 
-    torchrun's run id is ``none`` unless ``--rdzv-id`` is given (every job alike: not an identity); Slurm's
-    steps of one allocation are jobs of their own (``srun`` within ``sbatch``), so the step is part of it."""
+    Only a name that every machine of the job is given: not torchrun's run id, which a single-node torchrun on
+    each machine (this project's way of starting a machine's processes) makes at random, a different job on
+    every machine (a review's find); nor Slurm's ids (a heterogeneous job's components have their own, and the
+    daemons of the Slurm recipe end with their allocation anyway)."""
     job = environ.get("BPS_JOB", "")
-    if not job:
-        run = environ.get("TORCHELASTIC_RUN_ID", "")
-        job = run if run != "none" else ""
-    if not job and environ.get("SLURM_JOB_ID"):
-        step = environ.get("SLURM_STEP_ID", "")
-        job = f"{environ['SLURM_JOB_ID']}.{step}" if step else environ["SLURM_JOB_ID"]
     if len(job) > MAX_JOB_CHARS:
-        raise BPSError(f"the job's name is {len(job)} characters (BPS_JOB, TORCHELASTIC_RUN_ID or SLURM_JOB_ID); "
-                       f"at most {MAX_JOB_CHARS}")
+        raise BPSError(f"BPS_JOB is {len(job)} characters; at most {MAX_JOB_CHARS}")
     return job
 
 

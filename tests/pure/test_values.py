@@ -673,3 +673,68 @@ def test_a_restarted_servers_copies_are_of_their_job() -> None:
     assert answers(actions)["b0"].value.tolist() == [7, 7, 7, 7]
     (note,) = s.restore(of(dataclasses.replace(copy, applied=[0, 4, 0]), "a"), arr(1, 1, 1, 1), 0.3)
     assert isinstance(note, Note) and "job 'a'" in note.message and "ignored" in note.message
+
+
+def test_a_push_of_the_last_job_after_the_next_one_began_is_refused_and_leaves_its_value_alone() -> None:
+    """A restarted process of the last job re-inits (or pushes a delta for a key the next job has not made yet):
+    refused at once naming both jobs, not a new beginning that wiped the running job's value (a review)."""
+    s = store()
+    for w in range(N):
+        s.push(of(init(w), "a"), arr(1, 1, 1, 1), f"a{w}", 0.0)
+    s.worker_reset(0)
+    s.push(of(init(0), "b"), arr(7, 7, 7, 7), "b0", 1.0)
+    s.push(of(delta(0, 1), "b"), arr(1, 1, 1, 1), "b0d1", 1.1)
+    for late in (of(init(1), "a"), of(dataclasses.replace(delta(2, 5), name="other"), "a")):
+        (refused,) = s.push(late, arr(1, 1, 1, 1), "late", 1.2)
+        assert isinstance(refused, Fail) and "job 'a'" in refused.why.text and "job 'b' began after it" in \
+            refused.why.text, refused.why.text
+    assert answers(s.push(of(delta(0, 2), "b"), arr(1, 1, 1, 1), "b0d2", 1.3))["b0d2"].value.tolist() == [9] * 4
+    assert s.pending == []
+
+
+def test_the_next_jobs_first_push_drops_every_value_of_the_jobs_before_it() -> None:
+    """Jobs that overlap never reset every worker at once: the last job's names the next one does not use stayed
+    for good (and made a synchronous use of them a misuse, a review)."""
+    s = store(2)
+    for w in range(2):
+        for name in ("old.w", "shared.w"):
+            s.push(of(dataclasses.replace(init(w), name=name), "a"), arr(1, 1, 1, 1), f"a{w}{name}", 0.0)
+    s.worker_reset(0)
+    actions = s.push(of(dataclasses.replace(init(0), name="new.w"), "b"), arr(2, 2, 2, 2), "b0", 1.0)
+    assert any(isinstance(a, Note) and "dropping 2 asynchronous values" in a.message for a in actions), actions
+    assert {k: st.job for k, st in s.keys.items()} == {("new.w", 0): "b"}
+    assert not s.has("old.w", 0)
+
+
+def test_a_machine_still_in_the_last_job_holds_none_of_the_next_jobs_values_back() -> None:
+    """staleness=0: machine 1 lingers in job a while machine 0 runs job b; b's steps were held until a's process
+    left (a review). Once machine 1's process of job b inits, its entry starts at machine 0's, as a machine
+    that left the job does, so neither waits for the other's past."""
+    s = store(2)
+    for w in range(2):
+        s.push(of(init(w, staleness=0), "a"), arr(1, 1, 1, 1), f"a{w}", 0.0)
+    s.worker_reset(0)
+    s.push(of(init(0, staleness=0), "b"), arr(7, 7, 7, 7), "b0", 1.0)
+    for step in (1, 2, 3):
+        assert "b0d" in str(answers(s.push(of(delta(0, step), "b"), arr(1, 1, 1, 1), f"b0d{step}", 1.0 + step)))
+    s.worker_reset(1)
+    got = answers(s.push(of(init(1, staleness=0), "b"), arr(0, 0, 0, 0), "b1", 5.0))["b1"]
+    assert got.value.tolist() == [10] * 4 and got.applied == [3, 3]
+    assert s.push(of(delta(1, 4), "b"), arr(1, 1, 1, 1), "b1d4", 5.1) == []  # bulk-synchronous: waits for machine 0
+    assert set(answers(s.push(of(delta(0, 4), "b"), arr(1, 1, 1, 1), "b0d4", 5.2))) == {"b1d4", "b0d4"}
+
+
+def test_a_machine_whose_processes_joined_again_keeps_the_jobs_values_through_its_peers_restart() -> None:
+    """Job a's process left machine 1 (a Reset) and job b's connected there (Joined) but had not pushed yet when
+    machine 0's process of job b restarted (a Reset): taken for every worker reset, b's value and steps were
+    dropped (a review)."""
+    s = store(2)
+    for w in range(2):
+        s.push(of(init(w), "a"), arr(1, 1, 1, 1), f"a{w}", 0.0)
+    s.worker_reset(0)
+    s.push(of(init(0), "b"), arr(7, 7, 7, 7), "b0", 1.0)
+    s.push(of(delta(0, 1), "b"), arr(1, 1, 1, 1), "b0d1", 1.1)
+    s.worker_reset(1)
+    s.worker_joined(1)
+    assert not any(isinstance(a, Note) for a in s.worker_reset(0))
+    assert answers(s.push(of(init(0), "b"), arr(7, 7, 7, 7), "again", 2.0))["again"].value.tolist() == [8] * 4
