@@ -68,11 +68,11 @@ class AsyncValues:
     def restored(self, worker: int) -> None:
         self._run(self.store.worker_restored(worker, time.monotonic()))
 
-    def connected(self, worker: int, epoch: str = "") -> None:
-        self._run(self.store.worker_connected(worker, epoch))
+    def connected(self, worker: int, epoch: str = "", job: str = "", job_age_s: float = 0.0) -> None:
+        self._run(self.store.worker_connected(worker, epoch, time.monotonic(), job, job_age_s))
 
-    def joined(self, worker: int) -> None:
-        self.store.worker_joined(worker)
+    def joined(self, worker: int, job: str = "") -> None:
+        self._run(self.store.worker_joined(worker, job, time.monotonic()))
 
     def disconnected(self, worker: int) -> None:
         self.store.worker_disconnected(worker, time.monotonic())
@@ -80,9 +80,9 @@ class AsyncValues:
     def reset(self, worker: int, epoch: str = "") -> None:
         self._run(self.store.worker_reset(worker, epoch))
 
-    def init_failed(self, name: str, root: int, round_: int, why: Why) -> None:
+    def init_failed(self, name: str, root: int, round_: int, why: Why, worker: int = -1) -> None:
         """The root's machine failed an async_init of ``name`` (InitFailed)."""
-        self._run(self.store.init_failed(name, root, round_, why))
+        self._run(self.store.init_failed(name, root, round_, why, worker))
 
     def sweep(self) -> None:
         self._sweeper = None

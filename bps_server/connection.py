@@ -321,7 +321,7 @@ class ServerConnection(AdmittedProtocol):
             raise RemoteProtocolError(f"worker {self.worker} sent an init failure for worker {message.worker}")
         self.server.values.init_failed(message.name, message.root, message.round, Why.carried(
             message, message.name).relayed(f"worker {message.worker} (the root's machine) failed async_init of "
-                                           f"{message.name!r} before pushing it"))
+                                           f"{message.name!r} before pushing it"), message.worker)
 
     def on_round_query(self, query: RoundQuery, payload: memoryview | None) -> None:
         assert self.worker is not None
@@ -414,7 +414,7 @@ class ServerConnection(AdmittedProtocol):
         if joined.worker != self.worker:
             raise RemoteProtocolError(f"worker {self.worker} sent a Joined for worker {joined.worker}")
         self.server.aggregator.worker_joined(joined.worker)
-        self.server.values.joined(joined.worker)
+        self.server.values.joined(joined.worker, joined.job)
         self.server.fusion.worker_joined(joined.worker)
 
     def on_fuse_ready(self, message: FuseReady, payload: memoryview | None) -> None:
@@ -732,7 +732,7 @@ class ServerConnection(AdmittedProtocol):
             self.server.answer_waiting_queries()
             if self.server.fusion.endings != endings:  # (its Reset was lost with a connection)
                 self.server.lanes_ended()
-            self.server.values.connected(hello.id, hello.epoch)
+            self.server.values.connected(hello.id, hello.epoch, hello.job if hello.processes else "", hello.job_age_s)
 
     def _daemon_restarted(self, hello: Hello) -> None:
         """Worker ``hello.id`` is back with another daemon run than the one this server knew: the old daemon died

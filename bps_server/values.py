@@ -44,18 +44,20 @@ from a copy lose the float32 accumulator's extra bits (the copy travelled in the
 Job reset: when every worker reset (its processes all left), every key is dropped, as the round table's.
 
 Jobs. Daemons outlive jobs, and jobs end at different times per machine: the next job's init may come while a
-machine of the last one still lingers (connected after its last step), so no job reset came between them. Each
-push names its machine's job (``Push.job``, from its processes' hellos, ``BPS_JOB``; empty: not known), and a key
-is its first named job's. A cluster runs one job at a time (every machine takes part in it), so the first push
-of a job this run has not seen means the jobs it saw before ended: their keys are dropped (what waited on them
-fails, naming both jobs), and a later push of theirs is refused, naming both (a process of the last job that
-pushed after the next one began: nothing added). Without it, the next job's init was taken for a rejoin and
-answered with the last job's value. A machine whose last push was another job's holds none of a job's keys back
-(the staleness bound), and its first init of them raises its entry, as for a machine that left. A worker's
-``Joined`` (processes connected again) ends its reset: its machine's next job is there, though it has not pushed
-yet. Where either side names no job, pushes are taken as one job's. Copies given back to a restarted server
-register no job (a run restarted while two jobs overlap keeps the first copy of each key, whichever job's): its
-first pushes say which job is the newest.
+machine of the last one still lingers (connected after its last step), so no job reset came between them. A
+process names its job (``BPS_JOB``; empty: not known); its worker tells every server the job when its processes
+join (``Joined.job``; ``Hello.job`` and how long ago they began, for a restarted server), and its asynchronous
+pushes carry it (``Push.job``). A cluster runs one job at a time (every machine takes part in it), so the job
+that began last is the newest and the others ended (``_Jobs``: a job begins when its processes join a machine
+while no other machine's are of it, unless that machine's last processes were of it too, a rejoin). When another
+job becomes the newest, the keys of every other named job are dropped (what waited on them fails, naming both
+jobs), and a push of an ended job is refused at once, naming both (a process of the last job that pushed after
+the next one began: nothing added). Without it, the next job's init was taken for a rejoin and answered with the
+last job's value. A machine whose processes are of another job holds none of a job's keys back (the staleness
+bound), and its first init of them raises its entry, as for a machine that left. A worker's ``Joined`` ends its
+reset: its machine's next job is there, though it has not pushed yet. Where either side names no job, pushes
+are taken as one job's. A restarted server's copies of an ended job are ignored; a key given back from another
+job's copy is dropped at the newest job's push (an init begins it anew; a delta fails, asking for an init).
 
 Like :mod:`bps_server.rounds`, the store makes every decision and does no I/O: the caller passes ``now``
 and carries out the returned actions (answer, fail, note). Unlike the round table it also adds, with the
@@ -164,6 +166,51 @@ def _dominates(a: list[int], b: list[int]) -> bool:
     return len(a) == len(b) and all(x >= y for x, y in zip(a, b))
 
 
+class _Jobs:
+    """Which named job each worker's processes are of, and when each job began (see "Jobs").
+
+    A job begins when its processes join a worker (Joined; a Hello says how long ago, for a restarted server) and
+    no other worker's processes are of it, unless that worker's last processes were of it too (a process of the
+    job restarted on its machine: a rejoin); else it began when it first did. The newest job is the one that
+    began last: the others ended."""
+
+    def __init__(self) -> None:
+        self.began: dict[str, float] = {}  # each named job's beginning, on this run's clock
+        self.of_worker: dict[int, str] = {}  # the job of each worker's processes now (until its reset)
+        self.last: dict[int, str] = {}  # the job of each worker's last processes
+
+    def begins(self, worker: int, job: str, began: float) -> str | None:
+        """``worker``'s processes are of ``job``, begun at ``began``; the newest job where it changed, else None."""
+        before = self.newest()
+        elsewhere = any(theirs == job for w, theirs in self.of_worker.items() if w != worker)
+        known = self.began.get(job)
+        if known is None or not (elsewhere or self.last.get(worker) == job):
+            self.began[job] = began
+        else:
+            self.began[job] = min(known, began)
+        self.of_worker[worker] = self.last[worker] = job
+        newest = self.newest()
+        for ended in [j for j in self.began if j != newest and j not in self.of_worker.values()]:
+            del self.began[ended]  # (no process of it is left to refuse: a name used again begins anew)
+        return newest if newest != before else None
+
+    def pushes(self, worker: int, job: str) -> None:
+        """``worker`` pushed for ``job``, which began already: its processes are of it (where no Joined or Hello
+        of theirs said so: pushes of an unnamed job's processes, say)."""
+        self.of_worker[worker] = self.last[worker] = job
+
+    def left(self, worker: int) -> None:
+        self.of_worker.pop(worker, None)
+
+    def newest(self) -> str | None:
+        return max(self.began, key=self.began.__getitem__) if self.began else None
+
+    def after(self, job: str) -> str | None:
+        """A job that began after ``job`` (which ended then), or None."""
+        newest = self.newest()
+        return newest if newest is not None and newest != job and self.began[newest] > self.began[job] else None
+
+
 class ValueStore(Generic[W]):
     """Every asynchronous key of one server (see the module docstring). ``worker_of_rank`` names the
     machine of a root rank in errors; ``timeout_s`` is the cluster's timeout; ``stall_s`` its stall_timeout (an
@@ -191,8 +238,7 @@ class ValueStore(Generic[W]):
         # Names whose root's machine failed an init before pushing it (init_failed): why, the root, and the
         # attempt (the machines' local round of the name), until the root's next init.
         self.failed_inits: dict[str, tuple[Why, int, int]] = {}
-        self.job_order: dict[str, int] = {}  # the named jobs this run saw pushing, in order (see "Jobs")
-        self.worker_job: dict[int, str] = {}  # each worker's job as its last named push said, until its reset
+        self.jobs = _Jobs()  # which named job each worker's processes are of, and when each job began ("Jobs")
 
     def has(self, name: str, part: int) -> bool:
         return (name, part) in self.keys
@@ -202,9 +248,9 @@ class ValueStore(Generic[W]):
              ) -> list[Action[W]]:
         """An ``async_init`` or ``async`` push of ``payload`` (read now, or copied if it must wait)."""
         self._contact(now)
-        refusal, actions = self._job_of(push)
+        refusal, actions = self._job_of(push, now)
         if refusal is not None:
-            return [Fail(handle, push, refusal)]
+            return [*actions, Fail(handle, push, refusal)]
         self._joined(push.worker)
         self.pushed_at[push.worker] = now
         waiter = _Waiter(push, handle, now)
@@ -216,45 +262,49 @@ class ValueStore(Generic[W]):
             actions += self._retry_pending(now)  # the root's init may have given their key a value
         return actions
 
-    def _job_of(self, push: Push) -> tuple[Why | None, list[Action[W]]]:
-        """Where ``push``'s job stands (see "Jobs"): why it is refused (a later job pushed here since), and what
-        the first push of a job does (the jobs before it end: their keys go)."""
+    def _job_of(self, push: Push, now: float) -> tuple[Why | None, list[Action[W]]]:
+        """Where ``push``'s job stands (see "Jobs"): why it is refused (another job began after it), and what a job
+        this run did not know yet does (a push before its worker's Joined or Hello said it: it begins now)."""
         job = push.job
         if not job:
             return None, []
-        order = self.job_order.get(job)
-        if order is not None and order < len(self.job_order) - 1:
-            newest = next(reversed(self.job_order))
-            what = "async_init" if push.kind == KIND_ASYNC_INIT else "async push"
-            return Why(f"{what} of {push.name!r} part {push.part} by worker {push.worker} is job {job!r}'s, but job "
-                       f"{newest!r} began after it: a process of the last job pushed after the next job began "
-                       f"(nothing added)", "error"), []
-        self.worker_job[push.worker] = job
-        if order is not None:
-            return None, []
-        self.job_order[job] = len(self.job_order)
-        return None, self._end_jobs_before(job)
+        if job in self.jobs.began:
+            self.jobs.pushes(push.worker, job)
+            actions: list[Action[W]] = []
+        else:
+            actions = self._job_begins(push.worker, job, now)
+        newer = self.jobs.after(job)
+        if newer is None:
+            return None, actions
+        what = "async_init" if push.kind == KIND_ASYNC_INIT else "async push"
+        return Why(f"{what} of {push.name!r} part {push.part} by worker {push.worker} is job {job!r}'s, but job "
+                   f"{newer!r} began after it: a process of the last job pushed after the next job began "
+                   f"(nothing added)", "error"), actions
 
-    def _end_jobs_before(self, job: str) -> list[Action[W]]:
-        """Job ``job`` pushed here for the first time: the keys of every other named job go, and what waited on
-        them (or waits in ``pending``) fails."""
-        ended = [key for key, st in self.keys.items() if st.job and st.job != job]
+    def _job_begins(self, worker: int, job: str, began: float) -> list[Action[W]]:
+        """``worker``'s processes are of ``job`` (Joined, Hello), begun at ``began`` (this run's clock): where that
+        makes another job the newest, the keys of every other named job go, and what waited on them (or waits in
+        ``pending``) fails."""
+        newest = self.jobs.begins(worker, job, began)
+        if newest is None:
+            return []
+        ended = [key for key, st in self.keys.items() if _other_job(st.job, newest)]
         actions: list[Action[W]] = []
         for key in ended:
             st = self.keys.pop(key)
-            why = Why(f"the value of {key[0]!r} part {key[1]} was job {st.job!r}'s; job {job!r} began after it",
+            why = Why(f"the value of {key[0]!r} part {key[1]} was job {st.job!r}'s; job {newest!r} began after it",
                       "round_failed")
             actions += [Fail(w.handle, w.push, why) for w in (*st.inits, *st.held)]
         keep: list[_Waiter[W]] = []
         for w in self.pending:
-            if w.push.job and w.push.job != job:
-                actions.append(Fail(w.handle, w.push, Why(f"job {job!r} began after job {w.push.job!r}",
+            if _other_job(w.push.job, newest):
+                actions.append(Fail(w.handle, w.push, Why(f"job {newest!r} began after job {w.push.job!r}",
                                                           "round_failed")))
             else:
                 keep.append(w)
         self.pending = keep
         if ended:
-            actions.append(Note(logging.INFO, f"job {job!r} began: dropping {len(ended)} asynchronous values of "
+            actions.append(Note(logging.INFO, f"job {newest!r} began: dropping {len(ended)} asynchronous values of "
                                               f"the jobs before it"))
         return actions
 
@@ -310,16 +360,22 @@ class ValueStore(Generic[W]):
 
     def _in_other_jobs(self, job: str) -> set[int]:
         """The workers whose last push was another named job's than ``job`` (see "Jobs")."""
-        return {w for w, theirs in self.worker_job.items() if _other_job(theirs, job)}
+        return {w for w, theirs in self.jobs.of_worker.items() if _other_job(theirs, job)}
 
-    def init_failed(self, name: str, root: int, round_: int, why: Why) -> list[Action[W]]:
+    def init_failed(self, name: str, root: int, round_: int, why: Why, worker: int = -1) -> list[Action[W]]:
         """Root rank ``root``'s machine failed its ``async_init`` of ``name`` (its local round ``round_``) before
         pushing it (InitFailed): the inits from that root that wait here for its value fail with ``why`` (each side
         of a mismatch hears its own), and so do those of that attempt that come later (they waited the whole
         timeout for a value that never came, a review); until the root's next init, or any machine's reset.
         An attempt is a local round of the name, which every machine counts alike, a failed one too: a retry is
         a later round, and waits for the root's value (a machine whose own attempt failed too, or timed out
-        here, retries so; failing its next init instead failed a good retry, a review of the first version)."""
+        here, retries so; failing its next init instead failed a good retry, a review of the first version).
+        ``worker``: the root's machine; where its processes are of a job that ended (see "Jobs"), it is ignored (a
+        lingering process of the last job must not fail the next job's inits of the name)."""
+        job = self.jobs.of_worker.get(worker, "")
+        if job and job in self.jobs.began and self.jobs.after(job) is not None:
+            return [Note(logging.INFO, f"worker {worker}'s failed async_init of {name!r} is job {job!r}'s, which "
+                                       f"ended: ignored")]
         self.failed_inits[name] = (why, root, round_)
         actions: list[Action[W]] = []
         for (key, _), st in self.keys.items():
@@ -433,7 +489,7 @@ class ValueStore(Generic[W]):
             return []
         floor = step - st.staleness
         return [w for w in range(self.n) if w not in self.excluded and st.applied[w] < floor
-                and not _other_job(self.worker_job.get(w, ""), st.job)]
+                and not _other_job(self.jobs.of_worker.get(w, ""), st.job)]
 
     def _release(self, st: _Key[W]) -> list[Action[W]]:
         free = [w for w in st.held if not self._blockers(st, w.push.round)]
@@ -455,9 +511,9 @@ class ValueStore(Generic[W]):
         if st is not None and _other_job(st.job, push.job):
             return [Note(logging.WARNING, f"worker {push.worker}'s copy of {push.name!r} part {push.part} is job "
                                           f"{push.job!r}'s, but the value is job {st.job!r}'s: ignored")]
-        if push.job in self.job_order and self.job_order[push.job] < len(self.job_order) - 1:
+        if push.job and (push.job not in self.jobs.began or self.jobs.after(push.job) is not None):
             return [Note(logging.WARNING, f"worker {push.worker}'s copy of {push.name!r} part {push.part} is job "
-                                          f"{push.job!r}'s, which ended here: ignored")]
+                                          f"{push.job!r}'s, which is not the newest job here: ignored")]
         if st is None:
             st = self.keys[key] = _Key(push, _staleness(push), None, [0] * self.n, job=push.job)
         elif not st.job:
@@ -521,12 +577,19 @@ class ValueStore(Generic[W]):
         if worker not in self.disconnected:
             self.excluded.discard(worker)
 
-    def worker_joined(self, worker: int) -> None:
-        """``worker`` has training processes again (its Joined): its reset is over, though it has not pushed yet
-        (its machine's restart of a process of the job must not drop the job's values, a review)."""
+    def worker_joined(self, worker: int, job: str = "", now: float = 0.0) -> list[Action[W]]:
+        """``worker`` has training processes again (its Joined), of ``job``: its reset is over, though it has not
+        pushed yet (its machine's restart of a process of the job must not drop the job's values, a review)."""
         self.reset_workers.discard(worker)
+        return self._job_begins(worker, job, now) if job else []
 
-    def worker_connected(self, worker: int, epoch: str = "") -> list[Action[W]]:
+    def worker_connected(self, worker: int, epoch: str = "", now: float = 0.0, job: str = "",
+                         job_age_s: float = 0.0) -> list[Action[W]]:
+        """See :meth:`_connected`; ``job``: its processes' job, begun ``job_age_s`` ago (Hello.job)."""
+        actions = self._connected(worker, epoch)
+        return actions + self._job_begins(worker, job, now - job_age_s) if job else actions
+
+    def _connected(self, worker: int, epoch: str) -> list[Action[W]]:
         """A connection of ``worker`` (again): it holds others back again, unless its processes all left (a
         reset): then only once they are back, i.e. it pushes again (``_joined``). A worker back with another
         ``epoch`` (its numbering: a daemon that started anew, or reset while its Reset was lost with a
@@ -557,12 +620,12 @@ class ValueStore(Generic[W]):
         self.failed_inits.clear()
         self.reset_workers.add(worker)
         self.excluded.add(worker)
-        self.worker_job.pop(worker, None)
+        self.jobs.left(worker)
         for st in self.keys.values():
             st.behind.add(worker)
         if len(self.reset_workers) >= self.n:
             keys, self.keys = self.keys, {}
-            self.job_order.clear()
+            self.jobs.began.clear()
             pending, self.pending = self.pending, []
             self.restoring_since, self.restored = None, set(range(self.n))  # no worker keeps a copy of them
             self.reset_workers.clear()

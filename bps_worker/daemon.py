@@ -121,6 +121,7 @@ class WorkerDaemon:
             link.on_notice = partial(self.notices.add, None)
             link.numbering_fresh = partial(self.numbering_fresh, link.spec.id)
             link.has_processes = self.has_processes
+            link.job_now = self.job_now
         self._new_epoch()
         # Tensors of at most this many bytes are fused (Welcome.fusion_bytes; bps_worker.fusion).
         self.fusion_bytes = self.placement.small_tensor_bytes
@@ -145,8 +146,7 @@ class WorkerDaemon:
         self.round_queries: dict[str, asyncio.Future[int]] = {}
         # Per asynchronous name, its steps and bound as this machine's init learned them (bps_worker.async_operation).
         self.async_names: dict[str, AsyncName] = {}
-        # The job of the processes connected now (their Hello.job; bps_worker.session): the asynchronous pushes carry it.
-        self.job = ""
+        self.job, self.job_since = "", 0.0  # our processes' job (Hello.job) and when they came: see job_now
         # Per name, the machine's local sum (pushed) and the global sum (where results land), in shared memory for a
         # colocated server to read and write in place; apart, so that a contribution stays intact until its result
         # is complete and a result until the next one (both for a restarted server), and, for room, until
@@ -693,6 +693,11 @@ class WorkerDaemon:
     def has_processes(self) -> bool:
         """Whether a training process of ours is connected (Hello.processes)."""
         return bool(self.sessions)
+
+    def job_now(self) -> tuple[str, float]:
+        """The job of our processes and how long ago the first of them connected, in seconds (Hello.job and
+        Hello.job_age_s, Joined.job); ("", 0.0) without processes."""
+        return (self.job, max(0.0, time.monotonic() - self.job_since)) if self.sessions else ("", 0.0)
 
     def processes_joined(self) -> None:
         """Our first training process connected while we had none (since we started, or since a reset): the servers

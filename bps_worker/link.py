@@ -427,8 +427,8 @@ class ServerLink:
         self.numbered = False
         self.numbering_fresh: Callable[[], bool] = lambda: not self.numbered
         self.has_processes: Callable[[], bool] = lambda: True  # whether our daemon has any now (Hello.processes)
-        self.closed = False
-        self.stopping = False  # the daemon stops: a connection lost now is not reconnected (see on_broken)
+        self.job_now: Callable[[], tuple[str, float]] = lambda: ("", 0.0)  # their job and its age (Hello.job)
+        self.closed, self.stopping = False, False  # stopping: the daemon stops, a lost connection stays lost
         self._proto: _LinkProtocol | None = None
         self._ready = False  # handshake complete: pushes may flow
         self._connecting: asyncio.Task[None] | None = None
@@ -690,7 +690,7 @@ class ServerLink:
         """Tell the server that this worker, which had no training processes (its Reset, or its hello said so), has
         some now: a round that waits for them waits on (a process busy with other servers' tensors is waited for
         as any, not failed as a machine without processes)."""
-        self._send_control(Joined(self.worker_id))
+        self._send_control(Joined(self.worker_id, self.job_now()[0]))
 
     def forget_sums(self, names: Container[str]) -> None:
         """Tensors ``names`` are never pushed again: their last sums are not kept for a restarted server."""
@@ -1154,10 +1154,11 @@ class ServerLink:
         challenge = await asyncio.wait_for(asyncio.shield(proto.challenge), timeout=max(0.1, deadline - loop.time()))
         probe = make_probe(self.worker_id, self.shm_mode, self.spec.id) if self.shm_mode is not None else None
         self._hello_epoch = self.epoch
+        job, job_age_s = self.job_now()
         greeting = ClientHandshake(
             Hello(PROTOCOL_VERSION, ROLE_WORKER, self.worker_id, shm=probe[0].name if probe else "",
                   shm_key=probe[1] if probe else "", epoch=self.epoch, fresh=self.numbering_fresh(),
-                  processes=self.has_processes(),
+                  processes=self.has_processes(), job=job, job_age_s=job_age_s,
                   stream=self.stream,
                   config_items=list(self.config_items), daemon=daemon_id()),
             token=self.token, server=self.spec.id, who=f"server {self.spec.id} at {self.spec.address}")

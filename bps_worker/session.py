@@ -18,6 +18,7 @@ buffer for the Hello alone. A process that sends but never reads is no longer re
 from __future__ import annotations
 
 import asyncio
+import time
 import logging
 import socket
 import struct
@@ -88,6 +89,7 @@ class SessionHost(Protocol):
     reset_since: bool  # every process left (a reset) and none came since
     holds: ResultHolds  # results answered in the results segment, not yet mapped by their processes
     job: str  # the job of the processes connected now (Hello.job; set by the first of them)
+    job_since: float  # when the first of them connected (time.monotonic)
 
     fusion_bytes: int  # sums of at most this many bytes may come fused (OpBatch)
 
@@ -196,7 +198,7 @@ class ClientSession(AdmittedProtocol):
             raise RemoteProtocolError(self._other_job(hello.job))
         self.local_rank = hello.id
         if first:
-            self.daemon.job = hello.job
+            self.daemon.job, self.daemon.job_since = hello.job, time.monotonic()
         self.daemon.sessions[hello.id] = self
         self.daemon.reset_since = False
         if first:

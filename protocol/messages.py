@@ -250,9 +250,12 @@ class Hello(Message):
     # it, and a server refuses a Hello for another: a handshake relayed unchanged to another server's address
     # is refused there (see protocol.handshake).
     server: int = -1
-    # A training process's job (a client's Hello; empty: not known), as its launcher names it: a worker daemon's
-    # processes are of one job at a time (bps_worker.session), and its asynchronous pushes carry it (Push.job).
+    # A training process's job (a client's Hello; empty: not known), as its launcher names it (BPS_JOB): a worker
+    # daemon's processes are of one job at a time (bps_worker.session), and its asynchronous pushes carry it
+    # (Push.job). A worker's Hello: the job of its processes now, and how long ago they began (seconds, its own
+    # clock: a server compares jobs by when they began, see bps_server.values, "Jobs").
     job: str = ""
+    job_age_s: float = 0.0
 
     def validate(self) -> None:
         if self.role not in (ROLE_WORKER, ROLE_CLIENT, ROLE_OBSERVER):
@@ -261,6 +264,8 @@ class Hello(Message):
             raise LocalProtocolError(f"hello: server {self.server}; a server id is at least 0 (-1: none named)")
         if not 0 <= self.stream < MAX_STREAMS:
             raise LocalProtocolError(f"hello: stream {self.stream} outside 0..{MAX_STREAMS - 1}")
+        if not (math.isfinite(self.job_age_s) and self.job_age_s >= 0):
+            raise LocalProtocolError(f"hello: job_age_s must be finite and >= 0, got {shown(self.job_age_s)}")
         for what, text, limit in (("shared-memory probe name", self.shm, MAX_SEGMENT_CHARS),
                                   ("shared-memory key", self.shm_key, MAX_SHM_KEY_CHARS),
                                   ("proof", self.auth, MAX_PROOF_CHARS), ("nonce", self.nonce, MAX_NONCE_CHARS),
@@ -693,10 +698,15 @@ class Reset(Message):
 
 @dataclass(frozen=True, slots=True)
 class Joined(Message):
-    """A worker that had no training processes (it said so: a Reset, or Hello.processes) has some now."""
+    """A worker that had no training processes (it said so: a Reset, or Hello.processes) has some now, of job
+    ``job`` (their Hello.job; empty: not named)."""
 
     TYPE: ClassVar[str] = "joined"
     worker: int
+    job: str = ""
+
+    def validate(self) -> None:
+        _check_text("joined", "job", self.job, MAX_JOB_CHARS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -451,3 +451,27 @@ def next_job(name: str, base: float, hold: Any = None, said: Any = None) -> list
         said.put(value)
         assert hold.wait(60), "the test did not release this process"
     return value
+
+
+def synchronous_job(go: Any = None) -> dict[str, Any]:
+    """A job of synchronous sums only; ``go``: an event to wait for (the next job began), then one async_init of
+    a name of its own, and what it raised, and how long it took."""
+    out: dict[str, Any] = {"sum": bps.push_pull(np.ones(8, np.float32), "jobs.sync").tolist()}
+    if go is not None:
+        assert go.wait(60), "the next job did not begin"
+        began = time.monotonic()
+        try:
+            out["late"] = bps.async_init(np.ones(8, np.float32), "jobs.late").tolist()
+        except bps.BPSError as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        out["waited"] = time.monotonic() - began
+    return out
+
+
+def deltas_after(name: str, said: Any, go: Any) -> list[float]:
+    """The next job's process: inits ``name`` to 100s (its root), adds 1s, says the value on ``said``; once ``go``
+    is set, adds 1s again and returns the value."""
+    bps.async_init(np.full(8, 100.0, np.float32), name)
+    said.put(bps.async_push_pull(np.ones(8, np.float32), name).tolist())
+    assert go.wait(60), "the test did not go on"
+    return bps.async_push_pull(np.ones(8, np.float32), name).tolist()

@@ -187,3 +187,43 @@ def test_a_process_of_another_job_than_its_machines_connected_ones_is_refused_na
         cluster.stop()
     assert "refused local rank 1" in refused and "this process is of job 'B'" in refused, refused
     assert "local rank 0 (pid" in refused and "are of job 'A'" in refused, refused
+
+
+@pytest.mark.timeout(120)
+def test_a_lingering_process_of_a_synchronous_job_is_older_than_the_next_job_at_its_first_asynchronous_push(
+        tmp_path):
+    """Job A summed synchronously only; machine 1's process of it lingers, and after job B began on machine 0 it
+    makes its first asynchronous push. The servers' order of first pushes took A for the newest job: B's value
+    was dropped and every later push of B refused (a review's reproducer). A job is as old as its processes (the
+    worker's Joined says when they came): A's push is refused at once, naming both jobs, and B goes on."""
+    from harness import _rank_main, collect_reports, rank_context, reap, start_cluster, write_config
+
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cluster={"timeout": 10.0}))
+    ctx = rank_context()
+    queue, said, b_began, b_goes_on = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    sockets = [w.socket for w in cluster.config.worker_specs]
+    procs: list = []
+
+    def start(key: int, machine: int, job: str, target, args) -> None:
+        p = ctx.Process(target=_rank_main, args=(queue, sockets[machine], 0, key, target, args, 20.0,
+                                                 {"BPS_JOB": job}), daemon=True)
+        p.start()
+        procs.append(p)
+
+    try:
+        start(0, 0, "A", ap.synchronous_job, ())
+        start(1, 1, "A", ap.synchronous_job, (b_began,))
+        assert collect_reports(queue, {0}, 60, cluster)[0] == {"sum": [1.0] * 8}  # (the mean)
+        procs[0].join(10)
+        start(10, 0, "B", ap.deltas_after, ("jobs.b", said, b_goes_on))
+        began = said.get(timeout=60)
+        b_began.set()
+        lingering = collect_reports(queue, {1}, 60, cluster)[1]
+        b_goes_on.set()
+        after = collect_reports(queue, {10}, 60, cluster)[10]
+    finally:
+        reap(procs, 5)
+        cluster.stop()
+    assert began == [101.0] * 8 and after == [102.0] * 8, (began, after)
+    assert "job 'A'" in lingering["error"] and "job 'B' began after it" in lingering["error"], lingering
+    assert lingering["waited"] < 5.0, lingering  # at once, not after the timeout

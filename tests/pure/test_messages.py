@@ -727,3 +727,13 @@ def test_only_an_asynchronous_push_names_a_job_and_a_jobs_name_is_bounded():
     assert m.parse(header("hello", job="j" * m.MAX_JOB_CHARS)).job == "j" * m.MAX_JOB_CHARS
     with pytest.raises(ProtocolError, match="hello: job of 129 characters; at most 128"):
         m.parse(header("hello", job="j" * (m.MAX_JOB_CHARS + 1)))
+
+
+def test_a_workers_job_and_its_age_are_checked():
+    assert m.parse(header("joined", job="job-7")).job == "job-7"
+    with pytest.raises(ProtocolError, match="joined job of 129 characters; at most 128"):
+        m.parse(header("joined", job="j" * (m.MAX_JOB_CHARS + 1)))
+    assert m.parse(header("hello", job="job-7", job_age_s=12.5)).job_age_s == 12.5
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ProtocolError, match="job_age_s must be finite and >= 0"):
+            m.parse(header("hello", job_age_s=bad))

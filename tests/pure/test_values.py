@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 
+from bps_server.rounds import Why
 from bps_server.values import RESTORE_GRACE_S, Answer, Fail, Note, ValueStore
 from protocol.messages import KIND_ASYNC, KIND_ASYNC_INIT, Push
 
@@ -668,11 +669,56 @@ def test_a_restarted_servers_copies_are_of_their_job() -> None:
     s = restarted()
     assert s.push(of(init(0), "b"), arr(7, 7, 7, 7), "b0", 0.0) == []
     copy = dataclasses.replace(delta(1, 3), replay=True, applied=[0, 3, 0])
-    assert s.restore(of(copy, "a"), arr(9, 9, 9, 9), 0.1) == []
+    (ignored,) = s.restore(of(copy, "a"), arr(9, 9, 9, 9), 0.1)  # (job b pushed here, job a never did)
+    assert isinstance(ignored, Note) and "job 'a'" in ignored.message and "ignored" in ignored.message
     actions = [a for w in range(N) for a in s.worker_restored(w, 0.2)]
     assert answers(actions)["b0"].value.tolist() == [7, 7, 7, 7]
-    (note,) = s.restore(of(dataclasses.replace(copy, applied=[0, 4, 0]), "a"), arr(1, 1, 1, 1), 0.3)
-    assert isinstance(note, Note) and "job 'a'" in note.message and "ignored" in note.message
+
+
+def test_a_restarted_server_learns_from_the_workers_hellos_which_job_began_last() -> None:
+    """Restarted while job b runs and machine 1 lingers in job a: whichever copy or push comes first, job a is
+    the older (its processes began 50 s ago, b's 5 s ago): its copy is ignored, its late delta refused, and job b
+    goes on from its own copy (the order of first pushes made a the newest, and dropped b's value, a review)."""
+    s = restarted()
+    for w, job, age in ((1, "a", 50.0), (0, "b", 5.0), (2, "b", 4.0)):
+        s.worker_connected(w, f"e{w}", now=100.0, job=job, job_age_s=age)
+    old = of(dataclasses.replace(delta(1, 9), replay=True, applied=[9, 9, 9]), "a")
+    (ignored,) = s.restore(old, arr(1, 1, 1, 1), 100.1)
+    assert isinstance(ignored, Note) and "ignored" in ignored.message
+    assert s.restore(of(dataclasses.replace(delta(0, 3), replay=True, applied=[3, 0, 3]), "b"), arr(7, 7, 7, 7),
+                     100.2) == []
+    assert not [a for w in range(N) for a in s.worker_restored(w, 100.3) if not isinstance(a, Note)]
+    (refused,) = s.push(of(delta(1, 10), "a"), arr(5, 5, 5, 5), "late-a", 100.4)
+    assert isinstance(refused, Fail) and "job 'b' began after it" in refused.why.text, refused
+    assert answers(s.push(of(delta(0, 4), "b"), arr(1, 1, 1, 1), "b", 100.5))["b"].value.tolist() == [8] * 4
+
+
+def test_a_job_is_as_old_as_its_processes_not_as_its_first_push_here() -> None:
+    """Job a ran synchronously (nothing pushed to this server); machine 1's process of it lingers, and its first
+    asynchronous push comes after job b's: refused as the older job's, not taken for a new job that dropped
+    b's values (a review's reproducer, on real daemons too)."""
+    s = store(2)
+    s.worker_joined(0, "a", 0.0)
+    s.worker_joined(1, "a", 0.0)
+    s.worker_reset(0)
+    s.worker_joined(0, "b", 10.0)
+    s.push(of(init(0), "b"), arr(100, 100, 100, 100), "b0", 11.0)
+    (refused,) = s.push(of(dataclasses.replace(init(1), name="a.late"), "a"), arr(1, 1, 1, 1), "late", 12.0)
+    assert isinstance(refused, Fail) and "job 'a'" in refused.why.text and "job 'b' began after it" in \
+        refused.why.text, refused
+    assert answers(s.push(of(delta(0, 1), "b"), arr(1, 1, 1, 1), "b1", 13.0))["b1"].value.tolist() == [101] * 4
+
+
+def test_a_jobs_name_used_again_once_the_other_job_ran_everywhere_begins_anew() -> None:
+    """a, then b on every machine (their processes overlapping, so no worker-wide reset), then a again: the old
+    order refused the new a for the life of the server run (a review)."""
+    s = store(2)
+    for t, job in ((0.0, "a"), (10.0, "b"), (20.0, "a")):
+        for w in range(2):
+            s.worker_reset(w) if t else None
+            s.worker_joined(w, job, t + w)
+            s.push(of(init(w), job), arr(t, t, t, t), f"{job}{w}", t + w + 0.5)
+    assert answers(s.push(of(delta(1, 1), "a"), arr(1, 1, 1, 1), "d", 30.0))["d"].value.tolist() == [21] * 4
 
 
 def test_a_push_of_the_last_job_after_the_next_one_began_is_refused_and_leaves_its_value_alone() -> None:
@@ -738,3 +784,15 @@ def test_a_machine_whose_processes_joined_again_keeps_the_jobs_values_through_it
     s.worker_joined(1)
     assert not any(isinstance(a, Note) for a in s.worker_reset(0))
     assert answers(s.push(of(init(0), "b"), arr(7, 7, 7, 7), "again", 2.0))["again"].value.tolist() == [8] * 4
+
+
+def test_a_failed_init_of_a_process_of_the_ended_job_fails_none_of_the_next_jobs_inits() -> None:
+    s = store(2)
+    s.worker_joined(0, "a", 0.0)
+    s.worker_joined(1, "a", 0.0)
+    s.worker_reset(0)
+    s.worker_joined(0, "b", 10.0)
+    assert s.push(of(init(0, root=2), "b"), arr(0, 0, 0, 0), "b0", 11.0) == []  # waits for the root's machine, 1
+    (note,) = s.init_failed("w", 2, 0, Why("the processes disagreed", "mismatch"), worker=1)
+    assert isinstance(note, Note) and "job 'a'" in note.message and "ignored" in note.message
+    assert [w.handle for w in s.keys[("w", 0)].inits] == ["b0"] and "w" not in s.failed_inits
