@@ -130,20 +130,10 @@ def test_the_next_jobs_init_beside_a_lingering_process_of_the_last_job_gets_its_
     with its own value. It was taken for a rejoin and got job A's value (3s for 100s, a review's case); now it gets
     its own, the lingering process's late delta is refused naming both jobs (not added to B's value), and machine
     1's process of job B, once A's left, gets B's value."""
-    from harness import collect_reports, _rank_main, rank_context, reap, start_cluster, write_config
+    from harness import collect_reports, reap
 
-    cluster = start_cluster(write_config(tmp_path, [1, 1], cluster={"timeout": 10.0}))
-    ctx = rank_context()
-    queue, said, b_began, b_may_leave = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
-    sockets = [w.socket for w in cluster.config.worker_specs]
-    procs: list = []
-
-    def start(key: int, machine: int, job: str, target, args) -> None:
-        p = ctx.Process(target=_rank_main, args=(queue, sockets[machine], 0, key, target, args, 20.0,
-                                                 {"BPS_JOB": job}), daemon=True)
-        p.start()
-        procs.append(p)
-
+    cluster, ctx, queue, procs, start = _jobs_on_two_machines(tmp_path)
+    said, b_began, b_may_leave = ctx.Queue(), ctx.Event(), ctx.Event()
     try:
         start(0, 0, "A", ap.last_job, ("jobs.w",))
         start(1, 1, "A", ap.last_job, ("jobs.w", b_began))
@@ -196,20 +186,10 @@ def test_a_lingering_process_of_a_synchronous_job_is_older_than_the_next_job_at_
     makes its first asynchronous push. The servers' order of first pushes took A for the newest job: B's value
     was dropped and every later push of B refused (a review's reproducer). A job is as old as its processes (the
     worker's Joined says when they came): A's push is refused at once, naming both jobs, and B goes on."""
-    from harness import _rank_main, collect_reports, rank_context, reap, start_cluster, write_config
+    from harness import collect_reports, reap
 
-    cluster = start_cluster(write_config(tmp_path, [1, 1], cluster={"timeout": 10.0}))
-    ctx = rank_context()
-    queue, said, b_began, b_goes_on = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
-    sockets = [w.socket for w in cluster.config.worker_specs]
-    procs: list = []
-
-    def start(key: int, machine: int, job: str, target, args) -> None:
-        p = ctx.Process(target=_rank_main, args=(queue, sockets[machine], 0, key, target, args, 20.0,
-                                                 {"BPS_JOB": job}), daemon=True)
-        p.start()
-        procs.append(p)
-
+    cluster, ctx, queue, procs, start = _jobs_on_two_machines(tmp_path)
+    said, b_began, b_goes_on = ctx.Queue(), ctx.Event(), ctx.Event()
     try:
         start(0, 0, "A", ap.synchronous_job, ())
         start(1, 1, "A", ap.synchronous_job, (b_began,))
@@ -227,3 +207,23 @@ def test_a_lingering_process_of_a_synchronous_job_is_older_than_the_next_job_at_
     assert began == [101.0] * 8 and after == [102.0] * 8, (began, after)
     assert "job 'A'" in lingering["error"] and "job 'B' began after it" in lingering["error"], lingering
     assert lingering["waited"] < 5.0, lingering  # at once, not after the timeout
+
+
+def _jobs_on_two_machines(tmp_path):
+    """A cluster of two machines (one process each) for jobs that overlap, and ``start(key, machine, job, target,
+    args)``: a process of job ``job`` (BPS_JOB) on ``machine`` that runs ``target(*args)`` and reports as ``key``."""
+    from harness import _rank_main, rank_context, start_cluster, write_config
+
+    cluster = start_cluster(write_config(tmp_path, [1, 1], cluster={"timeout": 10.0}))
+    ctx = rank_context()
+    queue = ctx.Queue()
+    sockets = [w.socket for w in cluster.config.worker_specs]
+    procs: list = []
+
+    def start(key: int, machine: int, job: str, target, args) -> None:
+        p = ctx.Process(target=_rank_main, args=(queue, sockets[machine], 0, key, target, args, 20.0,
+                                                 {"BPS_JOB": job}), daemon=True)
+        p.start()
+        procs.append(p)
+
+    return cluster, ctx, queue, procs, start
