@@ -171,8 +171,10 @@ class _Jobs:
 
     A job begins when its processes join a worker (Joined; a Hello says how long ago, for a restarted server) and
     no other worker's processes are of it, unless that worker's last processes were of it too (a process of the
-    job restarted on its machine: a rejoin); else it began when it first did. The newest job is the one that
-    began last: the others ended."""
+    job restarted on its machine: a rejoin); else it began when it first did. A job is remembered while some
+    worker's processes are, or its last ones were, of it (a lingering machine between two of its processes must
+    not make it new again, a review). The newest job is the one that began last among those whose processes are
+    somewhere (any that began, where none are): the others ended."""
 
     def __init__(self) -> None:
         self.began: dict[str, float] = {}  # each named job's beginning, on this run's clock
@@ -189,9 +191,10 @@ class _Jobs:
         else:
             self.began[job] = min(known, began)
         self.of_worker[worker] = self.last[worker] = job
+        remembered = set(self.of_worker.values()) | set(self.last.values())
+        for ended in [j for j in self.began if j not in remembered]:
+            del self.began[ended]  # (no process of it is left, nor a machine whose last it was: used again, anew)
         newest = self.newest()
-        for ended in [j for j in self.began if j != newest and j not in self.of_worker.values()]:
-            del self.began[ended]  # (no process of it is left to refuse: a name used again begins anew)
         return newest if newest != before else None
 
     def pushes(self, worker: int, job: str) -> None:
@@ -203,7 +206,8 @@ class _Jobs:
         self.of_worker.pop(worker, None)
 
     def newest(self) -> str | None:
-        return max(self.began, key=self.began.__getitem__) if self.began else None
+        running = [job for job in self.began if job in self.of_worker.values()] or list(self.began)
+        return max(running, key=self.began.__getitem__) if running else None
 
     def after(self, job: str) -> str | None:
         """A job that began after ``job`` (which ended then), or None."""

@@ -665,8 +665,7 @@ class WorkerDaemon:
         for query in self.round_queries.values():
             query.cancel()
         self.round_queries.clear()
-        self.async_names.clear()
-        self.job = ""
+        self.async_names.clear()  # (self.job stays: its next processes of the same job rejoin it, see job_now)
         self._new_epoch()
         self.reset_since = True
         for link in self.all_links:
@@ -695,8 +694,10 @@ class WorkerDaemon:
         return bool(self.sessions)
 
     def job_now(self) -> tuple[str, float]:
-        """The job of our processes and how long ago the first of them connected, in seconds (Hello.job and
-        Hello.job_age_s, Joined.job); ("", 0.0) without processes."""
+        """The job of our processes and how long ago the first of its processes connected here, in seconds
+        (Hello.job and Hello.job_age_s, Joined.job): through rejoins, processes of the job that came again after
+        all of ours left, a restarted server takes a restarted lingering process of an ended job for the older
+        (a review); ("", 0.0) without processes."""
         return (self.job, max(0.0, time.monotonic() - self.job_since)) if self.sessions else ("", 0.0)
 
     def processes_joined(self) -> None:

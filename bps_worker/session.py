@@ -88,8 +88,8 @@ class SessionHost(Protocol):
     admission: Admission  # of the connections that have not sent their Hello yet
     reset_since: bool  # every process left (a reset) and none came since
     holds: ResultHolds  # results answered in the results segment, not yet mapped by their processes
-    job: str  # the job of the processes connected now (Hello.job; set by the first of them)
-    job_since: float  # when the first of them connected (time.monotonic)
+    job: str  # the job of the processes connected now, or of the last ones (Hello.job; set by the first of them)
+    job_since: float  # when the first of that job's processes connected (time.monotonic), kept through rejoins
 
     fusion_bytes: int  # sums of at most this many bytes may come fused (OpBatch)
 
@@ -197,7 +197,7 @@ class ClientSession(AdmittedProtocol):
         if not first and hello.job != self.daemon.job:
             raise RemoteProtocolError(self._other_job(hello.job))
         self.local_rank = hello.id
-        if first:
+        if first and (hello.job != self.daemon.job or not hello.job):  # (else its last processes' job: a rejoin)
             self.daemon.job, self.daemon.job_since = hello.job, time.monotonic()
         self.daemon.sessions[hello.id] = self
         self.daemon.reset_since = False

@@ -796,3 +796,40 @@ def test_a_failed_init_of_a_process_of_the_ended_job_fails_none_of_the_next_jobs
     (note,) = s.init_failed("w", 2, 0, Why("the processes disagreed", "mismatch"), worker=1)
     assert isinstance(note, Note) and "job 'a'" in note.message and "ignored" in note.message
     assert [w.handle for w in s.keys[("w", 0)].inits] == ["b0"] and "w" not in s.failed_inits
+
+
+def test_a_restarted_process_of_the_lingering_job_is_a_rejoin_of_it_not_a_new_job() -> None:
+    """Machine 1 lingers in job k while job j runs on machine 0; its k process restarts (torchrun), and machine
+    0's link reconnects in between. k was forgotten then, begun anew as the newest job, and j's values dropped
+    and j refused for good (a review). k is remembered while machine 1's last processes were of it: the
+    restarted process rejoins it, still the older job, and its pushes are refused."""
+    s = store(2)
+    for w in range(2):
+        s.worker_joined(w, "k", 0.0)
+        s.push(of(init(w), "k"), arr(1, 1, 1, 1), f"k{w}", 0.5)
+    s.worker_reset(0)
+    s.worker_joined(0, "j", 10.0)
+    s.push(of(init(0), "j"), arr(7, 7, 7, 7), "j0", 10.1)
+    s.worker_reset(1)  # the lingering k process crashed
+    s.worker_connected(0, "e0", now=11.0, job="j", job_age_s=1.0)
+    assert s.worker_joined(1, "k", 12.0) == []  # its restart: nothing of j's dropped
+    (refused,) = s.push(of(delta(1, 2), "k"), arr(5, 5, 5, 5), "late-k", 12.1)
+    assert isinstance(refused, Fail) and "job 'j' began after it" in refused.why.text, refused
+    assert answers(s.push(of(delta(0, 1), "j"), arr(1, 1, 1, 1), "j1", 12.2))["j1"].value.tolist() == [8] * 4
+
+
+def test_a_job_taken_for_the_newest_locks_nobody_out_once_its_processes_left() -> None:
+    """A restarted server told (by an older worker daemon's Hello) that machine 1's job k began after job j:
+    j's pushes are refused while k's process is there, and j went on being refused after it left, until every
+    worker reset (a review). The newest job is the one that began last among those with processes somewhere."""
+    s = restarted(2)
+    s.worker_connected(0, "e0", now=100.0, job="j", job_age_s=60.0)
+    s.worker_connected(1, "e1", now=100.0, job="k", job_age_s=10.0)
+    for w in range(2):
+        s.worker_restored(w, 100.1)
+    (refused,) = s.push(of(init(0), "j"), arr(7, 7, 7, 7), "j0", 100.2)
+    assert isinstance(refused, Fail) and "job 'k' began after it" in refused.why.text
+    s.worker_reset(1)  # k's process left machine 1; j's comes there
+    s.worker_joined(1, "j", 120.0)
+    assert answers(s.push(of(init(0), "j"), arr(7, 7, 7, 7), "j0", 120.1))["j0"].value.tolist() == [7] * 4
+    assert answers(s.push(of(init(1), "j"), arr(0, 0, 0, 0), "j1", 120.2))["j1"].value.tolist() == [7] * 4
