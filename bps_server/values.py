@@ -48,10 +48,10 @@ machine of the last one still lingers (connected after its last step), so no job
 process names its job (``BPS_JOB``; empty: not known); its worker tells every server the job when its processes
 join (``Joined.job``; ``Hello.job`` and how long ago they began, for a restarted server), and its asynchronous
 pushes carry it (``Push.job``). A cluster runs one job at a time (every machine takes part in it), so the job
-that began last is the newest and the others ended (``_Jobs``: a job begins when its processes join a machine
-while no other machine's are of it, unless that machine's last processes were of it too, a rejoin). When another
-job becomes the newest, the keys of every other named job are dropped (what waited on them fails, naming both
-jobs), and a push of an ended job is refused at once, naming both (a process of the last job that pushed after
+that began last (among those with processes somewhere) is the newest and the others ended (``_Jobs``: a job
+begins when its processes join a machine while no other machine's are of it, unless that machine's last
+processes were of it too, a rejoin). At each join the keys of every named job but the newest are dropped (what
+waited on them fails, naming both jobs), and a push of an ended job is refused at once, naming both (a process of the last job that pushed after
 the next one began: nothing added). Without it, the next job's init was taken for a rejoin and answered with the
 last job's value. A machine whose processes are of another job holds none of a job's keys back (the staleness
 bound), and its first init of them raises its entry, as for a machine that left. A worker's ``Joined`` ends its
@@ -181,9 +181,8 @@ class _Jobs:
         self.of_worker: dict[int, str] = {}  # the job of each worker's processes now (until its reset)
         self.last: dict[int, str] = {}  # the job of each worker's last processes
 
-    def begins(self, worker: int, job: str, began: float) -> str | None:
-        """``worker``'s processes are of ``job``, begun at ``began``; the newest job where it changed, else None."""
-        before = self.newest()
+    def begins(self, worker: int, job: str, began: float) -> None:
+        """``worker``'s processes are of ``job``, begun at ``began``."""
         elsewhere = any(theirs == job for w, theirs in self.of_worker.items() if w != worker)
         known = self.began.get(job)
         if known is None or not (elsewhere or self.last.get(worker) == job):
@@ -194,8 +193,6 @@ class _Jobs:
         remembered = set(self.of_worker.values()) | set(self.last.values())
         for ended in [j for j in self.began if j not in remembered]:
             del self.began[ended]  # (no process of it is left, nor a machine whose last it was: used again, anew)
-        newest = self.newest()
-        return newest if newest != before else None
 
     def pushes(self, worker: int, job: str) -> None:
         """``worker`` pushed for ``job``, which began already: its processes are of it (where no Joined or Hello
@@ -286,10 +283,11 @@ class ValueStore(Generic[W]):
                    f"(nothing added)", "error"), actions
 
     def _job_begins(self, worker: int, job: str, began: float) -> list[Action[W]]:
-        """``worker``'s processes are of ``job`` (Joined, Hello), begun at ``began`` (this run's clock): where that
-        makes another job the newest, the keys of every other named job go, and what waited on them (or waits in
-        ``pending``) fails."""
-        newest = self.jobs.begins(worker, job, began)
+        """``worker``'s processes are of ``job`` (Joined, Hello), begun at ``began`` (this run's clock): the keys
+        of every named job but the newest go (it became the newest, or another one's processes left since), and
+        what waited on them (or waits in ``pending``) fails. (A look over the keys: once per process generation.)"""
+        self.jobs.begins(worker, job, began)
+        newest = self.jobs.newest()
         if newest is None:
             return []
         ended = [key for key, st in self.keys.items() if _other_job(st.job, newest)]

@@ -833,3 +833,17 @@ def test_a_job_taken_for_the_newest_locks_nobody_out_once_its_processes_left() -
     s.worker_joined(1, "j", 120.0)
     assert answers(s.push(of(init(0), "j"), arr(7, 7, 7, 7), "j0", 120.1))["j0"].value.tolist() == [7] * 4
     assert answers(s.push(of(init(1), "j"), arr(0, 0, 0, 0), "j1", 120.2))["j1"].value.tolist() == [7] * 4
+
+
+def test_the_values_of_a_job_taken_for_the_newest_go_once_its_processes_left() -> None:
+    s = restarted(2)
+    s.worker_connected(1, "e1", now=100.0, job="k", job_age_s=10.0)
+    assert s.restore(of(dataclasses.replace(delta(1, 5), replay=True, applied=[0, 5]), "k"), arr(3, 3, 3, 3),
+                     100.05) == []
+    s.worker_connected(0, "e0", now=100.0, job="j", job_age_s=60.0)
+    for w in range(2):
+        s.worker_restored(w, 100.1)
+    s.worker_reset(1)
+    actions = s.worker_joined(1, "j", 120.0)
+    assert any(isinstance(a, Note) and "dropping 1 asynchronous values" in a.message for a in actions), actions
+    assert s.keys == {}
