@@ -48,7 +48,7 @@ machine of the last one still lingers (connected after its last step), so no job
 process names its job (``BPS_JOB``; empty: not known); its worker tells every server the job when its processes
 join (``Joined.job``; ``Hello.job`` and how long ago they began, for a restarted server), and its asynchronous
 pushes carry it (``Push.job``). A cluster runs one job at a time (every machine takes part in it), so the job
-that began last (among those with processes somewhere) is the newest and the others ended (``_Jobs``: a job
+that began last is the newest and the others ended (``_Jobs``: a job
 begins when its processes join a machine while no other machine's are of it, unless that machine's last
 processes were of it too, a rejoin). At each join the keys of every named job but the newest are dropped (what
 waited on them fails, naming both jobs), and a push of an ended job is refused at once, naming both (a process of the last job that pushed after
@@ -173,8 +173,10 @@ class _Jobs:
     no other worker's processes are of it, unless that worker's last processes were of it too (a process of the
     job restarted on its machine: a rejoin); else it began when it first did. A job is remembered while some
     worker's processes are, or its last ones were, of it (a lingering machine between two of its processes must
-    not make it new again, a review). The newest job is the one that began last among those whose processes are
-    somewhere (any that began, where none are): the others ended."""
+    not make it new again, a review): so a job taken for the newest whose processes left is forgotten once its
+    machine's next processes (the running job's) join. The newest job is the remembered one that began last (not
+    the last among those with processes now: the running job between two of its processes is still the newest,
+    a review); the others ended."""
 
     def __init__(self) -> None:
         self.began: dict[str, float] = {}  # each named job's beginning, on this run's clock
@@ -203,8 +205,7 @@ class _Jobs:
         self.of_worker.pop(worker, None)
 
     def newest(self) -> str | None:
-        running = [job for job in self.began if job in self.of_worker.values()] or list(self.began)
-        return max(running, key=self.began.__getitem__) if running else None
+        return max(self.began, key=self.began.__getitem__) if self.began else None
 
     def after(self, job: str) -> str | None:
         """A job that began after ``job`` (which ended then), or None."""
@@ -279,8 +280,8 @@ class ValueStore(Generic[W]):
             return None, actions
         what = "async_init" if push.kind == KIND_ASYNC_INIT else "async push"
         return Why(f"{what} of {push.name!r} part {push.part} by worker {push.worker} is job {job!r}'s, but job "
-                   f"{newer!r} began after it: a process of the last job pushed after the next job began "
-                   f"(nothing added)", "error"), actions
+                   f"{newer!r} began after it, which ended job {job!r} here (nothing added): stop this process, or "
+                   f"run its job again under a BPS_JOB of its own", "error"), actions
 
     def _job_begins(self, worker: int, job: str, began: float) -> list[Action[W]]:
         """``worker``'s processes are of ``job`` (Joined, Hello), begun at ``began`` (this run's clock): the keys

@@ -620,6 +620,19 @@ def of(push: Push, job: str) -> Push:
     return dataclasses.replace(push, job=job)
 
 
+def overlapping(last: str, next_: str, value: float) -> ValueStore[str]:
+    """Two machines: job ``last`` inits 'w' to 1s on both, its process leaves machine 0 (machine 1's lingers),
+    and job ``next_`` begins there (t = 10) and inits 'w' to ``value``."""
+    s = store(2)
+    for w in range(2):
+        s.worker_joined(w, last, 0.0)
+        s.push(of(init(w), last), arr(1, 1, 1, 1), f"{last}{w}", 0.5)
+    s.worker_reset(0)
+    s.worker_joined(0, next_, 10.0)
+    s.push(of(init(0), next_), arr(value, value, value, value), f"{next_}0", 10.1)
+    return s
+
+
 def test_the_next_jobs_init_beside_a_lingering_machine_of_the_last_one_begins_the_value_anew() -> None:
     """Job a's machines 1 and 2 linger (connected, after their last step: no reset) while machine 0 starts job
     b. Its init was taken for a rejoin and answered with job a's value; now it begins the value from job b's
@@ -803,13 +816,7 @@ def test_a_restarted_process_of_the_lingering_job_is_a_rejoin_of_it_not_a_new_jo
     0's link reconnects in between. k was forgotten then, begun anew as the newest job, and j's values dropped
     and j refused for good (a review). k is remembered while machine 1's last processes were of it: the
     restarted process rejoins it, still the older job, and its pushes are refused."""
-    s = store(2)
-    for w in range(2):
-        s.worker_joined(w, "k", 0.0)
-        s.push(of(init(w), "k"), arr(1, 1, 1, 1), f"k{w}", 0.5)
-    s.worker_reset(0)
-    s.worker_joined(0, "j", 10.0)
-    s.push(of(init(0), "j"), arr(7, 7, 7, 7), "j0", 10.1)
+    s = overlapping("k", "j", 7)
     s.worker_reset(1)  # the lingering k process crashed
     s.worker_connected(0, "e0", now=11.0, job="j", job_age_s=1.0)
     assert s.worker_joined(1, "k", 12.0) == []  # its restart: nothing of j's dropped
@@ -847,3 +854,17 @@ def test_the_values_of_a_job_taken_for_the_newest_go_once_its_processes_left() -
     actions = s.worker_joined(1, "j", 120.0)
     assert any(isinstance(a, Note) and "dropping 1 asynchronous values" in a.message for a in actions), actions
     assert s.keys == {}
+
+
+def test_the_running_job_between_two_of_its_processes_is_still_the_newest() -> None:
+    """Job b's processes restart (torchrun restarts a machine's local group) while machine 1 lingers in job a:
+    in that gap a was taken for the newest again, its late delta deleted b's value, and b's restarted process
+    got its own init back, its training gone (a review). a's delta is refused, b rejoins its value."""
+    s = overlapping("a", "b", 100)
+    s.push(of(delta(0, 1), "b"), arr(1, 1, 1, 1), "b1", 12.0)
+    s.worker_reset(0)  # b's process crashed; torchrun restarts it
+    (refused,) = s.push(of(delta(1, 2), "a"), arr(5, 5, 5, 5), "late-a", 13.0)
+    assert isinstance(refused, Fail) and "job 'b' began after it" in refused.why.text, refused
+    assert s.worker_joined(0, "b", 14.0) == []
+    assert answers(s.push(of(init(0), "b"), arr(100, 100, 100, 100), "again", 14.5))["again"].value.tolist() == \
+        [101] * 4
