@@ -71,8 +71,8 @@ class AsyncValues:
     def connected(self, worker: int, epoch: str = "", job: str = "", job_age_s: float = 0.0) -> None:
         self._run(self.store.worker_connected(worker, epoch, time.monotonic(), job, job_age_s))
 
-    def joined(self, worker: int, job: str = "") -> None:
-        self._run(self.store.worker_joined(worker, job, time.monotonic()))
+    def joined(self, worker: int, job: str = "", job_age_s: float = 0.0) -> None:
+        self._run(self.store.worker_joined(worker, job, time.monotonic(), job_age_s))
 
     def disconnected(self, worker: int) -> None:
         self.store.worker_disconnected(worker, time.monotonic())

@@ -414,7 +414,7 @@ class ServerConnection(AdmittedProtocol):
         if joined.worker != self.worker:
             raise RemoteProtocolError(f"worker {self.worker} sent a Joined for worker {joined.worker}")
         self.server.aggregator.worker_joined(joined.worker)
-        self.server.values.joined(joined.worker, joined.job)
+        self.server.values.joined(joined.worker, joined.job, joined.job_age_s)
         self.server.fusion.worker_joined(joined.worker)
 
     def on_fuse_ready(self, message: FuseReady, payload: memoryview | None) -> None:

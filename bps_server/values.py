@@ -41,7 +41,8 @@ server produced every copy in one order, so the freshest copy dominates the othe
 again afterwards is added only if the vector does not cover its step. float16/bfloat16 values restored
 from a copy lose the float32 accumulator's extra bits (the copy travelled in the tensor's dtype).
 
-Job reset: when every worker reset (its processes all left), every key is dropped, as the round table's.
+Job reset: when every worker reset (its processes all left), every key is dropped, as the round table's, but a
+named job's (see "Jobs"): its processes may all restart at once, and its values go when another job begins.
 
 Jobs. Daemons outlive jobs, and jobs end at different times per machine: the next job's init may come while a
 machine of the last one still lingers (connected after its last step), so no job reset came between them. A
@@ -580,11 +581,13 @@ class ValueStore(Generic[W]):
         if worker not in self.disconnected:
             self.excluded.discard(worker)
 
-    def worker_joined(self, worker: int, job: str = "", now: float = 0.0) -> list[Action[W]]:
-        """``worker`` has training processes again (its Joined), of ``job``: its reset is over, though it has not
-        pushed yet (its machine's restart of a process of the job must not drop the job's values, a review)."""
+    def worker_joined(self, worker: int, job: str = "", now: float = 0.0, job_age_s: float = 0.0
+                      ) -> list[Action[W]]:
+        """``worker`` has training processes again (its Joined), of ``job``, whose first processes came there
+        ``job_age_s`` ago: its reset is over, though it has not pushed yet (its machine's restart of a process of
+        the job must not drop the job's values, a review)."""
         self.reset_workers.discard(worker)
-        return self._job_begins(worker, job, now) if job else []
+        return self._job_begins(worker, job, now - job_age_s) if job else []
 
     def worker_connected(self, worker: int, epoch: str = "", now: float = 0.0, job: str = "",
                          job_age_s: float = 0.0) -> list[Action[W]]:
@@ -614,7 +617,8 @@ class ValueStore(Generic[W]):
         self.disconnected.setdefault(worker, now)
 
     def worker_reset(self, worker: int, epoch: str = "") -> list[Action[W]]:
-        """Every process of ``worker`` left: it holds nobody back; once all did, every key is dropped. ``epoch``:
+        """Every process of ``worker`` left: it holds nobody back; once all did, the keys go (see
+        ``_every_worker_reset``). ``epoch``:
         its new numbering (a later connection with it is the same daemon, see ``worker_connected``)."""
         if epoch:
             self.epochs[worker] = epoch
@@ -627,21 +631,34 @@ class ValueStore(Generic[W]):
         for st in self.keys.values():
             st.behind.add(worker)
         if len(self.reset_workers) >= self.n:
-            keys, self.keys = self.keys, {}
-            self.jobs.began.clear()
-            pending, self.pending = self.pending, []
-            self.restoring_since, self.restored = None, set(range(self.n))  # no worker keeps a copy of them
-            self.reset_workers.clear()
-            self.excluded = {w for w in self.excluded if w in self.disconnected}  # the next job waits for all
-            why = Why("every worker reset: the job ended", "round_failed")
-            fails: list[Action[W]] = [Fail(w.handle, w.push, why)
-                                      for st in keys.values() for w in (*st.inits, *st.held)]
-            fails += [Fail(w.handle, w.push, why) for w in pending]
-            return [*fails, Note(logging.INFO, f"every worker reset: dropping {len(keys)} asynchronous values")]
+            return self._every_worker_reset()
         actions: list[Action[W]] = []
         for st in self.keys.values():
             actions += self._release(st)
         return actions
+
+    def _every_worker_reset(self) -> list[Action[W]]:
+        """No worker has processes: the job ended, or all its processes restart at once. Every key goes, but a
+        named job's (the newest's, see "Jobs"): they wait for its processes' return, and go when another job
+        begins (a lingering machine's process of the last job that ended while the running job's restarted made
+        it every worker, and its training was lost, a review). What waited fails: its processes are gone."""
+        newest = self.jobs.newest()
+        kept = {key: st for key, st in self.keys.items() if newest is not None and st.job == newest}
+        dropped = [st for key, st in self.keys.items() if key not in kept]
+        self.keys = kept
+        pending, self.pending = self.pending, []
+        self.restoring_since, self.restored = None, set(range(self.n))  # no worker keeps a copy of them
+        self.reset_workers.clear()
+        self.excluded = {w for w in self.excluded if w in self.disconnected}  # the next job waits for all
+        why = Why("every worker reset: the job ended", "round_failed")
+        fails: list[Action[W]] = [Fail(w.handle, w.push, why) for st in (*dropped, *kept.values())
+                                  for w in (*st.inits, *st.held)]
+        fails += [Fail(w.handle, w.push, why) for w in pending]
+        for st in kept.values():
+            st.inits, st.held = [], []
+        kept_text = f"; keeping job {newest!r}'s {len(kept)} for its processes" if kept else ""
+        return [*fails, Note(logging.INFO, f"every worker reset: dropping {len(dropped)} asynchronous values"
+                                           f"{kept_text}")]
 
     def sweep(self, now: float) -> list[Action[W]]:
         """The timeout's decisions: a restore that waited long enough ends, inits and pushes that waited for

@@ -690,7 +690,7 @@ class ServerLink:
         """Tell the server that this worker, which had no training processes (its Reset, or its hello said so), has
         some now: a round that waits for them waits on (a process busy with other servers' tensors is waited for
         as any, not failed as a machine without processes)."""
-        self._send_control(Joined(self.worker_id, self.job_now()[0]))
+        self._send_control(Joined(self.worker_id, *self.job_now()))
 
     def forget_sums(self, names: Container[str]) -> None:
         """Tensors ``names`` are never pushed again: their last sums are not kept for a restarted server."""

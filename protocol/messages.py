@@ -699,14 +699,18 @@ class Reset(Message):
 @dataclass(frozen=True, slots=True)
 class Joined(Message):
     """A worker that had no training processes (it said so: a Reset, or Hello.processes) has some now, of job
-    ``job`` (their Hello.job; empty: not named)."""
+    ``job`` (their Hello.job; empty: not named), whose first processes came there ``job_age_s`` ago (a rejoin of
+    the job keeps that: a restarted server must not take a rejoin for a job begun now, a review)."""
 
     TYPE: ClassVar[str] = "joined"
     worker: int
     job: str = ""
+    job_age_s: float = 0.0  # how long ago the worker's first processes of ``job`` came (see Hello.job_age_s)
 
     def validate(self) -> None:
         _check_text("joined", "job", self.job, MAX_JOB_CHARS)
+        if not (math.isfinite(self.job_age_s) and self.job_age_s >= 0):
+            raise LocalProtocolError(f"joined: job_age_s must be finite and >= 0, got {shown(self.job_age_s)}")
 
 
 @dataclass(frozen=True, slots=True)

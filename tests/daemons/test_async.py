@@ -5,8 +5,6 @@ Restarts and dead machines are in test_async_failures.py.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -135,8 +133,9 @@ def test_the_next_jobs_init_beside_a_lingering_process_of_the_last_job_gets_its_
     cluster, ctx, queue, procs, start = _jobs_on_two_machines(tmp_path)
     said, b_began, b_may_leave = ctx.Queue(), ctx.Event(), ctx.Event()
     try:
-        start(0, 0, "A", ap.last_job, ("jobs.w",))
-        start(1, 1, "A", ap.last_job, ("jobs.w", b_began))
+        both = ctx.Barrier(2)
+        start(0, 0, "A", ap.last_job, ("jobs.w",), both)
+        start(1, 1, "A", ap.last_job, ("jobs.w", b_began), both)
         assert set(collect_reports(queue, {0}, 60, cluster)[0]["value"]) <= {2.0, 3.0}
         procs[0].join(10)
         start(10, 0, "B", ap.next_job, ("jobs.w", 100.0, b_may_leave, said))
@@ -161,14 +160,15 @@ def test_a_process_of_another_job_than_its_machines_connected_ones_is_refused_na
 
     cluster = start_cluster(write_config(tmp_path, [2], cluster={"timeout": 10.0}))
     ctx = rank_context()
-    queue, said, release = ctx.Queue(), ctx.Queue(), ctx.Event()
+    queue, said, release, connected = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Barrier(2)
     sock = cluster.config.worker_specs[0].socket
     procs = [ctx.Process(target=_rank_main, args=(queue, sock, local, local, ap.next_job,
-                                                  ("jobs.x", 1.0, hold, said), 20.0, {"BPS_JOB": job}), daemon=True)
-             for local, job, hold in ((0, "A", release), (1, "B", None))]
+                                                  ("jobs.x", 1.0, hold, said), 20.0, {"BPS_JOB": job}, together),
+                         daemon=True)
+             for local, job, hold, together in ((0, "A", release, connected), (1, "B", None, None))]
     try:
         procs[0].start()
-        time.sleep(0.5)  # (rank 0 connected: its init waits for its machine's other process)
+        connected.wait(60)  # (rank 0 connected; its init then waits for its machine's other process)
         procs[1].start()
         refused = collect_reports(queue, {1}, 30, cluster, allow_errors=True)[1]
         release.set()
@@ -191,8 +191,9 @@ def test_a_lingering_process_of_a_synchronous_job_is_older_than_the_next_job_at_
     cluster, ctx, queue, procs, start = _jobs_on_two_machines(tmp_path)
     said, b_began, b_goes_on = ctx.Queue(), ctx.Event(), ctx.Event()
     try:
-        start(0, 0, "A", ap.synchronous_job, ())
-        start(1, 1, "A", ap.synchronous_job, (b_began,))
+        both = ctx.Barrier(2)
+        start(0, 0, "A", ap.synchronous_job, (), both)
+        start(1, 1, "A", ap.synchronous_job, (b_began,), both)
         assert collect_reports(queue, {0}, 60, cluster)[0] == {"sum": [1.0] * 8}  # (the mean)
         procs[0].join(10)
         start(10, 0, "B", ap.deltas_after, ("jobs.b", said, b_goes_on))
@@ -211,7 +212,9 @@ def test_a_lingering_process_of_a_synchronous_job_is_older_than_the_next_job_at_
 
 def _jobs_on_two_machines(tmp_path):
     """A cluster of two machines (one process each) for jobs that overlap, and ``start(key, machine, job, target,
-    args)``: a process of job ``job`` (BPS_JOB) on ``machine`` that runs ``target(*args)`` and reports as ``key``."""
+    args, together)``: a process of job ``job`` (BPS_JOB) on ``machine`` that runs ``target(*args)`` (once every
+    process of the barrier ``together`` connected: a busy machine's start-up may outlast the cluster's timeout)
+    and reports as ``key``."""
     from harness import _rank_main, rank_context, start_cluster, write_config
 
     cluster = start_cluster(write_config(tmp_path, [1, 1], cluster={"timeout": 10.0}))
@@ -220,9 +223,9 @@ def _jobs_on_two_machines(tmp_path):
     sockets = [w.socket for w in cluster.config.worker_specs]
     procs: list = []
 
-    def start(key: int, machine: int, job: str, target, args) -> None:
+    def start(key: int, machine: int, job: str, target, args, together=None) -> None:
         p = ctx.Process(target=_rank_main, args=(queue, sockets[machine], 0, key, target, args, 20.0,
-                                                 {"BPS_JOB": job}), daemon=True)
+                                                 {"BPS_JOB": job}, together), daemon=True)
         p.start()
         procs.append(p)
 

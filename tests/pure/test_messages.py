@@ -735,5 +735,6 @@ def test_a_workers_job_and_its_age_are_checked():
         m.parse(header("joined", job="j" * (m.MAX_JOB_CHARS + 1)))
     assert m.parse(header("hello", job="job-7", job_age_s=12.5)).job_age_s == 12.5
     for bad in (-1.0, float("inf"), float("nan")):
-        with pytest.raises(ProtocolError, match="job_age_s must be finite and >= 0"):
-            m.parse(header("hello", job_age_s=bad))
+        for t in ("hello", "joined"):
+            with pytest.raises(ProtocolError, match="job_age_s must be finite and >= 0"):
+                m.parse(header(t, job_age_s=bad))

@@ -868,3 +868,54 @@ def test_the_running_job_between_two_of_its_processes_is_still_the_newest() -> N
     assert s.worker_joined(0, "b", 14.0) == []
     assert answers(s.push(of(init(0), "b"), arr(100, 100, 100, 100), "again", 14.5))["again"].value.tolist() == \
         [101] * 4
+
+
+def test_a_named_jobs_values_outlive_a_moment_when_no_machine_has_processes() -> None:
+    """The lingering machine's process of the last job ends while the running job's only machine restarts its
+    process: every worker reset, and the running job's values were dropped, its training lost (a review). A named
+    job's values wait for its processes; an unnamed job's go, as before."""
+    s = overlapping("a", "b", 100)
+    for step in (1, 2, 3):
+        s.push(of(delta(0, step), "b"), arr(1, 1, 1, 1), f"b{step}", 11.0 + step)
+    s.worker_reset(0)
+    (note,) = s.worker_reset(1)
+    assert "keeping job 'b''s 1" in note.message, note
+    s.worker_joined(0, "b", 20.0)
+    assert answers(s.push(of(init(0), "b"), arr(100, 100, 100, 100), "again", 20.5))["again"].value.tolist() == \
+        [103] * 4
+    unnamed = store(2)
+    initialised(unnamed, arr(1, 1, 1, 1))
+    unnamed.worker_reset(0)
+    unnamed.worker_reset(1)
+    assert unnamed.keys == {}
+
+
+def test_a_restarted_process_of_the_last_job_after_every_worker_reset_is_still_the_older() -> None:
+    """Every worker reset (the last job ended on machine 0, its process on machine 1 crashed), the next job began
+    on machine 0, then torchrun restarted the last job's process on machine 1: the reset had forgotten when
+    that job began, so it began anew, the newest, and the running job's values were dropped (a review)."""
+    s = store(2)
+    for w in range(2):
+        s.worker_joined(w, "a", 0.0)
+        s.push(of(init(w), "a"), arr(1, 1, 1, 1), f"a{w}", 0.5)
+    s.worker_reset(0)
+    s.worker_reset(1)
+    s.worker_joined(0, "b", 10.0)
+    s.push(of(init(0), "b"), arr(7, 7, 7, 7), "b0", 10.1)
+    s.push(of(delta(0, 1), "b"), arr(1, 1, 1, 1), "b1", 10.2)
+    assert s.worker_joined(1, "a", 11.0) == []
+    assert answers(s.push(of(delta(0, 2), "b"), arr(1, 1, 1, 1), "b2", 11.5))["b2"].value.tolist() == [9] * 4
+
+
+def test_a_restarted_server_dates_a_job_by_the_age_its_joined_says() -> None:
+    """A restarted server, machine 1's process of the lingering job between two of its lives (no processes at
+    its Hello): its later Joined dated the job now, the newest, and the running job's restored value was dropped
+    (a review). Joined says how long ago the job's first processes came there."""
+    s = restarted(2)
+    s.worker_connected(0, "e0", now=100.0, job="b", job_age_s=5.0)
+    s.worker_connected(1, "e1", now=100.0)
+    s.restore(of(dataclasses.replace(delta(0, 3), replay=True, applied=[3, 0]), "b"), arr(7, 7, 7, 7), 100.1)
+    for w in range(2):
+        s.worker_restored(w, 100.2)
+    assert s.worker_joined(1, "a", 101.0, job_age_s=60.0) == []
+    assert answers(s.push(of(delta(0, 4), "b"), arr(1, 1, 1, 1), "b4", 101.5))["b4"].value.tolist() == [8] * 4
