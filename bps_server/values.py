@@ -363,7 +363,7 @@ class ValueStore(Generic[W]):
             return [*actions, Fail(w.handle, push, Why(f"{exc}", "error"))]
 
     def _in_other_jobs(self, job: str) -> set[int]:
-        """The workers whose last push was another named job's than ``job`` (see "Jobs")."""
+        """The workers whose processes are of another named job than ``job`` (see "Jobs")."""
         return {w for w, theirs in self.jobs.of_worker.items() if _other_job(theirs, job)}
 
     def init_failed(self, name: str, root: int, round_: int, why: Why, worker: int = -1) -> list[Action[W]]:
