@@ -57,8 +57,8 @@ the next one began: nothing added). Without it, the next job's init was taken fo
 last job's value. A machine whose processes are of another job holds none of a job's keys back (the staleness
 bound), and its first init of them raises its entry, as for a machine that left. A worker's ``Joined`` ends its
 reset: its machine's next job is there, though it has not pushed yet. Where either side names no job, pushes
-are taken as one job's. A restarted server's copies of an ended job are ignored; a key given back from another
-job's copy is dropped at the newest job's push (an init begins it anew; a delta fails, asking for an init).
+are taken as one job's. A restarted server learns the workers' jobs and their ages from their Hellos, before
+their copies: a copy of any job but the newest is ignored.
 
 Like :mod:`bps_server.rounds`, the store makes every decision and does no I/O: the caller passes ``now``
 and carries out the returned actions (answer, fail, note). Unlike the round table it also adds, with the
@@ -209,9 +209,9 @@ class _Jobs:
         return max(self.began, key=self.began.__getitem__) if self.began else None
 
     def after(self, job: str) -> str | None:
-        """A job that began after ``job`` (which ended then), or None."""
+        """The job that began after ``job`` (which ended then: every job but the newest did), or None."""
         newest = self.newest()
-        return newest if newest is not None and newest != job and self.began[newest] > self.began[job] else None
+        return newest if newest != job else None
 
 
 class ValueStore(Generic[W]):
@@ -332,14 +332,6 @@ class ValueStore(Generic[W]):
         key = (push.name, push.part)
         st = self.keys.get(key)
         actions: list[Action[W]] = []
-        if st is not None and _other_job(st.job, push.job):  # a copy of an ended job's, given back to this run
-            del self.keys[key]
-            why = Why(f"this server restarted, and the copy of {push.name!r} part {push.part} it was given back is "
-                      f"job {st.job!r}'s, not job {push.job!r}'s: call async_init again", "round_failed")
-            actions = [Fail(x.handle, x.push, why) for x in (*st.inits, *st.held)]
-            if push.kind != KIND_ASYNC_INIT:
-                return [*actions, Fail(w.handle, push, why)]
-            st = None
         if st is None:  # (the machines away now owe a raise at their init of it too, and those in another job)
             st = self.keys[key] = _Key(push, _staleness(push), None, [0] * self.n,
                                        behind=set(self.excluded) | self._in_other_jobs(push.job), job=push.job)
@@ -492,8 +484,8 @@ class ValueStore(Generic[W]):
         if st.staleness is None:
             return []
         floor = step - st.staleness
-        return [w for w in range(self.n) if w not in self.excluded and st.applied[w] < floor
-                and not _other_job(self.jobs.of_worker.get(w, ""), st.job)]
+        away = self.excluded | self._in_other_jobs(st.job)
+        return [w for w in range(self.n) if w not in away and st.applied[w] < floor]
 
     def _release(self, st: _Key[W]) -> list[Action[W]]:
         free = [w for w in st.held if not self._blockers(st, w.push.round)]

@@ -87,13 +87,14 @@ class AsyncOperation(Operation):
 
     def push_fields(self, piece: Piece, server_round: int) -> dict[str, Any]:
         fields = super().push_fields(piece, server_round)
+        fields["job"] = self.job
         if self.init:
-            fields.update(staleness=self.op.staleness, job=self.job)
+            fields["staleness"] = self.op.staleness
             return fields
         known = self.names[self.name]
         step = known.next_step[piece.part]
         known.next_step[piece.part] = step + 1  # taken as the piece is pushed (given back if refused: see wait)
-        fields.update(round=step, staleness=known.staleness, job=self.job)
+        fields.update(round=step, staleness=known.staleness)
         return fields
 
     async def wait(self, futures: list[tuple[Piece, asyncio.Future[None]]], server_round: int) -> BPSError | None:

@@ -694,10 +694,9 @@ class WorkerDaemon:
         return bool(self.sessions)
 
     def job_now(self) -> tuple[str, float]:
-        """The job of our processes and how long ago the first of its processes connected here, in seconds
-        (Hello.job and Hello.job_age_s, Joined.job): through rejoins, processes of the job that came again after
-        all of ours left, a restarted server takes a restarted lingering process of an ended job for the older
-        (a review); ("", 0.0) without processes."""
+        """Our processes' job and how long ago its first processes came here, in seconds, counted through rejoins
+        (processes of the same job after all of ours left): Hello.job and .job_age_s, Joined. A restarted server
+        compares jobs by it; ("", 0.0) without processes."""
         return (self.job, max(0.0, time.monotonic() - self.job_since)) if self.sessions else ("", 0.0)
 
     def processes_joined(self) -> None:

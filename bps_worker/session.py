@@ -18,10 +18,10 @@ buffer for the Hello alone. A process that sends but never reads is no longer re
 from __future__ import annotations
 
 import asyncio
-import time
 import logging
 import socket
 import struct
+import time
 from collections import Counter
 from collections.abc import Iterable
 from math import prod

@@ -24,8 +24,8 @@ reads and validates the cluster configuration (``config``).
 # 13: Leave (a client's shutdown answered once it took effect; a version-12 worker would refuse it as unknown), and
 # Reset on every connection of a worker (a version-12 server would reset the worker again at each). 14: InitFailed
 # (the root's machine failed an async_init before pushing it; a version-13 server would refuse it as unknown).
-# 15: Hello.job and Push.job (a version-14 server would drop the job and take the next job's async_init for a
-# rejoin of the last one's value).
+# 15: Hello.job, Hello.job_age_s, Joined.job, Joined.job_age_s and Push.job (a version-14 server would drop them
+# and take the next job's async_init for a rejoin of the last one's value).
 PROTOCOL_VERSION = 15
 
 __all__ = ["PROTOCOL_VERSION"]

@@ -38,8 +38,7 @@ MAX_MESSAGE_CHARS: Final = 4096
 MAX_SEGMENT_CHARS: Final = 200
 MAX_STREAMS: Final = 16  # TCP connections a worker may open to one server (Hello.stream)
 MAX_LAYOUT_CHARS: Final = 64  # Op.layout, Push.layout: a digest and a count, not a list
-# Hello.job, Push.job: a job's identity as its launcher names it (BPS_JOB, torchrun's run id, Slurm's job and step)
-MAX_JOB_CHARS: Final = 128
+MAX_JOB_CHARS: Final = 128  # Hello.job, Joined.job, Push.job: a job's name (BPS_JOB)
 
 ROLE_WORKER: Final = "worker"
 ROLE_CLIENT: Final = "client"
@@ -146,6 +145,12 @@ def _check_vector(tag: str, applied: list[Any]) -> None:
                                  what=f"{tag} applied vector", size=len(applied), limit=MAX_WORKERS, unit="entries")
     if not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in applied):
         raise LocalProtocolError(f"{tag} applied vector must hold non-negative integers: {shown(applied)}")
+
+
+def _check_job_age(tag: str, age_s: float) -> None:
+    """How long ago a job's processes came (Hello, Joined): finite, >= 0."""
+    if not (math.isfinite(age_s) and age_s >= 0):
+        raise LocalProtocolError(f"{tag}: job_age_s must be finite and >= 0, got {shown(age_s)}")
 
 
 def _check_text(tag: str, name: str, text: str, limit: int = MAX_MESSAGE_CHARS) -> None:
@@ -264,8 +269,7 @@ class Hello(Message):
             raise LocalProtocolError(f"hello: server {self.server}; a server id is at least 0 (-1: none named)")
         if not 0 <= self.stream < MAX_STREAMS:
             raise LocalProtocolError(f"hello: stream {self.stream} outside 0..{MAX_STREAMS - 1}")
-        if not (math.isfinite(self.job_age_s) and self.job_age_s >= 0):
-            raise LocalProtocolError(f"hello: job_age_s must be finite and >= 0, got {shown(self.job_age_s)}")
+        _check_job_age("hello", self.job_age_s)
         for what, text, limit in (("shared-memory probe name", self.shm, MAX_SEGMENT_CHARS),
                                   ("shared-memory key", self.shm_key, MAX_SHM_KEY_CHARS),
                                   ("proof", self.auth, MAX_PROOF_CHARS), ("nonce", self.nonce, MAX_NONCE_CHARS),
@@ -576,8 +580,8 @@ class Push(Message):
     # (``bps_server.rounds``, "Dropped connections"): never summed twice.
     resumed: bool = False
     # Asynchronous pushes: the job of the pushing machine's processes (Hello.job; empty: not known). A server
-    # holds each asynchronous value for one job: another job's init begins the name anew, and another job's
-    # delta is refused (bps_server.values, "Jobs").
+    # holds each asynchronous value for one job, the newest; a push of an ended job is refused (bps_server.values,
+    # "Jobs").
     job: str = ""
 
     def validate(self) -> None:
@@ -709,8 +713,7 @@ class Joined(Message):
 
     def validate(self) -> None:
         _check_text("joined", "job", self.job, MAX_JOB_CHARS)
-        if not (math.isfinite(self.job_age_s) and self.job_age_s >= 0):
-            raise LocalProtocolError(f"joined: job_age_s must be finite and >= 0, got {shown(self.job_age_s)}")
+        _check_job_age("joined", self.job_age_s)
 
 
 @dataclass(frozen=True, slots=True)
