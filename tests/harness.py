@@ -28,8 +28,11 @@ __all__ = ["SHM_DIR", "daemon_logs", "free_ports", "rank_context", "restart_mid_
 SHM_DIR = Path("/dev/shm")
 # What every rank process imports, loaded once into the forkserver (see rank_context). Not the rank programs
 # of tests/: pytest puts that directory on its own sys.path only, and a forkserver of Python 3.11 does not take
-# its parent's path (each child does, and imports them itself: cheap once these are loaded).
-RANK_PRELOAD = ["numpy", "bps_worker.client", "torch", "torch.distributed", "torch.optim", "bps_worker.torch"]
+# its parent's path (each child does, and imports them itself: cheap once these are loaded). torch._dynamo: a
+# process's first torch.optim optimizer imports it (torch 2.13), 1.5 CPU-s in every rank that made one; loaded
+# here, the PyTorch tests' files took 72 CPU-s in all instead of 232 (benchmarks/RESULTS.md, session 51).
+RANK_PRELOAD = ["numpy", "bps_worker.client", "torch", "torch.distributed", "torch.optim", "torch._dynamo",
+                "bps_worker.torch"]
 
 
 def rank_context() -> BaseContext:

@@ -1,8 +1,8 @@
 """The PyTorch layer (bps_worker.torch) on real clusters: training equals single-process training.
 
 Every rank program is in torch_programs.py. Rank processes fork from the harness's forkserver, which
-imported torch once (``harness.rank_context``); a run still trains for seconds on this 2-core machine (and
-imports torch._dynamo at its first optimizer), so related checks share one run (module-scoped fixtures) on
+imported torch once (``harness.rank_context``, torch._dynamo included: a first optimizer imports it); a run
+still trains for seconds on this 2-core machine, so related checks share one run (module-scoped fixtures) on
 the module-scoped 2 workers x 2 processes cluster.
 """
 
