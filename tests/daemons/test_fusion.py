@@ -15,12 +15,12 @@ TIMEOUT_S = 4.0
 
 
 @pytest.mark.timeout(240)
-def test_5000_names_per_step_in_another_order_on_every_process_for_20_steps(cluster_2x2: Any) -> None:
-    results = run_ranks(cluster_2x2, fp.shuffled_steps, 5000, 20, timeout=220, client_timeout=120)
+def test_5000_names_per_step_in_another_order_on_every_process_for_10_steps(cluster_2x2: Any) -> None:
+    results = run_ranks(cluster_2x2, fp.shuffled_steps, 5000, 10, timeout=220, client_timeout=120)
     assert [r["wrong"] for r in results] == [0, 0, 0, 0]
-    # The small sums went fused: far fewer rounds at the servers than tensors (5000 x 21 steps).
+    # The small sums went fused: far fewer rounds at the servers than tensors (5000 x 11 steps).
     rounds = sum(st["rounds_completed"] for st in server_stats(cluster_2x2).values())
-    assert rounds < 5000 * 21 // 4, rounds
+    assert rounds < 5000 * 11 // 4, rounds
 
 
 @pytest.mark.timeout(120)
