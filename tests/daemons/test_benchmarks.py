@@ -12,8 +12,17 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("forked_daemons")
 
 
-def test_push_pull_vs_gloo_quick_prints_its_table():
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "push_pull_vs_gloo.py"), "--quick"],
+def _two_machines(tmp_path: Path) -> list[str]:
+    """``--config`` of a cluster of two machines of one process each (the scripts' own is configs/local.toml's
+    shape, 2 x 2): each rank process imports torch, 3-4 CPU-s, and a smoke needs only two to show its table."""
+    from bps_worker.cluster_file import write_config
+
+    return ["--config", str(write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"partition_bytes": 4 << 20}))]
+
+
+def test_push_pull_vs_gloo_quick_prints_its_table(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "push_pull_vs_gloo.py"), "--quick",
+                             *_two_machines(tmp_path)],
                             capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
@@ -26,8 +35,9 @@ def test_push_pull_vs_gloo_quick_prints_its_table():
         assert row.rstrip().endswith("yes"), row  # bps and gloo agree bit for bit
 
 
-def test_train_vs_ddp_quick_prints_its_tables():
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "train_vs_ddp.py"), "--quick"],
+def test_train_vs_ddp_quick_prints_its_tables(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "train_vs_ddp.py"), "--quick",
+                             *_two_machines(tmp_path)],
                             capture_output=True, text=True, timeout=90, cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
@@ -41,10 +51,10 @@ def test_train_vs_ddp_quick_prints_its_tables():
     assert any("hidden" in line and "exposed comm" in line for line in lines), result.stdout
 
 
-def test_ddp_hook_vs_gloo_quick_prints_its_table():
-    """About 25 s on a 2-core box: four rank processes import torch, then build DDP twice."""
+def test_ddp_hook_vs_gloo_quick_prints_its_table(tmp_path):
+    """Two rank processes import torch, then build DDP twice."""
     command = [sys.executable, str(REPO / "benchmarks" / "ddp_hook_vs_gloo.py"), "--quick", "--models", "example",
-               "--blocks", "1"]
+               "--blocks", "1", *_two_machines(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=90, cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr  # 0: the hook's weights agree with gloo's
     lines = result.stdout.splitlines()
@@ -157,9 +167,9 @@ def test_shm_vs_tcp_tiny_prints_its_table_and_each_cluster_takes_its_path():
     assert 0 < shm_via <= shm_in and tcp_via == 0 and tcp_in > 0, m.group(0)
 
 
-def test_many_tensors_quick_prints_its_tables_and_every_sum_is_exact():
+def test_many_tensors_quick_prints_its_tables_and_every_sum_is_exact(tmp_path):
     command = [sys.executable, str(REPO / "benchmarks" / "many_tensors.py"), "--quick", "--tensors", "1,50", "--reps",
-               "1", "--single-reps", "5", "--group"]
+               "1", "--single-reps", "5", "--group", *_two_machines(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr  # 0: the warm-up found every sum exact
     lines = result.stdout.splitlines()
