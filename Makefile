@@ -28,7 +28,7 @@ demo: install
 # and rank the tests start would otherwise compile them again (0.2 CPU-s a start, and the suite starts ~800).
 BYTECODE := $(PY) -m compileall -q bps_runtime bps_server bps_worker protocol
 
-# Test files side by side where there are 2 cores or more (one per two cores, at least 2; tests/conftest.py).
+# Test files side by side where there are 2 cores or more (one per two cores, at least 3; tests/conftest.py).
 test: install
 	$(BYTECODE)
 	$(PY) -m mypy

@@ -78,16 +78,18 @@ def host_network() -> Iterator[None]:
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: test files side by side, one per two cores but at least 2 and at most 4, where each worker
+    """``-n auto``: test files side by side, one per two cores but at least 3 and at most 4, where each worker
     can have a loopback of its own (root); otherwise none (the files run one after the other in this process).
 
-    Two files side by side on 2 cores: since the daemons are forked from a preloaded process (their start was
-    60% of the suite's CPU), much of a file's time is waiting (fault timeouts, heartbeats, a rank's sleep).
-    Measured on this project's 2-core box (session 19): 1893 tests in 11:29 and 11:00 with two files at a
-    time, 17:51 one after the other. Before the forkserver, two at a time took as long as one (both
-    CPU-bound). More than one file per core is not tried: the tests' timeouts are set for a busy 2-core box."""
+    Since the daemons are forked from a preloaded process (their start was 60% of the suite's CPU) and the
+    ranks from one that loaded torch and torch._dynamo (session 51), much of a file's time is waiting (fault
+    timeouts, heartbeats, a rank's sleep). Measured on this project's 2-core box: 1893 tests in 11:29 and 11:00
+    with two files at a time, 17:51 one after the other (session 19); 2544 tests in 10:46 with two files at a
+    time, the cores 76% busy on average and under half for minutes where both files waited, and 8:54 with three
+    (session 51). The tests' timeouts are set for a busy 2-core box: three files side by side passed beside a
+    busy loop too (session 51)."""
     cores = os.cpu_count() or 1
-    return min(4, max(2, cores // 2)) if private_network_possible() and cores >= 2 else 0
+    return min(4, max(3, cores // 2)) if private_network_possible() and cores >= 2 else 0
 
 
 def pytest_configure(config: pytest.Config) -> None:
