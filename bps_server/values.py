@@ -49,11 +49,11 @@ machine of the last one still lingers (connected after its last step), so no job
 process names its job (``BPS_JOB``; empty: not known); its worker tells every server the job when its processes
 join (``Joined.job``; ``Hello.job`` and how long ago they began, for a restarted server), and its asynchronous
 pushes carry it (``Push.job``). A cluster runs one job at a time (every machine takes part in it), so the job
-that began last is the newest and the others ended (``_Jobs``: a job
-begins when its processes join a machine while no other machine's are of it, unless that machine's last
-processes were of it too, a rejoin). At each join the keys of every named job but the newest are dropped (what
-waited on them fails, naming both jobs), and a push of an ended job is refused at once, naming both (a process of the last job that pushed after
-the next one began: nothing added). Without it, the next job's init was taken for a rejoin and answered with the
+that began last is the newest and the others ended (``_Jobs``: a job begins when its processes join a machine
+while no other machine's are of it, unless that machine's last processes were of it too, a rejoin). At each
+join the keys of every named job but the newest are dropped (what waited on them fails, naming both jobs), and
+a push of an ended job is refused at once, naming both (a process of the last job that pushed after the next
+one began: nothing added). Without it, the next job's init was taken for a rejoin and answered with the
 last job's value. A machine whose processes are of another job holds none of a job's keys back (the staleness
 bound), and its first init of them raises its entry, as for a machine that left. A worker's ``Joined`` ends its
 reset: its machine's next job is there, though it has not pushed yet. Where either side names no job, pushes

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import write_config
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("forked_daemons")
 
@@ -15,8 +17,6 @@ pytestmark = pytest.mark.usefixtures("forked_daemons")
 def _two_machines(tmp_path: Path) -> list[str]:
     """``--config`` of a cluster of two machines of one process each (the scripts' own is configs/local.toml's
     shape, 2 x 2): each rank process imports torch, 3-4 CPU-s, and a smoke needs only two to show its table."""
-    from bps_worker.cluster_file import write_config
-
     return ["--config", str(write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"partition_bytes": 4 << 20}))]
 
 
