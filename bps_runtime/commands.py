@@ -51,6 +51,15 @@ _SH = "/bin/sh"
 _IGNORING_SIGINT = (_SH, "-c", 'trap "" INT; exec "$@"', "sh")
 
 
+def say(line: str) -> None:
+    """``line`` on stderr in one ``write(2)``. A launch's servers, workers, ranks and the launcher share one
+    stderr, and ``print`` makes two writes (the text, then its newline) where ``PYTHONUNBUFFERED`` is set, as in
+    many CI images and containers: three servers refused at once then read "...in usebps-server: ...in use"
+    and two empty lines."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def exit_with(main: Callable[[], int]) -> NoReturn:
     """Exit with ``main()``'s status, or :data:`INTERRUPTED_STATUS` where a Ctrl-C stops it first."""
     try:

@@ -50,7 +50,7 @@ from typing import Any, Final, Mapping, Sequence
 
 import msgpack
 
-from .commands import sigint_ignored
+from .commands import say, sigint_ignored
 from .orphans import ENDED_STATUS, PARENT_ENV, end_with_parent, on_main_thread
 
 __all__ = ["DAEMON_MODULES", "ForkedProcess", "Forkserver", "ForkserverError", "serve"]
@@ -282,7 +282,7 @@ def _run_module(argv: list[str]) -> int:
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0
-        print(exc.code, file=sys.stderr)
+        say(str(exc.code))
         return 1
     return 0
 

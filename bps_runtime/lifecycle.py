@@ -10,12 +10,11 @@ import logging
 import os
 import signal
 import socket
-import sys
 from typing import Any, Awaitable, Callable
 
 import uvloop
 
-from .commands import interrupts_deferred, launcher_owns_sigint
+from .commands import interrupts_deferred, launcher_owns_sigint, say
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
@@ -197,7 +196,7 @@ async def serve_until_signalled(start: Callable[[], Awaitable[Any]], stop: Calla
         await start()
     except OSError as exc:
         what = exc.what if isinstance(exc, ListenError) else listen_on
-        print(f"{prog}: {describe_bind_error(exc, what)}", file=sys.stderr)
+        say(f"{prog}: {describe_bind_error(exc, what)}")
         return 1
     sd_notify("READY=1", notify_socket)
     await stopped.wait()

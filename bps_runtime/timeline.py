@@ -32,11 +32,11 @@ import contextlib
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from typing import Any, BinaryIO, Final, TextIO
 
+from .commands import say
 from .locks import OwnedLock
 
 # Bytes of events buffered before a write (a trace costs little when off and not much when on), and the longest
@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     count, skipped = merge(args.out, args.inputs)
     for problem in skipped:
-        print(f"skipped {problem}", file=sys.stderr)
+        say(f"skipped {problem}")
     print(f"{args.out}: {count} events from {len(args.inputs) - len(skipped)} files")
     return 1 if skipped and len(skipped) == len(args.inputs) else 0
 

@@ -6,12 +6,11 @@ import argparse
 import logging
 import os
 import socket
-import sys
 
 from protocol.config import load_config, read_token
 from protocol.errors import ConfigError
 
-from bps_runtime.commands import INTERRUPTED_STATUS
+from bps_runtime.commands import INTERRUPTED_STATUS, say
 from .server import ServerConfig, SummationServer
 from bps_runtime.health import STALL_LIMIT_S, from_environment
 from bps_runtime.lifecycle import (new_event_loop, open_standard_fds, prepare_to_serve, serve_until_signalled,
@@ -45,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(args.log_level, args.log_file)
         settings = from_environment(args.id, args.stall_limit, os.environ, socket.gethostname(), os.getpid())
     except ValueError as exc:
-        print(f"bps-server: {exc}", file=sys.stderr)
+        say(f"bps-server: {exc}")
         return 2
     ident = settings.ident
     if ident.source != "--id":
@@ -55,11 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         cluster.server(ident.id)
         token = read_token(cluster)
     except ConfigError as exc:
-        print(f"bps-server: {exc}", file=sys.stderr)
+        say(f"bps-server: {exc}")
         return 2
     notify_socket, watchdog_s = settings.notify_socket, settings.watchdog_s
     if args.threads < 1:
-        print("bps-server: --threads must be >= 1", file=sys.stderr)
+        say("bps-server: --threads must be >= 1")
         return 2
     config = ServerConfig(cluster, ident.id, threads=args.threads, host=args.bind, token=token,
                           timeline=args.timeline, notify_socket=notify_socket, watchdog_s=watchdog_s,
@@ -71,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             server = SummationServer(config)
         except TimelineError as exc:
-            print(f"bps-server: {exc}", file=sys.stderr)
+            say(f"bps-server: {exc}")
             return 1
         host, port = config.bind
         return loop.run_until_complete(serve_until_signalled(

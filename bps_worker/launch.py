@@ -48,7 +48,7 @@ import threading
 from types import FrameType
 from typing import Any, Callable, Sequence
 
-from bps_runtime.commands import INTERRUPTED_STATUS, exit_with
+from bps_runtime.commands import INTERRUPTED_STATUS, exit_with, say
 from bps_runtime.lifecycle import open_standard_fds
 from bps_runtime.orphans import start_rank
 from protocol.config import load_config, read_token
@@ -91,7 +91,7 @@ def run_training(cluster: Cluster, command: Sequence[str], *, timeout: float | N
     ending = cluster.supervisor.watch(procs, timeout)
     if ending.reason is not None:
         rank_failed = ending.culprit is not None and not ending.culprit.daemon
-        print(f"{prog}: {ending.reason}; {'stopping the cluster' if rank_failed else 'stopping'}", file=sys.stderr)
+        say(f"{prog}: {ending.reason}; {'stopping the cluster' if rank_failed else 'stopping'}")
     return ending.code
 
 
@@ -136,7 +136,7 @@ def print_stragglers(cluster: Cluster, prog: str = "bps-launch") -> None:
     except (OSError, ValueError) as exc:
         lines = [f"cannot read the servers' push lag: {exc}"]
     for line in lines:
-        print(f"{prog}: {line}", file=sys.stderr)
+        say(f"{prog}: {line}")
 
 
 class SigintFlag:
@@ -212,13 +212,12 @@ def _make_token_only(path: str) -> int:
     try:
         made = make_token(path)
     except OSError as exc:
-        print(f"bps-launch: cannot create token file {path}: {exc.strerror}", file=sys.stderr)
+        say(f"bps-launch: cannot create token file {path}: {exc.strerror}")
         return 1
     if not made:
-        print(f"bps-launch: {path} already exists; not replaced (remove it first to make a new token)",
-              file=sys.stderr)
+        say(f"bps-launch: {path} already exists; not replaced (remove it first to make a new token)")
         return 1
-    print(f"bps-launch: wrote a new cluster token to {path} (mode 600); copy it to every machine", file=sys.stderr)
+    say(f"bps-launch: wrote a new cluster token to {path} (mode 600); copy it to every machine")
     return 0
 
 
@@ -240,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                               interrupted=interrupted.is_set)
             for worker_id, problem in cluster.moved.items():
                 if problem.kind != "missing":
-                    print(f"bps-launch: worker {worker_id}'s socket directory "
-                          f"{os.path.dirname(cluster.config.worker(worker_id).socket)} {problem.text}; using "
-                          f"{cluster.socket_path(worker_id)}", file=sys.stderr)
+                    say(f"bps-launch: worker {worker_id}'s socket directory "
+                        f"{os.path.dirname(cluster.config.worker(worker_id).socket)} {problem.text}; using "
+                        f"{cluster.socket_path(worker_id)}")
             cluster.start()
             try:
                 code = run_training(cluster, command)
@@ -258,10 +257,10 @@ def main(argv: list[str] | None = None) -> int:
             code = INTERRUPTED_STATUS
         if interrupted.is_set():  # decided after the stop: whatever a rank or daemon did when Ctrl-C came
             name = signal.Signals(interrupted.signum).name
-            print(f"bps-launch: interrupted ({name}); cluster stopped", file=sys.stderr)
+            say(f"bps-launch: interrupted ({name}); cluster stopped")
             return 128 + interrupted.signum
     if failure is not None:
-        print(f"bps-launch: {failure}", file=sys.stderr)
+        say(f"bps-launch: {failure}")
     return code
 
 

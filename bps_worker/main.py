@@ -6,9 +6,8 @@ import argparse
 import logging
 import os
 import socket
-import sys
 
-from bps_runtime.commands import INTERRUPTED_STATUS
+from bps_runtime.commands import INTERRUPTED_STATUS, say
 from bps_runtime.health import STALL_LIMIT_S, from_environment
 from bps_runtime.lifecycle import (new_event_loop, open_standard_fds, prepare_to_serve, serve_until_signalled,
                                    setup_logging)
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(args.log_level, args.log_file)
         settings = from_environment(args.id, args.stall_limit, os.environ, socket.gethostname(), os.getpid())
     except ValueError as exc:
-        print(f"bps-worker: {exc}", file=sys.stderr)
+        say(f"bps-worker: {exc}")
         return 2
     ident = settings.ident
     if ident.source != "--id":
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         token = read_token(cluster)
         socket_mode, shm_mode = _octal(args.socket_mode, args.shm_mode)
     except ConfigError as exc:
-        print(f"bps-worker: {exc}", file=sys.stderr)
+        say(f"bps-worker: {exc}")
         return 2
     notify_socket, watchdog_s = settings.notify_socket, settings.watchdog_s
     config = WorkerConfig(cluster, ident.id, socket_path=args.socket, socket_mode=socket_mode,
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             daemon = WorkerDaemon(config)
         except TimelineError as exc:
-            print(f"bps-worker: {exc}", file=sys.stderr)
+            say(f"bps-worker: {exc}")
             return 1
         return loop.run_until_complete(serve_until_signalled(
             daemon.start, daemon.stop, prog="bps-worker", listen_on=config.socket,

@@ -97,3 +97,35 @@ def test_only_a_launchers_daemon_keeps_sigint_ignored(monkeypatch):
     finally:
         signal.signal(signal.SIGINT, before)
     assert not launcher_owns_sigint()  # (SIGINT not ignored: the variable alone is nothing)
+
+
+def test_say_writes_its_line_in_one_write_where_stderr_is_unbuffered(monkeypatch):
+    """A launch's daemons share one stderr. Under PYTHONUNBUFFERED (CI images, containers) sys.stderr is a
+    write-through wrapper over the raw descriptor, where print() is two writes: three servers refused at once
+    read "...in usebps-server: ...in use". Built here as Python builds it then."""
+    import io
+    import sys
+
+    from bps_runtime.commands import say
+
+    class Writes(io.RawIOBase):
+        def __init__(self) -> None:
+            self.calls: list[bytes] = []
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b) -> int:
+            self.calls.append(bytes(b))
+            return len(b)
+
+    raw = Writes()
+    unbuffered = io.TextIOWrapper(raw, encoding="utf-8", line_buffering=True, write_through=True)
+    print("bps-server: printed", file=unbuffered)
+    assert raw.calls == [b"bps-server: printed", b"\n"]  # (what made the lines interleave)
+    raw.calls.clear()
+    monkeypatch.setattr(sys, "stderr", unbuffered)
+    say("bps-server: cannot listen on 127.0.0.1:1: Address already in use")
+    say("bps-launch: server-0 exited with status 1 during start-up")
+    assert raw.calls == [b"bps-server: cannot listen on 127.0.0.1:1: Address already in use\n",
+                         b"bps-launch: server-0 exited with status 1 during start-up\n"]
