@@ -58,6 +58,7 @@ from bps_runtime import cuda as _cuda
 from . import client as _client
 from . import torch_async as _async
 from .client import adapter as _adapter
+from .client.arrays import bytes_of
 from .client.handle import checked
 from .client import (  # re-exported: the same on every framework
     BPSConnectionError,
@@ -135,9 +136,35 @@ class Handle:
     staging: torch.Tensor | None  # the CPU tensor the result lands in, when it is not `output` itself
 
 
-def _start(tensor: torch.Tensor, name: str, *, average: bool, priority: int, out: torch.Tensor | None) -> Handle:
+def _check_dense(tensor: object, name: str, what: str = "") -> None:
+    """A BPSError unless ``tensor`` is a dense (strided) torch.Tensor (a sparse one failed inside torch, with its
+    own error: a review). ``what``: the argument, where it is not the tensor itself."""
+    of = f"tensor {name!r}: {what + ' ' if what else ''}"
     if not isinstance(tensor, torch.Tensor):
-        raise BPSError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+        raise BPSError(f"{of}expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise BPSError(f"{of}is a {tensor.layout} tensor; only dense tensors are summed and broadcast (pass "
+                       f"{what or 'it'}.to_dense())")
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (an ``expand``-ed or ``as_strided`` tensor): the result could not
+    be written into it. Its dimensions, taken by stride, must each step over the whole of the ones below."""
+    extent = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size > 1):
+        if stride < extent:
+            return True
+        extent = stride * size
+    return False
+
+
+def _start(tensor: torch.Tensor, name: str, *, average: bool, priority: int, out: torch.Tensor | None) -> Handle:
+    _check_dense(tensor, name)
+    if out is not None:
+        _check_dense(out, name, "out")
+        if _overlaps_itself(out):
+            raise BPSError(f"tensor {name!r}: out has elements that share memory (an expand()-ed or as_strided "
+                           f"tensor, strides {out.stride()}); the result cannot be written into it")
     output = out if out is not None else torch.empty_like(tensor, memory_format=torch.contiguous_format)
     if output.shape != tensor.shape or output.dtype != tensor.dtype:
         raise BPSError(f"tensor {name!r}: out has shape {tuple(output.shape)} and dtype {output.dtype}, expected "
@@ -204,9 +231,15 @@ def push_pull(tensor: torch.Tensor, name: str, *, average: bool = True, priority
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str) -> torch.Tensor:
-    """``root_rank``'s value of ``tensor``, as a new tensor on every process."""
-    result = _client.broadcast(_to_numpy(tensor), root_rank, name)
-    return _from_numpy(result, tensor).to(tensor.device)
+    """``root_rank``'s value of ``tensor``, as a new tensor on every process. Any dtype: the wire's as themselves,
+    the others (bool, the small and unsigned integers, complex, float8) as their bytes, bit for bit."""
+    _check_dense(tensor, name)
+    if tensor.dtype in _WIRE_TYPES:
+        result = _client.broadcast(_to_numpy(tensor), root_rank, name)
+        return _from_numpy(result, tensor).to(tensor.device)
+    handle = _adapter.start_broadcast_bytes(_raw_bytes(tensor), name, root_rank,
+                                            f"{tensor.dtype}{list(tensor.shape)}")
+    return _bytes_as(_client.synchronize(handle), tensor).to(tensor.device)
 
 
 def async_init(tensor: torch.Tensor, name: str, root_rank: int = 0, *, staleness: int | None = None) -> torch.Tensor:
@@ -294,8 +327,11 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
             # A dtype the wire does not carry (bool, the small and unsigned integers, complex, float8) travels as
             # its bytes, bit for bit: its values cast to int32 would wrap (uint32, uint64) or lose all but the
             # integer part (complex, float8).
-            data = _to_numpy(wire) if wire.dtype in _WIRE_TYPES else _bytes_as_int32(wire)
-            handles.append((tensor, wire, _adapter.start_broadcast(data, f"bcast.param.{name}", root_rank)))
+            name = f"bcast.param.{name}"
+            handles.append((tensor, wire, _adapter.start_broadcast(_to_numpy(wire), name, root_rank)
+                            if wire.dtype in _WIRE_TYPES else
+                            _adapter.start_broadcast_bytes(_raw_bytes(wire), name, root_rank,
+                                                           f"{wire.dtype}{list(wire.shape)}")))
     except BaseException:  # (e.g. over the arena's cap) those started must not stay in flight: every later
         _adapter.settle([h for _, _, h in handles])  # broadcast of their names would fail
         raise
@@ -307,29 +343,21 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
             except BPSError as exc:  # drain the rest so no name stays in flight
                 first_error = first_error or exc
                 continue
-            got = _from_numpy(result, wire) if wire.dtype in _WIRE_TYPES else _int32_as(result, wire)
+            got = _from_numpy(result, wire) if wire.dtype in _WIRE_TYPES else _bytes_as(result, wire)
             tensor.copy_(got.to(device=tensor.device, dtype=tensor.dtype))
     if first_error is not None:
         raise first_error
     _async.init_all(root_rank)  # asynchronous optimizers: the servers' values start as the root's parameters
 
 
-def _words(raw: np.ndarray) -> np.ndarray:
-    """Bytes (uint8), zero-padded to whole int32 words, as an int32 array: what a broadcast of bytes carries."""
-    words = np.zeros((raw.size + 3) // 4, np.int32)
-    words.view(np.uint8)[:raw.size] = raw
-    return words
+def _raw_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of ``t`` (on the host, contiguous), as a 1-d uint8 array."""
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def _bytes_as_int32(t: torch.Tensor) -> np.ndarray:
-    """The bytes of ``t`` (on the host, contiguous) as int32 words (:func:`_words`)."""
-    return _words(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def _int32_as(words: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`_bytes_as_int32`: a tensor of ``like``'s dtype and shape from those bytes."""
-    nbytes = like.numel() * like.element_size()
-    raw = torch.from_numpy(words.view(np.uint8)[:nbytes].copy())
+def _bytes_as(words: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """A byte broadcast's result (see ``start_broadcast_bytes``) as a tensor of ``like``'s dtype and shape."""
+    raw = torch.from_numpy(bytes_of(words, like.numel() * like.element_size()).copy())
     return raw.view(like.dtype).reshape(like.shape)
 
 
@@ -338,8 +366,7 @@ def _broadcast_bytes(data: bytes, root_rank: int, name: str) -> bytes:
     n = int(length[0])
     # (the root's bytes; the others', zeros of that length: the root's replace them)
     raw = np.frombuffer(data, np.uint8) if _client.rank() == root_rank else np.zeros(n, np.uint8)
-    out = _client.broadcast(_words(raw), root_rank, f"{name}.bytes")
-    return out.view(np.uint8)[:n].tobytes()
+    return _client.broadcast(raw, root_rank, f"{name}.bytes").tobytes()
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:

@@ -66,13 +66,67 @@ def odd_dtypes() -> dict[str, Any]:
         "flag": torch.tensor(r == 0),
         "f8": torch.tensor([0.4375 + r, -3.0], dtype=torch.float32).to(torch.float8_e4m3fn),
     }
-    def bits() -> dict[str, Any]:
-        return {name: t.reshape(-1).view(torch.uint8).tolist() if t.dtype != torch.bool else t.tolist()
-                for name, t in tensors.items()}
+    def bits(of: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return {name: [str(t.dtype), list(t.shape),
+                       t.reshape(-1).view(torch.uint8).tolist() if t.dtype != torch.bool else t.tolist()]
+                for name, t in of.items()}
 
-    before = bits()
+    before = bits(tensors)
+    # bps.broadcast too (it refused all of them: "unsupported tensor dtype torch.bool", a review), then in place
+    plain = bits({name: bps.broadcast(t, 0, f"plain.{name}") for name, t in tensors.items()})
     bps.broadcast_parameters(tensors, 0)
-    return {"before": before, "after": bits()}
+    return {"before": before, "plain": plain, "after": bits(tensors)}
+
+
+def numpy_odd_broadcasts() -> dict[str, Any]:
+    """The numpy client's broadcast of dtypes the wire does not carry (and of sizes that are not whole words)."""
+    import bps_worker.client as client
+
+    r = client.rank()
+    arrays = {
+        "bool": np.array([r == 0, True, r == 1]),
+        "u8": np.array([[255 - r, r, 7]], np.uint8),  # 3 bytes
+        "i16": np.arange(5, dtype=np.int16) * (r + 1) - 3,
+        "big": np.array([1.5 + r, -2.0], dtype=">f4"),
+        "rec": np.array([(r - 1, 2.5 * r)], dtype=[("a", "<i2"), ("b", "<f8")]),
+        "empty": np.zeros((0, 3), np.bool_),
+        "scalar": np.array(np.complex64(1 + r * 1j)),
+        "columns": np.arange(12, dtype=np.int8).reshape(3, 4)[:, ::2] * (r + 1),  # not contiguous
+    }
+
+    def described(of: dict[str, np.ndarray]) -> dict[str, Any]:
+        return {name: [a.dtype.str, list(a.shape), np.ascontiguousarray(a).tobytes().hex()] for name, a in of.items()}
+
+    got = {name: client.broadcast(a, 0, f"np.{name}") for name, a in arrays.items()}
+    try:  # the same name as bool on one rank and uint8 on the other: a mismatch naming both
+        client.broadcast(np.zeros(4, np.bool_ if r == 0 else np.uint8), 0, "np.differ")
+        mismatch: Any = None
+    except client.BPSMismatchError as exc:
+        mismatch = [exc.name, exc.ours, exc.theirs]
+    after = client.broadcast(np.array([r == 0]), 0, "np.after")  # (nothing left in flight)
+    return {"before": described(arrays), "after": described(got), "mismatch": mismatch, "later": after.tolist()}
+
+
+def not_dense_inputs() -> dict[str, Any]:
+    """A sparse tensor to push_pull or broadcast, an expand()-ed out=: BPSErrors before anything is sent (they
+    were torch's RuntimeErrors, the expanded out's after every rank had summed: a review)."""
+    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,), check_invariants=True)
+    errors = []
+    for call in (lambda: bps.push_pull(sparse, "sp", average=False),
+                 lambda: bps.broadcast(sparse, 0, "sp.b"),
+                 lambda: bps.push_pull(torch.ones(3), "sp.out", out=sparse),
+                 lambda: bps.push_pull(torch.ones(4, 3), "expanded", out=torch.zeros(1, 3).expand(4, 3)),
+                 lambda: bps.push_pull_async(torch.ones(2, 2), "strided",
+                                             out=torch.zeros(3).as_strided((2, 2), (1, 1))),
+                 lambda: bps.push_pull(torch.ones(3), "notatensor", out=[0.0, 0.0, 0.0])):  # type: ignore[arg-type]
+        try:
+            call()
+            errors.append("")
+        except Exception as exc:
+            errors.append(_error(exc))
+    fine = torch.zeros(4, 3).t()  # (transposed: written through its strides, as before)
+    bps.push_pull(torch.ones(3, 4), "expanded", average=False, out=fine)
+    return {"errors": errors, "summed": fine.tolist()}
 
 
 def unfrozen_after_wrapping() -> dict[str, Any]:

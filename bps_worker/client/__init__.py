@@ -44,7 +44,7 @@ from bps_runtime.locks import OwnedLock
 
 from ..errors import BPSConnectionError, BPSError, BPSMismatchError, BPSTimeoutError
 from . import group
-from .arrays import NUMPY_DTYPES, dtype_name
+from .arrays import NUMPY_DTYPES, bytes_of, dtype_name, wire_name
 from .handle import Handle, checked
 from .operations import Operations
 from .settings import DEFAULT_TIMEOUT_S, resolve
@@ -228,10 +228,18 @@ def push_pull_group(arrays: Sequence[np.ndarray], names: Sequence[str], *, avera
 
 
 def broadcast(array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
-    """``root_rank``'s ``array``, on every process."""
+    """``root_rank``'s ``array``, on every process. Any dtype numpy holds by value: the wire's as themselves, the
+    others (bool, the small and unsigned integers, complex, records, another byte order) as their bytes, bit for
+    bit; every process's array must have the same dtype and shape."""
     ops = _operations()
-    return ops.finish(ops.start(array, name, KIND_BROADCAST, average=False, priority=0,
-                                root=ops.check_root(root_rank), out=None), None)
+    root = ops.check_root(root_rank)
+    array = np.asarray(array)
+    if wire_name(array.dtype) is not None or array.dtype.hasobject:  # (objects: refused by the wire's check)
+        return ops.finish(ops.start(array, name, KIND_BROADCAST, average=False, priority=0, root=root, out=None),
+                          None)
+    raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    words = ops.finish(ops.start_broadcast_bytes(raw, name, root, f"{array.dtype}{list(array.shape)}"), None)
+    return bytes_of(words, raw.size).view(array.dtype).reshape(array.shape)
 
 
 def async_init(array: np.ndarray, name: str, root_rank: int = 0, *, staleness: int | None = None) -> np.ndarray:

@@ -9,6 +9,7 @@ rather than from the client's internals:
   gradient bucket filled piece by piece as backward produces it), then start the sum on it, no staging copy;
 * :func:`start_cuda`: start a sum on a CUDA tensor that the daemon opens through CUDA IPC and writes in place;
 * :func:`start_broadcast`: an asynchronous broadcast (``broadcast_parameters`` starts them all, then waits);
+  :func:`start_broadcast_bytes` one of a tensor's bytes (a dtype the wire does not carry);
 * :func:`start_async_init` and :func:`start_async`: asynchronous mode's init and delta, started (a layer
   starts a model's buckets together, then waits for each);
 * :func:`finish_view`: wait for a handle and read its result where it lies in shared memory, without the copy
@@ -36,7 +37,7 @@ from .operations import Fill
 from .settings import Settings
 
 __all__ = ["Fill", "abandon", "connection", "finish_view", "settings", "settle", "shared_slot", "start_async",
-           "start_async_init", "start_broadcast", "start_cuda", "start_filled"]
+           "start_async_init", "start_broadcast", "start_broadcast_bytes", "start_cuda", "start_filled"]
 
 
 def connection() -> object | None:
@@ -85,6 +86,15 @@ def start_broadcast(array: np.ndarray, name: str, root_rank: int) -> Handle:
     ops = _operations()
     return ops.start(array, name, KIND_BROADCAST, average=False, priority=0, root=ops.check_root(root_rank),
                      out=None)
+
+
+def start_broadcast_bytes(raw: np.ndarray, name: str, root_rank: int, what: str) -> Handle:
+    """Start a broadcast of ``root_rank``'s bytes ``raw`` (1-d uint8): a tensor of a dtype the wire does not
+    carry, bit for bit. ``what`` names its dtype and shape (every process's must be the same, or each gets a
+    :class:`BPSMismatchError` naming both). The result is int32 words: its first ``raw.size`` bytes are the
+    root's (:func:`~bps_worker.client.arrays.bytes_of`)."""
+    ops = _operations()
+    return ops.start_broadcast_bytes(raw, name, ops.check_root(root_rank), what)
 
 
 def start_async_init(array: np.ndarray, name: str, root_rank: int, staleness: int | None) -> Handle:

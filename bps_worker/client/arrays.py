@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import BPSError
 
-__all__ = ["NUMPY_DTYPES", "bfloat16", "dtype_name", "same_memory", "view_of"]
+__all__ = ["NUMPY_DTYPES", "bfloat16", "bytes_of", "dtype_name", "same_memory", "view_of", "wire_name"]
 
 _WIRE_NAMES: Final = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 
@@ -64,12 +64,31 @@ def dtype_name(dtype: Any) -> str:
         if dtype != "bfloat16":  # a name numpy knows only once ml_dtypes is imported
             raise
         dt = bfloat16()
+    name = wire_name(dt)
+    if name is not None:
+        return name
+    native = dt.newbyteorder("=")
+    if native != dt and wire_name(native) is not None:  # (">f4" printed as "unsupported dtype >f4; supported:
+        # float32, ...": a review; the daemons sum in the machine's order)
+        raise BPSError(f"unsupported dtype {dt.str}: {native.name} in non-native byte order; pass "
+                       f"array.astype({native.name!r}) (broadcast carries any byte order as it is)")
+    raise BPSError(f"unsupported dtype {dt}; supported: {', '.join(NUMPY_DTYPES)}")
+
+
+def wire_name(dt: np.dtype) -> str | None:
+    """The wire's name of ``dt``, or None where the wire does not carry it (then only its bytes can travel)."""
     name = _NAME_OF.get(dt)
     if name is not None:
         return name
     if dt.name == "bfloat16" and dt == bfloat16():  # such an array means ml_dtypes is imported already
         return "bfloat16"
-    raise BPSError(f"unsupported dtype {dt}; supported: {', '.join(NUMPY_DTYPES)}")
+    return None
+
+
+def bytes_of(words: np.ndarray, nbytes: int) -> np.ndarray:
+    """The first ``nbytes`` bytes of a byte broadcast's result (int32 words, see
+    ``Operations.start_broadcast_bytes``), as uint8."""
+    return words.view(np.uint8)[:nbytes]
 
 
 def view_of(buf: memoryview | None, dtype: np.dtype, shape: tuple[int, ...], offset: int) -> np.ndarray:

@@ -30,7 +30,8 @@ from typing import Any, Callable, Final, Iterable, NamedTuple, Sequence, Support
 import numpy as np
 import numpy.typing as npt
 
-from protocol.messages import ASYNC_KINDS, KIND_ASYNC, KIND_ASYNC_INIT, KIND_BROADCAST, KIND_SUM, Op, Spec
+from protocol.messages import (ASYNC_KINDS, KIND_ASYNC, KIND_ASYNC_INIT, KIND_BROADCAST, KIND_SUM, MAX_LAYOUT_CHARS, Op,
+                               Spec)
 
 from bps_runtime.timeline import Timeline, now_us
 
@@ -154,6 +155,25 @@ class Operations:
         if isinstance(root_rank, bool) or not 0 <= root < self.size:
             raise BPSError(f"root_rank must be an integer in 0..{self.size - 1}, got {root_rank!r}")
         return root
+
+    def start_broadcast_bytes(self, raw: np.ndarray, name: str, root: int, what: str) -> Handle:
+        """Start a broadcast of the bytes ``raw`` (1-d uint8) as whole int32 words, zero-padded: a dtype the wire
+        does not carry (bool, the small and unsigned integers, complex, float8, records, another byte order)
+        travels bit for bit, where a cast would wrap or drop its parts. ``what`` (its dtype and shape) is the
+        operation's layout: a process whose array differs gets a mismatch naming both. The result is the words;
+        :func:`.arrays.bytes_of` reads the bytes back."""
+        nbytes = raw.size
+
+        def fill(view: np.ndarray) -> None:
+            into = view.view(np.uint8)
+            into[:nbytes] = raw
+            into[nbytes:] = 0
+
+        what = f"bytes of {what}"
+        if len(what) > MAX_LAYOUT_CHARS:  # (a record dtype's description, a long shape)
+            what = f"bytes of {hashlib.blake2b(what.encode(), digest_size=12).hexdigest()}"
+        return self._start(name, KIND_BROADCAST, np.dtype(np.int32), ((nbytes + 3) // 4,), fill, False, 0, root,
+                           None, what, -1, False)
 
     def start_async_init(self, array: np.ndarray, name: str, root_rank: int, staleness: int | None) -> Handle:
         """Start ``async_init`` (see :func:`bps_worker.client.async_init`)."""
@@ -514,8 +534,8 @@ class Operations:
         read-only and valid until the next operation on the same name)."""
         self._check_ours(handle, "synchronize")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
-                                    or math.isnan(timeout)):
-            raise BPSError(f"synchronize of {handle.name!r}: timeout must be a number of seconds or None, "
+                                    or math.isnan(timeout) or timeout < 0):
+            raise BPSError(f"synchronize of {handle.name!r}: timeout must be a number of seconds >= 0 or None, "
                            f"got {timeout!r}")
         if handle.consumed:
             raise BPSError(f"handle of {handle.name!r} was already synchronized")

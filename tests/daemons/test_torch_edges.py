@@ -43,7 +43,36 @@ def test_a_broadcast_of_a_dtype_the_wire_does_not_carry_gives_the_roots_bits(clu
     root, other = _run(cluster, tp.odd_dtypes)
     assert root["after"] == root["before"]  # (complex and float8 values cast to int32 lost all but their integer part)
     assert other["after"] == root["before"] != other["before"]
-    assert root["after"]["flag"] is True and root["after"]["u8"] == [255, 0]
+    assert root["after"]["flag"] == ["torch.bool", [], True] and root["after"]["u8"][2] == [255, 0]
+    assert root["plain"] == other["plain"] == root["before"]  # bps.broadcast as well as broadcast_parameters
+
+
+@pytest.mark.timeout(90)
+def test_the_numpy_broadcast_carries_any_dtype_bit_for_bit_and_a_differing_one_is_a_mismatch(cluster: Cluster
+                                                                                               ) -> None:
+    root, other = _run(cluster, tp.numpy_odd_broadcasts)
+    assert root["after"] == other["after"] == root["before"] != other["before"]
+    assert root["after"]["big"][0] == ">f4" and root["after"]["rec"][1] == [1] and root["after"]["empty"][1] == [0, 3]
+    assert root["mismatch"] == ["np.differ", "int32[1] (broadcast from rank 0) (layout bytes of bool[4])",
+                                "int32[1] (broadcast from rank 0) (layout bytes of uint8[4])"], root
+    assert other["mismatch"] == ["np.differ", root["mismatch"][2], root["mismatch"][1]], other
+    assert root["later"] == other["later"] == [True]
+
+
+@pytest.mark.timeout(90)
+def test_sparse_and_self_overlapping_tensors_are_bps_errors_before_anything_is_sent(cluster: Cluster) -> None:
+    for r in _run(cluster, tp.not_dense_inputs):
+        sparse = "tensor {}: {}is a torch.sparse_coo tensor; only dense tensors are summed and broadcast (pass " \
+                 "{}.to_dense())"
+        assert r["errors"][:3] == ["BPSError: " + sparse.format("'sp'", "", "it"),
+                                   "BPSError: " + sparse.format("'sp.b'", "", "it"),
+                                   "BPSError: " + sparse.format("'sp.out'", "out ", "out")], r
+        overlapping = "out has elements that share memory (an expand()-ed or as_strided tensor, strides {}); the " \
+                      "result cannot be written into it"
+        assert r["errors"][3:5] == ["BPSError: tensor 'expanded': " + overlapping.format("(0, 1)"),
+                                    "BPSError: tensor 'strided': " + overlapping.format("(1, 1)")], r
+        assert r["errors"][5] == "BPSError: tensor 'notatensor': out expected a torch.Tensor, got list", r
+        assert r["summed"] == [[2.0] * 4] * 3, r
 
 
 @pytest.mark.timeout(90)

@@ -45,3 +45,12 @@ def test_dtype_name_refuses_what_the_wire_cannot_carry_naming_the_six():
         bps.dtype_name(np.complex64)
     with pytest.raises(bps.BPSError, match="unsupported dtype float8_e4m3fn"):
         bps.dtype_name(ml_dtypes.float8_e4m3fn)  # another ml_dtypes type: not ours
+
+
+@pytest.mark.parametrize("given, native", [(">f4", "float32"), (">i8", "int64"), (">f2", "float16")])
+def test_a_wire_dtype_in_the_other_byte_order_is_refused_saying_so(given, native):
+    """">f4" was "unsupported dtype >f4; supported: float32, ...": the very dtype it had just refused (a review)."""
+    with pytest.raises(bps.BPSError) as info:
+        bps.dtype_name(np.dtype(given))
+    assert str(info.value) == (f"unsupported dtype {given}: {native} in non-native byte order; pass "
+                               f"array.astype({native!r}) (broadcast carries any byte order as it is)")
