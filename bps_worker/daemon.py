@@ -398,7 +398,7 @@ class WorkerDaemon:
                       f"the same fusion setting (init(fusion_bytes=...), BPS_FUSION_BYTES)")
         else:
             detail = (f"rank {self.rank_offset + local_rank} issued it as {own} but other processes of worker "
-                      f"{self.worker_id} as {other} (one is fused, at most {self.fusion_bytes} bytes, the other not)")
+                      f"{self.worker_id} as {other}")  # (not "one is fused, at most 64 bytes": ours, not the user's)
         why = Why.mismatch(name, fused, unfused, detail)
         decisions = self.fusion.rounds.fail_name(name, why, set(range(self.config.local_size)) - fused_ranks,
                                                  unfused=True)
