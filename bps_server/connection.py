@@ -381,8 +381,8 @@ class ServerConnection(AdmittedProtocol):
                 self.draining = None
             return
         self.drain_streams(reset.epoch)
-        failed = self._processes_gone(reset.worker, reset.epoch, Why(
-            f"every training process of worker {reset.worker} left", "round_failed"))
+        failed = self._processes_gone(reset.worker, reset.epoch, Why.worker_gone(  # (a BPSConnectionError naming
+            reset.worker, f"every training process of worker {reset.worker} left"))  # the worker, as unfused rounds')
         self.server.values.reset(reset.worker, reset.epoch)
         log.info("worker %d has no training processes; %d pending rounds failed", reset.worker, failed)
 

@@ -435,11 +435,14 @@ class Why:
                       ) -> Self:
         """``what`` (a round, said as "round R of 'name'") waited ``waited_s`` for ``worker``, which is not
         connected to ``server`` (the server that says it: "server 2") or (``connected``) has no training
-        processes: the sweeps' timeout."""
+        processes: the sweeps' timeout. A peer that is unreachable or went away, as when its processes' leaving
+        or its disconnection is heard while the round waits: a connection failure naming it either way (it was
+        a timeout here and a connection failure there, so that one death gave either class by its timing: a
+        review of the contract)."""
         gone = ("had no training processes: none had started yet, or they had left" if connected
                 else f"was not connected to {server}")
-        return cls(f"worker {worker} {gone} (waited {waited_s:g} s); {what} cannot complete", "timeout",
-                   what=what, timeout_s=waited_s, detail=f"worker {worker} {gone}")
+        text = f"worker {worker} {gone} (waited {waited_s:g} s); {what} cannot complete"
+        return cls(text, "connection", peer=f"worker {worker}", what=what, timeout_s=waited_s, detail=text)
 
     @classmethod
     def stalled_workers(cls, workers: list[int], waited_s: float, what: str) -> Self:

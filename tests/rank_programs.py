@@ -298,16 +298,18 @@ def in_place_push_that_fails(n: int) -> dict[str, Any]:
     return {"error": None}
 
 
-def push_until_error(max_seconds: float) -> dict[str, Any]:
-    """Push round after round until an error (a peer died) or ``max_seconds``; report when it came."""
+def push_until_error(max_seconds: float, n: int = 50_000) -> dict[str, Any]:
+    """Push round after round until an error (a peer died) or ``max_seconds``; report when it came, its class and
+    its ``peer`` (a BPSConnectionError's)."""
     rank = bps.rank()
     start = time.monotonic()
     rounds = 0
     while time.monotonic() - start < max_seconds:
         try:
-            bps.push_pull(np.full(50_000, rank, np.float32), "steady", average=False)
+            bps.push_pull(np.full(n, rank, np.float32), "steady", average=False)
         except bps.BPSError as exc:
-            return {"error": str(exc), "at": time.time(), "rounds": rounds}
+            return {"error": str(exc), "at": time.time(), "rounds": rounds, "class": type(exc).__name__,
+                    "peer": getattr(exc, "peer", None)}
         rounds += 1
     return {"error": None, "at": time.time(), "rounds": rounds}
 
@@ -343,15 +345,16 @@ def late_rank_after_mismatch() -> dict[str, Any]:
     return out
 
 
-def die_after_one_round(victim: int) -> dict[str, Any]:
-    """``victim``'s process dies after one round; its worker daemon stays up. The others push on."""
+def die_after_one_round(victim: int, n: int = 50_000) -> dict[str, Any]:
+    """``victim``'s process dies after one round; its worker daemon stays up. The others push on (tensors of
+    ``n`` float32: fused where small)."""
     import os
     import signal
 
     bps.push_pull(np.ones(10, np.float32), "steady", average=False)
     if bps.rank() == victim:
         os.kill(os.getpid(), signal.SIGKILL)
-    return push_until_error(30.0)
+    return push_until_error(30.0, n)
 
 
 def die_mid_job() -> None:

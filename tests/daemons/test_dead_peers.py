@@ -52,19 +52,26 @@ def test_kill_9_of_a_worker_daemon_fails_every_process_fast(tmp_path):
             assert r["at"] - killed_at[0] < TIMEOUT_S + 5, (rank, r["at"] - killed_at[0], r["error"])
         assert "worker 1" in results[0]["error"] or "disconnected" in results[0]["error"], results[0]["error"]
         assert "worker daemon" in results[2]["error"], results[2]["error"]
+        for rank, r in enumerate(results):  # a peer that went away, for the others as for its own processes
+            assert r["class"] == "BPSConnectionError", (rank, r)
+        assert results[0]["peer"] == results[1]["peer"] == "worker 1", results[:2]
     finally:
         cluster.stop()
 
 
-def test_dead_processes_behind_a_live_worker_daemon_fail_their_peers(tmp_path):
-    """All processes of machine 1 die but its daemon lives (systemd + torchrun): machine 0 must not hang."""
+@pytest.mark.parametrize("n", [8, 50_000], ids=["fused", "partitioned"])
+def test_dead_processes_behind_a_live_worker_daemon_fail_their_peers(tmp_path, n):
+    """All processes of machine 1 die but its daemon lives (systemd + torchrun): machine 0 must not hang, and
+    hears a BPSConnectionError naming worker 1 (a fused name's was a bare BPSError, and a round opened after
+    the leaving was heard a BPSTimeoutError: a review of the contract)."""
     cluster = start_cluster(write_config(tmp_path, [1, 1], cpu_servers=1, cluster={"timeout": TIMEOUT_S}))
     try:
         start = time.time()
-        results = run_ranks(cluster, rp.die_after_one_round, 1, may_die=frozenset({1}), timeout=60)
+        results = run_ranks(cluster, rp.die_after_one_round, 1, n, may_die=frozenset({1}), timeout=60)
         r = results[0]
         assert r["error"] is not None, "rank 0 never noticed that rank 1 died"
         assert "worker 1" in r["error"], r["error"]
+        assert r["class"] == "BPSConnectionError" and r["peer"] == "worker 1", r
         assert r["at"] - start < TIMEOUT_S + 10
     finally:
         cluster.stop()
@@ -132,6 +139,7 @@ def test_a_stalled_worker_daemon_fails_its_peers_within_the_timeout(tmp_path):
         assert r["error"] is not None and r["rounds"] > 0, r
         assert r["at"] - stopped_at[0] < TIMEOUT_S * 2 + 3, (r["at"] - stopped_at[0], r["error"])
         assert "worker 1" in r["error"], r["error"]
+        assert r["class"] == "BPSConnectionError" and r["peer"] == "worker 1", r
     finally:
         victim.proc.send_signal(signal.SIGCONT)
         cluster.stop()

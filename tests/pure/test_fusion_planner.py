@@ -693,7 +693,7 @@ def test_a_name_that_waits_for_a_worker_without_processes_fails_after_the_timeou
     p.report(0, ["x"], [F32], now=100.0)
     assert p.sweep(104.9, {0, 1}, 5.0) == []
     (failed,) = p.sweep(105.0, {0, 1}, 5.0)
-    assert failed.worker == 0 and failed.name == "x" and failed.why.code == "timeout"
+    assert failed.worker == 0 and failed.name == "x" and failed.why.code == "connection"
     assert failed.why.text == "worker 1 had no training processes: none had started yet, or they had left (waited 5 s); round 0 of 'x' cannot complete"
     assert "x" not in p.waiting and p.failed["x"][0][1] == {1}
     [heard] = p.report(1, ["x"], [F32], now=106.0)  # its processes are back: they hear that round's failure
@@ -774,7 +774,7 @@ def test_with_a_stall_timeout_a_name_that_waits_for_a_connected_worker_fails_nam
     p.report(0, ["x"], [F32], now=100.0)
     assert p.sweep(119.9, {0, 1, 2}, 5.0, stall_s=20.0) == []
     (failed,) = p.sweep(120.0, {0, 1, 2}, 5.0, stall_s=20.0)
-    assert failed.worker == 0 and failed.name == "x" and failed.why.code == "timeout"
+    assert failed.worker == 0 and failed.name == "x" and failed.why.code == "timeout"  # (alive, connected: stuck)
     assert failed.why.text == ("round 0 of 'x' failed: workers 1, 2 did not push it (cluster.stall_timeout), "
                                "waited 20 s")
     assert failed.why.timeout_s == 20.0 and failed.why.detail == "workers 1, 2 did not push it (cluster.stall_timeout)"

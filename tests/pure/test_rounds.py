@@ -320,8 +320,8 @@ def test_sweep_fails_a_round_waiting_for_an_unconnected_worker_after_the_grace()
     actions = table.sweep(110.5)
     why = "worker 2 was not connected to this server (waited 10 s); round 0 of 't' cannot complete"
     assert len(actions) == 1 and _fails(actions) == {"w0": why, "w1": why}
-    assert _facts(actions)["w0"] == ("timeout", "", "", "", "", "round 0 of 't'", 10)
-    assert actions[0].why.failure(0).detail == "worker 2 was not connected to this server"
+    assert _facts(actions)["w0"] == ("connection", "", "", "", "worker 2", "round 0 of 't'", 10)
+    assert actions[0].why.failure(0).detail == why
     named: RoundTable[str] = RoundTable(3, lost_grace_s=10, connected=lambda w: w in connected, server="server 4")
     named.push(_push(0), _data(), "w0", 100.0)
     assert _fails(named.sweep(110.5))["w0"].startswith("worker 2 was not connected to server 4 (waited 10 s)")
