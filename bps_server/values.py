@@ -142,6 +142,10 @@ class _Key(Generic[W]):
     # init of it raises their entry to the furthest machine's (see the module docstring, _answer_init).
     behind: set[int] = field(default_factory=set)
     job: str = ""  # the job whose value it is (the first push naming one; see "Jobs")
+    # An init refused as a mismatch is one side's error; the machines of the other side hear it at their next
+    # delta of the key (added, and answered with the mismatch: every process involved gets it, as a synchronous
+    # mismatch fails every pusher; the root's went on with the first shape, never told, a review of the contract).
+    owed: dict[int, Why] = field(default_factory=dict)
 
 
 def _other_job(job: str, other: str) -> bool:
@@ -344,7 +348,7 @@ class ValueStore(Generic[W]):
             return [Fail(w.handle, push, failed)]
         refusal = self._refusal(st, push)
         if refusal is not None:
-            return [*actions, Fail(w.handle, push, refusal)]
+            return [*actions, Fail(w.handle, push, self._refused(st, push, refusal))]
         try:
             if lease is not None and (push.kind != KIND_ASYNC_INIT or push.holds_root):
                 lease()
@@ -402,29 +406,40 @@ class ValueStore(Generic[W]):
             if why is None:
                 keep.append(w)
             else:
-                fails.append(Fail(w.handle, w.push, why))
+                fails.append(Fail(w.handle, w.push, self._refused(st, w.push, why)))
         st.inits = keep
         return fails
 
     def _refusal(self, st: _Key[W], push: Push) -> Why | None:
-        """Why ``push`` disagrees with the key, as its sender hears it; None if it agrees. A key restored from a
-        copy of a delta (a server restart) knows its bound but not its root: an init is held to that bound, and
-        the first one that agrees stands for the root from then on (``_init``)."""
+        """Why ``push`` disagrees with the key: a mismatch whose sides are the key's (first) and the push's
+        (second); None if it agrees. A key restored from a copy of a delta (a server restart) knows its bound but
+        not its root: an init is held to that bound, and the first one that agrees stands for the root from then
+        on (``_init``)."""
         first = st.first
         if _descriptor(push) != _descriptor(first):
-            return Why.pushes_disagree(first, push).for_push(push)
+            return Why.pushes_disagree(first, push)
         if push.kind != KIND_ASYNC_INIT:
             return None
         if first.kind == KIND_ASYNC_INIT and (push.root != first.root or push.staleness != first.staleness):
             ours, theirs = describe(first), describe(push)  # (with their roots and bounds)
             return Why.mismatch(push.name, ours, theirs, f"worker {first.worker} initialised it as {ours} but "
-                                                         f"worker {push.worker} as {theirs}").heard_by(theirs)
+                                                         f"worker {push.worker} as {theirs}")
         if first.kind != KIND_ASYNC_INIT and _staleness(push) != st.staleness:
             ours, theirs = describe(dataclasses.replace(push, staleness=first.staleness)), describe(push)
             return Why.mismatch(push.name, ours, theirs, f"the value restored from worker {first.worker}'s copy has "
                                                          f"the bound of {ours} but worker {push.worker} initialised "
-                                                         f"it as {theirs}").heard_by(theirs)
+                                                         f"it as {theirs}")
         return None
+
+    def _refused(self, st: _Key[W], push: Push, why: Why) -> Why:
+        """``push`` is refused (``why``, from :meth:`_refusal`): the error its sender hears. A refused init is owed
+        to every other machine, which hears it at its next delta of the key (see ``_Key.owed``)."""
+        assert why.sides is not None
+        if push.kind == KIND_ASYNC_INIT:
+            for worker in range(self.n):
+                if worker != push.worker:
+                    st.owed.setdefault(worker, why)
+        return why.heard_by(why.sides[1])
 
     def _init(self, st: _Key[W], w: _Waiter[W], payload: np.ndarray, now: float) -> list[Action[W]]:
         push = w.push
@@ -464,6 +479,9 @@ class ValueStore(Generic[W]):
         if fresh:
             kernels.accumulate(st.value, payload, push.dtype, first=False)
             st.applied[worker] = push.round
+        owed = st.owed.pop(worker, None)
+        if owed is not None and owed.sides is not None:  # (added: the same on every server of its parts)
+            return [Fail(w.handle, push, owed.heard_by(owed.sides[0])), *self._release(st)]
         st.held.append(w)
         if fresh:
             return self._release(st)
@@ -622,6 +640,7 @@ class ValueStore(Generic[W]):
         self.jobs.left(worker)
         for st in self.keys.values():
             st.behind.add(worker)
+            st.owed.pop(worker, None)  # (its next processes were not involved)
         if len(self.reset_workers) >= self.n:
             return self._every_worker_reset()
         actions: list[Action[W]] = []

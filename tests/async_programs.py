@@ -121,17 +121,26 @@ def misuse(name: str) -> dict[str, Any]:
     return {"outcome": outcome, "local": local, "never": never, "bad": bad}
 
 
-def mismatch(name: str) -> str:
-    """Worker 1 initialises ``name`` with another shape."""
+def mismatch(name: str) -> dict[str, Any]:
+    """Worker 1 initialises ``name`` with another shape; then (after a barrier: every init was answered) the
+    machines whose init succeeded push two deltas."""
     worker = bps.rank() // bps.local_size()
     shape = (4,) if worker == 0 else (5,)
-    try:
-        bps.async_init(np.ones(shape, np.float32), name)
-        return "ok"
-    except bps.BPSMismatchError as exc:
-        return f"{exc.name}|{exc.ours}|{exc.theirs}"
-    except bps.BPSError as exc:
-        return f"{type(exc).__name__}: {exc}"
+
+    def outcome(call: Any) -> str:
+        try:
+            call()
+            return "ok"
+        except bps.BPSMismatchError as exc:
+            return f"{exc.name}|{exc.ours}|{exc.theirs}"
+        except bps.BPSError as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    init = outcome(lambda: bps.async_init(np.ones(shape, np.float32), name))
+    bps.push_pull(np.zeros(1, np.float32), f"{name}.barrier")
+    pushes = [outcome(lambda: bps.async_push_pull(np.ones(shape, np.float32), name)) for _ in range(2)] \
+        if init == "ok" else []
+    return {"init": init, "pushes": pushes}
 
 
 def push_until_error(name: str, staleness: int | None, seconds: float) -> dict[str, Any]:

@@ -53,14 +53,19 @@ def test_unbounded_a_slow_machine_does_not_slow_the_others(cluster_2x2):
     assert results[1]["steps"] == fast and results[3]["steps"] == slow  # local processes go together
 
 
-def test_a_shape_mismatch_names_the_tensor_and_both_shapes(cluster_2x2):
+def test_a_shape_mismatch_names_the_tensor_and_both_shapes_on_both_sides(cluster_2x2):
     """Machine 1 initialises the name with another shape than the root's machine: it hears why, naming the
-    tensor, its own shape and the root's (whichever init came first); the root's machine has its value."""
+    tensor, its own shape and the root's (whichever init came first); the root's machine has its value, and
+    hears the mismatch at its next delta, its own shape as ``ours`` (it went on with the first shape, never
+    told: a review of the contract), then goes on."""
     results = run_ranks(cluster_2x2, ap.mismatch, "mm", timeout=60)
-    assert results[:2] == ["ok", "ok"], results
     for r in results[2:]:
-        name, ours, theirs = r.split("|")
+        name, ours, theirs = r["init"].split("|")
         assert name == "mm" and ours.startswith("float32[5]") and theirs.startswith("float32[4]"), r
+    for r in results[:2]:
+        assert r["init"] == "ok" and len(r["pushes"]) == 2 and r["pushes"][1] == "ok", r
+        name, ours, theirs = r["pushes"][0].split("|")
+        assert name == "mm" and ours.startswith("float32[4]") and theirs.startswith("float32[5]"), r
 
 
 def test_sync_and_async_use_of_one_name_is_an_error(cluster_2x2):

@@ -173,6 +173,38 @@ def test_mismatches_name_both_sides() -> None:
     assert isinstance(other, Fail) and "staleness 3" in other.why.ours and "staleness 2" in other.why.theirs
 
 
+def test_an_init_refused_as_a_mismatch_is_heard_by_the_other_machines_at_their_next_delta() -> None:
+    """Worker 1's init of another shape is refused; worker 0 (the root's, which set the value) and worker 2 (whose
+    init came later and agreed) hear the mismatch at their next delta, their side as "ours", the delta added; once
+    each, and not by worker 1's next processes. The root's went on with the first shape, never told (a review)."""
+    s = store()
+    s.push(init(0), arr(1, 2, 3, 4), "i0", 0.0)
+    (refused,) = s.push(init(1, count=3), arr(0, 0, 0), "i1", 0.1)
+    assert isinstance(refused, Fail) and refused.why.code == "mismatch" and refused.why.name == "w"
+    assert (refused.why.ours, refused.why.theirs) == ("float32[3] (async_init from rank 0, unbounded)",
+                                                      "float32[4] (async_init from rank 0, unbounded)")
+    assert answers(s.push(init(2), arr(0, 0, 0, 0), "i2", 0.2))["i2"].value.tolist() == [1, 2, 3, 4]
+    for worker, handle in ((0, "d0"), (2, "d2")):
+        (heard,) = s.push(delta(worker, 1), arr(1, 1, 1, 1), handle, 1.0)
+        assert isinstance(heard, Fail) and heard.why.code == "mismatch", heard
+        assert (heard.why.ours, heard.why.theirs) == (refused.why.theirs, refused.why.ours)
+    assert answers(s.push(delta(0, 2), arr(1, 1, 1, 1), "again", 1.1))["again"].value.tolist() == [4, 5, 6, 7]
+    s.worker_reset(1)
+    assert answers(s.push(init(1), arr(0, 0, 0, 0), "back", 2.0))["back"].value.tolist() == [4, 5, 6, 7]
+    assert answers(s.push(delta(1, 5), arr(1, 0, 0, 0), "d1", 2.1))["d1"].value.tolist() == [5, 5, 6, 7]  # not owed
+
+
+def test_an_init_refused_before_the_roots_value_came_is_owed_to_the_root() -> None:
+    s = store()
+    assert s.push(init(1, count=3), arr(0, 0, 0), "i1", 0.0) == []  # waits for the root's value
+    got = s.push(init(0), arr(1, 2, 3, 4), "i0", 0.1)
+    fails = [a for a in got if isinstance(a, Fail)]
+    assert [f.handle for f in fails] == ["i1"] and answers(got).keys() == {"i0"}
+    (heard,) = s.push(delta(0, 1), arr(1, 1, 1, 1), "d0", 1.0)
+    assert isinstance(heard, Fail) and heard.why.ours.startswith("float32[4]") and heard.why.theirs.startswith(
+        "float32[3]")
+
+
 def restore_push(worker: int, applied: list[int], staleness: int = -1) -> Push:
     return Push(0, "w", 0, 0, worker, "float32", [4], 0, 4, kind=KIND_ASYNC, replay=True, applied=applied,
                 staleness=staleness)
