@@ -47,7 +47,7 @@ import sys
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -78,9 +78,9 @@ from .torch_ddp import DDPHookState, ddp_comm_hook, register_ddp_hook  # the DDP
 __all__ = [
     "BPSError", "BPSConnectionError", "BPSMismatchError", "BPSTimeoutError", "Compression", "Handle",
     "DistributedOptimizer", "broadcast", "broadcast_", "broadcast_optimizer_state", "broadcast_parameters",
-    "init", "is_initialized", "local_rank", "local_size", "poll", "push_pull", "push_pull_async", "rank",
-    "shared_tensor", "shutdown", "size", "synchronize", "DDPHookState", "ddp_comm_hook", "register_ddp_hook",
-    "async_init", "async_push_pull",
+    "init", "is_initialized", "local_rank", "local_size", "poll", "push_pull", "push_pull_async", "push_pull_group",
+    "rank", "shared_array", "shared_tensor", "shutdown", "size", "synchronize", "DDPHookState", "ddp_comm_hook",
+    "register_ddp_hook", "async_init", "async_push_pull",
 ]
 
 _WIRE_TYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}
@@ -117,14 +117,17 @@ def _numpy_of(dtype: torch.dtype) -> Any:
     return _client.NUMPY_DTYPES["bfloat16"] if np_dtype == "bfloat16" else np_dtype
 
 
-def shared_tensor(name: str, shape: Iterable[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def shared_tensor(name: str, shape: Iterable[int] | int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A CPU tensor whose storage is the shared-memory slot of ``name`` (see
     :func:`bps_worker.client.shared_array`): ``push_pull(t, name, out=t)`` on it sums in place
     with no copy in or out. Reused across rounds while the size fits; valid until ``shutdown()``."""
     if dtype not in _NUMPY_OF:
         raise BPSError(f"unsupported tensor dtype {dtype}; supported: float32, float64, float16, bfloat16, "
                        f"int32, int64")
-    return _from_numpy(_client.shared_array(name, tuple(shape), _numpy_of(dtype)))
+    return _from_numpy(_client.shared_array(name, shape, _numpy_of(dtype)))
+
+
+shared_array = shared_tensor  # (the client's name for it: "the same functions on torch.Tensor")
 
 
 @dataclass(eq=False)
@@ -228,6 +231,19 @@ def push_pull(tensor: torch.Tensor, name: str, *, average: bool = True, priority
     if out is None and isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
         return _PushPull.apply(tensor, name, average, priority)
     return synchronize(_start(tensor, name, average=average, priority=priority, out=out))
+
+
+def push_pull_group(tensors: Sequence[torch.Tensor], names: Sequence[str], *, average: bool = True,
+                    priority: int = 0) -> list[torch.Tensor]:
+    """:func:`bps_worker.client.push_pull_group` on tensors: a model's whole tree in one call (its small tensors
+    packed per dtype); each result a new tensor on its input's device."""
+    tensors, names = list(tensors), list(names)
+    if len(tensors) != len(names):
+        raise BPSError(f"push_pull_group: {len(tensors)} tensors but {len(names)} names")
+    for tensor, name in zip(tensors, names):
+        _check_dense(tensor, name)
+    results = _client.push_pull_group([_to_numpy(t) for t in tensors], names, average=average, priority=priority)
+    return [_from_numpy(r, t).to(t.device) for r, t in zip(results, tensors)]
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str) -> torch.Tensor:

@@ -467,3 +467,25 @@ def optimizer_state_in_other_orders() -> dict[str, Any]:
     labels = labelled.state_dict()["param_groups"][0]["param_names"]
     return {"kept": before == after, "a": after["a.weight"][0][0], "b": after["b.weight"][0][0], "error": error,
             "labels_ours": labels == [n for n, _ in named]}
+
+
+def group_and_shared_array() -> dict[str, Any]:
+    """push_pull_group and shared_array on tensors, as the client has them ("the same functions on torch.Tensor":
+    the layer had neither, a review); shared_array's shape as one integer, as numpy takes it."""
+    r = bps.rank()
+    tensors = [torch.full((3,), float(r + 1)), torch.arange(4, dtype=torch.int64) * (r + 1),
+               torch.full((2, 2), 0.5 * r, dtype=torch.bfloat16), torch.ones(2, 3).t()]
+    summed = bps.push_pull_group(tensors, ["g.a", "g.b", "g.c", "g.d"], average=False)
+    shared = bps.shared_array("g.shared", 4)
+    shared.fill_(r + 1)
+    same = bps.push_pull(shared, "g.shared", average=False, out=shared)
+    errors = []
+    for call in (lambda: bps.push_pull_group(tensors, ["g.a"]),
+                 lambda: bps.push_pull_group([torch.ones(2).to_sparse()], ["g.sparse"])):
+        try:
+            call()
+            errors.append("")
+        except Exception as exc:
+            errors.append(_error(exc))
+    return {"summed": [[str(t.dtype), t.tolist()] for t in summed], "shared": shared.tolist(),
+            "in_place": same is shared, "errors": errors}

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Sequence
+from typing import Iterable, Sequence, SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
@@ -168,7 +168,8 @@ def local_size() -> int:
     return _operations().local_size
 
 
-def shared_array(name: str, shape: tuple[int, ...], dtype: npt.DTypeLike = np.float32) -> np.ndarray:
+def shared_array(name: str, shape: Iterable[SupportsIndex] | SupportsIndex, dtype: npt.DTypeLike = np.float32
+                 ) -> np.ndarray:
     """The shared-memory slot of tensor ``name`` as an array: use it to avoid every copy.
 
     ``push_pull(a, name, out=a)`` on it sums in place: the worker daemon reads the

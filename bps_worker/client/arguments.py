@@ -106,16 +106,20 @@ def check_average(name: str, average: object, wire: str) -> bool:
     return flag
 
 
-def check_shape(name: str, shape: Iterable[SupportsIndex], dtype: np.dtype) -> tuple[int, ...]:
+def check_shape(name: str, shape: Iterable[SupportsIndex] | SupportsIndex, dtype: np.dtype) -> tuple[int, ...]:
     """``shape`` as a tuple of ints, if it has at most ``MAX_DIMS`` non-negative dimensions and its bytes fit
-    a wire integer."""
+    a wire integer; one integer is a 1-d shape, as numpy takes it (``shared_array("x", 4)``)."""
     if type(shape) is tuple and all(type(d) is int for d in shape):  # an array's shape: as it is
         dims: tuple[int, ...] = shape
-    else:
+    elif isinstance(shape, Iterable):
         try:
             dims = tuple(operator.index(d) for d in shape)
-        except TypeError:  # a float dimension, or a shape that is not iterable
+        except TypeError:  # a float dimension
             raise BPSError(f"tensor {name!r}: shape must hold integers, got {shape!r}") from None
+    elif hasattr(type(shape), "__index__") and not isinstance(shape, (bool, np.bool_)):  # (a bool: a slip)
+        dims = (operator.index(shape),)
+    else:
+        raise BPSError(f"tensor {name!r}: shape must hold integers, got {shape!r}")
     if any(d < 0 for d in dims):
         raise BPSError(f"tensor {name!r}: negative dimension in shape {dims}")
     if len(dims) > MAX_DIMS:

@@ -218,7 +218,7 @@ class Operations:
         return self._start(name, kind, array.dtype, array.shape, array, average, priority, root, out, "", staleness,
                            internal, waited)
 
-    def shared_array(self, name: str, shape: Iterable[SupportsIndex], dtype: npt.DTypeLike, *,
+    def shared_array(self, name: str, shape: Iterable[SupportsIndex] | SupportsIndex, dtype: npt.DTypeLike, *,
                      pinned: bool = True) -> np.ndarray:
         """The slot of ``name`` as an array of ``shape`` and ``dtype`` (see ``bps.shared_array``): held while the
         array (or a view of it) lives (``pinned``), or until the name is next pushed (a framework's slot filled in

@@ -202,3 +202,14 @@ def test_optimizer_state_goes_by_parameter_name_where_the_orders_differ(cluster:
     assert results[1]["error"].startswith("BPSError: broadcast_optimizer_state: this process's optimizer groups "
                                           "its parameters otherwise than the root's ([1, 1] parameters in its "
                                           "groups, the root [2])"), results
+
+
+@pytest.mark.timeout(90)
+def test_push_pull_group_and_shared_array_on_tensors(cluster: Cluster) -> None:
+    for r in _run(cluster, tp.group_and_shared_array):
+        assert r["summed"] == [["torch.float32", [3.0] * 3], ["torch.int64", [0, 3, 6, 9]],
+                               ["torch.bfloat16", [[0.5, 0.5], [0.5, 0.5]]], ["torch.float32", [[2.0] * 2] * 3]], r
+        assert r["shared"] == [3.0] * 4 and r["in_place"], r
+        assert r["errors"] == ["BPSError: push_pull_group: 4 tensors but 1 names",
+                               "BPSError: tensor 'g.sparse': is a torch.sparse_coo tensor; only dense tensors are "
+                               "summed and broadcast (pass it.to_dense())"], r

@@ -86,8 +86,13 @@ def test_shapes() -> None:
         check_shape("w", (2, -1), F32)
     with pytest.raises(BPSError, match="tensor 'w': shape must hold integers"):
         check_shape("w", (2.5,), F32)  # type: ignore[arg-type]
+    assert check_shape("w", 5, F32) == check_shape("w", np.int64(5), F32) == (5,)  # as numpy takes one (a review)
     with pytest.raises(BPSError, match="tensor .w.: shape must hold integers"):
-        check_shape("w", 5, F32)  # type: ignore[arg-type]
+        check_shape("w", 5.0, F32)  # type: ignore[arg-type]
+    with pytest.raises(BPSError, match="tensor .w.: shape must hold integers"):
+        check_shape("w", True, F32)  # type: ignore[arg-type]
+    with pytest.raises(BPSError, match=r"tensor 'w': negative dimension in shape \(-3,\)"):
+        check_shape("w", -3, F32)  # type: ignore[arg-type]
     with pytest.raises(BPSError, match=f"bytes; at most {WIRE_INT_MAX}"):
         check_shape("w", (1 << 40, 1 << 40), F32)
 
