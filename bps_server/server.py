@@ -120,12 +120,12 @@ class SummationServer:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: ServerConnection(self), host, port, reuse_address=True)
         sockname = self._server.sockets[0].getsockname()
-        log.info("summation service %d listening on %s:%d (%d workers)", self.config.server_id,
-                 sockname[0], sockname[1], self.config.cluster.workers)
         spec = self.config.cluster.server(self.config.server_id)
         if spec.metrics is not None:  # (before any task: a busy metrics port is one line, no task left pending)
             self._endpoint = metrics.Endpoint(*spec.metrics, loop=loop, families=self.metric_families,
                                               health=lambda: self.pulse.latest, stall_limit_s=self.config.stall_limit_s)
+        log.info("summation service %d listening on %s:%d (%d workers)", self.config.server_id,  # (once it all
+                 sockname[0], sockname[1], self.config.cluster.workers)  # listens: a start that fails says only why)
         self._silence_watch = asyncio.ensure_future(self._watch_silence())
         self.pulse.start()
         return sockname[0], sockname[1]

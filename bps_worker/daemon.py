@@ -215,6 +215,7 @@ class WorkerDaemon:
         self.pulse.start()
         log.info("worker %d serving %d local processes on %s (%d workers, %d servers)", self.worker_id,
                  self.config.local_size, path, self.config.cluster.workers, len(self.links))
+        log.info("%s", self.placement.split_note)  # (not before: a daemon that cannot start says only why)
 
     def verdict(self) -> Verdict:
         """Ready once connected (handshake done) to every server; the 503 and the status name the others."""

@@ -64,7 +64,6 @@ there are at least ``n`` of them, else over all servers.
 
 from __future__ import annotations
 
-import logging
 import zlib
 from dataclasses import dataclass
 from fractions import Fraction
@@ -73,7 +72,6 @@ from typing import TypeVar
 from protocol.config import ClusterConfig
 from protocol.messages import MAX_STREAMS, fused_name, fused_server
 
-log = logging.getLogger("bps.worker.placement")
 
 # Tensors of at most partition_bytes / SMALL_TENSOR_FRACTION bytes are not split across servers.
 SMALL_TENSOR_FRACTION = 64
@@ -147,6 +145,12 @@ def server_shares(config: ClusterConfig) -> dict[int, Fraction]:
     with its ``worker``, for more cores), they share its ``M_gpu`` evenly, and its link carries what one server
     would. One worker machine sends nothing over a network: its own servers take everything (the paper's
     denominator is 0)."""
+    return split(config)[0]
+
+
+def split(config: ClusterConfig) -> tuple[dict[int, Fraction], str]:
+    """:func:`server_shares`, and a line that says which split it is (the worker daemon logs it once it listens:
+    a daemon that cannot start says only why)."""
     n = config.workers
     cpu = [s.id for s in config.servers if s.worker is None]
     colocated: dict[int, list[int]] = {}
@@ -156,23 +160,23 @@ def server_shares(config: ClusterConfig) -> dict[int, Fraction]:
     every_worker = len(colocated) == n
     if every_worker and (len(cpu) <= n or n == 1):
         m_cpu, m_gpu = theorem1_shares(n, min(len(cpu), n))
-        log.info("Theorem 1's split for n = %d, k = %d: %s of every round's bytes on each CPU-only server, %s on "
-                 "each worker machine's servers", n, len(cpu), m_cpu, m_gpu)
+        note = (f"Theorem 1's split for n = {n}, k = {len(cpu)}: {m_cpu} of every round's bytes on each CPU-only "
+                f"server, {m_gpu} on each worker machine's servers")
         shares = {sid: (Fraction(0) if n == 1 else m_cpu) for sid in cpu}
         for ids in colocated.values():
             shares.update({sid: m_gpu / len(ids) for sid in ids})
-        return shares
+        return shares, note
     if len(cpu) >= n:
-        log.info("%d CPU-only servers for %d workers (k %s n): spreading evenly over the CPU-only servers",
-                 len(cpu), n, ">" if every_worker else ">=")
+        note = (f"{len(cpu)} CPU-only servers for {n} workers (k {'>' if every_worker else '>='} n): spreading evenly "
+                f"over the CPU-only servers")
         chosen = cpu
     else:
-        log.info("server layout has workers without a colocated server and fewer CPU-only servers than workers: "
-                 "spreading evenly over all %d servers", len(config.servers))
+        note = (f"server layout has workers without a colocated server and fewer CPU-only servers than workers: "
+                f"spreading evenly over all {len(config.servers)} servers")
         chosen = [s.id for s in config.servers]
     shares = {s.id: Fraction(0) for s in config.servers}
     shares.update({sid: Fraction(1, len(chosen)) for sid in chosen})
-    return shares
+    return shares, note
 
 
 def interleave(pieces: list[Piece]) -> list[Piece]:
@@ -220,7 +224,7 @@ class Placement:
         link_bytes_per_s = 0 if config.one_host else config.link_bits_per_s / 8
         self.rate_bytes = int(link_bytes_per_s * piece_link_time(8 * link_bytes_per_s))
         self.min_rate_bytes = int(link_bytes_per_s * PIECE_MIN_LINK_TIME_S)
-        shares = server_shares(config)
+        shares, self.split_note = split(config)
         self.server_ids = [s.id for s in config.servers]
         self.shares = [shares[sid] for sid in self.server_ids]
         self.small_tensor_bytes = self.partition_bytes // SMALL_TENSOR_FRACTION

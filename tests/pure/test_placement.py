@@ -26,6 +26,7 @@ from bps_worker.placement import (
     interleave,
     piece_link_time,
     server_shares,
+    split,
     theorem1_shares,
 )
 from protocol.config import ClusterConfig, parse_config
@@ -131,12 +132,13 @@ def test_server_shares_follow_theorem1(n, k):
     assert sum(shares.values()) == 1
 
 
-def test_the_split_chosen_is_logged_for_theorem1_layouts_too(caplog):
-    """configs/README.md: "The worker daemon logs which it chose": only the fallback layouts said so (a review)."""
-    with caplog.at_level("INFO", logger=placement_module.log.name):
-        server_shares(make_config(4, 2))
-    assert "Theorem 1's split for n = 4, k = 2: 3/10 of every round's bytes on each CPU-only server, 1/10 on each " \
-           "worker machine's servers" in caplog.text
+def test_the_split_chosen_is_said_for_theorem1_layouts_too():
+    """configs/README.md: "The worker daemon logs which it chose": only the fallback layouts said so (a review).
+    The daemon logs it once it listens (bps_worker.daemon)."""
+    assert split(make_config(4, 2))[1] == ("Theorem 1's split for n = 4, k = 2: 3/10 of every round's bytes on "
+                                           "each CPU-only server, 1/10 on each worker machine's servers")
+    assert split(make_config(2, 1, colocated=[None, None]))[1] == ("3 CPU-only servers for 2 workers (k >= n): spreading "
+                                                            "evenly over the CPU-only servers")
 
 
 def test_server_shares_with_unordered_ids_and_links():
