@@ -17,6 +17,7 @@ import tempfile
 import termios
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -532,6 +533,36 @@ def test_a_missing_or_ambiguous_id_exits_2_with_one_line(tmp_path, module, env, 
     assert result.returncode == 2
     line = _one_line(result.stderr)
     assert line.startswith(module.replace("_", "-") + ":") and reason in line
+
+
+def test_a_worker_that_cannot_reach_a_server_says_so_once_a_timeout(tmp_path):
+    """Nothing listens at the server's address: the worker logs it once it has failed for the timeout, then once a
+    timeout (it logged nothing at all: a down server or a typo'd host looked like an idle, healthy worker; only a
+    process's error said why, a review). Not at its first attempts: workers may start before their servers."""
+    config = write_config(tmp_path, [1], cpu_servers=0, cluster={"timeout": 2.0})
+    port = int(re.findall(r"127\.0\.0\.1:(\d+)", config.read_text())[0])  # (free: nobody listens there)
+    worker = subprocess.Popen([PY, "-m", "bps_worker", "--config", str(config), "--id", "0"], stderr=subprocess.PIPE,
+                              text=True)
+    lines: list[str] = []
+    try:
+        assert worker.stderr is not None
+        deadline = time.monotonic() + 30
+        while sum(" WARNING " in line for line in lines) < 2 and time.monotonic() < deadline:
+            if select.select([worker.stderr], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                lines.append(worker.stderr.readline())
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        _, rest = worker.communicate(timeout=30)
+    stderr = "".join(lines) + rest
+    assert worker.returncode == 0, stderr
+    said = [line.split(" ", 2) for line in stderr.splitlines() if " WARNING " in line]  # [day, time, the rest]
+    assert len(said) >= 2, stderr
+    for _, _, text in said:
+        assert re.fullmatch(rf"bps\.worker\.link WARNING cannot reach server 0 at 127\.0\.0\.1:{port} for \d+ s: "
+                            rf".*refused.* \(retrying\)", text, re.IGNORECASE), stderr
+    first, second = (datetime.strptime(f"{day} {clock}", "%Y-%m-%d %H:%M:%S,%f") for day, clock, _ in said[:2])
+    assert (second - first).total_seconds() >= 1.9, stderr  # once a timeout, not at every attempt (each second)
+    assert int(said[0][2].split(" for ")[1].split()[0]) >= 2, stderr  # (not before the timeout)
 
 
 def test_worker_refuses_a_socket_in_use(tmp_path):
