@@ -77,7 +77,7 @@ import numpy as np
 
 from bps_runtime import kernels
 from bps_runtime.stalls import stalled
-from protocol.messages import KIND_ASYNC_INIT, Push
+from protocol.messages import KIND_ASYNC, KIND_ASYNC_INIT, Push
 
 from .rounds import Lease, Why, describe
 
@@ -143,8 +143,9 @@ class _Key(Generic[W]):
     behind: set[int] = field(default_factory=set)
     job: str = ""  # the job whose value it is (the first push naming one; see "Jobs")
     # An init refused as a mismatch is one side's error; the machines of the other side hear it at their next
-    # delta of the key (added, and answered with the mismatch: every process involved gets it, as a synchronous
-    # mismatch fails every pusher; the root's went on with the first shape, never told, a review of the contract).
+    # delta of the key (refused: not added, as any refused push, so its machine numbers its next delta alike),
+    # as a synchronous mismatch fails every pusher (the root's went on with the first shape, never told: a review
+    # of the contract). Only the machines in the job then (not one away, whose next processes were not involved).
     owed: dict[int, Why] = field(default_factory=dict)
 
 
@@ -346,7 +347,13 @@ class ValueStore(Generic[W]):
             actions += self._root_decides(st, push)
         elif push.kind == KIND_ASYNC_INIT and (failed := self._failed_attempt(st, push)) is not None:
             return [Fail(w.handle, push, failed)]
-        refusal = self._refusal(st, push)
+        owed = st.owed.pop(push.worker, None) if push.kind == KIND_ASYNC else None
+        if owed is not None and owed.sides is not None:
+            return [*actions, Fail(w.handle, push, owed.heard_by(owed.sides[0]))]
+        # (an init before the root's value waits for it, and is judged by it then: judged by the first init that
+        # came, one that agrees with the root was refused where a wrong one had come first, a review)
+        undecided = st.value is None and push.kind == KIND_ASYNC_INIT
+        refusal = None if undecided else self._refusal(st, push)
         if refusal is not None:
             return [*actions, Fail(w.handle, push, self._refused(st, push, refusal))]
         try:
@@ -436,8 +443,9 @@ class ValueStore(Generic[W]):
         to every other machine, which hears it at its next delta of the key (see ``_Key.owed``)."""
         assert why.sides is not None
         if push.kind == KIND_ASYNC_INIT:
+            away = self.excluded | self._in_other_jobs(st.job)
             for worker in range(self.n):
-                if worker != push.worker:
+                if worker != push.worker and worker not in away:
                     st.owed.setdefault(worker, why)
         return why.heard_by(why.sides[1])
 
@@ -479,9 +487,6 @@ class ValueStore(Generic[W]):
         if fresh:
             kernels.accumulate(st.value, payload, push.dtype, first=False)
             st.applied[worker] = push.round
-        owed = st.owed.pop(worker, None)
-        if owed is not None and owed.sides is not None:  # (added: the same on every server of its parts)
-            return [Fail(w.handle, push, owed.heard_by(owed.sides[0])), *self._release(st)]
         st.held.append(w)
         if fresh:
             return self._release(st)

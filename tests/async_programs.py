@@ -127,18 +127,18 @@ def mismatch(name: str) -> dict[str, Any]:
     worker = bps.rank() // bps.local_size()
     shape = (4,) if worker == 0 else (5,)
 
-    def outcome(call: Any) -> str:
+    def outcome(call: Any) -> Any:
         try:
-            call()
-            return "ok"
+            got = call()
+            return "ok" if got is None else got.tolist()
         except bps.BPSMismatchError as exc:
             return f"{exc.name}|{exc.ours}|{exc.theirs}"
         except bps.BPSError as exc:
             return f"{type(exc).__name__}: {exc}"
 
-    init = outcome(lambda: bps.async_init(np.ones(shape, np.float32), name))
+    init = outcome(lambda: [bps.async_init(np.ones(shape, np.float32), name), None][1])
     bps.push_pull(np.zeros(1, np.float32), f"{name}.barrier")
-    pushes = [outcome(lambda: bps.async_push_pull(np.ones(shape, np.float32), name)) for _ in range(2)] \
+    pushes = [outcome(lambda: bps.async_push_pull(np.full(shape, k + 1.0, np.float32), name)) for k in range(3)] \
         if init == "ok" else []
     return {"init": init, "pushes": pushes}
 

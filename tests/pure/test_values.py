@@ -175,8 +175,10 @@ def test_mismatches_name_both_sides() -> None:
 
 def test_an_init_refused_as_a_mismatch_is_heard_by_the_other_machines_at_their_next_delta() -> None:
     """Worker 1's init of another shape is refused; worker 0 (the root's, which set the value) and worker 2 (whose
-    init came later and agreed) hear the mismatch at their next delta, their side as "ours", the delta added; once
-    each, and not by worker 1's next processes. The root's went on with the first shape, never told (a review)."""
+    init came later and agreed) hear the mismatch at their next delta, their side as "ours": refused, as any push
+    refused as a mismatch, so nothing is added and the machine numbers its next delta alike (the worker gives the
+    step back: adding it made that next delta a replay, lost, a review). Once each, and not by worker 1's next
+    processes. The root's went on with the first shape, never told (a review)."""
     s = store()
     s.push(init(0), arr(1, 2, 3, 4), "i0", 0.0)
     (refused,) = s.push(init(1, count=3), arr(0, 0, 0), "i1", 0.1)
@@ -188,18 +190,35 @@ def test_an_init_refused_as_a_mismatch_is_heard_by_the_other_machines_at_their_n
         (heard,) = s.push(delta(worker, 1), arr(1, 1, 1, 1), handle, 1.0)
         assert isinstance(heard, Fail) and heard.why.code == "mismatch", heard
         assert (heard.why.ours, heard.why.theirs) == (refused.why.theirs, refused.why.ours)
-    assert answers(s.push(delta(0, 2), arr(1, 1, 1, 1), "again", 1.1))["again"].value.tolist() == [4, 5, 6, 7]
+    again = answers(s.push(delta(0, 1), arr(1, 1, 1, 1), "again", 1.1))["again"]  # the same step: fresh
+    assert again.value.tolist() == [2, 3, 4, 5] and again.applied == [1, 0, 0] and s.replays == 0
     s.worker_reset(1)
-    assert answers(s.push(init(1), arr(0, 0, 0, 0), "back", 2.0))["back"].value.tolist() == [4, 5, 6, 7]
-    assert answers(s.push(delta(1, 5), arr(1, 0, 0, 0), "d1", 2.1))["d1"].value.tolist() == [5, 5, 6, 7]  # not owed
+    assert answers(s.push(init(1), arr(0, 0, 0, 0), "back", 2.0))["back"].value.tolist() == [2, 3, 4, 5]
+    assert answers(s.push(delta(1, 5), arr(1, 0, 0, 0), "d1", 2.1))["d1"].value.tolist() == [3, 3, 4, 5]  # not owed
 
 
-def test_an_init_refused_before_the_roots_value_came_is_owed_to_the_root() -> None:
+def test_a_refused_init_is_not_owed_to_a_machine_away_then() -> None:
+    """Worker 2's processes had left (reset) when worker 1's init was refused: its next processes, which init alike,
+    were not involved and hear nothing (they did, a review)."""
     s = store()
-    assert s.push(init(1, count=3), arr(0, 0, 0), "i1", 0.0) == []  # waits for the root's value
-    got = s.push(init(0), arr(1, 2, 3, 4), "i0", 0.1)
-    fails = [a for a in got if isinstance(a, Fail)]
-    assert [f.handle for f in fails] == ["i1"] and answers(got).keys() == {"i0"}
+    s.push(init(0), arr(1, 2, 3, 4), "i0", 0.0)
+    s.worker_reset(2)
+    (refused,) = s.push(init(1, count=3), arr(0, 0, 0), "i1", 0.1)
+    assert isinstance(refused, Fail) and refused.why.code == "mismatch"
+    assert answers(s.push(init(2), arr(0, 0, 0, 0), "i2", 0.2))["i2"].value.tolist() == [1, 2, 3, 4]
+    assert answers(s.push(delta(2, 1), arr(1, 1, 1, 1), "d2", 1.0))["d2"].value.tolist() == [2, 3, 4, 5]
+
+
+def test_inits_before_the_roots_value_are_judged_by_the_root_not_by_the_first_that_came() -> None:
+    """Worker 1 inits another shape first, worker 2 the root's; then the root: worker 1 is refused, worker 2 gets
+    the value (it was refused against worker 1's, and the root heard that refusal with worker 1's side as its
+    own: a review); the root hears worker 1's refusal, its own side as "ours"."""
+    s = store()
+    assert s.push(init(1, count=3), arr(0, 0, 0), "i1", 0.0) == []
+    assert s.push(init(2), arr(0, 0, 0, 0), "i2", 0.1) == []  # (waits for the root's value, as worker 1's does)
+    got = s.push(init(0), arr(1, 2, 3, 4), "i0", 0.2)
+    assert [a.handle for a in got if isinstance(a, Fail)] == ["i1"] and answers(got).keys() == {"i0", "i2"}
+    assert answers(got)["i2"].value.tolist() == [1, 2, 3, 4]
     (heard,) = s.push(delta(0, 1), arr(1, 1, 1, 1), "d0", 1.0)
     assert isinstance(heard, Fail) and heard.why.ours.startswith("float32[4]") and heard.why.theirs.startswith(
         "float32[3]")
