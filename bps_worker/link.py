@@ -59,6 +59,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import secrets
 from dataclasses import dataclass
@@ -393,8 +394,7 @@ class ServerLink:
     """
 
     def __init__(self, spec: ServerSpec, worker_id: int, *, credit_bytes: int, timeout: float,
-                 window_pieces: int = 0, stream: int = 0,
-                 max_payload_bytes: int, token: bytes | None = None,
+                 window_pieces: int = 0, stream: int = 0, max_payload_bytes: int, token: bytes | None = None,
                  shm_mode: int | None = None, timeline: Timeline | None = None,
                  config_items: Sequence[str] = (), given_up: dict[tuple[str, int], Abort] | None = None) -> None:
         self.timeline = timeline
@@ -439,10 +439,7 @@ class ServerLink:
         self._refused = 0  # connections in a row closed by the server for a protocol error (REFUSED_IN_A_ROW)
         self._attempt_error = ""  # the last reason an idle attempt failed (logged once: see _attempt)
         self._attempt_after = 0.0  # no idle attempt before then (loop time)
-        # Since when no attempt reached the server (loop time; None: the last one did), and when its next warning
-        # is due (see _unreachable)
-        self._unreachable_since: float | None = None
-        self._unreachable_warned = 0.0
+        self._unreachable: list[float] = []  # [since, last said] while no attempt reaches it (loop time): _unreached
         self._stall: asyncio.TimerHandle | None = None  # wakes the link at the window's stall deadline
         self._loop: asyncio.AbstractEventLoop | None = None  # the running loop, once asked (see running_loop)
         # Refused because another daemon has our worker id: until when no attempt is made, and the error.
@@ -1067,7 +1064,7 @@ class ServerLink:
                     self._held_elsewhere = (loop.time() + self.timeout, BPSConnectionError(last_error, peer=self.peer))
             except (OSError, asyncio.TimeoutError, ConnectionError) as exc:
                 last_error = str(exc) or exc.__class__.__name__
-                self._unreachable(last_error)
+                self._unreached(last_error)
             except Exception as exc:  # a bug of ours: said, and the attempt fails as any (never a task that
                 log.exception("server %d: connection attempt failed", self.spec.id)  # died: a silent hang)
                 last_error, self._ready = f"internal error: {exc!r}", False
@@ -1099,7 +1096,7 @@ class ServerLink:
                 log.log(logging.ERROR if _held_elsewhere(exc) else logging.WARNING, "%s", exc)
             self._attempt_error = str(exc)
         except (OSError, asyncio.TimeoutError, ConnectionError) as exc:
-            self._unreachable(str(exc) or exc.__class__.__name__)
+            self._unreached(str(exc) or exc.__class__.__name__)
         except Exception:  # a bug of ours: said, and the attempt fails as any (see _connect)
             log.exception("server %d: connection attempt failed", self.spec.id)
             self._ready = False
@@ -1110,19 +1107,19 @@ class ServerLink:
             self._connecting = None
             self._ensure_connecting()
 
-    def _unreachable(self, error: str) -> None:
+    def _unreached(self, error: str) -> None:
         """An attempt did not reach the server (``error``). Said once it has been so for the timeout, then once a
         timeout while it stays so: a server's address that does not resolve, or one that nobody serves, was in no
         log (the worker looked idle and healthy; only a process's error, a timeout after its call, said why: a
         review). Not before: workers may start before their servers."""
         now = asyncio.get_running_loop().time()
-        if self._unreachable_since is None:
-            self._unreachable_since = now
-        waited = now - self._unreachable_since
-        if waited >= self.timeout and now >= self._unreachable_warned + self.timeout and self.stream == 0:
-            self._unreachable_warned = now
+        if not self._unreachable:
+            self._unreachable = [now, -math.inf]
+        since, said = self._unreachable
+        if now - since >= self.timeout and now >= said + self.timeout and self.stream == 0:
+            self._unreachable[1] = now
             log.warning("cannot reach server %d at %s for %.0f s: %s (retrying)", self.spec.id, self.spec.address,
-                        waited, error)
+                        now - since, error)
 
     async def _open(self, deadline: float) -> None:
         """One attempt: the TCP connection, the handshake, then what waited for them."""
@@ -1143,7 +1140,7 @@ class ServerLink:
         self._told_on_ready(waited)
         self._held_elsewhere = None  # the server took us: whoever held our id is gone
         self._attempt_error = ""
-        self._unreachable_since = None
+        self._unreachable = []
         proto.last_seen = loop.time()
         self._watch_silence(proto)
         for message in waited:  # (after our Hello: a run that never heard of them)
