@@ -55,9 +55,11 @@ def say(line: str) -> None:
     """``line`` on stderr in one ``write(2)``. A launch's servers, workers, ranks and the launcher share one
     stderr, and ``print`` makes two writes (the text, then its newline) where ``PYTHONUNBUFFERED`` is set, as in
     many CI images and containers: three servers refused at once then read "...in usebps-server: ...in use"
-    and two empty lines."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+    and two empty lines. Nothing where there is no stderr (started with descriptor 2 closed)."""
+    stream = sys.stderr
+    if stream is not None:
+        stream.write(line + "\n")
+        stream.flush()
 
 
 def exit_with(main: Callable[[], int]) -> NoReturn:
