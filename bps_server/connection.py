@@ -382,7 +382,7 @@ class ServerConnection(AdmittedProtocol):
             return
         self.drain_streams(reset.epoch)
         failed = self._processes_gone(reset.worker, reset.epoch, Why.worker_gone(  # (a BPSConnectionError naming
-            reset.worker, f"every training process of worker {reset.worker} left"))  # the worker, as unfused rounds')
+            reset.worker, f"every training process of worker {reset.worker} left"))  # the worker, as elsewhere)
         self.server.values.reset(reset.worker, reset.epoch)
         log.info("worker %d has no training processes; %d pending rounds failed", reset.worker, failed)
 

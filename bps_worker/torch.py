@@ -250,12 +250,19 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str) -> torch.Tensor:
     """``root_rank``'s value of ``tensor``, as a new tensor on every process. Any dtype: the wire's as themselves,
     the others (bool, the small and unsigned integers, complex, float8) as their bytes, bit for bit."""
     _check_dense(tensor, name)
+    return _broadcast_result(_client.synchronize(_start_broadcast(tensor, name, root_rank)), tensor).to(tensor.device)
+
+
+def _start_broadcast(tensor: torch.Tensor, name: str, root_rank: int) -> _client.Handle:
+    """Start a broadcast of ``tensor`` (detached, on any device): a wire dtype as itself, another as its bytes."""
     if tensor.dtype in _WIRE_TYPES:
-        result = _client.broadcast(_to_numpy(tensor), root_rank, name)
-        return _from_numpy(result, tensor).to(tensor.device)
-    handle = _adapter.start_broadcast_bytes(_raw_bytes(tensor), name, root_rank,
-                                            f"{tensor.dtype}{list(tensor.shape)}")
-    return _bytes_as(_client.synchronize(handle), tensor).to(tensor.device)
+        return _adapter.start_broadcast(_to_numpy(tensor), name, root_rank)
+    return _adapter.start_broadcast_bytes(_raw_bytes(tensor), name, root_rank, f"{tensor.dtype}{list(tensor.shape)}")
+
+
+def _broadcast_result(result: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """The result of :func:`_start_broadcast` as a CPU tensor of ``like``'s dtype and shape (no copy)."""
+    return _from_numpy(result, like) if like.dtype in _WIRE_TYPES else _bytes_as(result, like)
 
 
 def async_init(tensor: torch.Tensor, name: str, root_rank: int = 0, *, staleness: int | None = None) -> torch.Tensor:
@@ -343,11 +350,7 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
             # A dtype the wire does not carry (bool, the small and unsigned integers, complex, float8) travels as
             # its bytes, bit for bit: its values cast to int32 would wrap (uint32, uint64) or lose all but the
             # integer part (complex, float8).
-            name = f"bcast.param.{name}"
-            handles.append((tensor, wire, _adapter.start_broadcast(_to_numpy(wire), name, root_rank)
-                            if wire.dtype in _WIRE_TYPES else
-                            _adapter.start_broadcast_bytes(_raw_bytes(wire), name, root_rank,
-                                                           f"{wire.dtype}{list(wire.shape)}")))
+            handles.append((tensor, wire, _start_broadcast(wire, f"bcast.param.{name}", root_rank)))
     except BaseException:  # (e.g. over the arena's cap) those started must not stay in flight: every later
         _adapter.settle([h for _, _, h in handles])  # broadcast of their names would fail
         raise
@@ -359,8 +362,7 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
             except BPSError as exc:  # drain the rest so no name stays in flight
                 first_error = first_error or exc
                 continue
-            got = _from_numpy(result, wire) if wire.dtype in _WIRE_TYPES else _bytes_as(result, wire)
-            tensor.copy_(got.to(device=tensor.device, dtype=tensor.dtype))
+            tensor.copy_(_broadcast_result(result, wire).to(device=tensor.device, dtype=tensor.dtype))
     if first_error is not None:
         raise first_error
     _async.init_all(root_rank)  # asynchronous optimizers: the servers' values start as the root's parameters
@@ -372,8 +374,9 @@ def _raw_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def _bytes_as(words: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    """A byte broadcast's result (see ``start_broadcast_bytes``) as a tensor of ``like``'s dtype and shape."""
-    raw = torch.from_numpy(bytes_of(words, like.numel() * like.element_size()).copy())
+    """A byte broadcast's result (see ``start_broadcast_bytes``; a copy of the words already) as a tensor of
+    ``like``'s dtype and shape, on its memory."""
+    raw = torch.from_numpy(bytes_of(words, like.numel() * like.element_size()))
     return raw.view(like.dtype).reshape(like.shape)
 
 
